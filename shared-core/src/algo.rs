@@ -1,0 +1,497 @@
+//! The four rate-limit algorithms as pure transitions `(state, now, cost) -> (decision, state)`.
+//!
+//! Time is integer nanoseconds since the Unix epoch ([`Nanos`]). Nothing here reads a
+//! clock: callers pass `now`. Time that goes backwards is clamped to the latest instant a
+//! state has seen, so a state never moves backwards and arithmetic never underflows.
+
+use alloc::vec::Vec;
+use core::cmp::{max, min};
+
+/// Nanoseconds since the Unix epoch (or a span of nanoseconds).
+pub type Nanos = u64;
+
+/// One second in [`Nanos`].
+pub const SECOND: Nanos = 1_000_000_000;
+
+/// Largest `requests` a limit may have (counts are stored as `u32`).
+pub const MAX_REQUESTS: u64 = u32::MAX as u64;
+/// Largest `requests` for the sliding log, whose state holds one timestamp per request.
+pub const MAX_SLIDING_LOG_REQUESTS: u64 = 10_000;
+/// Longest `per` a limit may have: 366 days.
+pub const MAX_PER: Nanos = 366 * 24 * 3600 * SECOND;
+/// Longest time a token bucket may take to refill completely: 100 years.
+const MAX_BUCKET_SPAN: Nanos = 100 * 366 * 24 * 3600 * SECOND;
+
+/// Which algorithm a limit uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// GCRA token bucket: capacity `burst` (default `requests`), refill `requests / per`.
+    TokenBucket,
+    /// Sliding window counter: `floor(prev * (1 - elapsed / per)) + curr`.
+    SlidingWindow,
+    /// Fixed windows aligned to multiples of `per` since the epoch.
+    FixedWindow,
+    /// Exact sliding log, one timestamp per admitted unit (bounded by the limit).
+    SlidingLog,
+}
+
+impl Algorithm {
+    /// The name used in the rules document.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingLog => "sliding_log",
+        }
+    }
+
+    /// Parses a name from the rules document.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "token_bucket" => Algorithm::TokenBucket,
+            "sliding_window" => Algorithm::SlidingWindow,
+            "fixed_window" => Algorithm::FixedWindow,
+            "sliding_log" => Algorithm::SlidingLog,
+            _ => return None,
+        })
+    }
+}
+
+/// Why a limit could not be built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LimitError {
+    /// `requests` is 0 or above the maximum.
+    Requests(u64),
+    /// `per` is 0 or above [`MAX_PER`].
+    Per(Nanos),
+    /// `burst` is 0, above the maximum, or given for a window algorithm.
+    Burst(&'static str),
+}
+
+/// A validated limit: the hot path cannot fail on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limit {
+    algorithm: Algorithm,
+    requests: u64,
+    per: Nanos,
+    capacity: u64,
+    /// Token bucket emission interval, `ceil(per / requests)`.
+    interval: Nanos,
+}
+
+impl Limit {
+    /// Builds a limit of `requests` per `per`, with an optional token-bucket `burst`.
+    pub fn new(
+        algorithm: Algorithm,
+        requests: u64,
+        per: Nanos,
+        burst: Option<u64>,
+    ) -> Result<Self, LimitError> {
+        let max_requests = if algorithm == Algorithm::SlidingLog {
+            MAX_SLIDING_LOG_REQUESTS
+        } else {
+            MAX_REQUESTS
+        };
+        if requests == 0 || requests > max_requests {
+            return Err(LimitError::Requests(requests));
+        }
+        if per == 0 || per > MAX_PER {
+            return Err(LimitError::Per(per));
+        }
+        let capacity = match (algorithm, burst) {
+            (_, None) => requests,
+            (Algorithm::TokenBucket, Some(0)) => return Err(LimitError::Burst("must be at least 1")),
+            (Algorithm::TokenBucket, Some(b)) if b > MAX_REQUESTS => {
+                return Err(LimitError::Burst("is too large"))
+            }
+            (Algorithm::TokenBucket, Some(b)) => b,
+            (_, Some(_)) => return Err(LimitError::Burst("applies only to token_bucket")),
+        };
+        let interval = per.div_ceil(requests);
+        if capacity.saturating_mul(interval) > MAX_BUCKET_SPAN {
+            return Err(LimitError::Burst("makes the bucket take over 100 years to refill"));
+        }
+        Ok(Limit { algorithm, requests, per, capacity, interval })
+    }
+
+    /// The algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+    /// Requests allowed per `per` (the policy's quota).
+    pub fn requests(&self) -> u64 {
+        self.requests
+    }
+    /// The window, or the time the bucket takes to earn `requests` tokens.
+    pub fn per(&self) -> Nanos {
+        self.per
+    }
+    /// The quota reported to clients: `requests`, or a larger token-bucket `burst`, so that
+    /// `remaining` never exceeds it.
+    pub fn quota(&self) -> u64 {
+        max(self.requests, self.capacity)
+    }
+    /// Most units admitted at once: `burst` for a token bucket, else `requests`.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Decides a request of `cost` units at `now`; returns the decision and the new state.
+    ///
+    /// A denied request leaves the state as it was. `cost == 0` peeks without consuming.
+    pub fn decide(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
+        match self.algorithm {
+            Algorithm::TokenBucket => self.token_bucket(state, now, cost),
+            Algorithm::SlidingWindow => self.sliding_window(state, now, cost),
+            Algorithm::FixedWindow => self.fixed_window(state, now, cost),
+            Algorithm::SlidingLog => self.sliding_log(state, now, cost),
+        }
+    }
+
+    /// Gives back `cost` units consumed at `consumed_at` (a request that was admitted by this
+    /// limit but rejected by another rule must not keep its quota).
+    pub fn refund(&self, state: &State, consumed_at: Nanos, cost: u64) -> State {
+        match (self.algorithm, state) {
+            (Algorithm::TokenBucket, State::TokenBucket { tat }) => State::TokenBucket {
+                tat: tat.saturating_sub(cost.saturating_mul(self.interval)),
+            },
+            (Algorithm::SlidingWindow, State::SlidingWindow { window, prev, curr }) => {
+                let at = consumed_at / self.per;
+                let c = clamp_u32(cost);
+                if at == *window {
+                    State::SlidingWindow { window: *window, prev: *prev, curr: curr.saturating_sub(c) }
+                } else if at.saturating_add(1) == *window {
+                    State::SlidingWindow { window: *window, prev: prev.saturating_sub(c), curr: *curr }
+                } else {
+                    state.clone()
+                }
+            }
+            (Algorithm::FixedWindow, State::FixedWindow { window, count }) => {
+                if consumed_at / self.per == *window {
+                    State::FixedWindow { window: *window, count: count.saturating_sub(clamp_u32(cost)) }
+                } else {
+                    state.clone()
+                }
+            }
+            (Algorithm::SlidingLog, State::SlidingLog { entries }) => {
+                let mut entries = entries.clone();
+                let mut left = cost;
+                entries.retain(|&t| {
+                    if left > 0 && t == consumed_at {
+                        left -= 1;
+                        false
+                    } else {
+                        true
+                    }
+                });
+                State::SlidingLog { entries }
+            }
+            _ => state.clone(),
+        }
+    }
+
+    /// The instant from which `state` is equivalent to [`State::Fresh`]: an entry idle since
+    /// then can be forgotten without giving anyone extra quota.
+    pub fn idle_at(&self, state: &State) -> Nanos {
+        match (self.algorithm, state) {
+            (Algorithm::TokenBucket, State::TokenBucket { tat }) => *tat,
+            (Algorithm::SlidingWindow, State::SlidingWindow { window, .. }) => {
+                window.saturating_add(2).saturating_mul(self.per)
+            }
+            (Algorithm::FixedWindow, State::FixedWindow { window, .. }) => {
+                window.saturating_add(1).saturating_mul(self.per)
+            }
+            (Algorithm::SlidingLog, State::SlidingLog { entries }) => {
+                entries.last().map_or(0, |t| t.saturating_add(self.per))
+            }
+            _ => 0,
+        }
+    }
+
+    fn token_bucket(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
+        let t = self.interval;
+        let quota = self.quota();
+        let span = self.capacity * t; // bounded by MAX_BUCKET_SPAN in `new`
+        let tat = match state {
+            State::TokenBucket { tat } => max(*tat, now),
+            _ => now,
+        };
+        let used = tat - now;
+        let remaining_at = |used: Nanos| span.saturating_sub(used) / t;
+        if cost > self.capacity {
+            let d = Decision::denied(quota, remaining_at(used), used, None);
+            return (d, State::TokenBucket { tat });
+        }
+        let new_used = used + cost * t;
+        if new_used > span {
+            let d = Decision::denied(quota, remaining_at(used), used, Some(new_used - span));
+            return (d, State::TokenBucket { tat });
+        }
+        let d = Decision::allowed(quota, remaining_at(new_used), new_used);
+        (d, State::TokenBucket { tat: now.saturating_add(new_used) })
+    }
+
+    fn sliding_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
+        let w = self.per;
+        let limit = self.requests;
+        let (window, elapsed, prev, curr) = match state {
+            State::SlidingWindow { window, prev, curr } => {
+                let idx = now / w;
+                if idx < *window {
+                    // Time went backwards: clamp to the start of the stored window.
+                    (*window, 0, u64::from(*prev), u64::from(*curr))
+                } else if idx == *window {
+                    (idx, now % w, u64::from(*prev), u64::from(*curr))
+                } else if idx == *window + 1 {
+                    (idx, now % w, u64::from(*curr), 0)
+                } else {
+                    (idx, now % w, 0, 0)
+                }
+            }
+            _ => (now / w, now % w, 0, 0),
+        };
+        let weighted = |prev: u64, elapsed: Nanos| -> u64 {
+            (u128::from(prev) * u128::from(w - elapsed) / u128::from(w)) as u64
+        };
+        let used = weighted(prev, elapsed) + curr;
+        let to_window_end = w - elapsed;
+        if cost <= limit && used + cost <= limit {
+            let curr = curr + cost;
+            let d = Decision::allowed(limit, limit - used - cost, to_window_end);
+            let s = State::SlidingWindow { window, prev: clamp_u32(prev), curr: clamp_u32(curr) };
+            return (d, s);
+        }
+        let retry = if cost > limit {
+            None
+        } else if curr + cost <= limit {
+            // Within this window, once floor(prev * (w - e) / w) <= limit - curr - cost.
+            Some(wait_for_weight(prev, w, limit - curr - cost) - elapsed)
+        } else {
+            // In the next window, where `curr` becomes the previous window's count.
+            Some(to_window_end + wait_for_weight(curr, w, limit - cost))
+        };
+        let reset = max(to_window_end, retry.unwrap_or(0));
+        let s = State::SlidingWindow { window, prev: clamp_u32(prev), curr: clamp_u32(curr) };
+        (Decision::denied(limit, limit.saturating_sub(used), reset, retry), s)
+    }
+
+    fn fixed_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
+        let w = self.per;
+        let limit = self.requests;
+        let (window, count) = match state {
+            State::FixedWindow { window, count } if *window >= now / w => (*window, u64::from(*count)),
+            _ => (now / w, 0),
+        };
+        let to_end = (window + 1).saturating_mul(w).saturating_sub(now);
+        if count.saturating_add(cost) <= limit {
+            let d = Decision::allowed(limit, limit - count - cost, to_end);
+            return (d, State::FixedWindow { window, count: clamp_u32(count + cost) });
+        }
+        let retry = (cost <= limit).then_some(to_end);
+        (Decision::denied(limit, limit - count, to_end, retry), State::FixedWindow { window, count: clamp_u32(count) })
+    }
+
+    fn sliding_log(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
+        let w = self.per;
+        let limit = self.requests;
+        let mut entries: Vec<Nanos> = match state {
+            State::SlidingLog { entries } => entries.clone(),
+            _ => Vec::new(),
+        };
+        // Clamp backwards time to the newest entry so the log stays sorted.
+        let now = entries.last().map_or(now, |&newest| max(now, newest));
+        entries.retain(|&t| t.saturating_add(w) > now);
+        let count = entries.len() as u64;
+        let reset = |e: &[Nanos]| e.last().map_or(0, |&t| (t + w).saturating_sub(now));
+        if count.saturating_add(cost) <= limit {
+            // cost <= limit <= MAX_SLIDING_LOG_REQUESTS here, so the log stays bounded.
+            entries.extend(core::iter::repeat_n(now, cost as usize));
+            let d = Decision::allowed(limit, limit - count - cost, reset(&entries));
+            return (d, State::SlidingLog { entries });
+        }
+        let retry = if cost > limit {
+            None
+        } else {
+            // The oldest `count + cost - limit` entries must expire first.
+            let k = (count + cost - limit) as usize;
+            entries.get(k - 1).map(|&t| (t + w).saturating_sub(now))
+        };
+        let d = Decision::denied(limit, limit - min(count, limit), max(reset(&entries), retry.unwrap_or(0)), retry);
+        (d, State::SlidingLog { entries })
+    }
+}
+
+/// Smallest elapsed time `e` in a window of `w` at which `floor(count * (w - e) / w) <= allowed`.
+fn wait_for_weight(count: u64, w: Nanos, allowed: u64) -> Nanos {
+    if count <= allowed {
+        return 0;
+    }
+    // floor(count*(w-e)/w) <= allowed  <=>  count*(w-e) <= (allowed+1)*w - 1
+    let bound = (u128::from(allowed) + 1) * u128::from(w) - 1;
+    let span = (bound / u128::from(count)) as u64; // < w since count > allowed
+    w - span
+}
+
+fn clamp_u32(v: u64) -> u32 {
+    u32::try_from(v).unwrap_or(u32::MAX)
+}
+
+/// The state of one (rule, key): a few integers, or a bounded log.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum State {
+    /// Nothing recorded yet.
+    #[default]
+    Fresh,
+    /// GCRA: the theoretical arrival time of the next request.
+    TokenBucket {
+        /// Theoretical arrival time, [`Nanos`].
+        tat: Nanos,
+    },
+    /// Counts of the current and previous window.
+    SlidingWindow {
+        /// Index of the current window (`now / per`).
+        window: u64,
+        /// Units admitted in the previous window.
+        prev: u32,
+        /// Units admitted in the current window.
+        curr: u32,
+    },
+    /// Count of the current window.
+    FixedWindow {
+        /// Index of the window (`now / per`).
+        window: u64,
+        /// Units admitted in it.
+        count: u32,
+    },
+    /// Timestamps of admitted units, oldest first, at most `requests` of them.
+    SlidingLog {
+        /// The timestamps.
+        entries: Vec<Nanos>,
+    },
+}
+
+/// The answer for one request against one limit. Being limited is a value, not an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// Whether the request is admitted.
+    pub allowed: bool,
+    /// The policy's quota (`requests`).
+    pub limit: u64,
+    /// Units still available after this decision.
+    pub remaining: u64,
+    /// Time until the quota is restored (bucket full, or the window ends).
+    pub reset_after: Nanos,
+    /// For a denied request: the wait after which the same request is admitted. `None` when
+    /// allowed, or when the request costs more than the limit can ever admit.
+    pub retry_after: Option<Nanos>,
+}
+
+impl Decision {
+    fn allowed(limit: u64, remaining: u64, reset_after: Nanos) -> Self {
+        Decision { allowed: true, limit, remaining, reset_after, retry_after: None }
+    }
+    fn denied(limit: u64, remaining: u64, reset_after: Nanos, retry_after: Option<Nanos>) -> Self {
+        Decision { allowed: false, limit, remaining, reset_after, retry_after }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Nanos = 1_000_000;
+
+    fn run(limit: &Limit, times: &[Nanos]) -> usize {
+        let mut s = State::Fresh;
+        let mut admitted = 0;
+        for &t in times {
+            let (d, n) = limit.decide(&s, t, 1);
+            s = n;
+            admitted += usize::from(d.allowed);
+        }
+        admitted
+    }
+
+    /// The seed trace: 10 per second, 10 requests at 0.99 s and 10 at 1.01 s.
+    #[test]
+    fn seed_trace_admits_what_each_algorithm_promises() {
+        let mut times = [990 * MS; 20];
+        for t in times.iter_mut().skip(10) {
+            *t = 1010 * MS;
+        }
+        let admitted = |a| run(&Limit::new(a, 10, SECOND, None).unwrap(), &times);
+        assert_eq!(admitted(Algorithm::FixedWindow), 20);
+        assert_eq!(admitted(Algorithm::SlidingLog), 10);
+        assert_eq!(admitted(Algorithm::TokenBucket), 10);
+        assert_eq!(admitted(Algorithm::SlidingWindow), 11);
+    }
+
+    /// throttled's `TestRateLimit` table (GCRA, MaxBurst 4 = capacity 5, 1 per second)
+    /// reproduced with our token bucket: throttled's "limit 5" is our `burst: 5`, its reset is
+    /// our `reset_after`, its retry of -1 is our `None`.
+    #[test]
+    fn gcra_reference_vectors_match_throttled() {
+        let limit = Limit::new(Algorithm::TokenBucket, 1, SECOND, Some(5)).unwrap();
+        let start = 1_000 * SECOND;
+        // (offset ms, cost, remaining, reset ms, retry ms or -1, limited)
+        let table: [(u64, u64, u64, u64, i64, bool); 15] = [
+            (0, 6, 5, 0, -1, true),
+            (0, 1, 4, 1000, -1, false),
+            (0, 1, 3, 2000, -1, false),
+            (0, 1, 2, 3000, -1, false),
+            (0, 1, 1, 4000, -1, false),
+            (0, 1, 0, 5000, -1, false),
+            (0, 1, 0, 5000, 1000, true),
+            (3000, 1, 2, 3000, -1, false),
+            (3100, 1, 1, 3900, -1, false),
+            (4000, 1, 1, 4000, -1, false),
+            (8000, 1, 4, 1000, -1, false),
+            (9500, 1, 4, 1000, -1, false),
+            (9500, 0, 4, 1000, -1, false),
+            (9500, 2, 2, 3000, -1, false),
+            (9500, 5, 2, 3000, 3000, true),
+        ];
+        let mut s = State::Fresh;
+        for (i, &(off, cost, remaining, reset, retry, limited)) in table.iter().enumerate() {
+            let (d, n) = limit.decide(&s, start + off * MS, cost);
+            s = n;
+            assert_eq!(d.allowed, !limited, "step {i}");
+            assert_eq!(d.remaining, remaining, "step {i}");
+            assert_eq!(d.reset_after, reset * MS, "step {i}");
+            let expect_retry = (retry >= 0).then(|| retry as u64 * MS);
+            assert_eq!(d.retry_after, expect_retry, "step {i}");
+        }
+    }
+
+    #[test]
+    fn backwards_time_is_clamped_not_underflowed() {
+        for a in [Algorithm::TokenBucket, Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::SlidingLog] {
+            let limit = Limit::new(a, 3, SECOND, None).unwrap();
+            let (_, s) = limit.decide(&State::Fresh, 10 * SECOND, 3);
+            let (d, _) = limit.decide(&s, 0, 1);
+            assert!(!d.allowed, "{a:?}: going back in time must not grant quota");
+            assert!(d.retry_after.is_some(), "{a:?}");
+        }
+    }
+
+    #[test]
+    fn refund_restores_quota() {
+        for a in [Algorithm::TokenBucket, Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::SlidingLog] {
+            let limit = Limit::new(a, 2, SECOND, None).unwrap();
+            let now = 5 * SECOND + 10 * MS;
+            let (_, s) = limit.decide(&State::Fresh, now, 2);
+            let s = limit.refund(&s, now, 1);
+            let (d, _) = limit.decide(&s, now, 1);
+            assert!(d.allowed, "{a:?}");
+        }
+    }
+
+    #[test]
+    fn burst_is_only_for_token_bucket() {
+        assert_eq!(
+            Limit::new(Algorithm::FixedWindow, 5, SECOND, Some(2)),
+            Err(LimitError::Burst("applies only to token_bucket"))
+        );
+    }
+}

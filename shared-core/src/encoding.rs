@@ -1,0 +1,206 @@
+//! The versioned byte encoding of [`State`], shared by proxy-wasm shared data and Durable
+//! Object storage.
+//!
+//! Layout: `version (1) | tag (1) | fields`, little-endian:
+//!
+//! | tag | state          | fields                                   | bytes |
+//! |-----|----------------|------------------------------------------|-------|
+//! | 0   | fresh          | —                                        | 2     |
+//! | 1   | token bucket   | `tat: u64`                               | 10    |
+//! | 2   | sliding window | `window: u64, prev: u32, curr: u32`      | 18    |
+//! | 3   | fixed window   | `window: u64, count: u32`                | 14    |
+//! | 4   | sliding log    | `n: u16, first: u64, n-1 × varint delta` | ≤ 12 + 10·n |
+//!
+//! Decoding returns the bytes it consumed, so encodings can be concatenated.
+
+use crate::algo::{State, MAX_SLIDING_LOG_REQUESTS};
+use alloc::vec::Vec;
+
+/// The encoding's version byte.
+pub const VERSION: u8 = 1;
+
+/// Why bytes are not a valid state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// Fewer bytes than the layout needs.
+    Truncated,
+    /// A version this build does not know.
+    Version(u8),
+    /// An unknown state tag.
+    Tag(u8),
+    /// A sliding log longer than any limit allows, or not in time order.
+    BadLog,
+}
+
+impl core::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            DecodeError::Truncated => f.write_str("state bytes are truncated"),
+            DecodeError::Version(v) => write!(f, "unknown state encoding version {v}"),
+            DecodeError::Tag(t) => write!(f, "unknown state tag {t}"),
+            DecodeError::BadLog => f.write_str("sliding log is too long or out of order"),
+        }
+    }
+}
+
+impl State {
+    /// Appends this state's encoding to `out`.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.push(VERSION);
+        match self {
+            State::Fresh => out.push(0),
+            State::TokenBucket { tat } => {
+                out.push(1);
+                out.extend_from_slice(&tat.to_le_bytes());
+            }
+            State::SlidingWindow { window, prev, curr } => {
+                out.push(2);
+                out.extend_from_slice(&window.to_le_bytes());
+                out.extend_from_slice(&prev.to_le_bytes());
+                out.extend_from_slice(&curr.to_le_bytes());
+            }
+            State::FixedWindow { window, count } => {
+                out.push(3);
+                out.extend_from_slice(&window.to_le_bytes());
+                out.extend_from_slice(&count.to_le_bytes());
+            }
+            State::SlidingLog { entries } => {
+                out.push(4);
+                // Limits cap the log at MAX_SLIDING_LOG_REQUESTS (< u16::MAX) entries.
+                let n = entries.len().min(MAX_SLIDING_LOG_REQUESTS as usize);
+                out.extend_from_slice(&(n as u16).to_le_bytes());
+                let mut prev = 0u64;
+                for (i, &t) in entries.iter().take(n).enumerate() {
+                    if i == 0 {
+                        out.extend_from_slice(&t.to_le_bytes());
+                    } else {
+                        put_varint(out, t.saturating_sub(prev));
+                    }
+                    prev = t;
+                }
+            }
+        }
+    }
+
+    /// This state's encoding.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(18);
+        self.encode_into(&mut out);
+        out
+    }
+
+    /// Decodes a state from the front of `bytes`; returns it and the bytes consumed.
+    pub fn decode(bytes: &[u8]) -> Result<(State, usize), DecodeError> {
+        let mut r = Reader { bytes, pos: 0 };
+        let version = r.u8()?;
+        if version != VERSION {
+            return Err(DecodeError::Version(version));
+        }
+        let state = match r.u8()? {
+            0 => State::Fresh,
+            1 => State::TokenBucket { tat: r.u64()? },
+            2 => State::SlidingWindow { window: r.u64()?, prev: r.u32()?, curr: r.u32()? },
+            3 => State::FixedWindow { window: r.u64()?, count: r.u32()? },
+            4 => {
+                let n = usize::from(r.u16()?);
+                if n as u64 > MAX_SLIDING_LOG_REQUESTS {
+                    return Err(DecodeError::BadLog);
+                }
+                let mut entries = Vec::with_capacity(n);
+                if n > 0 {
+                    let mut t = r.u64()?;
+                    entries.push(t);
+                    for _ in 1..n {
+                        t = t.checked_add(r.varint()?).ok_or(DecodeError::BadLog)?;
+                        entries.push(t);
+                    }
+                }
+                State::SlidingLog { entries }
+            }
+            tag => return Err(DecodeError::Tag(tag)),
+        };
+        Ok((state, r.pos))
+    }
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// A bounds-checked little-endian reader over a byte slice.
+pub(crate) struct Reader<'a> {
+    pub(crate) bytes: &'a [u8],
+    pub(crate) pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let end = self.pos.checked_add(n).ok_or(DecodeError::Truncated)?;
+        let s = self.bytes.get(self.pos..end).ok_or(DecodeError::Truncated)?;
+        self.pos = end;
+        Ok(s)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    pub(crate) fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.array::<1>()?[0])
+    }
+    pub(crate) fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    pub(crate) fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    pub(crate) fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    pub(crate) fn varint(&mut self) -> Result<u64, DecodeError> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = self.u8()?;
+            v |= u64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err(DecodeError::BadLog)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloc::vec;
+
+    #[test]
+    fn window_states_fit_in_18_bytes() {
+        assert_eq!(State::TokenBucket { tat: u64::MAX }.encode().len(), 10);
+        assert_eq!(State::SlidingWindow { window: 1, prev: 2, curr: 3 }.encode().len(), 18);
+        assert_eq!(State::FixedWindow { window: 1, count: 2 }.encode().len(), 14);
+    }
+
+    #[test]
+    fn concatenated_states_decode_in_order() {
+        let a = State::SlidingLog { entries: vec![5, 9, 9, 1 << 40] };
+        let b = State::FixedWindow { window: 7, count: 3 };
+        let mut bytes = a.encode();
+        b.encode_into(&mut bytes);
+        let (da, n) = State::decode(&bytes).unwrap();
+        let (db, m) = State::decode(&bytes[n..]).unwrap();
+        assert_eq!((da, db, n + m), (a, b, bytes.len()));
+    }
+
+    #[test]
+    fn unknown_version_and_tag_are_errors() {
+        assert_eq!(State::decode(&[2, 1]), Err(DecodeError::Version(2)));
+        assert_eq!(State::decode(&[1, 9]), Err(DecodeError::Tag(9)));
+        assert_eq!(State::decode(&[1, 1, 0]), Err(DecodeError::Truncated));
+    }
+}

@@ -1,0 +1,275 @@
+//! Multi-rule evaluation: which rules a request meets, under which keys, and the combined
+//! verdict. Every matching rule is evaluated; a request rejected by one enforcing rule
+//! consumes nothing from the rules that admitted it (their units are refunded).
+
+use crate::algo::{Decision, Limit, Nanos, State};
+use crate::rules::{Config, Dimension, FailurePolicy, Mode, PlanLimit};
+use alloc::vec::Vec;
+
+/// What a wrapper extracted from a request.
+#[derive(Clone, Copy, Debug)]
+pub struct Request<'a> {
+    /// The HTTP method.
+    pub method: &'a str,
+    /// The path after [`crate::glob::normalize_path`].
+    pub path: &'a str,
+    /// Values of `config.identity.headers`, in that order (`None` when absent or empty).
+    pub headers: &'a [Option<&'a [u8]>],
+    /// The client IP after [`crate::key::ip_key`], when known.
+    pub ip: Option<&'a str>,
+}
+
+/// One counter a request must pass: a rule under one key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Check {
+    /// Index of the rule in `config.rules`.
+    pub rule: usize,
+    /// The limit that applies (the plan's, or the rule's default).
+    pub limit: Limit,
+    /// Units this request consumes.
+    pub cost: u64,
+    /// The counter's identity: rule name and key parts, each length-prefixed.
+    pub key: Vec<u8>,
+}
+
+/// Why a matching rule did not count a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// The request lacks a dimension the rule keys on.
+    Unkeyed,
+    /// The request's plan is unlimited under this rule.
+    Unlimited,
+}
+
+/// Key parts longer than this are replaced by a hash, bounding key size.
+const MAX_PART: usize = 256;
+
+impl Config {
+    /// The checks a request must pass, and the matching rules that skip it.
+    pub fn checks(&self, req: &Request<'_>) -> (Vec<Check>, Vec<(usize, Skip)>) {
+        let mut checks = Vec::new();
+        let mut skipped = Vec::new();
+        let plan = self.identity.header_index("plan").and_then(|i| req.headers.get(i).copied().flatten());
+        'rules: for (i, rule) in self.rules.iter().enumerate() {
+            if !rule.matcher.matches(req.method, req.path) {
+                continue;
+            }
+            let limit = match rule.limit_for(plan) {
+                PlanLimit::Unlimited => {
+                    skipped.push((i, Skip::Unlimited));
+                    continue;
+                }
+                PlanLimit::Limited(l) => l,
+            };
+            let mut key = Vec::with_capacity(64);
+            push_part(&mut key, rule.name.as_bytes());
+            for dim in &rule.key {
+                let value = match dim {
+                    Dimension::Ip => req.ip.map(str::as_bytes),
+                    Dimension::Header(h) => req.headers.get(*h).copied().flatten(),
+                };
+                match value {
+                    Some(v) if !v.is_empty() => push_part(&mut key, v),
+                    _ => {
+                        skipped.push((i, Skip::Unkeyed));
+                        continue 'rules;
+                    }
+                }
+            }
+            checks.push(Check { rule: i, limit, cost: rule.cost, key });
+        }
+        (checks, skipped)
+    }
+}
+
+fn push_part(key: &mut Vec<u8>, part: &[u8]) {
+    if part.len() > MAX_PART {
+        key.push(0xff);
+        key.extend_from_slice(&crate::key::fnv1a(part).to_le_bytes());
+    } else {
+        key.push(part.len() as u8);
+        key.extend_from_slice(part);
+    }
+}
+
+/// Where counters live: proxy-wasm shared data, a test map, ...
+pub trait Counters {
+    /// Atomically reads the state for `check`, runs `f` on it, and stores what `f` returns
+    /// (`None`: leave it unchanged). `f` may run several times (compare-and-swap retries).
+    fn update(&mut self, check: &Check, now: Nanos, f: &mut dyn FnMut(&State) -> Option<State>) -> Result<(), StoreError>;
+}
+
+/// The counter store could not be used for a check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// Compare-and-swap retries ran out under contention.
+    Contention,
+    /// The store is unreachable or returned garbage.
+    Unavailable,
+}
+
+/// What happened to one check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckResult {
+    /// The limit decided.
+    Decided(Decision),
+    /// The store failed; the rule's failure policy applied.
+    Failed(StoreError, FailurePolicy),
+}
+
+/// The result of one check, with its rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CheckOutcome {
+    /// Index of the rule.
+    pub rule: usize,
+    /// The rule's mode.
+    pub mode: Mode,
+    /// The rule's limit for this request.
+    pub limit: Limit,
+    /// What happened.
+    pub result: CheckResult,
+}
+
+impl CheckOutcome {
+    /// Whether this check, as enforced, rejects the request.
+    pub fn rejects(&self) -> bool {
+        self.mode == Mode::Enforce
+            && match self.result {
+                CheckResult::Decided(d) => !d.allowed,
+                CheckResult::Failed(_, policy) => policy == FailurePolicy::Closed,
+            }
+    }
+    /// Whether a shadow rule would have rejected.
+    pub fn would_reject(&self) -> bool {
+        self.mode == Mode::Shadow && matches!(self.result, CheckResult::Decided(d) if !d.allowed)
+    }
+}
+
+/// The verdict on a request.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Outcome {
+    /// Whether any enforcing rule rejected.
+    pub rejected: bool,
+    /// Every matching, keyed rule's result, in rule order.
+    pub checks: Vec<CheckOutcome>,
+    /// Matching rules that did not count the request.
+    pub skipped: Vec<(usize, Skip)>,
+}
+
+/// Evaluates `checks` against `counters` at `now`.
+///
+/// Checks run in rule order and consume as they go. Once an enforcing rule rejects, the later
+/// checks only peek (so the response can name every violated policy), and the units already
+/// consumed are refunded.
+pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, now: Nanos) -> Outcome {
+    let mut out = Outcome { checks: Vec::with_capacity(checks.len()), ..Outcome::default() };
+    let mut consumed: Vec<usize> = Vec::new();
+    for (i, check) in checks.iter().enumerate() {
+        let Some(rule) = config.rules.get(check.rule) else { continue };
+        let peek_only = out.rejected;
+        let mut decision = None;
+        let res = counters.update(check, now, &mut |state| {
+            let (d, next) = check.limit.decide(state, now, check.cost);
+            decision = Some(d);
+            (d.allowed && !peek_only && check.cost > 0).then_some(next)
+        });
+        let result = match (res, decision) {
+            (Ok(()), Some(d)) => {
+                if d.allowed && !peek_only && check.cost > 0 {
+                    consumed.push(i);
+                }
+                CheckResult::Decided(d)
+            }
+            (Ok(()), None) => CheckResult::Failed(StoreError::Unavailable, rule.on_store_failure),
+            (Err(e), _) => CheckResult::Failed(e, rule.on_store_failure),
+        };
+        let co = CheckOutcome { rule: check.rule, mode: rule.mode, limit: check.limit, result };
+        out.rejected |= co.rejects();
+        out.checks.push(co);
+    }
+    if out.rejected {
+        for i in consumed {
+            if let Some(check) = checks.get(i) {
+                // A failed refund leaves the units spent: conservative, never over-admits.
+                let _ = counters.update(check, now, &mut |s| Some(check.limit.refund(s, now, check.cost)));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloc::collections::BTreeMap;
+
+    #[derive(Default)]
+    pub(crate) struct MapCounters(pub BTreeMap<Vec<u8>, State>);
+
+    impl Counters for MapCounters {
+        fn update(&mut self, check: &Check, _now: Nanos, f: &mut dyn FnMut(&State) -> Option<State>) -> Result<(), StoreError> {
+            let s = self.0.get(&check.key).cloned().unwrap_or_default();
+            if let Some(n) = f(&s) {
+                self.0.insert(check.key.clone(), n);
+            }
+            Ok(())
+        }
+    }
+
+    fn config(rules: &str) -> Config {
+        Config::parse(alloc::format!(r#"{{"identity":{{"user":{{"header":"x-user-id"}},"plan":{{"header":"x-plan"}}}},"rules":[{rules}]}}"#).as_bytes())
+            .unwrap()
+    }
+
+    fn user_headers<'a>(c: &Config, user: &'a [u8]) -> Vec<Option<&'a [u8]>> {
+        c.identity.headers.iter().map(|(d, _)| (d == "user").then_some(user)).collect()
+    }
+
+    fn run(c: &Config, m: &mut MapCounters, user: &[u8], now: Nanos) -> Outcome {
+        let headers = user_headers(c, user);
+        let req = Request { method: "GET", path: "/a", headers: &headers, ip: None };
+        let (checks, skipped) = c.checks(&req);
+        let mut o = evaluate(c, &checks, m, now);
+        o.skipped = skipped;
+        o
+    }
+
+    #[test]
+    fn a_rejected_request_charges_no_other_rule() {
+        let c = config(
+            r#"{"name":"roomy","key":["user"],"limit":{"requests":3,"per":"1m"}},
+               {"name":"tight","key":["user"],"limit":{"requests":1,"per":"1m"}}"#,
+        );
+        let mut m = MapCounters::default();
+        assert!(!run(&c, &mut m, b"u", 0).rejected);
+        for _ in 0..5 {
+            assert!(run(&c, &mut m, b"u", 1).rejected);
+        }
+        // "roomy" was charged once, by the one admitted request: two units are left.
+        let headers = user_headers(&c, b"u");
+        let (checks, _) = c.checks(&Request { method: "GET", path: "/a", headers: &headers, ip: None });
+        let (d, _) = c.rules[0].limit.decide(&m.0[&checks[0].key], 2, 0);
+        assert_eq!(d.remaining, 2);
+    }
+
+    #[test]
+    fn shadow_rules_report_but_never_reject() {
+        let c = config(r#"{"name":"s","key":["user"],"mode":"shadow","limit":{"requests":1,"per":"1m"}}"#);
+        let mut m = MapCounters::default();
+        assert!(!run(&c, &mut m, b"u", 0).rejected);
+        let o = run(&c, &mut m, b"u", 0);
+        assert!(!o.rejected);
+        assert!(o.checks[0].would_reject());
+    }
+
+    #[test]
+    fn missing_dimension_skips_the_rule() {
+        let c = config(r#"{"name":"s","key":["user"],"limit":{"requests":1,"per":"1m"}}"#);
+        let mut m = MapCounters::default();
+        for _ in 0..3 {
+            let o = run(&c, &mut m, b"", 0);
+            assert!(!o.rejected);
+            assert_eq!(o.skipped, [(0, Skip::Unkeyed)]);
+        }
+    }
+}

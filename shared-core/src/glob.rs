@@ -1,0 +1,182 @@
+//! Path patterns (`/v1/events/*/holds`, `/v1/*`) and path normalization.
+//!
+//! Semantics: a `*` segment matches exactly one path segment, except as the last segment,
+//! where it matches one or more (so `/v1/*` covers everything below `/v1`). `**` matches any
+//! number of segments, including none. A `*` inside a segment (`*.json`) matches within that
+//! segment. Matching is on the normalized path, so `//v1/./auth/login/?x=1` and
+//! `/v1/auth/%6Cogin` cannot slip past a rule for `/v1/auth/login`.
+
+use alloc::string::String;
+use alloc::vec::Vec;
+
+/// A compiled path pattern.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PathPattern {
+    segments: Vec<Segment>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Segment {
+    Literal(String),
+    /// A glob within one segment, split at its `*`s.
+    Glob(Vec<String>),
+    Any,
+    AnyDepth,
+}
+
+impl PathPattern {
+    /// Compiles a pattern; it must start with `/`.
+    pub fn parse(pattern: &str) -> Result<PathPattern, &'static str> {
+        if !pattern.starts_with('/') {
+            return Err("must start with /");
+        }
+        if pattern.len() > 1024 {
+            return Err("is longer than 1024 characters");
+        }
+        if pattern.contains(['?', '#']) {
+            return Err("must not contain a query or fragment");
+        }
+        let normalized = normalize_path(pattern.as_bytes());
+        let segments = split(&normalized)
+            .map(|s| match s {
+                "*" => Segment::Any,
+                "**" => Segment::AnyDepth,
+                s if s.contains('*') => Segment::Glob(s.split('*').map(String::from).collect()),
+                s => Segment::Literal(String::from(s)),
+            })
+            .collect();
+        Ok(PathPattern { segments })
+    }
+
+    /// Whether a normalized path matches.
+    pub fn matches(&self, normalized_path: &str) -> bool {
+        let path: Vec<&str> = split(normalized_path).collect();
+        match_from(&self.segments, &path)
+    }
+}
+
+fn split(path: &str) -> impl Iterator<Item = &str> {
+    path.split('/').filter(|s| !s.is_empty())
+}
+
+fn match_from(pat: &[Segment], path: &[&str]) -> bool {
+    let Some((first, rest)) = pat.split_first() else {
+        return path.is_empty();
+    };
+    match first {
+        Segment::AnyDepth => (0..=path.len()).any(|i| match_from(rest, path.get(i..).unwrap_or(&[]))),
+        Segment::Any if rest.is_empty() => !path.is_empty(),
+        _ => match path.split_first() {
+            Some((seg, path_rest)) => segment_matches(first, seg) && match_from(rest, path_rest),
+            None => false,
+        },
+    }
+}
+
+fn segment_matches(pat: &Segment, seg: &str) -> bool {
+    match pat {
+        Segment::Literal(l) => l == seg,
+        Segment::Any | Segment::AnyDepth => true,
+        Segment::Glob(parts) => glob_matches(parts, seg),
+    }
+}
+
+fn glob_matches(parts: &[String], mut s: &str) -> bool {
+    let (Some(first), Some(last)) = (parts.first(), parts.last()) else {
+        return true;
+    };
+    let Some(rest) = s.strip_prefix(first.as_str()) else {
+        return false;
+    };
+    s = rest;
+    let middle = parts.get(1..parts.len().saturating_sub(1)).unwrap_or(&[]);
+    for p in middle {
+        match s.find(p.as_str()) {
+            Some(i) => s = s.get(i + p.len()..).unwrap_or(""),
+            None => return false,
+        }
+    }
+    parts.len() > 1 && s.len() >= last.len() && s.ends_with(last.as_str())
+}
+
+/// Normalizes a request path for matching: drops the query and fragment, decodes
+/// percent-encoded unreserved characters, collapses repeated `/`, resolves `.` and `..`, and
+/// drops a trailing `/`. Invalid UTF-8 is replaced, never trusted.
+pub fn normalize_path(raw: &[u8]) -> String {
+    let end = raw.iter().position(|&b| b == b'?' || b == b'#').unwrap_or(raw.len());
+    let raw = raw.get(..end).unwrap_or(raw);
+    let mut decoded = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while let Some(&b) = raw.get(i) {
+        if b == b'%' {
+            if let (Some(h), Some(l)) = (raw.get(i + 1).and_then(hex), raw.get(i + 2).and_then(hex)) {
+                let c = h * 16 + l;
+                if c.is_ascii_alphanumeric() || b"-._~".contains(&c) {
+                    decoded.push(c);
+                    i += 3;
+                    continue;
+                }
+            }
+        }
+        decoded.push(b);
+        i += 1;
+    }
+    let text = String::from_utf8_lossy(&decoded);
+    let mut out: Vec<&str> = Vec::new();
+    for seg in text.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                out.pop();
+            }
+            s => out.push(s),
+        }
+    }
+    let mut path = String::with_capacity(text.len() + 1);
+    for s in &out {
+        path.push('/');
+        path.push_str(s);
+    }
+    if path.is_empty() {
+        path.push('/');
+    }
+    path
+}
+
+fn hex(b: &u8) -> Option<u8> {
+    (*b as char).to_digit(16).map(|d| d as u8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(p: &str, path: &str) -> bool {
+        PathPattern::parse(p).unwrap().matches(&normalize_path(path.as_bytes()))
+    }
+
+    #[test]
+    fn star_is_one_segment_inside_and_the_rest_at_the_end() {
+        assert!(m("/v1/events/*/holds", "/v1/events/42/holds"));
+        assert!(!m("/v1/events/*/holds", "/v1/events/42/x/holds"));
+        assert!(!m("/v1/events/*/holds", "/v1/events/holds"));
+        assert!(m("/v1/*", "/v1/auth/login"));
+        assert!(m("/v1/*", "/v1/x"));
+        assert!(!m("/v1/*", "/v1"));
+        assert!(!m("/v1/*", "/v2/x"));
+        assert!(m("/v1/**/holds", "/v1/holds"));
+        assert!(m("/v1/**/holds", "/v1/a/b/holds"));
+        assert!(m("/files/*.json", "/files/a.json"));
+        assert!(!m("/files/*.json", "/files/a.txt"));
+    }
+
+    #[test]
+    fn disguised_paths_still_match() {
+        for p in ["/v1/auth/login/", "//v1//auth/login", "/v1/./auth/x/../login", "/v1/auth/%6Cogin", "/v1/auth/login?a=b", "/v1/auth/login#f"] {
+            assert!(m("/v1/auth/login", p), "{p}");
+        }
+        assert_eq!(normalize_path(b"/../../etc"), "/etc");
+        assert_eq!(normalize_path(b"/a%2Fb"), "/a%2Fb");
+        assert_eq!(normalize_path(b""), "/");
+    }
+}

@@ -1,0 +1,34 @@
+//! `ratewall-core`: the rate-limit core that ratewall's proxy-wasm filter and Cloudflare
+//! Worker both wrap.
+//!
+//! It is `no_std` + `alloc` and does no I/O: no clock (every entry point takes `now` in
+//! nanoseconds since the epoch), no storage, no host calls. It holds:
+//!
+//! - [`algo`]: token bucket (GCRA), sliding window counter, fixed window and sliding log as
+//!   pure transitions `(state, now, cost) -> (decision, state)`;
+//! - [`rules`]: the rules document parsed once into typed, validated rules;
+//! - [`glob`] and [`key`]: path matching and identity (client IP, composite keys);
+//! - [`eval`]: multi-rule evaluation over any [`eval::Counters`] store;
+//! - [`response`]: the 429 / `RateLimit` client contract;
+//! - [`encoding`]: the versioned byte encoding of states.
+//!
+//! It is not a store, a proxy plugin or a Worker: those are the wrappers' jobs.
+#![no_std]
+#![warn(missing_docs)]
+
+extern crate alloc;
+#[cfg(feature = "std")]
+extern crate std;
+
+pub mod algo;
+pub mod encoding;
+pub mod eval;
+pub mod glob;
+pub mod key;
+pub mod response;
+pub mod rules;
+
+pub use algo::{Algorithm, Decision, Limit, Nanos, State, SECOND};
+pub use eval::{evaluate, Check, Counters, Outcome, Request};
+pub use response::{render, Reply};
+pub use rules::{Config, ConfigError};

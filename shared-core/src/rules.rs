@@ -1,0 +1,612 @@
+//! The rules document (DESIGN.md's JSON) parsed and validated once into typed rules.
+//!
+//! Parsing is total: any input yields a [`Config`] or a [`ConfigError`] naming the field path
+//! and the reason (`rules[2].limit.per: "6O s" is not a duration`), never a panic.
+
+use crate::algo::{Algorithm, Limit, LimitError, Nanos, MAX_PER, MAX_REQUESTS};
+use crate::glob::PathPattern;
+use alloc::borrow::ToOwned;
+use alloc::format;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+use serde_json::{Map, Value};
+
+/// A rejected rules document: the field path and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Where in the document, e.g. `rules[2].limit.per`; empty for the document itself.
+    pub path: String,
+    /// What is wrong there.
+    pub reason: String,
+}
+
+impl core::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.reason)
+        } else {
+            write!(f, "{}: {}", self.path, self.reason)
+        }
+    }
+}
+
+fn err<T>(path: &str, reason: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError { path: path.to_owned(), reason: reason.into() })
+}
+
+/// A whole validated rules document.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Where identity dimensions come from.
+    pub identity: Identity,
+    /// The rules, in document order.
+    pub rules: Vec<Rule>,
+    /// Response options.
+    pub response: ResponseOptions,
+    /// Options for the proxy-wasm filter (ignored by the Worker).
+    pub filter: FilterOptions,
+}
+
+/// Where each identity dimension is read from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// Header-sourced dimensions: (dimension name, lower-case header name).
+    pub headers: Vec<(String, String)>,
+    /// How the client IP is found.
+    pub ip: IpSource,
+}
+
+impl Identity {
+    /// The index in [`Identity::headers`] of a header dimension.
+    pub fn header_index(&self, dimension: &str) -> Option<usize> {
+        self.headers.iter().position(|(d, _)| d == dimension)
+    }
+}
+
+/// How the client IP dimension is derived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpSource {
+    /// Proxies in front of this one whose `X-Forwarded-For` entries are trusted. 0 ignores
+    /// `X-Forwarded-For` and keys on the peer address.
+    pub trusted_hops: u8,
+    /// IPv6 clients are keyed by this prefix length (default 64).
+    pub ipv6_prefix: u8,
+    /// IPv4 clients are keyed by this prefix length (default 32).
+    pub ipv4_prefix: u8,
+}
+
+/// One identity dimension a rule keys on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dimension {
+    /// A header source, by index into [`Identity::headers`].
+    Header(usize),
+    /// The client IP.
+    Ip,
+}
+
+/// Whether a rule rejects or only reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Rejects requests over the limit.
+    Enforce,
+    /// Counts and reports "would reject", never rejects.
+    Shadow,
+}
+
+/// What a rule does when its counter store is unreachable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// Keep serving, degraded to a local limit.
+    Open,
+    /// Reject.
+    Closed,
+}
+
+/// The limit that applies to a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanLimit {
+    /// A limit of its own.
+    Limited(Limit),
+    /// Not limited by this rule.
+    Unlimited,
+}
+
+/// Which requests a rule applies to.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Matcher {
+    /// Path pattern; `None` matches every path.
+    pub path: Option<PathPattern>,
+    /// Upper-case methods; empty matches every method.
+    pub methods: Vec<String>,
+}
+
+impl Matcher {
+    /// Whether a request with this method and normalized path matches.
+    pub fn matches(&self, method: &str, normalized_path: &str) -> bool {
+        (self.methods.is_empty() || self.methods.iter().any(|m| m.eq_ignore_ascii_case(method)))
+            && self.path.as_ref().is_none_or(|p| p.matches(normalized_path))
+    }
+}
+
+/// One validated rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    /// Unique name: `[A-Za-z0-9_.-]{1,64}`, safe in headers and metric names.
+    pub name: String,
+    /// Which requests it applies to.
+    pub matcher: Matcher,
+    /// The identity dimensions of its key (a composite key when several).
+    pub key: Vec<Dimension>,
+    /// The default limit.
+    pub limit: Limit,
+    /// Per-plan overrides: (plan name, limit).
+    pub plans: Vec<(String, PlanLimit)>,
+    /// Units one matching request consumes.
+    pub cost: u64,
+    /// Enforce or shadow.
+    pub mode: Mode,
+    /// What happens when the store fails.
+    pub on_store_failure: FailurePolicy,
+}
+
+impl Rule {
+    /// The limit for a request on `plan` (the default when the plan has no override).
+    pub fn limit_for(&self, plan: Option<&[u8]>) -> PlanLimit {
+        plan.and_then(|p| self.plans.iter().find(|(name, _)| name.as_bytes() == p))
+            .map_or(PlanLimit::Limited(self.limit), |(_, l)| *l)
+    }
+}
+
+/// Response options.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ResponseOptions {
+    /// Also send `X-RateLimit-Limit/Remaining/Reset`.
+    pub legacy_headers: bool,
+}
+
+/// Options of the proxy-wasm filter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FilterOptions {
+    /// Tracked (rule, key) entries in the node's fixed-size shared-data table.
+    pub slots: u32,
+    /// Compare-and-swap attempts per counter before the failure policy applies.
+    pub cas_retries: u32,
+    /// Secret that keys the table's hash, so clients cannot aim at one bucket.
+    pub hash_seed: u64,
+}
+
+impl Default for FilterOptions {
+    fn default() -> Self {
+        FilterOptions { slots: 65_536, cas_retries: 32, hash_seed: 0 }
+    }
+}
+
+/// Largest table the filter accepts (entries).
+pub const MAX_SLOTS: u32 = 1 << 24;
+
+impl Config {
+    /// Parses and validates a rules document.
+    pub fn parse(json: &[u8]) -> Result<Config, ConfigError> {
+        let value: Value = match serde_json::from_slice(json) {
+            Ok(v) => v,
+            Err(e) => return err("", format!("not valid JSON: {e}")),
+        };
+        Config::from_value(&value)
+    }
+
+    /// Validates an already-parsed JSON document.
+    pub fn from_value(doc: &Value) -> Result<Config, ConfigError> {
+        let top = object(doc, "")?;
+        known_fields(top, "", &["identity", "rules", "response", "filter", "sync"])?;
+        let identity = parse_identity(top.get("identity"))?;
+        let rules_v = match top.get("rules") {
+            Some(Value::Array(a)) => a,
+            Some(_) => return err("rules", "must be an array of rules"),
+            None => return err("rules", "is required"),
+        };
+        let mut rules = Vec::with_capacity(rules_v.len());
+        for (i, r) in rules_v.iter().enumerate() {
+            let path = format!("rules[{i}]");
+            let rule = parse_rule(r, &path, &identity)?;
+            if rules.iter().any(|o: &Rule| o.name == rule.name) {
+                return err(&format!("{path}.name"), format!("\"{}\" is used by another rule", rule.name));
+            }
+            rules.push(rule);
+        }
+        let mut response = ResponseOptions::default();
+        if let Some(v) = top.get("response") {
+            let o = object(v, "response")?;
+            known_fields(o, "response", &["legacy_headers"])?;
+            if let Some(b) = o.get("legacy_headers") {
+                response.legacy_headers = boolean(b, "response.legacy_headers")?;
+            }
+        }
+        let mut filter = FilterOptions::default();
+        if let Some(v) = top.get("filter") {
+            let o = object(v, "filter")?;
+            known_fields(o, "filter", &["slots", "cas_retries", "hash_seed"])?;
+            if let Some(v) = o.get("slots") {
+                filter.slots = bounded(v, "filter.slots", 64, u64::from(MAX_SLOTS))? as u32;
+            }
+            if let Some(v) = o.get("cas_retries") {
+                filter.cas_retries = bounded(v, "filter.cas_retries", 1, 1000)? as u32;
+            }
+            if let Some(v) = o.get("hash_seed") {
+                filter.hash_seed = match v {
+                    Value::String(s) => crate::key::fnv1a(s.as_bytes()),
+                    Value::Number(_) => bounded(v, "filter.hash_seed", 0, u64::MAX)?,
+                    _ => return err("filter.hash_seed", "must be a string or an integer"),
+                };
+            }
+        }
+        Ok(Config { identity, rules, response, filter })
+    }
+}
+
+fn object<'a>(v: &'a Value, path: &str) -> Result<&'a Map<String, Value>, ConfigError> {
+    match v {
+        Value::Object(m) => Ok(m),
+        other => err(path, format!("must be an object, not {}", kind(other))),
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn join(path: &str, field: &str) -> String {
+    if path.is_empty() {
+        field.to_owned()
+    } else {
+        format!("{path}.{field}")
+    }
+}
+
+fn known_fields(m: &Map<String, Value>, path: &str, known: &[&str]) -> Result<(), ConfigError> {
+    for k in m.keys() {
+        if !known.contains(&k.as_str()) {
+            return err(&join(path, k), format!("unknown field (expected one of: {})", known.join(", ")));
+        }
+    }
+    Ok(())
+}
+
+fn string<'a>(v: &'a Value, path: &str) -> Result<&'a str, ConfigError> {
+    match v {
+        Value::String(s) => Ok(s),
+        other => err(path, format!("must be a string, not {}", kind(other))),
+    }
+}
+
+fn boolean(v: &Value, path: &str) -> Result<bool, ConfigError> {
+    match v {
+        Value::Bool(b) => Ok(*b),
+        other => err(path, format!("must be true or false, not {}", kind(other))),
+    }
+}
+
+fn bounded(v: &Value, path: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
+    match v.as_u64() {
+        Some(n) if (min..=max).contains(&n) => Ok(n),
+        Some(n) => err(path, format!("{n} is out of range ({min} to {max})")),
+        None => err(path, format!("must be a whole number from {min} to {max}, not {v}")),
+    }
+}
+
+/// Parses a duration string: a whole number and a unit of `ms`, `s`, `m`, `h` or `d`.
+pub fn parse_duration(s: &str) -> Option<Nanos> {
+    let digits = s.bytes().take_while(u8::is_ascii_digit).count();
+    let (num, unit) = s.split_at(digits);
+    let n: u64 = num.parse().ok()?;
+    let scale: u64 = match unit {
+        "ms" => 1_000_000,
+        "s" => 1_000_000_000,
+        "m" => 60_000_000_000,
+        "h" => 3_600_000_000_000,
+        "d" => 86_400_000_000_000,
+        _ => return None,
+    };
+    n.checked_mul(scale)
+}
+
+const DEFAULT_HEADERS: [(&str, &str); 4] =
+    [("user", "x-user-id"), ("api_key", "x-api-key"), ("partner", "x-partner-id"), ("plan", "x-plan")];
+
+fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
+    let mut ip = IpSource { trusted_hops: 0, ipv6_prefix: 64, ipv4_prefix: 32 };
+    let Some(v) = v else {
+        let headers = DEFAULT_HEADERS.iter().map(|(d, h)| ((*d).to_owned(), (*h).to_owned())).collect();
+        return Ok(Identity { headers, ip });
+    };
+    let m = object(v, "identity")?;
+    let mut headers = Vec::new();
+    for (dim, src) in m {
+        let path = format!("identity.{dim}");
+        if dim == "ip" {
+            let o = object(src, &path)?;
+            known_fields(o, &path, &["trusted_hops", "ipv6_prefix", "ipv4_prefix"])?;
+            if let Some(h) = o.get("trusted_hops") {
+                ip.trusted_hops = bounded(h, &format!("{path}.trusted_hops"), 0, 16)? as u8;
+            }
+            if let Some(p) = o.get("ipv6_prefix") {
+                ip.ipv6_prefix = bounded(p, &format!("{path}.ipv6_prefix"), 1, 128)? as u8;
+            }
+            if let Some(p) = o.get("ipv4_prefix") {
+                ip.ipv4_prefix = bounded(p, &format!("{path}.ipv4_prefix"), 1, 32)? as u8;
+            }
+            continue;
+        }
+        if !valid_name(dim) {
+            return err(&path, "dimension names use only A-Z a-z 0-9 _ . - (1 to 64 characters)");
+        }
+        let o = object(src, &path)?;
+        known_fields(o, &path, &["header"])?;
+        let header = match o.get("header") {
+            Some(h) => string(h, &format!("{path}.header"))?,
+            None => return err(&format!("{path}.header"), "is required"),
+        };
+        if header.is_empty() || !header.bytes().all(is_token_char) {
+            return err(&format!("{path}.header"), format!("\"{header}\" is not a valid header name"));
+        }
+        headers.push((dim.clone(), header.to_ascii_lowercase()));
+    }
+    Ok(Identity { headers, ip })
+}
+
+fn is_token_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+fn valid_name(s: &str) -> bool {
+    (1..=64).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+}
+
+fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, ConfigError> {
+    let m = object(v, path)?;
+    known_fields(
+        m,
+        path,
+        &["name", "match", "key", "limit", "plans", "algorithm", "cost", "mode", "on_store_failure", "description"],
+    )?;
+    let name = match m.get("name") {
+        Some(n) => string(n, &join(path, "name"))?,
+        None => return err(&join(path, "name"), "is required"),
+    };
+    if !valid_name(name) {
+        return err(&join(path, "name"), format!("\"{name}\" must be 1 to 64 of A-Z a-z 0-9 _ . -"));
+    }
+    let matcher = match m.get("match") {
+        None => Matcher::default(),
+        Some(v) => parse_match(v, &join(path, "match"))?,
+    };
+    let key_path = join(path, "key");
+    let key = match m.get("key") {
+        Some(Value::Array(dims)) if !dims.is_empty() => {
+            let mut key = Vec::with_capacity(dims.len());
+            for (i, d) in dims.iter().enumerate() {
+                let p = format!("{key_path}[{i}]");
+                let d = string(d, &p)?;
+                let dim = if d == "ip" {
+                    Dimension::Ip
+                } else {
+                    match identity.header_index(d) {
+                        Some(i) => Dimension::Header(i),
+                        None => return err(&p, format!("\"{d}\" is not a dimension defined under identity")),
+                    }
+                };
+                if key.contains(&dim) {
+                    return err(&p, format!("\"{d}\" appears twice"));
+                }
+                key.push(dim);
+            }
+            key
+        }
+        Some(_) => return err(&key_path, "must be a non-empty array of identity dimensions"),
+        None => return err(&key_path, "is required"),
+    };
+    let algorithm = match m.get("algorithm") {
+        None => None,
+        Some(a) => {
+            let p = join(path, "algorithm");
+            let s = string(a, &p)?;
+            match Algorithm::from_name(s) {
+                Some(a) => Some(a),
+                None => {
+                    return err(&p, format!("\"{s}\" is not one of token_bucket, sliding_window, fixed_window, sliding_log"))
+                }
+            }
+        }
+    };
+    let limit = match m.get("limit") {
+        Some(l) => parse_limit(l, &join(path, "limit"), algorithm)?,
+        None => return err(&join(path, "limit"), "is required"),
+    };
+    let mut plans = Vec::new();
+    if let Some(p) = m.get("plans") {
+        let pp = join(path, "plans");
+        if identity.header_index("plan").is_none() {
+            return err(&pp, "needs a \"plan\" dimension under identity");
+        }
+        for (plan, l) in object(p, &pp)? {
+            let lp = format!("{pp}.{plan}");
+            let pl = match l {
+                Value::String(s) if s == "unlimited" => PlanLimit::Unlimited,
+                Value::Object(_) => PlanLimit::Limited(parse_limit(l, &lp, algorithm)?),
+                _ => return err(&lp, "must be a limit object or \"unlimited\""),
+            };
+            plans.push((plan.clone(), pl));
+        }
+    }
+    let cost = match m.get("cost") {
+        None => 1,
+        Some(c) => bounded(c, &join(path, "cost"), 0, MAX_REQUESTS)?,
+    };
+    let limits = core::iter::once(limit).chain(plans.iter().filter_map(|(_, l)| match l {
+        PlanLimit::Limited(l) => Some(*l),
+        PlanLimit::Unlimited => None,
+    }));
+    for l in limits {
+        if cost > l.capacity() {
+            return err(&join(path, "cost"), format!("{cost} exceeds a limit's capacity of {}", l.capacity()));
+        }
+    }
+    let mode = match m.get("mode") {
+        None => Mode::Enforce,
+        Some(v) => match string(v, &join(path, "mode"))? {
+            "enforce" => Mode::Enforce,
+            "shadow" => Mode::Shadow,
+            s => return err(&join(path, "mode"), format!("\"{s}\" is not \"enforce\" or \"shadow\"")),
+        },
+    };
+    let on_store_failure = match m.get("on_store_failure") {
+        None => FailurePolicy::Open,
+        Some(v) => match string(v, &join(path, "on_store_failure"))? {
+            "open" => FailurePolicy::Open,
+            "closed" => FailurePolicy::Closed,
+            s => return err(&join(path, "on_store_failure"), format!("\"{s}\" is not \"open\" or \"closed\"")),
+        },
+    };
+    if let Some(d) = m.get("description") {
+        string(d, &join(path, "description"))?;
+    }
+    Ok(Rule { name: name.to_owned(), matcher, key, limit, plans, cost, mode, on_store_failure })
+}
+
+fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
+    let m = object(v, path)?;
+    known_fields(m, path, &["path", "method"])?;
+    let pattern = match m.get("path") {
+        None => None,
+        Some(p) => {
+            let pp = join(path, "path");
+            let s = string(p, &pp)?;
+            match PathPattern::parse(s) {
+                Ok(p) => Some(p),
+                Err(why) => return err(&pp, format!("\"{s}\" {why}")),
+            }
+        }
+    };
+    let mp = join(path, "method");
+    let mut methods = Vec::new();
+    match m.get("method") {
+        None => {}
+        Some(Value::String(s)) => methods.push(method(s, &mp)?),
+        Some(Value::Array(a)) => {
+            for (i, s) in a.iter().enumerate() {
+                let p = format!("{mp}[{i}]");
+                methods.push(method(string(s, &p)?, &p)?);
+            }
+        }
+        Some(other) => return err(&mp, format!("must be a method or a list of methods, not {}", kind(other))),
+    }
+    Ok(Matcher { path: pattern, methods })
+}
+
+fn method(s: &str, path: &str) -> Result<String, ConfigError> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_alphabetic()) {
+        return err(path, format!("\"{s}\" is not an HTTP method"));
+    }
+    Ok(s.to_ascii_uppercase())
+}
+
+fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Limit, ConfigError> {
+    let m = object(v, path)?;
+    known_fields(m, path, &["requests", "per", "burst", "algorithm"])?;
+    let requests = match m.get("requests") {
+        Some(r) => bounded(r, &join(path, "requests"), 1, MAX_REQUESTS)?,
+        None => return err(&join(path, "requests"), "is required"),
+    };
+    let per_path = join(path, "per");
+    let per = match m.get("per") {
+        Some(Value::String(s)) => match parse_duration(s) {
+            Some(d) if d > 0 && d <= MAX_PER => d,
+            Some(_) => return err(&per_path, format!("\"{s}\" must be between 1ms and 366d")),
+            None => return err(&per_path, format!("\"{s}\" is not a duration (like 500ms, 1s, 60s, 1m, 1h, 1d)")),
+        },
+        Some(other) => return err(&per_path, format!("must be a duration string like \"60s\", not {}", kind(other))),
+        None => return err(&per_path, "is required"),
+    };
+    let burst = match m.get("burst") {
+        None => None,
+        Some(b) => Some(bounded(b, &join(path, "burst"), 1, MAX_REQUESTS)?),
+    };
+    let algorithm = match m.get("algorithm") {
+        Some(a) => {
+            let p = join(path, "algorithm");
+            let s = string(a, &p)?;
+            Algorithm::from_name(s).ok_or_else(|| ConfigError {
+                path: p,
+                reason: format!("\"{s}\" is not one of token_bucket, sliding_window, fixed_window, sliding_log"),
+            })?
+        }
+        None => algorithm.unwrap_or(if burst.is_some() { Algorithm::TokenBucket } else { Algorithm::SlidingWindow }),
+    };
+    Limit::new(algorithm, requests, per, burst).or_else(|e| match e {
+        LimitError::Requests(n) => err(
+            &join(path, "requests"),
+            format!("{n} is out of range for {} (at most {})", algorithm.as_str(), if algorithm == Algorithm::SlidingLog { crate::algo::MAX_SLIDING_LOG_REQUESTS } else { MAX_REQUESTS }),
+        ),
+        LimitError::Per(_) => err(&per_path, "must be between 1ms and 366d"),
+        LimitError::Burst(why) => err(&join(path, "burst"), why.to_string()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) const EXAMPLE: &str = include_str!("../../examples/rules.json");
+
+    #[test]
+    fn design_example_parses() {
+        let c = Config::parse(EXAMPLE.as_bytes()).unwrap();
+        assert_eq!(c.rules.len(), 3);
+        assert_eq!(c.rules[0].limit.algorithm(), Algorithm::SlidingWindow);
+        assert_eq!(c.rules[1].limit.algorithm(), Algorithm::TokenBucket);
+        assert_eq!(c.rules[1].limit.capacity(), 200);
+        assert_eq!(c.rules[1].limit_for(Some(b"internal")), PlanLimit::Unlimited);
+        assert_eq!(c.rules[2].on_store_failure, FailurePolicy::Closed);
+        assert_eq!(c.identity.ip.trusted_hops, 1);
+    }
+
+    fn error_of(doc: &str) -> String {
+        Config::parse(doc.as_bytes()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn errors_name_the_field_and_the_reason() {
+        let doc = r#"{"rules":[{"name":"a","key":["ip"],"limit":{"requests":1,"per":"1s"}},
+            {"name":"b","key":["ip"],"limit":{"requests":1,"per":"1s"}},
+            {"name":"c","key":["ip"],"limit":{"requests":5,"per":"6O s"}}]}"#;
+        assert_eq!(error_of(doc), r#"rules[2].limit.per: "6O s" is not a duration (like 500ms, 1s, 60s, 1m, 1h, 1d)"#);
+        assert_eq!(
+            error_of(r#"{"rules":[{"name":"a","key":["ip"],"limit":{"requests":0,"per":"1s"}}]}"#),
+            "rules[0].limit.requests: 0 is out of range (1 to 4294967295)"
+        );
+        assert_eq!(
+            error_of(r#"{"rules":[{"name":"a","key":["nobody"],"limit":{"requests":1,"per":"1s"}}]}"#),
+            r#"rules[0].key[0]: "nobody" is not a dimension defined under identity"#
+        );
+        assert!(error_of(r#"{"rules":[{"name":"a","key":["ip"],"limit":{"requests":1,"per":"1s","burts":3}}]}"#)
+            .starts_with("rules[0].limit.burts: unknown field"));
+        assert!(error_of("{").starts_with("not valid JSON"));
+        assert_eq!(error_of("[]"), "must be an object, not an array");
+    }
+
+    #[test]
+    fn durations_take_every_documented_unit() {
+        for (s, n) in [("500ms", 500_000_000), ("1s", 1_000_000_000), ("60s", 60_000_000_000), ("1m", 60_000_000_000), ("1h", 3_600_000_000_000), ("1d", 86_400_000_000_000)] {
+            assert_eq!(parse_duration(s), Some(n), "{s}");
+        }
+        for s in ["", "s", "1", "1.5s", "-1s", "1 s", "1S", "99999999999999999999s"] {
+            assert_eq!(parse_duration(s), None, "{s}");
+        }
+    }
+}
