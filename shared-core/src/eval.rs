@@ -198,23 +198,33 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
     out
 }
 
+/// Counters in a plain in-memory map: for tests and single-process tools. Unbounded: every
+/// key stays, so never use it for untrusted traffic.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryCounters(alloc::collections::BTreeMap<Vec<u8>, State>);
+
+impl MemoryCounters {
+    /// The state stored for a key (fresh when none).
+    pub fn get(&self, key: &[u8]) -> State {
+        self.0.get(key).cloned().unwrap_or_default()
+    }
+}
+
+impl Counters for MemoryCounters {
+    fn update(&mut self, check: &Check, _now: Nanos, f: &mut dyn FnMut(&State) -> Option<State>) -> Result<(), StoreError> {
+        let s = self.get(&check.key);
+        if let Some(n) = f(&s) {
+            self.0.insert(check.key.clone(), n);
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use alloc::collections::BTreeMap;
 
-    #[derive(Default)]
-    pub(crate) struct MapCounters(pub BTreeMap<Vec<u8>, State>);
-
-    impl Counters for MapCounters {
-        fn update(&mut self, check: &Check, _now: Nanos, f: &mut dyn FnMut(&State) -> Option<State>) -> Result<(), StoreError> {
-            let s = self.0.get(&check.key).cloned().unwrap_or_default();
-            if let Some(n) = f(&s) {
-                self.0.insert(check.key.clone(), n);
-            }
-            Ok(())
-        }
-    }
+    use crate::MemoryCounters as MapCounters;
 
     fn config(rules: &str) -> Config {
         Config::parse(alloc::format!(r#"{{"identity":{{"user":{{"header":"x-user-id"}},"plan":{{"header":"x-plan"}}}},"rules":[{rules}]}}"#).as_bytes())
@@ -248,7 +258,7 @@ mod tests {
         // "roomy" was charged once, by the one admitted request: two units are left.
         let headers = user_headers(&c, b"u");
         let (checks, _) = c.checks(&Request { method: "GET", path: "/a", headers: &headers, ip: None });
-        let (d, _) = c.rules[0].limit.decide(&m.0[&checks[0].key], 2, 0);
+        let (d, _) = c.rules[0].limit.decide(&m.get(&checks[0].key), 2, 0);
         assert_eq!(d.remaining, 2);
     }
 

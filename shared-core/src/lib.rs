@@ -29,6 +29,6 @@ pub mod response;
 pub mod rules;
 
 pub use algo::{Algorithm, Decision, Limit, Nanos, State, SECOND};
-pub use eval::{evaluate, Check, Counters, Outcome, Request};
+pub use eval::{evaluate, Check, Counters, MemoryCounters, Outcome, Request};
 pub use response::{render, Reply};
 pub use rules::{Config, ConfigError};

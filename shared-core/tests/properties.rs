@@ -1,0 +1,163 @@
+//! Property tests of the algorithms' exactness promises and of the total parsers.
+
+use proptest::prelude::*;
+use ratewall_core::{Algorithm, Config, Limit, Nanos, State};
+
+const MS: Nanos = 1_000_000;
+
+fn algorithm() -> impl Strategy<Value = Algorithm> {
+    prop_oneof![
+        Just(Algorithm::TokenBucket),
+        Just(Algorithm::SlidingWindow),
+        Just(Algorithm::FixedWindow),
+        Just(Algorithm::SlidingLog),
+    ]
+}
+
+/// A limit and a history of (gap, cost) steps that drives it into some state.
+fn scenario() -> impl Strategy<Value = (Limit, Vec<(Nanos, u64)>, Nanos)> {
+    (algorithm(), 1u64..50, 1u64..120_000, proptest::option::of(1u64..60))
+        .prop_filter_map("valid limit", |(a, requests, per_ms, burst)| {
+            let burst = if a == Algorithm::TokenBucket { burst } else { None };
+            Limit::new(a, requests, per_ms * MS, burst).ok()
+        })
+        .prop_flat_map(|limit| {
+            let steps = proptest::collection::vec((0u64..(limit.per() / 2 + 2), 0u64..=limit.capacity()), 0..60);
+            (Just(limit), steps, 1_600_000_000u64 * 1_000_000_000..1_700_000_000u64 * 1_000_000_000)
+        })
+}
+
+fn replay(limit: &Limit, steps: &[(Nanos, u64)], start: Nanos) -> (State, Nanos) {
+    let mut s = State::Fresh;
+    let mut now = start;
+    for &(gap, cost) in steps {
+        now += gap;
+        s = limit.decide(&s, now, cost).1;
+    }
+    (s, now)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// A denied caller that waits exactly retry-after is admitted; one that waits 1 ms less is
+    /// not. This holds for every algorithm: retry-after is computed exactly, in nanoseconds,
+    /// for the sliding window too (against its floored estimate).
+    #[test]
+    fn waiting_retry_after_is_enough_and_1ms_less_is_not((limit, steps, start) in scenario(), cost_frac in 0.0f64..=1.0) {
+        let (s, now) = replay(&limit, &steps, start);
+        let cost = ((limit.capacity() as f64 * cost_frac) as u64).max(1);
+        let (d, same) = limit.decide(&s, now, cost);
+        if let (false, Some(wait)) = (d.allowed, d.retry_after) {
+            prop_assert_eq!(&same, &s, "a denial must not change state");
+            prop_assert!(wait > 0);
+            prop_assert!(limit.decide(&s, now + wait, cost).0.allowed, "waited {wait} ns");
+            if wait > MS {
+                prop_assert!(!limit.decide(&s, now + wait - MS, cost).0.allowed, "admitted 1 ms early");
+            }
+            prop_assert!(!limit.decide(&s, now + wait - 1, cost).0.allowed, "admitted 1 ns early");
+        }
+    }
+
+    #[test]
+    fn remaining_never_exceeds_the_quota((limit, steps, start) in scenario()) {
+        let mut s = State::Fresh;
+        let mut now = start;
+        for (gap, cost) in steps {
+            now += gap;
+            let (d, n) = limit.decide(&s, now, cost);
+            prop_assert!(d.remaining <= d.limit);
+            prop_assert_eq!(d.limit, limit.quota());
+            s = n;
+        }
+    }
+
+    /// The exact algorithms never admit more than their capacity in any window of `per`.
+    #[test]
+    fn exact_algorithms_never_exceed_the_limit_in_any_window((limit, steps, start) in scenario()) {
+        prop_assume!(limit.algorithm() != Algorithm::SlidingWindow);
+        let mut s = State::Fresh;
+        let mut now = start;
+        let mut admitted: Vec<(Nanos, u64)> = Vec::new();
+        for (gap, cost) in steps {
+            now += gap;
+            let (d, n) = limit.decide(&s, now, cost);
+            s = n;
+            if d.allowed && cost > 0 {
+                admitted.push((now, cost));
+            }
+        }
+        for &(t0, _) in &admitted {
+            let in_window: u64 = admitted.iter().filter(|(t, _)| *t >= t0 && *t < t0 + limit.per()).map(|(_, c)| c).sum();
+            let bound = match limit.algorithm() {
+                // A fixed window may straddle two windows: at most twice the limit.
+                Algorithm::FixedWindow => 2 * limit.requests(),
+                // A bucket admits its capacity plus what refills during the window.
+                Algorithm::TokenBucket => limit.capacity() + limit.requests(),
+                _ => limit.requests(),
+            };
+            prop_assert!(in_window <= bound, "{in_window} > {bound} in [{t0}, +per)");
+        }
+        if limit.algorithm() == Algorithm::FixedWindow {
+            for &(t0, _) in &admitted {
+                let w = t0 / limit.per();
+                let n: u64 = admitted.iter().filter(|(t, _)| t / limit.per() == w).map(|(_, c)| c).sum();
+                prop_assert!(n <= limit.requests());
+            }
+        }
+    }
+
+    #[test]
+    fn states_round_trip_through_bytes((limit, steps, start) in scenario()) {
+        let (s, _) = replay(&limit, &steps, start);
+        let bytes = s.encode();
+        prop_assert_eq!(State::decode(&bytes), Ok((s.clone(), bytes.len())));
+        if !matches!(s, State::SlidingLog { .. }) {
+            prop_assert!(bytes.len() <= 32);
+        }
+    }
+
+    #[test]
+    fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+        let _ = State::decode(&bytes);
+    }
+
+    #[test]
+    fn parsing_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = Config::parse(&bytes);
+    }
+
+    /// Structured garbage: JSON documents that look like rules with random values.
+    #[test]
+    fn parsing_rule_shaped_garbage_never_panics(doc in rule_shaped_json()) {
+        if let Err(e) = Config::parse(doc.as_bytes()) {
+            prop_assert!(!e.reason.is_empty());
+        }
+    }
+}
+
+fn json_value() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::json;
+    prop_oneof![
+        Just(json!(null)),
+        any::<bool>().prop_map(|b| json!(b)),
+        any::<i64>().prop_map(|n| json!(n)),
+        any::<u64>().prop_map(|n| json!(n)),
+        (-1e20f64..1e20).prop_map(|n| json!(n)),
+        "[a-z0-9*/ .]{0,12}".prop_map(|s| json!(s)),
+        prop_oneof![Just("60s"), Just("0s"), Just("500ms"), Just("367d"), Just("unlimited"), Just("ip"), Just("user"), Just("/v1/*")].prop_map(|s| json!(s)),
+    ]
+}
+
+fn rule_shaped_json() -> impl Strategy<Value = String> {
+    let fields = ["name", "match", "key", "limit", "plans", "algorithm", "cost", "mode", "on_store_failure", "requests", "per", "burst", "path", "method"];
+    let leaf = json_value();
+    let tree = leaf.prop_recursive(3, 24, 4, move |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
+            proptest::collection::btree_map(proptest::sample::select(fields.to_vec()).prop_map(String::from), inner, 0..5)
+                .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+        ]
+    });
+    proptest::collection::vec(tree, 0..4).prop_map(|rules| serde_json::json!({ "rules": rules }).to_string())
+}
