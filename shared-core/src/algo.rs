@@ -101,7 +101,9 @@ impl Limit {
         }
         let capacity = match (algorithm, burst) {
             (_, None) => requests,
-            (Algorithm::TokenBucket, Some(0)) => return Err(LimitError::Burst("must be at least 1")),
+            (Algorithm::TokenBucket, Some(0)) => {
+                return Err(LimitError::Burst("must be at least 1"))
+            }
             (Algorithm::TokenBucket, Some(b)) if b > MAX_REQUESTS => {
                 return Err(LimitError::Burst("is too large"))
             }
@@ -110,9 +112,17 @@ impl Limit {
         };
         let interval = per.div_ceil(requests);
         if capacity.saturating_mul(interval) > MAX_BUCKET_SPAN {
-            return Err(LimitError::Burst("makes the bucket take over 100 years to refill"));
+            return Err(LimitError::Burst(
+                "makes the bucket take over 100 years to refill",
+            ));
         }
-        Ok(Limit { algorithm, requests, per, capacity, interval })
+        Ok(Limit {
+            algorithm,
+            requests,
+            per,
+            capacity,
+            interval,
+        })
     }
 
     /// The algorithm.
@@ -160,16 +170,27 @@ impl Limit {
                 let at = consumed_at / self.per;
                 let c = clamp_u32(cost);
                 if at == *window {
-                    State::SlidingWindow { window: *window, prev: *prev, curr: curr.saturating_sub(c) }
+                    State::SlidingWindow {
+                        window: *window,
+                        prev: *prev,
+                        curr: curr.saturating_sub(c),
+                    }
                 } else if at.saturating_add(1) == *window {
-                    State::SlidingWindow { window: *window, prev: prev.saturating_sub(c), curr: *curr }
+                    State::SlidingWindow {
+                        window: *window,
+                        prev: prev.saturating_sub(c),
+                        curr: *curr,
+                    }
                 } else {
                     state.clone()
                 }
             }
             (Algorithm::FixedWindow, State::FixedWindow { window, count }) => {
                 if consumed_at / self.per == *window {
-                    State::FixedWindow { window: *window, count: count.saturating_sub(clamp_u32(cost)) }
+                    State::FixedWindow {
+                        window: *window,
+                        count: count.saturating_sub(clamp_u32(cost)),
+                    }
                 } else {
                     state.clone()
                 }
@@ -229,7 +250,12 @@ impl Limit {
             return (d, State::TokenBucket { tat });
         }
         let d = Decision::allowed(quota, remaining_at(new_used), new_used);
-        (d, State::TokenBucket { tat: now.saturating_add(new_used) })
+        (
+            d,
+            State::TokenBucket {
+                tat: now.saturating_add(new_used),
+            },
+        )
     }
 
     fn sliding_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
@@ -259,7 +285,11 @@ impl Limit {
         if cost <= limit && used + cost <= limit {
             let curr = curr + cost;
             let d = Decision::allowed(limit, limit - used - cost, to_window_end);
-            let s = State::SlidingWindow { window, prev: clamp_u32(prev), curr: clamp_u32(curr) };
+            let s = State::SlidingWindow {
+                window,
+                prev: clamp_u32(prev),
+                curr: clamp_u32(curr),
+            };
             return (d, s);
         }
         let retry = if cost > limit {
@@ -272,24 +302,45 @@ impl Limit {
             Some(to_window_end + wait_for_weight(curr, w, limit - cost))
         };
         let reset = max(to_window_end, retry.unwrap_or(0));
-        let s = State::SlidingWindow { window, prev: clamp_u32(prev), curr: clamp_u32(curr) };
-        (Decision::denied(limit, limit.saturating_sub(used), reset, retry), s)
+        let s = State::SlidingWindow {
+            window,
+            prev: clamp_u32(prev),
+            curr: clamp_u32(curr),
+        };
+        (
+            Decision::denied(limit, limit.saturating_sub(used), reset, retry),
+            s,
+        )
     }
 
     fn fixed_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let w = self.per;
         let limit = self.requests;
         let (window, count) = match state {
-            State::FixedWindow { window, count } if *window >= now / w => (*window, u64::from(*count)),
+            State::FixedWindow { window, count } if *window >= now / w => {
+                (*window, u64::from(*count))
+            }
             _ => (now / w, 0),
         };
         let to_end = (window + 1).saturating_mul(w).saturating_sub(now);
         if count.saturating_add(cost) <= limit {
             let d = Decision::allowed(limit, limit - count - cost, to_end);
-            return (d, State::FixedWindow { window, count: clamp_u32(count + cost) });
+            return (
+                d,
+                State::FixedWindow {
+                    window,
+                    count: clamp_u32(count + cost),
+                },
+            );
         }
         let retry = (cost <= limit).then_some(to_end);
-        (Decision::denied(limit, limit - count, to_end, retry), State::FixedWindow { window, count: clamp_u32(count) })
+        (
+            Decision::denied(limit, limit - count, to_end, retry),
+            State::FixedWindow {
+                window,
+                count: clamp_u32(count),
+            },
+        )
     }
 
     fn sliding_log(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
@@ -317,7 +368,12 @@ impl Limit {
             let k = (count + cost - limit) as usize;
             entries.get(k - 1).map(|&t| (t + w).saturating_sub(now))
         };
-        let d = Decision::denied(limit, limit - min(count, limit), max(reset(&entries), retry.unwrap_or(0)), retry);
+        let d = Decision::denied(
+            limit,
+            limit - min(count, limit),
+            max(reset(&entries), retry.unwrap_or(0)),
+            retry,
+        );
         (d, State::SlidingLog { entries })
     }
 }
@@ -389,10 +445,22 @@ pub struct Decision {
 
 impl Decision {
     fn allowed(limit: u64, remaining: u64, reset_after: Nanos) -> Self {
-        Decision { allowed: true, limit, remaining, reset_after, retry_after: None }
+        Decision {
+            allowed: true,
+            limit,
+            remaining,
+            reset_after,
+            retry_after: None,
+        }
     }
     fn denied(limit: u64, remaining: u64, reset_after: Nanos, retry_after: Option<Nanos>) -> Self {
-        Decision { allowed: false, limit, remaining, reset_after, retry_after }
+        Decision {
+            allowed: false,
+            limit,
+            remaining,
+            reset_after,
+            retry_after,
+        }
     }
 }
 
@@ -466,7 +534,12 @@ mod tests {
 
     #[test]
     fn backwards_time_is_clamped_not_underflowed() {
-        for a in [Algorithm::TokenBucket, Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::SlidingLog] {
+        for a in [
+            Algorithm::TokenBucket,
+            Algorithm::SlidingWindow,
+            Algorithm::FixedWindow,
+            Algorithm::SlidingLog,
+        ] {
             let limit = Limit::new(a, 3, SECOND, None).unwrap();
             let (_, s) = limit.decide(&State::Fresh, 10 * SECOND, 3);
             let (d, _) = limit.decide(&s, 0, 1);
@@ -477,7 +550,12 @@ mod tests {
 
     #[test]
     fn refund_restores_quota() {
-        for a in [Algorithm::TokenBucket, Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::SlidingLog] {
+        for a in [
+            Algorithm::TokenBucket,
+            Algorithm::SlidingWindow,
+            Algorithm::FixedWindow,
+            Algorithm::SlidingLog,
+        ] {
             let limit = Limit::new(a, 2, SECOND, None).unwrap();
             let now = 5 * SECOND + 10 * MS;
             let (_, s) = limit.decide(&State::Fresh, now, 2);

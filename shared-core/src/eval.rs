@@ -49,7 +49,10 @@ impl Config {
     pub fn checks(&self, req: &Request<'_>) -> (Vec<Check>, Vec<(usize, Skip)>) {
         let mut checks = Vec::new();
         let mut skipped = Vec::new();
-        let plan = self.identity.header_index("plan").and_then(|i| req.headers.get(i).copied().flatten());
+        let plan = self
+            .identity
+            .header_index("plan")
+            .and_then(|i| req.headers.get(i).copied().flatten());
         'rules: for (i, rule) in self.rules.iter().enumerate() {
             if !rule.matcher.matches(req.method, req.path) {
                 continue;
@@ -76,7 +79,12 @@ impl Config {
                     }
                 }
             }
-            checks.push(Check { rule: i, limit, cost: rule.cost, key });
+            checks.push(Check {
+                rule: i,
+                limit,
+                cost: rule.cost,
+                key,
+            });
         }
         (checks, skipped)
     }
@@ -96,7 +104,12 @@ fn push_part(key: &mut Vec<u8>, part: &[u8]) {
 pub trait Counters {
     /// Atomically reads the state for `check`, runs `f` on it, and stores what `f` returns
     /// (`None`: leave it unchanged). `f` may run several times (compare-and-swap retries).
-    fn update(&mut self, check: &Check, now: Nanos, f: &mut dyn FnMut(&State) -> Option<State>) -> Result<(), StoreError>;
+    fn update(
+        &mut self,
+        check: &Check,
+        now: Nanos,
+        f: &mut dyn FnMut(&State) -> Option<State>,
+    ) -> Result<(), StoreError>;
 }
 
 /// The counter store could not be used for a check.
@@ -161,11 +174,21 @@ pub struct Outcome {
 /// Checks run in rule order and consume as they go. Once an enforcing rule rejects, the later
 /// checks only peek (so the response can name every violated policy), and the units already
 /// consumed are refunded.
-pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, now: Nanos) -> Outcome {
-    let mut out = Outcome { checks: Vec::with_capacity(checks.len()), ..Outcome::default() };
+pub fn evaluate(
+    config: &Config,
+    checks: &[Check],
+    counters: &mut dyn Counters,
+    now: Nanos,
+) -> Outcome {
+    let mut out = Outcome {
+        checks: Vec::with_capacity(checks.len()),
+        ..Outcome::default()
+    };
     let mut consumed: Vec<usize> = Vec::new();
     for (i, check) in checks.iter().enumerate() {
-        let Some(rule) = config.rules.get(check.rule) else { continue };
+        let Some(rule) = config.rules.get(check.rule) else {
+            continue;
+        };
         let peek_only = out.rejected;
         let mut decision = None;
         let res = counters.update(check, now, &mut |state| {
@@ -183,7 +206,12 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
             (Ok(()), None) => CheckResult::Failed(StoreError::Unavailable, rule.on_store_failure),
             (Err(e), _) => CheckResult::Failed(e, rule.on_store_failure),
         };
-        let co = CheckOutcome { rule: check.rule, mode: rule.mode, limit: check.limit, result };
+        let co = CheckOutcome {
+            rule: check.rule,
+            mode: rule.mode,
+            limit: check.limit,
+            result,
+        };
         out.rejected |= co.rejects();
         out.checks.push(co);
     }
@@ -191,7 +219,9 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
         for i in consumed {
             if let Some(check) = checks.get(i) {
                 // A failed refund leaves the units spent: conservative, never over-admits.
-                let _ = counters.update(check, now, &mut |s| Some(check.limit.refund(s, now, check.cost)));
+                let _ = counters.update(check, now, &mut |s| {
+                    Some(check.limit.refund(s, now, check.cost))
+                });
             }
         }
     }
@@ -211,7 +241,12 @@ impl MemoryCounters {
 }
 
 impl Counters for MemoryCounters {
-    fn update(&mut self, check: &Check, _now: Nanos, f: &mut dyn FnMut(&State) -> Option<State>) -> Result<(), StoreError> {
+    fn update(
+        &mut self,
+        check: &Check,
+        _now: Nanos,
+        f: &mut dyn FnMut(&State) -> Option<State>,
+    ) -> Result<(), StoreError> {
         let s = self.get(&check.key);
         if let Some(n) = f(&s) {
             self.0.insert(check.key.clone(), n);
@@ -232,12 +267,21 @@ mod tests {
     }
 
     fn user_headers<'a>(c: &Config, user: &'a [u8]) -> Vec<Option<&'a [u8]>> {
-        c.identity.headers.iter().map(|(d, _)| (d == "user").then_some(user)).collect()
+        c.identity
+            .headers
+            .iter()
+            .map(|(d, _)| (d == "user").then_some(user))
+            .collect()
     }
 
     fn run(c: &Config, m: &mut MapCounters, user: &[u8], now: Nanos) -> Outcome {
         let headers = user_headers(c, user);
-        let req = Request { method: "GET", path: "/a", headers: &headers, ip: None };
+        let req = Request {
+            method: "GET",
+            path: "/a",
+            headers: &headers,
+            ip: None,
+        };
         let (checks, skipped) = c.checks(&req);
         let mut o = evaluate(c, &checks, m, now);
         o.skipped = skipped;
@@ -257,14 +301,21 @@ mod tests {
         }
         // "roomy" was charged once, by the one admitted request: two units are left.
         let headers = user_headers(&c, b"u");
-        let (checks, _) = c.checks(&Request { method: "GET", path: "/a", headers: &headers, ip: None });
+        let (checks, _) = c.checks(&Request {
+            method: "GET",
+            path: "/a",
+            headers: &headers,
+            ip: None,
+        });
         let (d, _) = c.rules[0].limit.decide(&m.get(&checks[0].key), 2, 0);
         assert_eq!(d.remaining, 2);
     }
 
     #[test]
     fn shadow_rules_report_but_never_reject() {
-        let c = config(r#"{"name":"s","key":["user"],"mode":"shadow","limit":{"requests":1,"per":"1m"}}"#);
+        let c = config(
+            r#"{"name":"s","key":["user"],"mode":"shadow","limit":{"requests":1,"per":"1m"}}"#,
+        );
         let mut m = MapCounters::default();
         assert!(!run(&c, &mut m, b"u", 0).rejected);
         let o = run(&c, &mut m, b"u", 0);

@@ -16,14 +16,30 @@ fn algorithm() -> impl Strategy<Value = Algorithm> {
 
 /// A limit and a history of (gap, cost) steps that drives it into some state.
 fn scenario() -> impl Strategy<Value = (Limit, Vec<(Nanos, u64)>, Nanos)> {
-    (algorithm(), 1u64..50, 1u64..120_000, proptest::option::of(1u64..60))
+    (
+        algorithm(),
+        1u64..50,
+        1u64..120_000,
+        proptest::option::of(1u64..60),
+    )
         .prop_filter_map("valid limit", |(a, requests, per_ms, burst)| {
-            let burst = if a == Algorithm::TokenBucket { burst } else { None };
+            let burst = if a == Algorithm::TokenBucket {
+                burst
+            } else {
+                None
+            };
             Limit::new(a, requests, per_ms * MS, burst).ok()
         })
         .prop_flat_map(|limit| {
-            let steps = proptest::collection::vec((0u64..(limit.per() / 2 + 2), 0u64..=limit.capacity()), 0..60);
-            (Just(limit), steps, 1_600_000_000u64 * 1_000_000_000..1_700_000_000u64 * 1_000_000_000)
+            let steps = proptest::collection::vec(
+                (0u64..(limit.per() / 2 + 2), 0u64..=limit.capacity()),
+                0..60,
+            );
+            (
+                Just(limit),
+                steps,
+                1_600_000_000u64 * 1_000_000_000..1_700_000_000u64 * 1_000_000_000,
+            )
         })
 }
 
@@ -145,19 +161,49 @@ fn json_value() -> impl Strategy<Value = serde_json::Value> {
         any::<u64>().prop_map(|n| json!(n)),
         (-1e20f64..1e20).prop_map(|n| json!(n)),
         "[a-z0-9*/ .]{0,12}".prop_map(|s| json!(s)),
-        prop_oneof![Just("60s"), Just("0s"), Just("500ms"), Just("367d"), Just("unlimited"), Just("ip"), Just("user"), Just("/v1/*")].prop_map(|s| json!(s)),
+        prop_oneof![
+            Just("60s"),
+            Just("0s"),
+            Just("500ms"),
+            Just("367d"),
+            Just("unlimited"),
+            Just("ip"),
+            Just("user"),
+            Just("/v1/*")
+        ]
+        .prop_map(|s| json!(s)),
     ]
 }
 
 fn rule_shaped_json() -> impl Strategy<Value = String> {
-    let fields = ["name", "match", "key", "limit", "plans", "algorithm", "cost", "mode", "on_store_failure", "requests", "per", "burst", "path", "method"];
+    let fields = [
+        "name",
+        "match",
+        "key",
+        "limit",
+        "plans",
+        "algorithm",
+        "cost",
+        "mode",
+        "on_store_failure",
+        "requests",
+        "per",
+        "burst",
+        "path",
+        "method",
+    ];
     let leaf = json_value();
     let tree = leaf.prop_recursive(3, 24, 4, move |inner| {
         prop_oneof![
             proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
-            proptest::collection::btree_map(proptest::sample::select(fields.to_vec()).prop_map(String::from), inner, 0..5)
-                .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            proptest::collection::btree_map(
+                proptest::sample::select(fields.to_vec()).prop_map(String::from),
+                inner,
+                0..5
+            )
+            .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
         ]
     });
-    proptest::collection::vec(tree, 0..4).prop_map(|rules| serde_json::json!({ "rules": rules }).to_string())
+    proptest::collection::vec(tree, 0..4)
+        .prop_map(|rules| serde_json::json!({ "rules": rules }).to_string())
 }

@@ -1,1 +1,8 @@
-fn main(){}
+//! `ratewall-tests`: runs ratewall's *built* wasm for real.
+//!
+//! - [`host`]: a proxy-wasm ABI v0.2.1 host on wasmtime (nodes of several VMs sharing one
+//!   shared-data store with Envoy's CAS semantics, a virtual clock, metrics, callouts).
+//! - `tests/`: the filter's behaviour through that host; `benches/`: benchmarks.
+//! - `src/bin/gateway.rs`: a small local HTTP gateway that serves through the filter.
+
+pub mod host;

@@ -1,0 +1,196 @@
+//! The filter's logic, independent of proxy-wasm: configuration, identity extraction,
+//! evaluation against the shared-data table, metrics, and the reply to send.
+
+use crate::host::{Host, Level};
+use crate::table::{Table, TableCounters};
+use ratewall_core::eval::{evaluate, CheckResult, Request, Skip};
+use ratewall_core::glob::normalize_path;
+use ratewall_core::key::{client_ip, ip_key};
+use ratewall_core::rules::Config;
+use ratewall_core::{render, ConfigError, Reply};
+
+/// Per-rule metric ids.
+#[derive(Clone, Copy, Debug, Default)]
+struct RuleMetrics {
+    allowed: Option<u32>,
+    rejected: Option<u32>,
+    shadow_rejected: Option<u32>,
+    unkeyed: Option<u32>,
+    cas_exhausted: Option<u32>,
+    store_failed: Option<u32>,
+}
+
+/// Node-wide metric ids.
+#[derive(Clone, Copy, Debug, Default)]
+struct NodeMetrics {
+    evictions: Option<u32>,
+    corrupt: Option<u32>,
+    cas_conflicts: Option<u32>,
+}
+
+/// A configured filter: validated rules, the table, and metric ids.
+#[derive(Debug)]
+pub struct Engine {
+    config: Config,
+    table: Table,
+    rules: Vec<RuleMetrics>,
+    node: NodeMetrics,
+}
+
+/// Metric-safe form of a rule name: `[a-z0-9_]`.
+fn metric_name(rule: &str, what: &str) -> String {
+    let clean: String = rule
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("ratewall_rule_{clean}_{what}")
+}
+
+impl Engine {
+    /// Validates a rules document and prepares the table and metrics. On error nothing is
+    /// changed: the caller keeps its previous engine.
+    pub fn configure(host: &dyn Host, document: &[u8]) -> Result<Engine, ConfigError> {
+        let config = Config::parse(document)?;
+        let f = config.filter;
+        let table = Table::new(f.slots, f.hash_seed, f.cas_retries);
+        let rules = config
+            .rules
+            .iter()
+            .map(|r| RuleMetrics {
+                allowed: host.define_counter(&metric_name(&r.name, "allowed")),
+                rejected: host.define_counter(&metric_name(&r.name, "rejected")),
+                shadow_rejected: host.define_counter(&metric_name(&r.name, "shadow_rejected")),
+                unkeyed: host.define_counter(&metric_name(&r.name, "unkeyed")),
+                cas_exhausted: host.define_counter(&metric_name(&r.name, "cas_exhausted")),
+                store_failed: host.define_counter(&metric_name(&r.name, "store_failed")),
+            })
+            .collect();
+        let node = NodeMetrics {
+            evictions: host.define_counter("ratewall_table_evictions"),
+            corrupt: host.define_counter("ratewall_table_corrupt"),
+            cas_conflicts: host.define_counter("ratewall_table_cas_conflicts"),
+        };
+        if let Err(e) = table.create(host) {
+            host.log(
+                Level::Warn,
+                &format!("ratewall: could not create the counter table: {e:?}"),
+            );
+        }
+        Ok(Engine {
+            config,
+            table,
+            rules,
+            node,
+        })
+    }
+
+    /// The validated configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The counter table.
+    pub fn table(&self) -> &Table {
+        &self.table
+    }
+
+    /// Decides one request from its headers. `Reply::passes()` means continue upstream and
+    /// add `headers` to the response.
+    pub fn on_request(&self, host: &dyn Host) -> Reply {
+        let now = host.now();
+        let method_raw = host.request_header(":method").unwrap_or_default();
+        let method = core::str::from_utf8(&method_raw).unwrap_or("");
+        let path = normalize_path(&host.request_header(":path").unwrap_or_default());
+        let values: Vec<Option<Vec<u8>>> = self
+            .config
+            .identity
+            .headers
+            .iter()
+            .map(|(_, h)| host.request_header(h).filter(|v| !v.is_empty()))
+            .collect();
+        let headers: Vec<Option<&[u8]>> = values.iter().map(|v| v.as_deref()).collect();
+        let ip = self.needs_ip(method, &path).then(|| {
+            let src = self.config.identity.ip;
+            let xff = if src.trusted_hops > 0 {
+                host.request_header("x-forwarded-for")
+            } else {
+                None
+            };
+            let peer = host.property(&["source", "address"]);
+            client_ip(peer.as_deref(), xff.as_deref(), &src).map(|ip| ip_key(ip, &src))
+        });
+        let ip = ip.flatten();
+        let req = Request {
+            method,
+            path: &path,
+            headers: &headers,
+            ip: ip.as_deref(),
+        };
+        let (checks, skipped) = self.config.checks(&req);
+        let mut counters = TableCounters {
+            table: &self.table,
+            host,
+            stats: Default::default(),
+        };
+        let outcome = evaluate(&self.config, &checks, &mut counters, now);
+        let stats = counters.stats;
+        let bump = |m: Option<u32>, by: u64| {
+            if let (Some(id), true) = (m, by > 0) {
+                host.increment(id, by);
+            }
+        };
+        bump(self.node.evictions, stats.evictions);
+        bump(self.node.corrupt, stats.corrupt);
+        bump(self.node.cas_conflicts, stats.cas_conflicts);
+        for (rule, why) in &skipped {
+            if *why == Skip::Unkeyed {
+                bump(self.rules.get(*rule).and_then(|m| m.unkeyed), 1);
+            }
+        }
+        for c in &outcome.checks {
+            let Some(m) = self.rules.get(c.rule) else {
+                continue;
+            };
+            match c.result {
+                CheckResult::Decided(_) if c.would_reject() => {
+                    bump(m.shadow_rejected, 1);
+                    if let Some(rule) = self.config.rules.get(c.rule) {
+                        host.log(
+                            Level::Info,
+                            &format!(
+                                "ratewall: shadow rule \"{}\" would reject {method} {path}",
+                                rule.name
+                            ),
+                        );
+                    }
+                }
+                CheckResult::Decided(d) if !d.allowed => bump(m.rejected, 1),
+                CheckResult::Decided(_) => bump(m.allowed, 1),
+                CheckResult::Failed(e, _) => {
+                    bump(
+                        if e == ratewall_core::eval::StoreError::Contention {
+                            m.cas_exhausted
+                        } else {
+                            m.store_failed
+                        },
+                        1,
+                    );
+                }
+            }
+        }
+        render(&self.config, &outcome)
+    }
+
+    /// Whether any rule this request matches keys on the client IP (saves host calls).
+    fn needs_ip(&self, method: &str, path: &str) -> bool {
+        self.config.rules.iter().any(|r| {
+            r.key.contains(&ratewall_core::rules::Dimension::Ip) && r.matcher.matches(method, path)
+        })
+    }
+}

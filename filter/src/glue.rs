@@ -1,0 +1,156 @@
+//! The thin proxy-wasm layer: implements [`Host`] with the SDK's host calls (the variants
+//! that return errors rather than panic) and wires contexts to the [`Engine`].
+
+use crate::engine::Engine;
+use crate::host::{Host, Level, SetError};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
+use ratewall_core::Nanos;
+use std::rc::Rc;
+use std::time::UNIX_EPOCH;
+
+/// The proxy as a [`Host`].
+struct ProxyHost;
+
+impl Host for ProxyHost {
+    fn now(&self) -> Nanos {
+        hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+    }
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        hostcalls::get_property(path.to_vec()).ok().flatten()
+    }
+    fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), SetError> {
+        hostcalls::get_shared_data(key).map_err(|_| SetError::Other)
+    }
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(Status::CasMismatch) => Err(SetError::CasMismatch),
+            Err(_) => Err(SetError::Other),
+        }
+    }
+    fn define_counter(&self, name: &str) -> Option<u32> {
+        hostcalls::define_metric(MetricType::Counter, name).ok()
+    }
+    fn increment(&self, metric: u32, by: u64) {
+        let _ = hostcalls::increment_metric(metric, i64::try_from(by).unwrap_or(i64::MAX));
+    }
+    fn log(&self, level: Level, message: &str) {
+        let level = match level {
+            Level::Debug => LogLevel::Debug,
+            Level::Info => LogLevel::Info,
+            Level::Warn => LogLevel::Warn,
+            Level::Error => LogLevel::Error,
+        };
+        let _ = hostcalls::log(level, message);
+    }
+}
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    // A panic aborts the VM; make sure the proxy's log says why.
+    std::panic::set_hook(Box::new(|info| {
+        let _ = hostcalls::log(LogLevel::Critical, &format!("ratewall: panic: {info}"));
+    }));
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { engine: None }) });
+}}
+
+/// The plugin's root context: holds the last good configuration.
+struct Root {
+    engine: Option<Rc<Engine>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, size: usize) -> bool {
+        let document = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size) {
+            Ok(Some(d)) => d,
+            Ok(None) => Vec::new(),
+            Err(_) => return false,
+        };
+        match Engine::configure(&ProxyHost, &document) {
+            Ok(engine) => {
+                ProxyHost.log(
+                    Level::Info,
+                    &format!("ratewall: loaded {} rules", engine.config().rules.len()),
+                );
+                self.engine = Some(Rc::new(engine));
+                true
+            }
+            Err(e) => {
+                let keeping = if self.engine.is_some() {
+                    "keeping the previous rules"
+                } else {
+                    "no rules loaded"
+                };
+                ProxyHost.log(
+                    Level::Error,
+                    &format!("ratewall: configuration rejected: {e}; {keeping}"),
+                );
+                false
+            }
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Request {
+            engine: self.engine.clone(),
+            response_headers: Vec::new(),
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// One HTTP request's context.
+struct Request {
+    engine: Option<Rc<Engine>>,
+    response_headers: Vec<(&'static str, String)>,
+}
+
+impl Context for Request {}
+
+impl HttpContext for Request {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let Some(engine) = &self.engine else {
+            return Action::Continue;
+        };
+        let reply = engine.on_request(&ProxyHost);
+        if reply.passes() {
+            self.response_headers = reply.headers;
+            return Action::Continue;
+        }
+        let headers: Vec<(&str, &str)> = reply
+            .headers
+            .iter()
+            .map(|(k, v)| (*k, v.as_str()))
+            .collect();
+        match hostcalls::send_http_response(
+            u32::from(reply.status),
+            headers,
+            Some(reply.body.as_bytes()),
+        ) {
+            Ok(()) => Action::Pause,
+            Err(_) => Action::Continue,
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        for (name, value) in &self.response_headers {
+            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+        }
+        Action::Continue
+    }
+}

@@ -1,0 +1,310 @@
+//! The node's counter table in proxy-wasm shared data: a fixed number of buckets, each one
+//! shared-data key holding up to [`WAYS`] entries, so memory stays bounded whatever the
+//! number of distinct clients.
+//!
+//! Shared data has no delete and Envoy never frees a key, so the filter never creates a key
+//! per client. A (rule, key) hashes (SipHash-1-3, keyed by `filter.hash_seed`) to a bucket
+//! and a 64-bit fingerprint. A bucket value is
+//! `version (1) | n (1) | n × (fingerprint u64 | idle_at_secs u32 | state)`, about 22 bytes
+//! per token-bucket entry and 30 per sliding-window entry.
+//!
+//! Eviction: a new key takes the slot of an entry that is idle (its state is equivalent to
+//! fresh, so forgetting it grants nothing); when none is idle, the entry that becomes idle
+//! soonest (least outstanding debt). A client that is currently limited has the latest
+//! idle time in its bucket, so a flood of one-request keys evicts the flood first: evicting
+//! a limited client needs [`WAYS`] other limited keys in that same bucket, which costs the
+//! attacker their full quota on each and knowledge of the secret hash seed.
+//!
+//! Creation: on Envoy a missing key reads as NotFound and a set with `cas = 0` is
+//! unconditional, so a first insert is not protected. Every bucket key is therefore created
+//! (empty) when the filter is configured, before it serves traffic, and request-path writes
+//! only ever use a CAS value they have read.
+
+use crate::host::{Host, SetError};
+use ratewall_core::algo::{Nanos, State, SECOND};
+use ratewall_core::encoding::DecodeError;
+use ratewall_core::eval::{Check, Counters, StoreError};
+use siphasher::sip::SipHasher13;
+use std::hash::Hasher;
+
+/// Entries per bucket.
+pub const WAYS: usize = 8;
+const VERSION: u8 = 1;
+
+/// Where a (rule, key) lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    /// Bucket index.
+    pub bucket: u32,
+    /// Fingerprint within the bucket.
+    pub fingerprint: u64,
+}
+
+/// One tracked (rule, key).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// Fingerprint of the (rule, key).
+    pub fingerprint: u64,
+    /// Whole seconds since the epoch from which the state equals fresh.
+    pub idle_at: u32,
+    /// The limiter state.
+    pub state: State,
+}
+
+/// Decodes a bucket value.
+pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
+    let (&version, rest) = bytes.split_first().ok_or(DecodeError::Truncated)?;
+    if version != VERSION {
+        return Err(DecodeError::Version(version));
+    }
+    let (&n, mut rest) = rest.split_first().ok_or(DecodeError::Truncated)?;
+    let mut entries = Vec::with_capacity(usize::from(n));
+    for _ in 0..n {
+        let head = rest.get(..12).ok_or(DecodeError::Truncated)?;
+        let mut fp = [0u8; 8];
+        fp.copy_from_slice(head.get(..8).ok_or(DecodeError::Truncated)?);
+        let mut idle = [0u8; 4];
+        idle.copy_from_slice(head.get(8..12).ok_or(DecodeError::Truncated)?);
+        let (state, used) = State::decode(rest.get(12..).ok_or(DecodeError::Truncated)?)?;
+        entries.push(Entry {
+            fingerprint: u64::from_le_bytes(fp),
+            idle_at: u32::from_le_bytes(idle),
+            state,
+        });
+        rest = rest.get(12 + used..).ok_or(DecodeError::Truncated)?;
+    }
+    Ok(entries)
+}
+
+/// Encodes a bucket value.
+pub fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 + entries.len() * 30);
+    out.push(VERSION);
+    out.push(entries.len().min(WAYS) as u8);
+    for e in entries.iter().take(WAYS) {
+        out.extend_from_slice(&e.fingerprint.to_le_bytes());
+        out.extend_from_slice(&e.idle_at.to_le_bytes());
+        e.state.encode_into(&mut out);
+    }
+    out
+}
+
+/// The table's shape and hashing.
+#[derive(Clone, Debug)]
+pub struct Table {
+    buckets: u32,
+    seed: u64,
+    prefix: String,
+    cas_retries: u32,
+}
+
+/// What one table update did, for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TableStats {
+    /// Active (non-idle) entries evicted to make room.
+    pub evictions: u64,
+    /// Bucket values that did not decode and were reset.
+    pub corrupt: u64,
+    /// CAS conflicts retried.
+    pub cas_conflicts: u64,
+}
+
+impl Table {
+    /// A table of about `slots` entries (rounded up to whole buckets).
+    pub fn new(slots: u32, seed: u64, cas_retries: u32) -> Table {
+        let buckets = slots.div_ceil(WAYS as u32).max(1);
+        // The bucket count is part of the key so a resized table starts clean.
+        Table {
+            buckets,
+            seed,
+            prefix: format!("ratewall/t1/{buckets}/"),
+            cas_retries,
+        }
+    }
+
+    /// Number of buckets (shared-data keys).
+    pub fn buckets(&self) -> u32 {
+        self.buckets
+    }
+
+    /// The bucket and fingerprint of a counter key.
+    pub fn slot(&self, key: &[u8]) -> Slot {
+        let mut h = SipHasher13::new_with_keys(self.seed, 0x7261_7465_7761_6c6c);
+        h.write(key);
+        let fingerprint = h.finish();
+        // Multiply-shift maps the high bits uniformly onto the bucket range.
+        let bucket = (((fingerprint >> 32) * u64::from(self.buckets)) >> 32) as u32;
+        Slot {
+            bucket,
+            fingerprint,
+        }
+    }
+
+    /// The shared-data key of a bucket.
+    pub fn bucket_key(&self, bucket: u32) -> String {
+        format!("{}{bucket}", self.prefix)
+    }
+
+    /// Creates every bucket key that does not exist yet. Runs at configure time, before
+    /// traffic: this is the only place a key is written without a CAS value that was read.
+    pub fn create(&self, host: &dyn Host) -> Result<u32, SetError> {
+        let empty = encode_bucket(&[]);
+        let mut created = 0;
+        for b in 0..self.buckets {
+            let key = self.bucket_key(b);
+            if let Ok((None, _)) = host.shared_get(&key) {
+                host.shared_set(&key, &empty, None)?;
+                created += 1;
+            }
+        }
+        Ok(created)
+    }
+
+    /// Atomically updates the state of `key` in its bucket with `f`.
+    pub fn update(
+        &self,
+        host: &dyn Host,
+        key: &[u8],
+        now: Nanos,
+        idle_at: &dyn Fn(&State) -> Nanos,
+        f: &mut dyn FnMut(&State) -> Option<State>,
+        stats: &mut TableStats,
+    ) -> Result<(), StoreError> {
+        let slot = self.slot(key);
+        let bkey = self.bucket_key(slot.bucket);
+        let now_secs = u32::try_from(now / SECOND).unwrap_or(u32::MAX);
+        for _ in 0..self.cas_retries {
+            let (bytes, cas) = host
+                .shared_get(&bkey)
+                .map_err(|_| StoreError::Unavailable)?;
+            let mut entries = match bytes.as_deref().map(decode_bucket) {
+                Some(Ok(e)) => e,
+                Some(Err(_)) => {
+                    stats.corrupt += 1;
+                    Vec::new()
+                }
+                None => Vec::new(),
+            };
+            let pos = entries
+                .iter()
+                .position(|e| e.fingerprint == slot.fingerprint);
+            let current = pos
+                .and_then(|i| entries.get(i))
+                .map_or(State::Fresh, |e| e.state.clone());
+            let Some(next) = f(&current) else {
+                return Ok(());
+            };
+            let idle = u32::try_from(idle_at(&next).div_ceil(SECOND)).unwrap_or(u32::MAX);
+            let entry = Entry {
+                fingerprint: slot.fingerprint,
+                idle_at: idle,
+                state: next,
+            };
+            match pos {
+                Some(i) => {
+                    if let Some(e) = entries.get_mut(i) {
+                        *e = entry;
+                    }
+                }
+                None if entries.len() < WAYS => entries.push(entry),
+                None => {
+                    // Prefer an idle entry; otherwise the one that becomes idle soonest.
+                    let victim = entries
+                        .iter()
+                        .enumerate()
+                        .min_by_key(|(_, e)| (e.idle_at > now_secs, e.idle_at))
+                        .map_or(0, |(i, _)| i);
+                    if entries.get(victim).is_some_and(|e| e.idle_at > now_secs) {
+                        stats.evictions += 1;
+                    }
+                    if let Some(e) = entries.get_mut(victim) {
+                        *e = entry;
+                    }
+                }
+            }
+            let value = encode_bucket(&entries);
+            // A bucket that does not exist yet was not created at configure time (a table
+            // resized while traffic flows); create it now, unprotected, as Envoy allows.
+            match host.shared_set(&bkey, &value, cas) {
+                Ok(()) => return Ok(()),
+                Err(SetError::CasMismatch) => stats.cas_conflicts += 1,
+                Err(SetError::Other) => return Err(StoreError::Unavailable),
+            }
+        }
+        Err(StoreError::Contention)
+    }
+}
+
+/// The table as the core's [`Counters`] for one request.
+pub struct TableCounters<'a> {
+    /// The table.
+    pub table: &'a Table,
+    /// The host.
+    pub host: &'a dyn Host,
+    /// Statistics collected.
+    pub stats: TableStats,
+}
+
+impl Counters for TableCounters<'_> {
+    fn update(
+        &mut self,
+        check: &Check,
+        now: Nanos,
+        f: &mut dyn FnMut(&State) -> Option<State>,
+    ) -> Result<(), StoreError> {
+        let limit = check.limit;
+        self.table.update(
+            self.host,
+            &check.key,
+            now,
+            &|s| limit.idle_at(s),
+            f,
+            &mut self.stats,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_round_trip_and_garbage_is_an_error() {
+        let entries = vec![
+            Entry {
+                fingerprint: 1,
+                idle_at: 2,
+                state: State::TokenBucket { tat: 3 },
+            },
+            Entry {
+                fingerprint: u64::MAX,
+                idle_at: 5,
+                state: State::SlidingWindow {
+                    window: 1,
+                    prev: 2,
+                    curr: 3,
+                },
+            },
+        ];
+        let bytes = encode_bucket(&entries);
+        assert_eq!(bytes.len(), 2 + 22 + 30);
+        assert_eq!(decode_bucket(&bytes).unwrap(), entries);
+        assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
+        assert!(decode_bucket(&[]).is_err());
+        assert!(decode_bucket(&[1, 200]).is_err());
+    }
+
+    #[test]
+    fn slots_spread_over_buckets() {
+        let t = Table::new(8192, 42, 8);
+        let mut seen = vec![0u32; t.buckets() as usize];
+        for i in 0..100_000u32 {
+            seen[t.slot(&i.to_le_bytes()).bucket as usize] += 1;
+        }
+        let (min, max) = (seen.iter().min().unwrap(), seen.iter().max().unwrap());
+        assert!(
+            *min > 60 && *max < 140,
+            "bucket load {min}..{max} for a mean of 97"
+        );
+    }
+}

@@ -1,0 +1,261 @@
+//! `ratewall-gateway`: ratewall running locally. An HTTP/1.1 server on 127.0.0.1 whose every
+//! request goes through the built filter (`dist/ratewall_filter.wasm`) in the wasmtime
+//! proxy-wasm host — several worker VMs sharing one node's counters, as in Envoy — and, when
+//! admitted, to a small built-in demo origin. The rules file is watched and pushed to the
+//! VMs when it changes, as an xDS config push would be; a bad file is rejected and the last
+//! good rules stay.
+//!
+//! `ratewall-gateway [--rules FILE] [--port N] [--workers N]`
+
+use ratewall_tests::host::{HttpRequest, Node, Plugin, Vm};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+struct Args {
+    rules: String,
+    port: u16,
+    workers: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        rules: "examples/rules.json".into(),
+        port: 8080,
+        workers: 2,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--rules" => a.rules = value()?,
+            "--port" => a.port = value()?.parse().map_err(|e| format!("--port: {e}"))?,
+            "--workers" => a.workers = value()?.parse().map_err(|e| format!("--workers: {e}"))?,
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(a)
+}
+
+fn wall_clock() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// The current rules document and its generation, shared by the workers.
+struct Rules {
+    document: Mutex<Vec<u8>>,
+    generation: AtomicU64,
+}
+
+fn main() {
+    if let Err(e) = serve() {
+        eprintln!("ratewall-gateway: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn serve() -> Result<(), String> {
+    let args = parse_args()?;
+    let document = std::fs::read(&args.rules).map_err(|e| format!("{}: {e}", args.rules))?;
+    if let Err(e) = ratewall_core::Config::parse(&document) {
+        return Err(format!("{}: {e}", args.rules));
+    }
+    let plugin = Plugin::filter().map_err(|e| e.to_string())?;
+    let node = Node::new(wall_clock());
+    let rules = Arc::new(Rules {
+        document: Mutex::new(document),
+        generation: AtomicU64::new(0),
+    });
+    let listener = TcpListener::bind(("127.0.0.1", args.port))
+        .map_err(|e| format!("127.0.0.1:{}: {e}", args.port))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+
+    let (tx, rx) = mpsc::channel::<TcpStream>();
+    let rx = Arc::new(Mutex::new(rx));
+    for w in 0..args.workers.max(1) {
+        let doc = rules.document.lock().map_err(|e| e.to_string())?.clone();
+        let mut vm = Vm::start(&plugin, &node, &doc).map_err(|e| format!("worker {w}: {e}"))?;
+        let (rx, rules, node) = (Arc::clone(&rx), Arc::clone(&rules), node.clone());
+        std::thread::spawn(move || {
+            let mut seen = 0;
+            loop {
+                let next = rx.lock().map(|r| r.recv());
+                let Ok(Ok(stream)) = next else { return };
+                let generation = rules.generation.load(Ordering::SeqCst);
+                if generation != seen {
+                    seen = generation;
+                    if let Ok(doc) = rules.document.lock().map(|d| d.clone()) {
+                        let _ = vm.configure(&doc);
+                    }
+                }
+                node.set_time(wall_clock());
+                if let Err(e) = handle(&mut vm, stream) {
+                    eprintln!("ratewall-gateway: worker {w}: {e}");
+                }
+            }
+        });
+    }
+    watch(args.rules.clone(), Arc::clone(&rules), node.clone());
+
+    println!(
+        "ratewall is running at http://{addr}  (rules: {}, {} worker VMs)",
+        args.rules,
+        args.workers.max(1)
+    );
+    println!("  the RateLimit fields:  curl -si http://{addr}/v1/things -H 'x-api-key: demo'");
+    println!("  a 429 after 10 logins: for i in $(seq 11); do curl -s -o /dev/null -w '%{{http_code}} ' -X POST http://{addr}/v1/auth/login; done; echo");
+    println!("  metrics:               curl -s http://{addr}/_ratewall/metrics");
+    println!("Ctrl-C stops it.");
+    let _ = std::io::stdout().flush();
+    for stream in listener.incoming().flatten() {
+        if tx.send(stream).is_err() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Polls the rules file and publishes a new generation when it changes and parses.
+fn watch(path: String, rules: Arc<Rules>, node: Node) {
+    std::thread::spawn(move || {
+        let mut last = std::fs::read(&path).unwrap_or_default();
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+            let Ok(doc) = std::fs::read(&path) else {
+                continue;
+            };
+            if doc == last {
+                continue;
+            }
+            last = doc.clone();
+            match ratewall_core::Config::parse(&doc) {
+                Ok(_) => {
+                    if let Ok(mut d) = rules.document.lock() {
+                        *d = doc;
+                    }
+                    rules.generation.fetch_add(1, Ordering::SeqCst);
+                    eprintln!("ratewall-gateway: {path} changed; rules reloaded");
+                }
+                Err(e) => {
+                    eprintln!("ratewall-gateway: {path} rejected, keeping the previous rules: {e}")
+                }
+            }
+            let _ = node.now();
+        }
+    });
+}
+
+fn handle(vm: &mut Vm, mut stream: TcpStream) -> Result<(), String> {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|e| e.to_string())?;
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
+    let mut line = String::new();
+    reader.read_line(&mut line).map_err(|e| e.to_string())?;
+    let mut parts = line.split_whitespace();
+    let (Some(method), Some(target)) = (parts.next(), parts.next()) else {
+        return respond(&mut stream, 400, &[], b"bad request\n");
+    };
+    let mut req = HttpRequest::new(method, target).from_addr(&peer);
+    req.headers.retain(|(k, _)| k != ":authority");
+    let mut content_length = 0usize;
+    let mut total = 0usize;
+    loop {
+        let mut h = Vec::new();
+        let n = reader
+            .read_until(b'\n', &mut h)
+            .map_err(|e| e.to_string())?;
+        total += n;
+        if n == 0 || h == b"\r\n" || h == b"\n" || total > 64 * 1024 {
+            break;
+        }
+        let h = h
+            .strip_suffix(b"\r\n")
+            .or_else(|| h.strip_suffix(b"\n"))
+            .unwrap_or(&h);
+        if let Some(i) = h.iter().position(|&b| b == b':') {
+            let name = String::from_utf8_lossy(&h[..i]).trim().to_ascii_lowercase();
+            let value = h[i + 1..].trim_ascii().to_vec();
+            if name == "content-length" {
+                content_length = String::from_utf8_lossy(&value).parse().unwrap_or(0);
+            }
+            let name = if name == "host" {
+                ":authority".to_owned()
+            } else {
+                name
+            };
+            req.headers.push((name, value));
+        }
+    }
+    let mut body = vec![0u8; content_length.min(1 << 20)];
+    let _ = reader.read_exact(&mut body);
+
+    if target == "/_ratewall/metrics" {
+        let mut text = String::new();
+        for m in vm.node().metrics() {
+            text.push_str(&format!("{} {}\n", m.name, m.value));
+        }
+        return respond(
+            &mut stream,
+            200,
+            &[("content-type".into(), "text/plain".into())],
+            text.as_bytes(),
+        );
+    }
+    let result = vm.request(&req).map_err(|e| e.to_string())?;
+    if !result.passed {
+        return respond(
+            &mut stream,
+            result.status as u16,
+            &result.headers,
+            &result.body,
+        );
+    }
+    // The demo origin.
+    let origin = format!(
+        "{{\"ok\":true,\"method\":\"{method}\",\"path\":{:?}}}\n",
+        target
+    );
+    let mut headers = result.headers.clone();
+    headers.push(("content-type".into(), "application/json".into()));
+    respond(&mut stream, 200, &headers, origin.as_bytes())
+}
+
+fn respond(
+    stream: &mut TcpStream,
+    status: u16,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> Result<(), String> {
+    let reason = match status {
+        200 => "OK",
+        400 => "Bad Request",
+        429 => "Too Many Requests",
+        503 => "Service Unavailable",
+        _ => "",
+    };
+    let mut out = format!("HTTP/1.1 {status} {reason}\r\n");
+    for (k, v) in headers {
+        if k.eq_ignore_ascii_case("content-length") || k.starts_with(':') {
+            continue;
+        }
+        out.push_str(&format!("{k}: {v}\r\n"));
+    }
+    out.push_str(&format!(
+        "content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    ));
+    stream
+        .write_all(out.as_bytes())
+        .and_then(|_| stream.write_all(body))
+        .map_err(|e| e.to_string())
+}

@@ -1,0 +1,275 @@
+//! ratewall's task runner: `cargo xtask <build|test|dev|bench>`.
+//!
+//! It sets up what a fresh machine lacks (the wasm32 target: rustup's when it can be had
+//! within a short timeout, else Debian's `rustc-web` with `-Zbuild-std`), builds the wasm
+//! artifacts into `dist/`, and runs the tests, the local gateway or the benchmarks.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+const WASM_TARGET: &str = "wasm32-unknown-unknown";
+const USAGE: &str = "usage: cargo xtask <command>
+
+  dev     build, then run ratewall locally: an HTTP gateway on 127.0.0.1 that serves every
+          request through the built filter with examples/rules.json (--port N, --rules FILE)
+  test    build, then run every test
+  build   build the wasm artifacts into dist/
+  bench   build, then run the benchmarks and print their figures";
+
+type Result<T> = std::result::Result<T, String>;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("build") => build().map(|_| ()),
+        Some("test") => build().and_then(|_| test()),
+        Some("dev") => build().and_then(|_| dev(&args[1..])),
+        Some("bench") => build().and_then(|_| bench(&args[1..])),
+        _ => {
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("+ {cmd:?}");
+    let status = cmd
+        .status()
+        .map_err(|e| format!("could not start {cmd:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{cmd:?} failed ({status})"))
+    }
+}
+
+/// Runs a command with a deadline; `None` when it did not finish in time (it is killed).
+fn run_with_timeout(cmd: &mut Command, limit: Duration) -> Option<bool> {
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let start = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status.success()),
+            Ok(None) if start.elapsed() < limit => std::thread::sleep(Duration::from_millis(100)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+        }
+    }
+}
+
+/// How wasm32 is compiled on this machine.
+enum Toolchain {
+    /// rustup's toolchain with its wasm32 target.
+    Rustup,
+    /// Debian's rustc-web with the standard library built from rust-web-src.
+    Debian,
+}
+
+fn rustup_has_target() -> bool {
+    Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .output()
+        .is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l.trim() == WASM_TARGET)
+        })
+}
+
+fn debian_ready() -> bool {
+    Path::new("/usr/bin/rustc").exists()
+        && Path::new("/usr/lib/llvm-16/bin/wasm-ld").exists()
+        && Path::new("/usr/lib/rustlib/src/rust/library").exists()
+}
+
+fn toolchain() -> Result<Toolchain> {
+    if rustup_has_target() {
+        return Ok(Toolchain::Rustup);
+    }
+    if Command::new("rustup")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+    {
+        eprintln!("xtask: adding rustup's {WASM_TARGET} target (60 s at most)");
+        let added = run_with_timeout(
+            Command::new("rustup").args(["target", "add", WASM_TARGET]),
+            Duration::from_secs(60),
+        );
+        if added == Some(true) && rustup_has_target() {
+            return Ok(Toolchain::Rustup);
+        }
+        eprintln!(
+            "xtask: rustup could not add {WASM_TARGET} ({}); trying Debian's rustc-web",
+            if added.is_none() {
+                "timed out"
+            } else {
+                "refused"
+            }
+        );
+    }
+    if debian_ready() {
+        return Ok(Toolchain::Debian);
+    }
+    let is_root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0"));
+    if is_root && Path::new("/usr/bin/apt-get").exists() {
+        let apt = |args: &[&str]| {
+            run_with_timeout(
+                Command::new("apt-get")
+                    .args(args)
+                    .env("DEBIAN_FRONTEND", "noninteractive"),
+                Duration::from_secs(600),
+            )
+        };
+        eprintln!("xtask: installing rustc-web cargo-web rust-web-src lld-16 with apt-get");
+        if apt(&["update"]) == Some(true)
+            && apt(&[
+                "install",
+                "-y",
+                "rustc-web",
+                "cargo-web",
+                "rust-web-src",
+                "lld-16",
+            ]) == Some(true)
+            && debian_ready()
+        {
+            return Ok(Toolchain::Debian);
+        }
+    }
+    Err(format!(
+        "no wasm32 compiler. Install one of:\n  rustup target add {WASM_TARGET}\n  apt-get install rustc-web cargo-web rust-web-src lld-16   (Debian/Ubuntu)"
+    ))
+}
+
+/// The wasm build command for a toolchain; the wasm target dir is separate from the native one.
+fn wasm_cargo(tc: &Toolchain) -> Command {
+    let target_dir = root().join("target/wasm");
+    let mut cmd = match tc {
+        Toolchain::Rustup => Command::new(cargo()),
+        Toolchain::Debian => {
+            let mut c = Command::new("/usr/bin/cargo");
+            let path = std::env::var("PATH").unwrap_or_default();
+            c.env("PATH", format!("/usr/bin:{path}"))
+                .env("RUSTC", "/usr/bin/rustc")
+                .env("RUSTC_BOOTSTRAP", "1");
+            c
+        }
+    };
+    cmd.current_dir(root())
+        .arg("build")
+        .args([
+            "--target",
+            WASM_TARGET,
+            "--profile",
+            "wasm-release",
+            "--target-dir",
+        ])
+        .arg(target_dir);
+    if let Toolchain::Debian = tc {
+        cmd.args(["-Zbuild-std=std,panic_abort", "--config"])
+            .arg(format!(
+                "target.{WASM_TARGET}.linker=\"/usr/lib/llvm-16/bin/wasm-ld\""
+            ));
+    }
+    cmd
+}
+
+/// The wasm artifacts, once built.
+struct Artifacts {
+    /// `dist/ratewall_filter.wasm`.
+    #[allow(dead_code)]
+    filter: PathBuf,
+}
+
+fn build() -> Result<Artifacts> {
+    let tc = toolchain()?;
+    run(wasm_cargo(&tc).args(["-p", "ratewall-filter", "-p", "ratewall-core-probe"]))?;
+    let out = root()
+        .join("target/wasm")
+        .join(WASM_TARGET)
+        .join("wasm-release");
+    let dist = root().join("dist");
+    std::fs::create_dir_all(&dist).map_err(|e| format!("{}: {e}", dist.display()))?;
+    let filter = dist.join("ratewall_filter.wasm");
+    std::fs::copy(out.join("ratewall_filter.wasm"), &filter)
+        .map_err(|e| format!("copying the filter: {e}"))?;
+    let probe = root().join("target/wasm/ratewall_core_probe.wasm");
+    std::fs::copy(out.join("ratewall_core_probe.wasm"), &probe)
+        .map_err(|e| format!("copying the core probe: {e}"))?;
+    let size = std::fs::metadata(&filter).map(|m| m.len()).unwrap_or(0);
+    eprintln!("xtask: built {} ({size} bytes)", filter.display());
+    Ok(Artifacts { filter })
+}
+
+fn test() -> Result<()> {
+    run(Command::new(cargo()).current_dir(root()).args([
+        "test",
+        "--workspace",
+        "--exclude",
+        "ratewall-core-probe",
+        "--all-targets",
+    ]))?;
+    // Doc tests are part of "every test" too.
+    run(Command::new(cargo()).current_dir(root()).args([
+        "test",
+        "--workspace",
+        "--exclude",
+        "ratewall-core-probe",
+        "--doc",
+    ]))
+}
+
+fn dev(args: &[String]) -> Result<()> {
+    let mut cmd = Command::new(cargo());
+    cmd.current_dir(root()).args([
+        "run",
+        "--quiet",
+        "-p",
+        "ratewall-tests",
+        "--bin",
+        "ratewall-gateway",
+        "--",
+    ]);
+    if !args.iter().any(|a| a == "--rules") {
+        cmd.args(["--rules", "examples/rules.json"]);
+    }
+    run(cmd.args(args))
+}
+
+fn bench(args: &[String]) -> Result<()> {
+    run(Command::new(cargo())
+        .current_dir(root())
+        .args(["bench", "-p", "ratewall-tests"])
+        .args(args))
+}
