@@ -39,16 +39,8 @@ pub struct Engine {
 
 /// Metric-safe form of a rule name: `[a-z0-9_]`.
 fn metric_name(rule: &str, what: &str) -> String {
-    let clean: String = rule
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_lowercase()
-            } else {
-                '_'
-            }
-        })
-        .collect();
+    let clean: String =
+        rule.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
     format!("ratewall_rule_{clean}_{what}")
 }
 
@@ -77,17 +69,9 @@ impl Engine {
             cas_conflicts: host.define_counter("ratewall_table_cas_conflicts"),
         };
         if let Err(e) = table.create(host) {
-            host.log(
-                Level::Warn,
-                &format!("ratewall: could not create the counter table: {e:?}"),
-            );
+            host.log(Level::Warn, &format!("ratewall: could not create the counter table: {e:?}"));
         }
-        Ok(Engine {
-            config,
-            table,
-            rules,
-            node,
-        })
+        Ok(Engine { config, table, rules, node })
     }
 
     /// The validated configuration.
@@ -117,27 +101,14 @@ impl Engine {
         let headers: Vec<Option<&[u8]>> = values.iter().map(|v| v.as_deref()).collect();
         let ip = self.needs_ip(method, &path).then(|| {
             let src = self.config.identity.ip;
-            let xff = if src.trusted_hops > 0 {
-                host.request_header("x-forwarded-for")
-            } else {
-                None
-            };
+            let xff = if src.trusted_hops > 0 { host.request_header("x-forwarded-for") } else { None };
             let peer = host.property(&["source", "address"]);
             client_ip(peer.as_deref(), xff.as_deref(), &src).map(|ip| ip_key(ip, &src))
         });
         let ip = ip.flatten();
-        let req = Request {
-            method,
-            path: &path,
-            headers: &headers,
-            ip: ip.as_deref(),
-        };
+        let req = Request { method, path: &path, headers: &headers, ip: ip.as_deref() };
         let (checks, skipped) = self.config.checks(&req);
-        let mut counters = TableCounters {
-            table: &self.table,
-            host,
-            stats: Default::default(),
-        };
+        let mut counters = TableCounters { table: &self.table, host, stats: Default::default() };
         let outcome = evaluate(&self.config, &checks, &mut counters, now);
         let stats = counters.stats;
         let bump = |m: Option<u32>, by: u64| {
@@ -163,10 +134,7 @@ impl Engine {
                     if let Some(rule) = self.config.rules.get(c.rule) {
                         host.log(
                             Level::Info,
-                            &format!(
-                                "ratewall: shadow rule \"{}\" would reject {method} {path}",
-                                rule.name
-                            ),
+                            &format!("ratewall: shadow rule \"{}\" would reject {method} {path}", rule.name),
                         );
                     }
                 }
@@ -174,11 +142,7 @@ impl Engine {
                 CheckResult::Decided(_) => bump(m.allowed, 1),
                 CheckResult::Failed(e, _) => {
                     bump(
-                        if e == ratewall_core::eval::StoreError::Contention {
-                            m.cas_exhausted
-                        } else {
-                            m.store_failed
-                        },
+                        if e == ratewall_core::eval::StoreError::Contention { m.cas_exhausted } else { m.store_failed },
                         1,
                     );
                 }
@@ -189,8 +153,9 @@ impl Engine {
 
     /// Whether any rule this request matches keys on the client IP (saves host calls).
     fn needs_ip(&self, method: &str, path: &str) -> bool {
-        self.config.rules.iter().any(|r| {
-            r.key.contains(&ratewall_core::rules::Dimension::Ip) && r.matcher.matches(method, path)
-        })
+        self.config
+            .rules
+            .iter()
+            .any(|r| r.key.contains(&ratewall_core::rules::Dimension::Ip) && r.matcher.matches(method, path))
     }
 }

@@ -21,9 +21,7 @@ impl Host for ProxyHost {
             .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
     }
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
-        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
     }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         hostcalls::get_property(path.to_vec()).ok().flatten()
@@ -80,33 +78,20 @@ impl RootContext for Root {
         };
         match Engine::configure(&ProxyHost, &document) {
             Ok(engine) => {
-                ProxyHost.log(
-                    Level::Info,
-                    &format!("ratewall: loaded {} rules", engine.config().rules.len()),
-                );
+                ProxyHost.log(Level::Info, &format!("ratewall: loaded {} rules", engine.config().rules.len()));
                 self.engine = Some(Rc::new(engine));
                 true
             }
             Err(e) => {
-                let keeping = if self.engine.is_some() {
-                    "keeping the previous rules"
-                } else {
-                    "no rules loaded"
-                };
-                ProxyHost.log(
-                    Level::Error,
-                    &format!("ratewall: configuration rejected: {e}; {keeping}"),
-                );
+                let keeping = if self.engine.is_some() { "keeping the previous rules" } else { "no rules loaded" };
+                ProxyHost.log(Level::Error, &format!("ratewall: configuration rejected: {e}; {keeping}"));
                 false
             }
         }
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Request {
-            engine: self.engine.clone(),
-            response_headers: Vec::new(),
-        }))
+        Some(Box::new(Request { engine: self.engine.clone(), response_headers: Vec::new() }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -132,16 +117,8 @@ impl HttpContext for Request {
             self.response_headers = reply.headers;
             return Action::Continue;
         }
-        let headers: Vec<(&str, &str)> = reply
-            .headers
-            .iter()
-            .map(|(k, v)| (*k, v.as_str()))
-            .collect();
-        match hostcalls::send_http_response(
-            u32::from(reply.status),
-            headers,
-            Some(reply.body.as_bytes()),
-        ) {
+        let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        match hostcalls::send_http_response(u32::from(reply.status), headers, Some(reply.body.as_bytes())) {
             Ok(()) => Action::Pause,
             Err(_) => Action::Continue,
         }

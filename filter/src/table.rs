@@ -5,15 +5,16 @@
 //! Shared data has no delete and Envoy never frees a key, so the filter never creates a key
 //! per client. A (rule, key) hashes (SipHash-1-3, keyed by `filter.hash_seed`) to a bucket
 //! and a 64-bit fingerprint. A bucket value is
-//! `version (1) | n (1) | n × (fingerprint u64 | idle_at_secs u32 | state)`, about 22 bytes
-//! per token-bucket entry and 30 per sliding-window entry.
+//! `version (1) | n (1) | n × (fingerprint u64 | idle_at_secs u32 | usage u8 | state)`: 23
+//! bytes per token-bucket entry and 31 per sliding-window entry.
 //!
 //! Eviction: a new key takes the slot of an entry that is idle (its state is equivalent to
-//! fresh, so forgetting it grants nothing); when none is idle, the entry that becomes idle
-//! soonest (least outstanding debt). A client that is currently limited has the latest
-//! idle time in its bucket, so a flood of one-request keys evicts the flood first: evicting
-//! a limited client needs [`WAYS`] other limited keys in that same bucket, which costs the
-//! attacker their full quota on each and knowledge of the secret hash seed.
+//! fresh, so forgetting it grants nothing); when none is idle, the active entry that had
+//! used the least of its quota when last written, then the one idle soonest. A flood of
+//! one-request keys therefore evicts the flood first: evicting a client that is currently
+//! limited needs every other entry of its bucket to be limited too, which costs an attacker
+//! a full quota on each of [`WAYS`] keys that land in that bucket, and finding such keys
+//! needs the secret hash seed.
 //!
 //! Creation: on Envoy a missing key reads as NotFound and a set with `cas = 0` is
 //! unconditional, so a first insert is not protected. Every bucket key is therefore created
@@ -30,6 +31,8 @@ use std::hash::Hasher;
 /// Entries per bucket.
 pub const WAYS: usize = 8;
 const VERSION: u8 = 1;
+/// Bytes of an entry before its state.
+const HEAD: usize = 13;
 
 /// Where a (rule, key) lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +50,8 @@ pub struct Entry {
     pub fingerprint: u64,
     /// Whole seconds since the epoch from which the state equals fresh.
     pub idle_at: u32,
+    /// Share of the quota used when last written, 0..=255.
+    pub usage: u8,
     /// The limiter state.
     pub state: State,
 }
@@ -60,18 +65,15 @@ pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
     let (&n, mut rest) = rest.split_first().ok_or(DecodeError::Truncated)?;
     let mut entries = Vec::with_capacity(usize::from(n));
     for _ in 0..n {
-        let head = rest.get(..12).ok_or(DecodeError::Truncated)?;
+        let head = rest.get(..HEAD).ok_or(DecodeError::Truncated)?;
         let mut fp = [0u8; 8];
         fp.copy_from_slice(head.get(..8).ok_or(DecodeError::Truncated)?);
         let mut idle = [0u8; 4];
         idle.copy_from_slice(head.get(8..12).ok_or(DecodeError::Truncated)?);
-        let (state, used) = State::decode(rest.get(12..).ok_or(DecodeError::Truncated)?)?;
-        entries.push(Entry {
-            fingerprint: u64::from_le_bytes(fp),
-            idle_at: u32::from_le_bytes(idle),
-            state,
-        });
-        rest = rest.get(12 + used..).ok_or(DecodeError::Truncated)?;
+        let usage = head.get(12).copied().ok_or(DecodeError::Truncated)?;
+        let (state, used) = State::decode(rest.get(HEAD..).ok_or(DecodeError::Truncated)?)?;
+        entries.push(Entry { fingerprint: u64::from_le_bytes(fp), idle_at: u32::from_le_bytes(idle), usage, state });
+        rest = rest.get(HEAD + used..).ok_or(DecodeError::Truncated)?;
     }
     Ok(entries)
 }
@@ -84,6 +86,7 @@ pub fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
     for e in entries.iter().take(WAYS) {
         out.extend_from_slice(&e.fingerprint.to_le_bytes());
         out.extend_from_slice(&e.idle_at.to_le_bytes());
+        out.push(e.usage);
         e.state.encode_into(&mut out);
     }
     out
@@ -114,12 +117,7 @@ impl Table {
     pub fn new(slots: u32, seed: u64, cas_retries: u32) -> Table {
         let buckets = slots.div_ceil(WAYS as u32).max(1);
         // The bucket count is part of the key so a resized table starts clean.
-        Table {
-            buckets,
-            seed,
-            prefix: format!("ratewall/t1/{buckets}/"),
-            cas_retries,
-        }
+        Table { buckets, seed, prefix: format!("ratewall/t1/{buckets}/"), cas_retries }
     }
 
     /// Number of buckets (shared-data keys).
@@ -134,10 +132,7 @@ impl Table {
         let fingerprint = h.finish();
         // Multiply-shift maps the high bits uniformly onto the bucket range.
         let bucket = (((fingerprint >> 32) * u64::from(self.buckets)) >> 32) as u32;
-        Slot {
-            bucket,
-            fingerprint,
-        }
+        Slot { bucket, fingerprint }
     }
 
     /// The shared-data key of a bucket.
@@ -166,7 +161,7 @@ impl Table {
         host: &dyn Host,
         key: &[u8],
         now: Nanos,
-        idle_at: &dyn Fn(&State) -> Nanos,
+        weigh: &dyn Fn(&State) -> (Nanos, u8),
         f: &mut dyn FnMut(&State) -> Option<State>,
         stats: &mut TableStats,
     ) -> Result<(), StoreError> {
@@ -174,9 +169,7 @@ impl Table {
         let bkey = self.bucket_key(slot.bucket);
         let now_secs = u32::try_from(now / SECOND).unwrap_or(u32::MAX);
         for _ in 0..self.cas_retries {
-            let (bytes, cas) = host
-                .shared_get(&bkey)
-                .map_err(|_| StoreError::Unavailable)?;
+            let (bytes, cas) = host.shared_get(&bkey).map_err(|_| StoreError::Unavailable)?;
             let mut entries = match bytes.as_deref().map(decode_bucket) {
                 Some(Ok(e)) => e,
                 Some(Err(_)) => {
@@ -185,21 +178,14 @@ impl Table {
                 }
                 None => Vec::new(),
             };
-            let pos = entries
-                .iter()
-                .position(|e| e.fingerprint == slot.fingerprint);
-            let current = pos
-                .and_then(|i| entries.get(i))
-                .map_or(State::Fresh, |e| e.state.clone());
+            let pos = entries.iter().position(|e| e.fingerprint == slot.fingerprint);
+            let current = pos.and_then(|i| entries.get(i)).map_or(State::Fresh, |e| e.state.clone());
             let Some(next) = f(&current) else {
                 return Ok(());
             };
-            let idle = u32::try_from(idle_at(&next).div_ceil(SECOND)).unwrap_or(u32::MAX);
-            let entry = Entry {
-                fingerprint: slot.fingerprint,
-                idle_at: idle,
-                state: next,
-            };
+            let (idle_at, usage) = weigh(&next);
+            let idle = u32::try_from(idle_at.div_ceil(SECOND)).unwrap_or(u32::MAX);
+            let entry = Entry { fingerprint: slot.fingerprint, idle_at: idle, usage, state: next };
             match pos {
                 Some(i) => {
                     if let Some(e) = entries.get_mut(i) {
@@ -208,11 +194,11 @@ impl Table {
                 }
                 None if entries.len() < WAYS => entries.push(entry),
                 None => {
-                    // Prefer an idle entry; otherwise the one that becomes idle soonest.
+                    // An idle entry; else the least used, then the soonest idle.
                     let victim = entries
                         .iter()
                         .enumerate()
-                        .min_by_key(|(_, e)| (e.idle_at > now_secs, e.idle_at))
+                        .min_by_key(|(_, e)| (e.idle_at > now_secs, e.usage, e.idle_at))
                         .map_or(0, |(i, _)| i);
                     if entries.get(victim).is_some_and(|e| e.idle_at > now_secs) {
                         stats.evictions += 1;
@@ -253,14 +239,7 @@ impl Counters for TableCounters<'_> {
         f: &mut dyn FnMut(&State) -> Option<State>,
     ) -> Result<(), StoreError> {
         let limit = check.limit;
-        self.table.update(
-            self.host,
-            &check.key,
-            now,
-            &|s| limit.idle_at(s),
-            f,
-            &mut self.stats,
-        )
+        self.table.update(self.host, &check.key, now, &|s| (limit.idle_at(s), limit.usage(s, now)), f, &mut self.stats)
     }
 }
 
@@ -271,23 +250,17 @@ mod tests {
     #[test]
     fn buckets_round_trip_and_garbage_is_an_error() {
         let entries = vec![
-            Entry {
-                fingerprint: 1,
-                idle_at: 2,
-                state: State::TokenBucket { tat: 3 },
-            },
+            Entry { fingerprint: 1, idle_at: 2, usage: 0, state: State::TokenBucket { tat: 3 } },
             Entry {
                 fingerprint: u64::MAX,
                 idle_at: 5,
-                state: State::SlidingWindow {
-                    window: 1,
-                    prev: 2,
-                    curr: 3,
-                },
+                usage: 255,
+                state: State::SlidingWindow { window: 1, prev: 2, curr: 3 },
             },
         ];
         let bytes = encode_bucket(&entries);
-        assert_eq!(bytes.len(), 2 + 22 + 30);
+        // At most 32 bytes per tracked key: 23 for a token bucket, 31 for a sliding window.
+        assert_eq!(bytes.len(), 2 + 23 + 31);
         assert_eq!(decode_bucket(&bytes).unwrap(), entries);
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
         assert!(decode_bucket(&[]).is_err());
@@ -302,9 +275,6 @@ mod tests {
             seen[t.slot(&i.to_le_bytes()).bucket as usize] += 1;
         }
         let (min, max) = (seen.iter().min().unwrap(), seen.iter().max().unwrap());
-        assert!(
-            *min > 60 && *max < 140,
-            "bucket load {min}..{max} for a mean of 97"
-        );
+        assert!(*min > 60 && *max < 140, "bucket load {min}..{max} for a mean of 97");
     }
 }

@@ -82,17 +82,8 @@ pub struct Limit {
 
 impl Limit {
     /// Builds a limit of `requests` per `per`, with an optional token-bucket `burst`.
-    pub fn new(
-        algorithm: Algorithm,
-        requests: u64,
-        per: Nanos,
-        burst: Option<u64>,
-    ) -> Result<Self, LimitError> {
-        let max_requests = if algorithm == Algorithm::SlidingLog {
-            MAX_SLIDING_LOG_REQUESTS
-        } else {
-            MAX_REQUESTS
-        };
+    pub fn new(algorithm: Algorithm, requests: u64, per: Nanos, burst: Option<u64>) -> Result<Self, LimitError> {
+        let max_requests = if algorithm == Algorithm::SlidingLog { MAX_SLIDING_LOG_REQUESTS } else { MAX_REQUESTS };
         if requests == 0 || requests > max_requests {
             return Err(LimitError::Requests(requests));
         }
@@ -101,28 +92,16 @@ impl Limit {
         }
         let capacity = match (algorithm, burst) {
             (_, None) => requests,
-            (Algorithm::TokenBucket, Some(0)) => {
-                return Err(LimitError::Burst("must be at least 1"))
-            }
-            (Algorithm::TokenBucket, Some(b)) if b > MAX_REQUESTS => {
-                return Err(LimitError::Burst("is too large"))
-            }
+            (Algorithm::TokenBucket, Some(0)) => return Err(LimitError::Burst("must be at least 1")),
+            (Algorithm::TokenBucket, Some(b)) if b > MAX_REQUESTS => return Err(LimitError::Burst("is too large")),
             (Algorithm::TokenBucket, Some(b)) => b,
             (_, Some(_)) => return Err(LimitError::Burst("applies only to token_bucket")),
         };
         let interval = per.div_ceil(requests);
         if capacity.saturating_mul(interval) > MAX_BUCKET_SPAN {
-            return Err(LimitError::Burst(
-                "makes the bucket take over 100 years to refill",
-            ));
+            return Err(LimitError::Burst("makes the bucket take over 100 years to refill"));
         }
-        Ok(Limit {
-            algorithm,
-            requests,
-            per,
-            capacity,
-            interval,
-        })
+        Ok(Limit { algorithm, requests, per, capacity, interval })
     }
 
     /// The algorithm.
@@ -163,34 +142,23 @@ impl Limit {
     /// limit but rejected by another rule must not keep its quota).
     pub fn refund(&self, state: &State, consumed_at: Nanos, cost: u64) -> State {
         match (self.algorithm, state) {
-            (Algorithm::TokenBucket, State::TokenBucket { tat }) => State::TokenBucket {
-                tat: tat.saturating_sub(cost.saturating_mul(self.interval)),
-            },
+            (Algorithm::TokenBucket, State::TokenBucket { tat }) => {
+                State::TokenBucket { tat: tat.saturating_sub(cost.saturating_mul(self.interval)) }
+            }
             (Algorithm::SlidingWindow, State::SlidingWindow { window, prev, curr }) => {
                 let at = consumed_at / self.per;
                 let c = clamp_u32(cost);
                 if at == *window {
-                    State::SlidingWindow {
-                        window: *window,
-                        prev: *prev,
-                        curr: curr.saturating_sub(c),
-                    }
+                    State::SlidingWindow { window: *window, prev: *prev, curr: curr.saturating_sub(c) }
                 } else if at.saturating_add(1) == *window {
-                    State::SlidingWindow {
-                        window: *window,
-                        prev: prev.saturating_sub(c),
-                        curr: *curr,
-                    }
+                    State::SlidingWindow { window: *window, prev: prev.saturating_sub(c), curr: *curr }
                 } else {
                     state.clone()
                 }
             }
             (Algorithm::FixedWindow, State::FixedWindow { window, count }) => {
                 if consumed_at / self.per == *window {
-                    State::FixedWindow {
-                        window: *window,
-                        count: count.saturating_sub(clamp_u32(cost)),
-                    }
+                    State::FixedWindow { window: *window, count: count.saturating_sub(clamp_u32(cost)) }
                 } else {
                     state.clone()
                 }
@@ -230,6 +198,15 @@ impl Limit {
         }
     }
 
+    /// How much of its quota `state` has spent at `now`, from 0 (none) to 255 (all of it):
+    /// the table's eviction keeps the most-used (currently limited) keys longest.
+    pub fn usage(&self, state: &State, now: Nanos) -> u8 {
+        let (d, _) = self.decide(state, now, 0);
+        let quota = u128::from(d.limit.max(1));
+        let spent = quota.saturating_sub(u128::from(d.remaining));
+        (spent * 255 / quota).min(255) as u8
+    }
+
     fn token_bucket(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let t = self.interval;
         let quota = self.quota();
@@ -250,12 +227,7 @@ impl Limit {
             return (d, State::TokenBucket { tat });
         }
         let d = Decision::allowed(quota, remaining_at(new_used), new_used);
-        (
-            d,
-            State::TokenBucket {
-                tat: now.saturating_add(new_used),
-            },
-        )
+        (d, State::TokenBucket { tat: now.saturating_add(new_used) })
     }
 
     fn sliding_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
@@ -277,19 +249,14 @@ impl Limit {
             }
             _ => (now / w, now % w, 0, 0),
         };
-        let weighted = |prev: u64, elapsed: Nanos| -> u64 {
-            (u128::from(prev) * u128::from(w - elapsed) / u128::from(w)) as u64
-        };
+        let weighted =
+            |prev: u64, elapsed: Nanos| -> u64 { (u128::from(prev) * u128::from(w - elapsed) / u128::from(w)) as u64 };
         let used = weighted(prev, elapsed) + curr;
         let to_window_end = w - elapsed;
         if cost <= limit && used + cost <= limit {
             let curr = curr + cost;
             let d = Decision::allowed(limit, limit - used - cost, to_window_end);
-            let s = State::SlidingWindow {
-                window,
-                prev: clamp_u32(prev),
-                curr: clamp_u32(curr),
-            };
+            let s = State::SlidingWindow { window, prev: clamp_u32(prev), curr: clamp_u32(curr) };
             return (d, s);
         }
         let retry = if cost > limit {
@@ -302,45 +269,24 @@ impl Limit {
             Some(to_window_end + wait_for_weight(curr, w, limit - cost))
         };
         let reset = max(to_window_end, retry.unwrap_or(0));
-        let s = State::SlidingWindow {
-            window,
-            prev: clamp_u32(prev),
-            curr: clamp_u32(curr),
-        };
-        (
-            Decision::denied(limit, limit.saturating_sub(used), reset, retry),
-            s,
-        )
+        let s = State::SlidingWindow { window, prev: clamp_u32(prev), curr: clamp_u32(curr) };
+        (Decision::denied(limit, limit.saturating_sub(used), reset, retry), s)
     }
 
     fn fixed_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let w = self.per;
         let limit = self.requests;
         let (window, count) = match state {
-            State::FixedWindow { window, count } if *window >= now / w => {
-                (*window, u64::from(*count))
-            }
+            State::FixedWindow { window, count } if *window >= now / w => (*window, u64::from(*count)),
             _ => (now / w, 0),
         };
         let to_end = (window + 1).saturating_mul(w).saturating_sub(now);
         if count.saturating_add(cost) <= limit {
             let d = Decision::allowed(limit, limit - count - cost, to_end);
-            return (
-                d,
-                State::FixedWindow {
-                    window,
-                    count: clamp_u32(count + cost),
-                },
-            );
+            return (d, State::FixedWindow { window, count: clamp_u32(count + cost) });
         }
         let retry = (cost <= limit).then_some(to_end);
-        (
-            Decision::denied(limit, limit - count, to_end, retry),
-            State::FixedWindow {
-                window,
-                count: clamp_u32(count),
-            },
-        )
+        (Decision::denied(limit, limit - count, to_end, retry), State::FixedWindow { window, count: clamp_u32(count) })
     }
 
     fn sliding_log(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
@@ -368,12 +314,7 @@ impl Limit {
             let k = (count + cost - limit) as usize;
             entries.get(k - 1).map(|&t| (t + w).saturating_sub(now))
         };
-        let d = Decision::denied(
-            limit,
-            limit - min(count, limit),
-            max(reset(&entries), retry.unwrap_or(0)),
-            retry,
-        );
+        let d = Decision::denied(limit, limit - min(count, limit), max(reset(&entries), retry.unwrap_or(0)), retry);
         (d, State::SlidingLog { entries })
     }
 }
@@ -445,22 +386,10 @@ pub struct Decision {
 
 impl Decision {
     fn allowed(limit: u64, remaining: u64, reset_after: Nanos) -> Self {
-        Decision {
-            allowed: true,
-            limit,
-            remaining,
-            reset_after,
-            retry_after: None,
-        }
+        Decision { allowed: true, limit, remaining, reset_after, retry_after: None }
     }
     fn denied(limit: u64, remaining: u64, reset_after: Nanos, retry_after: Option<Nanos>) -> Self {
-        Decision {
-            allowed: false,
-            limit,
-            remaining,
-            reset_after,
-            retry_after,
-        }
+        Decision { allowed: false, limit, remaining, reset_after, retry_after }
     }
 }
 
@@ -534,12 +463,7 @@ mod tests {
 
     #[test]
     fn backwards_time_is_clamped_not_underflowed() {
-        for a in [
-            Algorithm::TokenBucket,
-            Algorithm::SlidingWindow,
-            Algorithm::FixedWindow,
-            Algorithm::SlidingLog,
-        ] {
+        for a in [Algorithm::TokenBucket, Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::SlidingLog] {
             let limit = Limit::new(a, 3, SECOND, None).unwrap();
             let (_, s) = limit.decide(&State::Fresh, 10 * SECOND, 3);
             let (d, _) = limit.decide(&s, 0, 1);
@@ -550,12 +474,7 @@ mod tests {
 
     #[test]
     fn refund_restores_quota() {
-        for a in [
-            Algorithm::TokenBucket,
-            Algorithm::SlidingWindow,
-            Algorithm::FixedWindow,
-            Algorithm::SlidingLog,
-        ] {
+        for a in [Algorithm::TokenBucket, Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::SlidingLog] {
             let limit = Limit::new(a, 2, SECOND, None).unwrap();
             let now = 5 * SECOND + 10 * MS;
             let (_, s) = limit.decide(&State::Fresh, now, 2);

@@ -99,15 +99,8 @@ impl State {
         let state = match r.u8()? {
             0 => State::Fresh,
             1 => State::TokenBucket { tat: r.u64()? },
-            2 => State::SlidingWindow {
-                window: r.u64()?,
-                prev: r.u32()?,
-                curr: r.u32()?,
-            },
-            3 => State::FixedWindow {
-                window: r.u64()?,
-                count: r.u32()?,
-            },
+            2 => State::SlidingWindow { window: r.u64()?, prev: r.u32()?, curr: r.u32()? },
+            3 => State::FixedWindow { window: r.u64()?, count: r.u32()? },
             4 => {
                 let n = usize::from(r.u16()?);
                 if n as u64 > MAX_SLIDING_LOG_REQUESTS {
@@ -147,10 +140,7 @@ pub(crate) struct Reader<'a> {
 impl<'a> Reader<'a> {
     pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         let end = self.pos.checked_add(n).ok_or(DecodeError::Truncated)?;
-        let s = self
-            .bytes
-            .get(self.pos..end)
-            .ok_or(DecodeError::Truncated)?;
+        let s = self.bytes.get(self.pos..end).ok_or(DecodeError::Truncated)?;
         self.pos = end;
         Ok(s)
     }
@@ -192,36 +182,14 @@ mod tests {
     #[test]
     fn window_states_fit_in_18_bytes() {
         assert_eq!(State::TokenBucket { tat: u64::MAX }.encode().len(), 10);
-        assert_eq!(
-            State::SlidingWindow {
-                window: 1,
-                prev: 2,
-                curr: 3
-            }
-            .encode()
-            .len(),
-            18
-        );
-        assert_eq!(
-            State::FixedWindow {
-                window: 1,
-                count: 2
-            }
-            .encode()
-            .len(),
-            14
-        );
+        assert_eq!(State::SlidingWindow { window: 1, prev: 2, curr: 3 }.encode().len(), 18);
+        assert_eq!(State::FixedWindow { window: 1, count: 2 }.encode().len(), 14);
     }
 
     #[test]
     fn concatenated_states_decode_in_order() {
-        let a = State::SlidingLog {
-            entries: vec![5, 9, 9, 1 << 40],
-        };
-        let b = State::FixedWindow {
-            window: 7,
-            count: 3,
-        };
+        let a = State::SlidingLog { entries: vec![5, 9, 9, 1 << 40] };
+        let b = State::FixedWindow { window: 7, count: 3 };
         let mut bytes = a.encode();
         b.encode_into(&mut bytes);
         let (da, n) = State::decode(&bytes).unwrap();

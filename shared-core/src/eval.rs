@@ -49,10 +49,7 @@ impl Config {
     pub fn checks(&self, req: &Request<'_>) -> (Vec<Check>, Vec<(usize, Skip)>) {
         let mut checks = Vec::new();
         let mut skipped = Vec::new();
-        let plan = self
-            .identity
-            .header_index("plan")
-            .and_then(|i| req.headers.get(i).copied().flatten());
+        let plan = self.identity.header_index("plan").and_then(|i| req.headers.get(i).copied().flatten());
         'rules: for (i, rule) in self.rules.iter().enumerate() {
             if !rule.matcher.matches(req.method, req.path) {
                 continue;
@@ -79,12 +76,7 @@ impl Config {
                     }
                 }
             }
-            checks.push(Check {
-                rule: i,
-                limit,
-                cost: rule.cost,
-                key,
-            });
+            checks.push(Check { rule: i, limit, cost: rule.cost, key });
         }
         (checks, skipped)
     }
@@ -174,16 +166,8 @@ pub struct Outcome {
 /// Checks run in rule order and consume as they go. Once an enforcing rule rejects, the later
 /// checks only peek (so the response can name every violated policy), and the units already
 /// consumed are refunded.
-pub fn evaluate(
-    config: &Config,
-    checks: &[Check],
-    counters: &mut dyn Counters,
-    now: Nanos,
-) -> Outcome {
-    let mut out = Outcome {
-        checks: Vec::with_capacity(checks.len()),
-        ..Outcome::default()
-    };
+pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, now: Nanos) -> Outcome {
+    let mut out = Outcome { checks: Vec::with_capacity(checks.len()), ..Outcome::default() };
     let mut consumed: Vec<usize> = Vec::new();
     for (i, check) in checks.iter().enumerate() {
         let Some(rule) = config.rules.get(check.rule) else {
@@ -206,12 +190,7 @@ pub fn evaluate(
             (Ok(()), None) => CheckResult::Failed(StoreError::Unavailable, rule.on_store_failure),
             (Err(e), _) => CheckResult::Failed(e, rule.on_store_failure),
         };
-        let co = CheckOutcome {
-            rule: check.rule,
-            mode: rule.mode,
-            limit: check.limit,
-            result,
-        };
+        let co = CheckOutcome { rule: check.rule, mode: rule.mode, limit: check.limit, result };
         out.rejected |= co.rejects();
         out.checks.push(co);
     }
@@ -219,9 +198,7 @@ pub fn evaluate(
         for i in consumed {
             if let Some(check) = checks.get(i) {
                 // A failed refund leaves the units spent: conservative, never over-admits.
-                let _ = counters.update(check, now, &mut |s| {
-                    Some(check.limit.refund(s, now, check.cost))
-                });
+                let _ = counters.update(check, now, &mut |s| Some(check.limit.refund(s, now, check.cost)));
             }
         }
     }
@@ -262,26 +239,22 @@ mod tests {
     use crate::MemoryCounters as MapCounters;
 
     fn config(rules: &str) -> Config {
-        Config::parse(alloc::format!(r#"{{"identity":{{"user":{{"header":"x-user-id"}},"plan":{{"header":"x-plan"}}}},"rules":[{rules}]}}"#).as_bytes())
-            .unwrap()
+        Config::parse(
+            alloc::format!(
+                r#"{{"identity":{{"user":{{"header":"x-user-id"}},"plan":{{"header":"x-plan"}}}},"rules":[{rules}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
     }
 
     fn user_headers<'a>(c: &Config, user: &'a [u8]) -> Vec<Option<&'a [u8]>> {
-        c.identity
-            .headers
-            .iter()
-            .map(|(d, _)| (d == "user").then_some(user))
-            .collect()
+        c.identity.headers.iter().map(|(d, _)| (d == "user").then_some(user)).collect()
     }
 
     fn run(c: &Config, m: &mut MapCounters, user: &[u8], now: Nanos) -> Outcome {
         let headers = user_headers(c, user);
-        let req = Request {
-            method: "GET",
-            path: "/a",
-            headers: &headers,
-            ip: None,
-        };
+        let req = Request { method: "GET", path: "/a", headers: &headers, ip: None };
         let (checks, skipped) = c.checks(&req);
         let mut o = evaluate(c, &checks, m, now);
         o.skipped = skipped;
@@ -301,21 +274,14 @@ mod tests {
         }
         // "roomy" was charged once, by the one admitted request: two units are left.
         let headers = user_headers(&c, b"u");
-        let (checks, _) = c.checks(&Request {
-            method: "GET",
-            path: "/a",
-            headers: &headers,
-            ip: None,
-        });
+        let (checks, _) = c.checks(&Request { method: "GET", path: "/a", headers: &headers, ip: None });
         let (d, _) = c.rules[0].limit.decide(&m.get(&checks[0].key), 2, 0);
         assert_eq!(d.remaining, 2);
     }
 
     #[test]
     fn shadow_rules_report_but_never_reject() {
-        let c = config(
-            r#"{"name":"s","key":["user"],"mode":"shadow","limit":{"requests":1,"per":"1m"}}"#,
-        );
+        let c = config(r#"{"name":"s","key":["user"],"mode":"shadow","limit":{"requests":1,"per":"1m"}}"#);
         let mut m = MapCounters::default();
         assert!(!run(&c, &mut m, b"u", 0).rejected);
         let o = run(&c, &mut m, b"u", 0);

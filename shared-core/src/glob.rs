@@ -64,9 +64,7 @@ fn match_from(pat: &[Segment], path: &[&str]) -> bool {
         return path.is_empty();
     };
     match first {
-        Segment::AnyDepth => {
-            (0..=path.len()).any(|i| match_from(rest, path.get(i..).unwrap_or(&[])))
-        }
+        Segment::AnyDepth => (0..=path.len()).any(|i| match_from(rest, path.get(i..).unwrap_or(&[]))),
         Segment::Any if rest.is_empty() => !path.is_empty(),
         _ => match path.split_first() {
             Some((seg, path_rest)) => segment_matches(first, seg) && match_from(rest, path_rest),
@@ -105,17 +103,13 @@ fn glob_matches(parts: &[String], mut s: &str) -> bool {
 /// percent-encoded unreserved characters, collapses repeated `/`, resolves `.` and `..`, and
 /// drops a trailing `/`. Invalid UTF-8 is replaced, never trusted.
 pub fn normalize_path(raw: &[u8]) -> String {
-    let end = raw
-        .iter()
-        .position(|&b| b == b'?' || b == b'#')
-        .unwrap_or(raw.len());
+    let end = raw.iter().position(|&b| b == b'?' || b == b'#').unwrap_or(raw.len());
     let raw = raw.get(..end).unwrap_or(raw);
     let mut decoded = Vec::with_capacity(raw.len());
     let mut i = 0;
     while let Some(&b) = raw.get(i) {
         if b == b'%' {
-            if let (Some(h), Some(l)) = (raw.get(i + 1).and_then(hex), raw.get(i + 2).and_then(hex))
-            {
+            if let (Some(h), Some(l)) = (raw.get(i + 1).and_then(hex), raw.get(i + 2).and_then(hex)) {
                 let c = h * 16 + l;
                 if c.is_ascii_alphanumeric() || b"-._~".contains(&c) {
                     decoded.push(c);
@@ -158,9 +152,7 @@ mod tests {
     use super::*;
 
     fn m(p: &str, path: &str) -> bool {
-        PathPattern::parse(p)
-            .unwrap()
-            .matches(&normalize_path(path.as_bytes()))
+        PathPattern::parse(p).unwrap().matches(&normalize_path(path.as_bytes()))
     }
 
     #[test]

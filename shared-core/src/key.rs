@@ -18,11 +18,7 @@ pub fn parse_ip(raw: &[u8]) -> Option<IpAddr> {
         .parse::<IpAddr>()
         .ok()
         .or_else(|| s.parse::<SocketAddr>().ok().map(|a| a.ip()))
-        .or_else(|| {
-            s.strip_prefix('[')
-                .and_then(|r| r.strip_suffix(']'))
-                .and_then(|r| r.parse().ok())
-        })?;
+        .or_else(|| s.strip_prefix('[').and_then(|r| r.strip_suffix(']')).and_then(|r| r.parse().ok()))?;
     Some(match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
         v4 => v4,
@@ -72,20 +68,14 @@ pub fn ip_key(ip: IpAddr, src: &IpSource) -> String {
 
 /// 64-bit FNV-1a: a stable, dependency-free hash for configuration strings.
 pub fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const SRC: IpSource = IpSource {
-        trusted_hops: 1,
-        ipv6_prefix: 64,
-        ipv4_prefix: 32,
-    };
+    const SRC: IpSource = IpSource { trusted_hops: 1, ipv6_prefix: 64, ipv4_prefix: 32 };
 
     #[test]
     fn spoofed_forwarded_entries_do_not_move_the_client() {
@@ -94,36 +84,21 @@ mod tests {
         let spoofed = client_ip(peer, Some(b"1.1.1.1, 2.2.2.2, 203.0.113.7"), &SRC);
         assert_eq!(honest, Some("203.0.113.7".parse().unwrap()));
         assert_eq!(spoofed, honest);
-        let two = IpSource {
-            trusted_hops: 2,
-            ..SRC
-        };
-        assert_eq!(
-            client_ip(peer, Some(b"9.9.9.9, 203.0.113.7, 10.1.1.1"), &two),
-            honest
-        );
+        let two = IpSource { trusted_hops: 2, ..SRC };
+        assert_eq!(client_ip(peer, Some(b"9.9.9.9, 203.0.113.7, 10.1.1.1"), &two), honest);
     }
 
     #[test]
     fn no_trusted_hops_ignores_forwarded_for() {
-        let src = IpSource {
-            trusted_hops: 0,
-            ..SRC
-        };
-        assert_eq!(
-            client_ip(Some(b"[2001:db8::1]:443"), Some(b"1.1.1.1"), &src),
-            Some("2001:db8::1".parse().unwrap())
-        );
+        let src = IpSource { trusted_hops: 0, ..SRC };
+        assert_eq!(client_ip(Some(b"[2001:db8::1]:443"), Some(b"1.1.1.1"), &src), Some("2001:db8::1".parse().unwrap()));
     }
 
     #[test]
     fn malformed_entries_fall_back_to_the_peer() {
         let peer = Some(&b"198.51.100.2:1"[..]);
         for xff in [&b"not-an-ip"[..], b"", b",,,", b"\xff\xfe", b"999.1.1.1"] {
-            assert_eq!(
-                client_ip(peer, Some(xff), &SRC),
-                Some("198.51.100.2".parse().unwrap())
-            );
+            assert_eq!(client_ip(peer, Some(xff), &SRC), Some("198.51.100.2".parse().unwrap()));
         }
     }
 
@@ -134,9 +109,6 @@ mod tests {
         assert_eq!(a, "2001:db8:1:2::/64");
         assert_eq!(a, b);
         assert_eq!(ip_key("192.0.2.1".parse().unwrap(), &SRC), "192.0.2.1");
-        assert_eq!(
-            parse_ip(b"::ffff:192.0.2.1"),
-            Some("192.0.2.1".parse().unwrap())
-        );
+        assert_eq!(parse_ip(b"::ffff:192.0.2.1"), Some("192.0.2.1".parse().unwrap()));
     }
 }

@@ -57,31 +57,18 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
     };
     if !outcome.rejected {
         // The most restrictive enforcing policy: least remaining, then longest reset.
-        let best = decided().min_by(|(_, a), (_, b)| {
-            a.remaining
-                .cmp(&b.remaining)
-                .then(b.reset_after.cmp(&a.reset_after))
-        });
+        let best =
+            decided().min_by(|(_, a), (_, b)| a.remaining.cmp(&b.remaining).then(b.reset_after.cmp(&a.reset_after)));
         let mut headers = Vec::new();
         if let Some((c, d)) = best {
             let name = config.rules.get(c.rule).map_or("", |r| r.name.as_str());
             fields(&mut headers, config, &[(name, &c.limit, d)]);
         }
-        return Reply {
-            status: 200,
-            headers,
-            body: String::new(),
-        };
+        return Reply { status: 200, headers, body: String::new() };
     }
     let violated: Vec<(&str, &Limit, Decision)> = decided()
         .filter(|(_, d)| !d.allowed)
-        .map(|(c, d)| {
-            (
-                config.rules.get(c.rule).map_or("", |r| r.name.as_str()),
-                &c.limit,
-                d,
-            )
-        })
+        .map(|(c, d)| (config.rules.get(c.rule).map_or("", |r| r.name.as_str()), &c.limit, d))
         .collect();
     if violated.is_empty() {
         // Only a `closed` rule whose store failed.
@@ -98,35 +85,20 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
             "detail": "The rate limiter's counter store is unavailable and these policies fail closed.",
             "policies": failed,
         });
-        let headers = alloc::vec![
-            ("Retry-After", String::from("1")),
-            ("Content-Type", String::from("application/problem+json"))
-        ];
-        return Reply {
-            status: 503,
-            headers,
-            body: body.to_string(),
-        };
+        let headers =
+            alloc::vec![("Retry-After", String::from("1")), ("Content-Type", String::from("application/problem+json"))];
+        return Reply { status: 503, headers, body: body.to_string() };
     }
-    let retry = violated
-        .iter()
-        .map(|(_, l, d)| d.retry_after.map_or(window_secs(l), ceil_secs).max(1))
-        .max()
-        .unwrap_or(1);
+    let retry =
+        violated.iter().map(|(_, l, d)| d.retry_after.map_or(window_secs(l), ceil_secs).max(1)).max().unwrap_or(1);
     let mut headers = alloc::vec![("Retry-After", format!("{retry}"))];
     fields(&mut headers, config, &violated);
     headers.push(("Content-Type", String::from("application/problem+json")));
     let names: Vec<&str> = violated.iter().map(|(n, _, _)| *n).collect();
     let detail = if violated.iter().any(|(_, _, d)| d.retry_after.is_none()) {
-        format!(
-            "The request costs more than policy {} can ever admit.",
-            quoted_list(&names)
-        )
+        format!("The request costs more than policy {} can ever admit.", quoted_list(&names))
     } else {
-        format!(
-            "Quota exceeded for policy {}; retry after {retry} s.",
-            quoted_list(&names)
-        )
+        format!("Quota exceeded for policy {}; retry after {retry} s.", quoted_list(&names))
     };
     let body = serde_json::json!({
         "type": QUOTA_EXCEEDED,
@@ -135,11 +107,7 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
         "detail": detail,
         "violated-policies": names,
     });
-    Reply {
-        status: 429,
-        headers,
-        body: body.to_string(),
-    }
+    Reply { status: 429, headers, body: body.to_string() }
 }
 
 fn quoted_list(names: &[&str]) -> String {
@@ -154,11 +122,7 @@ fn quoted_list(names: &[&str]) -> String {
 }
 
 /// Appends `RateLimit-Policy`, `RateLimit` and, when enabled, the legacy fields.
-fn fields(
-    headers: &mut Vec<(&'static str, String)>,
-    config: &Config,
-    policies: &[(&str, &Limit, Decision)],
-) {
+fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: &[(&str, &Limit, Decision)]) {
     if policies.is_empty() {
         return;
     }
@@ -167,18 +131,8 @@ fn fields(
     for (i, (name, limit, d)) in policies.iter().enumerate() {
         let sep = if i > 0 { ", " } else { "" };
         // Rule names are validated to [A-Za-z0-9_.-], so they need no escaping in sf-string.
-        let _ = write!(
-            policy,
-            "{sep}\"{name}\";q={};w={}",
-            d.limit,
-            window_secs(limit)
-        );
-        let _ = write!(
-            state,
-            "{sep}\"{name}\";r={};t={}",
-            d.remaining,
-            ceil_secs(d.reset_after)
-        );
+        let _ = write!(policy, "{sep}\"{name}\";q={};w={}", d.limit, window_secs(limit));
+        let _ = write!(state, "{sep}\"{name}\";r={};t={}", d.remaining, ceil_secs(d.reset_after));
     }
     headers.push(("RateLimit-Policy", policy));
     headers.push(("RateLimit", state));

@@ -31,10 +31,7 @@ impl core::fmt::Display for ConfigError {
 }
 
 fn err<T>(path: &str, reason: impl Into<String>) -> Result<T, ConfigError> {
-    Err(ConfigError {
-        path: path.to_owned(),
-        reason: reason.into(),
-    })
+    Err(ConfigError { path: path.to_owned(), reason: reason.into() })
 }
 
 /// A whole validated rules document.
@@ -127,10 +124,7 @@ impl Matcher {
     /// Whether a request with this method and normalized path matches.
     pub fn matches(&self, method: &str, normalized_path: &str) -> bool {
         (self.methods.is_empty() || self.methods.iter().any(|m| m.eq_ignore_ascii_case(method)))
-            && self
-                .path
-                .as_ref()
-                .is_none_or(|p| p.matches(normalized_path))
+            && self.path.as_ref().is_none_or(|p| p.matches(normalized_path))
     }
 }
 
@@ -183,11 +177,7 @@ pub struct FilterOptions {
 
 impl Default for FilterOptions {
     fn default() -> Self {
-        FilterOptions {
-            slots: 65_536,
-            cas_retries: 32,
-            hash_seed: 0,
-        }
+        FilterOptions { slots: 65_536, cas_retries: 32, hash_seed: 0 }
     }
 }
 
@@ -207,11 +197,7 @@ impl Config {
     /// Validates an already-parsed JSON document.
     pub fn from_value(doc: &Value) -> Result<Config, ConfigError> {
         let top = object(doc, "")?;
-        known_fields(
-            top,
-            "",
-            &["identity", "rules", "response", "filter", "sync"],
-        )?;
+        known_fields(top, "", &["identity", "rules", "response", "filter", "sync"])?;
         let identity = parse_identity(top.get("identity"))?;
         let rules_v = match top.get("rules") {
             Some(Value::Array(a)) => a,
@@ -223,10 +209,7 @@ impl Config {
             let path = format!("rules[{i}]");
             let rule = parse_rule(r, &path, &identity)?;
             if rules.iter().any(|o: &Rule| o.name == rule.name) {
-                return err(
-                    &format!("{path}.name"),
-                    format!("\"{}\" is used by another rule", rule.name),
-                );
+                return err(&format!("{path}.name"), format!("\"{}\" is used by another rule", rule.name));
             }
             rules.push(rule);
         }
@@ -256,12 +239,7 @@ impl Config {
                 };
             }
         }
-        Ok(Config {
-            identity,
-            rules,
-            response,
-            filter,
-        })
+        Ok(Config { identity, rules, response, filter })
     }
 }
 
@@ -294,10 +272,7 @@ fn join(path: &str, field: &str) -> String {
 fn known_fields(m: &Map<String, Value>, path: &str, known: &[&str]) -> Result<(), ConfigError> {
     for k in m.keys() {
         if !known.contains(&k.as_str()) {
-            return err(
-                &join(path, k),
-                format!("unknown field (expected one of: {})", known.join(", ")),
-            );
+            return err(&join(path, k), format!("unknown field (expected one of: {})", known.join(", ")));
         }
     }
     Ok(())
@@ -321,10 +296,7 @@ fn bounded(v: &Value, path: &str, min: u64, max: u64) -> Result<u64, ConfigError
     match v.as_u64() {
         Some(n) if (min..=max).contains(&n) => Ok(n),
         Some(n) => err(path, format!("{n} is out of range ({min} to {max})")),
-        None => err(
-            path,
-            format!("must be a whole number from {min} to {max}, not {v}"),
-        ),
+        None => err(path, format!("must be a whole number from {min} to {max}, not {v}")),
     }
 }
 
@@ -344,24 +316,13 @@ pub fn parse_duration(s: &str) -> Option<Nanos> {
     n.checked_mul(scale)
 }
 
-const DEFAULT_HEADERS: [(&str, &str); 4] = [
-    ("user", "x-user-id"),
-    ("api_key", "x-api-key"),
-    ("partner", "x-partner-id"),
-    ("plan", "x-plan"),
-];
+const DEFAULT_HEADERS: [(&str, &str); 4] =
+    [("user", "x-user-id"), ("api_key", "x-api-key"), ("partner", "x-partner-id"), ("plan", "x-plan")];
 
 fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
-    let mut ip = IpSource {
-        trusted_hops: 0,
-        ipv6_prefix: 64,
-        ipv4_prefix: 32,
-    };
+    let mut ip = IpSource { trusted_hops: 0, ipv6_prefix: 64, ipv4_prefix: 32 };
     let Some(v) = v else {
-        let headers = DEFAULT_HEADERS
-            .iter()
-            .map(|(d, h)| ((*d).to_owned(), (*h).to_owned()))
-            .collect();
+        let headers = DEFAULT_HEADERS.iter().map(|(d, h)| ((*d).to_owned(), (*h).to_owned())).collect();
         return Ok(Identity { headers, ip });
     };
     let m = object(v, "identity")?;
@@ -383,10 +344,7 @@ fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
             continue;
         }
         if !valid_name(dim) {
-            return err(
-                &path,
-                "dimension names use only A-Z a-z 0-9 _ . - (1 to 64 characters)",
-            );
+            return err(&path, "dimension names use only A-Z a-z 0-9 _ . - (1 to 64 characters)");
         }
         let o = object(src, &path)?;
         known_fields(o, &path, &["header"])?;
@@ -395,10 +353,7 @@ fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
             None => return err(&format!("{path}.header"), "is required"),
         };
         if header.is_empty() || !header.bytes().all(is_token_char) {
-            return err(
-                &format!("{path}.header"),
-                format!("\"{header}\" is not a valid header name"),
-            );
+            return err(&format!("{path}.header"), format!("\"{header}\" is not a valid header name"));
         }
         headers.push((dim.clone(), header.to_ascii_lowercase()));
     }
@@ -410,9 +365,7 @@ fn is_token_char(b: u8) -> bool {
 }
 
 fn valid_name(s: &str) -> bool {
-    (1..=64).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+    (1..=64).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
 }
 
 fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, ConfigError> {
@@ -420,28 +373,14 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
     known_fields(
         m,
         path,
-        &[
-            "name",
-            "match",
-            "key",
-            "limit",
-            "plans",
-            "algorithm",
-            "cost",
-            "mode",
-            "on_store_failure",
-            "description",
-        ],
+        &["name", "match", "key", "limit", "plans", "algorithm", "cost", "mode", "on_store_failure", "description"],
     )?;
     let name = match m.get("name") {
         Some(n) => string(n, &join(path, "name"))?,
         None => return err(&join(path, "name"), "is required"),
     };
     if !valid_name(name) {
-        return err(
-            &join(path, "name"),
-            format!("\"{name}\" must be 1 to 64 of A-Z a-z 0-9 _ . -"),
-        );
+        return err(&join(path, "name"), format!("\"{name}\" must be 1 to 64 of A-Z a-z 0-9 _ . -"));
     }
     let matcher = match m.get("match") {
         None => Matcher::default(),
@@ -459,12 +398,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
                 } else {
                     match identity.header_index(d) {
                         Some(i) => Dimension::Header(i),
-                        None => {
-                            return err(
-                                &p,
-                                format!("\"{d}\" is not a dimension defined under identity"),
-                            )
-                        }
+                        None => return err(&p, format!("\"{d}\" is not a dimension defined under identity")),
                     }
                 };
                 if key.contains(&dim) {
@@ -474,12 +408,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
             }
             key
         }
-        Some(_) => {
-            return err(
-                &key_path,
-                "must be a non-empty array of identity dimensions",
-            )
-        }
+        Some(_) => return err(&key_path, "must be a non-empty array of identity dimensions"),
         None => return err(&key_path, "is required"),
     };
     let algorithm = match m.get("algorithm") {
@@ -490,7 +419,10 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
             match Algorithm::from_name(s) {
                 Some(a) => Some(a),
                 None => {
-                    return err(&p, format!("\"{s}\" is not one of token_bucket, sliding_window, fixed_window, sliding_log"))
+                    return err(
+                        &p,
+                        format!("\"{s}\" is not one of token_bucket, sliding_window, fixed_window, sliding_log"),
+                    )
                 }
             }
         }
@@ -525,10 +457,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
     }));
     for l in limits {
         if cost > l.capacity() {
-            return err(
-                &join(path, "cost"),
-                format!("{cost} exceeds a limit's capacity of {}", l.capacity()),
-            );
+            return err(&join(path, "cost"), format!("{cost} exceeds a limit's capacity of {}", l.capacity()));
         }
     }
     let mode = match m.get("mode") {
@@ -536,12 +465,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
         Some(v) => match string(v, &join(path, "mode"))? {
             "enforce" => Mode::Enforce,
             "shadow" => Mode::Shadow,
-            s => {
-                return err(
-                    &join(path, "mode"),
-                    format!("\"{s}\" is not \"enforce\" or \"shadow\""),
-                )
-            }
+            s => return err(&join(path, "mode"), format!("\"{s}\" is not \"enforce\" or \"shadow\"")),
         },
     };
     let on_store_failure = match m.get("on_store_failure") {
@@ -549,27 +473,13 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
         Some(v) => match string(v, &join(path, "on_store_failure"))? {
             "open" => FailurePolicy::Open,
             "closed" => FailurePolicy::Closed,
-            s => {
-                return err(
-                    &join(path, "on_store_failure"),
-                    format!("\"{s}\" is not \"open\" or \"closed\""),
-                )
-            }
+            s => return err(&join(path, "on_store_failure"), format!("\"{s}\" is not \"open\" or \"closed\"")),
         },
     };
     if let Some(d) = m.get("description") {
         string(d, &join(path, "description"))?;
     }
-    Ok(Rule {
-        name: name.to_owned(),
-        matcher,
-        key,
-        limit,
-        plans,
-        cost,
-        mode,
-        on_store_failure,
-    })
+    Ok(Rule { name: name.to_owned(), matcher, key, limit, plans, cost, mode, on_store_failure })
 }
 
 fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
@@ -597,17 +507,9 @@ fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
                 methods.push(method(string(s, &p)?, &p)?);
             }
         }
-        Some(other) => {
-            return err(
-                &mp,
-                format!("must be a method or a list of methods, not {}", kind(other)),
-            )
-        }
+        Some(other) => return err(&mp, format!("must be a method or a list of methods, not {}", kind(other))),
     }
-    Ok(Matcher {
-        path: pattern,
-        methods,
-    })
+    Ok(Matcher { path: pattern, methods })
 }
 
 fn method(s: &str, path: &str) -> Result<String, ConfigError> {
@@ -629,22 +531,9 @@ fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Li
         Some(Value::String(s)) => match parse_duration(s) {
             Some(d) if d > 0 && d <= MAX_PER => d,
             Some(_) => return err(&per_path, format!("\"{s}\" must be between 1ms and 366d")),
-            None => {
-                return err(
-                    &per_path,
-                    format!("\"{s}\" is not a duration (like 500ms, 1s, 60s, 1m, 1h, 1d)"),
-                )
-            }
+            None => return err(&per_path, format!("\"{s}\" is not a duration (like 500ms, 1s, 60s, 1m, 1h, 1d)")),
         },
-        Some(other) => {
-            return err(
-                &per_path,
-                format!(
-                    "must be a duration string like \"60s\", not {}",
-                    kind(other)
-                ),
-            )
-        }
+        Some(other) => return err(&per_path, format!("must be a duration string like \"60s\", not {}", kind(other))),
         None => return err(&per_path, "is required"),
     };
     let burst = match m.get("burst") {
@@ -657,16 +546,10 @@ fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Li
             let s = string(a, &p)?;
             Algorithm::from_name(s).ok_or_else(|| ConfigError {
                 path: p,
-                reason: format!(
-                    "\"{s}\" is not one of token_bucket, sliding_window, fixed_window, sliding_log"
-                ),
+                reason: format!("\"{s}\" is not one of token_bucket, sliding_window, fixed_window, sliding_log"),
             })?
         }
-        None => algorithm.unwrap_or(if burst.is_some() {
-            Algorithm::TokenBucket
-        } else {
-            Algorithm::SlidingWindow
-        }),
+        None => algorithm.unwrap_or(if burst.is_some() { Algorithm::TokenBucket } else { Algorithm::SlidingWindow }),
     };
     Limit::new(algorithm, requests, per, burst).or_else(|e| match e {
         LimitError::Requests(n) => err(
@@ -674,11 +557,7 @@ fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Li
             format!(
                 "{n} is out of range for {} (at most {})",
                 algorithm.as_str(),
-                if algorithm == Algorithm::SlidingLog {
-                    crate::algo::MAX_SLIDING_LOG_REQUESTS
-                } else {
-                    MAX_REQUESTS
-                }
+                if algorithm == Algorithm::SlidingLog { crate::algo::MAX_SLIDING_LOG_REQUESTS } else { MAX_REQUESTS }
             ),
         ),
         LimitError::Per(_) => err(&per_path, "must be between 1ms and 366d"),
@@ -699,10 +578,7 @@ mod tests {
         assert_eq!(c.rules[0].limit.algorithm(), Algorithm::SlidingWindow);
         assert_eq!(c.rules[1].limit.algorithm(), Algorithm::TokenBucket);
         assert_eq!(c.rules[1].limit.capacity(), 200);
-        assert_eq!(
-            c.rules[1].limit_for(Some(b"internal")),
-            PlanLimit::Unlimited
-        );
+        assert_eq!(c.rules[1].limit_for(Some(b"internal")), PlanLimit::Unlimited);
         assert_eq!(c.rules[2].on_store_failure, FailurePolicy::Closed);
         assert_eq!(c.identity.ip.trusted_hops, 1);
     }
@@ -716,24 +592,17 @@ mod tests {
         let doc = r#"{"rules":[{"name":"a","key":["ip"],"limit":{"requests":1,"per":"1s"}},
             {"name":"b","key":["ip"],"limit":{"requests":1,"per":"1s"}},
             {"name":"c","key":["ip"],"limit":{"requests":5,"per":"6O s"}}]}"#;
-        assert_eq!(
-            error_of(doc),
-            r#"rules[2].limit.per: "6O s" is not a duration (like 500ms, 1s, 60s, 1m, 1h, 1d)"#
-        );
+        assert_eq!(error_of(doc), r#"rules[2].limit.per: "6O s" is not a duration (like 500ms, 1s, 60s, 1m, 1h, 1d)"#);
         assert_eq!(
             error_of(r#"{"rules":[{"name":"a","key":["ip"],"limit":{"requests":0,"per":"1s"}}]}"#),
             "rules[0].limit.requests: 0 is out of range (1 to 4294967295)"
         );
         assert_eq!(
-            error_of(
-                r#"{"rules":[{"name":"a","key":["nobody"],"limit":{"requests":1,"per":"1s"}}]}"#
-            ),
+            error_of(r#"{"rules":[{"name":"a","key":["nobody"],"limit":{"requests":1,"per":"1s"}}]}"#),
             r#"rules[0].key[0]: "nobody" is not a dimension defined under identity"#
         );
-        assert!(error_of(
-            r#"{"rules":[{"name":"a","key":["ip"],"limit":{"requests":1,"per":"1s","burts":3}}]}"#
-        )
-        .starts_with("rules[0].limit.burts: unknown field"));
+        assert!(error_of(r#"{"rules":[{"name":"a","key":["ip"],"limit":{"requests":1,"per":"1s","burts":3}}]}"#)
+            .starts_with("rules[0].limit.burts: unknown field"));
         assert!(error_of("{").starts_with("not valid JSON"));
         assert_eq!(error_of("[]"), "must be an object, not an array");
     }
@@ -750,16 +619,7 @@ mod tests {
         ] {
             assert_eq!(parse_duration(s), Some(n), "{s}");
         }
-        for s in [
-            "",
-            "s",
-            "1",
-            "1.5s",
-            "-1s",
-            "1 s",
-            "1S",
-            "99999999999999999999s",
-        ] {
+        for s in ["", "s", "1", "1.5s", "-1s", "1 s", "1S", "99999999999999999999s"] {
             assert_eq!(parse_duration(s), None, "{s}");
         }
     }

@@ -16,30 +16,14 @@ fn algorithm() -> impl Strategy<Value = Algorithm> {
 
 /// A limit and a history of (gap, cost) steps that drives it into some state.
 fn scenario() -> impl Strategy<Value = (Limit, Vec<(Nanos, u64)>, Nanos)> {
-    (
-        algorithm(),
-        1u64..50,
-        1u64..120_000,
-        proptest::option::of(1u64..60),
-    )
+    (algorithm(), 1u64..50, 1u64..120_000, proptest::option::of(1u64..60))
         .prop_filter_map("valid limit", |(a, requests, per_ms, burst)| {
-            let burst = if a == Algorithm::TokenBucket {
-                burst
-            } else {
-                None
-            };
+            let burst = if a == Algorithm::TokenBucket { burst } else { None };
             Limit::new(a, requests, per_ms * MS, burst).ok()
         })
         .prop_flat_map(|limit| {
-            let steps = proptest::collection::vec(
-                (0u64..(limit.per() / 2 + 2), 0u64..=limit.capacity()),
-                0..60,
-            );
-            (
-                Just(limit),
-                steps,
-                1_600_000_000u64 * 1_000_000_000..1_700_000_000u64 * 1_000_000_000,
-            )
+            let steps = proptest::collection::vec((0u64..(limit.per() / 2 + 2), 0u64..=limit.capacity()), 0..60);
+            (Just(limit), steps, 1_600_000_000u64 * 1_000_000_000..1_700_000_000u64 * 1_000_000_000)
         })
 }
 
@@ -204,6 +188,5 @@ fn rule_shaped_json() -> impl Strategy<Value = String> {
             .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
         ]
     });
-    proptest::collection::vec(tree, 0..4)
-        .prop_map(|rules| serde_json::json!({ "rules": rules }).to_string())
+    proptest::collection::vec(tree, 0..4).prop_map(|rules| serde_json::json!({ "rules": rules }).to_string())
 }

@@ -16,10 +16,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use wasmtime::{
-    bail, format_err, Caller, Engine, Extern, Func, Instance, Linker, Memory, Module, Result,
-    Store, Val,
-};
+use wasmtime::{bail, format_err, Caller, Engine, Extern, Func, Instance, Linker, Memory, Module, Result, Store, Val};
 
 /// proxy-wasm status codes.
 mod status {
@@ -59,10 +56,7 @@ impl Plugin {
             .get_or_init(|| {
                 let path = filter_wasm_path();
                 let bytes = std::fs::read(&path).map_err(|e| {
-                    format!(
-                        "{}: {e}. Build it with `cargo xtask build` (or run `cargo xtask test`).",
-                        path.display()
-                    )
+                    format!("{}: {e}. Build it with `cargo xtask build` (or run `cargo xtask test`).", path.display())
                 })?;
                 Plugin::from_bytes(&bytes).map_err(|e| format!("{e:#}"))
             })
@@ -147,10 +141,7 @@ impl Node {
     }
     /// A metric's value by name (0 when undefined).
     pub fn metric(&self, name: &str) -> i64 {
-        lock(&self.state.metrics)
-            .iter()
-            .find(|m| m.name == name)
-            .map_or(0, |m| m.value)
+        lock(&self.state.metrics).iter().find(|m| m.name == name).map_or(0, |m| m.value)
     }
     /// Every metric.
     pub fn metrics(&self) -> Vec<Metric> {
@@ -163,14 +154,15 @@ impl Node {
     /// Number of shared-data keys and total bytes of keys and values.
     pub fn shared_data_size(&self) -> (usize, usize) {
         let map = lock(&self.state.shared);
-        (
-            map.len(),
-            map.iter().map(|(k, (v, _))| k.len() + v.len()).sum(),
-        )
+        (map.len(), map.iter().map(|(k, (v, _))| k.len() + v.len()).sum())
     }
     /// A shared-data value.
     pub fn shared_get(&self, key: &str) -> Option<Vec<u8>> {
         lock(&self.state.shared).get(key).map(|(v, _)| v.clone())
+    }
+    /// Writes shared data as a guest would (`cas = 0`: unconditional); returns the status.
+    pub fn set_shared(&self, key: &str, value: &[u8], cas: u32) -> i32 {
+        self.shared_set(key.to_owned(), value.to_vec(), cas)
     }
     /// Every shared-data key.
     pub fn shared_keys(&self) -> Vec<String> {
@@ -181,12 +173,7 @@ impl Node {
     /// a missing key is inserted whatever `cas` is.
     fn shared_set(&self, key: String, value: Vec<u8>, cas: u32) -> i32 {
         let mut map = lock(&self.state.shared);
-        let next = self
-            .state
-            .next_cas
-            .fetch_add(1, Ordering::SeqCst)
-            .wrapping_add(1)
-            .max(1);
+        let next = self.state.next_cas.fetch_add(1, Ordering::SeqCst).wrapping_add(1).max(1);
         match map.get_mut(&key) {
             Some(entry) if cas != 0 && cas != entry.1 => status::CAS_MISMATCH,
             Some(entry) => {
@@ -228,8 +215,7 @@ impl HttpRequest {
     }
     /// Adds a header.
     pub fn header(mut self, name: &str, value: impl AsRef<[u8]>) -> HttpRequest {
-        self.headers
-            .push((name.to_ascii_lowercase(), value.as_ref().to_vec()));
+        self.headers.push((name.to_ascii_lowercase(), value.as_ref().to_vec()));
         self
     }
     /// Sets the peer address.
@@ -255,10 +241,7 @@ pub struct FilterResult {
 impl FilterResult {
     /// A header value (case-insensitive name).
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 }
 
@@ -304,11 +287,7 @@ fn read(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<Vec<u8>>
     let mem = memory(caller)?;
     let (ptr, len) = (ptr as u32 as usize, len as u32 as usize);
     mem.data(&caller)
-        .get(
-            ptr..ptr
-                .checked_add(len)
-                .ok_or_else(|| format_err!("overflow"))?,
-        )
+        .get(ptr..ptr.checked_add(len).ok_or_else(|| format_err!("overflow"))?)
         .map(<[u8]>::to_vec)
         .ok_or_else(|| format_err!("guest pointer {ptr}+{len} out of bounds"))
 }
@@ -332,22 +311,13 @@ fn write_u64(caller: &mut Caller<'_, VmState>, ptr: i32, v: u64) -> Result<()> {
 /// Copies `data` into a buffer the guest allocates (at exactly `data.len()` bytes, since the
 /// SDK frees it as a `Vec` of that capacity), then stores its address and size. Memory may
 /// grow during the allocation, so no view of it is held across the call.
-fn return_bytes(
-    caller: &mut Caller<'_, VmState>,
-    data: &[u8],
-    ret_ptr: i32,
-    ret_size: i32,
-) -> Result<()> {
+fn return_bytes(caller: &mut Caller<'_, VmState>, data: &[u8], ret_ptr: i32, ret_size: i32) -> Result<()> {
     let alloc = ["malloc", "proxy_on_memory_allocate"]
         .iter()
         .find_map(|n| caller.get_export(n).and_then(Extern::into_func))
         .ok_or_else(|| format_err!("the module exports no allocator"))?;
     let alloc = alloc.typed::<i32, i32>(&caller)?;
-    let addr = if data.is_empty() {
-        0
-    } else {
-        alloc.call(&mut *caller, data.len() as i32)?
-    };
+    let addr = if data.is_empty() { 0 } else { alloc.call(&mut *caller, data.len() as i32)? };
     if !data.is_empty() {
         if addr == 0 {
             bail!("guest allocation of {} bytes failed", data.len());
@@ -378,9 +348,7 @@ fn serialize_map(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
 
 fn deserialize_map(bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>> {
     let u32_at = |at: usize| -> Result<usize> {
-        let b = bytes
-            .get(at..at + 4)
-            .ok_or_else(|| format_err!("header map truncated"))?;
+        let b = bytes.get(at..at + 4).ok_or_else(|| format_err!("header map truncated"))?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
     };
     if bytes.is_empty() {
@@ -391,13 +359,9 @@ fn deserialize_map(bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>> {
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         let (kl, vl) = (u32_at(4 + i * 8)?, u32_at(8 + i * 8)?);
-        let k = bytes
-            .get(p..p + kl)
-            .ok_or_else(|| format_err!("header map truncated"))?;
+        let k = bytes.get(p..p + kl).ok_or_else(|| format_err!("header map truncated"))?;
         p += kl + 1;
-        let v = bytes
-            .get(p..p + vl)
-            .ok_or_else(|| format_err!("header map truncated"))?;
+        let v = bytes.get(p..p + vl).ok_or_else(|| format_err!("header map truncated"))?;
         p += vl + 1;
         out.push((String::from_utf8_lossy(k).into_owned(), v.to_vec()));
     }
@@ -445,14 +409,10 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
             Ok(status::OK)
         },
     )?;
-    linker.func_wrap(
-        "env",
-        "proxy_get_log_level",
-        |mut c: Caller<'_, VmState>, ret: i32| -> Result<i32> {
-            write_u32(&mut c, ret, 0)?;
-            Ok(status::OK)
-        },
-    )?;
+    linker.func_wrap("env", "proxy_get_log_level", |mut c: Caller<'_, VmState>, ret: i32| -> Result<i32> {
+        write_u32(&mut c, ret, 0)?;
+        Ok(status::OK)
+    })?;
     linker.func_wrap(
         "env",
         "proxy_get_current_time_nanoseconds",
@@ -473,13 +433,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_get_buffer_bytes",
-        |mut c: Caller<'_, VmState>,
-         kind: i32,
-         start: i32,
-         max: i32,
-         ret_ptr: i32,
-         ret_size: i32|
-         -> Result<i32> {
+        |mut c: Caller<'_, VmState>, kind: i32, start: i32, max: i32, ret_ptr: i32, ret_size: i32| -> Result<i32> {
             let data = match kind {
                 BUFFER_PLUGIN_CONFIGURATION => c.data().plugin_config.clone(),
                 BUFFER_VM_CONFIGURATION => Vec::new(),
@@ -522,13 +476,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_get_header_map_value",
-        |mut c: Caller<'_, VmState>,
-         map_type: i32,
-         kp: i32,
-         kl: i32,
-         ret_ptr: i32,
-         ret_size: i32|
-         -> Result<i32> {
+        |mut c: Caller<'_, VmState>, map_type: i32, kp: i32, kl: i32, ret_ptr: i32, ret_size: i32| -> Result<i32> {
             let key = read_str(&mut c, kp, kl)?.to_ascii_lowercase();
             let Some(map) = map_for(c.data_mut(), map_type) else {
                 return Ok(status::NOT_FOUND);
@@ -551,20 +499,11 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
             Ok(status::OK)
         },
     )?;
-    for (name, replace) in [
-        ("proxy_replace_header_map_value", true),
-        ("proxy_add_header_map_value", false),
-    ] {
+    for (name, replace) in [("proxy_replace_header_map_value", true), ("proxy_add_header_map_value", false)] {
         linker.func_wrap(
             "env",
             name,
-            move |mut c: Caller<'_, VmState>,
-                  map_type: i32,
-                  kp: i32,
-                  kl: i32,
-                  vp: i32,
-                  vl: i32|
-                  -> Result<i32> {
+            move |mut c: Caller<'_, VmState>, map_type: i32, kp: i32, kl: i32, vp: i32, vl: i32| -> Result<i32> {
                 let key = read_str(&mut c, kp, kl)?.to_ascii_lowercase();
                 let value = read(&mut c, vp, vl)?;
                 let Some(map) = map_for(c.data_mut(), map_type) else {
@@ -581,12 +520,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_get_property",
-        |mut c: Caller<'_, VmState>,
-         pp: i32,
-         pl: i32,
-         ret_ptr: i32,
-         ret_size: i32|
-         -> Result<i32> {
+        |mut c: Caller<'_, VmState>, pp: i32, pl: i32, ret_ptr: i32, ret_size: i32| -> Result<i32> {
             let path = read(&mut c, pp, pl)?;
             let parts: Vec<&[u8]> = path.split(|&b| b == 0).collect();
             let value = match parts.as_slice() {
@@ -604,13 +538,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_get_shared_data",
-        |mut c: Caller<'_, VmState>,
-         kp: i32,
-         kl: i32,
-         ret_ptr: i32,
-         ret_size: i32,
-         ret_cas: i32|
-         -> Result<i32> {
+        |mut c: Caller<'_, VmState>, kp: i32, kl: i32, ret_ptr: i32, ret_size: i32, ret_cas: i32| -> Result<i32> {
             let key = read_str(&mut c, kp, kl)?;
             let found = lock(&c.data().node.state.shared).get(&key).cloned();
             let Some((value, cas)) = found else {
@@ -648,11 +576,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
                 .into_iter()
                 .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
                 .collect();
-            c.data_mut().local_reply = Some(LocalReply {
-                status: code as u32,
-                headers,
-                body,
-            });
+            c.data_mut().local_reply = Some(LocalReply { status: code as u32, headers, body });
             Ok(status::OK)
         },
     )?;
@@ -674,47 +598,20 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
             let upstream = read_str(&mut c, up, ul)?;
             let headers = deserialize_map(&read(&mut c, hp, hl)?)?;
             let body = read(&mut c, bp, bl)?;
-            let token = c
-                .data()
-                .node
-                .state
-                .next_token
-                .fetch_add(1, Ordering::SeqCst)
-                + 1;
+            let token = c.data().node.state.next_token.fetch_add(1, Ordering::SeqCst) + 1;
             let context = c.data().effective_context;
-            c.data_mut().callouts.push(Callout {
-                token,
-                context,
-                upstream,
-                headers,
-                body,
-                timeout_ms: timeout as u32,
-            });
+            c.data_mut().callouts.push(Callout { token, context, upstream, headers, body, timeout_ms: timeout as u32 });
             write_u32(&mut c, ret, token)?;
             Ok(status::OK)
         },
     )?;
-    linker.func_wrap(
-        "env",
-        "proxy_set_effective_context",
-        |mut c: Caller<'_, VmState>, ctx: i32| -> i32 {
-            c.data_mut().effective_context = ctx as u32;
-            status::OK
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_continue_stream",
-        |_c: Caller<'_, VmState>, _t: i32| -> i32 { status::OK },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_close_stream",
-        |_c: Caller<'_, VmState>, _t: i32| -> i32 { status::OK },
-    )?;
-    linker.func_wrap("env", "proxy_done", |_c: Caller<'_, VmState>| -> i32 {
+    linker.func_wrap("env", "proxy_set_effective_context", |mut c: Caller<'_, VmState>, ctx: i32| -> i32 {
+        c.data_mut().effective_context = ctx as u32;
         status::OK
     })?;
+    linker.func_wrap("env", "proxy_continue_stream", |_c: Caller<'_, VmState>, _t: i32| -> i32 { status::OK })?;
+    linker.func_wrap("env", "proxy_close_stream", |_c: Caller<'_, VmState>, _t: i32| -> i32 { status::OK })?;
+    linker.func_wrap("env", "proxy_done", |_c: Caller<'_, VmState>| -> i32 { status::OK })?;
     linker.func_wrap(
         "env",
         "proxy_define_metric",
@@ -725,11 +622,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
                 match metrics.iter().position(|m| m.name == name) {
                     Some(i) => i,
                     None => {
-                        metrics.push(Metric {
-                            name,
-                            kind,
-                            value: 0,
-                        });
+                        metrics.push(Metric { name, kind, value: 0 });
                         metrics.len() - 1
                     }
                 }
@@ -738,48 +631,34 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
             Ok(status::OK)
         },
     )?;
-    linker.func_wrap(
-        "env",
-        "proxy_increment_metric",
-        |c: Caller<'_, VmState>, id: i32, by: i64| -> i32 {
-            match lock(&c.data().node.state.metrics).get_mut(id as u32 as usize) {
-                Some(m) => {
-                    m.value = m.value.saturating_add(by);
-                    status::OK
-                }
-                None => status::NOT_FOUND,
+    linker.func_wrap("env", "proxy_increment_metric", |c: Caller<'_, VmState>, id: i32, by: i64| -> i32 {
+        match lock(&c.data().node.state.metrics).get_mut(id as u32 as usize) {
+            Some(m) => {
+                m.value = m.value.saturating_add(by);
+                status::OK
             }
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_record_metric",
-        |c: Caller<'_, VmState>, id: i32, v: i64| -> i32 {
-            match lock(&c.data().node.state.metrics).get_mut(id as u32 as usize) {
-                Some(m) => {
-                    m.value = v;
-                    status::OK
-                }
-                None => status::NOT_FOUND,
+            None => status::NOT_FOUND,
+        }
+    })?;
+    linker.func_wrap("env", "proxy_record_metric", |c: Caller<'_, VmState>, id: i32, v: i64| -> i32 {
+        match lock(&c.data().node.state.metrics).get_mut(id as u32 as usize) {
+            Some(m) => {
+                m.value = v;
+                status::OK
             }
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_get_metric",
-        |mut c: Caller<'_, VmState>, id: i32, ret: i32| -> Result<i32> {
-            let v = lock(&c.data().node.state.metrics)
-                .get(id as u32 as usize)
-                .map(|m| m.value);
-            match v {
-                Some(v) => {
-                    write_u64(&mut c, ret, v as u64)?;
-                    Ok(status::OK)
-                }
-                None => Ok(status::NOT_FOUND),
+            None => status::NOT_FOUND,
+        }
+    })?;
+    linker.func_wrap("env", "proxy_get_metric", |mut c: Caller<'_, VmState>, id: i32, ret: i32| -> Result<i32> {
+        let v = lock(&c.data().node.state.metrics).get(id as u32 as usize).map(|m| m.value);
+        match v {
+            Some(v) => {
+                write_u64(&mut c, ret, v as u64)?;
+                Ok(status::OK)
             }
-        },
-    )?;
+            None => Ok(status::NOT_FOUND),
+        }
+    })?;
     linker.func_wrap(
         "env",
         "proxy_set_property",
@@ -788,33 +667,21 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_set_buffer_bytes",
-        |_c: Caller<'_, VmState>, _a: i32, _b: i32, _d: i32, _e: i32, _f: i32| -> i32 {
-            status::BAD_ARGUMENT
-        },
+        |_c: Caller<'_, VmState>, _a: i32, _b: i32, _d: i32, _e: i32, _f: i32| -> i32 { status::BAD_ARGUMENT },
     )?;
     Ok(())
 }
 
 /// Minimal WASI shims for wasm32-wasip1 builds: output goes to the node log, the clock is
 /// the virtual one, and the rest reports ENOSYS.
-fn define_wasi(
-    linker: &mut Linker<VmState>,
-    m: &str,
-    n: &str,
-    ty: wasmtime::FuncType,
-) -> Result<()> {
+fn define_wasi(linker: &mut Linker<VmState>, m: &str, n: &str, ty: wasmtime::FuncType) -> Result<()> {
     const ENOSYS: i32 = 52;
     match n {
         "fd_write" => {
             linker.func_wrap(
                 m,
                 n,
-                |mut c: Caller<'_, VmState>,
-                 _fd: i32,
-                 iovs: i32,
-                 len: i32,
-                 ret: i32|
-                 -> Result<i32> {
+                |mut c: Caller<'_, VmState>, _fd: i32, iovs: i32, len: i32, ret: i32| -> Result<i32> {
                     let mut total = 0u32;
                     let mut text = Vec::new();
                     for i in 0..len {
@@ -826,39 +693,29 @@ fn define_wasi(
                         text.extend(read(&mut c, p as i32, l as i32)?);
                         total += l;
                     }
-                    lock(&c.data().node.state.logs)
-                        .push((2, String::from_utf8_lossy(&text).into_owned()));
+                    lock(&c.data().node.state.logs).push((2, String::from_utf8_lossy(&text).into_owned()));
                     write_u32(&mut c, ret, total)?;
                     Ok(0)
                 },
             )?;
         }
         "clock_time_get" => {
-            linker.func_wrap(
-                m,
-                n,
-                |mut c: Caller<'_, VmState>, _id: i32, _prec: i64, ret: i32| -> Result<i32> {
-                    let now = c.data().node.now();
-                    write_u64(&mut c, ret, now)?;
-                    Ok(0)
-                },
-            )?;
+            linker.func_wrap(m, n, |mut c: Caller<'_, VmState>, _id: i32, _prec: i64, ret: i32| -> Result<i32> {
+                let now = c.data().node.now();
+                write_u64(&mut c, ret, now)?;
+                Ok(0)
+            })?;
         }
         "environ_sizes_get" | "args_sizes_get" => {
-            linker.func_wrap(
-                m,
-                n,
-                |mut c: Caller<'_, VmState>, a: i32, b: i32| -> Result<i32> {
-                    write_u32(&mut c, a, 0)?;
-                    write_u32(&mut c, b, 0)?;
-                    Ok(0)
-                },
-            )?;
+            linker.func_wrap(m, n, |mut c: Caller<'_, VmState>, a: i32, b: i32| -> Result<i32> {
+                write_u32(&mut c, a, 0)?;
+                write_u32(&mut c, b, 0)?;
+                Ok(0)
+            })?;
         }
         "proc_exit" => {
-            linker.func_wrap(m, n, |_c: Caller<'_, VmState>, code: i32| -> Result<()> {
-                bail!("proc_exit({code})")
-            })?;
+            linker
+                .func_wrap(m, n, |_c: Caller<'_, VmState>, code: i32| -> Result<()> { bail!("proc_exit({code})") })?;
         }
         _ => {
             linker.func_new(m, n, ty, move |_c, _args, results| {
@@ -892,13 +749,7 @@ impl Vm {
         let mut linker = Linker::new(&plugin.engine);
         define_imports(&mut linker, &plugin.module)?;
         let instance = linker.instantiate(&mut store, &plugin.module)?;
-        let mut vm = Vm {
-            store,
-            instance,
-            root: 1,
-            next_context: 2,
-            broken: None,
-        };
+        let mut vm = Vm { store, instance, root: 1, next_context: 2, broken: None };
         for init in ["_initialize", "_start"] {
             if vm.instance.get_func(&mut vm.store, init).is_some() {
                 vm.call(init, &[])?;
@@ -906,11 +757,7 @@ impl Vm {
             }
         }
         vm.call("proxy_on_context_create", &[Val::I32(1), Val::I32(0)])?;
-        if vm
-            .instance
-            .get_func(&mut vm.store, "proxy_on_vm_start")
-            .is_some()
-        {
+        if vm.instance.get_func(&mut vm.store, "proxy_on_vm_start").is_some() {
             vm.call("proxy_on_vm_start", &[Val::I32(1), Val::I32(0)])?;
         }
         vm.configure(config)?;
@@ -922,10 +769,7 @@ impl Vm {
     pub fn configure(&mut self, config: &[u8]) -> Result<bool> {
         self.store.data_mut().plugin_config = config.to_vec();
         let root = self.root as i32;
-        let r = self.call(
-            "proxy_on_configure",
-            &[Val::I32(root), Val::I32(config.len() as i32)],
-        )?;
+        let r = self.call("proxy_on_configure", &[Val::I32(root), Val::I32(config.len() as i32)])?;
         Ok(r.first().and_then(Val::i32) == Some(1))
     }
 
@@ -933,10 +777,8 @@ impl Vm {
         if let Some(why) = &self.broken {
             bail!("this VM trapped earlier and is unusable: {why}");
         }
-        let func: Func = self
-            .instance
-            .get_func(&mut self.store, name)
-            .ok_or_else(|| format_err!("no export {name}"))?;
+        let func: Func =
+            self.instance.get_func(&mut self.store, name).ok_or_else(|| format_err!("no export {name}"))?;
         let mut results = vec![Val::I32(0); func.ty(&self.store).results().len()];
         if let Err(e) = func.call(&mut self.store, args, &mut results) {
             let why = format!("{name} trapped: {e:#}");
@@ -963,26 +805,15 @@ impl Vm {
         let c = ctx as i32;
         self.call("proxy_on_context_create", &[Val::I32(c), Val::I32(root)])?;
         let n = req.headers.len() as i32;
-        let action = self.call(
-            "proxy_on_request_headers",
-            &[Val::I32(c), Val::I32(n), Val::I32(1)],
-        )?;
+        let action = self.call("proxy_on_request_headers", &[Val::I32(c), Val::I32(n), Val::I32(1)])?;
         let paused = action.first().and_then(Val::i32) == Some(1);
         let result = if let Some(reply) = self.store.data_mut().local_reply.take() {
-            FilterResult {
-                status: reply.status,
-                headers: reply.headers,
-                body: reply.body,
-                passed: false,
-            }
+            FilterResult { status: reply.status, headers: reply.headers, body: reply.body, passed: false }
         } else if paused {
             bail!("the filter paused the request without replying");
         } else {
             self.store.data_mut().response_headers = vec![(":status".into(), b"200".to_vec())];
-            self.call(
-                "proxy_on_response_headers",
-                &[Val::I32(c), Val::I32(1), Val::I32(1)],
-            )?;
+            self.call("proxy_on_response_headers", &[Val::I32(c), Val::I32(1), Val::I32(1)])?;
             let headers = self
                 .store
                 .data()
@@ -991,12 +822,7 @@ impl Vm {
                 .filter(|(k, _)| k != ":status")
                 .map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned()))
                 .collect();
-            FilterResult {
-                status: 200,
-                headers,
-                body: Vec::new(),
-                passed: true,
-            }
+            FilterResult { status: 200, headers, body: Vec::new(), passed: true }
         };
         self.call("proxy_on_done", &[Val::I32(c)])?;
         self.call("proxy_on_log", &[Val::I32(c)])?;
@@ -1025,10 +851,7 @@ impl Vm {
     /// with zero headers and an empty body).
     pub fn deliver(&mut self, callout: &Callout, response: Option<(u16, Vec<u8>)>) -> Result<()> {
         let (headers, body) = match response {
-            Some((status, body)) => (
-                vec![(":status".to_owned(), status.to_string().into_bytes())],
-                body,
-            ),
+            Some((status, body)) => (vec![(":status".to_owned(), status.to_string().into_bytes())], body),
             None => (Vec::new(), Vec::new()),
         };
         let (nh, nb) = (headers.len() as i32, body.len() as i32);

@@ -41,9 +41,7 @@ fn main() -> ExitCode {
 }
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
 fn cargo() -> String {
@@ -52,9 +50,7 @@ fn cargo() -> String {
 
 fn run(cmd: &mut Command) -> Result<()> {
     eprintln!("+ {cmd:?}");
-    let status = cmd
-        .status()
-        .map_err(|e| format!("could not start {cmd:?}: {e}"))?;
+    let status = cmd.status().map_err(|e| format!("could not start {cmd:?}: {e}"))?;
     if status.success() {
         Ok(())
     } else {
@@ -64,11 +60,7 @@ fn run(cmd: &mut Command) -> Result<()> {
 
 /// Runs a command with a deadline; `None` when it did not finish in time (it is killed).
 fn run_with_timeout(cmd: &mut Command, limit: Duration) -> Option<bool> {
-    let mut child = cmd
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()?;
+    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().ok()?;
     let start = Instant::now();
     loop {
         match child.try_wait() {
@@ -95,11 +87,7 @@ fn rustup_has_target() -> bool {
     Command::new("rustup")
         .args(["target", "list", "--installed"])
         .output()
-        .is_ok_and(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .any(|l| l.trim() == WASM_TARGET)
-        })
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.trim() == WASM_TARGET))
 }
 
 fn debian_ready() -> bool {
@@ -112,56 +100,32 @@ fn toolchain() -> Result<Toolchain> {
     if rustup_has_target() {
         return Ok(Toolchain::Rustup);
     }
-    if Command::new("rustup")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok()
-    {
+    if Command::new("rustup").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok() {
         eprintln!("xtask: adding rustup's {WASM_TARGET} target (60 s at most)");
-        let added = run_with_timeout(
-            Command::new("rustup").args(["target", "add", WASM_TARGET]),
-            Duration::from_secs(60),
-        );
+        let added =
+            run_with_timeout(Command::new("rustup").args(["target", "add", WASM_TARGET]), Duration::from_secs(60));
         if added == Some(true) && rustup_has_target() {
             return Ok(Toolchain::Rustup);
         }
         eprintln!(
             "xtask: rustup could not add {WASM_TARGET} ({}); trying Debian's rustc-web",
-            if added.is_none() {
-                "timed out"
-            } else {
-                "refused"
-            }
+            if added.is_none() { "timed out" } else { "refused" }
         );
     }
     if debian_ready() {
         return Ok(Toolchain::Debian);
     }
-    let is_root = Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.starts_with(b"0"));
+    let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
     if is_root && Path::new("/usr/bin/apt-get").exists() {
         let apt = |args: &[&str]| {
             run_with_timeout(
-                Command::new("apt-get")
-                    .args(args)
-                    .env("DEBIAN_FRONTEND", "noninteractive"),
+                Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive"),
                 Duration::from_secs(600),
             )
         };
         eprintln!("xtask: installing rustc-web cargo-web rust-web-src lld-16 with apt-get");
         if apt(&["update"]) == Some(true)
-            && apt(&[
-                "install",
-                "-y",
-                "rustc-web",
-                "cargo-web",
-                "rust-web-src",
-                "lld-16",
-            ]) == Some(true)
+            && apt(&["install", "-y", "rustc-web", "cargo-web", "rust-web-src", "lld-16"]) == Some(true)
             && debian_ready()
         {
             return Ok(Toolchain::Debian);
@@ -180,27 +144,17 @@ fn wasm_cargo(tc: &Toolchain) -> Command {
         Toolchain::Debian => {
             let mut c = Command::new("/usr/bin/cargo");
             let path = std::env::var("PATH").unwrap_or_default();
-            c.env("PATH", format!("/usr/bin:{path}"))
-                .env("RUSTC", "/usr/bin/rustc")
-                .env("RUSTC_BOOTSTRAP", "1");
+            c.env("PATH", format!("/usr/bin:{path}")).env("RUSTC", "/usr/bin/rustc").env("RUSTC_BOOTSTRAP", "1");
             c
         }
     };
     cmd.current_dir(root())
         .arg("build")
-        .args([
-            "--target",
-            WASM_TARGET,
-            "--profile",
-            "wasm-release",
-            "--target-dir",
-        ])
+        .args(["--target", WASM_TARGET, "--profile", "wasm-release", "--target-dir"])
         .arg(target_dir);
     if let Toolchain::Debian = tc {
         cmd.args(["-Zbuild-std=std,panic_abort", "--config"])
-            .arg(format!(
-                "target.{WASM_TARGET}.linker=\"/usr/lib/llvm-16/bin/wasm-ld\""
-            ));
+            .arg(format!("target.{WASM_TARGET}.linker=\"/usr/lib/llvm-16/bin/wasm-ld\""));
     }
     cmd
 }
@@ -215,18 +169,13 @@ struct Artifacts {
 fn build() -> Result<Artifacts> {
     let tc = toolchain()?;
     run(wasm_cargo(&tc).args(["-p", "ratewall-filter", "-p", "ratewall-core-probe"]))?;
-    let out = root()
-        .join("target/wasm")
-        .join(WASM_TARGET)
-        .join("wasm-release");
+    let out = root().join("target/wasm").join(WASM_TARGET).join("wasm-release");
     let dist = root().join("dist");
     std::fs::create_dir_all(&dist).map_err(|e| format!("{}: {e}", dist.display()))?;
     let filter = dist.join("ratewall_filter.wasm");
-    std::fs::copy(out.join("ratewall_filter.wasm"), &filter)
-        .map_err(|e| format!("copying the filter: {e}"))?;
+    std::fs::copy(out.join("ratewall_filter.wasm"), &filter).map_err(|e| format!("copying the filter: {e}"))?;
     let probe = root().join("target/wasm/ratewall_core_probe.wasm");
-    std::fs::copy(out.join("ratewall_core_probe.wasm"), &probe)
-        .map_err(|e| format!("copying the core probe: {e}"))?;
+    std::fs::copy(out.join("ratewall_core_probe.wasm"), &probe).map_err(|e| format!("copying the core probe: {e}"))?;
     let size = std::fs::metadata(&filter).map(|m| m.len()).unwrap_or(0);
     eprintln!("xtask: built {} ({size} bytes)", filter.display());
     Ok(Artifacts { filter })
@@ -252,15 +201,7 @@ fn test() -> Result<()> {
 
 fn dev(args: &[String]) -> Result<()> {
     let mut cmd = Command::new(cargo());
-    cmd.current_dir(root()).args([
-        "run",
-        "--quiet",
-        "-p",
-        "ratewall-tests",
-        "--bin",
-        "ratewall-gateway",
-        "--",
-    ]);
+    cmd.current_dir(root()).args(["run", "--quiet", "-p", "ratewall-tests", "--bin", "ratewall-gateway", "--"]);
     if !args.iter().any(|a| a == "--rules") {
         cmd.args(["--rules", "examples/rules.json"]);
     }
@@ -268,8 +209,5 @@ fn dev(args: &[String]) -> Result<()> {
 }
 
 fn bench(args: &[String]) -> Result<()> {
-    run(Command::new(cargo())
-        .current_dir(root())
-        .args(["bench", "-p", "ratewall-tests"])
-        .args(args))
+    run(Command::new(cargo()).current_dir(root()).args(["bench", "-p", "ratewall-tests"]).args(args))
 }

@@ -16,12 +16,7 @@ pub unsafe extern "C" fn ratewall_probe(ptr: *const u8, len: usize, now: u64) ->
         return 0;
     };
     let headers = vec![None; config.identity.headers.len()];
-    let req = Request {
-        method: "GET",
-        path: "/",
-        headers: &headers,
-        ip: Some("192.0.2.1"),
-    };
+    let req = Request { method: "GET", path: "/", headers: &headers, ip: Some("192.0.2.1") };
     let (checks, _) = config.checks(&req);
     let outcome = ratewall_core::evaluate(&config, &checks, &mut MemoryCounters::default(), now);
     u32::from(ratewall_core::render(&config, &outcome).status)

@@ -22,11 +22,7 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        rules: "examples/rules.json".into(),
-        port: 8080,
-        workers: 2,
-    };
+    let mut a = Args { rules: "examples/rules.json".into(), port: 8080, workers: 2 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -41,9 +37,7 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn wall_clock() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// The current rules document and its generation, shared by the workers.
@@ -67,12 +61,8 @@ fn serve() -> Result<(), String> {
     }
     let plugin = Plugin::filter().map_err(|e| e.to_string())?;
     let node = Node::new(wall_clock());
-    let rules = Arc::new(Rules {
-        document: Mutex::new(document),
-        generation: AtomicU64::new(0),
-    });
-    let listener = TcpListener::bind(("127.0.0.1", args.port))
-        .map_err(|e| format!("127.0.0.1:{}: {e}", args.port))?;
+    let rules = Arc::new(Rules { document: Mutex::new(document), generation: AtomicU64::new(0) });
+    let listener = TcpListener::bind(("127.0.0.1", args.port)).map_err(|e| format!("127.0.0.1:{}: {e}", args.port))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
 
     let (tx, rx) = mpsc::channel::<TcpStream>();
@@ -102,11 +92,7 @@ fn serve() -> Result<(), String> {
     }
     watch(args.rules.clone(), Arc::clone(&rules), node.clone());
 
-    println!(
-        "ratewall is running at http://{addr}  (rules: {}, {} worker VMs)",
-        args.rules,
-        args.workers.max(1)
-    );
+    println!("ratewall is running at http://{addr}  (rules: {}, {} worker VMs)", args.rules, args.workers.max(1));
     println!("  the RateLimit fields:  curl -si http://{addr}/v1/things -H 'x-api-key: demo'");
     println!("  a 429 after 10 logins: for i in $(seq 11); do curl -s -o /dev/null -w '%{{http_code}} ' -X POST http://{addr}/v1/auth/login; done; echo");
     println!("  metrics:               curl -s http://{addr}/_ratewall/metrics");
@@ -151,13 +137,8 @@ fn watch(path: String, rules: Arc<Rules>, node: Node) {
 }
 
 fn handle(vm: &mut Vm, mut stream: TcpStream) -> Result<(), String> {
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .map_err(|e| e.to_string())?;
-    let peer = stream
-        .peer_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
     let mut line = String::new();
     reader.read_line(&mut line).map_err(|e| e.to_string())?;
@@ -171,28 +152,19 @@ fn handle(vm: &mut Vm, mut stream: TcpStream) -> Result<(), String> {
     let mut total = 0usize;
     loop {
         let mut h = Vec::new();
-        let n = reader
-            .read_until(b'\n', &mut h)
-            .map_err(|e| e.to_string())?;
+        let n = reader.read_until(b'\n', &mut h).map_err(|e| e.to_string())?;
         total += n;
         if n == 0 || h == b"\r\n" || h == b"\n" || total > 64 * 1024 {
             break;
         }
-        let h = h
-            .strip_suffix(b"\r\n")
-            .or_else(|| h.strip_suffix(b"\n"))
-            .unwrap_or(&h);
+        let h = h.strip_suffix(b"\r\n").or_else(|| h.strip_suffix(b"\n")).unwrap_or(&h);
         if let Some(i) = h.iter().position(|&b| b == b':') {
             let name = String::from_utf8_lossy(&h[..i]).trim().to_ascii_lowercase();
             let value = h[i + 1..].trim_ascii().to_vec();
             if name == "content-length" {
                 content_length = String::from_utf8_lossy(&value).parse().unwrap_or(0);
             }
-            let name = if name == "host" {
-                ":authority".to_owned()
-            } else {
-                name
-            };
+            let name = if name == "host" { ":authority".to_owned() } else { name };
             req.headers.push((name, value));
         }
     }
@@ -204,38 +176,20 @@ fn handle(vm: &mut Vm, mut stream: TcpStream) -> Result<(), String> {
         for m in vm.node().metrics() {
             text.push_str(&format!("{} {}\n", m.name, m.value));
         }
-        return respond(
-            &mut stream,
-            200,
-            &[("content-type".into(), "text/plain".into())],
-            text.as_bytes(),
-        );
+        return respond(&mut stream, 200, &[("content-type".into(), "text/plain".into())], text.as_bytes());
     }
     let result = vm.request(&req).map_err(|e| e.to_string())?;
     if !result.passed {
-        return respond(
-            &mut stream,
-            result.status as u16,
-            &result.headers,
-            &result.body,
-        );
+        return respond(&mut stream, result.status as u16, &result.headers, &result.body);
     }
     // The demo origin.
-    let origin = format!(
-        "{{\"ok\":true,\"method\":\"{method}\",\"path\":{:?}}}\n",
-        target
-    );
+    let origin = format!("{{\"ok\":true,\"method\":\"{method}\",\"path\":{:?}}}\n", target);
     let mut headers = result.headers.clone();
     headers.push(("content-type".into(), "application/json".into()));
     respond(&mut stream, 200, &headers, origin.as_bytes())
 }
 
-fn respond(
-    stream: &mut TcpStream,
-    status: u16,
-    headers: &[(String, String)],
-    body: &[u8],
-) -> Result<(), String> {
+fn respond(stream: &mut TcpStream, status: u16, headers: &[(String, String)], body: &[u8]) -> Result<(), String> {
     let reason = match status {
         200 => "OK",
         400 => "Bad Request",
@@ -250,12 +204,6 @@ fn respond(
         }
         out.push_str(&format!("{k}: {v}\r\n"));
     }
-    out.push_str(&format!(
-        "content-length: {}\r\nconnection: close\r\n\r\n",
-        body.len()
-    ));
-    stream
-        .write_all(out.as_bytes())
-        .and_then(|_| stream.write_all(body))
-        .map_err(|e| e.to_string())
+    out.push_str(&format!("content-length: {}\r\nconnection: close\r\n\r\n", body.len()));
+    stream.write_all(out.as_bytes()).and_then(|_| stream.write_all(body)).map_err(|e| e.to_string())
 }

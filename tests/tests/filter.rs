@@ -1,0 +1,310 @@
+//! The built filter (`dist/ratewall_filter.wasm`) in the wasmtime proxy-wasm host: several
+//! VMs per node sharing counters through shared data with Envoy's CAS semantics, driven by
+//! a virtual clock.
+
+use ratewall_tests::host::{FilterResult, HttpRequest, Node, Plugin, Vm};
+use serde_json::{json, Value};
+
+const SECOND: u64 = 1_000_000_000;
+const MS: u64 = 1_000_000;
+const T0: u64 = 1_700_000_000 * SECOND;
+const EXAMPLE: &str = include_str!("../../examples/rules.json");
+
+fn plugin() -> Plugin {
+    Plugin::filter().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A node at T0 with `vms` VMs configured with `rules`.
+fn node(rules: &Value, vms: usize) -> (Node, Vec<Vm>) {
+    let node = Node::new(T0);
+    let doc = rules.to_string();
+    let vms = (0..vms).map(|_| Vm::start(&plugin(), &node, doc.as_bytes()).unwrap()).collect();
+    (node, vms)
+}
+
+fn rules(list: Value) -> Value {
+    json!({
+        "identity": {
+            "user": {"header": "x-user-id"}, "api_key": {"header": "x-api-key"},
+            "plan": {"header": "x-plan"}, "ip": {"trusted_hops": 1, "ipv6_prefix": 64}
+        },
+        "rules": list,
+    })
+}
+
+fn user(name: &str) -> HttpRequest {
+    HttpRequest::new("GET", "/v1/things").header("x-user-id", name)
+}
+
+fn admitted(vm: &mut Vm, req: &HttpRequest, n: usize) -> usize {
+    (0..n).filter(|_| vm.request(req).unwrap().passed).count()
+}
+
+#[test]
+fn limits_hold_across_the_vms_of_one_node() {
+    let (_, mut vms) =
+        node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 10, "per": "60s"}}])), 4);
+    let req = user("alice");
+    let passed = (0..40).filter(|i| vms[i % 4].request(&req).unwrap().passed).count();
+    assert_eq!(passed, 10);
+}
+
+#[test]
+fn concurrent_worker_threads_never_over_admit() {
+    // Real threads, one VM each, racing on one key: CAS must make the limit exact.
+    for round in 0..10 {
+        let (node, vms) =
+            node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 25, "per": "60s"}}])), 4);
+        let handles: Vec<_> =
+            vms.into_iter().map(|mut vm| std::thread::spawn(move || admitted(&mut vm, &user("racer"), 20))).collect();
+        let total: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        assert_eq!(total, 25, "round {round}");
+        assert!(node.metric("ratewall_table_cas_conflicts") >= 0);
+    }
+}
+
+#[test]
+fn the_host_reproduces_envoys_unprotected_first_insert() {
+    // Two writers both read NotFound; the second unconditional write silently wins. The
+    // filter avoids this by creating its table keys at configure time.
+    let node = Node::new(T0);
+    assert_eq!(node.shared_get("k"), None);
+    assert_eq!(node.set_shared("k", b"from-a", 0), 0);
+    assert_eq!(node.set_shared("k", b"from-b", 0), 0, "cas 0 on an existing key is unconditional");
+    assert_eq!(node.shared_get("k").as_deref(), Some(&b"from-b"[..]));
+    assert_eq!(node.set_shared("k", b"stale", 12345), 8, "a stale cas is a CasMismatch");
+    let (_, vms) = node_with_table();
+    drop(vms);
+}
+
+fn node_with_table() -> (Node, Vec<Vm>) {
+    let (node, vms) = node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 1, "per": "1s"}}])), 1);
+    // Every bucket key exists before the first request.
+    let (keys, _) = node.shared_data_size();
+    assert_eq!(keys, 65_536 / 8);
+    (node, vms)
+}
+
+#[test]
+fn a_denied_request_charges_no_other_rule() {
+    let (_, mut vms) = node(
+        &rules(json!([
+            {"name": "roomy", "key": ["user"], "limit": {"requests": 3, "per": "60s"}},
+            {"name": "holds", "match": {"path": "/v1/holds", "method": "POST"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}}
+        ])),
+        1,
+    );
+    let vm = &mut vms[0];
+    let hold = HttpRequest::new("POST", "/v1/holds").header("x-user-id", "u");
+    assert!(vm.request(&hold).unwrap().passed);
+    for _ in 0..10 {
+        let r = vm.request(&hold).unwrap();
+        assert_eq!(r.status, 429);
+    }
+    // "roomy" was charged by the one admitted hold only: two more GETs pass, then 429.
+    let get = HttpRequest::new("GET", "/v1/other").header("x-user-id", "u");
+    assert_eq!(admitted(vm, &get, 5), 2);
+}
+
+#[test]
+fn plans_raise_the_limit_and_internal_is_unlimited() {
+    let (node, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 2);
+    let free = HttpRequest::new("GET", "/v1/x").header("x-api-key", "free");
+    let partner = HttpRequest::new("GET", "/v1/x").header("x-api-key", "p").header("x-plan", "partner");
+    let internal = HttpRequest::new("GET", "/v1/x").header("x-api-key", "i").header("x-plan", "internal");
+    assert_eq!(admitted(&mut vms[0], &free, 300), 200, "burst of 200");
+    assert_eq!(admitted(&mut vms[1], &partner, 300), 300);
+    assert_eq!(admitted(&mut vms[0], &internal, 3000), 3000);
+    let r = vms[1].request(&partner).unwrap();
+    assert!(r.header("RateLimit-Policy").unwrap().contains("q=10000"));
+    assert_eq!(node.metric("ratewall_rule_api_key_rejected"), 100);
+}
+
+#[test]
+fn shadow_rules_count_and_log_but_never_reject() {
+    let (node, mut vms) = node(
+        &rules(json!([{"name": "trial", "mode": "shadow", "key": ["user"], "limit": {"requests": 2, "per": "60s"}}])),
+        1,
+    );
+    assert_eq!(admitted(&mut vms[0], &user("s"), 10), 10);
+    assert_eq!(node.metric("ratewall_rule_trial_shadow_rejected"), 8);
+    assert!(node.logs().iter().any(|(_, l)| l.contains("shadow rule \"trial\" would reject")));
+}
+
+#[test]
+fn a_bad_config_is_rejected_and_the_old_rules_stay() {
+    let (node, mut vms) =
+        node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 2, "per": "60s"}}])), 1);
+    let bad = rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 5, "per": "6O s"}}])).to_string();
+    assert!(!vms[0].configure(bad.as_bytes()).unwrap());
+    assert!(!vms[0].configure(b"{not json").unwrap());
+    let logs = node.logs();
+    assert!(
+        logs.iter().any(|(lvl, l)| *lvl >= 3 && l.contains("rules[0].limit.per: \"6O s\" is not a duration")),
+        "{logs:?}"
+    );
+    assert_eq!(admitted(&mut vms[0], &user("x"), 5), 2, "the previous limit of 2 still holds");
+}
+
+#[test]
+fn a_pushed_config_takes_effect_without_a_restart() {
+    let (_, mut vms) = node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 2, "per": "60s"}}])), 1);
+    assert_eq!(admitted(&mut vms[0], &user("a"), 5), 2);
+    let looser = rules(json!([{"name": "u2", "key": ["user"], "limit": {"requests": 4, "per": "60s"}}])).to_string();
+    assert!(vms[0].configure(looser.as_bytes()).unwrap());
+    assert_eq!(admitted(&mut vms[0], &user("a"), 10), 4);
+}
+
+#[test]
+fn forwarded_for_entries_cannot_dodge_the_per_ip_limit() {
+    let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
+    let mut passed = 0;
+    for i in 0..30 {
+        // The load balancer (trusted hop) appends the real client; the client prepends junk.
+        let xff = format!("198.51.100.{i}, 10.9.{i}.1, 203.0.113.9");
+        let req = HttpRequest::new("POST", "/v1/auth/login").header("x-forwarded-for", xff).from_addr("10.0.0.2:5555");
+        passed += usize::from(vms[0].request(&req).unwrap().passed);
+    }
+    assert_eq!(passed, 10);
+}
+
+#[test]
+fn ipv6_clients_are_limited_by_prefix() {
+    let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
+    let passed = (0..30)
+        .filter(|i| {
+            let xff = format!("2001:db8:aa:bb:{i:x}::1");
+            vms[0].request(&HttpRequest::new("POST", "/v1/auth/login").header("x-forwarded-for", xff)).unwrap().passed
+        })
+        .count();
+    assert_eq!(passed, 10, "one /64 is one client");
+}
+
+#[test]
+fn disguised_paths_do_not_escape_a_rule() {
+    let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
+    let paths = [
+        "/v1/auth/login",
+        "/v1/auth/login/",
+        "//v1/auth/login",
+        "/v1/./auth/login",
+        "/v1/auth/%6Cogin",
+        "/v1/auth/login?x=1",
+    ];
+    let passed = (0..24)
+        .filter(|i| {
+            vms[0].request(&HttpRequest::new("POST", paths[i % paths.len()]).from_addr("192.0.2.50:1")).unwrap().passed
+        })
+        .count();
+    assert_eq!(passed, 10);
+}
+
+#[test]
+fn requests_missing_a_key_dimension_are_not_counted_but_are_measured() {
+    let (node, mut vms) =
+        node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 1, "per": "60s"}}])), 1);
+    assert_eq!(admitted(&mut vms[0], &HttpRequest::new("GET", "/"), 5), 5);
+    assert_eq!(node.metric("ratewall_rule_u_unkeyed"), 5);
+}
+
+#[test]
+fn hostile_requests_never_trap() {
+    let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
+    let vm = &mut vms[0];
+    let big = vec![b'a'; 64 * 1024];
+    let mut many = HttpRequest::new("POST", "/v1/auth/login");
+    for i in 0..5000 {
+        many = many.header(&format!("x-h{i}"), "v");
+    }
+    let cases = vec![
+        HttpRequest::new("GET", "/v1/x").header("x-api-key", [0xff, 0xfe, 0x00, 0x80]),
+        HttpRequest::new("GET", "/v1/x").header("x-api-key", &big).header("x-user-id", &big).header("x-plan", &big),
+        HttpRequest::new("POST", "/v1/events/\u{0}/holds").header("x-user-id", [0xc3, 0x28]),
+        HttpRequest::new("POST", "/v1/auth/login").header("x-forwarded-for", &big),
+        HttpRequest::new("POST", "/v1/auth/login").header("x-forwarded-for", ",,,[::1,999.999.1.1, :::: , \u{7f}"),
+        HttpRequest::new("POST", "/v1/auth/login").from_addr("not an address"),
+        HttpRequest { headers: vec![], source_address: None },
+        HttpRequest::new("\u{ff}\u{0}", &String::from_utf8_lossy(&big)),
+        HttpRequest::new("GET", "%%%/../../..%2").header("x-plan", "internal"),
+        many,
+    ];
+    for (i, req) in cases.iter().enumerate() {
+        let r = vm.request(req).unwrap_or_else(|e| panic!("case {i} trapped: {e}"));
+        assert!(r.status == 200 || r.status == 429, "case {i}: {}", r.status);
+    }
+}
+
+/// The seed trace through the filter: 10 per second, 10 requests at 0.99 s, 10 at 1.01 s.
+#[test]
+fn the_seed_trace_through_the_filter() {
+    for (algorithm, expected) in
+        [("fixed_window", 20), ("sliding_log", 10), ("token_bucket", 10), ("sliding_window", 11)]
+    {
+        let rule =
+            json!([{"name": "seed", "algorithm": algorithm, "key": ["user"], "limit": {"requests": 10, "per": "1s"}}]);
+        let (node, mut vms) = node(&rules(rule), 2);
+        // Start on a second boundary so windows are aligned as in the trace.
+        node.set_time(T0 + 990 * MS);
+        let mut passed = admitted(&mut vms[0], &user("s"), 10);
+        node.set_time(T0 + 1010 * MS);
+        passed += admitted(&mut vms[1], &user("s"), 10);
+        assert_eq!(passed, expected, "{algorithm}");
+    }
+}
+
+#[test]
+fn waiting_exactly_retry_after_is_enough() {
+    for algorithm in ["fixed_window", "sliding_log", "token_bucket", "sliding_window"] {
+        let rule =
+            json!([{"name": "w", "algorithm": algorithm, "key": ["user"], "limit": {"requests": 3, "per": "10s"}}]);
+        let (node, mut vms) = node(&rules(rule), 1);
+        node.set_time(T0 + 4321 * MS);
+        assert_eq!(admitted(&mut vms[0], &user("w"), 3), 3);
+        let r: FilterResult = vms[0].request(&user("w")).unwrap();
+        assert_eq!(r.status, 429);
+        let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+        // Retry-After is rounded up to whole seconds, so the wait may be a little long, never
+        // short (the core's property tests pin the exact nanosecond boundary).
+        node.advance(retry * SECOND);
+        assert!(vms[0].request(&user("w")).unwrap().passed, "{algorithm}: waited Retry-After = {retry}s");
+    }
+}
+
+#[test]
+fn allowed_responses_carry_parseable_ratelimit_fields() {
+    let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
+    let r = vms[0]
+        .request(&HttpRequest::new("POST", "/v1/events/9/holds").header("x-user-id", "u").header("x-api-key", "k"))
+        .unwrap();
+    assert!(r.passed);
+    let policy: sfv::List = sfv::Parser::new(r.header("ratelimit-policy").unwrap()).parse().unwrap();
+    let state: sfv::List = sfv::Parser::new(r.header("ratelimit").unwrap()).parse().unwrap();
+    assert_eq!(policy.len(), 1);
+    assert_eq!(state.len(), 1);
+    assert!(r.header("ratelimit").unwrap().starts_with("\"holds-per-user\";r=4;t="));
+}
+
+#[test]
+fn memory_stays_bounded_under_a_flood_of_distinct_keys_and_a_limited_client_stays_limited() {
+    let doc = json!({
+        "identity": {"ip": {"trusted_hops": 1}},
+        "filter": {"slots": 4096, "hash_seed": "test-secret"},
+        "rules": [{"name": "ip", "key": ["ip"], "limit": {"requests": 5, "per": "60s"}}]
+    });
+    let (node, mut vms) = node(&doc, 1);
+    let (keys_before, bytes_before) = node.shared_data_size();
+    let victim = HttpRequest::new("GET", "/").header("x-forwarded-for", "203.0.113.200");
+    assert_eq!(admitted(&mut vms[0], &victim, 10), 5);
+    for i in 0..100_000u32 {
+        let ip = format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255);
+        let r = vms[0].request(&HttpRequest::new("GET", "/").header("x-forwarded-for", ip)).unwrap();
+        assert!(r.passed);
+        if i % 10_000 == 0 {
+            node.advance(MS);
+        }
+    }
+    let (keys, bytes) = node.shared_data_size();
+    assert_eq!(keys, keys_before, "no shared-data key per client");
+    assert!(bytes <= 4096 * 32 + 512 * 24, "{bytes} bytes for 4096 slots (was {bytes_before} empty)");
+    assert!(!vms[0].request(&victim).unwrap().passed, "the flood must not evict a limited client into a fresh budget");
+}

@@ -1,0 +1,32 @@
+//! What the built wasm may ask of its host.
+
+use std::path::PathBuf;
+use wasmtime::{Engine, Module};
+
+fn module(rel: &str) -> Module {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(rel);
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e} (run `cargo xtask build`)", path.display()));
+    Module::new(&Engine::default(), bytes).unwrap()
+}
+
+#[test]
+fn the_core_imports_nothing_from_its_host() {
+    let m = module("target/wasm/ratewall_core_probe.wasm");
+    let imports: Vec<String> = m.imports().map(|i| format!("{}.{}", i.module(), i.name())).collect();
+    assert!(imports.is_empty(), "ratewall-core must do no I/O, but its wasm imports {imports:?}");
+    assert!(m.get_export("ratewall_probe").is_some(), "the probe must export the core's entry point");
+}
+
+#[test]
+fn the_filter_imports_only_proxy_wasm_host_calls() {
+    let m = module("dist/ratewall_filter.wasm");
+    let foreign: Vec<String> = m
+        .imports()
+        .filter(|i| !(i.module() == "env" && i.name().starts_with("proxy_")))
+        .map(|i| format!("{}.{}", i.module(), i.name()))
+        .collect();
+    assert!(foreign.is_empty(), "Envoy and NGINX provide only proxy-wasm host calls, not {foreign:?}");
+    for export in ["proxy_abi_version_0_2_1", "proxy_on_request_headers", "proxy_on_configure", "malloc"] {
+        assert!(m.get_export(export).is_some(), "missing export {export}");
+    }
+}
