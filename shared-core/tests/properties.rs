@@ -1,5 +1,7 @@
 //! Property tests of the algorithms' exactness promises and of the total parsers.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
 use proptest::prelude::*;
 use ratewall_core::{Algorithm, Config, Limit, Nanos, State};
 

@@ -252,6 +252,9 @@ struct LocalReply {
     body: Vec<u8>,
 }
 
+/// Header fields as the host keeps them: lower-case names, raw values.
+pub type HeaderMap = Vec<(String, Vec<u8>)>;
+
 /// Per-VM host state.
 struct VmState {
     node: Node,
@@ -262,7 +265,7 @@ struct VmState {
     local_reply: Option<LocalReply>,
     tick_period_ms: u32,
     callouts: Vec<Callout>,
-    call_response: Option<(Vec<(String, Vec<u8>)>, Vec<u8>)>,
+    call_response: Option<(HeaderMap, Vec<u8>)>,
     effective_context: u32,
 }
 

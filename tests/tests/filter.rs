@@ -2,6 +2,8 @@
 //! VMs per node sharing counters through shared data with Envoy's CAS semantics, driven by
 //! a virtual clock.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
 use ratewall_tests::host::{FilterResult, HttpRequest, Node, Plugin, Vm};
 use serde_json::{json, Value};
 
