@@ -137,7 +137,10 @@ impl Table {
 
     /// The shared-data key of a bucket.
     pub fn bucket_key(&self, bucket: u32) -> String {
-        format!("{}{bucket}", self.prefix)
+        let mut key = String::with_capacity(self.prefix.len() + 10);
+        key.push_str(&self.prefix);
+        ratewall_core::response::push_decimal(&mut key, u64::from(bucket));
+        key
     }
 
     /// Creates every bucket key that does not exist yet. Runs at configure time, before

@@ -129,6 +129,7 @@ impl Limit {
     /// Decides a request of `cost` units at `now`; returns the decision and the new state.
     ///
     /// A denied request leaves the state as it was. `cost == 0` peeks without consuming.
+    #[inline]
     pub fn decide(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         match self.algorithm {
             Algorithm::TokenBucket => self.token_bucket(state, now, cost),
@@ -207,6 +208,7 @@ impl Limit {
         (spent * 255 / quota).min(255) as u8
     }
 
+    #[inline]
     fn token_bucket(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let t = self.interval;
         let quota = self.quota();
@@ -230,6 +232,7 @@ impl Limit {
         (d, State::TokenBucket { tat: now.saturating_add(new_used) })
     }
 
+    #[inline]
     fn sliding_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let w = self.per;
         let limit = self.requests;
@@ -273,6 +276,7 @@ impl Limit {
         (Decision::denied(limit, limit.saturating_sub(used), reset, retry), s)
     }
 
+    #[inline]
     fn fixed_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let w = self.per;
         let limit = self.requests;
@@ -385,9 +389,11 @@ pub struct Decision {
 }
 
 impl Decision {
+    #[inline]
     fn allowed(limit: u64, remaining: u64, reset_after: Nanos) -> Self {
         Decision { allowed: true, limit, remaining, reset_after, retry_after: None }
     }
+    #[inline]
     fn denied(limit: u64, remaining: u64, reset_after: Nanos, retry_after: Option<Nanos>) -> Self {
         Decision { allowed: false, limit, remaining, reset_after, retry_after }
     }

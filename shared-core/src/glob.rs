@@ -48,10 +48,10 @@ impl PathPattern {
         Ok(PathPattern { segments })
     }
 
-    /// Whether a normalized path matches.
+    /// Whether a normalized path matches. Allocation-free: it runs for every rule on every
+    /// request.
     pub fn matches(&self, normalized_path: &str) -> bool {
-        let path: Vec<&str> = split(normalized_path).collect();
-        match_from(&self.segments, &path)
+        match_from(&self.segments, normalized_path.trim_start_matches('/'))
     }
 }
 
@@ -59,17 +59,30 @@ fn split(path: &str) -> impl Iterator<Item = &str> {
     path.split('/').filter(|s| !s.is_empty())
 }
 
-fn match_from(pat: &[Segment], path: &[&str]) -> bool {
+/// `path` is the rest of a normalized path without its leading `/` (`""`: no segments left).
+fn match_from(pat: &[Segment], path: &str) -> bool {
     let Some((first, rest)) = pat.split_first() else {
         return path.is_empty();
     };
     match first {
-        Segment::AnyDepth => (0..=path.len()).any(|i| match_from(rest, path.get(i..).unwrap_or(&[]))),
+        Segment::AnyDepth => {
+            let mut p = path;
+            loop {
+                if match_from(rest, p) {
+                    return true;
+                }
+                if p.is_empty() {
+                    return false;
+                }
+                p = p.split_once('/').map_or("", |(_, r)| r);
+            }
+        }
         Segment::Any if rest.is_empty() => !path.is_empty(),
-        _ => match path.split_first() {
-            Some((seg, path_rest)) => segment_matches(first, seg) && match_from(rest, path_rest),
-            None => false,
-        },
+        _ if path.is_empty() => false,
+        _ => {
+            let (seg, tail) = path.split_once('/').unwrap_or((path, ""));
+            segment_matches(first, seg) && match_from(rest, tail)
+        }
     }
 }
 

@@ -16,7 +16,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use wasmtime::{bail, format_err, Caller, Engine, Extern, Func, Instance, Linker, Memory, Module, Result, Store, Val};
+use wasmtime::{
+    bail, format_err, Caller, Engine, Extern, Func, Instance, Linker, Memory, Module, Result, Store, TypedFunc, Val,
+};
 
 /// proxy-wasm status codes.
 mod status {
@@ -267,18 +269,35 @@ struct VmState {
     callouts: Vec<Callout>,
     call_response: Option<(HeaderMap, Vec<u8>)>,
     effective_context: u32,
+    /// The guest's memory and allocator, looked up once after instantiation.
+    memory: Option<Memory>,
+    alloc: Option<TypedFunc<i32, i32>>,
+}
+
+/// The guest entry points called per request, looked up once.
+struct Entries {
+    context_create: TypedFunc<(i32, i32), ()>,
+    request_headers: TypedFunc<(i32, i32, i32), i32>,
+    response_headers: TypedFunc<(i32, i32, i32), i32>,
+    done: TypedFunc<i32, i32>,
+    log: TypedFunc<i32, ()>,
+    delete: TypedFunc<i32, ()>,
 }
 
 /// One VM (one worker thread) of a node, with the plugin instantiated and configured.
 pub struct Vm {
     store: Store<VmState>,
     instance: Instance,
+    entries: Entries,
     root: u32,
     next_context: u32,
     broken: Option<String>,
 }
 
 fn memory(caller: &mut Caller<'_, VmState>) -> Result<Memory> {
+    if let Some(m) = caller.data().memory {
+        return Ok(m);
+    }
     match caller.get_export("memory") {
         Some(Extern::Memory(m)) => Ok(m),
         _ => bail!("the module exports no memory"),
@@ -315,11 +334,14 @@ fn write_u64(caller: &mut Caller<'_, VmState>, ptr: i32, v: u64) -> Result<()> {
 /// SDK frees it as a `Vec` of that capacity), then stores its address and size. Memory may
 /// grow during the allocation, so no view of it is held across the call.
 fn return_bytes(caller: &mut Caller<'_, VmState>, data: &[u8], ret_ptr: i32, ret_size: i32) -> Result<()> {
-    let alloc = ["malloc", "proxy_on_memory_allocate"]
-        .iter()
-        .find_map(|n| caller.get_export(n).and_then(Extern::into_func))
-        .ok_or_else(|| format_err!("the module exports no allocator"))?;
-    let alloc = alloc.typed::<i32, i32>(&caller)?;
+    let alloc = match caller.data().alloc.clone() {
+        Some(a) => a,
+        None => ["malloc", "proxy_on_memory_allocate"]
+            .iter()
+            .find_map(|n| caller.get_export(n).and_then(Extern::into_func))
+            .ok_or_else(|| format_err!("the module exports no allocator"))?
+            .typed::<i32, i32>(&caller)?,
+    };
     let addr = if data.is_empty() { 0 } else { alloc.call(&mut *caller, data.len() as i32)? };
     if !data.is_empty() {
         if addr == 0 {
@@ -747,12 +769,26 @@ impl Vm {
             callouts: Vec::new(),
             call_response: None,
             effective_context: 0,
+            memory: None,
+            alloc: None,
         };
         let mut store = Store::new(&plugin.engine, state);
         let mut linker = Linker::new(&plugin.engine);
         define_imports(&mut linker, &plugin.module)?;
         let instance = linker.instantiate(&mut store, &plugin.module)?;
-        let mut vm = Vm { store, instance, root: 1, next_context: 2, broken: None };
+        store.data_mut().memory = instance.get_memory(&mut store, "memory");
+        store.data_mut().alloc = ["malloc", "proxy_on_memory_allocate"]
+            .iter()
+            .find_map(|n| instance.get_typed_func::<i32, i32>(&mut store, n).ok());
+        let entries = Entries {
+            context_create: instance.get_typed_func(&mut store, "proxy_on_context_create")?,
+            request_headers: instance.get_typed_func(&mut store, "proxy_on_request_headers")?,
+            response_headers: instance.get_typed_func(&mut store, "proxy_on_response_headers")?,
+            done: instance.get_typed_func(&mut store, "proxy_on_done")?,
+            log: instance.get_typed_func(&mut store, "proxy_on_log")?,
+            delete: instance.get_typed_func(&mut store, "proxy_on_delete")?,
+        };
+        let mut vm = Vm { store, instance, entries, root: 1, next_context: 2, broken: None };
         for init in ["_initialize", "_start"] {
             if vm.instance.get_func(&mut vm.store, init).is_some() {
                 vm.call(init, &[])?;
@@ -806,17 +842,21 @@ impl Vm {
         }
         let root = self.root as i32;
         let c = ctx as i32;
-        self.call("proxy_on_context_create", &[Val::I32(c), Val::I32(root)])?;
+        let e = &self.entries;
+        let (create, on_request, on_response) =
+            (e.context_create.clone(), e.request_headers.clone(), e.response_headers.clone());
+        let (done, log, delete) = (e.done.clone(), e.log.clone(), e.delete.clone());
+        self.guard(|s| create.call(s, (c, root)))?;
         let n = req.headers.len() as i32;
-        let action = self.call("proxy_on_request_headers", &[Val::I32(c), Val::I32(n), Val::I32(1)])?;
-        let paused = action.first().and_then(Val::i32) == Some(1);
+        let action = self.guard(|s| on_request.call(s, (c, n, 1)))?;
+        let paused = action == 1;
         let result = if let Some(reply) = self.store.data_mut().local_reply.take() {
             FilterResult { status: reply.status, headers: reply.headers, body: reply.body, passed: false }
         } else if paused {
             bail!("the filter paused the request without replying");
         } else {
             self.store.data_mut().response_headers = vec![(":status".into(), b"200".to_vec())];
-            self.call("proxy_on_response_headers", &[Val::I32(c), Val::I32(1), Val::I32(1)])?;
+            self.guard(|s| on_response.call(s, (c, 1, 1)))?;
             let headers = self
                 .store
                 .data()
@@ -827,10 +867,22 @@ impl Vm {
                 .collect();
             FilterResult { status: 200, headers, body: Vec::new(), passed: true }
         };
-        self.call("proxy_on_done", &[Val::I32(c)])?;
-        self.call("proxy_on_log", &[Val::I32(c)])?;
-        self.call("proxy_on_delete", &[Val::I32(c)])?;
+        self.guard(|s| done.call(s, c))?;
+        self.guard(|s| log.call(s, c))?;
+        self.guard(|s| delete.call(s, c))?;
         Ok(result)
+    }
+
+    /// Runs a typed guest call; a trap makes the VM unusable, as in Envoy.
+    fn guard<R>(&mut self, f: impl FnOnce(&mut Store<VmState>) -> Result<R>) -> Result<R> {
+        if let Some(why) = &self.broken {
+            bail!("this VM trapped earlier and is unusable: {why}");
+        }
+        f(&mut self.store).map_err(|e| {
+            let why = format!("guest trapped: {e:#}");
+            self.broken = Some(why.clone());
+            format_err!(why)
+        })
     }
 
     /// Runs the root context's tick.

@@ -5,4 +5,5 @@
 //! - `tests/`: the filter's behaviour through that host; `benches/`: benchmarks.
 //! - `src/bin/gateway.rs`: a small local HTTP gateway that serves through the filter.
 
+pub mod bench;
 pub mod host;
