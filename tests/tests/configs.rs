@@ -1,0 +1,40 @@
+//! The shipped proxy configurations carry rules the built filter accepts.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use ratewall_tests::host::{Node, Plugin, Vm};
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)).unwrap()
+}
+
+/// The block scalar under `value: |` in envoy.yaml.
+fn envoy_rules() -> String {
+    let yaml = read("envoy-config/envoy.yaml");
+    let mut lines = yaml.lines().skip_while(|l| !l.trim_end().ends_with("value: |")).skip(1);
+    let first = lines.next().unwrap();
+    let indent = first.len() - first.trim_start().len();
+    std::iter::once(first)
+        .chain(lines.take_while(|l| l.len() - l.trim_start().len() >= indent && !l.trim().is_empty()))
+        .map(|l| &l[indent..])
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn nginx_rules() -> String {
+    let conf = read("envoy-config/nginx.conf");
+    let start = conf.find("proxy_wasm ratewall '").unwrap() + "proxy_wasm ratewall '".len();
+    conf[start..].split("';").next().unwrap().to_owned()
+}
+
+#[test]
+fn shipped_configs_carry_the_example_rules_and_the_filter_accepts_them() {
+    let example: serde_json::Value = serde_json::from_str(&read("examples/rules.json")).unwrap();
+    for (name, doc) in [("envoy.yaml", envoy_rules()), ("nginx.conf", nginx_rules())] {
+        let parsed: serde_json::Value = serde_json::from_str(&doc).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(parsed, example, "{name} drifted from examples/rules.json");
+        let node = Node::new(1_700_000_000_000_000_000);
+        let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, doc.as_bytes()).unwrap();
+        assert!(vm.configure(doc.as_bytes()).unwrap(), "{name}: the filter rejected its rules: {:?}", node.logs());
+    }
+}
