@@ -4,9 +4,10 @@
 //!
 //! Shared data has no delete and Envoy never frees a key, so the filter never creates a key
 //! per client. A (rule, key) hashes (SipHash-1-3, keyed by `filter.hash_seed`) to a bucket
-//! and a 64-bit fingerprint. A bucket value is
-//! `version (1) | n (1) | n × (fingerprint u64 | idle_at_secs u32 | usage u8 | state)`: 23
-//! bytes per token-bucket entry and 31 per sliding-window entry.
+//! and a 48-bit fingerprint (with 8 entries per bucket a false match is about 8 in 2^48). A
+//! bucket value is
+//! `version (1) | n (1) | n × (fingerprint u48 | idle_at_secs u32 | usage u8 | state)`: 21
+//! bytes per token-bucket entry and 29 per sliding-window entry.
 //!
 //! Eviction: a new key takes the slot of an entry that is idle (its state is equivalent to
 //! fresh, so forgetting it grants nothing); when none is idle, the active entry that had
@@ -32,21 +33,23 @@ use std::hash::Hasher;
 pub const WAYS: usize = 8;
 const VERSION: u8 = 1;
 /// Bytes of an entry before its state.
-const HEAD: usize = 13;
+const HEAD: usize = 11;
+/// Fingerprints keep their low 48 bits.
+const FINGERPRINT_MASK: u64 = (1 << 48) - 1;
 
 /// Where a (rule, key) lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Slot {
     /// Bucket index.
     pub bucket: u32,
-    /// Fingerprint within the bucket.
+    /// Fingerprint within the bucket (48 bits).
     pub fingerprint: u64,
 }
 
 /// One tracked (rule, key).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
-    /// Fingerprint of the (rule, key).
+    /// Fingerprint of the (rule, key) (48 bits).
     pub fingerprint: u64,
     /// Whole seconds since the epoch from which the state equals fresh.
     pub idle_at: u32,
@@ -67,10 +70,10 @@ pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
     for _ in 0..n {
         let head = rest.get(..HEAD).ok_or(DecodeError::Truncated)?;
         let mut fp = [0u8; 8];
-        fp.copy_from_slice(head.get(..8).ok_or(DecodeError::Truncated)?);
+        fp.get_mut(..6).ok_or(DecodeError::Truncated)?.copy_from_slice(head.get(..6).ok_or(DecodeError::Truncated)?);
         let mut idle = [0u8; 4];
-        idle.copy_from_slice(head.get(8..12).ok_or(DecodeError::Truncated)?);
-        let usage = head.get(12).copied().ok_or(DecodeError::Truncated)?;
+        idle.copy_from_slice(head.get(6..10).ok_or(DecodeError::Truncated)?);
+        let usage = head.get(10).copied().ok_or(DecodeError::Truncated)?;
         let (state, used) = State::decode(rest.get(HEAD..).ok_or(DecodeError::Truncated)?)?;
         entries.push(Entry { fingerprint: u64::from_le_bytes(fp), idle_at: u32::from_le_bytes(idle), usage, state });
         rest = rest.get(HEAD + used..).ok_or(DecodeError::Truncated)?;
@@ -84,7 +87,7 @@ pub fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
     out.push(VERSION);
     out.push(entries.len().min(WAYS) as u8);
     for e in entries.iter().take(WAYS) {
-        out.extend_from_slice(&e.fingerprint.to_le_bytes());
+        out.extend_from_slice(e.fingerprint.to_le_bytes().get(..6).unwrap_or(&[0; 6]));
         out.extend_from_slice(&e.idle_at.to_le_bytes());
         out.push(e.usage);
         e.state.encode_into(&mut out);
@@ -117,7 +120,7 @@ impl Table {
     pub fn new(slots: u32, seed: u64, cas_retries: u32) -> Table {
         let buckets = slots.div_ceil(WAYS as u32).max(1);
         // The bucket count is part of the key so a resized table starts clean.
-        Table { buckets, seed, prefix: format!("ratewall/t1/{buckets}/"), cas_retries }
+        Table { buckets, seed, prefix: format!("rw1/{buckets}/"), cas_retries }
     }
 
     /// Number of buckets (shared-data keys).
@@ -129,10 +132,10 @@ impl Table {
     pub fn slot(&self, key: &[u8]) -> Slot {
         let mut h = SipHasher13::new_with_keys(self.seed, 0x7261_7465_7761_6c6c);
         h.write(key);
-        let fingerprint = h.finish();
+        let hash = h.finish();
         // Multiply-shift maps the high bits uniformly onto the bucket range.
-        let bucket = (((fingerprint >> 32) * u64::from(self.buckets)) >> 32) as u32;
-        Slot { bucket, fingerprint }
+        let bucket = (((hash >> 32) * u64::from(self.buckets)) >> 32) as u32;
+        Slot { bucket, fingerprint: hash & FINGERPRINT_MASK }
     }
 
     /// The shared-data key of a bucket.
@@ -255,15 +258,15 @@ mod tests {
         let entries = vec![
             Entry { fingerprint: 1, idle_at: 2, usage: 0, state: State::TokenBucket { tat: 3 } },
             Entry {
-                fingerprint: u64::MAX,
+                fingerprint: FINGERPRINT_MASK,
                 idle_at: 5,
                 usage: 255,
                 state: State::SlidingWindow { window: 1, prev: 2, curr: 3 },
             },
         ];
         let bytes = encode_bucket(&entries);
-        // At most 32 bytes per tracked key: 23 for a token bucket, 31 for a sliding window.
-        assert_eq!(bytes.len(), 2 + 23 + 31);
+        // At most 32 bytes per tracked key: 21 for a token bucket, 29 for a sliding window.
+        assert_eq!(bytes.len(), 2 + 21 + 29);
         assert_eq!(decode_bucket(&bytes).unwrap(), entries);
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
         assert!(decode_bucket(&[]).is_err());
