@@ -182,21 +182,44 @@ fn build() -> Result<Artifacts> {
 }
 
 fn test() -> Result<()> {
-    run(Command::new(cargo()).current_dir(root()).args([
-        "test",
-        "--workspace",
-        "--exclude",
-        "ratewall-core-probe",
-        "--all-targets",
-    ]))?;
-    // Doc tests are part of "every test" too.
-    run(Command::new(cargo()).current_dir(root()).args([
-        "test",
-        "--workspace",
-        "--exclude",
-        "ratewall-core-probe",
-        "--doc",
-    ]))
+    let (mut passed, mut failed) = (0u64, 0u64);
+    // Doc tests first, so the closing summary is the whole run's.
+    for kind in ["--doc", "--all-targets"] {
+        let mut cmd = Command::new(cargo());
+        cmd.current_dir(root()).args(["test", "--workspace", "--exclude", "ratewall-core-probe", kind]);
+        let (p, f, ok) = run_counting(&mut cmd)?;
+        passed += p;
+        failed += f;
+        if !ok {
+            println!("tests: {passed} passed, {failed} failed");
+            return Err(format!("{cmd:?} failed"));
+        }
+    }
+    println!("tests: {passed} passed, {failed} failed");
+    Ok(())
+}
+
+/// Runs `cargo test`, echoing its output, and sums its `test result:` lines.
+fn run_counting(cmd: &mut Command) -> Result<(u64, u64, bool)> {
+    eprintln!("+ {cmd:?}");
+    let mut child = cmd.stdout(Stdio::piped()).spawn().map_err(|e| format!("could not start {cmd:?}: {e}"))?;
+    let (mut passed, mut failed) = (0, 0);
+    if let Some(out) = child.stdout.take() {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines().map_while(std::result::Result::ok) {
+            println!("{line}");
+            if let Some(rest) = line.strip_prefix("test result: ") {
+                let count = |word: &str| {
+                    rest.split(';')
+                        .find_map(|part| part.trim().strip_suffix(word)?.trim().rsplit(' ').next()?.parse::<u64>().ok())
+                };
+                passed += count(" passed").unwrap_or(0);
+                failed += count(" failed").unwrap_or(0);
+            }
+        }
+    }
+    let status = child.wait().map_err(|e| e.to_string())?;
+    Ok((passed, failed, status.success()))
 }
 
 fn dev(args: &[String]) -> Result<()> {

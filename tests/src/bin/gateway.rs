@@ -5,7 +5,8 @@
 //! VMs when it changes, as an xDS config push would be; a bad file is rejected and the last
 //! good rules stay.
 //!
-//! `ratewall-gateway [--rules FILE] [--port N] [--workers N]`
+//! `ratewall-gateway [--rules FILE] [--port N] [--workers N]` (default port 8080, or a free one
+//! when 8080 is taken; `--port 0` always picks a free one).
 
 use ratewall_tests::host::{HttpRequest, Node, Plugin, Vm};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -17,23 +18,28 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 struct Args {
     rules: String,
-    port: u16,
+    port: Option<u16>,
     workers: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args { rules: "examples/rules.json".into(), port: 8080, workers: 2 };
+    let mut a = Args { rules: "examples/rules.json".into(), port: None, workers: 2 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
             "--rules" => a.rules = value()?,
-            "--port" => a.port = value()?.parse().map_err(|e| format!("--port: {e}"))?,
+            "--port" => a.port = Some(value()?.parse().map_err(|e| format!("--port: {e}"))?),
             "--workers" => a.workers = value()?.parse().map_err(|e| format!("--workers: {e}"))?,
             other => return Err(format!("unknown argument {other}")),
         }
     }
     Ok(a)
+}
+
+/// Logs to stderr, ignoring write errors: a closed stderr must not take the gateway down.
+fn log(message: &str) {
+    let _ = writeln!(std::io::stderr(), "ratewall-gateway: {message}");
 }
 
 fn wall_clock() -> u64 {
@@ -48,7 +54,7 @@ struct Rules {
 
 fn main() {
     if let Err(e) = serve() {
-        eprintln!("ratewall-gateway: {e}");
+        log(&e);
         std::process::exit(1);
     }
 }
@@ -62,7 +68,13 @@ fn serve() -> Result<(), String> {
     let plugin = Plugin::filter().map_err(|e| e.to_string())?;
     let node = Node::new(wall_clock());
     let rules = Arc::new(Rules { document: Mutex::new(document), generation: AtomicU64::new(0) });
-    let listener = TcpListener::bind(("127.0.0.1", args.port)).map_err(|e| format!("127.0.0.1:{}: {e}", args.port))?;
+    // The default port is 8080; when it is taken, any free port (the address is printed).
+    let listener = match args.port {
+        Some(port) => TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("127.0.0.1:{port}: {e}"))?,
+        None => TcpListener::bind(("127.0.0.1", 8080))
+            .or_else(|_| TcpListener::bind(("127.0.0.1", 0)))
+            .map_err(|e| format!("127.0.0.1: {e}"))?,
+    };
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
 
     let (tx, rx) = mpsc::channel::<TcpStream>();
@@ -85,19 +97,25 @@ fn serve() -> Result<(), String> {
                 }
                 node.set_time(wall_clock());
                 if let Err(e) = handle(&mut vm, stream) {
-                    eprintln!("ratewall-gateway: worker {w}: {e}");
+                    log(&format!("worker {w}: {e}"));
                 }
             }
         });
     }
     watch(args.rules.clone(), Arc::clone(&rules), node.clone());
 
-    println!("ratewall is running at http://{addr}  (rules: {}, {} worker VMs)", args.rules, args.workers.max(1));
-    println!("  the RateLimit fields:  curl -si http://{addr}/v1/things -H 'x-api-key: demo'");
-    println!("  a 429 after 10 logins: for i in $(seq 11); do curl -s -o /dev/null -w '%{{http_code}} ' -X POST http://{addr}/v1/auth/login; done; echo");
-    println!("  metrics:               curl -s http://{addr}/_ratewall/metrics");
-    println!("Ctrl-C stops it.");
-    let _ = std::io::stdout().flush();
+    // Written with errors ignored: a closed stdout must not take the gateway down.
+    let banner = format!(
+        "ratewall is running at http://{addr}  (rules: {}, {} worker VMs)\n\
+         \x20 the RateLimit fields:  curl -si http://{addr}/v1/things -H 'x-api-key: demo'\n\
+         \x20 a 429 after 10 logins: for i in $(seq 11); do curl -s -o /dev/null -w '%{{http_code}} ' -X POST http://{addr}/v1/auth/login; done; echo\n\
+         \x20 metrics:               curl -s http://{addr}/_ratewall/metrics\n\
+         Ctrl-C stops it.\n",
+        args.rules,
+        args.workers.max(1)
+    );
+    let mut out = std::io::stdout();
+    let _ = out.write_all(banner.as_bytes()).and_then(|_| out.flush());
     for stream in listener.incoming().flatten() {
         if tx.send(stream).is_err() {
             break;
@@ -125,11 +143,9 @@ fn watch(path: String, rules: Arc<Rules>, node: Node) {
                         *d = doc;
                     }
                     rules.generation.fetch_add(1, Ordering::SeqCst);
-                    eprintln!("ratewall-gateway: {path} changed; rules reloaded");
+                    log(&format!("{path} changed; rules reloaded"));
                 }
-                Err(e) => {
-                    eprintln!("ratewall-gateway: {path} rejected, keeping the previous rules: {e}")
-                }
+                Err(e) => log(&format!("{path} rejected, keeping the previous rules: {e}")),
             }
             let _ = node.now();
         }

@@ -1,0 +1,110 @@
+//! `cargo xtask dev`'s gateway as a user meets it: started as a process, reached over real
+//! HTTP at the address it prints.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// Kills the gateway when the test ends, however it ends; holds its stdout open meanwhile.
+struct Gateway(Child, #[allow(dead_code)] BufReader<std::process::ChildStdout>);
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start(rules: &std::path::Path) -> (Gateway, String) {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall-gateway"))
+        .current_dir(&root)
+        .args(["--port", "0", "--rules"])
+        .arg(rules)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let url = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let addr = url.trim_start_matches("http://").to_owned();
+    (Gateway(child, out), addr)
+}
+
+/// One HTTP/1.1 request; returns (status, headers, body).
+fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    let mut lines = head.lines();
+    let status = lines.next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    let headers =
+        lines.filter_map(|l| l.split_once(": ")).map(|(k, v)| (k.to_ascii_lowercase(), v.to_owned())).collect();
+    (status, headers, body.to_owned())
+}
+
+fn header<'a>(h: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    h.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+}
+
+#[test]
+fn the_dev_gateway_serves_the_example_rules_over_http() {
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/rules.json");
+    let (_gateway, addr) = start(&rules);
+    let (status, headers, body) = http(&addr, "GET", "/v1/things", &[("x-api-key", "demo")]);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(header(&headers, "ratelimit-policy"), Some("\"api-key\";q=1000;w=60"));
+    let statuses: Vec<u16> = (0..11).map(|_| http(&addr, "POST", "/v1/auth/login", &[]).0).collect();
+    assert_eq!(statuses.iter().filter(|&&s| s == 200).count(), 10, "{statuses:?}");
+    assert_eq!(statuses[10], 429);
+    let (status, headers, body) = http(&addr, "POST", "/v1/auth/login", &[]);
+    assert_eq!(status, 429);
+    assert!(header(&headers, "retry-after").unwrap().parse::<u64>().unwrap() >= 1);
+    assert_eq!(header(&headers, "content-type"), Some("application/problem+json"));
+    let problem: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(problem["violated-policies"], serde_json::json!(["login-per-ip"]));
+}
+
+#[test]
+fn the_dev_gateway_reloads_changed_rules_and_keeps_them_when_broken() {
+    let dir = std::env::temp_dir().join(format!("ratewall-gateway-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rules = dir.join("rules.json");
+    let doc = |n: u32| format!(r#"{{"rules":[{{"name":"r","key":["user"],"limit":{{"requests":{n},"per":"1h"}}}}]}}"#);
+    std::fs::write(&rules, doc(1)).unwrap();
+    let (_gateway, addr) = start(&rules);
+    let get = |user: &str| http(&addr, "GET", "/", &[("x-user-id", user)]).0;
+    assert_eq!((get("a"), get("a")), (200, 429));
+    std::fs::write(&rules, doc(3)).unwrap();
+    // The gateway polls once a second; wait (bounded) for the new limit of 3 to show.
+    let mut reloaded = false;
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(100));
+        if get("probe") == 200 && get("probe") == 200 {
+            reloaded = true;
+            break;
+        }
+    }
+    assert!(reloaded, "the new rules never took effect");
+    std::fs::write(&rules, "{ broken").unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let fresh: Vec<u16> = (0..4).map(|_| get("b")).collect();
+    assert_eq!(fresh, [200, 200, 200, 429], "the last good rules (3 per hour) stay");
+    let _ = std::fs::remove_dir_all(&dir);
+}
