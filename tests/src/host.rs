@@ -354,6 +354,17 @@ fn return_bytes(caller: &mut Caller<'_, VmState>, data: &[u8], ret_ptr: i32, ret
     write_u32(caller, ret_size, data.len() as u32)
 }
 
+/// Answers a getter: NotFound for `None`, else the bytes copied into the guest and Ok.
+fn reply_bytes(caller: &mut Caller<'_, VmState>, value: Option<Vec<u8>>, ret_ptr: i32, ret_size: i32) -> Result<i32> {
+    match value {
+        None => Ok(status::NOT_FOUND),
+        Some(v) => {
+            return_bytes(caller, &v, ret_ptr, ret_size)?;
+            Ok(status::OK)
+        }
+    }
+}
+
 /// The proxy-wasm header map encoding.
 fn serialize_map(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
     let mut out = Vec::new();
@@ -503,14 +514,9 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
         "proxy_get_header_map_value",
         |mut c: Caller<'_, VmState>, map_type: i32, kp: i32, kl: i32, ret_ptr: i32, ret_size: i32| -> Result<i32> {
             let key = read_str(&mut c, kp, kl)?.to_ascii_lowercase();
-            let Some(map) = map_for(c.data_mut(), map_type) else {
-                return Ok(status::NOT_FOUND);
-            };
-            let Some(value) = map.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone()) else {
-                return Ok(status::NOT_FOUND);
-            };
-            return_bytes(&mut c, &value, ret_ptr, ret_size)?;
-            Ok(status::OK)
+            let value =
+                map_for(c.data_mut(), map_type).and_then(|m| m.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone()));
+            reply_bytes(&mut c, value, ret_ptr, ret_size)
         },
     )?;
     linker.func_wrap(
@@ -553,11 +559,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
                 [b"plugin_root_id"] | [b"plugin_name"] => Some(b"ratewall".to_vec()),
                 _ => None,
             };
-            let Some(value) = value else {
-                return Ok(status::NOT_FOUND);
-            };
-            return_bytes(&mut c, &value, ret_ptr, ret_size)?;
-            Ok(status::OK)
+            reply_bytes(&mut c, value, ret_ptr, ret_size)
         },
     )?;
     linker.func_wrap(

@@ -22,7 +22,7 @@ type Result<T> = std::result::Result<T, String>;
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
-        Some("build") => build().map(|_| ()),
+        Some("build") => build(),
         Some("test") => build().and_then(|_| test()),
         Some("dev") => build().and_then(|_| dev(&args[1..])),
         Some("bench") => build().and_then(|_| bench(&args[1..])),
@@ -159,14 +159,8 @@ fn wasm_cargo(tc: &Toolchain) -> Command {
     cmd
 }
 
-/// The wasm artifacts, once built.
-struct Artifacts {
-    /// `dist/ratewall_filter.wasm`.
-    #[allow(dead_code)]
-    filter: PathBuf,
-}
-
-fn build() -> Result<Artifacts> {
+/// Builds the wasm artifacts: `dist/ratewall_filter.wasm`, and the core probe that CI checks.
+fn build() -> Result<()> {
     let tc = toolchain()?;
     run(wasm_cargo(&tc).args(["-p", "ratewall-filter", "-p", "ratewall-core-probe"]))?;
     let out = root().join("target/wasm").join(WASM_TARGET).join("wasm-release");
@@ -178,7 +172,7 @@ fn build() -> Result<Artifacts> {
     std::fs::copy(out.join("ratewall_core_probe.wasm"), &probe).map_err(|e| format!("copying the core probe: {e}"))?;
     let size = std::fs::metadata(&filter).map(|m| m.len()).unwrap_or(0);
     eprintln!("xtask: built {} ({size} bytes)", filter.display());
-    Ok(Artifacts { filter })
+    Ok(())
 }
 
 fn test() -> Result<()> {
