@@ -6,7 +6,7 @@ use crate::table::{Table, TableCounters};
 use ratewall_core::eval::{evaluate, CheckResult, Request, Skip};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_ip, ip_key};
-use ratewall_core::rules::Config;
+use ratewall_core::rules::{Config, Dimension};
 use ratewall_core::{render, ConfigError, Reply};
 
 /// Per-rule metric ids.
@@ -91,15 +91,18 @@ impl Engine {
         let method_raw = host.request_header(":method").unwrap_or_default();
         let method = core::str::from_utf8(&method_raw).unwrap_or("");
         let path = normalize_path(&host.request_header(":path").unwrap_or_default());
+        // Read only what the matching rules key on: each header is a host call.
+        let (needed, needs_ip) = self.needs(method, &path);
         let values: Vec<Option<Vec<u8>>> = self
             .config
             .identity
             .headers
             .iter()
-            .map(|(_, h)| host.request_header(h).filter(|v| !v.is_empty()))
+            .zip(&needed)
+            .map(|((_, h), &need)| if need { host.request_header(h).filter(|v| !v.is_empty()) } else { None })
             .collect();
         let headers: Vec<Option<&[u8]>> = values.iter().map(|v| v.as_deref()).collect();
-        let ip = self.needs_ip(method, &path).then(|| {
+        let ip = needs_ip.then(|| {
             let src = self.config.identity.ip;
             let xff = if src.trusted_hops > 0 { host.request_header("x-forwarded-for") } else { None };
             let peer = host.property(&["source", "address"]);
@@ -151,11 +154,29 @@ impl Engine {
         render(&self.config, &outcome)
     }
 
-    /// Whether any rule this request matches keys on the client IP (saves host calls).
-    fn needs_ip(&self, method: &str, path: &str) -> bool {
-        self.config
-            .rules
-            .iter()
-            .any(|r| r.key.contains(&ratewall_core::rules::Dimension::Ip) && r.matcher.matches(method, path))
+    /// Which identity headers, and whether the client IP, the rules this request matches
+    /// key on (the plan header too when a matching rule has plans).
+    fn needs(&self, method: &str, path: &str) -> (Vec<bool>, bool) {
+        let mut headers = vec![false; self.config.identity.headers.len()];
+        let mut ip = false;
+        let plan = self.config.identity.header_index("plan");
+        for rule in self.config.rules.iter().filter(|r| r.matcher.matches(method, path)) {
+            for dim in &rule.key {
+                match dim {
+                    Dimension::Ip => ip = true,
+                    Dimension::Header(i) => {
+                        if let Some(n) = headers.get_mut(*i) {
+                            *n = true;
+                        }
+                    }
+                }
+            }
+            if let (false, Some(p)) = (rule.plans.is_empty(), plan) {
+                if let Some(n) = headers.get_mut(p) {
+                    *n = true;
+                }
+            }
+        }
+        (headers, ip)
     }
 }

@@ -3,7 +3,6 @@
 
 use crate::rules::IpSource;
 use alloc::string::String;
-use alloc::vec::Vec;
 use core::fmt::Write;
 use core::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -36,9 +35,16 @@ pub fn client_ip(peer: Option<&[u8]>, xff: Option<&[u8]>, src: &IpSource) -> Opt
         return peer_ip;
     }
     let Some(xff) = xff else { return peer_ip };
-    let entries: Vec<&[u8]> = xff.split(|&b| b == b',').collect();
-    let idx = entries.len().saturating_sub(hops);
-    entries.get(idx).and_then(|e| parse_ip(e)).or(peer_ip)
+    // The hops-th entry from the right, or the leftmost when there are fewer.
+    let mut from_right = xff.rsplit(|&b| b == b',');
+    let mut chosen = None;
+    for _ in 0..hops {
+        match from_right.next() {
+            Some(e) => chosen = Some(e),
+            None => break,
+        }
+    }
+    chosen.and_then(parse_ip).or(peer_ip)
 }
 
 /// The IP as a key: IPv4 masked to `ipv4_prefix`, IPv6 to `ipv6_prefix`, in CIDR form when

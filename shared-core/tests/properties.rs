@@ -119,6 +119,15 @@ proptest! {
         }
     }
 
+    /// Normalizing is idempotent (so the fast path for already-normal paths agrees with the
+    /// full one), and every result is absolute.
+    #[test]
+    fn path_normalization_is_idempotent(path in "[/a.%2e6C?#\\x{ff}-]{0,24}") {
+        let once = ratewall_core::glob::normalize_path(path.as_bytes());
+        prop_assert!(once.starts_with('/'));
+        prop_assert_eq!(ratewall_core::glob::normalize_path(once.as_bytes()), once.clone());
+    }
+
     #[test]
     fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
         let _ = State::decode(&bytes);
