@@ -208,6 +208,74 @@ impl Limit {
         (spent * 255 / quota).min(255) as u8
     }
 
+    /// The sliding window's (window, elapsed in it, previous count, current count) at `now`,
+    /// rolled forward, and clamped to the stored window when time went backwards.
+    fn sliding_roll(&self, state: &State, now: Nanos) -> (u64, Nanos, u64, u64) {
+        let w = self.per;
+        match state {
+            State::SlidingWindow { window, prev, curr } => {
+                let idx = now / w;
+                if idx < *window {
+                    // Time went backwards: clamp to the start of the stored window.
+                    (*window, 0, u64::from(*prev), u64::from(*curr))
+                } else if idx == *window {
+                    (idx, now % w, u64::from(*prev), u64::from(*curr))
+                } else if idx == *window + 1 {
+                    (idx, now % w, u64::from(*curr), 0)
+                } else {
+                    (idx, now % w, 0, 0)
+                }
+            }
+            _ => (now / w, now % w, 0, 0),
+        }
+    }
+
+    /// The fixed window's (window, count) at `now`; a stored later window is kept (clamp).
+    fn fixed_roll(&self, state: &State, now: Nanos) -> (u64, u64) {
+        let w = self.per;
+        match state {
+            State::FixedWindow { window, count } if *window >= now / w => (*window, u64::from(*count)),
+            _ => (now / w, 0),
+        }
+    }
+
+    /// Records `units` already admitted elsewhere, whatever the limit says: the global store
+    /// counts every request its nodes admitted, even past the limit (its view then reports
+    /// no remaining quota until the overshoot has drained).
+    pub fn consume(&self, state: &State, now: Nanos, units: u64) -> State {
+        match self.algorithm {
+            Algorithm::TokenBucket => {
+                let tat = match state {
+                    State::TokenBucket { tat } => max(*tat, now),
+                    _ => now,
+                };
+                State::TokenBucket { tat: tat.saturating_add(units.saturating_mul(self.interval)) }
+            }
+            Algorithm::SlidingWindow => {
+                let (window, _, prev, curr) = self.sliding_roll(state, now);
+                State::SlidingWindow { window, prev: clamp_u32(prev), curr: clamp_u32(curr.saturating_add(units)) }
+            }
+            Algorithm::FixedWindow => {
+                let (window, count) = self.fixed_roll(state, now);
+                State::FixedWindow { window, count: clamp_u32(count.saturating_add(units)) }
+            }
+            Algorithm::SlidingLog => {
+                let mut entries = match state {
+                    State::SlidingLog { entries } => entries.clone(),
+                    _ => Vec::new(),
+                };
+                let now = entries.last().map_or(now, |&newest| max(now, newest));
+                entries.retain(|&t| t.saturating_add(self.per) > now);
+                // The log never holds more than `requests` entries: beyond that the window is
+                // full whatever the excess, so the oldest are dropped.
+                entries.extend(core::iter::repeat_n(now, units.min(self.requests) as usize));
+                let excess = entries.len().saturating_sub(self.requests as usize);
+                entries.drain(..excess);
+                State::SlidingLog { entries }
+            }
+        }
+    }
+
     #[inline]
     fn token_bucket(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let t = self.interval;
@@ -236,22 +304,7 @@ impl Limit {
     fn sliding_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let w = self.per;
         let limit = self.requests;
-        let (window, elapsed, prev, curr) = match state {
-            State::SlidingWindow { window, prev, curr } => {
-                let idx = now / w;
-                if idx < *window {
-                    // Time went backwards: clamp to the start of the stored window.
-                    (*window, 0, u64::from(*prev), u64::from(*curr))
-                } else if idx == *window {
-                    (idx, now % w, u64::from(*prev), u64::from(*curr))
-                } else if idx == *window + 1 {
-                    (idx, now % w, u64::from(*curr), 0)
-                } else {
-                    (idx, now % w, 0, 0)
-                }
-            }
-            _ => (now / w, now % w, 0, 0),
-        };
+        let (window, elapsed, prev, curr) = self.sliding_roll(state, now);
         let weighted =
             |prev: u64, elapsed: Nanos| -> u64 { (u128::from(prev) * u128::from(w - elapsed) / u128::from(w)) as u64 };
         let used = weighted(prev, elapsed) + curr;
@@ -280,17 +333,17 @@ impl Limit {
     fn fixed_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let w = self.per;
         let limit = self.requests;
-        let (window, count) = match state {
-            State::FixedWindow { window, count } if *window >= now / w => (*window, u64::from(*count)),
-            _ => (now / w, 0),
-        };
+        let (window, count) = self.fixed_roll(state, now);
         let to_end = (window + 1).saturating_mul(w).saturating_sub(now);
         if count.saturating_add(cost) <= limit {
             let d = Decision::allowed(limit, limit - count - cost, to_end);
             return (d, State::FixedWindow { window, count: clamp_u32(count + cost) });
         }
         let retry = (cost <= limit).then_some(to_end);
-        (Decision::denied(limit, limit - count, to_end, retry), State::FixedWindow { window, count: clamp_u32(count) })
+        (
+            Decision::denied(limit, limit.saturating_sub(count), to_end, retry),
+            State::FixedWindow { window, count: clamp_u32(count) },
+        )
     }
 
     fn sliding_log(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
@@ -487,6 +540,20 @@ mod tests {
             let s = limit.refund(&s, now, 1);
             let (d, _) = limit.decide(&s, now, 1);
             assert!(d.allowed, "{a:?}");
+        }
+    }
+
+    #[test]
+    fn consumed_units_count_even_past_the_limit() {
+        for a in [Algorithm::TokenBucket, Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::SlidingLog] {
+            let limit = Limit::new(a, 5, SECOND, None).unwrap();
+            let now = 7 * SECOND;
+            let s = limit.consume(&State::Fresh, now, 3);
+            assert_eq!(limit.decide(&s, now, 0).0.remaining, 2, "{a:?}");
+            let s = limit.consume(&s, now, 10);
+            let (d, _) = limit.decide(&s, now, 1);
+            assert!(!d.allowed, "{a:?}");
+            assert_eq!(d.remaining, 0, "{a:?}");
         }
     }
 

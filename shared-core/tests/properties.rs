@@ -109,6 +109,23 @@ proptest! {
         }
     }
 
+    /// Rules can be reloaded with a lower limit while states live on: deciding a state built
+    /// under another limit of the same algorithm never panics and never reports more than the
+    /// quota; for the counting algorithms a full window stays full under a lower limit. (A
+    /// token bucket's state is time owed, which a new rate re-prices, so it is not counted.)
+    #[test]
+    fn a_lowered_limit_on_live_state_is_safe((limit, steps, start) in scenario(), new_requests in 1u64..5) {
+        let (s, now) = replay(&limit, &steps, start);
+        let s = limit.consume(&s, now, limit.capacity());
+        let burst = (limit.algorithm() == Algorithm::TokenBucket).then_some(new_requests);
+        let lower = Limit::new(limit.algorithm(), new_requests, limit.per(), burst).unwrap();
+        let (d, _) = lower.decide(&s, now, 1);
+        prop_assert!(d.remaining <= d.limit);
+        if limit.algorithm() != Algorithm::TokenBucket && new_requests <= limit.requests() {
+            prop_assert!(!d.allowed, "a full window under the old limit is full under a lower one");
+        }
+    }
+
     #[test]
     fn states_round_trip_through_bytes((limit, steps, start) in scenario()) {
         let (s, _) = replay(&limit, &steps, start);
