@@ -135,6 +135,13 @@ pub fn normalize_path(raw: &[u8]) -> String {
                     i += 3;
                     continue;
                 }
+            } else {
+                // A stray `%` becomes `%25`, so decoding cannot splice a new escape out of it
+                // (`%6%62` would otherwise become `%6b`, which a second decode reads as `k`):
+                // the result is a fixed point, whatever decodes it again downstream.
+                decoded.extend_from_slice(b"%25");
+                i += 1;
+                continue;
             }
         }
         decoded.push(b);
@@ -214,6 +221,9 @@ mod tests {
         }
         assert_eq!(normalize_path(b"/../../etc"), "/etc");
         assert_eq!(normalize_path(b"/a%2Fb"), "/a%2Fb");
+        assert_eq!(normalize_path(b"/%6%62"), "/%256b");
+        assert_eq!(normalize_path(b"/%256b"), "/%256b");
+        assert_eq!(normalize_path(b"/100%"), "/100%25");
         assert_eq!(normalize_path(b""), "/");
         assert_eq!(normalize_path(b"/"), "/");
         assert_eq!(normalize_path(b"/v1/things?x"), "/v1/things");
