@@ -123,7 +123,8 @@ impl State {
     }
 }
 
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+/// Appends `v` as a LEB128 varint.
+pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
         v >>= 7;

@@ -10,7 +10,8 @@
 //! - [`glob`] and [`key`]: path matching and identity (client IP, composite keys);
 //! - [`eval`]: multi-rule evaluation over any [`eval::Counters`] store;
 //! - [`response`]: the 429 / `RateLimit` client contract;
-//! - [`encoding`]: the versioned byte encoding of states.
+//! - [`encoding`]: the versioned byte encoding of states;
+//! - [`sync`]: the protocol between proxies and the global store, and a reference store.
 //!
 //! It is not a store, a proxy plugin or a Worker: those are the wrappers' jobs.
 #![no_std]
@@ -27,6 +28,7 @@ pub mod glob;
 pub mod key;
 pub mod response;
 pub mod rules;
+pub mod sync;
 
 pub use algo::{Algorithm, Decision, Limit, Nanos, State, SECOND};
 pub use eval::{evaluate, Check, Counters, MemoryCounters, Outcome, Request};

@@ -151,6 +151,15 @@ proptest! {
     }
 
     #[test]
+    fn decoding_garbage_sync_messages_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..96)) {
+        let _ = ratewall_core::sync::SyncRequest::decode(&bytes);
+        let _ = ratewall_core::sync::SyncResponse::decode(&bytes);
+        let mut with_header = vec![1u8, 1];
+        with_header.extend_from_slice(&bytes);
+        let _ = ratewall_core::sync::SyncRequest::decode(&with_header);
+    }
+
+    #[test]
     fn parsing_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
         let _ = Config::parse(&bytes);
     }

@@ -1,0 +1,468 @@
+//! The sync protocol between proxies and the global store, and a reference store.
+//!
+//! Each proxy admits locally and, once per interval, sends the store one batch: the units it
+//! admitted per counter since its last sync ([`SyncRequest`]). The store adds them to the
+//! global state of each counter ([`Limit::consume`]) and answers with the global view and a
+//! *grant* per counter ([`SyncResponse`]): the units this node may admit before its next sync.
+//! Grants split the global remaining quota between the nodes in proportion to their recent
+//! traffic, so the grants outstanding at one instant never sum to more than what remains.
+//!
+//! - **Idempotent:** a request carries the node id and a sequence number. The store answers a
+//!   repeat of the node's last sequence with the response it already gave (a retried batch is
+//!   never counted twice) and refuses older ones ([`SyncError::Stale`]).
+//! - **Authenticated:** [`sign`] / [`verify`] are HMAC-SHA256 over the encoded body with a
+//!   shared secret; the tag travels beside the body (a header), never in logs.
+//! - **One clock:** the store's `now` in the response is the reference for window ids, so
+//!   nodes with skewed clocks agree on windows.
+//! - **Compact:** `version | kind | varints`; a delta is its key, its limit (4 varints) and
+//!   its units.
+//!
+//! `docs/sync-protocol.md` describes the wire format and the error bound.
+
+use crate::algo::{Algorithm, Limit, Nanos, State};
+use crate::encoding::{put_varint, DecodeError, Reader};
+use alloc::collections::BTreeMap;
+use alloc::vec::Vec;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// The protocol version byte.
+pub const VERSION: u8 = 1;
+const KIND_REQUEST: u8 = 1;
+const KIND_RESPONSE: u8 = 2;
+/// Longest counter key accepted on the wire.
+pub const MAX_KEY: usize = 1024;
+/// Most deltas (or grants) in one message.
+pub const MAX_ENTRIES: usize = 65_536;
+
+/// Units one node admitted for one counter since its last sync.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delta {
+    /// The counter key ([`crate::eval::Check::key`]).
+    pub key: Vec<u8>,
+    /// The limit the node applies to it.
+    pub limit: Limit,
+    /// Units admitted since the last sync (0: only asking for a grant).
+    pub units: u64,
+}
+
+/// One node's batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyncRequest {
+    /// The node's id (stable across restarts of its process is not required).
+    pub node: u64,
+    /// Strictly increasing per node; a retry repeats the same number.
+    pub seq: u64,
+    /// The deltas.
+    pub deltas: Vec<Delta>,
+}
+
+/// The store's answer for one counter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// The counter key.
+    pub key: Vec<u8>,
+    /// Units remaining globally, after this batch.
+    pub remaining: u64,
+    /// Units this node may admit before its next sync.
+    pub grant: u64,
+    /// Time until the global quota is restored.
+    pub reset_after: Nanos,
+}
+
+/// The store's answer to a batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyncResponse {
+    /// The sequence number answered.
+    pub seq: u64,
+    /// The store's clock: the reference for window ids.
+    pub now: Nanos,
+    /// Nodes the store has heard from recently.
+    pub nodes: u32,
+    /// One grant per delta of the request, in order.
+    pub grants: Vec<Grant>,
+}
+
+/// Why a batch was not applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncError {
+    /// Older than the node's last batch (a reordered or duplicated old request).
+    Stale {
+        /// The last sequence number applied for this node.
+        last: u64,
+    },
+    /// The bytes are not a valid message.
+    Malformed(DecodeError),
+    /// The tag does not match the body.
+    Unauthorized,
+}
+
+fn put_limit(out: &mut Vec<u8>, l: &Limit) {
+    out.push(match l.algorithm() {
+        Algorithm::TokenBucket => 0,
+        Algorithm::SlidingWindow => 1,
+        Algorithm::FixedWindow => 2,
+        Algorithm::SlidingLog => 3,
+    });
+    put_varint(out, l.requests());
+    put_varint(out, l.per());
+    put_varint(out, l.capacity());
+}
+
+fn read_limit(r: &mut Reader<'_>) -> Result<Limit, DecodeError> {
+    let algorithm = match r.u8()? {
+        0 => Algorithm::TokenBucket,
+        1 => Algorithm::SlidingWindow,
+        2 => Algorithm::FixedWindow,
+        3 => Algorithm::SlidingLog,
+        t => return Err(DecodeError::Tag(t)),
+    };
+    let (requests, per, capacity) = (r.varint()?, r.varint()?, r.varint()?);
+    let burst = (algorithm == Algorithm::TokenBucket).then_some(capacity);
+    Limit::new(algorithm, requests, per, burst).map_err(|_| DecodeError::Tag(255))
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    put_varint(out, b.len() as u64);
+    out.extend_from_slice(b);
+}
+
+fn read_bytes(r: &mut Reader<'_>, max: usize) -> Result<Vec<u8>, DecodeError> {
+    let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+    if n > max {
+        return Err(DecodeError::Truncated);
+    }
+    Ok(r.take(n)?.to_vec())
+}
+
+fn read_header(r: &mut Reader<'_>, kind: u8) -> Result<(), DecodeError> {
+    let v = r.u8()?;
+    if v != VERSION {
+        return Err(DecodeError::Version(v));
+    }
+    let k = r.u8()?;
+    if k != kind {
+        return Err(DecodeError::Tag(k));
+    }
+    Ok(())
+}
+
+fn read_count(r: &mut Reader<'_>) -> Result<usize, DecodeError> {
+    let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+    if n > MAX_ENTRIES {
+        return Err(DecodeError::Truncated);
+    }
+    Ok(n)
+}
+
+impl SyncRequest {
+    /// The wire encoding.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = alloc::vec![VERSION, KIND_REQUEST];
+        put_varint(&mut out, self.node);
+        put_varint(&mut out, self.seq);
+        put_varint(&mut out, self.deltas.len() as u64);
+        for d in &self.deltas {
+            put_bytes(&mut out, &d.key);
+            put_limit(&mut out, &d.limit);
+            put_varint(&mut out, d.units);
+        }
+        out
+    }
+
+    /// Decodes the wire encoding; trailing bytes are an error.
+    pub fn decode(bytes: &[u8]) -> Result<SyncRequest, DecodeError> {
+        let mut r = Reader { bytes, pos: 0 };
+        read_header(&mut r, KIND_REQUEST)?;
+        let (node, seq) = (r.varint()?, r.varint()?);
+        let n = read_count(&mut r)?;
+        let mut deltas = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            deltas.push(Delta { key: read_bytes(&mut r, MAX_KEY)?, limit: read_limit(&mut r)?, units: r.varint()? });
+        }
+        if r.pos != bytes.len() {
+            return Err(DecodeError::Truncated);
+        }
+        Ok(SyncRequest { node, seq, deltas })
+    }
+}
+
+impl SyncResponse {
+    /// The wire encoding.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = alloc::vec![VERSION, KIND_RESPONSE];
+        put_varint(&mut out, self.seq);
+        put_varint(&mut out, self.now);
+        put_varint(&mut out, u64::from(self.nodes));
+        put_varint(&mut out, self.grants.len() as u64);
+        for g in &self.grants {
+            put_bytes(&mut out, &g.key);
+            put_varint(&mut out, g.remaining);
+            put_varint(&mut out, g.grant);
+            put_varint(&mut out, g.reset_after);
+        }
+        out
+    }
+
+    /// Decodes the wire encoding; trailing bytes are an error.
+    pub fn decode(bytes: &[u8]) -> Result<SyncResponse, DecodeError> {
+        let mut r = Reader { bytes, pos: 0 };
+        read_header(&mut r, KIND_RESPONSE)?;
+        let (seq, now) = (r.varint()?, r.varint()?);
+        let nodes = u32::try_from(r.varint()?).unwrap_or(u32::MAX);
+        let n = read_count(&mut r)?;
+        let mut grants = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            grants.push(Grant {
+                key: read_bytes(&mut r, MAX_KEY)?,
+                remaining: r.varint()?,
+                grant: r.varint()?,
+                reset_after: r.varint()?,
+            });
+        }
+        if r.pos != bytes.len() {
+            return Err(DecodeError::Truncated);
+        }
+        Ok(SyncResponse { seq, now, nodes, grants })
+    }
+}
+
+/// HMAC-SHA256 of `body` under `secret`.
+pub fn sign(secret: &[u8], body: &[u8]) -> [u8; 32] {
+    // HMAC accepts keys of any length, so `new_from_slice` cannot fail.
+    match Hmac::<Sha256>::new_from_slice(secret) {
+        Ok(mut mac) => {
+            mac.update(body);
+            mac.finalize().into_bytes().into()
+        }
+        Err(_) => [0; 32],
+    }
+}
+
+/// Whether `tag` is the HMAC-SHA256 of `body` under `secret` (constant-time comparison).
+pub fn verify(secret: &[u8], body: &[u8], tag: &[u8]) -> bool {
+    match Hmac::<Sha256>::new_from_slice(secret) {
+        Ok(mut mac) => {
+            mac.update(body);
+            mac.verify_slice(tag).is_ok()
+        }
+        Err(_) => false,
+    }
+}
+
+/// One counter in the store.
+#[derive(Clone, Debug)]
+struct Counter {
+    limit: Limit,
+    state: State,
+    /// Recent units per node (halved at each of the node's syncs): the traffic shares.
+    shares: Vec<(u64, u64)>,
+    last_seen: Nanos,
+}
+
+#[derive(Clone, Debug)]
+struct Node {
+    last_seq: u64,
+    last_response: SyncResponse,
+    last_seen: Nanos,
+}
+
+/// A reference global store: the protocol's semantics in memory, for tests and the
+/// simulation. The production store is the Cloudflare Worker's Durable Objects.
+#[derive(Clone, Debug)]
+pub struct Store {
+    counters: BTreeMap<Vec<u8>, Counter>,
+    nodes: BTreeMap<u64, Node>,
+    max_counters: usize,
+    /// A node not heard from for this long no longer counts as active.
+    node_ttl: Nanos,
+}
+
+impl Store {
+    /// A store tracking at most `max_counters` counters (least recently seen are dropped).
+    pub fn new(max_counters: usize, node_ttl: Nanos) -> Store {
+        Store { counters: BTreeMap::new(), nodes: BTreeMap::new(), max_counters: max_counters.max(1), node_ttl }
+    }
+
+    /// Counters currently held.
+    pub fn len(&self) -> usize {
+        self.counters.len()
+    }
+
+    /// Whether no counter is held.
+    pub fn is_empty(&self) -> bool {
+        self.counters.is_empty()
+    }
+
+    /// The global state of a counter at `now` (as a peek decision).
+    pub fn peek(&self, key: &[u8], now: Nanos) -> Option<crate::algo::Decision> {
+        self.counters.get(key).map(|c| c.limit.decide(&c.state, now, 0).0)
+    }
+
+    /// Verifies and applies an encoded, signed batch; returns the encoded response.
+    pub fn handle_signed(&mut self, now: Nanos, secret: &[u8], body: &[u8], tag: &[u8]) -> Result<Vec<u8>, SyncError> {
+        if !verify(secret, body, tag) {
+            return Err(SyncError::Unauthorized);
+        }
+        let req = SyncRequest::decode(body).map_err(SyncError::Malformed)?;
+        self.handle(now, &req).map(|r| r.encode())
+    }
+
+    /// Applies a batch at the store's `now`.
+    pub fn handle(&mut self, now: Nanos, req: &SyncRequest) -> Result<SyncResponse, SyncError> {
+        if let Some(node) = self.nodes.get(&req.node) {
+            if req.seq == node.last_seq {
+                return Ok(node.last_response.clone());
+            }
+            if req.seq < node.last_seq {
+                return Err(SyncError::Stale { last: node.last_seq });
+            }
+        }
+        let ttl = self.node_ttl;
+        let active: Vec<u64> = self
+            .nodes
+            .iter()
+            .filter(|(id, n)| **id != req.node && now.saturating_sub(n.last_seen) <= ttl)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut grants = Vec::with_capacity(req.deltas.len());
+        for d in &req.deltas {
+            if !self.counters.contains_key(&d.key) && self.counters.len() >= self.max_counters {
+                self.evict_oldest();
+            }
+            let c = self.counters.entry(d.key.clone()).or_insert_with(|| Counter {
+                limit: d.limit,
+                state: State::Fresh,
+                shares: Vec::new(),
+                last_seen: now,
+            });
+            if c.limit != d.limit {
+                // The rules changed: the counter starts over under the new limit.
+                *c = Counter { limit: d.limit, state: State::Fresh, shares: Vec::new(), last_seen: now };
+            }
+            c.state = c.limit.consume(&c.state, now, d.units);
+            c.last_seen = now;
+            c.shares.retain(|(id, _)| *id == req.node || active.contains(id));
+            match c.shares.iter_mut().find(|(id, _)| *id == req.node) {
+                Some(s) => s.1 = s.1 / 2 + d.units,
+                None => c.shares.push((req.node, d.units)),
+            }
+            let (view, _) = c.limit.decide(&c.state, now, 0);
+            // Weights are recent units + 1, so a node new to a counter still gets some.
+            let total: u128 = c.shares.iter().map(|(_, u)| u128::from(*u) + 1).sum();
+            let mine = c.shares.iter().find(|(id, _)| *id == req.node).map_or(1, |(_, u)| u128::from(*u) + 1);
+            let grant = (u128::from(view.remaining) * mine / total.max(1)) as u64;
+            grants.push(Grant { key: d.key.clone(), remaining: view.remaining, grant, reset_after: view.reset_after });
+        }
+        let nodes = u32::try_from(active.len() + 1).unwrap_or(u32::MAX);
+        let resp = SyncResponse { seq: req.seq, now, nodes, grants };
+        self.nodes.insert(req.node, Node { last_seq: req.seq, last_response: resp.clone(), last_seen: now });
+        self.nodes.retain(|_, n| now.saturating_sub(n.last_seen) <= ttl.saturating_mul(10));
+        Ok(resp)
+    }
+
+    fn evict_oldest(&mut self) {
+        if let Some(key) = self.counters.iter().min_by_key(|(_, c)| c.last_seen).map(|(k, _)| k.clone()) {
+            self.counters.remove(&key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::SECOND;
+    use alloc::vec;
+
+    fn limit() -> Limit {
+        Limit::new(Algorithm::SlidingWindow, 100, 60 * SECOND, None).unwrap()
+    }
+
+    fn req(node: u64, seq: u64, units: u64) -> SyncRequest {
+        SyncRequest { node, seq, deltas: vec![Delta { key: b"k".to_vec(), limit: limit(), units }] }
+    }
+
+    const NOW: Nanos = 1_700_000_000 * SECOND;
+
+    #[test]
+    fn messages_round_trip_and_trailing_bytes_are_errors() {
+        let r = req(7, 9, 3);
+        assert_eq!(SyncRequest::decode(&r.encode()), Ok(r.clone()));
+        let mut long = r.encode();
+        long.push(0);
+        assert!(SyncRequest::decode(&long).is_err());
+        let resp = SyncResponse {
+            seq: 9,
+            now: NOW,
+            nodes: 3,
+            grants: vec![Grant { key: b"k".to_vec(), remaining: 5, grant: 2, reset_after: 7 }],
+        };
+        assert_eq!(SyncResponse::decode(&resp.encode()), Ok(resp));
+        assert!(SyncResponse::decode(&r.encode()).is_err(), "a request is not a response");
+    }
+
+    #[test]
+    fn a_delta_costs_a_few_bytes() {
+        let r = SyncRequest {
+            node: 1,
+            seq: 1,
+            deltas: vec![Delta { key: vec![b'x'; 24], limit: limit(), units: 12 }; 100],
+        };
+        let per_delta = (r.encode().len() - 5) / 100;
+        assert!(per_delta <= 36, "{per_delta} bytes per delta for a 24-byte key");
+    }
+
+    #[test]
+    fn forged_or_tampered_batches_are_refused() {
+        let mut s = Store::new(100, 10 * SECOND);
+        let body = req(1, 1, 5).encode();
+        let tag = sign(b"secret", &body);
+        assert_eq!(s.handle_signed(NOW, b"other", &body, &tag), Err(SyncError::Unauthorized));
+        let mut tampered = body.clone();
+        if let Some(last) = tampered.last_mut() {
+            *last = 99;
+        }
+        assert_eq!(s.handle_signed(NOW, b"secret", &tampered, &tag), Err(SyncError::Unauthorized));
+        assert!(s.handle_signed(NOW, b"secret", &body, &tag).is_ok());
+        assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(95));
+    }
+
+    #[test]
+    fn a_retried_batch_is_never_counted_twice_and_old_ones_are_refused() {
+        let mut s = Store::new(100, 10 * SECOND);
+        let first = s.handle(NOW, &req(1, 5, 10)).unwrap();
+        let retry = s.handle(NOW + SECOND, &req(1, 5, 10)).unwrap();
+        assert_eq!(first, retry);
+        assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(90));
+        s.handle(NOW, &req(1, 6, 1)).unwrap();
+        assert_eq!(s.handle(NOW, &req(1, 5, 10)), Err(SyncError::Stale { last: 6 }));
+        assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(89));
+    }
+
+    #[test]
+    fn grants_never_promise_more_than_remains_and_follow_traffic() {
+        let mut s = Store::new(100, 10 * SECOND);
+        let mut grants = BTreeMap::new();
+        // Node 1 sends 9x the traffic of node 2 and node 3.
+        for round in 1..=3 {
+            for (node, units) in [(1u64, 9u64), (2, 1), (3, 1)] {
+                let r = s.handle(NOW + round, &req(node, round, units)).unwrap();
+                grants.insert(node, r.grants[0].grant);
+            }
+        }
+        let remaining = s.peek(b"k", NOW + 3).unwrap().remaining;
+        assert_eq!(remaining, 100 - 33);
+        assert!(grants.values().sum::<u64>() <= remaining + 2, "{grants:?} vs {remaining}");
+        assert!(grants[&1] > 4 * grants[&2], "{grants:?}");
+    }
+
+    #[test]
+    fn memory_is_bounded_by_max_counters() {
+        let mut s = Store::new(10, 10 * SECOND);
+        for i in 0..1000u64 {
+            let d = Delta { key: i.to_le_bytes().to_vec(), limit: limit(), units: 1 };
+            s.handle(NOW + i, &SyncRequest { node: 1, seq: i + 1, deltas: vec![d] }).unwrap();
+        }
+        assert_eq!(s.len(), 10);
+    }
+}
