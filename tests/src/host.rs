@@ -97,6 +97,8 @@ pub struct NodeState {
     clock: AtomicU64,
     logs: Mutex<Vec<(i32, String)>>,
     next_token: AtomicU32,
+    /// Fault injection: every conditional shared-data write fails with CasMismatch.
+    cas_always_fails: std::sync::atomic::AtomicBool,
 }
 
 /// An HTTP call a VM dispatched (`proxy_http_call`), waiting for the test to answer it.
@@ -171,9 +173,18 @@ impl Node {
         lock(&self.state.shared).keys().cloned().collect()
     }
 
+    /// Fault injection: from now on every conditional shared-data write (`cas != 0`) answers
+    /// CasMismatch, as under contention that never lets up.
+    pub fn fail_every_cas(&self, on: bool) {
+        self.state.cas_always_fails.store(on, Ordering::SeqCst);
+    }
+
     /// Envoy's `SharedData::set`: with `cas != 0` an existing key must still have that CAS;
     /// a missing key is inserted whatever `cas` is.
     fn shared_set(&self, key: String, value: Vec<u8>, cas: u32) -> i32 {
+        if cas != 0 && self.state.cas_always_fails.load(Ordering::SeqCst) {
+            return status::CAS_MISMATCH;
+        }
         let mut map = lock(&self.state.shared);
         let next = self.state.next_cas.fetch_add(1, Ordering::SeqCst).wrapping_add(1).max(1);
         match map.get_mut(&key) {

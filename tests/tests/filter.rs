@@ -310,3 +310,31 @@ fn memory_stays_bounded_under_a_flood_of_distinct_keys_and_a_limited_client_stay
     assert!(bytes <= 4096 * 32 + 512 * 24, "{bytes} bytes for 4096 slots (was {bytes_before} empty)");
     assert!(!vms[0].request(&victim).unwrap().passed, "the flood must not evict a limited client into a fresh budget");
 }
+
+#[test]
+fn when_cas_never_succeeds_open_rules_serve_and_closed_rules_reject_with_503() {
+    let doc = json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "filter": {"cas_retries": 3},
+        "rules": [
+            {"name": "soft", "match": {"path": "/soft"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}},
+            {"name": "hard", "match": {"path": "/hard"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}, "on_store_failure": "closed"}
+        ]
+    });
+    let (node, mut vms) = node(&doc, 1);
+    node.fail_every_cas(true);
+    let soft = HttpRequest::new("GET", "/soft").header("x-user-id", "u");
+    let hard = HttpRequest::new("GET", "/hard").header("x-user-id", "u");
+    assert_eq!(admitted(&mut vms[0], &soft, 3), 3, "open: keep serving while the counter store fails");
+    let r = vms[0].request(&hard).unwrap();
+    assert_eq!(r.status, 503, "closed: reject while the counter store fails");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    let problem: Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(problem["policies"], json!(["hard"]));
+    assert_eq!(node.metric("ratewall_rule_soft_cas_exhausted"), 3);
+    assert_eq!(node.metric("ratewall_rule_hard_cas_exhausted"), 1);
+    // When the store recovers, limits apply again.
+    node.fail_every_cas(false);
+    assert_eq!(admitted(&mut vms[0], &hard, 3), 1);
+}
