@@ -239,6 +239,18 @@ impl Limit {
         }
     }
 
+    /// The sliding log's live entries at `now`, and `now` clamped to the newest entry (time
+    /// that went backwards must keep the log sorted).
+    fn log_roll(&self, state: &State, now: Nanos) -> (Vec<Nanos>, Nanos) {
+        let mut entries = match state {
+            State::SlidingLog { entries } => entries.clone(),
+            _ => Vec::new(),
+        };
+        let now = entries.last().map_or(now, |&newest| max(now, newest));
+        entries.retain(|&t| t.saturating_add(self.per) > now);
+        (entries, now)
+    }
+
     /// Records `units` already admitted elsewhere, whatever the limit says: the global store
     /// counts every request its nodes admitted, even past the limit (its view then reports
     /// no remaining quota until the overshoot has drained).
@@ -260,12 +272,7 @@ impl Limit {
                 State::FixedWindow { window, count: clamp_u32(count.saturating_add(units)) }
             }
             Algorithm::SlidingLog => {
-                let mut entries = match state {
-                    State::SlidingLog { entries } => entries.clone(),
-                    _ => Vec::new(),
-                };
-                let now = entries.last().map_or(now, |&newest| max(now, newest));
-                entries.retain(|&t| t.saturating_add(self.per) > now);
+                let (mut entries, now) = self.log_roll(state, now);
                 // The log never holds more than `requests` entries: beyond that the window is
                 // full whatever the excess, so the oldest are dropped.
                 entries.extend(core::iter::repeat_n(now, units.min(self.requests) as usize));
@@ -349,13 +356,7 @@ impl Limit {
     fn sliding_log(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let w = self.per;
         let limit = self.requests;
-        let mut entries: Vec<Nanos> = match state {
-            State::SlidingLog { entries } => entries.clone(),
-            _ => Vec::new(),
-        };
-        // Clamp backwards time to the newest entry so the log stays sorted.
-        let now = entries.last().map_or(now, |&newest| max(now, newest));
-        entries.retain(|&t| t.saturating_add(w) > now);
+        let (mut entries, now) = self.log_roll(state, now);
         let count = entries.len() as u64;
         let reset = |e: &[Nanos]| e.last().map_or(0, |&t| (t + w).saturating_sub(now));
         if count.saturating_add(cost) <= limit {
