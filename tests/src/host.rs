@@ -168,10 +168,6 @@ impl Node {
     pub fn set_shared(&self, key: &str, value: &[u8], cas: u32) -> i32 {
         self.shared_set(key.to_owned(), value.to_vec(), cas)
     }
-    /// Every shared-data key.
-    pub fn shared_keys(&self) -> Vec<String> {
-        lock(&self.state.shared).keys().cloned().collect()
-    }
 
     /// Fault injection: from now on every conditional shared-data write (`cas != 0`) answers
     /// CasMismatch, as under contention that never lets up.

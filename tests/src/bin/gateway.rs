@@ -102,7 +102,7 @@ fn serve() -> Result<(), String> {
             }
         });
     }
-    watch(args.rules.clone(), Arc::clone(&rules), node.clone());
+    watch(args.rules.clone(), Arc::clone(&rules));
 
     // Written with errors ignored: a closed stdout must not take the gateway down.
     let banner = format!(
@@ -125,7 +125,7 @@ fn serve() -> Result<(), String> {
 }
 
 /// Polls the rules file and publishes a new generation when it changes and parses.
-fn watch(path: String, rules: Arc<Rules>, node: Node) {
+fn watch(path: String, rules: Arc<Rules>) {
     std::thread::spawn(move || {
         let mut last = std::fs::read(&path).unwrap_or_default();
         loop {
@@ -147,7 +147,6 @@ fn watch(path: String, rules: Arc<Rules>, node: Node) {
                 }
                 Err(e) => log(&format!("{path} rejected, keeping the previous rules: {e}")),
             }
-            let _ = node.now();
         }
     });
 }
