@@ -205,6 +205,35 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
     out
 }
 
+/// Combines decisions taken independently — in parallel, one per check, each consuming when
+/// it allowed (a Durable Object per counter) — into the verdict. Returns it with the indices of
+/// the checks whose units must be given back because the request is rejected.
+pub fn combine(config: &Config, checks: &[Check], results: &[Result<Decision, StoreError>]) -> (Outcome, Vec<usize>) {
+    let mut out = Outcome { checks: Vec::with_capacity(checks.len()), ..Outcome::default() };
+    let mut consumed = Vec::new();
+    for (i, (check, res)) in checks.iter().zip(results).enumerate() {
+        let Some(rule) = config.rules.get(check.rule) else {
+            continue;
+        };
+        let result = match *res {
+            Ok(d) => {
+                if d.allowed && check.cost > 0 {
+                    consumed.push(i);
+                }
+                CheckResult::Decided(d)
+            }
+            Err(e) => CheckResult::Failed(e, rule.on_store_failure),
+        };
+        let co = CheckOutcome { rule: check.rule, mode: rule.mode, limit: check.limit, result };
+        out.rejected |= co.rejects();
+        out.checks.push(co);
+    }
+    if !out.rejected {
+        consumed.clear();
+    }
+    (out, consumed)
+}
+
 /// Counters in a plain in-memory map: for tests and single-process tools. Unbounded: every
 /// key stays, so never use it for untrusted traffic.
 #[derive(Clone, Debug, Default)]
@@ -287,6 +316,31 @@ mod tests {
         let o = run(&c, &mut m, b"u", 0);
         assert!(!o.rejected);
         assert!(o.checks[0].would_reject());
+    }
+
+    #[test]
+    fn combined_parallel_decisions_refund_what_a_rejected_request_took() {
+        let c = config(
+            r#"{"name":"a","key":["user"],"limit":{"requests":3,"per":"1m"}},
+               {"name":"b","key":["user"],"mode":"shadow","limit":{"requests":3,"per":"1m"}},
+               {"name":"c","key":["user"],"on_store_failure":"closed","limit":{"requests":1,"per":"1m"}}"#,
+        );
+        let headers = user_headers(&c, b"u");
+        let (checks, _) = c.checks(&Request { method: "GET", path: "/a", headers: &headers, ip: None });
+        let ok = Decision { allowed: true, limit: 3, remaining: 2, reset_after: 1, retry_after: None };
+        let no = Decision { allowed: false, limit: 1, remaining: 0, reset_after: 1, retry_after: Some(1) };
+        let (o, refunds) = combine(&c, &checks, &[Ok(ok), Ok(ok), Ok(ok)]);
+        assert!(!o.rejected);
+        assert!(refunds.is_empty(), "an admitted request keeps what it took");
+        let (o, refunds) = combine(&c, &checks, &[Ok(ok), Ok(ok), Ok(no)]);
+        assert!(o.rejected);
+        assert_eq!(refunds, [0, 1], "the rules that allowed give their units back");
+        let (o, refunds) = combine(&c, &checks, &[Ok(ok), Ok(no), Err(StoreError::Unavailable)]);
+        assert!(o.rejected, "a closed rule whose store failed rejects");
+        assert_eq!(refunds, [0]);
+        let (o, _) = combine(&c, &checks, &[Ok(ok), Ok(no), Ok(ok)]);
+        assert!(!o.rejected, "a shadow rule never rejects");
+        assert!(o.checks[1].would_reject());
     }
 
     #[test]

@@ -31,6 +31,6 @@ pub mod rules;
 pub mod sync;
 
 pub use algo::{Algorithm, Decision, Limit, Nanos, State, SECOND};
-pub use eval::{evaluate, Check, Counters, MemoryCounters, Outcome, Request};
+pub use eval::{combine, evaluate, Check, Counters, MemoryCounters, Outcome, Request};
 pub use response::{render, Reply};
 pub use rules::{Config, ConfigError};

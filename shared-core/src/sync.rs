@@ -250,14 +250,169 @@ pub fn verify(secret: &[u8], body: &[u8], tag: &[u8]) -> bool {
     }
 }
 
-/// One counter in the store.
-#[derive(Clone, Debug)]
-struct Counter {
-    limit: Limit,
-    state: State,
-    /// Recent units per node (halved at each of the node's syncs): the traffic shares.
-    shares: Vec<(u64, u64)>,
-    last_seen: Nanos,
+/// Most nodes whose traffic share one counter remembers (the least recently seen go first).
+pub const MAX_SHARES: usize = 64;
+
+/// One node's recent traffic on a counter, and its last batch for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Share {
+    node: u64,
+    /// The sequence number of the node's last batch applied to this counter.
+    seq: u64,
+    /// Recent units (halved at each of the node's syncs): the traffic share.
+    units: u64,
+    /// The grant answered to that batch (a retry gets the same answer).
+    grant: u64,
+    seen: Nanos,
+}
+
+/// What a counter answers to one node's delta.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Applied {
+    /// Units remaining globally, after the delta.
+    pub remaining: u64,
+    /// Units this node may admit before its next sync.
+    pub grant: u64,
+    /// Time until the global quota is restored.
+    pub reset_after: Nanos,
+    /// Nodes active on this counter.
+    pub nodes: u32,
+    /// False when the delta was a repeat (or older than one) already applied: not counted.
+    pub counted: bool,
+}
+
+/// One global counter: its state and the traffic shares of the nodes that sync to it.
+///
+/// The reference [`Store`] holds many; the Cloudflare Worker holds one per Durable Object, so
+/// both answer a delta the same way. Every operation clamps `now` to the latest instant the
+/// counter has seen: time never goes backwards for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Counter {
+    /// The limit last applied (a delta or check with another limit replaces it).
+    pub limit: Limit,
+    /// The global state.
+    pub state: State,
+    shares: Vec<Share>,
+    /// The latest instant seen.
+    pub last_seen: Nanos,
+}
+
+impl Counter {
+    /// A fresh counter.
+    pub fn new(limit: Limit) -> Counter {
+        Counter { limit, state: State::Fresh, shares: Vec::new(), last_seen: 0 }
+    }
+
+    fn clock(&mut self, limit: Limit, now: Nanos) -> Nanos {
+        if limit != self.limit {
+            // The rules changed: the state carries over; a state of another algorithm reads
+            // as fresh.
+            self.limit = limit;
+        }
+        self.last_seen = self.last_seen.max(now);
+        self.last_seen
+    }
+
+    /// Decides a request of `cost` units and consumes them when it is allowed.
+    pub fn take(&mut self, limit: Limit, now: Nanos, cost: u64) -> crate::algo::Decision {
+        let now = self.clock(limit, now);
+        let (d, next) = self.limit.decide(&self.state, now, cost);
+        if d.allowed && cost > 0 {
+            self.state = next;
+        }
+        d
+    }
+
+    /// Gives back `cost` units taken at `taken_at`.
+    pub fn refund(&mut self, limit: Limit, now: Nanos, taken_at: Nanos, cost: u64) {
+        self.clock(limit, now);
+        self.state = self.limit.refund(&self.state, taken_at, cost);
+    }
+
+    /// Adds one node's delta (units it already admitted) and answers its grant. A delta whose
+    /// `seq` this counter has already applied for the node is not counted again: a repeat gets
+    /// the grant it got before, an older one a grant of 0.
+    pub fn apply(&mut self, limit: Limit, now: Nanos, node: u64, seq: u64, units: u64, node_ttl: Nanos) -> Applied {
+        let now = self.clock(limit, now);
+        self.shares.retain(|s| s.node == node || now.saturating_sub(s.seen) <= node_ttl);
+        let prior = self.shares.iter().position(|s| s.node == node);
+        if let Some(s) = prior.and_then(|i| self.shares.get(i)).filter(|s| seq <= s.seq) {
+            let grant = if seq == s.seq { s.grant } else { 0 };
+            let (view, _) = self.limit.decide(&self.state, now, 0);
+            let nodes = u32::try_from(self.shares.len()).unwrap_or(u32::MAX);
+            return Applied { remaining: view.remaining, grant, reset_after: view.reset_after, nodes, counted: false };
+        }
+        self.state = self.limit.consume(&self.state, now, units);
+        let idx = match prior {
+            Some(i) => i,
+            None => {
+                if self.shares.len() >= MAX_SHARES {
+                    if let Some(old) = self.shares.iter().enumerate().min_by_key(|(_, s)| s.seen).map(|(i, _)| i) {
+                        self.shares.swap_remove(old);
+                    }
+                }
+                self.shares.push(Share { node, seq: 0, units: 0, grant: 0, seen: now });
+                self.shares.len() - 1
+            }
+        };
+        let (view, _) = self.limit.decide(&self.state, now, 0);
+        // Weights are recent units + 1, so a node new to a counter still gets some.
+        let total: u128 = self.shares.iter().map(|s| if s.node == node { 0 } else { u128::from(s.units) + 1 }).sum();
+        let mut grant = 0;
+        if let Some(s) = self.shares.get_mut(idx) {
+            s.units = s.units / 2 + units;
+            let mine = u128::from(s.units) + 1;
+            grant = (u128::from(view.remaining) * mine / (total + mine)) as u64;
+            *s = Share { node, seq, units: s.units, grant, seen: now };
+        }
+        let nodes = u32::try_from(self.shares.len()).unwrap_or(u32::MAX);
+        Applied { remaining: view.remaining, grant, reset_after: view.reset_after, nodes, counted: true }
+    }
+
+    /// When this counter can be forgotten: its state is fresh and no node holds a share.
+    pub fn idle_at(&self, node_ttl: Nanos) -> Nanos {
+        let shares = self.shares.iter().map(|s| s.seen.saturating_add(node_ttl)).max().unwrap_or(0);
+        self.limit.idle_at(&self.state).max(shares)
+    }
+
+    /// The persistent encoding: state, clock and shares (the limit travels with each call).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = alloc::vec![VERSION];
+        self.state.encode_into(&mut out);
+        put_varint(&mut out, self.last_seen);
+        put_varint(&mut out, self.shares.len() as u64);
+        for s in &self.shares {
+            for v in [s.node, s.seq, s.units, s.grant, s.seen] {
+                put_varint(&mut out, v);
+            }
+        }
+        out
+    }
+
+    /// Decodes [`Counter::encode`] under `limit`; trailing bytes are an error.
+    pub fn decode(limit: Limit, bytes: &[u8]) -> Result<Counter, DecodeError> {
+        let mut r = Reader { bytes, pos: 0 };
+        let v = r.u8()?;
+        if v != VERSION {
+            return Err(DecodeError::Version(v));
+        }
+        let (state, used) = State::decode(bytes.get(1..).unwrap_or_default())?;
+        r.pos += used;
+        let last_seen = r.varint()?;
+        let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+        if n > MAX_SHARES {
+            return Err(DecodeError::Truncated);
+        }
+        let mut shares = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (node, seq, units, grant, seen) = (r.varint()?, r.varint()?, r.varint()?, r.varint()?, r.varint()?);
+            shares.push(Share { node, seq, units, grant, seen });
+        }
+        if r.pos != bytes.len() {
+            return Err(DecodeError::Truncated);
+        }
+        Ok(Counter { limit, state, shares, last_seen })
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -319,42 +474,22 @@ impl Store {
             }
         }
         let ttl = self.node_ttl;
-        let active: Vec<u64> = self
-            .nodes
-            .iter()
-            .filter(|(id, n)| **id != req.node && now.saturating_sub(n.last_seen) <= ttl)
-            .map(|(id, _)| *id)
-            .collect();
         let mut grants = Vec::with_capacity(req.deltas.len());
         for d in &req.deltas {
             if !self.counters.contains_key(&d.key) && self.counters.len() >= self.max_counters {
                 self.evict_oldest();
             }
-            let c = self.counters.entry(d.key.clone()).or_insert_with(|| Counter {
-                limit: d.limit,
-                state: State::Fresh,
-                shares: Vec::new(),
-                last_seen: now,
+            let c = self.counters.entry(d.key.clone()).or_insert_with(|| Counter::new(d.limit));
+            let a = c.apply(d.limit, now, req.node, req.seq, d.units, ttl);
+            grants.push(Grant {
+                key: d.key.clone(),
+                remaining: a.remaining,
+                grant: a.grant,
+                reset_after: a.reset_after,
             });
-            if c.limit != d.limit {
-                // The rules changed: the counter starts over under the new limit.
-                *c = Counter { limit: d.limit, state: State::Fresh, shares: Vec::new(), last_seen: now };
-            }
-            c.state = c.limit.consume(&c.state, now, d.units);
-            c.last_seen = now;
-            c.shares.retain(|(id, _)| *id == req.node || active.contains(id));
-            match c.shares.iter_mut().find(|(id, _)| *id == req.node) {
-                Some(s) => s.1 = s.1 / 2 + d.units,
-                None => c.shares.push((req.node, d.units)),
-            }
-            let (view, _) = c.limit.decide(&c.state, now, 0);
-            // Weights are recent units + 1, so a node new to a counter still gets some.
-            let total: u128 = c.shares.iter().map(|(_, u)| u128::from(*u) + 1).sum();
-            let mine = c.shares.iter().find(|(id, _)| *id == req.node).map_or(1, |(_, u)| u128::from(*u) + 1);
-            let grant = (u128::from(view.remaining) * mine / total.max(1)) as u64;
-            grants.push(Grant { key: d.key.clone(), remaining: view.remaining, grant, reset_after: view.reset_after });
         }
-        let nodes = u32::try_from(active.len() + 1).unwrap_or(u32::MAX);
+        let active = self.nodes.iter().filter(|(id, n)| **id != req.node && now.saturating_sub(n.last_seen) <= ttl);
+        let nodes = u32::try_from(active.count() + 1).unwrap_or(u32::MAX);
         let resp = SyncResponse { seq: req.seq, now, nodes, grants };
         self.nodes.insert(req.node, Node { last_seq: req.seq, last_response: resp.clone(), last_seen: now });
         self.nodes.retain(|_, n| now.saturating_sub(n.last_seen) <= ttl.saturating_mul(10));
@@ -454,6 +589,35 @@ mod tests {
         assert_eq!(remaining, 100 - 33);
         assert!(grants.values().sum::<u64>() <= remaining + 2, "{grants:?} vs {remaining}");
         assert!(grants[&1] > 4 * grants[&2], "{grants:?}");
+    }
+
+    #[test]
+    fn a_counter_applies_each_nodes_batch_once_and_keeps_it_across_encoding() {
+        let mut c = Counter::new(limit());
+        let first = c.apply(limit(), NOW, 1, 7, 10, SECOND);
+        assert!(first.counted);
+        assert_eq!(first.remaining, 90);
+        let again = c.apply(limit(), NOW + 1, 1, 7, 10, SECOND);
+        assert_eq!((again.counted, again.grant, again.remaining), (false, first.grant, 90));
+        let older = c.apply(limit(), NOW + 2, 1, 6, 10, SECOND);
+        assert_eq!((older.counted, older.grant, older.remaining), (false, 0, 90));
+        let mut restored = Counter::decode(limit(), &c.encode()).unwrap();
+        assert_eq!(restored, c);
+        assert!(!restored.apply(limit(), NOW + 3, 1, 7, 10, SECOND).counted, "a restart forgets no batch");
+        assert!(restored.apply(limit(), NOW + 3, 2, 7, 5, SECOND).counted, "another node's seq is its own");
+        assert!(Counter::decode(limit(), &c.encode()[..3]).is_err());
+    }
+
+    #[test]
+    fn a_counter_never_lets_time_run_backwards() {
+        let mut c = Counter::new(limit());
+        assert!(c.take(limit(), NOW, 100).allowed);
+        // A clock 30 s behind must not find the window fresher than it is.
+        let d = c.take(limit(), NOW - 30 * SECOND, 1);
+        assert!(!d.allowed);
+        assert_eq!(c.last_seen, NOW);
+        c.refund(limit(), NOW, NOW, 100);
+        assert!(c.take(limit(), NOW, 1).allowed, "a refund gives the units back");
     }
 
     #[test]
