@@ -11,11 +11,16 @@ use std::time::{Duration, Instant};
 const WASM_TARGET: &str = "wasm32-unknown-unknown";
 const USAGE: &str = "usage: cargo xtask <command>
 
-  dev     build, then run ratewall locally: an HTTP gateway on 127.0.0.1 that serves every
-          request through the built filter with examples/rules.json (--port N, --rules FILE)
-  test    build, then run every test
-  build   build the wasm artifacts into dist/
-  bench   build, then run the benchmarks and print their figures";
+  dev      build, then run ratewall locally: the Worker in workerd (wrangler dev) on 127.0.0.1
+           with the example rules in front of a built-in demo origin (--port N)
+  gateway  build, then run the proxy-wasm filter locally: an HTTP gateway on 127.0.0.1 that
+           serves every request through the built filter (--port N, --rules FILE)
+  test     build, then run every test
+  build    build the wasm artifacts into dist/ (the filter, and the Worker in dist/worker/)
+  bench    build, then run the benchmarks and print their figures";
+
+/// The worker-build release that matches the `worker` crate in Cargo.lock.
+const WORKER_BUILD: &str = "0.8.7";
 
 type Result<T> = std::result::Result<T, String>;
 
@@ -25,6 +30,7 @@ fn main() -> ExitCode {
         Some("build") => build(),
         Some("test") => build().and_then(|_| test()),
         Some("dev") => build().and_then(|_| dev(&args[1..])),
+        Some("gateway") => build().and_then(|_| gateway(&args[1..])),
         Some("bench") => build().and_then(|_| bench(&args[1..])),
         _ => {
             eprintln!("{USAGE}");
@@ -172,6 +178,75 @@ fn build() -> Result<()> {
     std::fs::copy(out.join("ratewall_core_probe.wasm"), &probe).map_err(|e| format!("copying the core probe: {e}"))?;
     let size = std::fs::metadata(&filter).map(|m| m.len()).unwrap_or(0);
     eprintln!("xtask: built {} ({size} bytes)", filter.display());
+    build_worker(&tc)
+}
+
+/// The version of a package in Cargo.lock.
+fn lock_version(name: &str) -> Option<String> {
+    let lock = std::fs::read_to_string(root().join("Cargo.lock")).ok()?;
+    let mut lines = lock.lines();
+    while let Some(line) = lines.next() {
+        if line.trim() == format!("name = \"{name}\"") {
+            let v = lines.next()?.trim().strip_prefix("version = \"")?.strip_suffix('"')?;
+            return Some(v.to_owned());
+        }
+    }
+    None
+}
+
+/// A cargo-installed tool in target/tools at exactly `version` (installed once, ~5 min).
+fn tool(krate: &str, bin: &str, version: &str) -> Result<PathBuf> {
+    let dir = root().join("target/tools");
+    let path = dir.join("bin").join(bin);
+    let current =
+        Command::new(&path).arg("--version").output().ok().map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+    if current.is_some_and(|v| v.split_whitespace().any(|w| w == version)) {
+        return Ok(path);
+    }
+    eprintln!("xtask: installing {krate} {version} into {} (once)", dir.display());
+    // Not --locked: a version pinned in its lockfile is missing from the registry here.
+    run(Command::new(cargo())
+        .args(["install", "--quiet", "--force", &format!("{krate}@{version}"), "--root"])
+        .arg(&dir))?;
+    Ok(path)
+}
+
+/// wrangler, esbuild and workerd from the npm registry, pinned by package-lock.json.
+fn npm_tools() -> Result<()> {
+    if root().join("node_modules/.bin/wrangler").exists() {
+        return Ok(());
+    }
+    run(Command::new("npm").current_dir(root()).args(["ci", "--no-audit", "--no-fund", "--loglevel=error"]))
+        .map_err(|e| format!("{e}\nThe Worker's tools need Node.js ≥ 20 and npm (https://nodejs.org)"))
+}
+
+/// Builds the Worker with worker-build (wasm-bindgen at the version in Cargo.lock, esbuild
+/// from npm, no wasm-opt download) into dist/worker/, the bundle wrangler.toml deploys.
+fn build_worker(tc: &Toolchain) -> Result<()> {
+    if !matches!(tc, Toolchain::Rustup) {
+        return Err("the Worker is built with rustup's wasm32 target (worker-build checks for it); \
+                    install rustup and run `rustup target add wasm32-unknown-unknown`"
+            .into());
+    }
+    let bindgen_version = lock_version("wasm-bindgen").ok_or("Cargo.lock names no wasm-bindgen")?;
+    let bindgen = tool("wasm-bindgen-cli", "wasm-bindgen", &bindgen_version)?;
+    let worker_build = tool("worker-build", "worker-build", WORKER_BUILD)?;
+    npm_tools()?;
+    let crate_dir = root().join("cloudflare-worker");
+    run(Command::new(worker_build)
+        .current_dir(&crate_dir)
+        .arg("--release")
+        .env("WASM_BINDGEN_BIN", bindgen)
+        .env("ESBUILD_BIN", root().join("node_modules/@esbuild/linux-x64/bin/esbuild"))
+        .env("CARGO_TARGET_DIR", root().join("target/wasm")))?;
+    let dist = root().join("dist/worker");
+    std::fs::create_dir_all(&dist).map_err(|e| format!("{}: {e}", dist.display()))?;
+    for file in ["index.js", "index_bg.wasm"] {
+        std::fs::copy(crate_dir.join("build").join(file), dist.join(file))
+            .map_err(|e| format!("copying the Worker's {file}: {e}"))?;
+    }
+    let size = std::fs::metadata(dist.join("index_bg.wasm")).map(|m| m.len()).unwrap_or(0);
+    eprintln!("xtask: built {} ({size} bytes of wasm)", dist.display());
     Ok(())
 }
 
@@ -216,7 +291,68 @@ fn run_counting(cmd: &mut Command) -> Result<(u64, u64, bool)> {
     Ok((passed, failed, status.success()))
 }
 
+/// A free TCP port on 127.0.0.1, preferring `want`.
+fn free_port(want: u16) -> u16 {
+    let bind = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).ok().and_then(|l| l.local_addr().ok());
+    bind(want).or_else(|| bind(0)).map_or(want, |a| a.port())
+}
+
+/// Runs the Worker in local workerd through wrangler, in front of the built-in demo origin.
 fn dev(args: &[String]) -> Result<()> {
+    let want = args
+        .iter()
+        .position(|a| a == "--port")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(8787);
+    let port = free_port(want);
+    // A fresh secret per run for the sync store; filter fleets in this dev setup use it.
+    let secret = {
+        use std::io::Read;
+        let mut bytes = [0u8; 16];
+        let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    let mut child = Command::new(root().join("node_modules/.bin/wrangler"))
+        .current_dir(root())
+        .args(["dev", "--local", "--ip", "127.0.0.1", "--port", &port.to_string(), "--persist-to", "target/dev-state"])
+        .args(["--var", &format!("RATEWALL_SYNC_SECRET:{secret}")])
+        .env("WRANGLER_SEND_METRICS", "false")
+        .env("WRANGLER_HIDE_BANNER", "true")
+        .env("CLOUDFLARE_CF_FETCH_ENABLED", "false")
+        .spawn()
+        .map_err(|e| format!("could not start wrangler: {e}"))?;
+    let start = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if start.elapsed() > Duration::from_secs(60) || child.try_wait().ok().flatten().is_some() {
+            let _ = child.kill();
+            return Err("wrangler dev did not start (see its output above)".into());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let url = format!("http://127.0.0.1:{port}");
+    println!(
+        "\nratewall is running at {url} (the Worker in local workerd, rules from wrangler.toml, demo origin)
+
+  see the RateLimit fields, then a 429 with Retry-After after 5 holds per user:
+    for i in 1 2 3 4 5 6; do curl -si -X POST -H 'x-user-id: alice' {url}/v1/events/42/holds | grep -iE '^(HTTP|ratelimit|retry-after)'; done
+  per IP (10 logins a minute):
+    curl -si -H 'cf-connecting-ip: 203.0.113.7' {url}/v1/auth/login
+  metrics of this isolate:
+    curl -s {url}/_ratewall/metrics
+  sync secret for filter fleets (POST {url}/v1/sync): {secret}
+
+Ctrl-C stops it.\n"
+    );
+    let status = child.wait().map_err(|e| e.to_string())?;
+    if status.success() || status.code().is_none() {
+        Ok(())
+    } else {
+        Err(format!("wrangler dev exited with {status}"))
+    }
+}
+
+fn gateway(args: &[String]) -> Result<()> {
     let mut cmd = Command::new(cargo());
     cmd.current_dir(root()).args(["run", "--quiet", "-p", "ratewall-tests", "--bin", "ratewall-gateway", "--"]);
     if !args.iter().any(|a| a == "--rules") {

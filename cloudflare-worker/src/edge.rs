@@ -1,0 +1,502 @@
+//! The Worker's logic without the runtime, so it is unit-tested natively: rules that keep
+//! their last good version, a request's checks, the blocked-key cache, the local fallback,
+//! the messages between the Worker and its Durable Objects, and the isolate's metrics.
+
+use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos, State};
+use ratewall_core::eval::{Check, Skip};
+use ratewall_core::glob::normalize_path;
+use ratewall_core::key::{client_ip, ip_key, parse_ip};
+use ratewall_core::sync::Applied;
+use ratewall_core::{Config, ConfigError, Request};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::rc::Rc;
+
+/// Nanoseconds per millisecond (the Workers clock's resolution).
+pub const MS: Nanos = 1_000_000;
+
+/// The rules in force, and the text they came from.
+#[derive(Default)]
+pub struct Rules {
+    config: Option<Rc<Config>>,
+    source: String,
+}
+
+impl Rules {
+    /// Loads `doc` unless it is the text already in force. A bad document is rejected as a
+    /// whole and the rules in force stay. Returns whether the rules changed.
+    pub fn load(&mut self, doc: &str) -> Result<bool, ConfigError> {
+        if self.config.is_some() && doc == self.source {
+            return Ok(false);
+        }
+        let config = Config::parse(doc.as_bytes())?;
+        self.config = Some(Rc::new(config));
+        self.source = doc.to_owned();
+        Ok(true)
+    }
+
+    /// The rules in force, if a good document was ever loaded.
+    pub fn current(&self) -> Option<Rc<Config>> {
+        self.config.clone()
+    }
+}
+
+/// The counters a request must pass, from its method, URL path and headers. The client IP is
+/// `CF-Connecting-IP` (set by Cloudflare, not by the client); without it, `X-Forwarded-For`
+/// under `identity.ip.trusted_hops`.
+pub fn checks_for(
+    config: &Config,
+    method: &str,
+    path: &str,
+    header: &dyn Fn(&str) -> Option<String>,
+) -> (Vec<Check>, Vec<(usize, Skip)>) {
+    let path = normalize_path(path.as_bytes());
+    let values: Vec<Option<String>> =
+        config.identity.headers.iter().map(|(_, h)| header(h).filter(|v| !v.is_empty())).collect();
+    let headers: Vec<Option<&[u8]>> = values.iter().map(|v| v.as_deref().map(str::as_bytes)).collect();
+    let src = config.identity.ip;
+    let ip = match header("cf-connecting-ip").and_then(|v| parse_ip(v.trim().as_bytes())) {
+        Some(ip) => Some(ip),
+        None => client_ip(None, header("x-forwarded-for").as_deref().map(str::as_bytes), &src),
+    }
+    .map(|ip| ip_key(ip, &src));
+    config.checks(&Request { method, path: &path, headers: &headers, ip: ip.as_deref() })
+}
+
+/// Lower-case hex.
+pub fn hex(bytes: &[u8]) -> String {
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// Parses [`hex`] (either case); `None` on anything else.
+pub fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    s.as_bytes()
+        .chunks(2)
+        .map(|p| {
+            let d = |c: u8| (c as char).to_digit(16);
+            Some((d(*p.first()?)? * 16 + d(*p.get(1)?)?) as u8)
+        })
+        .collect()
+}
+
+/// The Durable Object that holds a counter: one per (rule, key), named by the key's hex.
+pub fn object_name(key: &[u8]) -> String {
+    format!("c:{}", hex(key))
+}
+
+/// A call from the Worker to a counter's Durable Object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    /// Decide a request of `cost` units; consume them when allowed.
+    Take { limit: Limit, cost: u64 },
+    /// Give back `cost` units taken at `at` (the object's clock, from [`Taken::now`]).
+    Refund { limit: Limit, cost: u64, at: Nanos },
+    /// Add a filter node's delta (`POST /v1/sync`).
+    Apply { limit: Limit, node: u64, seq: u64, units: u64 },
+}
+
+fn limit_json(l: &Limit) -> Value {
+    json!([l.algorithm().as_str(), l.requests(), l.per(), l.capacity()])
+}
+
+fn limit_from(v: &Value) -> Option<Limit> {
+    let a = v.as_array()?;
+    let algorithm = Algorithm::from_name(a.first()?.as_str()?)?;
+    let (requests, per, capacity) = (a.get(1)?.as_u64()?, a.get(2)?.as_u64()?, a.get(3)?.as_u64()?);
+    let burst = (algorithm == Algorithm::TokenBucket).then_some(capacity);
+    Limit::new(algorithm, requests, per, burst).ok()
+}
+
+fn u64_field(v: &Value, name: &str) -> Option<u64> {
+    v.get(name)?.as_u64()
+}
+
+impl Call {
+    /// The message body (JSON).
+    pub fn encode(&self) -> String {
+        match self {
+            Call::Take { limit, cost } => json!({"op": "take", "limit": limit_json(limit), "cost": cost}),
+            Call::Refund { limit, cost, at } => {
+                json!({"op": "refund", "limit": limit_json(limit), "cost": cost, "at": at})
+            }
+            Call::Apply { limit, node, seq, units } => {
+                json!({"op": "apply", "limit": limit_json(limit), "node": node, "seq": seq, "units": units})
+            }
+        }
+        .to_string()
+    }
+
+    /// Parses a message body; `None` when it is not a valid call.
+    pub fn decode(body: &str) -> Option<Call> {
+        let v: Value = serde_json::from_str(body).ok()?;
+        let limit = limit_from(v.get("limit")?)?;
+        match v.get("op")?.as_str()? {
+            "take" => Some(Call::Take { limit, cost: u64_field(&v, "cost")? }),
+            "refund" => Some(Call::Refund { limit, cost: u64_field(&v, "cost")?, at: u64_field(&v, "at")? }),
+            "apply" => Some(Call::Apply {
+                limit,
+                node: u64_field(&v, "node")?,
+                seq: u64_field(&v, "seq")?,
+                units: u64_field(&v, "units")?,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// A counter object's answer to [`Call::Take`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Taken {
+    /// The decision.
+    pub decision: Decision,
+    /// The object's clock when it decided.
+    pub now: Nanos,
+}
+
+impl Taken {
+    /// The reply body (JSON).
+    pub fn encode(&self) -> String {
+        let d = &self.decision;
+        json!({"allowed": d.allowed, "limit": d.limit, "remaining": d.remaining, "reset_after": d.reset_after,
+               "retry_after": d.retry_after, "now": self.now})
+        .to_string()
+    }
+
+    /// Parses a reply body.
+    pub fn decode(body: &str) -> Option<Taken> {
+        let v: Value = serde_json::from_str(body).ok()?;
+        let decision = Decision {
+            allowed: v.get("allowed")?.as_bool()?,
+            limit: u64_field(&v, "limit")?,
+            remaining: u64_field(&v, "remaining")?,
+            reset_after: u64_field(&v, "reset_after")?,
+            retry_after: v.get("retry_after").and_then(Value::as_u64),
+        };
+        Some(Taken { decision, now: u64_field(&v, "now")? })
+    }
+}
+
+/// Encodes a counter object's answer to [`Call::Apply`].
+pub fn encode_applied(a: &Applied) -> String {
+    json!({"remaining": a.remaining, "grant": a.grant, "reset_after": a.reset_after, "nodes": a.nodes,
+           "counted": a.counted})
+    .to_string()
+}
+
+/// Parses [`encode_applied`].
+pub fn decode_applied(body: &str) -> Option<Applied> {
+    let v: Value = serde_json::from_str(body).ok()?;
+    Some(Applied {
+        remaining: u64_field(&v, "remaining")?,
+        grant: u64_field(&v, "grant")?,
+        reset_after: u64_field(&v, "reset_after")?,
+        nodes: u32::try_from(u64_field(&v, "nodes")?).ok()?,
+        counted: v.get("counted")?.as_bool()?,
+    })
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Blocked {
+    at: Nanos,
+    until: Nanos,
+    cost: u64,
+    decision: Decision,
+}
+
+/// "Blocked until" per counter, in isolate memory: a client over its limit is answered from
+/// here until its retry time, at no Durable Object call.
+///
+/// Accuracy: a denied request consumes nothing, so skipping the object loses no count. What
+/// the cache can do is keep denying until the retry time a client whose quota came back
+/// early — by a refund, or a rules change that raised its limit. It never admits more.
+pub struct BlockedCache {
+    entries: HashMap<Vec<u8>, Blocked>,
+    cap: usize,
+}
+
+impl BlockedCache {
+    /// A cache holding at most `cap` blocked counters.
+    pub fn new(cap: usize) -> BlockedCache {
+        BlockedCache { entries: HashMap::new(), cap: cap.max(1) }
+    }
+
+    /// The cached denial of a request of `cost` units on `key` at `now`, if still blocked.
+    pub fn get(&mut self, key: &[u8], now: Nanos, cost: u64) -> Option<Decision> {
+        let b = *self.entries.get(key)?;
+        if now >= b.until {
+            self.entries.remove(key);
+            return None;
+        }
+        // A cheaper request than the one denied may fit earlier: ask the object.
+        if cost < b.cost {
+            return None;
+        }
+        let waited = now.saturating_sub(b.at);
+        Some(Decision {
+            retry_after: Some(b.until - now),
+            reset_after: b.decision.reset_after.saturating_sub(waited),
+            ..b.decision
+        })
+    }
+
+    /// Remembers a denial of `cost` units on `key` decided at `now`.
+    pub fn insert(&mut self, key: &[u8], now: Nanos, cost: u64, decision: Decision) {
+        let Some(retry) = decision.retry_after.filter(|_| !decision.allowed) else {
+            return;
+        };
+        if self.entries.len() >= self.cap && !self.entries.contains_key(key) {
+            self.entries.retain(|_, b| b.until > now);
+            if self.entries.len() >= self.cap {
+                // Still full of live entries: forgetting them only costs object calls.
+                self.entries.clear();
+            }
+        }
+        self.entries.insert(key.to_vec(), Blocked { at: now, until: now.saturating_add(retry), cost, decision });
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// Counters in isolate memory for `open` rules while their Durable Object is unreachable:
+/// each isolate enforces the rule's limit on its own, so the edge as a whole admits more than
+/// the limit (up to limit × isolates serving the client) until the object is back.
+pub struct LocalFallback {
+    states: HashMap<Vec<u8>, State>,
+    cap: usize,
+}
+
+impl LocalFallback {
+    /// A fallback holding at most `cap` counters.
+    pub fn new(cap: usize) -> LocalFallback {
+        LocalFallback { states: HashMap::new(), cap: cap.max(1) }
+    }
+
+    /// Decides `check` locally at `now`.
+    pub fn take(&mut self, check: &Check, now: Nanos) -> Decision {
+        if self.states.len() >= self.cap && !self.states.contains_key(&check.key) {
+            self.states.retain(|_, s| check.limit.idle_at(s) > now);
+            if self.states.len() >= self.cap {
+                self.states.clear();
+            }
+        }
+        let state = self.states.entry(check.key.clone()).or_default();
+        let (d, next) = check.limit.decide(state, now, check.cost);
+        if d.allowed {
+            *state = next;
+        }
+        d
+    }
+}
+
+/// Per-rule counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleCounts {
+    /// Checks that allowed.
+    pub allowed: u64,
+    /// Checks that denied (enforcing rules).
+    pub rejected: u64,
+    /// Checks of shadow rules that would have denied.
+    pub shadow_rejected: u64,
+    /// Requests the rule matched but could not key.
+    pub unkeyed: u64,
+    /// Checks whose Durable Object failed (the failure policy applied).
+    pub store_failed: u64,
+    /// Denials answered from the blocked-key cache.
+    pub cached_denials: u64,
+}
+
+/// The isolate's counters, rendered in the Prometheus text format at `/_ratewall/metrics`.
+#[derive(Default)]
+pub struct Metrics {
+    /// Per rule name.
+    pub rules: HashMap<String, RuleCounts>,
+    /// Calls made to counter objects.
+    pub object_calls: u64,
+    /// Of which failed or timed out.
+    pub object_failures: u64,
+    /// Rules documents loaded.
+    pub rules_loaded: u64,
+    /// Rules documents rejected (the previous rules stayed).
+    pub rules_rejected: u64,
+    /// `/v1/sync` batches applied.
+    pub sync_ok: u64,
+    /// `/v1/sync` batches refused (authentication, format) or failed.
+    pub sync_failed: u64,
+}
+
+impl Metrics {
+    /// The counts for one rule.
+    pub fn rule(&mut self, name: &str) -> &mut RuleCounts {
+        self.rules.entry(name.to_owned()).or_default()
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let mut names: Vec<&String> = self.rules.keys().collect();
+        names.sort();
+        for name in names {
+            let Some(c) = self.rules.get(name) else { continue };
+            for (what, v) in [
+                ("allowed", c.allowed),
+                ("rejected", c.rejected),
+                ("shadow_rejected", c.shadow_rejected),
+                ("unkeyed", c.unkeyed),
+                ("store_failed", c.store_failed),
+                ("cached_denials", c.cached_denials),
+            ] {
+                let _ = writeln!(out, "ratewall_rule_{what}{{rule=\"{name}\"}} {v}");
+            }
+        }
+        for (what, v) in [
+            ("object_calls", self.object_calls),
+            ("object_failures", self.object_failures),
+            ("rules_loaded", self.rules_loaded),
+            ("rules_rejected", self.rules_rejected),
+            ("sync_ok", self.sync_ok),
+            ("sync_failed", self.sync_failed),
+        ] {
+            let _ = writeln!(out, "ratewall_{what} {v}");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ratewall_core::SECOND;
+
+    const RULES: &str = r#"{
+      "identity": {"user": {"header": "x-user-id"}, "ip": {"trusted_hops": 1, "ipv6_prefix": 64}},
+      "rules": [
+        {"name": "per-user", "key": ["user"], "limit": {"requests": 2, "per": "60s"}},
+        {"name": "per-ip", "match": {"path": "/login"}, "key": ["ip"], "limit": {"requests": 2, "per": "60s"}}
+      ]}"#;
+
+    #[test]
+    fn a_bad_document_keeps_the_rules_in_force() {
+        let mut r = Rules::default();
+        assert_eq!(r.load(RULES), Ok(true));
+        assert_eq!(r.load(RULES), Ok(false), "the same text is not parsed again");
+        let err = r.load(r#"{"rules":[{"name":"x","key":["user"],"limit":{"requests":0,"per":"1s"}}]}"#);
+        assert!(err.is_err());
+        assert_eq!(r.current().map(|c| c.rules.len()), Some(2));
+    }
+
+    #[test]
+    fn the_client_ip_is_cf_connecting_ip_and_ipv6_is_keyed_by_prefix() {
+        let mut r = Rules::default();
+        r.load(RULES).unwrap();
+        let c = r.current().unwrap();
+        let key_of = |cf: Option<&str>, xff: Option<&str>| {
+            let (checks, skipped) = checks_for(&c, "GET", "/login", &|h: &str| match h {
+                "cf-connecting-ip" => cf.map(str::to_owned),
+                "x-forwarded-for" => xff.map(str::to_owned),
+                _ => None,
+            });
+            assert!(skipped.contains(&(0, Skip::Unkeyed)), "no user header: per-user does not count it");
+            checks.first().map(|c| c.key.clone())
+        };
+        let a = key_of(Some("2001:db8:1:2:3:4:5:6"), Some("9.9.9.9"));
+        let b = key_of(Some("2001:db8:1:2:ffff::1"), None);
+        assert!(a.is_some());
+        assert_eq!(a, b, "one /64, one key; a client's XFF does not override CF-Connecting-IP");
+        assert_ne!(a, key_of(Some("2001:db8:1:3::1"), None));
+        assert_eq!(key_of(None, None), None, "no IP at all: the rule does not count it");
+    }
+
+    #[test]
+    fn calls_and_replies_round_trip() {
+        let limit = Limit::new(Algorithm::TokenBucket, 10, 60 * SECOND, Some(3)).unwrap();
+        for call in [
+            Call::Take { limit, cost: 2 },
+            Call::Refund { limit, cost: 2, at: u64::MAX - 1 },
+            Call::Apply { limit, node: 1 << 60, seq: 9, units: 4 },
+        ] {
+            assert_eq!(Call::decode(&call.encode()), Some(call));
+        }
+        assert_eq!(Call::decode(r#"{"op":"take","limit":["token_bucket",0,1,1],"cost":1}"#), None);
+        assert_eq!(Call::decode("garbage"), None);
+        let t = Taken {
+            decision: Decision { allowed: false, limit: 10, remaining: 0, reset_after: 5, retry_after: Some(7) },
+            now: 1_700_000_000 * SECOND,
+        };
+        assert_eq!(Taken::decode(&t.encode()), Some(t));
+        let a = Applied { remaining: 3, grant: 1, reset_after: 2, nodes: 4, counted: true };
+        assert_eq!(decode_applied(&encode_applied(&a)), Some(a));
+    }
+
+    #[test]
+    fn the_blocked_cache_answers_until_the_retry_time_and_stays_bounded() {
+        let mut cache = BlockedCache::new(2);
+        let denied =
+            Decision { allowed: false, limit: 5, remaining: 0, reset_after: 10 * SECOND, retry_after: Some(SECOND) };
+        cache.insert(b"k", 0, 1, denied);
+        let d = cache.get(b"k", SECOND / 2, 1).unwrap();
+        assert_eq!(d.retry_after, Some(SECOND / 2));
+        assert!(cache.get(b"k", SECOND / 2, 0).is_none(), "a cheaper request asks the object");
+        assert!(cache.get(b"k", SECOND, 1).is_none(), "a client that waited Retry-After is not cached-denied");
+        for i in 0..100u32 {
+            cache.insert(&i.to_le_bytes(), 0, 1, denied);
+        }
+        assert!(cache.len() <= 2);
+        let allowed = Decision { allowed: true, retry_after: None, ..denied };
+        cache.insert(b"ok", 0, 1, allowed);
+        assert!(cache.get(b"ok", 0, 1).is_none());
+    }
+
+    #[test]
+    fn the_local_fallback_enforces_the_limit_in_bounded_memory() {
+        let mut r = Rules::default();
+        r.load(RULES).unwrap();
+        let c = r.current().unwrap();
+        let mut local = LocalFallback::new(10);
+        let check = |user: &str| {
+            let (checks, _) = checks_for(&c, "GET", "/x", &|h: &str| (h == "x-user-id").then(|| user.to_owned()));
+            checks.into_iter().next().unwrap()
+        };
+        let u = check("u");
+        assert!(local.take(&u, 0).allowed);
+        assert!(local.take(&u, 0).allowed);
+        assert!(!local.take(&u, 0).allowed);
+        for i in 0..1000 {
+            local.take(&check(&i.to_string()), 0);
+        }
+        assert!(local.states.len() <= 10);
+    }
+
+    #[test]
+    fn object_names_are_the_keys_hex() {
+        assert_eq!(object_name(&[0, 0xab, 7]), "c:00ab07");
+        assert_eq!(unhex("00AB07"), Some(vec![0, 0xab, 7]));
+        assert_eq!(unhex("0g"), None);
+        assert_eq!(unhex("abc"), None);
+    }
+
+    #[test]
+    fn metrics_render_per_rule_lines() {
+        let mut m = Metrics::default();
+        m.rule("a").rejected += 2;
+        m.object_calls = 3;
+        let text = m.render();
+        assert!(text.contains("ratewall_rule_rejected{rule=\"a\"} 2\n"), "{text}");
+        assert!(text.contains("ratewall_object_calls 3\n"), "{text}");
+    }
+}
