@@ -3,7 +3,10 @@
 //! - [`host`]: a proxy-wasm ABI v0.2.1 host on wasmtime (nodes of several VMs sharing one
 //!   shared-data store with Envoy's CAS semantics, a virtual clock, metrics, callouts).
 //! - `tests/`: the filter's behaviour through that host; `benches/`: benchmarks.
+//! - [`workerd`]: the built Worker in real local workerd (wrangler dev), over [`http`].
 //! - `src/bin/gateway.rs`: a small local HTTP gateway that serves through the filter.
 
 pub mod bench;
 pub mod host;
+pub mod http;
+pub mod workerd;

@@ -3,8 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -41,22 +40,9 @@ fn start(rules: &std::path::Path) -> (Gateway, String) {
 
 /// One HTTP/1.1 request; returns (status, headers, body).
 fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n");
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    s.write_all(req.as_bytes()).unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    let mut lines = head.lines();
-    let status = lines.next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
-    let headers =
-        lines.filter_map(|l| l.split_once(": ")).map(|(k, v)| (k.to_ascii_lowercase(), v.to_owned())).collect();
-    (status, headers, body.to_owned())
+    let r = ratewall_tests::http::request(addr, method, path, headers, &[]).unwrap();
+    let body = r.text();
+    (r.status, r.headers, body)
 }
 
 fn header<'a>(h: &'a [(String, String)], name: &str) -> Option<&'a str> {

@@ -1,0 +1,251 @@
+//! The Worker in real workerd (`wrangler dev --local` from wrangler.toml, the built
+//! `dist/worker/`): limits, plans, composite keys, multi-rule no-charge, headers parsed back
+//! with a Structured Fields parser, shadow, hot-reloaded rules, restarts, and `/v1/sync`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use ratewall_core::sync::{sign, verify, Delta, SyncRequest, SyncResponse};
+use ratewall_core::{Config, Request};
+use ratewall_tests::http::Response;
+use ratewall_tests::workerd::Workerd;
+use sfv::{BareItem, Parser};
+use std::time::Duration;
+
+const RULES: &str = r#"{
+  "identity": {
+    "user": {"header": "x-user-id"}, "api_key": {"header": "x-api-key"},
+    "partner": {"header": "x-partner-id"}, "plan": {"header": "x-plan"},
+    "ip": {"trusted_hops": 1, "ipv6_prefix": 64}
+  },
+  "rules": [
+    {"name": "user", "match": {"path": "/u/*"}, "key": ["user"], "limit": {"requests": 3, "per": "60s"}},
+    {"name": "ip", "match": {"path": "/ip/*"}, "key": ["ip"], "limit": {"requests": 3, "per": "60s"}},
+    {"name": "key", "match": {"path": "/k/*"}, "key": ["api_key"], "limit": {"requests": 2, "per": "60s"},
+     "plans": {"partner": {"requests": 5, "per": "60s"}, "internal": "unlimited"}},
+    {"name": "partner", "match": {"path": "/p/*"}, "key": ["partner"], "limit": {"requests": 3, "per": "1h"}},
+    {"name": "combo", "match": {"path": "/c/*"}, "key": ["api_key", "ip"], "limit": {"requests": 2, "per": "60s"}},
+    {"name": "roomy", "match": {"path": "/m/*"}, "key": ["user"], "limit": {"requests": 5, "per": "60s"}},
+    {"name": "tight", "match": {"path": "/m/*", "method": "POST"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}},
+    {"name": "watch", "match": {"path": "/s/*"}, "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "60s"}},
+    {"name": "bucket", "match": {"path": "/tb/*"}, "key": ["user"], "limit": {"requests": 60, "per": "60s", "burst": 2}}
+  ]
+}"#;
+
+const SECRET: &str = "test-sync-secret";
+
+fn compact(json: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(json).unwrap().to_string()
+}
+
+fn start(extra: &[(&str, &str)]) -> Workerd {
+    let rules = compact(RULES);
+    let mut vars = vec![("RATEWALL_RULES", rules.as_str()), ("RATEWALL_SYNC_SECRET", SECRET)];
+    vars.extend_from_slice(extra);
+    Workerd::start(&vars).unwrap()
+}
+
+fn statuses(w: &Workerd, method: &str, path: &str, headers: &[(&str, &str)], n: usize) -> Vec<u16> {
+    (0..n).map(|_| w.request(method, path, headers, &[]).status).collect()
+}
+
+/// `RateLimit` parsed as a Structured Fields list: (policy, r, t).
+fn ratelimit(r: &Response) -> Vec<(String, i64, i64)> {
+    let Some(v) = r.header("ratelimit") else { return Vec::new() };
+    Parser::new(v)
+        .parse::<sfv::List>()
+        .unwrap()
+        .into_iter()
+        .map(|m| match m {
+            sfv::ListEntry::Item(item) => {
+                let name = match &item.bare_item {
+                    BareItem::String(s) => s.as_str().to_owned(),
+                    other => panic!("policy name is not a string: {other:?}"),
+                };
+                let int = |k: &str| match item.params.get(k) {
+                    Some(BareItem::Integer(i)) => i64::from(*i),
+                    other => panic!("{k} is {other:?} in {v}"),
+                };
+                (name, int("r"), int("t"))
+            }
+            other => panic!("inner list in RateLimit: {other:?}"),
+        })
+        .collect()
+}
+
+#[test]
+fn limits_per_user_ip_api_key_partner_and_composite_keys_with_plans() {
+    let w = start(&[]);
+    let alice = [("x-user-id", "alice")];
+    assert_eq!(statuses(&w, "GET", "/u/x", &alice, 4), [200, 200, 200, 429]);
+    assert_eq!(statuses(&w, "GET", "/u/x", &[("x-user-id", "bob")], 1), [200], "users are counted apart");
+    assert_eq!(statuses(&w, "GET", "/u/x", &[], 5), [200; 5], "no user: the rule does not count it");
+    assert!(w.metric("ratewall_rule_unkeyed{rule=\"user\"}") >= 5);
+
+    let ip = |a: &'static str| [("cf-connecting-ip", a)];
+    assert_eq!(statuses(&w, "GET", "/ip/x", &ip("203.0.113.7"), 4), [200, 200, 200, 429]);
+    assert_eq!(statuses(&w, "GET", "/ip/x", &ip("203.0.113.8"), 1), [200]);
+    assert_eq!(statuses(&w, "GET", "/ip/x", &ip("2001:db8:0:1::1"), 3), [200; 3]);
+    assert_eq!(statuses(&w, "GET", "/ip/x", &ip("2001:db8:0:1:ffff::2"), 1), [429], "one IPv6 /64 is one client");
+    let spoof = [("cf-connecting-ip", "203.0.113.7"), ("x-forwarded-for", "198.51.100.1")];
+    assert_eq!(statuses(&w, "GET", "/ip/x", &spoof, 1), [429], "X-Forwarded-For does not override CF-Connecting-IP");
+
+    assert_eq!(statuses(&w, "GET", "/k/x", &[("x-api-key", "k1")], 3), [200, 200, 429]);
+    let partner_plan = [("x-api-key", "k2"), ("x-plan", "partner")];
+    assert_eq!(statuses(&w, "GET", "/k/x", &partner_plan, 6), [200, 200, 200, 200, 200, 429], "partner plan: 5");
+    let internal = [("x-api-key", "k3"), ("x-plan", "internal")];
+    assert_eq!(statuses(&w, "GET", "/k/x", &internal, 8), [200; 8], "internal plan: unlimited");
+
+    let partner = [("x-partner-id", "acme")];
+    assert_eq!(statuses(&w, "GET", "/p/x", &partner, 4), [200, 200, 200, 429]);
+
+    let combo = |key: &'static str, addr: &'static str| [("x-api-key", key), ("cf-connecting-ip", addr)];
+    assert_eq!(statuses(&w, "GET", "/c/x", &combo("a", "192.0.2.1"), 3), [200, 200, 429]);
+    assert_eq!(statuses(&w, "GET", "/c/x", &combo("a", "192.0.2.2"), 1), [200], "same key, other IP");
+    assert_eq!(statuses(&w, "GET", "/c/x", &combo("b", "192.0.2.1"), 1), [200], "same IP, other key");
+}
+
+#[test]
+fn responses_follow_the_client_contract_and_denials_charge_no_other_rule() {
+    let w = start(&[]);
+    let carol = [("x-user-id", "carol")];
+    // Allowed: RateLimit fields on the origin's answer.
+    let r = w.request("POST", "/m/x", &carol, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.text().contains("ratewall demo origin"));
+    let policy = r.header("ratelimit-policy").unwrap();
+    let list = Parser::new(policy).parse::<sfv::List>().unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!(ratelimit(&r), [("tight".to_owned(), 0, ratelimit(&r)[0].2)], "the most restrictive policy");
+    // Denied by "tight" three times: "roomy" must not be charged for them.
+    for _ in 0..3 {
+        let r = w.request("POST", "/m/x", &carol, &[]);
+        assert_eq!(r.status, 429);
+        let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+        assert!((1..=60).contains(&retry), "Retry-After {retry}");
+        assert_eq!(r.header("content-type"), Some("application/problem+json"));
+        let problem: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(problem["status"], 429);
+        assert_eq!(problem["violated-policies"], serde_json::json!(["tight"]));
+        assert_eq!(ratelimit(&r)[0].1, 0);
+    }
+    // Refunds run after the 429 is sent; give them a moment.
+    std::thread::sleep(Duration::from_millis(500));
+    let r = w.request("GET", "/m/x", &carol, &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(ratelimit(&r)[0].0, "roomy");
+    assert_eq!(ratelimit(&r)[0].1, 3, "roomy: 5 - the admitted POST - this GET");
+
+    // Shadow: never rejects, counts what it would have rejected.
+    assert_eq!(statuses(&w, "GET", "/s/x", &carol, 4), [200; 4]);
+    assert_eq!(w.metric("ratewall_rule_shadow_rejected{rule=\"watch\"}"), 3);
+
+    // A client that waits exactly Retry-After is allowed (token bucket, 1 per second, burst 2).
+    let dave = [("x-user-id", "dave")];
+    assert_eq!(statuses(&w, "GET", "/tb/x", &dave, 3), [200, 200, 429]);
+    let r = w.request("GET", "/tb/x", &dave, &[]);
+    let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    std::thread::sleep(Duration::from_secs(retry));
+    assert_eq!(w.request("GET", "/tb/x", &dave, &[]).status, 200);
+}
+
+#[test]
+fn rules_reload_from_kv_and_a_bad_document_keeps_the_last_good_rules() {
+    let w = start(&[("RULES_REFRESH_SECONDS", "1")]);
+    let erin = [("x-user-id", "erin")];
+    assert_eq!(statuses(&w, "GET", "/u/x", &erin, 4), [200, 200, 200, 429]);
+    let one_per_hour = r#"{"identity":{"user":{"header":"x-user-id"}},"rules":[{"name":"kv","key":["user"],"limit":{"requests":1,"per":"1h"}}]}"#;
+    w.kv_put("rules", one_per_hour).unwrap();
+    let wait_for = |probe: &dyn Fn() -> bool| {
+        for _ in 0..60 {
+            if probe() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        false
+    };
+    assert!(
+        wait_for(&|| ratelimit(&w.request("GET", "/any", &[("x-user-id", "probe")], &[]))
+            .first()
+            .is_some_and(|p| p.0 == "kv")),
+        "the KV rules never took effect:\n{}",
+        w.log()
+    );
+    w.kv_put("rules", r#"{"rules":[{"name":"bad","key":["nobody"],"limit":{"requests":1,"per":"1s"}}]}"#).unwrap();
+    // Rules are re-read on requests (at most once a second here).
+    let rejected = || {
+        w.request("GET", "/any", &[("x-user-id", "probe2")], &[]);
+        w.log().contains("rules from KV RATEWALL_KV/rules rejected")
+    };
+    assert!(wait_for(&rejected), "{}", w.log());
+    assert!(w.log().contains("rules[0].key"), "the error names the field:\n{}", w.log());
+    assert_eq!(statuses(&w, "GET", "/any", &[("x-user-id", "frank")], 2), [200, 429], "the last good rules stay");
+    assert!(w.metric("ratewall_rules_rejected") >= 1);
+}
+
+#[test]
+fn counter_state_survives_a_runtime_restart_within_the_flush_bound() {
+    let mut w = start(&[]);
+    let gina = [("x-user-id", "gina")];
+    assert_eq!(statuses(&w, "GET", "/u/x", &gina, 3), [200, 200, 200]);
+    // The counter object writes its state at most 1 s after a change (the stated bound).
+    std::thread::sleep(Duration::from_millis(2500));
+    w.restart().unwrap();
+    assert_eq!(statuses(&w, "GET", "/u/x", &gina, 1), [429], "the limit survived the restart");
+    assert_eq!(statuses(&w, "GET", "/u/x", &[("x-user-id", "hank")], 1), [200]);
+}
+
+/// The counter key the rules give a request (what a filter node sends in its deltas).
+fn key_of(path: &str, user: &str) -> (Vec<u8>, ratewall_core::Limit) {
+    let config = Config::parse(RULES.as_bytes()).unwrap();
+    let headers: Vec<Option<&[u8]>> =
+        config.identity.headers.iter().map(|(d, _)| (d == "user").then_some(user.as_bytes())).collect();
+    let (checks, _) = config.checks(&Request { method: "GET", path, headers: &headers, ip: None });
+    (checks[0].key.clone(), checks[0].limit)
+}
+
+fn post_sync(w: &Workerd, body: &[u8], tag: Option<String>) -> Response {
+    let mut headers = vec![("content-type", "application/octet-stream")];
+    if let Some(t) = &tag {
+        headers.push(("x-ratewall-signature", t.as_str()));
+    }
+    w.request("POST", "/v1/sync", &headers, body)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+#[test]
+fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
+    let w = start(&[]);
+    let (key, limit) = key_of("/u/x", "ivy");
+    let batch = SyncRequest { node: 77, seq: 1, deltas: vec![Delta { key: key.clone(), limit, units: 2 }] };
+    let body = batch.encode();
+    assert_eq!(post_sync(&w, &body, None).status, 401, "unauthenticated");
+    assert_eq!(post_sync(&w, &body, Some(hex(&sign(b"wrong secret", &body)))).status, 401, "forged");
+    let mut tampered = body.clone();
+    *tampered.last_mut().unwrap() = 3;
+    assert_eq!(post_sync(&w, &tampered, Some(hex(&sign(SECRET.as_bytes(), &body)))).status, 401, "tampered");
+    assert_eq!(w.metric("ratewall_sync_failed"), 3);
+
+    let tag = Some(hex(&sign(SECRET.as_bytes(), &body)));
+    let first = post_sync(&w, &body, tag.clone());
+    assert_eq!(first.status, 200, "{}", first.text());
+    let sig = unhex(first.header("x-ratewall-signature").unwrap());
+    assert!(verify(SECRET.as_bytes(), &first.body, &sig), "the store signs its answer");
+    let resp = SyncResponse::decode(&first.body).unwrap();
+    assert_eq!((resp.seq, resp.grants.len(), resp.grants[0].remaining), (1, 1, 1));
+    // A retried batch (same node, same seq) is never counted twice.
+    let retry = SyncResponse::decode(&post_sync(&w, &body, tag).body).unwrap();
+    let view = |r: &SyncResponse| r.grants.iter().map(|g| (g.remaining, g.grant)).collect::<Vec<_>>();
+    assert_eq!(view(&retry), view(&resp));
+    // The filter fleet's 2 units and the edge share one limit of 3.
+    let ivy = [("x-user-id", "ivy")];
+    assert_eq!(statuses(&w, "GET", "/u/x", &ivy, 2), [200, 429]);
+    assert_eq!(w.request("POST", "/v1/sync", &[], b"garbage").status, 401);
+}
