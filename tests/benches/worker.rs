@@ -1,0 +1,117 @@
+//! The Worker in local workerd (`wrangler dev`): the latency the Durable Object path adds
+//! over a pass-through route of the same Worker (no rule matches it: no object call), checks
+//! per second, and what a hot key hammered past its limit costs in object calls with and
+//! without the blocked-key cache. Prints `figure:` lines (BENCHMARKS.md).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use ratewall_tests::bench::figure;
+use ratewall_tests::workerd::{root, Workerd};
+use std::time::Instant;
+
+const RULES: &str = r#"{"identity":{"user":{"header":"x-user-id"}},"rules":[
+  {"name":"roomy","match":{"path":"/limited/*"},"key":["user"],"limit":{"requests":1000000000,"per":"60s"}},
+  {"name":"hot","match":{"path":"/hot/*"},"key":["user"],"limit":{"requests":10,"per":"1h"}}]}"#;
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Latencies (ms) of `n` sequential requests, sorted.
+fn latencies(w: &Workerd, path: &str, users: usize, n: usize) -> Vec<f64> {
+    let mut out: Vec<f64> = (0..n)
+        .map(|i| {
+            let user = format!("u{}", i % users);
+            let t = Instant::now();
+            let r = w.request("GET", path, &[("x-user-id", &user)], &[]);
+            assert!(r.status == 200 || r.status == 429, "{} {}", r.status, r.text());
+            t.elapsed().as_secs_f64() * 1000.0
+        })
+        .collect();
+    out.sort_by(f64::total_cmp);
+    out
+}
+
+/// Requests per second with `threads` concurrent clients.
+fn throughput(w: &Workerd, path: &str, threads: usize, per_thread: usize) -> f64 {
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            s.spawn(move || {
+                for i in 0..per_thread {
+                    let user = format!("t{t}-{}", i % 50);
+                    w.request("GET", path, &[("x-user-id", &user)], &[]);
+                }
+            });
+        }
+    });
+    (threads * per_thread) as f64 / start.elapsed().as_secs_f64()
+}
+
+fn hot_key_object_calls(w: &Workerd, user: &str) -> (u64, f64) {
+    let before = w.metric("ratewall_object_calls");
+    let lat = latencies_for_user(w, user, 1000);
+    let calls = w.metric("ratewall_object_calls") - before;
+    (calls, percentile(&lat, 0.5))
+}
+
+fn latencies_for_user(w: &Workerd, user: &str, n: usize) -> Vec<f64> {
+    let mut out: Vec<f64> = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            w.request("GET", "/hot/x", &[("x-user-id", user)], &[]);
+            t.elapsed().as_secs_f64() * 1000.0
+        })
+        .collect();
+    out.sort_by(f64::total_cmp);
+    out
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let rules = serde_json::from_str::<serde_json::Value>(RULES).unwrap().to_string();
+    let w = Workerd::start(&[("RATEWALL_RULES", &rules)]).unwrap();
+    // Warm up: isolate, objects, connections.
+    latencies(&w, "/pass/x", 10, 100);
+    latencies(&w, "/limited/x", 10, 100);
+    let n = 1000;
+    let (mut pass, mut limited) = (Vec::new(), Vec::new());
+    // Interleaved rounds, so drift on a shared machine hits both alike.
+    for _ in 0..4 {
+        pass.extend(latencies(&w, "/pass/x", 50, n / 4));
+        limited.extend(latencies(&w, "/limited/x", 50, n / 4));
+    }
+    pass.sort_by(f64::total_cmp);
+    limited.sort_by(f64::total_cmp);
+    let (p50, p99) = (percentile(&pass, 0.5), percentile(&pass, 0.99));
+    let (l50, l99) = (percentile(&limited, 0.5), percentile(&limited, 0.99));
+    figure("worker_passthrough_p50_ms", p50, "ms");
+    figure("worker_passthrough_p99_ms", p99, "ms");
+    figure("worker_limited_p50_ms", l50, "ms");
+    figure("worker_limited_p99_ms", l99, "ms");
+    figure("worker_added_latency_p50_ms", l50 - p50, "ms");
+    figure("worker_added_latency_p99_ms", l99 - p99, "ms");
+    let pass_rps = throughput(&w, "/pass/x", 8, 150);
+    let checks_rps = throughput(&w, "/limited/x", 8, 150);
+    figure("worker_passthrough_rps_8_clients", pass_rps, "req/s");
+    figure("worker_checks_per_sec_8_clients", checks_rps, "req/s");
+    figure("worker_checks_vs_passthrough_throughput", checks_rps / pass_rps, "x");
+
+    let (cached_calls, cached_p50) = hot_key_object_calls(&w, "hot-cached");
+    drop(w);
+    let w = Workerd::start(&[("RATEWALL_RULES", &rules), ("BLOCKED_CACHE", "off")]).unwrap();
+    latencies(&w, "/pass/x", 10, 50);
+    let (uncached_calls, uncached_p50) = hot_key_object_calls(&w, "hot-uncached");
+    figure("blocked_hot_key_do_calls_per_1000", cached_calls as f64, "calls");
+    figure("blocked_hot_key_do_calls_per_1000_without_cache", uncached_calls as f64, "calls");
+    figure("blocked_hot_key_p50_ms", cached_p50, "ms");
+    figure("blocked_hot_key_p50_ms_without_cache", uncached_p50, "ms");
+
+    let wasm = root().join("dist/worker/index_bg.wasm");
+    let bytes = std::fs::read(&wasm).unwrap();
+    figure("worker_wasm_bytes", bytes.len() as f64, "B");
+    let gz = std::process::Command::new("gzip").args(["-9", "-c"]).arg(&wasm).output().unwrap();
+    figure("worker_wasm_gzip_bytes", gz.stdout.len() as f64, "B");
+}
