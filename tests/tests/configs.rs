@@ -1,4 +1,5 @@
-//! The shipped proxy configurations carry rules the built filter accepts.
+//! The shipped configurations (Envoy, NGINX, wrangler.toml) carry the example rules, and the
+//! built filter accepts them.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -27,10 +28,17 @@ fn nginx_rules() -> String {
     conf[start..].split("';").next().unwrap().to_owned()
 }
 
+/// The `RATEWALL_RULES = '''...'''` var of wrangler.toml.
+fn wrangler_rules() -> String {
+    let toml = read("wrangler.toml");
+    let start = toml.find("RATEWALL_RULES = '''").unwrap() + "RATEWALL_RULES = '''".len();
+    toml[start..].split("'''").next().unwrap().to_owned()
+}
+
 #[test]
 fn shipped_configs_carry_the_example_rules_and_the_filter_accepts_them() {
     let example: serde_json::Value = serde_json::from_str(&read("examples/rules.json")).unwrap();
-    for (name, doc) in [("envoy.yaml", envoy_rules()), ("nginx.conf", nginx_rules())] {
+    for (name, doc) in [("envoy.yaml", envoy_rules()), ("nginx.conf", nginx_rules()), ("wrangler.toml", wrangler_rules())] {
         let parsed: serde_json::Value = serde_json::from_str(&doc).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(parsed, example, "{name} drifted from examples/rules.json");
         let node = Node::new(1_700_000_000_000_000_000);
