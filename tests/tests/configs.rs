@@ -38,7 +38,9 @@ fn wrangler_rules() -> String {
 #[test]
 fn shipped_configs_carry_the_example_rules_and_the_filter_accepts_them() {
     let example: serde_json::Value = serde_json::from_str(&read("examples/rules.json")).unwrap();
-    for (name, doc) in [("envoy.yaml", envoy_rules()), ("nginx.conf", nginx_rules()), ("wrangler.toml", wrangler_rules())] {
+    for (name, doc) in
+        [("envoy.yaml", envoy_rules()), ("nginx.conf", nginx_rules()), ("wrangler.toml", wrangler_rules())]
+    {
         let parsed: serde_json::Value = serde_json::from_str(&doc).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(parsed, example, "{name} drifted from examples/rules.json");
         let node = Node::new(1_700_000_000_000_000_000);
