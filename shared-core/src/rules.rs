@@ -45,6 +45,8 @@ pub struct Config {
     pub response: ResponseOptions,
     /// Options for the proxy-wasm filter (ignored by the Worker).
     pub filter: FilterOptions,
+    /// Where the filter syncs its deltas (none: each proxy limits on its own).
+    pub sync: Option<SyncOptions>,
 }
 
 /// Where each identity dimension is read from.
@@ -181,6 +183,69 @@ impl Default for FilterOptions {
     }
 }
 
+/// How a proxy-wasm filter node syncs with the global store (docs/sync-protocol.md).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyncOptions {
+    /// The upstream the store is reached through (Envoy cluster, NGINX upstream).
+    pub cluster: String,
+    /// The `:authority` of sync requests (default: the cluster name).
+    pub authority: String,
+    /// The store's path (default `/v1/sync`).
+    pub path: String,
+    /// The shared HMAC secret (never logged).
+    pub secret: String,
+    /// Time between batches (default 100 ms).
+    pub interval: Nanos,
+    /// Deadline of one sync call (default 50 ms).
+    pub timeout: Nanos,
+    /// Nodes assumed before the store has reported how many there are (default 1).
+    pub nodes: u32,
+    /// Global data older than this is stale: rules degrade to their failure policy
+    /// (default 1 s).
+    pub stale_after: Nanos,
+}
+
+fn duration_field(v: &Value, path: &str, min: Nanos, max: Nanos) -> Result<Nanos, ConfigError> {
+    let s = string(v, path)?;
+    match parse_duration(s) {
+        Some(d) if (min..=max).contains(&d) => Ok(d),
+        Some(_) => err(path, format!("\"{s}\" is out of range")),
+        None => err(path, format!("\"{s}\" is not a duration (like 50ms, 1s)")),
+    }
+}
+
+fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
+    let o = object(v, "sync")?;
+    known_fields(o, "sync", &["cluster", "authority", "path", "secret", "interval", "timeout", "nodes", "stale_after"])?;
+    let text = |name: &str| -> Result<Option<String>, ConfigError> {
+        o.get(name).map(|v| string(v, &format!("sync.{name}")).map(String::from)).transpose()
+    };
+    let cluster = text("cluster")?.filter(|c| !c.is_empty()).ok_or_else(|| ConfigError {
+        path: "sync.cluster".into(),
+        reason: "is required: the upstream that reaches the store".into(),
+    })?;
+    let secret = text("secret")?.filter(|c| c.len() >= 16).ok_or_else(|| ConfigError {
+        path: "sync.secret".into(),
+        reason: "is required and must be at least 16 characters".into(),
+    })?;
+    const MS: Nanos = 1_000_000;
+    let interval = o.get("interval").map(|v| duration_field(v, "sync.interval", 10 * MS, 60_000 * MS)).transpose()?;
+    let interval = interval.unwrap_or(100 * MS);
+    let timeout = o.get("timeout").map(|v| duration_field(v, "sync.timeout", MS, 10_000 * MS)).transpose()?;
+    let stale = o.get("stale_after").map(|v| duration_field(v, "sync.stale_after", 10 * MS, 3_600_000 * MS)).transpose()?;
+    let nodes = o.get("nodes").map(|v| bounded(v, "sync.nodes", 1, 100_000)).transpose()?;
+    Ok(SyncOptions {
+        authority: text("authority")?.unwrap_or_else(|| cluster.clone()),
+        path: text("path")?.unwrap_or_else(|| "/v1/sync".into()),
+        cluster,
+        secret,
+        interval,
+        timeout: timeout.unwrap_or(50 * MS),
+        nodes: nodes.map_or(1, |n| n as u32),
+        stale_after: stale.unwrap_or(1000 * MS),
+    })
+}
+
 /// Largest table the filter accepts (entries).
 pub const MAX_SLOTS: u32 = 1 << 24;
 
@@ -239,7 +304,8 @@ impl Config {
                 };
             }
         }
-        Ok(Config { identity, rules, response, filter })
+        let sync = top.get("sync").map(parse_sync).transpose()?;
+        Ok(Config { identity, rules, response, filter, sync })
     }
 }
 
@@ -605,6 +671,19 @@ mod tests {
             .starts_with("rules[0].limit.burts: unknown field"));
         assert!(error_of("{").starts_with("not valid JSON"));
         assert_eq!(error_of("[]"), "must be an object, not an array");
+    }
+
+    #[test]
+    fn sync_options_are_validated_and_defaulted() {
+        let doc = |sync: &str| format!(r#"{{"rules":[],"sync":{sync}}}"#);
+        let c = Config::parse(doc(r#"{"cluster":"store","secret":"0123456789abcdef"}"#).as_bytes()).unwrap();
+        let s = c.sync.unwrap();
+        assert_eq!((s.authority.as_str(), s.path.as_str(), s.interval, s.nodes), ("store", "/v1/sync", 100_000_000, 1));
+        let e = Config::parse(doc(r#"{"cluster":"store","secret":"short"}"#).as_bytes()).unwrap_err();
+        assert_eq!(e.path, "sync.secret");
+        let e = Config::parse(doc(r#"{"cluster":"s","secret":"0123456789abcdef","interval":"1ms"}"#).as_bytes());
+        assert_eq!(e.unwrap_err().path, "sync.interval");
+        assert!(Config::parse(br#"{"rules":[]}"#).unwrap().sync.is_none());
     }
 
     #[test]
