@@ -2,11 +2,13 @@
 //! evaluation against the shared-data table, metrics, and the reply to send.
 
 use crate::host::{Host, Level};
-use crate::table::{Table, TableCounters};
+use crate::sync::Syncer;
+use crate::table::{Grants, Table, TableCounters};
+use ratewall_core::algo::Limit;
 use ratewall_core::eval::{evaluate, CheckResult, Request, Skip};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_ip, ip_key};
-use ratewall_core::rules::{Config, Dimension};
+use ratewall_core::rules::{Config, Dimension, FailurePolicy};
 use ratewall_core::{render, ConfigError, Reply};
 
 /// Per-rule metric ids.
@@ -35,6 +37,14 @@ pub struct Engine {
     table: Table,
     rules: Vec<RuleMetrics>,
     node: NodeMetrics,
+    sync: Option<Syncer>,
+}
+
+/// `limit` shared by `nodes`: the local limit while the global store is unreachable.
+fn share(limit: Limit, nodes: u32) -> Limit {
+    let n = u64::from(nodes.max(1));
+    let burst = (limit.algorithm() == ratewall_core::Algorithm::TokenBucket).then(|| (limit.capacity() / n).max(1));
+    Limit::new(limit.algorithm(), (limit.requests() / n).max(1), limit.per(), burst).unwrap_or(limit)
 }
 
 /// Metric-safe form of a rule name: `[a-z0-9_]`.
@@ -71,7 +81,8 @@ impl Engine {
         if let Err(e) = table.create(host) {
             host.log(Level::Warn, &format!("ratewall: could not create the counter table: {e:?}"));
         }
-        Ok(Engine { config, table, rules, node })
+        let sync = config.sync.clone().map(|opts| Syncer::new(host, opts));
+        Ok(Engine { config, table, rules, node, sync })
     }
 
     /// The validated configuration.
@@ -82,6 +93,25 @@ impl Engine {
     /// The counter table.
     pub fn table(&self) -> &Table {
         &self.table
+    }
+
+    /// How often the host should call [`Engine::on_tick`] (None: never needed).
+    pub fn tick_interval(&self) -> Option<ratewall_core::Nanos> {
+        self.sync.as_ref().map(|s| s.options().interval)
+    }
+
+    /// The periodic tick: sync with the global store.
+    pub fn on_tick(&self, host: &dyn Host) {
+        if let Some(s) = &self.sync {
+            s.on_tick(host, &self.table);
+        }
+    }
+
+    /// The answer to a sync call (`status` 0: failed or timed out).
+    pub fn on_sync_response(&self, host: &dyn Host, token: u32, status: u32, tag: Option<&[u8]>, body: &[u8]) {
+        if let Some(s) = &self.sync {
+            s.on_response(host, &self.table, token, status, tag, body);
+        }
     }
 
     /// Decides one request from its headers. `Reply::passes()` means continue upstream and
@@ -110,10 +140,36 @@ impl Engine {
         });
         let ip = ip.flatten();
         let req = Request { method, path: &path, headers: &headers, ip: ip.as_deref() };
-        let (checks, skipped) = self.config.checks(&req);
-        let mut counters = TableCounters { table: &self.table, host, stats: Default::default() };
+        let (mut checks, skipped) = self.config.checks(&req);
+        let real_limits: Vec<Limit> =
+            if self.sync.is_some() { checks.iter().map(|c| c.limit).collect() } else { Vec::new() };
+        // With sync: admit on the store's grants while its data is fresh; else degrade, open
+        // rules to `limit / nodes` locally and closed rules to rejection.
+        let mut unavailable = Vec::new();
+        let (grants, now) = match &self.sync {
+            None => (Grants::Off, now),
+            Some(s) if s.fresh(now) => (Grants::On { nodes: s.nodes() }, s.store_now(now)),
+            Some(s) => {
+                s.degraded(host);
+                unavailable = self.config.rules.iter().map(|r| r.on_store_failure == FailurePolicy::Closed).collect();
+                let nodes = s.nodes();
+                for c in &mut checks {
+                    c.limit = share(c.limit, nodes);
+                }
+                (Grants::Off, s.store_now(now))
+            }
+        };
+        let mut counters = TableCounters::new(&self.table, host, grants, &unavailable);
         let outcome = evaluate(&self.config, &checks, &mut counters, now);
         let stats = counters.stats;
+        if let (Some(s), false) = (&self.sync, outcome.rejected) {
+            // Deltas name each counter's real limit, not a degraded share of it.
+            for ((c, real), o) in checks.iter().zip(&real_limits).zip(&outcome.checks) {
+                if matches!(o.result, CheckResult::Decided(d) if d.allowed) {
+                    s.record(host, &c.key, *real, c.cost);
+                }
+            }
+        }
         let bump = |m: Option<u32>, by: u64| {
             if let (Some(id), true) = (m, by > 0) {
                 host.increment(id, by);

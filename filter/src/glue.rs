@@ -42,6 +42,16 @@ impl Host for ProxyHost {
     fn increment(&self, metric: u32, by: u64) {
         let _ = hostcalls::increment_metric(metric, i64::try_from(by).unwrap_or(i64::MAX));
     }
+    fn define_gauge(&self, name: &str) -> Option<u32> {
+        hostcalls::define_metric(MetricType::Gauge, name).ok()
+    }
+    fn set_gauge(&self, metric: u32, value: u64) {
+        let _ = hostcalls::record_metric(metric, value);
+    }
+    fn dispatch(&self, upstream: &str, headers: &[(&str, &str)], body: &[u8], timeout: Nanos) -> Option<u32> {
+        let timeout = std::time::Duration::from_nanos(timeout);
+        hostcalls::dispatch_http_call(upstream, headers.to_vec(), Some(body), Vec::new(), timeout).ok()
+    }
     fn log(&self, level: Level, message: &str) {
         let level = match level {
             Level::Debug => LogLevel::Debug,
@@ -67,9 +77,34 @@ struct Root {
     engine: Option<Rc<Engine>>,
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+        let Some(engine) = &self.engine else { return };
+        let (status, tag) = if num_headers == 0 {
+            (0, None)
+        } else {
+            let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+                .ok()
+                .flatten()
+                .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.parse().ok()))
+                .unwrap_or(0);
+            let tag =
+                hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, "x-ratewall-signature").ok().flatten();
+            (status, tag)
+        };
+        let body =
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten().unwrap_or_default();
+        engine.on_sync_response(&ProxyHost, token, status, tag.as_deref(), &body);
+    }
+}
 
 impl RootContext for Root {
+    fn on_tick(&mut self) {
+        if let Some(engine) = &self.engine {
+            engine.on_tick(&ProxyHost);
+        }
+    }
+
     fn on_configure(&mut self, size: usize) -> bool {
         let document = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size) {
             Ok(Some(d)) => d,
@@ -79,6 +114,9 @@ impl RootContext for Root {
         match Engine::configure(&ProxyHost, &document) {
             Ok(engine) => {
                 ProxyHost.log(Level::Info, &format!("ratewall: loaded {} rules", engine.config().rules.len()));
+                if let Some(interval) = engine.tick_interval() {
+                    let _ = hostcalls::set_tick_period(std::time::Duration::from_nanos(interval));
+                }
                 self.engine = Some(Rc::new(engine));
                 true
             }

@@ -41,6 +41,12 @@ pub trait Host {
     fn define_counter(&self, name: &str) -> Option<u32>;
     /// Adds to a counter metric.
     fn increment(&self, metric: u32, by: u64);
+    /// Defines (or finds) a gauge metric.
+    fn define_gauge(&self, name: &str) -> Option<u32>;
+    /// Sets a gauge.
+    fn set_gauge(&self, metric: u32, value: u64);
+    /// Sends an HTTP request to an upstream; the answer arrives later, by its token.
+    fn dispatch(&self, upstream: &str, headers: &[(&str, &str)], body: &[u8], timeout: Nanos) -> Option<u32>;
     /// Logs a line.
     fn log(&self, level: Level, message: &str);
 }

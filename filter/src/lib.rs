@@ -7,10 +7,13 @@
 //! of panicking. Counters live in a fixed-size table in the proxy's shared data, updated by
 //! compare-and-swap so every worker thread (VM) of one proxy agrees.
 //!
-//! It does not talk to a global store yet: limits are per proxy.
+//! With a `sync` section in the rules, [`sync`] shares each limit across replicas: one VM
+//! per node (a lease in shared data) sends the global store batched deltas and applies the
+//! grants it answers with.
 
 pub mod engine;
 pub mod host;
+pub mod sync;
 pub mod table;
 
 #[cfg(target_arch = "wasm32")]

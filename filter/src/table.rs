@@ -32,6 +32,7 @@ use std::hash::Hasher;
 /// Entries per bucket.
 pub const WAYS: usize = 8;
 const VERSION: u8 = 1;
+const VERSION_GRANTS: u8 = 2;
 /// Bytes of an entry before its state.
 const HEAD: usize = 11;
 /// Fingerprints keep their low 48 bits.
@@ -57,12 +58,14 @@ pub struct Entry {
     pub usage: u8,
     /// The limiter state.
     pub state: State,
+    /// Units the global store lets this node admit before its next sync (None: no grant).
+    pub grant: Option<u32>,
 }
 
 /// Decodes a bucket value.
 pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
     let (&version, rest) = bytes.split_first().ok_or(DecodeError::Truncated)?;
-    if version != VERSION {
+    if version != VERSION && version != VERSION_GRANTS {
         return Err(DecodeError::Version(version));
     }
     let (&n, mut rest) = rest.split_first().ok_or(DecodeError::Truncated)?;
@@ -75,8 +78,21 @@ pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
         idle.copy_from_slice(head.get(6..10).ok_or(DecodeError::Truncated)?);
         let usage = head.get(10).copied().ok_or(DecodeError::Truncated)?;
         let (state, used) = State::decode(rest.get(HEAD..).ok_or(DecodeError::Truncated)?)?;
-        entries.push(Entry { fingerprint: u64::from_le_bytes(fp), idle_at: u32::from_le_bytes(idle), usage, state });
         rest = rest.get(HEAD + used..).ok_or(DecodeError::Truncated)?;
+        let mut grant = None;
+        if version == VERSION_GRANTS {
+            let mut r = ratewall_core::encoding::Reader { bytes: rest, pos: 0 };
+            let g = r.varint()?;
+            grant = g.checked_sub(1).map(|g| u32::try_from(g).unwrap_or(u32::MAX));
+            rest = rest.get(r.pos..).ok_or(DecodeError::Truncated)?;
+        }
+        entries.push(Entry {
+            fingerprint: u64::from_le_bytes(fp),
+            idle_at: u32::from_le_bytes(idle),
+            usage,
+            state,
+            grant,
+        });
     }
     Ok(entries)
 }
@@ -84,16 +100,23 @@ pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
 /// Encodes a bucket value.
 pub fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
     let mut out = Vec::with_capacity(2 + entries.len() * 30);
-    out.push(VERSION);
+    let grants = entries.iter().take(WAYS).any(|e| e.grant.is_some());
+    out.push(if grants { VERSION_GRANTS } else { VERSION });
     out.push(entries.len().min(WAYS) as u8);
     for e in entries.iter().take(WAYS) {
         out.extend_from_slice(e.fingerprint.to_le_bytes().get(..6).unwrap_or(&[0; 6]));
         out.extend_from_slice(&e.idle_at.to_le_bytes());
         out.push(e.usage);
         e.state.encode_into(&mut out);
+        if grants {
+            ratewall_core::encoding::put_varint(&mut out, e.grant.map_or(0, |g| u64::from(g) + 1));
+        }
     }
     out
 }
+
+/// An update of one entry: (state, grant) to the new (state, grant), or `None` to leave it.
+pub type EntryUpdate<'a> = dyn FnMut(&State, Option<u32>) -> Option<(State, Option<u32>)> + 'a;
 
 /// The table's shape and hashing.
 #[derive(Clone, Debug)]
@@ -161,14 +184,15 @@ impl Table {
         Ok(created)
     }
 
-    /// Atomically updates the state of `key` in its bucket with `f`.
+    /// Atomically updates the state and grant of `key` in its bucket with `f` (`None`: leave
+    /// the bucket unchanged).
     pub fn update(
         &self,
         host: &dyn Host,
         key: &[u8],
         now: Nanos,
         weigh: &dyn Fn(&State) -> (Nanos, u8),
-        f: &mut dyn FnMut(&State) -> Option<State>,
+        f: &mut EntryUpdate<'_>,
         stats: &mut TableStats,
     ) -> Result<(), StoreError> {
         let slot = self.slot(key);
@@ -185,13 +209,14 @@ impl Table {
                 None => Vec::new(),
             };
             let pos = entries.iter().position(|e| e.fingerprint == slot.fingerprint);
-            let current = pos.and_then(|i| entries.get(i)).map_or(State::Fresh, |e| e.state.clone());
-            let Some(next) = f(&current) else {
+            let (current, grant) =
+                pos.and_then(|i| entries.get(i)).map_or((State::Fresh, None), |e| (e.state.clone(), e.grant));
+            let Some((next, grant)) = f(&current, grant) else {
                 return Ok(());
             };
             let (idle_at, usage) = weigh(&next);
             let idle = u32::try_from(idle_at.div_ceil(SECOND)).unwrap_or(u32::MAX);
-            let entry = Entry { fingerprint: slot.fingerprint, idle_at: idle, usage, state: next };
+            let entry = Entry { fingerprint: slot.fingerprint, idle_at: idle, usage, state: next, grant };
             match pos {
                 Some(i) => {
                     if let Some(e) = entries.get_mut(i) {
@@ -227,6 +252,19 @@ impl Table {
     }
 }
 
+/// How a request's checks meet the global store's grants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grants {
+    /// No sync, or the store's data is stale: no allowance applies.
+    Off,
+    /// Admissions spend the entry's grant; an entry without one (the store has not answered
+    /// for it yet) starts with an equal share of the limit between `nodes`.
+    On {
+        /// Nodes sharing each limit.
+        nodes: u32,
+    },
+}
+
 /// The table as the core's [`Counters`] for one request.
 pub struct TableCounters<'a> {
     /// The table.
@@ -235,6 +273,19 @@ pub struct TableCounters<'a> {
     pub host: &'a dyn Host,
     /// Statistics collected.
     pub stats: TableStats,
+    /// Whether grants apply.
+    pub grants: Grants,
+    /// Checks of these rules fail with [`StoreError::Unavailable`] (closed rules while the
+    /// global store is unreachable).
+    pub unavailable: &'a [bool],
+    refunding: bool,
+}
+
+impl<'a> TableCounters<'a> {
+    /// Counters over `table` for one request.
+    pub fn new(table: &'a Table, host: &'a dyn Host, grants: Grants, unavailable: &'a [bool]) -> TableCounters<'a> {
+        TableCounters { table, host, stats: TableStats::default(), grants, unavailable, refunding: false }
+    }
 }
 
 impl Counters for TableCounters<'_> {
@@ -242,10 +293,40 @@ impl Counters for TableCounters<'_> {
         &mut self,
         check: &Check,
         now: Nanos,
-        f: &mut dyn FnMut(&State) -> Option<State>,
+        f: &mut dyn FnMut(&State, u64) -> Option<State>,
     ) -> Result<(), StoreError> {
+        if self.unavailable.get(check.rule).copied().unwrap_or(false) {
+            return Err(StoreError::Unavailable);
+        }
         let limit = check.limit;
-        self.table.update(self.host, &check.key, now, &|s| (limit.idle_at(s), limit.usage(s, now)), f, &mut self.stats)
+        let cost = u32::try_from(check.cost).unwrap_or(u32::MAX);
+        let (grants, refunding) = (self.grants, self.refunding);
+        let initial = match grants {
+            Grants::On { nodes } => u32::try_from((limit.quota() / u64::from(nodes.max(1))).max(1)).unwrap_or(u32::MAX),
+            Grants::Off => u32::MAX,
+        };
+        let mut g = |state: &State, grant: Option<u32>| {
+            let allowance = match (grants, refunding) {
+                (Grants::On { .. }, false) => u64::from(grant.unwrap_or(initial)),
+                _ => u64::MAX,
+            };
+            let next = f(state, allowance)?;
+            let grant = match (grants, refunding) {
+                (Grants::On { .. }, false) => Some(grant.unwrap_or(initial).saturating_sub(cost)),
+                (Grants::On { .. }, true) => grant.map(|g| g.saturating_add(cost)),
+                (Grants::Off, _) => grant,
+            };
+            Some((next, grant))
+        };
+        let weigh = |s: &State| (limit.idle_at(s), limit.usage(s, now));
+        self.table.update(self.host, &check.key, now, &weigh, &mut g, &mut self.stats)
+    }
+
+    fn refund(&mut self, check: &Check, now: Nanos) -> Result<(), StoreError> {
+        self.refunding = true;
+        let r = self.update(check, now, &mut |s, _| Some(check.limit.refund(s, now, check.cost)));
+        self.refunding = false;
+        r
     }
 }
 
@@ -256,17 +337,24 @@ mod tests {
     #[test]
     fn buckets_round_trip_and_garbage_is_an_error() {
         let entries = vec![
-            Entry { fingerprint: 1, idle_at: 2, usage: 0, state: State::TokenBucket { tat: 3 } },
+            Entry { fingerprint: 1, idle_at: 2, usage: 0, state: State::TokenBucket { tat: 3 }, grant: None },
             Entry {
                 fingerprint: FINGERPRINT_MASK,
                 idle_at: 5,
                 usage: 255,
                 state: State::SlidingWindow { window: 1, prev: 2, curr: 3 },
+                grant: None,
             },
         ];
         let bytes = encode_bucket(&entries);
         // At most 32 bytes per tracked key: 21 for a token bucket, 29 for a sliding window.
         assert_eq!(bytes.len(), 2 + 21 + 29);
+        // With a sync grant the bucket is version 2 and each entry carries it (+1 byte here).
+        let mut granted = entries.clone();
+        granted[0].grant = Some(7);
+        let bytes2 = encode_bucket(&granted);
+        assert_eq!(bytes2.len(), bytes.len() + 2);
+        assert_eq!(decode_bucket(&bytes2).unwrap(), granted);
         assert_eq!(decode_bucket(&bytes).unwrap(), entries);
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
         assert!(decode_bucket(&[]).is_err());

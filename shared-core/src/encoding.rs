@@ -124,7 +124,7 @@ impl State {
 }
 
 /// Appends `v` as a LEB128 varint.
-pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
         v >>= 7;
@@ -133,9 +133,11 @@ pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
 }
 
 /// A bounds-checked little-endian reader over a byte slice.
-pub(crate) struct Reader<'a> {
-    pub(crate) bytes: &'a [u8],
-    pub(crate) pos: usize,
+pub struct Reader<'a> {
+    /// The bytes read.
+    pub bytes: &'a [u8],
+    /// The position of the next byte.
+    pub pos: usize,
 }
 
 impl<'a> Reader<'a> {
@@ -162,7 +164,8 @@ impl<'a> Reader<'a> {
     pub(crate) fn u64(&mut self) -> Result<u64, DecodeError> {
         Ok(u64::from_le_bytes(self.array()?))
     }
-    pub(crate) fn varint(&mut self) -> Result<u64, DecodeError> {
+    /// A LEB128 varint.
+    pub fn varint(&mut self) -> Result<u64, DecodeError> {
         let mut v = 0u64;
         for shift in (0..64).step_by(7) {
             let b = self.u8()?;

@@ -96,13 +96,26 @@ fn push_part(key: &mut Vec<u8>, part: &[u8]) {
 pub trait Counters {
     /// Atomically reads the state for `check`, runs `f` on it, and stores what `f` returns
     /// (`None`: leave it unchanged). `f` may run several times (compare-and-swap retries).
+    ///
+    /// `f`'s second argument is the counter's *allowance*: units a global store lets this
+    /// node admit before it syncs again (`u64::MAX`: no such cap). A store that tracks one
+    /// takes `check.cost` off it whenever `f` stores a state.
     fn update(
         &mut self,
         check: &Check,
         now: Nanos,
-        f: &mut dyn FnMut(&State) -> Option<State>,
+        f: &mut dyn FnMut(&State, u64) -> Option<State>,
     ) -> Result<(), StoreError>;
+
+    /// Gives back the units `check` took at `now` (its request was rejected by another rule).
+    fn refund(&mut self, check: &Check, now: Nanos) -> Result<(), StoreError> {
+        self.update(check, now, &mut |s, _| Some(check.limit.refund(s, now, check.cost)))
+    }
 }
+
+/// How long a client denied by an exhausted allowance is told to wait: the next sync brings
+/// a new one.
+pub const ALLOWANCE_RETRY: Nanos = crate::algo::SECOND;
 
 /// The counter store could not be used for a check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -175,8 +188,16 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
         };
         let peek_only = out.rejected;
         let mut decision = None;
-        let res = counters.update(check, now, &mut |state| {
-            let (d, next) = check.limit.decide(state, now, check.cost);
+        let res = counters.update(check, now, &mut |state, allowance| {
+            let (mut d, next) = check.limit.decide(state, now, check.cost);
+            if d.allowed && check.cost > allowance {
+                d = Decision {
+                    allowed: false,
+                    remaining: d.remaining.min(allowance),
+                    retry_after: Some(ALLOWANCE_RETRY),
+                    ..d
+                };
+            }
             decision = Some(d);
             (d.allowed && !peek_only && check.cost > 0).then_some(next)
         });
@@ -198,7 +219,7 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
         for i in consumed {
             if let Some(check) = checks.get(i) {
                 // A failed refund leaves the units spent: conservative, never over-admits.
-                let _ = counters.update(check, now, &mut |s| Some(check.limit.refund(s, now, check.cost)));
+                let _ = counters.refund(check, now);
             }
         }
     }
@@ -251,10 +272,10 @@ impl Counters for MemoryCounters {
         &mut self,
         check: &Check,
         _now: Nanos,
-        f: &mut dyn FnMut(&State) -> Option<State>,
+        f: &mut dyn FnMut(&State, u64) -> Option<State>,
     ) -> Result<(), StoreError> {
         let s = self.get(&check.key);
-        if let Some(n) = f(&s) {
+        if let Some(n) = f(&s, u64::MAX) {
             self.0.insert(check.key.clone(), n);
         }
         Ok(())

@@ -216,7 +216,11 @@ fn duration_field(v: &Value, path: &str, min: Nanos, max: Nanos) -> Result<Nanos
 
 fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
     let o = object(v, "sync")?;
-    known_fields(o, "sync", &["cluster", "authority", "path", "secret", "interval", "timeout", "nodes", "stale_after"])?;
+    known_fields(
+        o,
+        "sync",
+        &["cluster", "authority", "path", "secret", "interval", "timeout", "nodes", "stale_after"],
+    )?;
     let text = |name: &str| -> Result<Option<String>, ConfigError> {
         o.get(name).map(|v| string(v, &format!("sync.{name}")).map(String::from)).transpose()
     };
@@ -232,7 +236,8 @@ fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
     let interval = o.get("interval").map(|v| duration_field(v, "sync.interval", 10 * MS, 60_000 * MS)).transpose()?;
     let interval = interval.unwrap_or(100 * MS);
     let timeout = o.get("timeout").map(|v| duration_field(v, "sync.timeout", MS, 10_000 * MS)).transpose()?;
-    let stale = o.get("stale_after").map(|v| duration_field(v, "sync.stale_after", 10 * MS, 3_600_000 * MS)).transpose()?;
+    let stale =
+        o.get("stale_after").map(|v| duration_field(v, "sync.stale_after", 10 * MS, 3_600_000 * MS)).transpose()?;
     let nodes = o.get("nodes").map(|v| bounded(v, "sync.nodes", 1, 100_000)).transpose()?;
     Ok(SyncOptions {
         authority: text("authority")?.unwrap_or_else(|| cluster.clone()),

@@ -914,10 +914,20 @@ impl Vm {
     /// Delivers the response to a callout (`None`: it failed or timed out, as Envoy reports
     /// with zero headers and an empty body).
     pub fn deliver(&mut self, callout: &Callout, response: Option<(u16, Vec<u8>)>) -> Result<()> {
-        let (headers, body) = match response {
-            Some((status, body)) => (vec![(":status".to_owned(), status.to_string().into_bytes())], body),
-            None => (Vec::new(), Vec::new()),
-        };
+        match response {
+            Some((status, body)) => self.respond(callout, status, &[], body),
+            None => self.deliver_headers(callout, Vec::new(), Vec::new()),
+        }
+    }
+
+    /// Delivers a response with headers besides `:status`.
+    pub fn respond(&mut self, callout: &Callout, status: u16, headers: &[(&str, &[u8])], body: Vec<u8>) -> Result<()> {
+        let mut all = vec![(":status".to_owned(), status.to_string().into_bytes())];
+        all.extend(headers.iter().map(|(k, v)| ((*k).to_owned(), v.to_vec())));
+        self.deliver_headers(callout, all, body)
+    }
+
+    fn deliver_headers(&mut self, callout: &Callout, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Result<()> {
         let (nh, nb) = (headers.len() as i32, body.len() as i32);
         self.store.data_mut().call_response = Some((headers, body));
         self.store.data_mut().effective_context = callout.context;

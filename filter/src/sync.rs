@@ -1,0 +1,457 @@
+//! The filter's side of cross-replica sync (docs/sync-protocol.md).
+//!
+//! Every VM (worker thread) keeps the units it admitted per counter since its last tick in
+//! its own memory, and on each tick merges them into an *outbox* in shared data (CAS). One VM
+//! per node — the holder of a lease taken by CAS in shared data, so no Envoy-only singleton
+//! is needed and NGINX works too — drains the outboxes and sends the store one signed batch
+//! per interval. The store's answer carries a grant per counter, written into the counter's
+//! table entry, where every VM's admissions spend it; and the global view (nodes, the
+//! store's clock, when it was last heard from), which every VM reads on its tick.
+//!
+//! While the view is stale (the store unreachable past `stale_after`), `open` rules limit to
+//! `limit / nodes` locally and `closed` rules reject. Deltas are kept, bounded, and sent after
+//! recovery. A failing store trips a circuit breaker, so ticks stop paying timeouts.
+
+use crate::host::{Host, Level, SetError};
+use crate::table::Table;
+use ratewall_core::algo::{Limit, Nanos};
+use ratewall_core::rules::SyncOptions;
+use ratewall_core::sync::{sign, verify, Delta, SyncRequest, SyncResponse};
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+
+const LEASE: &str = "rw1/sync/lease";
+const VIEW: &str = "rw1/sync/view";
+const VMS: &str = "rw1/sync/vms";
+/// Outboxes VMs spread their deltas over (VM `i` uses `i % OUTBOXES`).
+pub const OUTBOXES: u32 = 8;
+/// Most counters one VM's pending deltas, one outbox, or the syncer's unsent set hold; units
+/// for further counters are dropped (and counted): memory stays bounded.
+pub const MAX_PENDING: usize = 20_000;
+/// Most counters in one batch (the Worker store accepts 500).
+pub const MAX_BATCH: usize = 500;
+/// Failures in a row that open the circuit breaker.
+const BREAKER_AFTER: u32 = 3;
+const MS: Nanos = 1_000_000;
+
+fn outbox(i: u32) -> String {
+    format!("rw1/sync/out/{i}")
+}
+
+/// What the node last heard from the store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct View {
+    /// Local time of the last successful sync (0: never).
+    pub ok_at: Nanos,
+    /// Nodes the store reported.
+    pub nodes: u32,
+    /// The store's clock minus ours, ns.
+    pub offset: i64,
+}
+
+impl View {
+    fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(20);
+        b.extend_from_slice(&self.ok_at.to_le_bytes());
+        b.extend_from_slice(&self.nodes.to_le_bytes());
+        b.extend_from_slice(&self.offset.to_le_bytes());
+        b
+    }
+    fn decode(b: &[u8]) -> Option<View> {
+        Some(View {
+            ok_at: u64::from_le_bytes(b.get(..8)?.try_into().ok()?),
+            nodes: u32::from_le_bytes(b.get(8..12)?.try_into().ok()?),
+            offset: i64::from_le_bytes(b.get(12..20)?.try_into().ok()?),
+        })
+    }
+}
+
+/// A batch sent and not yet answered, or failed and waiting to be retried with the same seq.
+#[derive(Clone, Debug)]
+struct Batch {
+    seq: u64,
+    deltas: Vec<Delta>,
+    body: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct Syncing {
+    seq: u64,
+    unsent: BTreeMap<Vec<u8>, (Limit, u64)>,
+    /// (call token, batch, sent at).
+    inflight: Option<(u32, Batch, Nanos)>,
+    retry: Option<Batch>,
+    failures: u32,
+    open_until: Nanos,
+}
+
+/// Metric ids.
+#[derive(Clone, Copy, Debug, Default)]
+struct Metrics {
+    ok: Option<u32>,
+    failed: Option<u32>,
+    degraded: Option<u32>,
+    dropped: Option<u32>,
+    staleness_ms: Option<u32>,
+    pending: Option<u32>,
+    breaker_open: Option<u32>,
+}
+
+/// One VM's syncer.
+#[derive(Debug)]
+pub struct Syncer {
+    opts: SyncOptions,
+    vm: u32,
+    token: u64,
+    started: Nanos,
+    local: RefCell<BTreeMap<Vec<u8>, (Limit, u64)>>,
+    syncing: RefCell<Syncing>,
+    view: Cell<View>,
+    metrics: Metrics,
+}
+
+fn merge(into: &mut BTreeMap<Vec<u8>, (Limit, u64)>, key: &[u8], limit: Limit, units: u64) -> bool {
+    if let Some(e) = into.get_mut(key) {
+        e.0 = limit;
+        e.1 = e.1.saturating_add(units);
+        return true;
+    }
+    if into.len() >= MAX_PENDING {
+        return false;
+    }
+    into.insert(key.to_vec(), (limit, units));
+    true
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &[u8]) -> Option<Vec<u8>> {
+    s.chunks(2)
+        .map(|p| {
+            let d = |c: u8| (c as char).to_digit(16);
+            Some((d(*p.first()?)? * 16 + d(*p.get(1)?)?) as u8)
+        })
+        .collect()
+}
+
+impl Syncer {
+    /// Joins the node's sync: takes a VM number and creates the shared keys it needs.
+    pub fn new(host: &dyn Host, opts: SyncOptions) -> Syncer {
+        let now = host.now();
+        let mut vm = 0;
+        for _ in 0..32 {
+            let (value, cas) = host.shared_get(VMS).unwrap_or((None, None));
+            vm = value.and_then(|v| Some(u32::from_le_bytes(v.get(..4)?.try_into().ok()?))).unwrap_or(0);
+            if host.shared_set(VMS, &(vm.wrapping_add(1)).to_le_bytes(), cas).is_ok() {
+                break;
+            }
+        }
+        for i in 0..OUTBOXES {
+            if let Ok((None, _)) = host.shared_get(&outbox(i)) {
+                let _ = host.shared_set(&outbox(i), &[], None);
+            }
+        }
+        let counter = |n: &str| host.define_counter(n);
+        let gauge = |n: &str| host.define_gauge(n);
+        let metrics = Metrics {
+            ok: counter("ratewall_sync_ok"),
+            failed: counter("ratewall_sync_failed"),
+            degraded: counter("ratewall_sync_degraded_requests"),
+            dropped: counter("ratewall_sync_dropped_units"),
+            staleness_ms: gauge("ratewall_sync_staleness_ms"),
+            pending: gauge("ratewall_sync_pending_counters"),
+            breaker_open: gauge("ratewall_sync_breaker_open"),
+        };
+        // Unique enough per VM incarnation: its start time and number.
+        let token = now ^ (u64::from(vm) << 48) ^ 0x9e37_79b9_7f4a_7c15;
+        Syncer {
+            opts,
+            vm,
+            token,
+            started: now,
+            local: RefCell::default(),
+            syncing: RefCell::default(),
+            view: Cell::new(View::default()),
+            metrics,
+        }
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &SyncOptions {
+        &self.opts
+    }
+
+    /// The view as of this VM's last tick.
+    pub fn view(&self) -> View {
+        self.view.get()
+    }
+
+    /// The store's clock, from ours.
+    pub fn store_now(&self, local: Nanos) -> Nanos {
+        local.saturating_add_signed(self.view.get().offset)
+    }
+
+    /// Nodes to divide limits by: what the store last said, else the configured count.
+    pub fn nodes(&self) -> u32 {
+        let v = self.view.get();
+        if v.ok_at > 0 && v.nodes > 0 { v.nodes } else { self.opts.nodes }.max(1)
+    }
+
+    /// Whether the global data is fresh enough to admit on grants at `now`. Before the first
+    /// answer the node admits on initial shares for `stale_after`.
+    pub fn fresh(&self, now: Nanos) -> bool {
+        let v = self.view.get();
+        let since = if v.ok_at > 0 { v.ok_at } else { self.started };
+        now <= since.saturating_add(self.opts.stale_after)
+    }
+
+    /// Counts a request decided in degraded mode.
+    pub fn degraded(&self, host: &dyn Host) {
+        if let Some(m) = self.metrics.degraded {
+            host.increment(m, 1);
+        }
+    }
+
+    /// Records units this VM admitted on a counter.
+    pub fn record(&self, host: &dyn Host, key: &[u8], limit: Limit, units: u64) {
+        if units > 0 && !merge(&mut self.local.borrow_mut(), key, limit, units) {
+            if let Some(m) = self.metrics.dropped {
+                host.increment(m, units);
+            }
+        }
+    }
+
+    /// Every VM, every interval: publish deltas, read the view; the lease holder syncs.
+    pub fn on_tick(&self, host: &dyn Host, table: &Table) {
+        let now = host.now();
+        self.publish(host);
+        if let Ok((Some(v), _)) = host.shared_get(VIEW) {
+            if let Some(v) = View::decode(&v) {
+                self.view.set(v);
+            }
+        }
+        let v = self.view.get();
+        if let Some(m) = self.metrics.staleness_ms {
+            let since = if v.ok_at > 0 { v.ok_at } else { self.started };
+            host.set_gauge(m, now.saturating_sub(since) / MS);
+        }
+        let _ = table;
+        if self.hold_lease(host, now) {
+            self.drive(host, now);
+        }
+    }
+
+    fn publish(&self, host: &dyn Host) {
+        let local = std::mem::take(&mut *self.local.borrow_mut());
+        if local.is_empty() {
+            return;
+        }
+        let key = outbox(self.vm % OUTBOXES);
+        for _ in 0..32 {
+            let Ok((value, cas)) = host.shared_get(&key) else { break };
+            let mut merged: BTreeMap<Vec<u8>, (Limit, u64)> = BTreeMap::new();
+            if let Some(Ok(req)) = value.as_deref().filter(|v| !v.is_empty()).map(SyncRequest::decode) {
+                for d in req.deltas {
+                    merge(&mut merged, &d.key, d.limit, d.units);
+                }
+            }
+            let mut dropped = 0;
+            for (k, (l, u)) in &local {
+                if !merge(&mut merged, k, *l, *u) {
+                    dropped += u;
+                }
+            }
+            let deltas = merged.into_iter().map(|(key, (limit, units))| Delta { key, limit, units }).collect();
+            let body = SyncRequest { node: 0, seq: 0, deltas }.encode();
+            match host.shared_set(&key, &body, cas) {
+                Ok(()) => {
+                    if let (Some(m), true) = (self.metrics.dropped, dropped > 0) {
+                        host.increment(m, dropped);
+                    }
+                    return;
+                }
+                Err(SetError::CasMismatch) => continue,
+                Err(SetError::Other) => break,
+            }
+        }
+        // Could not publish now: keep the deltas for the next tick.
+        let mut mine = self.local.borrow_mut();
+        for (k, (l, u)) in local {
+            merge(&mut mine, &k, l, u);
+        }
+    }
+
+    fn hold_lease(&self, host: &dyn Host, now: Nanos) -> bool {
+        let Ok((value, cas)) = host.shared_get(LEASE) else { return false };
+        let (holder, expires) = value
+            .and_then(|v| {
+                Some((
+                    u64::from_le_bytes(v.get(..8)?.try_into().ok()?),
+                    u64::from_le_bytes(v.get(8..16)?.try_into().ok()?),
+                ))
+            })
+            .unwrap_or((0, 0));
+        if holder != self.token && expires > now {
+            return false;
+        }
+        let mut lease = Vec::with_capacity(16);
+        lease.extend_from_slice(&self.token.to_le_bytes());
+        lease.extend_from_slice(&now.saturating_add(self.opts.interval.saturating_mul(3)).to_le_bytes());
+        host.shared_set(LEASE, &lease, cas).is_ok()
+    }
+
+    fn drive(&self, host: &dyn Host, now: Nanos) {
+        let mut s = self.syncing.borrow_mut();
+        // Drain the outboxes.
+        for i in 0..OUTBOXES {
+            let key = outbox(i);
+            let Ok((Some(value), cas)) = host.shared_get(&key) else { continue };
+            if value.is_empty() {
+                continue;
+            }
+            if host.shared_set(&key, &[], cas).is_err() {
+                continue; // a VM is publishing: next tick
+            }
+            if let Ok(req) = SyncRequest::decode(&value) {
+                for d in req.deltas {
+                    if !merge(&mut s.unsent, &d.key, d.limit, d.units) {
+                        if let Some(m) = self.metrics.dropped {
+                            host.increment(m, d.units);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(m) = self.metrics.pending {
+            host.set_gauge(m, s.unsent.len() as u64);
+        }
+        if let Some((_, _, sent)) = &s.inflight {
+            // The host answers every call by its timeout; this only guards against one lost.
+            if now.saturating_sub(*sent) <= self.opts.timeout.saturating_mul(4).max(self.opts.interval) {
+                return;
+            }
+            if let Some((_, batch, _)) = s.inflight.take() {
+                drop(s);
+                self.failed(host, batch, now, "no answer");
+                s = self.syncing.borrow_mut();
+            }
+        }
+        if now < s.open_until {
+            return;
+        }
+        let batch = match s.retry.take() {
+            Some(b) => b,
+            None => {
+                let keys: Vec<Vec<u8>> = s.unsent.keys().take(MAX_BATCH).cloned().collect();
+                let deltas: Vec<Delta> = keys
+                    .into_iter()
+                    .filter_map(|k| s.unsent.remove(&k).map(|(limit, units)| Delta { key: k, limit, units }))
+                    .collect();
+                s.seq += 1;
+                let body = SyncRequest { node: self.token, seq: s.seq, deltas: deltas.clone() }.encode();
+                Batch { seq: s.seq, deltas, body }
+            }
+        };
+        let tag = hex(&sign(self.opts.secret.as_bytes(), &batch.body));
+        let headers = [
+            (":method", "POST"),
+            (":path", self.opts.path.as_str()),
+            (":authority", self.opts.authority.as_str()),
+            ("content-type", "application/octet-stream"),
+            ("x-ratewall-signature", tag.as_str()),
+        ];
+        match host.dispatch(&self.opts.cluster, &headers, &batch.body, self.opts.timeout) {
+            Some(token) => s.inflight = Some((token, batch, now)),
+            None => {
+                drop(s);
+                self.failed(host, batch, now, "dispatch refused");
+            }
+        }
+    }
+
+    fn failed(&self, host: &dyn Host, batch: Batch, now: Nanos, why: &str) {
+        let mut s = self.syncing.borrow_mut();
+        s.retry = Some(batch);
+        s.failures = s.failures.saturating_add(1);
+        if s.failures >= BREAKER_AFTER {
+            let backoff = (500 * MS).saturating_mul(1 << (s.failures - BREAKER_AFTER).min(6)).min(30_000 * MS);
+            s.open_until = now.saturating_add(backoff);
+            if let Some(m) = self.metrics.breaker_open {
+                host.set_gauge(m, 1);
+            }
+        }
+        if let Some(m) = self.metrics.failed {
+            host.increment(m, 1);
+        }
+        if s.failures == 1 || s.failures == BREAKER_AFTER {
+            host.log(Level::Warn, &format!("ratewall: sync to {} failed: {why}", self.opts.cluster));
+        }
+    }
+
+    /// The answer to a sync call: `status` 0 when the call failed or timed out.
+    pub fn on_response(
+        &self,
+        host: &dyn Host,
+        table: &Table,
+        token: u32,
+        status: u32,
+        tag: Option<&[u8]>,
+        body: &[u8],
+    ) {
+        let now = host.now();
+        let batch = {
+            let mut s = self.syncing.borrow_mut();
+            match s.inflight.take() {
+                Some((t, b, _)) if t == token => b,
+                other => {
+                    s.inflight = other;
+                    return; // not ours (a late answer to a call already given up on)
+                }
+            }
+        };
+        let verified = tag.and_then(unhex).is_some_and(|t| verify(self.opts.secret.as_bytes(), body, &t));
+        let resp = match (status, verified) {
+            (200, true) => SyncResponse::decode(body).ok().filter(|r| r.seq == batch.seq),
+            _ => None,
+        };
+        let Some(resp) = resp else {
+            let why = match (status, verified) {
+                (0, _) => "timeout or connection failure".to_owned(),
+                (200, false) => "answer not signed with the shared secret".to_owned(),
+                (200, true) => "garbled answer".to_owned(),
+                (s, _) => format!("status {s}"),
+            };
+            self.failed(host, batch, now, &why);
+            return;
+        };
+        for (d, g) in batch.deltas.iter().zip(&resp.grants) {
+            let grant = u32::try_from(g.grant).unwrap_or(u32::MAX);
+            let weigh = |st: &ratewall_core::State| (d.limit.idle_at(st), d.limit.usage(st, now));
+            let _ = table.update(
+                host,
+                &d.key,
+                now,
+                &weigh,
+                &mut |st, _| Some((st.clone(), Some(grant))),
+                &mut Default::default(),
+            );
+        }
+        let offset = i64::try_from(resp.now).unwrap_or(i64::MAX).saturating_sub(i64::try_from(now).unwrap_or(0));
+        let view = View { ok_at: now, nodes: resp.nodes.max(1), offset };
+        let _ = host.shared_set(VIEW, &view.encode(), None);
+        self.view.set(view);
+        {
+            let mut s = self.syncing.borrow_mut();
+            s.failures = 0;
+            s.open_until = 0;
+        }
+        if let Some(m) = self.metrics.breaker_open {
+            host.set_gauge(m, 0);
+        }
+        if let Some(m) = self.metrics.ok {
+            host.increment(m, 1);
+        }
+    }
+}
