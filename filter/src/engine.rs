@@ -162,11 +162,14 @@ impl Engine {
         let mut counters = TableCounters::new(&self.table, host, grants, &unavailable);
         let outcome = evaluate(&self.config, &checks, &mut counters, now);
         let stats = counters.stats;
-        if let (Some(s), false) = (&self.sync, outcome.rejected) {
-            // Deltas name each counter's real limit, not a degraded share of it.
+        if let Some(s) = &self.sync {
+            // Deltas name each counter's real limit, not a degraded share of it. A denied
+            // counter is named with 0 units: the next batch asks the store for a new grant
+            // (its window may have rolled over, or quota come back).
             for ((c, real), o) in checks.iter().zip(&real_limits).zip(&outcome.checks) {
-                if matches!(o.result, CheckResult::Decided(d) if d.allowed) {
-                    s.record(host, &c.key, *real, c.cost);
+                if let CheckResult::Decided(d) = o.result {
+                    let units = if d.allowed && !outcome.rejected { c.cost } else { 0 };
+                    s.record(host, &c.key, *real, units);
                 }
             }
         }

@@ -164,8 +164,16 @@ impl Syncer {
             pending: gauge("ratewall_sync_pending_counters"),
             breaker_open: gauge("ratewall_sync_breaker_open"),
         };
-        // Unique enough per VM incarnation: its start time and number.
-        let token = now ^ (u64::from(vm) << 48) ^ 0x9e37_79b9_7f4a_7c15;
+        // The node id on the wire and the lease token: unique per VM incarnation — the proxy's
+        // node id (Envoy's --service-node), this VM's number and its start time, hashed.
+        let token = {
+            use std::hash::Hasher;
+            let mut h = siphasher::sip::SipHasher13::new_with_keys(0x7261_7465_7761_6c6c, u64::from(vm));
+            h.write(&host.property(&["node", "id"]).unwrap_or_default());
+            h.write_u64(now);
+            h.write_u32(vm);
+            h.finish()
+        };
         Syncer {
             opts,
             vm,
@@ -216,7 +224,7 @@ impl Syncer {
 
     /// Records units this VM admitted on a counter.
     pub fn record(&self, host: &dyn Host, key: &[u8], limit: Limit, units: u64) {
-        if units > 0 && !merge(&mut self.local.borrow_mut(), key, limit, units) {
+        if !merge(&mut self.local.borrow_mut(), key, limit, units) {
             if let Some(m) = self.metrics.dropped {
                 host.increment(m, units);
             }
@@ -416,6 +424,13 @@ impl Syncer {
             (200, true) => SyncResponse::decode(body).ok().filter(|r| r.seq == batch.seq),
             _ => None,
         };
+        if status == 409 {
+            // The store has applied a later batch of this node: this one is an old duplicate.
+            if let Some(m) = self.metrics.failed {
+                host.increment(m, 1);
+            }
+            return;
+        }
         let Some(resp) = resp else {
             let why = match (status, verified) {
                 (0, _) => "timeout or connection failure".to_owned(),

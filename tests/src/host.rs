@@ -99,7 +99,11 @@ pub struct NodeState {
     next_token: AtomicU32,
     /// Fault injection: every conditional shared-data write fails with CasMismatch.
     cas_always_fails: std::sync::atomic::AtomicBool,
+    /// The `node.id` property (Envoy's `--service-node`): unique per node.
+    id: std::sync::OnceLock<String>,
 }
+
+static NODES: AtomicU64 = AtomicU64::new(0);
 
 /// An HTTP call a VM dispatched (`proxy_http_call`), waiting for the test to answer it.
 #[derive(Clone, Debug)]
@@ -128,6 +132,7 @@ impl Node {
     /// A node with its clock at `now` (nanoseconds since the epoch).
     pub fn new(now: u64) -> Node {
         let node = Node::default();
+        let _ = node.state.id.set(format!("node-{}", NODES.fetch_add(1, Ordering::SeqCst)));
         node.set_time(now);
         node
     }
@@ -564,6 +569,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
             let value = match parts.as_slice() {
                 [b"source", b"address"] => c.data().source_address.clone().map(String::into_bytes),
                 [b"plugin_root_id"] | [b"plugin_name"] => Some(b"ratewall".to_vec()),
+                [b"node", b"id"] => c.data().node.state.id.get().map(|s| s.clone().into_bytes()),
                 _ => None,
             };
             reply_bytes(&mut c, value, ret_ptr, ret_size)

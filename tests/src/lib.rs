@@ -9,4 +9,5 @@
 pub mod bench;
 pub mod host;
 pub mod http;
+pub mod sim;
 pub mod workerd;

@@ -1,0 +1,53 @@
+//! The cross-replica sync simulation (`ratewall_tests::sim`): 20 nodes × 4 VMs of the built
+//! filter syncing every 100 ms with the reference store, healthy and under faults. Prints
+//! `figure:` lines per scenario (BENCHMARKS.md).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use ratewall_core::SECOND;
+use ratewall_tests::bench::figure;
+use ratewall_tests::sim::{run, Faults, Scenario, Spread};
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let seed = std::env::var("RATEWALL_SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_2026);
+    println!("simulation seed: {seed} (replay with RATEWALL_SIM_SEED={seed})");
+    let base = Scenario {
+        name: "zipf20",
+        nodes: 20,
+        vms: 4,
+        keys: 10,
+        limit: 200,
+        window: 10 * SECOND,
+        load: 1.5,
+        windows: 3,
+        spread: Spread::Zipf,
+        skew: 0,
+        faults: Faults::default(),
+        faults_from: 1,
+        seed,
+    };
+    let f = Faults::default();
+    let scenarios = [
+        base.clone(),
+        Scenario { name: "even20", spread: Spread::Even, ..base.clone() },
+        Scenario { name: "one_node20", spread: Spread::OneNode, ..base.clone() },
+        Scenario { name: "skew500ms_zipf20", skew: 500_000_000, ..base.clone() },
+        Scenario { name: "store_down_zipf20", faults: Faults { down: true, ..f }, ..base.clone() },
+        Scenario { name: "slow_store_zipf20", faults: Faults { slow: true, ..f }, ..base.clone() },
+        Scenario { name: "store_5xx_zipf20", faults: Faults { error_5xx: true, ..f }, ..base.clone() },
+        Scenario { name: "garbage_zipf20", faults: Faults { garbage: true, ..f }, ..base.clone() },
+        Scenario { name: "dup_reorder_zipf20", faults: Faults { duplicate: true, reorder: true, ..f }, ..base.clone() },
+        Scenario { name: "partition5_zipf20", faults: Faults { partitioned: 5, ..f }, ..base.clone() },
+    ];
+    for s in &scenarios {
+        let r = run(s).unwrap();
+        figure(&format!("overadmission_pct_{}", s.name), r.overadmission_pct, "%");
+        figure(&format!("overadmission_max_pct_{}", s.name), r.overadmission_max_pct, "%");
+        figure(&format!("false_denial_pct_{}", s.name), r.false_denial_pct, "%");
+        figure(&format!("store_calls_per_node_per_sec_{}", s.name), r.calls_per_node_per_sec, "calls/s");
+        figure(&format!("bytes_per_sync_{}", s.name), r.bytes_per_sync, "B");
+    }
+}

@@ -1,0 +1,277 @@
+//! A deterministic multi-node simulation of cross-replica sync: nodes of several VMs each
+//! running the *built* filter, a virtual clock (with per-node skew), ticks, and the core's
+//! reference store answering the nodes' signed callouts — with faults injected between them.
+//! It measures, per scenario, over-admission against the limit per window, false denials,
+//! store calls per node per second and bytes per sync.
+
+use crate::host::{HttpRequest, Node, Plugin, Vm};
+use ratewall_core::sync::{sign, Store};
+use ratewall_core::SECOND;
+use std::collections::{BTreeMap, VecDeque};
+
+/// The shared secret of the simulated fleet.
+pub const SECRET: &str = "simulation-secret-0123456789";
+const MS: u64 = 1_000_000;
+const START: u64 = 1_800_000_000 * SECOND;
+
+/// Faults between the nodes and the store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Every call fails (connection refused / timeout).
+    pub down: bool,
+    /// Answers arrive after the call's timeout (the node sees a timeout).
+    pub slow: bool,
+    /// The store answers 503.
+    pub error_5xx: bool,
+    /// The store answers 200 with an unsigned garbage body.
+    pub garbage: bool,
+    /// Every batch reaches the store twice and its answer arrives twice.
+    pub duplicate: bool,
+    /// Answers arrive one tick late (after the node's next tick).
+    pub reorder: bool,
+    /// Nodes with an index below this cannot reach the store.
+    pub partitioned: usize,
+}
+
+/// How traffic spreads over nodes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Spread {
+    /// Node `i` gets a share proportional to `1 / (i + 1)`.
+    Zipf,
+    /// Every node alike.
+    Even,
+    /// All on node 0.
+    OneNode,
+}
+
+/// One scenario.
+#[derive(Clone, Debug)]
+pub struct Scenario {
+    /// Its name in figure lines.
+    pub name: &'static str,
+    /// Nodes.
+    pub nodes: usize,
+    /// VMs per node.
+    pub vms: usize,
+    /// Counters (users) under load.
+    pub keys: usize,
+    /// The limit per window of each counter.
+    pub limit: u64,
+    /// The window.
+    pub window: u64,
+    /// Offered requests per counter per window, as a multiple of the limit.
+    pub load: f64,
+    /// Windows simulated.
+    pub windows: u64,
+    /// Traffic spread.
+    pub spread: Spread,
+    /// Node clocks skewed by up to this (ns), either way.
+    pub skew: u64,
+    /// Faults, and the window from which they apply (to the end).
+    pub faults: Faults,
+    /// The window from which `faults` apply.
+    pub faults_from: u64,
+    /// The RNG seed.
+    pub seed: u64,
+}
+
+/// What a scenario measured.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Mean over (counter, window) of max(0, admitted − limit) ÷ limit, in %.
+    pub overadmission_pct: f64,
+    /// The worst (counter, window), in %.
+    pub overadmission_max_pct: f64,
+    /// Denials while the counter's true global count was under the limit ÷ requests, in %.
+    pub false_denial_pct: f64,
+    /// Store calls per node per second.
+    pub calls_per_node_per_sec: f64,
+    /// Mean request body bytes per sync call.
+    pub bytes_per_sync: f64,
+    /// Requests offered.
+    pub requests: u64,
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// The rules document of the simulated fleet.
+pub fn rules(s: &Scenario) -> String {
+    serde_json::json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "per-user", "key": ["user"], "algorithm": "fixed_window",
+                   "limit": {"requests": s.limit, "per": format!("{}ms", s.window / MS)}}],
+        "filter": {"slots": 1024},
+        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "timeout": "50ms",
+                 "stale_after": "1s", "nodes": s.nodes}
+    })
+    .to_string()
+}
+
+/// Runs a scenario.
+pub fn run(s: &Scenario) -> wasmtime::Result<Report> {
+    let plugin = Plugin::filter()?;
+    let config = rules(s);
+    let mut rng = Rng(s.seed | 1);
+    let mut fleet: Vec<(Node, Vec<Vm>, i64)> = Vec::new();
+    for _ in 0..s.nodes {
+        let skew = if s.skew == 0 { 0 } else { rng.below(2 * s.skew) as i64 - s.skew as i64 };
+        let node = Node::new(START.saturating_add_signed(skew));
+        let vms = (0..s.vms).map(|_| Vm::start(&plugin, &node, config.as_bytes())).collect::<wasmtime::Result<_>>()?;
+        fleet.push((node, vms, skew));
+    }
+    let mut store = Store::new(100_000, 2 * SECOND);
+    let weights: Vec<f64> = (0..s.nodes)
+        .map(|i| match s.spread {
+            Spread::Zipf => 1.0 / (i as f64 + 1.0),
+            Spread::Even => 1.0,
+            Spread::OneNode => f64::from(u8::from(i == 0)),
+        })
+        .collect();
+    let total_w: f64 = weights.iter().sum();
+    let pick_node = |rng: &mut Rng| {
+        let mut x = (rng.below(1 << 30) as f64 / f64::from(1u32 << 30)) * total_w;
+        for (i, w) in weights.iter().enumerate() {
+            if x < *w {
+                return i;
+            }
+            x -= w;
+        }
+        weights.len() - 1
+    };
+    let interval = 100 * MS;
+    let per_window = (s.limit as f64 * s.load).round() as u64;
+    let total_requests = per_window * s.keys as u64 * s.windows;
+    // Requests spread evenly in time over the run.
+    let duration = s.window * s.windows;
+    let gap = duration / total_requests.max(1);
+    let mut admitted: BTreeMap<(usize, u64), u64> = BTreeMap::new();
+    let (mut false_denials, mut calls, mut sync_bytes) = (0u64, 0u64, 0u64);
+    let mut held: VecDeque<(usize, usize, crate::host::Callout, Option<Answer>)> = VecDeque::new();
+    let mut next_tick = START;
+    let mut t = START;
+    for i in 0..total_requests {
+        t = START + i * gap;
+        while next_tick <= t {
+            let window_now = (next_tick - START) / s.window;
+            let faults = if window_now >= s.faults_from { s.faults } else { Faults::default() };
+            // Late answers from the previous tick arrive first.
+            for (n, v, c, resp) in std::mem::take(&mut held) {
+                deliver(&mut fleet[n].1[v], &c, resp)?;
+            }
+            for (n, (node, vms, skew)) in fleet.iter_mut().enumerate() {
+                node.set_time(next_tick.saturating_add_signed(*skew));
+                for (v, vm) in vms.iter_mut().enumerate() {
+                    vm.tick()?;
+                    for c in vm.take_callouts() {
+                        calls += 1;
+                        sync_bytes += c.body.len() as u64;
+                        let sig = c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone());
+                        let tag = sig.and_then(|h| unhex(&h)).unwrap_or_default();
+                        let resp = if faults.down || n < faults.partitioned || faults.slow {
+                            None
+                        } else if faults.error_5xx {
+                            Some((503, Vec::new(), b"unavailable".to_vec()))
+                        } else if faults.garbage {
+                            Some((200, Vec::new(), (0..64).map(|_| rng.next() as u8).collect()))
+                        } else {
+                            if faults.duplicate {
+                                let _ = store.handle_signed(next_tick, SECRET.as_bytes(), &c.body, &tag);
+                            }
+                            match store.handle_signed(next_tick, SECRET.as_bytes(), &c.body, &tag) {
+                                Ok(body) => {
+                                    let sig = hex(&sign(SECRET.as_bytes(), &body)).into_bytes();
+                                    Some((200, sig, body))
+                                }
+                                Err(_) => Some((409, Vec::new(), Vec::new())),
+                            }
+                        };
+                        if faults.reorder {
+                            held.push_back((n, v, c, resp));
+                        } else {
+                            if faults.duplicate {
+                                deliver(vm, &c, resp.clone())?;
+                            }
+                            deliver(vm, &c, resp)?;
+                        }
+                    }
+                }
+            }
+            next_tick += interval;
+        }
+        let key = (i % s.keys as u64) as usize;
+        let n = pick_node(&mut rng);
+        let v = rng.below(s.vms as u64) as usize;
+        let (node, vms, skew) = &mut fleet[n];
+        node.set_time(t.saturating_add_signed(*skew));
+        let window = (t - START) / s.window;
+        let count = admitted.entry((key, window)).or_insert(0);
+        let req = HttpRequest::new("GET", "/").header("x-user-id", format!("user-{key}"));
+        let r = vms[v].request(&req)?;
+        if r.passed {
+            *count += 1;
+        } else if *count < s.limit {
+            false_denials += 1;
+        }
+    }
+    if std::env::var("RATEWALL_SIM_DEBUG").is_ok() {
+        for (node, _, _) in &fleet {
+            let m: Vec<String> = node
+                .metrics()
+                .iter()
+                .filter(|m| m.name.contains("sync") || m.name.contains("per_user"))
+                .map(|m| format!("{}={}", m.name, m.value))
+                .collect();
+            eprintln!("{m:?}");
+            eprintln!("{:?}", node.logs().iter().rev().take(3).collect::<Vec<_>>());
+        }
+        eprintln!("{admitted:?}");
+    }
+    let seconds = (t - START) as f64 / SECOND as f64;
+    let overs: Vec<f64> =
+        admitted.values().map(|&a| a.saturating_sub(s.limit) as f64 / s.limit as f64 * 100.0).collect();
+    Ok(Report {
+        overadmission_pct: overs.iter().sum::<f64>() / overs.len().max(1) as f64,
+        overadmission_max_pct: overs.iter().copied().fold(0.0, f64::max),
+        false_denial_pct: false_denials as f64 / total_requests.max(1) as f64 * 100.0,
+        calls_per_node_per_sec: calls as f64 / s.nodes as f64 / seconds.max(1e-9),
+        bytes_per_sync: sync_bytes as f64 / calls.max(1) as f64,
+        requests: total_requests,
+    })
+}
+
+/// A store answer: status, signature header (empty: none), body.
+type Answer = (u16, Vec<u8>, Vec<u8>);
+
+fn deliver(vm: &mut Vm, c: &crate::host::Callout, resp: Option<Answer>) -> wasmtime::Result<()> {
+    match resp {
+        None => vm.deliver(c, None),
+        Some((status, sig, body)) if sig.is_empty() => vm.deliver(c, Some((status, body))),
+        Some((status, sig, body)) => vm.respond(c, status, &[("x-ratewall-signature", &sig)], body),
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &[u8]) -> Option<Vec<u8>> {
+    s.chunks(2)
+        .map(|p| {
+            let d = |c: u8| (c as char).to_digit(16);
+            Some((d(*p.first()?)? * 16 + d(*p.get(1)?)?) as u8)
+        })
+        .collect()
+}
