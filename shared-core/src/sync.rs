@@ -358,11 +358,20 @@ impl Counter {
         let (view, _) = self.limit.decide(&self.state, now, 0);
         // Weights are recent units + 1, so a node new to a counter still gets some.
         let total: u128 = self.shares.iter().map(|s| if s.node == node { 0 } else { u128::from(s.units) + 1 }).sum();
+        // Each node's grant is its traffic share of what remains now. Shares are recomputed
+        // at every node's sync from fresher `remaining`, so grants given at different instants
+        // can overlap a little; the simulation measures what that costs. A share that rounds
+        // to 0 gets one unit only if the other nodes' grants leave one free (`available`), so
+        // the last units of a quota are neither lost to rounding nor granted twice.
+        let others: u64 = self.shares.iter().filter(|s| s.node != node).map(|s| s.grant).fold(0, u64::saturating_add);
+        let available = view.remaining.saturating_sub(others);
         let mut grant = 0;
         if let Some(s) = self.shares.get_mut(idx) {
             s.units = s.units / 2 + units;
             let mine = u128::from(s.units) + 1;
-            grant = (u128::from(view.remaining) * mine / (total + mine)) as u64;
+            let fair = (u128::from(view.remaining) * mine / (total + mine)) as u64;
+            // A share rounded down to 0 would starve every node of the last few units.
+            grant = if fair > 0 { fair.min(view.remaining) } else { available.min(1) };
             *s = Share { node, seq, units: s.units, grant, seen: now };
         }
         let nodes = u32::try_from(self.shares.len()).unwrap_or(u32::MAX);
@@ -587,8 +596,18 @@ mod tests {
         }
         let remaining = s.peek(b"k", NOW + 3).unwrap().remaining;
         assert_eq!(remaining, 100 - 33);
-        assert!(grants.values().sum::<u64>() <= remaining + 2, "{grants:?} vs {remaining}");
+        assert!(grants.values().sum::<u64>() <= remaining, "{grants:?} vs {remaining}");
         assert!(grants[&1] > 4 * grants[&2], "{grants:?}");
+    }
+
+    #[test]
+    fn the_last_units_are_granted_not_rounded_away() {
+        let small = Limit::new(Algorithm::FixedWindow, 2, 60 * SECOND, None).unwrap();
+        let mut c = Counter::new(small);
+        let grants: Vec<u64> = (1..=3).map(|node| c.apply(small, NOW, node, 1, 0, 10 * SECOND).grant).collect();
+        assert!(grants.iter().all(|&g| g <= 2), "{grants:?}");
+        assert!(grants.iter().sum::<u64>() >= 2, "{grants:?}: 2 remain, 3 nodes, none rounded away");
+        assert_eq!(grants[2], 0, "a share rounded to 0 gets a unit only if none is outstanding: {grants:?}");
     }
 
     #[test]

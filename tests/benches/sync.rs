@@ -28,6 +28,8 @@ fn main() {
         faults: Faults::default(),
         faults_from: 1,
         seed,
+        algorithm: "fixed_window",
+        duration: None,
     };
     let f = Faults::default();
     let scenarios = [

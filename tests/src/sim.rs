@@ -73,6 +73,10 @@ pub struct Scenario {
     pub faults_from: u64,
     /// The RNG seed.
     pub seed: u64,
+    /// The rule's algorithm: `fixed_window`, or `token_bucket` (burst = limit).
+    pub algorithm: &'static str,
+    /// Simulated time the traffic spreads over (default: `window × windows`).
+    pub duration: Option<u64>,
 }
 
 /// What a scenario measured.
@@ -111,8 +115,12 @@ impl Rng {
 pub fn rules(s: &Scenario) -> String {
     serde_json::json!({
         "identity": {"user": {"header": "x-user-id"}},
-        "rules": [{"name": "per-user", "key": ["user"], "algorithm": "fixed_window",
-                   "limit": {"requests": s.limit, "per": format!("{}ms", s.window / MS)}}],
+        "rules": [{"name": "per-user", "key": ["user"], "algorithm": s.algorithm,
+                   "limit": if s.algorithm == "token_bucket" {
+                       serde_json::json!({"requests": s.limit, "per": format!("{}ms", s.window / MS), "burst": s.limit})
+                   } else {
+                       serde_json::json!({"requests": s.limit, "per": format!("{}ms", s.window / MS)})
+                   }}],
         "filter": {"slots": 1024},
         "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "timeout": "50ms",
                  "stale_after": "1s", "nodes": s.nodes}
@@ -120,8 +128,41 @@ pub fn rules(s: &Scenario) -> String {
     .to_string()
 }
 
-/// Runs a scenario.
+/// The global store the fleet syncs to.
+pub enum Backend<'a> {
+    /// The core's reference store, in process, on the simulation's clock.
+    Reference,
+    /// A real store over HTTP (the Worker's `POST /v1/sync` in workerd), on its own clock.
+    Http(&'a str),
+}
+
+/// Answers one signed batch (`None`: no answer, as for a refused connection).
+fn answer(backend: &Backend<'_>, store: &mut Store, now: u64, body: &[u8], tag_hex: &[u8]) -> Option<Answer> {
+    match backend {
+        Backend::Reference => {
+            let tag = unhex(tag_hex).unwrap_or_default();
+            match store.handle_signed(now, SECRET.as_bytes(), body, &tag) {
+                Ok(body) => Some((200, hex(&sign(SECRET.as_bytes(), &body)).into_bytes(), body)),
+                Err(_) => Some((409, Vec::new(), Vec::new())),
+            }
+        }
+        Backend::Http(addr) => {
+            let tag = String::from_utf8_lossy(tag_hex).into_owned();
+            let headers = [("x-ratewall-signature", tag.as_str()), ("content-type", "application/octet-stream")];
+            let r = crate::http::request(addr, "POST", "/v1/sync", &headers, body).ok()?;
+            let sig = r.header("x-ratewall-signature").unwrap_or_default().as_bytes().to_vec();
+            Some((r.status, sig, r.body))
+        }
+    }
+}
+
+/// Runs a scenario against the reference store.
 pub fn run(s: &Scenario) -> wasmtime::Result<Report> {
+    run_with(s, &Backend::Reference)
+}
+
+/// Runs a scenario against `backend`.
+pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report> {
     let plugin = Plugin::filter()?;
     let config = rules(s);
     let mut rng = Rng(s.seed | 1);
@@ -155,7 +196,7 @@ pub fn run(s: &Scenario) -> wasmtime::Result<Report> {
     let per_window = (s.limit as f64 * s.load).round() as u64;
     let total_requests = per_window * s.keys as u64 * s.windows;
     // Requests spread evenly in time over the run.
-    let duration = s.window * s.windows;
+    let duration = s.duration.unwrap_or(s.window * s.windows);
     let gap = duration / total_requests.max(1);
     let mut admitted: BTreeMap<(usize, u64), u64> = BTreeMap::new();
     let (mut false_denials, mut calls, mut sync_bytes) = (0u64, 0u64, 0u64);
@@ -178,8 +219,12 @@ pub fn run(s: &Scenario) -> wasmtime::Result<Report> {
                     for c in vm.take_callouts() {
                         calls += 1;
                         sync_bytes += c.body.len() as u64;
-                        let sig = c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone());
-                        let tag = sig.and_then(|h| unhex(&h)).unwrap_or_default();
+                        let tag = c
+                            .headers
+                            .iter()
+                            .find(|(k, _)| k == "x-ratewall-signature")
+                            .map(|(_, v)| v.clone())
+                            .unwrap_or_default();
                         let resp = if faults.down || n < faults.partitioned || faults.slow {
                             None
                         } else if faults.error_5xx {
@@ -188,15 +233,9 @@ pub fn run(s: &Scenario) -> wasmtime::Result<Report> {
                             Some((200, Vec::new(), (0..64).map(|_| rng.next() as u8).collect()))
                         } else {
                             if faults.duplicate {
-                                let _ = store.handle_signed(next_tick, SECRET.as_bytes(), &c.body, &tag);
+                                let _ = answer(backend, &mut store, next_tick, &c.body, &tag);
                             }
-                            match store.handle_signed(next_tick, SECRET.as_bytes(), &c.body, &tag) {
-                                Ok(body) => {
-                                    let sig = hex(&sign(SECRET.as_bytes(), &body)).into_bytes();
-                                    Some((200, sig, body))
-                                }
-                                Err(_) => Some((409, Vec::new(), Vec::new())),
-                            }
+                            answer(backend, &mut store, next_tick, &c.body, &tag)
                         };
                         if faults.reorder {
                             held.push_back((n, v, c, resp));

@@ -22,6 +22,8 @@ fn small(name: &'static str) -> Scenario {
         faults: Faults::default(),
         faults_from: 1,
         seed: 42,
+        algorithm: "fixed_window",
+        duration: None,
     }
 }
 

@@ -249,3 +249,40 @@ fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     assert_eq!(statuses(&w, "GET", "/u/x", &ivy, 2), [200, 429]);
     assert_eq!(w.request("POST", "/v1/sync", &[], b"garbage").status, 401);
 }
+
+/// End to end: filter nodes (the built filter in the wasmtime host) sync over real HTTP to the
+/// Worker in workerd; the fleet holds one global limit, and the Worker's edge shares it.
+#[test]
+fn filter_nodes_syncing_to_the_worker_share_one_global_limit() {
+    use ratewall_tests::sim::{rules, run_with, Backend, Faults, Scenario, Spread};
+    let s = Scenario {
+        name: "worker_e2e",
+        nodes: 3,
+        vms: 2,
+        keys: 2,
+        limit: 40,
+        window: 3600 * SECOND_NS,
+        load: 2.5,
+        windows: 1,
+        spread: Spread::Even,
+        skew: 0,
+        faults: Faults::default(),
+        faults_from: 99,
+        seed: 7,
+        algorithm: "token_bucket",
+        duration: Some(5 * SECOND_NS),
+    };
+    let doc = rules(&s);
+    let w = Workerd::start(&[("RATEWALL_RULES", doc.as_str()), ("RATEWALL_SYNC_SECRET", ratewall_tests::sim::SECRET)])
+        .unwrap();
+    let r = run_with(&s, &Backend::Http(&w.addr)).unwrap();
+    println!("{r:?}");
+    // Without sync, 3 nodes would admit up to 3 × 40 per user: 200% over.
+    assert!(r.overadmission_max_pct <= 5.0, "{r:?}\n{}", w.log());
+    assert!(w.metric("ratewall_sync_ok") > 0);
+    // The edge sees the fleet's admissions: the same user is over the limit there too.
+    let edge = w.request("GET", "/", &[("x-user-id", "user-0")], &[]);
+    assert_eq!(edge.status, 429, "{}", edge.text());
+}
+
+const SECOND_NS: u64 = 1_000_000_000;
