@@ -19,7 +19,8 @@ use worker::{
     Method, Request, RequestInit, Response, Result,
 };
 
-/// The counter objects' namespace binding (wrangler.toml).
+/// The counter objects' namespace binding (wrangler.toml); the `COUNTER_BINDING` var names
+/// another.
 const COUNTERS: &str = "RATEWALL_COUNTER";
 /// Where the sync store listens.
 const SYNC_PATH: &str = "/v1/sync";
@@ -136,7 +137,8 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
 async fn call_object(env: &Env, key: &[u8], call: Call, timeout: Duration) -> std::result::Result<String, StoreError> {
     with(|i| i.metrics.object_calls += 1);
     let attempt = async {
-        let stub = env.durable_object(COUNTERS)?.get_by_name(&object_name(key))?;
+        let binding = var(env, "COUNTER_BINDING").unwrap_or_else(|| COUNTERS.to_owned());
+        let stub = env.durable_object(&binding)?.get_by_name(&object_name(key))?;
         let mut init = RequestInit::new();
         init.with_method(Method::Post).with_body(Some(JsValue::from_str(&call.encode())));
         let req = Request::new_with_init("https://counter.ratewall/", &init)?;

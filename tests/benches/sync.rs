@@ -34,6 +34,7 @@ fn main() {
     let f = Faults::default();
     let scenarios = [
         base.clone(),
+        Scenario { name: "zipf20_dense", keys: 4, limit: 2000, ..base.clone() },
         Scenario { name: "even20", spread: Spread::Even, ..base.clone() },
         Scenario { name: "one_node20", spread: Spread::OneNode, ..base.clone() },
         Scenario { name: "skew500ms_zipf20", skew: 500_000_000, ..base.clone() },

@@ -27,7 +27,8 @@ const RULES: &str = r#"{
     {"name": "roomy", "match": {"path": "/m/*"}, "key": ["user"], "limit": {"requests": 5, "per": "60s"}},
     {"name": "tight", "match": {"path": "/m/*", "method": "POST"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}},
     {"name": "watch", "match": {"path": "/s/*"}, "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "60s"}},
-    {"name": "bucket", "match": {"path": "/tb/*"}, "key": ["user"], "limit": {"requests": 60, "per": "60s", "burst": 2}}
+    {"name": "bucket", "match": {"path": "/tb/*"}, "key": ["user"], "limit": {"requests": 60, "per": "60s", "burst": 2}},
+    {"name": "strict", "match": {"path": "/cl/*"}, "key": ["user"], "on_store_failure": "closed", "limit": {"requests": 3, "per": "60s"}}
   ]
 }"#;
 
@@ -195,6 +196,25 @@ fn counter_state_survives_a_runtime_restart_within_the_flush_bound() {
     assert_eq!(statuses(&w, "GET", "/u/x", &[("x-user-id", "hank")], 1), [200]);
 }
 
+#[test]
+fn unreachable_counter_objects_fail_open_to_a_local_limit_or_closed_with_503() {
+    // A binding that does not exist: every Durable Object call fails.
+    let w = start(&[("COUNTER_BINDING", "NO_SUCH_BINDING")]);
+    let kim = [("x-user-id", "kim")];
+    assert_eq!(statuses(&w, "GET", "/u/x", &kim, 4), [200, 200, 200, 429], "open: the isolate's local limit");
+    let r = w.request("GET", "/cl/x", &kim, &[]);
+    assert_eq!(r.status, 503, "closed: {}", r.text());
+    assert!(r.header("retry-after").is_some());
+    assert!(w.metric("ratewall_object_failures") >= 5);
+    assert!(w.metric("ratewall_rule_store_failed{rule=\"strict\"}") >= 1);
+    // wrangler relays the Worker's console a little later.
+    let logged = (0..40).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        w.log().contains("counter object failed")
+    });
+    assert!(logged, "failures are logged:\n{}", w.log());
+}
+
 /// The counter key the rules give a request (what a filter node sends in its deltas).
 fn key_of(path: &str, user: &str) -> (Vec<u8>, ratewall_core::Limit) {
     let config = Config::parse(RULES.as_bytes()).unwrap();
@@ -278,7 +298,7 @@ fn filter_nodes_syncing_to_the_worker_share_one_global_limit() {
     let r = run_with(&s, &Backend::Http(&w.addr)).unwrap();
     println!("{r:?}");
     // Without sync, 3 nodes would admit up to 3 × 40 per user: 200% over.
-    assert!(r.overadmission_max_pct <= 5.0, "{r:?}\n{}", w.log());
+    assert!(r.overadmission_max_pct <= 7.5, "at most 3 units over a limit of 40: {r:?}\n{}", w.log());
     assert!(w.metric("ratewall_sync_ok") > 0);
     // The edge sees the fleet's admissions: the same user is over the limit there too.
     let edge = w.request("GET", "/", &[("x-user-id", "user-0")], &[]);
