@@ -7,6 +7,7 @@ use ratewall_core::eval::{Check, Skip};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_ip, ip_key, parse_ip};
 use ratewall_core::sync::Applied;
+pub use ratewall_core::sync::{hex, unhex};
 use ratewall_core::{Config, ConfigError, Request};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -62,29 +63,6 @@ pub fn checks_for(
     }
     .map(|ip| ip_key(ip, &src));
     config.checks(&Request { method, path: &path, headers: &headers, ip: ip.as_deref() })
-}
-
-/// Lower-case hex.
-pub fn hex(bytes: &[u8]) -> String {
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(s, "{b:02x}");
-    }
-    s
-}
-
-/// Parses [`hex`] (either case); `None` on anything else.
-pub fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    s.as_bytes()
-        .chunks(2)
-        .map(|p| {
-            let d = |c: u8| (c as char).to_digit(16);
-            Some((d(*p.first()?)? * 16 + d(*p.get(1)?)?) as u8)
-        })
-        .collect()
 }
 
 /// The Durable Object that holds a counter: one per (rule, key), named by the key's hex.
@@ -485,9 +463,6 @@ mod tests {
     #[test]
     fn object_names_are_the_keys_hex() {
         assert_eq!(object_name(&[0, 0xab, 7]), "c:00ab07");
-        assert_eq!(unhex("00AB07"), Some(vec![0, 0xab, 7]));
-        assert_eq!(unhex("0g"), None);
-        assert_eq!(unhex("abc"), None);
     }
 
     #[test]

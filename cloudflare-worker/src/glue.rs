@@ -353,7 +353,7 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
             503,
         );
     }
-    let tag = req.headers().get("x-ratewall-signature").ok().flatten().and_then(|h| unhex(h.trim()));
+    let tag = req.headers().get("x-ratewall-signature").ok().flatten().and_then(|h| unhex(h.trim().as_bytes()));
     let body = req.bytes().await?;
     if body.len() > MAX_SYNC_BODY {
         with(|i| i.metrics.sync_failed += 1);
@@ -439,7 +439,7 @@ impl RateLimitCounter {
         let stored: Option<String> = self.state.storage().get("c").await.unwrap_or(None);
         let mut slot = self.slot.borrow_mut();
         if !slot.loaded {
-            slot.counter = stored.and_then(|h| unhex(&h)).and_then(|b| match Counter::decode(limit, &b) {
+            slot.counter = stored.and_then(|h| unhex(h.as_bytes())).and_then(|b| match Counter::decode(limit, &b) {
                 Ok(c) => Some(c),
                 Err(e) => {
                     console_error!("ratewall: stored counter unreadable ({e:?}); starting fresh");

@@ -16,7 +16,7 @@ use crate::host::{Host, Level, SetError};
 use crate::table::Table;
 use ratewall_core::algo::{Limit, Nanos};
 use ratewall_core::rules::SyncOptions;
-use ratewall_core::sync::{sign, verify, Delta, SyncRequest, SyncResponse};
+use ratewall_core::sync::{hex, sign, unhex, verify, Delta, SyncRequest, SyncResponse};
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 
@@ -121,19 +121,6 @@ fn merge(into: &mut BTreeMap<Vec<u8>, (Limit, u64)>, key: &[u8], limit: Limit, u
     }
     into.insert(key.to_vec(), (limit, units));
     true
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &[u8]) -> Option<Vec<u8>> {
-    s.chunks(2)
-        .map(|p| {
-            let d = |c: u8| (c as char).to_digit(16);
-            Some((d(*p.first()?)? * 16 + d(*p.get(1)?)?) as u8)
-        })
-        .collect()
 }
 
 impl Syncer {

@@ -227,6 +227,31 @@ impl SyncResponse {
     }
 }
 
+/// Lower-case hex, as signatures travel in the `x-ratewall-signature` header.
+pub fn hex(bytes: &[u8]) -> alloc::string::String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = alloc::string::String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        for d in [b >> 4, b & 15] {
+            s.push(char::from(DIGITS.get(usize::from(d)).copied().unwrap_or(b'0')));
+        }
+    }
+    s
+}
+
+/// Parses [`hex`] (either case); `None` on an odd length or a non-hex digit.
+pub fn unhex(s: &[u8]) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    s.chunks(2)
+        .map(|p| {
+            let d = |c: u8| char::from(c).to_digit(16);
+            Some((d(*p.first()?)? * 16 + d(*p.get(1)?)?) as u8)
+        })
+        .collect()
+}
+
 /// HMAC-SHA256 of `body` under `secret`.
 pub fn sign(secret: &[u8], body: &[u8]) -> [u8; 32] {
     // HMAC accepts keys of any length, so `new_from_slice` cannot fail.
@@ -527,6 +552,14 @@ mod tests {
     }
 
     const NOW: Nanos = 1_700_000_000 * SECOND;
+
+    #[test]
+    fn hex_round_trips_and_rejects_garbage() {
+        assert_eq!(hex(&[0, 0xab, 7]), "00ab07");
+        assert_eq!(unhex(b"00AB07"), Some(vec![0, 0xab, 7]));
+        assert_eq!(unhex(b"0g"), None);
+        assert_eq!(unhex(b"abc"), None);
+    }
 
     #[test]
     fn messages_round_trip_and_trailing_bytes_are_errors() {

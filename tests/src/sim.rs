@@ -5,7 +5,7 @@
 //! store calls per node per second and bytes per sync.
 
 use crate::host::{HttpRequest, Node, Plugin, Vm};
-use ratewall_core::sync::{sign, Store};
+use ratewall_core::sync::{hex, sign, unhex, Store};
 use ratewall_core::SECOND;
 use std::collections::{BTreeMap, VecDeque};
 
@@ -300,17 +300,4 @@ fn deliver(vm: &mut Vm, c: &crate::host::Callout, resp: Option<Answer>) -> wasmt
         Some((status, sig, body)) if sig.is_empty() => vm.deliver(c, Some((status, body))),
         Some((status, sig, body)) => vm.respond(c, status, &[("x-ratewall-signature", &sig)], body),
     }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &[u8]) -> Option<Vec<u8>> {
-    s.chunks(2)
-        .map(|p| {
-            let d = |c: u8| (c as char).to_digit(16);
-            Some((d(*p.first()?)? * 16 + d(*p.get(1)?)?) as u8)
-        })
-        .collect()
 }

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use ratewall_core::sync::{sign, verify, Delta, SyncRequest, SyncResponse};
+use ratewall_core::sync::{hex, sign, unhex, verify, Delta, SyncRequest, SyncResponse};
 use ratewall_core::{Config, Request};
 use ratewall_tests::http::Response;
 use ratewall_tests::workerd::Workerd;
@@ -232,14 +232,6 @@ fn post_sync(w: &Workerd, body: &[u8], tag: Option<String>) -> Response {
     w.request("POST", "/v1/sync", &headers, body)
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
-}
-
 #[test]
 fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     let w = start(&[]);
@@ -256,7 +248,7 @@ fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     let tag = Some(hex(&sign(SECRET.as_bytes(), &body)));
     let first = post_sync(&w, &body, tag.clone());
     assert_eq!(first.status, 200, "{}", first.text());
-    let sig = unhex(first.header("x-ratewall-signature").unwrap());
+    let sig = unhex(first.header("x-ratewall-signature").unwrap().as_bytes()).unwrap();
     assert!(verify(SECRET.as_bytes(), &first.body, &sig), "the store signs its answer");
     let resp = SyncResponse::decode(&first.body).unwrap();
     assert_eq!((resp.seq, resp.grants.len(), resp.grants[0].remaining), (1, 1, 1));
