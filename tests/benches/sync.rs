@@ -45,7 +45,8 @@ fn main() {
         Scenario { name: "dup_reorder_zipf20", faults: Faults { duplicate: true, reorder: true, ..f }, ..base.clone() },
         Scenario { name: "partition5_zipf20", faults: Faults { partitioned: 5, ..f }, ..base.clone() },
     ];
-    for s in &scenarios {
+    let only = std::env::var("RATEWALL_SIM_ONLY").ok();
+    for s in scenarios.iter().filter(|s| only.as_deref().is_none_or(|o| o.split(',').any(|n| n == s.name))) {
         let r = run(s).unwrap();
         figure(&format!("overadmission_pct_{}", s.name), r.overadmission_pct, "%");
         figure(&format!("overadmission_max_pct_{}", s.name), r.overadmission_max_pct, "%");
