@@ -364,6 +364,48 @@ mod tests {
         assert!(o.checks[1].would_reject());
     }
 
+    /// Counters with a fixed allowance, as a synced store grants.
+    struct Allowance(MapCounters, u64);
+
+    impl Counters for Allowance {
+        fn update(
+            &mut self,
+            check: &Check,
+            now: Nanos,
+            f: &mut dyn FnMut(&State, u64) -> Option<State>,
+        ) -> Result<(), StoreError> {
+            let allowance = self.1;
+            let mut stored = false;
+            let r = self.0.update(check, now, &mut |s, _| {
+                let next = f(s, allowance);
+                stored = next.is_some();
+                next
+            });
+            if stored {
+                self.1 = self.1.saturating_sub(check.cost);
+            }
+            r
+        }
+    }
+
+    #[test]
+    fn an_allowance_caps_what_the_limit_would_admit() {
+        let c = config(r#"{"name":"r","key":["user"],"limit":{"requests":100,"per":"1m"}}"#);
+        let headers = user_headers(&c, b"u");
+        let (checks, _) = c.checks(&Request { method: "GET", path: "/a", headers: &headers, ip: None });
+        let mut counters = Allowance(MapCounters::default(), 2);
+        assert!(!evaluate(&c, &checks, &mut counters, 0).rejected);
+        assert!(!evaluate(&c, &checks, &mut counters, 0).rejected);
+        let o = evaluate(&c, &checks, &mut counters, 0);
+        assert!(o.rejected, "the limit has room, the grant does not");
+        match o.checks[0].result {
+            CheckResult::Decided(d) => {
+                assert_eq!((d.remaining, d.retry_after), (0, Some(ALLOWANCE_RETRY)));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn missing_dimension_skips_the_rule() {
         let c = config(r#"{"name":"s","key":["user"],"limit":{"requests":1,"per":"1m"}}"#);
