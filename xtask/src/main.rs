@@ -291,6 +291,33 @@ fn run_counting(cmd: &mut Command) -> Result<(u64, u64, bool)> {
     Ok((passed, failed, status.success()))
 }
 
+/// The child `dev` runs, for the signal handler.
+static CHILD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn forward(signal: libc::c_int) {
+    let pid = CHILD.load(std::sync::atomic::Ordering::SeqCst);
+    // SAFETY: kill and _exit are async-signal-safe; pid is a child we started.
+    unsafe {
+        if pid > 0 {
+            libc::kill(pid, libc::SIGTERM);
+        }
+        libc::_exit(128 + signal);
+    }
+}
+
+/// Stops `child` too when xtask is stopped by a signal (Ctrl-C reaches the whole process
+/// group anyway; a SIGTERM to xtask's PID alone would otherwise orphan wrangler).
+fn forward_signals_to(child: &std::process::Child) {
+    CHILD.store(i32::try_from(child.id()).unwrap_or(0), std::sync::atomic::Ordering::SeqCst);
+    let handler = forward as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: installs a handler that only calls async-signal-safe functions.
+    unsafe {
+        libc::signal(libc::SIGTERM, handler);
+        libc::signal(libc::SIGINT, handler);
+        libc::signal(libc::SIGHUP, handler);
+    }
+}
+
 /// A free TCP port on 127.0.0.1, preferring `want`.
 fn free_port(want: u16) -> u16 {
     let bind = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).ok().and_then(|l| l.local_addr().ok());
@@ -322,6 +349,7 @@ fn dev(args: &[String]) -> Result<()> {
         .env("CLOUDFLARE_CF_FETCH_ENABLED", "false")
         .spawn()
         .map_err(|e| format!("could not start wrangler: {e}"))?;
+    forward_signals_to(&child);
     let start = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         if start.elapsed() > Duration::from_secs(60) || child.try_wait().ok().flatten().is_some() {
