@@ -103,7 +103,7 @@ impl Engine {
     /// The periodic tick: sync with the global store.
     pub fn on_tick(&self, host: &dyn Host) {
         if let Some(s) = &self.sync {
-            s.on_tick(host, &self.table);
+            s.on_tick(host);
         }
     }
 

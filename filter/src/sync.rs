@@ -219,7 +219,7 @@ impl Syncer {
     }
 
     /// Every VM, every interval: publish deltas, read the view; the lease holder syncs.
-    pub fn on_tick(&self, host: &dyn Host, table: &Table) {
+    pub fn on_tick(&self, host: &dyn Host) {
         let now = host.now();
         self.publish(host);
         if let Ok((Some(v), _)) = host.shared_get(VIEW) {
@@ -232,7 +232,6 @@ impl Syncer {
             let since = if v.ok_at > 0 { v.ok_at } else { self.started };
             host.set_gauge(m, now.saturating_sub(since) / MS);
         }
-        let _ = table;
         if self.hold_lease(host, now) {
             self.drive(host, now);
         }
