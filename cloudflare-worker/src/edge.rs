@@ -189,6 +189,17 @@ struct Blocked {
     decision: Decision,
 }
 
+/// Makes room for `key` in a map bounded to `cap` entries: when it is full and lacks `key`,
+/// entries that are no longer `live` go, and if none could, all of them.
+fn make_room<V>(map: &mut HashMap<Vec<u8>, V>, key: &[u8], cap: usize, live: impl Fn(&V) -> bool) {
+    if map.len() >= cap && !map.contains_key(key) {
+        map.retain(|_, v| live(v));
+        if map.len() >= cap {
+            map.clear();
+        }
+    }
+}
+
 /// "Blocked until" per counter, in isolate memory: a client over its limit is answered from
 /// here until its retry time, at no Durable Object call.
 ///
@@ -230,13 +241,8 @@ impl BlockedCache {
         let Some(retry) = decision.retry_after.filter(|_| !decision.allowed) else {
             return;
         };
-        if self.entries.len() >= self.cap && !self.entries.contains_key(key) {
-            self.entries.retain(|_, b| b.until > now);
-            if self.entries.len() >= self.cap {
-                // Still full of live entries: forgetting them only costs object calls.
-                self.entries.clear();
-            }
-        }
+        // Full of live entries, the cache starts over: forgetting them only costs object calls.
+        make_room(&mut self.entries, key, self.cap, |b| b.until > now);
         self.entries.insert(key.to_vec(), Blocked { at: now, until: now.saturating_add(retry), cost, decision });
     }
 
@@ -255,7 +261,7 @@ impl BlockedCache {
 /// each isolate enforces the rule's limit on its own, so the edge as a whole admits more than
 /// the limit (up to limit × isolates serving the client) until the object is back.
 pub struct LocalFallback {
-    states: HashMap<Vec<u8>, State>,
+    states: HashMap<Vec<u8>, (Limit, State)>,
     cap: usize,
 }
 
@@ -267,13 +273,10 @@ impl LocalFallback {
 
     /// Decides `check` locally at `now`.
     pub fn take(&mut self, check: &Check, now: Nanos) -> Decision {
-        if self.states.len() >= self.cap && !self.states.contains_key(&check.key) {
-            self.states.retain(|_, s| check.limit.idle_at(s) > now);
-            if self.states.len() >= self.cap {
-                self.states.clear();
-            }
-        }
-        let state = self.states.entry(check.key.clone()).or_default();
+        // Each entry is judged idle by its own limit (entries of several rules share the map).
+        make_room(&mut self.states, &check.key, self.cap, |(limit, s)| limit.idle_at(s) > now);
+        let (limit, state) = self.states.entry(check.key.clone()).or_insert_with(|| (check.limit, State::Fresh));
+        *limit = check.limit;
         let (d, next) = check.limit.decide(state, now, check.cost);
         if d.allowed {
             *state = next;
@@ -458,6 +461,23 @@ mod tests {
             local.take(&check(&i.to_string()), 0);
         }
         assert!(local.states.len() <= 10);
+    }
+
+    #[test]
+    fn the_local_fallback_judges_each_counter_idle_by_its_own_limit() {
+        let check = |key: &[u8], per: Nanos| Check {
+            rule: 0,
+            limit: Limit::new(Algorithm::SlidingWindow, 1, per, None).unwrap(),
+            cost: 1,
+            key: key.to_vec(),
+        };
+        let mut local = LocalFallback::new(2);
+        let hourly = check(b"a", 3600 * SECOND);
+        assert!(local.take(&hourly, 0).allowed);
+        assert!(local.take(&check(b"b", SECOND), 0).allowed);
+        // Room for a third counter: the idle per-second one goes, the hourly one stays.
+        assert!(local.take(&check(b"c", SECOND), 3 * SECOND).allowed);
+        assert!(!local.take(&hourly, 3 * SECOND).allowed, "the hourly client keeps its count");
     }
 
     #[test]
