@@ -10,7 +10,7 @@
 use crate::algo::{Decision, Limit, Nanos, SECOND};
 use crate::eval::{CheckResult, Outcome};
 use crate::rules::{Config, Mode};
-use alloc::string::{String, ToString};
+use alloc::string::String;
 use alloc::vec::Vec;
 
 /// The problem type for an exceeded quota (IANA HTTP Problem Types registry).
@@ -101,16 +101,19 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
             .filter(|c| c.rejects())
             .filter_map(|c| config.rules.get(c.rule).map(|r| r.name.as_str()))
             .collect();
-        let body = serde_json::json!({
-            "type": "about:blank",
-            "title": "Service Unavailable",
-            "status": 503,
-            "detail": "The rate limiter's counter store is unavailable and these policies fail closed.",
-            "policies": failed,
-        });
+        // Built by hand like the 429 body below: rule names need no escaping.
+        let mut body = String::from(
+            "{\"type\":\"about:blank\",\"title\":\"Service Unavailable\",\"status\":503,\"detail\":\"The rate limiter's counter store is unavailable and these policies fail closed.\",\"policies\":[",
+        );
+        for (i, n) in failed.iter().enumerate() {
+            body.push_str(if i > 0 { ",\"" } else { "\"" });
+            body.push_str(n);
+            body.push('"');
+        }
+        body.push_str("]}");
         let headers =
             alloc::vec![("Retry-After", String::from("1")), ("Content-Type", String::from("application/problem+json"))];
-        return Reply { status: 503, headers, body: body.to_string() };
+        return Reply { status: 503, headers, body };
     }
     let retry =
         violated.iter().map(|(_, l, d)| d.retry_after.map_or(window_secs(l), ceil_secs).max(1)).max().unwrap_or(1);

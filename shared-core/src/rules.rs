@@ -5,11 +5,11 @@
 
 use crate::algo::{Algorithm, Limit, LimitError, Nanos, MAX_PER, MAX_REQUESTS};
 use crate::glob::PathPattern;
+use crate::json::{Map, Value};
 use alloc::borrow::ToOwned;
 use alloc::format;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
-use serde_json::{Map, Value};
 
 /// A rejected rules document: the field path and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -257,7 +257,7 @@ pub const MAX_SLOTS: u32 = 1 << 24;
 impl Config {
     /// Parses and validates a rules document.
     pub fn parse(json: &[u8]) -> Result<Config, ConfigError> {
-        let value: Value = match serde_json::from_slice(json) {
+        let value = match crate::json::parse(json) {
             Ok(v) => v,
             Err(e) => return err("", format!("not valid JSON: {e}")),
         };
@@ -314,7 +314,7 @@ impl Config {
     }
 }
 
-fn object<'a>(v: &'a Value, path: &str) -> Result<&'a Map<String, Value>, ConfigError> {
+fn object<'a>(v: &'a Value, path: &str) -> Result<&'a Map, ConfigError> {
     match v {
         Value::Object(m) => Ok(m),
         other => err(path, format!("must be an object, not {}", kind(other))),
@@ -340,7 +340,7 @@ fn join(path: &str, field: &str) -> String {
     }
 }
 
-fn known_fields(m: &Map<String, Value>, path: &str, known: &[&str]) -> Result<(), ConfigError> {
+fn known_fields(m: &Map, path: &str, known: &[&str]) -> Result<(), ConfigError> {
     for k in m.keys() {
         if !known.contains(&k.as_str()) {
             return err(&join(path, k), format!("unknown field (expected one of: {})", known.join(", ")));
