@@ -68,7 +68,12 @@ impl Plugin {
 
     /// Compiles a module from its bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<Plugin> {
-        let engine = Engine::default();
+        // RATEWALL_PERFMAP=1 writes /tmp/perf-PID.map so `perf report` names guest functions.
+        let mut config = wasmtime::Config::new();
+        if std::env::var_os("RATEWALL_PERFMAP").is_some() {
+            config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
+        let engine = Engine::new(&config)?;
         let module = Module::new(&engine, bytes)?;
         if module.get_export("proxy_abi_version_0_2_1").is_none() {
             bail!("the module does not export proxy_abi_version_0_2_1");
