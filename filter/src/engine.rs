@@ -122,7 +122,8 @@ impl Engine {
         let method = core::str::from_utf8(&method_raw).unwrap_or("");
         let path = normalize_path(&host.request_header(":path").unwrap_or_default());
         // Read only what the matching rules key on: each header is a host call.
-        let (needed, needs_ip) = self.needs(method, &path);
+        let matching = self.config.matching(method, &path);
+        let (needed, needs_ip) = self.needs(&matching);
         let values: Vec<Option<Vec<u8>>> = self
             .config
             .identity
@@ -140,7 +141,7 @@ impl Engine {
         });
         let ip = ip.flatten();
         let req = Request { method, path: &path, headers: &headers, ip: ip.as_deref() };
-        let (mut checks, skipped) = self.config.checks(&req);
+        let (mut checks, skipped) = self.config.checks_of(&req, &matching);
         let real_limits: Vec<Limit> =
             if self.sync.is_some() { checks.iter().map(|c| c.limit).collect() } else { Vec::new() };
         // With sync: admit on the store's grants while its data is fresh; else degrade, open
@@ -215,11 +216,11 @@ impl Engine {
 
     /// Which identity headers, and whether the client IP, the rules this request matches
     /// key on (the plan header too when a matching rule has plans).
-    fn needs(&self, method: &str, path: &str) -> (Vec<bool>, bool) {
+    fn needs(&self, matching: &[usize]) -> (Vec<bool>, bool) {
         let mut headers = vec![false; self.config.identity.headers.len()];
         let mut ip = false;
         let plan = self.config.identity.header_index("plan");
-        for rule in self.config.rules.iter().filter(|r| r.matcher.matches(method, path)) {
+        for rule in matching.iter().filter_map(|&i| self.config.rules.get(i)) {
             for dim in &rule.key {
                 match dim {
                     Dimension::Ip => ip = true,

@@ -47,13 +47,24 @@ const MAX_PART: usize = 256;
 impl Config {
     /// The checks a request must pass, and the matching rules that skip it.
     pub fn checks(&self, req: &Request<'_>) -> (Vec<Check>, Vec<(usize, Skip)>) {
-        let mut checks = Vec::new();
+        self.checks_of(req, &self.matching(req.method, req.path))
+    }
+
+    /// Indices of the rules whose `match` a request meets, in rule order.
+    pub fn matching(&self, method: &str, path: &str) -> Vec<usize> {
+        (0..self.rules.len()).filter(|&i| self.rules.get(i).is_some_and(|r| r.matcher.matches(method, path))).collect()
+    }
+
+    /// [`Config::checks`] for the rules `matching` already found (so a wrapper that first
+    /// asks which identity the matching rules need matches each rule once).
+    pub fn checks_of(&self, req: &Request<'_>, matching: &[usize]) -> (Vec<Check>, Vec<(usize, Skip)>) {
+        let mut checks = Vec::with_capacity(matching.len());
         let mut skipped = Vec::new();
         let plan = self.identity.header_index("plan").and_then(|i| req.headers.get(i).copied().flatten());
-        'rules: for (i, rule) in self.rules.iter().enumerate() {
-            if !rule.matcher.matches(req.method, req.path) {
+        'rules: for &i in matching {
+            let Some(rule) = self.rules.get(i) else {
                 continue;
-            }
+            };
             let limit = match rule.limit_for(plan) {
                 PlanLimit::Unlimited => {
                     skipped.push((i, Skip::Unlimited));

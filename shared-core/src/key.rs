@@ -4,7 +4,7 @@
 use crate::rules::IpSource;
 use alloc::string::String;
 use core::fmt::Write;
-use core::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use core::net::{IpAddr, Ipv6Addr, SocketAddr};
 
 /// Parses an address as a host reports it: `1.2.3.4`, `1.2.3.4:80`, `::1`, `[::1]:80`,
 /// with surrounding whitespace. IPv4-mapped IPv6 addresses become IPv4.
@@ -55,9 +55,16 @@ pub fn ip_key(ip: IpAddr, src: &IpSource) -> String {
         IpAddr::V4(v4) => {
             let p = u32::from(src.ipv4_prefix.min(32));
             let mask = u32::MAX.checked_shl(32 - p).unwrap_or(0);
-            let _ = write!(out, "{}", Ipv4Addr::from(u32::from(v4) & mask));
+            // By hand rather than through `core::fmt`: this runs on every per-IP request.
+            for (i, octet) in (u32::from(v4) & mask).to_be_bytes().iter().enumerate() {
+                if i > 0 {
+                    out.push('.');
+                }
+                crate::response::push_decimal(&mut out, u64::from(*octet));
+            }
             if p < 32 {
-                let _ = write!(out, "/{p}");
+                out.push('/');
+                crate::response::push_decimal(&mut out, u64::from(p));
             }
         }
         IpAddr::V6(v6) => {
@@ -115,6 +122,10 @@ mod tests {
         assert_eq!(a, "2001:db8:1:2::/64");
         assert_eq!(a, b);
         assert_eq!(ip_key("192.0.2.1".parse().unwrap(), &SRC), "192.0.2.1");
+        assert_eq!(ip_key("10.200.0.255".parse().unwrap(), &SRC), "10.200.0.255");
+        let v4_24 = IpSource { ipv4_prefix: 24, ..SRC };
+        assert_eq!(ip_key("203.0.113.77".parse().unwrap(), &v4_24), "203.0.113.0/24");
+        assert_eq!(ip_key("203.0.113.77".parse().unwrap(), &IpSource { ipv4_prefix: 0, ..SRC }), "0.0.0.0/0");
         assert_eq!(parse_ip(b"::ffff:192.0.2.1"), Some("192.0.2.1".parse().unwrap()));
     }
 }

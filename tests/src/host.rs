@@ -332,7 +332,8 @@ fn read(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<Vec<u8>>
 }
 
 fn read_str(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<String> {
-    Ok(String::from_utf8_lossy(&read(caller, ptr, len)?).into_owned())
+    let bytes = read(caller, ptr, len)?;
+    Ok(String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
 }
 
 fn write_u32(caller: &mut Caller<'_, VmState>, ptr: i32, v: u32) -> Result<()> {
@@ -351,7 +352,9 @@ fn write_u64(caller: &mut Caller<'_, VmState>, ptr: i32, v: u64) -> Result<()> {
 /// SDK frees it as a `Vec` of that capacity), then stores its address and size. Memory may
 /// grow during the allocation, so no view of it is held across the call.
 fn return_bytes(caller: &mut Caller<'_, VmState>, data: &[u8], ret_ptr: i32, ret_size: i32) -> Result<()> {
-    let alloc = match caller.data().alloc.clone() {
+    // Taken out and put back rather than cloned: a TypedFunc clone costs a type-registry
+    // refcount round trip on every host call that returns data.
+    let alloc = match caller.data_mut().alloc.take() {
         Some(a) => a,
         None => ["malloc", "proxy_on_memory_allocate"]
             .iter()
@@ -359,7 +362,9 @@ fn return_bytes(caller: &mut Caller<'_, VmState>, data: &[u8], ret_ptr: i32, ret
             .ok_or_else(|| format_err!("the module exports no allocator"))?
             .typed::<i32, i32>(&caller)?,
     };
-    let addr = if data.is_empty() { 0 } else { alloc.call(&mut *caller, data.len() as i32)? };
+    let addr = if data.is_empty() { Ok(0) } else { alloc.call(&mut *caller, data.len() as i32) };
+    caller.data_mut().alloc = Some(alloc);
+    let addr = addr?;
     if !data.is_empty() {
         if addr == 0 {
             bail!("guest allocation of {} bytes failed", data.len());
@@ -862,13 +867,9 @@ impl Vm {
         }
         let root = self.root as i32;
         let c = ctx as i32;
-        let e = &self.entries;
-        let (create, on_request, on_response) =
-            (e.context_create.clone(), e.request_headers.clone(), e.response_headers.clone());
-        let (done, log, delete) = (e.done.clone(), e.log.clone(), e.delete.clone());
-        self.guard(|s| create.call(s, (c, root)))?;
+        self.guard(|s, e| e.context_create.call(s, (c, root)))?;
         let n = req.headers.len() as i32;
-        let action = self.guard(|s| on_request.call(s, (c, n, 1)))?;
+        let action = self.guard(|s, e| e.request_headers.call(s, (c, n, 1)))?;
         let paused = action == 1;
         let result = if let Some(reply) = self.store.data_mut().local_reply.take() {
             FilterResult { status: reply.status, headers: reply.headers, body: reply.body, passed: false }
@@ -876,7 +877,7 @@ impl Vm {
             bail!("the filter paused the request without replying");
         } else {
             self.store.data_mut().response_headers = vec![(":status".into(), b"200".to_vec())];
-            self.guard(|s| on_response.call(s, (c, 1, 1)))?;
+            self.guard(|s, e| e.response_headers.call(s, (c, 1, 1)))?;
             let headers = self
                 .store
                 .data()
@@ -887,18 +888,18 @@ impl Vm {
                 .collect();
             FilterResult { status: 200, headers, body: Vec::new(), passed: true }
         };
-        self.guard(|s| done.call(s, c))?;
-        self.guard(|s| log.call(s, c))?;
-        self.guard(|s| delete.call(s, c))?;
+        self.guard(|s, e| e.done.call(s, c))?;
+        self.guard(|s, e| e.log.call(s, c))?;
+        self.guard(|s, e| e.delete.call(s, c))?;
         Ok(result)
     }
 
     /// Runs a typed guest call; a trap makes the VM unusable, as in Envoy.
-    fn guard<R>(&mut self, f: impl FnOnce(&mut Store<VmState>) -> Result<R>) -> Result<R> {
+    fn guard<R>(&mut self, f: impl FnOnce(&mut Store<VmState>, &Entries) -> Result<R>) -> Result<R> {
         if let Some(why) = &self.broken {
             bail!("this VM trapped earlier and is unusable: {why}");
         }
-        f(&mut self.store).map_err(|e| {
+        f(&mut self.store, &self.entries).map_err(|e| {
             let why = format!("guest trapped: {e:#}");
             self.broken = Some(why.clone());
             format_err!(why)
