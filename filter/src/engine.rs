@@ -1,13 +1,13 @@
 //! The filter's logic, independent of proxy-wasm: configuration, identity extraction,
 //! evaluation against the shared-data table, metrics, and the reply to send.
 
-use crate::host::{Host, Level};
+use crate::host::{header, Host, Level};
 use crate::sync::Syncer;
 use crate::table::{Grants, Table, TableCounters};
 use ratewall_core::algo::Limit;
 use ratewall_core::eval::{evaluate, CheckResult, Request, Skip};
 use ratewall_core::glob::normalize_path;
-use ratewall_core::key::{client_ip, ip_key};
+use ratewall_core::key::{client_ip_with, ip_key, parse_ip};
 use ratewall_core::rules::{Config, Dimension, FailurePolicy};
 use ratewall_core::{render, ConfigError, Reply};
 
@@ -118,26 +118,25 @@ impl Engine {
     /// add `headers` to the response.
     pub fn on_request(&self, host: &dyn Host) -> Reply {
         let now = host.now();
-        let method_raw = host.request_header(":method").unwrap_or_default();
-        let method = core::str::from_utf8(&method_raw).unwrap_or("");
-        let path = normalize_path(&host.request_header(":path").unwrap_or_default());
-        // Read only what the matching rules key on: each header is a host call.
+        let map = host.request_headers();
+        let method = header(&map, ":method").and_then(|m| core::str::from_utf8(m).ok()).unwrap_or("");
+        let path = normalize_path(header(&map, ":path").unwrap_or_default());
+        // Look up only what the matching rules key on.
         let matching = self.config.matching(method, &path);
         let (needed, needs_ip) = self.needs(&matching);
-        let values: Vec<Option<Vec<u8>>> = self
+        let headers: Vec<Option<&[u8]>> = self
             .config
             .identity
             .headers
             .iter()
             .zip(&needed)
-            .map(|((_, h), &need)| if need { host.request_header(h).filter(|v| !v.is_empty()) } else { None })
+            .map(|((_, h), &need)| if need { header(&map, h).filter(|v| !v.is_empty()) } else { None })
             .collect();
-        let headers: Vec<Option<&[u8]>> = values.iter().map(|v| v.as_deref()).collect();
         let ip = needs_ip.then(|| {
             let src = self.config.identity.ip;
-            let xff = if src.trusted_hops > 0 { host.request_header("x-forwarded-for") } else { None };
-            let peer = host.property(&["source", "address"]);
-            client_ip(peer.as_deref(), xff.as_deref(), &src).map(|ip| ip_key(ip, &src))
+            let xff = if src.trusted_hops > 0 { header(&map, "x-forwarded-for") } else { None };
+            let peer = || host.property(&["source", "address"]).as_deref().and_then(parse_ip);
+            client_ip_with(peer, xff, &src).map(|ip| ip_key(ip, &src))
         });
         let ip = ip.flatten();
         let req = Request { method, path: &path, headers: &headers, ip: ip.as_deref() };

@@ -10,6 +10,32 @@ use ratewall_core::Nanos;
 use std::rc::Rc;
 use std::time::UNIX_EPOCH;
 
+// The ABI call behind the SDK's `get_map_bytes`, which would deserialize every header into
+// its own `String` and `Vec` (two allocations per header); the engine reads the serialized
+// map in place instead.
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_get_header_map_pairs(map_type: u32, return_map_data: *mut *mut u8, return_map_size: *mut usize) -> u32;
+}
+
+/// The request headers as the host serializes them.
+fn raw_request_headers() -> Option<Vec<u8>> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the host writes a buffer it allocated through this module's exported allocator
+    // (the SDK's `proxy_on_memory_allocate`, a `Vec<u8>` of exactly `size` bytes) and its
+    // size; ownership passes to us, so rebuilding that `Vec` frees it once.
+    unsafe {
+        if proxy_get_header_map_pairs(MapType::HttpRequestHeaders as u32, &mut data, &mut size) != 0 {
+            return None;
+        }
+        if data.is_null() || size == 0 {
+            return None;
+        }
+        Some(Vec::from_raw_parts(data, size, size))
+    }
+}
+
 /// The proxy as a [`Host`].
 struct ProxyHost;
 
@@ -20,8 +46,8 @@ impl Host for ProxyHost {
             .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
             .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
     }
-    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
-        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
+    fn request_headers(&self) -> Vec<u8> {
+        raw_request_headers().unwrap_or_default()
     }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         hostcalls::get_property(path.to_vec()).ok().flatten()

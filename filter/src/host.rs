@@ -29,8 +29,10 @@ pub enum Level {
 pub trait Host {
     /// Wall-clock time, nanoseconds since the epoch.
     fn now(&self) -> Nanos;
-    /// A request header's first value.
-    fn request_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// All request headers in one call, serialized as proxy-wasm serializes a header map
+    /// (read with [`header`]); empty when the host has none. One host call instead of one per
+    /// header: each host call that returns data costs a round trip into the guest's allocator.
+    fn request_headers(&self) -> Vec<u8>;
     /// A host property such as `["source", "address"]`.
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
     /// Shared data: the value (None when the key does not exist) and its CAS token.
@@ -49,4 +51,77 @@ pub trait Host {
     fn dispatch(&self, upstream: &str, headers: &[(&str, &str)], body: &[u8], timeout: Nanos) -> Option<u32>;
     /// Logs a line.
     fn log(&self, level: Level, message: &str);
+}
+
+/// The first value of header `name` (ASCII case-insensitive) in a serialized proxy-wasm
+/// header map: a little-endian u32 count, then a (name length, value length) u32 pair per
+/// header, then each name and each value followed by a NUL. A malformed map reads as
+/// having no more headers.
+pub fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
+    let word = |at: usize| -> Option<usize> {
+        let b: [u8; 4] = map.get(at..at.checked_add(4)?)?.try_into().ok()?;
+        Some(u32::from_le_bytes(b) as usize)
+    };
+    let count = word(0)?;
+    let mut data = count.checked_mul(8)?.checked_add(4)?;
+    for i in 0..count {
+        let (n, v) = (word(4 + 8 * i)?, word(8 + 8 * i)?);
+        let key = map.get(data..data.checked_add(n)?)?;
+        let value_at = data + n + 1;
+        let value = map.get(value_at..value_at.checked_add(v)?)?;
+        if key.eq_ignore_ascii_case(name.as_bytes()) {
+            return Some(value);
+        }
+        data = value_at + v + 1;
+    }
+    None
+}
+
+/// A serialized header map, for tests and fake hosts.
+pub fn serialize_headers(pairs: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+    for (k, v) in pairs {
+        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    }
+    for (k, v) in pairs {
+        out.extend_from_slice(k.as_bytes());
+        out.push(0);
+        out.extend_from_slice(v);
+        out.push(0);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    use super::*;
+
+    #[test]
+    fn finds_the_first_value_case_insensitively() {
+        let map = serialize_headers(&[(":path", b"/v1"), ("X-Api-Key", b"k1"), ("x-api-key", b"k2"), ("e", b"")]);
+        assert_eq!(header(&map, ":path"), Some(&b"/v1"[..]));
+        assert_eq!(header(&map, "x-api-key"), Some(&b"k1"[..]));
+        assert_eq!(header(&map, "e"), Some(&b""[..]));
+        assert_eq!(header(&map, "missing"), None);
+    }
+
+    #[test]
+    fn malformed_maps_never_panic() {
+        let map = serialize_headers(&[("a", b"1"), ("b", b"2")]);
+        for cut in 0..map.len() {
+            let _ = header(&map[..cut], "b");
+        }
+        assert_eq!(header(&[0xff, 0xff, 0xff, 0xff], "a"), None);
+        let mut lying = map.clone();
+        lying[4] = 0xff;
+        assert_eq!(header(&lying, "b"), None);
+        for seed in 0..2000u32 {
+            let junk: Vec<u8> =
+                (0..(seed % 64)).map(|i| (seed.wrapping_mul(2654435761).rotate_left(i) & 0xff) as u8).collect();
+            let _ = header(&junk, "a");
+        }
+    }
 }

@@ -29,12 +29,17 @@ pub fn parse_ip(raw: &[u8]) -> Option<IpAddr> {
 /// saw). Entries a client prepends cannot move that position, so they cannot spoof it. With
 /// fewer entries than hops the leftmost is used; an unparsable entry falls back to the peer.
 pub fn client_ip(peer: Option<&[u8]>, xff: Option<&[u8]>, src: &IpSource) -> Option<IpAddr> {
-    let peer_ip = peer.and_then(parse_ip);
+    client_ip_with(|| peer.and_then(parse_ip), xff, src)
+}
+
+/// [`client_ip`] that asks for the peer address only when it decides (a proxy's peer address
+/// is a host call).
+pub fn client_ip_with(peer: impl FnOnce() -> Option<IpAddr>, xff: Option<&[u8]>, src: &IpSource) -> Option<IpAddr> {
     let hops = usize::from(src.trusted_hops);
     if hops == 0 {
-        return peer_ip;
+        return peer();
     }
-    let Some(xff) = xff else { return peer_ip };
+    let Some(xff) = xff else { return peer() };
     // The hops-th entry from the right, or the leftmost when there are fewer.
     let mut from_right = xff.rsplit(|&b| b == b',');
     let mut chosen = None;
@@ -44,7 +49,7 @@ pub fn client_ip(peer: Option<&[u8]>, xff: Option<&[u8]>, src: &IpSource) -> Opt
             None => break,
         }
     }
-    chosen.and_then(parse_ip).or(peer_ip)
+    chosen.and_then(parse_ip).or_else(peer)
 }
 
 /// The IP as a key: IPv4 masked to `ipv4_prefix`, IPv6 to `ipv6_prefix`, in CIDR form when
