@@ -27,6 +27,7 @@ use ratewall_core::algo::{Nanos, State, SECOND};
 use ratewall_core::encoding::DecodeError;
 use ratewall_core::eval::{Check, Counters, StoreError};
 use siphasher::sip::SipHasher13;
+use std::cell::RefCell;
 use std::hash::Hasher;
 
 /// Entries per bucket.
@@ -64,12 +65,19 @@ pub struct Entry {
 
 /// Decodes a bucket value.
 pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
+    let mut entries = Vec::new();
+    decode_bucket_into(bytes, &mut entries)?;
+    Ok(entries)
+}
+
+/// Decodes a bucket value into `entries` (cleared first; its capacity is reused).
+pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), DecodeError> {
+    entries.clear();
     let (&version, rest) = bytes.split_first().ok_or(DecodeError::Truncated)?;
     if version != VERSION && version != VERSION_GRANTS {
         return Err(DecodeError::Version(version));
     }
     let (&n, mut rest) = rest.split_first().ok_or(DecodeError::Truncated)?;
-    let mut entries = Vec::with_capacity(usize::from(n));
     for _ in 0..n {
         let head = rest.get(..HEAD).ok_or(DecodeError::Truncated)?;
         let mut fp = [0u8; 8];
@@ -94,12 +102,19 @@ pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
             grant,
         });
     }
-    Ok(entries)
+    Ok(())
 }
 
 /// Encodes a bucket value.
 pub fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
     let mut out = Vec::with_capacity(2 + entries.len() * 30);
+    encode_bucket_into(entries, &mut out);
+    out
+}
+
+/// Encodes a bucket value into `out` (cleared first; its capacity is reused).
+pub fn encode_bucket_into(entries: &[Entry], out: &mut Vec<u8>) {
+    out.clear();
     let grants = entries.iter().take(WAYS).any(|e| e.grant.is_some());
     out.push(if grants { VERSION_GRANTS } else { VERSION });
     out.push(entries.len().min(WAYS) as u8);
@@ -107,24 +122,26 @@ pub fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
         out.extend_from_slice(e.fingerprint.to_le_bytes().get(..6).unwrap_or(&[0; 6]));
         out.extend_from_slice(&e.idle_at.to_le_bytes());
         out.push(e.usage);
-        e.state.encode_into(&mut out);
+        e.state.encode_into(out);
         if grants {
-            ratewall_core::encoding::put_varint(&mut out, e.grant.map_or(0, |g| u64::from(g) + 1));
+            ratewall_core::encoding::put_varint(out, e.grant.map_or(0, |g| u64::from(g) + 1));
         }
     }
-    out
 }
 
 /// An update of one entry: (state, grant) to the new (state, grant), or `None` to leave it.
 pub type EntryUpdate<'a> = dyn FnMut(&State, Option<u32>) -> Option<(State, Option<u32>)> + 'a;
 
 /// The table's shape and hashing.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Table {
     buckets: u32,
     seed: u64,
     prefix: String,
     cas_retries: u32,
+    /// Buffers reused by every update (a VM runs one request at a time), so the request path
+    /// does not allocate per bucket read and write.
+    scratch: RefCell<(Vec<Entry>, Vec<u8>)>,
 }
 
 /// What one table update did, for metrics.
@@ -143,7 +160,8 @@ impl Table {
     pub fn new(slots: u32, seed: u64, cas_retries: u32) -> Table {
         let buckets = slots.div_ceil(WAYS as u32).max(1);
         // The bucket count is part of the key so a resized table starts clean.
-        Table { buckets, seed, prefix: format!("rw1/{buckets}/"), cas_retries }
+        let scratch = RefCell::new((Vec::with_capacity(WAYS), Vec::with_capacity(2 + WAYS * 32)));
+        Table { buckets, seed, prefix: format!("rw1/{buckets}/"), cas_retries, scratch }
     }
 
     /// Number of buckets (shared-data keys).
@@ -167,6 +185,35 @@ impl Table {
         key.push_str(&self.prefix);
         ratewall_core::response::push_decimal(&mut key, u64::from(bucket));
         key
+    }
+
+    /// [`Table::bucket_key`] written into `buf`, without allocating.
+    fn bucket_key_in<'b>(&self, bucket: u32, buf: &'b mut [u8; 32]) -> &'b str {
+        let prefix = self.prefix.as_bytes();
+        let mut digits = [0u8; 10];
+        let mut i = digits.len();
+        let mut v = bucket;
+        loop {
+            i -= 1;
+            if let Some(d) = digits.get_mut(i) {
+                *d = b'0' + (v % 10) as u8;
+            }
+            v /= 10;
+            if v == 0 || i == 0 {
+                break;
+            }
+        }
+        let digits = digits.get(i..).unwrap_or_default();
+        let len = prefix.len() + digits.len();
+        match buf.get_mut(..prefix.len()) {
+            // The prefix is "rw1/<u32>/": at most 15 bytes, so this always fits.
+            Some(head) if len <= 32 => head.copy_from_slice(prefix),
+            _ => return "",
+        }
+        if let Some(tail) = buf.get_mut(prefix.len()..len) {
+            tail.copy_from_slice(digits);
+        }
+        core::str::from_utf8(buf.get(..len).unwrap_or_default()).unwrap_or_default()
     }
 
     /// Creates every bucket key that does not exist yet. Runs at configure time, before
@@ -196,18 +243,29 @@ impl Table {
         stats: &mut TableStats,
     ) -> Result<(), StoreError> {
         let slot = self.slot(key);
-        let bkey = self.bucket_key(slot.bucket);
+        let mut key_buf = [0u8; 32];
+        let bkey = self.bucket_key_in(slot.bucket, &mut key_buf);
         let now_secs = u32::try_from(now / SECOND).unwrap_or(u32::MAX);
+        // Never contended (one request at a time per VM); fresh buffers if it ever were.
+        let mut own = None;
+        let mut guard = self.scratch.try_borrow_mut().ok();
+        let (entries, value) = match guard.as_deref_mut() {
+            Some((e, v)) => (e, v),
+            None => {
+                let (e, v) = own.insert((Vec::new(), Vec::new()));
+                (e, v)
+            }
+        };
         for _ in 0..self.cas_retries {
-            let (bytes, cas) = host.shared_get(&bkey).map_err(|_| StoreError::Unavailable)?;
-            let mut entries = match bytes.as_deref().map(decode_bucket) {
-                Some(Ok(e)) => e,
+            let (bytes, cas) = host.shared_get(bkey).map_err(|_| StoreError::Unavailable)?;
+            match bytes.as_deref().map(|b| decode_bucket_into(b, entries)) {
+                Some(Ok(())) => {}
                 Some(Err(_)) => {
                     stats.corrupt += 1;
-                    Vec::new()
+                    entries.clear();
                 }
-                None => Vec::new(),
-            };
+                None => entries.clear(),
+            }
             let pos = entries.iter().position(|e| e.fingerprint == slot.fingerprint);
             let (current, grant) =
                 pos.and_then(|i| entries.get(i)).map_or((State::Fresh, None), |e| (e.state.clone(), e.grant));
@@ -239,10 +297,10 @@ impl Table {
                     }
                 }
             }
-            let value = encode_bucket(&entries);
+            encode_bucket_into(entries, value);
             // A bucket that does not exist yet was not created at configure time (a table
             // resized while traffic flows); create it now, unprotected, as Envoy allows.
-            match host.shared_set(&bkey, &value, cas) {
+            match host.shared_set(bkey, value, cas) {
                 Ok(()) => return Ok(()),
                 Err(SetError::CasMismatch) => stats.cas_conflicts += 1,
                 Err(SetError::Other) => return Err(StoreError::Unavailable),
@@ -359,6 +417,17 @@ mod tests {
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
         assert!(decode_bucket(&[]).is_err());
         assert!(decode_bucket(&[1, 200]).is_err());
+    }
+
+    #[test]
+    fn bucket_keys_on_the_stack_match_the_allocated_ones() {
+        for slots in [64, 65_536, ratewall_core::rules::MAX_SLOTS] {
+            let t = Table::new(slots, 1, 8);
+            for b in [0, 1, 9, 10, 4095, t.buckets() - 1] {
+                let mut buf = [0u8; 32];
+                assert_eq!(t.bucket_key_in(b, &mut buf), t.bucket_key(b));
+            }
+        }
     }
 
     #[test]

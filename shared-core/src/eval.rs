@@ -192,7 +192,10 @@ pub struct Outcome {
 /// consumed are refunded.
 pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, now: Nanos) -> Outcome {
     let mut out = Outcome { checks: Vec::with_capacity(checks.len()), ..Outcome::default() };
-    let mut consumed: Vec<usize> = Vec::new();
+    // Which checks consumed: a bit per check, with a list only past 64 checks (no allocation
+    // on the request path in practice).
+    let mut consumed_bits = 0u64;
+    let mut consumed_more: Vec<usize> = Vec::new();
     for (i, check) in checks.iter().enumerate() {
         let Some(rule) = config.rules.get(check.rule) else {
             continue;
@@ -215,7 +218,10 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
         let result = match (res, decision) {
             (Ok(()), Some(d)) => {
                 if d.allowed && !peek_only && check.cost > 0 {
-                    consumed.push(i);
+                    match 1u64.checked_shl(i as u32) {
+                        Some(bit) if i < 64 => consumed_bits |= bit,
+                        _ => consumed_more.push(i),
+                    }
                 }
                 CheckResult::Decided(d)
             }
@@ -227,7 +233,8 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
         out.checks.push(co);
     }
     if out.rejected {
-        for i in consumed {
+        let low = (0..checks.len().min(64)).filter(|i| consumed_bits & (1u64 << i) != 0);
+        for i in low.chain(consumed_more) {
             if let Some(check) = checks.get(i) {
                 // A failed refund leaves the units spent: conservative, never over-admits.
                 let _ = counters.refund(check, now);
@@ -338,6 +345,30 @@ mod tests {
         let (checks, _) = c.checks(&Request { method: "GET", path: "/a", headers: &headers, ip: None });
         let (d, _) = c.rules[0].limit.decide(&m.get(&checks[0].key), 2, 0);
         assert_eq!(d.remaining, 2);
+    }
+
+    #[test]
+    fn refunds_reach_every_rule_past_sixty_four() {
+        // 70 roomy rules then a tight one: a rejection refunds all 70 (the first 64 are
+        // tracked in a bit set, the rest in a list).
+        let roomy: Vec<alloc::string::String> = (0..70)
+            .map(|i| alloc::format!(r#"{{"name":"r{i}","key":["user"],"limit":{{"requests":2,"per":"1m"}}}}"#))
+            .collect();
+        let c = config(&alloc::format!(
+            r#"{},{{"name":"tight","key":["user"],"limit":{{"requests":1,"per":"1m"}}}}"#,
+            roomy.join(",")
+        ));
+        let mut m = MapCounters::default();
+        assert!(!run(&c, &mut m, b"u", 0).rejected);
+        for _ in 0..3 {
+            assert!(run(&c, &mut m, b"u", 1).rejected);
+        }
+        let headers = user_headers(&c, b"u");
+        let (checks, _) = c.checks(&Request { method: "GET", path: "/a", headers: &headers, ip: None });
+        for (i, check) in checks.iter().take(70).enumerate() {
+            let (d, _) = check.limit.decide(&m.get(&check.key), 2, 0);
+            assert_eq!(d.remaining, 1, "rule r{i} kept a unit of a rejected request");
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! segment. Matching is on the normalized path, so `//v1/./auth/login/?x=1` and
 //! `/v1/auth/%6Cogin` cannot slip past a rule for `/v1/auth/login`.
 
+use alloc::borrow::Cow;
 use alloc::string::String;
 use alloc::vec::Vec;
 
@@ -115,13 +116,13 @@ fn glob_matches(parts: &[String], mut s: &str) -> bool {
 /// Normalizes a request path for matching: drops the query and fragment, decodes
 /// percent-encoded unreserved characters, collapses repeated `/`, resolves `.` and `..`, and
 /// drops a trailing `/`. Invalid UTF-8 is replaced, never trusted.
-pub fn normalize_path(raw: &[u8]) -> String {
+pub fn normalize_path(raw: &[u8]) -> Cow<'_, str> {
     let end = raw.iter().position(|&b| b == b'?' || b == b'#').unwrap_or(raw.len());
     let raw = raw.get(..end).unwrap_or(raw);
-    // Fast path, the common case: already normal (one allocation instead of four).
+    // Fast path, the common case: already normal, borrowed as it is.
     if is_normal(raw) {
         if let Ok(s) = core::str::from_utf8(raw) {
-            return String::from(s);
+            return Cow::Borrowed(s);
         }
     }
     let mut decoded = Vec::with_capacity(raw.len());
@@ -166,7 +167,7 @@ pub fn normalize_path(raw: &[u8]) -> String {
     if path.is_empty() {
         path.push('/');
     }
-    path
+    Cow::Owned(path)
 }
 
 /// Whether a path (without query) is already normal: starts with `/`, no `%`, no empty, `.`

@@ -82,7 +82,7 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
         // The most restrictive enforcing policy: least remaining, then longest reset.
         let best =
             decided().min_by(|(_, a), (_, b)| a.remaining.cmp(&b.remaining).then(b.reset_after.cmp(&a.reset_after)));
-        let mut headers = Vec::new();
+        let mut headers = Vec::with_capacity(2);
         if let Some((c, d)) = best {
             let name = config.rules.get(c.rule).map_or("", |r| r.name.as_str());
             fields(&mut headers, config, &[(name, &c.limit, d)]);
@@ -160,8 +160,9 @@ fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: 
     if policies.is_empty() {
         return;
     }
-    let mut policy = String::new();
-    let mut state = String::new();
+    // Sized for one or two policies, so the pushes below do not reallocate.
+    let mut policy = String::with_capacity(64 * policies.len());
+    let mut state = String::with_capacity(64 * policies.len());
     for (i, (name, limit, d)) in policies.iter().enumerate() {
         let sep = if i > 0 { ", \"" } else { "\"" };
         // Rule names are validated to [A-Za-z0-9_.-], so they need no escaping in sf-string.
