@@ -75,15 +75,30 @@ fn match_from(pat: &[Segment], path: &str) -> bool {
                 if p.is_empty() {
                     return false;
                 }
-                p = p.split_once('/').map_or("", |(_, r)| r);
+                p = split_segment(p).1;
             }
         }
         Segment::Any if rest.is_empty() => !path.is_empty(),
         _ if path.is_empty() => false,
+        // The common case, a literal segment, without searching for the next `/`.
+        Segment::Literal(l) => match path.strip_prefix(l.as_str()) {
+            Some("") => match_from(rest, ""),
+            Some(tail) => tail.strip_prefix('/').is_some_and(|t| match_from(rest, t)),
+            None => false,
+        },
         _ => {
-            let (seg, tail) = path.split_once('/').unwrap_or((path, ""));
+            let (seg, tail) = split_segment(path);
             segment_matches(first, seg) && match_from(rest, tail)
         }
+    }
+}
+
+/// The first segment of `path` and what follows its `/` (a byte scan: `str::split_once`
+/// sets up a general searcher, which costs more than these short segments).
+fn split_segment(path: &str) -> (&str, &str) {
+    match path.bytes().position(|b| b == b'/') {
+        Some(i) => (path.get(..i).unwrap_or(path), path.get(i + 1..).unwrap_or("")),
+        None => (path, ""),
     }
 }
 

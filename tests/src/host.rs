@@ -176,7 +176,7 @@ impl Node {
     }
     /// Writes shared data as a guest would (`cas = 0`: unconditional); returns the status.
     pub fn set_shared(&self, key: &str, value: &[u8], cas: u32) -> i32 {
-        self.shared_set(key.to_owned(), value.to_vec(), cas)
+        self.shared_set(key, value, cas)
     }
 
     /// Fault injection: from now on every conditional shared-data write (`cas != 0`) answers
@@ -187,20 +187,22 @@ impl Node {
 
     /// Envoy's `SharedData::set`: with `cas != 0` an existing key must still have that CAS;
     /// a missing key is inserted whatever `cas` is.
-    fn shared_set(&self, key: String, value: Vec<u8>, cas: u32) -> i32 {
+    fn shared_set(&self, key: &str, value: &[u8], cas: u32) -> i32 {
         if cas != 0 && self.state.cas_always_fails.load(Ordering::SeqCst) {
             return status::CAS_MISMATCH;
         }
         let mut map = lock(&self.state.shared);
         let next = self.state.next_cas.fetch_add(1, Ordering::SeqCst).wrapping_add(1).max(1);
-        match map.get_mut(&key) {
+        match map.get_mut(key) {
             Some(entry) if cas != 0 && cas != entry.1 => status::CAS_MISMATCH,
             Some(entry) => {
-                *entry = (value, next);
+                entry.0.clear();
+                entry.0.extend_from_slice(value);
+                entry.1 = next;
                 status::OK
             }
             None => {
-                map.insert(key, (value, next));
+                map.insert(key.to_owned(), (value.to_vec(), next));
                 status::OK
             }
         }
@@ -329,6 +331,25 @@ fn read(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<Vec<u8>>
         .get(ptr..ptr.checked_add(len).ok_or_else(|| format_err!("overflow"))?)
         .map(<[u8]>::to_vec)
         .ok_or_else(|| format_err!("guest pointer {ptr}+{len} out of bounds"))
+}
+
+/// Guest memory `ptr..ptr+len`, borrowed (no copy) beside the VM's state.
+fn guest_slice<'a>(mem: &'a [u8], ptr: i32, len: i32) -> Result<&'a [u8]> {
+    let (ptr, len) = (ptr as u32 as usize, len as u32 as usize);
+    mem.get(ptr..ptr.checked_add(len).ok_or_else(|| format_err!("overflow"))?)
+        .ok_or_else(|| format_err!("guest pointer {ptr}+{len} out of bounds"))
+}
+
+/// Runs `f` on guest memory and the VM state at once, so keys and values are read in place.
+fn with_memory<R>(caller: &mut Caller<'_, VmState>, f: impl FnOnce(&[u8], &mut VmState) -> Result<R>) -> Result<R> {
+    let mem = memory(caller)?;
+    let (data, state) = mem.data_and_store_mut(caller);
+    f(data, state)
+}
+
+/// Guest bytes as text, as the proxy would treat a key (invalid UTF-8 replaced).
+fn text(bytes: &[u8]) -> std::borrow::Cow<'_, str> {
+    String::from_utf8_lossy(bytes)
 }
 
 fn read_str(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<String> {
@@ -589,8 +610,10 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
         "env",
         "proxy_get_shared_data",
         |mut c: Caller<'_, VmState>, kp: i32, kl: i32, ret_ptr: i32, ret_size: i32, ret_cas: i32| -> Result<i32> {
-            let key = read_str(&mut c, kp, kl)?;
-            let found = lock(&c.data().node.state.shared).get(&key).cloned();
+            let found = with_memory(&mut c, |mem, s| {
+                let key = text(guest_slice(mem, kp, kl)?);
+                Ok(lock(&s.node.state.shared).get(key.as_ref()).cloned())
+            })?;
             let Some((value, cas)) = found else {
                 return Ok(status::NOT_FOUND);
             };
@@ -603,9 +626,10 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
         "env",
         "proxy_set_shared_data",
         |mut c: Caller<'_, VmState>, kp: i32, kl: i32, vp: i32, vl: i32, cas: i32| -> Result<i32> {
-            let key = read_str(&mut c, kp, kl)?;
-            let value = read(&mut c, vp, vl)?;
-            Ok(c.data().node.shared_set(key, value, cas as u32))
+            with_memory(&mut c, |mem, s| {
+                let (key, value) = (text(guest_slice(mem, kp, kl)?), guest_slice(mem, vp, vl)?);
+                Ok(s.node.shared_set(&key, value, cas as u32))
+            })
         },
     )?;
     linker.func_wrap(
@@ -859,7 +883,8 @@ impl Vm {
         self.next_context += 1;
         {
             let s = self.store.data_mut();
-            s.request_headers = req.headers.clone();
+            // clone_from reuses the previous request's allocations.
+            s.request_headers.clone_from(&req.headers);
             s.response_headers = Vec::new();
             s.source_address = req.source_address.clone();
             s.local_reply = None;
