@@ -334,7 +334,7 @@ fn read(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<Vec<u8>>
 }
 
 /// Guest memory `ptr..ptr+len`, borrowed (no copy) beside the VM's state.
-fn guest_slice<'a>(mem: &'a [u8], ptr: i32, len: i32) -> Result<&'a [u8]> {
+fn guest_slice(mem: &[u8], ptr: i32, len: i32) -> Result<&[u8]> {
     let (ptr, len) = (ptr as u32 as usize, len as u32 as usize);
     mem.get(ptr..ptr.checked_add(len).ok_or_else(|| format_err!("overflow"))?)
         .ok_or_else(|| format_err!("guest pointer {ptr}+{len} out of bounds"))
