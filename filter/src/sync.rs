@@ -18,7 +18,11 @@ use ratewall_core::algo::{Limit, Nanos};
 use ratewall_core::rules::SyncOptions;
 use ratewall_core::sync::{hex, sign, unhex, verify, Delta, SyncRequest, SyncResponse};
 use std::cell::{Cell, RefCell};
-use std::collections::BTreeMap;
+use std::collections::HashMap;
+
+/// Deltas by counter key. A `HashMap` (its code is in the module already, for the SDK's
+/// contexts) rather than a `BTreeMap`, which added ~8 KB to the wasm for no use of order.
+type Pending = HashMap<Vec<u8>, (Limit, u64)>;
 
 const LEASE: &str = "rw1/sync/lease";
 const VIEW: &str = "rw1/sync/view";
@@ -77,7 +81,7 @@ struct Batch {
 #[derive(Debug, Default)]
 struct Syncing {
     seq: u64,
-    unsent: BTreeMap<Vec<u8>, (Limit, u64)>,
+    unsent: Pending,
     /// (call token, batch, sent at).
     inflight: Option<(u32, Batch, Nanos)>,
     retry: Option<Batch>,
@@ -104,13 +108,13 @@ pub struct Syncer {
     vm: u32,
     token: u64,
     started: Nanos,
-    local: RefCell<BTreeMap<Vec<u8>, (Limit, u64)>>,
+    local: RefCell<Pending>,
     syncing: RefCell<Syncing>,
     view: Cell<View>,
     metrics: Metrics,
 }
 
-fn merge(into: &mut BTreeMap<Vec<u8>, (Limit, u64)>, key: &[u8], limit: Limit, units: u64) -> bool {
+fn merge(into: &mut Pending, key: &[u8], limit: Limit, units: u64) -> bool {
     if let Some(e) = into.get_mut(key) {
         e.0 = limit;
         e.1 = e.1.saturating_add(units);
@@ -245,7 +249,7 @@ impl Syncer {
         let key = outbox(self.vm % OUTBOXES);
         for _ in 0..32 {
             let Ok((value, cas)) = host.shared_get(&key) else { break };
-            let mut merged: BTreeMap<Vec<u8>, (Limit, u64)> = BTreeMap::new();
+            let mut merged = Pending::new();
             if let Some(Ok(req)) = value.as_deref().filter(|v| !v.is_empty()).map(SyncRequest::decode) {
                 for d in req.deltas {
                     merge(&mut merged, &d.key, d.limit, d.units);

@@ -203,9 +203,15 @@ impl Limit {
     /// the table's eviction keeps the most-used (currently limited) keys longest.
     pub fn usage(&self, state: &State, now: Nanos) -> u8 {
         let (d, _) = self.decide(state, now, 0);
-        let quota = u128::from(d.limit.max(1));
-        let spent = quota.saturating_sub(u128::from(d.remaining));
-        (spent * 255 / quota).min(255) as u8
+        let quota = d.limit.max(1);
+        let spent = quota.saturating_sub(d.remaining);
+        // 64-bit arithmetic (a u128 division is a library call on wasm32): exact while
+        // `spent * 255` fits, else scaled down first; only the eviction order reads it.
+        let scaled = match spent.checked_mul(255) {
+            Some(s) => s / quota,
+            None => spent / (quota / 255).max(1),
+        };
+        scaled.min(255) as u8
     }
 
     /// The sliding window's (window, elapsed in it, previous count, current count) at `now`,
