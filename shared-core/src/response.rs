@@ -49,9 +49,8 @@ pub fn push_decimal(out: &mut String, mut v: u64) {
             break;
         }
     }
-    for &b in buf.get(i..).unwrap_or(&[]) {
-        out.push(char::from(b));
-    }
+    // ASCII digits: always valid UTF-8, appended at once rather than char by char.
+    out.push_str(core::str::from_utf8(buf.get(i..).unwrap_or(&[])).unwrap_or(""));
 }
 
 fn decimal(v: u64) -> String {
