@@ -56,8 +56,9 @@ fn metric_name(rule: &str, what: &str) -> String {
 
 impl Engine {
     /// Validates a rules document and prepares the table and metrics. On error nothing is
-    /// changed: the caller keeps its previous engine.
-    pub fn configure(host: &dyn Host, document: &[u8]) -> Result<Engine, ConfigError> {
+    /// changed: the caller keeps its previous engine. A `previous` engine's sync state
+    /// carries over (see [`Syncer::continuing`]).
+    pub fn configure(host: &dyn Host, document: &[u8], previous: Option<&Engine>) -> Result<Engine, ConfigError> {
         let config = Config::parse(document)?;
         let f = config.filter;
         let table = Table::new(f.slots, f.hash_seed, f.cas_retries);
@@ -81,7 +82,10 @@ impl Engine {
         if let Err(e) = table.create(host) {
             host.log(Level::Warn, &format!("ratewall: could not create the counter table: {e:?}"));
         }
-        let sync = config.sync.clone().map(|opts| Syncer::new(host, opts));
+        let sync = config.sync.clone().map(|opts| match previous.and_then(|p| p.sync.as_ref()) {
+            Some(old) => Syncer::continuing(old, opts),
+            None => Syncer::new(host, opts),
+        });
         Ok(Engine { config, table, rules, node, sync })
     }
 

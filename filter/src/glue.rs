@@ -137,7 +137,7 @@ impl RootContext for Root {
             Ok(None) => Vec::new(),
             Err(_) => return false,
         };
-        match Engine::configure(&ProxyHost, &document) {
+        match Engine::configure(&ProxyHost, &document, self.engine.as_deref()) {
             Ok(engine) => {
                 ProxyHost.log(Level::Info, &format!("ratewall: loaded {} rules", engine.config().rules.len()));
                 if let Some(interval) = engine.tick_interval() {

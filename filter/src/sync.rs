@@ -177,6 +177,26 @@ impl Syncer {
         }
     }
 
+    /// The syncer of a VM whose rules were pushed again (Envoy ECDS / xDS): the same node
+    /// identity (a new one would count as an extra node at the store until it expired, and
+    /// shrink every node's share), VM number, lease, pending deltas, batch in flight and view,
+    /// under the new options. `previous` is left empty; deltas that requests still holding the
+    /// old rules record into it afterwards are lost (at most the requests in flight).
+    pub fn continuing(previous: &Syncer, opts: SyncOptions) -> Syncer {
+        let take_local = previous.local.try_borrow_mut().map(|mut l| std::mem::take(&mut *l));
+        let take_syncing = previous.syncing.try_borrow_mut().map(|mut s| std::mem::take(&mut *s));
+        Syncer {
+            opts,
+            vm: previous.vm,
+            token: previous.token,
+            started: previous.started,
+            local: RefCell::new(take_local.unwrap_or_default()),
+            syncing: RefCell::new(take_syncing.unwrap_or_default()),
+            view: Cell::new(previous.view.get()),
+            metrics: previous.metrics,
+        }
+    }
+
     /// The options in force.
     pub fn options(&self) -> &SyncOptions {
         &self.opts

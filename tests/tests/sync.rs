@@ -132,3 +132,47 @@ fn with_the_store_unreachable_open_rules_limit_locally_to_a_share_and_closed_rul
     assert!(r.header("retry-after").is_some());
     assert!(node.metric("ratewall_sync_degraded_requests") >= 1);
 }
+
+#[test]
+fn a_rules_push_keeps_the_node_identity_and_its_unsent_deltas() {
+    use ratewall_core::sync::{hex, sign, unhex, Store, SyncRequest};
+    let node = Node::new(1_800_000_000 * SECOND);
+    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, sync_rules("open").as_bytes()).unwrap();
+    let user = |u: &str| HttpRequest::new("GET", "/").header("x-user-id", u);
+    let units = |req: &SyncRequest| req.deltas.iter().map(|d| d.units).sum::<u64>();
+    for _ in 0..2 {
+        assert!(vm.request(&user("a")).unwrap().passed);
+    }
+    node.advance(100_000_000);
+    vm.tick().unwrap();
+    let first = vm.take_callouts().pop().expect("a batch");
+    let sent = SyncRequest::decode(&first.body).unwrap();
+    assert_eq!(units(&sent), 2);
+    vm.deliver(&first, None).unwrap(); // lost: it must be retried as it was
+    assert!(vm.request(&user("b")).unwrap().passed); // pending in the VM
+
+    // The rules are pushed again (a new limit, the same store).
+    assert!(vm.configure(sync_rules("open").replace("100", "150").as_bytes()).unwrap());
+
+    let mut store = Store::new(1000, 2 * SECOND);
+    let mut batches = Vec::new();
+    for _ in 0..5 {
+        node.advance(100_000_000);
+        vm.tick().unwrap();
+        for c in vm.take_callouts() {
+            let req = SyncRequest::decode(&c.body).unwrap();
+            let tag = c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone()).unwrap();
+            let out = store.handle_signed(node.now(), SECRET.as_bytes(), &c.body, &unhex(&tag).unwrap()).unwrap();
+            let sig = hex(&sign(SECRET.as_bytes(), &out));
+            vm.respond(&c, 200, &[("x-ratewall-signature", sig.as_bytes())], out).unwrap();
+            batches.push(req);
+        }
+    }
+    assert!(batches.len() >= 2, "{batches:?}");
+    // The lost batch is resent unchanged: the same node id and seq, so a store that did get
+    // it the first time would not count it twice.
+    assert_eq!((batches[0].node, batches[0].seq, units(&batches[0])), (sent.node, sent.seq, 2));
+    // The delta recorded before the push is sent after it, from the same node.
+    assert!(batches.iter().all(|b| b.node == sent.node), "a new node id would count as an extra node");
+    assert_eq!(batches.iter().map(units).sum::<u64>(), 3, "every admitted request reaches the store once");
+}

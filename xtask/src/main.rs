@@ -189,9 +189,13 @@ fn build() -> Result<()> {
     std::fs::create_dir_all(&dist).map_err(|e| format!("{}: {e}", dist.display()))?;
     let filter = dist.join("ratewall_filter.wasm");
     let built = std::fs::read(out.join("ratewall_filter.wasm")).map_err(|e| format!("reading the filter: {e}"))?;
-    // The SDK exports gRPC callbacks; the filter never starts a gRPC call, so no host calls
-    // them, and without the exports wasm-opt can drop ~13 KB of dispatch code behind them.
-    let trimmed = drop_exports(&built, |name| name.starts_with("proxy_on_grpc_"))?;
+    // The SDK exports callbacks for things a plugin starts itself: gRPC calls, foreign
+    // functions, shared queues. The filter starts none, so no host calls them, and without the
+    // exports wasm-opt drops ~15 KB of dispatch code behind them.
+    let unused = |name: &str| {
+        name.starts_with("proxy_on_grpc_") || name == "proxy_on_foreign_function" || name == "proxy_on_queue_ready"
+    };
+    let trimmed = drop_exports(&built, unused)?;
     std::fs::write(&filter, trimmed).map_err(|e| format!("{}: {e}", filter.display()))?;
     optimize(&filter);
     let probe = root().join("target/wasm/ratewall_core_probe.wasm");
