@@ -33,6 +33,35 @@ const PASS_THROUGH: &str = r#"(module
   (func (export "proxy_on_log") (param i32))
   (func (export "proxy_on_delete") (param i32)))"#;
 
+/// 100 host calls of one kind per request: what a host call costs in this host.
+const CALLS: &str = r#"(module
+  (import "env" "proxy_get_current_time_nanoseconds" (func $now (param i32) (result i32)))
+  (import "env" "proxy_get_shared_data" (func $get (param i32 i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 2)
+  (global $heap (mut i32) (i32.const 1024))
+  (func (export "malloc") (param $n i32) (result i32) (local $p i32)
+    (if (i32.gt_u (i32.add (global.get $heap) (local.get $n)) (i32.const 131072))
+      (then (global.set $heap (i32.const 1024))))
+    (local.set $p (global.get $heap))
+    (global.set $heap (i32.add (global.get $heap) (local.get $n)))
+    (local.get $p))
+  (data (i32.const 16) "k")
+  (func (export "proxy_abi_version_0_2_1"))
+  (func (export "_initialize"))
+  (func (export "proxy_on_context_create") (param i32 i32))
+  (func (export "proxy_on_vm_start") (param i32 i32) (result i32) (i32.const 1))
+  (func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 1))
+  (func (export "proxy_on_request_headers") (param i32 i32 i32) (result i32) (local $i i32)
+    (loop $l
+      (drop (call CALL))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $l (i32.lt_u (local.get $i) (i32.const 100))))
+    (i32.const 0))
+  (func (export "proxy_on_response_headers") (param i32 i32 i32) (result i32) (i32.const 0))
+  (func (export "proxy_on_done") (param i32) (result i32) (i32.const 1))
+  (func (export "proxy_on_log") (param i32))
+  (func (export "proxy_on_delete") (param i32)))"#;
+
 fn main() {
     let mut c = Criterion::default().output_directory(&ratewall_tests::bench::criterion_dir()).configure_from_args();
     let filter = Plugin::filter().unwrap_or_else(|e| panic!("{e}"));
@@ -59,8 +88,30 @@ fn main() {
     assert!(vm.request(&limited).unwrap().passed);
     assert_eq!(vm.request(&limited).unwrap().status, 429);
 
+    // Where the time goes: a request no rule matches, and one counter instead of two.
+    let no_match = json!({"rules": [{"name": "admin", "match": {"path": "/admin/*"}, "key": ["ip"],
+        "limit": {"requests": 1, "per": "1h"}}]})
+    .to_string();
+    let one_rule = json!({"identity": {"api_key": {"header": "x-api-key"}}, "rules": [{"name": "per-key",
+        "match": {"path": "/v1/*"}, "key": ["api_key"], "limit": {"requests": 4_000_000_000u64, "per": "60s"}}]})
+    .to_string();
+    let mut vm_none = Vm::start(&filter, &Node::new(T0), no_match.as_bytes()).unwrap();
+    let mut vm_one = Vm::start(&filter, &Node::new(T0), one_rule.as_bytes()).unwrap();
+    let calls = |call: &str| {
+        let p = Plugin::from_bytes(CALLS.replace("CALL", call).as_bytes()).unwrap();
+        let node = Node::new(T0);
+        node.set_shared("k", &[0u8; 60], 0);
+        Vm::start(&p, &node, b"").unwrap()
+    };
+    let mut vm_now = calls("$now (i32.const 64)");
+    let mut vm_get = calls("$get (i32.const 16) (i32.const 1) (i32.const 64) (i32.const 68) (i32.const 72)");
+
     let mut g = c.benchmark_group("filter");
     g.bench_function("passthrough", |b| b.iter(|| black_box(base.request(&req).unwrap())));
+    g.bench_function("ratewall_no_match", |b| b.iter(|| black_box(vm_none.request(&req).unwrap())));
+    g.bench_function("ratewall_one_rule", |b| b.iter(|| black_box(vm_one.request(&req).unwrap())));
+    g.bench_function("host_100_time_calls", |b| b.iter(|| black_box(vm_now.request(&req).unwrap())));
+    g.bench_function("host_100_shared_gets", |b| b.iter(|| black_box(vm_get.request(&req).unwrap())));
     g.bench_function("ratewall_allowed", |b| b.iter(|| black_box(vm.request(&req).unwrap())));
     g.bench_function("ratewall_429", |b| b.iter(|| black_box(vm.request(&limited).unwrap())));
     g.finish();
@@ -74,6 +125,14 @@ fn main() {
         figure("filter_429_ns", r, "ns");
         figure("filter_added_ns", a - p, "ns");
         figure("filter_429_added_ns", r - p, "ns");
+        if let (Some(n), Some(o)) = (median_ns("filter/ratewall_no_match"), median_ns("filter/ratewall_one_rule")) {
+            figure("filter_no_match_ns", n, "ns");
+            figure("filter_one_rule_ns", o, "ns");
+        }
+        if let (Some(t), Some(g)) = (median_ns("filter/host_100_time_calls"), median_ns("filter/host_100_shared_gets")) {
+            figure("host_call_time_ns", (t - p) / 100.0, "ns");
+            figure("host_call_shared_get_ns", (g - p) / 100.0, "ns");
+        }
     }
     if std::env::args().any(|a| a == "--bench") {
         footprint(&filter);
