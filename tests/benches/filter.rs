@@ -129,7 +129,8 @@ fn main() {
             figure("filter_no_match_ns", n, "ns");
             figure("filter_one_rule_ns", o, "ns");
         }
-        if let (Some(t), Some(g)) = (median_ns("filter/host_100_time_calls"), median_ns("filter/host_100_shared_gets")) {
+        if let (Some(t), Some(g)) = (median_ns("filter/host_100_time_calls"), median_ns("filter/host_100_shared_gets"))
+        {
             figure("host_call_time_ns", (t - p) / 100.0, "ns");
             figure("host_call_shared_get_ns", (g - p) / 100.0, "ns");
         }
