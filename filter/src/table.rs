@@ -364,6 +364,11 @@ impl Counters for TableCounters<'_> {
             Grants::Off => u32::MAX,
         };
         let mut g = |state: &State, grant: Option<u32>| {
+            // A fixed window's grant is a share of that window's quota: once the window has
+            // rolled over, the node starts the new one on its initial share rather than on an
+            // exhausted old grant (which denied until the next sync answered).
+            let rolled = matches!(state, State::FixedWindow { window, .. } if *window != now / limit.per().max(1));
+            let grant = if rolled { None } else { grant };
             let allowance = match (grants, refunding) {
                 (Grants::On { .. }, false) => u64::from(grant.unwrap_or(initial)),
                 _ => u64::MAX,

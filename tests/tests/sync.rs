@@ -176,3 +176,45 @@ fn a_rules_push_keeps_the_node_identity_and_its_unsent_deltas() {
     assert!(batches.iter().all(|b| b.node == sent.node), "a new node id would count as an extra node");
     assert_eq!(batches.iter().map(units).sum::<u64>(), 3, "every admitted request reaches the store once");
 }
+
+#[test]
+fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant() {
+    use ratewall_core::sync::{hex, sign, unhex, Store};
+    let config = serde_json::json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "r", "key": ["user"], "algorithm": "fixed_window",
+                   "limit": {"requests": 4, "per": "1s"}}],
+        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": "5s", "nodes": 2}
+    })
+    .to_string();
+    // Start on a window boundary, as seen through the store's clock (the same clock here).
+    let node = Node::new(1_800_000_000 * SECOND);
+    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
+    let mut store = Store::new(1000, 10 * SECOND);
+    let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
+    let mut sync = |vm: &mut Vm, node: &Node| {
+        node.advance(100_000_000);
+        vm.tick().unwrap();
+        for c in vm.take_callouts() {
+            let tag = c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone()).unwrap();
+            let out = store.handle_signed(node.now(), SECRET.as_bytes(), &c.body, &unhex(&tag).unwrap()).unwrap();
+            let sig = hex(&sign(SECRET.as_bytes(), &out));
+            vm.respond(&c, 200, &[("x-ratewall-signature", sig.as_bytes())], out).unwrap();
+        }
+    };
+    // Spend this window's quota through the grants, with syncs in between.
+    let mut passed = 0;
+    for _ in 0..4 {
+        for _ in 0..3 {
+            passed += u32::from(vm.request(&user).unwrap().passed);
+        }
+        sync(&mut vm, &node);
+    }
+    assert_eq!(passed, 4, "the global limit holds within the window");
+    assert!(!vm.request(&user).unwrap().passed, "the grant is spent");
+    // The next window, before any sync has answered in it: the spent grant belonged to the old
+    // window, so the node admits on its initial share (4 / the 1 node the store has seen).
+    node.advance(SECOND);
+    let fresh: Vec<bool> = (0..5).map(|_| vm.request(&user).unwrap().passed).collect();
+    assert_eq!(fresh, [true, true, true, true, false], "a fresh window's share, and no more");
+}
