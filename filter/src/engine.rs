@@ -10,6 +10,7 @@ use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_ip_with, ip_key, parse_ip};
 use ratewall_core::rules::{Config, Dimension, FailurePolicy};
 use ratewall_core::{render, ConfigError, Reply};
+use std::borrow::Cow;
 
 /// Per-rule metric ids.
 #[derive(Clone, Copy, Debug, Default)]
@@ -123,8 +124,15 @@ impl Engine {
     pub fn on_request(&self, host: &dyn Host) -> Reply {
         let now = host.now();
         let map = host.request_headers();
-        let method = header(&map, ":method").and_then(|m| core::str::from_utf8(m).ok()).unwrap_or("");
-        let path = normalize_path(header(&map, ":path").unwrap_or_default());
+        // A host that leaves the pseudo-headers out of the map is asked for them by name.
+        let pseudo = |name: &str| match header(&map, name) {
+            Some(v) => Cow::Borrowed(v),
+            None => Cow::Owned(host.request_header(name).unwrap_or_default()),
+        };
+        let method_raw = pseudo(":method");
+        let method = core::str::from_utf8(&method_raw).unwrap_or("");
+        let path_raw = pseudo(":path");
+        let path = normalize_path(&path_raw);
         // Look up only what the matching rules key on.
         let matching = self.config.matching(method, &path);
         let (needed, needs_ip) = self.needs(&matching);

@@ -49,6 +49,9 @@ impl Host for ProxyHost {
     fn request_headers(&self) -> Vec<u8> {
         raw_request_headers().unwrap_or_default()
     }
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
+    }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         hostcalls::get_property(path.to_vec()).ok().flatten()
     }

@@ -33,6 +33,8 @@ pub trait Host {
     /// (read with [`header`]); empty when the host has none. One host call instead of one per
     /// header: each host call that returns data costs a round trip into the guest's allocator.
     fn request_headers(&self) -> Vec<u8>;
+    /// One request header by name (used only for a pseudo-header the map lacks).
+    fn request_header(&self, name: &str) -> Option<Vec<u8>>;
     /// A host property such as `["source", "address"]`.
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
     /// Shared data: the value (None when the key does not exist) and its CAS token.

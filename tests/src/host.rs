@@ -291,6 +291,8 @@ struct VmState {
     /// The guest's memory and allocator, looked up once after instantiation.
     memory: Option<Memory>,
     alloc: Option<TypedFunc<i32, i32>>,
+    /// Behave like a host whose header-map listing leaves out the pseudo-headers.
+    pairs_without_pseudo_headers: bool,
 }
 
 /// The guest entry points called per request, looked up once.
@@ -410,7 +412,8 @@ fn reply_bytes(caller: &mut Caller<'_, VmState>, value: Option<Vec<u8>>, ret_ptr
 
 /// The proxy-wasm header map encoding.
 fn serialize_map(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
-    let mut out = Vec::new();
+    let size = 4 + pairs.iter().map(|(k, v)| 10 + k.len() + v.len()).sum::<usize>();
+    let mut out = Vec::with_capacity(size);
     out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
     for (k, v) in pairs {
         out.extend_from_slice(&(k.len() as u32).to_le_bytes());
@@ -532,10 +535,15 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
         "env",
         "proxy_get_header_map_pairs",
         |mut c: Caller<'_, VmState>, map_type: i32, ret_ptr: i32, ret_size: i32| -> Result<i32> {
+            let omit = c.data().pairs_without_pseudo_headers && map_type == MAP_REQUEST_HEADERS;
             let Some(map) = map_for(c.data_mut(), map_type) else {
                 return Ok(status::NOT_FOUND);
             };
-            let bytes = serialize_map(map);
+            let bytes = if omit {
+                serialize_map(&map.iter().filter(|(k, _)| !k.starts_with(':')).cloned().collect::<Vec<_>>())
+            } else {
+                serialize_map(map)
+            };
             return_bytes(&mut c, &bytes, ret_ptr, ret_size)?;
             Ok(status::OK)
         },
@@ -820,6 +828,7 @@ impl Vm {
             effective_context: 0,
             memory: None,
             alloc: None,
+            pairs_without_pseudo_headers: false,
         };
         let mut store = Store::new(&plugin.engine, state);
         let mut linker = Linker::new(&plugin.engine);
@@ -980,6 +989,12 @@ impl Vm {
         );
         self.store.data_mut().call_response = None;
         r.map(|_| ())
+    }
+
+    /// From now on list request headers (`proxy_get_header_map_pairs`) without the
+    /// pseudo-headers, as some hosts do; they stay readable one by one.
+    pub fn list_headers_without_pseudo_headers(&mut self) {
+        self.store.data_mut().pairs_without_pseudo_headers = true;
     }
 
     /// The node this VM belongs to.

@@ -338,3 +338,17 @@ fn when_cas_never_succeeds_open_rules_serve_and_closed_rules_reject_with_503() {
     node.fail_every_cas(false);
     assert_eq!(admitted(&mut vms[0], &hard, 3), 1);
 }
+
+#[test]
+fn a_host_that_lists_headers_without_pseudo_headers_still_matches_method_and_path() {
+    let r = rules(json!([
+        {"name": "posts", "match": {"path": "/v1/*", "method": "POST"}, "key": ["user"],
+         "limit": {"requests": 1, "per": "1h"}}
+    ]));
+    let (_node, mut vms) = node(&r, 1);
+    let vm = &mut vms[0];
+    vm.list_headers_without_pseudo_headers();
+    let post = HttpRequest::new("POST", "/v1/things").header("x-user-id", "u");
+    assert_eq!(admitted(vm, &post, 3), 1, ":method and :path are read one by one when the listing lacks them");
+    assert_eq!(admitted(vm, &HttpRequest::new("GET", "/v1/things").header("x-user-id", "u"), 2), 2);
+}
