@@ -190,20 +190,8 @@ impl Table {
     /// [`Table::bucket_key`] written into `buf`, without allocating.
     fn bucket_key_in<'b>(&self, bucket: u32, buf: &'b mut [u8; 32]) -> &'b str {
         let prefix = self.prefix.as_bytes();
-        let mut digits = [0u8; 10];
-        let mut i = digits.len();
-        let mut v = bucket;
-        loop {
-            i -= 1;
-            if let Some(d) = digits.get_mut(i) {
-                *d = b'0' + (v % 10) as u8;
-            }
-            v /= 10;
-            if v == 0 || i == 0 {
-                break;
-            }
-        }
-        let digits = digits.get(i..).unwrap_or_default();
+        let mut digit_buf = [0u8; 20];
+        let digits = ratewall_core::response::digits(u64::from(bucket), &mut digit_buf);
         let len = prefix.len() + digits.len();
         match buf.get_mut(..prefix.len()) {
             // The prefix is "rw1/<u32>/": at most 15 bytes, so this always fits.

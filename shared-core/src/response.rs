@@ -35,9 +35,8 @@ impl Reply {
     }
 }
 
-/// Appends `v` in decimal (`core::fmt` costs several times more on this hot path).
-pub fn push_decimal(out: &mut String, mut v: u64) {
-    let mut buf = [0u8; 20];
+/// `v` in decimal ASCII digits, written into `buf` (no allocation).
+pub fn digits(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut i = buf.len();
     loop {
         i -= 1;
@@ -49,8 +48,14 @@ pub fn push_decimal(out: &mut String, mut v: u64) {
             break;
         }
     }
+    buf.get(i..).unwrap_or(&[])
+}
+
+/// Appends `v` in decimal (`core::fmt` costs several times more on this hot path).
+pub fn push_decimal(out: &mut String, v: u64) {
+    let mut buf = [0u8; 20];
     // ASCII digits: always valid UTF-8, appended at once rather than char by char.
-    out.push_str(core::str::from_utf8(buf.get(i..).unwrap_or(&[])).unwrap_or(""));
+    out.push_str(core::str::from_utf8(digits(v, &mut buf)).unwrap_or(""));
 }
 
 fn decimal(v: u64) -> String {
