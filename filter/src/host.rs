@@ -79,27 +79,27 @@ pub fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
     None
 }
 
-/// A serialized header map, for tests and fake hosts.
-pub fn serialize_headers(pairs: &[(&str, &[u8])]) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
-    for (k, v) in pairs {
-        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-    }
-    for (k, v) in pairs {
-        out.extend_from_slice(k.as_bytes());
-        out.push(0);
-        out.extend_from_slice(v);
-        out.push(0);
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
+
+    /// A header map as a host serializes it (the host side lives in the test host).
+    fn serialize_headers(pairs: &[(&str, &[u8])]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+        for (k, v) in pairs {
+            out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        }
+        for (k, v) in pairs {
+            out.extend_from_slice(k.as_bytes());
+            out.push(0);
+            out.extend_from_slice(v);
+            out.push(0);
+        }
+        out
+    }
 
     #[test]
     fn finds_the_first_value_case_insensitively() {

@@ -12,31 +12,12 @@ use std::hint::black_box;
 
 const T0: u64 = 1_700_000_000_000_000_000;
 
-/// A proxy-wasm filter that does nothing: the host's own cost per request.
-const PASS_THROUGH: &str = r#"(module
-  (memory (export "memory") 2)
-  (global $heap (mut i32) (i32.const 1024))
-  (func (export "malloc") (param $n i32) (result i32) (local $p i32)
-    (if (i32.gt_u (i32.add (global.get $heap) (local.get $n)) (i32.const 131072))
-      (then (global.set $heap (i32.const 1024))))
-    (local.set $p (global.get $heap))
-    (global.set $heap (i32.add (global.get $heap) (local.get $n)))
-    (local.get $p))
-  (func (export "proxy_abi_version_0_2_1"))
-  (func (export "_initialize"))
-  (func (export "proxy_on_context_create") (param i32 i32))
-  (func (export "proxy_on_vm_start") (param i32 i32) (result i32) (i32.const 1))
-  (func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 1))
-  (func (export "proxy_on_request_headers") (param i32 i32 i32) (result i32) (i32.const 0))
-  (func (export "proxy_on_response_headers") (param i32 i32 i32) (result i32) (i32.const 0))
-  (func (export "proxy_on_done") (param i32) (result i32) (i32.const 1))
-  (func (export "proxy_on_log") (param i32))
-  (func (export "proxy_on_delete") (param i32)))"#;
-
-/// 100 host calls of one kind per request: what a host call costs in this host.
-const CALLS: &str = r#"(module
-  (import "env" "proxy_get_current_time_nanoseconds" (func $now (param i32) (result i32)))
-  (import "env" "proxy_get_shared_data" (func $get (param i32 i32 i32 i32 i32) (result i32)))
+/// A proxy-wasm module that does nothing but run `request` (WAT, with a local `$i`) in its
+/// request-headers callback, after `imports`. With neither it is the pass-through filter: the
+/// host's own cost per request.
+fn module(imports: &str, request: &str) -> Plugin {
+    let wat = r#"(module
+  IMPORTS
   (memory (export "memory") 2)
   (global $heap (mut i32) (i32.const 1024))
   (func (export "malloc") (param $n i32) (result i32) (local $p i32)
@@ -52,20 +33,30 @@ const CALLS: &str = r#"(module
   (func (export "proxy_on_vm_start") (param i32 i32) (result i32) (i32.const 1))
   (func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 1))
   (func (export "proxy_on_request_headers") (param i32 i32 i32) (result i32) (local $i i32)
-    (loop $l
-      (drop (call CALL))
-      (local.set $i (i32.add (local.get $i) (i32.const 1)))
-      (br_if $l (i32.lt_u (local.get $i) (i32.const 100))))
+    REQUEST
     (i32.const 0))
   (func (export "proxy_on_response_headers") (param i32 i32 i32) (result i32) (i32.const 0))
   (func (export "proxy_on_done") (param i32) (result i32) (i32.const 1))
   (func (export "proxy_on_log") (param i32))
   (func (export "proxy_on_delete") (param i32)))"#;
+    Plugin::from_bytes(wat.replace("IMPORTS", imports).replace("REQUEST", request).as_bytes()).unwrap()
+}
+
+/// 100 host calls of one kind per request: what a host call costs in this host.
+fn calls(call: &str) -> Plugin {
+    let imports = r#"(import "env" "proxy_get_current_time_nanoseconds" (func $now (param i32) (result i32)))
+  (import "env" "proxy_get_shared_data" (func $get (param i32 i32 i32 i32 i32) (result i32)))"#;
+    let request = r#"(loop $l
+      (drop (call CALL))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $l (i32.lt_u (local.get $i) (i32.const 100))))"#;
+    module(imports, &request.replace("CALL", call))
+}
 
 fn main() {
     let mut c = Criterion::default().output_directory(&ratewall_tests::bench::criterion_dir()).configure_from_args();
     let filter = Plugin::filter().unwrap_or_else(|e| panic!("{e}"));
-    let pass = Plugin::from_bytes(PASS_THROUGH.as_bytes()).unwrap();
+    let pass = module("", "");
     // Three rules, two of which match: both counters go through CAS and fields are rendered.
     let rules = json!({
         "identity": {"api_key": {"header": "x-api-key"}, "ip": {"trusted_hops": 1}},
@@ -97,14 +88,13 @@ fn main() {
     .to_string();
     let mut vm_none = Vm::start(&filter, &Node::new(T0), no_match.as_bytes()).unwrap();
     let mut vm_one = Vm::start(&filter, &Node::new(T0), one_rule.as_bytes()).unwrap();
-    let calls = |call: &str| {
-        let p = Plugin::from_bytes(CALLS.replace("CALL", call).as_bytes()).unwrap();
+    let calls_vm = |call: &str| {
         let node = Node::new(T0);
         node.set_shared("k", &[0u8; 60], 0);
-        Vm::start(&p, &node, b"").unwrap()
+        Vm::start(&calls(call), &node, b"").unwrap()
     };
-    let mut vm_now = calls("$now (i32.const 64)");
-    let mut vm_get = calls("$get (i32.const 16) (i32.const 1) (i32.const 64) (i32.const 68) (i32.const 72)");
+    let mut vm_now = calls_vm("$now (i32.const 64)");
+    let mut vm_get = calls_vm("$get (i32.const 16) (i32.const 1) (i32.const 64) (i32.const 68) (i32.const 72)");
 
     let mut g = c.benchmark_group("filter");
     g.bench_function("passthrough", |b| b.iter(|| black_box(base.request(&req).unwrap())));
