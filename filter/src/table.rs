@@ -181,10 +181,7 @@ impl Table {
 
     /// The shared-data key of a bucket.
     pub fn bucket_key(&self, bucket: u32) -> String {
-        let mut key = String::with_capacity(self.prefix.len() + 10);
-        key.push_str(&self.prefix);
-        ratewall_core::response::push_decimal(&mut key, u64::from(bucket));
-        key
+        String::from(self.bucket_key_in(bucket, &mut [0u8; 32]))
     }
 
     /// [`Table::bucket_key`] written into `buf`, without allocating.
@@ -193,9 +190,9 @@ impl Table {
         let mut digit_buf = [0u8; 20];
         let digits = ratewall_core::response::digits(u64::from(bucket), &mut digit_buf);
         let len = prefix.len() + digits.len();
-        match buf.get_mut(..prefix.len()) {
-            // The prefix is "rw1/<u32>/": at most 15 bytes, so this always fits.
-            Some(head) if len <= 32 => head.copy_from_slice(prefix),
+        // The prefix is "rw1/<u32>/" (at most 15 bytes) and a bucket at most 10 digits: it fits.
+        match (buf.get_mut(..prefix.len()), len <= 32) {
+            (Some(head), true) => head.copy_from_slice(prefix),
             _ => return "",
         }
         if let Some(tail) = buf.get_mut(prefix.len()..len) {
@@ -413,12 +410,11 @@ mod tests {
     }
 
     #[test]
-    fn bucket_keys_on_the_stack_match_the_allocated_ones() {
+    fn bucket_keys_name_the_table_size_and_the_bucket() {
         for slots in [64, 65_536, ratewall_core::rules::MAX_SLOTS] {
             let t = Table::new(slots, 1, 8);
             for b in [0, 1, 9, 10, 4095, t.buckets() - 1] {
-                let mut buf = [0u8; 32];
-                assert_eq!(t.bucket_key_in(b, &mut buf), t.bucket_key(b));
+                assert_eq!(t.bucket_key(b), format!("rw1/{}/{b}", t.buckets()));
             }
         }
     }

@@ -52,7 +52,7 @@ impl Config {
 
     /// Indices of the rules whose `match` a request meets, in rule order.
     pub fn matching(&self, method: &str, path: &str) -> Vec<usize> {
-        (0..self.rules.len()).filter(|&i| self.rules.get(i).is_some_and(|r| r.matcher.matches(method, path))).collect()
+        self.rules.iter().enumerate().filter(|(_, r)| r.matcher.matches(method, path)).map(|(i, _)| i).collect()
     }
 
     /// [`Config::checks`] for the rules `matching` already found (so a wrapper that first
@@ -218,9 +218,10 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
         let result = match (res, decision) {
             (Ok(()), Some(d)) => {
                 if d.allowed && !peek_only && check.cost > 0 {
-                    match 1u64.checked_shl(i as u32) {
-                        Some(bit) if i < 64 => consumed_bits |= bit,
-                        _ => consumed_more.push(i),
+                    if i < 64 {
+                        consumed_bits |= 1u64 << i;
+                    } else {
+                        consumed_more.push(i);
                     }
                 }
                 CheckResult::Decided(d)

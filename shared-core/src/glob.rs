@@ -86,9 +86,14 @@ fn match_from(pat: &[Segment], path: &str) -> bool {
             Some(tail) => tail.strip_prefix('/').is_some_and(|t| match_from(rest, t)),
             None => false,
         },
-        _ => {
+        // `*` (not last) takes any one segment; a glob segment must match it.
+        Segment::Any | Segment::Glob(_) => {
             let (seg, tail) = split_segment(path);
-            segment_matches(first, seg) && match_from(rest, tail)
+            let fits = match first {
+                Segment::Glob(parts) => glob_matches(parts, seg),
+                _ => true,
+            };
+            fits && match_from(rest, tail)
         }
     }
 }
@@ -99,14 +104,6 @@ fn split_segment(path: &str) -> (&str, &str) {
     match path.bytes().position(|b| b == b'/') {
         Some(i) => (path.get(..i).unwrap_or(path), path.get(i + 1..).unwrap_or("")),
         None => (path, ""),
-    }
-}
-
-fn segment_matches(pat: &Segment, seg: &str) -> bool {
-    match pat {
-        Segment::Literal(l) => l == seg,
-        Segment::Any | Segment::AnyDepth => true,
-        Segment::Glob(parts) => glob_matches(parts, seg),
     }
 }
 
