@@ -79,6 +79,8 @@ pub enum Call {
     Refund { limit: Limit, cost: u64, at: Nanos },
     /// Add a filter node's delta (`POST /v1/sync`).
     Apply { limit: Limit, node: u64, seq: u64, units: u64 },
+    /// Answer a filter node's ask for `units` now (`POST /v1/sync`, an ask).
+    Ask { limit: Limit, node: u64, units: u64 },
 }
 
 fn limit_json(l: &Limit) -> Value {
@@ -108,6 +110,9 @@ impl Call {
             Call::Apply { limit, node, seq, units } => {
                 json!({"op": "apply", "limit": limit_json(limit), "node": node, "seq": seq, "units": units})
             }
+            Call::Ask { limit, node, units } => {
+                json!({"op": "ask", "limit": limit_json(limit), "node": node, "units": units})
+            }
         }
         .to_string()
     }
@@ -125,6 +130,7 @@ impl Call {
                 seq: u64_field(&v, "seq")?,
                 units: u64_field(&v, "units")?,
             }),
+            "ask" => Some(Call::Ask { limit, node: u64_field(&v, "node")?, units: u64_field(&v, "units")? }),
             _ => None,
         }
     }
@@ -164,8 +170,8 @@ impl Taken {
 
 /// Encodes a counter object's answer to [`Call::Apply`].
 pub fn encode_applied(a: &Applied) -> String {
-    json!({"remaining": a.remaining, "grant": a.grant, "reset_after": a.reset_after, "nodes": a.nodes,
-           "counted": a.counted})
+    json!({"remaining": a.remaining, "grant": a.grant, "reset_after": a.reset_after, "lease": a.lease,
+           "nodes": a.nodes, "counted": a.counted})
     .to_string()
 }
 
@@ -176,6 +182,7 @@ pub fn decode_applied(body: &str) -> Option<Applied> {
         remaining: u64_field(&v, "remaining")?,
         grant: u64_field(&v, "grant")?,
         reset_after: u64_field(&v, "reset_after")?,
+        lease: u64_field(&v, "lease")?,
         nodes: u32::try_from(u64_field(&v, "nodes")?).ok()?,
         counted: v.get("counted")?.as_bool()?,
     })
@@ -410,6 +417,7 @@ mod tests {
             Call::Take { limit, cost: 2 },
             Call::Refund { limit, cost: 2, at: u64::MAX - 1 },
             Call::Apply { limit, node: 1 << 60, seq: 9, units: 4 },
+            Call::Ask { limit, node: 1 << 60, units: 1 },
         ] {
             assert_eq!(Call::decode(&call.encode()), Some(call));
         }
@@ -420,7 +428,7 @@ mod tests {
             now: 1_700_000_000 * SECOND,
         };
         assert_eq!(Taken::decode(&t.encode()), Some(t));
-        let a = Applied { remaining: 3, grant: 1, reset_after: 2, nodes: 4, counted: true };
+        let a = Applied { remaining: 3, grant: 1, reset_after: 2, lease: 5, nodes: 4, counted: true };
         assert_eq!(decode_applied(&encode_applied(&a)), Some(a));
     }
 

@@ -376,7 +376,11 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
     }
     let timeout = Duration::from_millis(var_u64(&env, "OBJECT_TIMEOUT_MS", 1000));
     let calls = batch.deltas.iter().map(|d| {
-        let call = Call::Apply { limit: d.limit, node: batch.node, seq: batch.seq, units: d.units };
+        let call = if batch.ask {
+            Call::Ask { limit: d.limit, node: batch.node, units: d.units }
+        } else {
+            Call::Apply { limit: d.limit, node: batch.node, seq: batch.seq, units: d.units }
+        };
         call_object(&env, &d.key, call, timeout)
     });
     let answers = join_all(calls).await;
@@ -390,7 +394,8 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
             return Response::error("a counter object failed; retry the batch with the same seq", 503);
         };
         nodes = nodes.max(a.nodes);
-        grants.push(Grant { key: d.key.clone(), remaining: a.remaining, grant: a.grant, reset_after: a.reset_after });
+        let (remaining, grant, reset_after, lease) = (a.remaining, a.grant, a.reset_after, a.lease);
+        grants.push(Grant { key: d.key.clone(), remaining, grant, reset_after, lease });
     }
     let out = SyncResponse { seq: batch.seq, now: now(), nodes, grants }.encode();
     let headers = Headers::new();
@@ -478,7 +483,10 @@ impl DurableObject for RateLimitCounter {
             return Response::error("not a counter call", 400);
         };
         let limit = match call {
-            Call::Take { limit, .. } | Call::Refund { limit, .. } | Call::Apply { limit, .. } => limit,
+            Call::Take { limit, .. }
+            | Call::Refund { limit, .. }
+            | Call::Apply { limit, .. }
+            | Call::Ask { limit, .. } => limit,
         };
         self.load(limit).await?;
         let t = now();
@@ -497,6 +505,10 @@ impl DurableObject for RateLimitCounter {
                 Call::Apply { limit, node, seq, units } => {
                     let a = c.apply(limit, t, node, seq, units, NODE_TTL);
                     (encode_applied(&a), a.counted)
+                }
+                Call::Ask { limit, node, units } => {
+                    let a = c.ask(limit, t, node, units, NODE_TTL);
+                    (encode_applied(&a), a.grant > 0)
                 }
             };
             slot.dirty |= changed;

@@ -5,10 +5,12 @@ use crate::host::{header, Host, Level};
 use crate::sync::Syncer;
 use crate::table::{Grants, Table, TableCounters};
 use ratewall_core::algo::Limit;
-use ratewall_core::eval::{evaluate, CheckResult, Request, Skip};
+use ratewall_core::eval::{evaluate, Check, CheckOutcome, CheckResult, Outcome, Request, Skip};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_ip_with, ip_key, parse_ip};
 use ratewall_core::rules::{Config, Dimension, FailurePolicy};
+use ratewall_core::sync::Delta;
+use ratewall_core::Nanos;
 use ratewall_core::{render, ConfigError, Reply};
 use std::borrow::Cow;
 
@@ -29,6 +31,29 @@ struct NodeMetrics {
     evictions: Option<u32>,
     corrupt: Option<u32>,
     cas_conflicts: Option<u32>,
+}
+
+/// What to do with a request.
+#[derive(Debug)]
+pub enum Verdict {
+    /// Send this reply (or pass, adding its headers to the response).
+    Reply(Reply),
+    /// Wait, paused, for the store's answer to an ask.
+    Ask(Asking),
+}
+
+/// A request paused on an ask: what deciding it again needs.
+#[derive(Debug)]
+pub struct Asking {
+    /// The ask's call token.
+    pub token: u32,
+    checks: Vec<Check>,
+    skipped: Vec<(usize, Skip)>,
+    wants: Vec<Delta>,
+    asked_at: Nanos,
+    method: String,
+    path: String,
+    outcome: Vec<CheckOutcome>,
 }
 
 /// A configured filter: validated rules, the table, and metric ids.
@@ -119,9 +144,9 @@ impl Engine {
         }
     }
 
-    /// Decides one request from its headers. `Reply::passes()` means continue upstream and
-    /// add `headers` to the response.
-    pub fn on_request(&self, host: &dyn Host) -> Reply {
+    /// Decides one request from its headers: a reply, or an ask to the global store that the
+    /// request waits for (paused), answered through [`Engine::on_ask_response`].
+    pub fn on_request(&self, host: &dyn Host) -> Verdict {
         let now = host.now();
         let map = host.request_headers();
         // A host that leaves the pseudo-headers out of the map is asked for them by name.
@@ -152,7 +177,54 @@ impl Engine {
         });
         let ip = ip.flatten();
         let req = Request { method, path: &path, headers: &headers, ip: ip.as_deref() };
-        let (mut checks, skipped) = self.config.checks_of(&req, &matching);
+        let (checks, skipped) = self.config.checks_of(&req, &matching);
+        self.decide(host, now, checks, skipped, (method, &path), Ok(()))
+    }
+
+    /// The store's answer to a paused request's ask (`status` 0: the call failed): the units
+    /// given join the grants, and the request is decided again — once; it never asks twice.
+    pub fn on_ask_response(
+        &self,
+        host: &dyn Host,
+        asking: Asking,
+        status: u32,
+        tag: Option<&[u8]>,
+        body: &[u8],
+    ) -> Reply {
+        let taken = match &self.sync {
+            Some(s) => s.on_ask_response(host, &self.table, (&asking.wants, asking.asked_at), (status, tag, body)),
+            None => Vec::new(),
+        };
+        let paid: Vec<&[u8]> =
+            asking.wants.iter().zip(&taken).filter(|(_, t)| **t).map(|(w, _)| w.key.as_slice()).collect();
+        let label = (asking.method.as_str(), asking.path.as_str());
+        match self.decide(host, host.now(), asking.checks, asking.skipped, label, Err(&paid)) {
+            Verdict::Reply(r) => r,
+            // `decide` only asks when told it may.
+            Verdict::Ask(a) => {
+                render(&self.config, &Outcome { rejected: true, checks: a.outcome, skipped: Vec::new() })
+            }
+        }
+    }
+
+    /// Evaluates a request's checks against the table (and the store's grants), records the
+    /// units for sync and the metrics, and renders the reply. `ask` is `Ok` when the request
+    /// may still ask — one that only spent grants deny, while the store had quota left,
+    /// becomes an ask instead — and, once it has asked, the keys whose units the store took
+    /// (counted there, so not reported again).
+    fn decide(
+        &self,
+        host: &dyn Host,
+        now: Nanos,
+        mut checks: Vec<Check>,
+        skipped: Vec<(usize, Skip)>,
+        (method, path): (&str, &str),
+        ask: Result<(), &[&[u8]]>,
+    ) -> Verdict {
+        let (may_ask, paid) = match ask {
+            Ok(()) => (true, &[][..]),
+            Err(paid) => (false, paid),
+        };
         let real_limits: Vec<Limit> =
             if self.sync.is_some() { checks.iter().map(|c| c.limit).collect() } else { Vec::new() };
         // With sync: admit on the store's grants while its data is fresh; else degrade, open
@@ -174,17 +246,6 @@ impl Engine {
         let mut counters = TableCounters::new(&self.table, host, grants, &unavailable);
         let outcome = evaluate(&self.config, &checks, &mut counters, now);
         let stats = counters.stats;
-        if let Some(s) = &self.sync {
-            // Deltas name each counter's real limit, not a degraded share of it. A denied
-            // counter is named with 0 units: the next batch asks the store for a new grant
-            // (its window may have rolled over, or quota come back).
-            for ((c, real), o) in checks.iter().zip(&real_limits).zip(&outcome.checks) {
-                if let CheckResult::Decided(d) = o.result {
-                    let units = if d.allowed && !outcome.rejected { c.cost } else { 0 };
-                    s.record(host, &c.key, *real, units);
-                }
-            }
-        }
         let bump = |m: Option<u32>, by: u64| {
             if let (Some(id), true) = (m, by > 0) {
                 host.increment(id, by);
@@ -193,6 +254,44 @@ impl Engine {
         bump(self.node.evictions, stats.evictions);
         bump(self.node.corrupt, stats.corrupt);
         bump(self.node.cas_conflicts, stats.cas_conflicts);
+        if let (true, true, Some(s)) = (may_ask, outcome.rejected, &self.sync) {
+            // Ask only when every rejection is a spent grant the store may still cover.
+            let askable = &counters.askable;
+            let asks = |c: &Check| askable.iter().any(|k| *k == c.key);
+            let all = checks.iter().zip(&outcome.checks).filter(|(_, o)| o.rejects()).all(|(c, _)| asks(c));
+            if all && !askable.is_empty() {
+                let wants: Vec<Delta> = checks
+                    .iter()
+                    .zip(&real_limits)
+                    .filter(|(c, _)| asks(c))
+                    .map(|(c, l)| Delta { key: c.key.clone(), limit: *l, units: c.cost })
+                    .collect();
+                if let Some(token) = s.ask(host, &wants) {
+                    return Verdict::Ask(Asking {
+                        token,
+                        checks,
+                        skipped,
+                        wants,
+                        asked_at: host.now(),
+                        method: method.to_owned(),
+                        path: path.to_owned(),
+                        outcome: outcome.checks,
+                    });
+                }
+            }
+        }
+        if let Some(s) = &self.sync {
+            // Deltas name each counter's real limit, not a degraded share of it. A denied
+            // counter is named with 0 units: the next batch asks the store for a new grant
+            // (its window may have rolled over, or quota come back).
+            for ((c, real), o) in checks.iter().zip(&real_limits).zip(&outcome.checks) {
+                if let CheckResult::Decided(d) = o.result {
+                    let counted = paid.contains(&c.key.as_slice());
+                    let units = if d.allowed && !outcome.rejected && !counted { c.cost } else { 0 };
+                    s.record(host, &c.key, *real, units);
+                }
+            }
+        }
         for (rule, why) in &skipped {
             if *why == Skip::Unkeyed {
                 bump(self.rules.get(*rule).and_then(|m| m.unkeyed), 1);
@@ -222,7 +321,7 @@ impl Engine {
                 }
             }
         }
-        render(&self.config, &outcome)
+        Verdict::Reply(render(&self.config, &outcome))
     }
 
     /// Which identity headers, and whether the client IP, the rules this request matches

@@ -1,7 +1,7 @@
 //! The thin proxy-wasm layer: implements [`Host`] with the SDK's host calls (the variants
 //! that return errors rather than panic) and wires contexts to the [`Engine`].
 
-use crate::engine::Engine;
+use crate::engine::{Asking, Engine, Verdict};
 use crate::host::{Host, Level, SetError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -106,23 +106,28 @@ struct Root {
     engine: Option<Rc<Engine>>,
 }
 
+/// The store's answer to a call: status (0: failed or timed out), signature, body.
+fn call_response(num_headers: usize, body_size: usize) -> (u32, Option<Vec<u8>>, Vec<u8>) {
+    let (status, tag) = if num_headers == 0 {
+        (0, None)
+    } else {
+        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.parse().ok()))
+            .unwrap_or(0);
+        let tag =
+            hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, "x-ratewall-signature").ok().flatten();
+        (status, tag)
+    };
+    let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten().unwrap_or_default();
+    (status, tag, body)
+}
+
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
         let Some(engine) = &self.engine else { return };
-        let (status, tag) = if num_headers == 0 {
-            (0, None)
-        } else {
-            let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
-                .ok()
-                .flatten()
-                .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.parse().ok()))
-                .unwrap_or(0);
-            let tag =
-                hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, "x-ratewall-signature").ok().flatten();
-            (status, tag)
-        };
-        let body =
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten().unwrap_or_default();
+        let (status, tag, body) = call_response(num_headers, body_size);
         engine.on_sync_response(&ProxyHost, token, status, tag.as_deref(), &body);
     }
 }
@@ -158,7 +163,7 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Request { engine: self.engine.clone(), response_headers: Vec::new() }))
+        Some(Box::new(Request { engine: self.engine.clone(), response_headers: Vec::new(), asking: None }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -170,24 +175,53 @@ impl RootContext for Root {
 struct Request {
     engine: Option<Rc<Engine>>,
     response_headers: Vec<(&'static str, String)>,
+    /// The ask this request is paused on.
+    asking: Option<Asking>,
 }
 
-impl Context for Request {}
+impl Request {
+    /// Passes the request on (keeping the headers for the response) or sends the local
+    /// reply; whether the request went on.
+    fn reply(&mut self, reply: ratewall_core::Reply) -> bool {
+        if reply.passes() {
+            self.response_headers = reply.headers;
+            return true;
+        }
+        let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        hostcalls::send_http_response(u32::from(reply.status), headers, Some(reply.body.as_bytes())).is_err()
+    }
+}
+
+impl Context for Request {
+    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+        let (Some(engine), Some(asking)) = (self.engine.clone(), self.asking.take_if(|a| a.token == token)) else {
+            return;
+        };
+        let (status, tag, body) = call_response(num_headers, body_size);
+        let reply = engine.on_ask_response(&ProxyHost, asking, status, tag.as_deref(), &body);
+        if self.reply(reply) {
+            let _ = hostcalls::resume_http_request();
+        }
+    }
+}
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let Some(engine) = &self.engine else {
+        let Some(engine) = self.engine.clone() else {
             return Action::Continue;
         };
-        let reply = engine.on_request(&ProxyHost);
-        if reply.passes() {
-            self.response_headers = reply.headers;
-            return Action::Continue;
-        }
-        let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        match hostcalls::send_http_response(u32::from(reply.status), headers, Some(reply.body.as_bytes())) {
-            Ok(()) => Action::Pause,
-            Err(_) => Action::Continue,
+        match engine.on_request(&ProxyHost) {
+            Verdict::Reply(reply) => {
+                if self.reply(reply) {
+                    Action::Continue
+                } else {
+                    Action::Pause
+                }
+            }
+            Verdict::Ask(asking) => {
+                self.asking = Some(asking);
+                Action::Pause
+            }
         }
     }
 

@@ -13,7 +13,7 @@
 //! recovery. A failing store trips a circuit breaker, so ticks stop paying timeouts.
 
 use crate::host::{Host, Level, SetError};
-use crate::table::Table;
+use crate::table::{Allowance, Table};
 use ratewall_core::algo::{Limit, Nanos};
 use ratewall_core::rules::SyncOptions;
 use ratewall_core::sync::{hex, sign, unhex, verify, Delta, SyncRequest, SyncResponse};
@@ -34,9 +34,19 @@ pub const OUTBOXES: u32 = 8;
 pub const MAX_PENDING: usize = 20_000;
 /// Most counters in one batch (the Worker store accepts 500).
 pub const MAX_BATCH: usize = 500;
+/// Most asks one VM has in flight; a request past them is denied as before asks existed.
+pub const MAX_ASKS: u32 = 64;
 /// Failures in a row that open the circuit breaker.
 const BREAKER_AFTER: u32 = 3;
 const MS: Nanos = 1_000_000;
+
+/// The end of each grant's lease in an answer, in ms of the store's clock. Leases count from
+/// when the request was sent (`rtt` before the answer), so the node's lease always ends before
+/// the store's.
+fn lease_end(resp: &SyncResponse, rtt: Nanos) -> impl Fn(&ratewall_core::sync::Grant) -> u64 {
+    let sent = resp.now.saturating_sub(rtt);
+    move |g| (sent.saturating_add(g.lease) / MS).max(1)
+}
 
 fn outbox(i: u32) -> String {
     format!("rw1/sync/out/{i}")
@@ -99,6 +109,8 @@ struct Metrics {
     staleness_ms: Option<u32>,
     pending: Option<u32>,
     breaker_open: Option<u32>,
+    asks: Option<u32>,
+    asks_granted: Option<u32>,
 }
 
 /// One VM's syncer.
@@ -112,6 +124,8 @@ pub struct Syncer {
     syncing: RefCell<Syncing>,
     view: Cell<View>,
     metrics: Metrics,
+    /// Asks in flight, and the number of the last one sent.
+    asks: Cell<(u32, u64)>,
 }
 
 fn merge(into: &mut Pending, key: &[u8], limit: Limit, units: u64) -> bool {
@@ -154,6 +168,8 @@ impl Syncer {
             staleness_ms: gauge("ratewall_sync_staleness_ms"),
             pending: gauge("ratewall_sync_pending_counters"),
             breaker_open: gauge("ratewall_sync_breaker_open"),
+            asks: counter("ratewall_sync_asks"),
+            asks_granted: counter("ratewall_sync_asks_granted"),
         };
         // The node id on the wire and the lease token: unique per VM incarnation — the proxy's
         // node id (Envoy's --service-node), this VM's number and its start time, hashed.
@@ -174,6 +190,7 @@ impl Syncer {
             syncing: RefCell::default(),
             view: Cell::new(View::default()),
             metrics,
+            asks: Cell::new((0, 0)),
         }
     }
 
@@ -194,6 +211,7 @@ impl Syncer {
             syncing: RefCell::new(take_syncing.unwrap_or_default()),
             view: Cell::new(previous.view.get()),
             metrics: previous.metrics,
+            asks: Cell::new(previous.asks.get()),
         }
     }
 
@@ -282,7 +300,7 @@ impl Syncer {
                 }
             }
             let deltas = merged.into_iter().map(|(key, (limit, units))| Delta { key, limit, units }).collect();
-            let body = SyncRequest { node: 0, seq: 0, deltas }.encode();
+            let body = SyncRequest { node: 0, seq: 0, deltas, ask: false }.encode();
             match host.shared_set(&key, &body, cas) {
                 Ok(()) => {
                     if let (Some(m), true) = (self.metrics.dropped, dropped > 0) {
@@ -301,9 +319,10 @@ impl Syncer {
         }
     }
 
-    fn hold_lease(&self, host: &dyn Host, now: Nanos) -> bool {
-        let Ok((value, cas)) = host.shared_get(LEASE) else { return false };
-        let (holder, expires) = value
+    /// The lease's holder and expiry, and its CAS value.
+    fn lease(host: &dyn Host) -> Option<((u64, Nanos), Option<u32>)> {
+        let (value, cas) = host.shared_get(LEASE).ok()?;
+        let holder = value
             .and_then(|v| {
                 Some((
                     u64::from_le_bytes(v.get(..8)?.try_into().ok()?),
@@ -311,6 +330,11 @@ impl Syncer {
                 ))
             })
             .unwrap_or((0, 0));
+        Some((holder, cas))
+    }
+
+    fn hold_lease(&self, host: &dyn Host, now: Nanos) -> bool {
+        let Some(((holder, expires), cas)) = Self::lease(host) else { return false };
         if holder != self.token && expires > now {
             return false;
         }
@@ -368,11 +392,22 @@ impl Syncer {
                     .filter_map(|k| s.unsent.remove(&k).map(|(limit, units)| Delta { key: k, limit, units }))
                     .collect();
                 s.seq += 1;
-                let body = SyncRequest { node: self.token, seq: s.seq, deltas: deltas.clone() }.encode();
+                let body = SyncRequest { node: self.token, seq: s.seq, deltas: deltas.clone(), ask: false }.encode();
                 Batch { seq: s.seq, deltas, body }
             }
         };
-        let tag = hex(&sign(self.opts.secret.as_bytes(), &batch.body));
+        match self.send(host, &batch.body) {
+            Some(token) => s.inflight = Some((token, batch, now)),
+            None => {
+                drop(s);
+                self.failed(host, batch, now, "dispatch refused");
+            }
+        }
+    }
+
+    /// Signs and sends a message to the store; the call's token.
+    fn send(&self, host: &dyn Host, body: &[u8]) -> Option<u32> {
+        let tag = hex(&sign(self.opts.secret.as_bytes(), body));
         let headers = [
             (":method", "POST"),
             (":path", self.opts.path.as_str()),
@@ -380,13 +415,73 @@ impl Syncer {
             ("content-type", "application/octet-stream"),
             ("x-ratewall-signature", tag.as_str()),
         ];
-        match host.dispatch(&self.opts.cluster, &headers, &batch.body, self.opts.timeout) {
-            Some(token) => s.inflight = Some((token, batch, now)),
-            None => {
-                drop(s);
-                self.failed(host, batch, now, "dispatch refused");
-            }
+        host.dispatch(&self.opts.cluster, &headers, body, self.opts.timeout)
+    }
+
+    /// Asks the store for units a paused request needs now (its grants being spent); the
+    /// call's token. `None` — too many asks in flight, the breaker open, or the call refused —
+    /// means the request is decided on what the node holds.
+    pub fn ask(&self, host: &dyn Host, wants: &[Delta]) -> Option<u32> {
+        let (inflight, seq) = self.asks.get();
+        if inflight >= MAX_ASKS || host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until) {
+            return None;
         }
+        let seq = seq.wrapping_add(1);
+        // The node asks under the id its batches carry (the lease holder's): the store then
+        // replaces the units it gives with the grant of the node's next batch.
+        let node = Self::lease(host).map_or(0, |((holder, _), _)| holder);
+        let node = if node == 0 { self.token } else { node };
+        let body = SyncRequest { node, seq, deltas: wants.to_vec(), ask: true }.encode();
+        let token = self.send(host, &body)?;
+        self.asks.set((inflight + 1, seq));
+        if let Some(m) = self.metrics.asks {
+            host.increment(m, 1);
+        }
+        Some(token)
+    }
+
+    /// The answer to an ask: the units given are added to the counters' grants. A counter
+    /// the store refused is not asked for again until the next sync answers. Returns, per
+    /// counter asked for, whether the store took the units the request needs (they are
+    /// counted there already, and must not be reported again).
+    pub fn on_ask_response(
+        &self,
+        host: &dyn Host,
+        table: &Table,
+        ask: (&[Delta], Nanos),
+        answer: (u32, Option<&[u8]>, &[u8]),
+    ) -> Vec<bool> {
+        let ((wants, asked_at), (status, tag, body)) = (ask, answer);
+        let (inflight, seq) = self.asks.get();
+        self.asks.set((inflight.saturating_sub(1), seq));
+        let verified = tag.and_then(unhex).is_some_and(|t| verify(self.opts.secret.as_bytes(), body, &t));
+        let Some(resp) = (status == 200 && verified).then(|| SyncResponse::decode(body).ok()).flatten() else {
+            return Vec::new();
+        };
+        let now = host.now();
+        let until_ms = lease_end(&resp, now.saturating_sub(asked_at));
+        let mut taken = Vec::with_capacity(wants.len());
+        for (d, g) in wants.iter().zip(&resp.grants) {
+            let given = u32::try_from(g.grant).unwrap_or(u32::MAX);
+            taken.push(g.grant >= d.units && g.key == d.key);
+            let weigh = |st: &ratewall_core::State| (d.limit.idle_at(st), d.limit.usage(st, now));
+            let _ = table.update(
+                host,
+                &d.key,
+                now,
+                &weigh,
+                &mut |st, held| {
+                    let units = held.map_or(0, |h| h.units_at(resp.now)).saturating_add(given);
+                    let more = given > 0 && g.remaining > g.grant;
+                    Some((st.clone(), Some(Allowance { units, more, until_ms: until_ms(g) })))
+                },
+                &mut Default::default(),
+            );
+        }
+        if let (Some(m), true) = (self.metrics.asks_granted, !taken.is_empty() && taken.iter().all(|t| *t)) {
+            host.increment(m, 1);
+        }
+        taken
     }
 
     fn failed(&self, host: &dyn Host, batch: Batch, now: Nanos, why: &str) {
@@ -419,10 +514,10 @@ impl Syncer {
         body: &[u8],
     ) {
         let now = host.now();
-        let batch = {
+        let (batch, sent) = {
             let mut s = self.syncing.borrow_mut();
             match s.inflight.take() {
-                Some((t, b, _)) if t == token => b,
+                Some((t, b, sent)) if t == token => (b, sent),
                 other => {
                     s.inflight = other;
                     return; // not ours (a late answer to a call already given up on)
@@ -451,6 +546,7 @@ impl Syncer {
             self.failed(host, batch, now, &why);
             return;
         };
+        let until_ms = lease_end(&resp, now.saturating_sub(sent));
         for (d, g) in batch.deltas.iter().zip(&resp.grants) {
             let grant = u32::try_from(g.grant).unwrap_or(u32::MAX);
             let weigh = |st: &ratewall_core::State| (d.limit.idle_at(st), d.limit.usage(st, now));
@@ -459,7 +555,10 @@ impl Syncer {
                 &d.key,
                 now,
                 &weigh,
-                &mut |st, _| Some((st.clone(), Some(grant))),
+                &mut |st, _| {
+                    let more = g.remaining > g.grant;
+                    Some((st.clone(), Some(Allowance { units: grant, more, until_ms: until_ms(g) })))
+                },
                 &mut Default::default(),
             );
         }

@@ -24,7 +24,7 @@
 
 use crate::host::{Host, SetError};
 use ratewall_core::algo::{Nanos, State, SECOND};
-use ratewall_core::encoding::DecodeError;
+use ratewall_core::encoding::{put_varint, DecodeError, Reader};
 use ratewall_core::eval::{Check, Counters, StoreError};
 use siphasher::sip::SipHasher13;
 use std::cell::RefCell;
@@ -38,6 +38,7 @@ const VERSION_GRANTS: u8 = 2;
 const HEAD: usize = 11;
 /// Fingerprints keep their low 48 bits.
 const FINGERPRINT_MASK: u64 = (1 << 48) - 1;
+const MS: Nanos = 1_000_000;
 
 /// Where a (rule, key) lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,8 +60,53 @@ pub struct Entry {
     pub usage: u8,
     /// The limiter state.
     pub state: State,
-    /// Units the global store lets this node admit before its next sync (None: no grant).
-    pub grant: Option<u32>,
+    /// What the global store lets this node admit before its next sync (None: the store has
+    /// not answered for this counter).
+    pub grant: Option<Allowance>,
+}
+
+/// A node's grant on one counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allowance {
+    /// Units left to admit.
+    pub units: u32,
+    /// Whether the store had quota beyond this grant when it last answered: a request the
+    /// spent grant denies may then *ask* the store (docs/sync-protocol.md).
+    pub more: bool,
+    /// The end of the grant's lease, in whole milliseconds of the store's clock (0: none);
+    /// after it the grant is spent.
+    pub until_ms: u64,
+}
+
+impl Allowance {
+    /// Units that may be admitted at `now` (the store's clock).
+    pub fn units_at(&self, now: Nanos) -> u32 {
+        if self.until_ms == 0 || now / MS < self.until_ms {
+            self.units
+        } else {
+            0
+        }
+    }
+
+    /// Writes the entry encoding: a varint, 0 for none, else
+    /// `(units << 2 | more << 1 | leased) + 1`, then the lease end when leased.
+    fn put(a: Option<Allowance>, out: &mut Vec<u8>) {
+        let Some(a) = a else {
+            put_varint(out, 0);
+            return;
+        };
+        let leased = a.until_ms > 0;
+        put_varint(out, ((u64::from(a.units) << 2) | (u64::from(a.more) << 1) | u64::from(leased)) + 1);
+        if leased {
+            put_varint(out, a.until_ms);
+        }
+    }
+
+    fn read(r: &mut Reader<'_>) -> Result<Option<Allowance>, DecodeError> {
+        let Some(v) = r.varint()?.checked_sub(1) else { return Ok(None) };
+        let until_ms = if v & 1 == 1 { r.varint()? } else { 0 };
+        Ok(Some(Allowance { units: u32::try_from(v >> 2).unwrap_or(u32::MAX), more: v & 2 == 2, until_ms }))
+    }
 }
 
 /// Decodes a bucket value.
@@ -89,9 +135,8 @@ pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), 
         rest = rest.get(HEAD + used..).ok_or(DecodeError::Truncated)?;
         let mut grant = None;
         if version == VERSION_GRANTS {
-            let mut r = ratewall_core::encoding::Reader { bytes: rest, pos: 0 };
-            let g = r.varint()?;
-            grant = g.checked_sub(1).map(|g| u32::try_from(g).unwrap_or(u32::MAX));
+            let mut r = Reader { bytes: rest, pos: 0 };
+            grant = Allowance::read(&mut r)?;
             rest = rest.get(r.pos..).ok_or(DecodeError::Truncated)?;
         }
         entries.push(Entry {
@@ -124,13 +169,13 @@ pub fn encode_bucket_into(entries: &[Entry], out: &mut Vec<u8>) {
         out.push(e.usage);
         e.state.encode_into(out);
         if grants {
-            ratewall_core::encoding::put_varint(out, e.grant.map_or(0, |g| u64::from(g) + 1));
+            Allowance::put(e.grant, out);
         }
     }
 }
 
 /// An update of one entry: (state, grant) to the new (state, grant), or `None` to leave it.
-pub type EntryUpdate<'a> = dyn FnMut(&State, Option<u32>) -> Option<(State, Option<u32>)> + 'a;
+pub type EntryUpdate<'a> = dyn FnMut(&State, Option<Allowance>) -> Option<(State, Option<Allowance>)> + 'a;
 
 /// The table's shape and hashing.
 #[derive(Debug)]
@@ -321,13 +366,24 @@ pub struct TableCounters<'a> {
     /// Checks of these rules fail with [`StoreError::Unavailable`] (closed rules while the
     /// global store is unreachable).
     pub unavailable: &'a [bool],
+    /// Keys of the checks that a spent grant denied while the local limit would admit and
+    /// the store had quota left: the request may ask the store for them.
+    pub askable: Vec<Vec<u8>>,
     refunding: bool,
 }
 
 impl<'a> TableCounters<'a> {
     /// Counters over `table` for one request.
     pub fn new(table: &'a Table, host: &'a dyn Host, grants: Grants, unavailable: &'a [bool]) -> TableCounters<'a> {
-        TableCounters { table, host, stats: TableStats::default(), grants, unavailable, refunding: false }
+        TableCounters {
+            table,
+            host,
+            stats: TableStats::default(),
+            grants,
+            unavailable,
+            askable: Vec::new(),
+            refunding: false,
+        }
     }
 }
 
@@ -348,26 +404,37 @@ impl Counters for TableCounters<'_> {
             Grants::On { nodes } => u32::try_from((limit.quota() / u64::from(nodes.max(1))).max(1)).unwrap_or(u32::MAX),
             Grants::Off => u32::MAX,
         };
-        let mut g = |state: &State, grant: Option<u32>| {
+        // Before the store has answered for a counter the node spends an initial share, and
+        // once that is spent it may ask: nothing says the quota is gone.
+        let first = Allowance { units: initial, more: true, until_ms: 0 };
+        let mut askable = false;
+        let mut g = |state: &State, grant: Option<Allowance>| {
             // A fixed window's grant is a share of that window's quota: once the window has
             // rolled over, the node starts the new one on its initial share rather than on an
             // exhausted old grant (which denied until the next sync answered).
             let rolled = matches!(state, State::FixedWindow { window, .. } if *window != now / limit.per().max(1));
             let grant = if rolled { None } else { grant };
+            let held = grant.unwrap_or(first);
+            let held = Allowance { units: held.units_at(now), ..held };
             let allowance = match (grants, refunding) {
-                (Grants::On { .. }, false) => u64::from(grant.unwrap_or(initial)),
+                (Grants::On { .. }, false) => u64::from(held.units),
                 _ => u64::MAX,
             };
+            askable = allowance < u64::from(cost) && held.more && limit.decide(state, now, check.cost).0.allowed;
             let next = f(state, allowance)?;
             let grant = match (grants, refunding) {
-                (Grants::On { .. }, false) => Some(grant.unwrap_or(initial).saturating_sub(cost)),
-                (Grants::On { .. }, true) => grant.map(|g| g.saturating_add(cost)),
+                (Grants::On { .. }, false) => Some(Allowance { units: held.units.saturating_sub(cost), ..held }),
+                (Grants::On { .. }, true) => grant.map(|g| Allowance { units: g.units.saturating_add(cost), ..g }),
                 (Grants::Off, _) => grant,
             };
             Some((next, grant))
         };
         let weigh = |s: &State| (limit.idle_at(s), limit.usage(s, now));
-        self.table.update(self.host, &check.key, now, &weigh, &mut g, &mut self.stats)
+        let r = self.table.update(self.host, &check.key, now, &weigh, &mut g, &mut self.stats);
+        if askable {
+            self.askable.push(check.key.clone());
+        }
+        r
     }
 
     fn refund(&mut self, check: &Check, now: Nanos) -> Result<(), StoreError> {
@@ -397,11 +464,13 @@ mod tests {
         let bytes = encode_bucket(&entries);
         // At most 32 bytes per tracked key: 21 for a token bucket, 29 for a sliding window.
         assert_eq!(bytes.len(), 2 + 21 + 29);
-        // With a sync grant the bucket is version 2 and each entry carries it (+1 byte here).
+        // With a sync grant the bucket is version 2 and each entry carries it (1 byte here, and
+        // 6 for the end of a lease).
         let mut granted = entries.clone();
-        granted[0].grant = Some(7);
+        granted[0].grant = Some(Allowance { units: 3, more: true, until_ms: 0 });
+        granted[1].grant = Some(Allowance { units: 1, more: false, until_ms: 1_800_000_000_123 });
         let bytes2 = encode_bucket(&granted);
-        assert_eq!(bytes2.len(), bytes.len() + 2);
+        assert_eq!(bytes2.len(), bytes.len() + 2 + 6);
         assert_eq!(decode_bucket(&bytes2).unwrap(), granted);
         assert_eq!(decode_bucket(&bytes).unwrap(), entries);
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());

@@ -30,6 +30,7 @@ use sha2::Sha256;
 pub const VERSION: u8 = 1;
 const KIND_REQUEST: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
+const KIND_ASK: u8 = 3;
 /// Longest counter key accepted on the wire.
 pub const MAX_KEY: usize = 1024;
 /// Most deltas (or grants) in one message.
@@ -55,6 +56,11 @@ pub struct SyncRequest {
     pub seq: u64,
     /// The deltas.
     pub deltas: Vec<Delta>,
+    /// An *ask* rather than a batch: each delta's `units` are units a paused request needs
+    /// now, beyond the node's spent grant. The store grants them only if they are free (not
+    /// consumed and not held by any node's grant); nothing is counted, and `seq` is not the
+    /// batch sequence (asks are never retried).
+    pub ask: bool,
 }
 
 /// The store's answer for one counter.
@@ -68,6 +74,8 @@ pub struct Grant {
     pub grant: u64,
     /// Time until the global quota is restored.
     pub reset_after: Nanos,
+    /// How long the grant may be spent, from when the node sent its request.
+    pub lease: Nanos,
 }
 
 /// The store's answer to a batch.
@@ -135,16 +143,17 @@ fn read_bytes(r: &mut Reader<'_>, max: usize) -> Result<Vec<u8>, DecodeError> {
     Ok(r.take(n)?.to_vec())
 }
 
-fn read_header(r: &mut Reader<'_>, kind: u8) -> Result<(), DecodeError> {
+/// Reads the version and a kind among `kinds`; returns the kind.
+fn read_header(r: &mut Reader<'_>, kinds: &[u8]) -> Result<u8, DecodeError> {
     let v = r.u8()?;
     if v != VERSION {
         return Err(DecodeError::Version(v));
     }
     let k = r.u8()?;
-    if k != kind {
+    if !kinds.contains(&k) {
         return Err(DecodeError::Tag(k));
     }
-    Ok(())
+    Ok(k)
 }
 
 fn read_count(r: &mut Reader<'_>) -> Result<usize, DecodeError> {
@@ -158,7 +167,7 @@ fn read_count(r: &mut Reader<'_>) -> Result<usize, DecodeError> {
 impl SyncRequest {
     /// The wire encoding.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = alloc::vec![VERSION, KIND_REQUEST];
+        let mut out = alloc::vec![VERSION, if self.ask { KIND_ASK } else { KIND_REQUEST }];
         put_varint(&mut out, self.node);
         put_varint(&mut out, self.seq);
         put_varint(&mut out, self.deltas.len() as u64);
@@ -173,7 +182,7 @@ impl SyncRequest {
     /// Decodes the wire encoding; trailing bytes are an error.
     pub fn decode(bytes: &[u8]) -> Result<SyncRequest, DecodeError> {
         let mut r = Reader { bytes, pos: 0 };
-        read_header(&mut r, KIND_REQUEST)?;
+        let ask = read_header(&mut r, &[KIND_REQUEST, KIND_ASK])? == KIND_ASK;
         let (node, seq) = (r.varint()?, r.varint()?);
         let n = read_count(&mut r)?;
         let mut deltas = Vec::with_capacity(n.min(1024));
@@ -183,7 +192,7 @@ impl SyncRequest {
         if r.pos != bytes.len() {
             return Err(DecodeError::Truncated);
         }
-        Ok(SyncRequest { node, seq, deltas })
+        Ok(SyncRequest { node, seq, deltas, ask })
     }
 }
 
@@ -200,6 +209,7 @@ impl SyncResponse {
             put_varint(&mut out, g.remaining);
             put_varint(&mut out, g.grant);
             put_varint(&mut out, g.reset_after);
+            put_varint(&mut out, g.lease);
         }
         out
     }
@@ -207,7 +217,7 @@ impl SyncResponse {
     /// Decodes the wire encoding; trailing bytes are an error.
     pub fn decode(bytes: &[u8]) -> Result<SyncResponse, DecodeError> {
         let mut r = Reader { bytes, pos: 0 };
-        read_header(&mut r, KIND_RESPONSE)?;
+        read_header(&mut r, &[KIND_RESPONSE])?;
         let (seq, now) = (r.varint()?, r.varint()?);
         let nodes = u32::try_from(r.varint()?).unwrap_or(u32::MAX);
         let n = read_count(&mut r)?;
@@ -218,6 +228,7 @@ impl SyncResponse {
                 remaining: r.varint()?,
                 grant: r.varint()?,
                 reset_after: r.varint()?,
+                lease: r.varint()?,
             });
         }
         if r.pos != bytes.len() {
@@ -289,6 +300,13 @@ struct Share {
     /// The grant answered to that batch (a retry gets the same answer).
     grant: u64,
     seen: Nanos,
+    /// The end of the grant's lease: after it the node no longer spends the grant.
+    until: Nanos,
+    /// Units given to the node's asks since its last batch.
+    asked: u64,
+    /// Units given to its asks before its last batch, which may have been cut before they
+    /// were spent: they stay outstanding until the batch after.
+    carried: u64,
 }
 
 /// What a counter answers to one node's delta.
@@ -300,13 +318,22 @@ pub struct Applied {
     pub grant: u64,
     /// Time until the global quota is restored.
     pub reset_after: Nanos,
+    /// How long the node may spend the grant.
+    pub lease: Nanos,
     /// Nodes active on this counter.
     pub nodes: u32,
     /// False when the delta was a repeat (or older than one) already applied: not counted.
     pub counted: bool,
 }
 
-/// One global counter: its state and the traffic shares of the nodes that sync to it.
+/// The longest lease a grant gets (far from the limit, or with no traffic to go by).
+pub const MAX_LEASE: Nanos = 2 * crate::algo::SECOND;
+/// The lease of units given to an ask: they are spent at once, or given back by expiring.
+pub const ASK_LEASE: Nanos = crate::algo::SECOND;
+const COUNTER_VERSION: u8 = 2;
+
+/// One global counter: its state, the traffic shares of the nodes that sync to it, and its
+/// recent rate.
 ///
 /// The reference [`Store`] holds many; the Cloudflare Worker holds one per Durable Object, so
 /// both answer a delta the same way. Every operation clamps `now` to the latest instant the
@@ -320,12 +347,14 @@ pub struct Counter {
     shares: Vec<Share>,
     /// The latest instant seen.
     pub last_seen: Nanos,
+    /// Units reported per whole second: (second, units in the one before, units in it).
+    rate: (u64, u64, u64),
 }
 
 impl Counter {
     /// A fresh counter.
     pub fn new(limit: Limit) -> Counter {
-        Counter { limit, state: State::Fresh, shares: Vec::new(), last_seen: 0 }
+        Counter { limit, state: State::Fresh, shares: Vec::new(), last_seen: 0, rate: (0, 0, 0) }
     }
 
     fn clock(&mut self, limit: Limit, now: Nanos) -> Nanos {
@@ -354,85 +383,208 @@ impl Counter {
         self.state = self.limit.refund(&self.state, taken_at, cost);
     }
 
+    /// Drops the shares of nodes gone quiet (their lease over, nothing heard for `node_ttl`).
+    fn forget_quiet(&mut self, node: u64, now: Nanos, node_ttl: Nanos) {
+        self.shares.retain(|s| s.node == node || now.saturating_sub(s.seen) <= node_ttl || s.until > now);
+    }
+
     /// Adds one node's delta (units it already admitted) and answers its grant. A delta whose
     /// `seq` this counter has already applied for the node is not counted again: a repeat gets
     /// the grant it got before, an older one a grant of 0.
     pub fn apply(&mut self, limit: Limit, now: Nanos, node: u64, seq: u64, units: u64, node_ttl: Nanos) -> Applied {
         let now = self.clock(limit, now);
-        self.shares.retain(|s| s.node == node || now.saturating_sub(s.seen) <= node_ttl);
+        self.forget_quiet(node, now, node_ttl);
+        let nodes = |c: &Counter| u32::try_from(c.shares.len()).unwrap_or(u32::MAX);
         let prior = self.shares.iter().position(|s| s.node == node);
         if let Some(s) = prior.and_then(|i| self.shares.get(i)).filter(|s| seq <= s.seq) {
-            let grant = if seq == s.seq { s.grant } else { 0 };
+            let (grant, lease) = if seq == s.seq { (s.grant, s.until.saturating_sub(now)) } else { (0, 0) };
             let (view, _) = self.limit.decide(&self.state, now, 0);
-            let nodes = u32::try_from(self.shares.len()).unwrap_or(u32::MAX);
-            return Applied { remaining: view.remaining, grant, reset_after: view.reset_after, nodes, counted: false };
+            let (remaining, reset_after) = (view.remaining, view.reset_after);
+            return Applied { remaining, grant, reset_after, lease, nodes: nodes(self), counted: false };
         }
         self.state = self.limit.consume(&self.state, now, units);
+        self.note_rate(now, units);
         let idx = match prior {
             Some(i) => i,
-            None => {
-                if self.shares.len() >= MAX_SHARES {
-                    if let Some(old) = self.shares.iter().enumerate().min_by_key(|(_, s)| s.seen).map(|(i, _)| i) {
-                        self.shares.swap_remove(old);
-                    }
-                }
-                self.shares.push(Share { node, seq: 0, units: 0, grant: 0, seen: now });
-                self.shares.len() - 1
-            }
+            None => self.new_share(node, now),
         };
         let (view, _) = self.limit.decide(&self.state, now, 0);
-        // Weights are recent units + 1, so a node new to a counter still gets some.
-        let total: u128 = self.shares.iter().map(|s| if s.node == node { 0 } else { u128::from(s.units) + 1 }).sum();
-        // Each node's grant is its traffic share of what remains now. Shares are recomputed
-        // at every node's sync from fresher `remaining`, so grants given at different instants
-        // can overlap a little; the simulation measures what that costs. A share that rounds
-        // to 0 gets one unit only if the other nodes' grants leave one free (`available`), so
-        // the last units of a quota are neither lost to rounding nor granted twice.
-        let others: u64 = self.shares.iter().filter(|s| s.node != node).map(|s| s.grant).fold(0, u64::saturating_add);
+        // Grants are strict: what this node may take is what remains minus every other node's
+        // grant still on lease, so the grants outstanding never sum to more than what remains
+        // (units a node spent from its grant are not counted until it reports them, and its
+        // report replaces its grant). Of that, the node gets its traffic share, rounded down.
+        //
+        // A grant is leased for about half the time the whole fleet, at its recent rate,
+        // would take to use up what remains: a node that goes quiet holds its grant for no
+        // longer than that, so by the time the quota runs low the units it held are free
+        // again for the nodes that ask ([`Counter::ask`]).
+        let others = self.outstanding(now, Some(node));
         let available = view.remaining.saturating_sub(others);
+        let lease = self.lease(view.remaining, now);
         let mut grant = 0;
         if let Some(s) = self.shares.get_mut(idx) {
             s.units = s.units / 2 + units;
-            let mine = u128::from(s.units) + 1;
-            let fair = (u128::from(view.remaining) * mine / (total + mine)) as u64;
-            // A share rounded down to 0 would starve every node of the last few units.
-            grant = if fair > 0 { fair.min(view.remaining) } else { available.min(1) };
-            *s = Share { node, seq, units: s.units, grant, seen: now };
+            let carried = s.asked;
+            let until = now.saturating_add(lease);
+            *s = Share { node, seq, units: s.units, grant: 0, seen: now, until, asked: 0, carried };
+            grant = self.share_of(node, available.saturating_sub(carried), lease);
+        }
+        if let Some(s) = self.shares.get_mut(idx) {
+            s.grant = grant;
+        }
+        let (remaining, reset_after) = (view.remaining, view.reset_after);
+        Applied { remaining, grant, reset_after, lease, nodes: nodes(self), counted: true }
+    }
+
+    /// `node`'s part of `available` units for a lease of `lease`: its traffic share (weights
+    /// are recent units + 1, so a node new to a counter still gets some), rounded down, and
+    /// no more than twice what that share of the fleet's recent rate would use in the lease
+    /// — units a quiet node holds are locked from every other node.
+    fn share_of(&self, node: u64, available: u64, lease: Nanos) -> u64 {
+        if lease == 0 {
+            return 0;
+        }
+        let weight = |s: &Share| u128::from(s.units) + 1;
+        let total: u128 = self.shares.iter().map(weight).sum();
+        let mine = self.shares.iter().find(|s| s.node == node).map_or(1, weight);
+        let fair = u128::from(available) * mine / total.max(mine);
+        let rate = u128::from(self.rate.1.max(self.rate.2).max(1));
+        let use_in_lease = rate * u128::from(lease) * mine / total.max(mine) / u128::from(crate::algo::SECOND);
+        u64::try_from(fair.min(2 * use_in_lease)).unwrap_or(u64::MAX).min(available)
+    }
+
+    /// Counts `units` reported at `now` into the per-second rate.
+    fn note_rate(&mut self, now: Nanos, units: u64) {
+        let sec = now / crate::algo::SECOND;
+        let (at, prev, curr) = self.rate;
+        self.rate = match sec.saturating_sub(at) {
+            0 => (at, prev, curr.saturating_add(units)),
+            1 => (sec, curr, units),
+            _ => (sec, 0, units),
+        };
+    }
+
+    /// Units reported over the last second (the one before counted pro rata).
+    fn rate_per_sec(&self, now: Nanos) -> u64 {
+        let second = crate::algo::SECOND;
+        let (at, prev, curr) = self.rate;
+        let left = u128::from(second - now % second);
+        let part = |n: u64| (u128::from(n) * left / u128::from(second)) as u64;
+        match (now / second).saturating_sub(at) {
+            0 => part(prev).saturating_add(curr),
+            1 => part(curr),
+            _ => 0,
+        }
+    }
+
+    /// The lease of a grant given now: half the time the fleet would take to use up
+    /// `remaining` at its recent rate, at most [`MAX_LEASE`]; 0 when nothing remains.
+    fn lease(&self, remaining: u64, now: Nanos) -> Nanos {
+        if remaining == 0 {
+            return 0;
+        }
+        let rate = self.rate_per_sec(now);
+        if rate == 0 {
+            return MAX_LEASE;
+        }
+        let until_empty = u128::from(remaining) * u128::from(crate::algo::SECOND) / u128::from(rate);
+        u64::try_from(until_empty / 2).unwrap_or(u64::MAX).min(MAX_LEASE)
+    }
+
+    /// Adds a share for `node` (the least recently seen goes when full); returns its index.
+    fn new_share(&mut self, node: u64, now: Nanos) -> usize {
+        if self.shares.len() >= MAX_SHARES {
+            if let Some(old) = self.shares.iter().enumerate().min_by_key(|(_, s)| s.seen).map(|(i, _)| i) {
+                self.shares.swap_remove(old);
+            }
+        }
+        self.shares.push(Share { node, seq: 0, units: 0, grant: 0, seen: now, until: now, asked: 0, carried: 0 });
+        self.shares.len() - 1
+    }
+
+    /// Units held by the nodes' grants still on lease (all nodes but `except`). A fixed
+    /// window's grant also ends with the window it was given in.
+    fn outstanding(&self, now: Nanos, except: Option<u64>) -> u64 {
+        let per = self.limit.per().max(1);
+        let fixed = self.limit.algorithm() == Algorithm::FixedWindow;
+        self.shares
+            .iter()
+            .filter(|s| Some(s.node) != except && s.until > now && !(fixed && s.seen / per != now / per))
+            .map(|s| s.grant.saturating_add(s.asked).saturating_add(s.carried))
+            .fold(0, u64::saturating_add)
+    }
+
+    /// Answers a node's *ask*: a request that needs `cost` units now, its grant being spent.
+    /// The units are taken — counted here, at once — only if they are free: not consumed and
+    /// not held by any node's grant on lease, the asker's included, so an ask never
+    /// over-admits. With them comes the node's share of what else is free, as a sync would
+    /// give it, so its next requests need not ask; the node reports what it spends of that
+    /// with its next batch, like any grant. `grant` in the answer is 0 (refused), or `cost`
+    /// (taken) plus that share, leased for [`ASK_LEASE`].
+    pub fn ask(&mut self, limit: Limit, now: Nanos, node: u64, cost: u64, node_ttl: Nanos) -> Applied {
+        let now = self.clock(limit, now);
+        self.forget_quiet(node, now, node_ttl);
+        let (view, _) = self.limit.decide(&self.state, now, 0);
+        let held = self.outstanding(now, None);
+        let free = view.remaining.saturating_sub(held);
+        let mut given = 0;
+        if cost <= free {
+            let extra = self.share_of(node, free - cost, self.lease(view.remaining, now).min(ASK_LEASE));
+            given = cost.saturating_add(extra);
+            self.state = self.limit.consume(&self.state, now, cost);
+            self.note_rate(now, cost);
+            let idx = match self.shares.iter().position(|s| s.node == node) {
+                Some(i) => i,
+                None => self.new_share(node, now),
+            };
+            if let Some(s) = self.shares.get_mut(idx) {
+                s.asked = s.asked.saturating_add(extra);
+                s.until = s.until.max(now.saturating_add(ASK_LEASE));
+                s.seen = now;
+            }
         }
         let nodes = u32::try_from(self.shares.len()).unwrap_or(u32::MAX);
-        Applied { remaining: view.remaining, grant, reset_after: view.reset_after, nodes, counted: true }
+        let (remaining, reset_after) = (view.remaining, view.reset_after);
+        Applied { remaining, grant: given, reset_after, lease: ASK_LEASE, nodes, counted: given > 0 }
     }
 
     /// When this counter can be forgotten: its state is fresh and no node holds a share.
     pub fn idle_at(&self, node_ttl: Nanos) -> Nanos {
-        let shares = self.shares.iter().map(|s| s.seen.saturating_add(node_ttl)).max().unwrap_or(0);
+        let shares = self.shares.iter().map(|s| s.seen.saturating_add(node_ttl).max(s.until)).max().unwrap_or(0);
         self.limit.idle_at(&self.state).max(shares)
     }
 
-    /// The persistent encoding: state, clock and shares (the limit travels with each call).
+    /// The persistent encoding: state, clock, rate and shares (the limit travels with each
+    /// call).
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = alloc::vec![VERSION];
+        let mut out = alloc::vec![COUNTER_VERSION];
         self.state.encode_into(&mut out);
         put_varint(&mut out, self.last_seen);
+        for v in [self.rate.0, self.rate.1, self.rate.2] {
+            put_varint(&mut out, v);
+        }
         put_varint(&mut out, self.shares.len() as u64);
         for s in &self.shares {
-            for v in [s.node, s.seq, s.units, s.grant, s.seen] {
+            for v in [s.node, s.seq, s.units, s.grant, s.seen, s.until, s.asked, s.carried] {
                 put_varint(&mut out, v);
             }
         }
         out
     }
 
-    /// Decodes [`Counter::encode`] under `limit`; trailing bytes are an error.
+    /// Decodes [`Counter::encode`] under `limit` (and the version before it, which had no
+    /// rate and no leases: its grants are taken as leased for [`MAX_LEASE`]); trailing bytes
+    /// are an error.
     pub fn decode(limit: Limit, bytes: &[u8]) -> Result<Counter, DecodeError> {
         let mut r = Reader { bytes, pos: 0 };
         let v = r.u8()?;
-        if v != VERSION {
+        if v != COUNTER_VERSION && v != 1 {
             return Err(DecodeError::Version(v));
         }
         let (state, used) = State::decode(bytes.get(1..).unwrap_or_default())?;
         r.pos += used;
         let last_seen = r.varint()?;
+        let rate = if v == 1 { (0, 0, 0) } else { (r.varint()?, r.varint()?, r.varint()?) };
         let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
         if n > MAX_SHARES {
             return Err(DecodeError::Truncated);
@@ -440,12 +592,14 @@ impl Counter {
         let mut shares = Vec::with_capacity(n);
         for _ in 0..n {
             let (node, seq, units, grant, seen) = (r.varint()?, r.varint()?, r.varint()?, r.varint()?, r.varint()?);
-            shares.push(Share { node, seq, units, grant, seen });
+            let (until, asked, carried) =
+                if v == 1 { (seen.saturating_add(MAX_LEASE), 0, 0) } else { (r.varint()?, r.varint()?, r.varint()?) };
+            shares.push(Share { node, seq, units, grant, seen, until, asked, carried });
         }
         if r.pos != bytes.len() {
             return Err(DecodeError::Truncated);
         }
-        Ok(Counter { limit, state, shares, last_seen })
+        Ok(Counter { limit, state, shares, last_seen, rate })
     }
 }
 
@@ -497,9 +651,10 @@ impl Store {
         self.handle(now, &req).map(|r| r.encode())
     }
 
-    /// Applies a batch at the store's `now`.
+    /// Applies a batch, or answers an ask, at the store's `now`. Asks carry no sequence
+    /// number that counts: they are neither checked nor recorded (asks are never retried).
     pub fn handle(&mut self, now: Nanos, req: &SyncRequest) -> Result<SyncResponse, SyncError> {
-        if let Some(node) = self.nodes.get(&req.node) {
+        if let Some(node) = self.nodes.get(&req.node).filter(|_| !req.ask) {
             if req.seq == node.last_seq {
                 return Ok(node.last_response.clone());
             }
@@ -514,19 +669,26 @@ impl Store {
                 self.evict_oldest();
             }
             let c = self.counters.entry(d.key.clone()).or_insert_with(|| Counter::new(d.limit));
-            let a = c.apply(d.limit, now, req.node, req.seq, d.units, ttl);
+            let a = if req.ask {
+                c.ask(d.limit, now, req.node, d.units, ttl)
+            } else {
+                c.apply(d.limit, now, req.node, req.seq, d.units, ttl)
+            };
             grants.push(Grant {
                 key: d.key.clone(),
                 remaining: a.remaining,
                 grant: a.grant,
                 reset_after: a.reset_after,
+                lease: a.lease,
             });
         }
         let active = self.nodes.iter().filter(|(id, n)| **id != req.node && now.saturating_sub(n.last_seen) <= ttl);
         let nodes = u32::try_from(active.count() + 1).unwrap_or(u32::MAX);
         let resp = SyncResponse { seq: req.seq, now, nodes, grants };
-        self.nodes.insert(req.node, Node { last_seq: req.seq, last_response: resp.clone(), last_seen: now });
-        self.nodes.retain(|_, n| now.saturating_sub(n.last_seen) <= ttl.saturating_mul(10));
+        if !req.ask {
+            self.nodes.insert(req.node, Node { last_seq: req.seq, last_response: resp.clone(), last_seen: now });
+            self.nodes.retain(|_, n| now.saturating_sub(n.last_seen) <= ttl.saturating_mul(10));
+        }
         Ok(resp)
     }
 
@@ -548,7 +710,7 @@ mod tests {
     }
 
     fn req(node: u64, seq: u64, units: u64) -> SyncRequest {
-        SyncRequest { node, seq, deltas: vec![Delta { key: b"k".to_vec(), limit: limit(), units }] }
+        SyncRequest { node, seq, deltas: vec![Delta { key: b"k".to_vec(), limit: limit(), units }], ask: false }
     }
 
     const NOW: Nanos = 1_700_000_000 * SECOND;
@@ -572,7 +734,7 @@ mod tests {
             seq: 9,
             now: NOW,
             nodes: 3,
-            grants: vec![Grant { key: b"k".to_vec(), remaining: 5, grant: 2, reset_after: 7 }],
+            grants: vec![Grant { key: b"k".to_vec(), remaining: 5, grant: 2, reset_after: 7, lease: 9 }],
         };
         assert_eq!(SyncResponse::decode(&resp.encode()), Ok(resp));
         assert!(SyncResponse::decode(&r.encode()).is_err(), "a request is not a response");
@@ -584,6 +746,7 @@ mod tests {
             node: 1,
             seq: 1,
             deltas: vec![Delta { key: vec![b'x'; 24], limit: limit(), units: 12 }; 100],
+            ask: false,
         };
         let per_delta = (r.encode().len() - 5) / 100;
         assert!(per_delta <= 36, "{per_delta} bytes per delta for a 24-byte key");
@@ -677,7 +840,7 @@ mod tests {
         let mut s = Store::new(10, 10 * SECOND);
         for i in 0..1000u64 {
             let d = Delta { key: i.to_le_bytes().to_vec(), limit: limit(), units: 1 };
-            s.handle(NOW + i, &SyncRequest { node: 1, seq: i + 1, deltas: vec![d] }).unwrap();
+            s.handle(NOW + i, &SyncRequest { node: 1, seq: i + 1, deltas: vec![d], ask: false }).unwrap();
         }
         assert_eq!(s.len(), 10);
     }

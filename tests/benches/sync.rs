@@ -53,5 +53,7 @@ fn main() {
         figure(&format!("false_denial_pct_{}", s.name), r.false_denial_pct, "%");
         figure(&format!("store_calls_per_node_per_sec_{}", s.name), r.calls_per_node_per_sec, "calls/s");
         figure(&format!("bytes_per_sync_{}", s.name), r.bytes_per_sync, "B");
+        figure(&format!("paused_pct_{}", s.name), r.paused_pct, "%");
+        figure(&format!("asks_per_node_per_sec_{}", s.name), r.asks_per_node_per_sec, "calls/s");
     }
 }

@@ -12,7 +12,7 @@
 //! faithfully, the rest (gRPC, queues, foreign functions) answer `Unimplemented`. WASI
 //! imports of wasm32-wasip1 modules get minimal shims.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -246,6 +246,15 @@ impl HttpRequest {
     }
 }
 
+/// A request the filter decided at once, or paused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Started {
+    /// Decided.
+    Done(FilterResult),
+    /// Paused: its context id, for [`Vm::finish`].
+    Paused(u32),
+}
+
 /// What the filter did with a request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FilterResult {
@@ -283,7 +292,10 @@ struct VmState {
     request_headers: Vec<(String, Vec<u8>)>,
     response_headers: Vec<(String, Vec<u8>)>,
     source_address: Option<String>,
-    local_reply: Option<LocalReply>,
+    /// Local replies sent, by context.
+    local_replies: HashMap<u32, LocalReply>,
+    /// Paused contexts the plugin resumed (`proxy_continue_stream`).
+    resumed: HashSet<u32>,
     tick_period_ms: u32,
     callouts: Vec<Callout>,
     call_response: Option<(HeaderMap, Vec<u8>)>,
@@ -658,7 +670,8 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
                 .into_iter()
                 .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
                 .collect();
-            c.data_mut().local_reply = Some(LocalReply { status: code as u32, headers, body });
+            let ctx = c.data().effective_context;
+            c.data_mut().local_replies.insert(ctx, LocalReply { status: code as u32, headers, body });
             Ok(status::OK)
         },
     )?;
@@ -691,7 +704,11 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
         c.data_mut().effective_context = ctx as u32;
         status::OK
     })?;
-    linker.func_wrap("env", "proxy_continue_stream", |_c: Caller<'_, VmState>, _t: i32| -> i32 { status::OK })?;
+    linker.func_wrap("env", "proxy_continue_stream", |mut c: Caller<'_, VmState>, _t: i32| -> i32 {
+        let ctx = c.data().effective_context;
+        c.data_mut().resumed.insert(ctx);
+        status::OK
+    })?;
     linker.func_wrap("env", "proxy_close_stream", |_c: Caller<'_, VmState>, _t: i32| -> i32 { status::OK })?;
     linker.func_wrap("env", "proxy_done", |_c: Caller<'_, VmState>| -> i32 { status::OK })?;
     linker.func_wrap(
@@ -821,7 +838,8 @@ impl Vm {
             request_headers: Vec::new(),
             response_headers: Vec::new(),
             source_address: None,
-            local_reply: None,
+            local_replies: HashMap::new(),
+            resumed: HashSet::new(),
             tick_period_ms: 0,
             callouts: Vec::new(),
             call_response: None,
@@ -885,9 +903,9 @@ impl Vm {
         Ok(results)
     }
 
-    /// Runs a request through the filter: request headers, then (when it passes) an upstream
-    /// `200` response's headers, then the end of the stream.
-    pub fn request(&mut self, req: &HttpRequest) -> Result<FilterResult> {
+    /// Starts a request: its headers go through the filter, which decides it now or pauses
+    /// it (waiting for a callout it dispatched; see [`Vm::finish`]).
+    pub fn begin(&mut self, req: &HttpRequest) -> Result<Started> {
         let ctx = self.next_context;
         self.next_context += 1;
         {
@@ -896,7 +914,6 @@ impl Vm {
             s.request_headers.clone_from(&req.headers);
             s.response_headers = Vec::new();
             s.source_address = req.source_address.clone();
-            s.local_reply = None;
             s.effective_context = ctx;
         }
         let root = self.root as i32;
@@ -904,11 +921,41 @@ impl Vm {
         self.guard(|s, e| e.context_create.call(s, (c, root)))?;
         let n = req.headers.len() as i32;
         let action = self.guard(|s, e| e.request_headers.call(s, (c, n, 1)))?;
-        let paused = action == 1;
-        let result = if let Some(reply) = self.store.data_mut().local_reply.take() {
+        let reply = self.store.data_mut().local_replies.remove(&ctx);
+        if action == 1 && reply.is_none() {
+            return Ok(Started::Paused(ctx));
+        }
+        self.complete(ctx, reply).map(Started::Done)
+    }
+
+    /// Runs a request through the filter: request headers, then (when it passes) an upstream
+    /// `200` response's headers, then the end of the stream. A request the filter pauses
+    /// without replying is an error here: see [`Vm::begin`].
+    pub fn request(&mut self, req: &HttpRequest) -> Result<FilterResult> {
+        match self.begin(req)? {
+            Started::Done(r) => Ok(r),
+            Started::Paused(_) => bail!("the filter paused the request without replying"),
+        }
+    }
+
+    /// A paused request after the callouts it waits for were delivered: its result once the
+    /// plugin replied or resumed it (`None`: still paused).
+    pub fn finish(&mut self, ctx: u32) -> Result<Option<FilterResult>> {
+        let s = self.store.data_mut();
+        let reply = s.local_replies.remove(&ctx);
+        if reply.is_none() && !s.resumed.remove(&ctx) {
+            return Ok(None);
+        }
+        self.complete(ctx, reply).map(Some)
+    }
+
+    /// The rest of a request's life once its headers are decided: the upstream `200`
+    /// response's headers when it passed, then the end of the stream.
+    fn complete(&mut self, ctx: u32, reply: Option<LocalReply>) -> Result<FilterResult> {
+        let c = ctx as i32;
+        self.store.data_mut().effective_context = ctx;
+        let result = if let Some(reply) = reply {
             FilterResult { status: reply.status, headers: reply.headers, body: reply.body, passed: false }
-        } else if paused {
-            bail!("the filter paused the request without replying");
         } else {
             self.store.data_mut().response_headers = vec![(":status".into(), b"200".to_vec())];
             self.guard(|s, e| e.response_headers.call(s, (c, 1, 1)))?;
@@ -925,6 +972,7 @@ impl Vm {
         self.guard(|s, e| e.done.call(s, c))?;
         self.guard(|s, e| e.log.call(s, c))?;
         self.guard(|s, e| e.delete.call(s, c))?;
+        self.store.data_mut().resumed.remove(&ctx);
         Ok(result)
     }
 

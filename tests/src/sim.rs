@@ -4,7 +4,7 @@
 //! It measures, per scenario, over-admission against the limit per window, false denials,
 //! store calls per node per second and bytes per sync.
 
-use crate::host::{HttpRequest, Node, Plugin, Vm};
+use crate::host::{Callout, HttpRequest, Node, Plugin, Started, Vm};
 use ratewall_core::sync::{hex, sign, unhex, Store};
 use ratewall_core::SECOND;
 use std::collections::{BTreeMap, VecDeque};
@@ -94,6 +94,10 @@ pub struct Report {
     pub bytes_per_sync: f64,
     /// Requests offered.
     pub requests: u64,
+    /// Requests that waited (paused) for an ask to the store, ÷ requests, in %.
+    pub paused_pct: f64,
+    /// Asks per node per second (included in `calls_per_node_per_sec`).
+    pub asks_per_node_per_sec: f64,
 }
 
 struct Rng(u64);
@@ -199,8 +203,27 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
     let duration = s.duration.unwrap_or(s.window * s.windows);
     let gap = duration / total_requests.max(1);
     let mut admitted: BTreeMap<(usize, u64), u64> = BTreeMap::new();
-    let (mut false_denials, mut calls, mut sync_bytes) = (0u64, 0u64, 0u64);
-    let mut held: VecDeque<(usize, usize, crate::host::Callout, Option<Answer>)> = VecDeque::new();
+    let (mut false_denials, mut calls, mut sync_bytes, mut asks) = (0u64, 0u64, 0u64, 0u64);
+    let mut held: VecDeque<(usize, usize, Callout, Option<Answer>)> = VecDeque::new();
+    // The store's answer to a call from node `n` at `at`, through the faults in force.
+    let call = |store: &mut Store, rng: &mut Rng, n: usize, c: &Callout, at: u64| -> Option<Answer> {
+        let window_now = (at - START) / s.window;
+        let faults = if window_now >= s.faults_from { s.faults } else { Faults::default() };
+        let tag =
+            c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone()).unwrap_or_default();
+        if faults.down || n < faults.partitioned || faults.slow {
+            None
+        } else if faults.error_5xx {
+            Some((503, Vec::new(), b"unavailable".to_vec()))
+        } else if faults.garbage {
+            Some((200, Vec::new(), (0..64).map(|_| rng.next() as u8).collect()))
+        } else {
+            if faults.duplicate {
+                let _ = answer(backend, store, at, &c.body, &tag);
+            }
+            answer(backend, store, at, &c.body, &tag)
+        }
+    };
     let mut next_tick = START;
     let mut t = START;
     for i in 0..total_requests {
@@ -219,24 +242,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
                     for c in vm.take_callouts() {
                         calls += 1;
                         sync_bytes += c.body.len() as u64;
-                        let tag = c
-                            .headers
-                            .iter()
-                            .find(|(k, _)| k == "x-ratewall-signature")
-                            .map(|(_, v)| v.clone())
-                            .unwrap_or_default();
-                        let resp = if faults.down || n < faults.partitioned || faults.slow {
-                            None
-                        } else if faults.error_5xx {
-                            Some((503, Vec::new(), b"unavailable".to_vec()))
-                        } else if faults.garbage {
-                            Some((200, Vec::new(), (0..64).map(|_| rng.next() as u8).collect()))
-                        } else {
-                            if faults.duplicate {
-                                let _ = answer(backend, &mut store, next_tick, &c.body, &tag);
-                            }
-                            answer(backend, &mut store, next_tick, &c.body, &tag)
-                        };
+                        let resp = call(&mut store, &mut rng, n, &c, next_tick);
                         if faults.reorder {
                             held.push_back((n, v, c, resp));
                         } else {
@@ -258,12 +264,37 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         let window = (t - START) / s.window;
         let count = admitted.entry((key, window)).or_insert(0);
         let req = HttpRequest::new("GET", "/").header("x-user-id", format!("user-{key}"));
-        let r = vms[v].request(&req)?;
+        let r = match vms[v].begin(&req)? {
+            Started::Done(r) => r,
+            Started::Paused(ctx) => {
+                // An ask: answered at once on the virtual clock (its latency is one store
+                // round trip, which the simulation does not model).
+                for c in vms[v].take_callouts() {
+                    asks += 1;
+                    calls += 1;
+                    let resp = call(&mut store, &mut rng, n, &c, t);
+                    deliver(&mut vms[v], &c, resp)?;
+                }
+                match vms[v].finish(ctx)? {
+                    Some(r) => r,
+                    None => wasmtime::bail!("a request stayed paused after its ask was answered"),
+                }
+            }
+        };
         if r.passed {
             *count += 1;
         } else if *count < s.limit {
             false_denials += 1;
         }
+    }
+    if std::env::var("RATEWALL_SIM_SUM").is_ok() {
+        let mut sums: BTreeMap<String, i64> = BTreeMap::new();
+        for (node, _, _) in &fleet {
+            for m in node.metrics() {
+                *sums.entry(m.name.clone()).or_default() += m.value;
+            }
+        }
+        eprintln!("{sums:?}");
     }
     if std::env::var("RATEWALL_SIM_DEBUG").is_ok() {
         for (node, _, _) in &fleet {
@@ -286,15 +317,17 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         overadmission_max_pct: overs.iter().copied().fold(0.0, f64::max),
         false_denial_pct: false_denials as f64 / total_requests.max(1) as f64 * 100.0,
         calls_per_node_per_sec: calls as f64 / s.nodes as f64 / seconds.max(1e-9),
-        bytes_per_sync: sync_bytes as f64 / calls.max(1) as f64,
+        bytes_per_sync: sync_bytes as f64 / calls.saturating_sub(asks).max(1) as f64,
         requests: total_requests,
+        paused_pct: asks as f64 / total_requests.max(1) as f64 * 100.0,
+        asks_per_node_per_sec: asks as f64 / s.nodes as f64 / seconds.max(1e-9),
     })
 }
 
 /// A store answer: status, signature header (empty: none), body.
 type Answer = (u16, Vec<u8>, Vec<u8>);
 
-fn deliver(vm: &mut Vm, c: &crate::host::Callout, resp: Option<Answer>) -> wasmtime::Result<()> {
+fn deliver(vm: &mut Vm, c: &Callout, resp: Option<Answer>) -> wasmtime::Result<()> {
     match resp {
         None => vm.deliver(c, None),
         Some((status, sig, body)) if sig.is_empty() => vm.deliver(c, Some((status, body))),

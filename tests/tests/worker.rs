@@ -236,7 +236,7 @@ fn post_sync(w: &Workerd, body: &[u8], tag: Option<String>) -> Response {
 fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     let w = start(&[]);
     let (key, limit) = key_of("/u/x", "ivy");
-    let batch = SyncRequest { node: 77, seq: 1, deltas: vec![Delta { key: key.clone(), limit, units: 2 }] };
+    let batch = SyncRequest { node: 77, seq: 1, deltas: vec![Delta { key: key.clone(), limit, units: 2 }], ask: false };
     let body = batch.encode();
     assert_eq!(post_sync(&w, &body, None).status, 401, "unauthenticated");
     assert_eq!(post_sync(&w, &body, Some(hex(&sign(b"wrong secret", &body)))).status, 401, "forged");
