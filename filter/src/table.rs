@@ -404,9 +404,11 @@ impl Counters for TableCounters<'_> {
             Grants::On { nodes } => u32::try_from((limit.quota() / u64::from(nodes.max(1))).max(1)).unwrap_or(u32::MAX),
             Grants::Off => u32::MAX,
         };
-        // Before the store has answered for a counter the node spends an initial share, and
-        // once that is spent it may ask: nothing says the quota is gone.
-        let first = Allowance { units: initial, more: true, until_ms: 0 };
+        // Before the store has answered for a counter (in this window) the node spends an
+        // initial share. The store does not know of it until the node's next batch, so once
+        // it is spent the node waits for that batch's answer rather than ask: an ask would be
+        // answered from a count that lacks those units.
+        let first = Allowance { units: initial, more: false, until_ms: 0 };
         let mut askable = false;
         let mut g = |state: &State, grant: Option<Allowance>| {
             // A fixed window's grant is a share of that window's quota: once the window has

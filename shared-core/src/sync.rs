@@ -797,13 +797,74 @@ mod tests {
     }
 
     #[test]
-    fn the_last_units_are_granted_not_rounded_away() {
-        let small = Limit::new(Algorithm::FixedWindow, 2, 60 * SECOND, None).unwrap();
+    fn an_ask_neither_checks_nor_moves_the_batch_sequence() {
+        let mut s = Store::new(100, 10 * SECOND);
+        s.handle(NOW, &req(1, 5, 10)).unwrap();
+        let ask = SyncRequest { ask: true, ..req(1, 0, 1) };
+        assert_eq!(SyncRequest::decode(&ask.encode()), Ok(ask.clone()));
+        let answer = s.handle(NOW, &ask).unwrap();
+        assert!(answer.grants[0].grant >= 1, "{answer:?}");
+        assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(89), "the asked unit is counted");
+        assert_eq!(s.handle(NOW, &req(1, 5, 10)).unwrap().seq, 5, "batch 5 is still the last one");
+        assert!(s.handle(NOW, &req(1, 6, 0)).is_ok());
+    }
+
+    #[test]
+    fn grants_on_lease_never_sum_past_what_remains_and_asks_take_only_free_units() {
+        let small = Limit::new(Algorithm::FixedWindow, 10, 60 * SECOND, None).unwrap();
         let mut c = Counter::new(small);
-        let grants: Vec<u64> = (1..=3).map(|node| c.apply(small, NOW, node, 1, 0, 10 * SECOND).grant).collect();
-        assert!(grants.iter().all(|&g| g <= 2), "{grants:?}");
-        assert!(grants.iter().sum::<u64>() >= 2, "{grants:?}: 2 remain, 3 nodes, none rounded away");
-        assert_eq!(grants[2], 0, "a share rounded to 0 gets a unit only if none is outstanding: {grants:?}");
+        let mut held = 0;
+        c.take(small, NOW, 5);
+        for node in 1..=5 {
+            held += c.apply(small, NOW, node, 1, 0, 10 * SECOND).grant;
+        }
+        let remaining = c.limit.decide(&c.state, NOW, 0).0.remaining;
+        assert_eq!(remaining, 5);
+        assert!(held <= remaining, "{held} granted of {remaining}");
+        // Asks take what no grant holds, counting it at once, and no more.
+        let mut taken = 0;
+        for node in 1..=10 {
+            let a = c.ask(small, NOW, node, 1, 10 * SECOND);
+            assert!(a.grant == 0 || a.grant >= 1);
+            taken += u64::from(a.grant > 0);
+        }
+        assert_eq!(taken, remaining - held, "exactly the free units");
+        assert_eq!(c.limit.decide(&c.state, NOW, 0).0.remaining, held, "asked units are counted at once");
+    }
+
+    #[test]
+    fn a_quiet_nodes_grant_lapses_with_its_lease_and_frees_its_units() {
+        let l = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
+        let mut c = Counter::new(l);
+        let first = c.apply(l, NOW, 1, 1, 40, 10 * SECOND);
+        assert!(first.grant > 0 && first.lease > 0 && first.lease <= MAX_LEASE, "{first:?}");
+        // While node 1's grant is on lease, node 2 cannot ask for those units.
+        let free_now = 60 - first.grant;
+        let mut asked = 0;
+        while c.ask(l, NOW, 2, 1, 10 * SECOND).grant > 0 {
+            asked += 1;
+            assert!(asked <= free_now, "asks reached units node 1 holds");
+        }
+        // Once the lease is over, node 1's units are free again.
+        let later = NOW + first.lease + 1;
+        assert!(c.ask(l, later, 2, 1, 10 * SECOND).grant > 0, "a lapsed grant locks nothing");
+    }
+
+    #[test]
+    fn leases_shorten_as_the_quota_runs_out_at_the_fleets_rate() {
+        let l = Limit::new(Algorithm::FixedWindow, 1000, 60 * SECOND, None).unwrap();
+        let mut c = Counter::new(l);
+        let mut leases = Vec::new();
+        // 100 units per second reported, from t = 0 to t = 9 s.
+        for i in 0..10u64 {
+            leases.push(c.apply(l, NOW + i * SECOND, 1, i + 1, 100, 10 * SECOND).lease);
+        }
+        assert!(leases.windows(2).all(|w| w[1] <= w[0]), "{leases:?}");
+        assert_eq!(leases[0], MAX_LEASE, "{leases:?}");
+        // 100 units left at 100 per second (up to 200 counted at a second's edge): at most
+        // half a second.
+        assert!(leases[8] > 0 && leases[8] <= SECOND / 2, "{leases:?}");
+        assert_eq!(leases[9], 0, "nothing left: no lease");
     }
 
     #[test]
@@ -821,6 +882,16 @@ mod tests {
         assert!(!restored.apply(limit(), NOW + 3, 1, 7, 10, SECOND).counted, "a restart forgets no batch");
         assert!(restored.apply(limit(), NOW + 3, 2, 7, 5, SECOND).counted, "another node's seq is its own");
         assert!(Counter::decode(limit(), &c.encode()[..3]).is_err());
+        // Asks, a lease and the rate survive a restart too.
+        assert!(restored.ask(limit(), NOW + 4, 3, 1, SECOND).grant > 0);
+        assert_eq!(Counter::decode(limit(), &restored.encode()).unwrap(), restored);
+        // A counter stored by the version before leases reads with its grants leased.
+        let mut v1 = vec![1u8];
+        State::Fresh.encode_into(&mut v1);
+        v1.extend_from_slice(&[5, 1, 9, 3, 2, 4, 5]);
+        let old = Counter::decode(limit(), &v1).unwrap();
+        assert_eq!(old.shares.len(), 1);
+        assert_eq!(old.outstanding(5, None), 4);
     }
 
     #[test]

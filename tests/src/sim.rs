@@ -4,7 +4,7 @@
 //! It measures, per scenario, over-admission against the limit per window, false denials,
 //! store calls per node per second and bytes per sync.
 
-use crate::host::{Callout, HttpRequest, Node, Plugin, Started, Vm};
+use crate::host::{Callout, FilterResult, HttpRequest, Node, Plugin, Started, Vm};
 use ratewall_core::sync::{hex, sign, unhex, Store};
 use ratewall_core::SECOND;
 use std::collections::{BTreeMap, VecDeque};
@@ -209,8 +209,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
     let call = |store: &mut Store, rng: &mut Rng, n: usize, c: &Callout, at: u64| -> Option<Answer> {
         let window_now = (at - START) / s.window;
         let faults = if window_now >= s.faults_from { s.faults } else { Faults::default() };
-        let tag =
-            c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone()).unwrap_or_default();
+        let tag = signature(c);
         if faults.down || n < faults.partitioned || faults.slow {
             None
         } else if faults.error_5xx {
@@ -322,6 +321,39 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         paused_pct: asks as f64 / total_requests.max(1) as f64 * 100.0,
         asks_per_node_per_sec: asks as f64 / s.nodes as f64 / seconds.max(1e-9),
     })
+}
+
+/// A callout's `x-ratewall-signature` header (empty: none).
+fn signature(c: &Callout) -> Vec<u8> {
+    c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone()).unwrap_or_default()
+}
+
+/// Answers `c` from the reference `store` at `now` and delivers the answer to `vm`.
+pub fn answer_from(store: &mut Store, now: u64, vm: &mut Vm, c: &Callout) -> wasmtime::Result<()> {
+    let resp = answer(&Backend::Reference, store, now, &c.body, &signature(c));
+    deliver(vm, c, resp)
+}
+
+/// Runs a request; if the filter pauses it on an ask, answers the ask from `store` at `now`
+/// (`None`: the call fails, as with the store down) and finishes it.
+pub fn request_with(
+    store: Option<&mut Store>,
+    now: u64,
+    vm: &mut Vm,
+    req: &HttpRequest,
+) -> wasmtime::Result<FilterResult> {
+    let ctx = match vm.begin(req)? {
+        Started::Done(r) => return Ok(r),
+        Started::Paused(ctx) => ctx,
+    };
+    let mut store = store;
+    for c in vm.take_callouts() {
+        match store.as_deref_mut() {
+            Some(s) => answer_from(s, now, vm, &c)?,
+            None => vm.deliver(&c, None)?,
+        }
+    }
+    vm.finish(ctx)?.ok_or_else(|| wasmtime::format_err!("a request stayed paused after its ask was answered"))
 }
 
 /// A store answer: status, signature header (empty: none), body.

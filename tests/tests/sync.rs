@@ -3,9 +3,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
+use ratewall_core::sync::Store;
 use ratewall_core::SECOND;
-use ratewall_tests::host::{HttpRequest, Node, Plugin, Vm};
-use ratewall_tests::sim::{run, Faults, Scenario, Spread, SECRET};
+use ratewall_tests::host::{HttpRequest, Node, Plugin, Started, Vm};
+use ratewall_tests::sim::{answer_from, request_with, run, Faults, Scenario, Spread, SECRET};
 
 fn small(name: &'static str) -> Scenario {
     Scenario {
@@ -34,7 +35,9 @@ fn a_synced_fleet_holds_one_global_limit() {
     // Without sync each of the 4 nodes would admit up to the limit: up to 300% over.
     assert!(r.overadmission_max_pct <= 2.0, "{r:?}");
     assert!(r.false_denial_pct <= 5.0, "{r:?}");
-    assert!(r.calls_per_node_per_sec <= 10.5, "one batch per node per interval: {r:?}");
+    let batches = r.calls_per_node_per_sec - r.asks_per_node_per_sec;
+    assert!(batches <= 10.5, "one batch per node per interval: {r:?}");
+    assert!(r.paused_pct <= 15.0, "only requests near the limit ask the store: {r:?}");
 }
 
 #[test]
@@ -179,7 +182,6 @@ fn a_rules_push_keeps_the_node_identity_and_its_unsent_deltas() {
 
 #[test]
 fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant() {
-    use ratewall_core::sync::{hex, sign, unhex, Store};
     let config = serde_json::json!({
         "identity": {"user": {"header": "x-user-id"}},
         "rules": [{"name": "r", "key": ["user"], "algorithm": "fixed_window",
@@ -192,29 +194,144 @@ fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant()
     let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
     let mut store = Store::new(1000, 10 * SECOND);
     let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
-    let mut sync = |vm: &mut Vm, node: &Node| {
+    let sync = |vm: &mut Vm, node: &Node, store: &mut Store| {
         node.advance(100_000_000);
         vm.tick().unwrap();
         for c in vm.take_callouts() {
-            let tag = c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone()).unwrap();
-            let out = store.handle_signed(node.now(), SECRET.as_bytes(), &c.body, &unhex(&tag).unwrap()).unwrap();
-            let sig = hex(&sign(SECRET.as_bytes(), &out));
-            vm.respond(&c, 200, &[("x-ratewall-signature", sig.as_bytes())], out).unwrap();
+            answer_from(store, node.now(), vm, &c).unwrap();
         }
     };
-    // Spend this window's quota through the grants, with syncs in between.
+    // Spend this window's quota through the grants and asks, with syncs in between.
     let mut passed = 0;
     for _ in 0..4 {
         for _ in 0..3 {
-            passed += u32::from(vm.request(&user).unwrap().passed);
+            passed += u32::from(request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed);
         }
-        sync(&mut vm, &node);
+        sync(&mut vm, &node, &mut store);
     }
     assert_eq!(passed, 4, "the global limit holds within the window");
-    assert!(!vm.request(&user).unwrap().passed, "the grant is spent");
+    assert!(!request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed, "the quota is spent");
     // The next window, before any sync has answered in it: the spent grant belonged to the old
-    // window, so the node admits on its initial share (4 / the 1 node the store has seen).
+    // window, so the node admits on its initial share (4 / the 1 node the store has seen) —
+    // and then denies without asking, since the store has not counted that share yet.
     node.advance(SECOND);
     let fresh: Vec<bool> = (0..5).map(|_| vm.request(&user).unwrap().passed).collect();
     assert_eq!(fresh, [true, true, true, true, false], "a fresh window's share, and no more");
+}
+
+#[test]
+fn a_request_whose_grant_is_spent_asks_the_store_and_waits_for_the_answer() {
+    use ratewall_core::sync::SyncRequest;
+    let config = serde_json::json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "r", "key": ["user"], "algorithm": "fixed_window",
+                   "limit": {"requests": 100, "per": "10s"}}],
+        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": "5s", "nodes": 4}
+    })
+    .to_string();
+    let node = Node::new(1_800_000_000 * SECOND);
+    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
+    let mut store = Store::new(1000, 10 * SECOND);
+    let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
+    let key = |c: &ratewall_tests::host::Callout| SyncRequest::decode(&c.body).unwrap().deltas[0].key.clone();
+    for _ in 0..2 {
+        assert!(vm.request(&user).unwrap().passed);
+    }
+    node.advance(100_000_000);
+    vm.tick().unwrap();
+    let batch = vm.take_callouts().pop().unwrap();
+    answer_from(&mut store, node.now(), &mut vm, &batch).unwrap();
+    let counter = key(&batch);
+    // The store granted a share of what remains; spend it without a store call.
+    let mut granted = 0;
+    loop {
+        match vm.begin(&user).unwrap() {
+            Started::Done(r) => {
+                assert!(r.passed);
+                granted += 1;
+            }
+            Started::Paused(ctx) => {
+                // The next one pauses on an ask, and passes when the store takes its unit.
+                let ask = vm.take_callouts().pop().unwrap();
+                let sent = SyncRequest::decode(&ask.body).unwrap();
+                assert!(
+                    sent.ask
+                        && sent.deltas[0].units == 1
+                        && sent.node == SyncRequest::decode(&batch.body).unwrap().node
+                );
+                assert!(vm.finish(ctx).unwrap().is_none(), "paused until the answer");
+                answer_from(&mut store, node.now(), &mut vm, &ask).unwrap();
+                let r = vm.finish(ctx).unwrap().unwrap();
+                assert!(r.passed && r.header("ratelimit").is_some(), "{r:?}");
+                break;
+            }
+        }
+        assert!(granted < 100, "a spent grant must ask");
+    }
+    assert!(granted >= 1, "the batch's answer granted units");
+    // The store counted the ask's unit at once: 2 reported + 1 asked.
+    assert_eq!(store.peek(&counter, node.now()).unwrap().remaining, 97);
+    // The next batch does not report it again.
+    node.advance(100_000_000);
+    vm.tick().unwrap();
+    for c in vm.take_callouts() {
+        answer_from(&mut store, node.now(), &mut vm, &c).unwrap();
+    }
+    assert_eq!(store.peek(&counter, node.now()).unwrap().remaining, 97 - granted);
+    // With the store unreachable, an ask fails and the request is denied, not left hanging.
+    loop {
+        if let Started::Paused(ctx) = vm.begin(&user).unwrap() {
+            for c in vm.take_callouts() {
+                vm.deliver(&c, None).unwrap();
+            }
+            let r = vm.finish(ctx).unwrap().unwrap();
+            assert_eq!((r.passed, r.status), (false, 429));
+            break;
+        }
+    }
+}
+
+#[test]
+fn an_ask_is_refused_once_the_global_quota_is_spent_and_the_node_stops_asking() {
+    let config = serde_json::json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "r", "key": ["user"], "algorithm": "fixed_window",
+                   "limit": {"requests": 6, "per": "10s"}}],
+        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": "5s", "nodes": 2}
+    })
+    .to_string();
+    let (a, b) = (Node::new(1_800_000_000 * SECOND), Node::new(1_800_000_000 * SECOND));
+    let plugin = Plugin::filter().unwrap();
+    let (mut va, mut vb) =
+        (Vm::start(&plugin, &a, config.as_bytes()).unwrap(), Vm::start(&plugin, &b, config.as_bytes()).unwrap());
+    let mut store = Store::new(1000, 10 * SECOND);
+    let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
+    let mut admitted = 0;
+    for round in 0..20 {
+        for (node, vm) in [(&a, &mut va), (&b, &mut vb)] {
+            for _ in 0..3 {
+                admitted += u32::from(request_with(Some(&mut store), node.now(), vm, &user).unwrap().passed);
+            }
+            node.advance(100_000_000);
+            vm.tick().unwrap();
+            for c in vm.take_callouts() {
+                answer_from(&mut store, node.now(), vm, &c).unwrap();
+            }
+        }
+        if round == 1 {
+            // Both nodes start on an initial share (6 / 2) the store learns of only from
+            // their first batches: the first-interval term of the error bound.
+            assert!(admitted <= 6 + 3, "{admitted}");
+        }
+    }
+    assert!((6..=9).contains(&admitted), "{admitted}: no more once the store has counted it all");
+    let after_first = admitted;
+    let asks = |n: &Node| n.metric("ratewall_sync_asks");
+    let before = asks(&a) + asks(&b);
+    assert!(before > 0, "the nodes asked for the last units");
+    for _ in 0..10 {
+        assert!(!request_with(Some(&mut store), a.now(), &mut va, &user).unwrap().passed);
+    }
+    assert_eq!(asks(&a) + asks(&b), before, "a node told the quota is spent denies locally");
+    assert_eq!(admitted, after_first);
 }
