@@ -260,6 +260,16 @@ fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     let ivy = [("x-user-id", "ivy")];
     assert_eq!(statuses(&w, "GET", "/u/x", &ivy, 2), [200, 429]);
     assert_eq!(w.request("POST", "/v1/sync", &[], b"garbage").status, 401);
+
+    // An ask (a paused request's units, taken at once) from another node on a fresh counter.
+    let (ava, limit) = key_of("/u/x", "ava");
+    let ask = SyncRequest { node: 78, seq: 1, deltas: vec![Delta { key: ava, limit, units: 1 }], ask: true }.encode();
+    let answer = post_sync(&w, &ask, Some(hex(&sign(SECRET.as_bytes(), &ask))));
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let given = SyncResponse::decode(&answer.body).unwrap();
+    assert!(given.grants[0].grant >= 1 && given.grants[0].lease > 0, "{given:?}");
+    // The asked unit is counted at once, where the edge sees it.
+    assert_eq!(statuses(&w, "GET", "/u/x", &[("x-user-id", "ava")], 3), [200, 200, 429]);
 }
 
 /// End to end: filter nodes (the built filter in the wasmtime host) sync over real HTTP to the
