@@ -79,8 +79,8 @@ pub enum Call {
     Refund { limit: Limit, cost: u64, at: Nanos },
     /// Add a filter node's delta (`POST /v1/sync`).
     Apply { limit: Limit, node: u64, seq: u64, units: u64 },
-    /// Answer a filter node's ask for `units` now (`POST /v1/sync`, an ask).
-    Ask { limit: Limit, node: u64, units: u64 },
+    /// Answer a filter node's ask (number `ask`) for `units` now (`POST /v1/sync`, an ask).
+    Ask { limit: Limit, node: u64, ask: u64, units: u64 },
 }
 
 fn limit_json(l: &Limit) -> Value {
@@ -110,8 +110,8 @@ impl Call {
             Call::Apply { limit, node, seq, units } => {
                 json!({"op": "apply", "limit": limit_json(limit), "node": node, "seq": seq, "units": units})
             }
-            Call::Ask { limit, node, units } => {
-                json!({"op": "ask", "limit": limit_json(limit), "node": node, "units": units})
+            Call::Ask { limit, node, ask, units } => {
+                json!({"op": "ask", "limit": limit_json(limit), "node": node, "ask": ask, "units": units})
             }
         }
         .to_string()
@@ -130,7 +130,12 @@ impl Call {
                 seq: u64_field(&v, "seq")?,
                 units: u64_field(&v, "units")?,
             }),
-            "ask" => Some(Call::Ask { limit, node: u64_field(&v, "node")?, units: u64_field(&v, "units")? }),
+            "ask" => Some(Call::Ask {
+                limit,
+                node: u64_field(&v, "node")?,
+                ask: u64_field(&v, "ask")?,
+                units: u64_field(&v, "units")?,
+            }),
             _ => None,
         }
     }
@@ -417,7 +422,7 @@ mod tests {
             Call::Take { limit, cost: 2 },
             Call::Refund { limit, cost: 2, at: u64::MAX - 1 },
             Call::Apply { limit, node: 1 << 60, seq: 9, units: 4 },
-            Call::Ask { limit, node: 1 << 60, units: 1 },
+            Call::Ask { limit, node: 1 << 60, ask: 7, units: 1 },
         ] {
             assert_eq!(Call::decode(&call.encode()), Some(call));
         }

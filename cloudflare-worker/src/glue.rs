@@ -377,7 +377,7 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
     let timeout = Duration::from_millis(var_u64(&env, "OBJECT_TIMEOUT_MS", 1000));
     let calls = batch.deltas.iter().map(|d| {
         let call = if batch.ask {
-            Call::Ask { limit: d.limit, node: batch.node, units: d.units }
+            Call::Ask { limit: d.limit, node: batch.node, ask: batch.seq, units: d.units }
         } else {
             Call::Apply { limit: d.limit, node: batch.node, seq: batch.seq, units: d.units }
         };
@@ -506,8 +506,8 @@ impl DurableObject for RateLimitCounter {
                     let a = c.apply(limit, t, node, seq, units, NODE_TTL);
                     (encode_applied(&a), a.counted)
                 }
-                Call::Ask { limit, node, units } => {
-                    let a = c.ask(limit, t, node, units, NODE_TTL);
+                Call::Ask { limit, node, ask, units } => {
+                    let a = c.ask(limit, t, node, ask, units, NODE_TTL);
                     (encode_applied(&a), a.grant > 0)
                 }
             };

@@ -5,7 +5,7 @@ use crate::host::{header, Host, Level};
 use crate::sync::Syncer;
 use crate::table::{Grants, Table, TableCounters};
 use ratewall_core::algo::Limit;
-use ratewall_core::eval::{evaluate, Check, CheckOutcome, CheckResult, Outcome, Request, Skip};
+use ratewall_core::eval::{evaluate, Check, CheckResult, Request, Skip};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_ip_with, ip_key, parse_ip};
 use ratewall_core::rules::{Config, Dimension, FailurePolicy};
@@ -51,9 +51,6 @@ pub struct Asking {
     skipped: Vec<(usize, Skip)>,
     wants: Vec<Delta>,
     asked_at: Nanos,
-    method: String,
-    path: String,
-    outcome: Vec<CheckOutcome>,
 }
 
 /// A configured filter: validated rules, the table, and metric ids.
@@ -197,13 +194,19 @@ impl Engine {
         };
         let paid: Vec<&[u8]> =
             asking.wants.iter().zip(&taken).filter(|(_, t)| **t).map(|(w, _)| w.key.as_slice()).collect();
-        let label = (asking.method.as_str(), asking.path.as_str());
-        match self.decide(host, host.now(), asking.checks, asking.skipped, label, Err(&paid)) {
+        // The request's method and path are not kept while it waits: a shadow rule's log line
+        // after an ask names the rule only.
+        match self.decide(host, host.now(), asking.checks, asking.skipped, ("(after an ask)", ""), Err(&paid)) {
             Verdict::Reply(r) => r,
-            // `decide` only asks when told it may.
-            Verdict::Ask(a) => {
-                render(&self.config, &Outcome { rejected: true, checks: a.outcome, skipped: Vec::new() })
-            }
+            // `decide` only asks when told it may; a 429 all the same.
+            Verdict::Ask(_) => Reply { status: 429, headers: Vec::new(), body: String::new() },
+        }
+    }
+
+    /// A request paused on an ask went away before the answer.
+    pub fn ask_abandoned(&self) {
+        if let Some(s) = &self.sync {
+            s.ask_done();
         }
     }
 
@@ -257,7 +260,7 @@ impl Engine {
         if let (true, true, Some(s)) = (may_ask, outcome.rejected, &self.sync) {
             // Ask only when every rejection is a spent grant the store may still cover.
             let askable = &counters.askable;
-            let asks = |c: &Check| askable.iter().any(|k| *k == c.key);
+            let asks = |c: &Check| askable.contains(&c.key);
             let all = checks.iter().zip(&outcome.checks).filter(|(_, o)| o.rejects()).all(|(c, _)| asks(c));
             if all && !askable.is_empty() {
                 let wants: Vec<Delta> = checks
@@ -267,16 +270,7 @@ impl Engine {
                     .map(|(c, l)| Delta { key: c.key.clone(), limit: *l, units: c.cost })
                     .collect();
                 if let Some(token) = s.ask(host, &wants) {
-                    return Verdict::Ask(Asking {
-                        token,
-                        checks,
-                        skipped,
-                        wants,
-                        asked_at: host.now(),
-                        method: method.to_owned(),
-                        path: path.to_owned(),
-                        outcome: outcome.checks,
-                    });
+                    return Verdict::Ask(Asking { token, checks, skipped, wants, asked_at: host.now() });
                 }
             }
         }

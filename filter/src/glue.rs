@@ -192,6 +192,16 @@ impl Request {
     }
 }
 
+impl Drop for Request {
+    fn drop(&mut self) {
+        // A request gone while it waited (the client left): its ask no longer counts as in
+        // flight; the answer, if it comes, finds no context and is dropped.
+        if let (Some(engine), Some(_)) = (&self.engine, self.asking.take()) {
+            engine.ask_abandoned();
+        }
+    }
+}
+
 impl Context for Request {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
         let (Some(engine), Some(asking)) = (self.engine.clone(), self.asking.take_if(|a| a.token == token)) else {

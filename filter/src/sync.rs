@@ -40,12 +40,31 @@ pub const MAX_ASKS: u32 = 64;
 const BREAKER_AFTER: u32 = 3;
 const MS: Nanos = 1_000_000;
 
-/// The end of each grant's lease in an answer, in ms of the store's clock. Leases count from
-/// when the request was sent (`rtt` before the answer), so the node's lease always ends before
-/// the store's.
-fn lease_end(resp: &SyncResponse, rtt: Nanos) -> impl Fn(&ratewall_core::sync::Grant) -> u64 {
-    let sent = resp.now.saturating_sub(rtt);
-    move |g| (sent.saturating_add(g.lease) / MS).max(1)
+/// Writes an answer's grants into the counters' table entries. A batch's grant replaces what
+/// the node held; an ask's is added to it. Leases count from when the request was sent
+/// (`sent`, the node's clock: the answer's `now` less the round trip), so the node's lease
+/// always ends before the store's.
+fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncResponse, sent: Nanos, ask: bool) {
+    let now = host.now();
+    let sent_store = resp.now.saturating_sub(now.saturating_sub(sent));
+    for (d, g) in deltas.iter().zip(&resp.grants) {
+        let grant = u32::try_from(g.grant).unwrap_or(u32::MAX);
+        // Whether the store had quota beyond this grant: a request it leaves short may ask.
+        let more = g.remaining > g.grant && (!ask || grant > 0);
+        let until_ms = (sent_store.saturating_add(g.lease) / MS).max(1);
+        let weigh = |st: &ratewall_core::State| (d.limit.idle_at(st), d.limit.usage(st, now));
+        let _ = table.update(
+            host,
+            &d.key,
+            now,
+            &weigh,
+            &mut |st, held| {
+                let kept = if ask { held.map_or(0, |h| h.units_at(resp.now)) } else { 0 };
+                Some((st.clone(), Some(Allowance { units: kept.saturating_add(grant), more, until_ms })))
+            },
+            &mut Default::default(),
+        );
+    }
 }
 
 fn outbox(i: u32) -> String {
@@ -426,18 +445,26 @@ impl Syncer {
         if inflight >= MAX_ASKS || host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until) {
             return None;
         }
-        let seq = seq.wrapping_add(1);
+        // Asks are numbered per node id: VM number above, this VM's count below.
+        let seq = seq.wrapping_add(1).max(1) & ((1 << 40) - 1);
+        let number = (u64::from(self.vm) << 40) | seq;
         // The node asks under the id its batches carry (the lease holder's): the store then
         // replaces the units it gives with the grant of the node's next batch.
         let node = Self::lease(host).map_or(0, |((holder, _), _)| holder);
         let node = if node == 0 { self.token } else { node };
-        let body = SyncRequest { node, seq, deltas: wants.to_vec(), ask: true }.encode();
+        let body = SyncRequest { node, seq: number, deltas: wants.to_vec(), ask: true }.encode();
         let token = self.send(host, &body)?;
         self.asks.set((inflight + 1, seq));
         if let Some(m) = self.metrics.asks {
             host.increment(m, 1);
         }
         Some(token)
+    }
+
+    /// An ask is no longer in flight.
+    pub fn ask_done(&self) {
+        let (inflight, seq) = self.asks.get();
+        self.asks.set((inflight.saturating_sub(1), seq));
     }
 
     /// The answer to an ask: the units given are added to the counters' grants. A counter
@@ -452,32 +479,14 @@ impl Syncer {
         answer: (u32, Option<&[u8]>, &[u8]),
     ) -> Vec<bool> {
         let ((wants, asked_at), (status, tag, body)) = (ask, answer);
-        let (inflight, seq) = self.asks.get();
-        self.asks.set((inflight.saturating_sub(1), seq));
+        self.ask_done();
         let verified = tag.and_then(unhex).is_some_and(|t| verify(self.opts.secret.as_bytes(), body, &t));
         let Some(resp) = (status == 200 && verified).then(|| SyncResponse::decode(body).ok()).flatten() else {
             return Vec::new();
         };
-        let now = host.now();
-        let until_ms = lease_end(&resp, now.saturating_sub(asked_at));
-        let mut taken = Vec::with_capacity(wants.len());
-        for (d, g) in wants.iter().zip(&resp.grants) {
-            let given = u32::try_from(g.grant).unwrap_or(u32::MAX);
-            taken.push(g.grant >= d.units && g.key == d.key);
-            let weigh = |st: &ratewall_core::State| (d.limit.idle_at(st), d.limit.usage(st, now));
-            let _ = table.update(
-                host,
-                &d.key,
-                now,
-                &weigh,
-                &mut |st, held| {
-                    let units = held.map_or(0, |h| h.units_at(resp.now)).saturating_add(given);
-                    let more = given > 0 && g.remaining > g.grant;
-                    Some((st.clone(), Some(Allowance { units, more, until_ms: until_ms(g) })))
-                },
-                &mut Default::default(),
-            );
-        }
+        let taken: Vec<bool> =
+            wants.iter().zip(&resp.grants).map(|(d, g)| g.grant >= d.units && g.key == d.key).collect();
+        write_grants(host, table, wants, &resp, asked_at, true);
         if let (Some(m), true) = (self.metrics.asks_granted, !taken.is_empty() && taken.iter().all(|t| *t)) {
             host.increment(m, 1);
         }
@@ -546,22 +555,7 @@ impl Syncer {
             self.failed(host, batch, now, &why);
             return;
         };
-        let until_ms = lease_end(&resp, now.saturating_sub(sent));
-        for (d, g) in batch.deltas.iter().zip(&resp.grants) {
-            let grant = u32::try_from(g.grant).unwrap_or(u32::MAX);
-            let weigh = |st: &ratewall_core::State| (d.limit.idle_at(st), d.limit.usage(st, now));
-            let _ = table.update(
-                host,
-                &d.key,
-                now,
-                &weigh,
-                &mut |st, _| {
-                    let more = g.remaining > g.grant;
-                    Some((st.clone(), Some(Allowance { units: grant, more, until_ms: until_ms(g) })))
-                },
-                &mut Default::default(),
-            );
-        }
+        write_grants(host, table, &batch.deltas, &resp, sent, false);
         let offset = i64::try_from(resp.now).unwrap_or(i64::MAX).saturating_sub(i64::try_from(now).unwrap_or(0));
         let view = View { ok_at: now, nodes: resp.nodes.max(1), offset };
         let _ = host.shared_set(VIEW, &view.encode(), None);

@@ -307,6 +307,9 @@ struct Share {
     /// Units given to its asks before its last batch, which may have been cut before they
     /// were spent: they stay outstanding until the batch after.
     carried: u64,
+    /// The node's last ask (its number) and the units it was given: a repeat of it (a
+    /// duplicated request) gets the same answer and takes nothing more.
+    last_ask: (u64, u64),
 }
 
 /// What a counter answers to one node's delta.
@@ -426,7 +429,17 @@ impl Counter {
             s.units = s.units / 2 + units;
             let carried = s.asked;
             let until = now.saturating_add(lease);
-            *s = Share { node, seq, units: s.units, grant: 0, seen: now, until, asked: 0, carried };
+            *s = Share {
+                node,
+                seq,
+                units: s.units,
+                grant: 0,
+                seen: now,
+                until,
+                asked: 0,
+                carried,
+                last_ask: s.last_ask,
+            };
             grant = self.share_of(node, available.saturating_sub(carried), lease);
         }
         if let Some(s) = self.shares.get_mut(idx) {
@@ -498,7 +511,18 @@ impl Counter {
                 self.shares.swap_remove(old);
             }
         }
-        self.shares.push(Share { node, seq: 0, units: 0, grant: 0, seen: now, until: now, asked: 0, carried: 0 });
+        let last_ask = (0, 0);
+        self.shares.push(Share {
+            node,
+            seq: 0,
+            units: 0,
+            grant: 0,
+            seen: now,
+            until: now,
+            asked: 0,
+            carried: 0,
+            last_ask,
+        });
         self.shares.len() - 1
     }
 
@@ -520,11 +544,18 @@ impl Counter {
     /// over-admits. With them comes the node's share of what else is free, as a sync would
     /// give it, so its next requests need not ask; the node reports what it spends of that
     /// with its next batch, like any grant. `grant` in the answer is 0 (refused), or `cost`
-    /// (taken) plus that share, leased for [`ASK_LEASE`].
-    pub fn ask(&mut self, limit: Limit, now: Nanos, node: u64, cost: u64, node_ttl: Nanos) -> Applied {
+    /// (taken) plus that share, leased for [`ASK_LEASE`]. `ask` numbers the node's asks
+    /// (not 0): a repeat of its last one gets the same answer and takes nothing.
+    pub fn ask(&mut self, limit: Limit, now: Nanos, node: u64, ask: u64, cost: u64, node_ttl: Nanos) -> Applied {
         let now = self.clock(limit, now);
         self.forget_quiet(node, now, node_ttl);
         let (view, _) = self.limit.decide(&self.state, now, 0);
+        let nodes = u32::try_from(self.shares.len()).unwrap_or(u32::MAX);
+        let (remaining, reset_after) = (view.remaining, view.reset_after);
+        if let Some(s) = self.shares.iter().find(|s| s.node == node && ask != 0 && s.last_ask.0 == ask) {
+            let grant = s.last_ask.1;
+            return Applied { remaining, grant, reset_after, lease: ASK_LEASE, nodes, counted: false };
+        }
         let held = self.outstanding(now, None);
         let free = view.remaining.saturating_sub(held);
         let mut given = 0;
@@ -539,12 +570,11 @@ impl Counter {
             };
             if let Some(s) = self.shares.get_mut(idx) {
                 s.asked = s.asked.saturating_add(extra);
+                s.last_ask = (ask, given);
                 s.until = s.until.max(now.saturating_add(ASK_LEASE));
                 s.seen = now;
             }
         }
-        let nodes = u32::try_from(self.shares.len()).unwrap_or(u32::MAX);
-        let (remaining, reset_after) = (view.remaining, view.reset_after);
         Applied { remaining, grant: given, reset_after, lease: ASK_LEASE, nodes, counted: given > 0 }
     }
 
@@ -565,7 +595,8 @@ impl Counter {
         }
         put_varint(&mut out, self.shares.len() as u64);
         for s in &self.shares {
-            for v in [s.node, s.seq, s.units, s.grant, s.seen, s.until, s.asked, s.carried] {
+            for v in [s.node, s.seq, s.units, s.grant, s.seen, s.until, s.asked, s.carried, s.last_ask.0, s.last_ask.1]
+            {
                 put_varint(&mut out, v);
             }
         }
@@ -592,9 +623,12 @@ impl Counter {
         let mut shares = Vec::with_capacity(n);
         for _ in 0..n {
             let (node, seq, units, grant, seen) = (r.varint()?, r.varint()?, r.varint()?, r.varint()?, r.varint()?);
-            let (until, asked, carried) =
-                if v == 1 { (seen.saturating_add(MAX_LEASE), 0, 0) } else { (r.varint()?, r.varint()?, r.varint()?) };
-            shares.push(Share { node, seq, units, grant, seen, until, asked, carried });
+            let (until, asked, carried, last_ask) = if v == 1 {
+                (seen.saturating_add(MAX_LEASE), 0, 0, (0, 0))
+            } else {
+                (r.varint()?, r.varint()?, r.varint()?, (r.varint()?, r.varint()?))
+            };
+            shares.push(Share { node, seq, units, grant, seen, until, asked, carried, last_ask });
         }
         if r.pos != bytes.len() {
             return Err(DecodeError::Truncated);
@@ -670,7 +704,7 @@ impl Store {
             }
             let c = self.counters.entry(d.key.clone()).or_insert_with(|| Counter::new(d.limit));
             let a = if req.ask {
-                c.ask(d.limit, now, req.node, d.units, ttl)
+                c.ask(d.limit, now, req.node, req.seq, d.units, ttl)
             } else {
                 c.apply(d.limit, now, req.node, req.seq, d.units, ttl)
             };
@@ -824,7 +858,7 @@ mod tests {
         // Asks take what no grant holds, counting it at once, and no more.
         let mut taken = 0;
         for node in 1..=10 {
-            let a = c.ask(small, NOW, node, 1, 10 * SECOND);
+            let a = c.ask(small, NOW, node, 1, 1, 10 * SECOND);
             assert!(a.grant == 0 || a.grant >= 1);
             taken += u64::from(a.grant > 0);
         }
@@ -841,13 +875,28 @@ mod tests {
         // While node 1's grant is on lease, node 2 cannot ask for those units.
         let free_now = 60 - first.grant;
         let mut asked = 0;
-        while c.ask(l, NOW, 2, 1, 10 * SECOND).grant > 0 {
+        for n in 1.. {
+            if c.ask(l, NOW, 2, n, 1, 10 * SECOND).grant == 0 {
+                break;
+            }
             asked += 1;
             assert!(asked <= free_now, "asks reached units node 1 holds");
         }
+
         // Once the lease is over, node 1's units are free again.
         let later = NOW + first.lease + 1;
-        assert!(c.ask(l, later, 2, 1, 10 * SECOND).grant > 0, "a lapsed grant locks nothing");
+        assert!(c.ask(l, later, 2, 1000, 1, 10 * SECOND).grant > 0, "a lapsed grant locks nothing");
+    }
+
+    #[test]
+    fn a_duplicated_ask_is_answered_again_and_takes_nothing_more() {
+        let l = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
+        let mut c = Counter::new(l);
+        let first = c.ask(l, NOW, 2, 5, 1, 10 * SECOND);
+        assert!(first.grant >= 1 && first.counted);
+        let again = c.ask(l, NOW + 1, 2, 5, 1, 10 * SECOND);
+        assert_eq!((again.grant, again.counted, again.remaining), (first.grant, false, 99));
+        assert!(c.ask(l, NOW + 2, 2, 6, 1, 10 * SECOND).counted, "the next ask is a new one");
     }
 
     #[test]
@@ -883,7 +932,7 @@ mod tests {
         assert!(restored.apply(limit(), NOW + 3, 2, 7, 5, SECOND).counted, "another node's seq is its own");
         assert!(Counter::decode(limit(), &c.encode()[..3]).is_err());
         // Asks, a lease and the rate survive a restart too.
-        assert!(restored.ask(limit(), NOW + 4, 3, 1, SECOND).grant > 0);
+        assert!(restored.ask(limit(), NOW + 4, 3, 1, 1, SECOND).grant > 0);
         assert_eq!(Counter::decode(limit(), &restored.encode()).unwrap(), restored);
         // A counter stored by the version before leases reads with its grants leased.
         let mut v1 = vec![1u8];

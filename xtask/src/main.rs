@@ -189,12 +189,11 @@ fn build() -> Result<()> {
     std::fs::create_dir_all(&dist).map_err(|e| format!("{}: {e}", dist.display()))?;
     let filter = dist.join("ratewall_filter.wasm");
     let built = std::fs::read(out.join("ratewall_filter.wasm")).map_err(|e| format!("reading the filter: {e}"))?;
-    // The SDK exports callbacks for things a plugin starts itself: gRPC calls, foreign
-    // functions, shared queues. The filter starts none, so no host calls them, and without the
-    // exports wasm-opt drops ~15 KB of dispatch code behind them.
-    let unused = |name: &str| {
-        name.starts_with("proxy_on_grpc_") || name == "proxy_on_foreign_function" || name == "proxy_on_queue_ready"
-    };
+    // The SDK exports callbacks for things a plugin starts itself — gRPC calls, foreign
+    // functions, shared queues — and for network (L4) filters. The filter starts none of the
+    // first and is an HTTP filter, so no host calls them (hosts treat a missing callback as a
+    // no-op), and without the exports wasm-opt drops the dispatch code behind them.
+    let unused = |name: &str| unused_export(name);
     let trimmed = drop_exports(&built, unused)?;
     std::fs::write(&filter, trimmed).map_err(|e| format!("{}: {e}", filter.display()))?;
     optimize(&filter);
@@ -203,6 +202,21 @@ fn build() -> Result<()> {
     let size = std::fs::metadata(&filter).map(|m| m.len()).unwrap_or(0);
     eprintln!("xtask: built {} ({size} bytes)", filter.display());
     build_worker(&tc)
+}
+
+/// SDK callbacks the filter never needs: see [`build`].
+fn unused_export(name: &str) -> bool {
+    const NETWORK: [&str; 5] = [
+        "proxy_on_new_connection",
+        "proxy_on_downstream_data",
+        "proxy_on_downstream_connection_close",
+        "proxy_on_upstream_data",
+        "proxy_on_upstream_connection_close",
+    ];
+    name.starts_with("proxy_on_grpc_")
+        || name == "proxy_on_foreign_function"
+        || name == "proxy_on_queue_ready"
+        || NETWORK.contains(&name)
 }
 
 /// Reads an unsigned LEB128 number at `*i`.
