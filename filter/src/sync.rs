@@ -318,8 +318,9 @@ impl Syncer {
                     dropped += u;
                 }
             }
-            let deltas = merged.into_iter().map(|(key, (limit, units))| Delta { key, limit, units }).collect();
-            let body = SyncRequest { node: 0, seq: 0, deltas, ask: false }.encode();
+            let deltas: Vec<Delta> =
+                merged.into_iter().map(|(key, (limit, units))| Delta { key, limit, units }).collect();
+            let body = SyncRequest::encode_parts(0, 0, &deltas, false);
             match host.shared_set(&key, &body, cas) {
                 Ok(()) => {
                     if let (Some(m), true) = (self.metrics.dropped, dropped > 0) {
@@ -411,7 +412,7 @@ impl Syncer {
                     .filter_map(|k| s.unsent.remove(&k).map(|(limit, units)| Delta { key: k, limit, units }))
                     .collect();
                 s.seq += 1;
-                let body = SyncRequest { node: self.token, seq: s.seq, deltas: deltas.clone(), ask: false }.encode();
+                let body = SyncRequest::encode_parts(self.token, s.seq, &deltas, false);
                 Batch { seq: s.seq, deltas, body }
             }
         };
@@ -452,7 +453,7 @@ impl Syncer {
         // replaces the units it gives with the grant of the node's next batch.
         let node = Self::lease(host).map_or(0, |((holder, _), _)| holder);
         let node = if node == 0 { self.token } else { node };
-        let body = SyncRequest { node, seq: number, deltas: wants.to_vec(), ask: true }.encode();
+        let body = SyncRequest::encode_parts(node, number, wants, true);
         let token = self.send(host, &body)?;
         self.asks.set((inflight + 1, seq));
         if let Some(m) = self.metrics.asks {

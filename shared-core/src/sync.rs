@@ -167,11 +167,16 @@ fn read_count(r: &mut Reader<'_>) -> Result<usize, DecodeError> {
 impl SyncRequest {
     /// The wire encoding.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = alloc::vec![VERSION, if self.ask { KIND_ASK } else { KIND_REQUEST }];
-        put_varint(&mut out, self.node);
-        put_varint(&mut out, self.seq);
-        put_varint(&mut out, self.deltas.len() as u64);
-        for d in &self.deltas {
+        SyncRequest::encode_parts(self.node, self.seq, &self.deltas, self.ask)
+    }
+
+    /// The wire encoding of a request made of these parts (without building one).
+    pub fn encode_parts(node: u64, seq: u64, deltas: &[Delta], ask: bool) -> Vec<u8> {
+        let mut out = alloc::vec![VERSION, if ask { KIND_ASK } else { KIND_REQUEST }];
+        put_varint(&mut out, node);
+        put_varint(&mut out, seq);
+        put_varint(&mut out, deltas.len() as u64);
+        for d in deltas {
             put_bytes(&mut out, &d.key);
             put_limit(&mut out, &d.limit);
             put_varint(&mut out, d.units);
