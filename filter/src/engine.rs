@@ -53,6 +53,16 @@ pub struct Asking {
     asked_at: Nanos,
 }
 
+/// Which time a request is decided.
+#[derive(Clone, Copy, Debug)]
+enum Round<'a> {
+    /// First: it may still ask.
+    First,
+    /// After its ask: it may not ask again; `paid` are the keys whose units the store took
+    /// (counted there, so not reported again).
+    AfterAsk { paid: &'a [&'a [u8]] },
+}
+
 /// A configured filter: validated rules, the table, and metric ids.
 #[derive(Debug)]
 pub struct Engine {
@@ -175,7 +185,7 @@ impl Engine {
         let ip = ip.flatten();
         let req = Request { method, path: &path, headers: &headers, ip: ip.as_deref() };
         let (checks, skipped) = self.config.checks_of(&req, &matching);
-        self.decide(host, now, checks, skipped, (method, &path), Ok(()))
+        self.decide(host, now, checks, skipped, (method, &path), Round::First)
     }
 
     /// The store's answer to a paused request's ask (`status` 0: the call failed): the units
@@ -196,7 +206,8 @@ impl Engine {
             asking.wants.iter().zip(&taken).filter(|(_, t)| **t).map(|(w, _)| w.key.as_slice()).collect();
         // The request's method and path are not kept while it waits: a shadow rule's log line
         // after an ask names the rule only.
-        match self.decide(host, host.now(), asking.checks, asking.skipped, ("(after an ask)", ""), Err(&paid)) {
+        let round = Round::AfterAsk { paid: &paid };
+        match self.decide(host, host.now(), asking.checks, asking.skipped, ("(after an ask)", ""), round) {
             Verdict::Reply(r) => r,
             // `decide` only asks when told it may; a 429 all the same.
             Verdict::Ask(_) => Reply { status: 429, headers: Vec::new(), body: String::new() },
@@ -211,10 +222,8 @@ impl Engine {
     }
 
     /// Evaluates a request's checks against the table (and the store's grants), records the
-    /// units for sync and the metrics, and renders the reply. `ask` is `Ok` when the request
-    /// may still ask — one that only spent grants deny, while the store had quota left,
-    /// becomes an ask instead — and, once it has asked, the keys whose units the store took
-    /// (counted there, so not reported again).
+    /// units for sync and the metrics, and renders the reply. In its first round a request
+    /// that only spent grants deny, while the store had quota left, becomes an ask instead.
     fn decide(
         &self,
         host: &dyn Host,
@@ -222,11 +231,11 @@ impl Engine {
         mut checks: Vec<Check>,
         skipped: Vec<(usize, Skip)>,
         (method, path): (&str, &str),
-        ask: Result<(), &[&[u8]]>,
+        round: Round<'_>,
     ) -> Verdict {
-        let (may_ask, paid) = match ask {
-            Ok(()) => (true, &[][..]),
-            Err(paid) => (false, paid),
+        let (may_ask, paid) = match round {
+            Round::First => (true, &[][..]),
+            Round::AfterAsk { paid } => (false, paid),
         };
         let real_limits: Vec<Limit> =
             if self.sync.is_some() { checks.iter().map(|c| c.limit).collect() } else { Vec::new() };
