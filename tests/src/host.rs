@@ -305,6 +305,8 @@ struct VmState {
     alloc: Option<TypedFunc<i32, i32>>,
     /// Behave like a host whose header-map listing leaves out the pseudo-headers.
     pairs_without_pseudo_headers: bool,
+    /// When set, the time of each `proxy_on_request_headers` call, in ns.
+    request_headers_ns: Option<Vec<u64>>,
 }
 
 /// The guest entry points called per request, looked up once.
@@ -847,6 +849,7 @@ impl Vm {
             memory: None,
             alloc: None,
             pairs_without_pseudo_headers: false,
+            request_headers_ns: None,
         };
         let mut store = Store::new(&plugin.engine, state);
         let mut linker = Linker::new(&plugin.engine);
@@ -920,7 +923,11 @@ impl Vm {
         let c = ctx as i32;
         self.guard(|s, e| e.context_create.call(s, (c, root)))?;
         let n = req.headers.len() as i32;
+        let timed = self.store.data().request_headers_ns.is_some().then(std::time::Instant::now);
         let action = self.guard(|s, e| e.request_headers.call(s, (c, n, 1)))?;
+        if let (Some(t), Some(times)) = (timed, self.store.data_mut().request_headers_ns.as_mut()) {
+            times.push(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        }
         let reply = self.store.data_mut().local_replies.remove(&ctx);
         if action == 1 && reply.is_none() {
             return Ok(Started::Paused(ctx));
@@ -1043,6 +1050,17 @@ impl Vm {
     /// pseudo-headers, as some hosts do; they stay readable one by one.
     pub fn list_headers_without_pseudo_headers(&mut self) {
         self.store.data_mut().pairs_without_pseudo_headers = true;
+    }
+
+    /// From now on time each `proxy_on_request_headers` call (the request-headers callback
+    /// alone, without the context's creation, the response and the end of the stream).
+    pub fn time_request_headers(&mut self) {
+        self.store.data_mut().request_headers_ns = Some(Vec::new());
+    }
+
+    /// The times recorded since [`Vm::time_request_headers`], in ns; recording goes on.
+    pub fn take_request_headers_times(&mut self) -> Vec<u64> {
+        self.store.data_mut().request_headers_ns.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// The node this VM belongs to.
