@@ -116,6 +116,8 @@ struct Syncing {
     retry: Option<Batch>,
     failures: u32,
     open_until: Nanos,
+    /// When the last batch was sent.
+    sent_at: Nanos,
 }
 
 /// Metric ids.
@@ -403,6 +405,13 @@ impl Syncer {
         if now < s.open_until {
             return;
         }
+        // With nothing to report, a batch is only a heartbeat that keeps the view fresh: one
+        // every third of `stale_after` does that (two can fail before the view goes stale),
+        // and store calls stay under 10 per node per second when asks add to them.
+        let heartbeat = (self.opts.stale_after / 3).max(self.opts.interval);
+        if s.retry.is_none() && s.unsent.is_empty() && now < s.sent_at.saturating_add(heartbeat) {
+            return;
+        }
         let batch = match s.retry.take() {
             Some(b) => b,
             None => {
@@ -417,7 +426,10 @@ impl Syncer {
             }
         };
         match self.send(host, &batch.body) {
-            Some(token) => s.inflight = Some((token, batch, now)),
+            Some(token) => {
+                s.inflight = Some((token, batch, now));
+                s.sent_at = now;
+            }
             None => {
                 drop(s);
                 self.failed(host, batch, now, "dispatch refused");

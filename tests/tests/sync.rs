@@ -335,3 +335,34 @@ fn an_ask_is_refused_once_the_global_quota_is_spent_and_the_node_stops_asking() 
     assert_eq!(asks(&a) + asks(&b), before, "a node told the quota is spent denies locally");
     assert_eq!(admitted, after_first);
 }
+
+#[test]
+fn an_idle_node_sends_heartbeats_not_a_batch_every_interval_and_stays_fresh() {
+    let config = serde_json::json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "r", "key": ["user"], "limit": {"requests": 100, "per": "10s"}}],
+        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": "900ms", "nodes": 1}
+    })
+    .to_string();
+    let node = Node::new(1_800_000_000 * SECOND);
+    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
+    let mut store = Store::new(1000, 10 * SECOND);
+    let mut batches = 0;
+    for _ in 0..30 {
+        node.advance(100_000_000);
+        vm.tick().unwrap();
+        for c in vm.take_callouts() {
+            batches += 1;
+            answer_from(&mut store, node.now(), &mut vm, &c).unwrap();
+        }
+    }
+    // 3 s idle: a heartbeat every 300 ms (a third of stale_after), not 30 batches.
+    assert!((9..=11).contains(&batches), "{batches} batches");
+    let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
+    assert!(vm.request(&user).unwrap().passed);
+    assert_eq!(node.metric("ratewall_sync_degraded_requests"), 0, "the view stayed fresh");
+    // A delta goes out at the next tick, heartbeat or not.
+    node.advance(100_000_000);
+    vm.tick().unwrap();
+    assert_eq!(vm.take_callouts().len(), 1);
+}
