@@ -338,10 +338,7 @@ pub struct Applied {
 pub const MAX_LEASE: Nanos = 2 * crate::algo::SECOND;
 /// The lease of units given to an ask: they are spent at once, or given back by expiring.
 pub const ASK_LEASE: Nanos = crate::algo::SECOND;
-/// How long after a grant's lease the store still counts it: units a node spent just before
-/// its lease ended reach the store with its next batch (a VM's tick, the syncer's tick and a
-/// round trip later), and must not look free meanwhile.
-pub const REPORT_SLACK: Nanos = 300_000_000;
+
 const COUNTER_VERSION: u8 = 2;
 
 /// One global counter: its state, the traffic shares of the nodes that sync to it, and its
@@ -397,9 +394,7 @@ impl Counter {
 
     /// Drops the shares of nodes gone quiet (their lease over, nothing heard for `node_ttl`).
     fn forget_quiet(&mut self, node: u64, now: Nanos, node_ttl: Nanos) {
-        self.shares.retain(|s| {
-            s.node == node || now.saturating_sub(s.seen) <= node_ttl || s.until.saturating_add(REPORT_SLACK) > now
-        });
+        self.shares.retain(|s| s.node == node || now.saturating_sub(s.seen) <= node_ttl || s.until > now);
     }
 
     /// Adds one node's delta (units it already admitted) and answers its grant. A delta whose
@@ -544,11 +539,7 @@ impl Counter {
         let fixed = self.limit.algorithm() == Algorithm::FixedWindow;
         self.shares
             .iter()
-            .filter(|s| {
-                Some(s.node) != except
-                    && s.until.saturating_add(REPORT_SLACK) > now
-                    && !(fixed && s.seen / per != now / per)
-            })
+            .filter(|s| Some(s.node) != except && s.until > now && !(fixed && s.seen / per != now / per))
             .map(|s| s.grant.saturating_add(s.asked).saturating_add(s.carried))
             .fold(0, u64::saturating_add)
     }
@@ -898,11 +889,8 @@ mod tests {
             assert!(asked <= free_now, "asks reached units node 1 holds");
         }
 
-        // Just after the lease, node 1 may still report units it spent in time: held.
-        let just_after = NOW + first.lease + 1;
-        assert_eq!(c.ask(l, just_after, 2, 999, 1, 10 * SECOND).grant, 0, "held for the report");
-        // Once the lease and the report slack are over, node 1's units are free again.
-        let later = NOW + first.lease + REPORT_SLACK + 1;
+        // Once the lease is over, node 1's units are free again.
+        let later = NOW + first.lease + 1;
         assert!(c.ask(l, later, 2, 1000, 1, 10 * SECOND).grant > 0, "a lapsed grant locks nothing");
     }
 
