@@ -53,6 +53,17 @@ fn skewed_clocks_still_share_one_limit() {
     assert!(r.overadmission_max_pct <= 5.0, "{r:?}");
 }
 
+/// One fixed-window rule per user, `limit` per `per`, synced every 100 ms.
+fn user_rules(limit: u64, per: &str, stale_after: &str, nodes: u32) -> String {
+    serde_json::json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "r", "key": ["user"], "algorithm": "fixed_window",
+                   "limit": {"requests": limit, "per": per}}],
+        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": stale_after, "nodes": nodes}
+    })
+    .to_string()
+}
+
 fn sync_rules(policy: &str) -> String {
     serde_json::json!({
         "identity": {"user": {"header": "x-user-id"}},
@@ -182,13 +193,7 @@ fn a_rules_push_keeps_the_node_identity_and_its_unsent_deltas() {
 
 #[test]
 fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant() {
-    let config = serde_json::json!({
-        "identity": {"user": {"header": "x-user-id"}},
-        "rules": [{"name": "r", "key": ["user"], "algorithm": "fixed_window",
-                   "limit": {"requests": 4, "per": "1s"}}],
-        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": "5s", "nodes": 2}
-    })
-    .to_string();
+    let config = user_rules(4, "1s", "5s", 2);
     // Start on a window boundary, as seen through the store's clock (the same clock here).
     let node = Node::new(1_800_000_000 * SECOND);
     let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
@@ -222,13 +227,7 @@ fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant()
 #[test]
 fn a_request_whose_grant_is_spent_asks_the_store_and_waits_for_the_answer() {
     use ratewall_core::sync::SyncRequest;
-    let config = serde_json::json!({
-        "identity": {"user": {"header": "x-user-id"}},
-        "rules": [{"name": "r", "key": ["user"], "algorithm": "fixed_window",
-                   "limit": {"requests": 100, "per": "10s"}}],
-        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": "5s", "nodes": 4}
-    })
-    .to_string();
+    let config = user_rules(100, "10s", "5s", 4);
     let node = Node::new(1_800_000_000 * SECOND);
     let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
     let mut store = Store::new(1000, 10 * SECOND);
@@ -293,13 +292,7 @@ fn a_request_whose_grant_is_spent_asks_the_store_and_waits_for_the_answer() {
 
 #[test]
 fn an_ask_is_refused_once_the_global_quota_is_spent_and_the_node_stops_asking() {
-    let config = serde_json::json!({
-        "identity": {"user": {"header": "x-user-id"}},
-        "rules": [{"name": "r", "key": ["user"], "algorithm": "fixed_window",
-                   "limit": {"requests": 6, "per": "10s"}}],
-        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": "5s", "nodes": 2}
-    })
-    .to_string();
+    let config = user_rules(6, "10s", "5s", 2);
     let (a, b) = (Node::new(1_800_000_000 * SECOND), Node::new(1_800_000_000 * SECOND));
     let plugin = Plugin::filter().unwrap();
     let (mut va, mut vb) =
@@ -338,12 +331,7 @@ fn an_ask_is_refused_once_the_global_quota_is_spent_and_the_node_stops_asking() 
 
 #[test]
 fn an_idle_node_sends_heartbeats_not_a_batch_every_interval_and_stays_fresh() {
-    let config = serde_json::json!({
-        "identity": {"user": {"header": "x-user-id"}},
-        "rules": [{"name": "r", "key": ["user"], "limit": {"requests": 100, "per": "10s"}}],
-        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": "900ms", "nodes": 1}
-    })
-    .to_string();
+    let config = user_rules(100, "10s", "900ms", 1);
     let node = Node::new(1_800_000_000 * SECOND);
     let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
     let mut store = Store::new(1000, 10 * SECOND);
