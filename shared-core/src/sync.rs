@@ -57,9 +57,9 @@ pub struct SyncRequest {
     /// The deltas.
     pub deltas: Vec<Delta>,
     /// An *ask* rather than a batch: each delta's `units` are units a paused request needs
-    /// now, beyond the node's spent grant. The store grants them only if they are free (not
-    /// consumed and not held by any node's grant); nothing is counted, and `seq` is not the
-    /// batch sequence (asks are never retried).
+    /// now, beyond the node's spent grant. The store takes them, counting them at once, only
+    /// if they are free (not consumed and not held by any node's grant). `seq` then numbers
+    /// the node's asks, not its batches: a repeated ask is answered again and takes nothing.
     pub ask: bool,
 }
 
@@ -691,8 +691,9 @@ impl Store {
         self.handle(now, &req).map(|r| r.encode())
     }
 
-    /// Applies a batch, or answers an ask, at the store's `now`. Asks carry no sequence
-    /// number that counts: they are neither checked nor recorded (asks are never retried).
+    /// Applies a batch, or answers an ask, at the store's `now`. An ask's `seq` numbers the
+    /// node's asks, not its batches: it neither checks nor moves the batch sequence (each
+    /// counter answers a repeated ask again, taking nothing).
     pub fn handle(&mut self, now: Nanos, req: &SyncRequest) -> Result<SyncResponse, SyncError> {
         if let Some(node) = self.nodes.get(&req.node).filter(|_| !req.ask) {
             if req.seq == node.last_seq {
