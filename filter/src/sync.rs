@@ -36,6 +36,8 @@ pub const MAX_PENDING: usize = 20_000;
 pub const MAX_BATCH: usize = 500;
 /// Most asks one VM has in flight; a request past them is denied as before asks existed.
 pub const MAX_ASKS: u32 = 64;
+/// A grant leased at least this long shows its counter far from its limit.
+const RELAXED_LEASE: Nanos = 1_000 * MS;
 /// Failures in a row that open the circuit breaker.
 const BREAKER_AFTER: u32 = 3;
 const MS: Nanos = 1_000_000;
@@ -118,6 +120,9 @@ struct Syncing {
     open_until: Nanos,
     /// When the last batch was sent.
     sent_at: Nanos,
+    /// Whether the last answer left every counter far from its limit (each grant leased for
+    /// at least [`RELAXED_LEASE`]).
+    relaxed: bool,
 }
 
 /// Metric ids.
@@ -405,11 +410,23 @@ impl Syncer {
         if now < s.open_until {
             return;
         }
-        // With nothing to report, a batch is only a heartbeat that keeps the view fresh: one
-        // every third of `stale_after` does that (two can fail before the view goes stale),
-        // and store calls stay under 10 per node per second when asks add to them.
-        let heartbeat = (self.opts.stale_after / 3).max(self.opts.interval);
-        if s.retry.is_none() && s.unsent.is_empty() && now < s.sent_at.saturating_add(heartbeat) {
+        // When the next batch is due, so that store calls stay under 10 per node per second
+        // when asks add to them:
+        // - with nothing to report, a batch is only a heartbeat that keeps the view fresh: one
+        //   every third of `stale_after` (two can fail before the view goes stale);
+        // - while every counter is far from its limit, deltas wait for every other tick (half
+        //   an interval's margin for a host's tick jitter): the grants they were spent from
+        //   stay on lease far longer, so the store counts them as held meanwhile;
+        // - otherwise, and for a denied counter (0 units) that wants its fresh grant, at once.
+        let interval = self.opts.interval;
+        let due = if s.unsent.is_empty() {
+            (self.opts.stale_after / 3).max(interval)
+        } else if s.relaxed && s.unsent.values().all(|(_, units)| *units > 0) {
+            interval.saturating_add(interval / 2)
+        } else {
+            0
+        };
+        if s.retry.is_none() && now < s.sent_at.saturating_add(due) {
             return;
         }
         let batch = match s.retry.take() {
@@ -577,6 +594,10 @@ impl Syncer {
             let mut s = self.syncing.borrow_mut();
             s.failures = 0;
             s.open_until = 0;
+            // A heartbeat's empty answer says nothing about the counters.
+            if !resp.grants.is_empty() {
+                s.relaxed = resp.grants.iter().all(|g| g.lease >= RELAXED_LEASE);
+            }
         }
         if let Some(m) = self.metrics.breaker_open {
             host.set_gauge(m, 0);

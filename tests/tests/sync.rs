@@ -270,11 +270,14 @@ fn a_request_whose_grant_is_spent_asks_the_store_and_waits_for_the_answer() {
     assert!(granted >= 1, "the batch's answer granted units");
     // The store counted the ask's unit at once: 2 reported + 1 asked.
     assert_eq!(store.peek(&counter, node.now()).unwrap().remaining, 97);
-    // The next batch does not report it again.
-    node.advance(100_000_000);
-    vm.tick().unwrap();
-    for c in vm.take_callouts() {
-        answer_from(&mut store, node.now(), &mut vm, &c).unwrap();
+    // The next batch (within two ticks: far from the limit, deltas wait for every other
+    // one) does not report it again.
+    for _ in 0..2 {
+        node.advance(100_000_000);
+        vm.tick().unwrap();
+        for c in vm.take_callouts() {
+            answer_from(&mut store, node.now(), &mut vm, &c).unwrap();
+        }
     }
     assert_eq!(store.peek(&counter, node.now()).unwrap().remaining, 97 - granted);
     // With the store unreachable, an ask fails and the request is denied, not left hanging.
@@ -353,4 +356,34 @@ fn an_idle_node_sends_heartbeats_not_a_batch_every_interval_and_stays_fresh() {
     node.advance(100_000_000);
     vm.tick().unwrap();
     assert_eq!(vm.take_callouts().len(), 1);
+}
+
+#[test]
+fn deltas_wait_a_tick_while_far_from_the_limit_and_none_near_it() {
+    // One node's batches for a counter: how many ticks a new delta waits for its batch.
+    let ticks_to_batch = |limit: u64, first: u32| {
+        let node = Node::new(1_800_000_000 * SECOND);
+        let mut vm =
+            Vm::start(&Plugin::filter().unwrap(), &node, user_rules(limit, "10s", "5s", 1).as_bytes()).unwrap();
+        let mut store = Store::new(1000, 10 * SECOND);
+        let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
+        for _ in 0..first {
+            assert!(request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed);
+        }
+        node.advance(100_000_000);
+        vm.tick().unwrap();
+        for c in vm.take_callouts() {
+            answer_from(&mut store, node.now(), &mut vm, &c).unwrap();
+        }
+        assert!(request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed);
+        (1..=3)
+            .find(|_| {
+                node.advance(100_000_000);
+                vm.tick().unwrap();
+                !vm.take_callouts().is_empty()
+            })
+            .unwrap()
+    };
+    assert_eq!(ticks_to_batch(1000, 2), 2, "998 of 1000 left: the delta waits a tick");
+    assert_eq!(ticks_to_batch(20, 15), 1, "5 of 20 left: it goes at once");
 }
