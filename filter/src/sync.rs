@@ -4,9 +4,14 @@
 //! its own memory, and on each tick merges them into an *outbox* in shared data (CAS). One VM
 //! per node — the holder of a lease taken by CAS in shared data, so no Envoy-only singleton
 //! is needed and NGINX works too — drains the outboxes and sends the store one signed batch
-//! per interval. The store's answer carries a grant per counter, written into the counter's
-//! table entry, where every VM's admissions spend it; and the global view (nodes, the
-//! store's clock, when it was last heard from), which every VM reads on its tick.
+//! per interval (or every other one, while every counter is far from its limit; with nothing
+//! to report, a heartbeat every third of `stale_after`). The store's answer carries a leased
+//! grant per counter, written into the counter's table entry, where every VM's admissions
+//! spend it; and the global view (nodes, the store's clock, when it was last heard from),
+//! which every VM reads on its tick.
+//!
+//! A request whose grant is spent while the store still showed quota *asks* (see
+//! [`Syncer::ask`]): it waits, paused, for one round trip instead of being denied.
 //!
 //! While the view is stale (the store unreachable past `stale_after`), `open` rules limit to
 //! `limit / nodes` locally and `closed` rules reject. Deltas are kept, bounded, and sent after
