@@ -64,6 +64,25 @@ fn user_rules(limit: u64, per: &str, stale_after: &str, nodes: u32) -> String {
     .to_string()
 }
 
+/// A node of one VM under `config`, with its own reference store.
+fn one_node(config: &str) -> (Node, Vm, Store) {
+    let node = Node::new(1_800_000_000 * SECOND);
+    let vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
+    (node, vm, Store::new(1000, 10 * SECOND))
+}
+
+/// One sync interval: the clock moves on, the VM ticks, and `store` answers every call it
+/// makes. Returns the number of calls.
+fn synced_tick(node: &Node, vm: &mut Vm, store: &mut Store) -> usize {
+    node.advance(100_000_000);
+    vm.tick().unwrap();
+    let calls = vm.take_callouts();
+    for c in &calls {
+        answer_from(store, node.now(), vm, c).unwrap();
+    }
+    calls.len()
+}
+
 fn sync_rules(policy: &str) -> String {
     serde_json::json!({
         "identity": {"user": {"header": "x-user-id"}},
@@ -195,24 +214,15 @@ fn a_rules_push_keeps_the_node_identity_and_its_unsent_deltas() {
 fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant() {
     let config = user_rules(4, "1s", "5s", 2);
     // Start on a window boundary, as seen through the store's clock (the same clock here).
-    let node = Node::new(1_800_000_000 * SECOND);
-    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
-    let mut store = Store::new(1000, 10 * SECOND);
+    let (node, mut vm, mut store) = one_node(&config);
     let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
-    let sync = |vm: &mut Vm, node: &Node, store: &mut Store| {
-        node.advance(100_000_000);
-        vm.tick().unwrap();
-        for c in vm.take_callouts() {
-            answer_from(store, node.now(), vm, &c).unwrap();
-        }
-    };
     // Spend this window's quota through the grants and asks, with syncs in between.
     let mut passed = 0;
     for _ in 0..4 {
         for _ in 0..3 {
             passed += u32::from(request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed);
         }
-        sync(&mut vm, &node, &mut store);
+        synced_tick(&node, &mut vm, &mut store);
     }
     assert_eq!(passed, 4, "the global limit holds within the window");
     assert!(!request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed, "the quota is spent");
@@ -228,9 +238,7 @@ fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant()
 fn a_request_whose_grant_is_spent_asks_the_store_and_waits_for_the_answer() {
     use ratewall_core::sync::SyncRequest;
     let config = user_rules(100, "10s", "5s", 4);
-    let node = Node::new(1_800_000_000 * SECOND);
-    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
-    let mut store = Store::new(1000, 10 * SECOND);
+    let (node, mut vm, mut store) = one_node(&config);
     let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
     let key = |c: &ratewall_tests::host::Callout| SyncRequest::decode(&c.body).unwrap().deltas[0].key.clone();
     for _ in 0..2 {
@@ -273,11 +281,7 @@ fn a_request_whose_grant_is_spent_asks_the_store_and_waits_for_the_answer() {
     // The next batch (within two ticks: far from the limit, deltas wait for every other
     // one) does not report it again.
     for _ in 0..2 {
-        node.advance(100_000_000);
-        vm.tick().unwrap();
-        for c in vm.take_callouts() {
-            answer_from(&mut store, node.now(), &mut vm, &c).unwrap();
-        }
+        synced_tick(&node, &mut vm, &mut store);
     }
     assert_eq!(store.peek(&counter, node.now()).unwrap().remaining, 97 - granted);
     // With the store unreachable, an ask fails and the request is denied, not left hanging.
@@ -308,11 +312,7 @@ fn an_ask_is_refused_once_the_global_quota_is_spent_and_the_node_stops_asking() 
             for _ in 0..3 {
                 admitted += u32::from(request_with(Some(&mut store), node.now(), vm, &user).unwrap().passed);
             }
-            node.advance(100_000_000);
-            vm.tick().unwrap();
-            for c in vm.take_callouts() {
-                answer_from(&mut store, node.now(), vm, &c).unwrap();
-            }
+            synced_tick(node, vm, &mut store);
         }
         if round == 1 {
             // Both nodes start on an initial share (6 / 2) the store learns of only from
@@ -335,18 +335,8 @@ fn an_ask_is_refused_once_the_global_quota_is_spent_and_the_node_stops_asking() 
 #[test]
 fn an_idle_node_sends_heartbeats_not_a_batch_every_interval_and_stays_fresh() {
     let config = user_rules(100, "10s", "900ms", 1);
-    let node = Node::new(1_800_000_000 * SECOND);
-    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, config.as_bytes()).unwrap();
-    let mut store = Store::new(1000, 10 * SECOND);
-    let mut batches = 0;
-    for _ in 0..30 {
-        node.advance(100_000_000);
-        vm.tick().unwrap();
-        for c in vm.take_callouts() {
-            batches += 1;
-            answer_from(&mut store, node.now(), &mut vm, &c).unwrap();
-        }
-    }
+    let (node, mut vm, mut store) = one_node(&config);
+    let batches: usize = (0..30).map(|_| synced_tick(&node, &mut vm, &mut store)).sum();
     // 3 s idle: a heartbeat every 300 ms (a third of stale_after), not 30 batches.
     assert!((9..=11).contains(&batches), "{batches} batches");
     let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
@@ -362,19 +352,12 @@ fn an_idle_node_sends_heartbeats_not_a_batch_every_interval_and_stays_fresh() {
 fn deltas_wait_a_tick_while_far_from_the_limit_and_none_near_it() {
     // One node's batches for a counter: how many ticks a new delta waits for its batch.
     let ticks_to_batch = |limit: u64, first: u32| {
-        let node = Node::new(1_800_000_000 * SECOND);
-        let mut vm =
-            Vm::start(&Plugin::filter().unwrap(), &node, user_rules(limit, "10s", "5s", 1).as_bytes()).unwrap();
-        let mut store = Store::new(1000, 10 * SECOND);
+        let (node, mut vm, mut store) = one_node(&user_rules(limit, "10s", "5s", 1));
         let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
         for _ in 0..first {
             assert!(request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed);
         }
-        node.advance(100_000_000);
-        vm.tick().unwrap();
-        for c in vm.take_callouts() {
-            answer_from(&mut store, node.now(), &mut vm, &c).unwrap();
-        }
+        synced_tick(&node, &mut vm, &mut store);
         assert!(request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed);
         (1..=3)
             .find(|_| {
