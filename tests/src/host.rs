@@ -12,6 +12,7 @@
 //! faithfully, the rest (gRPC, queues, foreign functions) answer `Unimplemented`. WASI
 //! imports of wasm32-wasip1 modules get minimal shims.
 
+use rustc_hash::FxHashMap;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -96,7 +97,8 @@ pub struct Metric {
 /// What one proxy process shares between its VMs.
 #[derive(Default)]
 pub struct NodeState {
-    shared: Mutex<HashMap<String, (Vec<u8>, u32)>>,
+    /// Keys hashed with FxHash, as a proxy's own maps use a fast hash (Envoy: absl's).
+    shared: Mutex<FxHashMap<String, (Vec<u8>, u32)>>,
     next_cas: AtomicU32,
     metrics: Mutex<Vec<Metric>>,
     clock: AtomicU64,
@@ -307,6 +309,8 @@ struct VmState {
     pairs_without_pseudo_headers: bool,
     /// When set, the time of each `proxy_on_request_headers` call, in ns.
     request_headers_ns: Option<Vec<u64>>,
+    /// A buffer reused by the host calls that copy bytes into the guest.
+    scratch: Vec<u8>,
 }
 
 /// The guest entry points called per request, looked up once.
@@ -373,6 +377,13 @@ fn read_str(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<Stri
     Ok(String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
 }
 
+/// A header name from guest memory, lower-cased as the proxy keeps names (one allocation).
+fn read_name(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<String> {
+    let mut bytes = read(caller, ptr, len)?;
+    bytes.make_ascii_lowercase();
+    Ok(String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
+}
+
 fn write_u32(caller: &mut Caller<'_, VmState>, ptr: i32, v: u32) -> Result<()> {
     let mem = memory(caller)?;
     mem.write(caller, ptr as u32 as usize, &v.to_le_bytes())?;
@@ -425,9 +436,10 @@ fn reply_bytes(caller: &mut Caller<'_, VmState>, value: Option<Vec<u8>>, ret_ptr
 }
 
 /// The proxy-wasm header map encoding.
-fn serialize_map(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
-    let size = 4 + pairs.iter().map(|(k, v)| 10 + k.len() + v.len()).sum::<usize>();
-    let mut out = Vec::with_capacity(size);
+/// The proxy-wasm header map encoding, into `out` (cleared first; its capacity is reused).
+fn serialize_map(pairs: &[(String, Vec<u8>)], out: &mut Vec<u8>) {
+    out.clear();
+    out.reserve(4 + pairs.iter().map(|(k, v)| 10 + k.len() + v.len()).sum::<usize>());
     out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
     for (k, v) in pairs {
         out.extend_from_slice(&(k.len() as u32).to_le_bytes());
@@ -439,7 +451,6 @@ fn serialize_map(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
         out.extend_from_slice(v);
         out.push(0);
     }
-    out
 }
 
 fn deserialize_map(bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>> {
@@ -550,16 +561,19 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
         "proxy_get_header_map_pairs",
         |mut c: Caller<'_, VmState>, map_type: i32, ret_ptr: i32, ret_size: i32| -> Result<i32> {
             let omit = c.data().pairs_without_pseudo_headers && map_type == MAP_REQUEST_HEADERS;
+            let mut bytes = std::mem::take(&mut c.data_mut().scratch);
             let Some(map) = map_for(c.data_mut(), map_type) else {
                 return Ok(status::NOT_FOUND);
             };
-            let bytes = if omit {
-                serialize_map(&map.iter().filter(|(k, _)| !k.starts_with(':')).cloned().collect::<Vec<_>>())
+            if omit {
+                let kept: Vec<_> = map.iter().filter(|(k, _)| !k.starts_with(':')).cloned().collect();
+                serialize_map(&kept, &mut bytes);
             } else {
-                serialize_map(map)
-            };
-            return_bytes(&mut c, &bytes, ret_ptr, ret_size)?;
-            Ok(status::OK)
+                serialize_map(map, &mut bytes);
+            }
+            let r = return_bytes(&mut c, &bytes, ret_ptr, ret_size);
+            c.data_mut().scratch = bytes;
+            r.map(|()| status::OK)
         },
     )?;
     linker.func_wrap(
@@ -578,7 +592,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
         "env",
         "proxy_get_header_map_value",
         |mut c: Caller<'_, VmState>, map_type: i32, kp: i32, kl: i32, ret_ptr: i32, ret_size: i32| -> Result<i32> {
-            let key = read_str(&mut c, kp, kl)?.to_ascii_lowercase();
+            let key = read_name(&mut c, kp, kl)?;
             let value =
                 map_for(c.data_mut(), map_type).and_then(|m| m.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone()));
             reply_bytes(&mut c, value, ret_ptr, ret_size)
@@ -588,7 +602,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
         "env",
         "proxy_remove_header_map_value",
         |mut c: Caller<'_, VmState>, map_type: i32, kp: i32, kl: i32| -> Result<i32> {
-            let key = read_str(&mut c, kp, kl)?.to_ascii_lowercase();
+            let key = read_name(&mut c, kp, kl)?;
             if let Some(map) = map_for(c.data_mut(), map_type) {
                 map.retain(|(k, _)| *k != key);
             }
@@ -600,7 +614,7 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
             "env",
             name,
             move |mut c: Caller<'_, VmState>, map_type: i32, kp: i32, kl: i32, vp: i32, vl: i32| -> Result<i32> {
-                let key = read_str(&mut c, kp, kl)?.to_ascii_lowercase();
+                let key = read_name(&mut c, kp, kl)?;
                 let value = read(&mut c, vp, vl)?;
                 let Some(map) = map_for(c.data_mut(), map_type) else {
                     return Ok(status::NOT_FOUND);
@@ -632,16 +646,26 @@ fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
         "env",
         "proxy_get_shared_data",
         |mut c: Caller<'_, VmState>, kp: i32, kl: i32, ret_ptr: i32, ret_size: i32, ret_cas: i32| -> Result<i32> {
+            // Copied out under the lock into the VM's scratch buffer (no allocation), then into
+            // the guest's: the guest's allocator runs in between.
+            let mut value = std::mem::take(&mut c.data_mut().scratch);
             let found = with_memory(&mut c, |mem, s| {
                 let key = text(guest_slice(mem, kp, kl)?);
-                Ok(lock(&s.node.state.shared).get(key.as_ref()).cloned())
-            })?;
-            let Some((value, cas)) = found else {
-                return Ok(status::NOT_FOUND);
+                Ok(lock(&s.node.state.shared).get(key.as_ref()).map(|(v, cas)| {
+                    value.clear();
+                    value.extend_from_slice(v);
+                    *cas
+                }))
+            });
+            let r = match found {
+                Ok(Some(cas)) => return_bytes(&mut c, &value, ret_ptr, ret_size)
+                    .and_then(|()| write_u32(&mut c, ret_cas, cas))
+                    .map(|()| status::OK),
+                Ok(None) => Ok(status::NOT_FOUND),
+                Err(e) => Err(e),
             };
-            return_bytes(&mut c, &value, ret_ptr, ret_size)?;
-            write_u32(&mut c, ret_cas, cas)?;
-            Ok(status::OK)
+            c.data_mut().scratch = value;
+            r
         },
     )?;
     linker.func_wrap(
@@ -850,6 +874,7 @@ impl Vm {
             alloc: None,
             pairs_without_pseudo_headers: false,
             request_headers_ns: None,
+            scratch: Vec::new(),
         };
         let mut store = Store::new(&plugin.engine, state);
         let mut linker = Linker::new(&plugin.engine);
@@ -966,13 +991,12 @@ impl Vm {
         } else {
             self.store.data_mut().response_headers = vec![(":status".into(), b"200".to_vec())];
             self.guard(|s, e| e.response_headers.call(s, (c, 1, 1)))?;
-            let headers = self
-                .store
-                .data()
-                .response_headers
-                .iter()
+            let headers = std::mem::take(&mut self.store.data_mut().response_headers)
+                .into_iter()
                 .filter(|(k, _)| k != ":status")
-                .map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned()))
+                .map(|(k, v)| {
+                    (k, String::from_utf8(v).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
+                })
                 .collect();
             FilterResult { status: 200, headers, body: Vec::new(), passed: true }
         };
