@@ -1,7 +1,7 @@
 //! The filter's logic, independent of proxy-wasm: configuration, identity extraction,
 //! evaluation against the shared-data table, metrics, and the reply to send.
 
-use crate::host::{header, Host, Level};
+use crate::host::{headers, Host, Level};
 use crate::sync::Syncer;
 use crate::table::{Grants, Table, TableCounters};
 use ratewall_core::algo::Limit;
@@ -13,6 +13,9 @@ use ratewall_core::sync::Delta;
 use ratewall_core::Nanos;
 use ratewall_core::{render, ConfigError, Reply};
 use std::borrow::Cow;
+
+/// Headers read before the identity headers: `:method`, `:path`, `X-Forwarded-For`.
+const FIXED_HEADERS: usize = 3;
 
 /// Per-rule metric ids.
 #[derive(Clone, Copy, Debug, Default)]
@@ -156,35 +159,81 @@ impl Engine {
     pub fn on_request(&self, host: &dyn Host) -> Verdict {
         let now = host.now();
         let map = host.request_headers();
-        // A host that leaves the pseudo-headers out of the map is asked for them by name.
-        let pseudo = |name: &str| match header(&map, name) {
-            Some(v) => Cow::Borrowed(v),
-            None => Cow::Owned(host.request_header(name).unwrap_or_default()),
+        let identity = &self.config.identity;
+        // Every header the filter may read, found in one pass over the map: the two
+        // pseudo-headers, X-Forwarded-For, then the identity headers. On the stack for up to
+        // 13 identity headers.
+        let wanted = FIXED_HEADERS + identity.headers.len();
+        let (mut small, mut large) = ([None; 16], Vec::new());
+        let found: &mut [Option<&[u8]>] = match small.get_mut(..wanted) {
+            Some(s) => s,
+            None => {
+                large.resize(wanted, None);
+                &mut large
+            }
         };
-        let method_raw = pseudo(":method");
+        let xff_trusted = identity.ip.trusted_hops > 0;
+        headers(
+            &map,
+            |i| match i {
+                0 => Some(":method"),
+                1 => Some(":path"),
+                2 => xff_trusted.then_some("x-forwarded-for"),
+                _ => identity.headers.get(i - FIXED_HEADERS).map(|(_, h)| h.as_str()),
+            },
+            found,
+        );
+        let (fixed, rest) = found.split_at_mut(FIXED_HEADERS.min(found.len()));
+        let (method_raw, path_raw, xff) = match fixed {
+            [m, p, x] => (*m, *p, *x),
+            _ => (None, None, None),
+        };
+        // A host that leaves the pseudo-headers out of the map is asked for them by name.
+        fn pseudo<'a>(found: Option<&'a [u8]>, host: &dyn Host, name: &str) -> Cow<'a, [u8]> {
+            match found {
+                Some(v) => Cow::Borrowed(v),
+                None => Cow::Owned(host.request_header(name).unwrap_or_default()),
+            }
+        }
+        let method_raw = pseudo(method_raw, host, ":method");
         let method = core::str::from_utf8(&method_raw).unwrap_or("");
-        let path_raw = pseudo(":path");
+        let path_raw = pseudo(path_raw, host, ":path");
         let path = normalize_path(&path_raw);
-        // Look up only what the matching rules key on.
-        let matching = self.config.matching(method, &path);
-        let (needed, needs_ip) = self.needs(&matching);
-        let headers: Vec<Option<&[u8]>> = self
-            .config
-            .identity
-            .headers
+        // Rule indices on the stack for up to 16 matching rules.
+        let (mut small_m, mut large_m) = ([0usize; 16], Vec::new());
+        let mut matched = 0;
+        for (i, rule) in self.config.rules.iter().enumerate() {
+            if rule.matcher.matches(method, &path) {
+                match small_m.get_mut(matched) {
+                    Some(slot) => *slot = i,
+                    None => {
+                        if large_m.is_empty() {
+                            large_m.extend_from_slice(&small_m);
+                        }
+                        large_m.push(i);
+                    }
+                }
+                matched += 1;
+            }
+        }
+        let matching: &[usize] = if large_m.is_empty() { small_m.get(..matched).unwrap_or(&[]) } else { &large_m };
+        // Header values count only when non-empty; the client IP is worked out only when a
+        // matching rule keys on it.
+        for v in rest.iter_mut() {
+            *v = v.filter(|v| !v.is_empty());
+        }
+        let needs_ip = matching
             .iter()
-            .zip(&needed)
-            .map(|((_, h), &need)| if need { header(&map, h).filter(|v| !v.is_empty()) } else { None })
-            .collect();
+            .filter_map(|&i| self.config.rules.get(i))
+            .any(|r| r.key.iter().any(|d| *d == Dimension::Ip));
         let ip = needs_ip.then(|| {
-            let src = self.config.identity.ip;
-            let xff = if src.trusted_hops > 0 { header(&map, "x-forwarded-for") } else { None };
+            let src = identity.ip;
             let peer = || host.property(&["source", "address"]).as_deref().and_then(parse_ip);
             client_ip_with(peer, xff, &src).map(|ip| ip_key(ip, &src))
         });
         let ip = ip.flatten();
-        let req = Request { method, path: &path, headers: &headers, ip: ip.as_deref() };
-        let (checks, skipped) = self.config.checks_of(&req, &matching);
+        let req = Request { method, path: &path, headers: rest, ip: ip.as_deref() };
+        let (checks, skipped) = self.config.checks_of(&req, matching);
         self.decide(host, now, checks, skipped, (method, &path), Round::First)
     }
 
@@ -325,31 +374,5 @@ impl Engine {
             }
         }
         Verdict::Reply(render(&self.config, &outcome))
-    }
-
-    /// Which identity headers, and whether the client IP, the rules this request matches
-    /// key on (the plan header too when a matching rule has plans).
-    fn needs(&self, matching: &[usize]) -> (Vec<bool>, bool) {
-        let mut headers = vec![false; self.config.identity.headers.len()];
-        let mut ip = false;
-        let plan = self.config.identity.header_index("plan");
-        for rule in matching.iter().filter_map(|&i| self.config.rules.get(i)) {
-            for dim in &rule.key {
-                match dim {
-                    Dimension::Ip => ip = true,
-                    Dimension::Header(i) => {
-                        if let Some(n) = headers.get_mut(*i) {
-                            *n = true;
-                        }
-                    }
-                }
-            }
-            if let (false, Some(p)) = (rule.plans.is_empty(), plan) {
-                if let Some(n) = headers.get_mut(p) {
-                    *n = true;
-                }
-            }
-        }
-        (headers, ip)
     }
 }

@@ -56,27 +56,42 @@ pub trait Host {
 }
 
 /// The first value of header `name` (ASCII case-insensitive) in a serialized proxy-wasm
-/// header map: a little-endian u32 count, then a (name length, value length) u32 pair per
-/// header, then each name and each value followed by a NUL. A malformed map reads as
-/// having no more headers.
+/// header map: see [`headers`].
 pub fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
+    let mut out = [None];
+    headers(map, |_| Some(name), &mut out);
+    let [value] = out;
+    value
+}
+
+/// The first value of each header `name_of(i)` (ASCII case-insensitive; `None`: not wanted)
+/// into `out[i]`, in one pass over a serialized proxy-wasm header map: a little-endian u32
+/// count, then a (name length, value length) u32 pair per header, then each name and each
+/// value followed by a NUL. A malformed map reads as having no more headers.
+pub fn headers<'a, 'n>(map: &'a [u8], name_of: impl Fn(usize) -> Option<&'n str>, out: &mut [Option<&'a [u8]>]) {
     let word = |at: usize| -> Option<usize> {
         let b: [u8; 4] = map.get(at..at.checked_add(4)?)?.try_into().ok()?;
         Some(u32::from_le_bytes(b) as usize)
     };
-    let count = word(0)?;
-    let mut data = count.checked_mul(8)?.checked_add(4)?;
+    let Some(count) = word(0) else { return };
+    let Some(mut data) = count.checked_mul(8).and_then(|n| n.checked_add(4)) else { return };
+    let mut missing = (0..out.len()).filter(|&j| name_of(j).is_some()).count();
     for i in 0..count {
-        let (n, v) = (word(4 + 8 * i)?, word(8 + 8 * i)?);
-        let key = map.get(data..data.checked_add(n)?)?;
+        let (Some(n), Some(v)) = (word(4 + 8 * i), word(8 + 8 * i)) else { return };
+        let Some(key) = data.checked_add(n).and_then(|end| map.get(data..end)) else { return };
         let value_at = data + n + 1;
-        let value = map.get(value_at..value_at.checked_add(v)?)?;
-        if key.eq_ignore_ascii_case(name.as_bytes()) {
-            return Some(value);
+        let Some(value) = value_at.checked_add(v).and_then(|end| map.get(value_at..end)) else { return };
+        for (j, slot) in out.iter_mut().enumerate() {
+            if slot.is_none() && name_of(j).is_some_and(|name| key.eq_ignore_ascii_case(name.as_bytes())) {
+                *slot = Some(value);
+                missing -= 1;
+            }
+        }
+        if missing == 0 {
+            return;
         }
         data = value_at + v + 1;
     }
-    None
 }
 
 #[cfg(test)]

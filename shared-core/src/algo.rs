@@ -318,8 +318,13 @@ impl Limit {
         let w = self.per;
         let limit = self.requests;
         let (window, elapsed, prev, curr) = self.sliding_roll(state, now);
-        let weighted =
-            |prev: u64, elapsed: Nanos| -> u64 { (u128::from(prev) * u128::from(w - elapsed) / u128::from(w)) as u64 };
+        // In 64 bits whenever the product fits (a u128 division is a library call on wasm32).
+        let weighted = |prev: u64, elapsed: Nanos| -> u64 {
+            match prev.checked_mul(w - elapsed) {
+                Some(p) => p / w,
+                None => (u128::from(prev) * u128::from(w - elapsed) / u128::from(w)) as u64,
+            }
+        };
         let used = weighted(prev, elapsed) + curr;
         let to_window_end = w - elapsed;
         if cost <= limit && used + cost <= limit {

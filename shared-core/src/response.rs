@@ -193,3 +193,27 @@ fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: 
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloc::format;
+
+    #[test]
+    fn digits_match_core_fmt_at_every_width() {
+        let mut values =
+            alloc::vec![0, 9, 10, 99, 100, 101, 999, u64::from(u32::MAX), u64::from(u32::MAX) + 1, u64::MAX];
+        let mut p = 1u64;
+        while let Some(next) = p.checked_mul(10) {
+            values.extend([p - 1, p, p + 1, next / 3]);
+            p = next;
+        }
+        for v in values {
+            let mut buf = [0u8; 20];
+            assert_eq!(digits(v, &mut buf), format!("{v}").as_bytes(), "{v}");
+            let mut s = String::from("x");
+            push_decimal(&mut s, v);
+            assert_eq!(s, format!("x{v}"));
+        }
+    }
+}

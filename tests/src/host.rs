@@ -369,7 +369,10 @@ fn with_memory<R>(caller: &mut Caller<'_, VmState>, f: impl FnOnce(&[u8], &mut V
 
 /// Guest bytes as text, as the proxy would treat a key (invalid UTF-8 replaced).
 fn text(bytes: &[u8]) -> std::borrow::Cow<'_, str> {
-    String::from_utf8_lossy(bytes)
+    match std::str::from_utf8(bytes) {
+        Ok(s) => std::borrow::Cow::Borrowed(s),
+        Err(_) => String::from_utf8_lossy(bytes),
+    }
 }
 
 fn read_str(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<String> {
@@ -941,7 +944,7 @@ impl Vm {
             // clone_from reuses the previous request's allocations.
             s.request_headers.clone_from(&req.headers);
             s.response_headers = Vec::new();
-            s.source_address = req.source_address.clone();
+            s.source_address.clone_from(&req.source_address);
             s.effective_context = ctx;
         }
         let root = self.root as i32;
