@@ -7,7 +7,7 @@ use crate::table::{Grants, Table, TableCounters};
 use ratewall_core::algo::Limit;
 use ratewall_core::eval::{evaluate, Check, CheckResult, Request, Skip};
 use ratewall_core::glob::normalize_path;
-use ratewall_core::key::{client_ip_with, ip_key, parse_ip};
+use ratewall_core::key::{client_key, parse_ip};
 use ratewall_core::rules::{Config, Dimension, FailurePolicy};
 use ratewall_core::sync::Delta;
 use ratewall_core::Nanos;
@@ -225,11 +225,11 @@ impl Engine {
         let needs_ip = matching
             .iter()
             .filter_map(|&i| self.config.rules.get(i))
-            .any(|r| r.key.iter().any(|d| *d == Dimension::Ip));
+            .any(|r| r.key.contains(&Dimension::Ip));
         let ip = needs_ip.then(|| {
             let src = identity.ip;
             let peer = || host.property(&["source", "address"]).as_deref().and_then(parse_ip);
-            client_ip_with(peer, xff, &src).map(|ip| ip_key(ip, &src))
+            client_key(peer, xff, &src)
         });
         let ip = ip.flatten();
         let req = Request { method, path: &path, headers: rest, ip: ip.as_deref() };

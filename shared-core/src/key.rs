@@ -2,6 +2,7 @@
 //! prefix) and the composite keys rules count on.
 
 use crate::rules::IpSource;
+use alloc::borrow::Cow;
 use alloc::string::String;
 use core::fmt::Write;
 use core::net::{IpAddr, Ipv6Addr, SocketAddr};
@@ -35,21 +36,52 @@ pub fn client_ip(peer: Option<&[u8]>, xff: Option<&[u8]>, src: &IpSource) -> Opt
 /// [`client_ip`] that asks for the peer address only when it decides (a proxy's peer address
 /// is a host call).
 pub fn client_ip_with(peer: impl FnOnce() -> Option<IpAddr>, xff: Option<&[u8]>, src: &IpSource) -> Option<IpAddr> {
-    let hops = usize::from(src.trusted_hops);
-    if hops == 0 {
-        return peer();
+    match xff.and_then(|x| forwarded_entry(x, src.trusted_hops)) {
+        Some(entry) => parse_ip(entry).or_else(peer),
+        None => peer(),
     }
-    let Some(xff) = xff else { return peer() };
-    // The hops-th entry from the right, or the leftmost when there are fewer.
-    let mut from_right = xff.rsplit(|&b| b == b',');
+}
+
+/// The `X-Forwarded-For` entry [`client_ip`] trusts: the `hops`-th from the right, or the
+/// leftmost when there are fewer (`None` with no trusted hops).
+fn forwarded_entry(xff: &[u8], hops: u8) -> Option<&[u8]> {
     let mut chosen = None;
-    for _ in 0..hops {
-        match from_right.next() {
-            Some(e) => chosen = Some(e),
-            None => break,
+    for e in xff.rsplit(|&b| b == b',').take(usize::from(hops)) {
+        chosen = Some(e);
+    }
+    chosen
+}
+
+/// [`client_ip_with`] then [`ip_key`], borrowed from `xff` when the trusted entry already is
+/// its own key: a dotted-quad IPv4 address in canonical form, keyed by /32 (the common case,
+/// spared a parse and an allocation on the request path).
+pub fn client_key<'a>(
+    peer: impl FnOnce() -> Option<IpAddr>,
+    xff: Option<&'a [u8]>,
+    src: &IpSource,
+) -> Option<Cow<'a, str>> {
+    let entry = xff.and_then(|x| forwarded_entry(x, src.trusted_hops)).map(<[u8]>::trim_ascii);
+    if let (Some(e), true) = (entry, src.ipv4_prefix >= 32) {
+        if is_canonical_ipv4(e) {
+            return core::str::from_utf8(e).ok().map(Cow::Borrowed);
         }
     }
-    chosen.and_then(parse_ip).or_else(peer)
+    client_ip_with(peer, xff, src).map(|ip| Cow::Owned(ip_key(ip, src)))
+}
+
+/// Four decimal octets `0..=255` without leading zeros, dot-separated: exactly the text
+/// [`ip_key`] writes for that address at /32.
+fn is_canonical_ipv4(s: &[u8]) -> bool {
+    let mut parts = 0;
+    for octet in s.split(|&b| b == b'.') {
+        parts += 1;
+        let value = octet.iter().try_fold(0u32, |v, &b| b.is_ascii_digit().then(|| v * 10 + u32::from(b - b'0')));
+        let canonical = matches!(octet.len(), 1..=3) && !(octet.len() > 1 && octet.first() == Some(&b'0'));
+        if parts > 4 || !canonical || value.is_none_or(|v| v > 255) {
+            return false;
+        }
+    }
+    parts == 4
 }
 
 /// The IP as a key: IPv4 masked to `ipv4_prefix`, IPv6 to `ipv6_prefix`, in CIDR form when
@@ -104,6 +136,38 @@ mod tests {
         assert_eq!(spoofed, honest);
         let two = IpSource { trusted_hops: 2, ..SRC };
         assert_eq!(client_ip(peer, Some(b"9.9.9.9, 203.0.113.7, 10.1.1.1"), &two), honest);
+    }
+
+    #[test]
+    fn client_keys_borrowed_or_built_are_the_same_key() {
+        let peer = Some(&b"10.0.0.1:4444"[..]);
+        let v4_24 = IpSource { ipv4_prefix: 24, ..SRC };
+        let no_hops = IpSource { trusted_hops: 0, ..SRC };
+        let xffs: [&[u8]; 14] = [
+            b"203.0.113.7",
+            b" 203.0.113.7 ",
+            b"1.1.1.1, 2.2.2.2, 0.0.0.0",
+            b"255.255.255.255",
+            b"256.1.1.1",
+            b"01.2.3.4",
+            b"1.2.3",
+            b"1.2.3.4.5",
+            b"1..3.4",
+            b"1.2.3.4:80",
+            b"2001:db8::1",
+            b"::ffff:192.0.2.1",
+            b"\xff\xfe",
+            b"",
+        ];
+        for xff in xffs {
+            for src in [SRC, v4_24, no_hops] {
+                let built = client_ip(peer, Some(xff), &src).map(|ip| ip_key(ip, &src));
+                let key = client_key(|| peer.and_then(parse_ip), Some(xff), &src);
+                assert_eq!(key.as_deref(), built.as_deref(), "{:?} {src:?}", core::str::from_utf8(xff));
+            }
+        }
+        assert!(matches!(client_key(|| None, Some(b"198.51.100.2"), &SRC), Some(Cow::Borrowed("198.51.100.2"))));
+        assert!(matches!(client_key(|| None, Some(b"198.51.100.2"), &v4_24), Some(Cow::Owned(_))));
     }
 
     #[test]

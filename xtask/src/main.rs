@@ -22,7 +22,11 @@ const USAGE: &str = "usage: cargo xtask <command>
 /// The worker-build release that matches the `worker` crate in Cargo.lock.
 const WORKER_BUILD: &str = "0.8.7";
 /// wasm-opt over the filter: the features rustc's wasm32 target enables, no debug info.
+/// GUFA (whole-program flow analysis: values that are constants, code no value reaches) and
+/// a second `-Oz` over its result: measured −1.3 KB, no slower.
 const WASM_OPT_FLAGS: &[&str] = &[
+    "-Oz",
+    "--gufa",
     "-Oz",
     "--enable-bulk-memory",
     "--enable-sign-ext",
