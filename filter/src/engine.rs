@@ -74,6 +74,9 @@ pub struct Engine {
     rules: Vec<RuleMetrics>,
     node: NodeMetrics,
     sync: Option<Syncer>,
+    /// The request headers read, in the order [`Engine::on_request`] expects them: `:method`,
+    /// `:path`, `x-forwarded-for` (empty when untrusted), then the identity headers.
+    header_names: Vec<String>,
 }
 
 /// `limit` shared by `nodes`: the local limit while the global store is unreachable.
@@ -122,7 +125,13 @@ impl Engine {
             Some(old) => Syncer::continuing(old, opts),
             None => Syncer::new(host, opts),
         });
-        Ok(Engine { config, table, rules, node, sync })
+        let xff = if config.identity.ip.trusted_hops > 0 { "x-forwarded-for" } else { "" };
+        let header_names = [":method", ":path", xff]
+            .into_iter()
+            .map(String::from)
+            .chain(config.identity.headers.iter().map(|(_, h)| h.clone()))
+            .collect();
+        Ok(Engine { config, table, rules, node, sync, header_names })
     }
 
     /// The validated configuration.
@@ -163,7 +172,7 @@ impl Engine {
         // Every header the filter may read, found in one pass over the map: the two
         // pseudo-headers, X-Forwarded-For, then the identity headers. On the stack for up to
         // 13 identity headers.
-        let wanted = FIXED_HEADERS + identity.headers.len();
+        let wanted = self.header_names.len();
         let (mut small, mut large) = ([None; 16], Vec::new());
         let found: &mut [Option<&[u8]>] = match small.get_mut(..wanted) {
             Some(s) => s,
@@ -172,17 +181,7 @@ impl Engine {
                 &mut large
             }
         };
-        let xff_trusted = identity.ip.trusted_hops > 0;
-        headers(
-            &map,
-            |i| match i {
-                0 => Some(":method"),
-                1 => Some(":path"),
-                2 => xff_trusted.then_some("x-forwarded-for"),
-                _ => identity.headers.get(i - FIXED_HEADERS).map(|(_, h)| h.as_str()),
-            },
-            found,
-        );
+        headers(&map, &self.header_names, found);
         let (fixed, rest) = found.split_at_mut(FIXED_HEADERS.min(found.len()));
         let (method_raw, path_raw, xff) = match fixed {
             [m, p, x] => (*m, *p, *x),
@@ -196,7 +195,7 @@ impl Engine {
             }
         }
         let method_raw = pseudo(method_raw, host, ":method");
-        let method = core::str::from_utf8(&method_raw).unwrap_or("");
+        let method = ratewall_core::text(&method_raw).unwrap_or("");
         let path_raw = pseudo(path_raw, host, ":path");
         let path = normalize_path(&path_raw);
         // Rule indices on the stack for up to 16 matching rules.
@@ -222,10 +221,8 @@ impl Engine {
         for v in rest.iter_mut() {
             *v = v.filter(|v| !v.is_empty());
         }
-        let needs_ip = matching
-            .iter()
-            .filter_map(|&i| self.config.rules.get(i))
-            .any(|r| r.key.contains(&Dimension::Ip));
+        let needs_ip =
+            matching.iter().filter_map(|&i| self.config.rules.get(i)).any(|r| r.key.contains(&Dimension::Ip));
         let ip = needs_ip.then(|| {
             let src = identity.ip;
             let peer = || host.property(&["source", "address"]).as_deref().and_then(parse_ip);

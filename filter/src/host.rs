@@ -59,38 +59,41 @@ pub trait Host {
 /// header map: see [`headers`].
 pub fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
     let mut out = [None];
-    headers(map, |_| Some(name), &mut out);
+    headers(map, &[String::from(name)], &mut out);
     let [value] = out;
     value
 }
 
-/// The first value of each header `name_of(i)` (ASCII case-insensitive; `None`: not wanted)
+/// The first value of each header `names[i]` (ASCII case-insensitive; empty: not wanted)
 /// into `out[i]`, in one pass over a serialized proxy-wasm header map: a little-endian u32
 /// count, then a (name length, value length) u32 pair per header, then each name and each
 /// value followed by a NUL. A malformed map reads as having no more headers.
-pub fn headers<'a, 'n>(map: &'a [u8], name_of: impl Fn(usize) -> Option<&'n str>, out: &mut [Option<&'a [u8]>]) {
+pub fn headers<'a>(map: &'a [u8], names: &[String], out: &mut [Option<&'a [u8]>]) {
     let word = |at: usize| -> Option<usize> {
         let b: [u8; 4] = map.get(at..at.checked_add(4)?)?.try_into().ok()?;
         Some(u32::from_le_bytes(b) as usize)
     };
     let Some(count) = word(0) else { return };
     let Some(mut data) = count.checked_mul(8).and_then(|n| n.checked_add(4)) else { return };
-    let mut missing = (0..out.len()).filter(|&j| name_of(j).is_some()).count();
+    let mut missing = names.iter().filter(|n| !n.is_empty()).count();
     for i in 0..count {
+        if missing == 0 {
+            return;
+        }
         let (Some(n), Some(v)) = (word(4 + 8 * i), word(8 + 8 * i)) else { return };
         let Some(key) = data.checked_add(n).and_then(|end| map.get(data..end)) else { return };
         let value_at = data + n + 1;
         let Some(value) = value_at.checked_add(v).and_then(|end| map.get(value_at..end)) else { return };
-        for (j, slot) in out.iter_mut().enumerate() {
-            if slot.is_none() && name_of(j).is_some_and(|name| key.eq_ignore_ascii_case(name.as_bytes())) {
+        data = value_at + v + 1;
+        for (slot, name) in out.iter_mut().zip(names) {
+            // Lengths first; proxies hand names over lower-case, so an exact match is tried
+            // before the case-insensitive one.
+            let wanted = slot.is_none() && name.len() == key.len() && !key.is_empty();
+            if wanted && (key == name.as_bytes() || key.eq_ignore_ascii_case(name.as_bytes())) {
                 *slot = Some(value);
                 missing -= 1;
             }
         }
-        if missing == 0 {
-            return;
-        }
-        data = value_at + v + 1;
     }
 }
 

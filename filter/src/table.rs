@@ -243,7 +243,7 @@ impl Table {
         if let Some(tail) = buf.get_mut(prefix.len()..len) {
             tail.copy_from_slice(digits);
         }
-        core::str::from_utf8(buf.get(..len).unwrap_or_default()).unwrap_or_default()
+        ratewall_core::text(buf.get(..len).unwrap_or_default()).unwrap_or_default()
     }
 
     /// Creates every bucket key that does not exist yet. Runs at configure time, before

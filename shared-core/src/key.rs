@@ -63,7 +63,7 @@ pub fn client_key<'a>(
     let entry = xff.and_then(|x| forwarded_entry(x, src.trusted_hops)).map(<[u8]>::trim_ascii);
     if let (Some(e), true) = (entry, src.ipv4_prefix >= 32) {
         if is_canonical_ipv4(e) {
-            return core::str::from_utf8(e).ok().map(Cow::Borrowed);
+            return crate::text(e).map(Cow::Borrowed);
         }
     }
     client_ip_with(peer, xff, src).map(|ip| Cow::Owned(ip_key(ip, src)))

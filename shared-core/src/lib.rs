@@ -31,6 +31,18 @@ pub mod response;
 pub mod rules;
 pub mod sync;
 
+/// `bytes` as text. ASCII — header names, numbers, addresses, most paths — passes a much
+/// simpler test than full UTF-8 validation, which costs several times more on short strings
+/// on the request path; anything else is validated in full.
+pub fn text(bytes: &[u8]) -> Option<&str> {
+    if bytes.is_ascii() {
+        // SAFETY: every ASCII byte sequence is valid UTF-8.
+        Some(unsafe { core::str::from_utf8_unchecked(bytes) })
+    } else {
+        core::str::from_utf8(bytes).ok()
+    }
+}
+
 pub use algo::{Algorithm, Decision, Limit, Nanos, State, SECOND};
 pub use eval::{combine, evaluate, Check, Counters, MemoryCounters, Outcome, Request};
 pub use response::{render, Reply};

@@ -55,7 +55,7 @@ pub fn digits(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
 pub fn push_decimal(out: &mut String, v: u64) {
     let mut buf = [0u8; 20];
     // ASCII digits: always valid UTF-8, appended at once rather than char by char.
-    out.push_str(core::str::from_utf8(digits(v, &mut buf)).unwrap_or(""));
+    out.push_str(crate::text(digits(v, &mut buf)).unwrap_or(""));
 }
 
 fn decimal(v: u64) -> String {

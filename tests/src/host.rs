@@ -74,6 +74,11 @@ impl Plugin {
         if std::env::var_os("RATEWALL_PERFMAP").is_some() {
             config.profiler(wasmtime::ProfilingStrategy::PerfMap);
         }
+        // RATEWALL_FUEL=1 meters the guest: [`Vm::fuel_used`] counts the wasm instructions it
+        // ran, a figure that, unlike time, does not vary from run to run.
+        if std::env::var_os("RATEWALL_FUEL").is_some() {
+            config.consume_fuel(true);
+        }
         let engine = Engine::new(&config)?;
         let module = Module::new(&engine, bytes)?;
         if module.get_export("proxy_abi_version_0_2_1").is_none() {
@@ -880,6 +885,8 @@ impl Vm {
             scratch: Vec::new(),
         };
         let mut store = Store::new(&plugin.engine, state);
+        // Fails, harmlessly, unless the engine meters fuel.
+        let _ = store.set_fuel(u64::MAX);
         let mut linker = Linker::new(&plugin.engine);
         define_imports(&mut linker, &plugin.module)?;
         let instance = linker.instantiate(&mut store, &plugin.module)?;
@@ -1088,6 +1095,11 @@ impl Vm {
     /// The times recorded since [`Vm::time_request_headers`], in ns; recording goes on.
     pub fn take_request_headers_times(&mut self) -> Vec<u64> {
         self.store.data_mut().request_headers_ns.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Wasm instructions the guest has run (`RATEWALL_FUEL=1`; else 0).
+    pub fn fuel_used(&self) -> u64 {
+        self.store.get_fuel().map_or(0, |left| u64::MAX - left)
     }
 
     /// The node this VM belongs to.
