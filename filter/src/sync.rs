@@ -27,7 +27,21 @@ use std::collections::HashMap;
 
 /// Deltas by counter key. A `HashMap` (its code is in the module already, for the SDK's
 /// contexts) rather than a `BTreeMap`, which added ~8 KB to the wasm for no use of order.
-type Pending = HashMap<Vec<u8>, (Limit, u64)>;
+type Pending = HashMap<Vec<u8>, (Limit, u64), KeyHasher>;
+
+/// SipHash-1-3 (the table's hash) with fixed keys for the pending maps. std's `RandomState`
+/// has no randomness to draw on wasm32-unknown-unknown either (its keys are constants there),
+/// and brings its own hasher and lazy thread-local keys (~2 KB of wasm); the maps are bounded
+/// ([`MAX_PENDING`]), which bounds what crafted colliding keys could cost.
+#[derive(Clone, Copy, Debug, Default)]
+struct KeyHasher;
+
+impl std::hash::BuildHasher for KeyHasher {
+    type Hasher = siphasher::sip::SipHasher13;
+    fn build_hasher(&self) -> Self::Hasher {
+        siphasher::sip::SipHasher13::new_with_keys(0x7261_7465_7761_6c6c, 0x7065_6e64_696e_6721)
+    }
+}
 
 const LEASE: &str = "rw1/sync/lease";
 const VIEW: &str = "rw1/sync/view";
@@ -318,7 +332,7 @@ impl Syncer {
         let key = outbox(self.vm % OUTBOXES);
         for _ in 0..32 {
             let Ok((value, cas)) = host.shared_get(&key) else { break };
-            let mut merged = Pending::new();
+            let mut merged = Pending::default();
             if let Some(Ok(req)) = value.as_deref().filter(|v| !v.is_empty()).map(SyncRequest::decode) {
                 for d in req.deltas {
                     merge(&mut merged, &d.key, d.limit, d.units);

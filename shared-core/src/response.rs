@@ -9,7 +9,7 @@
 
 use crate::algo::{Decision, Limit, Nanos, SECOND};
 use crate::eval::{CheckResult, Outcome};
-use crate::rules::{Config, Mode};
+use crate::rules::{Config, Mode, Rule};
 use alloc::string::String;
 use alloc::vec::Vec;
 
@@ -87,15 +87,14 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
         let best =
             decided().min_by(|(_, a), (_, b)| a.remaining.cmp(&b.remaining).then(b.reset_after.cmp(&a.reset_after)));
         let mut headers = Vec::with_capacity(2);
-        if let Some((c, d)) = best {
-            let name = config.rules.get(c.rule).map_or("", |r| r.name.as_str());
-            fields(&mut headers, config, &[(name, &c.limit, d)]);
+        if let Some((rule, (c, d))) = best.and_then(|b| Some((config.rules.get(b.0.rule)?, b))) {
+            fields(&mut headers, config, &[(rule, &c.limit, d)]);
         }
         return Reply { status: 200, headers, body: String::new() };
     }
-    let violated: Vec<(&str, &Limit, Decision)> = decided()
+    let violated: Vec<(&Rule, &Limit, Decision)> = decided()
         .filter(|(_, d)| !d.allowed)
-        .map(|(c, d)| (config.rules.get(c.rule).map_or("", |r| r.name.as_str()), &c.limit, d))
+        .filter_map(|(c, d)| Some((config.rules.get(c.rule)?, &c.limit, d)))
         .collect();
     if violated.is_empty() {
         // Only a `closed` rule whose store failed.
@@ -128,7 +127,8 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
     // and this is several times cheaper than building a serde_json::Value.
     let mut names = String::new();
     let mut list = String::new();
-    for (i, (n, _, _)) in violated.iter().enumerate() {
+    for (i, (rule, _, _)) in violated.iter().enumerate() {
+        let n = rule.name.as_str();
         let sep = if i > 0 { ", " } else { "" };
         names.push_str(sep);
         names.push_str(n);
@@ -159,23 +159,43 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
     Reply { status: 429, headers, body }
 }
 
+/// A `RateLimit-Policy` item: `"name";q=<quota>;w=<window seconds>`.
+pub fn policy_item(name: &str, quota: u64, limit: &Limit) -> String {
+    let mut item = String::with_capacity(name.len() + 32);
+    push_policy_item(&mut item, name, quota, limit);
+    item
+}
+
+fn push_policy_item(out: &mut String, name: &str, quota: u64, limit: &Limit) {
+    // Rule names are validated to [A-Za-z0-9_.-], so they need no escaping in sf-string.
+    out.push('"');
+    out.push_str(name);
+    out.push_str("\";q=");
+    push_decimal(out, quota);
+    out.push_str(";w=");
+    push_decimal(out, window_secs(limit));
+}
+
 /// Appends `RateLimit-Policy`, `RateLimit` and, when enabled, the legacy fields.
-fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: &[(&str, &Limit, Decision)]) {
+fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: &[(&Rule, &Limit, Decision)]) {
     if policies.is_empty() {
         return;
     }
     // Sized for one or two policies, so the pushes below do not reallocate.
     let mut policy = String::with_capacity(64 * policies.len());
     let mut state = String::with_capacity(64 * policies.len());
-    for (i, (name, limit, d)) in policies.iter().enumerate() {
+    for (i, (rule, limit, d)) in policies.iter().enumerate() {
+        let name = rule.name.as_str();
+        if i > 0 {
+            policy.push_str(", ");
+        }
+        // Under the rule's default limit the item was rendered when the rules were loaded.
+        if **limit == rule.limit && d.limit == limit.quota() {
+            policy.push_str(&rule.policy_item);
+        } else {
+            push_policy_item(&mut policy, name, d.limit, limit);
+        }
         let sep = if i > 0 { ", \"" } else { "\"" };
-        // Rule names are validated to [A-Za-z0-9_.-], so they need no escaping in sf-string.
-        policy.push_str(sep);
-        policy.push_str(name);
-        policy.push_str("\";q=");
-        push_decimal(&mut policy, d.limit);
-        policy.push_str(";w=");
-        push_decimal(&mut policy, window_secs(limit));
         state.push_str(sep);
         state.push_str(name);
         state.push_str("\";r=");

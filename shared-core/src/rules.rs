@@ -149,6 +149,8 @@ pub struct Rule {
     pub mode: Mode,
     /// What happens when the store fails.
     pub on_store_failure: FailurePolicy,
+    /// Its `RateLimit-Policy` item under the default limit, rendered once.
+    pub policy_item: String,
 }
 
 impl Rule {
@@ -550,7 +552,8 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
     if let Some(d) = m.get("description") {
         string(d, &join(path, "description"))?;
     }
-    Ok(Rule { name: name.to_owned(), matcher, key, limit, plans, cost, mode, on_store_failure })
+    let policy_item = crate::response::policy_item(name, limit.quota(), &limit);
+    Ok(Rule { name: name.to_owned(), matcher, key, limit, plans, cost, mode, on_store_failure, policy_item })
 }
 
 fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
