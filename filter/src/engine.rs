@@ -1,7 +1,7 @@
 //! The filter's logic, independent of proxy-wasm: configuration, identity extraction,
 //! evaluation against the shared-data table, metrics, and the reply to send.
 
-use crate::host::{headers, Host, Level};
+use crate::host::{headers, HeaderNames, Host, Level};
 use crate::sync::Syncer;
 use crate::table::{Grants, Table, TableCounters};
 use ratewall_core::algo::Limit;
@@ -76,7 +76,7 @@ pub struct Engine {
     sync: Option<Syncer>,
     /// The request headers read, in the order [`Engine::on_request`] expects them: `:method`,
     /// `:path`, `x-forwarded-for` (empty when untrusted), then the identity headers.
-    header_names: Vec<String>,
+    header_names: HeaderNames,
 }
 
 /// `limit` shared by `nodes`: the local limit while the global store is unreachable.
@@ -126,11 +126,13 @@ impl Engine {
             None => Syncer::new(host, opts),
         });
         let xff = if config.identity.ip.trusted_hops > 0 { "x-forwarded-for" } else { "" };
-        let header_names = [":method", ":path", xff]
-            .into_iter()
-            .map(String::from)
-            .chain(config.identity.headers.iter().map(|(_, h)| h.clone()))
-            .collect();
+        let header_names = HeaderNames::new(
+            [":method", ":path", xff]
+                .into_iter()
+                .map(String::from)
+                .chain(config.identity.headers.iter().map(|(_, h)| h.clone()))
+                .collect(),
+        );
         Ok(Engine { config, table, rules, node, sync, header_names })
     }
 

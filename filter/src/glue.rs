@@ -8,7 +8,6 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 use ratewall_core::Nanos;
 use std::rc::Rc;
-use std::time::UNIX_EPOCH;
 
 // The ABI call behind the SDK's `get_map_bytes`, which would deserialize every header into
 // its own `String` and `Vec` (two allocations per header); the engine reads the serialized
@@ -16,6 +15,9 @@ use std::time::UNIX_EPOCH;
 #[link(wasm_import_module = "env")]
 extern "C" {
     fn proxy_get_header_map_pairs(map_type: u32, return_map_data: *mut *mut u8, return_map_size: *mut usize) -> u32;
+    // The SDK's `get_current_time` returns a `SystemTime`, which the engine would turn back
+    // into nanoseconds through 128-bit arithmetic on every request.
+    fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
 }
 
 /// The request headers as the host serializes them.
@@ -41,10 +43,12 @@ struct ProxyHost;
 
 impl Host for ProxyHost {
     fn now(&self) -> Nanos {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        let mut now: u64 = 0;
+        // SAFETY: the host writes one u64 through a pointer to a live local.
+        match unsafe { proxy_get_current_time_nanoseconds(&mut now) } {
+            0 => now,
+            _ => 0,
+        }
     }
     fn request_headers(&self) -> Vec<u8> {
         raw_request_headers().unwrap_or_default()

@@ -59,23 +59,73 @@ pub trait Host {
 /// header map: see [`headers`].
 pub fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
     let mut out = [None];
-    headers(map, &[String::from(name)], &mut out);
+    headers(map, &HeaderNames::new(vec![String::from(name)]), &mut out);
     let [value] = out;
     value
 }
 
-/// The first value of each header `names[i]` (ASCII case-insensitive; empty: not wanted)
-/// into `out[i]`, in one pass over a serialized proxy-wasm header map: a little-endian u32
-/// count, then a (name length, value length) u32 pair per header, then each name and each
-/// value followed by a NUL. A malformed map reads as having no more headers.
-pub fn headers<'a>(map: &'a [u8], names: &[String], out: &mut [Option<&'a [u8]>]) {
+/// Header names to look up, indexed by length: most headers of a request have a length no
+/// wanted name has, and are passed over at once.
+#[derive(Debug)]
+pub struct HeaderNames {
+    names: Vec<String>,
+    /// Bit `i` of `by_len[n]`: `names[i]` (i < 32, non-empty) is `n` bytes long.
+    by_len: [u32; 64],
+    /// Some wanted name is beyond the index (past 32 names, or 64 bytes and longer).
+    unindexed: bool,
+}
+
+impl HeaderNames {
+    /// The lookup for `names` (lower-case; an empty name is not wanted).
+    pub fn new(names: Vec<String>) -> HeaderNames {
+        let mut by_len = [0u32; 64];
+        let mut unindexed = false;
+        for (i, name) in names.iter().enumerate().filter(|(_, n)| !n.is_empty()) {
+            match (by_len.get_mut(name.len()), u32::try_from(i).ok().and_then(|i| 1u32.checked_shl(i))) {
+                (Some(bits), Some(bit)) => *bits |= bit,
+                _ => unindexed = true,
+            }
+        }
+        HeaderNames { names, by_len, unindexed }
+    }
+
+    /// How many names there are (wanted or not).
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+}
+
+/// The first value of each header `names[i]` (ASCII case-insensitive) into `out[i]`, in one
+/// pass over a serialized proxy-wasm header map: a little-endian u32 count, then a (name
+/// length, value length) u32 pair per header, then each name and each value followed by a
+/// NUL. A malformed map reads as having no more headers.
+pub fn headers<'a>(map: &'a [u8], names: &HeaderNames, out: &mut [Option<&'a [u8]>]) {
     let word = |at: usize| -> Option<usize> {
         let b: [u8; 4] = map.get(at..at.checked_add(4)?)?.try_into().ok()?;
         Some(u32::from_le_bytes(b) as usize)
     };
     let Some(count) = word(0) else { return };
     let Some(mut data) = count.checked_mul(8).and_then(|n| n.checked_add(4)) else { return };
-    let mut missing = names.iter().filter(|n| !n.is_empty()).count();
+    let mut missing = names.names.iter().filter(|n| !n.is_empty()).count();
+    // Proxies hand names over lower-case, so an exact match is tried before the
+    // case-insensitive one.
+    let mut try_slot = |key: &[u8], value: &'a [u8], j: usize| -> bool {
+        if let (Some(slot @ None), Some(name)) = (out.get_mut(j), names.names.get(j)) {
+            if !name.is_empty()
+                && name.len() == key.len()
+                && (key == name.as_bytes() || key.eq_ignore_ascii_case(name.as_bytes()))
+            {
+                *slot = Some(value);
+                return true;
+            }
+        }
+        false
+    };
     for i in 0..count {
         if missing == 0 {
             return;
@@ -85,13 +135,15 @@ pub fn headers<'a>(map: &'a [u8], names: &[String], out: &mut [Option<&'a [u8]>]
         let value_at = data + n + 1;
         let Some(value) = value_at.checked_add(v).and_then(|end| map.get(value_at..end)) else { return };
         data = value_at + v + 1;
-        for (slot, name) in out.iter_mut().zip(names) {
-            // Lengths first; proxies hand names over lower-case, so an exact match is tried
-            // before the case-insensitive one.
-            let wanted = slot.is_none() && name.len() == key.len() && !key.is_empty();
-            if wanted && (key == name.as_bytes() || key.eq_ignore_ascii_case(name.as_bytes())) {
-                *slot = Some(value);
-                missing -= 1;
+        if names.unindexed {
+            for j in 0..names.names.len() {
+                missing -= usize::from(try_slot(key, value, j));
+            }
+        } else {
+            let mut bits = names.by_len.get(key.len()).copied().unwrap_or(0);
+            while bits != 0 {
+                missing -= usize::from(try_slot(key, value, bits.trailing_zeros() as usize));
+                bits &= bits - 1;
             }
         }
     }
@@ -126,6 +178,30 @@ mod tests {
         assert_eq!(header(&map, "x-api-key"), Some(&b"k1"[..]));
         assert_eq!(header(&map, "e"), Some(&b""[..]));
         assert_eq!(header(&map, "missing"), None);
+    }
+
+    #[test]
+    fn finds_every_name_in_one_pass_indexed_or_not() {
+        let long = "x-".repeat(40);
+        let many: Vec<String> = (0..40).map(|i| format!("h-{i}")).collect();
+        let mut pairs: Vec<(&str, &[u8])> = vec![(":path", b"/v1"), ("X-Api-Key", b"k1"), (long.as_str(), b"L")];
+        pairs.extend(many.iter().map(|n| (n.as_str(), n.as_bytes())));
+        let map = serialize_headers(&pairs);
+        // Indexed: short names, fewer than 32; an empty name is not wanted.
+        let names = HeaderNames::new(vec![":path".into(), String::new(), "x-api-key".into(), "absent".into()]);
+        let mut out = [None; 4];
+        headers(&map, &names, &mut out);
+        assert_eq!(out, [Some(&b"/v1"[..]), None, Some(&b"k1"[..]), None]);
+        // Beyond the index: a 80-byte name, and more than 32 names.
+        let mut wanted = many.clone();
+        wanted.push(long.clone());
+        let names = HeaderNames::new(wanted);
+        let mut out = vec![None; names.len()];
+        headers(&map, &names, &mut out);
+        for (i, n) in many.iter().enumerate() {
+            assert_eq!(out[i], Some(n.as_bytes()));
+        }
+        assert_eq!(out[40], Some(&b"L"[..]));
     }
 
     #[test]
