@@ -13,8 +13,13 @@
 
 pub mod engine;
 pub mod host;
+mod small_alloc;
 pub mod sync;
 pub mod table;
 
 #[cfg(target_arch = "wasm32")]
 mod glue;
+
+#[cfg(all(target_arch = "wasm32", not(target_feature = "atomics")))]
+#[global_allocator]
+static ALLOCATOR: small_alloc::CachedAlloc = small_alloc::CachedAlloc::new();

@@ -1097,6 +1097,11 @@ impl Vm {
         self.store.data_mut().request_headers_ns.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
+    /// The guest's linear memory, in bytes.
+    pub fn memory_bytes(&self) -> usize {
+        self.store.data().memory.map_or(0, |m| m.data_size(&self.store))
+    }
+
     /// Wasm instructions the guest has run (`RATEWALL_FUEL=1`; else 0).
     pub fn fuel_used(&self) -> u64 {
         self.store.get_fuel().map_or(0, |left| u64::MAX - left)

@@ -297,14 +297,22 @@ fn memory_stays_bounded_under_a_flood_of_distinct_keys_and_a_limited_client_stay
     let (keys_before, bytes_before) = node.shared_data_size();
     let victim = HttpRequest::new("GET", "/").header("x-forwarded-for", "203.0.113.200");
     assert_eq!(admitted(&mut vms[0], &victim, 10), 5);
+    let mut memory_warm = 0;
     for i in 0..100_000u32 {
         let ip = format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255);
-        let r = vms[0].request(&HttpRequest::new("GET", "/").header("x-forwarded-for", ip)).unwrap();
+        // Header maps of every size, small and large, through the guest's allocator.
+        let pad = "p".repeat((i as usize * 37) % 700);
+        let r =
+            vms[0].request(&HttpRequest::new("GET", "/").header("x-forwarded-for", ip).header("x-pad", pad)).unwrap();
         assert!(r.passed);
         if i % 10_000 == 0 {
             node.advance(MS);
         }
+        if i == 1_000 {
+            memory_warm = vms[0].memory_bytes();
+        }
     }
+    assert_eq!(vms[0].memory_bytes(), memory_warm, "the guest's memory must not grow with traffic");
     let (keys, bytes) = node.shared_data_size();
     assert_eq!(keys, keys_before, "no shared-data key per client");
     assert!(bytes <= 4096 * 32 + 512 * 24, "{bytes} bytes for 4096 slots (was {bytes_before} empty)");
