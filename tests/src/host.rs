@@ -69,16 +69,23 @@ impl Plugin {
 
     /// Compiles a module from its bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<Plugin> {
+        // RATEWALL_FUEL=1 meters every plugin (see [`Plugin::metered`]).
+        Plugin::compile(bytes, std::env::var_os("RATEWALL_FUEL").is_some())
+    }
+
+    /// Compiles a module whose VMs count the wasm instructions they run ([`Vm::fuel_used`]):
+    /// a figure that, unlike time, does not vary from run to run. Metering slows the guest.
+    pub fn metered(bytes: &[u8]) -> Result<Plugin> {
+        Plugin::compile(bytes, true)
+    }
+
+    fn compile(bytes: &[u8], metered: bool) -> Result<Plugin> {
         // RATEWALL_PERFMAP=1 writes /tmp/perf-PID.map so `perf report` names guest functions.
         let mut config = wasmtime::Config::new();
         if std::env::var_os("RATEWALL_PERFMAP").is_some() {
             config.profiler(wasmtime::ProfilingStrategy::PerfMap);
         }
-        // RATEWALL_FUEL=1 meters the guest: [`Vm::fuel_used`] counts the wasm instructions it
-        // ran, a figure that, unlike time, does not vary from run to run.
-        if std::env::var_os("RATEWALL_FUEL").is_some() {
-            config.consume_fuel(true);
-        }
+        config.consume_fuel(metered);
         let engine = Engine::new(&config)?;
         let module = Module::new(&engine, bytes)?;
         if module.get_export("proxy_abi_version_0_2_1").is_none() {
@@ -1102,7 +1109,7 @@ impl Vm {
         self.store.data().memory.map_or(0, |m| m.data_size(&self.store))
     }
 
-    /// Wasm instructions the guest has run (`RATEWALL_FUEL=1`; else 0).
+    /// Wasm instructions the guest has run (a [`Plugin::metered`] plugin; else 0).
     pub fn fuel_used(&self) -> u64 {
         self.store.get_fuel().map_or(0, |left| u64::MAX - left)
     }
