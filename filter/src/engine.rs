@@ -200,7 +200,7 @@ impl Engine {
         let method = ratewall_core::text(&method_raw).unwrap_or("");
         let path_raw = pseudo(path_raw, host, ":path");
         let path = normalize_path(&path_raw);
-        // Rule indices on the stack for up to 16 matching rules.
+        // The matching rules' indices, on the stack up to 16 (past that, all of them in a Vec).
         let (mut small_m, mut large_m) = ([0usize; 16], Vec::new());
         let mut matched = 0;
         for (i, rule) in self.config.rules.iter().enumerate() {

@@ -360,3 +360,36 @@ fn a_host_that_lists_headers_without_pseudo_headers_still_matches_method_and_pat
     assert_eq!(admitted(vm, &post, 3), 1, ":method and :path are read one by one when the listing lacks them");
     assert_eq!(admitted(vm, &HttpRequest::new("GET", "/v1/things").header("x-user-id", "u"), 2), 2);
 }
+
+#[test]
+fn many_identity_headers_and_many_matching_rules_all_count() {
+    // 20 identity headers and 20 rules that all match: past what the filter keeps on its
+    // stack (13 identity headers, 16 matching rules).
+    let identity: serde_json::Map<String, Value> =
+        (0..20).map(|i| (format!("d{i}"), json!({"header": format!("X-Dim-{i}")}))).collect();
+    let list: Vec<Value> = (0..20)
+        .map(
+            |i| json!({"name": format!("r{i}"), "key": [format!("d{i}")], "limit": {"requests": 20 - i, "per": "60s"}}),
+        )
+        .collect();
+    let (_, mut vms) = node(&json!({"identity": identity, "rules": list}), 1);
+    let mut req = HttpRequest::new("GET", "/any");
+    for i in 0..20 {
+        req = req.header(&format!("x-dim-{i}"), format!("v{i}"));
+    }
+    assert!(vms[0].request(&req).unwrap().passed);
+    // The tightest rule is the last, r19 (1 request), keyed on the last header: it rejects,
+    // and every other rule still has quota left.
+    let r = vms[0].request(&req).unwrap();
+    assert_eq!(r.status, 429);
+    assert!(String::from_utf8_lossy(&r.body).contains("\"violated-policies\":[\"r19\"]"), "{:?}", r);
+    // Without the first and last headers, r0 and r19 skip the request; the tightest left is
+    // r18 (2 requests: one spent, the rejected one's refunded).
+    let mut partial = HttpRequest::new("GET", "/any");
+    for i in 1..19 {
+        partial = partial.header(&format!("x-dim-{i}"), format!("v{i}"));
+    }
+    let r = vms[0].request(&partial).unwrap();
+    assert!(r.passed, "{r:?}");
+    assert!(r.header("ratelimit").unwrap().starts_with("\"r18\";r=0;"), "{r:?}");
+}
