@@ -4,8 +4,7 @@
 use crate::rules::IpSource;
 use alloc::borrow::Cow;
 use alloc::string::String;
-use core::fmt::Write;
-use core::net::{IpAddr, Ipv6Addr, SocketAddr};
+use core::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 /// Parses an address as a host reports it: `1.2.3.4`, `1.2.3.4:80`, `::1`, `[::1]:80`,
 /// with surrounding whitespace. IPv4-mapped IPv6 addresses become IPv4.
@@ -88,32 +87,80 @@ fn is_canonical_ipv4(s: &[u8]) -> bool {
 /// masked (`2001:db8:1:2::/64`).
 pub fn ip_key(ip: IpAddr, src: &IpSource) -> String {
     let mut out = String::with_capacity(48);
-    match ip {
+    // By hand rather than through `core::fmt`: this runs on every per-IP request, and the
+    // IPv6 formatter alone is 1.6 KB of wasm.
+    let p = match ip {
         IpAddr::V4(v4) => {
             let p = u32::from(src.ipv4_prefix.min(32));
-            let mask = u32::MAX.checked_shl(32 - p).unwrap_or(0);
-            // By hand rather than through `core::fmt`: this runs on every per-IP request.
-            for (i, octet) in (u32::from(v4) & mask).to_be_bytes().iter().enumerate() {
-                if i > 0 {
-                    out.push('.');
-                }
-                crate::response::push_decimal(&mut out, u64::from(*octet));
-            }
-            if p < 32 {
-                out.push('/');
-                crate::response::push_decimal(&mut out, u64::from(p));
-            }
+            push_ipv4(&mut out, Ipv4Addr::from(u32::from(v4) & u32::MAX.checked_shl(32 - p).unwrap_or(0)));
+            (p < 32).then_some(p)
         }
         IpAddr::V6(v6) => {
             let p = u32::from(src.ipv6_prefix.min(128));
-            let mask = u128::MAX.checked_shl(128 - p).unwrap_or(0);
-            let _ = write!(out, "{}", Ipv6Addr::from(u128::from(v6) & mask));
-            if p < 128 {
-                let _ = write!(out, "/{p}");
-            }
+            push_ipv6(&mut out, Ipv6Addr::from(u128::from(v6) & u128::MAX.checked_shl(128 - p).unwrap_or(0)));
+            (p < 128).then_some(p)
         }
+    };
+    if let Some(p) = p {
+        out.push('/');
+        crate::response::push_decimal(&mut out, u64::from(p));
     }
     out
+}
+
+/// `a` in dotted decimal.
+fn push_ipv4(out: &mut String, a: Ipv4Addr) {
+    for (i, octet) in a.octets().iter().enumerate() {
+        if i > 0 {
+            out.push('.');
+        }
+        crate::response::push_decimal(out, u64::from(*octet));
+    }
+}
+
+/// `a` as `Display` writes it (RFC 5952): lower-case hex groups without leading zeros, the
+/// longest run of two or more zero groups (the first of equal ones) as `::`, and an
+/// IPv4-mapped address as `::ffff:a.b.c.d`.
+fn push_ipv6(out: &mut String, a: Ipv6Addr) {
+    if let Some(v4) = a.to_ipv4_mapped() {
+        out.push_str("::ffff:");
+        push_ipv4(out, v4);
+        return;
+    }
+    let groups = a.segments();
+    let (mut run_at, mut run_len, mut at, mut len) = (0, 0, 0, 0);
+    for (i, &g) in groups.iter().enumerate() {
+        if g != 0 {
+            len = 0;
+            continue;
+        }
+        if len == 0 {
+            at = i;
+        }
+        len += 1;
+        if len > run_len {
+            (run_at, run_len) = (at, len);
+        }
+    }
+    let push_groups = |out: &mut String, gs: &[u16]| {
+        for (i, &g) in gs.iter().enumerate() {
+            if i > 0 {
+                out.push(':');
+            }
+            let digits = [g >> 12, (g >> 8) & 15, (g >> 4) & 15, g & 15];
+            let first = digits.iter().position(|&d| d != 0).unwrap_or(3);
+            for &d in digits.get(first..).unwrap_or(&[]) {
+                out.push(char::from(b"0123456789abcdef".get(usize::from(d)).copied().unwrap_or(b'0')));
+            }
+        }
+    };
+    if run_len > 1 {
+        push_groups(out, groups.get(..run_at).unwrap_or(&[]));
+        out.push_str("::");
+        push_groups(out, groups.get(run_at + run_len..).unwrap_or(&[]));
+    } else {
+        push_groups(out, &groups);
+    }
 }
 
 /// 64-bit FNV-1a: a stable, dependency-free hash for configuration strings.
@@ -124,6 +171,7 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use alloc::format;
 
     const SRC: IpSource = IpSource { trusted_hops: 1, ipv6_prefix: 64, ipv4_prefix: 32 };
 
@@ -168,6 +216,32 @@ mod tests {
         }
         assert!(matches!(client_key(|| None, Some(b"198.51.100.2"), &SRC), Some(Cow::Borrowed("198.51.100.2"))));
         assert!(matches!(client_key(|| None, Some(b"198.51.100.2"), &v4_24), Some(Cow::Owned(_))));
+    }
+
+    #[test]
+    fn ipv6_keys_are_written_as_display_writes_them() {
+        let mut addrs: alloc::vec::Vec<u128> = alloc::vec![0, 1, u128::MAX, 1 << 127, 0xffff_0102_0304, 0x0102_0304];
+        for text in
+            ["1:0:0:1:0:0:0:1", "1:0:1:0:1:0:1:0", "0:0:1::", "1::", "1:0:0:2:0:0:3:4", "2001:db8::ff00:42:8329"]
+        {
+            addrs.push(u128::from(text.parse::<Ipv6Addr>().unwrap()));
+        }
+        // Pseudo-random addresses with zero groups in random places.
+        let mut x: u128 = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c834;
+        for _ in 0..5000 {
+            x = x.wrapping_mul(0x2360_ed05_1fc6_5da4_4385_df64_9fcc_f645).wrapping_add(0x5851_f42d_4c95_7f2d);
+            let zeros = (x >> 64) as u8;
+            let a = (0..8).fold(x, |a, i| if zeros & (1 << i) != 0 { a & !(0xffff << (16 * i)) } else { a });
+            addrs.push(a);
+        }
+        for a in addrs {
+            for prefix in [128, 64, 48, 0] {
+                let src = IpSource { ipv6_prefix: prefix, ..SRC };
+                let masked = Ipv6Addr::from(a & u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0));
+                let expected = if prefix < 128 { format!("{masked}/{prefix}") } else { format!("{masked}") };
+                assert_eq!(ip_key(IpAddr::V6(Ipv6Addr::from(a)), &src), expected, "{a:#x}");
+            }
+        }
     }
 
     #[test]
