@@ -8,7 +8,7 @@
 //! instructions each. Hand-written because it sits in front of dlmalloc rather than replacing
 //! it: larger blocks, and the lists' overflow, go to dlmalloc as before.
 //!
-//! Memory stays bounded: each class keeps at most [`KEEP`] free blocks (~62 KB in all), and
+//! Memory stays bounded: each class keeps at most [`KEEP`] free blocks (31 KB in all), and
 //! what is freed beyond that returns to dlmalloc.
 
 // Natively the allocator is only exercised by its tests.
