@@ -56,8 +56,9 @@ pub trait Host {
 }
 
 /// The first value of header `name` (ASCII case-insensitive) in a serialized proxy-wasm
-/// header map: see [`headers`].
-pub fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
+/// header map: see [`headers`]. (The filter reads all its headers at once; for tests.)
+#[cfg(test)]
+fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
     let mut out = [None];
     headers(map, &HeaderNames::new(vec![String::from(name)]), &mut out);
     let [value] = out;

@@ -394,9 +394,9 @@ fn read_str(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<Stri
 
 /// A header name from guest memory, lower-cased as the proxy keeps names (one allocation).
 fn read_name(caller: &mut Caller<'_, VmState>, ptr: i32, len: i32) -> Result<String> {
-    let mut bytes = read(caller, ptr, len)?;
-    bytes.make_ascii_lowercase();
-    Ok(String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
+    let mut name = read_str(caller, ptr, len)?;
+    name.make_ascii_lowercase();
+    Ok(name)
 }
 
 fn write_u32(caller: &mut Caller<'_, VmState>, ptr: i32, v: u32) -> Result<()> {
