@@ -290,9 +290,8 @@ impl LocalFallback {
         let (limit, state) = self.states.entry(check.key.clone()).or_insert_with(|| (check.limit, State::Fresh));
         *limit = check.limit;
         let (d, next) = check.limit.decide(state, now, check.cost);
-        if d.allowed {
-            *state = next;
-        }
+        // A denial returns the state as it was, or moved back after a clock step.
+        *state = next;
         d
     }
 }

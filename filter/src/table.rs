@@ -392,7 +392,7 @@ impl Counters for TableCounters<'_> {
         &mut self,
         check: &Check,
         now: Nanos,
-        f: &mut dyn FnMut(&State, u64) -> Option<State>,
+        f: &mut dyn FnMut(&State, u64) -> Option<(State, u64)>,
     ) -> Result<(), StoreError> {
         if self.unavailable.get(check.rule).copied().unwrap_or(false) {
             return Err(StoreError::Unavailable);
@@ -423,9 +423,11 @@ impl Counters for TableCounters<'_> {
                 _ => u64::MAX,
             };
             askable = allowance < u64::from(cost) && held.more && limit.decide(state, now, check.cost).0.allowed;
-            let next = f(state, allowance)?;
+            let (next, charged) = f(state, allowance)?;
+            let charged = u32::try_from(charged).unwrap_or(u32::MAX);
             let grant = match (grants, refunding) {
-                (Grants::On { .. }, false) => Some(Allowance { units: held.units.saturating_sub(cost), ..held }),
+                (Grants::On { .. }, false) if charged == 0 => grant,
+                (Grants::On { .. }, false) => Some(Allowance { units: held.units.saturating_sub(charged), ..held }),
                 (Grants::On { .. }, true) => grant.map(|g| Allowance { units: g.units.saturating_add(cost), ..g }),
                 (Grants::Off, _) => grant,
             };
@@ -441,7 +443,7 @@ impl Counters for TableCounters<'_> {
 
     fn refund(&mut self, check: &Check, now: Nanos) -> Result<(), StoreError> {
         self.refunding = true;
-        let r = self.update(check, now, &mut |s, _| Some(check.limit.refund(s, now, check.cost)));
+        let r = self.update(check, now, &mut |s, _| Some((check.limit.refund(s, now, check.cost), 0)));
         self.refunding = false;
         r
     }

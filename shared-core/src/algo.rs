@@ -1,10 +1,16 @@
 //! The four rate-limit algorithms as pure transitions `(state, now, cost) -> (decision, state)`.
 //!
 //! Time is integer nanoseconds since the Unix epoch ([`Nanos`]). Nothing here reads a
-//! clock: callers pass `now`. Time that goes backwards is clamped to the latest instant a
-//! state has seen, so a state never moves backwards and arithmetic never underflows.
+//! clock: callers pass `now`, which is clamped to [`LATEST`] so no arithmetic saturates.
+//!
+//! Clock steps: a state never lies far ahead of `now`. A state written a little ahead (the
+//! clocks of two workers, a window boundary between them) is read as it is and every wait it
+//! implies is measured from the real `now`; a state further ahead than one window (or, for a
+//! bucket, a full refill) — left by a clock that stepped back, a forward excursion, or a
+//! limit it was not written under — is moved back to `now` with its counts kept. So after
+//! any step a denied client's `retry_after` is the truth, and no counter is poisoned for
+//! longer than one window or refill.
 
-use alloc::vec::Vec;
 use core::cmp::{max, min};
 
 /// Nanoseconds since the Unix epoch (or a span of nanoseconds).
@@ -15,8 +21,20 @@ pub const SECOND: Nanos = 1_000_000_000;
 
 /// Largest `requests` a limit may have (counts are stored as `u32`).
 pub const MAX_REQUESTS: u64 = u32::MAX as u64;
-/// Largest `requests` for the sliding log, whose state holds one timestamp per request.
+/// Largest `requests` for the sliding log (its state is [`LOG_SLOTS`] counts, so any limit
+/// fits; kept at the documented 10,000 so no document's meaning changes).
 pub const MAX_SLIDING_LOG_REQUESTS: u64 = 10_000;
+/// The sliding log keeps counts per `per / LOG_QUANTA` of time, not one timestamp per unit:
+/// a unit counts until the end of its slot plus `per`, so the log never admits more than
+/// `requests` in any window of `per`, and holds units up to `per / LOG_QUANTA` longer than an
+/// exact log would.
+pub const LOG_QUANTA: u64 = 8;
+/// Slots of a sliding-log state: the current one and the [`LOG_QUANTA`] before it.
+pub const LOG_SLOTS: usize = LOG_QUANTA as usize + 1;
+/// The latest instant the algorithms represent (2^63 ns: the year 2262); later clocks are
+/// read as this one, so a clock at `u64::MAX` cannot saturate a state into admitting
+/// everything.
+pub const LATEST: Nanos = 1 << 63;
 /// Longest `per` a limit may have: 366 days.
 pub const MAX_PER: Nanos = 366 * 24 * 3600 * SECOND;
 /// Longest time a token bucket may take to refill completely: 100 years.
@@ -31,7 +49,7 @@ pub enum Algorithm {
     SlidingWindow,
     /// Fixed windows aligned to multiples of `per` since the epoch.
     FixedWindow,
-    /// Exact sliding log, one timestamp per admitted unit (bounded by the limit).
+    /// Sliding log: admitted units counted per `per / 8` slot (see [`LOG_QUANTA`]).
     SlidingLog,
 }
 
@@ -44,6 +62,27 @@ impl Algorithm {
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::SlidingLog => "sliding_log",
         }
+    }
+
+    /// Its code on the wire and in limit fingerprints (docs/sync-protocol.md).
+    pub fn code(self) -> u8 {
+        match self {
+            Algorithm::TokenBucket => 0,
+            Algorithm::SlidingWindow => 1,
+            Algorithm::FixedWindow => 2,
+            Algorithm::SlidingLog => 3,
+        }
+    }
+
+    /// The algorithm of a wire code.
+    pub fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            0 => Algorithm::TokenBucket,
+            1 => Algorithm::SlidingWindow,
+            2 => Algorithm::FixedWindow,
+            3 => Algorithm::SlidingLog,
+            _ => return None,
+        })
     }
 
     /// Parses a name from the rules document.
@@ -78,6 +117,9 @@ pub struct Limit {
     capacity: u64,
     /// Token bucket emission interval, `ceil(per / requests)`.
     interval: Nanos,
+    /// A hash of everything above: counters are keyed by it, so a state is only ever read
+    /// under the limit that wrote it.
+    fingerprint: u64,
 }
 
 impl Limit {
@@ -101,7 +143,18 @@ impl Limit {
         if capacity.saturating_mul(interval) > MAX_BUCKET_SPAN {
             return Err(LimitError::Burst("makes the bucket take over 100 years to refill"));
         }
-        Ok(Limit { algorithm, requests, per, capacity, interval })
+        let mut fingerprint = crate::hash::fnv1a(&[algorithm.code()]);
+        for v in [requests, per, capacity] {
+            fingerprint = crate::hash::fnv1a_from(fingerprint, &v.to_le_bytes());
+        }
+        Ok(Limit { algorithm, requests, per, capacity, interval, fingerprint })
+    }
+
+    /// A 64-bit hash of the algorithm, `requests`, `per` and capacity: part of every counter
+    /// key, so a rules push that changes a limit (or a plan that applies another) starts its
+    /// counters fresh instead of reading states written under another limit.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
 
     /// The algorithm.
@@ -128,9 +181,14 @@ impl Limit {
 
     /// Decides a request of `cost` units at `now`; returns the decision and the new state.
     ///
-    /// A denied request leaves the state as it was. `cost == 0` peeks without consuming.
+    /// A denied request consumes nothing: the state returned is the one given, except when
+    /// it lay too far ahead of `now` (a clock step; see the module doc) and was moved back,
+    /// which the caller should store (a `retry_after` is true of the moved state: the one
+    /// given, read again later, would be moved again). `cost == 0` peeks without consuming.
     #[inline]
+    #[must_use = "dropping the returned state loses the units the decision admitted"]
     pub fn decide(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
+        let now = now.min(LATEST);
         match self.algorithm {
             Algorithm::TokenBucket => self.token_bucket(state, now, cost),
             Algorithm::SlidingWindow => self.sliding_window(state, now, cost),
@@ -141,7 +199,9 @@ impl Limit {
 
     /// Gives back `cost` units consumed at `consumed_at` (a request that was admitted by this
     /// limit but rejected by another rule must not keep its quota).
+    #[must_use = "the refund is in the returned state"]
     pub fn refund(&self, state: &State, consumed_at: Nanos, cost: u64) -> State {
+        let consumed_at = consumed_at.min(LATEST);
         match (self.algorithm, state) {
             (Algorithm::TokenBucket, State::TokenBucket { tat }) => {
                 State::TokenBucket { tat: tat.saturating_sub(cost.saturating_mul(self.interval)) }
@@ -164,21 +224,28 @@ impl Limit {
                     state.clone()
                 }
             }
-            (Algorithm::SlidingLog, State::SlidingLog { entries }) => {
-                let mut entries = entries.clone();
-                let mut left = cost;
-                entries.retain(|&t| {
-                    if left > 0 && t == consumed_at {
-                        left -= 1;
-                        false
-                    } else {
-                        true
-                    }
-                });
-                State::SlidingLog { entries }
+            (Algorithm::SlidingLog, State::SlidingLog { newest, counts }) => {
+                // Units consumed in a slot since merged into a later one (the clock stepped
+                // back) are in the newest slot.
+                let back = newest.saturating_sub(consumed_at / self.quantum());
+                let mut counts = *counts;
+                if let Some(c) = (LOG_SLOTS - 1).checked_sub(back as usize).and_then(|i| counts.get_mut(i)) {
+                    *c = c.saturating_sub(clamp_u32(cost));
+                }
+                State::SlidingLog { newest: *newest, counts }
             }
             _ => state.clone(),
         }
+    }
+
+    /// The sliding log's slot length: `per / LOG_QUANTA`, rounded up.
+    fn quantum(&self) -> Nanos {
+        self.per.div_ceil(LOG_QUANTA).max(1)
+    }
+
+    /// When the units of sliding-log slot `q` stop counting: the end of the slot plus `per`.
+    fn slot_expiry(&self, q: u64) -> Nanos {
+        q.saturating_add(1).saturating_mul(self.quantum()).saturating_add(self.per)
     }
 
     /// The instant from which `state` is equivalent to [`State::Fresh`]: an entry idle since
@@ -192,8 +259,11 @@ impl Limit {
             (Algorithm::FixedWindow, State::FixedWindow { window, .. }) => {
                 window.saturating_add(1).saturating_mul(self.per)
             }
-            (Algorithm::SlidingLog, State::SlidingLog { entries }) => {
-                entries.last().map_or(0, |t| t.saturating_add(self.per))
+            (Algorithm::SlidingLog, State::SlidingLog { newest, counts }) => {
+                match counts.iter().rposition(|&c| c > 0) {
+                    Some(i) => self.slot_expiry(newest.saturating_sub((LOG_SLOTS - 1 - i) as u64)),
+                    None => 0,
+                }
             }
             _ => 0,
         }
@@ -214,63 +284,95 @@ impl Limit {
         scaled.min(255) as u8
     }
 
-    /// The sliding window's (window, elapsed in it, previous count, current count) at `now`,
-    /// rolled forward, and clamped to the stored window when time went backwards.
-    fn sliding_roll(&self, state: &State, now: Nanos) -> (u64, Nanos, u64, u64) {
+    /// The sliding window's (window, elapsed in it, previous count, current count, lag) at
+    /// `now`, rolled forward. A state one window ahead (a clock a little behind the one that
+    /// wrote it) is read at the start of its window, and `lag` is how far that lies ahead of
+    /// `now`: every wait is that much longer. A state further ahead is moved to `now`'s
+    /// window with its counts.
+    fn sliding_roll(&self, state: &State, now: Nanos) -> (u64, Nanos, u64, u64, Nanos) {
         let w = self.per;
+        let idx = now / w;
         match state {
             State::SlidingWindow { window, prev, curr } => {
-                let idx = now / w;
-                if idx < *window {
-                    // Time went backwards: clamp to the start of the stored window.
-                    (*window, 0, u64::from(*prev), u64::from(*curr))
-                } else if idx == *window {
-                    (idx, now % w, u64::from(*prev), u64::from(*curr))
-                } else if idx == *window + 1 {
-                    (idx, now % w, u64::from(*curr), 0)
+                let (prev, curr) = (u64::from(*prev), u64::from(*curr));
+                if *window == idx.saturating_add(1) {
+                    (*window, 0, prev, curr, window.saturating_mul(w).saturating_sub(now))
+                } else if *window > idx {
+                    (idx, now % w, prev, curr, 0)
+                } else if *window == idx {
+                    (idx, now % w, prev, curr, 0)
+                } else if *window + 1 == idx {
+                    (idx, now % w, curr, 0, 0)
                 } else {
-                    (idx, now % w, 0, 0)
+                    (idx, now % w, 0, 0, 0)
                 }
             }
-            _ => (now / w, now % w, 0, 0),
+            _ => (idx, now % w, 0, 0, 0),
         }
     }
 
-    /// The fixed window's (window, count) at `now`; a stored later window is kept (clamp).
+    /// The fixed window's (window, count) at `now`. The next window (a clock a little behind
+    /// the one that wrote it) is kept, and its end measured from `now`; a window further
+    /// ahead is moved to `now`'s with its count.
     fn fixed_roll(&self, state: &State, now: Nanos) -> (u64, u64) {
-        let w = self.per;
+        let idx = now / self.per;
         match state {
-            State::FixedWindow { window, count } if *window >= now / w => (*window, u64::from(*count)),
-            _ => (now / w, 0),
+            State::FixedWindow { window, count } if *window == idx || *window == idx.saturating_add(1) => {
+                (*window, u64::from(*count))
+            }
+            State::FixedWindow { window, count } if *window > idx => (idx, u64::from(*count)),
+            _ => (idx, 0),
         }
     }
 
-    /// The sliding log's live entries at `now`, and `now` clamped to the newest entry (time
-    /// that went backwards must keep the log sorted).
-    fn log_roll(&self, state: &State, now: Nanos) -> (Vec<Nanos>, Nanos) {
-        let mut entries = match state {
-            State::SlidingLog { entries } => entries.clone(),
-            _ => Vec::new(),
-        };
-        let now = entries.last().map_or(now, |&newest| max(now, newest));
-        entries.retain(|&t| t.saturating_add(self.per) > now);
-        (entries, now)
+    /// The token bucket's theoretical arrival time at `now`: never before `now`, never more
+    /// than a full refill after it.
+    fn bucket_tat(&self, state: &State, now: Nanos) -> Nanos {
+        let span = self.capacity * self.interval; // bounded by MAX_BUCKET_SPAN in `new`
+        match state {
+            State::TokenBucket { tat } => (*tat).clamp(now, now + span),
+            _ => now,
+        }
+    }
+
+    /// The sliding log's slot counts at `now` (slot `LOG_SLOTS - 1` is `now`'s), with the
+    /// slots whose units no longer count emptied. Slots ahead of `now` (the clock stepped
+    /// back) are merged into `now`'s: their units count until `now`'s slot expires.
+    fn log_roll(&self, state: &State, now: Nanos) -> (u64, [u32; LOG_SLOTS]) {
+        let cur = now / self.quantum();
+        let mut counts = [0u32; LOG_SLOTS];
+        if let State::SlidingLog { newest, counts: old } = state {
+            for (i, &c) in old.iter().enumerate() {
+                let q = newest.saturating_sub((LOG_SLOTS - 1 - i) as u64);
+                let back = cur.saturating_sub(q.min(cur));
+                if let Some(slot) = (LOG_SLOTS - 1).checked_sub(back as usize).and_then(|j| counts.get_mut(j)) {
+                    *slot = slot.saturating_add(c);
+                }
+            }
+        }
+        for (i, c) in counts.iter_mut().enumerate() {
+            if self.slot_expiry(cur.saturating_sub((LOG_SLOTS - 1 - i) as u64)) <= now {
+                *c = 0;
+            }
+        }
+        (cur, counts)
     }
 
     /// Records `units` already admitted elsewhere, whatever the limit says: the global store
     /// counts every request its nodes admitted, even past the limit (its view then reports
     /// no remaining quota until the overshoot has drained).
+    #[must_use = "the consumed units are in the returned state"]
     pub fn consume(&self, state: &State, now: Nanos, units: u64) -> State {
+        let now = now.min(LATEST);
         match self.algorithm {
             Algorithm::TokenBucket => {
-                let tat = match state {
-                    State::TokenBucket { tat } => max(*tat, now),
-                    _ => now,
-                };
-                State::TokenBucket { tat: tat.saturating_add(units.saturating_mul(self.interval)) }
+                // At most two full refills ahead: an overshoot beyond that is forgiven.
+                let span = self.capacity * self.interval;
+                let tat = self.bucket_tat(state, now);
+                State::TokenBucket { tat: tat.saturating_add(units.saturating_mul(self.interval)).min(now + 2 * span) }
             }
             Algorithm::SlidingWindow => {
-                let (window, _, prev, curr) = self.sliding_roll(state, now);
+                let (window, _, prev, curr, _) = self.sliding_roll(state, now);
                 State::SlidingWindow { window, prev: clamp_u32(prev), curr: clamp_u32(curr.saturating_add(units)) }
             }
             Algorithm::FixedWindow => {
@@ -278,13 +380,11 @@ impl Limit {
                 State::FixedWindow { window, count: clamp_u32(count.saturating_add(units)) }
             }
             Algorithm::SlidingLog => {
-                let (mut entries, now) = self.log_roll(state, now);
-                // The log never holds more than `requests` entries: beyond that the window is
-                // full whatever the excess, so the oldest are dropped.
-                entries.extend(core::iter::repeat_n(now, units.min(self.requests) as usize));
-                let excess = entries.len().saturating_sub(self.requests as usize);
-                entries.drain(..excess);
-                State::SlidingLog { entries }
+                let (newest, mut counts) = self.log_roll(state, now);
+                if let Some(c) = counts.last_mut() {
+                    *c = c.saturating_add(clamp_u32(units));
+                }
+                State::SlidingLog { newest, counts }
             }
         }
     }
@@ -294,20 +394,21 @@ impl Limit {
         let t = self.interval;
         let quota = self.quota();
         let span = self.capacity * t; // bounded by MAX_BUCKET_SPAN in `new`
-        let tat = match state {
-            State::TokenBucket { tat } => max(*tat, now),
-            _ => now,
-        };
+        let tat = self.bucket_tat(state, now);
         let used = tat - now;
         let remaining_at = |used: Nanos| span.saturating_sub(used) / t;
+        let kept = || match state {
+            State::TokenBucket { tat: stored } if *stored > now + span => State::TokenBucket { tat },
+            _ => state.clone(),
+        };
         if cost > self.capacity {
             let d = Decision::denied(quota, remaining_at(used), used, None);
-            return (d, State::TokenBucket { tat });
+            return (d, kept());
         }
         let new_used = used + cost * t;
         if new_used > span {
             let d = Decision::denied(quota, remaining_at(used), used, Some(new_used - span));
-            return (d, State::TokenBucket { tat });
+            return (d, kept());
         }
         let d = Decision::allowed(quota, remaining_at(new_used), new_used);
         (d, State::TokenBucket { tat: now.saturating_add(new_used) })
@@ -317,7 +418,7 @@ impl Limit {
     fn sliding_window(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let w = self.per;
         let limit = self.requests;
-        let (window, elapsed, prev, curr) = self.sliding_roll(state, now);
+        let (window, elapsed, prev, curr, lag) = self.sliding_roll(state, now);
         // In 64 bits whenever the product fits (a u128 division is a library call on wasm32).
         let weighted = |prev: u64, elapsed: Nanos| -> u64 {
             match prev.checked_mul(w - elapsed) {
@@ -326,7 +427,7 @@ impl Limit {
             }
         };
         let used = weighted(prev, elapsed) + curr;
-        let to_window_end = w - elapsed;
+        let to_window_end = w - elapsed + lag;
         if cost <= limit && used + cost <= limit {
             let curr = curr + cost;
             let d = Decision::allowed(limit, limit - used - cost, to_window_end);
@@ -337,7 +438,7 @@ impl Limit {
             None
         } else if curr + cost <= limit {
             // Within this window, once floor(prev * (w - e) / w) <= limit - curr - cost.
-            Some(wait_for_weight(prev, w, limit - curr - cost) - elapsed)
+            Some(wait_for_weight(prev, w, limit - curr - cost) - elapsed + lag)
         } else {
             // In the next window, where `curr` becomes the previous window's count.
             Some(to_window_end + wait_for_weight(curr, w, limit - cost))
@@ -365,26 +466,34 @@ impl Limit {
     }
 
     fn sliding_log(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
-        let w = self.per;
         let limit = self.requests;
-        let (mut entries, now) = self.log_roll(state, now);
-        let count = entries.len() as u64;
-        let reset = |e: &[Nanos]| e.last().map_or(0, |&t| (t + w).saturating_sub(now));
+        let (newest, mut counts) = self.log_roll(state, now);
+        let count: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+        let expiry = |i: usize| self.slot_expiry(newest.saturating_sub((LOG_SLOTS - 1 - i) as u64));
+        // The quota is whole again when the newest slot holding units expires.
+        let reset = |counts: &[u32; LOG_SLOTS]| {
+            counts.iter().rposition(|&c| c > 0).map_or(0, |i| expiry(i).saturating_sub(now))
+        };
         if count.saturating_add(cost) <= limit {
-            // cost <= limit <= MAX_SLIDING_LOG_REQUESTS here, so the log stays bounded.
-            entries.extend(core::iter::repeat_n(now, cost as usize));
-            let d = Decision::allowed(limit, limit - count - cost, reset(&entries));
-            return (d, State::SlidingLog { entries });
+            if let Some(c) = counts.last_mut() {
+                *c = c.saturating_add(clamp_u32(cost));
+            }
+            let d = Decision::allowed(limit, limit - count - cost, reset(&counts));
+            return (d, State::SlidingLog { newest, counts });
         }
         let retry = if cost > limit {
             None
         } else {
-            // The oldest `count + cost - limit` entries must expire first.
-            let k = (count + cost - limit) as usize;
-            entries.get(k - 1).map(|&t| (t + w).saturating_sub(now))
+            // The oldest `count + cost - limit` units must stop counting first.
+            let need = count + cost - limit;
+            let mut gone = 0u64;
+            counts.iter().enumerate().find_map(|(i, &c)| {
+                gone += u64::from(c);
+                (gone >= need).then(|| expiry(i).saturating_sub(now))
+            })
         };
-        let d = Decision::denied(limit, limit - min(count, limit), max(reset(&entries), retry.unwrap_or(0)), retry);
-        (d, State::SlidingLog { entries })
+        let d = Decision::denied(limit, limit - min(count, limit), max(reset(&counts), retry.unwrap_or(0)), retry);
+        (d, State::SlidingLog { newest, counts })
     }
 }
 
@@ -403,7 +512,7 @@ fn clamp_u32(v: u64) -> u32 {
     u32::try_from(v).unwrap_or(u32::MAX)
 }
 
-/// The state of one (rule, key): a few integers, or a bounded log.
+/// The state of one (rule, key): a few integers.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub enum State {
     /// Nothing recorded yet.
@@ -430,10 +539,13 @@ pub enum State {
         /// Units admitted in it.
         count: u32,
     },
-    /// Timestamps of admitted units, oldest first, at most `requests` of them.
+    /// Units admitted per slot of `per / LOG_QUANTA` ([`LOG_QUANTA`]), oldest slot first.
     SlidingLog {
-        /// The timestamps.
-        entries: Vec<Nanos>,
+        /// Index of the last slot (`now / (per / LOG_QUANTA)` when written).
+        newest: u64,
+        /// Units per slot: `counts[LOG_SLOTS - 1]` is slot `newest`, the one before it
+        /// `newest - 1`, and so on.
+        counts: [u32; LOG_SLOTS],
     },
 }
 

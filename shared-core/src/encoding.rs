@@ -9,11 +9,13 @@
 //! | 1   | token bucket   | `tat: u64`                               | 10    |
 //! | 2   | sliding window | `window: u64, prev: u32, curr: u32`      | 18    |
 //! | 3   | fixed window   | `window: u64, count: u32`                | 14    |
-//! | 4   | sliding log    | `n: u16, first: u64, n-1 × varint delta` | ≤ 12 + 10·n |
+//! | 5   | sliding log    | `newest: varint, slots: varint` (a bit per slot holding units), one `varint` count per such slot | ≤ 29 under a limit of ≤ 10,000 |
+//!
+//! Tag 4 (an exact log, one timestamp per unit) is no longer written or read.
 //!
 //! Decoding returns the bytes it consumed, so encodings can be concatenated.
 
-use crate::algo::{State, MAX_SLIDING_LOG_REQUESTS};
+use crate::algo::{State, LOG_SLOTS};
 use alloc::vec::Vec;
 
 /// The encoding's version byte.
@@ -64,19 +66,14 @@ impl State {
                 out.extend_from_slice(&window.to_le_bytes());
                 out.extend_from_slice(&count.to_le_bytes());
             }
-            State::SlidingLog { entries } => {
-                out.push(4);
-                // Limits cap the log at MAX_SLIDING_LOG_REQUESTS (< u16::MAX) entries.
-                let n = entries.len().min(MAX_SLIDING_LOG_REQUESTS as usize);
-                out.extend_from_slice(&(n as u16).to_le_bytes());
-                let mut prev = 0u64;
-                for (i, &t) in entries.iter().take(n).enumerate() {
-                    if i == 0 {
-                        out.extend_from_slice(&t.to_le_bytes());
-                    } else {
-                        put_varint(out, t.saturating_sub(prev));
-                    }
-                    prev = t;
+            State::SlidingLog { newest, counts } => {
+                // Tag 5: the slot index, a bit per slot holding units, then their counts.
+                out.push(5);
+                put_varint(out, *newest);
+                let bits = counts.iter().enumerate().fold(0u64, |b, (i, &c)| if c > 0 { b | 1 << i } else { b });
+                put_varint(out, bits);
+                for &c in counts.iter().filter(|&&c| c > 0) {
+                    put_varint(out, u64::from(c));
                 }
             }
         }
@@ -101,21 +98,21 @@ impl State {
             1 => State::TokenBucket { tat: r.u64()? },
             2 => State::SlidingWindow { window: r.u64()?, prev: r.u32()?, curr: r.u32()? },
             3 => State::FixedWindow { window: r.u64()?, count: r.u32()? },
-            4 => {
-                let n = usize::from(r.u16()?);
-                if n as u64 > MAX_SLIDING_LOG_REQUESTS {
+            // Tag 4 was the exact log of one timestamp per unit, unbounded in size; its keys
+            // changed with the counter-key format, so no such state is read any more.
+            5 => {
+                let newest = r.varint()?;
+                let bits = r.varint()?;
+                if bits >> LOG_SLOTS != 0 {
                     return Err(DecodeError::BadLog);
                 }
-                let mut entries = Vec::with_capacity(n);
-                if n > 0 {
-                    let mut t = r.u64()?;
-                    entries.push(t);
-                    for _ in 1..n {
-                        t = t.checked_add(r.varint()?).ok_or(DecodeError::BadLog)?;
-                        entries.push(t);
+                let mut counts = [0u32; LOG_SLOTS];
+                for (i, c) in counts.iter_mut().enumerate() {
+                    if bits & (1 << i) != 0 {
+                        *c = u32::try_from(r.varint()?).map_err(|_| DecodeError::BadLog)?;
                     }
                 }
-                State::SlidingLog { entries }
+                State::SlidingLog { newest, counts }
             }
             tag => return Err(DecodeError::Tag(tag)),
         };
@@ -155,9 +152,6 @@ impl<'a> Reader<'a> {
     pub(crate) fn u8(&mut self) -> Result<u8, DecodeError> {
         Ok(self.array::<1>()?[0])
     }
-    pub(crate) fn u16(&mut self) -> Result<u16, DecodeError> {
-        Ok(u16::from_le_bytes(self.array()?))
-    }
     pub(crate) fn u32(&mut self) -> Result<u32, DecodeError> {
         Ok(u32::from_le_bytes(self.array()?))
     }
@@ -181,18 +175,21 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use alloc::vec;
 
     #[test]
     fn window_states_fit_in_18_bytes() {
         assert_eq!(State::TokenBucket { tat: u64::MAX }.encode().len(), 10);
         assert_eq!(State::SlidingWindow { window: 1, prev: 2, curr: 3 }.encode().len(), 18);
         assert_eq!(State::FixedWindow { window: 1, count: 2 }.encode().len(), 14);
+        // A log under the largest limit it takes, every slot full, its slot index 7 bytes
+        // long (a 1 ms window in 2026): 29 bytes.
+        let full = State::SlidingLog { newest: 14_000_000_000_000, counts: [10_000; crate::algo::LOG_SLOTS] };
+        assert_eq!(full.encode().len(), 29);
     }
 
     #[test]
     fn concatenated_states_decode_in_order() {
-        let a = State::SlidingLog { entries: vec![5, 9, 9, 1 << 40] };
+        let a = State::SlidingLog { newest: 1 << 40, counts: [0, 3, 0, 0, 1, 0, 0, 0, 200] };
         let b = State::FixedWindow { window: 7, count: 3 };
         let mut bytes = a.encode();
         b.encode_into(&mut bytes);

@@ -28,7 +28,8 @@ pub struct Check {
     pub limit: Limit,
     /// Units this request consumes.
     pub cost: u64,
-    /// The counter's identity: rule name and key parts, each length-prefixed.
+    /// The counter's identity: [`KEY_VERSION`], the rule name, the limit's fingerprint and
+    /// the key parts (see [`Config::checks`]).
     pub key: Vec<u8>,
 }
 
@@ -42,10 +43,20 @@ pub enum Skip {
 }
 
 /// Key parts longer than this are replaced by a hash, bounding key size.
-const MAX_PART: usize = 256;
+pub const MAX_PART: usize = 254;
+/// The first byte of every counter key: the key format's version. (Keys of the first format
+/// began with the rule name's length, 1 to 64, so no new key equals an old one.)
+pub const KEY_VERSION: u8 = 0x82;
+/// The length byte that marks a part replaced by its hash.
+const HASHED_PART: u8 = 0xff;
 
 impl Config {
     /// The checks a request must pass, and the matching rules that skip it.
+    ///
+    /// A counter key is `KEY_VERSION | len | rule name | fingerprint (8, LE) | parts`, each
+    /// part `len (0..=254) | bytes`, or `0xff | FNV-1a-64 (8, LE)` for a part longer than
+    /// [`MAX_PART`]. The limit's fingerprint makes each limit of a rule (each plan, each
+    /// version pushed) a counter of its own.
     pub fn checks(&self, req: &Request<'_>) -> (Vec<Check>, Vec<(usize, Skip)>) {
         self.checks_of(req, &self.matching(req.method, req.path))
     }
@@ -61,6 +72,13 @@ impl Config {
         let mut checks = Vec::with_capacity(matching.len());
         let mut skipped = Vec::new();
         let plan = self.identity.header_index("plan").and_then(|i| req.headers.get(i).copied().flatten());
+        // A long header value is hashed once per request, however many rules key on it.
+        let hashed: Vec<Option<u64>> = if req.headers.iter().flatten().any(|v| v.len() > MAX_PART) {
+            req.headers.iter().map(|v| v.filter(|v| v.len() > MAX_PART).map(crate::hash::fnv1a)).collect()
+        } else {
+            Vec::new()
+        };
+        let long_ip = req.ip.filter(|ip| ip.len() > MAX_PART).map(|ip| crate::hash::fnv1a(ip.as_bytes()));
         'rules: for &i in matching {
             let Some(rule) = self.rules.get(i) else {
                 continue;
@@ -72,15 +90,17 @@ impl Config {
                 }
                 PlanLimit::Limited(l) => l,
             };
-            let mut key = Vec::with_capacity(64);
-            push_part(&mut key, rule.name.as_bytes());
+            let mut key = Vec::with_capacity(80);
+            key.push(KEY_VERSION);
+            push_part(&mut key, rule.name.as_bytes(), None);
+            key.extend_from_slice(&limit.fingerprint().to_le_bytes());
             for dim in &rule.key {
-                let value = match dim {
-                    Dimension::Ip => req.ip.map(str::as_bytes),
-                    Dimension::Header(h) => req.headers.get(*h).copied().flatten(),
+                let (value, hash) = match dim {
+                    Dimension::Ip => (req.ip.map(str::as_bytes), long_ip),
+                    Dimension::Header(h) => (req.headers.get(*h).copied().flatten(), hashed.get(*h).copied().flatten()),
                 };
                 match value {
-                    Some(v) if !v.is_empty() => push_part(&mut key, v),
+                    Some(v) if !v.is_empty() => push_part(&mut key, v, hash),
                     _ => {
                         skipped.push((i, Skip::Unkeyed));
                         continue 'rules;
@@ -93,34 +113,41 @@ impl Config {
     }
 }
 
-fn push_part(key: &mut Vec<u8>, part: &[u8]) {
-    if part.len() > MAX_PART {
-        key.push(0xff);
-        key.extend_from_slice(&crate::key::fnv1a(part).to_le_bytes());
-    } else {
-        key.push(part.len() as u8);
-        key.extend_from_slice(part);
+/// Appends one key part: its length and bytes, or past [`MAX_PART`] the marker and its hash
+/// (`hash` when the caller has it already).
+fn push_part(key: &mut Vec<u8>, part: &[u8], hash: Option<u64>) {
+    match u8::try_from(part.len()) {
+        Ok(n) if usize::from(n) <= MAX_PART => {
+            key.push(n);
+            key.extend_from_slice(part);
+        }
+        _ => {
+            key.push(HASHED_PART);
+            key.extend_from_slice(&hash.unwrap_or_else(|| crate::hash::fnv1a(part)).to_le_bytes());
+        }
     }
 }
 
 /// Where counters live: proxy-wasm shared data, a test map, ...
 pub trait Counters {
-    /// Atomically reads the state for `check`, runs `f` on it, and stores what `f` returns
-    /// (`None`: leave it unchanged). `f` may run several times (compare-and-swap retries).
+    /// Atomically reads the state for `check`, runs `f` on it, and stores the state `f`
+    /// returns (`None`: leave it unchanged). `f` may run several times (compare-and-swap
+    /// retries).
     ///
     /// `f`'s second argument is the counter's *allowance*: units a global store lets this
-    /// node admit before it syncs again (`u64::MAX`: no such cap). A store that tracks one
-    /// takes `check.cost` off it whenever `f` stores a state.
+    /// node admit before it syncs again (`u64::MAX`: no such cap). `f` returns with the state
+    /// the units it charged: a store that tracks an allowance takes them off it. (A denial
+    /// may store a state moved back after a clock step, charging nothing.)
     fn update(
         &mut self,
         check: &Check,
         now: Nanos,
-        f: &mut dyn FnMut(&State, u64) -> Option<State>,
+        f: &mut dyn FnMut(&State, u64) -> Option<(State, u64)>,
     ) -> Result<(), StoreError>;
 
     /// Gives back the units `check` took at `now` (its request was rejected by another rule).
     fn refund(&mut self, check: &Check, now: Nanos) -> Result<(), StoreError> {
-        self.update(check, now, &mut |s, _| Some(check.limit.refund(s, now, check.cost)))
+        self.update(check, now, &mut |s, _| Some((check.limit.refund(s, now, check.cost), 0)))
     }
 }
 
@@ -213,7 +240,14 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
                 };
             }
             decision = Some(d);
-            (d.allowed && !peek_only && check.cost > 0).then_some(next)
+            if d.allowed && !peek_only && check.cost > 0 {
+                Some((next, check.cost))
+            } else if !d.allowed && next != *state {
+                // A state moved back after a clock step: stored, so that waiting helps.
+                Some((next, 0))
+            } else {
+                None
+            }
         });
         let result = match (res, decision) {
             (Ok(()), Some(d)) => {
@@ -291,10 +325,10 @@ impl Counters for MemoryCounters {
         &mut self,
         check: &Check,
         _now: Nanos,
-        f: &mut dyn FnMut(&State, u64) -> Option<State>,
+        f: &mut dyn FnMut(&State, u64) -> Option<(State, u64)>,
     ) -> Result<(), StoreError> {
         let s = self.get(&check.key);
-        if let Some(n) = f(&s, u64::MAX) {
+        if let Some((n, _)) = f(&s, u64::MAX) {
             self.0.insert(check.key.clone(), n);
         }
         Ok(())
@@ -415,18 +449,16 @@ mod tests {
             &mut self,
             check: &Check,
             now: Nanos,
-            f: &mut dyn FnMut(&State, u64) -> Option<State>,
+            f: &mut dyn FnMut(&State, u64) -> Option<(State, u64)>,
         ) -> Result<(), StoreError> {
             let allowance = self.1;
-            let mut stored = false;
+            let mut charged = 0;
             let r = self.0.update(check, now, &mut |s, _| {
                 let next = f(s, allowance);
-                stored = next.is_some();
+                charged = next.as_ref().map_or(0, |(_, c)| *c);
                 next
             });
-            if stored {
-                self.1 = self.1.saturating_sub(check.cost);
-            }
+            self.1 = self.1.saturating_sub(charged);
             r
         }
     }
@@ -447,6 +479,54 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    fn key_of(c: &Config, user: &[u8], plan: Option<&[u8]>) -> Vec<u8> {
+        let headers: Vec<Option<&[u8]>> = c
+            .identity
+            .headers
+            .iter()
+            .map(|(d, _)| match d.as_str() {
+                "user" => Some(user),
+                "plan" => plan,
+                _ => None,
+            })
+            .collect();
+        let (checks, _) = c.checks(&Request { method: "GET", path: "/a", headers: &headers, ip: None });
+        checks[0].key.clone()
+    }
+
+    #[test]
+    fn key_parts_of_every_length_are_distinct() {
+        let c = config(r#"{"name":"r","key":["user"],"limit":{"requests":1,"per":"1m"}}"#);
+        let mut seen = alloc::collections::BTreeSet::new();
+        for n in 250..262 {
+            for b in [b'a', 0xff, 0] {
+                let part = alloc::vec![b; n];
+                assert!(seen.insert(key_of(&c, &part, None)), "{n} bytes of {b:#x} share a key");
+            }
+        }
+        // Part lengths 254 and below are written as they are, longer ones as a hash.
+        assert_eq!(key_of(&c, &[b'a'; 254], None).len(), 1 + 2 + 8 + 1 + 254);
+        assert_eq!(key_of(&c, &[b'a'; 255], None).len(), 1 + 2 + 8 + 1 + 8);
+        assert_eq!(key_of(&c, b"u", None)[0], KEY_VERSION);
+    }
+
+    #[test]
+    fn each_limit_of_a_rule_is_its_own_counter() {
+        let c = config(
+            r#"{"name":"r","key":["user"],"limit":{"requests":2,"per":"1m"},
+                "plans":{"gold":{"requests":30,"per":"1s"}}}"#,
+        );
+        // A plan and the default never share a counter: a client whose plan lapses is not
+        // judged by the state its old plan wrote.
+        assert_ne!(key_of(&c, b"u", Some(b"gold")), key_of(&c, b"u", None));
+        // A push that changes the limit starts the rule's counters fresh; the same limit
+        // pushed again keeps them.
+        let pushed = config(r#"{"name":"r","key":["user"],"limit":{"requests":2,"per":"1h"}}"#);
+        let same = config(r#"{"name":"r","key":["user"],"limit":{"requests":2,"per":"60s"}}"#);
+        assert_ne!(key_of(&pushed, b"u", None), key_of(&c, b"u", None));
+        assert_eq!(key_of(&same, b"u", None), key_of(&c, b"u", None));
     }
 
     #[test]

@@ -38,64 +38,84 @@ impl PathPattern {
             return Err("must not contain a query or fragment");
         }
         let normalized = normalize_path(pattern.as_bytes());
-        let segments = split(&normalized)
-            .map(|s| match s {
+        let mut segments: Vec<Segment> = Vec::new();
+        for s in split(&normalized) {
+            let seg = match s {
                 "*" => Segment::Any,
                 "**" => Segment::AnyDepth,
                 s if s.contains('*') => Segment::Glob(s.split('*').map(String::from).collect()),
                 s => Segment::Literal(String::from(s)),
-            })
-            .collect();
+            };
+            // `**/**` is `**`.
+            if !(seg == Segment::AnyDepth && segments.last() == Some(&Segment::AnyDepth)) {
+                segments.push(seg);
+            }
+        }
+        // A last `*` is one or more segments: `*/**`.
+        if segments.last() == Some(&Segment::Any) {
+            segments.push(Segment::AnyDepth);
+        }
         Ok(PathPattern { segments })
     }
 
     /// Whether a normalized path matches. Allocation-free: it runs for every rule on every
     /// request.
+    ///
+    /// Linear in the path for any pattern: `**` is matched like `*` in a wildcard string
+    /// match, by the greedy two-pointer algorithm (on a mismatch, only the latest `**` takes
+    /// one more segment and matching resumes after it). That is exact here because every
+    /// other pattern segment matches exactly one path segment, so an earlier `**` never needs
+    /// to give back what a later one can take. Each path segment is compared against at most
+    /// the pattern segments between two `**`s, so the cost is O(path × pattern) with no
+    /// backtracking, whatever the `**`s.
     pub fn matches(&self, normalized_path: &str) -> bool {
-        match_from(&self.segments, normalized_path.trim_start_matches('/'))
+        let pat = &self.segments;
+        let mut path = normalized_path.trim_start_matches('/');
+        let mut p = 0;
+        // The latest `**` seen: the pattern index after it, and the path where it stopped.
+        let mut star: Option<(usize, &str)> = None;
+        while !path.is_empty() {
+            let (seg, tail) = split_segment(path);
+            match pat.get(p) {
+                Some(Segment::AnyDepth) => {
+                    p += 1;
+                    star = Some((p, path));
+                    continue;
+                }
+                Some(one) if segment_matches(one, seg) => {
+                    p += 1;
+                    path = tail;
+                    continue;
+                }
+                _ => {}
+            }
+            // Mismatch: the latest `**` takes one more segment, or there is none to.
+            match star {
+                Some((after, from)) => {
+                    let rest = split_segment(from).1;
+                    star = Some((after, rest));
+                    p = after;
+                    path = rest;
+                }
+                None => return false,
+            }
+        }
+        pat.get(p..).unwrap_or(&[]).iter().all(|s| *s == Segment::AnyDepth)
+    }
+}
+
+/// Whether a single-segment pattern (`*`, a literal, a glob) matches one path segment.
+fn segment_matches(pat: &Segment, seg: &str) -> bool {
+    match pat {
+        Segment::Literal(l) => l == seg,
+        Segment::Any => true,
+        Segment::Glob(parts) => glob_matches(parts, seg),
+        Segment::AnyDepth => false,
     }
 }
 
 fn split(path: &str) -> impl Iterator<Item = &str> {
     path.split('/').filter(|s| !s.is_empty())
-}
-
-/// `path` is the rest of a normalized path without its leading `/` (`""`: no segments left).
-fn match_from(pat: &[Segment], path: &str) -> bool {
-    let Some((first, rest)) = pat.split_first() else {
-        return path.is_empty();
-    };
-    match first {
-        Segment::AnyDepth => {
-            let mut p = path;
-            loop {
-                if match_from(rest, p) {
-                    return true;
-                }
-                if p.is_empty() {
-                    return false;
-                }
-                p = split_segment(p).1;
-            }
-        }
-        Segment::Any if rest.is_empty() => !path.is_empty(),
-        _ if path.is_empty() => false,
-        // The common case, a literal segment, without searching for the next `/`.
-        Segment::Literal(l) => match path.strip_prefix(l.as_str()) {
-            Some("") => match_from(rest, ""),
-            Some(tail) => tail.strip_prefix('/').is_some_and(|t| match_from(rest, t)),
-            None => false,
-        },
-        // `*` (not last) takes any one segment; a glob segment must match it.
-        Segment::Any | Segment::Glob(_) => {
-            let (seg, tail) = split_segment(path);
-            let fits = match first {
-                Segment::Glob(parts) => glob_matches(parts, seg),
-                _ => true,
-            };
-            fits && match_from(rest, tail)
-        }
-    }
 }
 
 /// The first segment of `path` and what follows its `/` (a byte scan: `str::split_once`
@@ -218,6 +238,64 @@ mod tests {
         assert!(m("/v1/**/holds", "/v1/a/b/holds"));
         assert!(m("/files/*.json", "/files/a.json"));
         assert!(!m("/files/*.json", "/files/a.txt"));
+    }
+
+    /// The matcher before it was made linear: backtracking, O(segments^k) for k `**`s. The
+    /// reference the linear one must agree with.
+    fn reference(pat: &[Segment], path: &str) -> bool {
+        let Some((first, rest)) = pat.split_first() else {
+            return path.is_empty();
+        };
+        match first {
+            Segment::AnyDepth => {
+                let mut p = path;
+                loop {
+                    if reference(rest, p) {
+                        return true;
+                    }
+                    if p.is_empty() {
+                        return false;
+                    }
+                    p = split_segment(p).1;
+                }
+            }
+            _ if path.is_empty() => false,
+            one => {
+                let (seg, tail) = split_segment(path);
+                segment_matches(one, seg) && reference(rest, tail)
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 3000, ..Default::default() })]
+        #[test]
+        fn linear_matching_agrees_with_backtracking(
+            pat in proptest::collection::vec(proptest::sample::select(alloc::vec!["a", "b", "*", "**", "a*", "*b", "a*b"]), 0..7),
+            path in proptest::collection::vec(proptest::sample::select(alloc::vec!["a", "b", "ab", "ba", "aab"]), 0..9),
+        ) {
+            let pattern = alloc::format!("/{}", pat.join("/"));
+            let path = alloc::format!("/{}", path.join("/"));
+            let compiled = PathPattern::parse(&pattern).unwrap();
+            let normalized = normalize_path(path.as_bytes());
+            proptest::prop_assert_eq!(
+                compiled.matches(&normalized),
+                reference(&compiled.segments, normalized.trim_start_matches('/')),
+                "{} against {}", pattern, path
+            );
+        }
+    }
+
+    #[test]
+    fn many_double_stars_against_a_long_path_stay_linear() {
+        // What backtracked for 10^9+ steps: the answers, at once.
+        let long: alloc::string::String = "/a".repeat(10_000);
+        assert!(!m("/**/**/x", &long));
+        assert!(!m("/**/**/**/x", &long));
+        assert!(m("/**/**/**/a", &long));
+        let users = alloc::format!("/api{}", "/users".repeat(10_000));
+        assert!(!m("/api/**/users/**/export", &users));
+        assert!(m("/api/**/users/**/export", &alloc::format!("{users}/export")));
     }
 
     #[test]

@@ -163,10 +163,7 @@ fn push_ipv6(out: &mut String, a: Ipv6Addr) {
     }
 }
 
-/// 64-bit FNV-1a: a stable, dependency-free hash for configuration strings.
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-}
+pub use crate::hash::fnv1a;
 
 #[cfg(test)]
 mod tests {

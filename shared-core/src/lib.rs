@@ -25,6 +25,7 @@ pub mod algo;
 pub mod encoding;
 pub mod eval;
 pub mod glob;
+mod hash;
 pub mod json;
 pub mod key;
 pub mod response;

@@ -141,7 +141,7 @@ pub struct Rule {
     pub key: Vec<Dimension>,
     /// The default limit.
     pub limit: Limit,
-    /// Per-plan overrides: (plan name, limit).
+    /// Per-plan overrides: (plan name, limit), sorted by name.
     pub plans: Vec<(String, PlanLimit)>,
     /// Units one matching request consumes.
     pub cost: u64,
@@ -156,7 +156,8 @@ pub struct Rule {
 impl Rule {
     /// The limit for a request on `plan` (the default when the plan has no override).
     pub fn limit_for(&self, plan: Option<&[u8]>) -> PlanLimit {
-        plan.and_then(|p| self.plans.iter().find(|(name, _)| name.as_bytes() == p))
+        plan.and_then(|p| self.plans.binary_search_by(|(name, _)| name.as_bytes().cmp(p)).ok())
+            .and_then(|i| self.plans.get(i))
             .map_or(PlanLimit::Limited(self.limit), |(_, l)| *l)
     }
 }
@@ -253,12 +254,26 @@ fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
     })
 }
 
-/// Largest table the filter accepts (entries).
-pub const MAX_SLOTS: u32 = 1 << 24;
+/// Largest table the filter accepts (entries): 131,072 shared-data keys, all created when
+/// the rules load (2^24 was accepted before, and creating its 2 M keys never finished).
+pub const MAX_SLOTS: u32 = 1 << 20;
+/// Largest rules document accepted, in bytes (parsing is linear; this bounds its cost).
+pub const MAX_DOCUMENT: usize = 1 << 20;
+/// Most rules in a document.
+pub const MAX_RULES: usize = 1_000;
+/// Most plans one rule may name.
+pub const MAX_PLANS: usize = 1_000;
+/// Most identity dimensions (each is a header every request is searched for).
+pub const MAX_DIMENSIONS: usize = 64;
+/// Most methods one rule may list.
+pub const MAX_METHODS: usize = 32;
 
 impl Config {
     /// Parses and validates a rules document.
     pub fn parse(json: &[u8]) -> Result<Config, ConfigError> {
+        if json.len() > MAX_DOCUMENT {
+            return err("", format!("the document is {} bytes; at most {MAX_DOCUMENT} are accepted", json.len()));
+        }
         let value = match crate::json::parse(json) {
             Ok(v) => v,
             Err(e) => return err("", format!("not valid JSON: {e}")),
@@ -276,11 +291,15 @@ impl Config {
             Some(_) => return err("rules", "must be an array of rules"),
             None => return err("rules", "is required"),
         };
+        if rules_v.len() > MAX_RULES {
+            return err("rules", format!("has {} rules; at most {MAX_RULES} are accepted", rules_v.len()));
+        }
         let mut rules = Vec::with_capacity(rules_v.len());
+        let mut names = alloc::collections::BTreeSet::new();
         for (i, r) in rules_v.iter().enumerate() {
             let path = format!("rules[{i}]");
             let rule = parse_rule(r, &path, &identity)?;
-            if rules.iter().any(|o: &Rule| o.name == rule.name) {
+            if !names.insert(rule.name.clone()) {
                 return err(&format!("{path}.name"), format!("\"{}\" is used by another rule", rule.name));
             }
             rules.push(rule);
@@ -305,7 +324,7 @@ impl Config {
             }
             if let Some(v) = o.get("hash_seed") {
                 filter.hash_seed = match v {
-                    Value::String(s) => crate::key::fnv1a(s.as_bytes()),
+                    Value::String(s) => crate::hash::fnv1a(s.as_bytes()),
                     Value::Number(_) => bounded(v, "filter.hash_seed", 0, u64::MAX)?,
                     _ => return err("filter.hash_seed", "must be a string or an integer"),
                 };
@@ -399,6 +418,9 @@ fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
         return Ok(Identity { headers, ip });
     };
     let m = object(v, "identity")?;
+    if m.len() > MAX_DIMENSIONS + 1 {
+        return err("identity", format!("has {} dimensions; at most {MAX_DIMENSIONS} besides ip", m.len()));
+    }
     let mut headers = Vec::new();
     for (dim, src) in m {
         let path = format!("identity.{dim}");
@@ -510,7 +532,11 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
         if identity.header_index("plan").is_none() {
             return err(&pp, "needs a \"plan\" dimension under identity");
         }
-        for (plan, l) in object(p, &pp)? {
+        let o = object(p, &pp)?;
+        if o.len() > MAX_PLANS {
+            return err(&pp, format!("has {} plans; at most {MAX_PLANS} are accepted", o.len()));
+        }
+        for (plan, l) in o {
             let lp = format!("{pp}.{plan}");
             let pl = match l {
                 Value::String(s) if s == "unlimited" => PlanLimit::Unlimited,
@@ -519,6 +545,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
             };
             plans.push((plan.clone(), pl));
         }
+        plans.sort_by(|a, b| a.0.cmp(&b.0));
     }
     let cost = match m.get("cost") {
         None => 1,
@@ -575,6 +602,9 @@ fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
     match m.get("method") {
         None => {}
         Some(Value::String(s)) => methods.push(method(s, &mp)?),
+        Some(Value::Array(a)) if a.len() > MAX_METHODS => {
+            return err(&mp, format!("lists {} methods; at most {MAX_METHODS} are accepted", a.len()))
+        }
         Some(Value::Array(a)) => {
             for (i, s) in a.iter().enumerate() {
                 let p = format!("{mp}[{i}]");
@@ -679,6 +709,44 @@ mod tests {
             .starts_with("rules[0].limit.burts: unknown field"));
         assert!(error_of("{").starts_with("not valid JSON"));
         assert_eq!(error_of("[]"), "must be an object, not an array");
+    }
+
+    #[test]
+    fn documents_past_what_can_be_built_are_refused_fast() {
+        let rule = |i: usize| format!(r#"{{"name":"r{i}","key":["user"],"limit":{{"requests":1,"per":"1s"}}}}"#);
+        let many: Vec<String> = (0..=MAX_RULES).map(rule).collect();
+        let doc = format!(r#"{{"rules":[{}]}}"#, many.join(","));
+        assert!(error_of(&doc).starts_with("rules: has 1001 rules"), "{}", error_of(&doc));
+        let ok: Vec<String> = (0..MAX_RULES).map(rule).collect();
+        assert!(Config::parse(format!(r#"{{"rules":[{}]}}"#, ok.join(",")).as_bytes()).is_ok());
+        let plans: Vec<String> = (0..=MAX_PLANS).map(|i| format!(r#""p{i}":"unlimited""#)).collect();
+        let doc = format!(
+            r#"{{"rules":[{{"name":"r","key":["user"],"limit":{{"requests":1,"per":"1s"}},"plans":{{{}}}}}]}}"#,
+            plans.join(",")
+        );
+        assert!(error_of(&doc).starts_with("rules[0].plans: has 1001 plans"), "{}", error_of(&doc));
+        let huge = format!(r#"{{"rules":[],"x":"{}"}}"#, "a".repeat(MAX_DOCUMENT));
+        assert!(error_of(&huge).contains("at most 1048576"), "{}", error_of(&huge));
+        let slots = r#"{"rules":[],"filter":{"slots":16777216}}"#;
+        assert!(error_of(slots).starts_with("filter.slots"), "{}", error_of(slots));
+        let twice = r#"{"rules":[],"rules":[]}"#;
+        assert!(error_of(twice).contains("duplicate key"), "{}", error_of(twice));
+    }
+
+    #[test]
+    fn plans_are_found_by_name_among_many() {
+        let plans: Vec<String> = (0..500).map(|i| format!(r#""p{i}":{{"requests":{},"per":"1s"}}"#, i + 1)).collect();
+        let doc = format!(
+            r#"{{"rules":[{{"name":"r","key":["user"],"limit":{{"requests":9999,"per":"1s"}},"plans":{{{}}}}}]}}"#,
+            plans.join(",")
+        );
+        let c = Config::parse(doc.as_bytes()).unwrap();
+        for i in [0usize, 7, 250, 499] {
+            let PlanLimit::Limited(l) = c.rules[0].limit_for(Some(format!("p{i}").as_bytes())) else { panic!() };
+            assert_eq!(l.requests(), i as u64 + 1);
+        }
+        let PlanLimit::Limited(l) = c.rules[0].limit_for(Some(b"nope")) else { panic!() };
+        assert_eq!(l.requests(), 9999);
     }
 
     #[test]

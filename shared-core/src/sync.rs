@@ -106,25 +106,15 @@ pub enum SyncError {
 }
 
 fn put_limit(out: &mut Vec<u8>, l: &Limit) {
-    out.push(match l.algorithm() {
-        Algorithm::TokenBucket => 0,
-        Algorithm::SlidingWindow => 1,
-        Algorithm::FixedWindow => 2,
-        Algorithm::SlidingLog => 3,
-    });
+    out.push(l.algorithm().code());
     put_varint(out, l.requests());
     put_varint(out, l.per());
     put_varint(out, l.capacity());
 }
 
 fn read_limit(r: &mut Reader<'_>) -> Result<Limit, DecodeError> {
-    let algorithm = match r.u8()? {
-        0 => Algorithm::TokenBucket,
-        1 => Algorithm::SlidingWindow,
-        2 => Algorithm::FixedWindow,
-        3 => Algorithm::SlidingLog,
-        t => return Err(DecodeError::Tag(t)),
-    };
+    let code = r.u8()?;
+    let algorithm = Algorithm::from_code(code).ok_or(DecodeError::Tag(code))?;
     let (requests, per, capacity) = (r.varint()?, r.varint()?, r.varint()?);
     let burst = (algorithm == Algorithm::TokenBucket).then_some(capacity);
     Limit::new(algorithm, requests, per, burst).map_err(|_| DecodeError::Tag(255))
@@ -380,7 +370,8 @@ impl Counter {
     pub fn take(&mut self, limit: Limit, now: Nanos, cost: u64) -> crate::algo::Decision {
         let now = self.clock(limit, now);
         let (d, next) = self.limit.decide(&self.state, now, cost);
-        if d.allowed && cost > 0 {
+        // A denial returns the state as it was, or moved back after a clock step.
+        if !d.allowed || cost > 0 {
             self.state = next;
         }
         d

@@ -16,6 +16,46 @@ fn algorithm() -> impl Strategy<Value = Algorithm> {
     ]
 }
 
+fn limit() -> impl Strategy<Value = Limit> {
+    (
+        algorithm(),
+        1u64..50,
+        prop_oneof![1u64..2_000, Just(3_600_000), Just(86_400_000 * 366)],
+        proptest::option::of(1u64..60),
+    )
+        .prop_filter_map("valid limit", |(a, requests, per_ms, burst)| {
+            let burst = if a == Algorithm::TokenBucket { burst } else { None };
+            Limit::new(a, requests, per_ms * MS, burst).ok()
+        })
+}
+
+/// A clock step: to an extreme instant, or by an amount back or forward.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    To(Nanos),
+    By(Nanos, bool),
+}
+
+impl Step {
+    fn apply(self, t: Nanos) -> Nanos {
+        match self {
+            Step::To(to) => to,
+            Step::By(d, true) => t.saturating_add(d),
+            Step::By(d, false) => t.saturating_sub(d),
+        }
+    }
+}
+
+fn clock_step() -> impl Strategy<Value = Step> {
+    const HOUR: Nanos = 3_600_000_000_000;
+    const YEAR: Nanos = 366 * 24 * HOUR;
+    let to = prop_oneof![Just(0u64), Just(1), Just(1 << 63), Just(u64::MAX), Just(u64::MAX - 1)].prop_map(Step::To);
+    let by =
+        (prop_oneof![Just(MS), Just(2 * HOUR), Just(30 * 24 * HOUR), Just(5 * YEAR), Just(300 * YEAR)], any::<bool>())
+            .prop_map(|(d, forward)| Step::By(d, forward));
+    prop_oneof![to, by]
+}
+
 /// A limit and a history of (gap, cost) steps that drives it into some state.
 fn scenario() -> impl Strategy<Value = (Limit, Vec<(Nanos, u64)>, Nanos)> {
     scenario_with(algorithm())
@@ -62,13 +102,16 @@ proptest! {
         let cost = ((limit.capacity() as f64 * cost_frac) as u64).max(1);
         let (d, same) = limit.decide(&s, now, cost);
         if let (false, Some(wait)) = (d.allowed, d.retry_after) {
-            prop_assert_eq!(&same, &s, "a denial must not change state");
+            // A denial consumes nothing: the state it returns decides alike.
+            prop_assert_eq!(limit.decide(&same, now, cost).0, d, "a denial must not change the count");
             prop_assert!(wait > 0);
-            prop_assert!(limit.decide(&s, now + wait, cost).0.allowed, "waited {wait} ns");
-            if wait > MS {
-                prop_assert!(!limit.decide(&s, now + wait - MS, cost).0.allowed, "admitted 1 ms early");
+            for s in [&s, &same] {
+                prop_assert!(limit.decide(s, now + wait, cost).0.allowed, "waited {wait} ns");
+                if wait > MS {
+                    prop_assert!(!limit.decide(s, now + wait - MS, cost).0.allowed, "admitted 1 ms early");
+                }
+                prop_assert!(!limit.decide(s, now + wait - 1, cost).0.allowed, "admitted 1 ns early");
             }
-            prop_assert!(!limit.decide(&s, now + wait - 1, cost).0.allowed, "admitted 1 ns early");
         }
     }
 
@@ -141,8 +184,56 @@ proptest! {
         let (s, _) = replay(&limit, &steps, start);
         let bytes = s.encode();
         prop_assert_eq!(State::decode(&bytes), Ok((s.clone(), bytes.len())));
-        if !matches!(s, State::SlidingLog { .. }) {
-            prop_assert!(bytes.len() <= 32);
+        prop_assert!(bytes.len() <= 29, "{} bytes: {s:?}", bytes.len());
+    }
+
+    /// After the clock steps — back or forward, by a millisecond or by years, to 0 or to the
+    /// end of time — a denied caller that waits exactly retry-after is admitted, and no wait
+    /// is longer than a few windows (or refills). A step the clock then takes back costs no
+    /// client more than that either.
+    #[test]
+    fn retry_after_stays_true_and_short_after_any_clock_step(
+        (limit, steps, start) in scenario(),
+        step in clock_step(),
+        back_again in any::<bool>(),
+    ) {
+        let (s, now) = replay(&limit, &steps, start);
+        let s = limit.consume(&s, now, limit.capacity());
+        let stepped = step.apply(now);
+        let (s, now) = if back_again {
+            // The state is written at the stepped clock, which then returns.
+            (limit.consume(&s, stepped, limit.capacity()), now)
+        } else {
+            (s, stepped)
+        };
+        let bound = 3 * limit.per().max(limit.capacity() * limit.per().div_ceil(limit.requests()));
+        let (d, kept) = limit.decide(&s, now, 1);
+        prop_assert!(d.reset_after <= bound, "reset {} > {bound}", d.reset_after);
+        if let (false, Some(wait)) = (d.allowed, d.retry_after) {
+            prop_assert!(wait <= bound, "retry {wait} > {bound}");
+            let at = now.min(ratewall_core::algo::LATEST);
+            prop_assert!(limit.decide(&kept, at + wait, 1).0.allowed, "waited {wait} ns and was still denied");
+        }
+    }
+
+    /// A state read under a limit it was not written with (another `per`, `requests`,
+    /// algorithm — a rules push, or a plan that lapsed) never locks a client out and never
+    /// promises an absurd wait: at most a few of the new limit's windows or refills.
+    #[test]
+    fn a_state_under_another_limit_never_locks_out(
+        (old, steps, start) in scenario(),
+        new in limit(),
+        later in 0u64..10_000_000_000,
+    ) {
+        let (s, now) = replay(&old, &steps, start);
+        let s = old.consume(&s, now, old.capacity());
+        let now = now + later;
+        let bound = 3 * new.per().max(new.capacity() * new.per().div_ceil(new.requests()));
+        let (d, kept) = new.decide(&s, now, 1);
+        prop_assert!(d.remaining <= d.limit);
+        if let (false, Some(wait)) = (d.allowed, d.retry_after) {
+            prop_assert!(wait <= bound, "retry {wait} > {bound} under {new:?}");
+            prop_assert!(new.decide(&kept, now + wait, 1).0.allowed);
         }
     }
 
