@@ -1,7 +1,7 @@
 //! The filter's logic, independent of proxy-wasm: configuration, identity extraction,
 //! evaluation against the shared-data table, metrics, and the reply to send.
 
-use crate::host::{headers, HeaderNames, Host, Level};
+use crate::host::{all_values, headers, HeaderNames, Host, Level};
 use crate::sync::Syncer;
 use crate::table::{Grants, Table, TableCounters};
 use ratewall_core::algo::Limit;
@@ -16,6 +16,8 @@ use std::borrow::Cow;
 
 /// Headers read before the identity headers: `:method`, `:path`, `X-Forwarded-For`.
 const FIXED_HEADERS: usize = 3;
+/// Where `X-Forwarded-For` is among them.
+const XFF: usize = 2;
 
 /// Per-rule metric ids.
 #[derive(Clone, Copy, Debug, Default)]
@@ -54,6 +56,13 @@ pub struct Asking {
     skipped: Vec<(usize, Skip)>,
     wants: Vec<Delta>,
     asked_at: Nanos,
+}
+
+impl Asking {
+    /// The longest valid answer to this ask: the glue reads no longer body.
+    pub fn answer_cap(&self) -> usize {
+        ratewall_core::sync::SyncResponse::max_len(self.wants.iter().map(|d| d.key.len()))
+    }
 }
 
 /// Which time a request is decided.
@@ -132,7 +141,8 @@ impl Engine {
                 .map(String::from)
                 .chain(config.identity.headers.iter().map(|(_, h)| h.clone()))
                 .collect(),
-        );
+        )
+        .reporting_repeats_of(XFF);
         Ok(Engine { config, table, rules, node, sync, header_names })
     }
 
@@ -156,6 +166,11 @@ impl Engine {
         if let Some(s) = &self.sync {
             s.on_tick(host);
         }
+    }
+
+    /// The longest valid answer to sync call `token`: the glue reads no longer body.
+    pub fn answer_cap(&self, token: u32) -> usize {
+        self.sync.as_ref().map_or(0, |s| s.answer_cap(token))
     }
 
     /// The answer to a sync call (`status` 0: failed or timed out).
@@ -183,12 +198,18 @@ impl Engine {
                 &mut large
             }
         };
-        headers(&map, &self.header_names, found);
+        let repeated = headers(&map, &self.header_names, found);
         let (fixed, rest) = found.split_at_mut(FIXED_HEADERS.min(found.len()));
         let (method_raw, path_raw, xff) = match fixed {
             [m, p, x] => (*m, *p, *x),
             _ => (None, None, None),
         };
+        // X-Forwarded-For sent as several fields is one list (RFC 9110 §5.3), counted from
+        // its right end: reading only the first field would let a client rotate a spoofed
+        // one past a per-IP limit on a host that passes header lines as they arrive.
+        let joined: Option<Vec<u8>> =
+            (repeated & (1 << XFF) != 0).then(|| all_values(&map, "x-forwarded-for").join(&b","[..]));
+        let xff = joined.as_deref().or(xff);
         // A host that leaves the pseudo-headers out of the map is asked for them by name.
         fn pseudo<'a>(found: Option<&'a [u8]>, host: &dyn Host, name: &str) -> Cow<'a, [u8]> {
             match found {

@@ -110,8 +110,16 @@ struct Root {
     engine: Option<Rc<Engine>>,
 }
 
-/// The store's answer to a call: status (0: failed or timed out), signature, body.
-fn call_response(num_headers: usize, body_size: usize) -> (u32, Option<Vec<u8>>, Vec<u8>) {
+/// The store's answer to a call: status (0: failed, timed out, or a body longer than `cap`,
+/// which no valid answer is), signature, body. An oversized body is not read (reading and
+/// authenticating 16 MB would stall the worker thread).
+fn call_response(num_headers: usize, body_size: usize, cap: usize) -> (u32, Option<Vec<u8>>, Vec<u8>) {
+    if body_size > cap {
+        let message =
+            format!("ratewall: a store answer of {body_size} bytes refused unread (a valid one has at most {cap})");
+        let _ = hostcalls::log(LogLevel::Warn, &message);
+        return (0, None, Vec::new());
+    }
     let (status, tag) = if num_headers == 0 {
         (0, None)
     } else {
@@ -131,7 +139,7 @@ fn call_response(num_headers: usize, body_size: usize) -> (u32, Option<Vec<u8>>,
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
         let Some(engine) = &self.engine else { return };
-        let (status, tag, body) = call_response(num_headers, body_size);
+        let (status, tag, body) = call_response(num_headers, body_size, engine.answer_cap(token));
         engine.on_sync_response(&ProxyHost, token, status, tag.as_deref(), &body);
     }
 }
@@ -211,7 +219,7 @@ impl Context for Request {
         let (Some(engine), Some(asking)) = (self.engine.clone(), self.asking.take_if(|a| a.token == token)) else {
             return;
         };
-        let (status, tag, body) = call_response(num_headers, body_size);
+        let (status, tag, body) = call_response(num_headers, body_size, asking.answer_cap());
         let reply = engine.on_ask_response(&ProxyHost, asking, status, tag.as_deref(), &body);
         if self.reply(reply) {
             let _ = hostcalls::resume_http_request();

@@ -60,7 +60,7 @@ pub trait Host {
 #[cfg(test)]
 fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
     let mut out = [None];
-    headers(map, &HeaderNames::new(vec![String::from(name)]), &mut out);
+    let _ = headers(map, &HeaderNames::new(vec![String::from(name)]), &mut out);
     let [value] = out;
     value
 }
@@ -70,6 +70,8 @@ fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
 #[derive(Debug)]
 pub struct HeaderNames {
     names: Vec<String>,
+    /// A bit per name (of the first 32) whose repeats [`headers`] reports.
+    all_fields: u32,
     /// Bit `i` of `by_len[n]`: `names[i]` (i < 32, non-empty) is `n` bytes long.
     by_len: [u32; 64],
     /// Some wanted name is beyond the index (past 32 names, or 64 bytes and longer).
@@ -87,7 +89,16 @@ impl HeaderNames {
                 _ => unindexed = true,
             }
         }
-        HeaderNames { names, by_len, unindexed }
+        HeaderNames { names, all_fields: 0, by_len, unindexed }
+    }
+
+    /// The same names, with `names[i]` one whose repeated fields [`headers`] reports.
+    pub fn reporting_repeats_of(mut self, i: usize) -> HeaderNames {
+        let wanted = self.names.get(i).is_some_and(|n| !n.is_empty());
+        if let (true, Some(bit)) = (wanted, u32::try_from(i).ok().and_then(|i| 1u32.checked_shl(i))) {
+            self.all_fields |= bit;
+        }
+        self
     }
 
     /// How many names there are (wanted or not).
@@ -105,22 +116,36 @@ impl HeaderNames {
 /// pass over a serialized proxy-wasm header map: a little-endian u32 count, then a (name
 /// length, value length) u32 pair per header, then each name and each value followed by a
 /// NUL. A malformed map reads as having no more headers.
-pub fn headers<'a>(map: &'a [u8], names: &HeaderNames, out: &mut [Option<&'a [u8]>]) {
+///
+/// Returns a bit per name (of the first 32) that occurs more than once — looked for only for
+/// the names of [`HeaderNames::all_fields`]; for the others the pass ends once all are found.
+pub fn headers<'a>(map: &'a [u8], names: &HeaderNames, out: &mut [Option<&'a [u8]>]) -> u32 {
+    let mut repeated = 0u32;
     let word = |at: usize| -> Option<usize> {
         let b: [u8; 4] = map.get(at..at.checked_add(4)?)?.try_into().ok()?;
         Some(u32::from_le_bytes(b) as usize)
     };
-    let Some(count) = word(0) else { return };
-    let Some(mut data) = count.checked_mul(8).and_then(|n| n.checked_add(4)) else { return };
-    let mut missing = names.names.iter().filter(|n| !n.is_empty()).count();
+    let Some(count) = word(0) else { return 0 };
+    let Some(mut data) = count.checked_mul(8).and_then(|n| n.checked_add(4)) else { return 0 };
+    // A name whose every field counts is never done with.
+    let mut missing = names.names.iter().filter(|n| !n.is_empty()).count() + names.all_fields.count_ones() as usize;
     // Proxies hand names over lower-case, so an exact match is tried before the
     // case-insensitive one.
+    let all_fields = names.all_fields;
     let mut try_slot = |key: &[u8], value: &'a [u8], j: usize| -> bool {
-        if let (Some(slot @ None), Some(name)) = (out.get_mut(j), names.names.get(j)) {
+        if let (Some(slot), Some(name)) = (out.get_mut(j), names.names.get(j)) {
+            let bit = u32::try_from(j).ok().and_then(|j| 1u32.checked_shl(j)).unwrap_or(0);
+            if slot.is_some() && all_fields & bit == 0 {
+                return false;
+            }
             if !name.is_empty()
                 && name.len() == key.len()
                 && (key == name.as_bytes() || key.eq_ignore_ascii_case(name.as_bytes()))
             {
+                if slot.is_some() {
+                    repeated |= bit;
+                    return false;
+                }
                 *slot = Some(value);
                 return true;
             }
@@ -129,12 +154,12 @@ pub fn headers<'a>(map: &'a [u8], names: &HeaderNames, out: &mut [Option<&'a [u8
     };
     for i in 0..count {
         if missing == 0 {
-            return;
+            break;
         }
-        let (Some(n), Some(v)) = (word(4 + 8 * i), word(8 + 8 * i)) else { return };
-        let Some(key) = data.checked_add(n).and_then(|end| map.get(data..end)) else { return };
+        let (Some(n), Some(v)) = (word(4 + 8 * i), word(8 + 8 * i)) else { break };
+        let Some(key) = data.checked_add(n).and_then(|end| map.get(data..end)) else { break };
         let value_at = data + n + 1;
-        let Some(value) = value_at.checked_add(v).and_then(|end| map.get(value_at..end)) else { return };
+        let Some(value) = value_at.checked_add(v).and_then(|end| map.get(value_at..end)) else { break };
         data = value_at + v + 1;
         if names.unindexed {
             for j in 0..names.names.len() {
@@ -148,6 +173,30 @@ pub fn headers<'a>(map: &'a [u8], names: &HeaderNames, out: &mut [Option<&'a [u8
             }
         }
     }
+    repeated
+}
+
+/// Every value of header `name`, in order (for a field that may be split over several
+/// lines, which RFC 9110 reads as one comma-separated list).
+pub fn all_values<'a>(map: &'a [u8], name: &str) -> Vec<&'a [u8]> {
+    let word = |at: usize| -> Option<usize> {
+        let b: [u8; 4] = map.get(at..at.checked_add(4)?)?.try_into().ok()?;
+        Some(u32::from_le_bytes(b) as usize)
+    };
+    let mut found = Vec::new();
+    let Some(count) = word(0) else { return found };
+    let Some(mut data) = count.checked_mul(8).and_then(|n| n.checked_add(4)) else { return found };
+    for i in 0..count {
+        let (Some(n), Some(v)) = (word(4 + 8 * i), word(8 + 8 * i)) else { break };
+        let Some(key) = data.checked_add(n).and_then(|end| map.get(data..end)) else { break };
+        let value_at = data + n + 1;
+        let Some(value) = value_at.checked_add(v).and_then(|end| map.get(value_at..end)) else { break };
+        data = value_at + v + 1;
+        if key.eq_ignore_ascii_case(name.as_bytes()) {
+            found.push(value);
+        }
+    }
+    found
 }
 
 #[cfg(test)]

@@ -57,6 +57,9 @@ pub const MAX_BATCH: usize = 500;
 pub const MAX_ASKS: u32 = 64;
 /// A grant leased at least this long shows its counter far from its limit.
 const RELAXED_LEASE: Nanos = 1_000 * MS;
+/// The most the store's clock may differ from the node's: an answer further off is refused
+/// (one signed answer claiming the year 2554 would otherwise shift every window).
+pub const MAX_STORE_SKEW: Nanos = 300 * 1_000 * MS;
 /// Failures in a row that open the circuit breaker.
 const BREAKER_AFTER: u32 = 3;
 const MS: Nanos = 1_000_000;
@@ -530,7 +533,12 @@ impl Syncer {
         let ((wants, asked_at), (status, tag, body)) = (ask, answer);
         self.ask_done();
         let verified = tag.and_then(unhex).is_some_and(|t| verify(self.opts.secret.as_bytes(), body, &t));
-        let Some(resp) = (status == 200 && verified).then(|| SyncResponse::decode(body).ok()).flatten() else {
+        let now = host.now();
+        let Some(resp) = (status == 200 && verified)
+            .then(|| SyncResponse::decode(body).ok())
+            .flatten()
+            .filter(|r| r.now.abs_diff(now) <= MAX_STORE_SKEW)
+        else {
             return Vec::new();
         };
         let taken: Vec<bool> =
@@ -561,6 +569,15 @@ impl Syncer {
         }
     }
 
+    /// The longest valid answer to call `token` (0 when it is not the batch in flight): a
+    /// longer body is refused before it is read.
+    pub fn answer_cap(&self, token: u32) -> usize {
+        match self.syncing.try_borrow().ok().as_ref().and_then(|s| s.inflight.as_ref()) {
+            Some((t, batch, _)) if *t == token => SyncResponse::max_len(batch.deltas.iter().map(|d| d.key.len())),
+            _ => 0,
+        }
+    }
+
     /// The answer to a sync call: `status` 0 when the call failed or timed out.
     pub fn on_response(
         &self,
@@ -587,6 +604,8 @@ impl Syncer {
             (200, true) => SyncResponse::decode(body).ok().filter(|r| r.seq == batch.seq),
             _ => None,
         };
+        let skewed = resp.as_ref().is_some_and(|r| r.now.abs_diff(now) > MAX_STORE_SKEW);
+        let resp = resp.filter(|_| !skewed);
         if status == 409 {
             // The store has applied a later batch of this node: this one is an old duplicate.
             if let Some(m) = self.metrics.failed {
@@ -596,6 +615,7 @@ impl Syncer {
         }
         let Some(resp) = resp else {
             let why = match (status, verified) {
+                _ if skewed => "the store's clock is more than 300 s away from ours".to_owned(),
                 (0, _) => "timeout or connection failure".to_owned(),
                 (200, false) => "answer not signed with the shared secret".to_owned(),
                 (200, true) => "garbled answer".to_owned(),

@@ -231,6 +231,7 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
         let mut decision = None;
         let res = counters.update(check, now, &mut |state, allowance| {
             let (mut d, next) = check.limit.decide(state, now, check.cost);
+            let limit_denied = !d.allowed;
             if d.allowed && check.cost > allowance {
                 d = Decision {
                     allowed: false,
@@ -242,7 +243,7 @@ pub fn evaluate(config: &Config, checks: &[Check], counters: &mut dyn Counters, 
             decision = Some(d);
             if d.allowed && !peek_only && check.cost > 0 {
                 Some((next, check.cost))
-            } else if !d.allowed && next != *state {
+            } else if limit_denied && next != *state {
                 // A state moved back after a clock step: stored, so that waiting helps.
                 Some((next, 0))
             } else {

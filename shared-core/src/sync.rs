@@ -209,6 +209,14 @@ impl SyncResponse {
         out
     }
 
+    /// The longest valid answer to a request for counters with keys of these lengths: a
+    /// node refuses a longer one before reading (or authenticating) it.
+    pub fn max_len(key_lens: impl Iterator<Item = usize>) -> usize {
+        // version, kind, seq, now, nodes, count; then per grant its key (length varint and
+        // bytes) and four varints of at most 10 bytes each.
+        key_lens.fold(2 + 10 + 10 + 5 + 10, |n, k| n.saturating_add(k.saturating_add(3 + 40)))
+    }
+
     /// Decodes the wire encoding; trailing bytes are an error.
     pub fn decode(bytes: &[u8]) -> Result<SyncResponse, DecodeError> {
         let mut r = Reader { bytes, pos: 0 };
@@ -746,6 +754,17 @@ mod tests {
     }
 
     const NOW: Nanos = 1_700_000_000 * SECOND;
+
+    #[test]
+    fn the_longest_answer_fits_its_bound() {
+        let key = vec![7u8; MAX_KEY];
+        let g =
+            Grant { key: key.clone(), remaining: u64::MAX, grant: u64::MAX, reset_after: u64::MAX, lease: u64::MAX };
+        let resp = SyncResponse { seq: u64::MAX, now: u64::MAX, nodes: u32::MAX, grants: vec![g.clone(), g] };
+        assert!(resp.encode().len() <= SyncResponse::max_len([MAX_KEY, MAX_KEY].into_iter()));
+        let empty = SyncResponse { seq: u64::MAX, now: u64::MAX, nodes: u32::MAX, grants: vec![] };
+        assert!(empty.encode().len() <= SyncResponse::max_len(core::iter::empty()));
+    }
 
     #[test]
     fn hex_round_trips_and_rejects_garbage() {
