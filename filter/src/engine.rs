@@ -1,7 +1,7 @@
 //! The filter's logic, independent of proxy-wasm: configuration, identity extraction,
 //! evaluation against the shared-data table, metrics, and the reply to send.
 
-use crate::host::{all_values, headers, HeaderNames, Host, Level};
+use crate::host::{headers, HeaderNames, Host, Level};
 use crate::sync::Syncer;
 use crate::table::{Grants, Table, TableCounters};
 use ratewall_core::algo::Limit;
@@ -198,7 +198,8 @@ impl Engine {
                 &mut large
             }
         };
-        let repeated = headers(&map, &self.header_names, found);
+        let mut joined = Vec::new();
+        let repeated = headers(&map, &self.header_names, found, &mut joined);
         let (fixed, rest) = found.split_at_mut(FIXED_HEADERS.min(found.len()));
         let (method_raw, path_raw, xff) = match fixed {
             [m, p, x] => (*m, *p, *x),
@@ -207,9 +208,7 @@ impl Engine {
         // X-Forwarded-For sent as several fields is one list (RFC 9110 §5.3), counted from
         // its right end: reading only the first field would let a client rotate a spoofed
         // one past a per-IP limit on a host that passes header lines as they arrive.
-        let joined: Option<Vec<u8>> =
-            (repeated & (1 << XFF) != 0).then(|| all_values(&map, "x-forwarded-for").join(&b","[..]));
-        let xff = joined.as_deref().or(xff);
+        let xff = if repeated { Some(&joined[..]) } else { xff };
         // A host that leaves the pseudo-headers out of the map is asked for them by name.
         fn pseudo<'a>(found: Option<&'a [u8]>, host: &dyn Host, name: &str) -> Cow<'a, [u8]> {
             match found {

@@ -60,7 +60,7 @@ pub trait Host {
 #[cfg(test)]
 fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
     let mut out = [None];
-    let _ = headers(map, &HeaderNames::new(vec![String::from(name)]), &mut out);
+    let _ = headers(map, &HeaderNames::new(vec![String::from(name)]), &mut out, &mut Vec::new());
     let [value] = out;
     value
 }
@@ -70,7 +70,7 @@ fn header<'a>(map: &'a [u8], name: &str) -> Option<&'a [u8]> {
 #[derive(Debug)]
 pub struct HeaderNames {
     names: Vec<String>,
-    /// A bit per name (of the first 32) whose repeats [`headers`] reports.
+    /// A bit for the name (of the first 32) whose repeated fields [`headers`] joins.
     all_fields: u32,
     /// Bit `i` of `by_len[n]`: `names[i]` (i < 32, non-empty) is `n` bytes long.
     by_len: [u32; 64],
@@ -92,12 +92,13 @@ impl HeaderNames {
         HeaderNames { names, all_fields: 0, by_len, unindexed }
     }
 
-    /// The same names, with `names[i]` one whose repeated fields [`headers`] reports.
+    /// The same names, with `names[i]` the one whose repeated fields [`headers`] joins.
     pub fn reporting_repeats_of(mut self, i: usize) -> HeaderNames {
         let wanted = self.names.get(i).is_some_and(|n| !n.is_empty());
-        if let (true, Some(bit)) = (wanted, u32::try_from(i).ok().and_then(|i| 1u32.checked_shl(i))) {
-            self.all_fields |= bit;
-        }
+        self.all_fields = match (wanted, u32::try_from(i).ok().and_then(|i| 1u32.checked_shl(i))) {
+            (true, Some(bit)) => bit,
+            _ => 0,
+        };
         self
     }
 
@@ -117,16 +118,18 @@ impl HeaderNames {
 /// length, value length) u32 pair per header, then each name and each value followed by a
 /// NUL. A malformed map reads as having no more headers.
 ///
-/// Returns a bit per name (of the first 32) that occurs more than once — looked for only for
-/// the names of [`HeaderNames::all_fields`]; for the others the pass ends once all are found.
-pub fn headers<'a>(map: &'a [u8], names: &HeaderNames, out: &mut [Option<&'a [u8]>]) -> u32 {
-    let mut repeated = 0u32;
+/// For the one name of [`HeaderNames::reporting_repeats_of`], every field counts: when it
+/// occurs more than once, `joined` receives all its values, comma-separated (RFC 9110 reads
+/// repeated fields as one list), and the call returns true. For the other names the pass
+/// ends once all are found.
+pub fn headers<'a>(map: &'a [u8], names: &HeaderNames, out: &mut [Option<&'a [u8]>], joined: &mut Vec<u8>) -> bool {
+    let mut repeated = false;
     let word = |at: usize| -> Option<usize> {
         let b: [u8; 4] = map.get(at..at.checked_add(4)?)?.try_into().ok()?;
         Some(u32::from_le_bytes(b) as usize)
     };
-    let Some(count) = word(0) else { return 0 };
-    let Some(mut data) = count.checked_mul(8).and_then(|n| n.checked_add(4)) else { return 0 };
+    let Some(count) = word(0) else { return false };
+    let Some(mut data) = count.checked_mul(8).and_then(|n| n.checked_add(4)) else { return false };
     // A name whose every field counts is never done with.
     let mut missing = names.names.iter().filter(|n| !n.is_empty()).count() + names.all_fields.count_ones() as usize;
     // Proxies hand names over lower-case, so an exact match is tried before the
@@ -142,8 +145,14 @@ pub fn headers<'a>(map: &'a [u8], names: &HeaderNames, out: &mut [Option<&'a [u8
                 && name.len() == key.len()
                 && (key == name.as_bytes() || key.eq_ignore_ascii_case(name.as_bytes()))
             {
-                if slot.is_some() {
-                    repeated |= bit;
+                if let Some(first) = slot {
+                    if !repeated {
+                        joined.clear();
+                        joined.extend_from_slice(first);
+                        repeated = true;
+                    }
+                    joined.push(b',');
+                    joined.extend_from_slice(value);
                     return false;
                 }
                 *slot = Some(value);
@@ -174,29 +183,6 @@ pub fn headers<'a>(map: &'a [u8], names: &HeaderNames, out: &mut [Option<&'a [u8
         }
     }
     repeated
-}
-
-/// Every value of header `name`, in order (for a field that may be split over several
-/// lines, which RFC 9110 reads as one comma-separated list).
-pub fn all_values<'a>(map: &'a [u8], name: &str) -> Vec<&'a [u8]> {
-    let word = |at: usize| -> Option<usize> {
-        let b: [u8; 4] = map.get(at..at.checked_add(4)?)?.try_into().ok()?;
-        Some(u32::from_le_bytes(b) as usize)
-    };
-    let mut found = Vec::new();
-    let Some(count) = word(0) else { return found };
-    let Some(mut data) = count.checked_mul(8).and_then(|n| n.checked_add(4)) else { return found };
-    for i in 0..count {
-        let (Some(n), Some(v)) = (word(4 + 8 * i), word(8 + 8 * i)) else { break };
-        let Some(key) = data.checked_add(n).and_then(|end| map.get(data..end)) else { break };
-        let value_at = data + n + 1;
-        let Some(value) = value_at.checked_add(v).and_then(|end| map.get(value_at..end)) else { break };
-        data = value_at + v + 1;
-        if key.eq_ignore_ascii_case(name.as_bytes()) {
-            found.push(value);
-        }
-    }
-    found
 }
 
 #[cfg(test)]
@@ -240,18 +226,39 @@ mod tests {
         // Indexed: short names, fewer than 32; an empty name is not wanted.
         let names = HeaderNames::new(vec![":path".into(), String::new(), "x-api-key".into(), "absent".into()]);
         let mut out = [None; 4];
-        headers(&map, &names, &mut out);
+        let _ = headers(&map, &names, &mut out, &mut Vec::new());
         assert_eq!(out, [Some(&b"/v1"[..]), None, Some(&b"k1"[..]), None]);
         // Beyond the index: a 80-byte name, and more than 32 names.
         let mut wanted = many.clone();
         wanted.push(long.clone());
         let names = HeaderNames::new(wanted);
         let mut out = vec![None; names.len()];
-        headers(&map, &names, &mut out);
+        let _ = headers(&map, &names, &mut out, &mut Vec::new());
         for (i, n) in many.iter().enumerate() {
             assert_eq!(out[i], Some(n.as_bytes()));
         }
         assert_eq!(out[40], Some(&b"L"[..]));
+    }
+
+    #[test]
+    fn a_field_sent_on_several_lines_is_one_list() {
+        let map = serialize_headers(&[
+            ("x-forwarded-for", b"1.1.1.1"),
+            ("x-user-id", b"u"),
+            ("X-Forwarded-For", b"2.2.2.2, 3.3.3.3"),
+            ("x-user-id", b"v"),
+            ("x-forwarded-for", b"4.4.4.4"),
+        ]);
+        let names = HeaderNames::new(vec!["x-forwarded-for".into(), "x-user-id".into()]).reporting_repeats_of(0);
+        let (mut out, mut joined) = ([None; 2], Vec::new());
+        assert!(headers(&map, &names, &mut out, &mut joined));
+        assert_eq!(joined, b"1.1.1.1,2.2.2.2, 3.3.3.3,4.4.4.4");
+        // Other names keep their first value; a single field joins nothing.
+        assert_eq!(out, [Some(&b"1.1.1.1"[..]), Some(&b"u"[..])]);
+        let once = serialize_headers(&[("x-forwarded-for", b"1.1.1.1"), ("x-user-id", b"u")]);
+        let (mut out, mut joined) = ([None; 2], Vec::new());
+        assert!(!headers(&once, &names, &mut out, &mut joined));
+        assert!(joined.is_empty());
     }
 
     #[test]

@@ -392,7 +392,7 @@ impl Counters for TableCounters<'_> {
         &mut self,
         check: &Check,
         now: Nanos,
-        f: &mut dyn FnMut(&State, u64) -> Option<(State, u64)>,
+        f: &mut dyn FnMut(&State, u64) -> ratewall_core::eval::Write,
     ) -> Result<(), StoreError> {
         if self.unavailable.get(check.rule).copied().unwrap_or(false) {
             return Err(StoreError::Unavailable);

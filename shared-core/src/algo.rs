@@ -143,10 +143,12 @@ impl Limit {
         if capacity.saturating_mul(interval) > MAX_BUCKET_SPAN {
             return Err(LimitError::Burst("makes the bucket take over 100 years to refill"));
         }
-        let mut fingerprint = crate::hash::fnv1a(&[algorithm.code()]);
-        for v in [requests, per, capacity] {
-            fingerprint = crate::hash::fnv1a_from(fingerprint, &v.to_le_bytes());
-        }
+        // Not adversarial (operators write limits), only distinct in practice: odd multipliers
+        // and rotations keep every field's bits apart, in a few instructions.
+        let fingerprint = (u64::from(algorithm.code()) ^ 0x9e37_79b9_7f4a_7c15).wrapping_mul(0xff51_afd7_ed55_8ccd)
+            ^ requests.wrapping_mul(0xc4ce_b9fe_1a85_ec53)
+            ^ per.rotate_left(21).wrapping_mul(0x8765_4321_0fed_cba9)
+            ^ capacity.rotate_left(42).wrapping_mul(0x2545_f491_4f6c_dd1d);
         Ok(Limit { algorithm, requests, per, capacity, interval, fingerprint })
     }
 
@@ -297,9 +299,8 @@ impl Limit {
                 let (prev, curr) = (u64::from(*prev), u64::from(*curr));
                 if *window == idx.saturating_add(1) {
                     (*window, 0, prev, curr, window.saturating_mul(w).saturating_sub(now))
-                } else if *window > idx {
-                    (idx, now % w, prev, curr, 0)
-                } else if *window == idx {
+                } else if *window >= idx {
+                    // Now's window, or one far ahead moved back to it with its counts.
                     (idx, now % w, prev, curr, 0)
                 } else if *window + 1 == idx {
                     (idx, now % w, curr, 0, 0)
@@ -339,21 +340,25 @@ impl Limit {
     /// slots whose units no longer count emptied. Slots ahead of `now` (the clock stepped
     /// back) are merged into `now`'s: their units count until `now`'s slot expires.
     fn log_roll(&self, state: &State, now: Nanos) -> (u64, [u32; LOG_SLOTS]) {
-        let cur = now / self.quantum();
+        const LAST: usize = LOG_SLOTS - 1;
+        let g = self.quantum();
+        let cur = now / g;
         let mut counts = [0u32; LOG_SLOTS];
         if let State::SlidingLog { newest, counts: old } = state {
+            // Old slot `i` is slot `newest - LAST + i`: it moves by `newest - cur` places.
+            let (ahead, behind) = (newest.saturating_sub(cur), cur.saturating_sub(*newest));
             for (i, &c) in old.iter().enumerate() {
-                let q = newest.saturating_sub((LOG_SLOTS - 1 - i) as u64);
-                let back = cur.saturating_sub(q.min(cur));
-                if let Some(slot) = (LOG_SLOTS - 1).checked_sub(back as usize).and_then(|j| counts.get_mut(j)) {
+                let to = (i as u64).saturating_add(ahead).checked_sub(behind).map(|j| j.min(LAST as u64));
+                if let Some(slot) = to.and_then(|j| counts.get_mut(j as usize)) {
                     *slot = slot.saturating_add(c);
                 }
             }
         }
-        for (i, c) in counts.iter_mut().enumerate() {
-            if self.slot_expiry(cur.saturating_sub((LOG_SLOTS - 1 - i) as u64)) <= now {
-                *c = 0;
-            }
+        // Slot q counts while (q + 1) * g + per > now, that is from q = (now - per) / g on.
+        let oldest = now.saturating_sub(self.per) / g;
+        let live_from = LAST.saturating_sub(usize::try_from(cur - oldest.min(cur)).unwrap_or(usize::MAX));
+        for c in counts.iter_mut().take(live_from) {
+            *c = 0;
         }
         (cur, counts)
     }

@@ -72,13 +72,17 @@ impl Config {
         let mut checks = Vec::with_capacity(matching.len());
         let mut skipped = Vec::new();
         let plan = self.identity.header_index("plan").and_then(|i| req.headers.get(i).copied().flatten());
-        // A long header value is hashed once per request, however many rules key on it.
-        let hashed: Vec<Option<u64>> = if req.headers.iter().flatten().any(|v| v.len() > MAX_PART) {
-            req.headers.iter().map(|v| v.filter(|v| v.len() > MAX_PART).map(crate::hash::fnv1a)).collect()
-        } else {
-            Vec::new()
-        };
-        let long_ip = req.ip.filter(|ip| ip.len() > MAX_PART).map(|ip| crate::hash::fnv1a(ip.as_bytes()));
+        // A long header value is hashed once per request, however many rules key on it (a
+        // client address is never that long).
+        let mut hashed: Vec<Option<u64>> = Vec::new();
+        for (i, v) in req.headers.iter().enumerate() {
+            if let Some(v) = v.filter(|v| v.len() > MAX_PART) {
+                hashed.resize(i + 1, None);
+                if let Some(h) = hashed.get_mut(i) {
+                    *h = Some(crate::hash::fnv1a(v));
+                }
+            }
+        }
         'rules: for &i in matching {
             let Some(rule) = self.rules.get(i) else {
                 continue;
@@ -96,7 +100,7 @@ impl Config {
             key.extend_from_slice(&limit.fingerprint().to_le_bytes());
             for dim in &rule.key {
                 let (value, hash) = match dim {
-                    Dimension::Ip => (req.ip.map(str::as_bytes), long_ip),
+                    Dimension::Ip => (req.ip.map(str::as_bytes), None),
                     Dimension::Header(h) => (req.headers.get(*h).copied().flatten(), hashed.get(*h).copied().flatten()),
                 };
                 match value {
@@ -128,6 +132,9 @@ fn push_part(key: &mut Vec<u8>, part: &[u8], hash: Option<u64>) {
     }
 }
 
+/// What a counter update stores: the new state and the units it charged (`None`: nothing).
+pub type Write = Option<(State, u64)>;
+
 /// Where counters live: proxy-wasm shared data, a test map, ...
 pub trait Counters {
     /// Atomically reads the state for `check`, runs `f` on it, and stores the state `f`
@@ -138,12 +145,7 @@ pub trait Counters {
     /// node admit before it syncs again (`u64::MAX`: no such cap). `f` returns with the state
     /// the units it charged: a store that tracks an allowance takes them off it. (A denial
     /// may store a state moved back after a clock step, charging nothing.)
-    fn update(
-        &mut self,
-        check: &Check,
-        now: Nanos,
-        f: &mut dyn FnMut(&State, u64) -> Option<(State, u64)>,
-    ) -> Result<(), StoreError>;
+    fn update(&mut self, check: &Check, now: Nanos, f: &mut dyn FnMut(&State, u64) -> Write) -> Result<(), StoreError>;
 
     /// Gives back the units `check` took at `now` (its request was rejected by another rule).
     fn refund(&mut self, check: &Check, now: Nanos) -> Result<(), StoreError> {
@@ -326,7 +328,7 @@ impl Counters for MemoryCounters {
         &mut self,
         check: &Check,
         _now: Nanos,
-        f: &mut dyn FnMut(&State, u64) -> Option<(State, u64)>,
+        f: &mut dyn FnMut(&State, u64) -> Write,
     ) -> Result<(), StoreError> {
         let s = self.get(&check.key);
         if let Some((n, _)) = f(&s, u64::MAX) {
@@ -450,7 +452,7 @@ mod tests {
             &mut self,
             check: &Check,
             now: Nanos,
-            f: &mut dyn FnMut(&State, u64) -> Option<(State, u64)>,
+            f: &mut dyn FnMut(&State, u64) -> Write,
         ) -> Result<(), StoreError> {
             let allowance = self.1;
             let mut charged = 0;

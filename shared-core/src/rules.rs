@@ -141,7 +141,7 @@ pub struct Rule {
     pub key: Vec<Dimension>,
     /// The default limit.
     pub limit: Limit,
-    /// Per-plan overrides: (plan name, limit), sorted by name.
+    /// Per-plan overrides: (plan name, limit), in document order (at most [`MAX_PLANS`]).
     pub plans: Vec<(String, PlanLimit)>,
     /// Units one matching request consumes.
     pub cost: u64,
@@ -156,8 +156,7 @@ pub struct Rule {
 impl Rule {
     /// The limit for a request on `plan` (the default when the plan has no override).
     pub fn limit_for(&self, plan: Option<&[u8]>) -> PlanLimit {
-        plan.and_then(|p| self.plans.binary_search_by(|(name, _)| name.as_bytes().cmp(p)).ok())
-            .and_then(|i| self.plans.get(i))
+        plan.and_then(|p| self.plans.iter().find(|(name, _)| name.as_bytes() == p))
             .map_or(PlanLimit::Limited(self.limit), |(_, l)| *l)
     }
 }
@@ -272,7 +271,7 @@ impl Config {
     /// Parses and validates a rules document.
     pub fn parse(json: &[u8]) -> Result<Config, ConfigError> {
         if json.len() > MAX_DOCUMENT {
-            return err("", format!("the document is {} bytes; at most {MAX_DOCUMENT} are accepted", json.len()));
+            return too_many("", json.len(), "bytes", MAX_DOCUMENT);
         }
         let value = match crate::json::parse(json) {
             Ok(v) => v,
@@ -292,17 +291,23 @@ impl Config {
             None => return err("rules", "is required"),
         };
         if rules_v.len() > MAX_RULES {
-            return err("rules", format!("has {} rules; at most {MAX_RULES} are accepted", rules_v.len()));
+            return too_many("rules", rules_v.len(), "rules", MAX_RULES);
         }
-        let mut rules = Vec::with_capacity(rules_v.len());
-        let mut names = alloc::collections::BTreeSet::new();
+        let mut rules: Vec<Rule> = Vec::with_capacity(rules_v.len());
         for (i, r) in rules_v.iter().enumerate() {
             let path = format!("rules[{i}]");
             let rule = parse_rule(r, &path, &identity)?;
-            if !names.insert(rule.name.clone()) {
+            // A scan while there are few rules; past that, one sorted check below.
+            if rules.len() < 16 && rules.iter().any(|o| o.name == rule.name) {
                 return err(&format!("{path}.name"), format!("\"{}\" is used by another rule", rule.name));
             }
             rules.push(rule);
+        }
+        let names: Vec<&str> =
+            if rules.len() > 16 { rules.iter().map(|r| r.name.as_str()).collect() } else { Vec::new() };
+        if let Some(i) = crate::json::first_repeat(&names) {
+            let name = rules.get(i).map_or("", |r| r.name.as_str());
+            return err(&format!("rules[{i}].name"), format!("\"{name}\" is used by another rule"));
         }
         let mut response = ResponseOptions::default();
         if let Some(v) = top.get("response") {
@@ -333,6 +338,11 @@ impl Config {
         let sync = top.get("sync").map(parse_sync).transpose()?;
         Ok(Config { identity, rules, response, filter, sync })
     }
+}
+
+/// A document (or part) larger than what the filter can build within its budget.
+fn too_many<T>(path: &str, n: usize, what: &str, max: usize) -> Result<T, ConfigError> {
+    err(path, format!("has {n} {what}; at most {max} are accepted"))
 }
 
 fn object<'a>(v: &'a Value, path: &str) -> Result<&'a Map, ConfigError> {
@@ -419,7 +429,7 @@ fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
     };
     let m = object(v, "identity")?;
     if m.len() > MAX_DIMENSIONS + 1 {
-        return err("identity", format!("has {} dimensions; at most {MAX_DIMENSIONS} besides ip", m.len()));
+        return too_many("identity", m.len(), "dimensions", MAX_DIMENSIONS + 1);
     }
     let mut headers = Vec::new();
     for (dim, src) in m {
@@ -534,7 +544,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
         }
         let o = object(p, &pp)?;
         if o.len() > MAX_PLANS {
-            return err(&pp, format!("has {} plans; at most {MAX_PLANS} are accepted", o.len()));
+            return too_many(&pp, o.len(), "plans", MAX_PLANS);
         }
         for (plan, l) in o {
             let lp = format!("{pp}.{plan}");
@@ -545,7 +555,6 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
             };
             plans.push((plan.clone(), pl));
         }
-        plans.sort_by(|a, b| a.0.cmp(&b.0));
     }
     let cost = match m.get("cost") {
         None => 1,
@@ -602,9 +611,7 @@ fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
     match m.get("method") {
         None => {}
         Some(Value::String(s)) => methods.push(method(s, &mp)?),
-        Some(Value::Array(a)) if a.len() > MAX_METHODS => {
-            return err(&mp, format!("lists {} methods; at most {MAX_METHODS} are accepted", a.len()))
-        }
+        Some(Value::Array(a)) if a.len() > MAX_METHODS => return too_many(&mp, a.len(), "methods", MAX_METHODS),
         Some(Value::Array(a)) => {
             for (i, s) in a.iter().enumerate() {
                 let p = format!("{mp}[{i}]");
@@ -726,7 +733,7 @@ mod tests {
         );
         assert!(error_of(&doc).starts_with("rules[0].plans: has 1001 plans"), "{}", error_of(&doc));
         let huge = format!(r#"{{"rules":[],"x":"{}"}}"#, "a".repeat(MAX_DOCUMENT));
-        assert!(error_of(&huge).contains("at most 1048576"), "{}", error_of(&huge));
+        assert!(error_of(&huge).contains("bytes; at most 1048576"), "{}", error_of(&huge));
         let slots = r#"{"rules":[],"filter":{"slots":16777216}}"#;
         assert!(error_of(slots).starts_with("filter.slots"), "{}", error_of(slots));
         let twice = r#"{"rules":[],"rules":[]}"#;
