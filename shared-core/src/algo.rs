@@ -327,11 +327,12 @@ impl Limit {
     }
 
     /// The token bucket's theoretical arrival time at `now`: never before `now`, never more
-    /// than a full refill after it.
+    /// than two full refills after it (one: a full bucket; the second: units a global store
+    /// counted past the limit, which its nodes had admitted).
     fn bucket_tat(&self, state: &State, now: Nanos) -> Nanos {
         let span = self.capacity * self.interval; // bounded by MAX_BUCKET_SPAN in `new`
         match state {
-            State::TokenBucket { tat } => (*tat).clamp(now, now + span),
+            State::TokenBucket { tat } => (*tat).clamp(now, now + 2 * span),
             _ => now,
         }
     }
@@ -403,7 +404,7 @@ impl Limit {
         let used = tat - now;
         let remaining_at = |used: Nanos| span.saturating_sub(used) / t;
         let kept = || match state {
-            State::TokenBucket { tat: stored } if *stored > now + span => State::TokenBucket { tat },
+            State::TokenBucket { tat: stored } if *stored > now + 2 * span => State::TokenBucket { tat },
             _ => state.clone(),
         };
         if cost > self.capacity {
