@@ -130,6 +130,10 @@ impl Engine {
         if let Err(e) = table.create(host) {
             host.log(Level::Warn, &format!("ratewall: could not create the counter table: {e:?}"));
         }
+        // A resized table starts clean; the old one's entries are dropped (its keys stay).
+        if let Some(old) = previous.map(|p| &p.table).filter(|t| t.buckets() != table.buckets()) {
+            old.clear(host);
+        }
         let sync = config.sync.clone().map(|opts| match previous.and_then(|p| p.sync.as_ref()) {
             Some(old) => Syncer::continuing(old, opts),
             None => Syncer::new(host, opts),

@@ -201,9 +201,11 @@ pub struct TableStats {
 }
 
 impl Table {
-    /// A table of about `slots` entries (rounded up to whole buckets).
+    /// A table of at least `slots` entries: a power of two of buckets, so that however
+    /// often the size is changed, the tables ever created (shared data has no delete) hold at
+    /// most twice the keys of the largest.
     pub fn new(slots: u32, seed: u64, cas_retries: u32) -> Table {
-        let buckets = slots.div_ceil(WAYS as u32).max(1);
+        let buckets = slots.div_ceil(WAYS as u32).max(1).checked_next_power_of_two().unwrap_or(1 << 31);
         // The bucket count is part of the key so a resized table starts clean.
         let scratch = RefCell::new((Vec::with_capacity(WAYS), Vec::with_capacity(2 + WAYS * 32)));
         Table { buckets, seed, prefix: format!("rw1/{buckets}/"), cas_retries, scratch }
@@ -253,12 +255,31 @@ impl Table {
         let mut created = 0;
         for b in 0..self.buckets {
             let key = self.bucket_key(b);
-            if let Ok((None, _)) = host.shared_get(&key) {
+            // Missing, or emptied when the table was resized away from this size.
+            let missing = match host.shared_get(&key) {
+                Ok((None, _)) => true,
+                Ok((Some(v), _)) => v.is_empty(),
+                Err(_) => false,
+            };
+            if missing {
                 host.shared_set(&key, &empty, None)?;
                 created += 1;
             }
         }
         Ok(created)
+    }
+
+    /// Empties every bucket of a table no longer in use (a resize): shared data has no
+    /// delete, so its keys stay, but not its entries.
+    pub fn clear(&self, host: &dyn Host) {
+        for b in 0..self.buckets {
+            let key = self.bucket_key(b);
+            if let Ok((Some(v), _)) = host.shared_get(&key) {
+                if !v.is_empty() {
+                    let _ = host.shared_set(&key, &[], None);
+                }
+            }
+        }
     }
 
     /// Atomically updates the state and grant of `key` in its bucket with `f` (`None`: leave

@@ -208,3 +208,35 @@ fn repeated_forwarded_for_fields_cannot_rotate_past_a_per_ip_limit() {
         .count();
     assert_eq!(passed, 3);
 }
+
+#[test]
+fn table_resizes_leave_bounded_shared_data() {
+    let doc = |slots: u32| {
+        let mut d = rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 5, "per": "60s"}}]));
+        d["filter"] = json!({"slots": slots});
+        d.to_string()
+    };
+    let node = Node::new(T0);
+    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, doc(4096).as_bytes()).unwrap();
+    let fill = |vm: &mut Vm| {
+        for i in 0..2_000 {
+            vm.request(&HttpRequest::new("GET", "/").header("x-user-id", format!("u{i}"))).unwrap();
+        }
+    };
+    fill(&mut vm);
+    let (_, one_table) = node.shared_data_size();
+    // An operator pushes one size after another, back and forth.
+    for slots in [5_000, 8_192, 65_536, 4_096, 100_000, 5_000, 4_096] {
+        assert!(vm.configure(doc(slots).as_bytes()).unwrap());
+        fill(&mut vm);
+    }
+    let (keys, bytes) = node.shared_data_size();
+    // Sizes are powers of two of buckets (512, 1,024, 8,192, 16,384 here), so the keys of
+    // every table ever made are at most twice the largest's; the tables no longer in use
+    // hold no entries.
+    assert!(keys <= 2 * 16_384 + 16, "{keys} keys");
+    assert!(bytes < one_table + 40 * keys, "{bytes} B after the resizes, {one_table} B for one table");
+    // The table in force still counts.
+    let u = HttpRequest::new("GET", "/").header("x-user-id", "u0");
+    assert_eq!((0..8).filter(|_| vm.request(&u).unwrap().passed).count(), 4);
+}
