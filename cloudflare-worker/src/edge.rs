@@ -70,6 +70,10 @@ pub fn object_name(key: &[u8]) -> String {
     format!("c:{}", hex(key))
 }
 
+/// The Durable Object that holds the sync store's [`ratewall_core::sync::Registry`]: the
+/// nodes heard from (the `nodes` every answer reports) and each node's latest batch `seq`.
+pub const REGISTRY_OBJECT: &str = "n:registry";
+
 /// A call from the Worker to a counter's Durable Object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Call {
@@ -81,6 +85,28 @@ pub enum Call {
     Apply { limit: Limit, node: u64, seq: u64, units: u64 },
     /// Answer a filter node's ask (number `ask`) for `units` now (`POST /v1/sync`, an ask).
     Ask { limit: Limit, node: u64, ask: u64, units: u64 },
+    /// To the registry object: a node's batch `seq` (or an ask) was heard.
+    Heard { node: u64, seq: u64, ask: bool },
+}
+
+/// A counter object's stored value: the counter's encoding in hex, then `/` and the limit it
+/// was written under (so an alarm after a restart can judge it idle without a call).
+pub fn stored_value(counter: &ratewall_core::sync::Counter) -> String {
+    format!("{}/{}", hex(&counter.encode()), limit_json(&counter.limit))
+}
+
+/// Parses [`stored_value`] (or a value of the older form, the hex alone, under `limit`).
+pub fn parse_stored(value: &str, limit: Option<Limit>) -> Result<ratewall_core::sync::Counter, String> {
+    let (counter, stored_limit) = match value.split_once('/') {
+        Some((c, l)) => {
+            let l =
+                serde_json::from_str(l).ok().and_then(|v: Value| limit_from(&v)).ok_or("its limit is unreadable")?;
+            (c, l)
+        }
+        None => (value, limit.ok_or("it names no limit")?),
+    };
+    let bytes = unhex(counter.as_bytes()).ok_or("it is not hex")?;
+    ratewall_core::sync::Counter::decode(limit.unwrap_or(stored_limit), &bytes).map_err(|e| e.to_string())
 }
 
 fn limit_json(l: &Limit) -> Value {
@@ -113,13 +139,29 @@ impl Call {
             Call::Ask { limit, node, ask, units } => {
                 json!({"op": "ask", "limit": limit_json(limit), "node": node, "ask": ask, "units": units})
             }
+            Call::Heard { node, seq, ask } => json!({"op": "heard", "node": node, "seq": seq, "ask": ask}),
         }
         .to_string()
+    }
+
+    /// The limit a counter call applies (`None` for the registry's).
+    pub fn limit(&self) -> Option<Limit> {
+        match self {
+            Call::Take { limit, .. }
+            | Call::Refund { limit, .. }
+            | Call::Apply { limit, .. }
+            | Call::Ask { limit, .. } => Some(*limit),
+            Call::Heard { .. } => None,
+        }
     }
 
     /// Parses a message body; `None` when it is not a valid call.
     pub fn decode(body: &str) -> Option<Call> {
         let v: Value = serde_json::from_str(body).ok()?;
+        if v.get("op")?.as_str()? == "heard" {
+            let (node, seq) = (u64_field(&v, "node")?, u64_field(&v, "seq")?);
+            return Some(Call::Heard { node, seq, ask: v.get("ask")?.as_bool()? });
+        }
         let limit = limit_from(v.get("limit")?)?;
         match v.get("op")?.as_str()? {
             "take" => Some(Call::Take { limit, cost: u64_field(&v, "cost")? }),
@@ -170,6 +212,27 @@ impl Taken {
             retry_after: v.get("retry_after").and_then(Value::as_u64),
         };
         Some(Taken { decision, now: u64_field(&v, "now")? })
+    }
+}
+
+/// The registry's answer to [`Call::Heard`]: the nodes heard from, or the node's latest
+/// `seq` when the batch is older than it.
+pub fn encode_heard(r: Result<u32, ratewall_core::sync::SyncError>) -> String {
+    match r {
+        Ok(nodes) => json!({"nodes": nodes}),
+        Err(ratewall_core::sync::SyncError::Stale { last }) => json!({"stale": last}),
+        Err(_) => json!({}),
+    }
+    .to_string()
+}
+
+/// Parses [`encode_heard`]: `Ok(nodes)`, or `Err(last seq)` for a stale batch.
+pub fn decode_heard(body: &str) -> Option<Result<u32, u64>> {
+    let v: Value = serde_json::from_str(body).ok()?;
+    match (u64_field(&v, "nodes"), u64_field(&v, "stale")) {
+        (Some(n), _) => Some(Ok(u32::try_from(n).unwrap_or(u32::MAX))),
+        (None, Some(last)) => Some(Err(last)),
+        _ => None,
     }
 }
 
@@ -490,6 +553,31 @@ mod tests {
         // Room for a third counter: the idle per-second one goes, the hourly one stays.
         assert!(local.take(&check(b"c", SECOND), 3 * SECOND).allowed);
         assert!(!local.take(&hourly, 3 * SECOND).allowed, "the hourly client keeps its count");
+    }
+
+    #[test]
+    fn stored_counters_name_their_limit() {
+        let limit = Limit::new(Algorithm::FixedWindow, 5, SECOND, None).unwrap();
+        let mut c = ratewall_core::sync::Counter::new(limit);
+        c.take(limit, 7 * SECOND, 2);
+        let v = stored_value(&c);
+        assert_eq!(parse_stored(&v, None), Ok(c.clone()));
+        assert_eq!(parse_stored(&v, Some(limit)), Ok(c.clone()));
+        // The older form: the hex alone, read under the caller's limit.
+        assert_eq!(parse_stored(&hex(&c.encode()), Some(limit)), Ok(c.clone()));
+        assert!(parse_stored(&hex(&c.encode()), None).is_err());
+        assert!(parse_stored("zz/[]", Some(limit)).is_err());
+    }
+
+    #[test]
+    fn registry_calls_and_answers_round_trip() {
+        let c = Call::Heard { node: 7, seq: u64::MAX, ask: true };
+        assert_eq!(Call::decode(&c.encode()), Some(c));
+        assert_eq!(c.limit(), None);
+        assert_eq!(decode_heard(&encode_heard(Ok(3))), Some(Ok(3)));
+        let stale = Err(ratewall_core::sync::SyncError::Stale { last: 9 });
+        assert_eq!(decode_heard(&encode_heard(stale)), Some(Err(9)));
+        assert_eq!(decode_heard("{}"), None);
     }
 
     #[test]

@@ -2,13 +2,13 @@
 //! the `/v1/sync` store. Decisions are made by `ratewall-core` and `crate::edge`.
 
 use crate::edge::{
-    checks_for, decode_applied, encode_applied, hex, object_name, unhex, BlockedCache, Call, LocalFallback, Metrics,
-    Rules, Taken, MS,
+    checks_for, decode_applied, decode_heard, encode_applied, encode_heard, hex, object_name, parse_stored,
+    stored_value, unhex, BlockedCache, Call, LocalFallback, Metrics, Rules, Taken, MS, REGISTRY_OBJECT,
 };
 use futures_util::future::{join_all, select, Either};
 use ratewall_core::eval::{combine, CheckResult, Outcome, Skip, StoreError};
 use ratewall_core::rules::{FailurePolicy, Mode};
-use ratewall_core::sync::{sign, verify, Counter, Grant, SyncRequest, SyncResponse};
+use ratewall_core::sync::{sign, verify, Counter, Grant, Registry, SyncRequest, SyncResponse};
 use ratewall_core::{render, Check, Config, Decision, Nanos, Reply, SECOND};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -135,10 +135,15 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
 
 /// One call to a counter object, with a deadline.
 async fn call_object(env: &Env, key: &[u8], call: Call, timeout: Duration) -> std::result::Result<String, StoreError> {
+    call_named(env, &object_name(key), call, timeout).await
+}
+
+/// One call to the object named `name`, with a deadline.
+async fn call_named(env: &Env, name: &str, call: Call, timeout: Duration) -> std::result::Result<String, StoreError> {
     with(|i| i.metrics.object_calls += 1);
     let attempt = async {
         let binding = var(env, "COUNTER_BINDING").unwrap_or_else(|| COUNTERS.to_owned());
-        let stub = env.durable_object(&binding)?.get_by_name(&object_name(key))?;
+        let stub = env.durable_object(&binding)?.get_by_name(name)?;
         let mut init = RequestInit::new();
         init.with_method(Method::Post).with_body(Some(JsValue::from_str(&call.encode())));
         let req = Request::new_with_init("https://counter.ratewall/", &init)?;
@@ -375,6 +380,27 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
         return Response::error(format!("a batch names at most {MAX_SYNC_DELTAS} counters"), 413);
     }
     let timeout = Duration::from_millis(var_u64(&env, "OBJECT_TIMEOUT_MS", 1000));
+    // The registry first, for a batch: an older seq is refused (409) before any counter sees
+    // it. An ask (a paused request waits on it) asks the registry alongside its counters.
+    let heard = Call::Heard { node: batch.node, seq: batch.seq, ask: batch.ask };
+    let registry = call_named(&env, REGISTRY_OBJECT, heard, timeout);
+    let mut nodes = None;
+    if !batch.ask {
+        match registry.await.ok().and_then(|b| decode_heard(&b)) {
+            Some(Ok(n)) => nodes = Some(n),
+            Some(Err(last)) => {
+                with(|i| i.metrics.sync_failed += 1);
+                return Response::error(
+                    format!("seq {} is older than this node's latest batch ({last})", batch.seq),
+                    409,
+                );
+            }
+            None => {
+                with(|i| i.metrics.sync_failed += 1);
+                return Response::error("the node registry failed; retry the batch with the same seq", 503);
+            }
+        }
+    }
     let calls = batch.deltas.iter().map(|d| {
         let call = if batch.ask {
             Call::Ask { limit: d.limit, node: batch.node, ask: batch.seq, units: d.units }
@@ -384,8 +410,12 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
         call_object(&env, &d.key, call, timeout)
     });
     let answers = join_all(calls).await;
+    if batch.ask {
+        let registry = call_named(&env, REGISTRY_OBJECT, heard, timeout).await;
+        nodes = registry.ok().and_then(|b| decode_heard(&b)).and_then(Result::ok);
+    }
     let mut grants = Vec::with_capacity(answers.len());
-    let mut nodes = 1;
+    let mut per_counter = 1;
     for (d, answer) in batch.deltas.iter().zip(answers) {
         // Counters apply each (node, seq) once, so the node retrying the whole batch after a
         // partial failure never counts twice.
@@ -393,10 +423,13 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
             with(|i| i.metrics.sync_failed += 1);
             return Response::error("a counter object failed; retry the batch with the same seq", 503);
         };
-        nodes = nodes.max(a.nodes);
+        per_counter = per_counter.max(a.nodes);
         let (remaining, grant, reset_after, lease) = (a.remaining, a.grant, a.reset_after, a.lease);
         grants.push(Grant { key: d.key.clone(), remaining, grant, reset_after, lease });
     }
+    // The fleet heard from (the registry); only if it failed to answer an ask, the most any
+    // counter saw.
+    let nodes = nodes.unwrap_or(per_counter);
     let out = SyncResponse { seq: batch.seq, now: now(), nodes, grants }.encode();
     let headers = Headers::new();
     headers.set("content-type", "application/octet-stream")?;
@@ -426,31 +459,49 @@ struct Slot {
     alarm_at: Option<Nanos>,
 }
 
-/// A Durable Object holding one counter (one rule, one key). Single-threaded, so every check
-/// is atomic and global. State lives in memory, is loaded lazily from storage, and is
-/// written back by an alarm at most [`FLUSH`] after it changed (not one row per request); the
-/// same alarm deletes the state once it is idle.
+/// A Durable Object holding one counter (one rule, one key), or — the one named
+/// [`REGISTRY_OBJECT`] — the sync store's node registry. Single-threaded, so every check is
+/// atomic and global. State lives in memory and is loaded lazily from storage. A change from
+/// the Worker's own traffic is written back by an alarm at most [`FLUSH`] later (not one row
+/// per request); a sync delta or ask is written before it is acknowledged, so a restart of
+/// the object never loses units a filter node was told were counted. The same alarm deletes
+/// the state once it is idle. A stored value that cannot be read is never replaced: the call
+/// fails, and the rule's `on_store_failure` applies.
 #[durable_object]
 pub struct RateLimitCounter {
     state: worker::State,
     slot: RefCell<Slot>,
+    /// The node registry (only in the registry object; soft state: after a restart it is
+    /// rebuilt within one heartbeat period, as every node's next batch or heartbeat is heard).
+    registry: RefCell<Registry>,
 }
 
 impl RateLimitCounter {
-    async fn load(&self, limit: ratewall_core::Limit) -> Result<()> {
+    /// Loads the stored counter once (`limit`: the caller's; `None` from an alarm, which
+    /// reads the limit stored with it).
+    async fn load(&self, limit: Option<ratewall_core::Limit>) -> Result<()> {
         if self.slot.borrow().loaded {
             return Ok(());
         }
-        let stored: Option<String> = self.state.storage().get("c").await.unwrap_or(None);
-        let mut slot = self.slot.borrow_mut();
-        if !slot.loaded {
-            slot.counter = stored.and_then(|h| unhex(h.as_bytes())).and_then(|b| match Counter::decode(limit, &b) {
+        // A read that fails fails the call: a counter is never reset because a read failed.
+        let stored: Option<String> = self.state.storage().get("c").await.map_err(|e| {
+            console_error!("ratewall: counter storage read failed: {e}");
+            e
+        })?;
+        let counter = match stored {
+            None => None,
+            Some(v) => match parse_stored(&v, limit) {
                 Ok(c) => Some(c),
                 Err(e) => {
-                    console_error!("ratewall: stored counter unreadable ({e:?}); starting fresh");
-                    None
+                    // Kept as it is (never overwritten with a fresh counter); every call fails.
+                    console_error!("ratewall: stored counter unreadable ({e}); kept, and calls to it fail");
+                    return Err(worker::Error::RustError(format!("stored counter unreadable: {e}")));
                 }
-            });
+            },
+        };
+        let mut slot = self.slot.borrow_mut();
+        if !slot.loaded {
+            slot.counter = counter;
             slot.loaded = true;
         }
         Ok(())
@@ -474,6 +525,7 @@ impl DurableObject for RateLimitCounter {
         RateLimitCounter {
             state,
             slot: RefCell::new(Slot { loaded: false, counter: None, dirty: false, alarm_at: None }),
+            registry: RefCell::new(Registry::default()),
         }
     }
 
@@ -482,38 +534,47 @@ impl DurableObject for RateLimitCounter {
         let Some(call) = Call::decode(&body) else {
             return Response::error("not a counter call", 400);
         };
-        let limit = match call {
-            Call::Take { limit, .. }
-            | Call::Refund { limit, .. }
-            | Call::Apply { limit, .. }
-            | Call::Ask { limit, .. } => limit,
+        let Some(limit) = call.limit() else {
+            let Call::Heard { node, seq, ask } = call else {
+                return Response::error("not a counter call", 400);
+            };
+            let heard = self.registry.borrow_mut().heard(now(), node, seq, ask, NODE_TTL);
+            return Response::ok(encode_heard(heard));
         };
-        self.load(limit).await?;
+        if let Err(e) = self.load(Some(limit)).await {
+            return Response::error(format!("counter unavailable: {e}"), 503);
+        }
         let t = now();
-        let reply = {
+        let (reply, write_now) = {
             let mut slot = self.slot.borrow_mut();
             let c = slot.counter.get_or_insert_with(|| Counter::new(limit));
-            let (reply, changed) = match call {
+            let (reply, changed, write_now) = match call {
                 Call::Take { limit, cost } => {
                     let decision = c.take(limit, t, cost);
-                    (Taken { decision, now: c.last_seen }.encode(), decision.allowed && cost > 0)
+                    (Taken { decision, now: c.last_seen }.encode(), decision.allowed && cost > 0, false)
                 }
                 Call::Refund { limit, cost, at } => {
                     c.refund(limit, t, at, cost);
-                    (String::from("{}"), true)
+                    (String::from("{}"), true, false)
                 }
                 Call::Apply { limit, node, seq, units } => {
                     let a = c.apply(limit, t, node, seq, units, NODE_TTL);
-                    (encode_applied(&a), a.counted)
+                    (encode_applied(&a), a.counted, a.counted)
                 }
                 Call::Ask { limit, node, ask, units } => {
                     let a = c.ask(limit, t, node, ask, units, NODE_TTL);
-                    (encode_applied(&a), a.grant > 0)
+                    (encode_applied(&a), a.grant > 0, a.grant > 0)
                 }
+                Call::Heard { .. } => (String::new(), false, false),
             };
             slot.dirty |= changed;
-            reply
+            let write = if write_now { slot.counter.as_ref().map(stored_value) } else { None };
+            (reply, write)
         };
+        if let Some(w) = write_now {
+            // Before the answer: the units the node is told were counted are in storage.
+            self.state.storage().put("c", w).await?;
+        }
         if self.slot.borrow().dirty {
             self.schedule(t.saturating_add(FLUSH)).await?;
         }
@@ -522,11 +583,17 @@ impl DurableObject for RateLimitCounter {
 
     async fn alarm(&self) -> Result<Response> {
         let t = now();
+        // After a restart the alarm may come first: load, so that idleness is judged on the
+        // stored counter (an unloaded one is not "no counter": deleting it would reset it).
+        if let Err(e) = self.load(None).await {
+            console_error!("ratewall: alarm could not load its counter ({e}); it is kept");
+            return Response::ok("");
+        }
         let (write, idle_at) = {
             let mut slot = self.slot.borrow_mut();
             slot.alarm_at = None;
-            let idle_at = slot.counter.as_ref().map_or(0, |c| c.idle_at(NODE_TTL));
-            let write = if slot.dirty { slot.counter.as_ref().map(|c| hex(&c.encode())) } else { None };
+            let idle_at = slot.counter.as_ref().map_or(0, Counter::idle_at);
+            let write = if slot.dirty { slot.counter.as_ref().map(stored_value) } else { None };
             slot.dirty = false;
             if idle_at <= t {
                 // Idle: equivalent to fresh, so forgetting it gives nobody extra quota.

@@ -21,7 +21,7 @@ use crate::host::{Host, Level, SetError};
 use crate::table::{Allowance, Table};
 use ratewall_core::algo::{Limit, Nanos};
 use ratewall_core::rules::SyncOptions;
-use ratewall_core::sync::{hex, sign, unhex, verify, Delta, SyncRequest, SyncResponse};
+use ratewall_core::sync::{hex, sign, unhex, verify, Delta, SyncRequest, SyncResponse, RETRY_HORIZON};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
@@ -129,6 +129,8 @@ struct Batch {
     seq: u64,
     deltas: Vec<Delta>,
     body: Vec<u8>,
+    /// When it was first sent (0: not yet): it is retried for [`RETRY_HORIZON`] at most.
+    first_sent: Nanos,
 }
 
 #[derive(Debug, Default)]
@@ -451,6 +453,15 @@ impl Syncer {
         if s.retry.is_none() && now < s.sent_at.saturating_add(due) {
             return;
         }
+        // A batch failing for longer than the store promises to remember its seq is given up:
+        // resent after that, a store that had applied it could count it twice.
+        if let Some(old) = s.retry.take_if(|b| b.first_sent > 0 && now.saturating_sub(b.first_sent) > RETRY_HORIZON) {
+            let units = old.deltas.iter().map(|d| d.units).fold(0, u64::saturating_add);
+            if let Some(m) = self.metrics.dropped {
+                host.increment(m, units);
+            }
+            host.log(Level::Warn, "ratewall: a sync batch failed for 45 s and was dropped (its units are not counted)");
+        }
         let batch = match s.retry.take() {
             Some(b) => b,
             None => {
@@ -461,9 +472,10 @@ impl Syncer {
                     .collect();
                 s.seq += 1;
                 let body = SyncRequest::encode_parts(self.token, s.seq, &deltas, false);
-                Batch { seq: s.seq, deltas, body }
+                Batch { seq: s.seq, deltas, body, first_sent: 0 }
             }
         };
+        let batch = Batch { first_sent: if batch.first_sent == 0 { now } else { batch.first_sent }, ..batch };
         match self.send(host, &batch.body) {
             Some(token) => {
                 s.inflight = Some((token, batch, now));

@@ -289,8 +289,19 @@ pub fn verify(secret: &[u8], body: &[u8], tag: &[u8]) -> bool {
     }
 }
 
-/// Most nodes whose traffic share one counter remembers (the least recently seen go first).
-pub const MAX_SHARES: usize = 64;
+/// Most nodes one counter remembers (the least recently seen go first). A fleet of more
+/// nodes syncing one counter within [`SEQ_MEMORY`] may see a late retry counted twice.
+pub const MAX_SHARES: usize = 256;
+
+/// How long a counter remembers a node's last `seq` after it last heard from it, and the
+/// registry a node's: longer than any retry a node makes (the filter gives a batch up after
+/// [`RETRY_HORIZON`]), so a late retry is recognized, never counted twice.
+pub const SEQ_MEMORY: Nanos = 60 * crate::algo::SECOND;
+
+/// How long after first sending a batch a node may still retry it (with the same `seq`);
+/// after that it drops the batch (its units are counted as dropped) rather than risk a store
+/// that has forgotten the `seq` counting it twice.
+pub const RETRY_HORIZON: Nanos = 45 * crate::algo::SECOND;
 
 /// One node's recent traffic on a counter, and its last batch for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -391,9 +402,15 @@ impl Counter {
         self.state = self.limit.refund(&self.state, taken_at, cost);
     }
 
-    /// Drops the shares of nodes gone quiet (their lease over, nothing heard for `node_ttl`).
-    fn forget_quiet(&mut self, node: u64, now: Nanos, node_ttl: Nanos) {
-        self.shares.retain(|s| s.node == node || now.saturating_sub(s.seen) <= node_ttl || s.until > now);
+    /// Forgets the nodes not heard from for [`SEQ_MEMORY`] whose leases are over.
+    fn forget_quiet(&mut self, node: u64, now: Nanos) {
+        self.shares.retain(|s| s.node == node || now.saturating_sub(s.seen) <= SEQ_MEMORY || s.until > now);
+    }
+
+    /// Nodes active on this counter at `now`: heard from within `node_ttl`, or holding a
+    /// lease. (Quieter ones are only remembered, for their `seq`.)
+    fn active(&self, now: Nanos, node_ttl: Nanos) -> impl Iterator<Item = &Share> {
+        self.shares.iter().filter(move |s| now.saturating_sub(s.seen) <= node_ttl || s.until > now)
     }
 
     /// Adds one node's delta (units it already admitted) and answers its grant. A delta whose
@@ -401,8 +418,8 @@ impl Counter {
     /// the grant it got before, an older one a grant of 0.
     pub fn apply(&mut self, limit: Limit, now: Nanos, node: u64, seq: u64, units: u64, node_ttl: Nanos) -> Applied {
         let now = self.clock(limit, now);
-        self.forget_quiet(node, now, node_ttl);
-        let nodes = |c: &Counter| u32::try_from(c.shares.len()).unwrap_or(u32::MAX);
+        self.forget_quiet(node, now);
+        let nodes = |c: &Counter| u32::try_from(c.active(now, node_ttl).count()).unwrap_or(u32::MAX);
         let prior = self.shares.iter().position(|s| s.node == node);
         if let Some(s) = prior.and_then(|i| self.shares.get(i)).filter(|s| seq <= s.seq) {
             let (grant, lease) = if seq == s.seq { (s.grant, s.until.saturating_sub(now)) } else { (0, 0) };
@@ -445,7 +462,7 @@ impl Counter {
                 carried,
                 last_ask: s.last_ask,
             };
-            grant = self.share_of(node, available.saturating_sub(carried), lease);
+            grant = self.share_of(node, available.saturating_sub(carried), lease, node_ttl);
         }
         if let Some(s) = self.shares.get_mut(idx) {
             s.grant = grant;
@@ -458,12 +475,14 @@ impl Counter {
     /// are recent units + 1, so a node new to a counter still gets some), rounded down, and
     /// no more than twice what that share of the fleet's recent rate would use in the lease
     /// — units a quiet node holds are locked from every other node.
-    fn share_of(&self, node: u64, available: u64, lease: Nanos) -> u64 {
+    fn share_of(&self, node: u64, available: u64, lease: Nanos, node_ttl: Nanos) -> u64 {
         if lease == 0 {
             return 0;
         }
         let weight = |s: &Share| u128::from(s.units) + 1;
-        let total: u128 = self.shares.iter().map(weight).sum();
+        let now = self.last_seen;
+        let total: u128 = self.active(now, node_ttl).filter(|s| s.node != node).map(weight).sum::<u128>()
+            + self.shares.iter().find(|s| s.node == node).map_or(1, weight);
         let mine = self.shares.iter().find(|s| s.node == node).map_or(1, weight);
         let fair = u128::from(available) * mine / total.max(mine);
         let rate = u128::from(self.rate.1.max(self.rate.2).max(1));
@@ -553,9 +572,9 @@ impl Counter {
     /// (not 0): a repeat of its last one gets the same answer and takes nothing.
     pub fn ask(&mut self, limit: Limit, now: Nanos, node: u64, ask: u64, cost: u64, node_ttl: Nanos) -> Applied {
         let now = self.clock(limit, now);
-        self.forget_quiet(node, now, node_ttl);
+        self.forget_quiet(node, now);
         let (view, _) = self.limit.decide(&self.state, now, 0);
-        let nodes = u32::try_from(self.shares.len()).unwrap_or(u32::MAX);
+        let nodes = u32::try_from(self.active(now, node_ttl).count()).unwrap_or(u32::MAX);
         let (remaining, reset_after) = (view.remaining, view.reset_after);
         if let Some(s) = self.shares.iter().find(|s| s.node == node && ask != 0 && s.last_ask.0 == ask) {
             let grant = s.last_ask.1;
@@ -565,7 +584,7 @@ impl Counter {
         let free = view.remaining.saturating_sub(held);
         let mut given = 0;
         if cost <= free {
-            let extra = self.share_of(node, free - cost, self.lease(view.remaining, now).min(ASK_LEASE));
+            let extra = self.share_of(node, free - cost, self.lease(view.remaining, now).min(ASK_LEASE), node_ttl);
             given = cost.saturating_add(extra);
             self.state = self.limit.consume(&self.state, now, cost);
             self.note_rate(now, cost);
@@ -580,12 +599,17 @@ impl Counter {
                 s.seen = now;
             }
         }
+        // What remains after the units this ask took.
+        let (view, _) = self.limit.decide(&self.state, now, 0);
+        let nodes = u32::try_from(self.active(now, node_ttl).count()).unwrap_or(nodes);
+        let (remaining, reset_after) = (view.remaining, view.reset_after);
         Applied { remaining, grant: given, reset_after, lease: ASK_LEASE, nodes, counted: given > 0 }
     }
 
-    /// When this counter can be forgotten: its state is fresh and no node holds a share.
-    pub fn idle_at(&self, node_ttl: Nanos) -> Nanos {
-        let shares = self.shares.iter().map(|s| s.seen.saturating_add(node_ttl).max(s.until)).max().unwrap_or(0);
+    /// When this counter can be forgotten: its state is fresh, no node holds a lease, and
+    /// no node's `seq` needs remembering ([`SEQ_MEMORY`]).
+    pub fn idle_at(&self) -> Nanos {
+        let shares = self.shares.iter().map(|s| s.seen.saturating_add(SEQ_MEMORY).max(s.until)).max().unwrap_or(0);
         self.limit.idle_at(&self.state).max(shares)
     }
 
@@ -642,19 +666,51 @@ impl Counter {
     }
 }
 
-#[derive(Clone, Debug)]
-struct Node {
-    last_seq: u64,
-    last_response: SyncResponse,
-    last_seen: Nanos,
+/// The nodes a store has heard from: the `nodes` it answers, and each node's latest batch
+/// `seq`, by which it refuses an older one. Every store keeps one (the reference store in
+/// memory, the Worker in a Durable Object of its own); nodes not heard from for
+/// [`SEQ_MEMORY`] are forgotten, and at most [`MAX_NODES`] are kept.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Registry {
+    /// node → (latest batch seq, last heard from)
+    nodes: BTreeMap<u64, (u64, Nanos)>,
+}
+
+/// Most nodes a [`Registry`] keeps (the least recently heard from go first).
+pub const MAX_NODES: usize = 10_000;
+
+impl Registry {
+    /// Notes that `node` sent a batch (`ask` false: its `seq` must not be older than its
+    /// latest) or an ask at `now`; returns the nodes heard from within `node_ttl`, this one
+    /// included, or [`SyncError::Stale`] for an older batch (which then counts for nothing).
+    pub fn heard(&mut self, now: Nanos, node: u64, seq: u64, ask: bool, node_ttl: Nanos) -> Result<u32, SyncError> {
+        let entry = self.nodes.get(&node).copied();
+        if let (Some((last, _)), false) = (entry, ask) {
+            if seq < last {
+                return Err(SyncError::Stale { last });
+            }
+        }
+        let last = entry.map_or(0, |(l, _)| l);
+        let seq = if ask { last } else { seq.max(last) };
+        if entry.is_none() && self.nodes.len() >= MAX_NODES {
+            if let Some(oldest) = self.nodes.iter().min_by_key(|(_, (_, seen))| *seen).map(|(n, _)| *n) {
+                self.nodes.remove(&oldest);
+            }
+        }
+        self.nodes.insert(node, (seq, now));
+        self.nodes.retain(|_, (_, seen)| now.saturating_sub(*seen) <= SEQ_MEMORY);
+        let active = self.nodes.values().filter(|(_, seen)| now.saturating_sub(*seen) <= node_ttl).count();
+        Ok(u32::try_from(active).unwrap_or(u32::MAX))
+    }
 }
 
 /// A reference global store: the protocol's semantics in memory, for tests and the
-/// simulation. The production store is the Cloudflare Worker's Durable Objects.
+/// simulation. The production stores — the Cloudflare Worker's Durable Objects and
+/// ratewall-store on Redis — answer alike (the conformance tests hold them to it).
 #[derive(Clone, Debug)]
 pub struct Store {
     counters: BTreeMap<Vec<u8>, Counter>,
-    nodes: BTreeMap<u64, Node>,
+    registry: Registry,
     max_counters: usize,
     /// A node not heard from for this long no longer counts as active.
     node_ttl: Nanos,
@@ -663,7 +719,7 @@ pub struct Store {
 impl Store {
     /// A store tracking at most `max_counters` counters (least recently seen are dropped).
     pub fn new(max_counters: usize, node_ttl: Nanos) -> Store {
-        Store { counters: BTreeMap::new(), nodes: BTreeMap::new(), max_counters: max_counters.max(1), node_ttl }
+        Store { counters: BTreeMap::new(), registry: Registry::default(), max_counters: max_counters.max(1), node_ttl }
     }
 
     /// Counters currently held.
@@ -690,19 +746,15 @@ impl Store {
         self.handle(now, &req).map(|r| r.encode())
     }
 
-    /// Applies a batch, or answers an ask, at the store's `now`. An ask's `seq` numbers the
-    /// node's asks, not its batches: it neither checks nor moves the batch sequence (each
-    /// counter answers a repeated ask again, taking nothing).
+    /// Applies a batch, or answers an ask, at the store's `now`, as docs/sync-protocol.md
+    /// specifies: an older batch `seq` is refused ([`SyncError::Stale`]); every counter
+    /// applies a node's `seq` once, so a repeat — whole, or after a partial failure — counts
+    /// nothing again and is answered with the grant each counter gave it, on what remains of
+    /// its lease. An ask's `seq` numbers the node's asks: it neither checks nor moves the
+    /// batch sequence (each counter answers a repeated ask again, taking nothing).
     pub fn handle(&mut self, now: Nanos, req: &SyncRequest) -> Result<SyncResponse, SyncError> {
-        if let Some(node) = self.nodes.get(&req.node).filter(|_| !req.ask) {
-            if req.seq == node.last_seq {
-                return Ok(node.last_response.clone());
-            }
-            if req.seq < node.last_seq {
-                return Err(SyncError::Stale { last: node.last_seq });
-            }
-        }
         let ttl = self.node_ttl;
+        let nodes = self.registry.heard(now, req.node, req.seq, req.ask, ttl)?;
         let mut grants = Vec::with_capacity(req.deltas.len());
         for d in &req.deltas {
             if !self.counters.contains_key(&d.key) && self.counters.len() >= self.max_counters {
@@ -722,14 +774,7 @@ impl Store {
                 lease: a.lease,
             });
         }
-        let active = self.nodes.iter().filter(|(id, n)| **id != req.node && now.saturating_sub(n.last_seen) <= ttl);
-        let nodes = u32::try_from(active.count() + 1).unwrap_or(u32::MAX);
-        let resp = SyncResponse { seq: req.seq, now, nodes, grants };
-        if !req.ask {
-            self.nodes.insert(req.node, Node { last_seq: req.seq, last_response: resp.clone(), last_seen: now });
-            self.nodes.retain(|_, n| now.saturating_sub(n.last_seen) <= ttl.saturating_mul(10));
-        }
-        Ok(resp)
+        Ok(SyncResponse { seq: req.seq, now, nodes, grants })
     }
 
     fn evict_oldest(&mut self) {
@@ -823,11 +868,74 @@ mod tests {
         let mut s = Store::new(100, 10 * SECOND);
         let first = s.handle(NOW, &req(1, 5, 10)).unwrap();
         let retry = s.handle(NOW + SECOND, &req(1, 5, 10)).unwrap();
-        assert_eq!(first, retry);
+        // The same grant, on what remains of its lease, at the store's clock now.
+        let (a, b) = (&first.grants[0], &retry.grants[0]);
+        assert_eq!((b.grant, b.remaining, b.lease, retry.now), (a.grant, a.remaining, a.lease - SECOND, NOW + SECOND));
         assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(90));
         s.handle(NOW, &req(1, 6, 1)).unwrap();
         assert_eq!(s.handle(NOW, &req(1, 5, 10)), Err(SyncError::Stale { last: 6 }));
         assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(89));
+    }
+
+    #[test]
+    fn a_late_retry_is_recognized_after_other_nodes_synced_and_quiet_spells() {
+        // The Worker forgot a node's seq once it had been quiet for 2 s while another node
+        // synced the counter: the retry counted twice. Now it is remembered for SEQ_MEMORY,
+        // longer than the filter retries (RETRY_HORIZON).
+        let ttl = 2 * SECOND;
+        for wait in [SECOND + SECOND / 2, 5 * SECOND / 2, 6 * SECOND, RETRY_HORIZON] {
+            let mut s = Store::new(100, ttl);
+            s.handle(NOW, &req(1, 1, 5)).unwrap();
+            s.handle(NOW + wait / 2, &req(2, 1, 0)).unwrap();
+            s.handle(NOW + wait, &req(2, 2, 0)).unwrap();
+            let before = s.peek(b"k", NOW + wait).map(|d| d.remaining);
+            s.handle(NOW + wait, &req(1, 1, 5)).unwrap();
+            assert_eq!(s.peek(b"k", NOW + wait).map(|d| d.remaining), before, "repeat after {wait} ns");
+        }
+    }
+
+    #[test]
+    fn more_nodes_than_the_old_share_cap_keep_their_seq() {
+        let mut s = Store::new(100, 2 * SECOND);
+        for node in 1..=100u64 {
+            s.handle(NOW + node, &req(node, 1, 0)).unwrap();
+        }
+        s.handle(NOW, &req(1000, 1, 1)).unwrap();
+        for node in 1..=100u64 {
+            s.handle(NOW + 200, &req(node, 2, 0)).unwrap();
+        }
+        // Node 1000's retry, after 100 other nodes.
+        s.handle(NOW + 300, &req(1000, 1, 1)).unwrap();
+        assert_eq!(s.peek(b"k", NOW + 300).map(|d| d.remaining), Some(99));
+    }
+
+    #[test]
+    fn nodes_are_the_fleet_heard_from_even_in_a_heartbeat() {
+        let mut s = Store::new(100, 2 * SECOND);
+        for node in 1..=3 {
+            assert_eq!(s.handle(NOW, &req(node, 1, 1)).unwrap().nodes, node as u32);
+        }
+        let heartbeat = SyncRequest { node: 1, seq: 2, deltas: vec![], ask: false };
+        assert_eq!(s.handle(NOW + SECOND, &heartbeat).unwrap().nodes, 3);
+        // Past the node TTL only the sender counts.
+        let heartbeat = SyncRequest { node: 1, seq: 3, deltas: vec![], ask: false };
+        assert_eq!(s.handle(NOW + 4 * SECOND, &heartbeat).unwrap().nodes, 1);
+    }
+
+    #[test]
+    fn an_asks_remaining_is_after_its_units() {
+        let mut s = Store::new(100, 2 * SECOND);
+        s.handle(NOW, &req(1, 1, 90)).unwrap();
+        let ask = SyncRequest {
+            node: 2,
+            seq: 1,
+            deltas: vec![Delta { key: b"k".to_vec(), limit: limit(), units: 3 }],
+            ask: true,
+        };
+        // Past node 1's lease, its grant no longer holds the last 10 units.
+        let r = s.handle(NOW + 3 * SECOND, &ask).unwrap();
+        assert!(r.grants[0].grant >= 3, "{r:?}");
+        assert_eq!(r.grants[0].remaining, 7);
     }
 
     #[test]
