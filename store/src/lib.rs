@@ -1,0 +1,327 @@
+//! `ratewall-store`: the self-hosted global store for filter fleets off Cloudflare — the sync
+//! protocol's `POST /v1/sync` (docs/sync-protocol.md) with its counters in Redis or Valkey.
+//!
+//! It is stateless: any number of processes may serve one Redis. Each counter is one Redis
+//! key holding the core's `sync::Counter` encoding, changed only by compare-and-swap: read
+//! the value and the key's own clock (Redis `TIME` on the key's primary, so store processes
+//! with skewed clocks agree), run the core's pure transition — the same `Counter::apply` /
+//! `Counter::ask` the Worker's Durable Object runs — and write the result only if the value
+//! is still the one read, else run it again. The two small scripts ([`READ`], [`CAS`]) are
+//! those primitives and nothing else: no rate-limit logic lives in Lua. The node registry
+//! (the `nodes` every answer reports, and each node's latest batch `seq`) is a hash and a
+//! sorted set updated by one more script ([`REGISTRY`]).
+//!
+//! It is not a rate limiter of its own: proxies decide; this adds up what they admitted.
+
+use ratewall_core::sync::{
+    hex, sign, unhex, verify, Counter, Grant, SyncRequest, SyncResponse, RETRY_HORIZON, SEQ_MEMORY,
+};
+use ratewall_core::{Limit, Nanos, SECOND};
+
+pub mod redis_kv;
+use futures_util::future::join_all;
+use std::fmt::Write as _;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Largest request body accepted.
+pub const MAX_BODY: usize = 1 << 20;
+/// Most deltas one batch may name.
+pub const MAX_DELTAS: usize = 500;
+/// A node not heard from for this long no longer counts in `nodes` (the Worker's too).
+pub const NODE_TTL: Nanos = 2 * SECOND;
+/// Compare-and-swap attempts per counter per call; past them the call is a 503 (the node
+/// retries with the same `seq`, counted once) and `ratewall_store_cas_exhausted` counts it.
+pub const CAS_ATTEMPTS: u32 = 16;
+
+/// Reads a key and its primary's clock: `{value or false, seconds, microseconds}`.
+pub const READ: &str = "local t = redis.call('TIME') return {redis.call('GET', KEYS[1]), t[1], t[2]}";
+
+/// Sets `KEYS[1]` to `ARGV[2]` (expiring in `ARGV[3]` ms) if it still holds `ARGV[1]`
+/// (`ARGV[4]` = "0": if it does not exist); 1 when set.
+pub const CAS: &str = "local v = redis.call('GET', KEYS[1]) \
+if (ARGV[4] == '0' and v == false) or (ARGV[4] == '1' and v == ARGV[1]) then \
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end return 0";
+
+/// The registry: `KEYS[1]` a hash node → latest batch seq (20 zero-padded digits, so string
+/// order is numeric order), `KEYS[2]` a sorted set node → last heard (ms of the key's
+/// clock). `ARGV`: node, seq, "1" for a batch (checked and moved) or "0" for an ask, the node
+/// TTL and the seq memory in ms. Returns `{nodes heard within the TTL, ""}`, or
+/// `{-1, latest seq}` for a batch older than the node's latest (nothing is changed then).
+pub const REGISTRY: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) \
+if ARGV[3] == '1' then local last = redis.call('HGET', KEYS[1], ARGV[1]) \
+if last and ARGV[2] < last then return {-1, last} end \
+if (not last) or ARGV[2] > last then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end end \
+redis.call('ZADD', KEYS[2], now, ARGV[1]) \
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[5]), 'LIMIT', 0, 100) \
+for _, n in ipairs(gone) do redis.call('HDEL', KEYS[1], n) redis.call('ZREM', KEYS[2], n) end \
+redis.call('PEXPIRE', KEYS[1], ARGV[5]) redis.call('PEXPIRE', KEYS[2], ARGV[5]) \
+return {redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf'), ''}";
+
+/// The registry's keys, in one slot (a Cluster needs a script's keys together).
+pub const REGISTRY_KEYS: [&str; 2] = ["rw:{registry}:seq", "rw:{registry}:seen"];
+
+/// The Redis key of a counter: its key in hex inside a hash tag, so each counter has a slot of
+/// its own (no hot slot per rule).
+pub fn redis_key(key: &[u8]) -> String {
+    format!("rw:{{{}}}", hex(key))
+}
+
+/// What the store needs of Redis (a fake in the unit tests).
+pub trait Kv: Send + Sync {
+    /// The value of `key` (None: absent) and the clock of its primary, ns.
+    fn read(&self, key: &str) -> impl Future<Output = Result<(Option<Vec<u8>>, Nanos), String>> + Send;
+    /// Sets `key` to `new` for `ttl_ms` if it still holds `old` (None: absent); whether it did.
+    fn cas(
+        &self,
+        key: &str,
+        old: Option<&[u8]>,
+        new: &[u8],
+        ttl_ms: u64,
+    ) -> impl Future<Output = Result<bool, String>> + Send;
+    /// The registry: `Ok(nodes)`, or `Err(Some(latest seq))` for an older batch, `Err(None)`
+    /// when Redis failed.
+    fn heard(&self, node: u64, seq: u64, batch: bool) -> impl Future<Output = Result<u32, Option<u64>>> + Send;
+    /// Whether Redis answers.
+    fn ping(&self) -> impl Future<Output = bool> + Send;
+}
+
+/// The store's counters, exported at `GET /metrics`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Batches and asks answered 200.
+    pub sync_ok: AtomicU64,
+    /// Calls refused or failed, by status.
+    pub status_400: AtomicU64,
+    /// Unsigned or forged.
+    pub status_401: AtomicU64,
+    /// An older seq.
+    pub status_409: AtomicU64,
+    /// Too large.
+    pub status_413: AtomicU64,
+    /// Redis failed or was too slow.
+    pub status_503: AtomicU64,
+    /// Counter updates written.
+    pub counter_writes: AtomicU64,
+    /// Compare-and-swap attempts that found the value changed and ran again.
+    pub cas_conflicts: AtomicU64,
+    /// Counters whose compare-and-swap attempts ran out.
+    pub cas_exhausted: AtomicU64,
+    /// Redis commands that failed.
+    pub redis_errors: AtomicU64,
+    /// Stored counters that did not decode (kept, never overwritten).
+    pub unreadable: AtomicU64,
+    /// Units counted from batches and asks.
+    pub units_counted: AtomicU64,
+}
+
+impl Metrics {
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let mut counter = |name: &str, help: &str, v: &AtomicU64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
+        };
+        counter("ratewall_store_sync_ok_total", "Sync calls answered 200.", &self.sync_ok);
+        counter("ratewall_store_counter_writes_total", "Counter states written.", &self.counter_writes);
+        counter("ratewall_store_units_counted_total", "Units counted from batches and asks.", &self.units_counted);
+        counter("ratewall_store_cas_conflicts_total", "Compare-and-swap attempts that ran again.", &self.cas_conflicts);
+        counter(
+            "ratewall_store_cas_exhausted_total",
+            "Counters whose compare-and-swap attempts ran out.",
+            &self.cas_exhausted,
+        );
+        counter("ratewall_store_redis_errors_total", "Redis commands that failed.", &self.redis_errors);
+        counter("ratewall_store_unreadable_counters_total", "Stored counters that did not decode.", &self.unreadable);
+        let _ = writeln!(out, "# HELP ratewall_store_sync_failed_total Sync calls not answered 200, by status.");
+        let _ = writeln!(out, "# TYPE ratewall_store_sync_failed_total counter");
+        for (status, v) in [
+            (400, &self.status_400),
+            (401, &self.status_401),
+            (409, &self.status_409),
+            (413, &self.status_413),
+            (503, &self.status_503),
+        ] {
+            let _ =
+                writeln!(out, "ratewall_store_sync_failed_total{{status=\"{status}\"}} {}", v.load(Ordering::Relaxed));
+        }
+        out
+    }
+}
+
+/// An HTTP answer: status, signature header (200s), body.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Answer {
+    /// HTTP status.
+    pub status: u16,
+    /// `x-ratewall-signature` (hex), on a 200.
+    pub signature: Option<String>,
+    /// Body: the encoded response, or a reason.
+    pub body: Vec<u8>,
+}
+
+impl Answer {
+    fn error(status: u16, why: impl Into<String>) -> Answer {
+        Answer { status, signature: None, body: why.into().into_bytes() }
+    }
+}
+
+/// The store: settings, metrics and a [`Kv`].
+pub struct Store<K> {
+    /// Redis (or a fake).
+    pub kv: K,
+    secret: Vec<u8>,
+    /// How long a call may take before it is a 503.
+    pub deadline: Duration,
+    /// Its counters.
+    pub metrics: Metrics,
+}
+
+impl<K: Kv> Store<K> {
+    /// A store over `kv` with the shared secret and a deadline per call.
+    pub fn new(kv: K, secret: &[u8], deadline: Duration) -> Store<K> {
+        Store { kv, secret: secret.to_vec(), deadline, metrics: Metrics::default() }
+    }
+
+    fn count(&self, status: u16) {
+        let m = &self.metrics;
+        let c = match status {
+            400 => &m.status_400,
+            401 => &m.status_401,
+            409 => &m.status_409,
+            413 => &m.status_413,
+            503 => &m.status_503,
+            _ => &m.sync_ok,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `POST /v1/sync`: checks, applies within the deadline, answers.
+    pub async fn sync(&self, body: &[u8], signature: Option<&[u8]>) -> Answer {
+        let answer = self.sync_checked(body, signature).await;
+        self.count(answer.status);
+        answer
+    }
+
+    async fn sync_checked(&self, body: &[u8], signature: Option<&[u8]>) -> Answer {
+        if body.len() > MAX_BODY {
+            return Answer::error(413, format!("a body is at most {MAX_BODY} bytes"));
+        }
+        let tag = signature.and_then(|s| unhex(s.trim_ascii()));
+        if !tag.is_some_and(|t| verify(&self.secret, body, &t)) {
+            return Answer::error(401, "missing or invalid x-ratewall-signature");
+        }
+        let req = match SyncRequest::decode(body) {
+            Ok(r) => r,
+            Err(e) => return Answer::error(400, format!("malformed batch: {e}")),
+        };
+        if req.deltas.len() > MAX_DELTAS {
+            return Answer::error(413, format!("a batch names at most {MAX_DELTAS} counters"));
+        }
+        match tokio::time::timeout(self.deadline, self.apply(&req)).await {
+            Ok(Ok(resp)) => {
+                let out = resp.encode();
+                Answer { status: 200, signature: Some(hex(&sign(&self.secret, &out))), body: out }
+            }
+            Ok(Err(a)) => a,
+            Err(_) => Answer::error(503, "Redis did not answer within the deadline; retry the batch with the same seq"),
+        }
+    }
+
+    async fn apply(&self, req: &SyncRequest) -> Result<SyncResponse, Answer> {
+        // The registry first: an older batch is refused before any counter sees it.
+        let nodes = match self.kv.heard(req.node, req.seq, !req.ask).await {
+            Ok(n) => n,
+            Err(Some(last)) => {
+                return Err(Answer::error(409, format!("seq {} is older than this node's latest ({last})", req.seq)))
+            }
+            Err(None) => {
+                self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
+                return Err(Answer::error(503, "the node registry failed; retry the batch with the same seq"));
+            }
+        };
+        let updates = req.deltas.iter().map(|d| self.update(req, &d.key, d.limit, d.units));
+        let results = join_all(updates).await;
+        let mut grants = Vec::with_capacity(results.len());
+        let mut now = 0;
+        for (d, r) in req.deltas.iter().zip(results) {
+            let (a, at) = r?;
+            now = now.max(at);
+            grants.push(Grant {
+                key: d.key.clone(),
+                remaining: a.remaining,
+                grant: a.grant,
+                reset_after: a.reset_after,
+                lease: a.lease,
+            });
+        }
+        if now == 0 {
+            // A heartbeat: the clock of any key will do.
+            now = self.kv.read(REGISTRY_KEYS[1]).await.map(|(_, t)| t).unwrap_or(0);
+        }
+        Ok(SyncResponse { seq: req.seq, now, nodes, grants })
+    }
+
+    /// One counter's compare-and-swap loop: read, run the core's transition, write if still
+    /// unchanged. Returns the answer and the key's clock.
+    async fn update(
+        &self,
+        req: &SyncRequest,
+        key: &[u8],
+        limit: Limit,
+        units: u64,
+    ) -> Result<(ratewall_core::sync::Applied, Nanos), Answer> {
+        let rkey = redis_key(key);
+        let unavailable = |m: &Metrics| {
+            m.redis_errors.fetch_add(1, Ordering::Relaxed);
+            Answer::error(503, "Redis failed; retry the batch with the same seq")
+        };
+        for attempt in 0..CAS_ATTEMPTS {
+            if attempt > 0 {
+                self.metrics.cas_conflicts.fetch_add(1, Ordering::Relaxed);
+            }
+            let (stored, now) = self.kv.read(&rkey).await.map_err(|_| unavailable(&self.metrics))?;
+            let mut counter = match &stored {
+                None => Counter::new(limit),
+                Some(bytes) => match Counter::decode(limit, bytes) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Kept as it is: a counter is never reset because it could not be read.
+                        self.metrics.unreadable.fetch_add(1, Ordering::Relaxed);
+                        return Err(Answer::error(503, format!("a stored counter is unreadable ({e}); it is kept")));
+                    }
+                },
+            };
+            let a = if req.ask {
+                counter.ask(limit, now, req.node, req.seq, units, NODE_TTL)
+            } else {
+                counter.apply(limit, now, req.node, req.seq, units, NODE_TTL)
+            };
+            if !a.counted && stored.is_some() && !req.ask {
+                // A repeat: nothing to write.
+                return Ok((a, counter.last_seen));
+            }
+            // Kept while anything in it matters (the state, leases, remembered seqs), and a
+            // retry horizon on top.
+            let idle = counter.idle_at().saturating_sub(counter.last_seen).max(SEQ_MEMORY);
+            let ttl_ms = (idle.saturating_add(RETRY_HORIZON) / 1_000_000).max(1);
+            let new = counter.encode();
+            match self.kv.cas(&rkey, stored.as_deref(), &new, ttl_ms).await {
+                Ok(true) => {
+                    self.metrics.counter_writes.fetch_add(1, Ordering::Relaxed);
+                    if a.counted {
+                        self.metrics
+                            .units_counted
+                            .fetch_add(if req.ask { a.grant.min(units) } else { units }, Ordering::Relaxed);
+                    }
+                    return Ok((a, counter.last_seen));
+                }
+                Ok(false) => continue,
+                Err(_) => return Err(unavailable(&self.metrics)),
+            }
+        }
+        self.metrics.cas_exhausted.fetch_add(1, Ordering::Relaxed);
+        Err(Answer::error(503, "a counter was too contended; retry the batch with the same seq"))
+    }
+}

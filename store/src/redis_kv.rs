@@ -1,0 +1,137 @@
+//! [`Kv`] on Redis or Valkey: one multiplexed connection per process (a `ConnectionManager`
+//! that reconnects by itself, or a Cluster connection), the three scripts invoked by SHA and
+//! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
+
+use crate::{Kv, CAS, NODE_TTL, READ, REGISTRY, REGISTRY_KEYS};
+use ratewall_core::sync::SEQ_MEMORY;
+use ratewall_core::Nanos;
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster_async::ClusterConnection;
+use redis::{Script, Value};
+
+/// A connection to a single server or a Cluster.
+#[derive(Clone)]
+pub enum Conn {
+    /// One server (reconnecting).
+    Single(ConnectionManager),
+    /// A Cluster (commands routed by key slot).
+    Cluster(ClusterConnection),
+}
+
+/// Redis as the store's [`Kv`].
+#[derive(Clone)]
+pub struct RedisKv {
+    conn: Conn,
+    read: Script,
+    cas: Script,
+    registry: Script,
+}
+
+impl RedisKv {
+    /// Connects: to `urls[0]`, or with `cluster` to the Cluster those nodes belong to.
+    pub async fn connect(urls: &[String], cluster: bool) -> Result<RedisKv, String> {
+        let conn = if cluster {
+            let client = redis::cluster::ClusterClient::new(urls.to_vec()).map_err(|e| e.to_string())?;
+            Conn::Cluster(client.get_async_connection().await.map_err(|e| e.to_string())?)
+        } else {
+            let url = urls.first().ok_or("no --redis URL")?;
+            let client = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
+            let config = redis::aio::ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(std::time::Duration::from_millis(500)))
+                .set_response_timeout(Some(std::time::Duration::from_millis(500)))
+                .set_number_of_retries(1);
+            Conn::Single(ConnectionManager::new_with_config(client, config).await.map_err(|e| e.to_string())?)
+        };
+        Ok(RedisKv { conn, read: Script::new(READ), cas: Script::new(CAS), registry: Script::new(REGISTRY) })
+    }
+
+    async fn run(&self, script: &Script, keys: &[&str], args: &[Vec<u8>]) -> Result<Value, String> {
+        let mut inv = script.prepare_invoke();
+        for k in keys {
+            inv.key(*k);
+        }
+        for a in args {
+            inv.arg(a.as_slice());
+        }
+        match self.conn.clone() {
+            Conn::Single(mut c) => invoke(&inv, &mut c).await,
+            Conn::Cluster(mut c) => invoke(&inv, &mut c).await,
+        }
+    }
+}
+
+/// Runs a script by SHA, loading it on `NOSCRIPT`.
+async fn invoke<C: ConnectionLike + Send>(inv: &redis::ScriptInvocation<'_>, conn: &mut C) -> Result<Value, String> {
+    inv.invoke_async::<Value>(conn).await.map_err(|e| e.to_string())
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+impl Kv for RedisKv {
+    async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
+        let Value::Array(parts) = self.run(&self.read, &[key], &[]).await? else {
+            return Err("unexpected reply to the read script".into());
+        };
+        let value = match parts.first() {
+            Some(Value::BulkString(b)) => Some(b.clone()),
+            _ => None,
+        };
+        let secs = parts.get(1).and_then(int).ok_or("no TIME")?;
+        let micros = parts.get(2).and_then(int).ok_or("no TIME")?;
+        let now = u64::try_from(secs)
+            .unwrap_or(0)
+            .saturating_mul(1_000_000_000)
+            .saturating_add(u64::try_from(micros).unwrap_or(0).saturating_mul(1_000));
+        Ok((value, now))
+    }
+
+    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<bool, String> {
+        let args = [
+            old.unwrap_or_default().to_vec(),
+            new.to_vec(),
+            ttl_ms.to_string().into_bytes(),
+            if old.is_some() { b"1".to_vec() } else { b"0".to_vec() },
+        ];
+        Ok(int(&self.run(&self.cas, &[key], &args).await?) == Some(1))
+    }
+
+    async fn heard(&self, node: u64, seq: u64, batch: bool) -> Result<u32, Option<u64>> {
+        let args = [
+            node.to_string().into_bytes(),
+            format!("{seq:020}").into_bytes(),
+            if batch { b"1".to_vec() } else { b"0".to_vec() },
+            (NODE_TTL / 1_000_000).to_string().into_bytes(),
+            (SEQ_MEMORY / 1_000_000).to_string().into_bytes(),
+        ];
+        let Ok(Value::Array(parts)) = self.run(&self.registry, &REGISTRY_KEYS, &args).await else {
+            return Err(None);
+        };
+        match parts.first().and_then(int) {
+            Some(-1) => {
+                let last = match parts.get(1) {
+                    Some(Value::BulkString(b)) => std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()),
+                    _ => None,
+                };
+                Err(Some(last.unwrap_or(0)))
+            }
+            Some(n) => Ok(u32::try_from(n).unwrap_or(u32::MAX)),
+            None => Err(None),
+        }
+    }
+
+    async fn ping(&self) -> bool {
+        let mut cmd = redis::cmd("PING");
+        let cmd = &mut cmd;
+        let r: Result<String, _> = match self.conn.clone() {
+            Conn::Single(mut c) => cmd.query_async(&mut c).await,
+            Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
+        };
+        r.is_ok()
+    }
+}

@@ -1,0 +1,264 @@
+//! ratewall-store as its users run it — the built binary on loopback, over real Redis
+//! servers (and a real 3-primary Cluster) that the tests start and stop by PID.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use ratewall_core::sync::{hex, sign, Delta, SyncRequest};
+use ratewall_core::{Algorithm, Limit, SECOND};
+use ratewall_tests::conformance::{comparable, key, sequences, Http, Reference, SyncStore, SECRET};
+use ratewall_tests::http;
+use ratewall_tests::redis::{cli, Cluster, Redis};
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running `ratewall-store`, stopped (SIGKILL) when dropped.
+struct StoreProcess {
+    child: Child,
+    addr: String,
+}
+
+impl StoreProcess {
+    fn start(redis: &[String], cluster: bool) -> StoreProcess {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall-store"));
+        cmd.env("RATEWALL_SYNC_SECRET", SECRET).args(["--listen", "127.0.0.1:0", "--deadline-ms", "300"]);
+        for r in redis {
+            cmd.args(["--redis", r]);
+        }
+        if cluster {
+            cmd.arg("--cluster");
+        }
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
+        assert!(!line.contains(SECRET), "the secret is never logged: {line}");
+        StoreProcess { child, addr }
+    }
+
+    fn get(&self, path: &str) -> http::Response {
+        http::request(&self.addr, "GET", path, &[], &[]).unwrap()
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for StoreProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn big() -> Limit {
+    Limit::new(Algorithm::FixedWindow, 1_000_000, 3600 * SECOND, None).unwrap()
+}
+
+fn post(addr: &str, body: &[u8], signature: Option<&str>) -> http::Response {
+    let headers: Vec<(&str, &str)> = signature.map(|s| ("x-ratewall-signature", s)).into_iter().collect();
+    http::request(addr, "POST", "/v1/sync", &headers, body).unwrap()
+}
+
+/// Units counted on `k` so far, read through a 0-unit batch of a probe node.
+fn counted(addr: &str, k: &[u8], probe_seq: u64) -> u64 {
+    let probe = SyncRequest {
+        node: 7_777,
+        seq: probe_seq,
+        deltas: vec![Delta { key: k.to_vec(), limit: big(), units: 0 }],
+        ask: false,
+    };
+    let (status, resp) = Http(addr).call(&probe);
+    assert_eq!(status, 200);
+    1_000_000 - resp.unwrap().grants[0].remaining
+}
+
+/// `senders` concurrent nodes, `batches` each, naming every key, spread over `addrs`; each
+/// retries a failed batch with the same seq. Returns the units acknowledged with a 200.
+fn load(addrs: &[&str], keys: &[Vec<u8>], senders: u64, batches: u64, node_base: u64) -> u64 {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..senders)
+            .map(|sender| {
+                scope.spawn(move || {
+                    let mut acked = 0;
+                    for seq in 1..=batches {
+                        let units = 1 + (sender + seq) % 4;
+                        let deltas = keys.iter().map(|k| Delta { key: k.clone(), limit: big(), units }).collect();
+                        let req = SyncRequest { node: node_base + sender, seq, deltas, ask: false };
+                        for attempt in 0..20 {
+                            let addr = addrs[((sender + seq + attempt) as usize) % addrs.len()];
+                            if Http(addr).call(&req).0 == 200 {
+                                acked += units;
+                                break;
+                            }
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                    }
+                    acked
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum()
+    })
+}
+
+#[test]
+fn refuses_to_start_without_a_secret_or_a_port() {
+    let redis = Redis::start(false).unwrap();
+    let run = |secret: Option<&str>, listen: &str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall-store"));
+        cmd.env_remove("RATEWALL_SYNC_SECRET").args(["--listen", listen, "--redis", &redis.url()]);
+        if let Some(s) = secret {
+            cmd.env("RATEWALL_SYNC_SECRET", s);
+        }
+        cmd.stdout(Stdio::null()).stderr(Stdio::null()).status().unwrap()
+    };
+    assert!(!run(None, "127.0.0.1:0").success(), "no secret");
+    assert!(!run(Some("too-short"), "127.0.0.1:0").success(), "a secret under 16 characters");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    assert!(!run(Some(SECRET), &format!("127.0.0.1:{port}")).success(), "a port that cannot be bound");
+}
+
+#[test]
+fn answers_every_sequence_as_the_reference_store_does() {
+    let redis = Redis::start(false).unwrap();
+    let store = StoreProcess::start(&[redis.url()], false);
+    let run = format!("s{}", std::process::id());
+    let ours = comparable(sequences(&run, &mut Http(&store.addr)));
+    let reference = comparable(sequences(&run, &mut Reference::new()));
+    for ((name, ours), (_, theirs)) in ours.iter().zip(&reference) {
+        assert_eq!(ours, theirs, "{name}: ratewall-store and the reference store disagree");
+    }
+    assert_eq!(store.get("/healthz").status, 200);
+}
+
+#[test]
+fn two_store_processes_on_one_redis_count_every_acknowledged_unit_once() {
+    let redis = Redis::start(false).unwrap();
+    let (a, b) = (StoreProcess::start(&[redis.url()], false), StoreProcess::start(&[redis.url()], false));
+    let run = format!("c{}", std::process::id());
+    // One hot counter and many: every unit acknowledged is counted, exactly.
+    for keys in [vec![key(&run, "hot")], (0..40).map(|i| key(&run, &format!("k{i}"))).collect::<Vec<_>>()] {
+        let acked = load(&[&a.addr, &b.addr], &keys, 8, 12, 100 + keys.len() as u64 * 100);
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(
+                counted(&a.addr, k, 1 + i as u64 + keys.len() as u64 * 1000),
+                acked,
+                "{}",
+                String::from_utf8_lossy(k)
+            );
+        }
+    }
+    let metrics = a.get("/metrics").text() + &b.get("/metrics").text();
+    assert!(metrics.contains("# TYPE ratewall_store_cas_conflicts_total counter"), "{metrics}");
+    let exhausted: u64 = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("ratewall_store_cas_exhausted_total "))
+        .map(|v| v.parse::<u64>().unwrap())
+        .sum();
+    println!("cas exhausted: {exhausted}");
+}
+
+#[test]
+fn a_store_killed_mid_run_loses_no_acknowledged_unit() {
+    let redis = Redis::start(false).unwrap();
+    let mut a = StoreProcess::start(&[redis.url()], false);
+    let b = StoreProcess::start(&[redis.url()], false);
+    let run = format!("k{}", std::process::id());
+    let keys: Vec<Vec<u8>> = (0..5).map(|i| key(&run, &format!("k{i}"))).collect();
+    let (a_addr, b_addr) = (a.addr.clone(), b.addr.clone());
+    let acked = std::thread::scope(|scope| {
+        let load = scope.spawn(|| load(&[&a_addr, &b_addr], &keys, 6, 25, 300));
+        std::thread::sleep(Duration::from_millis(300));
+        a.kill();
+        load.join().unwrap()
+    });
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(counted(&b.addr, k, 1 + i as u64), acked);
+    }
+}
+
+#[test]
+fn redis_gone_answers_503_within_the_deadline_and_service_resumes_when_it_is_back() {
+    let mut redis = Redis::start(false).unwrap();
+    let store = StoreProcess::start(&[redis.url()], false);
+    let run = format!("f{}", std::process::id());
+    let k = key(&run, "k");
+    let req = |seq: u64, units: u64| SyncRequest {
+        node: 1,
+        seq,
+        deltas: vec![Delta { key: k.clone(), limit: big(), units }],
+        ask: false,
+    };
+    assert_eq!(Http(&store.addr).call(&req(1, 2)).0, 200);
+    // The script cache emptied (as by a restart or failover): the next batch still works.
+    cli(redis.port, &["script", "flush"]).unwrap();
+    assert_eq!(Http(&store.addr).call(&req(2, 3)).0, 200);
+    assert_eq!(counted(&store.addr, &k, 1), 5);
+    redis.stop();
+    let started = Instant::now();
+    assert_eq!(Http(&store.addr).call(&req(3, 1)).0, 503, "Redis is gone");
+    assert!(started.elapsed() < Duration::from_secs(3), "503 took {:?}", started.elapsed());
+    assert_eq!(store.get("/healthz").status, 503);
+    redis.restart().unwrap();
+    let mut back = false;
+    for _ in 0..100 {
+        if Http(&store.addr).call(&req(3, 1)).0 == 200 {
+            back = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(back, "the store did not resume once Redis was back");
+    assert_eq!(store.get("/healthz").status, 200);
+    let metrics = store.get("/metrics").text();
+    assert!(metrics.contains("ratewall_store_sync_failed_total{status=\"503\"}"), "{metrics}");
+}
+
+#[test]
+fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
+    let redis = Redis::start(false).unwrap();
+    let store = StoreProcess::start(&[redis.url()], false);
+    let req =
+        SyncRequest { node: 1, seq: 1, deltas: vec![Delta { key: b"k".to_vec(), limit: big(), units: 1 }], ask: false };
+    let body = req.encode();
+    assert_eq!(post(&store.addr, &body, None).status, 401, "unsigned");
+    assert_eq!(post(&store.addr, &body, Some(&hex(&sign(b"another secret", &body)))).status, 401, "forged");
+    assert_eq!(post(&store.addr, &body, Some(&"0".repeat(64))).status, 401, "a well-formed wrong signature");
+    let garbage = b"\x01\x01garbage";
+    assert_eq!(post(&store.addr, garbage, Some(&hex(&sign(SECRET.as_bytes(), garbage)))).status, 400, "signed garbage");
+    let mut trailing = body.clone();
+    trailing.push(0);
+    assert_eq!(post(&store.addr, &trailing, Some(&hex(&sign(SECRET.as_bytes(), &trailing)))).status, 400);
+    let huge = vec![0u8; (1 << 20) + 10];
+    assert_eq!(post(&store.addr, &huge, Some(&hex(&sign(SECRET.as_bytes(), &huge)))).status, 413, "over 1 MiB");
+    let many = SyncRequest {
+        node: 1,
+        seq: 1,
+        deltas: (0..501).map(|i| Delta { key: format!("k{i}").into_bytes(), limit: big(), units: 1 }).collect(),
+        ask: false,
+    }
+    .encode();
+    assert_eq!(post(&store.addr, &many, Some(&hex(&sign(SECRET.as_bytes(), &many)))).status, 413, "over 500 counters");
+    // None of it counted anything, and the store still serves.
+    assert_eq!(counted(&store.addr, b"k", 1), 0);
+}
+
+#[test]
+fn a_three_primary_cluster_holds_counters_over_its_slots() {
+    let cluster = Cluster::start().unwrap();
+    let (a, b) = (StoreProcess::start(&cluster.urls(), true), StoreProcess::start(&cluster.urls(), true));
+    let run = format!("x{}", std::process::id());
+    let keys: Vec<Vec<u8>> = (0..30).map(|i| key(&run, &format!("k{i}"))).collect();
+    let acked = load(&[&a.addr, &b.addr], &keys, 6, 8, 500);
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(counted(&a.addr, k, 1 + i as u64), acked);
+    }
+    // The counters are spread over all three primaries.
+    let per_node: Vec<u64> =
+        cluster.nodes.iter().map(|n| cli(n.port, &["dbsize"]).unwrap().trim().parse().unwrap()).collect();
+    assert!(per_node.iter().all(|&n| n > 0), "{per_node:?}");
+    assert_eq!(a.get("/healthz").status, 200);
+}
