@@ -59,6 +59,9 @@ for _, n in ipairs(gone) do redis.call('HDEL', KEYS[1], n) redis.call('ZREM', KE
 redis.call('PEXPIRE', KEYS[1], ARGV[5]) redis.call('PEXPIRE', KEYS[2], ARGV[5]) \
 return {redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf'), ''}";
 
+/// A key never written, read for Redis's clock when a call names no counter (a heartbeat).
+pub const CLOCK_KEY: &str = "rw:{registry}:clock";
+
 /// The registry's keys, in one slot (a Cluster needs a script's keys together).
 pub const REGISTRY_KEYS: [&str; 2] = ["rw:{registry}:seq", "rw:{registry}:seen"];
 
@@ -257,8 +260,14 @@ impl<K: Kv> Store<K> {
             });
         }
         if now == 0 {
-            // A heartbeat: the clock of any key will do.
-            now = self.kv.read(REGISTRY_KEYS[1]).await.map(|(_, t)| t).unwrap_or(0);
+            // A heartbeat: Redis's clock, read through a key that is never written.
+            match self.kv.read(CLOCK_KEY).await {
+                Ok((_, t)) => now = t,
+                Err(_) => {
+                    self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(Answer::error(503, "Redis failed; retry the batch with the same seq"));
+                }
+            }
         }
         Ok(SyncResponse { seq: req.seq, now, nodes, grants })
     }
@@ -323,5 +332,107 @@ impl<K: Kv> Store<K> {
         }
         self.metrics.cas_exhausted.fetch_add(1, Ordering::Relaxed);
         Err(Answer::error(503, "a counter was too contended; retry the batch with the same seq"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+    use super::*;
+    use ratewall_core::sync::{Delta, Registry};
+    use ratewall_core::Algorithm;
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    /// Redis in memory, with a key whose next write fails.
+    #[derive(Default)]
+    struct FakeKv {
+        values: Mutex<HashMap<String, Vec<u8>>>,
+        registry: Mutex<Registry>,
+        now: AtomicU64,
+        fail_next_write_of: Mutex<Option<String>>,
+    }
+
+    impl Kv for FakeKv {
+        async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
+            Ok((self.values.lock().unwrap().get(key).cloned(), self.now.load(Ordering::Relaxed)))
+        }
+        async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], _ttl_ms: u64) -> Result<bool, String> {
+            if self.fail_next_write_of.lock().unwrap().take_if(|k| k == key).is_some() {
+                return Err("connection reset".into());
+            }
+            let mut values = self.values.lock().unwrap();
+            if values.get(key).map(Vec::as_slice) != old {
+                return Ok(false);
+            }
+            values.insert(key.to_owned(), new.to_vec());
+            Ok(true)
+        }
+        async fn heard(&self, node: u64, seq: u64, batch: bool) -> Result<u32, Option<u64>> {
+            let now = self.now.load(Ordering::Relaxed);
+            self.registry.lock().unwrap().heard(now, node, seq, !batch, NODE_TTL).map_err(|e| match e {
+                ratewall_core::sync::SyncError::Stale { last } => Some(last),
+                _ => None,
+            })
+        }
+        async fn ping(&self) -> bool {
+            true
+        }
+    }
+
+    const SECRET: &[u8] = b"unit-test-secret-0123";
+
+    fn limit() -> Limit {
+        Limit::new(Algorithm::FixedWindow, 100, 3600 * SECOND, None).unwrap()
+    }
+
+    async fn call(store: &Store<FakeKv>, node: u64, seq: u64, units: &[(&[u8], u64)]) -> Answer {
+        let deltas = units.iter().map(|(k, u)| Delta { key: k.to_vec(), limit: limit(), units: *u }).collect();
+        let body = SyncRequest { node, seq, deltas, ask: false }.encode();
+        store.sync(&body, Some(hex(&sign(SECRET, &body)).as_bytes())).await
+    }
+
+    fn remaining(a: &Answer) -> Vec<u64> {
+        SyncResponse::decode(&a.body).unwrap().grants.iter().map(|g| g.remaining).collect()
+    }
+
+    #[tokio::test]
+    async fn a_retry_after_a_partial_failure_counts_each_counter_once() {
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        store.kv.now.store(1_800_000_000 * SECOND, Ordering::Relaxed);
+        // The batch's second counter fails to write: the answer is a 503, the first counter
+        // has counted its units.
+        *store.kv.fail_next_write_of.lock().unwrap() = Some(redis_key(b"b"));
+        let first = call(&store, 1, 1, &[(b"a", 5), (b"b", 7)]).await;
+        assert_eq!(first.status, 503);
+        // The node retries the same seq: "a" does not count again, "b" counts now.
+        let retry = call(&store, 1, 1, &[(b"a", 5), (b"b", 7)]).await;
+        assert_eq!(retry.status, 200);
+        assert_eq!(remaining(&retry), [95, 93]);
+        // An older seq is refused, a newer one counted.
+        assert_eq!(call(&store, 1, 2, &[(b"a", 1)]).await.status, 200);
+        assert_eq!(call(&store, 1, 1, &[(b"a", 5)]).await.status, 409);
+        assert_eq!(remaining(&call(&store, 1, 3, &[(b"a", 0), (b"b", 0)]).await), [94, 93]);
+    }
+
+    #[tokio::test]
+    async fn an_unreadable_counter_is_kept_and_the_call_fails() {
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        store.kv.values.lock().unwrap().insert(redis_key(b"a"), b"\x09garbage".to_vec());
+        assert_eq!(call(&store, 1, 1, &[(b"a", 5)]).await.status, 503);
+        assert_eq!(store.kv.values.lock().unwrap().get(&redis_key(b"a")).unwrap(), b"\x09garbage");
+        assert_eq!(store.metrics.unreadable.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn metrics_are_prometheus_text() {
+        let m = Metrics::default();
+        m.status_503.fetch_add(2, Ordering::Relaxed);
+        let text = m.render();
+        assert!(text.contains("# TYPE ratewall_store_sync_failed_total counter\n"), "{text}");
+        assert!(text.contains("ratewall_store_sync_failed_total{status=\"503\"} 2\n"), "{text}");
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            assert!(line.rsplit(' ').next().unwrap().parse::<u64>().is_ok(), "{line}");
+        }
     }
 }

@@ -262,3 +262,47 @@ fn a_three_primary_cluster_holds_counters_over_its_slots() {
     assert!(per_node.iter().all(|&n| n > 0), "{per_node:?}");
     assert_eq!(a.get("/healthz").status, 200);
 }
+
+/// End to end: filter nodes (the built filter in the wasmtime host) sync over real HTTP to
+/// ratewall-store on Redis; the fleet holds one global limit, as it does against the Worker.
+#[test]
+fn filter_nodes_syncing_to_the_store_share_one_global_limit() {
+    use ratewall_tests::sim::{rules, run_with, Backend, Faults, Scenario, Spread};
+    let redis = Redis::start(false).unwrap();
+    // The simulation signs with its own secret.
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall-store"));
+    cmd.env("RATEWALL_SYNC_SECRET", ratewall_tests::sim::SECRET).args([
+        "--listen",
+        "127.0.0.1:0",
+        "--redis",
+        &redis.url(),
+    ]);
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
+    let store = StoreProcess { child, addr };
+    let s = Scenario {
+        name: "store_e2e",
+        nodes: 3,
+        vms: 2,
+        keys: 2,
+        limit: 40,
+        window: 3600 * SECOND,
+        load: 2.5,
+        windows: 1,
+        spread: Spread::Even,
+        skew: 0,
+        faults: Faults::default(),
+        faults_from: 99,
+        seed: 7,
+        algorithm: "token_bucket",
+        duration: Some(5 * SECOND),
+    };
+    let _ = rules(&s);
+    let r = run_with(&s, &Backend::Http(&store.addr)).unwrap();
+    println!("{r:?}");
+    // Without sync, 3 nodes would admit up to 3 × 40 per user: 200% over.
+    assert!(r.overadmission_max_pct <= 7.5, "at most 3 units over a limit of 40: {r:?}");
+    assert!(r.calls_per_node_per_sec > 1.0, "the nodes synced: {r:?}");
+}

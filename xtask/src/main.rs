@@ -376,7 +376,35 @@ fn build_worker(tc: &Toolchain) -> Result<()> {
     Ok(())
 }
 
+/// Redis for the store's tests: `redis-server` and `redis-cli` from PATH, else Debian's
+/// `redis-server` package installed with apt-get (as root), from the package registry only.
+fn redis() -> Result<()> {
+    let have =
+        |bin: &str| Command::new(bin).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok();
+    if have("redis-server") && have("redis-cli") {
+        return Ok(());
+    }
+    let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
+    if is_root && Path::new("/usr/bin/apt-get").exists() {
+        eprintln!("xtask: installing redis-server with apt-get (the store's tests run real Redis)");
+        let apt = |args: &[&str]| {
+            run_with_timeout(
+                Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive"),
+                Duration::from_secs(600),
+            )
+        };
+        if apt(&["update"]) == Some(true)
+            && apt(&["install", "-y", "redis-server"]) == Some(true)
+            && have("redis-server")
+        {
+            return Ok(());
+        }
+    }
+    Err("the store's tests need Redis: install it (apt-get install redis-server) and run again".into())
+}
+
 fn test() -> Result<()> {
+    redis()?;
     let (mut passed, mut failed) = (0u64, 0u64);
     // Doc tests first, so the closing summary is the whole run's.
     for kind in ["--doc", "--all-targets"] {
