@@ -5,10 +5,13 @@
 //! VMs when it changes, as an xDS config push would be; a bad file is rejected and the last
 //! good rules stay.
 //!
-//! `ratewall-gateway [--rules FILE] [--port N] [--workers N]` (default port 8080, or a free one
-//! when 8080 is taken; `--port 0` always picks a free one).
+//! `ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]...` (default
+//! port 8080, or a free one when 8080 is taken; `--port 0` always picks a free one). With
+//! `--store` (a ratewall-store, or the Worker's sync endpoint) and a `sync` section in the
+//! rules, the gateway is one node of a fleet: its VMs tick, and their sync calls go over HTTP
+//! to the stores (the next one when one fails), as Envoy sends them to the sync cluster.
 
-use ratewall_tests::host::{HttpRequest, Node, Plugin, Vm};
+use ratewall_tests::host::{HttpRequest, Node, Plugin, Started, Vm};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,10 +23,11 @@ struct Args {
     rules: String,
     port: Option<u16>,
     workers: usize,
+    stores: Vec<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args { rules: "examples/rules.json".into(), port: None, workers: 2 };
+    let mut a = Args { rules: "examples/rules.json".into(), port: None, workers: 2, stores: Vec::new() };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -31,6 +35,7 @@ fn parse_args() -> Result<Args, String> {
             "--rules" => a.rules = value()?,
             "--port" => a.port = Some(value()?.parse().map_err(|e| format!("--port: {e}"))?),
             "--workers" => a.workers = value()?.parse().map_err(|e| format!("--workers: {e}"))?,
+            "--store" => a.stores.push(value()?),
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -82,12 +87,31 @@ fn serve() -> Result<(), String> {
     for w in 0..args.workers.max(1) {
         let doc = rules.document.lock().map_err(|e| e.to_string())?.clone();
         let mut vm = Vm::start(&plugin, &node, &doc).map_err(|e| format!("worker {w}: {e}"))?;
-        let (rx, rules, node) = (Arc::clone(&rx), Arc::clone(&rules), node.clone());
+        let (rx, rules, node, stores) = (Arc::clone(&rx), Arc::clone(&rules), node.clone(), args.stores.clone());
         std::thread::spawn(move || {
             let mut seen = 0;
             loop {
-                let next = rx.lock().map(|r| r.recv());
-                let Ok(Ok(stream)) = next else { return };
+                // With a tick period (sync on), wait for a connection at most that long, then
+                // tick and make the sync calls the tick dispatched.
+                let period = u64::from(vm.tick_period_ms());
+                let next = rx.lock().map(|r| {
+                    if period == 0 {
+                        r.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+                    } else {
+                        r.recv_timeout(Duration::from_millis(period))
+                    }
+                });
+                let stream = match next {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(mpsc::RecvTimeoutError::Timeout)) => {
+                        node.set_time(wall_clock());
+                        if let Err(e) = vm.tick().and_then(|_| exchange(&mut vm, &stores)) {
+                            log(&format!("worker {w}: tick: {e}"));
+                        }
+                        continue;
+                    }
+                    _ => return,
+                };
                 let generation = rules.generation.load(Ordering::SeqCst);
                 if generation != seen {
                     seen = generation;
@@ -96,7 +120,7 @@ fn serve() -> Result<(), String> {
                     }
                 }
                 node.set_time(wall_clock());
-                if let Err(e) = handle(&mut vm, stream) {
+                if let Err(e) = handle(&mut vm, stream, &stores) {
                     log(&format!("worker {w}: {e}"));
                 }
             }
@@ -151,7 +175,36 @@ fn watch(path: String, rules: Arc<Rules>) {
     });
 }
 
-fn handle(vm: &mut Vm, mut stream: TcpStream) -> Result<(), String> {
+/// Makes the HTTP calls the VM dispatched (sync batches, asks) to the stores, the next store
+/// when one fails, and delivers each answer (signature header included) to the VM.
+fn exchange(vm: &mut Vm, stores: &[String]) -> wasmtime::Result<()> {
+    for c in vm.take_callouts() {
+        let tag =
+            c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone()).unwrap_or_default();
+        let tag = String::from_utf8_lossy(&tag).into_owned();
+        let path = c
+            .headers
+            .iter()
+            .find(|(k, _)| k == ":path")
+            .map_or("/v1/sync".into(), |(_, v)| String::from_utf8_lossy(v).into_owned());
+        let headers = [("x-ratewall-signature", tag.as_str()), ("content-type", "application/octet-stream")];
+        let first = c.token as usize;
+        let answer = (0..stores.len()).find_map(|i| {
+            let addr = stores.get((first + i) % stores.len())?;
+            ratewall_tests::http::request(addr, "POST", &path, &headers, &c.body).ok().filter(|r| r.status != 503)
+        });
+        match answer {
+            Some(r) => {
+                let sig = r.header("x-ratewall-signature").unwrap_or_default().as_bytes().to_vec();
+                vm.respond(&c, r.status, &[("x-ratewall-signature", &sig)], r.body)?;
+            }
+            None => vm.deliver(&c, None)?,
+        }
+    }
+    Ok(())
+}
+
+fn handle(vm: &mut Vm, mut stream: TcpStream, stores: &[String]) -> Result<(), String> {
     stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
@@ -193,7 +246,14 @@ fn handle(vm: &mut Vm, mut stream: TcpStream) -> Result<(), String> {
         }
         return respond(&mut stream, 200, &[("content-type".into(), "text/plain".into())], text.as_bytes());
     }
-    let result = vm.request(&req).map_err(|e| e.to_string())?;
+    // A request the filter pauses waits for its ask to the store, as in Envoy.
+    let result = match vm.begin(&req).map_err(|e| e.to_string())? {
+        Started::Done(r) => r,
+        Started::Paused(ctx) => {
+            exchange(vm, stores).map_err(|e| e.to_string())?;
+            vm.finish(ctx).map_err(|e| e.to_string())?.ok_or("a request stayed paused after its ask")?
+        }
+    };
     if !result.passed {
         return respond(&mut stream, result.status as u16, &result.headers, &result.body);
     }
