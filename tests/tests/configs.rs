@@ -9,9 +9,9 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)).unwrap()
 }
 
-/// The block scalar under `value: |` in envoy.yaml.
-fn envoy_rules() -> String {
-    let yaml = read("envoy-config/envoy.yaml");
+/// The block scalar under `value: |` in an Envoy config.
+fn envoy_rules_in(file: &str) -> String {
+    let yaml = read(file);
     let mut lines = yaml.lines().skip_while(|l| !l.trim_end().ends_with("value: |")).skip(1);
     let first = lines.next().unwrap();
     let indent = first.len() - first.trim_start().len();
@@ -20,6 +20,10 @@ fn envoy_rules() -> String {
         .map(|l| &l[indent..])
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+fn envoy_rules() -> String {
+    envoy_rules_in("envoy-config/envoy.yaml")
 }
 
 fn nginx_rules() -> String {
@@ -47,4 +51,21 @@ fn shipped_configs_carry_the_example_rules_and_the_filter_accepts_them() {
         let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, doc.as_bytes()).unwrap();
         assert!(vm.configure(doc.as_bytes()).unwrap(), "{name}: the filter rejected its rules: {:?}", node.logs());
     }
+}
+
+#[test]
+fn the_self_hosted_store_config_adds_only_a_sync_section_and_its_cluster() {
+    let doc = envoy_rules_in("envoy-config/envoy-store.yaml");
+    let mut parsed: serde_json::Value = serde_json::from_str(&doc).unwrap();
+    let sync = parsed.as_object_mut().unwrap().remove("sync").expect("a sync section");
+    assert_eq!(sync["cluster"], "ratewall_store");
+    let example: serde_json::Value = serde_json::from_str(&read("examples/rules.json")).unwrap();
+    assert_eq!(parsed, example, "envoy-store.yaml drifted from examples/rules.json");
+    let yaml = read("envoy-config/envoy-store.yaml");
+    assert!(yaml.contains("- name: ratewall_store"), "the sync cluster is defined");
+    let cfg = ratewall_core::Config::parse(doc.as_bytes()).unwrap();
+    assert!(cfg.sync.is_some());
+    let node = Node::new(1_700_000_000_000_000_000);
+    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, doc.as_bytes()).unwrap();
+    assert!(vm.configure(doc.as_bytes()).unwrap(), "the filter rejected its rules: {:?}", node.logs());
 }
