@@ -98,6 +98,8 @@ pub struct Report {
     pub paused_pct: f64,
     /// Asks per node per second (included in `calls_per_node_per_sec`).
     pub asks_per_node_per_sec: f64,
+    /// Requests admitted.
+    pub admitted: u64,
 }
 
 struct Rng(u64);
@@ -233,9 +235,18 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
     };
     let mut next_tick = start;
     let mut t = start;
+    // A real store runs on the real clock: the virtual one may not run ahead of it (leases and
+    // windows would mean different things on each side).
+    let real_start = std::time::Instant::now();
+    let paced = matches!(backend, Backend::Http(_));
     for i in 0..total_requests {
         t = start + i * gap;
         while next_tick <= t {
+            if paced {
+                let ahead = (next_tick - start)
+                    .saturating_sub(u64::try_from(real_start.elapsed().as_nanos()).unwrap_or(u64::MAX));
+                std::thread::sleep(std::time::Duration::from_nanos(ahead));
+            }
             let window_now = (next_tick - start) / s.window;
             let faults = if window_now >= s.faults_from { s.faults } else { Faults::default() };
             // Late answers from the previous tick arrive first.
@@ -328,6 +339,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         requests: total_requests,
         paused_pct: asks as f64 / total_requests.max(1) as f64 * 100.0,
         asks_per_node_per_sec: asks as f64 / s.nodes as f64 / seconds.max(1e-9),
+        admitted: admitted.values().sum(),
     })
 }
 
