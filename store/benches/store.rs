@@ -101,10 +101,10 @@ fn main() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     let sets_per_sec: f64 = text
-        .split(|c: char| c == '\r' || c == '\n')
+        .split(['\r', '\n'])
         .filter_map(|l| l.strip_prefix("SET: "))
         .filter_map(|l| l.split_whitespace().next()?.parse().ok())
-        .last()
+        .next_back()
         .unwrap();
     figure("redis_benchmark_set_p16_per_sec", sets_per_sec, "ops/s");
 
