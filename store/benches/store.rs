@@ -111,13 +111,14 @@ fn main() {
     let (mut a, addr_a) = store(&redis, SECRET);
     let (mut b, addr_b) = store(&redis, SECRET);
     // Warm up: connections, scripts loaded.
-    drive(&[addr_a.clone()], 2, 20, |s| (0..20).map(|i| format!("warm/{s}/{i}").into_bytes()).collect());
+    drive(std::slice::from_ref(&addr_a), 2, 20, |s| (0..20).map(|i| format!("warm/{s}/{i}").into_bytes()).collect());
 
     // 20-counter batches, 8 senders, one store process; distinct counters per sender.
     let (senders, batches) = (8u64, 150u64);
     let start = Instant::now();
-    let mut lat =
-        drive(&[addr_a.clone()], senders, batches, |s| (0..20).map(|i| format!("b/{s}/{i}").into_bytes()).collect());
+    let mut lat = drive(std::slice::from_ref(&addr_a), senders, batches, |s| {
+        (0..20).map(|i| format!("b/{s}/{i}").into_bytes()).collect()
+    });
     let secs = start.elapsed().as_secs_f64();
     let per_sec = (senders * batches) as f64 / secs;
     figure("store_sync_p50_ms", percentile(&mut lat, 0.50), "ms");
