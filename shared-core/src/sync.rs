@@ -78,6 +78,13 @@ pub struct Grant {
     pub lease: Nanos,
 }
 
+impl Grant {
+    /// The grant answering `key` with what its counter `applied`.
+    pub fn from_applied(key: &[u8], a: &Applied) -> Grant {
+        Grant { key: key.to_vec(), remaining: a.remaining, grant: a.grant, reset_after: a.reset_after, lease: a.lease }
+    }
+}
+
 /// The store's answer to a batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SyncResponse {
@@ -766,13 +773,7 @@ impl Store {
             } else {
                 c.apply(d.limit, now, req.node, req.seq, d.units, ttl)
             };
-            grants.push(Grant {
-                key: d.key.clone(),
-                remaining: a.remaining,
-                grant: a.grant,
-                reset_after: a.reset_after,
-                lease: a.lease,
-            });
+            grants.push(Grant::from_applied(&d.key, &a));
         }
         Ok(SyncResponse { seq: req.seq, now, nodes, grants })
     }

@@ -255,13 +255,7 @@ impl<K: Kv> Store<K> {
         for (d, r) in req.deltas.iter().zip(results) {
             let (a, at) = r?;
             now = now.max(at);
-            grants.push(Grant {
-                key: d.key.clone(),
-                remaining: a.remaining,
-                grant: a.grant,
-                reset_after: a.reset_after,
-                lease: a.lease,
-            });
+            grants.push(Grant::from_applied(&d.key, &a));
         }
         if now == 0 {
             // A heartbeat: Redis's clock, read through a key that is never written.

@@ -267,7 +267,7 @@ fn a_three_primary_cluster_holds_counters_over_its_slots() {
 /// ratewall-store on Redis; the fleet holds one global limit, as it does against the Worker.
 #[test]
 fn filter_nodes_syncing_to_the_store_share_one_global_limit() {
-    use ratewall_tests::sim::{rules, run_with, Backend, Faults, Scenario, Spread};
+    use ratewall_tests::sim::{end_to_end, rules, run_with, Backend};
     let redis = Redis::start(false).unwrap();
     // The simulation signs with its own secret.
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall-store"));
@@ -282,23 +282,7 @@ fn filter_nodes_syncing_to_the_store_share_one_global_limit() {
     std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
     let store = StoreProcess { child, addr };
-    let s = Scenario {
-        name: "store_e2e",
-        nodes: 3,
-        vms: 2,
-        keys: 2,
-        limit: 40,
-        window: 3600 * SECOND,
-        load: 2.5,
-        windows: 1,
-        spread: Spread::Even,
-        skew: 0,
-        faults: Faults::default(),
-        faults_from: 99,
-        seed: 7,
-        algorithm: "token_bucket",
-        duration: Some(5 * SECOND),
-    };
+    let s = end_to_end("store_e2e");
     let _ = rules(&s);
     let r = run_with(&s, &Backend::Http(&store.addr)).unwrap();
     println!("{r:?}");

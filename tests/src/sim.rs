@@ -162,6 +162,28 @@ fn answer(backend: &Backend<'_>, store: &mut Store, now: u64, body: &[u8], tag_h
     }
 }
 
+/// The end-to-end scenario run against each real store (the Worker, ratewall-store): 3 nodes
+/// × 2 VMs, two users, a token bucket of 40 an hour offered 2.5×, for 5 s.
+pub fn end_to_end(name: &'static str) -> Scenario {
+    Scenario {
+        name,
+        nodes: 3,
+        vms: 2,
+        keys: 2,
+        limit: 40,
+        window: 3600 * SECOND,
+        load: 2.5,
+        windows: 1,
+        spread: Spread::Even,
+        skew: 0,
+        faults: Faults::default(),
+        faults_from: 99,
+        seed: 7,
+        algorithm: "token_bucket",
+        duration: Some(5 * SECOND),
+    }
+}
+
 /// Runs a scenario against the reference store.
 pub fn run(s: &Scenario) -> wasmtime::Result<Report> {
     run_with(s, &Backend::Reference)

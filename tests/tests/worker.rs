@@ -276,24 +276,8 @@ fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
 /// Worker in workerd; the fleet holds one global limit, and the Worker's edge shares it.
 #[test]
 fn filter_nodes_syncing_to_the_worker_share_one_global_limit() {
-    use ratewall_tests::sim::{rules, run_with, Backend, Faults, Scenario, Spread};
-    let s = Scenario {
-        name: "worker_e2e",
-        nodes: 3,
-        vms: 2,
-        keys: 2,
-        limit: 40,
-        window: 3600 * SECOND_NS,
-        load: 2.5,
-        windows: 1,
-        spread: Spread::Even,
-        skew: 0,
-        faults: Faults::default(),
-        faults_from: 99,
-        seed: 7,
-        algorithm: "token_bucket",
-        duration: Some(5 * SECOND_NS),
-    };
+    use ratewall_tests::sim::{end_to_end, rules, run_with, Backend};
+    let s = end_to_end("worker_e2e");
     let doc = rules(&s);
     let w = Workerd::start(&[("RATEWALL_RULES", doc.as_str()), ("RATEWALL_SYNC_SECRET", ratewall_tests::sim::SECRET)])
         .unwrap();
@@ -307,4 +291,3 @@ fn filter_nodes_syncing_to_the_worker_share_one_global_limit() {
     assert_eq!(edge.status, 429, "{}", edge.text());
 }
 
-const SECOND_NS: u64 = 1_000_000_000;
