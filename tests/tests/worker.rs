@@ -290,4 +290,3 @@ fn filter_nodes_syncing_to_the_worker_share_one_global_limit() {
     let edge = w.request("GET", "/", &[("x-user-id", "user-0")], &[]);
     assert_eq!(edge.status, 429, "{}", edge.text());
 }
-
