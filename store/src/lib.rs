@@ -39,10 +39,21 @@ pub const CAS_ATTEMPTS: u32 = 16;
 pub const READ: &str = "local t = redis.call('TIME') return {redis.call('GET', KEYS[1]), t[1], t[2]}";
 
 /// Sets `KEYS[1]` to `ARGV[2]` (expiring in `ARGV[3]` ms) if it still holds `ARGV[1]`
-/// (`ARGV[4]` = "0": if it does not exist); 1 when set.
-pub const CAS: &str = "local v = redis.call('GET', KEYS[1]) \
+/// (`ARGV[4]` = "0": if it does not exist): `{1, false, s, µs}` when set, else
+/// `{0, value or false, s, µs}` — what it holds instead, so the caller can run its transition
+/// again without another read. (`s, µs`: the key's primary's clock.)
+pub const CAS: &str = "local v = redis.call('GET', KEYS[1]) local t = redis.call('TIME') \
 if (ARGV[4] == '0' and v == false) or (ARGV[4] == '1' and v == ARGV[1]) then \
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end return 0";
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return {1, false, t[1], t[2]} end return {0, v, t[1], t[2]}";
+
+/// What a compare-and-set found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Cas {
+    /// Written, at this time of the key's clock.
+    Written(Nanos),
+    /// Not written: the key holds this instead (None: absent), at this time.
+    Changed(Option<Vec<u8>>, Nanos),
+}
 
 /// The registry: `KEYS[1]` a hash node → latest batch seq (20 zero-padded digits, so string
 /// order is numeric order), `KEYS[2]` a sorted set node → last heard (ms of the key's
@@ -75,14 +86,14 @@ pub fn redis_key(key: &[u8]) -> String {
 pub trait Kv: Send + Sync {
     /// The value of `key` (None: absent) and the clock of its primary, ns.
     fn read(&self, key: &str) -> impl Future<Output = Result<(Option<Vec<u8>>, Nanos), String>> + Send;
-    /// Sets `key` to `new` for `ttl_ms` if it still holds `old` (None: absent); whether it did.
+    /// Sets `key` to `new` for `ttl_ms` if it still holds `old` (None: absent).
     fn cas(
         &self,
         key: &str,
         old: Option<&[u8]>,
         new: &[u8],
         ttl_ms: u64,
-    ) -> impl Future<Output = Result<bool, String>> + Send;
+    ) -> impl Future<Output = Result<Cas, String>> + Send;
     /// The registry: `Ok(nodes)`, or `Err(Some(latest seq))` for an older batch, `Err(None)`
     /// when Redis failed.
     fn heard(&self, node: u64, seq: u64, batch: bool) -> impl Future<Output = Result<u32, Option<u64>>> + Send;
@@ -183,12 +194,27 @@ pub struct Store<K> {
     /// turns here, so compare-and-swap conflicts come only from other processes (measured:
     /// 8 senders on one hot counter through two processes ran out of 16 attempts without it).
     busy: std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
+    /// The value this process last wrote to each counter, with the key's clock then: the next
+    /// update runs its transition on it and goes straight to the compare-and-set — one Redis
+    /// call instead of a read and a write — and when another process wrote in between, the
+    /// failed compare-and-set returns the value to run again on. At most [`KNOWN`] counters.
+    known: std::sync::Mutex<std::collections::HashMap<String, (Vec<u8>, Nanos, std::time::Instant)>>,
 }
+
+/// Most counters whose last written value a process keeps.
+pub const KNOWN: usize = 100_000;
 
 impl<K: Kv> Store<K> {
     /// A store over `kv` with the shared secret and a deadline per call.
     pub fn new(kv: K, secret: &[u8], deadline: Duration) -> Store<K> {
-        Store { kv, secret: secret.to_vec(), deadline, metrics: Metrics::default(), busy: Default::default() }
+        Store {
+            kv,
+            secret: secret.to_vec(),
+            deadline,
+            metrics: Metrics::default(),
+            busy: Default::default(),
+            known: Default::default(),
+        }
     }
 
     fn count(&self, status: u16) {
@@ -307,11 +333,23 @@ impl<K: Kv> Store<K> {
             m.redis_errors.fetch_add(1, Ordering::Relaxed);
             Answer::error(503, "Redis failed; retry the batch with the same seq")
         };
+        // The value last written here, at the key's clock now (its clock then, plus the time
+        // since on ours).
+        let mut current: Option<(Option<Vec<u8>>, Nanos)> = self.known.lock().ok().and_then(|k| {
+            k.get(rkey).map(|(v, t, at)| {
+                let since = u64::try_from(at.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                (Some(v.clone()), t.saturating_add(since))
+            })
+        });
         for attempt in 0..CAS_ATTEMPTS {
             if attempt > 0 {
                 self.metrics.cas_conflicts.fetch_add(1, Ordering::Relaxed);
             }
-            let (stored, now) = self.kv.read(rkey).await.map_err(|_| unavailable(&self.metrics))?;
+            let cached = current.is_some() && attempt == 0;
+            let (stored, now) = match current.take() {
+                Some(c) => c,
+                None => self.kv.read(rkey).await.map_err(|_| unavailable(&self.metrics))?,
+            };
             let mut counter = match &stored {
                 None => Counter::new(limit),
                 Some(bytes) => match Counter::decode(limit, bytes) {
@@ -329,6 +367,11 @@ impl<K: Kv> Store<K> {
                 counter.apply(limit, now, req.node, req.seq, units, NODE_TTL)
             };
             if !a.counted && stored.is_some() && !req.ask {
+                if cached {
+                    // A repeat, judged on what this process last wrote: answer it from Redis's
+                    // value (another process may have counted more since).
+                    continue;
+                }
                 // A repeat: nothing to write.
                 return Ok((a, counter.last_seen));
             }
@@ -338,7 +381,13 @@ impl<K: Kv> Store<K> {
             let ttl_ms = (idle.saturating_add(RETRY_HORIZON) / 1_000_000).max(1);
             let new = counter.encode();
             match self.kv.cas(rkey, stored.as_deref(), &new, ttl_ms).await {
-                Ok(true) => {
+                Ok(Cas::Written(at)) => {
+                    if let Ok(mut known) = self.known.lock() {
+                        if known.len() >= KNOWN && !known.contains_key(rkey) {
+                            known.clear();
+                        }
+                        known.insert(rkey.to_owned(), (new, at, std::time::Instant::now()));
+                    }
                     self.metrics.counter_writes.fetch_add(1, Ordering::Relaxed);
                     if a.counted {
                         self.metrics
@@ -347,8 +396,14 @@ impl<K: Kv> Store<K> {
                     }
                     return Ok((a, counter.last_seen));
                 }
-                Ok(false) => continue,
-                Err(_) => return Err(unavailable(&self.metrics)),
+                Ok(Cas::Changed(value, at)) => current = Some((value, at)),
+                Err(_) => {
+                    // Unknown whether it was written: forget the value, read it next time.
+                    if let Ok(mut known) = self.known.lock() {
+                        known.remove(rkey);
+                    }
+                    return Err(unavailable(&self.metrics));
+                }
             }
         }
         self.metrics.cas_exhausted.fetch_add(1, Ordering::Relaxed);
@@ -378,16 +433,17 @@ mod tests {
         async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
             Ok((self.values.lock().unwrap().get(key).cloned(), self.now.load(Ordering::Relaxed)))
         }
-        async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], _ttl_ms: u64) -> Result<bool, String> {
+        async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], _ttl_ms: u64) -> Result<Cas, String> {
             if self.fail_next_write_of.lock().unwrap().take_if(|k| k == key).is_some() {
                 return Err("connection reset".into());
             }
+            let now = self.now.load(Ordering::Relaxed);
             let mut values = self.values.lock().unwrap();
             if values.get(key).map(Vec::as_slice) != old {
-                return Ok(false);
+                return Ok(Cas::Changed(values.get(key).cloned(), now));
             }
             values.insert(key.to_owned(), new.to_vec());
-            Ok(true)
+            Ok(Cas::Written(now))
         }
         async fn heard(&self, node: u64, seq: u64, batch: bool) -> Result<u32, Option<u64>> {
             let now = self.now.load(Ordering::Relaxed);

@@ -88,7 +88,7 @@ impl Kv for LazyKv {
     async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
         self.get().await.ok_or("Redis unreachable")?.read(key).await
     }
-    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<bool, String> {
+    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<ratewall_store::Cas, String> {
         self.get().await.ok_or("Redis unreachable")?.cas(key, old, new, ttl_ms).await
     }
     async fn heard(&self, node: u64, seq: u64, batch: bool) -> Result<u32, Option<u64>> {

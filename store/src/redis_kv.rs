@@ -2,7 +2,7 @@
 //! that reconnects by itself, or a Cluster connection), the three scripts invoked by SHA and
 //! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
 
-use crate::{Kv, CAS, NODE_TTL, READ, REGISTRY, REGISTRY_KEYS};
+use crate::{Cas, Kv, CAS, NODE_TTL, READ, REGISTRY, REGISTRY_KEYS};
 use ratewall_core::sync::SEQ_MEMORY;
 use ratewall_core::Nanos;
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -73,6 +73,16 @@ fn int(v: &Value) -> Option<i64> {
     }
 }
 
+/// Redis `TIME` (seconds, microseconds) in ns.
+fn clock(secs: Option<&Value>, micros: Option<&Value>) -> Result<Nanos, String> {
+    let secs = secs.and_then(int).ok_or("no TIME")?;
+    let micros = micros.and_then(int).ok_or("no TIME")?;
+    Ok(u64::try_from(secs)
+        .unwrap_or(0)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(u64::try_from(micros).unwrap_or(0).saturating_mul(1_000)))
+}
+
 impl Kv for RedisKv {
     async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
         let Value::Array(parts) = self.run(&self.read, &[key], &[]).await? else {
@@ -82,23 +92,31 @@ impl Kv for RedisKv {
             Some(Value::BulkString(b)) => Some(b.clone()),
             _ => None,
         };
-        let secs = parts.get(1).and_then(int).ok_or("no TIME")?;
-        let micros = parts.get(2).and_then(int).ok_or("no TIME")?;
-        let now = u64::try_from(secs)
-            .unwrap_or(0)
-            .saturating_mul(1_000_000_000)
-            .saturating_add(u64::try_from(micros).unwrap_or(0).saturating_mul(1_000));
-        Ok((value, now))
+        Ok((value, clock(parts.get(1), parts.get(2))?))
     }
 
-    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<bool, String> {
+    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<Cas, String> {
         let args = [
             old.unwrap_or_default().to_vec(),
             new.to_vec(),
             ttl_ms.to_string().into_bytes(),
             if old.is_some() { b"1".to_vec() } else { b"0".to_vec() },
         ];
-        Ok(int(&self.run(&self.cas, &[key], &args).await?) == Some(1))
+        let Value::Array(parts) = self.run(&self.cas, &[key], &args).await? else {
+            return Err("unexpected reply to the compare-and-set script".into());
+        };
+        let now = clock(parts.get(2), parts.get(3))?;
+        match parts.first().and_then(int) {
+            Some(1) => Ok(Cas::Written(now)),
+            Some(0) => Ok(Cas::Changed(
+                match parts.get(1) {
+                    Some(Value::BulkString(b)) => Some(b.clone()),
+                    _ => None,
+                },
+                now,
+            )),
+            _ => Err("unexpected reply to the compare-and-set script".into()),
+        }
     }
 
     async fn heard(&self, node: u64, seq: u64, batch: bool) -> Result<u32, Option<u64>> {
