@@ -193,13 +193,19 @@ pub struct Store<K> {
     /// Counters being updated by this process: concurrent calls naming the same counter take
     /// turns here, so compare-and-swap conflicts come only from other processes (measured:
     /// 8 senders on one hot counter through two processes ran out of 16 attempts without it).
-    busy: std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
+    busy: std::sync::Mutex<std::collections::HashMap<String, Turn>>,
     /// The value this process last wrote to each counter, with the key's clock then: the next
     /// update runs its transition on it and goes straight to the compare-and-set — one Redis
     /// call instead of a read and a write — and when another process wrote in between, the
     /// failed compare-and-set returns the value to run again on. At most [`KNOWN`] counters.
-    known: std::sync::Mutex<std::collections::HashMap<String, (Vec<u8>, Nanos, std::time::Instant)>>,
+    known: std::sync::Mutex<std::collections::HashMap<String, Known>>,
 }
+
+/// A counter's turn within the process.
+type Turn = std::sync::Arc<tokio::sync::Mutex<()>>;
+
+/// A counter's value as this process last wrote it, the key's clock then, and when (ours).
+type Known = (Vec<u8>, Nanos, std::time::Instant);
 
 /// Most counters whose last written value a process keeps.
 pub const KNOWN: usize = 100_000;
@@ -306,7 +312,7 @@ impl<K: Kv> Store<K> {
         units: u64,
     ) -> Result<(ratewall_core::sync::Applied, Nanos), Answer> {
         let rkey = redis_key(key);
-        let turn: Option<std::sync::Arc<tokio::sync::Mutex<()>>> =
+        let turn: Option<Turn> =
             self.busy.lock().ok().map(|mut b| std::sync::Arc::clone(b.entry(rkey.clone()).or_default()));
         let _turn = match &turn {
             Some(t) => Some(t.lock().await),
