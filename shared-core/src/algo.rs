@@ -232,7 +232,7 @@ impl Limit {
                 let back = newest.saturating_sub(consumed_at / self.quantum());
                 let mut counts = *counts;
                 if let Some(c) = (LOG_SLOTS - 1).checked_sub(back as usize).and_then(|i| counts.get_mut(i)) {
-                    *c = c.saturating_sub(clamp_u32(cost));
+                    *c = c.saturating_sub(clamp_u16(cost));
                 }
                 State::SlidingLog { newest: *newest, counts }
             }
@@ -340,11 +340,11 @@ impl Limit {
     /// The sliding log's slot counts at `now` (slot `LOG_SLOTS - 1` is `now`'s), with the
     /// slots whose units no longer count emptied. Slots ahead of `now` (the clock stepped
     /// back) are merged into `now`'s: their units count until `now`'s slot expires.
-    fn log_roll(&self, state: &State, now: Nanos) -> (u64, [u32; LOG_SLOTS]) {
+    fn log_roll(&self, state: &State, now: Nanos) -> (u64, [u16; LOG_SLOTS]) {
         const LAST: usize = LOG_SLOTS - 1;
         let g = self.quantum();
         let cur = now / g;
-        let mut counts = [0u32; LOG_SLOTS];
+        let mut counts = [0u16; LOG_SLOTS];
         if let State::SlidingLog { newest, counts: old } = state {
             // Old slot `i` is slot `newest - LAST + i`: it moves by `newest - cur` places.
             let (ahead, behind) = (newest.saturating_sub(cur), cur.saturating_sub(*newest));
@@ -388,7 +388,7 @@ impl Limit {
             Algorithm::SlidingLog => {
                 let (newest, mut counts) = self.log_roll(state, now);
                 if let Some(c) = counts.last_mut() {
-                    *c = c.saturating_add(clamp_u32(units));
+                    *c = c.saturating_add(clamp_u16(units));
                 }
                 State::SlidingLog { newest, counts }
             }
@@ -477,12 +477,12 @@ impl Limit {
         let count: u64 = counts.iter().map(|&c| u64::from(c)).sum();
         let expiry = |i: usize| self.slot_expiry(newest.saturating_sub((LOG_SLOTS - 1 - i) as u64));
         // The quota is whole again when the newest slot holding units expires.
-        let reset = |counts: &[u32; LOG_SLOTS]| {
+        let reset = |counts: &[u16; LOG_SLOTS]| {
             counts.iter().rposition(|&c| c > 0).map_or(0, |i| expiry(i).saturating_sub(now))
         };
         if count.saturating_add(cost) <= limit {
             if let Some(c) = counts.last_mut() {
-                *c = c.saturating_add(clamp_u32(cost));
+                *c = c.saturating_add(clamp_u16(cost));
             }
             let d = Decision::allowed(limit, limit - count - cost, reset(&counts));
             return (d, State::SlidingLog { newest, counts });
@@ -518,6 +518,13 @@ fn clamp_u32(v: u64) -> u32 {
     u32::try_from(v).unwrap_or(u32::MAX)
 }
 
+/// Sliding-log slot counts are 16 bits (a log's limit is at most 10,000, so a saturated
+/// count still reads as a full window) — it keeps `State` as small as before the log was
+/// bounded, which every decision copies.
+fn clamp_u16(v: u64) -> u16 {
+    u16::try_from(v).unwrap_or(u16::MAX)
+}
+
 /// The state of one (rule, key): a few integers.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub enum State {
@@ -551,7 +558,7 @@ pub enum State {
         newest: u64,
         /// Units per slot: `counts[LOG_SLOTS - 1]` is slot `newest`, the one before it
         /// `newest - 1`, and so on.
-        counts: [u32; LOG_SLOTS],
+        counts: [u16; LOG_SLOTS],
     },
 }
 

@@ -106,10 +106,10 @@ impl State {
                 if bits >> LOG_SLOTS != 0 {
                     return Err(DecodeError::BadLog);
                 }
-                let mut counts = [0u32; LOG_SLOTS];
+                let mut counts = [0u16; LOG_SLOTS];
                 for (i, c) in counts.iter_mut().enumerate() {
                     if bits & (1 << i) != 0 {
-                        *c = u32::try_from(r.varint()?).map_err(|_| DecodeError::BadLog)?;
+                        *c = u16::try_from(r.varint()?).map_err(|_| DecodeError::BadLog)?;
                     }
                 }
                 State::SlidingLog { newest, counts }
@@ -184,6 +184,7 @@ mod tests {
         // A log under the largest limit it takes, every slot full, its slot index 7 bytes
         // long (a 1 ms window in 2026): 29 bytes.
         let full = State::SlidingLog { newest: 14_000_000_000_000, counts: [10_000; crate::algo::LOG_SLOTS] };
+        assert!(core::mem::size_of::<State>() <= 32, "{} bytes", core::mem::size_of::<State>());
         assert_eq!(full.encode().len(), 29);
     }
 

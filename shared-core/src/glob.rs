@@ -75,19 +75,30 @@ impl PathPattern {
         // The latest `**` seen: the pattern index after it, and the path where it stopped.
         let mut star: Option<(usize, &str)> = None;
         while !path.is_empty() {
-            let (seg, tail) = split_segment(path);
-            match pat.get(p) {
+            // What follows the path's first segment when the pattern's next one matches it.
+            let step = match pat.get(p) {
                 Some(Segment::AnyDepth) => {
                     p += 1;
                     star = Some((p, path));
                     continue;
                 }
-                Some(one) if segment_matches(one, seg) => {
-                    p += 1;
-                    path = tail;
-                    continue;
+                // The common case, a literal, without searching for the next `/` first.
+                Some(Segment::Literal(l)) => match path.strip_prefix(l.as_str()) {
+                    Some("") => Some(""),
+                    Some(t) => t.strip_prefix('/'),
+                    None => None,
+                },
+                Some(Segment::Any) => Some(split_segment(path).1),
+                Some(Segment::Glob(parts)) => {
+                    let (seg, tail) = split_segment(path);
+                    glob_matches(parts, seg).then_some(tail)
                 }
-                _ => {}
+                None => None,
+            };
+            if let Some(tail) = step {
+                p += 1;
+                path = tail;
+                continue;
             }
             // Mismatch: the latest `**` takes one more segment, or there is none to.
             match star {
@@ -105,6 +116,7 @@ impl PathPattern {
 }
 
 /// Whether a single-segment pattern (`*`, a literal, a glob) matches one path segment.
+#[cfg(test)]
 fn segment_matches(pat: &Segment, seg: &str) -> bool {
     match pat {
         Segment::Literal(l) => l == seg,
