@@ -145,8 +145,8 @@ fn main() {
     figure("store_cas_conflict_pct", conflicts as f64 / writes.max(1) as f64 * 100.0, "%");
     let _ = (a.kill(), b.kill());
 
-    // The fleet: 20 filter nodes × 2 VMs syncing to the store in real time (dense traffic:
-    // 4 counters of 2,000 a second, offered 1.5×); Redis commands per admitted request.
+    // The fleet: 20 filter nodes × 2 VMs syncing to the store in real time (4 dense counters
+    // of 2,000 a second, offered 1.5×); Redis commands per admitted request.
     use ratewall_tests::sim::{run_with, Backend, Faults, Scenario, Spread};
     let (mut s, addr) = store(&redis, ratewall_tests::sim::SECRET);
     let scenario = Scenario {
