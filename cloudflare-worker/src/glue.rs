@@ -5,7 +5,7 @@ use crate::edge::{
     checks_for, decode_applied, decode_heard, encode_applied, encode_heard, hex, object_name, parse_stored,
     stored_value, unhex, BlockedCache, Call, LocalFallback, Metrics, Rules, Taken, MS, REGISTRY_OBJECT,
 };
-use futures_util::future::{join_all, select, Either};
+use futures_util::future::{join, join_all, select, Either};
 use ratewall_core::eval::{combine, CheckResult, Outcome, Skip, StoreError};
 use ratewall_core::rules::{FailurePolicy, Mode};
 use ratewall_core::sync::{sign, verify, Counter, Grant, Registry, SyncRequest, SyncResponse};
@@ -384,10 +384,20 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
     // it. An ask (a paused request waits on it) asks the registry alongside its counters.
     let heard = Call::Heard { node: batch.node, seq: batch.seq, ask: batch.ask };
     let registry = call_named(&env, REGISTRY_OBJECT, heard, timeout);
-    let mut nodes = None;
-    if !batch.ask {
+    let calls = batch.deltas.iter().map(|d| {
+        let call = if batch.ask {
+            Call::Ask { limit: d.limit, node: batch.node, ask: batch.seq, units: d.units }
+        } else {
+            Call::Apply { limit: d.limit, node: batch.node, seq: batch.seq, units: d.units }
+        };
+        call_object(&env, &d.key, call, timeout)
+    });
+    let (answers, nodes) = if batch.ask {
+        let (answers, registry) = join(join_all(calls), registry).await;
+        (answers, registry.ok().and_then(|b| decode_heard(&b)).and_then(Result::ok))
+    } else {
         match registry.await.ok().and_then(|b| decode_heard(&b)) {
-            Some(Ok(n)) => nodes = Some(n),
+            Some(Ok(n)) => (join_all(calls).await, Some(n)),
             Some(Err(last)) => {
                 with(|i| i.metrics.sync_failed += 1);
                 return Response::error(
@@ -400,20 +410,7 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
                 return Response::error("the node registry failed; retry the batch with the same seq", 503);
             }
         }
-    }
-    let calls = batch.deltas.iter().map(|d| {
-        let call = if batch.ask {
-            Call::Ask { limit: d.limit, node: batch.node, ask: batch.seq, units: d.units }
-        } else {
-            Call::Apply { limit: d.limit, node: batch.node, seq: batch.seq, units: d.units }
-        };
-        call_object(&env, &d.key, call, timeout)
-    });
-    let answers = join_all(calls).await;
-    if batch.ask {
-        let registry = call_named(&env, REGISTRY_OBJECT, heard, timeout).await;
-        nodes = registry.ok().and_then(|b| decode_heard(&b)).and_then(Result::ok);
-    }
+    };
     let mut grants = Vec::with_capacity(answers.len());
     let mut per_counter = 1;
     for (d, answer) in batch.deltas.iter().zip(answers) {
@@ -424,8 +421,7 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
             return Response::error("a counter object failed; retry the batch with the same seq", 503);
         };
         per_counter = per_counter.max(a.nodes);
-        let (remaining, grant, reset_after, lease) = (a.remaining, a.grant, a.reset_after, a.lease);
-        grants.push(Grant { key: d.key.clone(), remaining, grant, reset_after, lease });
+        grants.push(Grant::from_applied(&d.key, &a));
     }
     // The fleet heard from (the registry); only if it failed to answer an ask, the most any
     // counter saw.
