@@ -20,8 +20,12 @@ struct StoreProcess {
 
 impl StoreProcess {
     fn start(redis: &[String], cluster: bool) -> StoreProcess {
+        StoreProcess::start_with(SECRET, redis, cluster)
+    }
+
+    fn start_with(secret: &str, redis: &[String], cluster: bool) -> StoreProcess {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall-store"));
-        cmd.env("RATEWALL_SYNC_SECRET", SECRET).args(["--listen", "127.0.0.1:0", "--deadline-ms", "300"]);
+        cmd.env("RATEWALL_SYNC_SECRET", secret).args(["--listen", "127.0.0.1:0", "--deadline-ms", "300"]);
         for r in redis {
             cmd.args(["--redis", r]);
         }
@@ -32,7 +36,7 @@ impl StoreProcess {
         let mut line = String::new();
         std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
-        assert!(!line.contains(SECRET), "the secret is never logged: {line}");
+        assert!(!line.contains(secret), "the secret is never logged: {line}");
         StoreProcess { child, addr }
     }
 
@@ -270,18 +274,7 @@ fn filter_nodes_syncing_to_the_store_share_one_global_limit() {
     use ratewall_tests::sim::{end_to_end, rules, run_with, Backend};
     let redis = Redis::start(false).unwrap();
     // The simulation signs with its own secret.
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall-store"));
-    cmd.env("RATEWALL_SYNC_SECRET", ratewall_tests::sim::SECRET).args([
-        "--listen",
-        "127.0.0.1:0",
-        "--redis",
-        &redis.url(),
-    ]);
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
-    let store = StoreProcess { child, addr };
+    let store = StoreProcess::start_with(ratewall_tests::sim::SECRET, &[redis.url()], false);
     let s = end_to_end("store_e2e");
     let _ = rules(&s);
     let r = run_with(&s, &Backend::Http(&store.addr)).unwrap();
