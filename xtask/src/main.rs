@@ -138,25 +138,29 @@ fn toolchain() -> Result<Toolchain> {
     if debian_ready() {
         return Ok(Toolchain::Debian);
     }
-    let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
-    if is_root && Path::new("/usr/bin/apt-get").exists() {
-        let apt = |args: &[&str]| {
-            run_with_timeout(
-                Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive"),
-                Duration::from_secs(600),
-            )
-        };
-        eprintln!("xtask: installing rustc-web cargo-web rust-web-src lld-16 with apt-get");
-        if apt(&["update"]) == Some(true)
-            && apt(&["install", "-y", "rustc-web", "cargo-web", "rust-web-src", "lld-16"]) == Some(true)
-            && debian_ready()
-        {
-            return Ok(Toolchain::Debian);
-        }
+    if apt_install(&["rustc-web", "cargo-web", "rust-web-src", "lld-16"]) && debian_ready() {
+        return Ok(Toolchain::Debian);
     }
     Err(format!(
         "no wasm32 compiler. Install one of:\n  rustup target add {WASM_TARGET}\n  apt-get install rustc-web cargo-web rust-web-src lld-16   (Debian/Ubuntu)"
     ))
+}
+
+/// Installs Debian packages with apt-get (as root, where apt-get exists); whether it did.
+fn apt_install(packages: &[&str]) -> bool {
+    let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
+    if !is_root || !Path::new("/usr/bin/apt-get").exists() {
+        return false;
+    }
+    eprintln!("xtask: installing {} with apt-get", packages.join(" "));
+    let apt = |args: &[&str]| {
+        run_with_timeout(
+            Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive"),
+            Duration::from_secs(600),
+        )
+    };
+    let install: Vec<&str> = ["install", "-y"].into_iter().chain(packages.iter().copied()).collect();
+    apt(&["update"]) == Some(true) && apt(&install) == Some(true)
 }
 
 /// The wasm build command for a toolchain; the wasm target dir is separate from the native one.
@@ -387,21 +391,8 @@ fn redis() -> Result<()> {
     if have("redis-server") && have("redis-cli") {
         return Ok(());
     }
-    let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
-    if is_root && Path::new("/usr/bin/apt-get").exists() {
-        eprintln!("xtask: installing redis-server with apt-get (the store's tests run real Redis)");
-        let apt = |args: &[&str]| {
-            run_with_timeout(
-                Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive"),
-                Duration::from_secs(600),
-            )
-        };
-        if apt(&["update"]) == Some(true)
-            && apt(&["install", "-y", "redis-server"]) == Some(true)
-            && have("redis-server")
-        {
-            return Ok(());
-        }
+    if apt_install(&["redis-server"]) && have("redis-server") {
+        return Ok(());
     }
     Err("the store's tests need Redis: install it (apt-get install redis-server) and run again".into())
 }
