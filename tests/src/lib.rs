@@ -15,3 +15,17 @@ pub mod http;
 pub mod redis;
 pub mod sim;
 pub mod workerd;
+
+/// Waits, if need be, until the wall clock is at least `span` before the end of a fixed
+/// window of length `per` (windows start at multiples of `per` since the Unix epoch, as the
+/// core's sliding-window counter has them). A test that expects a counter to hold across a
+/// pause must not straddle a window edge: there the previous window's weight drops below
+/// its count (`floor(3 · (1 − ε)) = 2`), and a fourth request is rightly admitted.
+pub fn clear_of_a_window_edge(per: std::time::Duration, span: std::time::Duration) {
+    let per_ns = per.as_nanos().max(1);
+    let Ok(since_epoch) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) else { return };
+    let left = per_ns - since_epoch.as_nanos() % per_ns;
+    if left < span.as_nanos() {
+        std::thread::sleep(std::time::Duration::from_nanos(u64::try_from(left).unwrap_or(0) + 50_000_000));
+    }
+}

@@ -109,6 +109,7 @@ fn limits_per_user_ip_api_key_partner_and_composite_keys_with_plans() {
 fn responses_follow_the_client_contract_and_denials_charge_no_other_rule() {
     let w = start(&[]);
     let carol = [("x-user-id", "carol")];
+    ratewall_tests::clear_of_a_window_edge(Duration::from_secs(60), Duration::from_secs(10));
     // Allowed: RateLimit fields on the origin's answer.
     let r = w.request("POST", "/m/x", &carol, &[]);
     assert_eq!(r.status, 200, "{}", r.text());
@@ -188,6 +189,8 @@ fn rules_reload_from_kv_and_a_bad_document_keeps_the_last_good_rules() {
 fn counter_state_survives_a_runtime_restart_within_the_flush_bound() {
     let mut w = start(&[]);
     let gina = [("x-user-id", "gina")];
+    // The rule's window is 60 s; the requests, the pause and the restart stay inside one.
+    ratewall_tests::clear_of_a_window_edge(Duration::from_secs(60), Duration::from_secs(20));
     assert_eq!(statuses(&w, "GET", "/u/x", &gina, 3), [200, 200, 200]);
     // The counter object writes its state at most 1 s after a change (the stated bound).
     std::thread::sleep(Duration::from_millis(2500));
