@@ -235,7 +235,7 @@ impl Table {
     fn bucket_key_in<'b>(&self, bucket: u32, buf: &'b mut [u8; 32]) -> &'b str {
         let prefix = self.prefix.as_bytes();
         let mut digit_buf = [0u8; 20];
-        let digits = ratewall_core::response::digits(u64::from(bucket), &mut digit_buf);
+        let digits = ratewall_core::text::digits(u64::from(bucket), &mut digit_buf);
         let len = prefix.len() + digits.len();
         // The prefix is "rw1/<u32>/" (at most 15 bytes) and a bucket at most 10 digits: it fits.
         match (buf.get_mut(..prefix.len()), len <= 32) {

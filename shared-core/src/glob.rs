@@ -169,7 +169,7 @@ pub fn normalize_path(raw: &[u8]) -> Cow<'_, str> {
     let raw = raw.get(..end).unwrap_or(raw);
     // Fast path, the common case: already normal, borrowed as it is.
     if is_normal(raw) {
-        if let Some(s) = crate::text(raw) {
+        if let Some(s) = crate::text::text(raw) {
             return Cow::Borrowed(s);
         }
     }

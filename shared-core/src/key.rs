@@ -1,7 +1,6 @@
 //! Identity: the client IP (peer address, `X-Forwarded-For` with trusted hops, IPv6 by
 //! prefix) and the composite keys rules count on.
 
-use crate::rules::IpSource;
 use alloc::borrow::Cow;
 use alloc::string::String;
 use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -168,6 +167,18 @@ impl Cursor<'_> {
     }
 }
 
+/// How the client IP dimension is derived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpSource {
+    /// Proxies in front of this one whose `X-Forwarded-For` entries are trusted. 0 ignores
+    /// `X-Forwarded-For` and keys on the peer address.
+    pub trusted_hops: u8,
+    /// IPv6 clients are keyed by this prefix length (default 64).
+    pub ipv6_prefix: u8,
+    /// IPv4 clients are keyed by this prefix length (default 32).
+    pub ipv4_prefix: u8,
+}
+
 /// The client IP: with `trusted_hops = 0` the peer address; with `n` trusted proxies in front,
 /// the `n`-th `X-Forwarded-For` entry from the right (the address the outermost trusted proxy
 /// saw). Entries a client prepends cannot move that position, so they cannot spoof it. With
@@ -206,7 +217,7 @@ pub fn client_key<'a>(
     let entry = xff.and_then(|x| forwarded_entry(x, src.trusted_hops)).map(<[u8]>::trim_ascii);
     if let (Some(e), true) = (entry, src.ipv4_prefix >= 32) {
         if is_canonical_ipv4(e) {
-            return crate::text(e).map(Cow::Borrowed);
+            return crate::text::text(e).map(Cow::Borrowed);
         }
     }
     client_ip_with(peer, xff, src).map(|ip| Cow::Owned(ip_key(ip, src)))
@@ -247,7 +258,7 @@ pub fn ip_key(ip: IpAddr, src: &IpSource) -> String {
     };
     if let Some(p) = p {
         out.push('/');
-        crate::response::push_decimal(&mut out, u64::from(p));
+        crate::text::push_decimal(&mut out, u64::from(p));
     }
     out
 }
@@ -258,7 +269,7 @@ fn push_ipv4(out: &mut String, a: Ipv4Addr) {
         if i > 0 {
             out.push('.');
         }
-        crate::response::push_decimal(out, u64::from(*octet));
+        crate::text::push_decimal(out, u64::from(*octet));
     }
 }
 

@@ -7,9 +7,13 @@
 //! - Allowed: the same fields for the most restrictive enforcing policy.
 //! - A `closed` rule whose store failed: `503` with `Retry-After: 1` and a problem body.
 
-use crate::algo::{Decision, Limit, Nanos, SECOND};
+use crate::algo::{Decision, Limit};
 use crate::eval::{CheckResult, Outcome};
+pub use crate::field::{ceil_secs, policy_item};
+use crate::field::{push_policy_item, window_secs};
 use crate::rules::{Config, Mode, Rule};
+use crate::text::decimal;
+pub use crate::text::{digits, push_decimal};
 use alloc::string::String;
 use alloc::vec::Vec;
 
@@ -33,45 +37,6 @@ impl Reply {
     pub fn passes(&self) -> bool {
         self.status == 200
     }
-}
-
-/// `v` in decimal ASCII digits, written into `buf` (no allocation).
-pub fn digits(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        if let Some(b) = buf.get_mut(i) {
-            *b = b'0' + (v % 10) as u8;
-        }
-        v /= 10;
-        if v == 0 || i == 0 {
-            break;
-        }
-    }
-    buf.get(i..).unwrap_or(&[])
-}
-
-/// Appends `v` in decimal (`core::fmt` costs several times more on this hot path).
-pub fn push_decimal(out: &mut String, v: u64) {
-    let mut buf = [0u8; 20];
-    // ASCII digits: always valid UTF-8, appended at once rather than char by char.
-    out.push_str(crate::text(digits(v, &mut buf)).unwrap_or(""));
-}
-
-fn decimal(v: u64) -> String {
-    let mut s = String::with_capacity(20);
-    push_decimal(&mut s, v);
-    s
-}
-
-/// Whole seconds, rounded up.
-pub fn ceil_secs(n: Nanos) -> u64 {
-    n.div_ceil(SECOND)
-}
-
-/// The policy window in whole seconds (at least 1: the field is an integer of seconds).
-fn window_secs(limit: &Limit) -> u64 {
-    ceil_secs(limit.per()).max(1)
 }
 
 /// Renders the reply for an outcome.
@@ -157,23 +122,6 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
     body.push_str(&list);
     body.push_str("]}");
     Reply { status: 429, headers, body }
-}
-
-/// A `RateLimit-Policy` item: `"name";q=<quota>;w=<window seconds>`.
-pub fn policy_item(name: &str, quota: u64, limit: &Limit) -> String {
-    let mut item = String::with_capacity(name.len() + 32);
-    push_policy_item(&mut item, name, quota, limit);
-    item
-}
-
-fn push_policy_item(out: &mut String, name: &str, quota: u64, limit: &Limit) {
-    // Rule names are validated to [A-Za-z0-9_.-], so they need no escaping in sf-string.
-    out.push('"');
-    out.push_str(name);
-    out.push_str("\";q=");
-    push_decimal(out, quota);
-    out.push_str(";w=");
-    push_decimal(out, window_secs(limit));
 }
 
 /// Appends `RateLimit-Policy`, `RateLimit` and, when enabled, the legacy fields.

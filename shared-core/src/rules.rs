@@ -6,6 +6,7 @@
 use crate::algo::{Algorithm, Limit, LimitError, Nanos, MAX_PER, MAX_REQUESTS};
 use crate::glob::PathPattern;
 use crate::json::{Map, Value};
+pub use crate::key::IpSource;
 use alloc::borrow::ToOwned;
 use alloc::format;
 use alloc::string::{String, ToString};
@@ -63,18 +64,6 @@ impl Identity {
     pub fn header_index(&self, dimension: &str) -> Option<usize> {
         self.headers.iter().position(|(d, _)| d == dimension)
     }
-}
-
-/// How the client IP dimension is derived.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct IpSource {
-    /// Proxies in front of this one whose `X-Forwarded-For` entries are trusted. 0 ignores
-    /// `X-Forwarded-For` and keys on the peer address.
-    pub trusted_hops: u8,
-    /// IPv6 clients are keyed by this prefix length (default 64).
-    pub ipv6_prefix: u8,
-    /// IPv4 clients are keyed by this prefix length (default 32).
-    pub ipv4_prefix: u8,
 }
 
 /// One identity dimension a rule keys on.
@@ -588,7 +577,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
     if let Some(d) = m.get("description") {
         string(d, &join(path, "description"))?;
     }
-    let policy_item = crate::response::policy_item(name, limit.quota(), &limit);
+    let policy_item = crate::field::policy_item(name, limit.quota(), &limit);
     Ok(Rule { name: name.to_owned(), matcher, key, limit, plans, cost, mode, on_store_failure, policy_item })
 }
 

@@ -1,0 +1,383 @@
+//! One counter's state machine at a store: the global state, each node's share and last
+//! `seq`, grants and leases.
+
+use crate::algo::{Algorithm, Limit, Nanos, State};
+use crate::encoding::{put_varint, DecodeError, Reader};
+use alloc::vec::Vec;
+
+/// Most nodes one counter remembers (the least recently seen go first). A fleet of more
+/// nodes syncing one counter within [`SEQ_MEMORY`] may see a late retry counted twice.
+pub const MAX_SHARES: usize = 256;
+
+/// How long a counter remembers a node's last `seq` after it last heard from it, and the
+/// registry a node's: longer than any retry a node makes (the filter gives a batch up after
+/// [`RETRY_HORIZON`]), so a late retry is recognized, never counted twice.
+pub const SEQ_MEMORY: Nanos = 60 * crate::algo::SECOND;
+
+/// How long after first sending a batch a node may still retry it (with the same `seq`);
+/// after that it drops the batch (its units are counted as dropped) rather than risk a store
+/// that has forgotten the `seq` counting it twice.
+pub const RETRY_HORIZON: Nanos = 45 * crate::algo::SECOND;
+
+/// One node's recent traffic on a counter, and its last batch for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Share {
+    node: u64,
+    /// The sequence number of the node's last batch applied to this counter.
+    seq: u64,
+    /// Recent units (halved at each of the node's syncs): the traffic share.
+    units: u64,
+    /// The grant answered to that batch (a retry gets the same answer).
+    grant: u64,
+    seen: Nanos,
+    /// The end of the grant's lease: after it the node no longer spends the grant.
+    until: Nanos,
+    /// Units given to the node's asks since its last batch.
+    asked: u64,
+    /// Units given to its asks before its last batch, which may have been cut before they
+    /// were spent: they stay outstanding until the batch after.
+    carried: u64,
+    /// The node's last ask (its number) and the units it was given: a repeat of it (a
+    /// duplicated request) gets the same answer and takes nothing more.
+    last_ask: (u64, u64),
+}
+
+/// What a counter answers to one node's delta.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Applied {
+    /// Units remaining globally, after the delta.
+    pub remaining: u64,
+    /// Units this node may admit before its next sync.
+    pub grant: u64,
+    /// Time until the global quota is restored.
+    pub reset_after: Nanos,
+    /// How long the node may spend the grant.
+    pub lease: Nanos,
+    /// Nodes active on this counter.
+    pub nodes: u32,
+    /// False when the delta was a repeat (or older than one) already applied: not counted.
+    pub counted: bool,
+}
+
+/// The longest lease a grant gets (far from the limit, or with no traffic to go by).
+pub const MAX_LEASE: Nanos = 2 * crate::algo::SECOND;
+/// The lease of units given to an ask: they are spent at once, or given back by expiring.
+pub const ASK_LEASE: Nanos = crate::algo::SECOND;
+
+const COUNTER_VERSION: u8 = 2;
+
+/// One global counter: its state, the traffic shares of the nodes that sync to it, and its
+/// recent rate.
+///
+/// The reference [`Store`](super::Store) holds many; the Cloudflare Worker holds one per Durable Object, so
+/// both answer a delta the same way. Every operation clamps `now` to the latest instant the
+/// counter has seen: time never goes backwards for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Counter {
+    /// The limit last applied (a delta or check with another limit replaces it).
+    pub limit: Limit,
+    /// The global state.
+    pub state: State,
+    pub(super) shares: Vec<Share>,
+    /// The latest instant seen.
+    pub last_seen: Nanos,
+    /// Units reported per whole second: (second, units in the one before, units in it).
+    rate: (u64, u64, u64),
+}
+
+impl Counter {
+    /// A fresh counter.
+    pub fn new(limit: Limit) -> Counter {
+        Counter { limit, state: State::Fresh, shares: Vec::new(), last_seen: 0, rate: (0, 0, 0) }
+    }
+
+    fn clock(&mut self, limit: Limit, now: Nanos) -> Nanos {
+        if limit != self.limit {
+            // The rules changed: the state carries over; a state of another algorithm reads
+            // as fresh.
+            self.limit = limit;
+        }
+        self.last_seen = self.last_seen.max(now);
+        self.last_seen
+    }
+
+    /// Decides a request of `cost` units and consumes them when it is allowed.
+    pub fn take(&mut self, limit: Limit, now: Nanos, cost: u64) -> crate::algo::Decision {
+        let now = self.clock(limit, now);
+        let (d, next) = self.limit.decide(&self.state, now, cost);
+        // A denial returns the state as it was, or moved back after a clock step.
+        if !d.allowed || cost > 0 {
+            self.state = next;
+        }
+        d
+    }
+
+    /// Gives back `cost` units taken at `taken_at`.
+    pub fn refund(&mut self, limit: Limit, now: Nanos, taken_at: Nanos, cost: u64) {
+        self.clock(limit, now);
+        self.state = self.limit.refund(&self.state, taken_at, cost);
+    }
+
+    /// Forgets the nodes not heard from for [`SEQ_MEMORY`] whose leases are over.
+    fn forget_quiet(&mut self, node: u64, now: Nanos) {
+        self.shares.retain(|s| s.node == node || now.saturating_sub(s.seen) <= SEQ_MEMORY || s.until > now);
+    }
+
+    /// Nodes active on this counter at `now`: heard from within `node_ttl`, or holding a
+    /// lease. (Quieter ones are only remembered, for their `seq`.)
+    fn active(&self, now: Nanos, node_ttl: Nanos) -> impl Iterator<Item = &Share> {
+        self.shares.iter().filter(move |s| now.saturating_sub(s.seen) <= node_ttl || s.until > now)
+    }
+
+    /// Adds one node's delta (units it already admitted) and answers its grant. A delta whose
+    /// `seq` this counter has already applied for the node is not counted again: a repeat gets
+    /// the grant it got before, an older one a grant of 0.
+    pub fn apply(&mut self, limit: Limit, now: Nanos, node: u64, seq: u64, units: u64, node_ttl: Nanos) -> Applied {
+        let now = self.clock(limit, now);
+        self.forget_quiet(node, now);
+        let nodes = |c: &Counter| u32::try_from(c.active(now, node_ttl).count()).unwrap_or(u32::MAX);
+        let prior = self.shares.iter().position(|s| s.node == node);
+        if let Some(s) = prior.and_then(|i| self.shares.get(i)).filter(|s| seq <= s.seq) {
+            let (grant, lease) = if seq == s.seq { (s.grant, s.until.saturating_sub(now)) } else { (0, 0) };
+            let (view, _) = self.limit.decide(&self.state, now, 0);
+            let (remaining, reset_after) = (view.remaining, view.reset_after);
+            return Applied { remaining, grant, reset_after, lease, nodes: nodes(self), counted: false };
+        }
+        self.state = self.limit.consume(&self.state, now, units);
+        self.note_rate(now, units);
+        let idx = match prior {
+            Some(i) => i,
+            None => self.new_share(node, now),
+        };
+        let (view, _) = self.limit.decide(&self.state, now, 0);
+        // Grants are strict: what this node may take is what remains minus every other node's
+        // grant still on lease, so the grants outstanding never sum to more than what remains
+        // (units a node spent from its grant are not counted until it reports them, and its
+        // report replaces its grant). Of that, the node gets its traffic share, rounded down.
+        //
+        // A grant is leased for about half the time the whole fleet, at its recent rate,
+        // would take to use up what remains: a node that goes quiet holds its grant for no
+        // longer than that, so by the time the quota runs low the units it held are free
+        // again for the nodes that ask ([`Counter::ask`]).
+        let others = self.outstanding(now, Some(node));
+        let available = view.remaining.saturating_sub(others);
+        let lease = self.lease(view.remaining, now);
+        let mut grant = 0;
+        if let Some(s) = self.shares.get_mut(idx) {
+            s.units = s.units / 2 + units;
+            let carried = s.asked;
+            let until = now.saturating_add(lease);
+            *s = Share {
+                node,
+                seq,
+                units: s.units,
+                grant: 0,
+                seen: now,
+                until,
+                asked: 0,
+                carried,
+                last_ask: s.last_ask,
+            };
+            grant = self.share_of(node, available.saturating_sub(carried), lease, node_ttl);
+        }
+        if let Some(s) = self.shares.get_mut(idx) {
+            s.grant = grant;
+        }
+        let (remaining, reset_after) = (view.remaining, view.reset_after);
+        Applied { remaining, grant, reset_after, lease, nodes: nodes(self), counted: true }
+    }
+
+    /// `node`'s part of `available` units for a lease of `lease`: its traffic share (weights
+    /// are recent units + 1, so a node new to a counter still gets some), rounded down, and
+    /// no more than twice what that share of the fleet's recent rate would use in the lease
+    /// — units a quiet node holds are locked from every other node.
+    fn share_of(&self, node: u64, available: u64, lease: Nanos, node_ttl: Nanos) -> u64 {
+        if lease == 0 {
+            return 0;
+        }
+        let weight = |s: &Share| u128::from(s.units) + 1;
+        let now = self.last_seen;
+        let total: u128 = self.active(now, node_ttl).filter(|s| s.node != node).map(weight).sum::<u128>()
+            + self.shares.iter().find(|s| s.node == node).map_or(1, weight);
+        let mine = self.shares.iter().find(|s| s.node == node).map_or(1, weight);
+        let fair = u128::from(available) * mine / total.max(mine);
+        let rate = u128::from(self.rate.1.max(self.rate.2).max(1));
+        let use_in_lease = rate * u128::from(lease) * mine / total.max(mine) / u128::from(crate::algo::SECOND);
+        u64::try_from(fair.min(2 * use_in_lease)).unwrap_or(u64::MAX).min(available)
+    }
+
+    /// Counts `units` reported at `now` into the per-second rate.
+    fn note_rate(&mut self, now: Nanos, units: u64) {
+        let sec = now / crate::algo::SECOND;
+        let (at, prev, curr) = self.rate;
+        self.rate = match sec.saturating_sub(at) {
+            0 => (at, prev, curr.saturating_add(units)),
+            1 => (sec, curr, units),
+            _ => (sec, 0, units),
+        };
+    }
+
+    /// Units reported over the last second (the one before counted pro rata).
+    fn rate_per_sec(&self, now: Nanos) -> u64 {
+        let second = crate::algo::SECOND;
+        let (at, prev, curr) = self.rate;
+        let left = u128::from(second - now % second);
+        let part = |n: u64| (u128::from(n) * left / u128::from(second)) as u64;
+        match (now / second).saturating_sub(at) {
+            0 => part(prev).saturating_add(curr),
+            1 => part(curr),
+            _ => 0,
+        }
+    }
+
+    /// The lease of a grant given now: half the time the fleet would take to use up
+    /// `remaining` at its recent rate, at most [`MAX_LEASE`]; 0 when nothing remains.
+    fn lease(&self, remaining: u64, now: Nanos) -> Nanos {
+        if remaining == 0 {
+            return 0;
+        }
+        let rate = self.rate_per_sec(now);
+        if rate == 0 {
+            return MAX_LEASE;
+        }
+        let until_empty = u128::from(remaining) * u128::from(crate::algo::SECOND) / u128::from(rate);
+        u64::try_from(until_empty / 2).unwrap_or(u64::MAX).min(MAX_LEASE)
+    }
+
+    /// Adds a share for `node` (the least recently seen goes when full); returns its index.
+    fn new_share(&mut self, node: u64, now: Nanos) -> usize {
+        if self.shares.len() >= MAX_SHARES {
+            if let Some(old) = self.shares.iter().enumerate().min_by_key(|(_, s)| s.seen).map(|(i, _)| i) {
+                self.shares.swap_remove(old);
+            }
+        }
+        let last_ask = (0, 0);
+        self.shares.push(Share {
+            node,
+            seq: 0,
+            units: 0,
+            grant: 0,
+            seen: now,
+            until: now,
+            asked: 0,
+            carried: 0,
+            last_ask,
+        });
+        self.shares.len() - 1
+    }
+
+    /// Units held by the nodes' grants still on lease (all nodes but `except`). A fixed
+    /// window's grant also ends with the window it was given in.
+    pub(super) fn outstanding(&self, now: Nanos, except: Option<u64>) -> u64 {
+        let per = self.limit.per().max(1);
+        let fixed = self.limit.algorithm() == Algorithm::FixedWindow;
+        self.shares
+            .iter()
+            .filter(|s| Some(s.node) != except && s.until > now && !(fixed && s.seen / per != now / per))
+            .map(|s| s.grant.saturating_add(s.asked).saturating_add(s.carried))
+            .fold(0, u64::saturating_add)
+    }
+
+    /// Answers a node's *ask*: a request that needs `cost` units now, its grant being spent.
+    /// The units are taken — counted here, at once — only if they are free: not consumed and
+    /// not held by any node's grant on lease, the asker's included, so an ask never
+    /// over-admits. With them comes the node's share of what else is free, as a sync would
+    /// give it, so its next requests need not ask; the node reports what it spends of that
+    /// with its next batch, like any grant. `grant` in the answer is 0 (refused), or `cost`
+    /// (taken) plus that share, leased for [`ASK_LEASE`]. `ask` numbers the node's asks
+    /// (not 0): a repeat of its last one gets the same answer and takes nothing.
+    pub fn ask(&mut self, limit: Limit, now: Nanos, node: u64, ask: u64, cost: u64, node_ttl: Nanos) -> Applied {
+        let now = self.clock(limit, now);
+        self.forget_quiet(node, now);
+        let (view, _) = self.limit.decide(&self.state, now, 0);
+        let nodes = u32::try_from(self.active(now, node_ttl).count()).unwrap_or(u32::MAX);
+        let (remaining, reset_after) = (view.remaining, view.reset_after);
+        if let Some(s) = self.shares.iter().find(|s| s.node == node && ask != 0 && s.last_ask.0 == ask) {
+            let grant = s.last_ask.1;
+            return Applied { remaining, grant, reset_after, lease: ASK_LEASE, nodes, counted: false };
+        }
+        let held = self.outstanding(now, None);
+        let free = view.remaining.saturating_sub(held);
+        let mut given = 0;
+        if cost <= free {
+            let extra = self.share_of(node, free - cost, self.lease(view.remaining, now).min(ASK_LEASE), node_ttl);
+            given = cost.saturating_add(extra);
+            self.state = self.limit.consume(&self.state, now, cost);
+            self.note_rate(now, cost);
+            let idx = match self.shares.iter().position(|s| s.node == node) {
+                Some(i) => i,
+                None => self.new_share(node, now),
+            };
+            if let Some(s) = self.shares.get_mut(idx) {
+                s.asked = s.asked.saturating_add(extra);
+                s.last_ask = (ask, given);
+                s.until = s.until.max(now.saturating_add(ASK_LEASE));
+                s.seen = now;
+            }
+        }
+        // What remains after the units this ask took.
+        let (view, _) = self.limit.decide(&self.state, now, 0);
+        let nodes = u32::try_from(self.active(now, node_ttl).count()).unwrap_or(nodes);
+        let (remaining, reset_after) = (view.remaining, view.reset_after);
+        Applied { remaining, grant: given, reset_after, lease: ASK_LEASE, nodes, counted: given > 0 }
+    }
+
+    /// When this counter can be forgotten: its state is fresh, no node holds a lease, and
+    /// no node's `seq` needs remembering ([`SEQ_MEMORY`]).
+    pub fn idle_at(&self) -> Nanos {
+        let shares = self.shares.iter().map(|s| s.seen.saturating_add(SEQ_MEMORY).max(s.until)).max().unwrap_or(0);
+        self.limit.idle_at(&self.state).max(shares)
+    }
+
+    /// The persistent encoding: state, clock, rate and shares (the limit travels with each
+    /// call).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = alloc::vec![COUNTER_VERSION];
+        self.state.encode_into(&mut out);
+        put_varint(&mut out, self.last_seen);
+        for v in [self.rate.0, self.rate.1, self.rate.2] {
+            put_varint(&mut out, v);
+        }
+        put_varint(&mut out, self.shares.len() as u64);
+        for s in &self.shares {
+            for v in [s.node, s.seq, s.units, s.grant, s.seen, s.until, s.asked, s.carried, s.last_ask.0, s.last_ask.1]
+            {
+                put_varint(&mut out, v);
+            }
+        }
+        out
+    }
+
+    /// Decodes [`Counter::encode`] under `limit` (and the version before it, which had no
+    /// rate and no leases: its grants are taken as leased for [`MAX_LEASE`]); trailing bytes
+    /// are an error.
+    pub fn decode(limit: Limit, bytes: &[u8]) -> Result<Counter, DecodeError> {
+        let mut r = Reader { bytes, pos: 0 };
+        let v = r.u8()?;
+        if v != COUNTER_VERSION && v != 1 {
+            return Err(DecodeError::Version(v));
+        }
+        let (state, used) = State::decode(bytes.get(1..).unwrap_or_default())?;
+        r.pos += used;
+        let last_seen = r.varint()?;
+        let rate = if v == 1 { (0, 0, 0) } else { (r.varint()?, r.varint()?, r.varint()?) };
+        let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+        if n > MAX_SHARES {
+            return Err(DecodeError::Truncated);
+        }
+        let mut shares = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (node, seq, units, grant, seen) = (r.varint()?, r.varint()?, r.varint()?, r.varint()?, r.varint()?);
+            let (until, asked, carried, last_ask) = if v == 1 {
+                (seen.saturating_add(MAX_LEASE), 0, 0, (0, 0))
+            } else {
+                (r.varint()?, r.varint()?, r.varint()?, (r.varint()?, r.varint()?))
+            };
+            shares.push(Share { node, seq, units, grant, seen, until, asked, carried, last_ask });
+        }
+        if r.pos != bytes.len() {
+            return Err(DecodeError::Truncated);
+        }
+        Ok(Counter { limit, state, shares, last_seen, rate })
+    }
+}

@@ -1,0 +1,34 @@
+//! The sync protocol between proxies and the global store, and a reference store.
+//!
+//! Each proxy admits locally and, once per interval, sends the store one batch: the units it
+//! admitted per counter since its last sync ([`SyncRequest`]). The store adds them to the
+//! global state of each counter ([`Limit::consume`](crate::algo::Limit::consume)) and answers with the global view and a
+//! *grant* per counter ([`SyncResponse`]): the units this node may admit before its next sync.
+//! Grants split the global remaining quota between the nodes in proportion to their recent
+//! traffic, so the grants outstanding at one instant never sum to more than what remains.
+//!
+//! - **Idempotent:** a request carries the node id and a sequence number. The store answers a
+//!   repeat of the node's last sequence with the response it already gave (a retried batch is
+//!   never counted twice) and refuses older ones ([`SyncError::Stale`]).
+//! - **Authenticated:** [`sign`] / [`verify`] are HMAC-SHA256 over the encoded body with a
+//!   shared secret; the tag travels beside the body (a header), never in logs.
+//! - **One clock:** the store's `now` in the response is the reference for window ids, so
+//!   nodes with skewed clocks agree on windows.
+//! - **Compact:** `version | kind | varints`; a delta is its key, its limit (4 varints) and
+//!   its units.
+//!
+//! `docs/sync-protocol.md` describes the wire format and the error bound.
+
+mod auth;
+mod counter;
+mod registry;
+mod store;
+#[cfg(test)]
+mod tests;
+mod wire;
+
+pub use auth::{hex, sign, unhex, verify};
+pub use counter::{Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, RETRY_HORIZON, SEQ_MEMORY};
+pub use registry::{Registry, MAX_NODES};
+pub use store::Store;
+pub use wire::{Delta, Grant, SyncError, SyncRequest, SyncResponse, MAX_ENTRIES, MAX_KEY, VERSION};

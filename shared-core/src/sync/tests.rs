@@ -1,0 +1,306 @@
+//! The protocol's unit tests.
+
+use super::*;
+use crate::algo::{Algorithm, Limit, Nanos, State, SECOND};
+use alloc::collections::BTreeMap;
+use alloc::vec;
+use alloc::vec::Vec;
+
+fn limit() -> Limit {
+    Limit::new(Algorithm::SlidingWindow, 100, 60 * SECOND, None).unwrap()
+}
+
+fn req(node: u64, seq: u64, units: u64) -> SyncRequest {
+    SyncRequest { node, seq, deltas: vec![Delta { key: b"k".to_vec(), limit: limit(), units }], ask: false }
+}
+
+const NOW: Nanos = 1_700_000_000 * SECOND;
+
+#[test]
+fn the_longest_answer_fits_its_bound() {
+    let key = vec![7u8; MAX_KEY];
+    let g = Grant { key: key.clone(), remaining: u64::MAX, grant: u64::MAX, reset_after: u64::MAX, lease: u64::MAX };
+    let resp = SyncResponse { seq: u64::MAX, now: u64::MAX, nodes: u32::MAX, grants: vec![g.clone(), g] };
+    assert!(resp.encode().len() <= SyncResponse::max_len([MAX_KEY, MAX_KEY].into_iter()));
+    let empty = SyncResponse { seq: u64::MAX, now: u64::MAX, nodes: u32::MAX, grants: vec![] };
+    assert!(empty.encode().len() <= SyncResponse::max_len(core::iter::empty()));
+}
+
+#[test]
+fn hex_round_trips_and_rejects_garbage() {
+    assert_eq!(hex(&[0, 0xab, 7]), "00ab07");
+    assert_eq!(unhex(b"00AB07"), Some(vec![0, 0xab, 7]));
+    assert_eq!(unhex(b"0g"), None);
+    assert_eq!(unhex(b"abc"), None);
+}
+
+#[test]
+fn messages_round_trip_and_trailing_bytes_are_errors() {
+    let r = req(7, 9, 3);
+    assert_eq!(SyncRequest::decode(&r.encode()), Ok(r.clone()));
+    let mut long = r.encode();
+    long.push(0);
+    assert!(SyncRequest::decode(&long).is_err());
+    let resp = SyncResponse {
+        seq: 9,
+        now: NOW,
+        nodes: 3,
+        grants: vec![Grant { key: b"k".to_vec(), remaining: 5, grant: 2, reset_after: 7, lease: 9 }],
+    };
+    assert_eq!(SyncResponse::decode(&resp.encode()), Ok(resp));
+    assert!(SyncResponse::decode(&r.encode()).is_err(), "a request is not a response");
+}
+
+#[test]
+fn a_delta_costs_a_few_bytes() {
+    let r = SyncRequest {
+        node: 1,
+        seq: 1,
+        deltas: vec![Delta { key: vec![b'x'; 24], limit: limit(), units: 12 }; 100],
+        ask: false,
+    };
+    let per_delta = (r.encode().len() - 5) / 100;
+    assert!(per_delta <= 36, "{per_delta} bytes per delta for a 24-byte key");
+}
+
+#[test]
+fn forged_or_tampered_batches_are_refused() {
+    let mut s = Store::new(100, 10 * SECOND);
+    let body = req(1, 1, 5).encode();
+    let tag = sign(b"secret", &body);
+    assert_eq!(s.handle_signed(NOW, b"other", &body, &tag), Err(SyncError::Unauthorized));
+    let mut tampered = body.clone();
+    if let Some(last) = tampered.last_mut() {
+        *last = 99;
+    }
+    assert_eq!(s.handle_signed(NOW, b"secret", &tampered, &tag), Err(SyncError::Unauthorized));
+    assert!(s.handle_signed(NOW, b"secret", &body, &tag).is_ok());
+    assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(95));
+}
+
+#[test]
+fn a_retried_batch_is_never_counted_twice_and_old_ones_are_refused() {
+    let mut s = Store::new(100, 10 * SECOND);
+    let first = s.handle(NOW, &req(1, 5, 10)).unwrap();
+    let retry = s.handle(NOW + SECOND, &req(1, 5, 10)).unwrap();
+    // The same grant, on what remains of its lease, at the store's clock now.
+    let (a, b) = (&first.grants[0], &retry.grants[0]);
+    assert_eq!((b.grant, b.remaining, b.lease, retry.now), (a.grant, a.remaining, a.lease - SECOND, NOW + SECOND));
+    assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(90));
+    s.handle(NOW, &req(1, 6, 1)).unwrap();
+    assert_eq!(s.handle(NOW, &req(1, 5, 10)), Err(SyncError::Stale { last: 6 }));
+    assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(89));
+}
+
+#[test]
+fn a_late_retry_is_recognized_after_other_nodes_synced_and_quiet_spells() {
+    // The Worker forgot a node's seq once it had been quiet for 2 s while another node
+    // synced the counter: the retry counted twice. Now it is remembered for SEQ_MEMORY,
+    // longer than the filter retries (RETRY_HORIZON).
+    let ttl = 2 * SECOND;
+    for wait in [SECOND + SECOND / 2, 5 * SECOND / 2, 6 * SECOND, RETRY_HORIZON] {
+        let mut s = Store::new(100, ttl);
+        s.handle(NOW, &req(1, 1, 5)).unwrap();
+        s.handle(NOW + wait / 2, &req(2, 1, 0)).unwrap();
+        s.handle(NOW + wait, &req(2, 2, 0)).unwrap();
+        let before = s.peek(b"k", NOW + wait).map(|d| d.remaining);
+        s.handle(NOW + wait, &req(1, 1, 5)).unwrap();
+        assert_eq!(s.peek(b"k", NOW + wait).map(|d| d.remaining), before, "repeat after {wait} ns");
+    }
+}
+
+#[test]
+fn more_nodes_than_the_old_share_cap_keep_their_seq() {
+    let mut s = Store::new(100, 2 * SECOND);
+    for node in 1..=100u64 {
+        s.handle(NOW + node, &req(node, 1, 0)).unwrap();
+    }
+    s.handle(NOW, &req(1000, 1, 1)).unwrap();
+    for node in 1..=100u64 {
+        s.handle(NOW + 200, &req(node, 2, 0)).unwrap();
+    }
+    // Node 1000's retry, after 100 other nodes.
+    s.handle(NOW + 300, &req(1000, 1, 1)).unwrap();
+    assert_eq!(s.peek(b"k", NOW + 300).map(|d| d.remaining), Some(99));
+}
+
+#[test]
+fn nodes_are_the_fleet_heard_from_even_in_a_heartbeat() {
+    let mut s = Store::new(100, 2 * SECOND);
+    for node in 1..=3 {
+        assert_eq!(s.handle(NOW, &req(node, 1, 1)).unwrap().nodes, node as u32);
+    }
+    let heartbeat = SyncRequest { node: 1, seq: 2, deltas: vec![], ask: false };
+    assert_eq!(s.handle(NOW + SECOND, &heartbeat).unwrap().nodes, 3);
+    // Past the node TTL only the sender counts.
+    let heartbeat = SyncRequest { node: 1, seq: 3, deltas: vec![], ask: false };
+    assert_eq!(s.handle(NOW + 4 * SECOND, &heartbeat).unwrap().nodes, 1);
+}
+
+#[test]
+fn an_asks_remaining_is_after_its_units() {
+    let mut s = Store::new(100, 2 * SECOND);
+    s.handle(NOW, &req(1, 1, 90)).unwrap();
+    let ask = SyncRequest {
+        node: 2,
+        seq: 1,
+        deltas: vec![Delta { key: b"k".to_vec(), limit: limit(), units: 3 }],
+        ask: true,
+    };
+    // Past node 1's lease, its grant no longer holds the last 10 units.
+    let r = s.handle(NOW + 3 * SECOND, &ask).unwrap();
+    assert!(r.grants[0].grant >= 3, "{r:?}");
+    assert_eq!(r.grants[0].remaining, 7);
+}
+
+#[test]
+fn grants_never_promise_more_than_remains_and_follow_traffic() {
+    let mut s = Store::new(100, 10 * SECOND);
+    let mut grants = BTreeMap::new();
+    // Node 1 sends 9x the traffic of node 2 and node 3.
+    for round in 1..=3 {
+        for (node, units) in [(1u64, 9u64), (2, 1), (3, 1)] {
+            let r = s.handle(NOW + round, &req(node, round, units)).unwrap();
+            grants.insert(node, r.grants[0].grant);
+        }
+    }
+    let remaining = s.peek(b"k", NOW + 3).unwrap().remaining;
+    assert_eq!(remaining, 100 - 33);
+    assert!(grants.values().sum::<u64>() <= remaining, "{grants:?} vs {remaining}");
+    assert!(grants[&1] > 4 * grants[&2], "{grants:?}");
+}
+
+#[test]
+fn an_ask_neither_checks_nor_moves_the_batch_sequence() {
+    let mut s = Store::new(100, 10 * SECOND);
+    s.handle(NOW, &req(1, 5, 10)).unwrap();
+    let ask = SyncRequest { ask: true, ..req(1, 0, 1) };
+    assert_eq!(SyncRequest::decode(&ask.encode()), Ok(ask.clone()));
+    let answer = s.handle(NOW, &ask).unwrap();
+    assert!(answer.grants[0].grant >= 1, "{answer:?}");
+    assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(89), "the asked unit is counted");
+    assert_eq!(s.handle(NOW, &req(1, 5, 10)).unwrap().seq, 5, "batch 5 is still the last one");
+    assert!(s.handle(NOW, &req(1, 6, 0)).is_ok());
+}
+
+#[test]
+fn grants_on_lease_never_sum_past_what_remains_and_asks_take_only_free_units() {
+    let small = Limit::new(Algorithm::FixedWindow, 10, 60 * SECOND, None).unwrap();
+    let mut c = Counter::new(small);
+    let mut held = 0;
+    c.take(small, NOW, 5);
+    for node in 1..=5 {
+        held += c.apply(small, NOW, node, 1, 0, 10 * SECOND).grant;
+    }
+    let remaining = c.limit.decide(&c.state, NOW, 0).0.remaining;
+    assert_eq!(remaining, 5);
+    assert!(held <= remaining, "{held} granted of {remaining}");
+    // Asks take what no grant holds, counting it at once, and no more.
+    let mut taken = 0;
+    for node in 1..=10 {
+        let a = c.ask(small, NOW, node, 1, 1, 10 * SECOND);
+        assert!(a.grant == 0 || a.grant >= 1);
+        taken += u64::from(a.grant > 0);
+    }
+    assert_eq!(taken, remaining - held, "exactly the free units");
+    assert_eq!(c.limit.decide(&c.state, NOW, 0).0.remaining, held, "asked units are counted at once");
+}
+
+#[test]
+fn a_quiet_nodes_grant_lapses_with_its_lease_and_frees_its_units() {
+    let l = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
+    let mut c = Counter::new(l);
+    let first = c.apply(l, NOW, 1, 1, 40, 10 * SECOND);
+    assert!(first.grant > 0 && first.lease > 0 && first.lease <= MAX_LEASE, "{first:?}");
+    // While node 1's grant is on lease, node 2 cannot ask for those units.
+    let free_now = 60 - first.grant;
+    let mut asked = 0;
+    for n in 1.. {
+        if c.ask(l, NOW, 2, n, 1, 10 * SECOND).grant == 0 {
+            break;
+        }
+        asked += 1;
+        assert!(asked <= free_now, "asks reached units node 1 holds");
+    }
+
+    // Once the lease is over, node 1's units are free again.
+    let later = NOW + first.lease + 1;
+    assert!(c.ask(l, later, 2, 1000, 1, 10 * SECOND).grant > 0, "a lapsed grant locks nothing");
+}
+
+#[test]
+fn a_duplicated_ask_is_answered_again_and_takes_nothing_more() {
+    let l = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
+    let mut c = Counter::new(l);
+    let first = c.ask(l, NOW, 2, 5, 1, 10 * SECOND);
+    assert!(first.grant >= 1 && first.counted);
+    let again = c.ask(l, NOW + 1, 2, 5, 1, 10 * SECOND);
+    assert_eq!((again.grant, again.counted, again.remaining), (first.grant, false, 99));
+    assert!(c.ask(l, NOW + 2, 2, 6, 1, 10 * SECOND).counted, "the next ask is a new one");
+}
+
+#[test]
+fn leases_shorten_as_the_quota_runs_out_at_the_fleets_rate() {
+    let l = Limit::new(Algorithm::FixedWindow, 1000, 60 * SECOND, None).unwrap();
+    let mut c = Counter::new(l);
+    let mut leases = Vec::new();
+    // 100 units per second reported, from t = 0 to t = 9 s.
+    for i in 0..10u64 {
+        leases.push(c.apply(l, NOW + i * SECOND, 1, i + 1, 100, 10 * SECOND).lease);
+    }
+    assert!(leases.windows(2).all(|w| w[1] <= w[0]), "{leases:?}");
+    assert_eq!(leases[0], MAX_LEASE, "{leases:?}");
+    // 100 units left at 100 per second (up to 200 counted at a second's edge): at most
+    // half a second.
+    assert!(leases[8] > 0 && leases[8] <= SECOND / 2, "{leases:?}");
+    assert_eq!(leases[9], 0, "nothing left: no lease");
+}
+
+#[test]
+fn a_counter_applies_each_nodes_batch_once_and_keeps_it_across_encoding() {
+    let mut c = Counter::new(limit());
+    let first = c.apply(limit(), NOW, 1, 7, 10, SECOND);
+    assert!(first.counted);
+    assert_eq!(first.remaining, 90);
+    let again = c.apply(limit(), NOW + 1, 1, 7, 10, SECOND);
+    assert_eq!((again.counted, again.grant, again.remaining), (false, first.grant, 90));
+    let older = c.apply(limit(), NOW + 2, 1, 6, 10, SECOND);
+    assert_eq!((older.counted, older.grant, older.remaining), (false, 0, 90));
+    let mut restored = Counter::decode(limit(), &c.encode()).unwrap();
+    assert_eq!(restored, c);
+    assert!(!restored.apply(limit(), NOW + 3, 1, 7, 10, SECOND).counted, "a restart forgets no batch");
+    assert!(restored.apply(limit(), NOW + 3, 2, 7, 5, SECOND).counted, "another node's seq is its own");
+    assert!(Counter::decode(limit(), &c.encode()[..3]).is_err());
+    // Asks, a lease and the rate survive a restart too.
+    assert!(restored.ask(limit(), NOW + 4, 3, 1, 1, SECOND).grant > 0);
+    assert_eq!(Counter::decode(limit(), &restored.encode()).unwrap(), restored);
+    // A counter stored by the version before leases reads with its grants leased.
+    let mut v1 = vec![1u8];
+    State::Fresh.encode_into(&mut v1);
+    v1.extend_from_slice(&[5, 1, 9, 3, 2, 4, 5]);
+    let old = Counter::decode(limit(), &v1).unwrap();
+    assert_eq!(old.shares.len(), 1);
+    assert_eq!(old.outstanding(5, None), 4);
+}
+
+#[test]
+fn a_counter_never_lets_time_run_backwards() {
+    let mut c = Counter::new(limit());
+    assert!(c.take(limit(), NOW, 100).allowed);
+    // A clock 30 s behind must not find the window fresher than it is.
+    let d = c.take(limit(), NOW - 30 * SECOND, 1);
+    assert!(!d.allowed);
+    assert_eq!(c.last_seen, NOW);
+    c.refund(limit(), NOW, NOW, 100);
+    assert!(c.take(limit(), NOW, 1).allowed, "a refund gives the units back");
+}
+
+#[test]
+fn memory_is_bounded_by_max_counters() {
+    let mut s = Store::new(10, 10 * SECOND);
+    for i in 0..1000u64 {
+        let d = Delta { key: i.to_le_bytes().to_vec(), limit: limit(), units: 1 };
+        s.handle(NOW + i, &SyncRequest { node: 1, seq: i + 1, deltas: vec![d], ask: false }).unwrap();
+    }
+    assert_eq!(s.len(), 10);
+}

@@ -1,0 +1,228 @@
+//! The wire format: batches, asks and answers (`version | kind | varints`).
+
+use super::counter::Applied;
+use crate::algo::{Algorithm, Limit, Nanos};
+use crate::encoding::{put_varint, DecodeError, Reader};
+use alloc::vec::Vec;
+
+/// The protocol version byte.
+pub const VERSION: u8 = 1;
+const KIND_REQUEST: u8 = 1;
+const KIND_RESPONSE: u8 = 2;
+const KIND_ASK: u8 = 3;
+/// Longest counter key accepted on the wire.
+pub const MAX_KEY: usize = 1024;
+/// Most deltas (or grants) in one message.
+pub const MAX_ENTRIES: usize = 65_536;
+
+/// Units one node admitted for one counter since its last sync.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delta {
+    /// The counter key ([`crate::eval::Check::key`]).
+    pub key: Vec<u8>,
+    /// The limit the node applies to it.
+    pub limit: Limit,
+    /// Units admitted since the last sync (0: only asking for a grant).
+    pub units: u64,
+}
+
+/// One node's batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyncRequest {
+    /// The node's id (stable across restarts of its process is not required).
+    pub node: u64,
+    /// Strictly increasing per node; a retry repeats the same number.
+    pub seq: u64,
+    /// The deltas.
+    pub deltas: Vec<Delta>,
+    /// An *ask* rather than a batch: each delta's `units` are units a paused request needs
+    /// now, beyond the node's spent grant. The store takes them, counting them at once, only
+    /// if they are free (not consumed and not held by any node's grant). `seq` then numbers
+    /// the node's asks, not its batches: a repeated ask is answered again and takes nothing.
+    pub ask: bool,
+}
+
+/// The store's answer for one counter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// The counter key.
+    pub key: Vec<u8>,
+    /// Units remaining globally, after this batch.
+    pub remaining: u64,
+    /// Units this node may admit before its next sync.
+    pub grant: u64,
+    /// Time until the global quota is restored.
+    pub reset_after: Nanos,
+    /// How long the grant may be spent, from when the node sent its request.
+    pub lease: Nanos,
+}
+
+impl Grant {
+    /// The grant answering `key` with what its counter `applied`.
+    pub fn from_applied(key: &[u8], a: &Applied) -> Grant {
+        Grant { key: key.to_vec(), remaining: a.remaining, grant: a.grant, reset_after: a.reset_after, lease: a.lease }
+    }
+}
+
+/// The store's answer to a batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyncResponse {
+    /// The sequence number answered.
+    pub seq: u64,
+    /// The store's clock: the reference for window ids.
+    pub now: Nanos,
+    /// Nodes the store has heard from recently.
+    pub nodes: u32,
+    /// One grant per delta of the request, in order.
+    pub grants: Vec<Grant>,
+}
+
+/// Why a batch was not applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncError {
+    /// Older than the node's last batch (a reordered or duplicated old request).
+    Stale {
+        /// The last sequence number applied for this node.
+        last: u64,
+    },
+    /// The bytes are not a valid message.
+    Malformed(DecodeError),
+    /// The tag does not match the body.
+    Unauthorized,
+}
+
+pub(super) fn put_limit(out: &mut Vec<u8>, l: &Limit) {
+    out.push(l.algorithm().code());
+    put_varint(out, l.requests());
+    put_varint(out, l.per());
+    put_varint(out, l.capacity());
+}
+
+pub(super) fn read_limit(r: &mut Reader<'_>) -> Result<Limit, DecodeError> {
+    let code = r.u8()?;
+    let algorithm = Algorithm::from_code(code).ok_or(DecodeError::Tag(code))?;
+    let (requests, per, capacity) = (r.varint()?, r.varint()?, r.varint()?);
+    let burst = (algorithm == Algorithm::TokenBucket).then_some(capacity);
+    Limit::new(algorithm, requests, per, burst).map_err(|_| DecodeError::Tag(255))
+}
+
+pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    put_varint(out, b.len() as u64);
+    out.extend_from_slice(b);
+}
+
+pub(super) fn read_bytes(r: &mut Reader<'_>, max: usize) -> Result<Vec<u8>, DecodeError> {
+    let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+    if n > max {
+        return Err(DecodeError::Truncated);
+    }
+    Ok(r.take(n)?.to_vec())
+}
+
+/// Reads the version and a kind among `kinds`; returns the kind.
+pub(super) fn read_header(r: &mut Reader<'_>, kinds: &[u8]) -> Result<u8, DecodeError> {
+    let v = r.u8()?;
+    if v != VERSION {
+        return Err(DecodeError::Version(v));
+    }
+    let k = r.u8()?;
+    if !kinds.contains(&k) {
+        return Err(DecodeError::Tag(k));
+    }
+    Ok(k)
+}
+
+pub(super) fn read_count(r: &mut Reader<'_>) -> Result<usize, DecodeError> {
+    let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+    if n > MAX_ENTRIES {
+        return Err(DecodeError::Truncated);
+    }
+    Ok(n)
+}
+
+impl SyncRequest {
+    /// The wire encoding.
+    pub fn encode(&self) -> Vec<u8> {
+        SyncRequest::encode_parts(self.node, self.seq, &self.deltas, self.ask)
+    }
+
+    /// The wire encoding of a request made of these parts (without building one).
+    pub fn encode_parts(node: u64, seq: u64, deltas: &[Delta], ask: bool) -> Vec<u8> {
+        let mut out = alloc::vec![VERSION, if ask { KIND_ASK } else { KIND_REQUEST }];
+        put_varint(&mut out, node);
+        put_varint(&mut out, seq);
+        put_varint(&mut out, deltas.len() as u64);
+        for d in deltas {
+            put_bytes(&mut out, &d.key);
+            put_limit(&mut out, &d.limit);
+            put_varint(&mut out, d.units);
+        }
+        out
+    }
+
+    /// Decodes the wire encoding; trailing bytes are an error.
+    pub fn decode(bytes: &[u8]) -> Result<SyncRequest, DecodeError> {
+        let mut r = Reader { bytes, pos: 0 };
+        let ask = read_header(&mut r, &[KIND_REQUEST, KIND_ASK])? == KIND_ASK;
+        let (node, seq) = (r.varint()?, r.varint()?);
+        let n = read_count(&mut r)?;
+        let mut deltas = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            deltas.push(Delta { key: read_bytes(&mut r, MAX_KEY)?, limit: read_limit(&mut r)?, units: r.varint()? });
+        }
+        if r.pos != bytes.len() {
+            return Err(DecodeError::Truncated);
+        }
+        Ok(SyncRequest { node, seq, deltas, ask })
+    }
+}
+
+impl SyncResponse {
+    /// The wire encoding.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = alloc::vec![VERSION, KIND_RESPONSE];
+        put_varint(&mut out, self.seq);
+        put_varint(&mut out, self.now);
+        put_varint(&mut out, u64::from(self.nodes));
+        put_varint(&mut out, self.grants.len() as u64);
+        for g in &self.grants {
+            put_bytes(&mut out, &g.key);
+            put_varint(&mut out, g.remaining);
+            put_varint(&mut out, g.grant);
+            put_varint(&mut out, g.reset_after);
+            put_varint(&mut out, g.lease);
+        }
+        out
+    }
+
+    /// The longest valid answer to a request for counters with keys of these lengths: a
+    /// node refuses a longer one before reading (or authenticating) it.
+    pub fn max_len(key_lens: impl Iterator<Item = usize>) -> usize {
+        // version, kind, seq, now, nodes, count; then per grant its key (length varint and
+        // bytes) and four varints of at most 10 bytes each.
+        key_lens.fold(2 + 10 + 10 + 5 + 10, |n, k| n.saturating_add(k.saturating_add(3 + 40)))
+    }
+
+    /// Decodes the wire encoding; trailing bytes are an error.
+    pub fn decode(bytes: &[u8]) -> Result<SyncResponse, DecodeError> {
+        let mut r = Reader { bytes, pos: 0 };
+        read_header(&mut r, &[KIND_RESPONSE])?;
+        let (seq, now) = (r.varint()?, r.varint()?);
+        let nodes = u32::try_from(r.varint()?).unwrap_or(u32::MAX);
+        let n = read_count(&mut r)?;
+        let mut grants = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            grants.push(Grant {
+                key: read_bytes(&mut r, MAX_KEY)?,
+                remaining: r.varint()?,
+                grant: r.varint()?,
+                reset_after: r.varint()?,
+                lease: r.varint()?,
+            });
+        }
+        if r.pos != bytes.len() {
+            return Err(DecodeError::Truncated);
+        }
+        Ok(SyncResponse { seq, now, nodes, grants })
+    }
+}
