@@ -20,6 +20,11 @@ pub mod table;
 #[cfg(target_arch = "wasm32")]
 mod glue;
 
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod tests;
+
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics")))]
 #[global_allocator]
 static ALLOCATOR: small_alloc::CachedAlloc = small_alloc::CachedAlloc::new();

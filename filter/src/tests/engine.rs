@@ -1,0 +1,276 @@
+//! The engine on the fake host, without sync: rules, identity, the table, metrics, replies.
+
+use super::*;
+
+const RULES: &str = r#"{
+  "identity": {"user": {"header": "x-user-id"}, "plan": {"header": "x-plan"}, "ip": {"trusted_hops": 1}},
+  "rules": [
+    {"name": "user", "match": {"path": "/u/*"}, "key": ["user"], "limit": {"requests": 3, "per": "60s"}},
+    {"name": "ip", "match": {"path": "/ip/*"}, "key": ["ip"], "limit": {"requests": 2, "per": "60s"}},
+    {"name": "roomy", "match": {"path": "/m/*"}, "key": ["user"], "limit": {"requests": 5, "per": "60s"}},
+    {"name": "tight", "match": {"path": "/m/*", "method": "POST"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}},
+    {"name": "watch", "match": {"path": "/s/*"}, "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "60s"}},
+    {"name": "strict", "match": {"path": "/cl/*"}, "key": ["user"], "on_store_failure": "closed", "limit": {"requests": 3, "per": "60s"}},
+    {"name": "plan-d.x", "match": {"path": "/k/*"}, "key": ["user"], "limit": {"requests": 2, "per": "60s"},
+     "plans": {"partner": {"requests": 4, "per": "60s"}, "internal": "unlimited"}}
+  ]
+}"#;
+
+fn header<'a>(r: &'a Reply, name: &str) -> Option<&'a str> {
+    r.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+}
+
+#[test]
+fn admits_up_to_the_limit_then_answers_429_with_retry_after_and_counts_it() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 4), [200, 200, 200, 429]);
+    let r = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+    assert_eq!(r.status, 429);
+    let retry: u64 = header(&r, "retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    assert!(r.body.contains("\"violated-policies\":[\"user\"]"), "{}", r.body);
+    assert_eq!(header(&r, "ratelimit-policy"), Some("\"user\";q=3;w=60"));
+    assert_eq!(h.metric("ratewall_rule_user_allowed"), 3);
+    assert_eq!(h.metric("ratewall_rule_user_rejected"), 2);
+}
+
+#[test]
+fn each_key_has_its_own_counter_and_an_unkeyed_request_is_not_counted() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 3), [200; 3]);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "bob")], 1), [200]);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[], 5), [200; 5]);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "")], 1), [200], "an empty value is no value");
+    assert_eq!(h.metric("ratewall_rule_user_unkeyed"), 6);
+    assert_eq!(statuses(&e, &h, "GET", "/other", &[("x-user-id", "ann")], 1), [200], "no rule matches");
+}
+
+#[test]
+fn a_passing_reply_carries_the_fields_of_the_most_restrictive_policy() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    let r = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+    assert!(r.passes());
+    // The window is the clock's minute (T0 is 20 s into one).
+    assert_eq!(header(&r, "ratelimit"), Some("\"user\";r=2;t=40"));
+    assert!(r.body.is_empty());
+}
+
+#[test]
+fn a_denial_charges_no_other_rule() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    let carol = [("x-user-id", "carol")];
+    assert_eq!(statuses(&e, &h, "POST", "/m/x", &carol, 4), [200, 429, 429, 429]);
+    // roomy: 5 − the one admitted POST; the three denied by "tight" were refunded.
+    let r = reply(&e, &h, "GET", "/m/x", &carol);
+    assert!(header(&r, "ratelimit").unwrap().starts_with("\"roomy\";r=3;t="), "{r:?}");
+}
+
+#[test]
+fn a_shadow_rule_never_rejects_but_counts_and_logs_what_it_would_have_rejected() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    assert_eq!(statuses(&e, &h, "GET", "/s/x", &[("x-user-id", "sam")], 3), [200; 3]);
+    assert_eq!(h.metric("ratewall_rule_watch_shadow_rejected"), 2);
+    assert!(h.logged("shadow rule \"watch\" would reject GET /s/x"));
+}
+
+#[test]
+fn plans_choose_the_limit_and_unlimited_plans_are_not_counted() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    assert_eq!(statuses(&e, &h, "GET", "/k/x", &[("x-user-id", "a")], 3), [200, 200, 429]);
+    let partner = [("x-user-id", "b"), ("x-plan", "partner")];
+    assert_eq!(statuses(&e, &h, "GET", "/k/x", &partner, 5), [200, 200, 200, 200, 429]);
+    let internal = [("x-user-id", "c"), ("x-plan", "internal")];
+    assert_eq!(statuses(&e, &h, "GET", "/k/x", &internal, 10), [200; 10]);
+}
+
+#[test]
+fn metric_names_are_made_safe() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    let _ = reply(&e, &h, "GET", "/k/x", &[("x-user-id", "a")]);
+    assert_eq!(h.metric("ratewall_rule_plan_d_x_allowed"), 1);
+}
+
+#[test]
+fn the_vms_of_one_node_share_their_counters_through_shared_data() {
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let (ea, eb) = (engine(&a, RULES), engine(&b, RULES));
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&ea, &a, "GET", "/u/x", &ann, 2), [200, 200]);
+    assert_eq!(statuses(&eb, &b, "GET", "/u/x", &ann, 2), [200, 429], "the other VM sees the first two");
+}
+
+#[test]
+fn the_client_ip_is_the_trusted_hop_of_x_forwarded_for_and_repeated_fields_are_one_list() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    *h.peer.borrow_mut() = Some("10.0.0.1:5000".into());
+    let xff = |v: &'static str| [("x-forwarded-for", v)];
+    assert_eq!(statuses(&e, &h, "GET", "/ip/x", &xff("198.51.100.1, 203.0.113.7"), 3), [200, 200, 429]);
+    assert_eq!(
+        statuses(&e, &h, "GET", "/ip/x", &xff("192.0.2.9, 203.0.113.7"), 1),
+        [429],
+        "only the trusted hop counts"
+    );
+    // A client that rotates a spoofed first line cannot escape: the lines are one list.
+    let rotated = [("x-forwarded-for", "192.0.2.1"), ("x-forwarded-for", "203.0.113.7")];
+    assert_eq!(statuses(&e, &h, "GET", "/ip/x", &rotated, 1), [429]);
+    assert_eq!(statuses(&e, &h, "GET", "/ip/x", &xff("203.0.113.8"), 1), [200]);
+}
+
+#[test]
+fn without_trusted_hops_the_peer_address_is_the_client() {
+    let h = FakeHost::new();
+    let doc = RULES.replace(r#""ip": {"trusted_hops": 1}"#, r#""ip": {"trusted_hops": 0}"#);
+    let e = engine(&h, &doc);
+    *h.peer.borrow_mut() = Some("203.0.113.7:443".into());
+    let spoof = [("x-forwarded-for", "198.51.100.1")];
+    assert_eq!(statuses(&e, &h, "GET", "/ip/x", &spoof, 3), [200, 200, 429]);
+    *h.peer.borrow_mut() = Some("203.0.113.8:443".into());
+    assert_eq!(statuses(&e, &h, "GET", "/ip/x", &spoof, 1), [200], "X-Forwarded-For is ignored");
+    *h.peer.borrow_mut() = None;
+    assert_eq!(statuses(&e, &h, "GET", "/ip/x", &[], 3), [200; 3], "no address: not counted");
+    assert!(h.metric("ratewall_rule_ip_unkeyed") >= 3);
+}
+
+#[test]
+fn pseudo_headers_missing_from_the_map_are_read_by_name() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    h.map_omits_pseudo.set(true);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 4), [200, 200, 200, 429]);
+    assert_eq!(statuses(&e, &h, "POST", "/m/x", &[("x-user-id", "bo")], 2), [200, 429], "the method too");
+}
+
+#[test]
+fn cas_contention_past_the_retries_fails_the_check_by_its_policy() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    let ann = [("x-user-id", "ann")];
+    let _ = reply(&e, &h, "GET", "/u/x", &ann); // the bucket exists from here on
+    let _ = reply(&e, &h, "GET", "/cl/x", &ann);
+    h.cas_always_fails.set(true);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 5), [200; 5], "open: admitted");
+    assert_eq!(h.metric("ratewall_rule_user_cas_exhausted"), 5);
+    let r = reply(&e, &h, "GET", "/cl/x", &ann);
+    assert_eq!(r.status, 503, "closed: refused");
+    assert_eq!(header(&r, "retry-after"), Some("1"));
+    h.cas_always_fails.set(false);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 3), [200, 200, 429], "nothing was lost or reset");
+}
+
+#[test]
+fn a_few_cas_conflicts_are_retried_and_counted() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    let ann = [("x-user-id", "ann")];
+    let _ = reply(&e, &h, "GET", "/u/x", &ann);
+    h.cas_conflicts.set(2);
+    assert_eq!(reply(&e, &h, "GET", "/u/x", &ann).status, 200);
+    assert_eq!(h.metric("ratewall_table_cas_conflicts"), 2);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 2), [200, 429], "the conflicted request counted once");
+}
+
+#[test]
+fn broken_shared_data_fails_open_rules_open_and_closed_rules_with_503() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    h.shared_broken.set(true);
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 4), [200; 4]);
+    assert_eq!(statuses(&e, &h, "GET", "/cl/x", &ann, 1), [503]);
+    assert_eq!(h.metric("ratewall_rule_user_store_failed"), 4);
+    assert_eq!(h.metric("ratewall_rule_strict_store_failed"), 1);
+}
+
+#[test]
+fn a_corrupt_bucket_is_counted_and_replaced() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    let ann = [("x-user-id", "ann")];
+    let _ = reply(&e, &h, "GET", "/u/x", &ann);
+    for key in h.shared_keys() {
+        h.shared_set(&key, b"\xff garbage", None).unwrap();
+    }
+    assert_eq!(reply(&e, &h, "GET", "/u/x", &ann).status, 200);
+    assert!(h.metric("ratewall_table_corrupt") >= 1);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 3), [200, 200, 429], "counting goes on");
+}
+
+#[test]
+fn a_bad_document_is_an_error_that_names_the_field() {
+    let h = FakeHost::new();
+    let err =
+        Engine::configure(&h, br#"{"rules":[{"name":"x","key":["nobody"],"limit":{"requests":1,"per":"1s"}}]}"#, None)
+            .unwrap_err();
+    assert_eq!(err.path, "rules[0].key[0]");
+    assert!(Engine::configure(&h, b"{ broken", None).is_err());
+}
+
+#[test]
+fn a_pushed_document_with_the_same_limits_keeps_the_counts() {
+    let h = FakeHost::new();
+    let first = engine(&h, RULES);
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&first, &h, "GET", "/u/x", &ann, 2), [200, 200]);
+    let second = Engine::configure(&h, RULES.as_bytes(), Some(&first)).unwrap();
+    assert_eq!(statuses(&second, &h, "GET", "/u/x", &ann, 2), [200, 429]);
+}
+
+#[test]
+fn a_changed_limit_starts_a_counter_of_its_own() {
+    let h = FakeHost::new();
+    let first = engine(&h, RULES);
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&first, &h, "GET", "/u/x", &ann, 4), [200, 200, 200, 429]);
+    let doc = RULES.replace(r#""requests": 3, "per": "60s""#, r#""requests": 4, "per": "60s""#);
+    let second = Engine::configure(&h, doc.as_bytes(), Some(&first)).unwrap();
+    assert_eq!(statuses(&second, &h, "GET", "/u/x", &ann, 5), [200, 200, 200, 200, 429]);
+}
+
+#[test]
+fn a_resized_table_clears_the_old_one() {
+    let h = FakeHost::new();
+    let first = engine(&h, RULES);
+    let _ = reply(&first, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+    let old: Vec<String> =
+        h.shared_keys().into_iter().filter(|k| h.shared_value(k).is_some_and(|v| !v.is_empty())).collect();
+    assert!(!old.is_empty());
+    let doc = RULES.replacen('{', r#"{"filter": {"slots": 4096},"#, 1);
+    let _second = Engine::configure(&h, doc.as_bytes(), Some(&first)).unwrap();
+    for k in &old {
+        assert_eq!(h.shared_value(k).as_deref(), Some(&[][..]), "{k} still holds entries");
+    }
+}
+
+#[test]
+fn a_clock_that_steps_back_is_clamped_and_never_resets_a_counter() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 3), [200; 3]);
+    h.now.set(T0 - 3_600 * 1_000 * MS);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 1), [429], "an hour back: still counted");
+    h.now.set(0);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 1), [429], "the epoch: still counted");
+    h.now.set(T0 + 61_000 * MS);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 1), [200], "the window passed");
+}
+
+#[test]
+fn a_window_later_the_client_is_admitted_again() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 4), [200, 200, 200, 429]);
+    let retry: u64 = header(&reply(&e, &h, "GET", "/u/x", &ann), "retry-after").unwrap().parse().unwrap();
+    h.advance(retry * 1_000 * MS);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 1), [200], "waiting Retry-After is enough");
+}

@@ -1,0 +1,600 @@
+//! The syncer on the fake host, answered by the core's reference store: leases, outboxes,
+//! batches and their retries, the breaker, degraded mode, asks, reconfiguration.
+
+use super::*;
+use crate::fake::{answer, signed, Call};
+use crate::host::Level;
+use ratewall_core::eval::Request;
+use ratewall_core::sync::{Store, SyncRequest, SyncResponse, RETRY_HORIZON};
+
+const SECRET: &str = "0123456789abcdef";
+
+fn rules(limit: u64, nodes: u32) -> String {
+    format!(
+        r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
+  "rules": [
+    {{"name": "user", "match": {{"path": "/u/*"}}, "key": ["user"], "limit": {{"requests": {limit}, "per": "60s"}}}},
+    {{"name": "strict", "match": {{"path": "/cl/*"}}, "key": ["user"], "on_store_failure": "closed",
+      "limit": {{"requests": {limit}, "per": "60s"}}}}
+  ],
+  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": {nodes}}}}}"#
+    )
+}
+
+fn store() -> Store {
+    Store::new(10_000, 2_000 * MS)
+}
+
+/// The counter key of `user` under the rule of `path`.
+fn key_of(e: &Engine, path: &str, user: &str) -> Vec<u8> {
+    let headers = [Some(user.as_bytes())];
+    let (checks, _) = e.config().checks(&Request { method: "GET", path, headers: &headers, ip: None });
+    checks[0].key.clone()
+}
+
+/// Units the store has counted on a key (its limit less what remains).
+fn counted(store: &Store, e: &Engine, path: &str, user: &str, now: Nanos) -> u64 {
+    store.peek(&key_of(e, path, user), now).map_or(0, |d| d.limit - d.remaining)
+}
+
+/// Answers every call the host dispatched from `store`; returns how many.
+fn serve(store: &mut Store, e: &Engine, h: &FakeHost) -> usize {
+    let calls = h.take_calls();
+    for c in &calls {
+        let (status, tag, body) = answer(store, h.now(), SECRET, c);
+        e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
+    }
+    calls.len()
+}
+
+/// Fails every call the host dispatched (a timeout); returns how many.
+fn fail(e: &Engine, h: &FakeHost) -> usize {
+    let calls = h.take_calls();
+    for c in &calls {
+        e.on_sync_response(h, c.token, 0, None, &[]);
+    }
+    calls.len()
+}
+
+fn batch(c: &Call) -> SyncRequest {
+    SyncRequest::decode(&c.body).unwrap()
+}
+
+use ratewall_core::Nanos;
+
+#[test]
+fn the_vms_of_a_node_take_their_own_outboxes_and_one_of_them_syncs() {
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let (ea, eb) = (engine(&a, &rules(100, 1)), engine(&b, &rules(100, 1)));
+    assert_eq!(ea.tick_interval(), Some(100 * MS));
+    let _ = reply(&ea, &a, "GET", "/u/x", &[("x-user-id", "ann")]);
+    let _ = reply(&eb, &b, "GET", "/u/x", &[("x-user-id", "ann")]);
+    ea.on_tick(&a);
+    eb.on_tick(&b);
+    assert_eq!(a.take_calls().len(), 1, "the first VM to tick holds the lease");
+    assert!(b.take_calls().is_empty());
+    assert!(a.shared_value("rw1/sync/out/1").is_some_and(|v| !v.is_empty()), "the second VM published to its outbox");
+}
+
+#[test]
+fn a_batch_is_signed_addressed_and_counted_by_the_store() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 5), [200; 5]);
+    e.on_tick(&h);
+    let calls = h.take_calls();
+    let c = &calls[0];
+    assert_eq!(
+        (c.upstream.as_str(), c.header(":path"), c.header(":authority")),
+        ("store", Some("/v1/sync"), Some("store"))
+    );
+    assert_eq!(c.timeout, 50 * MS);
+    let b = batch(c);
+    assert_eq!((b.seq, b.ask, b.deltas.len(), b.deltas[0].units), (1, false, 1, 5));
+    let (status, tag, body) = answer(&mut s, h.now(), SECRET, c);
+    assert_eq!(status, 200);
+    e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+    assert_eq!(counted(&s, &e, "/u/x", "ann", h.now()), 5);
+    assert_eq!(h.metric("ratewall_sync_ok"), 1);
+}
+
+#[test]
+fn a_vm_that_does_not_sync_hands_its_units_over_through_its_outbox() {
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let (ea, eb) = (engine(&a, &rules(100, 1)), engine(&b, &rules(100, 1)));
+    let mut s = store();
+    ea.on_tick(&a); // a holds the lease
+    serve(&mut s, &ea, &a);
+    assert_eq!(statuses(&eb, &b, "GET", "/u/x", &[("x-user-id", "ann")], 3), [200; 3]);
+    // Another VM keeps writing the outbox: b's publish retries past the conflicts.
+    b.cas_conflicts.set(3);
+    eb.on_tick(&b);
+    assert!(b.take_calls().is_empty());
+    a.advance(100 * MS);
+    ea.on_tick(&a);
+    serve(&mut s, &ea, &a);
+    assert_eq!(counted(&s, &ea, "/u/x", "ann", a.now()), 3);
+}
+
+#[test]
+fn units_a_vm_could_not_publish_are_kept_for_its_next_tick() {
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let (ea, eb) = (engine(&a, &rules(100, 1)), engine(&b, &rules(100, 1)));
+    let mut s = store();
+    ea.on_tick(&a);
+    serve(&mut s, &ea, &a);
+    assert_eq!(statuses(&eb, &b, "GET", "/u/x", &[("x-user-id", "ann")], 4), [200; 4]);
+    b.cas_always_fails.set(true);
+    eb.on_tick(&b);
+    b.cas_always_fails.set(false);
+    for _ in 0..2 {
+        a.advance(100 * MS);
+        b.advance(100 * MS);
+        ea.on_tick(&a);
+        serve(&mut s, &ea, &a);
+    }
+    assert_eq!(counted(&s, &ea, "/u/x", "ann", a.now()), 0, "not published yet");
+    eb.on_tick(&b);
+    a.advance(100 * MS);
+    ea.on_tick(&a);
+    serve(&mut s, &ea, &a);
+    assert_eq!(counted(&s, &ea, "/u/x", "ann", a.now()), 4, "published once, none lost");
+}
+
+#[test]
+fn the_lease_passes_to_another_vm_when_its_holder_stops() {
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let (ea, eb) = (engine(&a, &rules(100, 1)), engine(&b, &rules(100, 1)));
+    ea.on_tick(&a);
+    assert_eq!(a.take_calls().len(), 1);
+    // a stops ticking; its lease runs for three intervals.
+    for _ in 0..2 {
+        b.advance(100 * MS);
+        eb.on_tick(&b);
+        assert!(b.take_calls().is_empty(), "the lease still holds");
+    }
+    b.advance(200 * MS);
+    eb.on_tick(&b);
+    assert_eq!(b.take_calls().len(), 1, "b took the lease over");
+    a.advance(400 * MS);
+    ea.on_tick(&a);
+    assert!(a.take_calls().is_empty(), "and a does not take it back while b holds it");
+}
+
+#[test]
+fn a_failed_batch_is_retried_with_the_same_seq_and_counted_once() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 5), [200; 5]);
+    e.on_tick(&h);
+    let first = h.take_calls().remove(0);
+    // The store applied it, but the answer was lost.
+    let _ = answer(&mut s, h.now(), SECRET, &first);
+    e.on_sync_response(&h, first.token, 0, None, &[]);
+    assert_eq!(h.metric("ratewall_sync_failed"), 1);
+    h.advance(100 * MS);
+    e.on_tick(&h);
+    let again = h.take_calls().remove(0);
+    assert_eq!(again.body, first.body, "the same batch, the same seq");
+    let (status, tag, body) = answer(&mut s, h.now(), SECRET, &again);
+    e.on_sync_response(&h, again.token, status, tag.as_deref(), &body);
+    assert_eq!(counted(&s, &e, "/u/x", "ann", h.now()), 5, "counted once");
+    // Far from its limit, the next batch goes two intervals later.
+    h.advance(200 * MS);
+    let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+    e.on_tick(&h);
+    assert_eq!(batch(&h.take_calls()[0]).seq, 2, "the next batch moves on");
+}
+
+#[test]
+fn three_failures_open_the_breaker_and_a_success_closes_it() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    for _ in 0..3 {
+        e.on_tick(&h);
+        assert_eq!(fail(&e, &h), 1);
+        h.advance(100 * MS);
+    }
+    assert_eq!(h.metric("ratewall_sync_breaker_open"), 1);
+    assert_eq!(h.metric("ratewall_sync_failed"), 3);
+    e.on_tick(&h);
+    assert!(h.take_calls().is_empty(), "open: no call");
+    h.advance(500 * MS);
+    e.on_tick(&h);
+    assert_eq!(serve(&mut s, &e, &h), 1, "half-open after the backoff");
+    assert_eq!(h.metric("ratewall_sync_breaker_open"), 0);
+    assert_eq!(h.metric("ratewall_sync_ok"), 1);
+    let warned =
+        h.logs.borrow().iter().filter(|(l, m)| *l == Level::Warn && m.contains("sync to store failed")).count();
+    assert_eq!(warned, 2, "the first failure and the breaker's opening are logged, not every one");
+}
+
+#[test]
+fn the_breaker_backs_off_longer_while_failures_go_on() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut sent_at = Vec::new();
+    for _ in 0..200 {
+        e.on_tick(&h);
+        if fail(&e, &h) > 0 {
+            sent_at.push(h.now());
+        }
+        h.advance(100 * MS);
+    }
+    let gaps: Vec<Nanos> = sent_at.windows(2).map(|w| (w[1] - w[0]) / MS).collect();
+    assert_eq!(&gaps[..3], [100, 100, 500], "{gaps:?}");
+    assert!(gaps.windows(2).all(|w| w[1] >= w[0]), "{gaps:?}");
+    assert!(gaps.iter().any(|g| *g >= 4_000), "{gaps:?}");
+}
+
+#[test]
+fn a_batch_failing_past_the_retry_horizon_is_dropped_and_its_units_counted() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 7), [200; 7]);
+    let start = h.now();
+    while h.now() - start <= RETRY_HORIZON + 31_000 * MS {
+        e.on_tick(&h);
+        fail(&e, &h);
+        h.advance(100 * MS);
+    }
+    assert_eq!(h.metric("ratewall_sync_dropped_units"), 7);
+    assert!(h.logged("failed for 45 s and was dropped"));
+}
+
+#[test]
+fn a_409_gives_the_batch_up_and_the_next_batch_has_a_new_seq() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+    e.on_tick(&h);
+    let c = h.take_calls().remove(0);
+    e.on_sync_response(&h, c.token, 409, None, &[]);
+    assert_eq!(h.metric("ratewall_sync_failed"), 1);
+    let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "bob")]);
+    h.advance(100 * MS);
+    e.on_tick(&h);
+    let next = batch(&h.take_calls()[0]);
+    assert_eq!(next.seq, 2);
+    assert_eq!(next.deltas.len(), 1, "only bob's: the refused batch is not resent");
+}
+
+#[test]
+fn answers_that_are_unsigned_wrongly_signed_garbled_or_for_another_seq_are_refused() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+    let bad = |c: &Call, s: &mut Store, which: usize| -> (u32, Option<Vec<u8>>, Vec<u8>) {
+        let (status, tag, body) = answer(s, T0, SECRET, c);
+        let _ = tag;
+        match which {
+            0 => (status, None, body),
+            1 => (status, Some(b"00".repeat(32)), body),
+            2 => signed("another secret!!", &SyncResponse::decode(&body).unwrap()),
+            3 => {
+                let garbled = b"\x01\x02garbage".to_vec();
+                (
+                    200,
+                    Some(
+                        ratewall_core::sync::hex(&ratewall_core::sync::sign(SECRET.as_bytes(), &garbled)).into_bytes(),
+                    ),
+                    garbled,
+                )
+            }
+            _ => {
+                let mut r = SyncResponse::decode(&body).unwrap();
+                r.seq += 7;
+                signed(SECRET, &r)
+            }
+        }
+    };
+    for which in 0..5 {
+        e.on_tick(&h);
+        let c = h.take_calls().remove(0);
+        let (status, tag, body) = bad(&c, &mut s, which);
+        e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+        assert_eq!(h.metric("ratewall_sync_failed"), which as u64 + 1, "answer {which} was accepted");
+        assert_eq!(h.metric("ratewall_sync_ok"), 0);
+        h.advance(2_000 * MS); // past the breaker's backoff
+    }
+    assert!(h.logged("answer not signed with the shared secret"));
+}
+
+#[test]
+fn an_answer_whose_clock_is_more_than_300_s_away_is_refused() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    e.on_tick(&h);
+    let c = h.take_calls().remove(0);
+    let (_, _, body) = answer(&mut s, T0, SECRET, &c);
+    let mut r = SyncResponse::decode(&body).unwrap();
+    r.now = T0 + 400_000 * MS;
+    let (status, tag, body) = signed(SECRET, &r);
+    e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+    assert_eq!(h.metric("ratewall_sync_ok"), 0);
+    assert!(h.logged("more than 300 s away"));
+}
+
+#[test]
+fn the_answer_cap_covers_only_the_batch_in_flight() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+    e.on_tick(&h);
+    let c = h.take_calls().remove(0);
+    let cap = e.answer_cap(c.token);
+    assert_eq!(cap, SyncResponse::max_len([key_of(&e, "/u/x", "ann").len()].into_iter()));
+    assert_eq!(e.answer_cap(c.token + 1), 0);
+    // A late answer to an unknown call changes nothing.
+    e.on_sync_response(&h, c.token + 1, 0, None, &[]);
+    assert_eq!(h.metric("ratewall_sync_failed"), 0);
+    assert!(e.answer_cap(c.token) > 0, "still in flight");
+}
+
+#[test]
+fn without_the_store_open_rules_limit_to_their_share_and_closed_rules_refuse() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(10, 2));
+    h.refuse_calls.set(true);
+    for _ in 0..12 {
+        e.on_tick(&h);
+        h.advance(100 * MS);
+    }
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 6), [200, 200, 200, 200, 200, 429], "10 / 2 nodes locally");
+    let r = reply(&e, &h, "GET", "/cl/x", &ann);
+    assert_eq!(r.status, 503);
+    assert_eq!(h.metric("ratewall_sync_degraded_requests"), 7);
+    assert!(h.metric("ratewall_sync_failed") >= 3, "dispatch refusals count as failures");
+    assert!(h.metric("ratewall_sync_staleness_ms") >= 1_000);
+}
+
+#[test]
+fn the_view_the_syncing_vm_writes_keeps_every_vm_fresh() {
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let (ea, eb) = (engine(&a, &rules(10, 2)), engine(&b, &rules(10, 2)));
+    let mut s = store();
+    for _ in 0..20 {
+        ea.on_tick(&a);
+        serve(&mut s, &ea, &a);
+        eb.on_tick(&b);
+        assert!(b.take_calls().is_empty());
+        a.advance(100 * MS);
+        b.advance(100 * MS);
+    }
+    let _ = reply(&eb, &b, "GET", "/cl/x", &[("x-user-id", "ann")]);
+    assert_eq!(b.metric("ratewall_sync_degraded_requests"), 0, "b is fresh on a's answers");
+    assert!(b.metric("ratewall_sync_staleness_ms") <= 500, "at most a heartbeat period behind");
+}
+
+#[test]
+fn recovered_units_are_sent_after_an_outage() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 3), [200; 3]);
+    h.refuse_calls.set(true);
+    for _ in 0..15 {
+        e.on_tick(&h);
+        h.advance(100 * MS);
+    }
+    h.refuse_calls.set(false);
+    for _ in 0..40 {
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+        h.advance(100 * MS);
+    }
+    assert_eq!(counted(&s, &e, "/u/x", "ann", h.now()), 3, "kept while refused, counted once after");
+}
+
+#[test]
+fn with_nothing_to_report_a_heartbeat_goes_every_third_of_stale_after() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    let mut calls = 0;
+    for _ in 0..30 {
+        e.on_tick(&h);
+        calls += serve(&mut s, &e, &h);
+        h.advance(100 * MS);
+    }
+    // 3 s at one heartbeat per 333 ms (rounded up to whole ticks: every 400 ms).
+    assert!((7..=10).contains(&calls), "{calls} calls in 3 s");
+}
+
+#[test]
+fn far_from_the_limit_deltas_go_every_other_interval() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100_000, 1));
+    let mut s = store();
+    let mut calls = 0;
+    for i in 0..40 {
+        let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+        e.on_tick(&h);
+        let n = serve(&mut s, &e, &h);
+        if i >= 10 {
+            calls += n;
+        }
+        h.advance(100 * MS);
+    }
+    assert!((10..=16).contains(&calls), "{calls} batches in 30 intervals");
+    assert_eq!(counted(&s, &e, "/u/x", "ann", h.now()) + 1, 40, "all but the last request's units are in");
+}
+
+#[test]
+fn a_denied_counter_is_reported_with_zero_units_to_ask_for_a_fresh_grant() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(2, 1));
+    let mut s = store();
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 2), [200, 200]);
+    e.on_tick(&h);
+    serve(&mut s, &e, &h);
+    h.advance(100 * MS);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 1), [429]);
+    e.on_tick(&h);
+    let b = batch(&h.take_calls()[0]);
+    assert_eq!(b.deltas.len(), 1);
+    assert_eq!(b.deltas[0].units, 0);
+}
+
+#[test]
+fn a_pushed_config_keeps_the_node_id_and_the_sequence() {
+    let h = FakeHost::new();
+    let first = engine(&h, &rules(100, 1));
+    let mut s = store();
+    let _ = reply(&first, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+    first.on_tick(&h);
+    let before = batch(&h.take_calls()[0]);
+    // The answer never came back before the push; the new engine carries the batch on.
+    let second = Engine::configure(&h, rules(200, 1).as_bytes(), Some(&first)).unwrap();
+    h.advance(400 * MS);
+    second.on_tick(&h);
+    let calls = h.take_calls();
+    let after = batch(&calls[0]);
+    assert_eq!(after.node, before.node, "the same node to the store");
+    let (status, tag, body) = answer(&mut s, h.now(), SECRET, &calls[0]);
+    second.on_sync_response(&h, calls[0].token, status, tag.as_deref(), &body);
+    assert!(after.seq >= before.seq);
+    let _ = reply(&second, &h, "GET", "/u/x", &[("x-user-id", "bob")]);
+    h.advance(200 * MS);
+    second.on_tick(&h);
+    let next = batch(&h.take_calls()[0]);
+    assert_eq!((next.node, next.seq), (before.node, after.seq + 1));
+}
+
+#[test]
+fn every_proxy_and_every_start_has_its_own_node_id() {
+    let a = FakeHost::new();
+    let mut b = FakeHost::new();
+    b.node_id = b"node-2".to_vec();
+    let c = FakeHost::new();
+    c.advance(1);
+    let ids: Vec<u64> = [&a, &b, &c]
+        .into_iter()
+        .map(|h| {
+            let e = engine(h, &rules(100, 1));
+            e.on_tick(h);
+            batch(&h.take_calls()[0]).node
+        })
+        .collect();
+    assert!(ids[0] != ids[1] && ids[0] != ids[2] && ids[1] != ids[2], "{ids:?}");
+}
+
+#[test]
+fn too_many_counters_pending_drops_units_and_counts_them() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    h.refuse_calls.set(true);
+    let n = crate::sync::MAX_PENDING + 50;
+    for i in 0..n {
+        let user = format!("u{i}");
+        let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", user.as_str())]);
+    }
+    assert_eq!(h.metric("ratewall_sync_dropped_units"), 50);
+}
+
+/// A node that synced a slow start for `ann` on `/u/x`: its grant is about what its rate
+/// spends in a lease, and the store has far more quota left.
+fn spent_grant(h: &FakeHost) -> (Engine, Store) {
+    let e = engine(h, &rules(1_000, 1));
+    let mut s = store();
+    let ann = [("x-user-id", "ann")];
+    // A slow start: the store grants about what the node's rate spends in a lease.
+    for _ in 0..5 {
+        let _ = reply(&e, h, "GET", "/u/x", &ann);
+        e.on_tick(h);
+        serve(&mut s, &e, h);
+        h.advance(100 * MS);
+    }
+    (e, s)
+}
+
+/// Requests for `ann` until one asks (`None`: one was denied first, or none asked).
+fn burst_until_ask(e: &Engine, h: &FakeHost) -> Option<crate::engine::Asking> {
+    for _ in 0..500 {
+        h.request("GET", "/u/x", &[("x-user-id", "ann")]);
+        match e.on_request(h) {
+            Verdict::Ask(a) => return Some(a),
+            Verdict::Reply(r) if r.status == 200 => {}
+            Verdict::Reply(_) => return None,
+        }
+    }
+    None
+}
+
+#[test]
+fn a_spent_grant_with_quota_left_at_the_store_asks_and_the_answer_admits() {
+    let h = FakeHost::new();
+    let (e, mut s) = spent_grant(&h);
+    let asking = burst_until_ask(&e, &h).expect("the node asked");
+    assert!(asking.answer_cap() > 0);
+    let calls = h.take_calls();
+    assert_eq!(calls.len(), 1);
+    let ask = batch(&calls[0]);
+    assert!(ask.ask);
+    assert_eq!(ask.deltas[0].units, 1);
+    let before = counted(&s, &e, "/u/x", "ann", h.now());
+    let (status, tag, body) = answer(&mut s, h.now(), SECRET, &calls[0]);
+    let r = e.on_ask_response(&h, asking, status, tag.as_deref(), &body);
+    assert_eq!(r.status, 200);
+    assert_eq!(h.metric("ratewall_sync_asks"), 1);
+    assert_eq!(h.metric("ratewall_sync_asks_granted"), 1);
+    assert!(counted(&s, &e, "/u/x", "ann", h.now()) > before, "the store took the request's unit");
+}
+
+#[test]
+fn a_failed_ask_decides_the_request_on_what_the_node_holds() {
+    let h = FakeHost::new();
+    let (e, _s) = spent_grant(&h);
+    let asking = burst_until_ask(&e, &h).expect("the node asked");
+    let _ = h.take_calls();
+    let r = e.on_ask_response(&h, asking, 0, None, &[]);
+    assert_eq!(r.status, 429);
+    assert_eq!(h.metric("ratewall_sync_asks_granted"), 0);
+}
+
+#[test]
+fn asks_in_flight_are_bounded_and_an_abandoned_one_frees_its_place() {
+    let h = FakeHost::new();
+    let (e, _s) = spent_grant(&h);
+    let mut paused = vec![burst_until_ask(&e, &h).expect("the node asked")];
+    // Every further request asks too while its grant is spent, up to the bound.
+    let last = loop {
+        h.request("GET", "/u/x", &[("x-user-id", "ann")]);
+        match e.on_request(&h) {
+            Verdict::Ask(a) => paused.push(a),
+            Verdict::Reply(r) => break r,
+        }
+        assert!(paused.len() <= 1_000, "unbounded asks");
+    };
+    assert_eq!(last.status, 429, "past the bound: decided at once");
+    assert_eq!(paused.len(), crate::sync::MAX_ASKS as usize);
+    e.ask_abandoned();
+    h.request("GET", "/u/x", &[("x-user-id", "ann")]);
+    assert!(matches!(e.on_request(&h), Verdict::Ask(_)), "a place was freed");
+}
+
+#[test]
+fn an_ask_is_not_made_while_the_breaker_is_open() {
+    let h = FakeHost::new();
+    let (e, _s) = spent_grant(&h);
+    let mut failures = 0;
+    while failures < 3 {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        failures += fail(&e, &h);
+    }
+    assert_eq!(h.metric("ratewall_sync_breaker_open"), 1);
+    assert!(burst_until_ask(&e, &h).is_none(), "no ask into an open breaker");
+    assert_eq!(h.metric("ratewall_sync_asks"), 0);
+}
