@@ -1,11 +1,17 @@
 //! The Worker's logic without the runtime, so it is unit-tested natively: rules that keep
 //! their last good version, a request's checks, the blocked-key cache, the local fallback,
-//! the messages between the Worker and its Durable Objects, and the isolate's metrics.
+//! a request's decisions from its objects' answers and the refunds they owe, the messages
+//! between the Worker and its Durable Objects, the isolate's metrics; the counter object
+//! ([`object`]) and `/v1/sync` ([`store`]).
+
+pub mod object;
+pub mod store;
 
 use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos, State};
-use ratewall_core::eval::{Check, Skip};
+use ratewall_core::eval::{Check, CheckOutcome, CheckResult, Outcome, Skip, StoreError, Tally};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_ip, ip_key, parse_ip};
+use ratewall_core::rules::{FailurePolicy, Mode};
 use ratewall_core::sync::Applied;
 pub use ratewall_core::sync::{hex, unhex};
 use ratewall_core::{Config, ConfigError, Request};
@@ -22,6 +28,19 @@ pub const MS: Nanos = 1_000_000;
 pub struct Rules {
     config: Option<Rc<Config>>,
     source: String,
+    /// The last document rejected (each is reported once).
+    last_rejected: String,
+}
+
+/// What offering a rules document did, for the log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Offered {
+    /// The same text as in force, or a rejection already reported: nothing to say.
+    Unchanged,
+    /// Now in force.
+    Loaded(String),
+    /// Rejected, for the first time (the rules in force stay).
+    Rejected(String),
 }
 
 impl Rules {
@@ -35,6 +54,25 @@ impl Rules {
         self.config = Some(Rc::new(config));
         self.source = doc.to_owned();
         Ok(true)
+    }
+
+    /// Offers `doc`, read from `origin`, counting what happened in `metrics`.
+    pub fn offer(&mut self, doc: &str, origin: &str, metrics: &mut Metrics) -> Offered {
+        match self.load(doc) {
+            Ok(true) => {
+                metrics.rules_loaded += 1;
+                self.last_rejected.clear();
+                Offered::Loaded(format!("ratewall: rules loaded from {origin}"))
+            }
+            Ok(false) => Offered::Unchanged,
+            Err(_) if self.last_rejected == doc => Offered::Unchanged,
+            Err(e) => {
+                metrics.rules_rejected += 1;
+                self.last_rejected = doc.to_owned();
+                let kept = if self.config.is_some() { "the previous rules stay in force" } else { "no rules" };
+                Offered::Rejected(format!("ratewall: rules from {origin} rejected: {e}; {kept}"))
+            }
+        }
     }
 
     /// The rules in force, if a good document was ever loaded.
@@ -396,6 +434,23 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Counts a request's outcome per rule (`cached`: its denials came from the
+    /// [`BlockedCache`]).
+    pub fn count(&mut self, config: &Config, outcome: &Outcome, skipped: &[(usize, Skip)], cached: bool) {
+        for (rule, tally) in outcome.tally(skipped) {
+            let Some(r) = config.rules.get(rule) else { continue };
+            let m = self.rule(&r.name);
+            match tally {
+                Tally::Allowed => m.allowed += 1,
+                Tally::Rejected if cached => m.cached_denials += 1,
+                Tally::Rejected => m.rejected += 1,
+                Tally::ShadowRejected => m.shadow_rejected += 1,
+                Tally::Unkeyed => m.unkeyed += 1,
+                Tally::Failed(_) => m.store_failed += 1,
+            }
+        }
+    }
+
     /// The counts for one rule.
     pub fn rule(&mut self, name: &str) -> &mut RuleCounts {
         self.rules.entry(name.to_owned()).or_default()
@@ -433,6 +488,74 @@ impl Metrics {
     }
 }
 
+/// Denials still cached for the enforcing checks of a request (an outcome that rejects, or
+/// an empty one: ask the objects).
+pub fn cached_denials(config: &Config, checks: &[Check], t: Nanos, cache: &mut BlockedCache) -> Outcome {
+    let mut out = Outcome::default();
+    for c in checks {
+        let Some(rule) = config.rules.get(c.rule).filter(|r| r.mode == Mode::Enforce) else { continue };
+        if let Some(d) = cache.get(&c.key, t, c.cost) {
+            out.checks.push(CheckOutcome {
+                rule: c.rule,
+                mode: rule.mode,
+                limit: c.limit,
+                result: CheckResult::Decided(d),
+            });
+            out.rejected = true;
+        }
+    }
+    out
+}
+
+/// A request's decisions from its objects' answers to [`Call::Take`] (`Err`: the call
+/// failed), in check order, with the object's clock of each take (for refunds). An `open`
+/// rule whose object failed is decided by the isolate's [`LocalFallback`] (and counted as a
+/// store failure); a `closed` one stays failed.
+pub fn decisions(
+    config: &Config,
+    checks: &[Check],
+    answers: Vec<Result<String, StoreError>>,
+    t: Nanos,
+    fallback: &mut LocalFallback,
+    metrics: &mut Metrics,
+) -> (Vec<Result<Decision, StoreError>>, Vec<Option<Nanos>>) {
+    let mut taken_at = Vec::with_capacity(checks.len());
+    let mut out = Vec::with_capacity(checks.len());
+    for (c, answer) in checks.iter().zip(answers) {
+        let rule = config.rules.get(c.rule);
+        match answer.and_then(|body| Taken::decode(&body).ok_or(StoreError::Unavailable)) {
+            Ok(tk) => {
+                taken_at.push(Some(tk.now));
+                out.push(Ok(tk.decision));
+            }
+            Err(e) => {
+                taken_at.push(None);
+                if rule.is_some_and(|r| r.on_store_failure == FailurePolicy::Open) {
+                    metrics.rule(rule.map_or("", |r| r.name.as_str())).store_failed += 1;
+                    out.push(Ok(fallback.take(c, t)));
+                } else {
+                    out.push(Err(e));
+                }
+            }
+        }
+    }
+    (out, taken_at)
+}
+
+/// The refunds a request owes (`refunds`: from [`ratewall_core::combine`]): units taken by
+/// rules that allowed a request another rule rejected go back to their objects, named with
+/// the object's clock of the take. A check whose take failed owes nothing.
+pub fn refund_calls(checks: &[Check], refunds: &[usize], taken_at: &[Option<Nanos>]) -> Vec<(Vec<u8>, Call)> {
+    refunds
+        .iter()
+        .filter_map(|&i| {
+            let c = checks.get(i)?;
+            let at = (*taken_at.get(i)?)?;
+            Some((c.key.clone(), Call::Refund { limit: c.limit, cost: c.cost, at }))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -444,6 +567,21 @@ mod tests {
         {"name": "per-user", "key": ["user"], "limit": {"requests": 2, "per": "60s"}},
         {"name": "per-ip", "match": {"path": "/login"}, "key": ["ip"], "limit": {"requests": 2, "per": "60s"}}
       ]}"#;
+
+    #[test]
+    fn offered_rules_are_counted_and_each_rejection_reported_once() {
+        let (mut r, mut m) = (Rules::default(), Metrics::default());
+        let bad = r#"{"rules":[{"name":"x","key":["nobody"],"limit":{"requests":1,"per":"1s"}}]}"#;
+        let Offered::Rejected(msg) = r.offer(bad, "KV", &mut m) else { panic!() };
+        assert!(msg.contains("rules[0].key") && msg.ends_with("no rules"), "{msg}");
+        assert_eq!(r.offer(bad, "KV", &mut m), Offered::Unchanged, "reported once");
+        assert!(matches!(r.offer(RULES, "var", &mut m), Offered::Loaded(_)));
+        assert_eq!(r.offer(RULES, "var", &mut m), Offered::Unchanged);
+        let Offered::Rejected(msg) = r.offer(bad, "KV", &mut m) else { panic!("reported again after a good one") };
+        assert!(msg.ends_with("the previous rules stay in force"), "{msg}");
+        assert_eq!((m.rules_loaded, m.rules_rejected), (1, 2));
+        assert_eq!(r.current().map(|c| c.rules.len()), Some(2));
+    }
 
     #[test]
     fn a_bad_document_keeps_the_rules_in_force() {
@@ -593,5 +731,98 @@ mod tests {
         let text = m.render();
         assert!(text.contains("ratewall_rule_rejected{rule=\"a\"} 2\n"), "{text}");
         assert!(text.contains("ratewall_object_calls 3\n"), "{text}");
+    }
+
+    /// Two rules over one request: "per-user" (2 per minute) and a closed and an open rule
+    /// on /login.
+    const TWO: &str = r#"{
+      "identity": {"user": {"header": "x-user-id"}},
+      "rules": [
+        {"name": "open", "key": ["user"], "limit": {"requests": 2, "per": "60s"}},
+        {"name": "closed", "key": ["user"], "on_store_failure": "closed", "limit": {"requests": 1, "per": "60s"}},
+        {"name": "watch", "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "60s"}}
+      ]}"#;
+
+    fn two() -> (Rc<Config>, Vec<Check>, Vec<(usize, Skip)>) {
+        let mut r = Rules::default();
+        r.load(TWO).unwrap();
+        let c = r.current().unwrap();
+        let (checks, skipped) = checks_for(&c, "GET", "/x", &|h: &str| (h == "x-user-id").then(|| "ann".to_owned()));
+        (c, checks, skipped)
+    }
+
+    fn taken(allowed: bool, now: Nanos) -> Result<String, StoreError> {
+        let decision = Decision {
+            allowed,
+            limit: 2,
+            remaining: 0,
+            reset_after: SECOND,
+            retry_after: (!allowed).then_some(SECOND),
+        };
+        Ok(Taken { decision, now }.encode())
+    }
+
+    #[test]
+    fn a_failed_object_falls_back_locally_for_open_rules_and_fails_closed_ones() {
+        let (c, checks, _) = two();
+        let (mut fallback, mut metrics) = (LocalFallback::new(10), Metrics::default());
+        let answers = vec![Err(StoreError::Unavailable), Err(StoreError::Unavailable), Ok("garbage".into())];
+        let (d, at) = decisions(&c, &checks, answers, 5 * SECOND, &mut fallback, &mut metrics);
+        assert!(matches!(d[0], Ok(Decision { allowed: true, .. })), "open: the isolate's own limit");
+        assert_eq!(d[1], Err(StoreError::Unavailable), "closed: failed");
+        assert!(d[2].is_ok(), "a garbled answer is a failure; the shadow rule is open: local");
+        assert_eq!(at, [None, None, None]);
+        assert_eq!((metrics.rule("open").store_failed, metrics.rule("watch").store_failed), (1, 1));
+        let answers = || vec![Err(StoreError::Unavailable), taken(true, 7), taken(true, 8)];
+        let (d, _) = decisions(&c, &checks, answers(), 5 * SECOND, &mut fallback, &mut metrics);
+        assert!(d[0].is_ok());
+        let (d, _) = decisions(&c, &checks, answers(), 5 * SECOND, &mut fallback, &mut metrics);
+        assert!(matches!(d[0], Ok(Decision { allowed: false, .. })), "the local limit is 2");
+    }
+
+    #[test]
+    fn a_request_another_rule_rejects_refunds_what_it_took_at_the_objects_clock() {
+        let (c, checks, skipped) = two();
+        let (mut fallback, mut metrics) = (LocalFallback::new(10), Metrics::default());
+        let answers = vec![taken(true, 11), taken(false, 12), taken(true, 13)];
+        let (d, at) = decisions(&c, &checks, answers, 5 * SECOND, &mut fallback, &mut metrics);
+        assert_eq!(at, [Some(11), Some(12), Some(13)]);
+        let (outcome, refunds) = ratewall_core::combine(&c, &checks, &d);
+        assert!(outcome.rejected);
+        let calls = refund_calls(&checks, &refunds, &at);
+        assert_eq!(calls.len(), 2, "the rules that took a unit, shadow included, as in the core: {calls:?}");
+        assert_eq!((&calls[0].0, &calls[1].0), (&checks[0].key, &checks[2].key));
+        assert!(matches!(calls[0].1, Call::Refund { cost: 1, at: 11, .. }));
+        assert!(matches!(calls[1].1, Call::Refund { cost: 1, at: 13, .. }));
+        assert!(refund_calls(&checks, &refunds, &[None, None, None]).is_empty(), "a failed take owes nothing");
+        metrics.count(&c, &outcome, &skipped, false);
+        assert_eq!((metrics.rule("open").allowed, metrics.rule("closed").rejected), (1, 1));
+        assert_eq!(metrics.rule("watch").allowed, 1);
+    }
+
+    #[test]
+    fn cached_denials_answer_for_enforcing_rules_only_and_are_counted_apart() {
+        let (c, checks, skipped) = two();
+        let mut cache = BlockedCache::new(10);
+        let denied = Decision {
+            allowed: false,
+            limit: 1,
+            remaining: 0,
+            reset_after: 30 * SECOND,
+            retry_after: Some(30 * SECOND),
+        };
+        assert!(!cached_denials(&c, &checks, SECOND, &mut cache).rejected, "nothing cached");
+        cache.insert(&checks[2].key, SECOND, 1, denied);
+        assert!(!cached_denials(&c, &checks, SECOND, &mut cache).rejected, "a shadow rule's denial is not served");
+        cache.insert(&checks[1].key, SECOND, 1, denied);
+        let o = cached_denials(&c, &checks, 2 * SECOND, &mut cache);
+        assert!(o.rejected);
+        assert_eq!(o.checks.len(), 1);
+        let CheckResult::Decided(d) = o.checks[0].result else { panic!() };
+        assert_eq!(d.retry_after, Some(29 * SECOND), "the wait counts down");
+        let mut m = Metrics::default();
+        m.count(&c, &o, &skipped, true);
+        assert_eq!((m.rule("closed").cached_denials, m.rule("closed").rejected), (1, 0));
+        assert!(!cached_denials(&c, &checks, 31 * SECOND, &mut cache).rejected, "expired");
     }
 }

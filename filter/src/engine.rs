@@ -5,7 +5,7 @@ use crate::host::{headers, HeaderNames, Host, Level};
 use crate::sync::Syncer;
 use crate::table::{Grants, Table, TableCounters};
 use ratewall_core::algo::Limit;
-use ratewall_core::eval::{evaluate, Check, CheckResult, Request, Skip};
+use ratewall_core::eval::{evaluate, Check, CheckResult, Request, Skip, StoreError, Tally};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_key, parse_ip};
 use ratewall_core::rules::{Config, Dimension, FailurePolicy};
@@ -367,32 +367,22 @@ impl Engine {
                 }
             }
         }
-        for (rule, why) in &skipped {
-            if *why == Skip::Unkeyed {
-                bump(self.rules.get(*rule).and_then(|m| m.unkeyed), 1);
-            }
-        }
-        for c in &outcome.checks {
-            let Some(m) = self.rules.get(c.rule) else {
-                continue;
-            };
-            match c.result {
-                CheckResult::Decided(_) if c.would_reject() => {
+        for (rule, tally) in outcome.tally(&skipped) {
+            let Some(m) = self.rules.get(rule) else { continue };
+            match tally {
+                Tally::Allowed => bump(m.allowed, 1),
+                Tally::Rejected => bump(m.rejected, 1),
+                Tally::Unkeyed => bump(m.unkeyed, 1),
+                Tally::Failed(StoreError::Contention) => bump(m.cas_exhausted, 1),
+                Tally::Failed(_) => bump(m.store_failed, 1),
+                Tally::ShadowRejected => {
                     bump(m.shadow_rejected, 1);
-                    if let Some(rule) = self.config.rules.get(c.rule) {
+                    if let Some(rule) = self.config.rules.get(rule) {
                         host.log(
                             Level::Info,
                             &format!("ratewall: shadow rule \"{}\" would reject {method} {path}", rule.name),
                         );
                     }
-                }
-                CheckResult::Decided(d) if !d.allowed => bump(m.rejected, 1),
-                CheckResult::Decided(_) => bump(m.allowed, 1),
-                CheckResult::Failed(e, _) => {
-                    bump(
-                        if e == ratewall_core::eval::StoreError::Contention { m.cas_exhausted } else { m.store_failed },
-                        1,
-                    );
                 }
             }
         }

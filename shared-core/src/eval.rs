@@ -214,6 +214,40 @@ pub struct Outcome {
     pub skipped: Vec<(usize, Skip)>,
 }
 
+/// What one rule did with one request: the events both wrappers count per rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tally {
+    /// Enforced and allowed (a shadow rule that would have allowed counts here too).
+    Allowed,
+    /// Enforced and rejected.
+    Rejected,
+    /// A shadow rule that would have rejected.
+    ShadowRejected,
+    /// Matched, but the request lacks a dimension the rule keys on.
+    Unkeyed,
+    /// The counter store failed (the rule's failure policy decided).
+    Failed(StoreError),
+}
+
+impl Outcome {
+    /// Per rule (by index), what it did with the request: one event per decided or failed
+    /// check, in rule order, then one per rule `skipped` as unkeyed. The one tally the filter
+    /// and the Worker count their per-rule metrics from.
+    pub fn tally<'a>(&'a self, skipped: &'a [(usize, Skip)]) -> impl Iterator<Item = (usize, Tally)> + 'a {
+        let checks = self.checks.iter().map(|c| {
+            let t = match c.result {
+                CheckResult::Decided(_) if c.would_reject() => Tally::ShadowRejected,
+                CheckResult::Decided(d) if !d.allowed => Tally::Rejected,
+                CheckResult::Decided(_) => Tally::Allowed,
+                CheckResult::Failed(e, _) => Tally::Failed(e),
+            };
+            (c.rule, t)
+        });
+        let unkeyed = skipped.iter().filter(|(_, why)| *why == Skip::Unkeyed).map(|(rule, _)| (*rule, Tally::Unkeyed));
+        checks.chain(unkeyed)
+    }
+}
+
 /// Evaluates `checks` against `counters` at `now`.
 ///
 /// Checks run in rule order and consume as they go. Once an enforcing rule rejects, the later

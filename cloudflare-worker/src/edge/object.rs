@@ -1,0 +1,297 @@
+//! A counter Durable Object's logic without the runtime: what each call answers, what it
+//! must write before answering, and when its alarm writes back or forgets the counter. The
+//! glue only reads and writes storage and sets alarms as an [`Object`] says.
+
+use super::{encode_applied, encode_heard, parse_stored, stored_value, Call, Taken};
+use ratewall_core::algo::{Limit, Nanos};
+use ratewall_core::sync::{Counter, Registry};
+use ratewall_core::SECOND;
+
+/// A node that has not synced a counter for this long no longer takes a share of it.
+pub const NODE_TTL: Nanos = 2 * SECOND;
+/// A counter object writes its state to storage at most this long after it changed: what a
+/// restart of the object can lose is the admissions of the last `FLUSH` (see README).
+pub const FLUSH: Nanos = SECOND;
+
+/// What one call to the object does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Handled {
+    /// The answer body.
+    pub reply: String,
+    /// A value to write to storage *before* answering (the units a filter node is told were
+    /// counted must survive a restart).
+    pub write_now: Option<String>,
+    /// An alarm to set, at this time (the object's clock).
+    pub alarm_at: Option<Nanos>,
+}
+
+/// What the object's alarm does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AlarmPlan {
+    /// The counter is idle (equivalent to fresh): delete the stored state.
+    Delete,
+    /// Write the state back (when it changed), then wake again at `alarm_at`.
+    Keep { write: Option<String>, alarm_at: Option<Nanos> },
+}
+
+/// One counter object's state (or, for the object named [`super::REGISTRY_OBJECT`], the
+/// sync store's node registry).
+#[derive(Debug, Default)]
+pub struct Object {
+    loaded: bool,
+    counter: Option<Counter>,
+    /// Changed since it was last written.
+    dirty: bool,
+    /// The alarm set, if any.
+    alarm_at: Option<Nanos>,
+    /// The node registry (soft state: after a restart it is rebuilt within one heartbeat
+    /// period, as every node's next batch or heartbeat is heard).
+    registry: Registry,
+}
+
+impl Object {
+    /// Whether the stored counter has been read.
+    pub fn loaded(&self) -> bool {
+        self.loaded
+    }
+
+    /// Takes what storage held (read once; `limit` is the caller's, `None` from an alarm,
+    /// which reads the limit stored with the value). A value that cannot be read is an error
+    /// and is *kept*: the object stays unloaded, every call fails (the rule's failure policy
+    /// applies) and nothing is written over it.
+    pub fn load(&mut self, stored: Option<&str>, limit: Option<Limit>) -> Result<(), String> {
+        if self.loaded {
+            return Ok(());
+        }
+        self.counter = match stored {
+            None => None,
+            Some(v) => Some(parse_stored(v, limit).map_err(|e| format!("stored counter unreadable: {e}"))?),
+        };
+        self.loaded = true;
+        Ok(())
+    }
+
+    /// Handles a call at `t` (the object's clock). A counter call needs [`Object::load`]
+    /// first; before it, it is refused with `None` (never decided on a fresh counter).
+    pub fn handle(&mut self, call: Call, t: Nanos) -> Option<Handled> {
+        let Some(limit) = call.limit() else {
+            let Call::Heard { node, seq, ask } = call else { return None };
+            let heard = self.registry.heard(t, node, seq, ask, NODE_TTL);
+            return Some(Handled { reply: encode_heard(heard), write_now: None, alarm_at: None });
+        };
+        if !self.loaded {
+            return None;
+        }
+        let c = self.counter.get_or_insert_with(|| Counter::new(limit));
+        let (reply, changed, sync) = match call {
+            Call::Take { limit, cost } => {
+                let decision = c.take(limit, t, cost);
+                (Taken { decision, now: c.last_seen }.encode(), decision.allowed && cost > 0, false)
+            }
+            Call::Refund { limit, cost, at } => {
+                c.refund(limit, t, at, cost);
+                (String::from("{}"), true, false)
+            }
+            Call::Apply { limit, node, seq, units } => {
+                let a = c.apply(limit, t, node, seq, units, NODE_TTL);
+                (encode_applied(&a), a.counted, true)
+            }
+            Call::Ask { limit, node, ask, units } => {
+                let a = c.ask(limit, t, node, ask, units, NODE_TTL);
+                (encode_applied(&a), a.grant > 0, true)
+            }
+            Call::Heard { .. } => return None,
+        };
+        self.dirty |= changed;
+        // A sync answer acknowledges units: whatever is unwritten goes to storage first (a
+        // repeat of a batch whose first write failed included). The glue calls
+        // [`Object::flushed`] once the write is done.
+        let write_now = if sync && self.dirty { self.counter.as_ref().map(stored_value) } else { None };
+        let alarm_at = if self.dirty { self.schedule(t.saturating_add(FLUSH)) } else { None };
+        Some(Handled { reply, write_now, alarm_at })
+    }
+
+    /// The alarm at `t`. Only a loaded counter is judged (an unloaded one is not "no
+    /// counter": forgetting it would reset it); the caller loads first.
+    pub fn alarm(&mut self, t: Nanos) -> AlarmPlan {
+        self.alarm_at = None;
+        if !self.loaded {
+            return AlarmPlan::Keep { write: None, alarm_at: None };
+        }
+        let idle_at = self.counter.as_ref().map_or(0, Counter::idle_at);
+        if idle_at <= t {
+            // Idle: equivalent to fresh, so forgetting it gives nobody extra quota.
+            self.counter = None;
+            self.dirty = false;
+            return AlarmPlan::Delete;
+        }
+        let write = if self.dirty { self.counter.as_ref().map(stored_value) } else { None };
+        AlarmPlan::Keep { write, alarm_at: self.schedule(idle_at) }
+    }
+
+    /// A write this object asked for (an alarm's, or a call's `write_now`) reached storage.
+    pub fn flushed(&mut self) {
+        self.dirty = false;
+    }
+
+    /// Whether a write is owed.
+    pub fn dirty(&self) -> bool {
+        self.dirty
+    }
+
+    /// An alarm at `at` unless an earlier one is set: the time to set it to, if it moves.
+    fn schedule(&mut self, at: Nanos) -> Option<Nanos> {
+        if self.alarm_at.is_some_and(|a| a <= at) {
+            return None;
+        }
+        self.alarm_at = Some(at);
+        Some(at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::edge::{decode_applied, decode_heard};
+    use ratewall_core::algo::Algorithm;
+
+    const T: Nanos = 1_700_000_000 * SECOND;
+
+    fn limit() -> Limit {
+        Limit::new(Algorithm::SlidingWindow, 3, 60 * SECOND, None).unwrap()
+    }
+
+    fn loaded() -> Object {
+        let mut o = Object::default();
+        o.load(None, Some(limit())).unwrap();
+        o
+    }
+
+    fn take(o: &mut Object, t: Nanos) -> (bool, Handled) {
+        let h = o.handle(Call::Take { limit: limit(), cost: 1 }, t).unwrap();
+        (Taken::decode(&h.reply).unwrap().decision.allowed, h)
+    }
+
+    #[test]
+    fn takes_are_written_back_by_an_alarm_within_the_flush_bound() {
+        let mut o = loaded();
+        let (allowed, h) = take(&mut o, T);
+        assert!(allowed);
+        assert_eq!(h.write_now, None, "the Worker's own traffic is not written per request");
+        assert_eq!(h.alarm_at, Some(T + FLUSH));
+        let (_, h) = take(&mut o, T + 10);
+        assert_eq!(h.alarm_at, None, "the alarm set covers it");
+        let AlarmPlan::Keep { write: Some(w), alarm_at: Some(next) } = o.alarm(T + FLUSH) else { panic!() };
+        o.flushed();
+        assert!(next > T + FLUSH, "wakes again when the counter goes idle");
+        assert_eq!(parse_stored(&w, None).unwrap().encode(), o.counter.as_ref().unwrap().encode());
+        let AlarmPlan::Keep { write: None, .. } = o.alarm(next - 1) else { panic!("nothing changed") };
+    }
+
+    #[test]
+    fn an_alarm_forgets_an_idle_counter_and_keeps_a_live_one() {
+        let mut o = loaded();
+        let _ = take(&mut o, T);
+        assert!(matches!(o.alarm(T + FLUSH), AlarmPlan::Keep { .. }));
+        o.flushed();
+        assert_eq!(o.alarm(T + 200 * SECOND), AlarmPlan::Delete);
+        let (allowed, _) = take(&mut o, T + 200 * SECOND);
+        assert!(allowed, "fresh after idle");
+    }
+
+    #[test]
+    fn a_write_the_alarm_could_not_make_is_owed_until_it_is_made() {
+        let mut o = loaded();
+        let _ = take(&mut o, T);
+        let AlarmPlan::Keep { write: Some(_), .. } = o.alarm(T + FLUSH) else { panic!() };
+        // The put failed: `flushed` is not called, and the next alarm writes again.
+        assert!(o.dirty());
+        let AlarmPlan::Keep { write: Some(_), .. } = o.alarm(T + 2 * FLUSH) else { panic!() };
+    }
+
+    #[test]
+    fn an_unloaded_object_decides_nothing_and_its_alarm_deletes_nothing() {
+        let mut o = Object::default();
+        assert_eq!(o.handle(Call::Take { limit: limit(), cost: 1 }, T), None);
+        assert_eq!(o.alarm(T), AlarmPlan::Keep { write: None, alarm_at: None });
+    }
+
+    #[test]
+    fn an_unreadable_stored_value_is_an_error_and_stays_unloaded() {
+        let mut o = Object::default();
+        let err = o.load(Some("not hex/[]"), Some(limit())).unwrap_err();
+        assert!(err.contains("unreadable"), "{err}");
+        assert!(!o.loaded());
+        assert_eq!(o.handle(Call::Take { limit: limit(), cost: 1 }, T), None, "every call fails");
+        assert_eq!(o.alarm(T), AlarmPlan::Keep { write: None, alarm_at: None }, "and nothing overwrites it");
+    }
+
+    #[test]
+    fn a_stored_counter_is_read_back_after_a_restart() {
+        let mut o = loaded();
+        for _ in 0..3 {
+            let _ = take(&mut o, T);
+        }
+        let AlarmPlan::Keep { write: Some(w), .. } = o.alarm(T + FLUSH) else { panic!() };
+        let mut restarted = Object::default();
+        // An alarm may come first after a restart: it reads the limit stored with the value.
+        restarted.load(Some(&w), None).unwrap();
+        assert!(matches!(restarted.alarm(T + FLUSH), AlarmPlan::Keep { .. }), "not idle, not deleted");
+        let (allowed, _) = take(&mut restarted, T + FLUSH);
+        assert!(!allowed, "the three takes survived");
+    }
+
+    #[test]
+    fn a_counted_delta_or_granted_ask_is_written_before_the_answer() {
+        let mut o = loaded();
+        let h = o.handle(Call::Apply { limit: limit(), node: 7, seq: 1, units: 2 }, T).unwrap();
+        let a = decode_applied(&h.reply).unwrap();
+        assert!(a.counted);
+        assert!(h.write_now.is_some());
+        o.flushed();
+        assert!(!o.dirty(), "written now: the alarm owes nothing");
+        let again = o.handle(Call::Apply { limit: limit(), node: 7, seq: 1, units: 2 }, T + 1).unwrap();
+        assert!(!decode_applied(&again.reply).unwrap().counted, "a repeat counts nothing");
+        assert_eq!(again.write_now, None);
+        let ask = o.handle(Call::Ask { limit: limit(), node: 8, ask: 1, units: 1 }, T + 2).unwrap();
+        assert_eq!(decode_applied(&ask.reply).unwrap().grant > 0, ask.write_now.is_some());
+    }
+
+    #[test]
+    fn a_repeated_batch_whose_first_write_failed_is_written_before_its_answer() {
+        let mut o = loaded();
+        let first = o.handle(Call::Apply { limit: limit(), node: 7, seq: 1, units: 2 }, T).unwrap();
+        assert!(first.write_now.is_some());
+        // The put failed (no `flushed`), so the node got an error and retries.
+        let again = o.handle(Call::Apply { limit: limit(), node: 7, seq: 1, units: 2 }, T + 1).unwrap();
+        assert!(!decode_applied(&again.reply).unwrap().counted, "counted once");
+        let w = again.write_now.expect("the units it acknowledges now are written first");
+        assert_eq!(parse_stored(&w, None).unwrap().encode(), o.counter.as_ref().unwrap().encode());
+    }
+
+    #[test]
+    fn a_refund_gives_back_and_is_written_by_the_alarm() {
+        let mut o = loaded();
+        let (_, first) = take(&mut o, T);
+        let at = Taken::decode(&first.reply).unwrap().now;
+        for _ in 0..2 {
+            let _ = take(&mut o, T);
+        }
+        assert!(!take(&mut o, T).0);
+        let h = o.handle(Call::Refund { limit: limit(), cost: 1, at }, T + 5).unwrap();
+        assert_eq!(h.reply, "{}");
+        assert!(o.dirty());
+        assert!(take(&mut o, T + 6).0, "the refunded unit is free again");
+    }
+
+    #[test]
+    fn the_registry_object_answers_heard_calls_without_loading() {
+        let mut o = Object::default();
+        let h = o.handle(Call::Heard { node: 1, seq: 5, ask: false }, T).unwrap();
+        assert_eq!(decode_heard(&h.reply), Some(Ok(1)));
+        let h = o.handle(Call::Heard { node: 2, seq: 1, ask: false }, T).unwrap();
+        assert_eq!(decode_heard(&h.reply), Some(Ok(2)));
+        let h = o.handle(Call::Heard { node: 1, seq: 4, ask: false }, T).unwrap();
+        assert_eq!(decode_heard(&h.reply), Some(Err(5)), "an older batch is stale");
+    }
+}

@@ -1,0 +1,203 @@
+//! `POST /v1/sync` without the runtime: the checks a batch passes before any object sees it,
+//! the calls it makes, and the signed answer assembled from the objects' replies
+//! (docs/sync-protocol.md). The glue only makes the calls.
+
+use super::{decode_applied, decode_heard, hex, unhex, Call};
+use ratewall_core::algo::Nanos;
+use ratewall_core::sync::{sign, verify, Grant, SyncRequest, SyncResponse};
+
+/// A batch may name at most this many counters: each is one Durable Object call, and a
+/// Worker invocation has a bounded number of subrequests. Filters split larger batches.
+pub const MAX_SYNC_DELTAS: usize = 500;
+/// Largest sync body accepted.
+pub const MAX_SYNC_BODY: usize = 1 << 20;
+
+/// A refused or failed sync call: the status and the message the node gets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// HTTP status.
+    pub status: u16,
+    /// Plain-text reason (never the secret).
+    pub message: String,
+}
+
+fn refuse(status: u16, message: impl Into<String>) -> Refusal {
+    Refusal { status, message: message.into() }
+}
+
+/// Checks a sync call before any object sees it: the store is configured, the body is
+/// within bounds, signed with the secret (`tag`: the `x-ratewall-signature` header), well
+/// formed, and names at most [`MAX_SYNC_DELTAS`] counters.
+pub fn check(secret: &str, tag: Option<&str>, body: &[u8]) -> Result<SyncRequest, Refusal> {
+    if secret.is_empty() {
+        return Err(refuse(
+            503,
+            "sync is disabled: set RATEWALL_SYNC_SECRET (wrangler secret put RATEWALL_SYNC_SECRET)",
+        ));
+    }
+    if body.len() > MAX_SYNC_BODY {
+        return Err(refuse(413, "batch too large"));
+    }
+    let tag = tag.and_then(|t| unhex(t.trim().as_bytes()));
+    if !tag.is_some_and(|tag| verify(secret.as_bytes(), body, &tag)) {
+        return Err(refuse(401, "missing or invalid x-ratewall-signature"));
+    }
+    let batch = SyncRequest::decode(body).map_err(|e| refuse(400, format!("malformed batch: {e}")))?;
+    if batch.deltas.len() > MAX_SYNC_DELTAS {
+        return Err(refuse(413, format!("a batch names at most {MAX_SYNC_DELTAS} counters")));
+    }
+    Ok(batch)
+}
+
+/// The registry call a batch or ask makes (a batch's first: an older `seq` is refused before
+/// any counter sees it; an ask's alongside its counters).
+pub fn heard_call(batch: &SyncRequest) -> Call {
+    Call::Heard { node: batch.node, seq: batch.seq, ask: batch.ask }
+}
+
+/// The counter calls of a batch or ask: (counter key, call), one per delta.
+pub fn counter_calls(batch: &SyncRequest) -> Vec<(&[u8], Call)> {
+    batch
+        .deltas
+        .iter()
+        .map(|d| {
+            let call = if batch.ask {
+                Call::Ask { limit: d.limit, node: batch.node, ask: batch.seq, units: d.units }
+            } else {
+                Call::Apply { limit: d.limit, node: batch.node, seq: batch.seq, units: d.units }
+            };
+            (d.key.as_slice(), call)
+        })
+        .collect()
+}
+
+/// What the registry's answer means for a batch (`answer`: its body, `None` when the call
+/// failed): the nodes heard from, or the refusal — 409 for a `seq` older than the node's
+/// latest, 503 when the registry could not say (the node retries with the same `seq`). For
+/// an ask the registry is advisory: `Ok(None)` when it failed.
+pub fn registry_verdict(batch: &SyncRequest, answer: Option<&str>) -> Result<Option<u32>, Refusal> {
+    match (answer.and_then(decode_heard), batch.ask) {
+        (Some(Ok(n)), _) => Ok(Some(n)),
+        (_, true) => Ok(None),
+        (Some(Err(last)), false) => {
+            Err(refuse(409, format!("seq {} is older than this node's latest batch ({last})", batch.seq)))
+        }
+        (None, false) => Err(refuse(503, "the node registry failed; retry the batch with the same seq")),
+    }
+}
+
+/// The signed answer (body, signature header) from the counters' replies (`None`: that
+/// call failed), in delta order. Any failed counter fails the whole call with 503: counters
+/// apply each (node, seq) once, so the node's retry of the whole batch never counts twice.
+/// `nodes` is the registry's count; only if it failed (an ask), the most any counter saw.
+pub fn answer(
+    secret: &str,
+    batch: &SyncRequest,
+    replies: &[Option<String>],
+    nodes: Option<u32>,
+    now: Nanos,
+) -> Result<(Vec<u8>, String), Refusal> {
+    let mut grants = Vec::with_capacity(replies.len());
+    let mut per_counter = 1;
+    for (d, reply) in batch.deltas.iter().zip(replies) {
+        let Some(a) = reply.as_deref().and_then(decode_applied) else {
+            return Err(refuse(503, "a counter object failed; retry the batch with the same seq"));
+        };
+        per_counter = per_counter.max(a.nodes);
+        grants.push(Grant::from_applied(&d.key, &a));
+    }
+    if grants.len() != batch.deltas.len() {
+        return Err(refuse(503, "a counter object did not answer; retry the batch with the same seq"));
+    }
+    let body = SyncResponse { seq: batch.seq, now, nodes: nodes.unwrap_or(per_counter), grants }.encode();
+    let tag = hex(&sign(secret.as_bytes(), &body));
+    Ok((body, tag))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::edge::object::Object;
+    use ratewall_core::algo::{Algorithm, Limit};
+    use ratewall_core::sync::Delta;
+    use ratewall_core::SECOND;
+
+    const SECRET: &str = "0123456789abcdef";
+    const T: Nanos = 1_700_000_000 * SECOND;
+
+    fn batch(seq: u64, ask: bool) -> SyncRequest {
+        let limit = Limit::new(Algorithm::SlidingWindow, 100, 60 * SECOND, None).unwrap();
+        SyncRequest { node: 9, seq, ask, deltas: vec![Delta { key: b"k1".to_vec(), limit, units: 5 }] }
+    }
+
+    fn signed(b: &SyncRequest) -> (Vec<u8>, String) {
+        let body = b.encode();
+        let tag = hex(&sign(SECRET.as_bytes(), &body));
+        (body, tag)
+    }
+
+    #[test]
+    fn a_signed_batch_passes_and_everything_else_is_refused_with_its_status() {
+        let (body, tag) = signed(&batch(1, false));
+        assert_eq!(check(SECRET, Some(&tag), &body).unwrap().seq, 1);
+        assert_eq!(check(SECRET, Some(&format!(" {tag} ")), &body).map(|b| b.seq), Ok(1), "whitespace is trimmed");
+        assert_eq!(check("", Some(&tag), &body).unwrap_err().status, 503);
+        assert_eq!(check(SECRET, None, &body).unwrap_err().status, 401);
+        assert_eq!(check(SECRET, Some("zz"), &body).unwrap_err().status, 401);
+        assert_eq!(check("another secret!!", Some(&tag), &body).unwrap_err().status, 401);
+        let garbled = b"\x01\x09nonsense".to_vec();
+        let gtag = hex(&sign(SECRET.as_bytes(), &garbled));
+        let r = check(SECRET, Some(&gtag), &garbled).unwrap_err();
+        assert_eq!(r.status, 400);
+        assert!(r.message.starts_with("malformed batch"), "{}", r.message);
+        let big = vec![0u8; MAX_SYNC_BODY + 1];
+        assert_eq!(check(SECRET, Some(&tag), &big).unwrap_err().status, 413);
+        let mut many = batch(1, false);
+        let d = many.deltas[0].clone();
+        many.deltas = (0..=MAX_SYNC_DELTAS).map(|i| Delta { key: format!("k{i}").into_bytes(), ..d.clone() }).collect();
+        let (body, tag) = signed(&many);
+        assert_eq!(check(SECRET, Some(&tag), &body).unwrap_err().status, 413);
+    }
+
+    #[test]
+    fn a_batch_applies_and_an_ask_asks() {
+        let b = batch(3, false);
+        assert_eq!(heard_call(&b), Call::Heard { node: 9, seq: 3, ask: false });
+        assert!(matches!(counter_calls(&b)[0], (b"k1", Call::Apply { node: 9, seq: 3, units: 5, .. })));
+        let a = batch(4, true);
+        assert!(matches!(counter_calls(&a)[0], (b"k1", Call::Ask { node: 9, ask: 4, units: 5, .. })));
+    }
+
+    #[test]
+    fn the_registry_refuses_an_old_batch_but_only_advises_an_ask() {
+        let mut registry = Object::default();
+        let heard = |o: &mut Object, b: &SyncRequest| o.handle(heard_call(b), T).map(|h| h.reply);
+        let b5 = batch(5, false);
+        assert_eq!(registry_verdict(&b5, heard(&mut registry, &b5).as_deref()), Ok(Some(1)));
+        let b4 = batch(4, false);
+        let r = registry_verdict(&b4, heard(&mut registry, &b4).as_deref()).unwrap_err();
+        assert_eq!(r.status, 409);
+        assert_eq!(registry_verdict(&b5, None).unwrap_err().status, 503, "a failed registry fails a batch");
+        assert_eq!(registry_verdict(&batch(1, true), None), Ok(None), "but not an ask");
+    }
+
+    #[test]
+    fn the_answer_is_signed_and_any_failed_counter_fails_it() {
+        let b = batch(2, false);
+        let mut counter = Object::default();
+        let (key, call) = counter_calls(&b).remove(0);
+        assert_eq!(key, b"k1");
+        counter.load(None, call.limit()).unwrap();
+        let reply = counter.handle(call, T).map(|h| h.reply);
+        let (body, tag) = answer(SECRET, &b, std::slice::from_ref(&reply), Some(3), T).unwrap();
+        assert!(verify(SECRET.as_bytes(), &body, &unhex(tag.as_bytes()).unwrap()));
+        let resp = SyncResponse::decode(&body).unwrap();
+        assert_eq!((resp.seq, resp.now, resp.nodes, resp.grants.len()), (2, T, 3, 1));
+        assert_eq!(resp.grants[0].remaining, 95);
+        assert_eq!(answer(SECRET, &b, &[None], Some(3), T).unwrap_err().status, 503);
+        assert_eq!(answer(SECRET, &b, &[Some("{}".into())], Some(3), T).unwrap_err().status, 503);
+        assert_eq!(answer(SECRET, &b, &[], Some(3), T).unwrap_err().status, 503, "a missing reply");
+        let (body, _) = answer(SECRET, &b, &[reply], None, T).unwrap();
+        assert_eq!(SyncResponse::decode(&body).unwrap().nodes, 1, "without the registry: what the counters saw");
+    }
+}
