@@ -42,15 +42,16 @@ const MAX_BUCKET_SPAN: Nanos = 100 * 366 * 24 * 3600 * SECOND;
 
 /// Which algorithm a limit uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
 pub enum Algorithm {
     /// GCRA token bucket: capacity `burst` (default `requests`), refill `requests / per`.
-    TokenBucket,
+    TokenBucket = 0,
     /// Sliding window counter: `floor(prev * (1 - elapsed / per)) + curr`.
-    SlidingWindow,
+    SlidingWindow = 1,
     /// Fixed windows aligned to multiples of `per` since the epoch.
-    FixedWindow,
+    FixedWindow = 2,
     /// Sliding log: admitted units counted per `per / 8` slot (see [`LOG_QUANTA`]).
-    SlidingLog,
+    SlidingLog = 3,
 }
 
 impl Algorithm {
@@ -64,36 +65,25 @@ impl Algorithm {
         }
     }
 
-    /// Its code on the wire and in limit fingerprints (docs/sync-protocol.md).
+    /// Every algorithm, in the order of its wire code: the one list names, codes and error
+    /// messages are derived from.
+    pub const ALL: [Algorithm; 4] =
+        [Algorithm::TokenBucket, Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::SlidingLog];
+
+    /// Its code on the wire and in limit fingerprints (docs/sync-protocol.md): its index in
+    /// [`Algorithm::ALL`].
     pub fn code(self) -> u8 {
-        match self {
-            Algorithm::TokenBucket => 0,
-            Algorithm::SlidingWindow => 1,
-            Algorithm::FixedWindow => 2,
-            Algorithm::SlidingLog => 3,
-        }
+        self as u8
     }
 
     /// The algorithm of a wire code.
     pub fn from_code(code: u8) -> Option<Self> {
-        Some(match code {
-            0 => Algorithm::TokenBucket,
-            1 => Algorithm::SlidingWindow,
-            2 => Algorithm::FixedWindow,
-            3 => Algorithm::SlidingLog,
-            _ => return None,
-        })
+        Self::ALL.get(usize::from(code)).copied()
     }
 
     /// Parses a name from the rules document.
     pub fn from_name(name: &str) -> Option<Self> {
-        Some(match name {
-            "token_bucket" => Algorithm::TokenBucket,
-            "sliding_window" => Algorithm::SlidingWindow,
-            "fixed_window" => Algorithm::FixedWindow,
-            "sliding_log" => Algorithm::SlidingLog,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|a| a.as_str() == name)
     }
 }
 
@@ -607,6 +597,17 @@ mod tests {
     }
 
     /// The seed trace: 10 per second, 10 requests at 0.99 s and 10 at 1.01 s.
+    #[test]
+    fn names_and_codes_come_from_one_list() {
+        for (i, a) in Algorithm::ALL.into_iter().enumerate() {
+            assert_eq!(usize::from(a.code()), i);
+            assert_eq!(Algorithm::from_code(a.code()), Some(a));
+            assert_eq!(Algorithm::from_name(a.as_str()), Some(a));
+        }
+        assert_eq!(Algorithm::from_code(4), None);
+        assert_eq!(Algorithm::from_name("leaky"), None);
+    }
+
     #[test]
     fn seed_trace_admits_what_each_algorithm_promises() {
         let mut times = [990 * MS; 20];

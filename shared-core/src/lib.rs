@@ -25,18 +25,18 @@ extern crate alloc;
 extern crate std;
 
 // In the order of the data path; each module imports only the ones above it.
+pub mod text;
+mod hash;
 pub mod algo;
 pub mod encoding;
-pub mod eval;
-pub mod field;
 pub mod glob;
-mod hash;
 mod json;
+pub mod field;
 pub mod key;
-pub mod response;
 pub mod rules;
+pub mod eval;
+pub mod response;
 pub mod sync;
-pub mod text;
 
 pub use algo::{Algorithm, Decision, Limit, Nanos, State, SECOND};
 pub use eval::{combine, evaluate, Check, Counters, MemoryCounters, Outcome, Request};

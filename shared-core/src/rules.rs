@@ -505,22 +505,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
         Some(_) => return err(&key_path, "must be a non-empty array of identity dimensions"),
         None => return err(&key_path, "is required"),
     };
-    let algorithm = match m.get("algorithm") {
-        None => None,
-        Some(a) => {
-            let p = join(path, "algorithm");
-            let s = string(a, &p)?;
-            match Algorithm::from_name(s) {
-                Some(a) => Some(a),
-                None => {
-                    return err(
-                        &p,
-                        format!("\"{s}\" is not one of token_bucket, sliding_window, fixed_window, sliding_log"),
-                    )
-                }
-            }
-        }
-    };
+    let algorithm = m.get("algorithm").map(|a| parse_algorithm(a, &join(path, "algorithm"))).transpose()?;
     let limit = match m.get("limit") {
         Some(l) => parse_limit(l, &join(path, "limit"), algorithm)?,
         None => return err(&join(path, "limit"), "is required"),
@@ -619,6 +604,15 @@ fn method(s: &str, path: &str) -> Result<String, ConfigError> {
     Ok(s.to_ascii_uppercase())
 }
 
+/// An algorithm's name; the error lists [`Algorithm::ALL`].
+fn parse_algorithm(v: &Value, path: &str) -> Result<Algorithm, ConfigError> {
+    let s = string(v, path)?;
+    Algorithm::from_name(s).ok_or_else(|| {
+        let names: Vec<&str> = Algorithm::ALL.iter().map(|a| a.as_str()).collect();
+        ConfigError { path: path.into(), reason: format!("\"{s}\" is not one of {}", names.join(", ")) }
+    })
+}
+
 fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Limit, ConfigError> {
     let m = object(v, path)?;
     known_fields(m, path, &["requests", "per", "burst", "algorithm"])?;
@@ -641,14 +635,7 @@ fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Li
         Some(b) => Some(bounded(b, &join(path, "burst"), 1, MAX_REQUESTS)?),
     };
     let algorithm = match m.get("algorithm") {
-        Some(a) => {
-            let p = join(path, "algorithm");
-            let s = string(a, &p)?;
-            Algorithm::from_name(s).ok_or_else(|| ConfigError {
-                path: p,
-                reason: format!("\"{s}\" is not one of token_bucket, sliding_window, fixed_window, sliding_log"),
-            })?
-        }
+        Some(a) => parse_algorithm(a, &join(path, "algorithm"))?,
         None => algorithm.unwrap_or(if burst.is_some() { Algorithm::TokenBucket } else { Algorithm::SlidingWindow }),
     };
     Limit::new(algorithm, requests, per, burst).or_else(|e| match e {
