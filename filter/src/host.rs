@@ -12,6 +12,17 @@ pub enum SetError {
     Other,
 }
 
+impl std::fmt::Display for SetError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SetError::CasMismatch => "the shared-data value changed since it was read",
+            SetError::Other => "the host refused the shared-data call",
+        })
+    }
+}
+
+impl std::error::Error for SetError {}
+
 /// Log levels, as proxy-wasm numbers them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Level {

@@ -60,6 +60,9 @@ fn class_layout(c: usize) -> Option<Layout> {
     Layout::from_size_align(16 << c, ALIGN).ok()
 }
 
+// SAFETY: every block handed out comes from `System` with at least the layout asked for
+// (a class's layout covers any size and alignment mapped to it), and a block is only reused
+// for a layout of the same class or handed back to `System` with the layout it came with.
 unsafe impl GlobalAlloc for CachedAlloc {
     #[inline(never)]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {

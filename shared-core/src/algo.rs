@@ -98,6 +98,18 @@ pub enum LimitError {
     Burst(&'static str),
 }
 
+impl core::fmt::Display for LimitError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            LimitError::Requests(n) => write!(f, "requests must be 1 to the maximum, not {n}"),
+            LimitError::Per(p) => write!(f, "the period must be above 0 ns and at most {MAX_PER} ns, not {p}"),
+            LimitError::Burst(why) => write!(f, "bad burst: {why}"),
+        }
+    }
+}
+
+impl core::error::Error for LimitError {}
+
 /// A validated limit: the hot path cannot fail on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limit {

@@ -45,6 +45,8 @@ impl core::fmt::Display for DecodeError {
     }
 }
 
+impl core::error::Error for DecodeError {}
+
 impl State {
     /// Appends this state's encoding to `out`.
     pub fn encode_into(&self, out: &mut Vec<u8>) {

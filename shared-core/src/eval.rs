@@ -57,6 +57,7 @@ impl Config {
     /// part `len (0..=254) | bytes`, or `0xff | FNV-1a-64 (8, LE)` for a part longer than
     /// [`MAX_PART`]. The limit's fingerprint makes each limit of a rule (each plan, each
     /// version pushed) a counter of its own.
+    #[must_use]
     pub fn checks(&self, req: &Request<'_>) -> (Vec<Check>, Vec<(usize, Skip)>) {
         self.checks_of(req, &self.matching(req.method, req.path))
     }
@@ -165,6 +166,17 @@ pub enum StoreError {
     /// The store is unreachable or returned garbage.
     Unavailable,
 }
+
+impl core::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(match self {
+            StoreError::Contention => "compare-and-swap retries ran out under contention",
+            StoreError::Unavailable => "the counter store is unreachable or answered garbage",
+        })
+    }
+}
+
+impl core::error::Error for StoreError {}
 
 /// What happened to one check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -136,6 +136,8 @@ impl fmt::Display for Error {
     }
 }
 
+impl core::error::Error for Error {}
+
 /// Parses one JSON document (surrounding whitespace allowed, nothing else).
 pub fn parse(input: &[u8]) -> Result<Value, Error> {
     let mut p = Parser { s: input, i: 0 };

@@ -31,6 +31,8 @@ impl core::fmt::Display for ConfigError {
     }
 }
 
+impl core::error::Error for ConfigError {}
+
 fn err<T>(path: &str, reason: impl Into<String>) -> Result<T, ConfigError> {
     Err(ConfigError { path: path.to_owned(), reason: reason.into() })
 }

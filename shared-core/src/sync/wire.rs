@@ -91,6 +91,18 @@ pub enum SyncError {
     Unauthorized,
 }
 
+impl core::fmt::Display for SyncError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            SyncError::Stale { last } => write!(f, "older than the node's latest batch (seq {last})"),
+            SyncError::Malformed(e) => write!(f, "malformed message: {e}"),
+            SyncError::Unauthorized => f.write_str("the signature does not match the body"),
+        }
+    }
+}
+
+impl core::error::Error for SyncError {}
+
 pub(super) fn put_limit(out: &mut Vec<u8>, l: &Limit) {
     out.push(l.algorithm().code());
     put_varint(out, l.requests());
