@@ -1,20 +1,24 @@
 //! `ratewall-tests`: runs ratewall's *built* wasm for real.
 //!
-//! - [`host`]: a proxy-wasm ABI v0.2.1 host on wasmtime (nodes of several VMs sharing one
-//!   shared-data store with Envoy's CAS semantics, a virtual clock, metrics, callouts).
+//! - [`host`]: the proxy-wasm ABI v0.2.1 host on wasmtime (crate `ratewall-host`, in
+//!   `host/`: nodes of several VMs sharing one shared-data store with Envoy's CAS semantics,
+//!   a virtual clock, metrics, callouts).
 //! - `tests/`: the filter's behaviour through that host; `benches/`: benchmarks.
 //! - [`workerd`]: the built Worker in real local workerd (wrangler dev), over [`http`].
 //! - [`conformance`]: the sync protocol's call sequences, for every store; [`redis`]: Redis
 //!   servers and Clusters on loopback for the store's tests, stopped by PID.
-//! - `src/bin/gateway.rs`: a small local HTTP gateway that serves through the filter.
+//! - The local HTTP gateway that serves through the filter is its own crate (`gateway/`).
 
 pub mod bench;
 pub mod conformance;
-pub mod host;
-pub mod http;
 pub mod redis;
 pub mod sim;
 pub mod workerd;
+
+/// The proxy-wasm host (crate `ratewall-host`), under its old path.
+pub use ratewall_host as host;
+/// The loopback HTTP client (in `ratewall-host`).
+pub use ratewall_host::http;
 
 /// Waits, if need be, until the wall clock is at least `span` before the end of a fixed
 /// window of length `per` (windows start at multiples of `per` since the Unix epoch, as the

@@ -97,7 +97,7 @@ Ctrl-C stops it.\n"
 
 pub(crate) fn gateway(args: &[String]) -> Result<()> {
     let mut cmd = Command::new(cargo());
-    cmd.current_dir(root()).args(["run", "--quiet", "-p", "ratewall-tests", "--bin", "ratewall-gateway", "--"]);
+    cmd.current_dir(root()).args(["run", "--quiet", "-p", "ratewall-gateway", "--"]);
     if !args.iter().any(|a| a == "--rules") {
         cmd.args(["--rules", "examples/rules.json"]);
     }
@@ -150,7 +150,7 @@ pub(crate) fn fleet() -> Result<()> {
         "-p",
         "ratewall-store",
         "-p",
-        "ratewall-tests",
+        "ratewall-gateway",
         "--bin",
         "ratewall-store",
         "--bin",

@@ -40,7 +40,7 @@ fn start(rules: &std::path::Path) -> (Gateway, String) {
 
 /// One HTTP/1.1 request; returns (status, headers, body).
 fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>, String) {
-    let r = ratewall_tests::http::request(addr, method, path, headers, &[]).unwrap();
+    let r = ratewall_host::http::request(addr, method, path, headers, &[]).unwrap();
     let body = r.text();
     (r.status, r.headers, body)
 }

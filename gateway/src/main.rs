@@ -11,7 +11,7 @@
 //! rules, the gateway is one node of a fleet: its VMs tick, and their sync calls go over HTTP
 //! to the stores (the next one when one fails), as Envoy sends them to the sync cluster.
 
-use ratewall_tests::host::{HttpRequest, Node, Plugin, Started, Vm};
+use ratewall_host::{HttpRequest, Node, Plugin, Started, Vm};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -177,7 +177,7 @@ fn watch(path: String, rules: Arc<Rules>) {
 
 /// Makes the HTTP calls the VM dispatched (sync batches, asks) to the stores, the next store
 /// when one fails, and delivers each answer (signature header included) to the VM.
-fn exchange(vm: &mut Vm, stores: &[String]) -> wasmtime::Result<()> {
+fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
     for c in vm.take_callouts() {
         let tag =
             c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone()).unwrap_or_default();
@@ -191,7 +191,7 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> wasmtime::Result<()> {
         let first = c.token as usize;
         let answer = (0..stores.len()).find_map(|i| {
             let addr = stores.get((first + i) % stores.len())?;
-            ratewall_tests::http::request(addr, "POST", &path, &headers, &c.body).ok().filter(|r| r.status != 503)
+            ratewall_host::http::request(addr, "POST", &path, &headers, &c.body).ok().filter(|r| r.status != 503)
         });
         match answer {
             Some(r) => {
@@ -226,9 +226,9 @@ fn handle(vm: &mut Vm, mut stream: TcpStream, stores: &[String]) -> Result<(), S
             break;
         }
         let h = h.strip_suffix(b"\r\n").or_else(|| h.strip_suffix(b"\n")).unwrap_or(&h);
-        if let Some(i) = h.iter().position(|&b| b == b':') {
-            let name = String::from_utf8_lossy(&h[..i]).trim().to_ascii_lowercase();
-            let value = h[i + 1..].trim_ascii().to_vec();
+        if let Some((name, value)) = h.iter().position(|&b| b == b':').map(|i| h.split_at(i)) {
+            let name = String::from_utf8_lossy(name).trim().to_ascii_lowercase();
+            let value = value.get(1..).unwrap_or_default().trim_ascii().to_vec();
             if name == "content-length" {
                 content_length = String::from_utf8_lossy(&value).parse().unwrap_or(0);
             }

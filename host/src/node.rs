@@ -1,0 +1,197 @@
+//! A node (one proxy process): the compiled plugin, shared data with Envoy's semantics,
+//! metrics, the clock, logs and the calls its VMs dispatch.
+
+use crate::abi::*;
+use rustc_hash::FxHashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use wasmtime::{bail, format_err, Engine, Module, Result};
+
+/// Where the built filter lives, relative to the workspace.
+pub fn filter_wasm_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../dist/ratewall_filter.wasm")
+}
+
+/// A compiled module, shared by every VM (compiling once per process keeps tests fast).
+#[derive(Clone)]
+pub struct Plugin {
+    pub(crate) engine: Engine,
+    pub(crate) module: Module,
+}
+
+impl Plugin {
+    /// The built `dist/ratewall_filter.wasm`, compiled once per process.
+    pub fn filter() -> Result<Plugin> {
+        static FILTER: OnceLock<std::result::Result<Plugin, String>> = OnceLock::new();
+        FILTER
+            .get_or_init(|| {
+                let path = filter_wasm_path();
+                let bytes = std::fs::read(&path).map_err(|e| {
+                    format!("{}: {e}. Build it with `cargo xtask build` (or run `cargo xtask test`).", path.display())
+                })?;
+                Plugin::from_bytes(&bytes).map_err(|e| format!("{e:#}"))
+            })
+            .clone()
+            .map_err(|e| format_err!(e))
+    }
+
+    /// Compiles a module from its bytes.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Plugin> {
+        // RATEWALL_FUEL=1 meters every plugin (see [`Plugin::metered`]).
+        Plugin::compile(bytes, std::env::var_os("RATEWALL_FUEL").is_some())
+    }
+
+    /// Compiles a module whose VMs count the wasm instructions they run ([`Vm::fuel_used`]):
+    /// a figure that, unlike time, does not vary from run to run. Metering slows the guest.
+    pub fn metered(bytes: &[u8]) -> Result<Plugin> {
+        Plugin::compile(bytes, true)
+    }
+
+    fn compile(bytes: &[u8], metered: bool) -> Result<Plugin> {
+        // RATEWALL_PERFMAP=1 writes /tmp/perf-PID.map so `perf report` names guest functions.
+        let mut config = wasmtime::Config::new();
+        if std::env::var_os("RATEWALL_PERFMAP").is_some() {
+            config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
+        config.consume_fuel(metered);
+        let engine = Engine::new(&config)?;
+        let module = Module::new(&engine, bytes)?;
+        if module.get_export("proxy_abi_version_0_2_1").is_none() {
+            bail!("the module does not export proxy_abi_version_0_2_1");
+        }
+        Ok(Plugin { engine, module })
+    }
+}
+
+/// A metric as the host keeps it.
+#[derive(Clone, Debug)]
+pub struct Metric {
+    /// Its name.
+    pub name: String,
+    /// proxy-wasm type: 0 counter, 1 gauge, 2 histogram.
+    pub kind: i32,
+    /// Its value.
+    pub value: i64,
+}
+
+/// What one proxy process shares between its VMs.
+#[derive(Default)]
+pub struct NodeState {
+    /// Keys hashed with FxHash, as a proxy's own maps use a fast hash (Envoy: absl's).
+    pub(crate) shared: Mutex<FxHashMap<String, (Vec<u8>, u32)>>,
+    pub(crate) next_cas: AtomicU32,
+    pub(crate) metrics: Mutex<Vec<Metric>>,
+    pub(crate) clock: AtomicU64,
+    pub(crate) logs: Mutex<Vec<(i32, String)>>,
+    pub(crate) next_token: AtomicU32,
+    /// Fault injection: every conditional shared-data write fails with CasMismatch.
+    pub(crate) cas_always_fails: std::sync::atomic::AtomicBool,
+    /// The `node.id` property (Envoy's `--service-node`): unique per node.
+    pub(crate) id: std::sync::OnceLock<String>,
+}
+
+pub(crate) static NODES: AtomicU64 = AtomicU64::new(0);
+
+/// An HTTP call a VM dispatched (`proxy_http_call`), waiting for the test to answer it.
+#[derive(Clone, Debug)]
+pub struct Callout {
+    /// The token the VM got.
+    pub token: u32,
+    /// The context that dispatched it.
+    pub context: u32,
+    /// The cluster / upstream name.
+    pub upstream: String,
+    /// Request headers.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Request body.
+    pub body: Vec<u8>,
+    /// Timeout in milliseconds.
+    pub timeout_ms: u32,
+}
+
+/// One proxy process: shared data, metrics, clock and logs shared by its [`Vm`]s.
+#[derive(Clone, Default)]
+pub struct Node {
+    pub(crate) state: Arc<NodeState>,
+}
+
+impl Node {
+    /// A node with its clock at `now` (nanoseconds since the epoch).
+    pub fn new(now: u64) -> Node {
+        let node = Node::default();
+        let _ = node.state.id.set(format!("node-{}", NODES.fetch_add(1, Ordering::SeqCst)));
+        node.set_time(now);
+        node
+    }
+    /// Sets the virtual clock.
+    pub fn set_time(&self, now: u64) {
+        self.state.clock.store(now, Ordering::SeqCst);
+    }
+    /// Advances the virtual clock.
+    pub fn advance(&self, by: u64) {
+        self.state.clock.fetch_add(by, Ordering::SeqCst);
+    }
+    /// The virtual clock.
+    pub fn now(&self) -> u64 {
+        self.state.clock.load(Ordering::SeqCst)
+    }
+    /// A metric's value by name (0 when undefined).
+    pub fn metric(&self, name: &str) -> i64 {
+        lock(&self.state.metrics).iter().find(|m| m.name == name).map_or(0, |m| m.value)
+    }
+    /// Every metric.
+    pub fn metrics(&self) -> Vec<Metric> {
+        lock(&self.state.metrics).clone()
+    }
+    /// Log lines `(level, message)`.
+    pub fn logs(&self) -> Vec<(i32, String)> {
+        lock(&self.state.logs).clone()
+    }
+    /// Number of shared-data keys and total bytes of keys and values.
+    pub fn shared_data_size(&self) -> (usize, usize) {
+        let map = lock(&self.state.shared);
+        (map.len(), map.iter().map(|(k, (v, _))| k.len() + v.len()).sum())
+    }
+    /// A shared-data value.
+    pub fn shared_get(&self, key: &str) -> Option<Vec<u8>> {
+        lock(&self.state.shared).get(key).map(|(v, _)| v.clone())
+    }
+    /// Writes shared data as a guest would (`cas = 0`: unconditional); returns the status.
+    pub fn set_shared(&self, key: &str, value: &[u8], cas: u32) -> i32 {
+        self.shared_set(key, value, cas)
+    }
+
+    /// Fault injection: from now on every conditional shared-data write (`cas != 0`) answers
+    /// CasMismatch, as under contention that never lets up.
+    pub fn fail_every_cas(&self, on: bool) {
+        self.state.cas_always_fails.store(on, Ordering::SeqCst);
+    }
+
+    /// Envoy's `SharedData::set`: with `cas != 0` an existing key must still have that CAS;
+    /// a missing key is inserted whatever `cas` is.
+    pub(crate) fn shared_set(&self, key: &str, value: &[u8], cas: u32) -> i32 {
+        if cas != 0 && self.state.cas_always_fails.load(Ordering::SeqCst) {
+            return status::CAS_MISMATCH;
+        }
+        let mut map = lock(&self.state.shared);
+        let next = self.state.next_cas.fetch_add(1, Ordering::SeqCst).wrapping_add(1).max(1);
+        match map.get_mut(key) {
+            Some(entry) if cas != 0 && cas != entry.1 => status::CAS_MISMATCH,
+            Some(entry) => {
+                entry.0.clear();
+                entry.0.extend_from_slice(value);
+                entry.1 = next;
+                status::OK
+            }
+            None => {
+                map.insert(key.to_owned(), (value.to_vec(), next));
+                status::OK
+            }
+        }
+    }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}

@@ -1,0 +1,376 @@
+//! A VM (one worker thread's instance of the plugin): its state, and the calls into the
+//! guest — configure, requests, ticks, call answers.
+
+use crate::imports::define_imports;
+use crate::node::*;
+use std::collections::{HashMap, HashSet};
+use wasmtime::{bail, format_err, Func, Instance, Linker, Memory, Result, Store, TypedFunc, Val};
+
+/// A request as the proxy hands it to the filter.
+#[derive(Clone, Debug, Default)]
+pub struct HttpRequest {
+    /// Header fields including `:method`, `:path`, `:authority`; names lower-case.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The `source.address` property (`ip:port`).
+    pub source_address: Option<String>,
+}
+
+impl HttpRequest {
+    /// A request with a method and path.
+    pub fn new(method: &str, path: &str) -> HttpRequest {
+        HttpRequest {
+            headers: vec![
+                (":method".into(), method.as_bytes().to_vec()),
+                (":path".into(), path.as_bytes().to_vec()),
+                (":authority".into(), b"api.example.com".to_vec()),
+            ],
+            source_address: Some("10.0.0.1:40000".into()),
+        }
+    }
+    /// Adds a header.
+    pub fn header(mut self, name: &str, value: impl AsRef<[u8]>) -> HttpRequest {
+        self.headers.push((name.to_ascii_lowercase(), value.as_ref().to_vec()));
+        self
+    }
+    /// Sets the peer address.
+    pub fn from_addr(mut self, addr: &str) -> HttpRequest {
+        self.source_address = Some(addr.into());
+        self
+    }
+}
+
+/// A request the filter decided at once, or paused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Started {
+    /// Decided.
+    Done(FilterResult),
+    /// Paused: its context id, for [`Vm::finish`].
+    Paused(u32),
+}
+
+/// What the filter did with a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FilterResult {
+    /// Status: the local reply's, or 200 when the request went upstream.
+    pub status: u32,
+    /// The local reply's headers, or the headers the filter added to the upstream response.
+    pub headers: Vec<(String, String)>,
+    /// The local reply's body.
+    pub body: Vec<u8>,
+    /// Whether the request went upstream.
+    pub passed: bool,
+}
+
+impl FilterResult {
+    /// A header value (case-insensitive name).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct LocalReply {
+    pub(crate) status: u32,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) body: Vec<u8>,
+}
+
+/// Header fields as the host keeps them: lower-case names, raw values.
+pub type HeaderMap = Vec<(String, Vec<u8>)>;
+
+/// Per-VM host state.
+pub(crate) struct VmState {
+    pub(crate) node: Node,
+    pub(crate) plugin_config: Vec<u8>,
+    pub(crate) request_headers: Vec<(String, Vec<u8>)>,
+    pub(crate) response_headers: Vec<(String, Vec<u8>)>,
+    pub(crate) source_address: Option<String>,
+    /// Local replies sent, by context.
+    pub(crate) local_replies: HashMap<u32, LocalReply>,
+    /// Paused contexts the plugin resumed (`proxy_continue_stream`).
+    pub(crate) resumed: HashSet<u32>,
+    pub(crate) tick_period_ms: u32,
+    pub(crate) callouts: Vec<Callout>,
+    pub(crate) call_response: Option<(HeaderMap, Vec<u8>)>,
+    pub(crate) effective_context: u32,
+    /// The guest's memory and allocator, looked up once after instantiation.
+    pub(crate) memory: Option<Memory>,
+    pub(crate) alloc: Option<TypedFunc<i32, i32>>,
+    /// Behave like a host whose header-map listing leaves out the pseudo-headers.
+    pub(crate) pairs_without_pseudo_headers: bool,
+    /// When set, the time of each `proxy_on_request_headers` call, in ns.
+    pub(crate) request_headers_ns: Option<Vec<u64>>,
+    /// A buffer reused by the host calls that copy bytes into the guest.
+    pub(crate) scratch: Vec<u8>,
+}
+
+/// The guest entry points called per request, looked up once.
+pub(crate) struct Entries {
+    pub(crate) context_create: TypedFunc<(i32, i32), ()>,
+    pub(crate) request_headers: TypedFunc<(i32, i32, i32), i32>,
+    pub(crate) response_headers: TypedFunc<(i32, i32, i32), i32>,
+    pub(crate) done: TypedFunc<i32, i32>,
+    pub(crate) log: TypedFunc<i32, ()>,
+    pub(crate) delete: TypedFunc<i32, ()>,
+}
+
+/// One VM (one worker thread) of a node, with the plugin instantiated and configured.
+pub struct Vm {
+    pub(crate) store: Store<VmState>,
+    pub(crate) instance: Instance,
+    pub(crate) entries: Entries,
+    pub(crate) root: u32,
+    pub(crate) next_context: u32,
+    pub(crate) broken: Option<String>,
+}
+
+impl Vm {
+    /// Instantiates `plugin` as one VM of `node` and configures it with `config`. A rejected
+    /// configuration is not an error here: check [`Vm::configure`]'s result or the logs.
+    pub fn start(plugin: &Plugin, node: &Node, config: &[u8]) -> Result<Vm> {
+        let state = VmState {
+            node: node.clone(),
+            plugin_config: config.to_vec(),
+            request_headers: Vec::new(),
+            response_headers: Vec::new(),
+            source_address: None,
+            local_replies: HashMap::new(),
+            resumed: HashSet::new(),
+            tick_period_ms: 0,
+            callouts: Vec::new(),
+            call_response: None,
+            effective_context: 0,
+            memory: None,
+            alloc: None,
+            pairs_without_pseudo_headers: false,
+            request_headers_ns: None,
+            scratch: Vec::new(),
+        };
+        let mut store = Store::new(&plugin.engine, state);
+        // Fails, harmlessly, unless the engine meters fuel.
+        let _ = store.set_fuel(u64::MAX);
+        let mut linker = Linker::new(&plugin.engine);
+        define_imports(&mut linker, &plugin.module)?;
+        let instance = linker.instantiate(&mut store, &plugin.module)?;
+        store.data_mut().memory = instance.get_memory(&mut store, "memory");
+        store.data_mut().alloc = ["malloc", "proxy_on_memory_allocate"]
+            .iter()
+            .find_map(|n| instance.get_typed_func::<i32, i32>(&mut store, n).ok());
+        let entries = Entries {
+            context_create: instance.get_typed_func(&mut store, "proxy_on_context_create")?,
+            request_headers: instance.get_typed_func(&mut store, "proxy_on_request_headers")?,
+            response_headers: instance.get_typed_func(&mut store, "proxy_on_response_headers")?,
+            done: instance.get_typed_func(&mut store, "proxy_on_done")?,
+            log: instance.get_typed_func(&mut store, "proxy_on_log")?,
+            delete: instance.get_typed_func(&mut store, "proxy_on_delete")?,
+        };
+        let mut vm = Vm { store, instance, entries, root: 1, next_context: 2, broken: None };
+        for init in ["_initialize", "_start"] {
+            if vm.instance.get_func(&mut vm.store, init).is_some() {
+                vm.call(init, &[])?;
+                break;
+            }
+        }
+        vm.call("proxy_on_context_create", &[Val::I32(1), Val::I32(0)])?;
+        if vm.instance.get_func(&mut vm.store, "proxy_on_vm_start").is_some() {
+            vm.call("proxy_on_vm_start", &[Val::I32(1), Val::I32(0)])?;
+        }
+        vm.configure(config)?;
+        Ok(vm)
+    }
+
+    /// Pushes a new plugin configuration (as Envoy does on an ECDS update); returns whether
+    /// the plugin accepted it.
+    pub fn configure(&mut self, config: &[u8]) -> Result<bool> {
+        self.store.data_mut().plugin_config = config.to_vec();
+        let root = self.root as i32;
+        let r = self.call("proxy_on_configure", &[Val::I32(root), Val::I32(config.len() as i32)])?;
+        Ok(r.first().and_then(Val::i32) == Some(1))
+    }
+
+    pub(crate) fn call(&mut self, name: &str, args: &[Val]) -> Result<Vec<Val>> {
+        if let Some(why) = &self.broken {
+            bail!("this VM trapped earlier and is unusable: {why}");
+        }
+        let func: Func =
+            self.instance.get_func(&mut self.store, name).ok_or_else(|| format_err!("no export {name}"))?;
+        let mut results = vec![Val::I32(0); func.ty(&self.store).results().len()];
+        if let Err(e) = func.call(&mut self.store, args, &mut results) {
+            let why = format!("{name} trapped: {e:#}");
+            self.broken = Some(why.clone());
+            return Err(format_err!(why));
+        }
+        Ok(results)
+    }
+
+    /// Starts a request: its headers go through the filter, which decides it now or pauses
+    /// it (waiting for a callout it dispatched; see [`Vm::finish`]).
+    pub fn begin(&mut self, req: &HttpRequest) -> Result<Started> {
+        let ctx = self.next_context;
+        self.next_context += 1;
+        {
+            let s = self.store.data_mut();
+            // clone_from reuses the previous request's allocations.
+            s.request_headers.clone_from(&req.headers);
+            s.response_headers = Vec::new();
+            s.source_address.clone_from(&req.source_address);
+            s.effective_context = ctx;
+        }
+        let root = self.root as i32;
+        let c = ctx as i32;
+        self.guard(|s, e| e.context_create.call(s, (c, root)))?;
+        let n = req.headers.len() as i32;
+        let timed = self.store.data().request_headers_ns.is_some().then(std::time::Instant::now);
+        let action = self.guard(|s, e| e.request_headers.call(s, (c, n, 1)))?;
+        if let (Some(t), Some(times)) = (timed, self.store.data_mut().request_headers_ns.as_mut()) {
+            times.push(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        }
+        let reply = self.store.data_mut().local_replies.remove(&ctx);
+        if action == 1 && reply.is_none() {
+            return Ok(Started::Paused(ctx));
+        }
+        self.complete(ctx, reply).map(Started::Done)
+    }
+
+    /// Runs a request through the filter: request headers, then (when it passes) an upstream
+    /// `200` response's headers, then the end of the stream. A request the filter pauses
+    /// without replying is an error here: see [`Vm::begin`].
+    pub fn request(&mut self, req: &HttpRequest) -> Result<FilterResult> {
+        match self.begin(req)? {
+            Started::Done(r) => Ok(r),
+            Started::Paused(_) => bail!("the filter paused the request without replying"),
+        }
+    }
+
+    /// A paused request after the callouts it waits for were delivered: its result once the
+    /// plugin replied or resumed it (`None`: still paused).
+    pub fn finish(&mut self, ctx: u32) -> Result<Option<FilterResult>> {
+        let s = self.store.data_mut();
+        let reply = s.local_replies.remove(&ctx);
+        if reply.is_none() && !s.resumed.remove(&ctx) {
+            return Ok(None);
+        }
+        self.complete(ctx, reply).map(Some)
+    }
+
+    /// The rest of a request's life once its headers are decided: the upstream `200`
+    /// response's headers when it passed, then the end of the stream.
+    fn complete(&mut self, ctx: u32, reply: Option<LocalReply>) -> Result<FilterResult> {
+        let c = ctx as i32;
+        self.store.data_mut().effective_context = ctx;
+        let result = if let Some(reply) = reply {
+            FilterResult { status: reply.status, headers: reply.headers, body: reply.body, passed: false }
+        } else {
+            self.store.data_mut().response_headers = vec![(":status".into(), b"200".to_vec())];
+            self.guard(|s, e| e.response_headers.call(s, (c, 1, 1)))?;
+            let headers = std::mem::take(&mut self.store.data_mut().response_headers)
+                .into_iter()
+                .filter(|(k, _)| k != ":status")
+                .map(|(k, v)| {
+                    (k, String::from_utf8(v).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
+                })
+                .collect();
+            FilterResult { status: 200, headers, body: Vec::new(), passed: true }
+        };
+        self.guard(|s, e| e.done.call(s, c))?;
+        self.guard(|s, e| e.log.call(s, c))?;
+        self.guard(|s, e| e.delete.call(s, c))?;
+        self.store.data_mut().resumed.remove(&ctx);
+        Ok(result)
+    }
+
+    /// Runs a typed guest call; a trap makes the VM unusable, as in Envoy.
+    fn guard<R>(&mut self, f: impl FnOnce(&mut Store<VmState>, &Entries) -> Result<R>) -> Result<R> {
+        if let Some(why) = &self.broken {
+            bail!("this VM trapped earlier and is unusable: {why}");
+        }
+        f(&mut self.store, &self.entries).map_err(|e| {
+            let why = format!("guest trapped: {e:#}");
+            self.broken = Some(why.clone());
+            format_err!(why)
+        })
+    }
+
+    /// Runs the root context's tick.
+    pub fn tick(&mut self) -> Result<()> {
+        let root = self.root as i32;
+        self.store.data_mut().effective_context = self.root;
+        self.call("proxy_on_tick", &[Val::I32(root)]).map(|_| ())
+    }
+
+    /// The tick period the plugin asked for (0: none).
+    pub fn tick_period_ms(&self) -> u32 {
+        self.store.data().tick_period_ms
+    }
+
+    /// Takes the HTTP calls dispatched since the last call.
+    pub fn take_callouts(&mut self) -> Vec<Callout> {
+        std::mem::take(&mut self.store.data_mut().callouts)
+    }
+
+    /// Delivers the response to a callout (`None`: it failed or timed out, as Envoy reports
+    /// with zero headers and an empty body).
+    pub fn deliver(&mut self, callout: &Callout, response: Option<(u16, Vec<u8>)>) -> Result<()> {
+        match response {
+            Some((status, body)) => self.respond(callout, status, &[], body),
+            None => self.deliver_headers(callout, Vec::new(), Vec::new()),
+        }
+    }
+
+    /// Delivers a response with headers besides `:status`.
+    pub fn respond(&mut self, callout: &Callout, status: u16, headers: &[(&str, &[u8])], body: Vec<u8>) -> Result<()> {
+        let mut all = vec![(":status".to_owned(), status.to_string().into_bytes())];
+        all.extend(headers.iter().map(|(k, v)| ((*k).to_owned(), v.to_vec())));
+        self.deliver_headers(callout, all, body)
+    }
+
+    fn deliver_headers(&mut self, callout: &Callout, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Result<()> {
+        let (nh, nb) = (headers.len() as i32, body.len() as i32);
+        self.store.data_mut().call_response = Some((headers, body));
+        self.store.data_mut().effective_context = callout.context;
+        let r = self.call(
+            "proxy_on_http_call_response",
+            &[
+                Val::I32(callout.context as i32),
+                Val::I32(callout.token as i32),
+                Val::I32(nh),
+                Val::I32(nb),
+                Val::I32(0),
+            ],
+        );
+        self.store.data_mut().call_response = None;
+        r.map(|_| ())
+    }
+
+    /// From now on list request headers (`proxy_get_header_map_pairs`) without the
+    /// pseudo-headers, as some hosts do; they stay readable one by one.
+    pub fn list_headers_without_pseudo_headers(&mut self) {
+        self.store.data_mut().pairs_without_pseudo_headers = true;
+    }
+
+    /// From now on time each `proxy_on_request_headers` call (the request-headers callback
+    /// alone, without the context's creation, the response and the end of the stream).
+    pub fn time_request_headers(&mut self) {
+        self.store.data_mut().request_headers_ns = Some(Vec::new());
+    }
+
+    /// The times recorded since [`Vm::time_request_headers`], in ns; recording goes on.
+    pub fn take_request_headers_times(&mut self) -> Vec<u64> {
+        self.store.data_mut().request_headers_ns.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// The guest's linear memory, in bytes.
+    pub fn memory_bytes(&self) -> usize {
+        self.store.data().memory.map_or(0, |m| m.data_size(&self.store))
+    }
+
+    /// Wasm instructions the guest has run (a [`Plugin::metered`] plugin; else 0).
+    pub fn fuel_used(&self) -> u64 {
+        self.store.get_fuel().map_or(0, |left| u64::MAX - left)
+    }
+
+    /// The node this VM belongs to.
+    pub fn node(&self) -> &Node {
+        &self.store.data().node
+    }
+}
