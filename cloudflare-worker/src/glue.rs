@@ -313,7 +313,7 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
 /// A Durable Object holding one counter (one rule, one key), or — the one named
 /// [`REGISTRY_OBJECT`] — the sync store's node registry. Single-threaded, so every check is
 /// atomic and global. State lives in memory and is loaded lazily from storage; what to
-/// answer, write and schedule is [`Object`]'s (edge/object.rs): a change from the Worker's
+/// answer, write and schedule is [`Object`]'s (cloudflare-worker/src/edge/object.rs): a change from the Worker's
 /// own traffic is written back by an alarm at most `FLUSH` later, a sync delta or ask is
 /// written before it is acknowledged, an idle counter is deleted, and a stored value that
 /// cannot be read is never replaced (the call fails, and the rule's `on_store_failure`

@@ -1,5 +1,5 @@
 //! The small host interface the filter logic needs; the proxy-wasm glue implements it, and
-//! the unit tests (`src/tests/`) use the in-memory fake of `src/fake.rs`.
+//! the unit tests (`filter/src/tests/`) use the in-memory fake of `filter/src/fake.rs`.
 
 use ratewall_core::Nanos;
 
