@@ -8,6 +8,8 @@ use ratewall_core::SECOND;
 use ratewall_tests::bench::figure;
 use ratewall_tests::sim::{run, Faults, Scenario, Spread};
 
+const MS: u64 = 1_000_000;
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
@@ -30,6 +32,7 @@ fn main() {
         seed,
         algorithm: "fixed_window",
         duration: None,
+        rtt: 0,
     };
     let f = Faults::default();
     let scenarios = [
@@ -44,6 +47,17 @@ fn main() {
         Scenario { name: "garbage_zipf20", faults: Faults { garbage: true, ..f }, ..base.clone() },
         Scenario { name: "dup_reorder_zipf20", faults: Faults { duplicate: true, reorder: true, ..f }, ..base.clone() },
         Scenario { name: "partition5_zipf20", faults: Faults { partitioned: 5, ..f }, ..base.clone() },
+        // The store a round trip away (issue 14): answers and asks take time.
+        Scenario { name: "zipf20_rtt1", rtt: MS, ..base.clone() },
+        Scenario { name: "zipf20_rtt20", rtt: 20 * MS, ..base.clone() },
+        Scenario { name: "zipf20_rtt80", rtt: 80 * MS, ..base.clone() },
+        Scenario { name: "zipf20_dense_rtt1", keys: 4, limit: 2000, rtt: MS, ..base.clone() },
+        Scenario { name: "zipf20_dense_rtt20", keys: 4, limit: 2000, rtt: 20 * MS, ..base.clone() },
+        Scenario { name: "zipf20_dense_rtt80", keys: 4, limit: 2000, rtt: 80 * MS, ..base.clone() },
+        Scenario { name: "even20_rtt1", spread: Spread::Even, rtt: MS, ..base.clone() },
+        Scenario { name: "even20_rtt20", spread: Spread::Even, rtt: 20 * MS, ..base.clone() },
+        Scenario { name: "even20_rtt80", spread: Spread::Even, rtt: 80 * MS, ..base.clone() },
+        Scenario { name: "zipf100_rtt20", nodes: 100, rtt: 20 * MS, ..base.clone() },
     ];
     let only = std::env::var("RATEWALL_SIM_ONLY").ok();
     for s in scenarios.iter().filter(|s| only.as_deref().is_none_or(|o| o.split(',').any(|n| n == s.name))) {
@@ -55,5 +69,8 @@ fn main() {
         figure(&format!("bytes_per_sync_{}", s.name), r.bytes_per_sync, "B");
         figure(&format!("paused_pct_{}", s.name), r.paused_pct, "%");
         figure(&format!("asks_per_node_per_sec_{}", s.name), r.asks_per_node_per_sec, "calls/s");
+        for (q, v) in ["p50", "p99", "p999"].iter().zip(r.added_latency_ms) {
+            figure(&format!("added_latency_{q}_ms_{}", s.name), v, "ms");
+        }
     }
 }

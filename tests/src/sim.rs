@@ -7,7 +7,7 @@
 use crate::host::{Callout, FilterResult, HttpRequest, Node, Plugin, Started, Vm};
 use ratewall_core::sync::{hex, sign, unhex, Store};
 use ratewall_core::SECOND;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 /// The shared secret of the simulated fleet.
 pub const SECRET: &str = "simulation-secret-0123456789";
@@ -25,7 +25,8 @@ pub struct Faults {
     pub error_5xx: bool,
     /// The store answers 200 with an unsigned garbage body.
     pub garbage: bool,
-    /// Every batch reaches the store twice and its answer arrives twice.
+    /// Every batch reaches the store twice (a duplicated request); its answer arrives once
+    /// (a proxy answers each call of a token once: the SDK traps on a token answered twice).
     pub duplicate: bool,
     /// Answers arrive one tick late (after the node's next tick).
     pub reorder: bool,
@@ -77,6 +78,11 @@ pub struct Scenario {
     pub algorithm: &'static str,
     /// Simulated time the traffic spreads over (default: `window × windows`).
     pub duration: Option<u64>,
+    /// The store's round trip (ns; 0: every call is answered at once). Each call reaches the
+    /// store after half of it and its answer the node after the other half, each half
+    /// jittered by up to ±25 %; a call whose answer would come after its deadline fails at
+    /// the deadline (the store has still applied it).
+    pub rtt: u64,
 }
 
 /// What a scenario measured.
@@ -100,6 +106,9 @@ pub struct Report {
     pub asks_per_node_per_sec: f64,
     /// Requests admitted.
     pub admitted: u64,
+    /// Added latency (the wait for an ask's answer; 0 for a request that did not wait) at
+    /// the 50th, 99th and 99.9th percentiles of all requests, ms.
+    pub added_latency_ms: [f64; 3],
 }
 
 struct Rng(u64);
@@ -117,6 +126,12 @@ impl Rng {
     }
 }
 
+/// The sync calls' deadline the simulated fleet is configured with: 50 ms, or three round
+/// trips where the store is further (an operator sets the deadline above the round trip).
+pub fn call_timeout(s: &Scenario) -> u64 {
+    (50 * MS).max(3 * s.rtt)
+}
+
 /// The rules document of the simulated fleet.
 pub fn rules(s: &Scenario) -> String {
     serde_json::json!({
@@ -128,8 +143,8 @@ pub fn rules(s: &Scenario) -> String {
                        serde_json::json!({"requests": s.limit, "per": format!("{}ms", s.window / MS)})
                    }}],
         "filter": {"slots": 1024},
-        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "timeout": "50ms",
-                 "stale_after": "1s", "nodes": s.nodes}
+        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms",
+                 "timeout": format!("{}ms", call_timeout(s) / MS), "stale_after": "1s", "nodes": s.nodes}
     })
     .to_string()
 }
@@ -181,6 +196,7 @@ pub fn end_to_end(name: &'static str) -> Scenario {
         seed: 7,
         algorithm: "token_bucket",
         duration: Some(5 * SECOND),
+        rtt: 0,
     }
 }
 
@@ -224,7 +240,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         let vms = (0..s.vms).map(|_| Vm::start(&plugin, &node, config.as_bytes())).collect::<wasmtime::Result<_>>()?;
         fleet.push((node, vms, skew));
     }
-    let mut store = Store::new(100_000, 2 * SECOND);
+    let store = Store::new(100_000, 2 * SECOND);
     let weights: Vec<f64> = (0..s.nodes)
         .map(|i| match s.spread {
             Spread::Zipf => 1.0 / (i as f64 + 1.0),
@@ -249,26 +265,22 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
     // Requests spread evenly in time over the run.
     let duration = s.duration.unwrap_or(s.window * s.windows);
     let gap = duration / total_requests.max(1);
-    let mut admitted: BTreeMap<(usize, u64), u64> = BTreeMap::new();
-    let (mut false_denials, mut calls, mut sync_bytes, mut asks) = (0u64, 0u64, 0u64, 0u64);
-    let mut held: VecDeque<(usize, usize, Callout, Option<Answer>)> = VecDeque::new();
-    // The store's answer to a call from node `n` at `at`, through the faults in force.
-    let call = |store: &mut Store, rng: &mut Rng, n: usize, c: &Callout, at: u64| -> Option<Answer> {
-        let window_now = (at - start) / s.window;
-        let faults = if window_now >= s.faults_from { s.faults } else { Faults::default() };
-        let tag = signature(c);
-        if faults.down || n < faults.partitioned || faults.slow {
-            None
-        } else if faults.error_5xx {
-            Some((503, Vec::new(), b"unavailable".to_vec()))
-        } else if faults.garbage {
-            Some((200, Vec::new(), (0..64).map(|_| rng.next() as u8).collect()))
-        } else {
-            if faults.duplicate {
-                let _ = answer(backend, store, at, &c.body, &tag);
-            }
-            answer(backend, store, at, &c.body, &tag)
-        }
+    let mut w = World {
+        s,
+        backend,
+        start,
+        interval,
+        fleet,
+        store,
+        rng,
+        queue: BTreeMap::new(),
+        seq: 0,
+        admitted: BTreeMap::new(),
+        false_denials: 0,
+        calls: 0,
+        sync_bytes: 0,
+        asks: 0,
+        waits: Vec::new(),
     };
     let mut next_tick = start;
     let mut t = start;
@@ -278,70 +290,46 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
     let paced = matches!(backend, Backend::Http(_));
     for i in 0..total_requests {
         t = start + i * gap;
-        while next_tick <= t {
+        loop {
+            // Answers due by the next tick arrive before it.
+            let due = w.queue.keys().next().map(|(at, _)| *at).filter(|at| *at <= t.min(next_tick));
+            if let Some(at) = due {
+                w.event(at)?;
+                continue;
+            }
+            if next_tick > t {
+                break;
+            }
             if paced {
                 let ahead = (next_tick - start)
                     .saturating_sub(u64::try_from(real_start.elapsed().as_nanos()).unwrap_or(u64::MAX));
                 std::thread::sleep(std::time::Duration::from_nanos(ahead));
             }
-            let window_now = (next_tick - start) / s.window;
-            let faults = if window_now >= s.faults_from { s.faults } else { Faults::default() };
-            // Late answers from the previous tick arrive first.
-            for (n, v, c, resp) in std::mem::take(&mut held) {
-                deliver(&mut fleet[n].1[v], &c, resp)?;
-            }
-            for (n, (node, vms, skew)) in fleet.iter_mut().enumerate() {
-                node.set_time(next_tick.saturating_add_signed(*skew));
-                for (v, vm) in vms.iter_mut().enumerate() {
-                    vm.tick()?;
-                    for c in vm.take_callouts() {
-                        calls += 1;
-                        sync_bytes += c.body.len() as u64;
-                        let resp = call(&mut store, &mut rng, n, &c, next_tick);
-                        if faults.reorder {
-                            held.push_back((n, v, c, resp));
-                        } else {
-                            if faults.duplicate {
-                                deliver(vm, &c, resp.clone())?;
-                            }
-                            deliver(vm, &c, resp)?;
-                        }
-                    }
-                }
-            }
+            w.tick(next_tick)?;
             next_tick += interval;
         }
         let key = (i % s.keys as u64) as usize;
-        let n = pick_node(&mut rng);
-        let v = rng.below(s.vms as u64) as usize;
-        let (node, vms, skew) = &mut fleet[n];
+        let n = pick_node(&mut w.rng);
+        let v = w.rng.below(s.vms as u64) as usize;
+        let (node, vms, skew) = &mut w.fleet[n];
         node.set_time(t.saturating_add_signed(*skew));
         let window = (t - start) / s.window;
-        let count = admitted.entry((key, window)).or_insert(0);
         let req = HttpRequest::new("GET", "/").header("x-user-id", format!("user-{key}"));
-        let r = match vms[v].begin(&req)? {
-            Started::Done(r) => r,
+        match vms[v].begin(&req)? {
+            Started::Done(r) => w.decided(key, window, r.passed),
             Started::Paused(ctx) => {
-                // An ask: answered at once on the virtual clock (its latency is one store
-                // round trip, which the simulation does not model).
                 for c in vms[v].take_callouts() {
-                    asks += 1;
-                    calls += 1;
-                    let resp = call(&mut store, &mut rng, n, &c, t);
-                    deliver(&mut vms[v], &c, resp)?;
-                }
-                match vms[v].finish(ctx)? {
-                    Some(r) => r,
-                    None => wasmtime::bail!("a request stayed paused after its ask was answered"),
+                    w.asks += 1;
+                    w.send(n, v, c, t, Some(Paused { ctx, key, window, at: t }))?;
                 }
             }
-        };
-        if r.passed {
-            *count += 1;
-        } else if *count < s.limit {
-            false_denials += 1;
         }
     }
+    // Requests still waiting get their answers.
+    while let Some(at) = w.queue.keys().next().map(|(at, _)| *at) {
+        w.event(at)?;
+    }
+    let World { fleet, admitted, false_denials, calls, sync_bytes, asks, mut waits, .. } = w;
     if std::env::var("RATEWALL_SIM_SUM").is_ok() {
         let mut sums: BTreeMap<String, i64> = BTreeMap::new();
         for (node, _, _) in &fleet {
@@ -383,7 +371,210 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         paused_pct: asks as f64 / total_requests.max(1) as f64 * 100.0,
         asks_per_node_per_sec: asks as f64 / s.nodes as f64 / seconds.max(1e-9),
         admitted: admitted.values().sum(),
+        added_latency_ms: {
+            waits.sort_unstable();
+            // Over all requests: those that did not wait added 0.
+            let at = |q: f64| {
+                let rank = ((q * total_requests as f64).ceil() as u64).max(1);
+                let zeros = total_requests.saturating_sub(waits.len() as u64);
+                match rank.checked_sub(zeros + 1) {
+                    Some(i) => waits.get(i as usize).copied().unwrap_or(0) as f64 / MS as f64,
+                    None => 0.0,
+                }
+            };
+            [at(0.5), at(0.99), at(0.999)]
+        },
     })
+}
+
+/// A request paused on an ask.
+#[derive(Clone, Copy, Debug)]
+struct Paused {
+    ctx: u32,
+    key: usize,
+    window: u64,
+    at: u64,
+}
+
+/// A call on its way: to the store, or its answer (`None`: failed) back to its VM.
+enum Leg {
+    Arrive,
+    Answer(Option<Answer>),
+}
+
+struct InFlight {
+    n: usize,
+    v: usize,
+    callout: Callout,
+    leg: Leg,
+    paused: Option<Paused>,
+    /// When the answer reaches the VM after arriving at the store (the return half).
+    back: u64,
+    /// Its answer is lost (past the call's deadline): the VM sees a failure at the deadline.
+    lost: bool,
+}
+
+/// The simulated fleet, its store, and the calls in flight between them.
+struct World<'a> {
+    s: &'a Scenario,
+    backend: &'a Backend<'a>,
+    start: u64,
+    interval: u64,
+    fleet: Vec<(Node, Vec<Vm>, i64)>,
+    store: Store,
+    rng: Rng,
+    /// Calls in flight by (time of their next leg, order sent).
+    queue: BTreeMap<(u64, u64), InFlight>,
+    seq: u64,
+    admitted: BTreeMap<(usize, u64), u64>,
+    false_denials: u64,
+    calls: u64,
+    sync_bytes: u64,
+    asks: u64,
+    /// The added latency of every request that waited, ns.
+    waits: Vec<u64>,
+}
+
+impl World<'_> {
+    fn faults(&self, at: u64) -> Faults {
+        if (at - self.start) / self.s.window >= self.s.faults_from {
+            self.s.faults
+        } else {
+            Faults::default()
+        }
+    }
+
+    /// The store's answer to a call from node `n` arriving at `at`, through the faults.
+    fn answer(&mut self, n: usize, c: &Callout, at: u64) -> Option<Answer> {
+        let faults = self.faults(at);
+        let tag = signature(c);
+        if faults.down || n < faults.partitioned || faults.slow {
+            None
+        } else if faults.error_5xx {
+            Some((503, Vec::new(), b"unavailable".to_vec()))
+        } else if faults.garbage {
+            Some((200, Vec::new(), (0..64).map(|_| self.rng.next() as u8).collect()))
+        } else {
+            if faults.duplicate {
+                let _ = answer(self.backend, &mut self.store, at, &c.body, &tag);
+            }
+            answer(self.backend, &mut self.store, at, &c.body, &tag)
+        }
+    }
+
+    /// Half a round trip, jittered by up to ±25 %.
+    fn half_trip(&mut self) -> u64 {
+        let half = self.s.rtt / 2;
+        let j = half / 4;
+        if j == 0 {
+            half
+        } else {
+            half - j + self.rng.below(2 * j + 1)
+        }
+    }
+
+    fn push(&mut self, at: u64, f: InFlight) {
+        self.seq += 1;
+        self.queue.insert((at, self.seq), f);
+    }
+
+    /// A VM sends a call at `at`.
+    fn send(&mut self, n: usize, v: usize, c: Callout, at: u64, paused: Option<Paused>) -> wasmtime::Result<()> {
+        self.calls += 1;
+        if paused.is_none() {
+            self.sync_bytes += c.body.len() as u64;
+        }
+        if self.s.rtt == 0 {
+            // Answered at once (a late answer under the reorder fault: by the next tick).
+            let resp = self.answer(n, &c, at);
+            if self.faults(at).reorder && paused.is_none() {
+                let f = InFlight { n, v, callout: c, leg: Leg::Answer(resp), paused, back: 0, lost: false };
+                self.push(at + self.interval, f);
+                return Ok(());
+            }
+            return self.deliver(n, v, &c, resp, paused, at);
+        }
+        let (there, back) = (self.half_trip(), self.half_trip());
+        let deadline = u64::from(c.timeout_ms) * MS;
+        let lost = there + back > deadline;
+        if lost {
+            // The VM gives up at its deadline, whatever the store does with the call.
+            let f = InFlight { n, v, callout: c.clone(), leg: Leg::Answer(None), paused, back: 0, lost: false };
+            self.push(at + deadline, f);
+        }
+        let f = InFlight { n, v, callout: c, leg: Leg::Arrive, paused: if lost { None } else { paused }, back, lost };
+        self.push(at + there, f);
+        Ok(())
+    }
+
+    /// The next leg of the call due at `at`.
+    fn event(&mut self, at: u64) -> wasmtime::Result<()> {
+        let Some(((_, _), f)) = self.queue.pop_first() else { return Ok(()) };
+        match f.leg {
+            Leg::Arrive => {
+                let resp = self.answer(f.n, &f.callout, at);
+                if !f.lost {
+                    let back = if self.faults(at).reorder { f.back + self.interval } else { f.back };
+                    let InFlight { n, v, callout, paused, .. } = f;
+                    self.push(
+                        at + back,
+                        InFlight { n, v, callout, leg: Leg::Answer(resp), paused, back: 0, lost: false },
+                    );
+                }
+                Ok(())
+            }
+            Leg::Answer(resp) => self.deliver(f.n, f.v, &f.callout, resp, f.paused, at),
+        }
+    }
+
+    /// An answer reaches its VM at `at`; a paused request it answers is decided.
+    fn deliver(
+        &mut self,
+        n: usize,
+        v: usize,
+        c: &Callout,
+        resp: Option<Answer>,
+        paused: Option<Paused>,
+        at: u64,
+    ) -> wasmtime::Result<()> {
+        let (node, vms, skew) = &mut self.fleet[n];
+        node.set_time(at.saturating_add_signed(*skew));
+        let vm = &mut vms[v];
+        deliver(vm, c, resp)?;
+        if let Some(p) = paused {
+            let Some(r) = vm.finish(p.ctx)? else {
+                wasmtime::bail!("a request stayed paused after its ask was answered")
+            };
+            self.waits.push(at - p.at);
+            self.decided(p.key, p.window, r.passed);
+        }
+        Ok(())
+    }
+
+    /// Counts a decided request of `key` that arrived in `window`.
+    fn decided(&mut self, key: usize, window: u64, passed: bool) {
+        let count = self.admitted.entry((key, window)).or_insert(0);
+        if passed {
+            *count += 1;
+        } else if *count < self.s.limit {
+            self.false_denials += 1;
+        }
+    }
+
+    /// Every VM's tick at `at`, and the batches it sends.
+    fn tick(&mut self, at: u64) -> wasmtime::Result<()> {
+        for n in 0..self.fleet.len() {
+            for v in 0..self.fleet[n].1.len() {
+                let (node, vms, skew) = &mut self.fleet[n];
+                node.set_time(at.saturating_add_signed(*skew));
+                vms[v].tick()?;
+                for c in vms[v].take_callouts() {
+                    self.send(n, v, c, at, None)?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A callout's `x-ratewall-signature` header (empty: none).

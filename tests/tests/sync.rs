@@ -25,6 +25,7 @@ fn small(name: &'static str) -> Scenario {
         seed: 42,
         algorithm: "fixed_window",
         duration: None,
+        rtt: 0,
     }
 }
 
