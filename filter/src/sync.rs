@@ -84,7 +84,17 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
             &weigh,
             &mut |st, held| {
                 let kept = if ask { held.map_or(0, |h| h.units_at(resp.now)) } else { 0 };
-                Some((st.clone(), Some(Allowance { units: kept.saturating_add(grant), more, until_ms })))
+                // A fixed window's grant belongs to the store's current window: a state of an
+                // older one is moved on with it (it is spent; else the grant would be read as
+                // the old window's and dropped).
+                let per = d.limit.per().max(1);
+                let st = match st {
+                    ratewall_core::State::FixedWindow { window, .. } if *window < resp.now / per => {
+                        ratewall_core::State::FixedWindow { window: resp.now / per, count: 0 }
+                    }
+                    other => other.clone(),
+                };
+                Some((st, Some(Allowance { units: kept.saturating_add(grant), more, until_ms })))
             },
             &mut Default::default(),
         );
@@ -104,14 +114,18 @@ pub struct View {
     pub nodes: u32,
     /// The store's clock minus ours, ns.
     pub offset: i64,
+    /// The store's round trip, a moving average over the batches' (0: not yet measured).
+    /// In the view so that every VM of the node knows it, not only the one that syncs.
+    pub rtt: Nanos,
 }
 
 impl View {
     fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(20);
+        let mut b = Vec::with_capacity(28);
         b.extend_from_slice(&self.ok_at.to_le_bytes());
         b.extend_from_slice(&self.nodes.to_le_bytes());
         b.extend_from_slice(&self.offset.to_le_bytes());
+        b.extend_from_slice(&self.rtt.to_le_bytes());
         b
     }
     fn decode(b: &[u8]) -> Option<View> {
@@ -119,6 +133,8 @@ impl View {
             ok_at: u64::from_le_bytes(b.get(..8)?.try_into().ok()?),
             nodes: u32::from_le_bytes(b.get(8..12)?.try_into().ok()?),
             offset: i64::from_le_bytes(b.get(12..20)?.try_into().ok()?),
+            // A view written by an older filter (20 bytes) has none.
+            rtt: b.get(20..28).and_then(|r| r.try_into().ok()).map_or(0, u64::from_le_bytes),
         })
     }
 }
@@ -476,7 +492,7 @@ impl Syncer {
             }
         };
         let batch = Batch { first_sent: if batch.first_sent == 0 { now } else { batch.first_sent }, ..batch };
-        match self.send(host, &batch.body) {
+        match self.send(host, &batch.body, self.opts.timeout) {
             Some(token) => {
                 s.inflight = Some((token, batch, now));
                 s.sent_at = now;
@@ -488,8 +504,8 @@ impl Syncer {
         }
     }
 
-    /// Signs and sends a message to the store; the call's token.
-    fn send(&self, host: &dyn Host, body: &[u8]) -> Option<u32> {
+    /// Signs and sends a message to the store, with a deadline; the call's token.
+    fn send(&self, host: &dyn Host, body: &[u8], timeout: Nanos) -> Option<u32> {
         let tag = hex(&sign(self.opts.secret.as_bytes(), body));
         let headers = [
             (":method", "POST"),
@@ -498,15 +514,21 @@ impl Syncer {
             ("content-type", "application/octet-stream"),
             ("x-ratewall-signature", tag.as_str()),
         ];
-        host.dispatch(&self.opts.cluster, &headers, body, self.opts.timeout)
+        host.dispatch(&self.opts.cluster, &headers, body, timeout)
     }
 
     /// Asks the store for units a paused request needs now (its grants being spent); the
-    /// call's token. `None` — too many asks in flight, the breaker open, or the call refused —
-    /// means the request is decided on what the node holds.
+    /// call's token. The request waits for the answer at most `max_wait`. `None` — too many
+    /// asks in flight, the breaker open, the store's measured round trip longer than
+    /// `max_wait` (the answer could not come in time), or the call refused — means the
+    /// request is decided on what the node holds.
     pub fn ask(&self, host: &dyn Host, wants: &[Delta]) -> Option<u32> {
         let (inflight, seq) = self.asks.get();
-        if inflight >= MAX_ASKS || host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until) {
+        let max_wait = self.opts.max_wait.min(self.opts.timeout);
+        if inflight >= MAX_ASKS
+            || host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until)
+            || self.view.get().rtt > max_wait
+        {
             return None;
         }
         // Asks are numbered per node id: VM number above, this VM's count below.
@@ -517,7 +539,7 @@ impl Syncer {
         let node = Self::lease(host).map_or(0, |((holder, _), _)| holder);
         let node = if node == 0 { self.token } else { node };
         let body = SyncRequest::encode_parts(node, number, wants, true);
-        let token = self.send(host, &body)?;
+        let token = self.send(host, &body, max_wait)?;
         self.asks.set((inflight + 1, seq));
         if let Some(m) = self.metrics.asks {
             host.increment(m, 1);
@@ -637,8 +659,13 @@ impl Syncer {
             return;
         };
         write_grants(host, table, &batch.deltas, &resp, sent, false);
+        let sample = now.saturating_sub(sent).max(1);
+        let rtt = match self.view.get().rtt {
+            0 => sample,
+            avg => avg.saturating_mul(7).saturating_add(sample) / 8,
+        };
         let offset = i64::try_from(resp.now).unwrap_or(i64::MAX).saturating_sub(i64::try_from(now).unwrap_or(0));
-        let view = View { ok_at: now, nodes: resp.nodes.max(1), offset };
+        let view = View { ok_at: now, nodes: resp.nodes.max(1), offset, rtt };
         let _ = host.shared_set(VIEW, &view.encode(), None);
         self.view.set(view);
         {

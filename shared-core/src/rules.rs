@@ -196,6 +196,10 @@ pub struct SyncOptions {
     /// Global data older than this is stale: rules degrade to their failure policy
     /// (default 1 s).
     pub stale_after: Nanos,
+    /// The longest a request waits, paused, for an ask to the store (default: `timeout`).
+    /// Past it the request gets the decision it would have got without the ask; a node whose
+    /// measured store round trip exceeds it does not ask at all.
+    pub max_wait: Nanos,
 }
 
 fn duration_field(v: &Value, path: &str, min: Nanos, max: Nanos) -> Result<Nanos, ConfigError> {
@@ -212,7 +216,7 @@ fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
     known_fields(
         o,
         "sync",
-        &["cluster", "authority", "path", "secret", "interval", "timeout", "nodes", "stale_after"],
+        &["cluster", "authority", "path", "secret", "interval", "timeout", "nodes", "stale_after", "max_wait"],
     )?;
     let text = |name: &str| -> Result<Option<String>, ConfigError> {
         o.get(name).map(|v| string(v, &format!("sync.{name}")).map(String::from)).transpose()
@@ -232,15 +236,18 @@ fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
     let stale =
         o.get("stale_after").map(|v| duration_field(v, "sync.stale_after", 10 * MS, 3_600_000 * MS)).transpose()?;
     let nodes = o.get("nodes").map(|v| bounded(v, "sync.nodes", 1, 100_000)).transpose()?;
+    let max_wait = o.get("max_wait").map(|v| duration_field(v, "sync.max_wait", MS, 10_000 * MS)).transpose()?;
+    let timeout = timeout.unwrap_or(50 * MS);
     Ok(SyncOptions {
         authority: text("authority")?.unwrap_or_else(|| cluster.clone()),
         path: text("path")?.unwrap_or_else(|| "/v1/sync".into()),
         cluster,
         secret,
         interval,
-        timeout: timeout.unwrap_or(50 * MS),
+        timeout,
         nodes: nodes.map_or(1, |n| n as u32),
         stale_after: stale.unwrap_or(1000 * MS),
+        max_wait: max_wait.unwrap_or(timeout),
     })
 }
 
@@ -745,6 +752,14 @@ mod tests {
         let e = Config::parse(doc(r#"{"cluster":"s","secret":"0123456789abcdef","interval":"1ms"}"#).as_bytes());
         assert_eq!(e.unwrap_err().path, "sync.interval");
         assert!(Config::parse(br#"{"rules":[]}"#).unwrap().sync.is_none());
+        assert_eq!((s.timeout, s.max_wait), (50_000_000, 50_000_000), "max_wait defaults to the call deadline");
+        let c = Config::parse(
+            doc(r#"{"cluster":"s","secret":"0123456789abcdef","max_wait":"5ms","timeout":"80ms"}"#).as_bytes(),
+        );
+        let s = c.unwrap().sync.unwrap();
+        assert_eq!((s.timeout, s.max_wait), (80_000_000, 5_000_000));
+        let e = Config::parse(doc(r#"{"cluster":"s","secret":"0123456789abcdef","max_wait":"soon"}"#).as_bytes());
+        assert_eq!(e.unwrap_err().path, "sync.max_wait");
     }
 
     #[test]

@@ -33,6 +33,7 @@ fn main() {
         algorithm: "fixed_window",
         duration: None,
         rtt: 0,
+        max_wait: None,
     };
     let f = Faults::default();
     let scenarios = [
@@ -51,6 +52,8 @@ fn main() {
         Scenario { name: "zipf20_rtt1", rtt: MS, ..base.clone() },
         Scenario { name: "zipf20_rtt20", rtt: 20 * MS, ..base.clone() },
         Scenario { name: "zipf20_rtt80", rtt: 80 * MS, ..base.clone() },
+        Scenario { name: "zipf20_rtt80_wait50", rtt: 80 * MS, max_wait: Some(50 * MS), ..base.clone() },
+        Scenario { name: "zipf20_rtt20_wait10", rtt: 20 * MS, max_wait: Some(10 * MS), ..base.clone() },
         Scenario { name: "zipf20_dense_rtt1", keys: 4, limit: 2000, rtt: MS, ..base.clone() },
         Scenario { name: "zipf20_dense_rtt20", keys: 4, limit: 2000, rtt: 20 * MS, ..base.clone() },
         Scenario { name: "zipf20_dense_rtt80", keys: 4, limit: 2000, rtt: 80 * MS, ..base.clone() },
@@ -58,6 +61,7 @@ fn main() {
         Scenario { name: "even20_rtt20", spread: Spread::Even, rtt: 20 * MS, ..base.clone() },
         Scenario { name: "even20_rtt80", spread: Spread::Even, rtt: 80 * MS, ..base.clone() },
         Scenario { name: "zipf100_rtt20", nodes: 100, rtt: 20 * MS, ..base.clone() },
+        Scenario { name: "zipf100", nodes: 100, ..base.clone() },
     ];
     let only = std::env::var("RATEWALL_SIM_ONLY").ok();
     for s in scenarios.iter().filter(|s| only.as_deref().is_none_or(|o| o.split(',').any(|n| n == s.name))) {

@@ -83,6 +83,8 @@ pub struct Scenario {
     /// jittered by up to ±25 %; a call whose answer would come after its deadline fails at
     /// the deadline (the store has still applied it).
     pub rtt: u64,
+    /// `sync.max_wait` (ns; `None`: its default, the call deadline).
+    pub max_wait: Option<u64>,
 }
 
 /// What a scenario measured.
@@ -134,7 +136,7 @@ pub fn call_timeout(s: &Scenario) -> u64 {
 
 /// The rules document of the simulated fleet.
 pub fn rules(s: &Scenario) -> String {
-    serde_json::json!({
+    let mut doc = serde_json::json!({
         "identity": {"user": {"header": "x-user-id"}},
         "rules": [{"name": "per-user", "key": ["user"], "algorithm": s.algorithm,
                    "limit": if s.algorithm == "token_bucket" {
@@ -145,8 +147,11 @@ pub fn rules(s: &Scenario) -> String {
         "filter": {"slots": 1024},
         "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms",
                  "timeout": format!("{}ms", call_timeout(s) / MS), "stale_after": "1s", "nodes": s.nodes}
-    })
-    .to_string()
+    });
+    if let (Some(w), Some(sync)) = (s.max_wait, doc.get_mut("sync").and_then(|v| v.as_object_mut())) {
+        sync.insert("max_wait".into(), format!("{}ms", w / MS).into());
+    }
+    doc.to_string()
 }
 
 /// The global store the fleet syncs to.
@@ -197,6 +202,7 @@ pub fn end_to_end(name: &'static str) -> Scenario {
         algorithm: "token_bucket",
         duration: Some(5 * SECOND),
         rtt: 0,
+        max_wait: None,
     }
 }
 

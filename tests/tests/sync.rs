@@ -26,6 +26,7 @@ fn small(name: &'static str) -> Scenario {
         algorithm: "fixed_window",
         duration: None,
         rtt: 0,
+        max_wait: None,
     }
 }
 
@@ -230,9 +231,17 @@ fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant()
     // The next window, before any sync has answered in it: the spent grant belonged to the old
     // window, so the node admits on its initial share (4 / the 1 node the store has seen) —
     // and then denies without asking, since the store has not counted that share yet.
-    node.advance(SECOND);
+    node.advance(SECOND - node.now() % SECOND);
     let fresh: Vec<bool> = (0..5).map(|_| vm.request(&user).unwrap().passed).collect();
     assert_eq!(fresh, [true, true, true, true, false], "a fresh window's share, and no more");
+    // Past the first quarter of a window, a node new to a counter in it spends no initial
+    // share: it asks, and the store answers from its count.
+    node.advance(SECOND + SECOND / 2);
+    let other = HttpRequest::new("GET", "/").header("x-user-id", "b");
+    let before = node.metric("ratewall_sync_asks");
+    assert!(request_with(Some(&mut store), node.now(), &mut vm, &other).unwrap().passed);
+    assert_eq!(node.metric("ratewall_sync_asks"), before + 1, "it asked");
+    assert!(matches!(vm.begin(&other).unwrap(), Started::Done(_)), "and then spends the grant the ask brought");
 }
 
 #[test]
@@ -341,7 +350,8 @@ fn an_idle_node_sends_heartbeats_not_a_batch_every_interval_and_stays_fresh() {
     // 3 s idle: a heartbeat every 300 ms (a third of stale_after), not 30 batches.
     assert!((9..=11).contains(&batches), "{batches} batches");
     let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
-    assert!(vm.request(&user).unwrap().passed);
+    // 3 s into a 10 s window, a first request asks (see the fixed-window test above).
+    assert!(request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed);
     assert_eq!(node.metric("ratewall_sync_degraded_requests"), 0, "the view stayed fresh");
     // A delta goes out at the next tick, heartbeat or not.
     node.advance(100_000_000);

@@ -10,6 +10,11 @@ use ratewall_core::sync::{Store, SyncRequest, SyncResponse, RETRY_HORIZON};
 const SECRET: &str = "0123456789abcdef";
 
 fn rules(limit: u64, nodes: u32) -> String {
+    rules_with(limit, nodes, "")
+}
+
+/// [`rules`] with more `sync` fields (`extra`: `"name": value, ` pairs).
+fn rules_with(limit: u64, nodes: u32, extra: &str) -> String {
     format!(
         r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
   "rules": [
@@ -17,7 +22,7 @@ fn rules(limit: u64, nodes: u32) -> String {
     {{"name": "strict", "match": {{"path": "/cl/*"}}, "key": ["user"], "on_store_failure": "closed",
       "limit": {{"requests": {limit}, "per": "60s"}}}}
   ],
-  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": {nodes}}}}}"#
+  "sync": {{{extra}"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": {nodes}}}}}"#
     )
 }
 
@@ -597,4 +602,47 @@ fn an_ask_is_not_made_while_the_breaker_is_open() {
     assert_eq!(h.metric("ratewall_sync_breaker_open"), 1);
     assert!(burst_until_ask(&e, &h).is_none(), "no ask into an open breaker");
     assert_eq!(h.metric("ratewall_sync_asks"), 0);
+}
+
+#[test]
+fn an_ask_waits_at_most_max_wait() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules_with(1_000, 1, r#""max_wait": "7ms", "#));
+    let mut s = store();
+    for _ in 0..5 {
+        let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+        h.advance(100 * MS);
+    }
+    let _asking = burst_until_ask(&e, &h).expect("the node asked");
+    let calls = h.take_calls();
+    assert_eq!(calls[0].timeout, 7 * MS, "the ask's deadline is max_wait (batches keep the 50 ms timeout)");
+}
+
+#[test]
+fn a_node_whose_store_is_further_than_max_wait_does_not_ask() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules_with(1_000, 1, r#""max_wait": "10ms", "#));
+    let mut s = store();
+    for _ in 0..5 {
+        let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
+        e.on_tick(&h);
+        // Every answer takes 30 ms.
+        h.advance(30 * MS);
+        serve(&mut s, &e, &h);
+        h.advance(70 * MS);
+    }
+    assert!(burst_until_ask(&e, &h).is_none(), "no ask that could not be answered in time");
+    assert_eq!(h.metric("ratewall_sync_asks"), 0);
+    // Another VM of the node, which never synced itself, knows the round trip from the view.
+    let other = FakeHost::joining(h.shared.clone());
+    other.now.set(h.now());
+    let eo = engine(&other, &rules_with(1_000, 1, r#""max_wait": "10ms", "#));
+    eo.on_tick(&other);
+    assert!(eo.sync_view().is_some_and(|v| v.rtt >= 25 * MS), "{:?}", eo.sync_view());
+    // The same fleet with the store near asks.
+    let near = FakeHost::new();
+    let (e, _s) = spent_grant(&near);
+    assert!(burst_until_ask(&e, &near).is_some());
 }
