@@ -165,6 +165,8 @@ fn main() {
         seed: 11,
         algorithm: "fixed_window",
         duration: None,
+        rtt: 0,
+        max_wait: None,
     };
     let c0 = commands(&redis);
     let r = run_with(&scenario, &Backend::Http(&addr)).unwrap();
