@@ -160,11 +160,6 @@ impl Engine {
         &self.table
     }
 
-    /// What this VM last read of the store (None: no sync).
-    pub fn sync_view(&self) -> Option<crate::sync::View> {
-        self.sync.as_ref().map(Syncer::view)
-    }
-
     /// How often the host should call [`Engine::on_tick`] (None: never needed).
     pub fn tick_interval(&self) -> Option<ratewall_core::Nanos> {
         self.sync.as_ref().map(|s| s.options().interval)

@@ -114,18 +114,14 @@ pub struct View {
     pub nodes: u32,
     /// The store's clock minus ours, ns.
     pub offset: i64,
-    /// The store's round trip, a moving average over the batches' (0: not yet measured).
-    /// In the view so that every VM of the node knows it, not only the one that syncs.
-    pub rtt: Nanos,
 }
 
 impl View {
     fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(28);
+        let mut b = Vec::with_capacity(20);
         b.extend_from_slice(&self.ok_at.to_le_bytes());
         b.extend_from_slice(&self.nodes.to_le_bytes());
         b.extend_from_slice(&self.offset.to_le_bytes());
-        b.extend_from_slice(&self.rtt.to_le_bytes());
         b
     }
     fn decode(b: &[u8]) -> Option<View> {
@@ -133,8 +129,6 @@ impl View {
             ok_at: u64::from_le_bytes(b.get(..8)?.try_into().ok()?),
             nodes: u32::from_le_bytes(b.get(8..12)?.try_into().ok()?),
             offset: i64::from_le_bytes(b.get(12..20)?.try_into().ok()?),
-            // A view written by an older filter (20 bytes) has none.
-            rtt: b.get(20..28).and_then(|r| r.try_into().ok()).map_or(0, u64::from_le_bytes),
         })
     }
 }
@@ -192,6 +186,9 @@ pub struct Syncer {
     metrics: Metrics,
     /// Asks in flight, and the number of the last one sent.
     asks: Cell<(u32, u64)>,
+    /// Asks that failed in a row (timed out past `max_wait`, or refused by the host), and
+    /// until when this VM does not ask.
+    ask_backoff: Cell<(u32, Nanos)>,
 }
 
 fn merge(into: &mut Pending, key: &[u8], limit: Limit, units: u64) -> bool {
@@ -257,6 +254,7 @@ impl Syncer {
             view: Cell::new(View::default()),
             metrics,
             asks: Cell::new((0, 0)),
+            ask_backoff: Cell::new((0, 0)),
         }
     }
 
@@ -278,6 +276,7 @@ impl Syncer {
             view: Cell::new(previous.view.get()),
             metrics: previous.metrics,
             asks: Cell::new(previous.asks.get()),
+            ask_backoff: Cell::new(previous.ask_backoff.get()),
         }
     }
 
@@ -519,15 +518,15 @@ impl Syncer {
 
     /// Asks the store for units a paused request needs now (its grants being spent); the
     /// call's token. The request waits for the answer at most `max_wait`. `None` — too many
-    /// asks in flight, the breaker open, the store's measured round trip longer than
-    /// `max_wait` (the answer could not come in time), or the call refused — means the
-    /// request is decided on what the node holds.
+    /// asks in flight, the breaker open, this VM's asks failing (see
+    /// [`Syncer::on_ask_response`]), or the call refused — means the request is decided on
+    /// what the node holds.
     pub fn ask(&self, host: &dyn Host, wants: &[Delta]) -> Option<u32> {
         let (inflight, seq) = self.asks.get();
         let max_wait = self.opts.max_wait.min(self.opts.timeout);
         if inflight >= MAX_ASKS
             || host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until)
-            || self.view.get().rtt > max_wait
+            || host.now() < self.ask_backoff.get().1
         {
             return None;
         }
@@ -566,6 +565,18 @@ impl Syncer {
     ) -> Vec<bool> {
         let ((wants, asked_at), (status, tag, body)) = (ask, answer);
         self.ask_done();
+        // A failed ask (most often one the store could not answer within `max_wait`: it is
+        // further than that) stops this VM asking for 1 s, doubling while they keep failing
+        // (at most 32 s): requests are decided at once rather than wait for nothing, and the
+        // store is not left holding units for answers nobody reads.
+        let (failures, _) = self.ask_backoff.get();
+        if status == 0 {
+            let failures = failures.saturating_add(1);
+            let backoff = (1_000 * MS).saturating_mul(1 << (failures - 1).min(5));
+            self.ask_backoff.set((failures, host.now().saturating_add(backoff)));
+        } else {
+            self.ask_backoff.set((0, 0));
+        }
         let verified = tag.and_then(unhex).is_some_and(|t| verify(self.opts.secret.as_bytes(), body, &t));
         let now = host.now();
         let Some(resp) = (status == 200 && verified)
@@ -659,13 +670,8 @@ impl Syncer {
             return;
         };
         write_grants(host, table, &batch.deltas, &resp, sent, false);
-        let sample = now.saturating_sub(sent).max(1);
-        let rtt = match self.view.get().rtt {
-            0 => sample,
-            avg => avg.saturating_mul(7).saturating_add(sample) / 8,
-        };
         let offset = i64::try_from(resp.now).unwrap_or(i64::MAX).saturating_sub(i64::try_from(now).unwrap_or(0));
-        let view = View { ok_at: now, nodes: resp.nodes.max(1), offset, rtt };
+        let view = View { ok_at: now, nodes: resp.nodes.max(1), offset };
         let _ = host.shared_set(VIEW, &view.encode(), None);
         self.view.set(view);
         {

@@ -197,8 +197,8 @@ pub struct SyncOptions {
     /// (default 1 s).
     pub stale_after: Nanos,
     /// The longest a request waits, paused, for an ask to the store (default: `timeout`).
-    /// Past it the request gets the decision it would have got without the ask; a node whose
-    /// measured store round trip exceeds it does not ask at all.
+    /// Past it the request gets the decision it would have got without the ask, and the VM
+    /// stops asking for a while (docs/sync-protocol.md).
     pub max_wait: Nanos,
 }
 
