@@ -281,7 +281,11 @@ impl Config {
     /// Validates an already-parsed JSON document.
     pub fn from_value(doc: &Value) -> Result<Config, ConfigError> {
         let top = object(doc, "")?;
-        known_fields(top, "", &["identity", "rules", "response", "filter", "sync"])?;
+        known_fields(top, "", &["$schema", "identity", "rules", "response", "filter", "sync"])?;
+        // `$schema` names the document's JSON Schema for editors; it is not a setting.
+        if let Some(v) = top.get("$schema") {
+            string(v, "$schema")?;
+        }
         let identity = parse_identity(top.get("identity"))?;
         let rules_v = match top.get("rules") {
             Some(Value::Array(a)) => a,

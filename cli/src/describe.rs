@@ -1,0 +1,180 @@
+//! `ratewall check`: a rules document's rules, as text or JSON.
+
+use crate::{load, Failure};
+use ratewall_core::algo::{Algorithm, Limit, Nanos};
+use ratewall_core::rules::{Dimension, FailurePolicy, Mode, PlanLimit, Rule};
+use ratewall_core::Config;
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// A duration as the rules document writes it (`60s`, `1h`, `100ms`), in the largest unit
+/// that divides it.
+pub fn duration(ns: Nanos) -> String {
+    const UNITS: [(Nanos, &str); 5] = [
+        (86_400_000_000_000, "d"),
+        (3_600_000_000_000, "h"),
+        (60_000_000_000, "m"),
+        (1_000_000_000, "s"),
+        (1_000_000, "ms"),
+    ];
+    for (scale, unit) in UNITS {
+        if ns >= scale && ns.is_multiple_of(scale) {
+            return format!("{}{unit}", ns / scale);
+        }
+    }
+    format!("{ns}ns")
+}
+
+/// A limit in words: `5 per 60s`, with its burst and algorithm.
+pub fn limit_text(l: &Limit) -> String {
+    let mut s = format!("{} per {} ({}", l.requests(), duration(l.per()), l.algorithm().as_str());
+    if l.algorithm() == Algorithm::TokenBucket {
+        s.push_str(&format!(", burst {}", l.capacity()));
+    }
+    s.push(')');
+    s
+}
+
+/// A limit as JSON, in the document's terms.
+pub fn limit_json(l: &Limit) -> Value {
+    let mut v = json!({"requests": l.requests(), "per": duration(l.per()), "algorithm": l.algorithm().as_str()});
+    if l.algorithm() == Algorithm::TokenBucket {
+        v["burst"] = json!(l.capacity());
+    }
+    v
+}
+
+/// The names of a rule's key dimensions.
+pub fn key_names(config: &Config, rule: &Rule) -> Vec<String> {
+    rule.key
+        .iter()
+        .map(|d| match d {
+            Dimension::Header(i) => config.identity.headers.get(*i).map_or_else(|| "?".to_owned(), |(n, _)| n.clone()),
+            Dimension::Ip => "ip".to_owned(),
+        })
+        .collect()
+}
+
+/// The rule's `match` as written (path pattern, methods).
+pub fn match_as_written(doc: &Value, i: usize) -> (Option<String>, Vec<String>) {
+    let m = &doc["rules"][i]["match"];
+    let path = m["path"].as_str().map(str::to_owned);
+    let methods = match &m["method"] {
+        Value::String(s) => vec![s.to_ascii_uppercase()],
+        Value::Array(a) => a.iter().filter_map(Value::as_str).map(str::to_ascii_uppercase).collect(),
+        _ => Vec::new(),
+    };
+    (path, methods)
+}
+
+fn mode(r: &Rule) -> &'static str {
+    if r.mode == Mode::Shadow {
+        "shadow"
+    } else {
+        "enforce"
+    }
+}
+
+fn failure(r: &Rule) -> &'static str {
+    if r.on_store_failure == FailurePolicy::Closed {
+        "closed"
+    } else {
+        "open"
+    }
+}
+
+/// One rule as JSON.
+pub fn rule_json(doc: &Value, config: &Config, i: usize, r: &Rule) -> Value {
+    let (path, methods) = match_as_written(doc, i);
+    let plans: serde_json::Map<String, Value> = r
+        .plans
+        .iter()
+        .map(|(name, l)| {
+            let v = match l {
+                PlanLimit::Limited(l) => limit_json(l),
+                PlanLimit::Unlimited => json!("unlimited"),
+            };
+            (name.clone(), v)
+        })
+        .collect();
+    json!({
+        "name": r.name,
+        "match": {"path": path, "methods": methods},
+        "key": key_names(config, r),
+        "limit": limit_json(&r.limit),
+        "plans": plans,
+        "cost": r.cost,
+        "mode": mode(r),
+        "on_store_failure": failure(r),
+    })
+}
+
+/// `ratewall check`.
+pub fn check(path: &Path, as_json: bool) -> Result<(), Failure> {
+    let (doc, config) = match load(path) {
+        Ok(l) => l,
+        Err(Failure::Invalid(lines)) if as_json => {
+            let errors: Vec<Value> = lines
+                .iter()
+                .map(|l| {
+                    let (p, r) = l.split_once(": ").unwrap_or(("", l));
+                    json!({"path": p, "reason": r})
+                })
+                .collect();
+            println!("{}", json!({"valid": false, "errors": errors}));
+            return Err(Failure::Invalid(lines));
+        }
+        Err(e) => return Err(e),
+    };
+    if as_json {
+        let rules: Vec<Value> = config.rules.iter().enumerate().map(|(i, r)| rule_json(&doc, &config, i, r)).collect();
+        println!("{}", json!({"valid": true, "rules": rules, "sync": config.sync.is_some()}));
+        return Ok(());
+    }
+    println!(
+        "{}: valid, {} rule{}",
+        path.display(),
+        config.rules.len(),
+        if config.rules.len() == 1 { "" } else { "s" }
+    );
+    for (i, r) in config.rules.iter().enumerate() {
+        let (pattern, methods) = match_as_written(&doc, i);
+        let methods = if methods.is_empty() { "any method".to_owned() } else { methods.join(",") };
+        println!("- {}", r.name);
+        println!("    match: {methods} {}", pattern.as_deref().unwrap_or("any path"));
+        println!("    key:   {}", key_names(&config, r).join(" + "));
+        println!(
+            "    limit: {}{}",
+            limit_text(&r.limit),
+            if r.cost == 1 { String::new() } else { format!(", cost {}", r.cost) }
+        );
+        for (name, l) in &r.plans {
+            match l {
+                PlanLimit::Limited(l) => println!("    plan {name}: {}", limit_text(l)),
+                PlanLimit::Unlimited => println!("    plan {name}: unlimited"),
+            }
+        }
+        println!("    mode:  {}, on store failure {}", mode(r), failure(r));
+    }
+    if config.sync.is_some() {
+        println!("sync: on (limits are shared across proxies through the global store)");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_as_written() {
+        assert_eq!(duration(60_000_000_000), "1m");
+        assert_eq!(duration(90_000_000_000), "90s");
+        assert_eq!(duration(3_600_000_000_000), "1h");
+        assert_eq!(duration(100_000_000), "100ms");
+        assert_eq!(duration(1_500), "1500ns");
+        for s in ["1s", "250ms", "2h", "7d", "45m"] {
+            assert_eq!(duration(ratewall_core::rules::parse_duration(s).unwrap_or(0)), s);
+        }
+    }
+}

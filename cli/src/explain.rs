@@ -1,0 +1,179 @@
+//! `ratewall explain`: what the rules do with one request.
+
+use crate::describe::{key_names, limit_json, limit_text, match_as_written};
+use crate::{load, Failure};
+use ratewall_core::eval::{Check, Request, Skip};
+use ratewall_core::glob::normalize_path;
+use ratewall_core::key::{client_key, parse_ip};
+use ratewall_core::rules::{Dimension, Rule};
+use ratewall_core::sync::hex;
+use ratewall_core::Config;
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// A request in the terms the core takes: the normalized path, the identity headers' values
+/// (by identity index), the client IP's key.
+pub struct Parts {
+    pub path: String,
+    pub values: Vec<Option<Vec<u8>>>,
+    pub ip: Option<String>,
+}
+
+impl Parts {
+    /// `headers` (name, value) as a proxy passes them; `peer` the address the request came
+    /// from. The client IP is found as the filter finds it (`X-Forwarded-For` counted from
+    /// its right end by `trusted_hops`, repeated fields joined).
+    pub fn new(config: &Config, path: &str, headers: &[(String, String)], peer: Option<&str>) -> Parts {
+        let values = config
+            .identity
+            .headers
+            .iter()
+            .map(|(_, h)| {
+                headers
+                    .iter()
+                    .find(|(n, v)| n.eq_ignore_ascii_case(h) && !v.is_empty())
+                    .map(|(_, v)| v.as_bytes().to_vec())
+            })
+            .collect();
+        let xff: Vec<&str> = headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case("x-forwarded-for"))
+            .map(|(_, v)| v.as_str())
+            .collect();
+        let xff = (!xff.is_empty() && config.identity.ip.trusted_hops > 0).then(|| xff.join(", "));
+        let src = config.identity.ip;
+        let ip = client_key(|| peer.and_then(|p| parse_ip(p.as_bytes())), xff.as_deref().map(str::as_bytes), &src)
+            .map(|k| k.into_owned());
+        Parts { path: normalize_path(path.as_bytes()).into_owned(), values, ip }
+    }
+
+    /// The identity headers' values as the core takes them ([`Request::headers`]).
+    pub fn header_values(&self) -> Vec<Option<&[u8]>> {
+        self.values.iter().map(|v| v.as_deref()).collect()
+    }
+
+    /// The core's view of the request (`values`: from [`Parts::header_values`]).
+    pub fn request<'a>(&'a self, method: &'a str, values: &'a [Option<&'a [u8]>]) -> Request<'a> {
+        Request { method, path: &self.path, headers: values, ip: self.ip.as_deref() }
+    }
+
+    /// The rule's key as `dimension=value` pairs (what `Check::key` encodes).
+    pub fn key_text(&self, config: &Config, rule: &Rule) -> String {
+        let names = key_names(config, rule);
+        rule.key
+            .iter()
+            .zip(names)
+            .map(|(d, name)| {
+                let v = match d {
+                    Dimension::Header(i) => self
+                        .values
+                        .get(*i)
+                        .cloned()
+                        .flatten()
+                        .map_or_else(String::new, |v| String::from_utf8_lossy(&v).into_owned()),
+                    Dimension::Ip => self.ip.clone().unwrap_or_default(),
+                };
+                format!("{name}={v}")
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// Parses `name: value` header arguments.
+pub fn parse_headers(args: &[String]) -> Result<Vec<(String, String)>, Failure> {
+    args.iter()
+        .map(|h| match h.split_once(':') {
+            Some((n, v)) if !n.trim().is_empty() => Ok((n.trim().to_ascii_lowercase(), v.trim().to_owned())),
+            _ => Err(Failure::Usage(format!("-H {h:?}: expected 'name: value'"))),
+        })
+        .collect()
+}
+
+/// Why a rule of the document does not match `method` on `path`.
+fn mismatch(doc: &Value, i: usize, rule: &Rule, method: &str, path: &str) -> Option<String> {
+    if rule.matcher.matches(method, path) {
+        return None;
+    }
+    let (pattern, methods) = match_as_written(doc, i);
+    let method_ok =
+        rule.matcher.methods.is_empty() || rule.matcher.methods.iter().any(|m| m.eq_ignore_ascii_case(method));
+    Some(if method_ok {
+        format!("the path does not match {}", pattern.unwrap_or_default())
+    } else {
+        format!("the method is not {}", methods.join(" or "))
+    })
+}
+
+/// `ratewall explain`.
+pub fn explain(
+    rules: &Path,
+    method: &str,
+    path: &str,
+    header_args: &[String],
+    peer: Option<&str>,
+    as_json: bool,
+) -> Result<(), Failure> {
+    let (doc, config) = load(rules)?;
+    let headers = parse_headers(header_args)?;
+    let method = method.to_ascii_uppercase();
+    let parts = Parts::new(&config, path, &headers, peer);
+    let matching = config.matching(&method, &parts.path);
+    let values = parts.header_values();
+    let req = parts.request(&method, &values);
+    let (checks, skipped) = config.checks_of(&req, &matching);
+    let mut out = Vec::new();
+    for (i, rule) in config.rules.iter().enumerate() {
+        let check: Option<&Check> = checks.iter().find(|c| c.rule == i);
+        let entry = if let Some(why) = mismatch(&doc, i, rule, &method, &parts.path) {
+            json!({"name": rule.name, "matches": false, "counted": false, "why": why})
+        } else if let Some(c) = check {
+            json!({"name": rule.name, "matches": true, "counted": true, "key": parts.key_text(&config, rule),
+                   "counter": hex(&c.key), "limit": limit_json(&c.limit), "cost": c.cost,
+                   "mode": if rule.mode == ratewall_core::rules::Mode::Shadow { "shadow" } else { "enforce" }})
+        } else {
+            let why = match skipped.iter().find(|(r, _)| *r == i).map(|(_, w)| *w) {
+                Some(Skip::Unlimited) => "its plan is unlimited under this rule".to_owned(),
+                _ => {
+                    let missing: Vec<String> = rule
+                        .key
+                        .iter()
+                        .filter_map(|d| match d {
+                            Dimension::Header(h) if parts.values.get(*h).is_none_or(Option::is_none) => {
+                                config.identity.headers.get(*h).map(|(n, hdr)| format!("{n} (header {hdr})"))
+                            }
+                            Dimension::Ip if parts.ip.is_none() => Some("ip (no client address)".to_owned()),
+                            _ => None,
+                        })
+                        .collect();
+                    format!("the request has no {}", missing.join(" and "))
+                }
+            };
+            json!({"name": rule.name, "matches": true, "counted": false, "why": why})
+        };
+        out.push(entry);
+    }
+    if as_json {
+        let v = json!({"method": method, "path": parts.path, "client_ip": parts.ip, "rules": out});
+        println!("{v}");
+        return Ok(());
+    }
+    println!("{method} {} (client ip {})", parts.path, parts.ip.as_deref().unwrap_or("unknown"));
+    for e in &out {
+        let name = e["name"].as_str().unwrap_or("");
+        match (e["matches"].as_bool(), e["counted"].as_bool()) {
+            (Some(true), Some(true)) => {
+                let limit = checks
+                    .iter()
+                    .find(|c| config.rules.get(c.rule).is_some_and(|r| r.name == name))
+                    .map(|c| limit_text(&c.limit))
+                    .unwrap_or_default();
+                println!("  counts    {name}: key {}, limit {limit}", e["key"].as_str().unwrap_or(""));
+                println!("            counter {}", e["counter"].as_str().unwrap_or(""));
+            }
+            (Some(true), _) => println!("  skips     {name}: {}", e["why"].as_str().unwrap_or("")),
+            _ => println!("  no match  {name}: {}", e["why"].as_str().unwrap_or("")),
+        }
+    }
+    Ok(())
+}

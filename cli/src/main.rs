@@ -1,0 +1,139 @@
+//! `ratewall`: the operator tool for rules documents (`../shared/DESIGN.md`, "Operator tools").
+//!
+//! - `ratewall check RULES.json`: validate; each rule's match, key, algorithm, limits, plans.
+//! - `ratewall explain RULES.json --method M --path P [-H 'name: value']... [--ip A]`: which
+//!   rules match a request, the counter key each would use, the limit in force, and why the
+//!   others do not.
+//! - `ratewall replay RULES.json LOG`: JSON lines of timestamped requests through the core on
+//!   their own clock (no sleeping): per rule allowed / rejected / unkeyed, the top rejected
+//!   keys. The offline twin of shadow mode.
+//! - `ratewall schema`: the rules document's JSON Schema (`rules.schema.json`).
+//!
+//! Human-readable output by default, `--json` for scripts. Exit codes: 0 done (a valid
+//! document), 1 a document or log that is not valid (`path: reason` lines on stderr), 2 a
+//! usage error or a file that cannot be read.
+
+// `serde_json::Value` is read with `v["field"]`, which gives `Null` for a missing field (it
+// never panics); nothing else here indexes.
+#![allow(clippy::indexing_slicing)]
+
+mod describe;
+mod explain;
+mod replay;
+mod schema;
+
+use clap::{Parser, Subcommand};
+use ratewall_core::Config;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "ratewall", version, about = "Check, explain and replay ratewall rules documents")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a rules document and print its rules.
+    Check {
+        /// The rules document.
+        rules: PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show which rules a request matches, the counter key and limit of each, and why the
+    /// other rules do not apply.
+    Explain {
+        /// The rules document.
+        rules: PathBuf,
+        /// The request's method.
+        #[arg(long, default_value = "GET")]
+        method: String,
+        /// The request's path (with its query, if any).
+        #[arg(long)]
+        path: String,
+        /// A request header, `name: value` (repeatable).
+        #[arg(short = 'H', long = "header")]
+        headers: Vec<String>,
+        /// The address the proxy sees the request from (the peer).
+        #[arg(long)]
+        ip: Option<String>,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replay a log of requests (JSON lines: {"ts", "method", "path", "headers", "ip"})
+    /// through the rules on the log's own clock.
+    Replay {
+        /// The rules document.
+        rules: PathBuf,
+        /// The log ("-": standard input).
+        log: PathBuf,
+        /// How many of the most rejected keys to list per rule.
+        #[arg(long, default_value_t = 10)]
+        top: usize,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the JSON Schema (2020-12) of the rules document.
+    Schema,
+}
+
+/// How a command ended badly.
+pub enum Failure {
+    /// The input is not valid (exit 1): its `path: reason` lines.
+    Invalid(Vec<String>),
+    /// Usage or I/O (exit 2).
+    Usage(String),
+}
+
+/// Reads and parses a rules document: its text (for what the parser does not keep, such as
+/// the patterns as written) and the validated rules.
+pub fn load(path: &Path) -> Result<(serde_json::Value, Config), Failure> {
+    let bytes = std::fs::read(path).map_err(|e| Failure::Usage(format!("cannot read {}: {e}", path.display())))?;
+    let config = Config::parse(&bytes).map_err(|e| {
+        let at = if e.path.is_empty() { "(document)".to_owned() } else { e.path.clone() };
+        Failure::Invalid(vec![format!("{at}: {}", e.reason)])
+    })?;
+    // The core accepted it, so it is JSON.
+    let doc = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    Ok((doc, config))
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    let result = match cli.command {
+        Command::Check { rules, json } => describe::check(&rules, json),
+        Command::Explain { rules, method, path, headers, ip, json } => {
+            explain::explain(&rules, &method, &path, &headers, ip.as_deref(), json)
+        }
+        Command::Replay { rules, log, top, json } => replay::replay(&rules, &log, top, json),
+        Command::Schema => {
+            println!("{}", schema::text());
+            Ok(())
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Invalid(lines)) => {
+            for l in lines {
+                eprintln!("{l}");
+            }
+            ExitCode::from(1)
+        }
+        Err(Failure::Usage(why)) => {
+            eprintln!("ratewall: {why}");
+            ExitCode::from(2)
+        }
+    }
+}

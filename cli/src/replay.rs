@@ -1,0 +1,183 @@
+//! `ratewall replay`: a log of requests through the core on the log's own clock.
+
+use crate::explain::Parts;
+use crate::{load, Failure};
+use ratewall_core::eval::{evaluate, Tally};
+use ratewall_core::{MemoryCounters, Nanos};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, IsTerminal, Read};
+use std::path::Path;
+
+/// One rule's counts.
+#[derive(Default, Clone)]
+struct Counts {
+    allowed: u64,
+    rejected: u64,
+    shadow_rejected: u64,
+    unkeyed: u64,
+    /// Rejections (or shadow "would reject"s) per key, as `dimension=value` pairs.
+    by_key: HashMap<String, u64>,
+}
+
+/// A log line's time: RFC 3339 (`2026-12-01T10:00:00.250Z`), or a number of seconds since
+/// the epoch (fractions allowed).
+pub fn timestamp(v: &Value) -> Option<Nanos> {
+    match v {
+        Value::String(s) => {
+            let t = chrono::DateTime::parse_from_rfc3339(s).ok()?;
+            u64::try_from(t.timestamp_nanos_opt()?).ok()
+        }
+        Value::Number(n) => {
+            // Exact to the nanosecond: the decimal text, not a float (an f64 has 16 digits).
+            let text = n.to_string();
+            let (secs, frac) = text.split_once('.').unwrap_or((&text, ""));
+            let secs: u64 = secs.parse().ok()?;
+            let digits: String = frac.chars().chain(std::iter::repeat('0')).take(9).collect();
+            let frac: u64 = if frac.bytes().all(|b| b.is_ascii_digit()) { digits.parse().ok()? } else { return None };
+            secs.checked_mul(1_000_000_000)?.checked_add(frac)
+        }
+        _ => None,
+    }
+}
+
+/// A line's headers: an object of name → value (a string, or a list of strings for a field
+/// sent several times).
+fn headers(v: &Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    if let Some(o) = v.as_object() {
+        for (name, value) in o {
+            match value {
+                Value::String(s) => out.push((name.to_ascii_lowercase(), s.clone())),
+                Value::Array(a) => {
+                    out.extend(a.iter().filter_map(Value::as_str).map(|s| (name.to_ascii_lowercase(), s.to_owned())))
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// `ratewall replay`.
+pub fn replay(rules: &Path, log: &Path, top: usize, as_json: bool) -> Result<(), Failure> {
+    let (_, config) = load(rules)?;
+    let input: Box<dyn Read> = if log.as_os_str() == "-" {
+        Box::new(std::io::stdin())
+    } else {
+        Box::new(std::fs::File::open(log).map_err(|e| Failure::Usage(format!("cannot read {}: {e}", log.display())))?)
+    };
+    let mut counts = vec![Counts::default(); config.rules.len()];
+    let mut counters = MemoryCounters::default();
+    let (mut lines, mut requests, mut rejected) = (0u64, 0u64, 0u64);
+    let mut bad = Vec::new();
+    let progress = std::io::stderr().is_terminal();
+    let started = std::time::Instant::now();
+    for line in BufReader::new(input).lines() {
+        let line = line.map_err(|e| Failure::Usage(format!("reading {}: {e}", log.display())))?;
+        lines += 1;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: Value = match serde_json::from_str(&line) {
+            Ok(v) => v,
+            Err(e) => {
+                bad.push(format!("{}:{lines}: not JSON: {e}", log.display()));
+                continue;
+            }
+        };
+        let (Some(ts), Some(path)) = (timestamp(&v["ts"]), v["path"].as_str()) else {
+            bad.push(format!("{}:{lines}: needs \"ts\" (RFC 3339 or epoch seconds) and \"path\"", log.display()));
+            continue;
+        };
+        let method = v["method"].as_str().unwrap_or("GET").to_ascii_uppercase();
+        let parts = Parts::new(&config, path, &headers(&v["headers"]), v["ip"].as_str());
+        let values = parts.header_values();
+        let req = parts.request(&method, &values);
+        let (checks, skipped) = config.checks(&req);
+        let outcome = evaluate(&config, &checks, &mut counters, ts);
+        requests += 1;
+        rejected += u64::from(outcome.rejected);
+        for (rule, tally) in outcome.tally(&skipped) {
+            let (Some(c), Some(r)) = (counts.get_mut(rule), config.rules.get(rule)) else { continue };
+            match tally {
+                Tally::Allowed => c.allowed += 1,
+                Tally::Unkeyed => c.unkeyed += 1,
+                Tally::Rejected | Tally::ShadowRejected => {
+                    if tally == Tally::Rejected {
+                        c.rejected += 1;
+                    } else {
+                        c.shadow_rejected += 1;
+                    }
+                    *c.by_key.entry(parts.key_text(&config, r)).or_default() += 1;
+                }
+                Tally::Failed(_) => {}
+            }
+        }
+        if progress && lines.is_multiple_of(100_000) {
+            eprint!("\rreplayed {lines} lines in {:.1} s", started.elapsed().as_secs_f64());
+        }
+    }
+    if progress && lines >= 100_000 {
+        eprintln!();
+    }
+    let top_of = |c: &Counts| {
+        let mut keys: Vec<(&String, &u64)> = c.by_key.iter().collect();
+        keys.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        keys.into_iter().take(top).map(|(k, n)| (k.clone(), *n)).collect::<Vec<_>>()
+    };
+    if as_json {
+        let rules: Vec<Value> = config
+            .rules
+            .iter()
+            .zip(&counts)
+            .map(|(r, c)| {
+                let keys: Vec<Value> = top_of(c).into_iter().map(|(k, n)| json!({"key": k, "rejected": n})).collect();
+                json!({"name": r.name, "allowed": c.allowed, "rejected": c.rejected, "shadow_rejected": c.shadow_rejected,
+                       "unkeyed": c.unkeyed, "top_rejected_keys": keys})
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({"lines": lines, "requests": requests, "rejected": rejected, "invalid_lines": bad.len(), "rules": rules})
+        );
+    } else {
+        println!("{requests} requests replayed, {rejected} rejected ({} lines, {} invalid)", lines, bad.len());
+        for (r, c) in config.rules.iter().zip(&counts) {
+            let shadow = if c.shadow_rejected > 0 {
+                format!(", would reject {} (shadow)", c.shadow_rejected)
+            } else {
+                String::new()
+            };
+            println!("- {}: allowed {}, rejected {}{shadow}, unkeyed {}", r.name, c.allowed, c.rejected, c.unkeyed);
+            for (k, n) in top_of(c) {
+                println!("    {n:>8}  {k}");
+            }
+        }
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        let total = bad.len();
+        let mut lines: Vec<String> = bad.into_iter().take(20).collect();
+        lines.push(format!("{total} log line{} could not be read", if total == 1 { "" } else { "s" }));
+        Err(Failure::Invalid(lines))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn timestamps_are_rfc3339_or_epoch_seconds() {
+        let t = timestamp(&json!("2026-12-01T10:00:00.250Z")).unwrap();
+        assert_eq!(t, 1_796_119_200_250_000_000);
+        assert_eq!(timestamp(&json!("2026-12-01T11:00:00.250+01:00")), Some(t));
+        assert_eq!(timestamp(&json!(1_796_119_200.25)), Some(t));
+        assert_eq!(timestamp(&json!("yesterday")), None);
+        assert_eq!(timestamp(&json!(-1)), None);
+        assert_eq!(timestamp(&json!(null)), None);
+    }
+}

@@ -1,0 +1,179 @@
+//! The JSON Schema (2020-12) of the rules document, with the descriptions an editor shows on
+//! hover. Committed as `rules.schema.json` (a test holds it current); the parser in
+//! `ratewall-core` stays the authority, and a test holds the two to the same fields.
+
+use serde_json::{json, Value};
+
+const DURATION: &str = "^[0-9]+(ms|s|m|h|d)$";
+
+fn duration(description: &str) -> Value {
+    json!({"type": "string", "pattern": DURATION, "description": format!("{description} A whole number and a unit: ms, s, m, h or d (\"100ms\", \"60s\", \"1h\").")})
+}
+
+fn limit(description: &str) -> Value {
+    json!({
+        "type": "object",
+        "description": description,
+        "additionalProperties": false,
+        "required": ["requests", "per"],
+        "properties": {
+            "requests": {"type": "integer", "minimum": 1, "description": "Units admitted per period (at most 1,000,000,000; 100,000 for sliding_log)."},
+            "per": duration("The period."),
+            "burst": {"type": "integer", "minimum": 1, "description": "Token bucket capacity (default: requests). Setting it selects the token bucket."},
+            "algorithm": {"$ref": "#/$defs/algorithm"}
+        }
+    })
+}
+
+/// The schema as a value.
+pub fn schema() -> Value {
+    json!({
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://github.com/ratewall/ratewall/rules.schema.json",
+        "title": "ratewall rules",
+        "description": "Rate-limit rules for ratewall's proxy-wasm filter, Cloudflare Worker and CLI. Unknown fields are errors, and so is a key repeated in one object.",
+        "type": "object",
+        "additionalProperties": false,
+        "required": ["rules"],
+        "properties": {
+            "$schema": {"type": "string", "description": "This schema, for editors (ignored by ratewall)."},
+            "identity": {
+                "type": "object",
+                "description": "Where each identity dimension comes from. Default: user (x-user-id), api_key (x-api-key), partner (x-partner-id), plan (x-plan), and ip from the peer address.",
+                "maxProperties": 65,
+                "propertyNames": {"pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                "properties": {
+                    "ip": {
+                        "type": "object",
+                        "description": "The client IP dimension.",
+                        "additionalProperties": false,
+                        "properties": {
+                            "trusted_hops": {"type": "integer", "minimum": 0, "maximum": 16, "description": "Proxies in front whose X-Forwarded-For entries are trusted; 0 (default) keys on the peer address."},
+                            "ipv6_prefix": {"type": "integer", "minimum": 1, "maximum": 128, "description": "IPv6 clients are keyed by this prefix (default 64)."},
+                            "ipv4_prefix": {"type": "integer", "minimum": 1, "maximum": 32, "description": "IPv4 clients are keyed by this prefix (default 32)."}
+                        }
+                    }
+                },
+                "additionalProperties": {
+                    "type": "object",
+                    "description": "A dimension read from a request header. A dimension named plan selects per-plan limits.",
+                    "additionalProperties": false,
+                    "required": ["header"],
+                    "properties": {"header": {"type": "string", "pattern": "^[!#$%&'*+.^_`|~0-9A-Za-z-]+$", "description": "The header's name (case-insensitive)."}}
+                }
+            },
+            "rules": {
+                "type": "array",
+                "description": "Every matching rule is evaluated; a request is rejected if any enforcing rule rejects it, and then consumes nothing from the others.",
+                "maxItems": 1000,
+                "items": {"$ref": "#/$defs/rule"}
+            },
+            "response": {
+                "type": "object",
+                "description": "The client contract's options.",
+                "additionalProperties": false,
+                "properties": {"legacy_headers": {"type": "boolean", "description": "Also send X-RateLimit-Limit / -Remaining / -Reset (default false)."}}
+            },
+            "filter": {
+                "type": "object",
+                "description": "The proxy-wasm filter's counter table.",
+                "additionalProperties": false,
+                "properties": {
+                    "slots": {"type": "integer", "minimum": 64, "maximum": 1048576, "description": "Counters the table holds (default 65,536), in buckets of 8."},
+                    "cas_retries": {"type": "integer", "minimum": 1, "maximum": 1000, "description": "Compare-and-swap attempts per counter under contention."},
+                    "hash_seed": {"description": "Keys the table's hash, so clients cannot aim their keys at one bucket: a number or a string.", "type": ["integer", "string"]}
+                }
+            },
+            "sync": {
+                "type": "object",
+                "description": "Share limits across proxies through a global store (filter only; omit it and each proxy limits on its own).",
+                "additionalProperties": false,
+                "required": ["cluster", "secret"],
+                "properties": {
+                    "cluster": {"type": "string", "minLength": 1, "description": "The upstream that reaches the store (an Envoy cluster or NGINX upstream)."},
+                    "authority": {"type": "string", "description": "The :authority of sync calls (default: the cluster)."},
+                    "path": {"type": "string", "description": "The store's path (default /v1/sync)."},
+                    "secret": {"type": "string", "minLength": 16, "description": "The HMAC secret shared with the store (never logged)."},
+                    "interval": duration("Time between batches (default 100ms; 10ms to 60s)."),
+                    "timeout": duration("Deadline of one sync call (default 50ms; 1ms to 10s). Set it above the store's round trip."),
+                    "nodes": {"type": "integer", "minimum": 1, "maximum": 100000, "description": "Proxies to assume until the store reports how many there are (default 1)."},
+                    "stale_after": duration("Global data older than this is stale: rules fall back to their on_store_failure policy (default 1s)."),
+                    "max_wait": duration("The longest a request waits for an ask to the store (default: timeout).")
+                }
+            }
+        },
+        "$defs": {
+            "algorithm": {
+                "enum": ["token_bucket", "sliding_window", "fixed_window", "sliding_log"],
+                "description": "token_bucket (GCRA; the default with burst), sliding_window (the default), fixed_window, or sliding_log (exact, up to 100,000 per period)."
+            },
+            "rule": {
+                "type": "object",
+                "description": "One limit on the requests it matches, per key.",
+                "additionalProperties": false,
+                "required": ["name", "key", "limit"],
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$", "description": "Unique; names the policy in RateLimit headers and metrics."},
+                    "description": {"type": "string", "description": "Free text for people."},
+                    "match": {
+                        "type": "object",
+                        "description": "Which requests the rule applies to (default: all).",
+                        "additionalProperties": false,
+                        "properties": {
+                            "path": {"type": "string", "pattern": "^/", "description": "A path pattern: a * segment matches one segment (as the last one, one or more: /v1/* covers everything below /v1), ** any number of segments, a * inside a segment (*.json) part of one. Matching is on the normalized path."},
+                            "method": {
+                                "description": "An HTTP method or a list of them (default: any).",
+                                "oneOf": [
+                                    {"type": "string", "pattern": "^[A-Za-z]+$"},
+                                    {"type": "array", "maxItems": 32, "items": {"type": "string", "pattern": "^[A-Za-z]+$"}}
+                                ]
+                            }
+                        }
+                    },
+                    "key": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 64,
+                        "uniqueItems": true,
+                        "description": "The identity dimensions counted together (a composite key when several), e.g. [\"api_key\", \"ip\"].",
+                        "items": {"type": "string"}
+                    },
+                    "limit": limit("The default limit."),
+                    "algorithm": {"$ref": "#/$defs/algorithm"},
+                    "plans": {
+                        "type": "object",
+                        "description": "Per-plan limits, by the value of the plan dimension (which identity must define).",
+                        "maxProperties": 1000,
+                        "additionalProperties": {
+                            "oneOf": [limit("This plan's limit."), {"const": "unlimited", "description": "Not limited by this rule."}]
+                        }
+                    },
+                    "cost": {"type": "integer", "minimum": 0, "description": "Units one matching request consumes (default 1; at most a limit's capacity)."},
+                    "mode": {"enum": ["enforce", "shadow"], "description": "enforce (default) rejects; shadow only counts and logs what it would reject."},
+                    "on_store_failure": {"enum": ["open", "closed"], "description": "When the counter store fails: open (default) admits, closed answers 503."}
+                }
+            }
+        }
+    })
+}
+
+/// The schema as printed and committed.
+pub fn text() -> String {
+    serde_json::to_string_pretty(&schema()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+    use super::*;
+
+    #[test]
+    fn the_committed_schema_is_current() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../rules.schema.json");
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            committed.trim_end() == text(),
+            "rules.schema.json is stale: run `cargo run -p ratewall-cli -- schema > rules.schema.json`"
+        );
+    }
+}

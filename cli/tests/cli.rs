@@ -1,0 +1,329 @@
+//! The `ratewall` binary as an operator meets it (exit codes, text and JSON), and the schema
+//! against the parser: every document the parser accepts the schema accepts, and documents
+//! with wrong types, unknown fields or bad durations are rejected by both.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use ratewall_core::Config;
+use serde_json::{json, Value};
+use std::io::Write;
+use std::process::{Command, Output};
+
+fn ratewall(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ratewall")).args(args).output().unwrap()
+}
+
+fn root(path: &str) -> String {
+    format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn temp(name: &str, text: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("ratewall-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_string_lossy().into_owned()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn check_lists_the_rules_of_a_good_document() {
+    let o = ratewall(&["check", &root("examples/rules.json")]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    for needle in [
+        "valid, 3 rules",
+        "holds-per-user",
+        "POST /v1/events/*/holds",
+        "burst 200",
+        "plan internal: unlimited",
+        "on store failure closed",
+    ] {
+        assert!(out.contains(needle), "{needle} missing from:\n{out}");
+    }
+    let o = ratewall(&["check", "--json", &root("examples/rules.json")]);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["valid"], true);
+    assert_eq!(
+        v["rules"][1]["limit"],
+        json!({"requests": 1000, "per": "1m", "algorithm": "token_bucket", "burst": 200})
+    );
+    assert_eq!(v["rules"][1]["plans"]["internal"], "unlimited");
+    assert_eq!(v["rules"][2]["key"], json!(["ip"]));
+}
+
+#[test]
+fn check_names_the_field_of_a_bad_document_and_exits_1() {
+    let bad = temp("bad.json", r#"{"rules":[{"name":"x","key":["nobody"],"limit":{"requests":1,"per":"1s"}}]}"#);
+    let o = ratewall(&["check", &bad]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).starts_with("rules[0].key[0]: "), "{}", stderr(&o));
+    let o = ratewall(&["check", "--json", &bad]);
+    assert_eq!(o.status.code(), Some(1));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((v["valid"].clone(), v["errors"][0]["path"].clone()), (json!(false), json!("rules[0].key[0]")));
+    let o = ratewall(&["check", "/no/such/file.json"]);
+    assert_eq!(o.status.code(), Some(2), "an unreadable file is a usage error");
+    assert_eq!(ratewall(&["frobnicate"]).status.code(), Some(2));
+}
+
+#[test]
+fn explain_shows_the_counter_key_the_core_uses_and_why_rules_do_not_apply() {
+    let rules = root("examples/rules.json");
+    let o = ratewall(&[
+        "explain",
+        "--json",
+        &rules,
+        "--method",
+        "post",
+        "--path",
+        "/v1//events/42/./holds",
+        "-H",
+        "X-User-Id: alice",
+        "--ip",
+        "203.0.113.9",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["path"], "/v1/events/42/holds", "the path as normalized");
+    let holds = &v["rules"][0];
+    assert_eq!((holds["counted"].clone(), holds["key"].clone()), (json!(true), json!("user=alice")));
+    // The counter key is the core's own for this request.
+    let config = Config::parse(&std::fs::read(&rules).unwrap()).unwrap();
+    let headers: Vec<Option<&[u8]>> =
+        config.identity.headers.iter().map(|(d, _)| (d == "user").then_some(&b"alice"[..])).collect();
+    let req = ratewall_core::Request {
+        method: "POST",
+        path: "/v1/events/42/holds",
+        headers: &headers,
+        ip: Some("203.0.113.9"),
+    };
+    let (checks, _) = config.checks(&req);
+    assert_eq!(holds["counter"], ratewall_core::sync::hex(&checks[0].key));
+    assert_eq!(v["rules"][1]["counted"], false);
+    assert!(v["rules"][1]["why"].as_str().unwrap().contains("api_key"), "{v}");
+    assert_eq!(v["rules"][2]["matches"], false);
+    // Through a trusted proxy, the client is the address it appended.
+    let o = ratewall(&[
+        "explain",
+        &rules,
+        "--path",
+        "/v1/auth/login",
+        "-H",
+        "x-forwarded-for: 198.51.100.7, 192.0.2.1",
+        "--ip",
+        "10.0.0.1",
+    ]);
+    let out = stdout(&o);
+    assert!(out.contains("login-per-ip: key ip=192.0.2.1"), "{out}");
+    let o = ratewall(&["explain", &rules, "--path", "/x", "-H", "no colon"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn replay_counts_on_the_logs_own_clock() {
+    let rules = temp(
+        "replay.json",
+        r#"{"identity": {"user": {"header": "x-user-id"}},
+            "rules": [{"name": "per-user", "key": ["user"], "limit": {"requests": 3, "per": "1m"}, "algorithm": "fixed_window"},
+                      {"name": "watch", "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "1h"}}]}"#,
+    );
+    // Two users, 10 requests each a second apart in one minute, then one a minute later.
+    let mut log = String::new();
+    for i in 0..10 {
+        for user in ["ann", "bob"] {
+            log.push_str(&format!(
+                "{{\"ts\": \"2026-12-01T10:00:{i:02}Z\", \"method\": \"GET\", \"path\": \"/a\", \"headers\": {{\"X-User-Id\": \"{user}\"}}}}\n"
+            ));
+        }
+    }
+    log.push_str("{\"ts\": 1796119260.5, \"path\": \"/a\", \"headers\": {\"x-user-id\": \"ann\"}}\n");
+    log.push_str("{\"ts\": 1796119261, \"path\": \"/a\"}\n");
+    let path = temp("log.jsonl", &log);
+    let o = ratewall(&["replay", "--json", &rules, &path]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["requests"], 22);
+    let r = &v["rules"][0];
+    assert_eq!((r["allowed"].clone(), r["rejected"].clone(), r["unkeyed"].clone()), (json!(7), json!(14), json!(1)));
+    assert_eq!(r["top_rejected_keys"], json!([{"key": "user=ann", "rejected": 7}, {"key": "user=bob", "rejected": 7}]));
+    // The shadow rule never rejects: a rejected request counts for it what it saw.
+    assert_eq!(v["rules"][1]["rejected"], 0);
+    assert!(v["rules"][1]["shadow_rejected"].as_u64().unwrap() >= 4, "{v}");
+    // A bad line is reported, with its number; the rest still counts.
+    let path =
+        temp("bad.jsonl", "{\"ts\": \"2026-12-01T10:00:00Z\", \"path\": \"/a\"}\nnot json\n{\"path\": \"/a\"}\n");
+    let o = ratewall(&["replay", &rules, &path]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("bad.jsonl:2: not JSON"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("bad.jsonl:3: needs \"ts\""), "{}", stderr(&o));
+    assert!(stdout(&o).contains("1 requests replayed"), "{}", stdout(&o));
+}
+
+#[test]
+fn replay_reads_a_log_on_standard_input() {
+    let rules = root("examples/rules.json");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall"))
+        .args(["replay", "--json", &rules, "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    for i in 0..12 {
+        writeln!(stdin, "{{\"ts\": {}, \"path\": \"/v1/auth/login\", \"ip\": \"198.51.100.4\"}}", 1_796_119_200 + i)
+            .unwrap();
+    }
+    drop(stdin);
+    let o = child.wait_with_output().unwrap();
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let login = v["rules"].as_array().unwrap().iter().find(|r| r["name"] == "login-per-ip").unwrap().clone();
+    assert_eq!((login["allowed"].clone(), login["rejected"].clone()), (json!(10), json!(2)));
+}
+
+#[test]
+fn schema_prints_the_committed_schema() {
+    let o = ratewall(&["schema"]);
+    assert_eq!(o.status.code(), Some(0));
+    let printed: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let committed: Value = serde_json::from_str(&std::fs::read_to_string(root("rules.schema.json")).unwrap()).unwrap();
+    assert_eq!(printed, committed);
+    assert_eq!(printed["$schema"], "https://json-schema.org/draft/2020-12/schema");
+}
+
+fn validator() -> jsonschema::Validator {
+    let schema: Value = serde_json::from_str(&std::fs::read_to_string(root("rules.schema.json")).unwrap()).unwrap();
+    jsonschema::draft202012::new(&schema).unwrap()
+}
+
+/// Documents the parser accepts, covering every field.
+fn good_documents() -> Vec<Value> {
+    let mut docs: Vec<Value> = vec![
+        serde_json::from_str(&std::fs::read_to_string(root("examples/rules.json")).unwrap()).unwrap(),
+        json!({"rules": []}),
+        json!({"$schema": "./rules.schema.json", "rules": [{"name": "a", "key": ["user"], "limit": {"requests": 1, "per": "1s"}}]}),
+        json!({
+            "identity": {"user": {"header": "x-user-id"}, "plan": {"header": "X-Plan"}, "ip": {"trusted_hops": 2, "ipv6_prefix": 56, "ipv4_prefix": 24}},
+            "rules": [
+                {"name": "a.b-c_d", "description": "every field", "match": {"path": "/v1/**/x/*.json", "method": ["get", "POST"]},
+                 "key": ["user", "ip"], "limit": {"requests": 10, "per": "100ms", "burst": 20, "algorithm": "token_bucket"},
+                 "plans": {"gold": {"requests": 100, "per": "1h"}, "free": "unlimited"}, "cost": 2, "mode": "shadow", "on_store_failure": "closed"},
+                {"name": "log", "match": {"method": "DELETE"}, "key": ["ip"], "algorithm": "sliding_log", "limit": {"requests": 5, "per": "2d"}},
+                {"name": "fw", "key": ["plan"], "limit": {"requests": 5, "per": "45m", "algorithm": "fixed_window"}, "cost": 0}
+            ],
+            "response": {"legacy_headers": true},
+            "filter": {"slots": 4096, "cas_retries": 8, "hash_seed": "s3cret"},
+            "sync": {"cluster": "store", "authority": "store.example", "path": "/v1/sync", "secret": "0123456789abcdef",
+                     "interval": "200ms", "timeout": "80ms", "nodes": 12, "stale_after": "2s", "max_wait": "20ms"}
+        }),
+    ];
+    for algorithm in ["token_bucket", "sliding_window", "fixed_window", "sliding_log"] {
+        docs.push(json!({"rules": [{"name": "r", "key": ["api_key"], "algorithm": algorithm, "limit": {"requests": 7, "per": "7s"}}],
+                         "filter": {"hash_seed": 42}}));
+    }
+    docs
+}
+
+#[test]
+fn every_document_the_parser_accepts_the_schema_accepts() {
+    let v = validator();
+    for doc in good_documents() {
+        Config::parse(doc.to_string().as_bytes()).unwrap_or_else(|e| panic!("the parser refused {doc}: {e}"));
+        let errors: Vec<String> = v.iter_errors(&doc).map(|e| format!("{e} at {}", e.instance_path)).collect();
+        assert!(errors.is_empty(), "the schema refused {doc}: {errors:?}");
+    }
+}
+
+/// Sets `doc` at a JSON pointer (creating objects on the way).
+fn set(doc: &mut Value, pointer: &str, value: Value) {
+    let mut at = doc;
+    let parts: Vec<&str> = pointer.trim_start_matches('/').split('/').collect();
+    for (i, p) in parts.iter().enumerate() {
+        let last = i == parts.len() - 1;
+        at = match at {
+            Value::Array(a) => &mut a[p.parse::<usize>().unwrap()],
+            Value::Object(o) if last => {
+                o.insert((*p).to_owned(), value);
+                return;
+            }
+            Value::Object(o) => o.entry((*p).to_owned()).or_insert(json!({})),
+            _ => panic!("{pointer}"),
+        };
+    }
+    *at = value;
+}
+
+#[test]
+fn wrong_types_unknown_fields_and_bad_durations_are_rejected_by_both() {
+    let v = validator();
+    let base = good_documents()[3].clone();
+    let mut cases: Vec<(String, Value)> = Vec::new();
+    // Wrong types.
+    for (ptr, bad) in [
+        ("/rules", json!({})),
+        ("/rules/0/name", json!(7)),
+        ("/rules/0/key", json!("user")),
+        ("/rules/0/limit/requests", json!("10")),
+        ("/rules/0/limit/requests", json!(1.5)),
+        ("/rules/0/limit/burst", json!(true)),
+        ("/rules/0/cost", json!(-1)),
+        ("/rules/0/mode", json!("loud")),
+        ("/rules/0/on_store_failure", json!(false)),
+        ("/rules/0/match/method", json!(3)),
+        ("/rules/0/algorithm", json!("leaky")),
+        ("/identity/ip/trusted_hops", json!(-1)),
+        ("/identity/user/header", json!(["x"])),
+        ("/response/legacy_headers", json!("yes")),
+        ("/filter/slots", json!(10)),
+        ("/sync/nodes", json!(0)),
+        ("/sync/secret", json!("short")),
+    ] {
+        let mut d = base.clone();
+        set(&mut d, ptr, bad.clone());
+        cases.push((format!("{ptr} = {bad}"), d));
+    }
+    // Unknown fields, at every level.
+    for ptr in [
+        "/extra",
+        "/rules/0/extra",
+        "/rules/0/limit/extra",
+        "/rules/0/match/extra",
+        "/identity/ip/extra",
+        "/identity/user/extra",
+        "/response/extra",
+        "/filter/extra",
+        "/sync/extra",
+        "/rules/0/plans/gold/extra",
+    ] {
+        let mut d = base.clone();
+        set(&mut d, ptr, json!(1));
+        cases.push((format!("{ptr} (unknown)"), d));
+    }
+    // Bad durations.
+    for bad in ["60", "1 s", "1sec", "s", "-1s", "1.5s", "1S", ""] {
+        for ptr in ["/rules/0/limit/per", "/sync/interval", "/sync/max_wait"] {
+            let mut d = base.clone();
+            set(&mut d, ptr, json!(bad));
+            cases.push((format!("{ptr} = {bad:?}"), d));
+        }
+    }
+    // Missing required fields.
+    for ptr in ["/rules/0/name", "/rules/0/key", "/rules/0/limit", "/rules/0/limit/per", "/sync/cluster"] {
+        let mut d = base.clone();
+        let (parent, field) = ptr.rsplit_once('/').unwrap();
+        d.pointer_mut(parent).unwrap().as_object_mut().unwrap().remove(field);
+        cases.push((format!("{ptr} missing"), d));
+    }
+    assert!(cases.len() >= 50);
+    for (what, doc) in cases {
+        assert!(Config::parse(doc.to_string().as_bytes()).is_err(), "the parser accepted {what}");
+        assert!(!v.is_valid(&doc), "the schema accepted {what}");
+    }
+}
