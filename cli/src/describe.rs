@@ -121,43 +121,38 @@ pub fn check(path: &Path, as_json: bool) -> Result<(), Failure> {
                     json!({"path": p, "reason": r})
                 })
                 .collect();
-            println!("{}", json!({"valid": false, "errors": errors}));
+            say!("{}", json!({"valid": false, "errors": errors}));
             return Err(Failure::Invalid(lines));
         }
         Err(e) => return Err(e),
     };
     if as_json {
         let rules: Vec<Value> = config.rules.iter().enumerate().map(|(i, r)| rule_json(&doc, &config, i, r)).collect();
-        println!("{}", json!({"valid": true, "rules": rules, "sync": config.sync.is_some()}));
+        say!("{}", json!({"valid": true, "rules": rules, "sync": config.sync.is_some()}));
         return Ok(());
     }
-    println!(
-        "{}: valid, {} rule{}",
-        path.display(),
-        config.rules.len(),
-        if config.rules.len() == 1 { "" } else { "s" }
-    );
+    say!("{}: valid, {} rule{}", path.display(), config.rules.len(), if config.rules.len() == 1 { "" } else { "s" });
     for (i, r) in config.rules.iter().enumerate() {
         let (pattern, methods) = match_as_written(&doc, i);
         let methods = if methods.is_empty() { "any method".to_owned() } else { methods.join(",") };
-        println!("- {}", r.name);
-        println!("    match: {methods} {}", pattern.as_deref().unwrap_or("any path"));
-        println!("    key:   {}", key_names(&config, r).join(" + "));
-        println!(
+        say!("- {}", r.name);
+        say!("    match: {methods} {}", pattern.as_deref().unwrap_or("any path"));
+        say!("    key:   {}", key_names(&config, r).join(" + "));
+        say!(
             "    limit: {}{}",
             limit_text(&r.limit),
             if r.cost == 1 { String::new() } else { format!(", cost {}", r.cost) }
         );
         for (name, l) in &r.plans {
             match l {
-                PlanLimit::Limited(l) => println!("    plan {name}: {}", limit_text(l)),
-                PlanLimit::Unlimited => println!("    plan {name}: unlimited"),
+                PlanLimit::Limited(l) => say!("    plan {name}: {}", limit_text(l)),
+                PlanLimit::Unlimited => say!("    plan {name}: unlimited"),
             }
         }
-        println!("    mode:  {}, on store failure {}", mode(r), failure(r));
+        say!("    mode:  {}, on store failure {}", mode(r), failure(r));
     }
     if config.sync.is_some() {
-        println!("sync: on (limits are shared across proxies through the global store)");
+        say!("sync: on (limits are shared across proxies through the global store)");
     }
     Ok(())
 }

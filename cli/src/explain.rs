@@ -155,10 +155,10 @@ pub fn explain(
     }
     if as_json {
         let v = json!({"method": method, "path": parts.path, "client_ip": parts.ip, "rules": out});
-        println!("{v}");
+        say!("{v}");
         return Ok(());
     }
-    println!("{method} {} (client ip {})", parts.path, parts.ip.as_deref().unwrap_or("unknown"));
+    say!("{method} {} (client ip {})", parts.path, parts.ip.as_deref().unwrap_or("unknown"));
     for e in &out {
         let name = e["name"].as_str().unwrap_or("");
         match (e["matches"].as_bool(), e["counted"].as_bool()) {
@@ -168,11 +168,11 @@ pub fn explain(
                     .find(|c| config.rules.get(c.rule).is_some_and(|r| r.name == name))
                     .map(|c| limit_text(&c.limit))
                     .unwrap_or_default();
-                println!("  counts    {name}: key {}, limit {limit}", e["key"].as_str().unwrap_or(""));
-                println!("            counter {}", e["counter"].as_str().unwrap_or(""));
+                say!("  counts    {name}: key {}, limit {limit}", e["key"].as_str().unwrap_or(""));
+                say!("            counter {}", e["counter"].as_str().unwrap_or(""));
             }
-            (Some(true), _) => println!("  skips     {name}: {}", e["why"].as_str().unwrap_or("")),
-            _ => println!("  no match  {name}: {}", e["why"].as_str().unwrap_or("")),
+            (Some(true), _) => say!("  skips     {name}: {}", e["why"].as_str().unwrap_or("")),
+            _ => say!("  no match  {name}: {}", e["why"].as_str().unwrap_or("")),
         }
     }
     Ok(())

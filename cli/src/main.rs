@@ -17,6 +17,17 @@
 // never panics); nothing else here indexes.
 #![allow(clippy::indexing_slicing)]
 
+/// `println!`, but it ends the program quietly once standard output is closed (`ratewall
+/// replay … | head`) instead of panicking.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if writeln!(std::io::stdout().lock(), $($t)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
 mod describe;
 mod explain;
 mod replay;
@@ -119,7 +130,7 @@ fn main() -> ExitCode {
         }
         Command::Replay { rules, log, top, json } => replay::replay(&rules, &log, top, json),
         Command::Schema => {
-            println!("{}", schema::text());
+            say!("{}", schema::text());
             Ok(())
         }
     };

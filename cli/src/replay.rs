@@ -137,21 +137,21 @@ pub fn replay(rules: &Path, log: &Path, top: usize, as_json: bool) -> Result<(),
                        "unkeyed": c.unkeyed, "top_rejected_keys": keys})
             })
             .collect();
-        println!(
+        say!(
             "{}",
             json!({"lines": lines, "requests": requests, "rejected": rejected, "invalid_lines": bad.len(), "rules": rules})
         );
     } else {
-        println!("{requests} requests replayed, {rejected} rejected ({} lines, {} invalid)", lines, bad.len());
+        say!("{requests} requests replayed, {rejected} rejected ({} lines, {} invalid)", lines, bad.len());
         for (r, c) in config.rules.iter().zip(&counts) {
             let shadow = if c.shadow_rejected > 0 {
                 format!(", would reject {} (shadow)", c.shadow_rejected)
             } else {
                 String::new()
             };
-            println!("- {}: allowed {}, rejected {}{shadow}, unkeyed {}", r.name, c.allowed, c.rejected, c.unkeyed);
+            say!("- {}: allowed {}, rejected {}{shadow}, unkeyed {}", r.name, c.allowed, c.rejected, c.unkeyed);
             for (k, n) in top_of(c) {
-                println!("    {n:>8}  {k}");
+                say!("    {n:>8}  {k}");
             }
         }
     }
