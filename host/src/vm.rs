@@ -102,6 +102,9 @@ pub(crate) struct VmState {
     pub(crate) request_headers_ns: Option<Vec<u64>>,
     /// A buffer reused by the host calls that copy bytes into the guest.
     pub(crate) scratch: Vec<u8>,
+    /// Append the peer's address to `x-forwarded-for` before the filter runs, as Envoy's
+    /// connection manager does with `use_remote_address: true`.
+    pub(crate) envoy_xff: bool,
 }
 
 /// The guest entry points called per request, looked up once.
@@ -143,6 +146,7 @@ impl Vm {
             memory: None,
             alloc: None,
             pairs_without_pseudo_headers: false,
+            envoy_xff: false,
             request_headers_ns: None,
             scratch: Vec::new(),
         };
@@ -212,6 +216,9 @@ impl Vm {
             let s = self.store.data_mut();
             // clone_from reuses the previous request's allocations.
             s.request_headers.clone_from(&req.headers);
+            if s.envoy_xff {
+                envoy_append_peer(&mut s.request_headers, req.source_address.as_deref());
+            }
             s.response_headers = Vec::new();
             s.source_address.clone_from(&req.source_address);
             s.effective_context = ctx;
@@ -342,6 +349,13 @@ impl Vm {
         r.map(|_| ())
     }
 
+    /// Mutates every request's headers as Envoy's HTTP connection manager does with
+    /// `use_remote_address: true` before any filter runs: the peer's address (without its
+    /// port) is appended to `x-forwarded-for`, which is created when absent.
+    pub fn append_peer_to_xff_as_envoy(&mut self) {
+        self.store.data_mut().envoy_xff = true;
+    }
+
     /// From now on list request headers (`proxy_get_header_map_pairs`) without the
     /// pseudo-headers, as some hosts do; they stay readable one by one.
     pub fn list_headers_without_pseudo_headers(&mut self) {
@@ -372,5 +386,23 @@ impl Vm {
     /// The node this VM belongs to.
     pub fn node(&self) -> &Node {
         &self.store.data().node
+    }
+}
+
+/// Envoy's append of the downstream peer (`address:port`, `[v6]:port` or a bare address) to
+/// `x-forwarded-for`: to its last field, after `", "`, or as a new field.
+fn envoy_append_peer(headers: &mut Vec<(String, Vec<u8>)>, peer: Option<&str>) {
+    let Some(peer) = peer else { return };
+    let addr = match peer.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(v6),
+        None if peer.matches(':').count() == 1 => peer.split(':').next().unwrap_or(peer),
+        None => peer,
+    };
+    match headers.iter_mut().rev().find(|(n, _)| n == "x-forwarded-for") {
+        Some((_, v)) => {
+            v.extend_from_slice(b", ");
+            v.extend_from_slice(addr.as_bytes());
+        }
+        None => headers.push(("x-forwarded-for".to_owned(), addr.as_bytes().to_vec())),
     }
 }

@@ -282,10 +282,8 @@ impl Config {
     pub fn from_value(doc: &Value) -> Result<Config, ConfigError> {
         let top = object(doc, "")?;
         known_fields(top, "", &["$schema", "identity", "rules", "response", "filter", "sync"])?;
-        // `$schema` names the document's JSON Schema for editors; it is not a setting.
-        if let Some(v) = top.get("$schema") {
-            string(v, "$schema")?;
-        }
+        // `$schema` names the document's JSON Schema for editors; it is not a setting, and
+        // its value is not read.
         let identity = parse_identity(top.get("identity"))?;
         let rules_v = match top.get("rules") {
             Some(Value::Array(a)) => a,
@@ -620,9 +618,9 @@ fn method(s: &str, path: &str) -> Result<String, ConfigError> {
 /// An algorithm's name; the error lists [`Algorithm::ALL`].
 fn parse_algorithm(v: &Value, path: &str) -> Result<Algorithm, ConfigError> {
     let s = string(v, path)?;
-    Algorithm::from_name(s).ok_or_else(|| {
-        let names: Vec<&str> = Algorithm::ALL.iter().map(|a| a.as_str()).collect();
-        ConfigError { path: path.into(), reason: format!("\"{s}\" is not one of {}", names.join(", ")) }
+    Algorithm::from_name(s).ok_or_else(|| ConfigError {
+        path: path.into(),
+        reason: format!("\"{s}\" is not one of {}", crate::algo::ALGORITHM_NAMES),
     })
 }
 

@@ -171,6 +171,70 @@ fn forwarded_for_entries_cannot_dodge_the_per_ip_limit() {
 }
 
 #[test]
+fn under_envoys_connection_manager_trusted_hops_counts_envoys_own_append() {
+    // Envoy with `use_remote_address: true` appends its downstream peer to X-Forwarded-For
+    // before any filter runs, so under it `trusted_hops` is the proxies in front plus one: the
+    // rules in envoy-config/envoy.yaml use 2 for one load balancer.
+    let logins = |hops: u32, req: &dyn Fn(usize) -> HttpRequest| {
+        let mut rules: Value = serde_json::from_str(EXAMPLE).unwrap();
+        rules["identity"]["ip"]["trusted_hops"] = json!(hops);
+        let (_, mut vms) = node(&rules, 1);
+        vms[0].append_peer_to_xff_as_envoy();
+        (0..15).map(|i| usize::from(vms[0].request(&req(i)).unwrap().passed)).sum::<usize>()
+    };
+    // One load balancer (10.0.0.2) in front, which appended the client it saw; the client
+    // rotates a spoofed entry of its own. One client: its 10 logins a minute.
+    let one_client = |i: usize| {
+        HttpRequest::new("POST", "/v1/auth/login")
+            .header("x-forwarded-for", format!("198.51.100.{i}, 203.0.113.9"))
+            .from_addr("10.0.0.2:5555")
+    };
+    assert_eq!(logins(2, &one_client), 10, "one client");
+    // Fifteen clients behind that load balancer: each its own counter, not the balancer's.
+    let many = |i: usize| {
+        HttpRequest::new("POST", "/v1/auth/login")
+            .header("x-forwarded-for", format!("203.0.113.{i}"))
+            .from_addr("10.0.0.2:5555")
+    };
+    assert_eq!(logins(2, &many), 15, "each client its own counter");
+    // Counting only the load balancer would key on Envoy's append, the balancer itself: every
+    // client shares one counter (the trap the configuration avoids).
+    assert_eq!(logins(1, &many), 10);
+    // No proxy in front: Envoy's append is the client (1 hop); what it claims is not read.
+    let direct = |i: usize| {
+        HttpRequest::new("POST", "/v1/auth/login")
+            .header("x-forwarded-for", format!("198.51.100.{i}"))
+            .from_addr("203.0.113.9:4444")
+    };
+    assert_eq!(logins(1, &direct), 10);
+    assert_eq!(logins(0, &direct), 10, "or the peer address, with 0");
+}
+
+#[test]
+fn the_envoy_example_counts_envoys_append_and_the_nginx_one_does_not() {
+    let hops = |text: &str| -> Vec<u64> {
+        text.match_indices("\"trusted_hops\"")
+            .map(|(i, _)| {
+                let rest = &text[i + 14..];
+                rest.trim_start_matches(|c: char| c == ':' || c.is_whitespace())
+                    .chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+                    .parse()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let envoy = include_str!("../../envoy-config/envoy.yaml");
+    let store = include_str!("../../envoy-config/envoy-store.yaml");
+    let nginx = include_str!("../../envoy-config/nginx.conf");
+    assert!(envoy.contains("use_remote_address: true") && store.contains("use_remote_address: true"));
+    assert_eq!(hops(envoy), [2]);
+    assert_eq!(hops(store), [2]);
+    assert_eq!(hops(nginx), [1]);
+}
+
+#[test]
 fn ipv6_clients_are_limited_by_prefix() {
     let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
     let passed = (0..30)

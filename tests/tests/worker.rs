@@ -46,7 +46,14 @@ fn start(extra: &[(&str, &str)]) -> Workerd {
 }
 
 fn statuses(w: &Workerd, method: &str, path: &str, headers: &[(&str, &str)], n: usize) -> Vec<u16> {
-    (0..n).map(|_| w.request(method, path, headers, &[]).status).collect()
+    (0..n)
+        .map(|_| {
+            let r = w.request(method, path, headers, &[]);
+            // Status 0 is no HTTP answer at all: say why, with what the runtime logged.
+            assert_ne!(r.status, 0, "{method} {path}: {}\n{}", r.text(), w.log());
+            r.status
+        })
+        .collect()
 }
 
 /// `RateLimit` parsed as a Structured Fields list: (policy, r, t).
