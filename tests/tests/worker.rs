@@ -300,3 +300,34 @@ fn filter_nodes_syncing_to_the_worker_share_one_global_limit() {
     let edge = w.request("GET", "/", &[("x-user-id", "user-0")], &[]);
     assert_eq!(edge.status, 429, "{}", edge.text());
 }
+
+#[test]
+fn wrangler_deploy_dry_run_uploads_the_built_worker_with_its_bindings() {
+    let root = ratewall_tests::workerd::root();
+    let out = std::env::temp_dir().join(format!("ratewall-dry-run-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let run = std::process::Command::new(root.join("node_modules/.bin/wrangler"))
+        .current_dir(&root)
+        .args(["deploy", "--dry-run", "--outdir"])
+        .arg(&out)
+        .env("WRANGLER_SEND_METRICS", "false")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{text}");
+    for binding in
+        ["env.RATEWALL_COUNTER (RateLimitCounter)", "Durable Object", "env.RATEWALL_KV", "env.RATEWALL_RULES"]
+    {
+        assert!(text.contains(binding), "{binding} missing from:\n{text}");
+    }
+    // What would be uploaded is what `cargo xtask build` built.
+    let built = std::fs::read(root.join("dist/worker/index_bg.wasm")).unwrap();
+    let uploaded = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "wasm"))
+        .map(|p| std::fs::read(p).unwrap());
+    assert_eq!(uploaded.as_ref().map(Vec::len), Some(built.len()));
+    assert!(uploaded == Some(built), "the dry run bundles another wasm than dist/worker's");
+    let _ = std::fs::remove_dir_all(&out);
+}
