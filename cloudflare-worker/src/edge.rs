@@ -414,6 +414,9 @@ pub struct RuleCounts {
     pub cached_denials: u64,
 }
 
+/// A per-rule metric family: its name's tail, its help, and its count.
+type Family = (&'static str, &'static str, fn(&RuleCounts) -> u64);
+
 /// The isolate's counters, rendered in the Prometheus text format at `/_ratewall/metrics`.
 #[derive(Default)]
 pub struct Metrics {
@@ -461,28 +464,37 @@ impl Metrics {
         let mut out = String::new();
         let mut names: Vec<&String> = self.rules.keys().collect();
         names.sort();
-        for name in names {
-            let Some(c) = self.rules.get(name) else { continue };
-            for (what, v) in [
-                ("allowed", c.allowed),
-                ("rejected", c.rejected),
-                ("shadow_rejected", c.shadow_rejected),
-                ("unkeyed", c.unkeyed),
-                ("store_failed", c.store_failed),
-                ("cached_denials", c.cached_denials),
-            ] {
-                let _ = writeln!(out, "ratewall_rule_{what}{{rule=\"{name}\"}} {v}");
+        // One family at a time, each with its HELP and TYPE (the text format wants a family's
+        // samples together).
+        let per_rule: [Family; 6] = [
+            ("allowed", "Checks that allowed, per rule.", |c| c.allowed),
+            ("rejected", "Checks of enforcing rules that denied, per rule.", |c| c.rejected),
+            ("shadow_rejected", "Checks of shadow rules that would have denied, per rule.", |c| c.shadow_rejected),
+            ("unkeyed", "Requests a rule matched but could not key, per rule.", |c| c.unkeyed),
+            ("store_failed", "Checks whose counter object failed (the failure policy applied), per rule.", |c| {
+                c.store_failed
+            }),
+            ("cached_denials", "Denials answered from the isolate's blocked-key cache, per rule.", |c| {
+                c.cached_denials
+            }),
+        ];
+        for (what, help, value) in per_rule {
+            let _ = writeln!(out, "# HELP ratewall_rule_{what} {help}\n# TYPE ratewall_rule_{what} counter");
+            for name in &names {
+                if let Some(c) = self.rules.get(*name) {
+                    let _ = writeln!(out, "ratewall_rule_{what}{{rule=\"{name}\"}} {}", value(c));
+                }
             }
         }
-        for (what, v) in [
-            ("object_calls", self.object_calls),
-            ("object_failures", self.object_failures),
-            ("rules_loaded", self.rules_loaded),
-            ("rules_rejected", self.rules_rejected),
-            ("sync_ok", self.sync_ok),
-            ("sync_failed", self.sync_failed),
+        for (what, help, v) in [
+            ("object_calls", "Calls from this isolate to counter objects.", self.object_calls),
+            ("object_failures", "Calls to counter objects that failed or timed out.", self.object_failures),
+            ("rules_loaded", "Rules documents loaded.", self.rules_loaded),
+            ("rules_rejected", "Rules documents rejected (the previous rules stayed).", self.rules_rejected),
+            ("sync_ok", "POST /v1/sync calls answered.", self.sync_ok),
+            ("sync_failed", "POST /v1/sync calls refused or failed.", self.sync_failed),
         ] {
-            let _ = writeln!(out, "ratewall_{what} {v}");
+            let _ = writeln!(out, "# HELP ratewall_{what} {help}\n# TYPE ratewall_{what} counter\nratewall_{what} {v}");
         }
         out
     }
@@ -727,9 +739,21 @@ mod tests {
     fn metrics_render_per_rule_lines() {
         let mut m = Metrics::default();
         m.rule("a").rejected += 2;
+        m.rule("b").allowed += 1;
         m.object_calls = 3;
         let text = m.render();
         assert!(text.contains("ratewall_rule_rejected{rule=\"a\"} 2\n"), "{text}");
+        // Every sample follows its family's HELP and TYPE, and a family's samples are together.
+        let mut seen: Vec<&str> = Vec::new();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let family = line.split(['{', ' ']).next().unwrap();
+            assert!(text.contains(&format!("# TYPE {family} counter\n")), "{family}");
+            assert!(text.contains(&format!("# HELP {family} ")), "{family}");
+            if seen.last() != Some(&family) {
+                assert!(!seen.contains(&family), "{family} is split:\n{text}");
+                seen.push(family);
+            }
+        }
         assert!(text.contains("ratewall_object_calls 3\n"), "{text}");
     }
 
