@@ -43,9 +43,16 @@ pub fn timestamp(v: &Value) -> Option<Nanos> {
 }
 
 /// A line's headers: an object of name → value (a string, or a list of strings for a field
-/// sent several times).
+/// sent several times), or a list of `[name, value]` pairs.
 fn headers(v: &Value) -> Vec<(String, String)> {
     let mut out = Vec::new();
+    if let Some(pairs) = v.as_array() {
+        for p in pairs {
+            if let (Some(n), Some(val)) = (p[0].as_str(), p[1].as_str()) {
+                out.push((n.to_ascii_lowercase(), val.to_owned()));
+            }
+        }
+    }
     if let Some(o) = v.as_object() {
         for (name, value) in o {
             match value {
@@ -181,6 +188,14 @@ pub fn replay(rules: &Path, log: &Path, top: usize, as_json: bool) -> Result<(),
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn headers_are_an_object_or_a_list_of_pairs() {
+        let want = vec![("x-a".to_owned(), "1".to_owned()), ("x-a".to_owned(), "2".to_owned())];
+        assert_eq!(headers(&json!({"X-A": ["1", "2"]})), want);
+        assert_eq!(headers(&json!([["X-A", "1"], ["x-a", "2"], ["bad"], 7])), want);
+        assert!(headers(&json!("x")).is_empty());
+    }
 
     #[test]
     fn timestamps_are_rfc3339_or_epoch_seconds() {
