@@ -133,18 +133,19 @@ impl FakeHost {
     }
 }
 
-/// `headers` serialized as proxy-wasm serializes a header map.
-pub fn header_map(headers: &[(String, String)]) -> Vec<u8> {
+/// `headers` serialized as proxy-wasm serializes a header map (what [`crate::host::headers`]
+/// reads).
+pub fn header_map<N: AsRef<str>, V: AsRef<[u8]>>(headers: &[(N, V)]) -> Vec<u8> {
     let mut out = Vec::new();
     out.extend_from_slice(&(headers.len() as u32).to_le_bytes());
     for (n, v) in headers {
-        out.extend_from_slice(&(n.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(n.as_ref().len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.as_ref().len() as u32).to_le_bytes());
     }
     for (n, v) in headers {
-        out.extend_from_slice(n.as_bytes());
+        out.extend_from_slice(n.as_ref().as_bytes());
         out.push(0);
-        out.extend_from_slice(v.as_bytes());
+        out.extend_from_slice(v.as_ref());
         out.push(0);
     }
     out

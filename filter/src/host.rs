@@ -201,21 +201,10 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
 
-    /// A header map as a host serializes it (the host side lives in the test host).
+    /// A header map as a host serializes it ([`crate::fake::header_map`], typed so that byte
+    /// literals of any length fit).
     fn serialize_headers(pairs: &[(&str, &[u8])]) -> Vec<u8> {
-        let mut out = Vec::new();
-        out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
-        for (k, v) in pairs {
-            out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-        }
-        for (k, v) in pairs {
-            out.extend_from_slice(k.as_bytes());
-            out.push(0);
-            out.extend_from_slice(v);
-            out.push(0);
-        }
-        out
+        crate::fake::header_map(pairs)
     }
 
     #[test]

@@ -511,7 +511,12 @@ fn too_many_counters_pending_drops_units_and_counts_them() {
 /// A node that synced a slow start for `ann` on `/u/x`: its grant is about what its rate
 /// spends in a lease, and the store has far more quota left.
 fn spent_grant(h: &FakeHost) -> (Engine, Store) {
-    let e = engine(h, &rules(1_000, 1));
+    spent_grant_with(h, &rules(1_000, 1))
+}
+
+/// [`spent_grant`] under the rules `doc`.
+fn spent_grant_with(h: &FakeHost, doc: &str) -> (Engine, Store) {
+    let e = engine(h, doc);
     let mut s = store();
     let ann = [("x-user-id", "ann")];
     // A slow start: the store grants about what the node's rate spends in a lease.
@@ -607,14 +612,7 @@ fn an_ask_is_not_made_while_the_breaker_is_open() {
 #[test]
 fn an_ask_waits_at_most_max_wait() {
     let h = FakeHost::new();
-    let e = engine(&h, &rules_with(1_000, 1, r#""max_wait": "7ms", "#));
-    let mut s = store();
-    for _ in 0..5 {
-        let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
-        e.on_tick(&h);
-        serve(&mut s, &e, &h);
-        h.advance(100 * MS);
-    }
+    let (e, _s) = spent_grant_with(&h, &rules_with(1_000, 1, r#""max_wait": "7ms", "#));
     let _asking = burst_until_ask(&e, &h).expect("the node asked");
     let calls = h.take_calls();
     assert_eq!(calls[0].timeout, 7 * MS, "the ask's deadline is max_wait (batches keep the 50 ms timeout)");
