@@ -125,6 +125,16 @@ impl FakeHost {
         self.shared.borrow().map.get(key).map(|(v, _)| v.clone())
     }
 
+    /// Defines (or finds) a metric, a gauge or a counter.
+    fn define(&self, name: &str, gauge: bool) -> Option<u32> {
+        let mut m = self.metrics.borrow_mut();
+        if let Some(i) = m.iter().position(|(n, _, _)| n == name) {
+            return u32::try_from(i).ok();
+        }
+        m.push((name.to_owned(), gauge, 0));
+        u32::try_from(m.len() - 1).ok()
+    }
+
     /// The shared-data keys.
     pub fn shared_keys(&self) -> Vec<String> {
         let mut keys: Vec<String> = self.shared.borrow().map.keys().cloned().collect();
@@ -232,12 +242,7 @@ impl Host for FakeHost {
         }
     }
     fn define_counter(&self, name: &str) -> Option<u32> {
-        let mut m = self.metrics.borrow_mut();
-        if let Some(i) = m.iter().position(|(n, _, _)| n == name) {
-            return u32::try_from(i).ok();
-        }
-        m.push((name.to_owned(), false, 0));
-        u32::try_from(m.len() - 1).ok()
+        self.define(name, false)
     }
     fn increment(&self, metric: u32, by: u64) {
         if let Some(m) = self.metrics.borrow_mut().get_mut(metric as usize) {
@@ -246,12 +251,7 @@ impl Host for FakeHost {
         }
     }
     fn define_gauge(&self, name: &str) -> Option<u32> {
-        let mut m = self.metrics.borrow_mut();
-        if let Some(i) = m.iter().position(|(n, _, _)| n == name) {
-            return u32::try_from(i).ok();
-        }
-        m.push((name.to_owned(), true, 0));
-        u32::try_from(m.len() - 1).ok()
+        self.define(name, true)
     }
     fn set_gauge(&self, metric: u32, value: u64) {
         if let Some(m) = self.metrics.borrow_mut().get_mut(metric as usize) {
