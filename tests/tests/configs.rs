@@ -46,6 +46,8 @@ fn example_for(host: &str) -> serde_json::Value {
     let mut example: serde_json::Value = serde_json::from_str(&read("examples/rules.json")).unwrap();
     example.as_object_mut().unwrap().remove("$schema");
     if host.starts_with("envoy") {
+        // The extra hop is Envoy's own append, made under use_remote_address.
+        assert!(read(&format!("envoy-config/{host}")).contains("use_remote_address: true"), "{host}");
         let hops = example["identity"]["ip"]["trusted_hops"].as_u64().unwrap();
         example["identity"]["ip"]["trusted_hops"] = (hops + 1).into();
     }
