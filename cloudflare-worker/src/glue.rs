@@ -275,17 +275,17 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
     let registry = call_named(&env, REGISTRY_OBJECT, store::heard_call(&batch), timeout);
     let counters = store::counter_calls(&batch);
     let calls = counters.iter().map(|(key, call)| call_object(&env, key, *call, timeout));
-    let (replies, heard) = if batch.ask {
+    let (replies, verdict) = if batch.ask {
         let (replies, heard) = join(join_all(calls), registry).await;
-        (replies, heard.ok())
+        (replies, store::registry_verdict(&batch, heard.ok().as_deref()))
     } else {
-        let heard = registry.await.ok();
-        if let Err(r) = store::registry_verdict(&batch, heard.as_deref()) {
-            return refused(r);
+        match store::registry_verdict(&batch, registry.await.ok().as_deref()) {
+            Err(r) => return refused(r),
+            ok => (join_all(calls).await, ok),
         }
-        (join_all(calls).await, heard)
     };
-    let nodes = store::registry_verdict(&batch, heard.as_deref()).ok().flatten();
+    // An ask's verdict is never a refusal (the registry only advises it).
+    let nodes = verdict.ok().flatten();
     let replies: Vec<Option<String>> = replies.into_iter().map(|r| r.ok()).collect();
     let (out, signature) = match store::answer(&secret, &batch, &replies, nodes, now()) {
         Ok(a) => a,
