@@ -106,6 +106,7 @@ pub fn rule_json(doc: &Value, config: &Config, i: usize, r: &Rule) -> Value {
         "cost": r.cost,
         "mode": mode(r),
         "on_store_failure": failure(r),
+        "exact": r.exact,
     })
 }
 
@@ -149,7 +150,12 @@ pub fn check(path: &Path, as_json: bool) -> Result<(), Failure> {
                 PlanLimit::Unlimited => say!("    plan {name}: unlimited"),
             }
         }
-        say!("    mode:  {}, on store failure {}", mode(r), failure(r));
+        say!(
+            "    mode:  {}, on store failure {}{}",
+            mode(r),
+            failure(r),
+            if r.exact { ", exact (every request asks the global counter)" } else { "" }
+        );
     }
     if config.sync.is_some() {
         say!("sync: on (limits are shared across proxies through the global store)");

@@ -150,7 +150,8 @@ pub fn schema() -> Value {
                     },
                     "cost": {"type": "integer", "minimum": 0, "description": "Units one matching request consumes (default 1; at most a limit's capacity)."},
                     "mode": {"enum": ["enforce", "shadow"], "description": "enforce (default) rejects; shadow only counts and logs what it would reject."},
-                    "on_store_failure": {"enum": ["open", "closed"], "description": "When the counter store fails: open (default) admits, closed answers 503."}
+                    "on_store_failure": {"enum": ["open", "closed"], "description": "When the counter store fails: open (default) admits, closed answers 503."},
+                    "exact": {"type": "boolean", "description": "Decide every request at the global counter (the Worker asks the key's Durable Object each time) instead of spending a grant held locally. Default: true for on_store_failure closed rules, false otherwise."}
                 }
             }
         }

@@ -140,6 +140,10 @@ pub struct Rule {
     pub mode: Mode,
     /// What happens when the store fails.
     pub on_store_failure: FailurePolicy,
+    /// Every request is decided by the global counter itself (the Cloudflare Worker asks the
+    /// key's Durable Object each time) instead of spending a grant held locally. Default:
+    /// true for `on_store_failure: "closed"` rules, false otherwise.
+    pub exact: bool,
     /// Its `RateLimit-Policy` item under the default limit, rendered once.
     pub policy_item: String,
 }
@@ -478,7 +482,19 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
     known_fields(
         m,
         path,
-        &["name", "match", "key", "limit", "plans", "algorithm", "cost", "mode", "on_store_failure", "description"],
+        &[
+            "name",
+            "match",
+            "key",
+            "limit",
+            "plans",
+            "algorithm",
+            "cost",
+            "mode",
+            "on_store_failure",
+            "exact",
+            "description",
+        ],
     )?;
     let name = match m.get("name") {
         Some(n) => string(n, &join(path, "name"))?,
@@ -570,11 +586,15 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
             s => return err(&join(path, "on_store_failure"), format!("\"{s}\" is not \"open\" or \"closed\"")),
         },
     };
+    let exact = match m.get("exact") {
+        None => on_store_failure == FailurePolicy::Closed,
+        Some(v) => boolean(v, &join(path, "exact"))?,
+    };
     if let Some(d) = m.get("description") {
         string(d, &join(path, "description"))?;
     }
     let policy_item = crate::field::policy_item(name, limit.quota(), &limit);
-    Ok(Rule { name: name.to_owned(), matcher, key, limit, plans, cost, mode, on_store_failure, policy_item })
+    Ok(Rule { name: name.to_owned(), matcher, key, limit, plans, cost, mode, on_store_failure, exact, policy_item })
 }
 
 fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
@@ -678,7 +698,21 @@ mod tests {
         assert_eq!(c.rules[1].limit.capacity(), 200);
         assert_eq!(c.rules[1].limit_for(Some(b"internal")), PlanLimit::Unlimited);
         assert_eq!(c.rules[2].on_store_failure, FailurePolicy::Closed);
+        assert!(c.rules[2].exact && !c.rules[0].exact, "exact by default only where the store failing closes");
         assert_eq!(c.identity.ip.trusted_hops, 1);
+    }
+
+    #[test]
+    fn exact_is_a_boolean_that_overrides_the_default() {
+        let rule = |extra: &str| {
+            let doc = format!(r#"{{"rules":[{{"name":"a","key":["ip"],"limit":{{"requests":1,"per":"1s"}}{extra}}}]}}"#);
+            Config::parse(doc.as_bytes()).map(|c| c.rules[0].exact)
+        };
+        assert_eq!(rule(r#","exact":true"#), Ok(true));
+        assert_eq!(rule(r#","on_store_failure":"closed","exact":false"#), Ok(false));
+        assert_eq!(rule(r#","on_store_failure":"closed""#), Ok(true));
+        assert_eq!(rule(""), Ok(false));
+        assert_eq!(rule(r#","exact":"yes""#).unwrap_err().to_string(), "rules[0].exact: must be true or false, not a string");
     }
 
     fn error_of(doc: &str) -> String {
