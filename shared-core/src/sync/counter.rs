@@ -322,6 +322,31 @@ impl Counter {
         Applied { remaining, grant: given, reset_after, lease: ASK_LEASE, nodes, counted: given > 0 }
     }
 
+    /// How long a request of `cost` units refused by [`Counter::ask`] at `now` waits before
+    /// an ask could take them: until the state alone has `cost` units free beside every grant
+    /// held, or until the grants' leases run out (their units are then free unless their
+    /// holders reported spending them), whichever is sooner. `None` when `cost` can never
+    /// fit the limit.
+    pub fn retry_after(&self, now: Nanos, cost: u64) -> Option<Nanos> {
+        let now = now.max(self.last_seen);
+        let (alone, _) = self.limit.decide(&self.state, now, cost);
+        let held = self.outstanding(now, None);
+        if held == 0 {
+            return alone.retry_after.or(alone.allowed.then_some(0));
+        }
+        let (beside, _) = self.limit.decide(&self.state, now, cost.saturating_add(held));
+        let leases_end = self.shares.iter().filter(|s| s.until > now).map(|s| s.until - now).min().unwrap_or(0);
+        let after_leases = match (alone.allowed, alone.retry_after) {
+            (true, _) => Some(leases_end),
+            (false, Some(r)) => Some(r.max(leases_end)),
+            (false, None) => None,
+        };
+        match (beside.retry_after, after_leases) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// When this counter can be forgotten: its state is fresh, no node holds a lease, and
     /// no node's `seq` needs remembering ([`SEQ_MEMORY`]).
     pub fn idle_at(&self) -> Nanos {

@@ -304,3 +304,29 @@ fn memory_is_bounded_by_max_counters() {
     }
     assert_eq!(s.len(), 10);
 }
+
+#[test]
+fn a_refused_asks_wait_is_the_sooner_of_the_state_freeing_units_and_the_grants_lapsing() {
+    let l = Limit::new(Algorithm::FixedWindow, 10, 60 * SECOND, None).unwrap();
+    let mut c = Counter::new(l);
+    // All ten consumed: only the window's end frees a unit.
+    c.take(l, NOW, 10);
+    let window_end = 60 * SECOND - NOW % (60 * SECOND);
+    assert_eq!(c.ask(l, NOW, 1, 1, 1, 10 * SECOND).grant, 0);
+    assert_eq!(c.retry_after(NOW, 1), Some(window_end));
+    assert_eq!(c.retry_after(NOW, 11), None, "never fits");
+
+    // Six consumed, four held by a node's grant: free when that grant's lease ends.
+    let mut c = Counter::new(l);
+    c.take(l, NOW, 6);
+    let held = c.apply(l, NOW, 7, 1, 0, 10 * SECOND);
+    assert!(held.grant > 0 && held.lease > 0, "{held:?}");
+    let refused = c.ask(l, NOW, 8, 1, 10 - 6 - held.grant + 1, 10 * SECOND);
+    assert_eq!(refused.grant, 0);
+    let wait = c.retry_after(NOW, 10 - 6 - held.grant + 1).unwrap();
+    assert_eq!(wait, held.lease.min(window_end));
+    assert!(c.ask(l, NOW + wait, 8, 2, 10 - 6 - held.grant + 1, 10 * SECOND).grant > 0, "waiting it is enough");
+
+    // Nothing held and room left: no wait.
+    assert_eq!(Counter::new(l).retry_after(NOW, 1), Some(0));
+}
