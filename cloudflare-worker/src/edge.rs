@@ -4,6 +4,7 @@
 //! between the Worker and its Durable Objects, the isolate's metrics; the counter object
 //! ([`object`]) and `/v1/sync` ([`store`]).
 
+pub mod grants;
 pub mod object;
 pub mod store;
 
@@ -125,6 +126,11 @@ pub enum Call {
     Ask { limit: Limit, node: u64, ask: u64, units: u64 },
     /// To the registry object: a node's batch `seq` (or an ask) was heard.
     Heard { node: u64, seq: u64, ask: bool },
+    /// An isolate's own traffic ([`grants`]): the `units` it admitted from its grant since
+    /// its last report, as its batch `seq` (0: no report), then, when the grant that report
+    /// brings does not cover it, its ask number `ask` for `cost` units for the request that
+    /// waits (0: no request). Answered with [`grants::Spent`].
+    Spend { limit: Limit, node: u64, seq: u64, units: u64, ask: u64, cost: u64 },
 }
 
 /// A counter object's stored value: the counter's encoding in hex, then `/` and the limit it
@@ -178,6 +184,8 @@ impl Call {
                 json!({"op": "ask", "limit": limit_json(limit), "node": node, "ask": ask, "units": units})
             }
             Call::Heard { node, seq, ask } => json!({"op": "heard", "node": node, "seq": seq, "ask": ask}),
+            Call::Spend { limit, node, seq, units, ask, cost } => json!({"op": "spend", "limit": limit_json(limit),
+                "node": node, "seq": seq, "units": units, "ask": ask, "cost": cost}),
         }
         .to_string()
     }
@@ -188,7 +196,8 @@ impl Call {
             Call::Take { limit, .. }
             | Call::Refund { limit, .. }
             | Call::Apply { limit, .. }
-            | Call::Ask { limit, .. } => Some(*limit),
+            | Call::Ask { limit, .. }
+            | Call::Spend { limit, .. } => Some(*limit),
             Call::Heard { .. } => None,
         }
     }
@@ -215,6 +224,14 @@ impl Call {
                 node: u64_field(&v, "node")?,
                 ask: u64_field(&v, "ask")?,
                 units: u64_field(&v, "units")?,
+            }),
+            "spend" => Some(Call::Spend {
+                limit,
+                node: u64_field(&v, "node")?,
+                seq: u64_field(&v, "seq")?,
+                units: u64_field(&v, "units")?,
+                ask: u64_field(&v, "ask")?,
+                cost: u64_field(&v, "cost")?,
             }),
             _ => None,
         }
@@ -635,6 +652,7 @@ mod tests {
             Call::Refund { limit, cost: 2, at: u64::MAX - 1 },
             Call::Apply { limit, node: 1 << 60, seq: 9, units: 4 },
             Call::Ask { limit, node: 1 << 60, ask: 7, units: 1 },
+            Call::Spend { limit, node: 3, seq: 4, units: 5, ask: 6, cost: 7 },
         ] {
             assert_eq!(Call::decode(&call.encode()), Some(call));
         }

@@ -2,6 +2,7 @@
 //! must write before answering, and when its alarm writes back or forgets the counter. The
 //! glue only reads and writes storage and sets alarms as an [`Object`] says.
 
+use super::grants::Spent;
 use super::{encode_applied, encode_heard, parse_stored, stored_value, Call, Taken};
 use ratewall_core::algo::{Limit, Nanos};
 use ratewall_core::sync::{Counter, Registry};
@@ -99,6 +100,29 @@ impl Object {
             Call::Ask { limit, node, ask, units } => {
                 let a = c.ask(limit, t, node, ask, units, NODE_TTL);
                 (encode_applied(&a), a.grant > 0, true)
+            }
+            Call::Spend { limit, node, seq, units, ask, cost } => {
+                // The isolate's own traffic, like a take: written back by the alarm.
+                let report = (seq > 0).then(|| c.apply(limit, t, node, seq, units, NODE_TTL));
+                if report.is_some_and(|a| a.counted) && ask != 0 {
+                    // A request waits on this report: the isolate spends nothing while it is
+                    // out, so it reported all it spent and holds only the grant answered.
+                    c.settle(node);
+                }
+                let grant = report.map(|a| (a.grant, a.lease));
+                let covered = grant.is_some_and(|(g, _)| g >= cost);
+                let asked = if cost > 0 && !covered { c.ask(limit, t, node, ask, cost, NODE_TTL).grant } else { 0 };
+                let (view, _) = c.limit.decide(&c.state, c.last_seen, 0);
+                let retry_after = if cost > 0 && !covered && asked == 0 { c.retry_after(t, cost) } else { None };
+                let s = Spent {
+                    grant,
+                    asked,
+                    remaining: view.remaining,
+                    reset_after: view.reset_after,
+                    retry_after,
+                    now: c.last_seen,
+                };
+                (s.encode(), report.is_some_and(|a| a.counted) || asked > 0, false)
             }
             Call::Heard { .. } => return None,
         };

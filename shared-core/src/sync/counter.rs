@@ -322,6 +322,17 @@ impl Counter {
         Applied { remaining, grant: given, reset_after, lease: ASK_LEASE, nodes, counted: given > 0 }
     }
 
+    /// Releases what `node` holds beyond its grant (the units given to its asks, which
+    /// [`Counter::apply`] keeps outstanding until the batch after): for a node that spent
+    /// nothing while its batch was on its way, so the batch reported all it spent. The
+    /// Worker's isolates settle this way when a request waits on their report.
+    pub fn settle(&mut self, node: u64) {
+        if let Some(s) = self.shares.iter_mut().find(|s| s.node == node) {
+            s.asked = 0;
+            s.carried = 0;
+        }
+    }
+
     /// How long a request of `cost` units refused by [`Counter::ask`] at `now` waits before
     /// an ask could take them: until the state alone has `cost` units free beside every grant
     /// held, or until the grants' leases run out (their units are then free unless their
