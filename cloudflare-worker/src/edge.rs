@@ -8,6 +8,8 @@ pub mod grants;
 pub mod object;
 pub mod store;
 
+use grants::Answer;
+
 use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos, State};
 use ratewall_core::eval::{Check, CheckOutcome, CheckResult, Outcome, Skip, StoreError, Tally};
 use ratewall_core::glob::normalize_path;
@@ -451,6 +453,10 @@ pub struct Metrics {
     pub sync_ok: u64,
     /// `/v1/sync` batches refused (authentication, format) or failed.
     pub sync_failed: u64,
+    /// Checks admitted from the isolate's grants, with no object call.
+    pub grant_admissions: u64,
+    /// Units admitted from grants whose report was given up.
+    pub units_dropped: u64,
 }
 
 impl Metrics {
@@ -510,6 +516,12 @@ impl Metrics {
             ("rules_rejected", "Rules documents rejected (the previous rules stayed).", self.rules_rejected),
             ("sync_ok", "POST /v1/sync calls answered.", self.sync_ok),
             ("sync_failed", "POST /v1/sync calls refused or failed.", self.sync_failed),
+            (
+                "grant_admissions",
+                "Checks admitted from the isolate's grants, with no object call.",
+                self.grant_admissions,
+            ),
+            ("units_dropped", "Units admitted from grants whose report was given up.", self.units_dropped),
         ] {
             let _ = writeln!(out, "# HELP ratewall_{what} {help}\n# TYPE ratewall_{what} counter\nratewall_{what} {v}");
         }
@@ -536,29 +548,34 @@ pub fn cached_denials(config: &Config, checks: &[Check], t: Nanos, cache: &mut B
     out
 }
 
-/// A request's decisions from its objects' answers to [`Call::Take`] (`Err`: the call
-/// failed), in check order, with the object's clock of each take (for refunds). An `open`
-/// rule whose object failed is decided by the isolate's [`LocalFallback`] (and counted as a
-/// store failure); a `closed` one stays failed.
+/// A [`Call::Take`]'s answer (`Err`: the call failed; a garbled answer is a failure too).
+pub fn take_answer(reply: Result<String, StoreError>) -> Result<Answer, StoreError> {
+    reply.and_then(|body| Taken::decode(&body).map(Answer::Object).ok_or(StoreError::Unavailable))
+}
+
+/// A request's decisions from its checks' answers (`Err`: the object failed), in check
+/// order, with how each was charged (for refunds). An `open` rule whose object failed is
+/// decided by the isolate's [`LocalFallback`] (and counted as a store failure); a `closed`
+/// one stays failed.
 pub fn decisions(
     config: &Config,
     checks: &[Check],
-    answers: Vec<Result<String, StoreError>>,
+    answers: Vec<Result<Answer, StoreError>>,
     t: Nanos,
     fallback: &mut LocalFallback,
     metrics: &mut Metrics,
-) -> (Vec<Result<Decision, StoreError>>, Vec<Option<Nanos>>) {
-    let mut taken_at = Vec::with_capacity(checks.len());
+) -> (Vec<Result<Decision, StoreError>>, Vec<Option<Answer>>) {
+    let mut charged = Vec::with_capacity(checks.len());
     let mut out = Vec::with_capacity(checks.len());
     for (c, answer) in checks.iter().zip(answers) {
         let rule = config.rules.get(c.rule);
-        match answer.and_then(|body| Taken::decode(&body).ok_or(StoreError::Unavailable)) {
-            Ok(tk) => {
-                taken_at.push(Some(tk.now));
-                out.push(Ok(tk.decision));
+        match answer {
+            Ok(a) => {
+                charged.push(Some(a));
+                out.push(Ok(a.decision()));
             }
             Err(e) => {
-                taken_at.push(None);
+                charged.push(None);
                 if rule.is_some_and(|r| r.on_store_failure == FailurePolicy::Open) {
                     metrics.rule(rule.map_or("", |r| r.name.as_str())).store_failed += 1;
                     out.push(Ok(fallback.take(c, t)));
@@ -568,21 +585,30 @@ pub fn decisions(
             }
         }
     }
-    (out, taken_at)
+    (out, charged)
 }
 
+/// Units to give back to the isolate's grant of a counter: (key, cost).
+pub type GrantRefund = (Vec<u8>, u64);
+
 /// The refunds a request owes (`refunds`: from [`ratewall_core::combine`]): units taken by
-/// rules that allowed a request another rule rejected go back to their objects, named with
-/// the object's clock of the take. A check whose take failed owes nothing.
-pub fn refund_calls(checks: &[Check], refunds: &[usize], taken_at: &[Option<Nanos>]) -> Vec<(Vec<u8>, Call)> {
-    refunds
-        .iter()
-        .filter_map(|&i| {
-            let c = checks.get(i)?;
-            let at = (*taken_at.get(i)?)?;
-            Some((c.key.clone(), Call::Refund { limit: c.limit, cost: c.cost, at }))
-        })
-        .collect()
+/// rules that allowed a request another rule rejected go back — to their objects, named
+/// with the object's clock of the take, or to the isolate's grant (key, cost). A check whose
+/// call failed owes nothing.
+pub fn refund_calls(
+    checks: &[Check],
+    refunds: &[usize],
+    charged: &[Option<Answer>],
+) -> (Vec<(Vec<u8>, Call)>, Vec<GrantRefund>) {
+    let (mut calls, mut grants) = (Vec::new(), Vec::new());
+    for &i in refunds {
+        let (Some(c), Some(Some(a))) = (checks.get(i), charged.get(i)) else { continue };
+        match a {
+            Answer::Object(t) => calls.push((c.key.clone(), Call::Refund { limit: c.limit, cost: c.cost, at: t.now })),
+            Answer::Grant(_) => grants.push((c.key.clone(), c.cost)),
+        }
+    }
+    (calls, grants)
 }
 
 #[cfg(test)]
@@ -793,7 +819,7 @@ mod tests {
         (c, checks, skipped)
     }
 
-    fn taken(allowed: bool, now: Nanos) -> Result<String, StoreError> {
+    fn taken(allowed: bool, now: Nanos) -> Result<Answer, StoreError> {
         let decision = Decision {
             allowed,
             limit: 2,
@@ -801,14 +827,15 @@ mod tests {
             reset_after: SECOND,
             retry_after: (!allowed).then_some(SECOND),
         };
-        Ok(Taken { decision, now }.encode())
+        take_answer(Ok(Taken { decision, now }.encode()))
     }
 
     #[test]
     fn a_failed_object_falls_back_locally_for_open_rules_and_fails_closed_ones() {
         let (c, checks, _) = two();
         let (mut fallback, mut metrics) = (LocalFallback::new(10), Metrics::default());
-        let answers = vec![Err(StoreError::Unavailable), Err(StoreError::Unavailable), Ok("garbage".into())];
+        let answers =
+            vec![Err(StoreError::Unavailable), Err(StoreError::Unavailable), take_answer(Ok("garbage".into()))];
         let (d, at) = decisions(&c, &checks, answers, 5 * SECOND, &mut fallback, &mut metrics);
         assert!(matches!(d[0], Ok(Decision { allowed: true, .. })), "open: the isolate's own limit");
         assert_eq!(d[1], Err(StoreError::Unavailable), "closed: failed");
@@ -826,17 +853,26 @@ mod tests {
     fn a_request_another_rule_rejects_refunds_what_it_took_at_the_objects_clock() {
         let (c, checks, skipped) = two();
         let (mut fallback, mut metrics) = (LocalFallback::new(10), Metrics::default());
+        let grant = Decision { allowed: true, limit: 1, remaining: 0, reset_after: SECOND, retry_after: None };
         let answers = vec![taken(true, 11), taken(false, 12), taken(true, 13)];
         let (d, at) = decisions(&c, &checks, answers, 5 * SECOND, &mut fallback, &mut metrics);
-        assert_eq!(at, [Some(11), Some(12), Some(13)]);
         let (outcome, refunds) = ratewall_core::combine(&c, &checks, &d);
         assert!(outcome.rejected);
-        let calls = refund_calls(&checks, &refunds, &at);
+        let (calls, grants) = refund_calls(&checks, &refunds, &at);
+        assert!(grants.is_empty());
         assert_eq!(calls.len(), 2, "the rules that took a unit, shadow included, as in the core: {calls:?}");
         assert_eq!((&calls[0].0, &calls[1].0), (&checks[0].key, &checks[2].key));
         assert!(matches!(calls[0].1, Call::Refund { cost: 1, at: 11, .. }));
         assert!(matches!(calls[1].1, Call::Refund { cost: 1, at: 13, .. }));
-        assert!(refund_calls(&checks, &refunds, &[None, None, None]).is_empty(), "a failed take owes nothing");
+        assert_eq!(
+            refund_calls(&checks, &refunds, &[None, None, None]),
+            (vec![], vec![]),
+            "a failed take owes nothing"
+        );
+        let spent = [Some(Answer::Grant(grant)), at[1], at[2]];
+        let (calls, grants) = refund_calls(&checks, &refunds, &spent);
+        assert_eq!(grants, [(checks[0].key.clone(), 1)], "a grant's unit goes back to the grant");
+        assert_eq!(calls.len(), 1);
         metrics.count(&c, &outcome, &skipped, false);
         assert_eq!((metrics.rule("open").allowed, metrics.rule("closed").rejected), (1, 1));
         assert_eq!(metrics.rule("watch").allowed, 1);

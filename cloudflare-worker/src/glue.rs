@@ -1,13 +1,14 @@
 //! The Workers runtime glue (wasm32 only): the fetch handler, the counter Durable Object and
 //! the `/v1/sync` store. Decisions are made by `ratewall-core` and `crate::edge`.
 
+use crate::edge::grants::{Answer, Grants, Local, REPORT_EVERY};
 use crate::edge::object::{AlarmPlan, Object};
 use crate::edge::{
-    cached_denials, checks_for, decisions, object_name, refund_calls, store, BlockedCache, Call, LocalFallback,
-    Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
+    cached_denials, checks_for, decisions, object_name, refund_calls, store, take_answer, BlockedCache, Call,
+    LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
 };
 use futures_util::future::{join, join_all, select, Either};
-use ratewall_core::eval::{combine, Outcome, Skip, StoreError};
+use ratewall_core::eval::{combine, Check, Outcome, Skip, StoreError};
 use ratewall_core::{render, Config, Nanos, Reply, SECOND};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -31,7 +32,14 @@ struct Isolate {
     kv_next: Nanos,
     cache: BlockedCache,
     fallback: LocalFallback,
+    grants: Grants,
     metrics: Metrics,
+}
+
+/// A random node id for this isolate at the counter objects.
+fn random_node() -> u64 {
+    let half = || (worker::js_sys::Math::random() * f64::from(u32::MAX)) as u64;
+    (half() << 32) | half()
 }
 
 thread_local! {
@@ -41,6 +49,7 @@ thread_local! {
         kv_next: 0,
         cache: BlockedCache::new(10_000),
         fallback: LocalFallback::new(10_000),
+        grants: Grants::new(random_node(), 10_000),
         metrics: Metrics::default(),
     });
 }
@@ -202,6 +211,52 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
     Ok(resp.with_headers(headers))
 }
 
+/// One check's answer: from the isolate's grant when it covers the check, else from the
+/// counter object (a `Spend` that also reports the grant's units, or, for an `exact` rule, a
+/// take). Units spent from a grant are reported in the background.
+async fn answer(
+    env: &Env,
+    ctx: &Context,
+    c: &Check,
+    exact: bool,
+    t: Nanos,
+    timeout: Duration,
+) -> std::result::Result<Answer, StoreError> {
+    if exact {
+        return take_answer(call_object(env, &c.key, Call::Take { limit: c.limit, cost: c.cost }, timeout).await);
+    }
+    let out = match with(|i| i.grants.check(&c.key, c.limit, c.cost, t)) {
+        Local::Admitted(d) => Ok(Answer::Grant(d)),
+        Local::Call(call) => {
+            let reply = call_object(env, &c.key, call, timeout).await;
+            with(|i| i.grants.answered(&c.key, &call, reply.as_deref().map_err(|e| *e), t, now()))
+                .unwrap_or(Err(StoreError::Unavailable))
+        }
+    };
+    schedule_report(env, ctx, &c.key, timeout);
+    out
+}
+
+/// Starts the background reports of `key`'s grant units unless they run: one call per
+/// [`REPORT_EVERY`] while units wait, each bringing the next grant.
+fn schedule_report(env: &Env, ctx: &Context, key: &[u8], timeout: Duration) {
+    let Some(first) = with(|i| i.grants.schedule(key, now())) else { return };
+    let (env, key) = (env.clone(), key.to_vec());
+    ctx.wait_until(async move {
+        let mut delay = first;
+        loop {
+            if delay > 0 {
+                Delay::from(Duration::from_millis(delay / MS)).await;
+            }
+            let sent = now();
+            let Some(call) = with(|i| i.grants.report(&key, sent)) else { break };
+            let reply = call_object(&env, &key, call, timeout).await;
+            with(|i| i.grants.answered(&key, &call, reply.as_deref().map_err(|e| *e), sent, now()));
+            delay = REPORT_EVERY;
+        }
+    });
+}
+
 fn count(config: &Config, outcome: &Outcome, skipped: &[(usize, Skip)], cached: bool) {
     with(|i| i.metrics.count(config, outcome, skipped, cached));
 }
@@ -224,13 +279,22 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         }
     }
     let timeout = Duration::from_millis(var_u64(&env, "OBJECT_TIMEOUT_MS", 1000));
-    let calls = checks.iter().map(|c| call_object(&env, &c.key, Call::Take { limit: c.limit, cost: c.cost }, timeout));
+    let grants_on = var(&env, "ISOLATE_GRANTS").as_deref() != Some("off");
+    let calls = checks.iter().map(|c| {
+        let exact = !grants_on || config.rules.get(c.rule).is_none_or(|r| r.exact);
+        answer(&env, &ctx, c, exact, t, timeout)
+    });
     let answers = join_all(calls).await;
-    let (decisions, taken_at) = with(|i| decisions(&config, &checks, answers, t, &mut i.fallback, &mut i.metrics));
+    let (decisions, charged) = with(|i| decisions(&config, &checks, answers, t, &mut i.fallback, &mut i.metrics));
     let (outcome, refunds) = combine(&config, &checks, &decisions);
     // Units taken by rules that allowed a request another rule rejected go back. The client
     // gets its 429 without waiting for that.
-    let refund_calls = refund_calls(&checks, &refunds, &taken_at);
+    let (refund_calls, grant_refunds) = refund_calls(&checks, &refunds, &charged);
+    with(|i| {
+        for (key, cost) in &grant_refunds {
+            i.grants.refund(key, *cost);
+        }
+    });
     if !refund_calls.is_empty() {
         let env2 = env.clone();
         ctx.wait_until(async move {
@@ -302,7 +366,11 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
 async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let path = req.path();
     if path == METRICS_PATH {
-        return Response::ok(with(|i| i.metrics.render()));
+        return Response::ok(with(|i| {
+            i.metrics.grant_admissions = i.grants.local;
+            i.metrics.units_dropped = i.grants.dropped;
+            i.metrics.render()
+        }));
     }
     if path == SYNC_PATH && req.method() == Method::Post {
         return sync(req, env).await;

@@ -705,14 +705,18 @@ mod tests {
     #[test]
     fn exact_is_a_boolean_that_overrides_the_default() {
         let rule = |extra: &str| {
-            let doc = format!(r#"{{"rules":[{{"name":"a","key":["ip"],"limit":{{"requests":1,"per":"1s"}}{extra}}}]}}"#);
+            let doc =
+                format!(r#"{{"rules":[{{"name":"a","key":["ip"],"limit":{{"requests":1,"per":"1s"}}{extra}}}]}}"#);
             Config::parse(doc.as_bytes()).map(|c| c.rules[0].exact)
         };
         assert_eq!(rule(r#","exact":true"#), Ok(true));
         assert_eq!(rule(r#","on_store_failure":"closed","exact":false"#), Ok(false));
         assert_eq!(rule(r#","on_store_failure":"closed""#), Ok(true));
         assert_eq!(rule(""), Ok(false));
-        assert_eq!(rule(r#","exact":"yes""#).unwrap_err().to_string(), "rules[0].exact: must be true or false, not a string");
+        assert_eq!(
+            rule(r#","exact":"yes""#).unwrap_err().to_string(),
+            "rules[0].exact: must be true or false, not a string"
+        );
     }
 
     fn error_of(doc: &str) -> String {
