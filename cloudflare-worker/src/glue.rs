@@ -26,6 +26,11 @@ const COUNTERS: &str = "RATEWALL_COUNTER";
 const SYNC_PATH: &str = "/v1/sync";
 /// The isolate's metrics.
 const METRICS_PATH: &str = "/_ratewall/metrics";
+/// Requests under this path are limited by Cloudflare's own `ratelimit` binding named
+/// [`PEER_LIMITER`], keyed by `x-user-id`, when the Worker has that binding (the benchmark's
+/// peer, in the same Worker and run); without it they are ordinary requests.
+const PEER_PREFIX: &str = "/_peer/cf-ratelimit/";
+const PEER_LIMITER: &str = "RATEWALL_PEER_LIMITER";
 struct Isolate {
     rules: Rules,
     var_loaded: bool,
@@ -304,8 +309,8 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     }
     if use_cache {
         with(|i| {
-            for (c, d) in checks.iter().zip(&decisions) {
-                if let Ok(d) = d {
+            for ((c, d), a) in checks.iter().zip(&decisions).zip(&charged) {
+                if let (Ok(d), true) = (d, a.is_none_or(|a| a.cacheable())) {
                     i.cache.insert(&c.key, t, c.cost, *d);
                 }
             }
@@ -374,6 +379,15 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
     }
     if path == SYNC_PATH && req.method() == Method::Post {
         return sync(req, env).await;
+    }
+    if path.starts_with(PEER_PREFIX) {
+        if let Ok(peer) = env.rate_limiter(PEER_LIMITER) {
+            let key = req.headers().get("x-user-id").ok().flatten().unwrap_or_default();
+            return match peer.limit(key).await {
+                Ok(o) if !o.success => Response::error("rate limited by the ratelimit binding", 429),
+                _ => forward(req, &env, &[]).await,
+            };
+        }
     }
     limit(req, env, ctx).await
 }

@@ -4,7 +4,9 @@
 //!   `host/`: nodes of several VMs sharing one shared-data store with Envoy's CAS semantics,
 //!   a virtual clock, metrics, callouts).
 //! - `tests/`: the filter's behaviour through that host; `benches/`: benchmarks.
-//! - [`workerd`]: the built Worker in real local workerd (wrangler dev), over [`http`].
+//! - [`workerd`]: the built Worker in real local workerd (wrangler dev), over [`http`];
+//!   [`worker_sim`]: the Worker's isolate grants against one counter object on a virtual
+//!   clock (its logic natively, no runtime).
 //! - [`conformance`]: the sync protocol's call sequences, for every store; [`redis`]: Redis
 //!   servers and Clusters on loopback for the store's tests, stopped by PID.
 //! - The local HTTP gateway that serves through the filter is its own crate (`gateway/`).
@@ -14,6 +16,7 @@ pub mod conformance;
 pub mod redis;
 pub mod sim;
 pub mod workerd;
+pub mod worker_sim;
 
 /// The proxy-wasm host (crate `ratewall-host`), under its old path.
 pub use ratewall_host as host;

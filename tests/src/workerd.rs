@@ -22,6 +22,8 @@ pub struct Workerd {
     pub state: PathBuf,
     log: PathBuf,
     vars: Vec<(String, String)>,
+    /// A wrangler config of its own (wrangler.toml and more), if any.
+    config: Option<PathBuf>,
 }
 
 fn free_port() -> std::io::Result<u16> {
@@ -42,12 +44,27 @@ static INSTANCES: AtomicU32 = AtomicU32::new(0);
 impl Workerd {
     /// Starts the Worker with `vars` overriding wrangler.toml's, in a fresh state directory.
     pub fn start(vars: &[(&str, &str)]) -> Result<Workerd, String> {
+        Workerd::start_with(vars, "")
+    }
+
+    /// Starts the Worker as [`Workerd::start`] does, with `extra` appended to wrangler.toml
+    /// (more bindings, e.g. a `[[ratelimits]]` one).
+    pub fn start_with(vars: &[(&str, &str)], extra: &str) -> Result<Workerd, String> {
         let n = INSTANCES.fetch_add(1, Ordering::Relaxed);
         let state = root().join(format!("target/workerd-tests/{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&state);
         std::fs::create_dir_all(&state).map_err(|e| e.to_string())?;
         let vars = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let mut w = Workerd { child: None, addr: String::new(), log: state.join("wrangler.log"), state, vars };
+        let config = if extra.is_empty() {
+            None
+        } else {
+            // A copy beside the original, so that its relative paths mean the same.
+            let base = std::fs::read_to_string(root().join("wrangler.toml")).map_err(|e| e.to_string())?;
+            let path = root().join(format!(".wrangler-test-{}-{n}.toml", std::process::id()));
+            std::fs::write(&path, format!("{base}\n{extra}\n")).map_err(|e| e.to_string())?;
+            Some(path)
+        };
+        let mut w = Workerd { child: None, addr: String::new(), log: state.join("wrangler.log"), state, vars, config };
         w.launch()?;
         Ok(w)
     }
@@ -70,6 +87,9 @@ impl Workerd {
             .stderr(log);
         for (k, v) in &self.vars {
             cmd.arg("--var").arg(format!("{k}:{v}"));
+        }
+        if let Some(config) = &self.config {
+            cmd.arg("--config").arg(config);
         }
         self.child = Some(cmd.spawn().map_err(|e| format!("could not start wrangler: {e}"))?);
         self.addr = format!("127.0.0.1:{port}");
@@ -148,5 +168,8 @@ impl Workerd {
 impl Drop for Workerd {
     fn drop(&mut self) {
         self.stop();
+        if let Some(config) = &self.config {
+            let _ = std::fs::remove_file(config);
+        }
     }
 }

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 
 /// How long units admitted from a grant wait before they are reported: one report per
 /// counter per this interval, whatever the traffic.
-pub const REPORT_EVERY: Nanos = 100 * super::MS;
+pub const REPORT_EVERY: Nanos = 250 * super::MS;
 
 /// A counter object's answer to [`Call::Spend`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +74,9 @@ pub enum Answer {
     Object(Taken),
     /// From the isolate's grant (given back with [`Grants::refund`]).
     Grant(Decision),
+    /// Denied while the object still had the units, held by other nodes' grants on lease:
+    /// they may come back before the lease ends, so the denial is not cached.
+    Held(Decision),
 }
 
 impl Answer {
@@ -81,8 +84,13 @@ impl Answer {
     pub fn decision(&self) -> Decision {
         match self {
             Answer::Object(t) => t.decision,
-            Answer::Grant(d) => *d,
+            Answer::Grant(d) | Answer::Held(d) => *d,
         }
+    }
+
+    /// Whether the denial may be kept in the blocked-key cache.
+    pub fn cacheable(&self) -> bool {
+        !matches!(self, Answer::Held(_))
     }
 }
 
@@ -117,6 +125,9 @@ struct Held {
     report: Option<Report>,
     /// A report is scheduled (the glue's background task for this counter runs).
     scheduled: bool,
+    /// When the last report answered was sent: an ask sent before it was settled by it
+    /// (its units are no longer the isolate's to spend).
+    settled: Nanos,
     /// The object's last view: remaining and reset, at `known_at`.
     remaining: u64,
     reset_after: Nanos,
@@ -133,6 +144,7 @@ impl Held {
             pending: 0,
             report: None,
             scheduled: false,
+            settled: 0,
             remaining: 0,
             reset_after: 0,
             known_at: 0,
@@ -306,12 +318,14 @@ impl Grants {
             h.report = None;
         }
         if let Some((grant, lease)) = s.grant {
-            // The new grant replaces the old one at the object; what was spent from the old
-            // one while the report was on its way is spent from the new one.
+            // The new grant replaces the old one and the asks' units at the object (the
+            // report settles the isolate); what was spent while the report was on its way
+            // is spent from the new one.
             let spent_since = h.pending;
             h.left = grant.saturating_sub(spent_since);
             h.granted = grant;
             h.until = lease_end(&limit, sent, lease);
+            h.settled = h.settled.max(sent);
         }
         h.remaining = s.remaining;
         h.reset_after = s.reset_after;
@@ -338,8 +352,11 @@ impl Grants {
             retry_after,
         };
         if s.asked > 0 {
-            // The ask took `cost` at the object; the rest is the isolate's to spend.
-            h.left = h.left.saturating_add(s.asked.saturating_sub(cost));
+            // The ask took `cost` at the object; the rest is the isolate's to spend, unless
+            // a report sent after the ask settled it meanwhile.
+            if sent >= h.settled || s.grant.is_some() {
+                h.left = h.left.saturating_add(s.asked.saturating_sub(cost));
+            }
             h.until = h.until.max(lease_end(&limit, sent, ratewall_core::sync::ASK_LEASE));
             let remaining = s.remaining.saturating_sub(h.unreported());
             return Some(Ok(Answer::Object(Taken { decision: decision(true, remaining, None), now: s.now })));
@@ -352,7 +369,11 @@ impl Grants {
             return Some(Ok(Answer::Grant(decision(true, remaining, None))));
         }
         let retry = s.retry_after.map(|r| r.max(super::MS));
-        Some(Ok(Answer::Object(Taken { decision: decision(false, 0, retry), now: s.now })))
+        let denied = decision(false, 0, retry);
+        if s.remaining >= cost {
+            return Some(Ok(Answer::Held(denied)));
+        }
+        Some(Ok(Answer::Object(Taken { decision: denied, now: s.now })))
     }
 
     /// Gives back `cost` units a check spent from `key`'s grant (another rule rejected the
@@ -548,6 +569,26 @@ mod tests {
         p.request(start);
         assert!(matches!(p.grants.check(KEY, l, 1, start + 1), Local::Admitted(_)));
         assert!(matches!(p.grants.check(KEY, l, 1, T + SECOND), Local::Call(_)), "the next window asks");
+    }
+
+    #[test]
+    fn a_denial_while_another_isolates_grant_holds_the_units_is_not_cached() {
+        let l = Limit::new(Algorithm::FixedWindow, 10, 60 * SECOND, None).unwrap();
+        let mut p = Pair::new(l);
+        // Isolate 7 takes a unit and, reporting it, a grant of what remains.
+        p.request(T);
+        let call = Call::Spend { limit: l, node: 7, seq: 99, units: 0, ask: 0, cost: 0 };
+        let reply = p.call(&call, T + 1);
+        assert!(Spent::decode(&reply).unwrap().grant.is_some_and(|(g, _)| g > 0), "{reply}");
+        let mut other = Grants::new(8, 10);
+        let mut answers = Vec::new();
+        for i in 0..10 {
+            let Local::Call(call) = other.check(KEY, l, 1, T + 2 + i) else { continue };
+            let reply = p.call(&call, T + 2 + i);
+            answers.push(other.answered(KEY, &call, Ok(&reply), T + 2 + i, T + 2 + i).unwrap().unwrap());
+        }
+        let held = answers.iter().find(|a| !a.decision().allowed).expect("isolate 7 holds the rest");
+        assert!(matches!(held, Answer::Held(_)) && !held.cacheable(), "{held:?}");
     }
 
     #[test]

@@ -104,9 +104,10 @@ impl Object {
             Call::Spend { limit, node, seq, units, ask, cost } => {
                 // The isolate's own traffic, like a take: written back by the alarm.
                 let report = (seq > 0).then(|| c.apply(limit, t, node, seq, units, NODE_TTL));
-                if report.is_some_and(|a| a.counted) && ask != 0 {
-                    // A request waits on this report: the isolate spends nothing while it is
-                    // out, so it reported all it spent and holds only the grant answered.
+                if report.is_some_and(|a| a.counted) {
+                    // The isolate holds only the grant answered: it counts what it spends
+                    // while the report is out against that grant, and spends nothing more of
+                    // the old one or of earlier asks.
                     c.settle(node);
                 }
                 let grant = report.map(|a| (a.grant, a.lease));

@@ -1,0 +1,214 @@
+//! The Worker's isolate grants on a virtual clock, without a runtime: isolates (each the
+//! Worker's own [`Grants`]) send one hot key's requests to one counter [`Object`], the same
+//! logic the Durable Object runs. Every call reaches the object after half a round trip and
+//! its answer the isolate after the other half; background reports run as the glue runs them
+//! (woken when [`Grants::schedule`] says, one report per wake, then [`REPORT_EVERY`]).
+
+use ratewall_core::algo::{Algorithm, Limit, Nanos, SECOND};
+use ratewall_worker::edge::grants::{Grants, Local, REPORT_EVERY};
+use ratewall_worker::edge::object::Object;
+use ratewall_worker::edge::{BlockedCache, Call};
+use std::collections::BTreeMap;
+
+/// One scenario.
+#[derive(Clone, Debug)]
+pub struct Scenario {
+    /// Its name in figure lines.
+    pub name: &'static str,
+    /// Isolates sending the key's requests (isolate `i` gets a share ∝ `1 / (i + 1)`).
+    pub isolates: usize,
+    /// The limit per window (a fixed window).
+    pub limit: u64,
+    /// The window.
+    pub window: Nanos,
+    /// Offered requests per window, as a multiple of the limit.
+    pub load: f64,
+    /// Windows simulated.
+    pub windows: u64,
+    /// The round trip between an isolate and the object.
+    pub rtt: Nanos,
+    /// The RNG seed.
+    pub seed: u64,
+}
+
+/// What a scenario measured.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Mean over windows of max(0, admitted − limit) ÷ limit, in %.
+    pub overadmission_pct: f64,
+    /// Denials while the window's count was under the limit ÷ requests, in %.
+    pub false_denial_pct: f64,
+    /// Object calls (requests' and reports') per 1,000 admitted requests.
+    pub calls_per_1000_admitted: f64,
+    /// Requests that waited for the object ÷ requests, in %.
+    pub paused_pct: f64,
+    /// Requests offered.
+    pub requests: u64,
+    /// Requests admitted.
+    pub admitted: u64,
+}
+
+/// The 20-isolate Zipf scenario of the figures.
+pub fn zipf20() -> Scenario {
+    Scenario {
+        name: "zipf20",
+        isolates: 20,
+        limit: 1000,
+        window: 10 * SECOND,
+        load: 1.5,
+        windows: 6,
+        rtt: 20 * 1_000_000,
+        seed: 7,
+    }
+}
+
+const KEY: &[u8] = b"hot";
+
+enum Event {
+    Arrive(usize),
+    /// A call reaches the object; `request`: it decides a request (else it is a report).
+    AtObject {
+        isolate: usize,
+        call: Call,
+        sent: Nanos,
+        request: bool,
+    },
+    Answer {
+        isolate: usize,
+        call: Call,
+        reply: String,
+        sent: Nanos,
+        decided_at: Nanos,
+        request: bool,
+    },
+    Wake(usize),
+}
+
+struct World {
+    queue: BTreeMap<(Nanos, u64), Event>,
+    n: u64,
+    admitted: BTreeMap<u64, u64>,
+    false_denials: u64,
+}
+
+impl World {
+    fn push(&mut self, at: Nanos, e: Event) {
+        self.n += 1;
+        self.queue.insert((at, self.n), e);
+    }
+
+    fn decided(&mut self, s: &Scenario, at: Nanos, allowed: bool) {
+        let count = self.admitted.entry(at / s.window).or_insert(0);
+        if allowed {
+            *count += 1;
+        } else if *count < s.limit {
+            self.false_denials += 1;
+        }
+    }
+}
+
+/// Runs a scenario.
+pub fn run(s: &Scenario) -> Report {
+    let limit = Limit::new(Algorithm::FixedWindow, s.limit, s.window, None).unwrap_or_else(|_| unreachable!());
+    let start: Nanos = 1_700_000_000 * SECOND / s.window * s.window;
+    let mut object = Object::default();
+    let _ = object.load(None, Some(limit));
+    let mut isolates: Vec<Grants> = (0..s.isolates).map(|i| Grants::new(i as u64 + 1, 1000)).collect();
+    // Each isolate's blocked-key cache, as the glue keeps it.
+    let mut blocked: Vec<BlockedCache> = (0..s.isolates).map(|_| BlockedCache::new(1000)).collect();
+    let mut w = World { queue: BTreeMap::new(), n: 0, admitted: BTreeMap::new(), false_denials: 0 };
+    let mut rng = s.seed.max(1);
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let weights: Vec<f64> = (0..s.isolates).map(|i| 1.0 / (i as f64 + 1.0)).collect();
+    let total: f64 = weights.iter().sum();
+    let requests = (s.load * s.limit as f64 * s.windows as f64) as u64;
+    let span = s.window * s.windows;
+    for _ in 0..requests {
+        let at = start + next() % span;
+        let mut pick = (next() % 1_000_000) as f64 / 1_000_000.0 * total;
+        let mut isolate = s.isolates - 1;
+        for (i, wt) in weights.iter().enumerate() {
+            if pick < *wt {
+                isolate = i;
+                break;
+            }
+            pick -= wt;
+        }
+        w.push(at, Event::Arrive(isolate));
+    }
+    let (mut calls, mut paused, mut reports) = (0u64, 0u64, 0u64);
+    let half = s.rtt / 2;
+    while let Some(((t, _), e)) = w.queue.pop_first() {
+        match e {
+            Event::Arrive(i) if blocked[i].get(KEY, t, 1).is_some() => w.decided(s, t, false),
+            Event::Arrive(i) => match isolates[i].check(KEY, limit, 1, t) {
+                Local::Admitted(_) => {
+                    w.decided(s, t, true);
+                    wake(&mut isolates[i], &mut w, i, t);
+                }
+                Local::Call(call) => {
+                    paused += 1;
+                    calls += 1;
+                    w.push(t + half, Event::AtObject { isolate: i, call, sent: t, request: true });
+                }
+            },
+            Event::AtObject { isolate, call, sent, request } => {
+                let reply = object.handle(call, t).map(|h| h.reply).unwrap_or_default();
+                w.push(t + half, Event::Answer { isolate, call, reply, sent, decided_at: t, request });
+            }
+            Event::Answer { isolate, call, reply, sent, decided_at, request } => {
+                let g = &mut isolates[isolate];
+                let answer = g.answered(KEY, &call, Ok(&reply), sent, t);
+                if request {
+                    let Some(Ok(a)) = answer else { unreachable!("the object always answers here") };
+                    let decision = a.decision();
+                    if a.cacheable() {
+                        blocked[isolate].insert(KEY, t, 1, decision);
+                    }
+                    w.decided(s, decided_at, decision.allowed);
+                    wake(g, &mut w, isolate, t);
+                } else {
+                    // The glue's task sleeps, then reports again (or ends).
+                    w.push(t + REPORT_EVERY, Event::Wake(isolate));
+                }
+            }
+            Event::Wake(i) => {
+                if let Some(call) = isolates[i].report(KEY, t) {
+                    calls += 1;
+                    reports += 1;
+                    w.push(t + half, Event::AtObject { isolate: i, call, sent: t, request: false });
+                }
+            }
+        }
+    }
+    let overs: Vec<f64> = (0..s.windows)
+        .map(|k| {
+            let a = w.admitted.get(&(start / s.window + k)).copied().unwrap_or(0);
+            a.saturating_sub(s.limit) as f64 / s.limit as f64 * 100.0
+        })
+        .collect();
+    let admitted: u64 = w.admitted.values().sum();
+    if std::env::var("RATEWALL_SIM_DEBUG").is_ok() {
+        eprintln!("calls {calls} (reports {reports}), windows {:?}", w.admitted);
+    }
+    Report {
+        overadmission_pct: overs.iter().sum::<f64>() / overs.len().max(1) as f64,
+        false_denial_pct: w.false_denials as f64 / requests.max(1) as f64 * 100.0,
+        calls_per_1000_admitted: calls as f64 * 1000.0 / admitted.max(1) as f64,
+        paused_pct: paused as f64 / requests.max(1) as f64 * 100.0,
+        requests,
+        admitted,
+    }
+}
+
+/// Starts isolate `i`'s background task when its grants say so.
+fn wake(g: &mut Grants, w: &mut World, i: usize, t: Nanos) {
+    if let Some(d) = g.schedule(KEY, t) {
+        w.push(t + d, Event::Wake(i));
+    }
+}
