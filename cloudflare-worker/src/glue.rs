@@ -309,8 +309,8 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     }
     if use_cache {
         with(|i| {
-            for ((c, d), a) in checks.iter().zip(&decisions).zip(&charged) {
-                if let (Ok(d), true) = (d, a.is_none_or(|a| a.cacheable())) {
+            for (c, d) in checks.iter().zip(&decisions) {
+                if let Ok(d) = d {
                     i.cache.insert(&c.key, t, c.cost, *d);
                 }
             }

@@ -308,6 +308,7 @@ fn rule_shaped_json() -> impl Strategy<Value = String> {
         "cost",
         "mode",
         "on_store_failure",
+        "exact",
         "requests",
         "per",
         "burst",

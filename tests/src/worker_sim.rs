@@ -167,9 +167,7 @@ pub fn run(s: &Scenario) -> Report {
                 if request {
                     let Some(Ok(a)) = answer else { unreachable!("the object always answers here") };
                     let decision = a.decision();
-                    if a.cacheable() {
-                        blocked[isolate].insert(KEY, t, 1, decision);
-                    }
+                    blocked[isolate].insert(KEY, t, 1, decision);
                     w.decided(s, decided_at, decision.allowed);
                     wake(g, &mut w, isolate, t);
                 } else {

@@ -74,9 +74,6 @@ pub enum Answer {
     Object(Taken),
     /// From the isolate's grant (given back with [`Grants::refund`]).
     Grant(Decision),
-    /// Denied while the object still had the units, held by other nodes' grants on lease:
-    /// they may come back before the lease ends, so the denial is not cached.
-    Held(Decision),
 }
 
 impl Answer {
@@ -84,13 +81,8 @@ impl Answer {
     pub fn decision(&self) -> Decision {
         match self {
             Answer::Object(t) => t.decision,
-            Answer::Grant(d) | Answer::Held(d) => *d,
+            Answer::Grant(d) => *d,
         }
-    }
-
-    /// Whether the denial may be kept in the blocked-key cache.
-    pub fn cacheable(&self) -> bool {
-        !matches!(self, Answer::Held(_))
     }
 }
 
@@ -369,11 +361,7 @@ impl Grants {
             return Some(Ok(Answer::Grant(decision(true, remaining, None))));
         }
         let retry = s.retry_after.map(|r| r.max(super::MS));
-        let denied = decision(false, 0, retry);
-        if s.remaining >= cost {
-            return Some(Ok(Answer::Held(denied)));
-        }
-        Some(Ok(Answer::Object(Taken { decision: denied, now: s.now })))
+        Some(Ok(Answer::Object(Taken { decision: decision(false, 0, retry), now: s.now })))
     }
 
     /// Gives back `cost` units a check spent from `key`'s grant (another rule rejected the
@@ -569,26 +557,6 @@ mod tests {
         p.request(start);
         assert!(matches!(p.grants.check(KEY, l, 1, start + 1), Local::Admitted(_)));
         assert!(matches!(p.grants.check(KEY, l, 1, T + SECOND), Local::Call(_)), "the next window asks");
-    }
-
-    #[test]
-    fn a_denial_while_another_isolates_grant_holds_the_units_is_not_cached() {
-        let l = Limit::new(Algorithm::FixedWindow, 10, 60 * SECOND, None).unwrap();
-        let mut p = Pair::new(l);
-        // Isolate 7 takes a unit and, reporting it, a grant of what remains.
-        p.request(T);
-        let call = Call::Spend { limit: l, node: 7, seq: 99, units: 0, ask: 0, cost: 0 };
-        let reply = p.call(&call, T + 1);
-        assert!(Spent::decode(&reply).unwrap().grant.is_some_and(|(g, _)| g > 0), "{reply}");
-        let mut other = Grants::new(8, 10);
-        let mut answers = Vec::new();
-        for i in 0..10 {
-            let Local::Call(call) = other.check(KEY, l, 1, T + 2 + i) else { continue };
-            let reply = p.call(&call, T + 2 + i);
-            answers.push(other.answered(KEY, &call, Ok(&reply), T + 2 + i, T + 2 + i).unwrap().unwrap());
-        }
-        let held = answers.iter().find(|a| !a.decision().allowed).expect("isolate 7 holds the rest");
-        assert!(matches!(held, Answer::Held(_)) && !held.cacheable(), "{held:?}");
     }
 
     #[test]
