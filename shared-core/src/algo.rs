@@ -1,4 +1,6 @@
-//! The four rate-limit algorithms as pure transitions `(state, now, cost) -> (decision, state)`.
+//! The rate-limit algorithms as pure transitions `(state, now, cost) -> (decision, state)`:
+//! four that admit or reject, and the leaky bucket, which also says how long an admitted
+//! request waits for its turn ([`Limit::wait`]).
 //!
 //! Time is integer nanoseconds since the Unix epoch ([`Nanos`]). Nothing here reads a
 //! clock: callers pass `now`, which is clamped to [`LATEST`] so no arithmetic saturates.
@@ -52,6 +54,9 @@ pub enum Algorithm {
     FixedWindow = 2,
     /// Sliding log: admitted units counted per `per / 8` slot (see [`LOG_QUANTA`]).
     SlidingLog = 3,
+    /// Leaky bucket that queues (NGINX `limit_req`): one request per `per / requests`
+    /// leaves; `burst` more wait their turn, the first `delay` of them without waiting.
+    LeakyBucket = 4,
 }
 
 impl Algorithm {
@@ -62,13 +67,19 @@ impl Algorithm {
             Algorithm::SlidingWindow => "sliding_window",
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::SlidingLog => "sliding_log",
+            Algorithm::LeakyBucket => "leaky_bucket",
         }
     }
 
     /// Every algorithm, in the order of its wire code: the one list names, codes and error
     /// messages are derived from.
-    pub const ALL: [Algorithm; 4] =
-        [Algorithm::TokenBucket, Algorithm::SlidingWindow, Algorithm::FixedWindow, Algorithm::SlidingLog];
+    pub const ALL: [Algorithm; 5] = [
+        Algorithm::TokenBucket,
+        Algorithm::SlidingWindow,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+        Algorithm::LeakyBucket,
+    ];
 
     /// Its code on the wire and in limit fingerprints (docs/sync-protocol.md): its index in
     /// [`Algorithm::ALL`].
@@ -83,6 +94,7 @@ impl Algorithm {
             1 => Algorithm::SlidingWindow,
             2 => Algorithm::FixedWindow,
             3 => Algorithm::SlidingLog,
+            4 => Algorithm::LeakyBucket,
             _ => return None,
         })
     }
@@ -95,6 +107,7 @@ impl Algorithm {
             "sliding_window" => Algorithm::SlidingWindow,
             "fixed_window" => Algorithm::FixedWindow,
             "sliding_log" => Algorithm::SlidingLog,
+            "leaky_bucket" => Algorithm::LeakyBucket,
             _ => return None,
         })
     }
@@ -102,7 +115,7 @@ impl Algorithm {
 
 /// [`Algorithm::ALL`]'s names, for messages (a constant: joining them at run time cost the
 /// filter's wasm ~200 bytes; a test holds it to the list).
-pub const ALGORITHM_NAMES: &str = "token_bucket, sliding_window, fixed_window, sliding_log";
+pub const ALGORITHM_NAMES: &str = "token_bucket, sliding_window, fixed_window, sliding_log, leaky_bucket";
 
 /// Why a limit could not be built.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -113,6 +126,8 @@ pub enum LimitError {
     Per(Nanos),
     /// `burst` is 0, above the maximum, or given for a window algorithm.
     Burst(&'static str),
+    /// `delay` is above `burst`, or given for another algorithm than the leaky bucket.
+    Delay(&'static str),
 }
 
 impl core::fmt::Display for LimitError {
@@ -121,6 +136,7 @@ impl core::fmt::Display for LimitError {
             LimitError::Requests(n) => write!(f, "requests must be 1 to the maximum, not {n}"),
             LimitError::Per(p) => write!(f, "the period must be above 0 ns and at most {MAX_PER} ns, not {p}"),
             LimitError::Burst(why) => write!(f, "bad burst: {why}"),
+            LimitError::Delay(why) => write!(f, "bad delay: {why}"),
         }
     }
 }
@@ -134,6 +150,8 @@ pub struct Limit {
     requests: u64,
     per: Nanos,
     capacity: u64,
+    /// Leaky bucket: queued requests that go at once (NGINX `delay=`).
+    delay: u64,
     /// Token bucket emission interval, `ceil(per / requests)`.
     interval: Nanos,
     /// A hash of everything above: counters are keyed by it, so a state is only ever read
@@ -142,7 +160,9 @@ pub struct Limit {
 }
 
 impl Limit {
-    /// Builds a limit of `requests` per `per`, with an optional token-bucket `burst`.
+    /// Builds a limit of `requests` per `per`, with an optional `burst`: a token bucket's
+    /// capacity, or how many requests a leaky bucket queues (default 0; its capacity is one
+    /// more, the request being served).
     pub fn new(algorithm: Algorithm, requests: u64, per: Nanos, burst: Option<u64>) -> Result<Self, LimitError> {
         let max_requests = if algorithm == Algorithm::SlidingLog { MAX_SLIDING_LOG_REQUESTS } else { MAX_REQUESTS };
         if requests == 0 || requests > max_requests {
@@ -152,11 +172,14 @@ impl Limit {
             return Err(LimitError::Per(per));
         }
         let capacity = match (algorithm, burst) {
-            (_, None) => requests,
+            (Algorithm::TokenBucket, None) => requests,
             (Algorithm::TokenBucket, Some(0)) => return Err(LimitError::Burst("must be at least 1")),
             (Algorithm::TokenBucket, Some(b)) if b > MAX_REQUESTS => return Err(LimitError::Burst("is too large")),
             (Algorithm::TokenBucket, Some(b)) => b,
-            (_, Some(_)) => return Err(LimitError::Burst("applies only to token_bucket")),
+            (Algorithm::LeakyBucket, b) if b.unwrap_or(0) >= MAX_REQUESTS => return Err(LimitError::Burst("is too large")),
+            (Algorithm::LeakyBucket, b) => b.unwrap_or(0) + 1,
+            (_, None) => requests,
+            (_, Some(_)) => return Err(LimitError::Burst("applies only to token_bucket and leaky_bucket")),
         };
         let interval = per.div_ceil(requests);
         if capacity.saturating_mul(interval) > MAX_BUCKET_SPAN {
@@ -168,7 +191,48 @@ impl Limit {
             ^ requests.wrapping_mul(0xc4ce_b9fe_1a85_ec53)
             ^ per.rotate_left(21).wrapping_mul(0x8765_4321_0fed_cba9)
             ^ capacity.rotate_left(42).wrapping_mul(0x2545_f491_4f6c_dd1d);
-        Ok(Limit { algorithm, requests, per, capacity, interval, fingerprint })
+        Ok(Limit { algorithm, requests, per, capacity, delay: 0, interval, fingerprint })
+    }
+
+    /// The leaky bucket with `delay` of its queued requests going at once (at most `burst`).
+    pub fn with_delay(self, delay: u64) -> Result<Self, LimitError> {
+        if delay == 0 {
+            return Ok(self);
+        }
+        if self.algorithm != Algorithm::LeakyBucket {
+            return Err(LimitError::Delay("applies only to leaky_bucket"));
+        }
+        if delay >= self.capacity {
+            return Err(LimitError::Delay("must be at most burst"));
+        }
+        let fingerprint = self.fingerprint ^ delay.rotate_left(11).wrapping_mul(0x9fb2_1c65_1e98_df25);
+        Ok(Limit { delay, fingerprint, ..self })
+    }
+
+    /// The `burst` that [`Limit::new`] takes to build this limit again.
+    pub fn burst(&self) -> Option<u64> {
+        match self.algorithm {
+            Algorithm::TokenBucket => Some(self.capacity),
+            Algorithm::LeakyBucket => Some(self.capacity - 1),
+            _ => None,
+        }
+    }
+
+    /// A leaky bucket's queued requests that go at once.
+    pub fn delay(&self) -> u64 {
+        self.delay
+    }
+
+    /// How long a request of `cost` that `decision` admitted waits for its turn before it is
+    /// forwarded: 0 but for a leaky bucket's queued requests past the first `delay`, whose
+    /// turns come one per `per / requests` (the decision's `reset_after` is when the queue,
+    /// this request included, has drained).
+    pub fn wait(&self, decision: &Decision, cost: u64) -> Nanos {
+        if self.algorithm != Algorithm::LeakyBucket || !decision.allowed {
+            return 0;
+        }
+        let ahead = decision.reset_after.saturating_sub(cost.saturating_mul(self.interval));
+        ahead.saturating_sub(self.delay.saturating_mul(self.interval))
     }
 
     /// A 64-bit hash of the algorithm, `requests`, `per` and capacity: part of every counter
@@ -211,7 +275,7 @@ impl Limit {
     pub fn decide(&self, state: &State, now: Nanos, cost: u64) -> (Decision, State) {
         let now = now.min(LATEST);
         match self.algorithm {
-            Algorithm::TokenBucket => self.token_bucket(state, now, cost),
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => self.token_bucket(state, now, cost),
             Algorithm::SlidingWindow => self.sliding_window(state, now, cost),
             Algorithm::FixedWindow => self.fixed_window(state, now, cost),
             Algorithm::SlidingLog => self.sliding_log(state, now, cost),
@@ -224,7 +288,7 @@ impl Limit {
     pub fn refund(&self, state: &State, consumed_at: Nanos, cost: u64) -> State {
         let consumed_at = consumed_at.min(LATEST);
         match (self.algorithm, state) {
-            (Algorithm::TokenBucket, State::TokenBucket { tat }) => {
+            (Algorithm::TokenBucket | Algorithm::LeakyBucket, State::TokenBucket { tat }) => {
                 State::TokenBucket { tat: tat.saturating_sub(cost.saturating_mul(self.interval)) }
             }
             (Algorithm::SlidingWindow, State::SlidingWindow { window, prev, curr }) => {
@@ -273,7 +337,7 @@ impl Limit {
     /// then can be forgotten without giving anyone extra quota.
     pub fn idle_at(&self, state: &State) -> Nanos {
         match (self.algorithm, state) {
-            (Algorithm::TokenBucket, State::TokenBucket { tat }) => *tat,
+            (Algorithm::TokenBucket | Algorithm::LeakyBucket, State::TokenBucket { tat }) => *tat,
             (Algorithm::SlidingWindow, State::SlidingWindow { window, .. }) => {
                 window.saturating_add(2).saturating_mul(self.per)
             }
@@ -390,7 +454,7 @@ impl Limit {
     pub fn consume(&self, state: &State, now: Nanos, units: u64) -> State {
         let now = now.min(LATEST);
         match self.algorithm {
-            Algorithm::TokenBucket => {
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => {
                 // At most two full refills ahead: an overshoot beyond that is forgiven.
                 let span = self.capacity * self.interval;
                 let tat = self.bucket_tat(state, now);
@@ -550,7 +614,8 @@ pub enum State {
     /// Nothing recorded yet.
     #[default]
     Fresh,
-    /// GCRA: the theoretical arrival time of the next request.
+    /// GCRA: the theoretical arrival time of the next request (the token bucket's, and the
+    /// leaky bucket's, whose queue has drained at `tat`).
     TokenBucket {
         /// Theoretical arrival time, [`Nanos`].
         tat: Nanos,
@@ -633,10 +698,11 @@ mod tests {
             assert_eq!(Algorithm::from_code(a.code()), Some(a));
             assert_eq!(Algorithm::from_name(a.as_str()), Some(a));
         }
-        assert_eq!(Algorithm::from_code(4), None);
+        assert_eq!(Algorithm::from_code(5), None);
         let names: alloc::vec::Vec<&str> = Algorithm::ALL.iter().map(|a| a.as_str()).collect();
         assert_eq!(ALGORITHM_NAMES, names.join(", "));
         assert_eq!(Algorithm::from_name("leaky"), None);
+        assert_eq!(Algorithm::from_name("leaky_bucket"), Some(Algorithm::LeakyBucket));
     }
 
     #[test]
@@ -730,7 +796,43 @@ mod tests {
     fn burst_is_only_for_token_bucket() {
         assert_eq!(
             Limit::new(Algorithm::FixedWindow, 5, SECOND, Some(2)),
-            Err(LimitError::Burst("applies only to token_bucket"))
+            Err(LimitError::Burst("applies only to token_bucket and leaky_bucket"))
         );
+    }
+
+    /// NGINX `limit_req rate=5r/s burst=5` (no `nodelay`): of 12 requests at once, the first
+    /// goes, 5 wait their turns 200 ms apart, 6 are rejected, each told to retry when a
+    /// place in the queue frees.
+    #[test]
+    fn the_leaky_bucket_queues_a_burst_like_nginx() {
+        let limit = Limit::new(Algorithm::LeakyBucket, 5, SECOND, Some(5)).unwrap();
+        let t = 1_000 * SECOND;
+        let mut s = State::Fresh;
+        let mut out = alloc::vec::Vec::new();
+        for _ in 0..12 {
+            let (d, n) = limit.decide(&s, t, 1);
+            s = n;
+            out.push(if d.allowed { Ok(limit.wait(&d, 1) / MS) } else { Err(d.retry_after.map(|r| r / MS)) });
+        }
+        let mut expected: alloc::vec::Vec<Result<u64, Option<u64>>> = (0..6).map(|i| Ok(i * 200)).collect();
+        expected.extend([Err(Some(200)); 6]);
+        assert_eq!(out, expected);
+        // `delay=3`: three of the queued go at once, the rest keep their turns.
+        let delayed = limit.with_delay(3).unwrap();
+        let mut s = State::Fresh;
+        let waits: alloc::vec::Vec<u64> = (0..6)
+            .map(|_| {
+                let (d, n) = delayed.decide(&s, t, 1);
+                s = n;
+                delayed.wait(&d, 1) / MS
+            })
+            .collect();
+        assert_eq!(waits, [0, 0, 0, 0, 200, 400]);
+        assert_eq!(limit.with_delay(6), Err(LimitError::Delay("must be at most burst")));
+        assert_eq!(
+            Limit::new(Algorithm::TokenBucket, 5, SECOND, None).unwrap().with_delay(1),
+            Err(LimitError::Delay("applies only to leaky_bucket"))
+        );
+        assert_ne!(delayed.fingerprint(), limit.fingerprint(), "another delay, another counter");
     }
 }

@@ -646,7 +646,7 @@ fn parse_algorithm(v: &Value, path: &str) -> Result<Algorithm, ConfigError> {
 
 fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Limit, ConfigError> {
     let m = object(v, path)?;
-    known_fields(m, path, &["requests", "per", "burst", "algorithm"])?;
+    known_fields(m, path, &["requests", "per", "burst", "delay", "algorithm"])?;
     let requests = match m.get("requests") {
         Some(r) => bounded(r, &join(path, "requests"), 1, MAX_REQUESTS)?,
         None => return err(&join(path, "requests"), "is required"),
@@ -663,13 +663,18 @@ fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Li
     };
     let burst = match m.get("burst") {
         None => None,
-        Some(b) => Some(bounded(b, &join(path, "burst"), 1, MAX_REQUESTS)?),
+        // 0 is a leaky bucket's queue of none (a token bucket's 0 is refused below).
+        Some(b) => Some(bounded(b, &join(path, "burst"), 0, MAX_REQUESTS)?),
+    };
+    let delay = match m.get("delay") {
+        None => 0,
+        Some(d) => bounded(d, &join(path, "delay"), 0, MAX_REQUESTS)?,
     };
     let algorithm = match m.get("algorithm") {
         Some(a) => parse_algorithm(a, &join(path, "algorithm"))?,
         None => algorithm.unwrap_or(if burst.is_some() { Algorithm::TokenBucket } else { Algorithm::SlidingWindow }),
     };
-    Limit::new(algorithm, requests, per, burst).or_else(|e| match e {
+    Limit::new(algorithm, requests, per, burst).and_then(|l| l.with_delay(delay)).or_else(|e| match e {
         LimitError::Requests(n) => err(
             &join(path, "requests"),
             format!(
@@ -680,6 +685,7 @@ fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Li
         ),
         LimitError::Per(_) => err(&per_path, "must be between 1ms and 366d"),
         LimitError::Burst(why) => err(&join(path, "burst"), why.to_string()),
+        LimitError::Delay(why) => err(&join(path, "delay"), why.to_string()),
     })
 }
 
@@ -700,6 +706,32 @@ mod tests {
         assert_eq!(c.rules[2].on_store_failure, FailurePolicy::Closed);
         assert!(c.rules[2].exact && !c.rules[0].exact, "exact by default only where the store failing closes");
         assert_eq!(c.identity.ip.trusted_hops, 1);
+    }
+
+    #[test]
+    fn the_leaky_bucket_takes_nginx_burst_and_delay() {
+        let limit = |l: &str| {
+            let doc = format!(r#"{{"rules":[{{"name":"a","key":["ip"],"limit":{l}}}]}}"#);
+            Config::parse(doc.as_bytes()).map(|c| c.rules[0].limit).map_err(|e| e.to_string())
+        };
+        // NGINX `rate=5r/s burst=10 delay=3`.
+        let l = limit(r#"{"requests":5,"per":"1s","burst":10,"delay":3,"algorithm":"leaky_bucket"}"#).unwrap();
+        assert_eq!((l.algorithm(), l.burst(), l.delay()), (Algorithm::LeakyBucket, Some(10), 3));
+        let l = limit(r#"{"requests":5,"per":"1s","algorithm":"leaky_bucket"}"#).unwrap();
+        assert_eq!((l.burst(), l.delay()), (Some(0), 0), "no queue by default");
+        assert_eq!(
+            limit(r#"{"requests":5,"per":"1s","burst":2,"delay":3,"algorithm":"leaky_bucket"}"#),
+            Err("rules[0].limit.delay: must be at most burst".into())
+        );
+        assert_eq!(
+            limit(r#"{"requests":5,"per":"1s","delay":1}"#),
+            Err("rules[0].limit.delay: applies only to leaky_bucket".into())
+        );
+        assert_eq!(
+            limit(r#"{"requests":5,"per":"1s","burst":0}"#),
+            Err("rules[0].limit.burst: must be at least 1".into()),
+            "a token bucket of no capacity"
+        );
     }
 
     #[test]

@@ -13,6 +13,7 @@ fn algorithm() -> impl Strategy<Value = Algorithm> {
         Just(Algorithm::SlidingWindow),
         Just(Algorithm::FixedWindow),
         Just(Algorithm::SlidingLog),
+        Just(Algorithm::LeakyBucket),
     ]
 }
 
@@ -24,7 +25,11 @@ fn limit() -> impl Strategy<Value = Limit> {
         proptest::option::of(1u64..60),
     )
         .prop_filter_map("valid limit", |(a, requests, per_ms, burst)| {
-            let burst = if a == Algorithm::TokenBucket { burst } else { None };
+            let burst = match a {
+                Algorithm::TokenBucket => burst,
+                Algorithm::LeakyBucket => burst.map(|b| b - 1),
+                _ => None,
+            };
             Limit::new(a, requests, per_ms * MS, burst).ok()
         })
 }
@@ -71,7 +76,11 @@ fn scenario_with(
 ) -> impl Strategy<Value = (Limit, Vec<(Nanos, u64)>, Nanos)> {
     (algorithm, 1u64..50, 1u64..120_000, proptest::option::of(1u64..60))
         .prop_filter_map("valid limit", |(a, requests, per_ms, burst)| {
-            let burst = if a == Algorithm::TokenBucket { burst } else { None };
+            let burst = match a {
+                Algorithm::TokenBucket => burst,
+                Algorithm::LeakyBucket => burst.map(|b| b - 1),
+                _ => None,
+            };
             Limit::new(a, requests, per_ms * MS, burst).ok()
         })
         .prop_flat_map(|limit| {
@@ -328,4 +337,55 @@ fn rule_shaped_json() -> impl Strategy<Value = String> {
         ]
     });
     proptest::collection::vec(tree, 0..4).prop_map(|rules| serde_json::json!({ "rules": rules }).to_string())
+}
+
+proptest! {
+    /// The leaky bucket forwards one request per `per / requests` (no two turns closer, the
+    /// `delay` requests that go at once aside), never before the turn the GCRA gives it, and
+    /// a rejected request's `retry_after` is exact: admitted then, not a nanosecond sooner.
+    #[test]
+    fn leaky_bucket_turns_are_never_early_and_one_per_interval(
+        requests in 1u64..20,
+        per_ms in 1u64..5_000,
+        burst in 0u64..10,
+        delay_pick in 0u64..10,
+        gaps in proptest::collection::vec(0u64..400, 1..60),
+    ) {
+        let delay = delay_pick % (burst + 1);
+        let limit = Limit::new(Algorithm::LeakyBucket, requests, per_ms * MS, Some(burst)).unwrap().with_delay(delay).unwrap();
+        let interval = (per_ms * MS).div_ceil(requests);
+        let mut s = State::Fresh;
+        let mut t = 1_700_000_000_000 * MS;
+        let mut forwarded: Vec<Nanos> = Vec::new();
+        let mut tat = 0;
+        for g in gaps {
+            t += g * MS / 10;
+            let (d, next) = limit.decide(&s, t, 1);
+            if d.allowed {
+                let at = t + limit.wait(&d, 1);
+                // Its turn: the previous request's turn plus one interval, or now.
+                let turn = tat.max(t);
+                prop_assert!(at + delay * interval >= turn, "early: {at} before {turn}");
+                prop_assert!(at <= turn, "late: {at} after {turn}");
+                tat = turn + interval;
+                forwarded.push(at);
+                prop_assert!(d.remaining <= burst);
+            } else {
+                let r = d.retry_after.unwrap();
+                let (later, _) = limit.decide(&next, t + r, 1);
+                prop_assert!(later.allowed, "not admitted after its retry_after");
+                if r > 0 {
+                    let (sooner, _) = limit.decide(&next, t + r - 1, 1);
+                    prop_assert!(!sooner.allowed, "admitted before its retry_after");
+                }
+            }
+            s = next;
+        }
+        if delay == 0 {
+            forwarded.sort_unstable();
+            for w in forwarded.windows(2) {
+                prop_assert!(w[1] - w[0] >= interval, "two turns {} ns apart", w[1] - w[0]);
+            }
+        }
+    }
 }
