@@ -28,6 +28,10 @@ struct RuleMetrics {
     unkeyed: Option<u32>,
     cas_exhausted: Option<u32>,
     store_failed: Option<u32>,
+    /// Leaky-bucket rules only: requests that waited their turn, and rejections because the
+    /// queue was full.
+    delayed: Option<u32>,
+    queue_full: Option<u32>,
 }
 
 /// Node-wide metric ids.
@@ -45,6 +49,31 @@ pub enum Verdict {
     Reply(Reply),
     /// Wait, paused, for the store's answer to an ask.
     Ask(Asking),
+    /// Admitted by a leaky bucket: wait, paused, for its turn, then pass with this reply.
+    Wait(Waiting),
+}
+
+impl Verdict {
+    /// The reply this comes to, waits aside (tests).
+    #[cfg(test)]
+    pub fn into_reply(self) -> Reply {
+        match self {
+            Verdict::Reply(r) | Verdict::Wait(Waiting { reply: r, .. }) => r,
+            Verdict::Ask(_) => Reply { status: 429, headers: Vec::new(), body: String::new() },
+        }
+    }
+}
+
+/// A request waiting its turn in a leaky bucket's queue.
+#[derive(Debug)]
+pub struct Waiting {
+    /// When it goes (the host clock).
+    pub until: Nanos,
+    /// Its reply (a pass) once it goes.
+    pub reply: Reply,
+    /// The leaky-bucket checks it took a turn from, given back if it never goes.
+    turns: Vec<Check>,
+    at: Nanos,
 }
 
 /// A request paused on an ask: what deciding it again needs.
@@ -95,6 +124,11 @@ fn share(limit: Limit, nodes: u32) -> Limit {
     Limit::new(limit.algorithm(), (limit.requests() / n).max(1), limit.per(), burst).unwrap_or(limit)
 }
 
+/// Whether a rule queues (its default limit is a leaky bucket).
+fn leaky(r: &ratewall_core::rules::Rule) -> bool {
+    r.limit.algorithm() == ratewall_core::Algorithm::LeakyBucket
+}
+
 /// Metric-safe form of a rule name: `[a-z0-9_]`.
 fn metric_name(rule: &str, what: &str) -> String {
     let clean: String =
@@ -120,6 +154,8 @@ impl Engine {
                 unkeyed: host.define_counter(&metric_name(&r.name, "unkeyed")),
                 cas_exhausted: host.define_counter(&metric_name(&r.name, "cas_exhausted")),
                 store_failed: host.define_counter(&metric_name(&r.name, "store_failed")),
+                delayed: leaky(r).then(|| host.define_counter(&metric_name(&r.name, "delayed"))).flatten(),
+                queue_full: leaky(r).then(|| host.define_counter(&metric_name(&r.name, "queue_full"))).flatten(),
             })
             .collect();
         let node = NodeMetrics {
@@ -269,7 +305,7 @@ impl Engine {
         status: u32,
         tag: Option<&[u8]>,
         body: &[u8],
-    ) -> Reply {
+    ) -> Verdict {
         let taken = match &self.sync {
             Some(s) => s.on_ask_response(host, &self.table, (&asking.wants, asking.asked_at), (status, tag, body)),
             None => Vec::new(),
@@ -280,9 +316,18 @@ impl Engine {
         // after an ask names the rule only.
         let round = Round::AfterAsk { paid: &paid };
         match self.decide(host, host.now(), asking.checks, asking.skipped, ("(after an ask)", ""), round) {
-            Verdict::Reply(r) => r,
             // `decide` only asks when told it may; a 429 all the same.
-            Verdict::Ask(_) => Reply { status: 429, headers: Vec::new(), body: String::new() },
+            Verdict::Ask(_) => Verdict::Reply(Reply { status: 429, headers: Vec::new(), body: String::new() }),
+            v => v,
+        }
+    }
+
+    /// A request that waited its turn went away before it: its turns go back to the queues,
+    /// so the requests after it are not held for it.
+    pub fn give_back(&self, host: &dyn Host, waiting: Waiting) {
+        let mut counters = TableCounters::new(&self.table, host, Grants::Off, &[]);
+        for c in &waiting.turns {
+            let _ = ratewall_core::eval::Counters::refund(&mut counters, c, waiting.at);
         }
     }
 
@@ -367,11 +412,27 @@ impl Engine {
                 }
             }
         }
+        // A leaky bucket's admitted request waits its turn (the longest of its queues').
+        let mut wait = 0;
+        let mut turns = Vec::new();
+        for (c, o) in checks.iter().zip(&outcome.checks) {
+            if let (CheckResult::Decided(d), false) = (o.result, outcome.rejected) {
+                if c.limit.algorithm() == ratewall_core::Algorithm::LeakyBucket && d.allowed {
+                    if o.mode == ratewall_core::rules::Mode::Enforce {
+                        wait = wait.max(c.limit.wait(&d, c.cost));
+                    }
+                    turns.push(c.clone());
+                }
+            }
+        }
         for (rule, tally) in outcome.tally(&skipped) {
             let Some(m) = self.rules.get(rule) else { continue };
             match tally {
                 Tally::Allowed => bump(m.allowed, 1),
-                Tally::Rejected => bump(m.rejected, 1),
+                Tally::Rejected => {
+                    bump(m.rejected, 1);
+                    bump(m.queue_full, 1);
+                }
                 Tally::Unkeyed => bump(m.unkeyed, 1),
                 Tally::Failed(StoreError::Contention) => bump(m.cas_exhausted, 1),
                 Tally::Failed(_) => bump(m.store_failed, 1),
@@ -386,6 +447,17 @@ impl Engine {
                 }
             }
         }
-        Verdict::Reply(render(&self.config, &outcome))
+        let reply = render(&self.config, &outcome);
+        if wait == 0 {
+            return Verdict::Reply(reply);
+        }
+        for (c, o) in checks.iter().zip(&outcome.checks) {
+            if matches!(o.result, CheckResult::Decided(d) if c.limit.wait(&d, c.cost) > 0) {
+                if let Some(m) = self.rules.get(c.rule) {
+                    bump(m.delayed, 1);
+                }
+            }
+        }
+        Verdict::Wait(Waiting { until: host.now().saturating_add(wait), reply, turns, at: now })
     }
 }

@@ -1,13 +1,28 @@
 //! The thin proxy-wasm layer: implements [`Host`] with the SDK's host calls (the variants
 //! that return errors rather than panic) and wires contexts to the [`Engine`].
 
-use crate::engine::{Asking, Engine, Verdict};
+use crate::engine::{Asking, Engine, Verdict, Waiting};
 use crate::host::{Host, Level, SetError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 use ratewall_core::Nanos;
+use std::cell::RefCell;
 use std::rc::Rc;
+
+/// How often the root ticks while a request waits its turn: a turn is kept within this.
+const WAIT_TICK: Nanos = 5_000_000;
+
+/// The requests of this VM waiting their turn in a leaky bucket.
+#[derive(Default)]
+struct WaitList {
+    /// (context id, when it goes).
+    list: Vec<(u32, Nanos)>,
+    /// A request set the fast tick (the root puts the period back when none waits).
+    fast: bool,
+}
+
+type Waiters = Rc<RefCell<WaitList>>;
 
 // The ABI call behind the SDK's `get_map_bytes`, which would deserialize every header into
 // its own `String` and `Vec` (two allocations per header); the engine reads the serialized
@@ -102,12 +117,30 @@ proxy_wasm::main! {{
     std::panic::set_hook(Box::new(|info| {
         let _ = hostcalls::log(LogLevel::Critical, &format!("ratewall: panic: {info}"));
     }));
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { engine: None }) });
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+        Box::new(Root { engine: None, waiters: Waiters::default(), next_sync: 0, ticking: 0 })
+    });
 }}
 
-/// The plugin's root context: holds the last good configuration.
+/// The plugin's root context: holds the last good configuration, and resumes the requests
+/// that wait their turn.
 struct Root {
     engine: Option<Rc<Engine>>,
+    waiters: Waiters,
+    /// When the next sync tick is due.
+    next_sync: Nanos,
+    /// The tick period set (0: none).
+    ticking: Nanos,
+}
+
+/// Sets the tick period the root needs: fast while requests wait, else the sync interval
+/// (none without sync); `current` is the one set.
+fn tick_for(engine: Option<&Engine>, waiting: bool, current: &mut Nanos) {
+    let want = if waiting { WAIT_TICK } else { engine.and_then(Engine::tick_interval).unwrap_or(0) };
+    if want != *current {
+        *current = want;
+        let _ = hostcalls::set_tick_period(std::time::Duration::from_nanos(want));
+    }
 }
 
 /// The store's answer to a call: status (0: failed, timed out, or a body longer than `cap`,
@@ -146,9 +179,30 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_tick(&mut self) {
-        if let Some(engine) = &self.engine {
-            engine.on_tick(&ProxyHost);
+        let now = ProxyHost.now();
+        // Requests whose turn came go on (resumed in their own context).
+        let due: Vec<u32> = {
+            let mut w = self.waiters.borrow_mut();
+            if std::mem::take(&mut w.fast) {
+                self.ticking = WAIT_TICK;
+            }
+            let due = w.list.iter().filter(|(_, until)| *until <= now).map(|(ctx, _)| *ctx).collect();
+            w.list.retain(|(_, until)| *until > now);
+            due
+        };
+        for ctx in due {
+            if hostcalls::set_effective_context(ctx).is_ok() {
+                let _ = hostcalls::resume_http_request();
+            }
         }
+        if let Some(engine) = &self.engine {
+            if let Some(interval) = engine.tick_interval().filter(|_| now >= self.next_sync) {
+                self.next_sync = now.saturating_add(interval);
+                engine.on_tick(&ProxyHost);
+            }
+        }
+        let waiting = !self.waiters.borrow().list.is_empty();
+        tick_for(self.engine.as_deref(), waiting, &mut self.ticking);
     }
 
     fn on_configure(&mut self, size: usize) -> bool {
@@ -160,9 +214,14 @@ impl RootContext for Root {
         match Engine::configure(&ProxyHost, &document, self.engine.as_deref()) {
             Ok(engine) => {
                 ProxyHost.log(Level::Info, &format!("ratewall: loaded {} rules", engine.config().rules.len()));
-                if let Some(interval) = engine.tick_interval() {
-                    let _ = hostcalls::set_tick_period(std::time::Duration::from_nanos(interval));
-                }
+                let waiting = {
+                    let mut w = self.waiters.borrow_mut();
+                    if std::mem::take(&mut w.fast) {
+                        self.ticking = WAIT_TICK;
+                    }
+                    !w.list.is_empty()
+                };
+                tick_for(Some(&engine), waiting, &mut self.ticking);
                 self.engine = Some(Rc::new(engine));
                 true
             }
@@ -174,8 +233,15 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Request { engine: self.engine.clone(), response_headers: Vec::new(), asking: None }))
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Request {
+            engine: self.engine.clone(),
+            response_headers: Vec::new(),
+            asking: None,
+            id: context_id,
+            waiters: self.waiters.clone(),
+            waiting: None,
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -189,6 +255,10 @@ struct Request {
     response_headers: Vec<(&'static str, String)>,
     /// The ask this request is paused on.
     asking: Option<Asking>,
+    id: u32,
+    waiters: Waiters,
+    /// The turn this request waits for (or waited for: the root resumed it).
+    waiting: Option<Waiting>,
 }
 
 impl Request {
@@ -202,6 +272,30 @@ impl Request {
         let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
         hostcalls::send_http_response(u32::from(reply.status), headers, Some(reply.body.as_bytes())).is_err()
     }
+
+    /// Acts on a verdict: whether the request goes on now.
+    fn verdict(&mut self, verdict: Verdict) -> bool {
+        match verdict {
+            Verdict::Reply(reply) => self.reply(reply),
+            Verdict::Ask(asking) => {
+                self.asking = Some(asking);
+                false
+            }
+            Verdict::Wait(waiting) => {
+                self.response_headers.clone_from(&waiting.reply.headers);
+                let mut w = self.waiters.borrow_mut();
+                w.list.push((self.id, waiting.until));
+                // The root ticks fast while something waits (the period is the root's; this
+                // context's root is the effective one for the call).
+                if !w.fast {
+                    w.fast = hostcalls::set_tick_period(std::time::Duration::from_nanos(WAIT_TICK)).is_ok();
+                }
+                drop(w);
+                self.waiting = Some(waiting);
+                false
+            }
+        }
+    }
 }
 
 impl Drop for Request {
@@ -210,6 +304,14 @@ impl Drop for Request {
         // flight; the answer, if it comes, finds no context and is dropped.
         if let (Some(engine), Some(_)) = (&self.engine, self.asking.take()) {
             engine.ask_abandoned();
+        }
+        // Gone while it waited its turn (the root had not resumed it): the turn goes back.
+        if let (Some(engine), Some(waiting)) = (&self.engine, self.waiting.take()) {
+            let mut w = self.waiters.borrow_mut();
+            if let Some(i) = w.list.iter().position(|(ctx, _)| *ctx == self.id) {
+                w.list.swap_remove(i);
+                engine.give_back(&ProxyHost, waiting);
+            }
         }
     }
 }
@@ -220,8 +322,8 @@ impl Context for Request {
             return;
         };
         let (status, tag, body) = call_response(num_headers, body_size, asking.answer_cap());
-        let reply = engine.on_ask_response(&ProxyHost, asking, status, tag.as_deref(), &body);
-        if self.reply(reply) {
+        let verdict = engine.on_ask_response(&ProxyHost, asking, status, tag.as_deref(), &body);
+        if self.verdict(verdict) {
             let _ = hostcalls::resume_http_request();
         }
     }
@@ -232,18 +334,10 @@ impl HttpContext for Request {
         let Some(engine) = self.engine.clone() else {
             return Action::Continue;
         };
-        match engine.on_request(&ProxyHost) {
-            Verdict::Reply(reply) => {
-                if self.reply(reply) {
-                    Action::Continue
-                } else {
-                    Action::Pause
-                }
-            }
-            Verdict::Ask(asking) => {
-                self.asking = Some(asking);
-                Action::Pause
-            }
+        if self.verdict(engine.on_request(&ProxyHost)) {
+            Action::Continue
+        } else {
+            Action::Pause
         }
     }
 

@@ -176,7 +176,9 @@ impl Limit {
             (Algorithm::TokenBucket, Some(0)) => return Err(LimitError::Burst("must be at least 1")),
             (Algorithm::TokenBucket, Some(b)) if b > MAX_REQUESTS => return Err(LimitError::Burst("is too large")),
             (Algorithm::TokenBucket, Some(b)) => b,
-            (Algorithm::LeakyBucket, b) if b.unwrap_or(0) >= MAX_REQUESTS => return Err(LimitError::Burst("is too large")),
+            (Algorithm::LeakyBucket, b) if b.unwrap_or(0) >= MAX_REQUESTS => {
+                return Err(LimitError::Burst("is too large"))
+            }
             (Algorithm::LeakyBucket, b) => b.unwrap_or(0) + 1,
             (_, None) => requests,
             (_, Some(_)) => return Err(LimitError::Burst("applies only to token_bucket and leaky_bucket")),

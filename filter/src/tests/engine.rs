@@ -274,3 +274,63 @@ fn a_window_later_the_client_is_admitted_again() {
     h.advance(retry * 1_000 * MS);
     assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 1), [200], "waiting Retry-After is enough");
 }
+
+use ratewall_core::{Nanos, SECOND};
+
+const LEAKY: &str = r#"{
+  "identity": {"user": {"header": "x-user-id"}},
+  "rules": [
+    {"name": "shape", "match": {"path": "/q/*"}, "key": ["user"],
+     "limit": {"requests": 5, "per": "1s", "burst": 5, "algorithm": "leaky_bucket"}},
+    {"name": "cap", "match": {"path": "/q/capped"}, "key": ["user"], "limit": {"requests": 3, "per": "60s"}}
+  ]
+}"#;
+
+/// What the engine says to one request: `Ok(wait in ms)` for a pass (0: at once), `Err(status)`.
+fn shaped(e: &Engine, h: &FakeHost, path: &str) -> Result<Nanos, u16> {
+    h.request("GET", path, &[("x-user-id", "ann")]);
+    let now = h.now();
+    match e.on_request(h) {
+        Verdict::Reply(r) if r.passes() => Ok(0),
+        Verdict::Reply(r) => Err(r.status),
+        Verdict::Wait(w) => Ok((w.until - now) / 1_000_000),
+        Verdict::Ask(_) => panic!("no sync here"),
+    }
+}
+
+#[test]
+fn a_leaky_bucket_queues_a_burst_in_turns_and_rejects_past_its_queue() {
+    let h = FakeHost::new();
+    let e = engine(&h, LEAKY);
+    let out: Vec<Result<Nanos, u16>> = (0..12).map(|_| shaped(&e, &h, "/q/x")).collect();
+    let mut expected: Vec<Result<Nanos, u16>> = (0..6).map(|i| Ok(i * 200)).collect();
+    expected.extend([Err(429); 6]);
+    assert_eq!(out, expected);
+    assert_eq!(h.metric("ratewall_rule_shape_delayed"), 5);
+    assert_eq!(h.metric("ratewall_rule_shape_queue_full"), 6);
+    h.request("GET", "/q/x", &[("x-user-id", "ann")]);
+    let r = current(&e, &h);
+    assert_eq!(header(&r, "retry-after"), Some("1"), "a place frees in 200 ms, rounded up");
+}
+
+#[test]
+fn a_waiter_that_goes_away_gives_its_turn_back_and_a_rejection_elsewhere_takes_no_turn() {
+    let h = FakeHost::new();
+    let e = engine(&h, LEAKY);
+    assert_eq!(shaped(&e, &h, "/q/x"), Ok(0));
+    h.request("GET", "/q/x", &[("x-user-id", "ann")]);
+    let Verdict::Wait(w) = e.on_request(&h) else { panic!("queued") };
+    assert_eq!(shaped(&e, &h, "/q/x"), Ok(400));
+    // The 200 ms waiter leaves: the next request takes a turn 400 ms out, not 600.
+    e.give_back(&h, w);
+    assert_eq!(shaped(&e, &h, "/q/x"), Ok(400));
+    // "cap" rejects its fourth request: the leaky bucket's turn is refunded with it.
+    let h = FakeHost::new();
+    let e = engine(&h, LEAKY);
+    for _ in 0..3 {
+        assert!(shaped(&e, &h, "/q/capped").is_ok());
+        h.advance(SECOND);
+    }
+    assert_eq!(shaped(&e, &h, "/q/capped"), Err(429));
+    assert_eq!(shaped(&e, &h, "/q/x"), Ok(0), "the rejected request took no turn");
+}

@@ -21,6 +21,7 @@ fn current(e: &Engine, h: &FakeHost) -> Reply {
     match e.on_request(h) {
         Verdict::Reply(r) => r,
         Verdict::Ask(a) => panic!("unexpected ask {}", a.token),
+        Verdict::Wait(w) => panic!("unexpected wait until {}", w.until),
     }
 }
 

@@ -536,7 +536,7 @@ fn burst_until_ask(e: &Engine, h: &FakeHost) -> Option<crate::engine::Asking> {
         match e.on_request(h) {
             Verdict::Ask(a) => return Some(a),
             Verdict::Reply(r) if r.status == 200 => {}
-            Verdict::Reply(_) => return None,
+            Verdict::Reply(_) | Verdict::Wait(_) => return None,
         }
     }
     None
@@ -555,7 +555,7 @@ fn a_spent_grant_with_quota_left_at_the_store_asks_and_the_answer_admits() {
     assert_eq!(ask.deltas[0].units, 1);
     let before = counted(&s, &e, "/u/x", "ann", h.now());
     let (status, tag, body) = answer(&mut s, h.now(), SECRET, &calls[0]);
-    let r = e.on_ask_response(&h, asking, status, tag.as_deref(), &body);
+    let r = e.on_ask_response(&h, asking, status, tag.as_deref(), &body).into_reply();
     assert_eq!(r.status, 200);
     assert_eq!(h.metric("ratewall_sync_asks"), 1);
     assert_eq!(h.metric("ratewall_sync_asks_granted"), 1);
@@ -568,7 +568,7 @@ fn a_failed_ask_decides_the_request_on_what_the_node_holds() {
     let (e, _s) = spent_grant(&h);
     let asking = burst_until_ask(&e, &h).expect("the node asked");
     let _ = h.take_calls();
-    let r = e.on_ask_response(&h, asking, 0, None, &[]);
+    let r = e.on_ask_response(&h, asking, 0, None, &[]).into_reply();
     assert_eq!(r.status, 429);
     assert_eq!(h.metric("ratewall_sync_asks_granted"), 0);
 }
@@ -583,7 +583,7 @@ fn asks_in_flight_are_bounded_and_an_abandoned_one_frees_its_place() {
         h.request("GET", "/u/x", &[("x-user-id", "ann")]);
         match e.on_request(&h) {
             Verdict::Ask(a) => paused.push(a),
-            Verdict::Reply(r) => break r,
+            v => break v.into_reply(),
         }
         assert!(paused.len() <= 1_000, "unbounded asks");
     };
@@ -633,7 +633,7 @@ fn a_vm_whose_asks_time_out_stops_asking_for_a_while() {
     let asking = burst_until_ask(&e, &h).expect("the node asked");
     let _ = h.take_calls();
     // The store is further than max_wait: the host times the ask out.
-    assert_eq!(e.on_ask_response(&h, asking, 0, None, &[]).status, 429);
+    assert_eq!(e.on_ask_response(&h, asking, 0, None, &[]).into_reply().status, 429);
     assert!(burst_until_ask(&e, &h).is_none(), "no ask for a second: decided at once");
     assert_eq!(h.metric("ratewall_sync_asks"), 1);
     pass(&mut s, 1_000);
