@@ -156,6 +156,9 @@ pub fn parse_stored(value: &str, limit: Option<Limit>) -> Result<ratewall_core::
 }
 
 fn limit_json(l: &Limit) -> Value {
+    if l.delay() > 0 {
+        return json!([l.algorithm().as_str(), l.requests(), l.per(), l.capacity(), l.delay()]);
+    }
     json!([l.algorithm().as_str(), l.requests(), l.per(), l.capacity()])
 }
 
@@ -163,8 +166,13 @@ fn limit_from(v: &Value) -> Option<Limit> {
     let a = v.as_array()?;
     let algorithm = Algorithm::from_name(a.first()?.as_str()?)?;
     let (requests, per, capacity) = (a.get(1)?.as_u64()?, a.get(2)?.as_u64()?, a.get(3)?.as_u64()?);
-    let burst = (algorithm == Algorithm::TokenBucket).then_some(capacity);
-    Limit::new(algorithm, requests, per, burst).ok()
+    let burst = match algorithm {
+        Algorithm::TokenBucket => Some(capacity),
+        Algorithm::LeakyBucket => Some(capacity.checked_sub(1)?),
+        _ => None,
+    };
+    let delay = a.get(4).map_or(Some(0), Value::as_u64)?;
+    Limit::new(algorithm, requests, per, burst).ok()?.with_delay(delay).ok()
 }
 
 fn u64_field(v: &Value, name: &str) -> Option<u64> {
@@ -548,6 +556,18 @@ pub fn cached_denials(config: &Config, checks: &[Check], t: Nanos, cache: &mut B
     out
 }
 
+/// How long an admitted request waits before it is forwarded: its leaky-bucket rules' turn
+/// (the longest of them; enforcing rules only).
+pub fn wait_of(config: &Config, checks: &[Check], decisions: &[Result<Decision, StoreError>]) -> Nanos {
+    checks
+        .iter()
+        .zip(decisions)
+        .filter(|(c, _)| config.rules.get(c.rule).is_some_and(|r| r.mode == Mode::Enforce))
+        .filter_map(|(c, d)| d.as_ref().ok().map(|d| c.limit.wait(d, c.cost)))
+        .max()
+        .unwrap_or(0)
+}
+
 /// A [`Call::Take`]'s answer (`Err`: the call failed; a garbled answer is a failure too).
 pub fn take_answer(reply: Result<String, StoreError>) -> Result<Answer, StoreError> {
     reply.and_then(|body| Taken::decode(&body).map(Answer::Object).ok_or(StoreError::Unavailable))
@@ -679,6 +699,11 @@ mod tests {
             Call::Apply { limit, node: 1 << 60, seq: 9, units: 4 },
             Call::Ask { limit, node: 1 << 60, ask: 7, units: 1 },
             Call::Spend { limit, node: 3, seq: 4, units: 5, ask: 6, cost: 7 },
+            Call::Take {
+                limit: Limit::new(Algorithm::LeakyBucket, 5, SECOND, Some(10)).unwrap().with_delay(3).unwrap(),
+                cost: 1,
+            },
+            Call::Take { limit: Limit::new(Algorithm::LeakyBucket, 5, SECOND, None).unwrap(), cost: 1 },
         ] {
             assert_eq!(Call::decode(&call.encode()), Some(call));
         }

@@ -4,7 +4,7 @@
 use crate::edge::grants::{Answer, Grants, Local, REPORT_EVERY};
 use crate::edge::object::{AlarmPlan, Object};
 use crate::edge::{
-    cached_denials, checks_for, decisions, object_name, refund_calls, store, take_answer, BlockedCache, Call,
+    cached_denials, checks_for, decisions, object_name, refund_calls, store, take_answer, wait_of, BlockedCache, Call,
     LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
 };
 use futures_util::future::{join, join_all, select, Either};
@@ -286,7 +286,9 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let timeout = Duration::from_millis(var_u64(&env, "OBJECT_TIMEOUT_MS", 1000));
     let grants_on = var(&env, "ISOLATE_GRANTS").as_deref() != Some("off");
     let calls = checks.iter().map(|c| {
-        let exact = !grants_on || config.rules.get(c.rule).is_none_or(|r| r.exact);
+        // A leaky bucket's turn is the object's queue: always decided there.
+        let queues = c.limit.algorithm() == ratewall_core::Algorithm::LeakyBucket;
+        let exact = !grants_on || queues || config.rules.get(c.rule).is_none_or(|r| r.exact);
         answer(&env, &ctx, c, exact, t, timeout)
     });
     let answers = join_all(calls).await;
@@ -319,6 +321,11 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     count(&config, &outcome, &skipped, false);
     let reply = render(&config, &outcome);
     if reply.passes() {
+        // A leaky bucket's queued request waits its turn, then goes.
+        let wait = wait_of(&config, &checks, &decisions);
+        if wait > 0 {
+            Delay::from(Duration::from_nanos(wait)).await;
+        }
         forward(req, &env, &reply.headers).await
     } else {
         reply_response(&reply)

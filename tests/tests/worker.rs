@@ -28,7 +28,8 @@ const RULES: &str = r#"{
     {"name": "tight", "match": {"path": "/m/*", "method": "POST"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}},
     {"name": "watch", "match": {"path": "/s/*"}, "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "60s"}},
     {"name": "bucket", "match": {"path": "/tb/*"}, "key": ["user"], "limit": {"requests": 60, "per": "60s", "burst": 2}},
-    {"name": "strict", "match": {"path": "/cl/*"}, "key": ["user"], "on_store_failure": "closed", "limit": {"requests": 3, "per": "60s"}}
+    {"name": "strict", "match": {"path": "/cl/*"}, "key": ["user"], "on_store_failure": "closed", "limit": {"requests": 3, "per": "60s"}},
+    {"name": "shape", "match": {"path": "/q/*"}, "key": ["user"], "limit": {"requests": 5, "per": "1s", "burst": 5, "algorithm": "leaky_bucket"}}
   ]
 }"#;
 
@@ -341,4 +342,37 @@ fn wrangler_deploy_dry_run_uploads_the_built_worker_with_its_bindings() {
     assert_eq!(uploaded.as_ref().map(Vec::len), Some(built.len()));
     assert!(uploaded == Some(built), "the dry run bundles another wasm than dist/worker's");
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A leaky bucket in real workerd: 12 requests at once at 5/s with a queue of 5. One goes at
+/// once, five are forwarded at their turns (200 ms apart, never early), six are rejected at
+/// once. The tolerance for lateness is generous: local workerd on a loaded machine.
+#[test]
+fn a_leaky_bucket_forwards_a_burst_in_turns_and_rejects_past_its_queue() {
+    let w = start(&[]);
+    // Warm the isolate and the object's first load.
+    assert_eq!(w.request("GET", "/q/x", &[("x-user-id", "warm")], &[]).status, 200);
+    let start = std::time::Instant::now();
+    let mut done: Vec<(u16, u128)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..12)
+            .map(|_| {
+                let w = &w;
+                s.spawn(move || {
+                    let r = w.request("GET", "/q/x", &[("x-user-id", "queue")], &[]);
+                    (r.status, start.elapsed().as_millis())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    done.sort_by_key(|(status, at)| (*status, *at));
+    let statuses: Vec<u16> = done.iter().map(|(s, _)| *s).collect();
+    assert_eq!(statuses, [[200; 6].as_slice(), [429; 6].as_slice()].concat(), "{done:?}");
+    let passed: Vec<u128> = done.iter().filter(|(s, _)| *s == 200).map(|(_, at)| *at).collect();
+    let first = passed[0];
+    for (i, at) in passed.iter().enumerate().skip(1) {
+        let turn = first + 200 * i as u128;
+        assert!(*at + 20 >= turn, "request {i} went at {at} ms, before its turn at {turn} ms: {done:?}");
+        assert!(*at <= turn + 400, "request {i} went at {at} ms, long after its turn at {turn} ms: {done:?}");
+    }
 }
