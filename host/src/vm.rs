@@ -260,6 +260,18 @@ impl Vm {
         self.complete(ctx, reply).map(Some)
     }
 
+    /// A paused request whose client went away (the stream was reset): the end of its
+    /// stream without a response, as Envoy ends it.
+    pub fn abort(&mut self, ctx: u32) -> Result<()> {
+        let c = ctx as i32;
+        self.store.data_mut().effective_context = ctx;
+        self.guard(|s, e| e.done.call(s, c))?;
+        self.guard(|s, e| e.log.call(s, c))?;
+        self.guard(|s, e| e.delete.call(s, c))?;
+        self.store.data_mut().resumed.remove(&ctx);
+        Ok(())
+    }
+
     /// The rest of a request's life once its headers are decided: the upstream `200`
     /// response's headers when it passed, then the end of the stream.
     fn complete(&mut self, ctx: u32, reply: Option<LocalReply>) -> Result<FilterResult> {

@@ -14,6 +14,7 @@
 pub mod bench;
 pub mod conformance;
 pub mod redis;
+pub mod shaping;
 pub mod sim;
 pub mod workerd;
 pub mod worker_sim;

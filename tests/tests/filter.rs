@@ -433,3 +433,92 @@ fn many_identity_headers_and_many_matching_rules_all_count() {
     assert!(r.passed, "{r:?}");
     assert!(r.header("ratelimit").unwrap().starts_with("\"r18\";r=0;"), "{r:?}");
 }
+
+mod shaping {
+    use super::*;
+    use ratewall_tests::shaping::{burst, node, rules};
+
+    /// The turn of the `i`th queued request (from 0) at 5 per second.
+    fn turn(i: usize) -> u64 {
+        200 * MS * (i as u64 + 1)
+    }
+
+    #[test]
+    fn a_burst_is_queued_in_turns_across_vms_and_rejected_past_the_queue() {
+        let (node, mut vms) = node(&plugin(), &rules(5, 0), 3, T0).unwrap();
+        let b = burst(&node, &mut vms, 12, 1500, &[]).unwrap();
+        assert_eq!(b.at_once, 1, "{b:?}");
+        assert_eq!(b.forwarded.len(), 5, "{b:?}");
+        for (i, at) in b.forwarded.iter().enumerate() {
+            assert!(*at >= turn(i), "request {i} forwarded at {at} ns, before its turn: {b:?}");
+            assert!(*at <= turn(i) + 10 * MS, "request {i} forwarded more than 10 ms late: {b:?}");
+        }
+        assert_eq!(b.rejected, vec![Some("1".to_owned()); 6], "a place frees within a second");
+        assert_eq!(node.metric("ratewall_rule_shape_delayed"), 5);
+        assert_eq!(node.metric("ratewall_rule_shape_queue_full"), 6);
+        for vm in &vms {
+            assert_eq!(vm.tick_period_ms(), 0, "no ticks once nothing waits (no sync)");
+        }
+    }
+
+    #[test]
+    fn delay_lets_part_of_the_queue_through_at_once() {
+        // NGINX `burst=10 delay=3`: 3 of the queued go at once, 7 wait, 1 of 12 is rejected.
+        let (node, mut vms) = node(&plugin(), &rules(10, 3), 2, T0).unwrap();
+        let b = burst(&node, &mut vms, 12, 2000, &[]).unwrap();
+        assert_eq!((b.at_once, b.forwarded.len(), b.rejected.len()), (4, 7, 1), "{b:?}");
+        for (i, at) in b.forwarded.iter().enumerate() {
+            assert!((turn(i)..=turn(i) + 10 * MS).contains(at), "{i}: {at}: {b:?}");
+        }
+    }
+
+    #[test]
+    fn a_waiter_whose_client_leaves_gives_its_turn_to_the_next() {
+        let (node, mut vms) = node(&plugin(), &rules(5, 0), 2, T0).unwrap();
+        let b = burst(&node, &mut vms, 12, 1500, &[0]).unwrap();
+        // The first queued request left: the next took its turn, and one more fit the queue.
+        assert_eq!((b.at_once, b.forwarded.len(), b.rejected.len()), (1, 5, 5), "{b:?}");
+        assert!((turn(0)..=turn(0) + 10 * MS).contains(&b.forwarded[0]), "{b:?}");
+    }
+
+    #[test]
+    fn requests_waiting_through_a_rules_push_still_go_at_their_turns() {
+        let (node, mut vms) = node(&plugin(), &rules(5, 0), 2, T0).unwrap();
+        let req = HttpRequest::new("GET", "/q").header("x-user-id", "push");
+        let mut paused = Vec::new();
+        for i in 0..4 {
+            if let ratewall_tests::host::Started::Paused(ctx) = vms[i % 2].begin(&req).unwrap() {
+                paused.push((i % 2, ctx));
+            }
+        }
+        assert_eq!(paused.len(), 3);
+        // A push that adds a rule and keeps this one: the waiters keep their turns.
+        let mut doc: Value = serde_json::from_str(&rules(5, 0)).unwrap();
+        doc["rules"].as_array_mut().unwrap().push(
+            json!({"name": "other", "match": {"path": "/o/*"}, "key": ["user"], "limit": {"requests": 1, "per": "1s"}}),
+        );
+        for vm in &mut vms {
+            assert!(vm.configure(doc.to_string().as_bytes()).unwrap());
+            assert_eq!(vm.tick_period_ms(), 5, "still ticking for its waiters");
+        }
+        let mut went = Vec::new();
+        for _ in 0..700 {
+            node.advance(MS);
+            for vm in vms.iter_mut() {
+                vm.tick().unwrap();
+            }
+            paused.retain(|(v, ctx)| match vms[*v].finish(*ctx).unwrap() {
+                Some(r) => {
+                    assert!(r.passed);
+                    went.push(node.now() - T0);
+                    false
+                }
+                None => true,
+            });
+        }
+        assert_eq!(went.len(), 3, "all three went: {went:?}");
+        for (i, at) in went.iter().enumerate() {
+            assert!((turn(i)..=turn(i) + 10 * MS).contains(at), "{i}: {at}");
+        }
+    }
+}
