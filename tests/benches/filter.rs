@@ -129,6 +129,7 @@ fn main() {
         callback_alone(&mut vm, &mut base, &req, &limited);
         guest_instructions(&rules, &req, &limited);
         footprint(&filter);
+        shaping(&filter);
     }
     if let Ok(m) = std::fs::metadata(ratewall_tests::host::filter_wasm_path()) {
         figure("filter_wasm_bytes", m.len() as f64, "B");
@@ -204,4 +205,35 @@ fn footprint(filter: &Plugin) {
     figure("shared_data_bytes_per_tracked_key", bytes as f64 / 65_536.0, "B");
     figure("table_evictions_during_1m_keys", evictions as f64, "entries");
     figure("footprint_run_ns_per_request", start.elapsed().as_nanos() as f64 / 1e6, "ns");
+}
+
+/// The leaky bucket (`ratewall_tests::shaping`): 60 requests of one user at once over 4 VMs
+/// at 5 per second with a queue of 50, on the virtual clock (1 ms steps, each VM ticking at
+/// the period it asks for). Goals: at most one forwarded per 200 ms, and resumed within 10 ms
+/// of its turn.
+fn shaping(filter: &Plugin) {
+    let (node, mut vms) = ratewall_tests::shaping::node(filter, &ratewall_tests::shaping::rules(50, 0), 4, T0).unwrap();
+    let b = ratewall_tests::shaping::burst(&node, &mut vms, 60, 11_000, &[]).unwrap();
+    assert_eq!((b.at_once, b.forwarded.len(), b.rejected.len()), (1, 50, 9), "{b:?}");
+    let interval = 200 * ratewall_tests::shaping::MS;
+    // Most forwarded in one interval of the schedule ([k, k+1) intervals after the burst),
+    // and in any sliding window of one interval (which the ticks' jitter can put two in).
+    let mut slots = std::collections::BTreeMap::new();
+    for &t in &b.forwarded {
+        *slots.entry(t / interval).or_insert(0usize) += 1;
+    }
+    let most = slots.values().copied().max();
+    let sliding = b.forwarded.iter().map(|&t| b.forwarded.iter().filter(|&&u| u >= t && u < t + interval).count()).max();
+    let mut late: Vec<f64> = b
+        .forwarded
+        .iter()
+        .enumerate()
+        .map(|(i, &at)| (at as f64 - interval as f64 * (i as f64 + 1.0)) / 1e6)
+        .collect();
+    late.sort_by(f64::total_cmp);
+    let p99 = late[((late.len() - 1) as f64 * 0.99).round() as usize];
+    figure("shaping_max_forwarded_per_interval", most.unwrap_or(0) as f64, "requests");
+    figure("shaping_max_forwarded_per_sliding_interval", sliding.unwrap_or(0) as f64, "requests");
+    figure("shaping_resume_lateness_p99_ms", p99, "ms");
+    figure("shaping_resume_earliest_ms", late[0], "ms");
 }

@@ -64,7 +64,9 @@ pub fn burst(node: &Node, vms: &mut [Vm], n: usize, run_ms: u64, abort: &[usize]
             }
         }
     }
-    let mut last_tick = vec![start; vms.len()];
+    // Each VM's ticks run on their own phase (a proxy's tick timer starts when it was set),
+    // so turns do not fall on ticks by construction.
+    let mut last_tick: Vec<u64> = (0..vms.len() as u64).map(|v| start - (1 + v * 2) % 5 * MS).collect();
     for _ in 0..run_ms {
         node.advance(MS);
         let now = node.now();
