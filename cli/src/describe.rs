@@ -27,9 +27,14 @@ pub fn duration(ns: Nanos) -> String {
 
 /// A limit in words: `5 per 60s`, with its burst and algorithm.
 pub fn limit_text(l: &Limit) -> String {
+    if l.algorithm() == Algorithm::Concurrent {
+        return format!("{} in flight (held at most {})", l.requests(), duration(l.per()));
+    }
     let mut s = format!("{} per {} ({}", l.requests(), duration(l.per()), l.algorithm().as_str());
-    if l.algorithm() == Algorithm::TokenBucket {
-        s.push_str(&format!(", burst {}", l.capacity()));
+    match (l.algorithm(), l.burst()) {
+        (Algorithm::LeakyBucket, Some(b)) => s.push_str(&format!(", burst {b}, delay {}", l.delay())),
+        (_, Some(b)) => s.push_str(&format!(", burst {b}")),
+        _ => {}
     }
     s.push(')');
     s
@@ -37,9 +42,15 @@ pub fn limit_text(l: &Limit) -> String {
 
 /// A limit as JSON, in the document's terms.
 pub fn limit_json(l: &Limit) -> Value {
+    if l.algorithm() == Algorithm::Concurrent {
+        return json!({"concurrent": l.requests(), "hold_max": duration(l.per())});
+    }
     let mut v = json!({"requests": l.requests(), "per": duration(l.per()), "algorithm": l.algorithm().as_str()});
-    if l.algorithm() == Algorithm::TokenBucket {
-        v["burst"] = json!(l.capacity());
+    if let Some(b) = l.burst() {
+        v["burst"] = json!(b);
+    }
+    if l.delay() > 0 {
+        v["delay"] = json!(l.delay());
     }
     v
 }

@@ -11,7 +11,7 @@ fn duration(description: &str) -> Value {
 }
 
 fn limit(description: &str) -> Value {
-    json!({
+    let rate = json!({
         "type": "object",
         "description": description,
         "additionalProperties": false,
@@ -23,7 +23,18 @@ fn limit(description: &str) -> Value {
             "delay": {"type": "integer", "minimum": 0, "description": "leaky_bucket only: how many of the queued requests go at once, like NGINX limit_req delay= (default 0, at most burst)."},
             "algorithm": {"$ref": "#/$defs/algorithm"}
         }
-    })
+    });
+    let concurrent = json!({
+        "type": "object",
+        "description": format!("{description} At most this many requests of a key in flight."),
+        "additionalProperties": false,
+        "required": ["concurrent"],
+        "properties": {
+            "concurrent": {"type": "integer", "minimum": 1, "maximum": 10000, "description": "Requests in flight at once (per proxy in the filter, global in the Worker); over it: 429 with Retry-After: 1."},
+            "hold_max": duration("A slot not given back within this is released anyway (default 60s, at most 1h).")
+        }
+    });
+    json!({"description": description, "oneOf": [rate, concurrent]})
 }
 
 /// The schema as a value.

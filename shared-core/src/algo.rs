@@ -57,6 +57,10 @@ pub enum Algorithm {
     /// Leaky bucket that queues (NGINX `limit_req`): one request per `per / requests`
     /// leaves; `burst` more wait their turn, the first `delay` of them without waiting.
     LeakyBucket = 4,
+    /// Requests in flight (`limit.concurrent`): at most `requests` slots, each taken on
+    /// admission and given back ([`Limit::refund`]) when the response completes, or after
+    /// `per` (`hold_max`) anyway. Counted like the sliding log, whose window is `hold_max`.
+    Concurrent = 5,
 }
 
 impl Algorithm {
@@ -68,17 +72,19 @@ impl Algorithm {
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::SlidingLog => "sliding_log",
             Algorithm::LeakyBucket => "leaky_bucket",
+            Algorithm::Concurrent => "concurrent",
         }
     }
 
     /// Every algorithm, in the order of its wire code: the one list names, codes and error
     /// messages are derived from.
-    pub const ALL: [Algorithm; 5] = [
+    pub const ALL: [Algorithm; 6] = [
         Algorithm::TokenBucket,
         Algorithm::SlidingWindow,
         Algorithm::FixedWindow,
         Algorithm::SlidingLog,
         Algorithm::LeakyBucket,
+        Algorithm::Concurrent,
     ];
 
     /// Its code on the wire and in limit fingerprints (docs/sync-protocol.md): its index in
@@ -95,6 +101,7 @@ impl Algorithm {
             2 => Algorithm::FixedWindow,
             3 => Algorithm::SlidingLog,
             4 => Algorithm::LeakyBucket,
+            5 => Algorithm::Concurrent,
             _ => return None,
         })
     }
@@ -108,12 +115,14 @@ impl Algorithm {
             "fixed_window" => Algorithm::FixedWindow,
             "sliding_log" => Algorithm::SlidingLog,
             "leaky_bucket" => Algorithm::LeakyBucket,
+            "concurrent" => Algorithm::Concurrent,
             _ => return None,
         })
     }
 }
 
-/// [`Algorithm::ALL`]'s names, for messages (a constant: joining them at run time cost the
+/// The names a rule's `algorithm` takes ([`Algorithm::ALL`] but `concurrent`, which a
+/// `limit.concurrent` selects), for messages (a constant: joining them at run time cost the
 /// filter's wasm ~200 bytes; a test holds it to the list).
 pub const ALGORITHM_NAMES: &str = "token_bucket, sliding_window, fixed_window, sliding_log, leaky_bucket";
 
@@ -164,7 +173,10 @@ impl Limit {
     /// capacity, or how many requests a leaky bucket queues (default 0; its capacity is one
     /// more, the request being served).
     pub fn new(algorithm: Algorithm, requests: u64, per: Nanos, burst: Option<u64>) -> Result<Self, LimitError> {
-        let max_requests = if algorithm == Algorithm::SlidingLog { MAX_SLIDING_LOG_REQUESTS } else { MAX_REQUESTS };
+        let max_requests = match algorithm {
+            Algorithm::SlidingLog | Algorithm::Concurrent => MAX_SLIDING_LOG_REQUESTS,
+            _ => MAX_REQUESTS,
+        };
         if requests == 0 || requests > max_requests {
             return Err(LimitError::Requests(requests));
         }
@@ -281,6 +293,13 @@ impl Limit {
             Algorithm::SlidingWindow => self.sliding_window(state, now, cost),
             Algorithm::FixedWindow => self.fixed_window(state, now, cost),
             Algorithm::SlidingLog => self.sliding_log(state, now, cost),
+            Algorithm::Concurrent => {
+                // Slots free as responses complete, not on a schedule: a denied client is
+                // told to retry in a second, and the quota has no reset time to announce.
+                let (d, s) = self.sliding_log(state, now, cost);
+                let retry_after = if d.allowed { None } else { d.retry_after.map(|_| SECOND) };
+                (Decision { reset_after: SECOND, retry_after, ..d }, s)
+            }
         }
     }
 
@@ -311,7 +330,7 @@ impl Limit {
                     state.clone()
                 }
             }
-            (Algorithm::SlidingLog, State::SlidingLog { newest, counts }) => {
+            (Algorithm::SlidingLog | Algorithm::Concurrent, State::SlidingLog { newest, counts }) => {
                 // Units consumed in a slot since merged into a later one (the clock stepped
                 // back) are in the newest slot.
                 let back = newest.saturating_sub(consumed_at / self.quantum());
@@ -346,7 +365,7 @@ impl Limit {
             (Algorithm::FixedWindow, State::FixedWindow { window, .. }) => {
                 window.saturating_add(1).saturating_mul(self.per)
             }
-            (Algorithm::SlidingLog, State::SlidingLog { newest, counts }) => {
+            (Algorithm::SlidingLog | Algorithm::Concurrent, State::SlidingLog { newest, counts }) => {
                 match counts.iter().rposition(|&c| c > 0) {
                     Some(i) => self.slot_expiry(newest.saturating_sub((LOG_SLOTS - 1 - i) as u64)),
                     None => 0,
@@ -470,7 +489,7 @@ impl Limit {
                 let (window, count) = self.fixed_roll(state, now);
                 State::FixedWindow { window, count: clamp_u32(count.saturating_add(units)) }
             }
-            Algorithm::SlidingLog => {
+            Algorithm::SlidingLog | Algorithm::Concurrent => {
                 let (newest, mut counts) = self.log_roll(state, now);
                 if let Some(c) = counts.last_mut() {
                     *c = c.saturating_add(clamp_u16(units));
@@ -700,8 +719,9 @@ mod tests {
             assert_eq!(Algorithm::from_code(a.code()), Some(a));
             assert_eq!(Algorithm::from_name(a.as_str()), Some(a));
         }
-        assert_eq!(Algorithm::from_code(5), None);
-        let names: alloc::vec::Vec<&str> = Algorithm::ALL.iter().map(|a| a.as_str()).collect();
+        assert_eq!(Algorithm::from_code(6), None);
+        let names: alloc::vec::Vec<&str> =
+            Algorithm::ALL.iter().filter(|a| **a != Algorithm::Concurrent).map(|a| a.as_str()).collect();
         assert_eq!(ALGORITHM_NAMES, names.join(", "));
         assert_eq!(Algorithm::from_name("leaky"), None);
         assert_eq!(Algorithm::from_name("leaky_bucket"), Some(Algorithm::LeakyBucket));
@@ -792,6 +812,24 @@ mod tests {
             assert!(!d.allowed, "{a:?}");
             assert_eq!(d.remaining, 0, "{a:?}");
         }
+    }
+
+    #[test]
+    fn a_concurrency_limit_takes_slots_gives_them_back_and_frees_them_after_hold_max() {
+        let limit = Limit::new(Algorithm::Concurrent, 2, 60 * SECOND, None).unwrap();
+        let t = 1_000 * SECOND;
+        let (a, s) = limit.decide(&State::Fresh, t, 1);
+        let (b, s) = limit.decide(&s, t + MS, 1);
+        let (c, s) = limit.decide(&s, t + 2 * MS, 1);
+        assert!(a.allowed && b.allowed && !c.allowed);
+        assert_eq!(c.retry_after, Some(SECOND), "Retry-After: 1");
+        // The first response completes: its slot is free at once.
+        let s = limit.refund(&s, t, 1);
+        let (d, s) = limit.decide(&s, t + 3 * MS, 1);
+        assert!(d.allowed);
+        // Releases lost: the slots free after hold_max (and at most an eighth more).
+        assert!(!limit.decide(&s, t + 59 * SECOND, 1).0.allowed);
+        assert!(limit.decide(&s, t + 68 * SECOND, 1).0.allowed);
     }
 
     #[test]

@@ -30,6 +30,10 @@ pub fn push_policy_item(out: &mut String, name: &str, quota: u64, limit: &Limit)
     out.push_str(name);
     out.push_str("\";q=");
     push_decimal(out, quota);
+    if limit.algorithm() == crate::algo::Algorithm::Concurrent {
+        out.push_str(";qu=\"concurrent-requests\"");
+        return;
+    }
     out.push_str(";w=");
     push_decimal(out, window_secs(limit));
 }

@@ -638,15 +638,40 @@ fn method(s: &str, path: &str) -> Result<String, ConfigError> {
 /// An algorithm's name; the error lists [`Algorithm::ALL`].
 fn parse_algorithm(v: &Value, path: &str) -> Result<Algorithm, ConfigError> {
     let s = string(v, path)?;
-    Algorithm::from_name(s).ok_or_else(|| ConfigError {
+    Algorithm::from_name(s).filter(|a| *a != Algorithm::Concurrent).ok_or_else(|| ConfigError {
         path: path.into(),
         reason: format!("\"{s}\" is not one of {}", crate::algo::ALGORITHM_NAMES),
     })
 }
 
+/// `{"concurrent": N, "hold_max": "60s"}`: at most N requests in flight, a slot held at
+/// most `hold_max` (1 ms to 1 h).
+fn parse_concurrent(m: &Map, n: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Limit, ConfigError> {
+    for other in ["requests", "per", "burst", "delay", "algorithm"] {
+        if m.get(other).is_some() {
+            return err(&join(path, other), "does not go with concurrent");
+        }
+    }
+    if algorithm.is_some() {
+        return err(path, "a concurrent limit takes no algorithm");
+    }
+    let n = bounded(n, &join(path, "concurrent"), 1, crate::algo::MAX_SLIDING_LOG_REQUESTS)?;
+    let hold = match m.get("hold_max") {
+        None => 60 * crate::algo::SECOND,
+        Some(h) => duration_field(h, &join(path, "hold_max"), 1_000_000, 3600 * crate::algo::SECOND)?,
+    };
+    Limit::new(Algorithm::Concurrent, n, hold, None).or_else(|e| err(path, e.to_string()))
+}
+
 fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Limit, ConfigError> {
     let m = object(v, path)?;
-    known_fields(m, path, &["requests", "per", "burst", "delay", "algorithm"])?;
+    known_fields(m, path, &["requests", "per", "burst", "delay", "algorithm", "concurrent", "hold_max"])?;
+    if let Some(n) = m.get("concurrent") {
+        return parse_concurrent(m, n, path, algorithm);
+    }
+    if m.get("hold_max").is_some() {
+        return err(&join(path, "hold_max"), "applies only to a concurrent limit");
+    }
     let requests = match m.get("requests") {
         Some(r) => bounded(r, &join(path, "requests"), 1, MAX_REQUESTS)?,
         None => return err(&join(path, "requests"), "is required"),
@@ -732,6 +757,32 @@ mod tests {
             Err("rules[0].limit.burst: must be at least 1".into()),
             "a token bucket of no capacity"
         );
+    }
+
+    #[test]
+    fn a_concurrent_limit_is_slots_held_at_most_hold_max() {
+        let rule = |l: &str, extra: &str| {
+            let doc = format!(r#"{{"rules":[{{"name":"a","key":["ip"],"limit":{l}{extra}}}]}}"#);
+            Config::parse(doc.as_bytes()).map(|c| c.rules[0].clone()).map_err(|e| e.to_string())
+        };
+        let r = rule(r#"{"concurrent":10}"#, "").unwrap();
+        assert_eq!((r.limit.algorithm(), r.limit.requests(), r.limit.per()), (Algorithm::Concurrent, 10, 60 * crate::algo::SECOND));
+        assert_eq!(r.policy_item, r#""a";q=10;qu="concurrent-requests""#);
+        assert_eq!(rule(r#"{"concurrent":2,"hold_max":"5s"}"#, "").unwrap().limit.per(), 5 * crate::algo::SECOND);
+        assert_eq!(
+            rule(r#"{"concurrent":2,"per":"1s"}"#, ""),
+            Err("rules[0].limit.per: does not go with concurrent".into())
+        );
+        assert_eq!(
+            rule(r#"{"concurrent":2}"#, r#","algorithm":"token_bucket""#),
+            Err("rules[0].limit: a concurrent limit takes no algorithm".into())
+        );
+        assert_eq!(
+            rule(r#"{"requests":2,"per":"1s","hold_max":"5s"}"#, ""),
+            Err("rules[0].limit.hold_max: applies only to a concurrent limit".into())
+        );
+        assert!(rule(r#"{"requests":2,"per":"1s","algorithm":"concurrent"}"#, "").unwrap_err().contains("is not one of"));
+        assert!(rule(r#"{"concurrent":0}"#, "").is_err());
     }
 
     #[test]
