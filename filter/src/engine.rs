@@ -32,6 +32,8 @@ struct RuleMetrics {
     /// queue was full.
     delayed: Option<u32>,
     queue_full: Option<u32>,
+    /// Concurrency rules only: requests in flight (the proxy's, as last seen).
+    in_flight: Option<u32>,
 }
 
 /// Node-wide metric ids.
@@ -51,6 +53,15 @@ pub enum Verdict {
     Ask(Asking),
     /// Admitted by a leaky bucket: wait, paused, for its turn, then pass with this reply.
     Wait(Waiting),
+    /// Passes, holding concurrency slots until the request ends ([`Engine::release`]).
+    Hold(Reply, Slots),
+}
+
+/// The concurrency slots a request holds: given back when it ends.
+#[derive(Debug, Default)]
+pub struct Slots {
+    checks: Vec<Check>,
+    at: Nanos,
 }
 
 impl Verdict {
@@ -58,7 +69,7 @@ impl Verdict {
     #[cfg(test)]
     pub fn into_reply(self) -> Reply {
         match self {
-            Verdict::Reply(r) | Verdict::Wait(Waiting { reply: r, .. }) => r,
+            Verdict::Reply(r) | Verdict::Wait(Waiting { reply: r, .. }) | Verdict::Hold(r, _) => r,
             Verdict::Ask(_) => Reply { status: 429, headers: Vec::new(), body: String::new() },
         }
     }
@@ -74,6 +85,8 @@ pub struct Waiting {
     /// The leaky-bucket checks it took a turn from, given back if it never goes.
     turns: Vec<Check>,
     at: Nanos,
+    /// Its concurrency slots, held while it waits and after.
+    pub slots: Slots,
 }
 
 /// A request paused on an ask: what deciding it again needs.
@@ -124,6 +137,11 @@ fn share(limit: Limit, nodes: u32) -> Limit {
     Limit::new(limit.algorithm(), (limit.requests() / n).max(1), limit.per(), burst).unwrap_or(limit)
 }
 
+/// Whether a rule counts requests in flight.
+fn concurrent(r: &ratewall_core::rules::Rule) -> bool {
+    r.limit.algorithm() == ratewall_core::Algorithm::Concurrent
+}
+
 /// Whether a rule queues (its default limit is a leaky bucket).
 fn leaky(r: &ratewall_core::rules::Rule) -> bool {
     r.limit.algorithm() == ratewall_core::Algorithm::LeakyBucket
@@ -156,6 +174,7 @@ impl Engine {
                 store_failed: host.define_counter(&metric_name(&r.name, "store_failed")),
                 delayed: leaky(r).then(|| host.define_counter(&metric_name(&r.name, "delayed"))).flatten(),
                 queue_full: leaky(r).then(|| host.define_counter(&metric_name(&r.name, "queue_full"))).flatten(),
+                in_flight: concurrent(r).then(|| host.define_gauge(&metric_name(&r.name, "in_flight"))).flatten(),
             })
             .collect();
         let node = NodeMetrics {
@@ -323,11 +342,35 @@ impl Engine {
     }
 
     /// A request that waited its turn went away before it: its turns go back to the queues,
-    /// so the requests after it are not held for it.
+    /// so the requests after it are not held for it, and its slots are given back.
     pub fn give_back(&self, host: &dyn Host, waiting: Waiting) {
         let mut counters = TableCounters::new(&self.table, host, Grants::Off, &[]);
         for c in &waiting.turns {
             let _ = ratewall_core::eval::Counters::refund(&mut counters, c, waiting.at);
+        }
+        self.release(host, waiting.slots);
+    }
+
+    /// A request that held concurrency slots ended (its response completed, or its stream
+    /// was reset): the slots are free again.
+    pub fn release(&self, host: &dyn Host, slots: Slots) {
+        let mut counters = TableCounters::new(&self.table, host, Grants::Off, &[]);
+        for c in &slots.checks {
+            let _ = ratewall_core::eval::Counters::refund(&mut counters, c, slots.at);
+            // The gauge from the state as released (a read; nothing is written).
+            let mut remaining = None;
+            let _ = ratewall_core::eval::Counters::update(&mut counters, c, host.now(), &mut |s, _| {
+                remaining = Some(c.limit.decide(s, host.now(), 0).0.remaining);
+                None
+            });
+            self.in_flight(host, c, remaining);
+        }
+    }
+
+    /// Sets a concurrency rule's in-flight gauge from the slots `remaining`.
+    fn in_flight(&self, host: &dyn Host, c: &Check, remaining: Option<u64>) {
+        if let (Some(id), Some(r)) = (self.rules.get(c.rule).and_then(|m| m.in_flight), remaining) {
+            host.set_gauge(id, c.limit.requests().saturating_sub(r));
         }
     }
 
@@ -366,7 +409,7 @@ impl Engine {
                 s.degraded(host);
                 unavailable = self.config.rules.iter().map(|r| r.on_store_failure == FailurePolicy::Closed).collect();
                 let nodes = s.nodes();
-                for c in &mut checks {
+                for c in checks.iter_mut().filter(|c| c.limit.algorithm() != ratewall_core::Algorithm::Concurrent) {
                     c.limit = share(c.limit, nodes);
                 }
                 (Grants::Off, s.store_now(now))
@@ -405,6 +448,9 @@ impl Engine {
             // counter is named with 0 units: the next batch asks the store for a new grant
             // (its window may have rolled over, or quota come back).
             for ((c, real), o) in checks.iter().zip(&real_limits).zip(&outcome.checks) {
+                if c.limit.algorithm() == ratewall_core::Algorithm::Concurrent {
+                    continue;
+                }
                 if let CheckResult::Decided(d) = o.result {
                     let counted = paid.contains(&c.key.as_slice());
                     let units = if d.allowed && !outcome.rejected && !counted { c.cost } else { 0 };
@@ -412,19 +458,29 @@ impl Engine {
                 }
             }
         }
-        // A leaky bucket's admitted request waits its turn (the longest of its queues').
+        // A leaky bucket's admitted request waits its turn (the longest of its queues'); a
+        // concurrency rule's holds its slot until it ends.
         let mut wait = 0;
-        let mut turns = Vec::new();
+        let (mut turns, mut slots) = (Vec::new(), Vec::new());
         for (c, o) in checks.iter().zip(&outcome.checks) {
-            if let (CheckResult::Decided(d), false) = (o.result, outcome.rejected) {
-                if c.limit.algorithm() == ratewall_core::Algorithm::LeakyBucket && d.allowed {
+            let CheckResult::Decided(d) = o.result else { continue };
+            match c.limit.algorithm() {
+                ratewall_core::Algorithm::LeakyBucket if d.allowed && !outcome.rejected => {
                     if o.mode == ratewall_core::rules::Mode::Enforce {
                         wait = wait.max(c.limit.wait(&d, c.cost));
                     }
                     turns.push(c.clone());
                 }
+                ratewall_core::Algorithm::Concurrent => {
+                    self.in_flight(host, c, Some(d.remaining));
+                    if d.allowed && !outcome.rejected {
+                        slots.push(c.clone());
+                    }
+                }
+                _ => {}
             }
         }
+        let slots = Slots { checks: slots, at: now };
         for (rule, tally) in outcome.tally(&skipped) {
             let Some(m) = self.rules.get(rule) else { continue };
             match tally {
@@ -449,7 +505,10 @@ impl Engine {
         }
         let reply = render(&self.config, &outcome);
         if wait == 0 {
-            return Verdict::Reply(reply);
+            if slots.checks.is_empty() {
+                return Verdict::Reply(reply);
+            }
+            return Verdict::Hold(reply, slots);
         }
         for (c, o) in checks.iter().zip(&outcome.checks) {
             if matches!(o.result, CheckResult::Decided(d) if c.limit.wait(&d, c.cost) > 0) {
@@ -458,6 +517,6 @@ impl Engine {
                 }
             }
         }
-        Verdict::Wait(Waiting { until: host.now().saturating_add(wait), reply, turns, at: now })
+        Verdict::Wait(Waiting { until: host.now().saturating_add(wait), reply, turns, at: now, slots })
     }
 }

@@ -1,7 +1,7 @@
 //! The thin proxy-wasm layer: implements [`Host`] with the SDK's host calls (the variants
 //! that return errors rather than panic) and wires contexts to the [`Engine`].
 
-use crate::engine::{Asking, Engine, Verdict, Waiting};
+use crate::engine::{Asking, Engine, Slots, Verdict, Waiting};
 use crate::host::{Host, Level, SetError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -241,6 +241,7 @@ impl RootContext for Root {
             id: context_id,
             waiters: self.waiters.clone(),
             waiting: None,
+            slots: None,
         }))
     }
 
@@ -259,6 +260,8 @@ struct Request {
     waiters: Waiters,
     /// The turn this request waits for (or waited for: the root resumed it).
     waiting: Option<Waiting>,
+    /// The concurrency slots it holds until it ends.
+    slots: Option<Slots>,
 }
 
 impl Request {
@@ -277,6 +280,10 @@ impl Request {
     fn verdict(&mut self, verdict: Verdict) -> bool {
         match verdict {
             Verdict::Reply(reply) => self.reply(reply),
+            Verdict::Hold(reply, slots) => {
+                self.slots = Some(slots);
+                self.reply(reply)
+            }
             Verdict::Ask(asking) => {
                 self.asking = Some(asking);
                 false
@@ -305,13 +312,26 @@ impl Drop for Request {
         if let (Some(engine), Some(_)) = (&self.engine, self.asking.take()) {
             engine.ask_abandoned();
         }
+        let Some(engine) = &self.engine else { return };
         // Gone while it waited its turn (the root had not resumed it): the turn goes back.
-        if let (Some(engine), Some(waiting)) = (&self.engine, self.waiting.take()) {
+        // Resumed, it only gives back its concurrency slots, as every request does when it
+        // ends (completed or reset).
+        if let Some(waiting) = self.waiting.take() {
             let mut w = self.waiters.borrow_mut();
-            if let Some(i) = w.list.iter().position(|(ctx, _)| *ctx == self.id) {
-                w.list.swap_remove(i);
-                engine.give_back(&ProxyHost, waiting);
+            match w.list.iter().position(|(ctx, _)| *ctx == self.id) {
+                Some(i) => {
+                    w.list.swap_remove(i);
+                    drop(w);
+                    engine.give_back(&ProxyHost, waiting);
+                }
+                None => {
+                    drop(w);
+                    engine.release(&ProxyHost, waiting.slots);
+                }
             }
+        }
+        if let Some(slots) = self.slots.take() {
+            engine.release(&ProxyHost, slots);
         }
     }
 }

@@ -415,12 +415,14 @@ impl Counters for TableCounters<'_> {
         now: Nanos,
         f: &mut dyn FnMut(&State, u64) -> ratewall_core::eval::Write,
     ) -> Result<(), StoreError> {
-        if self.unavailable.get(check.rule).copied().unwrap_or(false) {
+        let limit = check.limit;
+        // Requests in flight are counted per proxy: no store, no grants.
+        let local = limit.algorithm() == ratewall_core::Algorithm::Concurrent;
+        if !local && self.unavailable.get(check.rule).copied().unwrap_or(false) {
             return Err(StoreError::Unavailable);
         }
-        let limit = check.limit;
         let cost = u32::try_from(check.cost).unwrap_or(u32::MAX);
-        let (grants, refunding) = (self.grants, self.refunding);
+        let (grants, refunding) = (if local { Grants::Off } else { self.grants }, self.refunding);
         let initial = match grants {
             Grants::On { nodes } => u32::try_from((limit.quota() / u64::from(nodes.max(1))).max(1)).unwrap_or(u32::MAX),
             Grants::Off => u32::MAX,

@@ -766,7 +766,10 @@ mod tests {
             Config::parse(doc.as_bytes()).map(|c| c.rules[0].clone()).map_err(|e| e.to_string())
         };
         let r = rule(r#"{"concurrent":10}"#, "").unwrap();
-        assert_eq!((r.limit.algorithm(), r.limit.requests(), r.limit.per()), (Algorithm::Concurrent, 10, 60 * crate::algo::SECOND));
+        assert_eq!(
+            (r.limit.algorithm(), r.limit.requests(), r.limit.per()),
+            (Algorithm::Concurrent, 10, 60 * crate::algo::SECOND)
+        );
         assert_eq!(r.policy_item, r#""a";q=10;qu="concurrent-requests""#);
         assert_eq!(rule(r#"{"concurrent":2,"hold_max":"5s"}"#, "").unwrap().limit.per(), 5 * crate::algo::SECOND);
         assert_eq!(
@@ -781,7 +784,9 @@ mod tests {
             rule(r#"{"requests":2,"per":"1s","hold_max":"5s"}"#, ""),
             Err("rules[0].limit.hold_max: applies only to a concurrent limit".into())
         );
-        assert!(rule(r#"{"requests":2,"per":"1s","algorithm":"concurrent"}"#, "").unwrap_err().contains("is not one of"));
+        assert!(rule(r#"{"requests":2,"per":"1s","algorithm":"concurrent"}"#, "")
+            .unwrap_err()
+            .contains("is not one of"));
         assert!(rule(r#"{"concurrent":0}"#, "").is_err());
     }
 

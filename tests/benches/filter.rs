@@ -223,13 +223,10 @@ fn shaping(filter: &Plugin) {
         *slots.entry(t / interval).or_insert(0usize) += 1;
     }
     let most = slots.values().copied().max();
-    let sliding = b.forwarded.iter().map(|&t| b.forwarded.iter().filter(|&&u| u >= t && u < t + interval).count()).max();
-    let mut late: Vec<f64> = b
-        .forwarded
-        .iter()
-        .enumerate()
-        .map(|(i, &at)| (at as f64 - interval as f64 * (i as f64 + 1.0)) / 1e6)
-        .collect();
+    let sliding =
+        b.forwarded.iter().map(|&t| b.forwarded.iter().filter(|&&u| u >= t && u < t + interval).count()).max();
+    let mut late: Vec<f64> =
+        b.forwarded.iter().enumerate().map(|(i, &at)| (at as f64 - interval as f64 * (i as f64 + 1.0)) / 1e6).collect();
     late.sort_by(f64::total_cmp);
     let p99 = late[((late.len() - 1) as f64 * 0.99).round() as usize];
     figure("shaping_max_forwarded_per_interval", most.unwrap_or(0) as f64, "requests");

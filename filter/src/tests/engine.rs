@@ -291,8 +291,8 @@ fn shaped(e: &Engine, h: &FakeHost, path: &str) -> Result<Nanos, u16> {
     h.request("GET", path, &[("x-user-id", "ann")]);
     let now = h.now();
     match e.on_request(h) {
-        Verdict::Reply(r) if r.passes() => Ok(0),
-        Verdict::Reply(r) => Err(r.status),
+        Verdict::Reply(r) | Verdict::Hold(r, _) if r.passes() => Ok(0),
+        Verdict::Reply(r) | Verdict::Hold(r, _) => Err(r.status),
         Verdict::Wait(w) => Ok((w.until - now) / 1_000_000),
         Verdict::Ask(_) => panic!("no sync here"),
     }
@@ -333,4 +333,59 @@ fn a_waiter_that_goes_away_gives_its_turn_back_and_a_rejection_elsewhere_takes_n
     }
     assert_eq!(shaped(&e, &h, "/q/capped"), Err(429));
     assert_eq!(shaped(&e, &h, "/q/x"), Ok(0), "the rejected request took no turn");
+}
+
+const CONCURRENT: &str = r#"{
+  "identity": {"user": {"header": "x-user-id"}},
+  "rules": [
+    {"name": "flight", "match": {"path": "/slow/*"}, "key": ["user"], "limit": {"concurrent": 2, "hold_max": "10s"}},
+    {"name": "cap", "match": {"path": "/slow/capped"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}}
+  ]
+}"#;
+
+/// A request's verdict: its status and the slots it holds.
+fn held(e: &Engine, h: &FakeHost, path: &str) -> (u16, Option<crate::engine::Slots>, Reply) {
+    h.request("GET", path, &[("x-user-id", "ann")]);
+    match e.on_request(h) {
+        Verdict::Hold(r, s) => (r.status, Some(s), r),
+        Verdict::Reply(r) => (r.status, None, r),
+        _ => panic!("no wait or ask here"),
+    }
+}
+
+#[test]
+fn a_concurrency_limit_holds_slots_until_requests_end_and_frees_them_after_hold_max() {
+    let h = FakeHost::new();
+    let e = engine(&h, CONCURRENT);
+    let (s1, a, _) = held(&e, &h, "/slow/x");
+    let (s2, b, _) = held(&e, &h, "/slow/x");
+    let (s3, c, r) = held(&e, &h, "/slow/x");
+    assert_eq!((s1, s2, s3), (200, 200, 429));
+    assert!(a.is_some() && b.is_some() && c.is_none(), "a rejected request holds nothing");
+    assert_eq!(header(&r, "retry-after"), Some("1"));
+    assert_eq!(header(&r, "ratelimit-policy"), Some("\"flight\";q=2;qu=\"concurrent-requests\""));
+    assert_eq!(h.metric("ratewall_rule_flight_in_flight"), 2);
+    // One ends: its slot is free.
+    e.release(&h, a.unwrap());
+    assert_eq!(h.metric("ratewall_rule_flight_in_flight"), 1);
+    let (s4, d, _) = held(&e, &h, "/slow/x");
+    assert_eq!(s4, 200);
+    // Two releases are lost: after hold_max (and up to an eighth more) the slots free.
+    drop((b, d));
+    h.advance(10 * SECOND + 10 * SECOND / 8 + MS);
+    assert_eq!(held(&e, &h, "/slow/x").0, 200);
+}
+
+#[test]
+fn a_slot_taken_by_a_request_another_rule_rejects_is_given_back() {
+    let h = FakeHost::new();
+    let e = engine(&h, CONCURRENT);
+    let (ok, slots, _) = held(&e, &h, "/slow/capped");
+    assert_eq!(ok, 200);
+    assert_eq!(held(&e, &h, "/slow/capped").0, 429, "cap rejects the second");
+    // The rejected one took no slot: one more fits beside the first.
+    let (s, more, _) = held(&e, &h, "/slow/x");
+    assert_eq!(s, 200);
+    assert_eq!(held(&e, &h, "/slow/x").0, 429, "two in flight");
+    drop((slots, more));
 }

@@ -19,7 +19,7 @@ fn engine(host: &FakeHost, doc: &str) -> Engine {
 /// Decides the request the host holds now; an ask is a test failure.
 fn current(e: &Engine, h: &FakeHost) -> Reply {
     match e.on_request(h) {
-        Verdict::Reply(r) => r,
+        Verdict::Reply(r) | Verdict::Hold(r, _) => r,
         Verdict::Ask(a) => panic!("unexpected ask {}", a.token),
         Verdict::Wait(w) => panic!("unexpected wait until {}", w.until),
     }

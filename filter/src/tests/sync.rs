@@ -535,8 +535,8 @@ fn burst_until_ask(e: &Engine, h: &FakeHost) -> Option<crate::engine::Asking> {
         h.request("GET", "/u/x", &[("x-user-id", "ann")]);
         match e.on_request(h) {
             Verdict::Ask(a) => return Some(a),
-            Verdict::Reply(r) if r.status == 200 => {}
-            Verdict::Reply(_) | Verdict::Wait(_) => return None,
+            Verdict::Reply(r) | Verdict::Hold(r, _) if r.status == 200 => {}
+            _ => return None,
         }
     }
     None
