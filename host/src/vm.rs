@@ -210,6 +210,22 @@ impl Vm {
     /// Starts a request: its headers go through the filter, which decides it now or pauses
     /// it (waiting for a callout it dispatched; see [`Vm::finish`]).
     pub fn begin(&mut self, req: &HttpRequest) -> Result<Started> {
+        self.start_request(req, false)
+    }
+
+    /// Starts a request whose upstream answers later: when the filter passes it, it stays
+    /// in flight (`Started::Paused`) until [`Vm::finish_upstream`] (its response comes) or
+    /// [`Vm::abort`] (its stream is reset).
+    pub fn begin_in_flight(&mut self, req: &HttpRequest) -> Result<Started> {
+        self.start_request(req, true)
+    }
+
+    /// The upstream response of a request started with [`Vm::begin_in_flight`].
+    pub fn finish_upstream(&mut self, ctx: u32) -> Result<FilterResult> {
+        self.complete(ctx, None)
+    }
+
+    fn start_request(&mut self, req: &HttpRequest, in_flight: bool) -> Result<Started> {
         let ctx = self.next_context;
         self.next_context += 1;
         {
@@ -233,7 +249,7 @@ impl Vm {
             times.push(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
         }
         let reply = self.store.data_mut().local_replies.remove(&ctx);
-        if action == 1 && reply.is_none() {
+        if (action == 1 || in_flight) && reply.is_none() {
             return Ok(Started::Paused(ctx));
         }
         self.complete(ctx, reply).map(Started::Done)

@@ -292,11 +292,13 @@ impl Limit {
             Algorithm::TokenBucket | Algorithm::LeakyBucket => self.token_bucket(state, now, cost),
             Algorithm::SlidingWindow => self.sliding_window(state, now, cost),
             Algorithm::FixedWindow => self.fixed_window(state, now, cost),
-            Algorithm::SlidingLog => self.sliding_log(state, now, cost),
-            Algorithm::Concurrent => {
+            Algorithm::SlidingLog | Algorithm::Concurrent => {
+                let (d, s) = self.sliding_log(state, now, cost);
+                if self.algorithm == Algorithm::SlidingLog {
+                    return (d, s);
+                }
                 // Slots free as responses complete, not on a schedule: a denied client is
                 // told to retry in a second, and the quota has no reset time to announce.
-                let (d, s) = self.sliding_log(state, now, cost);
                 let retry_after = if d.allowed { None } else { d.retry_after.map(|_| SECOND) };
                 (Decision { reset_after: SECOND, retry_after, ..d }, s)
             }

@@ -660,7 +660,7 @@ fn parse_concurrent(m: &Map, n: &Value, path: &str, algorithm: Option<Algorithm>
         None => 60 * crate::algo::SECOND,
         Some(h) => duration_field(h, &join(path, "hold_max"), 1_000_000, 3600 * crate::algo::SECOND)?,
     };
-    Limit::new(Algorithm::Concurrent, n, hold, None).or_else(|e| err(path, e.to_string()))
+    Limit::new(Algorithm::Concurrent, n, hold, None).or_else(|_| err(path, "is not a valid concurrent limit"))
 }
 
 fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Limit, ConfigError> {

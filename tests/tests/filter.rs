@@ -522,3 +522,43 @@ mod shaping {
         }
     }
 }
+
+mod concurrency {
+    use super::*;
+    use ratewall_tests::host::Started;
+
+    fn flight(n: u64, hold: &str) -> Value {
+        rules(json!([{"name": "flight", "key": ["user"], "limit": {"concurrent": n, "hold_max": hold}}]))
+    }
+
+    /// Starts a request held in flight: its context, or the status it was answered with.
+    fn open(vm: &mut Vm, who: &str) -> Result<u32, FilterResult> {
+        match vm.begin_in_flight(&user(who)).unwrap() {
+            Started::Paused(ctx) => Ok(ctx),
+            Started::Done(r) => Err(r),
+        }
+    }
+
+    #[test]
+    fn slots_are_shared_by_the_vms_and_freed_on_completion_on_reset_and_after_hold_max() {
+        let (node, mut vms) = node(&flight(2, "10s"), 3);
+        let a = open(&mut vms[0], "ann").unwrap();
+        let b = open(&mut vms[1], "ann").unwrap();
+        let r = open(&mut vms[2], "ann").unwrap_err();
+        assert_eq!((r.status, r.header("retry-after")), (429, Some("1")), "two in flight across the VMs");
+        assert_eq!(r.header("ratelimit-policy"), Some("\"flight\";q=2;qu=\"concurrent-requests\""));
+        assert!(open(&mut vms[2], "bob").is_ok(), "another key has its own slots");
+        assert_eq!(node.metric("ratewall_rule_flight_in_flight"), 1, "bob's, as last seen");
+        // Completion frees a slot.
+        assert!(vms[0].finish_upstream(a).unwrap().passed);
+        let c = open(&mut vms[2], "ann").unwrap();
+        // So does a reset stream.
+        vms[1].abort(b).unwrap();
+        let d = open(&mut vms[0], "ann").unwrap();
+        assert!(open(&mut vms[1], "ann").is_err(), "c and d in flight");
+        // Releases lost (a proxy that never ends them): free after hold_max (+ at most 1/8).
+        let _ = (c, d);
+        node.advance(10 * SECOND + 10 * SECOND / 8 + MS);
+        assert!(open(&mut vms[1], "ann").is_ok());
+    }
+}
