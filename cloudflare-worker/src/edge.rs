@@ -568,6 +568,12 @@ pub fn wait_of(config: &Config, checks: &[Check], decisions: &[Result<Decision, 
         .unwrap_or(0)
 }
 
+/// The checks of concurrency rules (whose slots an admitted request gives back when it
+/// ends), by index.
+pub fn in_flight(checks: &[Check]) -> Vec<usize> {
+    checks.iter().enumerate().filter(|(_, c)| c.limit.algorithm() == Algorithm::Concurrent).map(|(i, _)| i).collect()
+}
+
 /// A [`Call::Take`]'s answer (`Err`: the call failed; a garbled answer is a failure too).
 pub fn take_answer(reply: Result<String, StoreError>) -> Result<Answer, StoreError> {
     reply.and_then(|body| Taken::decode(&body).map(Answer::Object).ok_or(StoreError::Unavailable))

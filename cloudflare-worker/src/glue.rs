@@ -4,8 +4,8 @@
 use crate::edge::grants::{Answer, Grants, Local, REPORT_EVERY};
 use crate::edge::object::{AlarmPlan, Object};
 use crate::edge::{
-    cached_denials, checks_for, decisions, object_name, refund_calls, store, take_answer, wait_of, BlockedCache, Call,
-    LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
+    cached_denials, checks_for, decisions, in_flight, object_name, refund_calls, store, take_answer, wait_of,
+    BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
 };
 use futures_util::future::{join, join_all, select, Either};
 use ratewall_core::eval::{combine, Check, Outcome, Skip, StoreError};
@@ -286,8 +286,10 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let timeout = Duration::from_millis(var_u64(&env, "OBJECT_TIMEOUT_MS", 1000));
     let grants_on = var(&env, "ISOLATE_GRANTS").as_deref() != Some("off");
     let calls = checks.iter().map(|c| {
-        // A leaky bucket's turn is the object's queue: always decided there.
-        let queues = c.limit.algorithm() == ratewall_core::Algorithm::LeakyBucket;
+        // A leaky bucket's turn is the object's queue, and requests in flight are counted
+        // by the key's object for the whole edge: always decided there.
+        let queues =
+            matches!(c.limit.algorithm(), ratewall_core::Algorithm::LeakyBucket | ratewall_core::Algorithm::Concurrent);
         let exact = !grants_on || queues || config.rules.get(c.rule).is_none_or(|r| r.exact);
         answer(&env, &ctx, c, exact, t, timeout)
     });
@@ -296,16 +298,16 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let (outcome, refunds) = combine(&config, &checks, &decisions);
     // Units taken by rules that allowed a request another rule rejected go back. The client
     // gets its 429 without waiting for that.
-    let (refund_calls, grant_refunds) = refund_calls(&checks, &refunds, &charged);
+    let (refunding, grant_refunds) = refund_calls(&checks, &refunds, &charged);
     with(|i| {
         for (key, cost) in &grant_refunds {
             i.grants.refund(key, *cost);
         }
     });
-    if !refund_calls.is_empty() {
+    if !refunding.is_empty() {
         let env2 = env.clone();
         ctx.wait_until(async move {
-            let calls = refund_calls.iter().map(|(key, call)| call_object(&env2, key, *call, timeout));
+            let calls = refunding.iter().map(|(key, call)| call_object(&env2, key, *call, timeout));
             join_all(calls).await;
         });
     }
@@ -326,7 +328,15 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         if wait > 0 {
             Delay::from(Duration::from_nanos(wait)).await;
         }
-        forward(req, &env, &reply.headers).await
+        let response = forward(req, &env, &reply.headers).await;
+        // Its concurrency slots are given back once the origin has answered (or failed).
+        let (slots, _) = refund_calls(&checks, &in_flight(&checks), &charged);
+        if !slots.is_empty() {
+            ctx.wait_until(async move {
+                join_all(slots.iter().map(|(key, call)| call_object(&env, key, *call, timeout))).await;
+            });
+        }
+        response
     } else {
         reply_response(&reply)
     }

@@ -29,7 +29,8 @@ const RULES: &str = r#"{
     {"name": "watch", "match": {"path": "/s/*"}, "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "60s"}},
     {"name": "bucket", "match": {"path": "/tb/*"}, "key": ["user"], "limit": {"requests": 60, "per": "60s", "burst": 2}},
     {"name": "strict", "match": {"path": "/cl/*"}, "key": ["user"], "on_store_failure": "closed", "limit": {"requests": 3, "per": "60s"}},
-    {"name": "shape", "match": {"path": "/q/*"}, "key": ["user"], "limit": {"requests": 5, "per": "1s", "burst": 5, "algorithm": "leaky_bucket"}}
+    {"name": "shape", "match": {"path": "/q/*"}, "key": ["user"], "limit": {"requests": 5, "per": "1s", "burst": 5, "algorithm": "leaky_bucket"}},
+    {"name": "flight", "match": {"path": "/f/*"}, "key": ["user"], "limit": {"concurrent": 2, "hold_max": "30s"}}
   ]
 }"#;
 
@@ -375,4 +376,63 @@ fn a_leaky_bucket_forwards_a_burst_in_turns_and_rejects_past_its_queue() {
         assert!(*at + 20 >= turn, "request {i} went at {at} ms, before its turn at {turn} ms: {done:?}");
         assert!(*at <= turn + 400, "request {i} went at {at} ms, long after its turn at {turn} ms: {done:?}");
     }
+}
+
+/// An origin on loopback that answers every request after `delay`.
+fn slow_origin(delay: Duration) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                use std::io::{Read, Write};
+                let mut stream = stream;
+                let mut buf = [0u8; 4096];
+                let _ = stream.read(&mut buf);
+                std::thread::sleep(delay);
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok");
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// A concurrency limit in real workerd: with a slow origin, two requests of a key are in
+/// flight at once and the third is rejected; once they end, the slots are free again.
+#[test]
+fn a_concurrency_limit_counts_requests_in_flight_across_the_edge() {
+    let origin = slow_origin(Duration::from_millis(1500));
+    let w = start(&[("ORIGIN_URL", origin.as_str())]);
+    let who = [("x-user-id", "flyer")];
+    let results: Vec<Response> = std::thread::scope(|s| {
+        let first: Vec<_> = (0..2)
+            .map(|_| {
+                let w = &w;
+                s.spawn(move || w.request("GET", "/f/x", &who, &[]))
+            })
+            .collect();
+        // Both are in flight (the origin holds them) when the third comes.
+        std::thread::sleep(Duration::from_millis(700));
+        let third = w.request("GET", "/f/x", &who, &[]);
+        let mut out: Vec<Response> = first.into_iter().map(|h| h.join().unwrap()).collect();
+        out.push(third);
+        out
+    });
+    let statuses: Vec<u16> = results.iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [200, 200, 429], "{}", w.log());
+    let rejected = &results[2];
+    assert_eq!(rejected.header("retry-after"), Some("1"));
+    assert_eq!(rejected.header("ratelimit-policy"), Some("\"flight\";q=2;qu=\"concurrent-requests\""));
+    // Both ended: their slots come back (given back just after each response).
+    std::thread::sleep(Duration::from_millis(1100));
+    let again: Vec<u16> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|_| {
+                let w = &w;
+                s.spawn(move || w.request("GET", "/f/x", &who, &[]).status)
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(again, [200, 200]);
 }
