@@ -439,10 +439,15 @@ pub struct RuleCounts {
     pub store_failed: u64,
     /// Denials answered from the blocked-key cache.
     pub cached_denials: u64,
+    /// Leaky-bucket rules: requests that waited their turn, and rejections by a full queue.
+    pub delayed: u64,
+    pub queue_full: u64,
+    /// Concurrency rules: requests of the last key checked in flight at its object (a gauge).
+    pub in_flight: u64,
 }
 
-/// A per-rule metric family: its name's tail, its help, and its count.
-type Family = (&'static str, &'static str, fn(&RuleCounts) -> u64);
+/// A per-rule metric family: its name's tail, its help, its type and its value.
+type Family = (&'static str, &'static str, &'static str, fn(&RuleCounts) -> u64);
 
 /// The isolate's counters, rendered in the Prometheus text format at `/_ratewall/metrics`.
 #[derive(Default)]
@@ -471,6 +476,16 @@ impl Metrics {
     /// Counts a request's outcome per rule (`cached`: its denials came from the
     /// [`BlockedCache`]).
     pub fn count(&mut self, config: &Config, outcome: &Outcome, skipped: &[(usize, Skip)], cached: bool) {
+        for c in &outcome.checks {
+            let (Some(r), CheckResult::Decided(d)) = (config.rules.get(c.rule), c.result) else { continue };
+            let m = self.rule(&r.name);
+            match c.limit.algorithm() {
+                Algorithm::LeakyBucket if !d.allowed && !cached => m.queue_full += 1,
+                Algorithm::LeakyBucket if !outcome.rejected && c.limit.wait(&d, r.cost) > 0 => m.delayed += 1,
+                Algorithm::Concurrent => m.in_flight = c.limit.requests().saturating_sub(d.remaining),
+                _ => {}
+            }
+        }
         for (rule, tally) in outcome.tally(skipped) {
             let Some(r) = config.rules.get(rule) else { continue };
             let m = self.rule(&r.name);
@@ -497,20 +512,26 @@ impl Metrics {
         names.sort();
         // One family at a time, each with its HELP and TYPE (the text format wants a family's
         // samples together).
-        let per_rule: [Family; 6] = [
-            ("allowed", "Checks that allowed, per rule.", |c| c.allowed),
-            ("rejected", "Checks of enforcing rules that denied, per rule.", |c| c.rejected),
-            ("shadow_rejected", "Checks of shadow rules that would have denied, per rule.", |c| c.shadow_rejected),
-            ("unkeyed", "Requests a rule matched but could not key, per rule.", |c| c.unkeyed),
-            ("store_failed", "Checks whose counter object failed (the failure policy applied), per rule.", |c| {
+        const C: &str = "counter";
+        let per_rule: [Family; 9] = [
+            ("allowed", "Checks that allowed, per rule.", C, |c| c.allowed),
+            ("rejected", "Checks of enforcing rules that denied, per rule.", C, |c| c.rejected),
+            ("shadow_rejected", "Checks of shadow rules that would have denied, per rule.", C, |c| c.shadow_rejected),
+            ("unkeyed", "Requests a rule matched but could not key, per rule.", C, |c| c.unkeyed),
+            ("store_failed", "Checks whose counter object failed (the failure policy applied), per rule.", C, |c| {
                 c.store_failed
             }),
-            ("cached_denials", "Denials answered from the isolate's blocked-key cache, per rule.", |c| {
+            ("cached_denials", "Denials answered from the isolate's blocked-key cache, per rule.", C, |c| {
                 c.cached_denials
             }),
+            ("delayed", "Requests a leaky-bucket rule queued for their turn, per rule.", C, |c| c.delayed),
+            ("queue_full", "Requests a leaky-bucket rule rejected with its queue full, per rule.", C, |c| c.queue_full),
+            ("in_flight", "Requests in flight of the key a concurrency rule last checked, per rule.", "gauge", |c| {
+                c.in_flight
+            }),
         ];
-        for (what, help, value) in per_rule {
-            let _ = writeln!(out, "# HELP ratewall_rule_{what} {help}\n# TYPE ratewall_rule_{what} counter");
+        for (what, help, kind, value) in per_rule {
+            let _ = writeln!(out, "# HELP ratewall_rule_{what} {help}\n# TYPE ratewall_rule_{what} {kind}");
             for name in &names {
                 if let Some(c) = self.rules.get(*name) {
                     let _ = writeln!(out, "ratewall_rule_{what}{{rule=\"{name}\"}} {}", value(c));
@@ -822,7 +843,8 @@ mod tests {
         let mut seen: Vec<&str> = Vec::new();
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let family = line.split(['{', ' ']).next().unwrap();
-            assert!(text.contains(&format!("# TYPE {family} counter\n")), "{family}");
+            let kind = if family == "ratewall_rule_in_flight" { "gauge" } else { "counter" };
+            assert!(text.contains(&format!("# TYPE {family} {kind}\n")), "{family}");
             assert!(text.contains(&format!("# HELP {family} ")), "{family}");
             if seen.last() != Some(&family) {
                 assert!(!seen.contains(&family), "{family} is split:\n{text}");
