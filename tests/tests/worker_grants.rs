@@ -12,10 +12,10 @@ fn twenty_isolates_share_one_hot_key_within_the_stated_bounds() {
     // Grants are strict at the object: over-admission only from units spent while a report
     // is out (issue 15's goal, met: ≤ 1 %).
     assert!(r.overadmission_pct <= 1.0, "{r:?}");
-    // Units held by quiet isolates' grants near the limit are denied to the busy ones: 7.2 %
-    // today (issue 15's goal of 1 % is not met); this guards against it getting worse.
-    assert!(r.false_denial_pct <= 10.0, "{r:?}");
+    // Units held by quiet isolates' grants near the limit are denied to the busy ones only
+    // while their (short) leases last: issue 15's goal, met (0.31 %).
+    assert!(r.false_denial_pct <= 1.0, "{r:?}");
     // Per-request checks make one call per request; denials are cached.
-    assert!(r.calls_per_1000_admitted < 700.0, "{r:?}");
-    assert!(r.paused_pct < 25.0, "most requests do not wait for the object: {r:?}");
+    assert!(r.calls_per_1000_admitted < 600.0, "{r:?}");
+    assert!(r.paused_pct < 15.0, "most requests do not wait for the object: {r:?}");
 }

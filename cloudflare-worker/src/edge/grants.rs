@@ -23,9 +23,11 @@ pub const REPORT_EVERY: Nanos = 250 * super::MS;
 pub struct Spent {
     /// The report's answer, when the call carried one: the isolate's new grant and its lease.
     pub grant: Option<(u64, Nanos)>,
-    /// Units the ask took and gave (0: refused, or no ask), leased for
-    /// [`ratewall_core::sync::ASK_LEASE`]; they include the request's `cost`.
+    /// Units the ask took and gave (0: refused, or no ask); they include the request's
+    /// `cost`.
     pub asked: u64,
+    /// How long the isolate may spend the units given beside the asked ones.
+    pub ask_lease: Nanos,
     /// Units remaining at the object, after this call.
     pub remaining: u64,
     /// Time until the object's quota is restored.
@@ -43,7 +45,7 @@ fn u64_of(v: &Value, name: &str) -> Option<u64> {
 impl Spent {
     /// The reply body (JSON).
     pub fn encode(&self) -> String {
-        json!({"grant": self.grant.map(|g| g.0), "lease": self.grant.map(|g| g.1), "asked": self.asked,
+        json!({"grant": self.grant.map(|g| g.0), "lease": self.grant.map(|g| g.1), "asked": self.asked, "ask_lease": self.ask_lease,
                "remaining": self.remaining, "reset_after": self.reset_after, "retry_after": self.retry_after,
                "now": self.now})
         .to_string()
@@ -59,6 +61,7 @@ impl Spent {
         Some(Spent {
             grant,
             asked: u64_of(&v, "asked")?,
+            ask_lease: u64_of(&v, "ask_lease")?,
             remaining: u64_of(&v, "remaining")?,
             reset_after: u64_of(&v, "reset_after")?,
             retry_after: v.get("retry_after").and_then(Value::as_u64),
@@ -349,7 +352,7 @@ impl Grants {
             if sent >= h.settled || s.grant.is_some() {
                 h.left = h.left.saturating_add(s.asked.saturating_sub(cost));
             }
-            h.until = h.until.max(lease_end(&limit, sent, ratewall_core::sync::ASK_LEASE));
+            h.until = h.until.max(lease_end(&limit, sent, s.ask_lease));
             let remaining = s.remaining.saturating_sub(h.unreported());
             return Some(Ok(Answer::Object(Taken { decision: decision(true, remaining, None), now: s.now })));
         }
@@ -562,8 +565,24 @@ mod tests {
     #[test]
     fn spent_round_trips() {
         for s in [
-            Spent { grant: Some((3, 4)), asked: 5, remaining: 6, reset_after: 7, retry_after: Some(8), now: 9 },
-            Spent { grant: None, asked: 0, remaining: 0, reset_after: 0, retry_after: None, now: u64::MAX },
+            Spent {
+                grant: Some((3, 4)),
+                asked: 5,
+                ask_lease: 10,
+                remaining: 6,
+                reset_after: 7,
+                retry_after: Some(8),
+                now: 9,
+            },
+            Spent {
+                grant: None,
+                asked: 0,
+                ask_lease: 0,
+                remaining: 0,
+                reset_after: 0,
+                retry_after: None,
+                now: u64::MAX,
+            },
         ] {
             assert_eq!(Spent::decode(&s.encode()), Some(s));
         }

@@ -112,12 +112,18 @@ impl Object {
                 }
                 let grant = report.map(|a| (a.grant, a.lease));
                 let covered = grant.is_some_and(|(g, _)| g >= cost);
-                let asked = if cost > 0 && !covered { c.ask(limit, t, node, ask, cost, NODE_TTL).grant } else { 0 };
+                let (asked, ask_lease) = if cost > 0 && !covered {
+                    let a = c.ask(limit, t, node, ask, cost, NODE_TTL);
+                    (a.grant, a.lease)
+                } else {
+                    (0, 0)
+                };
                 let (view, _) = c.limit.decide(&c.state, c.last_seen, 0);
                 let retry_after = if cost > 0 && !covered && asked == 0 { c.retry_after(t, cost) } else { None };
                 let s = Spent {
                     grant,
                     asked,
+                    ask_lease,
                     remaining: view.remaining,
                     reset_after: view.reset_after,
                     retry_after,

@@ -299,8 +299,10 @@ impl Counter {
         let held = self.outstanding(now, None);
         let free = view.remaining.saturating_sub(held);
         let mut given = 0;
+        // The units given beside the asked ones are sized for this lease, and held for it.
+        let lease = self.lease(view.remaining, now).min(ASK_LEASE);
         if cost <= free {
-            let extra = self.share_of(node, free - cost, self.lease(view.remaining, now).min(ASK_LEASE), node_ttl);
+            let extra = self.share_of(node, free - cost, lease, node_ttl);
             given = cost.saturating_add(extra);
             self.state = self.limit.consume(&self.state, now, cost);
             self.note_rate(now, cost);
@@ -311,7 +313,7 @@ impl Counter {
             if let Some(s) = self.shares.get_mut(idx) {
                 s.asked = s.asked.saturating_add(extra);
                 s.last_ask = (ask, given);
-                s.until = s.until.max(now.saturating_add(ASK_LEASE));
+                s.until = s.until.max(now.saturating_add(lease));
                 s.seen = now;
             }
         }
@@ -319,7 +321,7 @@ impl Counter {
         let (view, _) = self.limit.decide(&self.state, now, 0);
         let nodes = u32::try_from(self.active(now, node_ttl).count()).unwrap_or(nodes);
         let (remaining, reset_after) = (view.remaining, view.reset_after);
-        Applied { remaining, grant: given, reset_after, lease: ASK_LEASE, nodes, counted: given > 0 }
+        Applied { remaining, grant: given, reset_after, lease, nodes, counted: given > 0 }
     }
 
     /// Releases what `node` holds beyond its grant (the units given to its asks, which
