@@ -61,7 +61,7 @@ pub struct Applied {
 
 /// The longest lease a grant gets (far from the limit, or with no traffic to go by).
 pub const MAX_LEASE: Nanos = 2 * crate::algo::SECOND;
-/// The lease of units given to an ask: they are spent at once, or given back by expiring.
+/// The longest lease of units given to an ask: they are spent soon, or given back by expiring.
 pub const ASK_LEASE: Nanos = crate::algo::SECOND;
 
 const COUNTER_VERSION: u8 = 2;
@@ -284,7 +284,8 @@ impl Counter {
     /// over-admits. With them comes the node's share of what else is free, as a sync would
     /// give it, so its next requests need not ask; the node reports what it spends of that
     /// with its next batch, like any grant. `grant` in the answer is 0 (refused), or `cost`
-    /// (taken) plus that share, leased for [`ASK_LEASE`]. `ask` numbers the node's asks
+    /// (taken) plus that share, leased for the lease a sync would give now, at most
+    /// [`ASK_LEASE`] (the share is sized for it, and held for it). `ask` numbers the node's asks
     /// (not 0): a repeat of its last one gets the same answer and takes nothing.
     pub fn ask(&mut self, limit: Limit, now: Nanos, node: u64, ask: u64, cost: u64, node_ttl: Nanos) -> Applied {
         let now = self.clock(limit, now);
