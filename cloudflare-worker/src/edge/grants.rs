@@ -151,6 +151,22 @@ impl Held {
         self.pending.saturating_add(self.report.map_or(0, |r| r.units))
     }
 
+    /// The object's view brought forward to `now` with the units admitted here since: the
+    /// remaining quota, and the time until it is whole (a bucket's grows by one emission
+    /// interval per unit; a window's end does not move).
+    fn view(&self, now: Nanos) -> (u64, Nanos) {
+        let units = self.unreported();
+        let remaining = self.remaining.saturating_sub(units);
+        let reset = self.reset_after.saturating_sub(now.saturating_sub(self.known_at));
+        let l = &self.limit;
+        if matches!(l.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket) {
+            let interval = l.per().div_ceil(l.requests().max(1));
+            let span = l.capacity().saturating_mul(interval);
+            return (remaining, reset.saturating_add(units.saturating_mul(interval)).min(span));
+        }
+        (remaining, reset)
+    }
+
     fn live(&self, now: Nanos) -> bool {
         self.until > now || self.pending > 0 || self.report.is_some()
     }
@@ -214,8 +230,7 @@ impl Grants {
         if now < h.until && cost <= h.left && h.known_at > 0 {
             h.left -= cost;
             h.pending = h.pending.saturating_add(cost);
-            let remaining = h.remaining.saturating_sub(h.unreported());
-            let reset_after = h.reset_after.saturating_sub(now.saturating_sub(h.known_at));
+            let (remaining, reset_after) = h.view(now);
             self.local += 1;
             return Local::Admitted(Decision {
                 allowed: true,
@@ -328,24 +343,17 @@ impl Grants {
         if !request {
             return None;
         }
-        if cost == 0 {
-            let remaining = s.remaining.saturating_sub(h.unreported());
-            return Some(Ok(Answer::Grant(Decision {
-                allowed: true,
-                limit: limit.quota(),
-                remaining,
-                reset_after: s.reset_after,
-                retry_after: None,
-            })));
-        }
         let quota = limit.quota();
-        let decision = |allowed: bool, remaining: u64, retry_after: Option<Nanos>| Decision {
+        let decision = |allowed: bool, (remaining, reset_after): (u64, Nanos), retry_after: Option<Nanos>| Decision {
             allowed,
             limit: quota,
             remaining,
-            reset_after: s.reset_after,
+            reset_after,
             retry_after,
         };
+        if cost == 0 {
+            return Some(Ok(Answer::Grant(decision(true, h.view(now), None))));
+        }
         if s.asked > 0 {
             // The ask took `cost` at the object; the rest is the isolate's to spend, unless
             // a report sent after the ask settled it meanwhile.
@@ -353,18 +361,17 @@ impl Grants {
                 h.left = h.left.saturating_add(s.asked.saturating_sub(cost));
             }
             h.until = h.until.max(lease_end(&limit, sent, s.ask_lease));
-            let remaining = s.remaining.saturating_sub(h.unreported());
-            return Some(Ok(Answer::Object(Taken { decision: decision(true, remaining, None), now: s.now })));
+            let d = decision(true, h.view(now), None);
+            return Some(Ok(Answer::Object(Taken { decision: d, now: s.now })));
         }
         if s.grant.is_some() && cost <= h.left && now < h.until {
             // The report's new grant covers the request.
             h.left -= cost;
             h.pending = h.pending.saturating_add(cost);
-            let remaining = s.remaining.saturating_sub(h.unreported());
-            return Some(Ok(Answer::Grant(decision(true, remaining, None))));
+            return Some(Ok(Answer::Grant(decision(true, h.view(now), None))));
         }
         let retry = s.retry_after.map(|r| r.max(super::MS));
-        Some(Ok(Answer::Object(Taken { decision: decision(false, 0, retry), now: s.now })))
+        Some(Ok(Answer::Object(Taken { decision: decision(false, (0, s.reset_after), retry), now: s.now })))
     }
 
     /// Gives back `cost` units a check spent from `key`'s grant (another rule rejected the
