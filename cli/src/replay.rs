@@ -2,7 +2,8 @@
 
 use crate::explain::Parts;
 use crate::{load, Failure};
-use ratewall_core::eval::{evaluate, Tally};
+use ratewall_core::eval::{evaluate, Check, Skip, Tally};
+use ratewall_core::Config;
 use ratewall_core::{MemoryCounters, Nanos};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
@@ -57,7 +58,7 @@ fn epoch_seconds(text: &str) -> Option<Nanos> {
 /// Lines this does not take (a field of another type) are read again as a `Value`, which
 /// says what is wrong with them.
 #[derive(serde::Deserialize)]
-struct Line<'a> {
+struct Fields<'a> {
     #[serde(borrow)]
     ts: Option<&'a RawValue>,
     #[serde(borrow, default)]
@@ -130,10 +131,82 @@ fn headers(v: &Value) -> Vec<(String, String)> {
     out
 }
 
+/// A log line as the reading stage leaves it.
+enum Line {
+    /// Empty.
+    Blank,
+    /// Not a request: why, with its place.
+    Bad(String),
+    /// A request: its time, its identity and the counters it checks.
+    Request { ts: Nanos, parts: Parts, checks: Vec<Check>, skipped: Vec<(usize, Skip)> },
+}
+
+/// Reads one line (`n`: its number in `name`).
+fn read_line(config: &Config, name: &str, n: u64, text: &str) -> Line {
+    if text.trim().is_empty() {
+        return Line::Blank;
+    }
+    let typed = serde_json::from_str::<Fields<'_>>(text).ok().and_then(|l| {
+        let ts = l.ts.and_then(raw_timestamp)?;
+        Some((ts, l.path?, l.method, raw_headers(l.headers), l.ip))
+    });
+    // A line the typed reading does not take (a field of another type) is read as a JSON
+    // value, which takes what it can and says what is wrong.
+    let value;
+    let (ts, path, method, hs, ip) = match typed {
+        Some(t) => t,
+        None => {
+            value = match serde_json::from_str::<Value>(text) {
+                Ok(v) => v,
+                Err(e) => return Line::Bad(format!("{name}:{n}: not JSON: {e}")),
+            };
+            let (Some(ts), Some(path)) = (timestamp(&value["ts"]), value["path"].as_str()) else {
+                return Line::Bad(format!("{name}:{n}: needs \"ts\" (RFC 3339 or epoch seconds) and \"path\""));
+            };
+            let method = value["method"].as_str().map(Cow::Borrowed);
+            (ts, Cow::Borrowed(path), method, headers(&value["headers"]), value["ip"].as_str().map(Cow::Borrowed))
+        }
+    };
+    let method = method.as_deref().unwrap_or("GET").to_ascii_uppercase();
+    let parts = Parts::new(config, &path, &hs, ip.as_deref());
+    let values = parts.header_values();
+    let (checks, skipped) = config.checks(&parts.request(&method, &values));
+    Line::Request { ts, parts, checks, skipped }
+}
+
+/// The reading stage: every line of `input`, in batches, in order; a read error ends it.
+fn read_lines(
+    config: &Config,
+    name: &str,
+    input: Box<dyn Read + Send>,
+    tx: &std::sync::mpsc::SyncSender<Result<Vec<Line>, String>>,
+) {
+    const BATCH: usize = 1024;
+    let mut reader = BufReader::new(input);
+    let (mut text, mut n, mut batch) = (String::new(), 0u64, Vec::with_capacity(BATCH));
+    loop {
+        text.clear();
+        match reader.read_line(&mut text) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) => {
+                let _ = tx.send(Err(format!("reading {name}: {e}")));
+                return;
+            }
+        }
+        n += 1;
+        batch.push(read_line(config, name, n, &text));
+        if batch.len() == BATCH && tx.send(Ok(std::mem::replace(&mut batch, Vec::with_capacity(BATCH)))).is_err() {
+            return;
+        }
+    }
+    let _ = tx.send(Ok(batch));
+}
+
 /// `ratewall replay`.
 pub fn replay(rules: &Path, log: &Path, top: usize, as_json: bool) -> Result<(), Failure> {
     let (_, config) = load(rules)?;
-    let input: Box<dyn Read> = if log.as_os_str() == "-" {
+    let input: Box<dyn Read + Send> = if log.as_os_str() == "-" {
         Box::new(std::io::stdin())
     } else {
         Box::new(std::fs::File::open(log).map_err(|e| Failure::Usage(format!("cannot read {}: {e}", log.display())))?)
@@ -144,81 +217,57 @@ pub fn replay(rules: &Path, log: &Path, top: usize, as_json: bool) -> Result<(),
     let mut bad = Vec::new();
     let progress = std::io::stderr().is_terminal();
     let started = std::time::Instant::now();
-    let mut reader = BufReader::new(input);
-    let mut line = String::new();
-    loop {
-        line.clear();
-        let read =
-            reader.read_line(&mut line).map_err(|e| Failure::Usage(format!("reading {}: {e}", log.display())))?;
-        if read == 0 {
-            break;
-        }
-        lines += 1;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let typed = serde_json::from_str::<Line<'_>>(&line).ok().and_then(|l| {
-            let ts = l.ts.and_then(raw_timestamp)?;
-            Some((ts, l.path?, l.method, raw_headers(l.headers), l.ip))
-        });
-        // A line the typed reading does not take (a field of another type) is read as a
-        // JSON value, which takes what it can and says what is wrong.
-        let value;
-        let (ts, path, method, hs, ip) = match typed {
-            Some(t) => t,
-            None => {
-                value = match serde_json::from_str::<Value>(&line) {
-                    Ok(v) => v,
-                    Err(e) => {
-                        bad.push(format!("{}:{lines}: not JSON: {e}", log.display()));
+    let name = log.display().to_string();
+    // Two stages on two threads, in order: one reads and keys the lines (JSON, identity,
+    // counter keys), the other runs them through the counters on their own clock.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Vec<Line>, String>>(8);
+    std::thread::scope(|scope| -> Result<(), Failure> {
+        let config = &config;
+        let name = &name;
+        scope.spawn(move || read_lines(config, name, input, &tx));
+        for batch in rx {
+            for line in batch.map_err(Failure::Usage)? {
+                lines += 1;
+                let (ts, parts, checks, skipped) = match line {
+                    Line::Blank => continue,
+                    Line::Bad(why) => {
+                        bad.push(why);
                         continue;
                     }
+                    Line::Request { ts, parts, checks, skipped } => (ts, parts, checks, skipped),
                 };
-                let (Some(ts), Some(path)) = (timestamp(&value["ts"]), value["path"].as_str()) else {
-                    bad.push(format!(
-                        "{}:{lines}: needs \"ts\" (RFC 3339 or epoch seconds) and \"path\"",
-                        log.display()
-                    ));
-                    continue;
-                };
-                let method = value["method"].as_str().map(Cow::Borrowed);
-                (ts, Cow::Borrowed(path), method, headers(&value["headers"]), value["ip"].as_str().map(Cow::Borrowed))
-            }
-        };
-        let method = method.as_deref().unwrap_or("GET").to_ascii_uppercase();
-        let parts = Parts::new(&config, &path, &hs, ip.as_deref());
-        let values = parts.header_values();
-        let req = parts.request(&method, &values);
-        let (checks, skipped) = config.checks(&req);
-        let outcome = evaluate(&config, &checks, &mut counters, ts);
-        requests += 1;
-        rejected += u64::from(outcome.rejected);
-        for (rule, tally) in outcome.tally(&skipped) {
-            let (Some(c), Some(r)) = (counts.get_mut(rule), config.rules.get(rule)) else { continue };
-            match tally {
-                Tally::Allowed => c.allowed += 1,
-                Tally::Unkeyed => c.unkeyed += 1,
-                Tally::Rejected | Tally::ShadowRejected => {
-                    if tally == Tally::Rejected {
-                        c.rejected += 1;
-                    } else {
-                        c.shadow_rejected += 1;
-                    }
-                    let Some(key) = checks.iter().find(|k| k.rule == rule).map(|k| &k.key) else { continue };
-                    match c.by_key.get_mut(key) {
-                        Some(e) => e.0 += 1,
-                        None => {
-                            c.by_key.insert(key.clone(), (1, parts.key_text(&config, r)));
+                let outcome = evaluate(config, &checks, &mut counters, ts);
+                requests += 1;
+                rejected += u64::from(outcome.rejected);
+                for (rule, tally) in outcome.tally(&skipped) {
+                    let (Some(c), Some(r)) = (counts.get_mut(rule), config.rules.get(rule)) else { continue };
+                    match tally {
+                        Tally::Allowed => c.allowed += 1,
+                        Tally::Unkeyed => c.unkeyed += 1,
+                        Tally::Rejected | Tally::ShadowRejected => {
+                            if tally == Tally::Rejected {
+                                c.rejected += 1;
+                            } else {
+                                c.shadow_rejected += 1;
+                            }
+                            let Some(key) = checks.iter().find(|k| k.rule == rule).map(|k| &k.key) else { continue };
+                            match c.by_key.get_mut(key) {
+                                Some(e) => e.0 += 1,
+                                None => {
+                                    c.by_key.insert(key.clone(), (1, parts.key_text(config, r)));
+                                }
+                            }
                         }
+                        Tally::Failed(_) => {}
                     }
                 }
-                Tally::Failed(_) => {}
+                if progress && lines.is_multiple_of(100_000) {
+                    eprint!("\rreplayed {lines} lines in {:.1} s", started.elapsed().as_secs_f64());
+                }
             }
         }
-        if progress && lines.is_multiple_of(100_000) {
-            eprint!("\rreplayed {lines} lines in {:.1} s", started.elapsed().as_secs_f64());
-        }
-    }
+        Ok(())
+    })?;
     if progress && lines >= 100_000 {
         eprintln!();
     }
