@@ -33,6 +33,12 @@ mod explain;
 mod replay;
 mod schema;
 
+/// mimalloc rather than the system allocator: `replay` allocates a few small buffers per log
+/// line on one thread and frees them on another, where glibc's malloc spent ~30 % of the
+/// run (perf, 1,000,000 lines); measured in `cargo bench -p ratewall-cli` (BENCHMARKS.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::{Parser, Subcommand};
 use ratewall_core::Config;
 use std::path::{Path, PathBuf};
