@@ -134,13 +134,13 @@ fn main() {
     let before =
         metric(&addr_a, "ratewall_store_cas_conflicts_total") + metric(&addr_b, "ratewall_store_cas_conflicts_total");
     let writes0 =
-        metric(&addr_a, "ratewall_store_counter_writes_total") + metric(&addr_b, "ratewall_store_counter_writes_total");
+        metric(&addr_a, "ratewall_store_state_writes_total") + metric(&addr_b, "ratewall_store_state_writes_total");
     drive(&[addr_a.clone(), addr_b.clone()], senders, 60, |_| vec![b"hot".to_vec()]);
     let conflicts = metric(&addr_a, "ratewall_store_cas_conflicts_total")
         + metric(&addr_b, "ratewall_store_cas_conflicts_total")
         - before;
-    let writes = metric(&addr_a, "ratewall_store_counter_writes_total")
-        + metric(&addr_b, "ratewall_store_counter_writes_total")
+    let writes = metric(&addr_a, "ratewall_store_state_writes_total")
+        + metric(&addr_b, "ratewall_store_state_writes_total")
         - writes0;
     figure("store_cas_conflict_pct", conflicts as f64 / writes.max(1) as f64 * 100.0, "%");
     let _ = (a.kill(), b.kill());

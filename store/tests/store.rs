@@ -219,6 +219,10 @@ fn redis_gone_answers_503_within_the_deadline_and_service_resumes_when_it_is_bac
     assert_eq!(store.get("/healthz").status, 200);
     let metrics = store.get("/metrics").text();
     assert!(metrics.contains("ratewall_store_sync_failed_total{status=\"503\"}"), "{metrics}");
+    match ratewall_tests::promtool_problems(&metrics) {
+        Some(problems) => assert!(problems.is_empty(), "promtool check metrics: {problems:?}\n{metrics}"),
+        None => println!("promtool is not installed here: the scrape's format is not checked"),
+    }
 }
 
 #[test]

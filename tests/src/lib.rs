@@ -37,3 +37,25 @@ pub fn clear_of_a_window_edge(per: std::time::Duration, span: std::time::Duratio
         std::thread::sleep(std::time::Duration::from_nanos(u64::try_from(left).unwrap_or(0) + 50_000_000));
     }
 }
+
+/// What `promtool check metrics` says of a Prometheus text scrape: `None` when this machine
+/// has no promtool (`cargo xtask test` installs Debian's `prometheus` package, which brings
+/// it), else its problem lines (empty when it passes).
+pub fn promtool_problems(scrape: &str) -> Option<Vec<String>> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .ok()?;
+    child.stdin.take()?.write_all(scrape.as_bytes()).ok()?;
+    let out = child.wait_with_output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let problems: Vec<String> = text.lines().filter(|l| !l.trim().is_empty()).map(str::to_owned).collect();
+    if !out.status.success() && problems.is_empty() {
+        return Some(vec![format!("promtool exited with {}", out.status)]);
+    }
+    Some(problems)
+}

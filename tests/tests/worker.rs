@@ -149,6 +149,17 @@ fn responses_follow_the_client_contract_and_denials_charge_no_other_rule() {
     // Shadow: never rejects, counts what it would have rejected.
     assert_eq!(statuses(&w, "GET", "/s/x", &carol, 4), [200; 4]);
     assert_eq!(w.metric("ratewall_rule_shadow_rejected{rule=\"watch\"}"), 3);
+    // The scrape is valid Prometheus text. Its counters keep the names operators and checks
+    // already read (`ratewall_object_calls`, not `…_total`): that lint is the one allowed.
+    let scrape = w.request("GET", "/_ratewall/metrics", &[], &[]).text();
+    match ratewall_tests::promtool_problems(&scrape) {
+        Some(problems) => {
+            let other: Vec<&String> =
+                problems.iter().filter(|p| !p.contains("should have \"_total\" suffix")).collect();
+            assert!(other.is_empty(), "promtool check metrics: {other:?}\n{scrape}");
+        }
+        None => println!("promtool is not installed here: the scrape's format is not checked"),
+    }
 
     // A client that waits exactly Retry-After is allowed (token bucket, 1 per second, burst 2).
     let dave = [("x-user-id", "dave")];

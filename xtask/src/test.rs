@@ -19,8 +19,18 @@ pub(crate) fn redis() -> Result<()> {
     Err("the store's tests need Redis: install it (apt-get install redis-server) and run again".into())
 }
 
+/// promtool, which the tests run over the Worker's and the store's metrics (Debian's
+/// `prometheus` package; without it those checks say they were skipped).
+fn promtool() {
+    let have = Command::new("promtool").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok();
+    if !have && !apt_install(&["--no-install-recommends", "prometheus"]) {
+        eprintln!("xtask: no promtool (apt-get install prometheus): the metrics format checks are skipped");
+    }
+}
+
 pub(crate) fn test() -> Result<()> {
     redis()?;
+    promtool();
     let (mut passed, mut failed) = (0u64, 0u64);
     // Doc tests first, so the closing summary is the whole run's.
     for kind in ["--doc", "--all-targets"] {
