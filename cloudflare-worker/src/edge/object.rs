@@ -113,7 +113,7 @@ impl Object {
                 let grant = report.map(|a| (a.grant, a.lease));
                 let covered = grant.is_some_and(|(g, _)| g >= cost);
                 let (asked, ask_lease) = if cost > 0 && !covered {
-                    let a = c.ask(limit, t, node, ask, cost, NODE_TTL);
+                    let a = c.ask_sized(limit, t, node, ask, cost, NODE_TTL);
                     (a.grant, a.lease)
                 } else {
                     (0, 0)

@@ -61,7 +61,8 @@ pub struct Applied {
 
 /// The longest lease a grant gets (far from the limit, or with no traffic to go by).
 pub const MAX_LEASE: Nanos = 2 * crate::algo::SECOND;
-/// The longest lease of units given to an ask: they are spent soon, or given back by expiring.
+/// The lease of units given to an ask (the longest, for [`Counter::ask_sized`]): they are
+/// spent soon, or given back by expiring.
 pub const ASK_LEASE: Nanos = crate::algo::SECOND;
 
 const COUNTER_VERSION: u8 = 2;
@@ -284,10 +285,31 @@ impl Counter {
     /// over-admits. With them comes the node's share of what else is free, as a sync would
     /// give it, so its next requests need not ask; the node reports what it spends of that
     /// with its next batch, like any grant. `grant` in the answer is 0 (refused), or `cost`
-    /// (taken) plus that share, leased for the lease a sync would give now, at most
-    /// [`ASK_LEASE`] (the share is sized for it, and held for it). `ask` numbers the node's asks
+    /// (taken) plus that share, leased for [`ASK_LEASE`]. `ask` numbers the node's asks
     /// (not 0): a repeat of its last one gets the same answer and takes nothing.
     pub fn ask(&mut self, limit: Limit, now: Nanos, node: u64, ask: u64, cost: u64, node_ttl: Nanos) -> Applied {
+        self.ask_leased(limit, now, (node, ask), cost, node_ttl, false)
+    }
+
+    /// [`Counter::ask`], with the units given beside the asked ones held only for the lease
+    /// they were sized for (the lease a sync would give now, at most [`ASK_LEASE`]) instead
+    /// of [`ASK_LEASE`]. For the Worker's isolates, which count a lease from when they asked
+    /// and settle with every report. Filter nodes keep the fixed lease: theirs run from the
+    /// answer's arrival, and near a quota's end a sized lease is shorter than a round trip
+    /// (measured: false denials 1.1 % → 27 % in `zipf20_rtt20`).
+    pub fn ask_sized(&mut self, limit: Limit, now: Nanos, node: u64, ask: u64, cost: u64, node_ttl: Nanos) -> Applied {
+        self.ask_leased(limit, now, (node, ask), cost, node_ttl, true)
+    }
+
+    fn ask_leased(
+        &mut self,
+        limit: Limit,
+        now: Nanos,
+        (node, ask): (u64, u64),
+        cost: u64,
+        node_ttl: Nanos,
+        sized: bool,
+    ) -> Applied {
         let now = self.clock(limit, now);
         self.forget_quiet(node, now);
         let (view, _) = self.limit.decide(&self.state, now, 0);
@@ -300,10 +322,12 @@ impl Counter {
         let held = self.outstanding(now, None);
         let free = view.remaining.saturating_sub(held);
         let mut given = 0;
-        // The units given beside the asked ones are sized for this lease, and held for it.
-        let lease = self.lease(view.remaining, now).min(ASK_LEASE);
+        // The units given beside the asked ones are sized for this lease (and, `sized`, held
+        // for it).
+        let sized_lease = self.lease(view.remaining, now).min(ASK_LEASE);
+        let lease = if sized { sized_lease } else { ASK_LEASE };
         if cost <= free {
-            let extra = self.share_of(node, free - cost, lease, node_ttl);
+            let extra = self.share_of(node, free - cost, sized_lease, node_ttl);
             given = cost.saturating_add(extra);
             self.state = self.limit.consume(&self.state, now, cost);
             self.note_rate(now, cost);
