@@ -477,25 +477,13 @@ fn valid_name(s: &str) -> bool {
     (1..=64).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
 }
 
+/// The fields a rule may have.
+pub const RULE_FIELDS: [&str; 11] =
+    ["name", "match", "key", "limit", "plans", "algorithm", "cost", "mode", "on_store_failure", "exact", "description"];
+
 fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, ConfigError> {
     let m = object(v, path)?;
-    known_fields(
-        m,
-        path,
-        &[
-            "name",
-            "match",
-            "key",
-            "limit",
-            "plans",
-            "algorithm",
-            "cost",
-            "mode",
-            "on_store_failure",
-            "exact",
-            "description",
-        ],
-    )?;
+    known_fields(m, path, &RULE_FIELDS)?;
     let name = match m.get("name") {
         Some(n) => string(n, &join(path, "name"))?,
         None => return err(&join(path, "name"), "is required"),

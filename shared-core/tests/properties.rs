@@ -307,29 +307,15 @@ fn json_value() -> impl Strategy<Value = serde_json::Value> {
 }
 
 fn rule_shaped_json() -> impl Strategy<Value = String> {
-    let fields = [
-        "name",
-        "match",
-        "key",
-        "limit",
-        "plans",
-        "algorithm",
-        "cost",
-        "mode",
-        "on_store_failure",
-        "exact",
-        "requests",
-        "per",
-        "burst",
-        "path",
-        "method",
-    ];
+    // A rule's fields, and some of its limit's and match's.
+    let mut fields = ratewall_core::rules::RULE_FIELDS.to_vec();
+    fields.extend(["requests", "per", "burst", "delay", "concurrent", "hold_max", "path", "method"]);
     let leaf = json_value();
     let tree = leaf.prop_recursive(3, 24, 4, move |inner| {
         prop_oneof![
             proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
             proptest::collection::btree_map(
-                proptest::sample::select(fields.to_vec()).prop_map(String::from),
+                proptest::sample::select(fields.clone()).prop_map(String::from),
                 inner,
                 0..5
             )
