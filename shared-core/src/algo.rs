@@ -232,6 +232,11 @@ impl Limit {
         }
     }
 
+    /// A bucket's emission interval: `per / requests`, rounded up.
+    pub fn interval(&self) -> Nanos {
+        self.interval
+    }
+
     /// A leaky bucket's queued requests that go at once.
     pub fn delay(&self) -> u64 {
         self.delay

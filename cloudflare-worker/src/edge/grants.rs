@@ -160,7 +160,7 @@ impl Held {
         let reset = self.reset_after.saturating_sub(now.saturating_sub(self.known_at));
         let l = &self.limit;
         if matches!(l.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket) {
-            let interval = l.per().div_ceil(l.requests().max(1));
+            let interval = l.interval();
             let span = l.capacity().saturating_mul(interval);
             return (remaining, reset.saturating_add(units.saturating_mul(interval)).min(span));
         }

@@ -317,7 +317,9 @@ impl Counter {
         let (remaining, reset_after) = (view.remaining, view.reset_after);
         if let Some(s) = self.shares.iter().find(|s| s.node == node && ask != 0 && s.last_ask.0 == ask) {
             let grant = s.last_ask.1;
-            return Applied { remaining, grant, reset_after, lease: ASK_LEASE, nodes, counted: false };
+            // A sized lease's repeat answers what is left of the hold, not a fresh second.
+            let lease = if sized { s.until.saturating_sub(now) } else { ASK_LEASE };
+            return Applied { remaining, grant, reset_after, lease, nodes, counted: false };
         }
         let held = self.outstanding(now, None);
         let free = view.remaining.saturating_sub(held);

@@ -330,3 +330,14 @@ fn a_refused_asks_wait_is_the_sooner_of_the_state_freeing_units_and_the_grants_l
     // Nothing held and room left: no wait.
     assert_eq!(Counter::new(l).retry_after(NOW, 1), Some(0));
 }
+
+#[test]
+fn a_repeated_sized_ask_answers_what_is_left_of_its_hold() {
+    let l = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
+    let mut c = Counter::new(l);
+    let first = c.ask_sized(l, NOW, 2, 5, 1, 10 * SECOND);
+    assert!(first.counted && first.lease > 0);
+    let again = c.ask_sized(l, NOW + 10, 2, 5, 1, 10 * SECOND);
+    assert!(!again.counted);
+    assert_eq!(again.lease, first.lease - 10, "the same hold, not a new one");
+}
