@@ -262,9 +262,9 @@ impl Grants {
             return None;
         }
         self.seq = next;
-        h.report = Some(Report { seq: next, units: h.pending, first_sent: now });
-        h.pending = 0;
-        Some((next, h.report.map_or(0, |r| r.units)))
+        let units = std::mem::take(&mut h.pending);
+        h.report = Some(Report { seq: next, units, first_sent: now });
+        Some((next, units))
     }
 
     /// When `key`'s next background report should go, if the glue should schedule one now
@@ -284,21 +284,15 @@ impl Grants {
     /// The background report of `key` (its retry, if the last one failed), or `None` when
     /// nothing waits (the schedule ends).
     pub fn report(&mut self, key: &[u8], now: Nanos) -> Option<Call> {
-        let node = self.node;
         let h = self.held.get_mut(key)?;
-        let limit = h.limit;
-        if let Some(r) = h.report {
-            return Some(Call::Spend { limit, node, seq: r.seq, units: r.units, ask: 0, cost: 0 });
-        }
-        match self.next_report(key, now) {
-            Some((seq, units)) => Some(Call::Spend { limit, node, seq, units, ask: 0, cost: 0 }),
-            None => {
-                if let Some(h) = self.held.get_mut(key) {
-                    h.scheduled = false;
-                }
-                None
+        let (limit, pending) = (h.limit, h.report.map(|r| (r.seq, r.units)));
+        let Some((seq, units)) = pending.or_else(|| self.next_report(key, now)) else {
+            if let Some(h) = self.held.get_mut(key) {
+                h.scheduled = false;
             }
-        }
+            return None;
+        };
+        Some(Call::Spend { limit, node: self.node, seq, units, ask: 0, cost: 0 })
     }
 
     /// Takes the object's answer (`Err`: the call failed) to `call` for `key`, sent at
