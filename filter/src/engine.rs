@@ -355,13 +355,16 @@ impl Engine {
     /// was reset): the slots are free again.
     pub fn release(&self, host: &dyn Host, slots: Slots) {
         let mut counters = TableCounters::new(&self.table, host, Grants::Off, &[]);
+        let now = host.now();
         for c in &slots.checks {
-            let _ = ratewall_core::eval::Counters::refund(&mut counters, c, slots.at);
-            // The gauge from the state as released (a read; nothing is written).
+            // The refund, and the gauge from the state it leaves, in one read and write (a
+            // concurrency rule's counters take no grants, so this is the refund the core's
+            // `Counters::refund` would make).
             let mut remaining = None;
-            let _ = ratewall_core::eval::Counters::update(&mut counters, c, host.now(), &mut |s, _| {
-                remaining = Some(c.limit.decide(s, host.now(), 0).0.remaining);
-                None
+            let _ = ratewall_core::eval::Counters::update(&mut counters, c, now, &mut |s, _| {
+                let next = c.limit.refund(s, slots.at, c.cost);
+                remaining = Some(c.limit.decide(&next, now, 0).0.remaining);
+                Some((next, 0))
             });
             self.in_flight(host, c, remaining);
         }
@@ -461,13 +464,17 @@ impl Engine {
         // A leaky bucket's admitted request waits its turn (the longest of its queues'); a
         // concurrency rule's holds its slot until it ends.
         let mut wait = 0;
-        let (mut turns, mut slots) = (Vec::new(), Vec::new());
+        let (mut turns, mut slots, mut delayed) = (Vec::new(), Vec::new(), Vec::new());
         for (c, o) in checks.iter().zip(&outcome.checks) {
             let CheckResult::Decided(d) = o.result else { continue };
             match c.limit.algorithm() {
                 ratewall_core::Algorithm::LeakyBucket if d.allowed && !outcome.rejected => {
+                    let w = c.limit.wait(&d, c.cost);
+                    if w > 0 {
+                        delayed.push(c.rule);
+                    }
                     if o.mode == ratewall_core::rules::Mode::Enforce {
-                        wait = wait.max(c.limit.wait(&d, c.cost));
+                        wait = wait.max(w);
                     }
                     turns.push(c.clone());
                 }
@@ -510,11 +517,9 @@ impl Engine {
             }
             return Verdict::Hold(reply, slots);
         }
-        for (c, o) in checks.iter().zip(&outcome.checks) {
-            if matches!(o.result, CheckResult::Decided(d) if c.limit.wait(&d, c.cost) > 0) {
-                if let Some(m) = self.rules.get(c.rule) {
-                    bump(m.delayed, 1);
-                }
+        for rule in delayed {
+            if let Some(m) = self.rules.get(rule) {
+                bump(m.delayed, 1);
             }
         }
         Verdict::Wait(Waiting { until: host.now().saturating_add(wait), reply, turns, at: now, slots })
