@@ -24,6 +24,17 @@ struct WaitList {
 
 type Waiters = Rc<RefCell<WaitList>>;
 
+impl WaitList {
+    /// Takes note that a request set the fast tick (`ticking`: the period the root set), and
+    /// says whether any request waits.
+    fn waiting(&mut self, ticking: &mut Nanos) -> bool {
+        if std::mem::take(&mut self.fast) {
+            *ticking = WAIT_TICK;
+        }
+        !self.list.is_empty()
+    }
+}
+
 // The ABI call behind the SDK's `get_map_bytes`, which would deserialize every header into
 // its own `String` and `Vec` (two allocations per header); the engine reads the serialized
 // map in place instead.
@@ -183,9 +194,7 @@ impl RootContext for Root {
         // Requests whose turn came go on (resumed in their own context).
         let due: Vec<u32> = {
             let mut w = self.waiters.borrow_mut();
-            if std::mem::take(&mut w.fast) {
-                self.ticking = WAIT_TICK;
-            }
+            w.waiting(&mut self.ticking);
             let due = w.list.iter().filter(|(_, until)| *until <= now).map(|(ctx, _)| *ctx).collect();
             w.list.retain(|(_, until)| *until > now);
             due
@@ -214,13 +223,7 @@ impl RootContext for Root {
         match Engine::configure(&ProxyHost, &document, self.engine.as_deref()) {
             Ok(engine) => {
                 ProxyHost.log(Level::Info, &format!("ratewall: loaded {} rules", engine.config().rules.len()));
-                let waiting = {
-                    let mut w = self.waiters.borrow_mut();
-                    if std::mem::take(&mut w.fast) {
-                        self.ticking = WAIT_TICK;
-                    }
-                    !w.list.is_empty()
-                };
+                let waiting = self.waiters.borrow_mut().waiting(&mut self.ticking);
                 tick_for(Some(&engine), waiting, &mut self.ticking);
                 self.engine = Some(Rc::new(engine));
                 true
