@@ -166,13 +166,8 @@ fn limit_from(v: &Value) -> Option<Limit> {
     let a = v.as_array()?;
     let algorithm = Algorithm::from_name(a.first()?.as_str()?)?;
     let (requests, per, capacity) = (a.get(1)?.as_u64()?, a.get(2)?.as_u64()?, a.get(3)?.as_u64()?);
-    let burst = match algorithm {
-        Algorithm::TokenBucket => Some(capacity),
-        Algorithm::LeakyBucket => Some(capacity.checked_sub(1)?),
-        _ => None,
-    };
     let delay = a.get(4).map_or(Some(0), Value::as_u64)?;
-    Limit::new(algorithm, requests, per, burst).ok()?.with_delay(delay).ok()
+    Limit::from_capacity(algorithm, requests, per, capacity).ok()?.with_delay(delay).ok()
 }
 
 fn u64_field(v: &Value, name: &str) -> Option<u64> {

@@ -223,6 +223,19 @@ impl Limit {
         Ok(Limit { delay, fingerprint, ..self })
     }
 
+    /// The limit of `algorithm` whose [`Limit::capacity`] is `capacity`, as the wire and the
+    /// Worker's stored values carry it: a token bucket's capacity is its burst, a leaky
+    /// bucket's one more than its queue (0 makes no leaky bucket); other algorithms' is
+    /// `requests`, and `capacity` is not read.
+    pub fn from_capacity(algorithm: Algorithm, requests: u64, per: Nanos, capacity: u64) -> Result<Self, LimitError> {
+        let burst = match algorithm {
+            Algorithm::TokenBucket => Some(capacity),
+            Algorithm::LeakyBucket => Some(capacity.checked_sub(1).ok_or(LimitError::Burst("must be at least 0"))?),
+            _ => None,
+        };
+        Limit::new(algorithm, requests, per, burst)
+    }
+
     /// The `burst` that [`Limit::new`] takes to build this limit again.
     pub fn burst(&self) -> Option<u64> {
         match self.algorithm {
@@ -837,6 +850,21 @@ mod tests {
         // Releases lost: the slots free after hold_max (and at most an eighth more).
         assert!(!limit.decide(&s, t + 59 * SECOND, 1).0.allowed);
         assert!(limit.decide(&s, t + 68 * SECOND, 1).0.allowed);
+    }
+
+    #[test]
+    fn a_limit_is_rebuilt_from_its_capacity() {
+        for (a, burst) in [
+            (Algorithm::TokenBucket, Some(7)),
+            (Algorithm::LeakyBucket, Some(0)),
+            (Algorithm::LeakyBucket, Some(4)),
+            (Algorithm::SlidingWindow, None),
+            (Algorithm::Concurrent, None),
+        ] {
+            let l = Limit::new(a, 5, SECOND, burst).unwrap();
+            assert_eq!(Limit::from_capacity(a, 5, SECOND, l.capacity()), Ok(l), "{a:?}");
+        }
+        assert!(Limit::from_capacity(Algorithm::LeakyBucket, 5, SECOND, 0).is_err(), "no leaky bucket holds nothing");
     }
 
     #[test]

@@ -114,14 +114,9 @@ pub(super) fn read_limit(r: &mut Reader<'_>) -> Result<Limit, DecodeError> {
     let code = r.u8()?;
     let algorithm = Algorithm::from_code(code).ok_or(DecodeError::Tag(code))?;
     let (requests, per, capacity) = (r.varint()?, r.varint()?, r.varint()?);
-    // The capacity is a token bucket's burst, and one more than a leaky bucket's (a leaky
-    // bucket's `delay` does not travel: the store never says how long a request waits).
-    let burst = match algorithm {
-        Algorithm::TokenBucket => Some(capacity),
-        Algorithm::LeakyBucket => Some(capacity.saturating_sub(1)),
-        _ => None,
-    };
-    Limit::new(algorithm, requests, per, burst).map_err(|_| DecodeError::Tag(255))
+    // A leaky bucket's `delay` does not travel: the store never says how long a request
+    // waits.
+    Limit::from_capacity(algorithm, requests, per, capacity).map_err(|_| DecodeError::Tag(255))
 }
 
 pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
