@@ -341,3 +341,47 @@ fn a_repeated_sized_ask_answers_what_is_left_of_its_hold() {
     assert!(!again.counted);
     assert_eq!(again.lease, first.lease - 10, "the same hold, not a new one");
 }
+
+#[test]
+fn traffic_shares_weigh_units_per_second_however_often_a_node_syncs() {
+    let l = Limit::new(Algorithm::FixedWindow, 10_000, 60 * SECOND, None).unwrap();
+    let mut c = Counter::new(l);
+    // Node 1 spends 10 units a second and syncs every 100 ms; node 2 spends 1 a second and
+    // syncs every second. Halved per sync, both weighed about 2 units.
+    let mut seq = (0, 0);
+    for tenth in 1..=50u64 {
+        seq.0 += 1;
+        c.apply(l, NOW + tenth * SECOND / 10, 1, seq.0, 1, 10 * SECOND);
+        if tenth % 10 == 0 {
+            seq.1 += 1;
+            c.apply(l, NOW + tenth * SECOND / 10, 2, seq.1, 1, 10 * SECOND);
+        }
+    }
+    let at = NOW + 5 * SECOND + 1;
+    let busy = c.apply(l, at, 1, seq.0 + 1, 0, 10 * SECOND).grant;
+    let quiet = c.apply(l, at, 2, seq.1 + 1, 0, 10 * SECOND).grant;
+    assert!(busy >= 5 * quiet.max(1), "busy {busy}, quiet {quiet}");
+}
+
+#[test]
+fn a_share_under_one_unit_is_granted_with_that_chance() {
+    // 20 active nodes of equal traffic, 10 units free: the last node's share is half a unit.
+    // Rounded down, it was 0, and every request asked.
+    let l = Limit::new(Algorithm::FixedWindow, 1_000, 60 * SECOND, None).unwrap();
+    let trials = 400u64;
+    let mut given = 0;
+    for t in 0..trials {
+        let at = NOW + t * 7_919;
+        let mut c = Counter::new(l);
+        c.take(l, at, 1_000);
+        for node in 1..=19 {
+            // Seen now, holding nothing: nothing remained.
+            assert_eq!(c.apply(l, at, node, 1, 0, 10 * SECOND).grant, 0);
+        }
+        c.refund(l, at, at, 10);
+        let g = c.apply(l, at, 100, 1, 0, 10 * SECOND).grant;
+        assert!(g <= 1, "{g}");
+        given += g;
+    }
+    assert!(given > trials * 3 / 10 && given < trials * 7 / 10, "{given} of {trials}");
+}
