@@ -55,6 +55,11 @@ pub const MAX_PENDING: usize = 20_000;
 pub const MAX_BATCH: usize = 500;
 /// Most asks one VM has in flight; a request past them is denied as before asks existed.
 pub const MAX_ASKS: u32 = 64;
+/// How long after a counter's last request the node keeps renewing its grant: a counter a
+/// node sees a request on every few seconds (a quiet node's share of a busy key) then finds
+/// its grant fresh, rather than lapsed, when the next one comes. Counted in whole seconds,
+/// so 5 to 6 s.
+const RENEW_FOR: Nanos = 5_000 * MS;
 /// A grant leased at least this long shows its counter far from its limit.
 const RELAXED_LEASE: Nanos = 1_000 * MS;
 /// The most the store's clock may differ from the node's: an answer further off is refused
@@ -101,6 +106,34 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
     }
 }
 
+impl Syncing {
+    /// Notes a counter a VM's deltas named at `now`.
+    /// At most [`MAX_PENDING`] are kept, as in the other pending maps (through [`merge`]: a
+    /// map insert of its own cost 800 B of wasm); the quiet ones go at the next batch.
+    fn touch(&mut self, d: &Delta, now: Nanos) {
+        merge(&mut self.recent, &d.key, d.limit, 0);
+        if let Some(r) = self.recent.get_mut(&d.key) {
+            r.1 = Recent(r.1).touched(now).0;
+        }
+    }
+
+    /// Adds a 0-unit delta (a renewal: the store answers it with a fresh grant) for each
+    /// recent counter whose grant would lapse before the answer to the batch after the next
+    /// one comes (two intervals and a round trip), so that its next request finds a grant
+    /// rather than waiting for an ask. Counters quiet for [`RENEW_FOR`] are forgotten.
+    fn renew(&mut self, now: Nanos, interval: Nanos) {
+        let horizon = now.saturating_add(interval.saturating_mul(2)).saturating_add(self.rtt);
+        let unsent = &mut self.unsent;
+        self.recent.retain(|k, (limit, r)| {
+            let (r, keep) = (Recent(*r), Recent(*r).recent(now));
+            if keep && unsent.len() < MAX_BATCH && (1..=horizon).contains(&r.lease_end()) {
+                merge(unsent, k, *limit, 0);
+            }
+            keep
+        });
+    }
+}
+
 fn outbox(i: u32) -> String {
     format!("rw1/sync/out/{i}")
 }
@@ -143,6 +176,36 @@ struct Batch {
     first_sent: Nanos,
 }
 
+/// A counter the node saw a request on lately, for renewing its grant before it lapses:
+/// when a VM's deltas last named it (whole seconds, modulo 2^21: it is only compared within
+/// [`RENEW_FOR`]) above, and below, in ms, when its grant's lease ends — 0 when not answered
+/// yet, or when the store's last answer had no quota left, so a renewal would gain nothing.
+/// Packed in the pending maps' value so the recent set is one more of them: a map of its
+/// own type cost ~2 KB more of wasm (the filter's size budget had 1.6 KB left).
+#[derive(Clone, Copy, Debug)]
+struct Recent(u64);
+
+const LEASE_BITS: u32 = 43;
+
+impl Recent {
+    /// The same lease, touched at `now`.
+    fn touched(self, now: Nanos) -> Recent {
+        Recent(((now / 1_000_000_000) << LEASE_BITS) | (self.0 & ((1 << LEASE_BITS) - 1)))
+    }
+    /// Whether it was touched within [`RENEW_FOR`] of `now`.
+    fn recent(self, now: Nanos) -> bool {
+        let secs = (now / 1_000_000_000).wrapping_sub(self.0 >> LEASE_BITS) & ((1 << (64 - LEASE_BITS)) - 1);
+        secs <= RENEW_FOR / 1_000_000_000
+    }
+    fn lease_end(self) -> Nanos {
+        (self.0 & ((1 << LEASE_BITS) - 1)).saturating_mul(MS)
+    }
+    /// The same touch, with a lease ending at `end`.
+    fn leased(self, end: Nanos) -> Recent {
+        Recent((self.0 & !((1 << LEASE_BITS) - 1)) | ((end / MS) & ((1 << LEASE_BITS) - 1)))
+    }
+}
+
 #[derive(Debug, Default)]
 struct Syncing {
     seq: u64,
@@ -157,6 +220,11 @@ struct Syncing {
     /// Whether the last answer left every counter far from its limit (each grant leased for
     /// at least [`RELAXED_LEASE`]).
     relaxed: bool,
+    /// Counters with recent requests, whose grants the next batch renews before they lapse
+    /// (the value: [`Recent`]).
+    recent: Pending,
+    /// The last batch's round trip (ns; 0: not measured yet).
+    rtt: Nanos,
 }
 
 /// Metric ids.
@@ -424,6 +492,7 @@ impl Syncer {
             }
             if let Ok(req) = SyncRequest::decode(&value) {
                 for d in req.deltas {
+                    s.touch(&d, now);
                     if !merge(&mut s.unsent, &d.key, d.limit, d.units) {
                         if let Some(m) = self.metrics.dropped {
                             host.increment(m, d.units);
@@ -449,6 +518,7 @@ impl Syncer {
         if now < s.open_until {
             return;
         }
+        s.renew(now, self.opts.interval);
         // When the next batch is due, so that store calls stay under 10 per node per second
         // when asks add to them:
         // - with nothing to report, a batch is only a heartbeat that keeps the view fresh: one
@@ -678,6 +748,13 @@ impl Syncer {
             let mut s = self.syncing.borrow_mut();
             s.failures = 0;
             s.open_until = 0;
+            s.rtt = now.saturating_sub(sent);
+            for (d, g) in batch.deltas.iter().zip(&resp.grants) {
+                if let Some(r) = s.recent.get_mut(&d.key) {
+                    let end = if g.remaining > 0 { sent.saturating_add(g.lease) } else { 0 };
+                    r.1 = Recent(r.1).leased(end).0;
+                }
+            }
             // A heartbeat's empty answer says nothing about the counters.
             if !resp.grants.is_empty() {
                 s.relaxed = resp.grants.iter().all(|g| g.lease >= RELAXED_LEASE);

@@ -5,7 +5,7 @@ use super::*;
 use crate::fake::{answer, signed, Call};
 use crate::host::Level;
 use ratewall_core::eval::Request;
-use ratewall_core::sync::{Store, SyncRequest, SyncResponse, RETRY_HORIZON};
+use ratewall_core::sync::{Delta, Store, SyncRequest, SyncResponse, RETRY_HORIZON};
 
 const SECRET: &str = "0123456789abcdef";
 
@@ -622,12 +622,20 @@ fn an_ask_waits_at_most_max_wait() {
 fn a_vm_whose_asks_time_out_stops_asking_for_a_while() {
     let h = FakeHost::new();
     let (e, mut s) = spent_grant(&h);
-    // Time passes with the batches answered (the view stays fresh).
-    let pass = |s: &mut Store, ms: u64| {
+    let headers = [Some(&b"ann"[..])];
+    let (checks, _) = e.config().checks(&Request { method: "GET", path: "/u/x", headers: &headers, ip: None });
+    let ann = Delta { key: checks[0].key.clone(), limit: checks[0].limit, units: 1 };
+    // Time passes with the batches answered (the view stays fresh), and another node spends
+    // on the counter: this node's grant (renewed meanwhile, and all its bursts spend) is a
+    // share, not all that remains, so it may still ask.
+    let mut other = 0;
+    let mut pass = |s: &mut Store, ms: u64| {
         for _ in 0..ms / 100 {
             h.advance(100 * MS);
             e.on_tick(&h);
             serve(s, &e, &h);
+            other += 1;
+            s.handle(h.now(), &SyncRequest { node: 999, seq: other, deltas: vec![ann.clone()], ask: false }).unwrap();
         }
     };
     let asking = burst_until_ask(&e, &h).expect("the node asked");
@@ -644,4 +652,59 @@ fn a_vm_whose_asks_time_out_stops_asking_for_a_while() {
     assert!(burst_until_ask(&e, &h).is_none(), "then waits 2 s");
     pass(&mut s, 600);
     assert!(burst_until_ask(&e, &h).is_some());
+}
+
+/// Runs ticks every 100 ms for `ms`, answering every call from `store`; the keys each
+/// batch named with 0 units, by the time (ms since `from`) it was sent.
+fn renewals(e: &Engine, h: &FakeHost, s: &mut Store, ms: u64) -> Vec<(u64, Vec<Vec<u8>>)> {
+    let from = h.now();
+    let mut out = Vec::new();
+    for _ in 0..ms / 100 {
+        h.advance(100 * MS);
+        e.on_tick(h);
+        for c in h.take_calls() {
+            let b = batch(&c);
+            let zeros: Vec<Vec<u8>> = b.deltas.iter().filter(|d| d.units == 0).map(|d| d.key.clone()).collect();
+            if !zeros.is_empty() {
+                out.push(((h.now() - from) / MS, zeros));
+            }
+            let (status, tag, body) = answer(s, h.now(), SECRET, &c);
+            e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_recent_counters_grant_is_renewed_before_it_lapses_and_a_quiet_ones_is_not() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 3), [200; 3]);
+    e.on_tick(&h);
+    assert_eq!(serve(&mut s, &e, &h), 1);
+    let ann = key_of(&e, "/u/x", "ann");
+    // Far from its limit, the grant is leased for 2 s: the node renews it (a 0-unit delta)
+    // within the last two intervals and a round trip before it ends, with no request.
+    let renewed = renewals(&e, &h, &mut s, 2_000);
+    assert!(!renewed.is_empty() && renewed.iter().all(|(_, k)| k == std::slice::from_ref(&ann)), "{renewed:?}");
+    assert!(renewed[0].0 >= 1_500 && renewed[0].0 < 2_000, "renewed at {} ms", renewed[0].0);
+    // A request after the first lease's end is admitted on the renewed grant, with no ask.
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 1), [200]);
+    assert!(h.take_calls().is_empty(), "no ask");
+    // Quiet for 5 s (counted in whole seconds: up to 6), the counter is no longer renewed.
+    let later = renewals(&e, &h, &mut s, 12_000);
+    assert!(!later.is_empty() && later.iter().all(|(at, _)| *at <= 6_100), "{later:?}");
+}
+
+#[test]
+fn a_counter_whose_quota_is_spent_is_not_renewed() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(3, 1));
+    let mut s = store();
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 3), [200; 3]);
+    e.on_tick(&h);
+    assert_eq!(serve(&mut s, &e, &h), 1);
+    // The answer showed nothing left: a renewal could gain nothing.
+    assert_eq!(renewals(&e, &h, &mut s, 3_000), []);
 }
