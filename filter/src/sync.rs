@@ -121,8 +121,8 @@ impl Syncing {
     /// recent counter whose grant would lapse before the answer to the batch after the next
     /// one comes (two intervals and a round trip), so that its next request finds a grant
     /// rather than waiting for an ask. Counters quiet for [`RENEW_FOR`] are forgotten.
-    fn renew(&mut self, now: Nanos, interval: Nanos) {
-        let horizon = now.saturating_add(interval.saturating_mul(2)).saturating_add(self.rtt);
+    fn renew(&mut self, now: Nanos, interval: Nanos, rtt: Nanos) {
+        let horizon = now.saturating_add(interval.saturating_mul(2)).saturating_add(rtt);
         let unsent = &mut self.unsent;
         self.recent.retain(|k, (limit, r)| {
             let (r, keep) = (Recent(*r), Recent(*r).recent(now));
@@ -147,14 +147,17 @@ pub struct View {
     pub nodes: u32,
     /// The store's clock minus ours, ns.
     pub offset: i64,
+    /// The last batch's round trip, ns.
+    pub rtt: Nanos,
 }
 
 impl View {
     fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(20);
+        let mut b = Vec::with_capacity(28);
         b.extend_from_slice(&self.ok_at.to_le_bytes());
         b.extend_from_slice(&self.nodes.to_le_bytes());
         b.extend_from_slice(&self.offset.to_le_bytes());
+        b.extend_from_slice(&self.rtt.to_le_bytes());
         b
     }
     fn decode(b: &[u8]) -> Option<View> {
@@ -162,6 +165,8 @@ impl View {
             ok_at: u64::from_le_bytes(b.get(..8)?.try_into().ok()?),
             nodes: u32::from_le_bytes(b.get(8..12)?.try_into().ok()?),
             offset: i64::from_le_bytes(b.get(12..20)?.try_into().ok()?),
+            // A view an older VM wrote (during an upgrade) has none.
+            rtt: b.get(20..28).and_then(|r| r.try_into().ok()).map_or(0, u64::from_le_bytes),
         })
     }
 }
@@ -223,8 +228,6 @@ struct Syncing {
     /// Counters with recent requests, whose grants the next batch renews before they lapse
     /// (the value: [`Recent`]).
     recent: Pending,
-    /// The last batch's round trip (ns; 0: not measured yet).
-    rtt: Nanos,
 }
 
 /// Metric ids.
@@ -518,7 +521,7 @@ impl Syncer {
         if now < s.open_until {
             return;
         }
-        s.renew(now, self.opts.interval);
+        s.renew(now, self.opts.interval, self.view.get().rtt);
         // When the next batch is due, so that store calls stay under 10 per node per second
         // when asks add to them:
         // - with nothing to report, a batch is only a heartbeat that keeps the view fresh: one
@@ -589,14 +592,16 @@ impl Syncer {
     /// Asks the store for units a paused request needs now (its grants being spent); the
     /// call's token. The request waits for the answer at most `max_wait`. `None` — too many
     /// asks in flight, the breaker open, this VM's asks failing (see
-    /// [`Syncer::on_ask_response`]), or the call refused — means the request is decided on
-    /// what the node holds.
+    /// [`Syncer::on_ask_response`]), the store's last round trip longer than `max_wait` (the
+    /// answer would come too late to use), or the call refused — means the request is
+    /// decided on what the node holds.
     pub fn ask(&self, host: &dyn Host, wants: &[Delta]) -> Option<u32> {
         let (inflight, seq) = self.asks.get();
         let max_wait = self.opts.max_wait.min(self.opts.timeout);
         if inflight >= MAX_ASKS
             || host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until)
             || host.now() < self.ask_backoff.get().1
+            || self.view.get().rtt > max_wait
         {
             return None;
         }
@@ -741,14 +746,13 @@ impl Syncer {
         };
         write_grants(host, table, &batch.deltas, &resp, sent, false);
         let offset = i64::try_from(resp.now).unwrap_or(i64::MAX).saturating_sub(i64::try_from(now).unwrap_or(0));
-        let view = View { ok_at: now, nodes: resp.nodes.max(1), offset };
+        let view = View { ok_at: now, nodes: resp.nodes.max(1), offset, rtt: now.saturating_sub(sent) };
         let _ = host.shared_set(VIEW, &view.encode(), None);
         self.view.set(view);
         {
             let mut s = self.syncing.borrow_mut();
             s.failures = 0;
             s.open_until = 0;
-            s.rtt = now.saturating_sub(sent);
             for (d, g) in batch.deltas.iter().zip(&resp.grants) {
                 if let Some(r) = s.recent.get_mut(&d.key) {
                     let end = if g.remaining > 0 { sent.saturating_add(g.lease) } else { 0 };

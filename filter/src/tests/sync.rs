@@ -708,3 +708,38 @@ fn a_counter_whose_quota_is_spent_is_not_renewed() {
     // The answer showed nothing left: a renewal could gain nothing.
     assert_eq!(renewals(&e, &h, &mut s, 3_000), []);
 }
+
+#[test]
+fn a_store_further_than_max_wait_is_not_asked() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules_with(1_000, 1, r#""max_wait": "7ms", "#));
+    let mut s = store();
+    let ann = [("x-user-id", "ann")];
+    // Each batch's answer comes 10 ms after it was sent: an ask's would come after the
+    // request stopped waiting for it.
+    let slow = |s: &mut Store, e: &Engine| {
+        let calls = h.take_calls();
+        h.advance(10 * MS);
+        for c in &calls {
+            let (status, tag, body) = answer(s, h.now(), SECRET, c);
+            e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+        }
+    };
+    for _ in 0..5 {
+        let _ = reply(&e, &h, "GET", "/u/x", &ann);
+        e.on_tick(&h);
+        slow(&mut s, &e);
+        h.advance(90 * MS);
+    }
+    let view = h.shared_value("rw1/sync/view").unwrap();
+    assert_eq!(u64::from_le_bytes(view[20..28].try_into().unwrap()), 10 * MS, "the view carries the round trip");
+    assert!(burst_until_ask(&e, &h).is_none(), "decided at once");
+    assert_eq!(h.metric("ratewall_sync_asks"), 0);
+    // Nearer again, it asks.
+    for _ in 0..3 {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+    }
+    assert!(burst_until_ask(&e, &h).is_some());
+}
