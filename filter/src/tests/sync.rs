@@ -675,14 +675,20 @@ fn renewals(e: &Engine, h: &FakeHost, s: &mut Store, ms: u64) -> Vec<(u64, Vec<V
     out
 }
 
-#[test]
-fn a_recent_counters_grant_is_renewed_before_it_lapses_and_a_quiet_ones_is_not() {
+/// A node that admitted 3 requests of `ann` under a limit of `limit` and synced them.
+fn three_synced(limit: u64) -> (FakeHost, Engine, Store) {
     let h = FakeHost::new();
-    let e = engine(&h, &rules(100, 1));
+    let e = engine(&h, &rules(limit, 1));
     let mut s = store();
     assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 3), [200; 3]);
     e.on_tick(&h);
     assert_eq!(serve(&mut s, &e, &h), 1);
+    (h, e, s)
+}
+
+#[test]
+fn a_recent_counters_grant_is_renewed_before_it_lapses_and_a_quiet_ones_is_not() {
+    let (h, e, mut s) = three_synced(100);
     let ann = key_of(&e, "/u/x", "ann");
     // Far from its limit, the grant is leased for 2 s: the node renews it (a 0-unit delta)
     // within the last two intervals and a round trip before it ends, with no request.
@@ -699,12 +705,7 @@ fn a_recent_counters_grant_is_renewed_before_it_lapses_and_a_quiet_ones_is_not()
 
 #[test]
 fn a_counter_whose_quota_is_spent_is_not_renewed() {
-    let h = FakeHost::new();
-    let e = engine(&h, &rules(3, 1));
-    let mut s = store();
-    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 3), [200; 3]);
-    e.on_tick(&h);
-    assert_eq!(serve(&mut s, &e, &h), 1);
+    let (h, e, mut s) = three_synced(3);
     // The answer showed nothing left: a renewal could gain nothing.
     assert_eq!(renewals(&e, &h, &mut s, 3_000), []);
 }
