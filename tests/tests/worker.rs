@@ -279,9 +279,16 @@ fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     let retry = SyncResponse::decode(&post_sync(&w, &body, tag).body).unwrap();
     let view = |r: &SyncResponse| r.grants.iter().map(|g| (g.remaining, g.grant)).collect::<Vec<_>>();
     assert_eq!(view(&retry), view(&resp));
-    // The filter fleet's 2 units and the edge share one limit of 3.
+    // The filter fleet's 2 units and the edge share one limit of 3: the edge admits at most
+    // the last unit, and not while the node's grant holds it (its share may be that unit,
+    // leased for a few hundred ms).
     let ivy = [("x-user-id", "ivy")];
-    assert_eq!(statuses(&w, "GET", "/u/x", &ivy, 2), [200, 429]);
+    let edge = statuses(&w, "GET", "/u/x", &ivy, 2);
+    match resp.grants[0].grant {
+        0 => assert_eq!(edge, [200, 429]),
+        1 => assert!(edge == [429, 429] || edge == [200, 429], "{edge:?}"),
+        g => panic!("a grant of {g} of 1 remaining"),
+    }
     assert_eq!(w.request("POST", "/v1/sync", &[], b"garbage").status, 401);
 
     // An ask (a paused request's units, taken at once) from another node on a fresh counter.
