@@ -592,16 +592,16 @@ impl Syncer {
     /// Asks the store for units a paused request needs now (its grants being spent); the
     /// call's token. The request waits for the answer at most `max_wait`. `None` — too many
     /// asks in flight, the breaker open, this VM's asks failing (see
-    /// [`Syncer::on_ask_response`]), the store's last round trip longer than `max_wait` (the
-    /// answer would come too late to use), or the call refused — means the request is
-    /// decided on what the node holds.
+    /// [`Syncer::on_ask_response`]; and while the last batch's round trip is longer than
+    /// `max_wait`, until one succeeds), or the call refused — means the request is decided on
+    /// what the node holds.
     pub fn ask(&self, host: &dyn Host, wants: &[Delta]) -> Option<u32> {
         let (inflight, seq) = self.asks.get();
         let max_wait = self.opts.max_wait.min(self.opts.timeout);
         if inflight >= MAX_ASKS
             || host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until)
             || host.now() < self.ask_backoff.get().1
-            || self.view.get().rtt > max_wait
+            || (self.view.get().rtt > max_wait && self.ask_backoff.get().0 > 0)
         {
             return None;
         }

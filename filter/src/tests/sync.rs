@@ -531,7 +531,7 @@ fn spent_grant_with(h: &FakeHost, doc: &str) -> (Engine, Store) {
 
 /// Requests for `ann` until one asks (`None`: one was denied first, or none asked).
 fn burst_until_ask(e: &Engine, h: &FakeHost) -> Option<crate::engine::Asking> {
-    for _ in 0..500 {
+    for _ in 0..5_000 {
         h.request("GET", "/u/x", &[("x-user-id", "ann")]);
         match e.on_request(h) {
             Verdict::Ask(a) => return Some(a),
@@ -711,36 +711,54 @@ fn a_counter_whose_quota_is_spent_is_not_renewed() {
 }
 
 #[test]
-fn a_store_further_than_max_wait_is_not_asked() {
+fn a_vm_whose_ask_timed_out_asks_no_more_while_batches_take_longer_than_max_wait() {
     let h = FakeHost::new();
     let e = engine(&h, &rules_with(1_000, 1, r#""max_wait": "7ms", "#));
     let mut s = store();
     let ann = [("x-user-id", "ann")];
+    // Another node spends on the counter too, so this one's grant is a share and it may ask.
+    let headers = [Some(&b"ann"[..])];
+    let (checks, _) = e.config().checks(&Request { method: "GET", path: "/u/x", headers: &headers, ip: None });
+    let delta = Delta { key: checks[0].key.clone(), limit: checks[0].limit, units: 1 };
+    let other = std::cell::Cell::new(0);
+    let spend = |s: &mut Store| {
+        other.set(other.get() + 1);
+        let batch = SyncRequest { node: 999, seq: other.get(), deltas: vec![delta.clone()], ask: false };
+        s.handle(h.now(), &batch).unwrap();
+    };
     // Each batch's answer comes 10 ms after it was sent: an ask's would come after the
     // request stopped waiting for it.
-    let slow = |s: &mut Store, e: &Engine| {
-        let calls = h.take_calls();
-        h.advance(10 * MS);
-        for c in &calls {
-            let (status, tag, body) = answer(s, h.now(), SECRET, c);
-            e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+    let slow = |s: &mut Store, ms: u64| {
+        for _ in 0..ms / 100 {
+            let _ = reply(&e, &h, "GET", "/u/x", &ann);
+            e.on_tick(&h);
+            let calls = h.take_calls();
+            h.advance(10 * MS);
+            for c in &calls {
+                let (status, tag, body) = answer(s, h.now(), SECRET, c);
+                e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+            }
+            h.advance(90 * MS);
+            spend(s);
         }
     };
-    for _ in 0..5 {
-        let _ = reply(&e, &h, "GET", "/u/x", &ann);
-        e.on_tick(&h);
-        slow(&mut s, &e);
-        h.advance(90 * MS);
-    }
+    slow(&mut s, 500);
     let view = h.shared_value("rw1/sync/view").unwrap();
     assert_eq!(u64::from_le_bytes(view[20..28].try_into().unwrap()), 10 * MS, "the view carries the round trip");
+    // Batches alone do not stop asks (a store may answer a one-delta ask sooner)...
+    let asking = burst_until_ask(&e, &h).expect("the node asked");
+    let _ = h.take_calls();
+    let _ = e.on_ask_response(&h, asking, 0, None, &[]);
+    // ...but once one timed out, no ask while they stay that slow, past the 1 s backoff.
+    slow(&mut s, 1_500);
     assert!(burst_until_ask(&e, &h).is_none(), "decided at once");
-    assert_eq!(h.metric("ratewall_sync_asks"), 0);
+    assert_eq!(h.metric("ratewall_sync_asks"), 1);
     // Nearer again, it asks.
     for _ in 0..3 {
         h.advance(100 * MS);
         e.on_tick(&h);
         serve(&mut s, &e, &h);
+        spend(&mut s);
     }
     assert!(burst_until_ask(&e, &h).is_some());
 }
