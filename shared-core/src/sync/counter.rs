@@ -43,6 +43,18 @@ pub(super) struct Share {
     last_ask: (u64, u64),
 }
 
+impl Share {
+    /// Its recent units at `now` (decayed since it was last seen).
+    fn recent(&self, now: Nanos) -> u64 {
+        decayed(self.units, now.saturating_sub(self.seen))
+    }
+
+    /// Its recent units at `now` with `units` more spent.
+    fn spent(&self, now: Nanos, units: u64) -> u64 {
+        self.recent(now).saturating_add(units.saturating_mul(WEIGHT_SCALE))
+    }
+}
+
 /// What a counter answers to one node's delta.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Applied {
@@ -193,7 +205,7 @@ impl Counter {
         let lease = self.lease(view.remaining, now);
         let mut grant = 0;
         if let Some(s) = self.shares.get_mut(idx) {
-            s.units = decayed(s.units, now.saturating_sub(s.seen)).saturating_add(units.saturating_mul(WEIGHT_SCALE));
+            s.units = s.spent(now, units);
             let carried = s.asked;
             let until = now.saturating_add(lease);
             *s = Share {
@@ -225,10 +237,9 @@ impl Counter {
             return 0;
         }
         let now = self.last_seen;
-        let weight = |s: &Share| u128::from(decayed(s.units, now.saturating_sub(s.seen))) + 1;
-        let total: u128 = self.active(now, node_ttl).filter(|s| s.node != node).map(weight).sum::<u128>()
-            + self.shares.iter().find(|s| s.node == node).map_or(1, weight);
+        let weight = |s: &Share| u128::from(s.recent(now)) + 1;
         let mine = self.shares.iter().find(|s| s.node == node).map_or(1, weight);
+        let total: u128 = self.active(now, node_ttl).filter(|s| s.node != node).map(weight).sum::<u128>() + mine;
         // In 1,024ths of a unit, rounded below by chance (see the end).
         let fair = (u128::from(available) << 10) * mine / total.max(mine);
         // The fleet's rate, no lower than the limit's own (`requests` per `per`): just after a
@@ -381,8 +392,7 @@ impl Counter {
             };
             if let Some(s) = self.shares.get_mut(idx) {
                 // The asked units are the node's traffic too (it never reports them).
-                s.units =
-                    decayed(s.units, now.saturating_sub(s.seen)).saturating_add(cost.saturating_mul(WEIGHT_SCALE));
+                s.units = s.spent(now, cost);
                 s.asked = s.asked.saturating_add(extra);
                 s.last_ask = (ask, given);
                 s.until = s.until.max(now.saturating_add(lease));
