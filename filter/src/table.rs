@@ -19,8 +19,10 @@
 //!
 //! Creation: on Envoy a missing key reads as NotFound and a set with `cas = 0` is
 //! unconditional, so a first insert is not protected. Every bucket key is therefore created
-//! (empty) when the filter is configured, before it serves traffic, and request-path writes
-//! only ever use a CAS value they have read.
+//! (empty) before the VM counts its first request (by that request, or the first tick), and
+//! request-path writes only ever use a CAS value they have read. ngx_wasm_module reads
+//! `cas = 0` as "only if absent": there a VM that loses the creation race to another finds
+//! the key created, which is all it wanted.
 
 use crate::host::{Host, SetError};
 use ratewall_core::algo::{Nanos, State, SECOND};
@@ -262,8 +264,13 @@ impl Table {
                 Err(_) => false,
             };
             if missing {
-                host.shared_set(&key, &empty, None)?;
-                created += 1;
+                match host.shared_set(&key, &empty, None) {
+                    Ok(()) => created += 1,
+                    // Another VM created it between the read and the write (ngx_wasm_module
+                    // refuses a `cas = 0` write to a key that exists): it is there, as wanted.
+                    Err(SetError::CasMismatch) if matches!(host.shared_get(&key), Ok((Some(_), _))) => {}
+                    Err(e) => return Err(e),
+                }
             }
         }
         Ok(created)
@@ -274,9 +281,11 @@ impl Table {
     pub fn clear(&self, host: &dyn Host) {
         for b in 0..self.buckets {
             let key = self.bucket_key(b);
-            if let Ok((Some(v), _)) = host.shared_get(&key) {
+            if let Ok((Some(v), cas)) = host.shared_get(&key) {
                 if !v.is_empty() {
-                    let _ = host.shared_set(&key, &[], None);
+                    // With the CAS read: a write without one would be refused by a host that
+                    // reads `cas = 0` as "only if absent".
+                    let _ = host.shared_set(&key, &[], cas);
                 }
             }
         }
