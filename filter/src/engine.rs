@@ -98,10 +98,26 @@ pub struct Waiting {
     /// Its reply (a pass) once it goes.
     pub reply: Reply,
     /// The leaky-bucket checks it took a turn from, given back if it never goes.
-    turns: Vec<Check>,
+    turns: Vec<Turn>,
     at: Nanos,
     /// Its concurrency slots, held while it waits and after.
     pub slots: Slots,
+}
+
+/// A turn in one leaky bucket's queue: the check, the turn given (the host clock) and the
+/// queue's departure count then; departures after it move the turn up ([`Engine::turn`]).
+#[derive(Clone, Debug)]
+pub struct Turn {
+    check: Check,
+    at: Nanos,
+    seq: u32,
+}
+
+impl Waiting {
+    /// Its turns, for [`Engine::turn`].
+    pub fn turns(&self) -> &[Turn] {
+        &self.turns
+    }
 }
 
 /// A request paused on an ask: what deciding it again needs.
@@ -459,12 +475,32 @@ impl Engine {
 
     /// A request that waited its turn went away before it: its turns go back to the queues,
     /// so the requests after it are not held for it, and its slots are given back.
+    /// Each waiter behind it in a queue moves up a turn (see [`crate::table::Departures`]).
     pub fn give_back(&self, host: &dyn Host, waiting: Waiting) {
         let mut counters = TableCounters::new(&self.table, host, Grants::Off, &[]);
-        for c in &waiting.turns {
-            let _ = ratewall_core::eval::Counters::refund(&mut counters, c, waiting.at);
+        let now = host.now();
+        for t in &waiting.turns {
+            let shift = t.check.cost.saturating_mul(t.check.limit.interval());
+            let span = t.check.limit.capacity().saturating_mul(t.check.limit.interval());
+            let horizon = now.saturating_sub(span).saturating_sub(ratewall_core::algo::SECOND);
+            counters.leaving = Some((t.at, t.seq, shift, horizon));
+            let _ = ratewall_core::eval::Counters::refund(&mut counters, &t.check, waiting.at);
         }
         self.release(host, waiting.slots);
+    }
+
+    /// When a waiter with `turns` goes now (the host clock): the latest of its turns, each
+    /// moved up by the waiters ahead of it that left. `until`: when it was to go.
+    pub fn turn(&self, host: &dyn Host, turns: &[Turn], until: Nanos) -> Nanos {
+        let mut latest = None;
+        for t in turns {
+            let moved = match self.table.queue(host, &t.check.key) {
+                Some((_, q)) => q.turn(t.at, t.seq),
+                None => t.at,
+            };
+            latest = Some(latest.map_or(moved, |l: Nanos| l.max(moved)));
+        }
+        latest.map_or(until, |l| l.min(until))
     }
 
     /// A request that held concurrency slots ended (its response completed, or its stream
@@ -629,6 +665,7 @@ impl Engine {
         // concurrency rule's holds its slot until it ends.
         let mut wait = 0;
         let (mut turns, mut slots, mut delayed) = (Vec::new(), Vec::new(), Vec::new());
+        let host_now = host.now();
         for (c, o) in checks.iter().zip(&outcome.checks) {
             let CheckResult::Decided(d) = o.result else { continue };
             match c.limit.algorithm() {
@@ -640,7 +677,8 @@ impl Engine {
                     if o.mode == ratewall_core::rules::Mode::Enforce {
                         wait = wait.max(w);
                     }
-                    turns.push(c.clone());
+                    let seq = counters.seqs.iter().find(|(k, _)| *k == c.key).map_or(0, |(_, s)| *s);
+                    turns.push(Turn { check: c.clone(), at: host_now.saturating_add(w), seq });
                 }
                 ratewall_core::Algorithm::Concurrent => {
                     self.in_flight(host, c, Some(d.remaining));
@@ -686,6 +724,6 @@ impl Engine {
                 bump(m.delayed, 1);
             }
         }
-        Verdict::Wait(Waiting { until: host.now().saturating_add(wait), reply, turns, at: now, slots })
+        Verdict::Wait(Waiting { until: host_now.saturating_add(wait), reply, turns, at: now, slots })
     }
 }

@@ -1,7 +1,7 @@
 //! The thin proxy-wasm layer: implements [`Host`] with the SDK's host calls (the variants
 //! that return errors rather than panic) and wires contexts to the [`Engine`].
 
-use crate::engine::{Asking, Engine, Slots, Verdict, Waiting, FALLBACK_LOG_EVERY, FALLBACK_METRIC};
+use crate::engine::{Asking, Engine, Slots, Turn, Verdict, Waiting, FALLBACK_LOG_EVERY, FALLBACK_METRIC};
 use crate::host::{Host, Level, SetError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -17,8 +17,8 @@ const WAIT_TICK: Nanos = 5_000_000;
 /// The requests of this VM waiting their turn in a leaky bucket.
 #[derive(Default)]
 struct WaitList {
-    /// (context id, when it goes).
-    list: Vec<(u32, Nanos)>,
+    /// (context id, when it goes, its turns: a waiter ahead that leaves moves it up).
+    list: Vec<(u32, Nanos, Vec<Turn>)>,
 }
 
 type Waiters = Rc<RefCell<WaitList>>;
@@ -282,8 +282,13 @@ impl RootContext for Root {
         // Requests whose turn came go on (resumed in their own context).
         let due: Vec<u32> = {
             let mut w = self.waiters.borrow_mut();
-            let due = w.list.iter().filter(|(_, until)| *until <= now).map(|(ctx, _)| *ctx).collect();
-            w.list.retain(|(_, until)| *until > now);
+            if let Some(engine) = &self.engine {
+                for (_, until, turns) in w.list.iter_mut().filter(|(_, until, _)| *until > now) {
+                    *until = engine.turn(&ProxyHost, turns, *until);
+                }
+            }
+            let due = w.list.iter().filter(|(_, until, _)| *until <= now).map(|(ctx, _, _)| *ctx).collect();
+            w.list.retain(|(_, until, _)| *until > now);
             due
         };
         for ctx in due {
@@ -411,7 +416,7 @@ impl Request {
             Verdict::Wait(waiting) => {
                 self.response_headers.clone_from(&waiting.reply.headers);
                 // The root, ticking every WAIT_TICK under rules that shape, resumes it.
-                self.waiters.borrow_mut().list.push((self.id, waiting.until));
+                self.waiters.borrow_mut().list.push((self.id, waiting.until, waiting.turns().to_vec()));
                 self.waiting = Some(waiting);
                 false
             }
@@ -432,7 +437,7 @@ impl Drop for Request {
         // ends (completed or reset).
         if let Some(waiting) = self.waiting.take() {
             let mut w = self.waiters.borrow_mut();
-            match w.list.iter().position(|(ctx, _)| *ctx == self.id) {
+            match w.list.iter().position(|(ctx, _, _)| *ctx == self.id) {
                 Some(i) => {
                     w.list.swap_remove(i);
                     drop(w);
