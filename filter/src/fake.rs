@@ -57,6 +57,9 @@ pub struct FakeHost {
     pub shared_broken: Cell<bool>,
     /// Fault injection: dispatch refuses every call.
     pub refuse_calls: Cell<bool>,
+    /// Behave as a host that resumes a paused request only from its own callbacks
+    /// (ngx_wasm_module), not from the root's tick.
+    pub no_root_resume: Cell<bool>,
     /// The header map leaves the pseudo-headers out (as some hosts do); they are still
     /// found by name.
     pub map_omits_pseudo: Cell<bool>,
@@ -89,6 +92,7 @@ impl FakeHost {
             cas_conflicts: Cell::new(0),
             shared_broken: Cell::new(false),
             refuse_calls: Cell::new(false),
+            no_root_resume: Cell::new(false),
             map_omits_pseudo: Cell::new(false),
         }
     }
@@ -258,6 +262,12 @@ impl Host for FakeHost {
             assert!(m.1, "set_gauge of counter {}", m.0);
             m.2 = value;
         }
+    }
+    fn metric_value(&self, metric: u32) -> Option<u64> {
+        self.metrics.borrow().get(metric as usize).map(|m| m.2)
+    }
+    fn resumes_waiters(&self) -> bool {
+        !self.no_root_resume.get()
     }
     fn dispatch(&self, upstream: &str, headers: &[(&str, &str)], body: &[u8], timeout: Nanos) -> Option<u32> {
         if self.refuse_calls.get() {

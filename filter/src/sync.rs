@@ -310,7 +310,10 @@ impl Syncer {
         let token = {
             use std::hash::Hasher;
             let mut h = siphasher::sip::SipHasher13::new_with_keys(0x7261_7465_7761_6c6c, u64::from(vm));
-            h.write(&host.property(&["node", "id"]).unwrap_or_default());
+            // ngx_wasm_module (whose upstreams are `host:port`) has no `node.id`, and asking
+            // for it outside a request logs an error there.
+            let id = if opts.cluster.contains(':') { None } else { host.property(&["node", "id"]) };
+            h.write(&id.unwrap_or_default());
             h.write_u64(now);
             h.write_u32(vm);
             h.finish()
