@@ -34,4 +34,6 @@ pub use auth::{hex, sign, unhex, verify};
 pub use counter::{Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, RETRY_HORIZON, SEQ_MEMORY};
 pub use registry::{Registry, MAX_NODES};
 pub use store::Store;
-pub use wire::{Delta, Grant, SyncError, SyncRequest, SyncResponse, MAX_ENTRIES, MAX_KEY, MAX_REQUEST_SKEW, VERSION};
+pub use wire::{
+    Delta, Grant, SyncError, SyncRequest, SyncResponse, MAX_ENTRIES, MAX_KEY, MAX_REASON, MAX_REQUEST_SKEW, VERSION,
+};

@@ -140,6 +140,23 @@ fn a_request_within_the_skew_bound_is_applied_and_one_beyond_it_is_refused() {
 }
 
 #[test]
+fn every_refusal_reason_fits_what_a_node_reads_of_an_answer() {
+    let longest = [
+        SyncError::Stale { last: u64::MAX },
+        SyncError::Malformed(crate::encoding::DecodeError::BadLog),
+        SyncError::Unauthorized,
+        SyncError::Skewed { sent: u64::MAX, now: 0 },
+        SyncError::Version(1),
+        SyncError::Version(255),
+    ];
+    for e in longest {
+        // The stores prefix a malformed batch's reason with "malformed batch: ".
+        assert!(alloc::format!("malformed batch: {e}").len() <= MAX_REASON, "{e}");
+    }
+    assert!(SyncResponse::max_len(core::iter::empty()) >= MAX_REASON, "a heartbeat's refusal is read");
+}
+
+#[test]
 fn a_refusal_for_time_says_which_way_and_by_how_much() {
     let behind = SyncError::Skewed { sent: NOW - 40 * SECOND - 5_000_000, now: NOW };
     let text = alloc::format!("{behind}");

@@ -21,6 +21,9 @@ const _: () = assert!(2 * MAX_REQUEST_SKEW + 10 * SECOND <= SEQ_MEMORY);
 const KIND_REQUEST: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
 const KIND_ASK: u8 = 3;
+/// Longest reason a store gives with a refusal (a [`SyncError`]'s text, plain): a node
+/// reads a refusal of up to this many bytes, for its status and to quote it in a log line.
+pub const MAX_REASON: usize = 512;
 /// Longest counter key accepted on the wire.
 pub const MAX_KEY: usize = 1024;
 /// Most deltas (or grants) in one message.
@@ -306,12 +309,13 @@ impl SyncResponse {
         out
     }
 
-    /// The longest valid answer to a request for counters with keys of these lengths: a
-    /// node refuses a longer one before reading (or authenticating) it.
+    /// The longest valid answer to a request for counters with keys of these lengths — the
+    /// encoded response, or a store's refusal reason (at most [`MAX_REASON`] bytes): a node
+    /// refuses a longer one before reading (or authenticating) it.
     pub fn max_len(key_lens: impl Iterator<Item = usize>) -> usize {
         // version, kind, seq, now, nodes, count; then per grant its key (length varint and
         // bytes) and four varints of at most 10 bytes each.
-        key_lens.fold(2 + 10 + 10 + 5 + 10, |n, k| n.saturating_add(k.saturating_add(3 + 40)))
+        key_lens.fold(2 + 10 + 10 + 5 + 10, |n: usize, k| n.saturating_add(k.saturating_add(3 + 40))).max(MAX_REASON)
     }
 
     /// Decodes the wire encoding; trailing bytes are an error.
