@@ -166,13 +166,12 @@ pub fn header_map<N: AsRef<str>, V: AsRef<[u8]>>(headers: &[(N, V)]) -> Vec<u8> 
 }
 
 /// Answers a dispatched sync call from a reference store, as a signed 200: (status, tag,
-/// body), or the store's refusal as a status with no body.
+/// body), or the store's refusal: its status and reason.
 pub fn answer(store: &mut Store, now: Nanos, secret: &str, call: &Call) -> (u32, Option<Vec<u8>>, Vec<u8>) {
     let tag = call.header("x-ratewall-signature").and_then(|t| ratewall_core::sync::unhex(t.as_bytes()));
     match store.handle_signed(now, secret.as_bytes(), &call.body, &tag.unwrap_or_default()) {
         Ok(body) => (200, Some(hex(&sign(secret.as_bytes(), &body)).into_bytes()), body),
-        Err(ratewall_core::sync::SyncError::Stale { .. }) => (409, None, Vec::new()),
-        Err(_) => (401, None, Vec::new()),
+        Err(e) => (u32::from(e.status()), None, e.to_string().into_bytes()),
     }
 }
 
