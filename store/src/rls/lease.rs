@@ -47,8 +47,9 @@ struct Held {
     view: (u64, Nanos, Nanos),
     /// Last call.
     used: Nanos,
-    /// Refused until then (our clock).
+    /// Refused until then (our clock), for calls of at least this many hits.
     denied_until: Nanos,
+    denied_hits: u64,
 }
 
 /// Where a call's hits were taken.
@@ -115,7 +116,7 @@ impl Leases {
         }
         h.used = now;
         let (remaining, reset_after) = estimate(h, now);
-        if hits > 0 && now < h.denied_until {
+        if hits > 0 && hits >= h.denied_hits && now < h.denied_until {
             self.local.fetch_add(1, Ordering::Relaxed);
             let retry = Some(h.denied_until - now);
             return Some(Decision {
@@ -163,6 +164,7 @@ impl Leases {
                     view: (0, 0, now),
                     used: now,
                     denied_until: 0,
+                    denied_hits: 0,
                 });
                 if h.limit != limit {
                     // The rules changed: what was held under the old limit is not spent any more.
@@ -177,6 +179,7 @@ impl Leases {
                     h.denied_until = 0;
                 } else if hits > 0 {
                     h.denied_until = now.saturating_add(retry.unwrap_or(DENY_CACHE).min(DENY_CACHE));
+                    h.denied_hits = hits;
                 }
             }
         }
@@ -375,6 +378,9 @@ mod tests {
         assert!(!d.allowed);
         assert!(!l.take("k", limit(), 1, DENY_CACHE - 1).unwrap().allowed);
         assert!(l.take("k", limit(), 1, DENY_CACHE).is_none());
+        l.asked("k", limit(), 3, &applied(0, 2), Some(ratewall_core::SECOND), 0);
+        assert!(l.take("k", limit(), 2, 1).is_none(), "a smaller call may fit: it asks");
+        assert!(!l.take("k", limit(), 3, 1).unwrap().allowed);
     }
 
     #[test]
