@@ -36,7 +36,7 @@ impl Kv for FakeKv {
         values.insert(key.to_owned(), new.to_vec());
         Ok(Cas::Written(now))
     }
-    async fn heard(&self, _node: u64, _seq: u64, _batch: bool) -> Result<u32, Option<u64>> {
+    async fn heard(&self, _node: u64, _seq: u64, _batch: bool, _sent: Nanos) -> Result<u32, crate::Unheard> {
         Ok(1)
     }
     async fn ping(&self) -> bool {
