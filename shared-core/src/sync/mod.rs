@@ -31,4 +31,7 @@ pub use auth::{hex, sign, unhex, verify};
 pub use counter::{Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, RETRY_HORIZON, SEQ_MEMORY};
 pub use registry::{Registry, MAX_NODES};
 pub use store::Store;
-pub use wire::{Delta, Grant, SyncError, SyncRequest, SyncResponse, MAX_ENTRIES, MAX_KEY, VERSION};
+pub use wire::{
+    Delta, Grant, RuleTop, SyncError, SyncRequest, SyncResponse, TopSection, MAX_ENTRIES, MAX_KEY, MAX_TOP_SECTION,
+    TOP_SECTION, VERSION,
+};

@@ -230,3 +230,52 @@ fn long_keys_are_cut_and_keep_apart() {
     assert_ne!(a, b);
     assert_eq!(bounded_key("user=bob".to_string(), &k), "user=bob");
 }
+
+fn batch() -> crate::sync::SyncRequest {
+    let limit = crate::algo::Limit::new(crate::algo::Algorithm::FixedWindow, 5, crate::SECOND, None).unwrap();
+    let delta = crate::sync::Delta { key: b"k".to_vec(), limit, units: 3 };
+    crate::sync::SyncRequest { node: 7, seq: 9, deltas: vec![delta], ask: false }
+}
+
+#[test]
+fn batches_are_read_with_and_without_a_top_section() {
+    use crate::sync::{RuleTop, SyncRequest, TopSection};
+    let req = batch();
+    let plain = req.encode();
+    assert_eq!(SyncRequest::decode_with_top(&plain).unwrap(), (req.clone(), None));
+    let mut top = Summary::default();
+    top.add(b"api_key=#3f9a1c2e", 30, 5, node_bit(7));
+    let section = TopSection {
+        rules: vec![RuleTop { rule: "api-key".into(), allowed: 1200, denied: 37, shadow_denied: 2, top }],
+    };
+    let mut with = plain.clone();
+    section.encode_into(&mut with);
+    assert_eq!(SyncRequest::decode(&with).unwrap(), req, "a store that reads only the batch still takes it");
+    assert_eq!(SyncRequest::decode_with_top(&with).unwrap(), (req, Some(section)));
+    let mut garbage = plain.clone();
+    garbage.push(0x00);
+    assert!(SyncRequest::decode(&garbage).is_err(), "other trailing bytes are still an error");
+    let mut cut = with.clone();
+    cut.pop();
+    assert!(SyncRequest::decode(&cut).is_err());
+}
+
+#[test]
+fn a_top_section_stays_within_its_byte_bound() {
+    use crate::sync::{RuleTop, TopSection, MAX_TOP_SECTION};
+    let mut rules = Vec::new();
+    for r in 0..40 {
+        let mut top = Summary::default();
+        for i in 0..200u32 {
+            top.add(format!("user={}{i}", "x".repeat(140)).as_bytes(), u64::from(i) + 1, 0, 1);
+        }
+        rules.push(RuleTop { rule: format!("rule-{r}"), allowed: 1, denied: 2, shadow_denied: 0, top });
+    }
+    let section = TopSection { rules };
+    let mut out = Vec::new();
+    section.encode_into(&mut out);
+    assert!(out.len() <= MAX_TOP_SECTION, "{}", out.len());
+    let back = TopSection::decode(&out).unwrap();
+    assert!(back.rules.len() >= 3, "{}", back.rules.len());
+    assert_eq!(back.rules[0], section.rules[0]);
+}
