@@ -125,6 +125,8 @@ pub struct Engine {
     rules: Vec<RuleMetrics>,
     node: NodeMetrics,
     sync: Option<Syncer>,
+    /// Who the rules deny (top offenders).
+    top: crate::top::Top,
     /// The request headers read, in the order [`Engine::on_request`] expects them: `:method`,
     /// `:path`, `x-forwarded-for` (empty when untrusted), then the identity headers.
     header_names: HeaderNames,
@@ -202,7 +204,8 @@ impl Engine {
                 .collect(),
         )
         .reporting_repeats_of(XFF);
-        Ok(Engine { config, table, rules, node, sync, header_names })
+        let top = crate::top::Top::new(host, &config, metric_name);
+        Ok(Engine { config, table, rules, node, sync, top, header_names })
     }
 
     /// The validated configuration.
@@ -217,13 +220,20 @@ impl Engine {
 
     /// How often the host should call [`Engine::on_tick`] (None: never needed).
     pub fn tick_interval(&self) -> Option<ratewall_core::Nanos> {
-        self.sync.as_ref().map(|s| s.options().interval)
+        let top = (!self.config.rules.is_empty()).then_some(crate::top::TICK);
+        self.sync.as_ref().map(|s| s.options().interval).or(top)
     }
 
-    /// The periodic tick: sync with the global store.
+    /// The periodic tick: merge this VM's denials into the proxy's top offenders, sync with
+    /// the global store.
     pub fn on_tick(&self, host: &dyn Host) {
+        self.top.on_tick(host, &self.config);
         if let Some(s) = &self.sync {
-            s.on_tick(host);
+            s.on_tick(host, &|node, deltas, body| {
+                if let Some(section) = self.top.section(host, &self.config, node, deltas) {
+                    section.encode_into(body);
+                }
+            });
         }
     }
 
@@ -495,12 +505,14 @@ impl Engine {
                 Tally::Rejected => {
                     bump(m.rejected, 1);
                     bump(m.queue_full, 1);
+                    self.top.denied_by(rule, &checks, false);
                 }
                 Tally::Unkeyed => bump(m.unkeyed, 1),
                 Tally::Failed(StoreError::Contention) => bump(m.cas_exhausted, 1),
                 Tally::Failed(_) => bump(m.store_failed, 1),
                 Tally::ShadowRejected => {
                     bump(m.shadow_rejected, 1);
+                    self.top.denied_by(rule, &checks, true);
                     if let Some(rule) = self.config.rules.get(rule) {
                         host.log(
                             Level::Info,

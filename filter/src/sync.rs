@@ -244,6 +244,9 @@ struct Metrics {
     asks_granted: Option<u32>,
 }
 
+/// What ends a new batch: given the node's id and the batch's deltas, appends to its body.
+pub type Section<'a> = dyn Fn(u64, &[Delta], &mut Vec<u8>) + 'a;
+
 /// One VM's syncer.
 #[derive(Debug)]
 pub struct Syncer {
@@ -396,8 +399,10 @@ impl Syncer {
         }
     }
 
-    /// Every VM, every interval: publish deltas, read the view; the lease holder syncs.
-    pub fn on_tick(&self, host: &dyn Host) {
+    /// Every VM, every interval: publish deltas, read the view; the lease holder syncs. A new
+    /// batch ends with what `section` appends for its node and deltas (the optional
+    /// top-offenders section).
+    pub fn on_tick(&self, host: &dyn Host, section: &Section<'_>) {
         let now = host.now();
         self.publish(host);
         if let Ok((Some(v), _)) = host.shared_get(VIEW) {
@@ -411,7 +416,7 @@ impl Syncer {
             host.set_gauge(m, now.saturating_sub(since) / MS);
         }
         if self.hold_lease(host, now) {
-            self.drive(host, now);
+            self.drive(host, now, section);
         }
     }
 
@@ -481,7 +486,7 @@ impl Syncer {
         host.shared_set(LEASE, &lease, cas).is_ok()
     }
 
-    fn drive(&self, host: &dyn Host, now: Nanos) {
+    fn drive(&self, host: &dyn Host, now: Nanos, section: &Section<'_>) {
         let mut s = self.syncing.borrow_mut();
         // Drain the outboxes.
         for i in 0..OUTBOXES {
@@ -559,7 +564,8 @@ impl Syncer {
                     .filter_map(|k| s.unsent.remove(&k).map(|(limit, units)| Delta { key: k, limit, units }))
                     .collect();
                 s.seq += 1;
-                let body = SyncRequest::encode_parts(self.token, s.seq, &deltas, false);
+                let mut body = SyncRequest::encode_parts(self.token, s.seq, &deltas, false);
+                section(self.token, &deltas, &mut body);
                 Batch { seq: s.seq, deltas, body, first_sent: 0 }
             }
         };
