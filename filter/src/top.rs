@@ -186,7 +186,11 @@ impl Top {
             Some(s) if s.hash == h && s.rule == rule => s.denied += 1,
             _ => {
                 let new = Slot { hash: h, rule, key: key.to_vec(), denied: 1 };
-                if let Some(old) = slot.replace(new) {
+                // A key denied once since it took the slot goes uncounted in the summary when
+                // another takes it (its denial stays in the rule's totals): a flood of distinct
+                // keys then costs a slot each, not a summary update each. A key denied more
+                // often than its slot changes hands keeps its count.
+                if let Some(old) = slot.replace(new).filter(|o| o.denied > 1) {
                     if let Some(r) = local.rules.get_mut(old.rule) {
                         r.spilled.get_or_insert_with(Summary::default).add(&old.key, old.denied, 0, 0);
                     }
@@ -199,7 +203,7 @@ impl Top {
     /// rule's top denied keys when its minute is over (without a store), and sets the gauges.
     pub fn on_tick(&self, host: &dyn Host, config: &Config) {
         let now = host.now();
-        let local = {
+        let per_rule = {
             let Ok(mut l) = self.local.try_borrow_mut() else { return };
             if !l.any {
                 drop(l);
@@ -209,15 +213,18 @@ impl Top {
                 }
                 return;
             }
+            let l = &mut *l;
+            l.any = false;
             let n = l.rules.len();
-            std::mem::replace(&mut *l, Local { slots: Vec::new(), rules: vec![LocalRule::default(); n], any: false })
-        };
-        let mut per_rule: Vec<LocalRule> = local.rules;
-        for s in local.slots.into_iter().flatten() {
-            if let Some(r) = per_rule.get_mut(s.rule) {
-                r.spilled.get_or_insert_with(Summary::default).add(&s.key, s.denied, 0, 0);
+            let mut per_rule = std::mem::replace(&mut l.rules, vec![LocalRule::default(); n]);
+            // The table stays allocated for the next tick's denials.
+            for s in l.slots.iter_mut().filter_map(Option::take) {
+                if let Some(r) = per_rule.get_mut(s.rule) {
+                    r.spilled.get_or_insert_with(Summary::default).add(&s.key, s.denied, 0, 0);
+                }
             }
-        }
+            per_rule
+        };
         self.roll(host, config, now, Some(&per_rule));
     }
 

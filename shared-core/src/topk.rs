@@ -205,8 +205,10 @@ impl Summary {
             return;
         }
         let mut counts: Vec<u64> = self.entries.iter().map(|e| e.denied).collect();
-        counts.sort_unstable_by(|x, y| y.cmp(x));
-        let cut = counts.get(self.capacity).copied().unwrap_or(0);
+        let cut = match counts.get(self.capacity) {
+            Some(_) => *counts.select_nth_unstable_by(self.capacity, |x, y| y.cmp(x)).1,
+            None => 0,
+        };
         let before = self.entries.len();
         for e in &mut self.entries {
             e.denied = e.denied.saturating_sub(cut);
