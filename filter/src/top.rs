@@ -143,15 +143,11 @@ fn hash(key: &[u8]) -> u64 {
 }
 
 impl Top {
-    /// Defines the metrics and creates the shared keys of `config`'s rules.
+    /// Defines the metrics of `config`'s rules (their shared keys are made on the first tick
+    /// that has something to merge: no shared data at configure).
     pub fn new(host: &dyn Host, config: &Config, metric: impl Fn(&str, &str) -> String) -> Top {
         let limited_keys = config.rules.iter().map(|r| host.define_gauge(&metric(&r.name, "limited_keys"))).collect();
         let metrics = Metrics { limited_keys, evictions: host.define_counter("ratewall_top_evictions") };
-        for i in 0..config.rules.len() {
-            if let Ok((None, _)) = host.shared_get(&shared_key(i)) {
-                let _ = host.shared_set(&shared_key(i), &[], None);
-            }
-        }
         let local = Local { slots: Vec::new(), rules: vec![LocalRule::default(); config.rules.len()], any: false };
         Top { local: RefCell::new(local), metrics, synced: config.sync.is_some(), idle_until: Default::default() }
     }

@@ -54,7 +54,8 @@ fn limit() -> Limit {
 
 fn batch(node: u64, seq: u64, section: Option<&TopSection>) -> Vec<u8> {
     let deltas = vec![Delta { key: format!("counter-{node}").into_bytes(), limit: limit(), units: 4 }];
-    let mut body = SyncRequest { node, seq, deltas, ask: false }.encode();
+    let sent = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let mut body = SyncRequest { node, seq, sent, deltas, ask: false }.encode();
     if let Some(s) = section {
         s.encode_into(&mut body);
     }

@@ -12,6 +12,9 @@
 //!   never counted twice) and refuses older ones ([`SyncError::Stale`]).
 //! - **Authenticated:** [`sign`] / [`verify`] are HMAC-SHA256 over the encoded body with a
 //!   shared secret; the tag travels beside the body (a header), never in logs.
+//! - **Fresh:** every request carries the time it was made, inside the signed body; a store
+//!   refuses one made further than [`MAX_REQUEST_SKEW`] from its clock, so a captured request
+//!   cannot be replayed once its `seq` is forgotten ([`SyncError::Skewed`]).
 //! - **One clock:** the store's `now` in the response is the reference for window ids, so
 //!   nodes with skewed clocks agree on windows.
 //! - **Compact:** `version | kind | varints`; a delta is its key, its limit (4 varints) and
@@ -32,6 +35,6 @@ pub use counter::{Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, RETRY_HORI
 pub use registry::{Registry, MAX_NODES};
 pub use store::Store;
 pub use wire::{
-    Delta, Grant, RuleTop, SyncError, SyncRequest, SyncResponse, TopSection, MAX_ENTRIES, MAX_KEY, MAX_TOP_SECTION,
-    TOP_SECTION, VERSION,
+    Delta, Grant, RuleTop, SyncError, SyncRequest, SyncResponse, TopSection, MAX_ENTRIES, MAX_KEY, MAX_REASON,
+    MAX_REQUEST_SKEW, MAX_TOP_SECTION, TOP_SECTION, VERSION,
 };

@@ -234,7 +234,7 @@ fn long_keys_are_cut_and_keep_apart() {
 fn batch() -> crate::sync::SyncRequest {
     let limit = crate::algo::Limit::new(crate::algo::Algorithm::FixedWindow, 5, crate::SECOND, None).unwrap();
     let delta = crate::sync::Delta { key: b"k".to_vec(), limit, units: 3 };
-    crate::sync::SyncRequest { node: 7, seq: 9, deltas: vec![delta], ask: false }
+    crate::sync::SyncRequest { node: 7, seq: 9, sent: 0, deltas: vec![delta], ask: false }
 }
 
 #[test]
