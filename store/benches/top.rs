@@ -5,6 +5,8 @@
 //! - `top_true_top10_listed`: how many of the true top 10 by denials are the listed top 10
 //!   (goal 10);
 //! - `top_top10_worst_count_error_pct`: the worst listed count's error among them (goal ≤ 5);
+//! - `top_added_instructions_per_429` / `_per_allowed`: guest instructions counting adds to a
+//!   denied request (goal ≤ 500) and an admitted one (goal 0), against a baseline build;
 //! - `top_summary_bytes_per_rule`: a full summary's memory (64 keys of typical length) and
 //!   `top_shared_bytes_per_rule`: its proxy's shared-data value (goal ≤ 8 KiB).
 
@@ -48,8 +50,46 @@ fn memory() {
     figure("top_encoded_summary_bytes", enc.len() as f64, "B");
 }
 
+/// What counting who is denied costs the filter: guest instructions per admitted and per
+/// denied request on a rule keyed by a (non-secret) user, and the same for the build at
+/// `RATEWALL_BASELINE_WASM` when given (e.g. main's `dist/ratewall_filter.wasm`).
+fn instructions() {
+    let rules = r#"{"identity": {"user": {"header": "x-user-id"}}, "rules": [{"name": "per-user",
+        "key": ["user"], "limit": {"requests": 1, "per": "1h"}}]}"#;
+    let per = |bytes: &[u8]| {
+        let mut vm =
+            Vm::start(&Plugin::metered(bytes).unwrap(), &Node::new(1_800_000_000 * 1_000_000_000), rules.as_bytes())
+                .unwrap();
+        let mut run = |users: &[String]| {
+            for u in users.iter().take(100) {
+                vm.request(&HttpRequest::new("GET", "/").header("x-user-id", u)).unwrap();
+            }
+            let before = vm.fuel_used();
+            for u in users.iter().skip(100) {
+                vm.request(&HttpRequest::new("GET", "/").header("x-user-id", u)).unwrap();
+            }
+            (vm.fuel_used() - before) as f64 / (users.len() - 100) as f64
+        };
+        // Admitted: a new user each time; denied: the same 16 users, long spent.
+        let fresh: Vec<String> = (0..1100).map(|i| format!("user-{i}")).collect();
+        let allowed = run(&fresh);
+        let spent: Vec<String> = (0..1100).map(|i| format!("user-{}", i % 16)).collect();
+        (allowed, run(&spent))
+    };
+    let ours = std::fs::read(ratewall_tests::host::filter_wasm_path()).unwrap();
+    let (allowed, denied) = per(&ours);
+    figure("top_guest_instructions_per_allowed", allowed, "instructions");
+    figure("top_guest_instructions_per_429", denied, "instructions");
+    if let Some(base) = std::env::var_os("RATEWALL_BASELINE_WASM").and_then(|p| std::fs::read(p).ok()) {
+        let (base_allowed, base_denied) = per(&base);
+        figure("top_added_instructions_per_allowed", allowed - base_allowed, "instructions");
+        figure("top_added_instructions_per_429", denied - base_denied, "instructions");
+    }
+}
+
 fn main() {
     memory();
+    instructions();
     let redis = Redis::start(false).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
         .env("RATEWALL_SYNC_SECRET", SECRET)
