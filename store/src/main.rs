@@ -25,7 +25,7 @@ use std::time::Duration;
 use tokio::sync::OnceCell;
 
 const USAGE: &str = "usage: RATEWALL_SYNC_SECRET=<at least 16 characters> ratewall-store --listen ADDR:PORT \
---redis URL [--redis URL ...] [--cluster] [--deadline-ms N] [--rls ADDR:PORT --rls-config FILE_OR_DIR]";
+--redis URL [--redis URL ...] [--cluster] [--deadline-ms N] [--rls ADDR:PORT --rls-config FILE_OR_DIR] [--admin ADDR:PORT]";
 
 struct Args {
     listen: String,
@@ -36,17 +36,21 @@ struct Args {
     rls: Option<String>,
     /// envoyproxy/ratelimit's configuration: a YAML file or a directory of them.
     rls_config: Option<std::path::PathBuf>,
+    /// The admin listener's address (none: off).
+    admin: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = std::env::args().skip(1);
     let (mut listen, mut redis, mut cluster, mut deadline_ms) = (None, Vec::new(), false, 50u64);
     let (mut rls, mut rls_config) = (None, None);
+    let mut admin = None;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--listen" => listen = Some(args.next().ok_or("--listen needs an address")?),
             "--redis" => redis.push(args.next().ok_or("--redis needs a URL")?),
             "--cluster" => cluster = true,
+            "--admin" => admin = Some(args.next().ok_or("--admin needs an address")?),
             "--deadline-ms" => {
                 let v = args.next().ok_or("--deadline-ms needs a number")?;
                 deadline_ms = v.parse().map_err(|_| format!("--deadline-ms: {v:?} is not a number of milliseconds"))?;
@@ -64,7 +68,7 @@ fn parse_args() -> Result<Args, String> {
     if rls.is_some() && rls_config.is_none() {
         return Err(format!("--rls needs --rls-config\n{USAGE}"));
     }
-    Ok(Args { listen, redis, cluster, deadline: Duration::from_millis(deadline_ms.max(1)), rls, rls_config })
+    Ok(Args { listen, redis, cluster, deadline: Duration::from_millis(deadline_ms.max(1)), rls, rls_config, admin })
 }
 
 /// A Redis URL as it may be logged: without its password.
@@ -213,6 +217,23 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     };
     if !store.kv.ping().await {
         eprintln!("ratewall-store: Redis does not answer yet; /v1/sync answers 503 until it does");
+    }
+    let admin = match &args.admin {
+        Some(a) => {
+            let l = tokio::net::TcpListener::bind(a).await.map_err(|e| format!("cannot listen on --admin {a}: {e}"))?;
+            let at = l.local_addr().map_err(|e| e.to_string())?;
+            println!("ratewall-store: admin on http://{at}/ (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz; no authentication)");
+            Some(l)
+        }
+        None => None,
+    };
+    if let Some(l) = admin {
+        let router = ratewall_store::admin::router(Arc::clone(&store));
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(l, router).await {
+                eprintln!("ratewall-store: the admin listener stopped: {e}");
+            }
+        });
     }
     let for_metrics = rls.clone();
     let mut app = Router::new()
