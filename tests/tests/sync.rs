@@ -152,6 +152,53 @@ fn unreachable_store(policy: &str) -> (Node, Vm) {
     (node, vm)
 }
 
+/// A node of the built filter whose store's clock is `skew` ahead of the node's (behind,
+/// when negative), after two seconds of syncs.
+fn skewed_node(skew: i64) -> (Node, Vm) {
+    let node = Node::new(1_800_000_000 * SECOND);
+    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, sync_rules("open").as_bytes()).unwrap();
+    let mut store = Store::new(1000, 10 * SECOND);
+    let req = HttpRequest::new("GET", "/").header("x-user-id", "v");
+    for _ in 0..20 {
+        let _ = vm.request(&req).unwrap();
+        node.advance(100_000_000);
+        vm.tick().unwrap();
+        for c in vm.take_callouts() {
+            answer_from(&mut store, node.now().saturating_add_signed(skew), &mut vm, &c).unwrap();
+        }
+    }
+    (node, vm)
+}
+
+#[test]
+fn a_node_whose_clock_is_within_25_s_of_the_stores_is_served() {
+    for skew in [-20 * SECOND as i64, 20 * SECOND as i64] {
+        let (node, _vm) = skewed_node(skew);
+        assert!(node.metric("ratewall_sync_ok") > 0, "skew {skew}");
+        assert_eq!(node.metric("ratewall_sync_refused_stale"), 0, "skew {skew}");
+        assert_eq!(node.metric("ratewall_sync_degraded_requests"), 0, "skew {skew}");
+    }
+}
+
+#[test]
+fn a_node_whose_clock_is_30_s_off_the_stores_is_refused_logs_it_once_and_degrades() {
+    let (node, mut vm) = skewed_node(30 * SECOND as i64);
+    assert_eq!(node.metric("ratewall_sync_ok"), 0);
+    let refused = node.metric("ratewall_sync_refused_stale");
+    assert!(refused >= 3, "every batch is refused (422) and counted: {refused}");
+    assert!(node.metric("ratewall_sync_failed") >= refused);
+    let lines: Vec<String> =
+        node.logs().into_iter().map(|(_, l)| l).filter(|l| l.contains("refuses this node's sync requests")).collect();
+    assert_eq!(lines.len(), 1, "logged once, not per batch: {lines:?}");
+    assert!(lines[0].contains("30.000 s behind the store's clock"), "{}", lines[0]);
+    assert!(!node.logs().iter().any(|(_, l)| l.contains("refused unread")), "the refusal's reason is read");
+    // Its degraded mode: the open rule admits its share (100 / 4) locally.
+    let req = HttpRequest::new("GET", "/").header("x-user-id", "u");
+    let admitted = (0..100).filter(|_| vm.request(&req).unwrap().passed).count();
+    assert_eq!(admitted, 25, "open: limit / nodes (100 / 4) on this node");
+    assert!(node.metric("ratewall_sync_degraded_requests") >= 100);
+}
+
 #[test]
 fn with_the_store_unreachable_open_rules_limit_locally_to_a_share_and_closed_rules_reject() {
     let (node, mut vm) = unreachable_store("open");
