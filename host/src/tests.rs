@@ -316,6 +316,8 @@ fn nginx_resumes_a_request_only_from_its_own_context() {
         let mut vm = profile_vm(&node);
         let crate::Started::Paused(ctx) = vm.begin(&HttpRequest::new("GET", "/")).unwrap() else { panic!("paused") };
         // From the root (a tick): set_effective_context, then continue_stream.
+        vm.store.data_mut().current = 1;
+        vm.store.data_mut().effective_context = 1;
         assert_eq!(call(&mut vm, "resume", &[Val::I32(ctx as i32)]), OK, "accepted on both");
         assert_eq!(vm.finish(ctx).unwrap().is_some(), resumed, "{profile:?}");
     }

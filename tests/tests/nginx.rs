@@ -220,7 +220,7 @@ fn after_a_reload_a_client_that_spent_its_quota_is_denied_once_the_first_batch_i
     let mut vms = workers(&node, &doc, 2);
     synced_tick(&node, &mut vms, &mut store);
     let mut passed = 0;
-    for i in 0..8 {
+    for i in 0..12 {
         passed +=
             usize::from(request_with(Some(&mut store), node.now(), &mut vms[i % 2], &user("spender")).unwrap().passed);
         synced_tick(&node, &mut vms, &mut store);
