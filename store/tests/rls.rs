@@ -502,7 +502,7 @@ async fn a_changed_file_is_reloaded_and_a_broken_one_refused() {
     assert_eq!(limit_of(&ask(&mut c, probe()).await, 0), Some((7, DAY)), "the last good configuration stays");
     let log = store.log();
     assert!(
-        log.contains(&format!("{}:4:", path.display())) && log.contains("invalid rate limit unit 'fortnight'"),
+        log.contains(&format!("{}:3:", path.display())) && log.contains("invalid rate limit unit 'fortnight'"),
         "{log}"
     );
 }
