@@ -124,6 +124,14 @@ impl Node {
         node.set_time(now);
         node
     }
+    /// A node with its clock at `now` and the `node.id` property `id` (a simulation names its
+    /// nodes, so its figures do not depend on how many nodes were made before it).
+    pub fn named(now: u64, id: &str) -> Node {
+        let node = Node::default();
+        let _ = node.state.id.set(id.to_owned());
+        node.set_time(now);
+        node
+    }
     /// Sets the virtual clock.
     pub fn set_time(&self, now: u64) {
         self.state.clock.store(now, Ordering::SeqCst);
