@@ -128,13 +128,24 @@ pub struct Engine {
     /// The request headers read, in the order [`Engine::on_request`] expects them: `:method`,
     /// `:path`, `x-forwarded-for` (empty when untrusted), then the identity headers.
     header_names: HeaderNames,
+    /// Per rule, whether it is exact: only those wait for the store (asks); the others decide
+    /// at once, on their grant and overdraft.
+    exact: Vec<bool>,
 }
 
-/// `limit` shared by `nodes`: the local limit while the global store is unreachable.
-fn share(limit: Limit, nodes: u32) -> Limit {
-    let n = u64::from(nodes.max(1));
-    let burst = (limit.algorithm() == ratewall_core::Algorithm::TokenBucket).then(|| (limit.capacity() / n).max(1));
-    Limit::new(limit.algorithm(), (limit.requests() / n).max(1), limit.per(), burst).unwrap_or(limit)
+/// The local limit while the global store is unreachable: `limit` scaled by this node's share
+/// of the counter's traffic before the outage (`share` 65,535ths; rounded, at least 1), or,
+/// with no share known (0), shared evenly by `nodes`.
+fn share(limit: Limit, share: u16, nodes: u32) -> Limit {
+    let part = |units: u64| {
+        if share == 0 {
+            (units / u64::from(nodes.max(1))).max(1)
+        } else {
+            ((units * u64::from(share) + u64::from(u16::MAX / 2)) / u64::from(u16::MAX)).max(1)
+        }
+    };
+    let burst = (limit.algorithm() == ratewall_core::Algorithm::TokenBucket).then(|| part(limit.capacity()));
+    Limit::new(limit.algorithm(), part(limit.requests()), limit.per(), burst).unwrap_or(limit)
 }
 
 /// Whether a rule counts requests in flight.
@@ -202,7 +213,8 @@ impl Engine {
                 .collect(),
         )
         .reporting_repeats_of(XFF);
-        Ok(Engine { config, table, rules, node, sync, header_names })
+        let exact = config.rules.iter().map(|r| r.exact).collect();
+        Ok(Engine { config, table, rules, node, sync, header_names, exact })
     }
 
     /// The validated configuration.
@@ -413,12 +425,14 @@ impl Engine {
                 unavailable = self.config.rules.iter().map(|r| r.on_store_failure == FailurePolicy::Closed).collect();
                 let nodes = s.nodes();
                 for c in checks.iter_mut().filter(|c| c.limit.algorithm() != ratewall_core::Algorithm::Concurrent) {
-                    c.limit = share(c.limit, nodes);
+                    let known = self.table.grant(host, &c.key).map_or(0, |g| g.share);
+                    c.limit = share(c.limit, known, nodes);
                 }
                 (Grants::Off, s.store_now(now))
             }
         };
         let mut counters = TableCounters::new(&self.table, host, grants, &unavailable);
+        counters.exact = &self.exact;
         let outcome = evaluate(&self.config, &checks, &mut counters, now);
         let stats = counters.stats;
         let bump = |m: Option<u32>, by: u64| {

@@ -34,6 +34,7 @@ use std::hash::Hasher;
 pub const WAYS: usize = 8;
 const VERSION: u8 = 1;
 const VERSION_GRANTS: u8 = 2;
+const VERSION_OVER: u8 = 3;
 /// Bytes of an entry before its state.
 const HEAD: usize = 11;
 /// Fingerprints keep their low 48 bits.
@@ -76,6 +77,18 @@ pub struct Allowance {
     /// The end of the grant's lease, in whole milliseconds of the store's clock (0: none);
     /// after it the grant is spent.
     pub until_ms: u64,
+    /// The overdraft left: units a rule that is not exact may admit once `units` are spent,
+    /// without waiting for the store, reported with the next batch like any others (the
+    /// store counts them, so what it grants next is smaller by them). Set by each answer,
+    /// not leased: an overdraft is not held at the store, only spent after the fact.
+    pub over: u32,
+    /// Whether the node has admitted on its overdraft since an answer last found room for it
+    /// (a grant above 0): until one does, its overdraft is not repaid and it gets no other.
+    pub overdrawn: bool,
+    /// This node's share of the counter's traffic, in 65,535ths (0: not known yet), as its
+    /// answers measured it: what an `open` rule admits locally while the store is out of
+    /// reach (docs/sync-protocol.md, "Degraded mode").
+    pub share: u16,
 }
 
 impl Allowance {
@@ -89,7 +102,8 @@ impl Allowance {
     }
 
     /// Writes the entry encoding: a varint, 0 for none, else
-    /// `(units << 2 | more << 1 | leased) + 1`, then the lease end when leased.
+    /// `(units << 2 | more << 1 | leased) + 1`, then the lease end when leased, then (bucket
+    /// version 3) the overdraft and the traffic share.
     fn put(a: Option<Allowance>, out: &mut Vec<u8>) {
         let Some(a) = a else {
             put_varint(out, 0);
@@ -100,12 +114,28 @@ impl Allowance {
         if leased {
             put_varint(out, a.until_ms);
         }
+        put_varint(out, (u64::from(a.over) << 1) | u64::from(a.overdrawn));
+        put_varint(out, u64::from(a.share));
     }
 
-    fn read(r: &mut Reader<'_>) -> Result<Option<Allowance>, DecodeError> {
+    /// Reads [`Allowance::put`]; a bucket of version 2 (an older VM's, during an upgrade) has
+    /// no overdraft.
+    fn read(r: &mut Reader<'_>, version: u8) -> Result<Option<Allowance>, DecodeError> {
         let Some(v) = r.varint()?.checked_sub(1) else { return Ok(None) };
         let until_ms = if v & 1 == 1 { r.varint()? } else { 0 };
-        Ok(Some(Allowance { units: u32::try_from(v >> 2).unwrap_or(u32::MAX), more: v & 2 == 2, until_ms }))
+        let (over, share) = if version == VERSION_OVER {
+            (r.varint()?, u16::try_from(r.varint()?).unwrap_or(u16::MAX))
+        } else {
+            (0, 0)
+        };
+        Ok(Some(Allowance {
+            units: u32::try_from(v >> 2).unwrap_or(u32::MAX),
+            more: v & 2 == 2,
+            until_ms,
+            over: u32::try_from(over >> 1).unwrap_or(u32::MAX),
+            overdrawn: over & 1 == 1,
+            share,
+        }))
     }
 }
 
@@ -120,7 +150,7 @@ pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
 pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), DecodeError> {
     entries.clear();
     let (&version, rest) = bytes.split_first().ok_or(DecodeError::Truncated)?;
-    if version != VERSION && version != VERSION_GRANTS {
+    if version != VERSION && version != VERSION_GRANTS && version != VERSION_OVER {
         return Err(DecodeError::Version(version));
     }
     let (&n, mut rest) = rest.split_first().ok_or(DecodeError::Truncated)?;
@@ -134,9 +164,9 @@ pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), 
         let (state, used) = State::decode(rest.get(HEAD..).ok_or(DecodeError::Truncated)?)?;
         rest = rest.get(HEAD + used..).ok_or(DecodeError::Truncated)?;
         let mut grant = None;
-        if version == VERSION_GRANTS {
+        if version != VERSION {
             let mut r = Reader { bytes: rest, pos: 0 };
-            grant = Allowance::read(&mut r)?;
+            grant = Allowance::read(&mut r, version)?;
             rest = rest.get(r.pos..).ok_or(DecodeError::Truncated)?;
         }
         entries.push(Entry {
@@ -161,7 +191,7 @@ pub fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
 pub fn encode_bucket_into(entries: &[Entry], out: &mut Vec<u8>) {
     out.clear();
     let grants = entries.iter().take(WAYS).any(|e| e.grant.is_some());
-    out.push(if grants { VERSION_GRANTS } else { VERSION });
+    out.push(if grants { VERSION_OVER } else { VERSION });
     out.push(entries.len().min(WAYS) as u8);
     for e in entries.iter().take(WAYS) {
         out.extend_from_slice(e.fingerprint.to_le_bytes().get(..6).unwrap_or(&[0; 6]));
@@ -209,6 +239,24 @@ impl Table {
         // The bucket count is part of the key so a resized table starts clean.
         let scratch = RefCell::new((Vec::with_capacity(WAYS), Vec::with_capacity(2 + WAYS * 32)));
         Table { buckets, seed, prefix: format!("rw1/{buckets}/"), cas_retries, scratch }
+    }
+
+    /// The grant held on `key` (one read; nothing written).
+    pub fn grant(&self, host: &dyn Host, key: &[u8]) -> Option<Allowance> {
+        let mut held = None;
+        let weigh = |_: &State| (0, 0);
+        let _ = self.update(
+            host,
+            key,
+            0,
+            &weigh,
+            &mut |_, g| {
+                held = g;
+                None
+            },
+            &mut TableStats::default(),
+        );
+        held
     }
 
     /// Number of buckets (shared-data keys).
@@ -388,8 +436,11 @@ pub struct TableCounters<'a> {
     /// global store is unreachable).
     pub unavailable: &'a [bool],
     /// Keys of the checks that a spent grant denied while the local limit would admit and
-    /// the store had quota left: the request may ask the store for them.
+    /// the store had quota left: the request may ask the store for them (exact rules only).
     pub askable: Vec<Vec<u8>>,
+    /// Whether each rule is exact (`"exact": true`): its spent grant asks the store, and it
+    /// has no overdraft. Rules past the end are not.
+    pub exact: &'a [bool],
     refunding: bool,
 }
 
@@ -403,6 +454,7 @@ impl<'a> TableCounters<'a> {
             grants,
             unavailable,
             askable: Vec::new(),
+            exact: &[],
             refunding: false,
         }
     }
@@ -439,7 +491,19 @@ impl Counters for TableCounters<'_> {
         let late = matches!(grants, Grants::On { .. })
             && limit.algorithm() == ratewall_core::Algorithm::FixedWindow
             && now % limit.per().max(1) >= limit.per() / 4;
-        let first = Allowance { units: if late { 0 } else { initial }, more: late, until_ms: 0 };
+        // A rule that is not exact never waits: once its grant is spent it admits on the
+        // overdraft the store's last answer allowed (see `sync::overdraft`); a node new to a
+        // fixed window's counter late in the window has none (it is denied until its next
+        // batch's answer).
+        let no_wait = !self.exact.get(check.rule).copied().unwrap_or(false);
+        let first = Allowance {
+            units: if late { 0 } else { initial },
+            more: late,
+            until_ms: 0,
+            over: 0,
+            overdrawn: false,
+            share: 0,
+        };
         let mut askable = false;
         let mut g = |state: &State, grant: Option<Allowance>| {
             // A fixed window's grant is a share of that window's quota: once the window has
@@ -449,16 +513,26 @@ impl Counters for TableCounters<'_> {
             let grant = if rolled { None } else { grant };
             let held = grant.unwrap_or(first);
             let held = Allowance { units: held.units_at(now), ..held };
+            let over = if no_wait { u64::from(held.over) } else { 0 };
             let allowance = match (grants, refunding) {
-                (Grants::On { .. }, false) => u64::from(held.units),
+                (Grants::On { .. }, false) => u64::from(held.units) + over,
                 _ => u64::MAX,
             };
-            askable = allowance < u64::from(cost) && held.more && limit.decide(state, now, check.cost).0.allowed;
+            askable =
+                !no_wait && allowance < u64::from(cost) && held.more && limit.decide(state, now, check.cost).0.allowed;
             let (next, charged) = f(state, allowance)?;
             let charged = u32::try_from(charged).unwrap_or(u32::MAX);
+            // The grant is spent first, then the overdraft.
+            let from_grant = charged.min(held.units);
+            let spent = Allowance {
+                units: held.units - from_grant,
+                over: held.over.saturating_sub(charged - from_grant),
+                overdrawn: held.overdrawn || charged > from_grant,
+                ..held
+            };
             let grant = match (grants, refunding) {
                 (Grants::On { .. }, false) if charged == 0 => grant,
-                (Grants::On { .. }, false) => Some(Allowance { units: held.units.saturating_sub(charged), ..held }),
+                (Grants::On { .. }, false) => Some(spent),
                 (Grants::On { .. }, true) => grant.map(|g| Allowance { units: g.units.saturating_add(cost), ..g }),
                 (Grants::Off, _) => grant,
             };
@@ -499,15 +573,32 @@ mod tests {
         let bytes = encode_bucket(&entries);
         // At most 32 bytes per tracked key: 21 for a token bucket, 29 for a sliding window.
         assert_eq!(bytes.len(), 2 + 21 + 29);
-        // With a sync grant the bucket is version 2 and each entry carries it (1 byte here, and
-        // 6 for the end of a lease).
+        // With a sync grant the bucket is version 3 and each entry carries it (1 byte here, 6
+        // for the end of a lease, and 1 for the overdraft).
         let mut granted = entries.clone();
-        granted[0].grant = Some(Allowance { units: 3, more: true, until_ms: 0 });
-        granted[1].grant = Some(Allowance { units: 1, more: false, until_ms: 1_800_000_000_123 });
+        granted[0].grant = Some(Allowance { units: 3, more: true, until_ms: 0, over: 2, overdrawn: true, share: 0 });
+        granted[1].grant = Some(Allowance {
+            units: 1,
+            more: false,
+            until_ms: 1_800_000_000_123,
+            over: 0,
+            overdrawn: false,
+            share: 9_000,
+        });
         let bytes2 = encode_bucket(&granted);
-        assert_eq!(bytes2.len(), bytes.len() + 2 + 6);
+        // (1 byte for no share, 2 for one of 9,000.)
+        assert_eq!(bytes2.len(), bytes.len() + 2 + 6 + 2 + 3);
         assert_eq!(decode_bucket(&bytes2).unwrap(), granted);
         assert_eq!(decode_bucket(&bytes).unwrap(), entries);
+        // A version-2 bucket (an older VM's) reads with no overdraft.
+        let mut v2 = vec![VERSION_GRANTS, 1];
+        v2.extend_from_slice(&bytes2[2..2 + 21]);
+        v2.push(((3 << 2) | 2) + 1);
+        let old = decode_bucket(&v2).unwrap();
+        assert_eq!(
+            old[0].grant,
+            Some(Allowance { units: 3, more: true, until_ms: 0, over: 0, overdrawn: false, share: 0 })
+        );
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
         assert!(decode_bucket(&[]).is_err());
         assert!(decode_bucket(&[1, 200]).is_err());
