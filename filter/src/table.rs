@@ -648,15 +648,20 @@ impl Counters for TableCounters<'_> {
             && limit.algorithm() == ratewall_core::Algorithm::FixedWindow
             && now % limit.per().max(1) >= limit.per() / 4;
         // A rule that is not exact never waits: once its grant is spent it admits on the
-        // overdraft the store's last answer allowed (see `sync::overdraft`); a node new to a
-        // fixed window's counter late in the window has none (it is denied until its next
-        // batch's answer).
+        // overdraft the store's last answer allowed (see `sync::overdraft`). A node new to a
+        // fixed window's counter late in the window, which has no answer yet, starts on an
+        // overdraft of its own (what an answer showing the whole quota left would allow):
+        // spent, it is the node's one unrepaid overdraft, until an answer finds room for it.
         let no_wait = !self.exact.get(check.rule).copied().unwrap_or(false);
+        let late_over = match grants {
+            Grants::On { nodes } if no_wait && late => crate::sync::overdraft(limit.quota(), nodes, u64::MAX, 1, false),
+            _ => 0,
+        };
         let first = Allowance {
             units: if late { 0 } else { initial },
             more: late,
             until_ms: 0,
-            over: 0,
+            over: late_over,
             overdrawn: false,
             share: 0,
         };
