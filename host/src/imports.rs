@@ -130,7 +130,7 @@ fn context(linker: &mut Linker<VmState>) -> Result<()> {
         |mut c: Caller<'_, VmState>, kind: i32, start: i32, max: i32, ret_ptr: i32, ret_size: i32| -> Result<i32> {
             let data = match kind {
                 BUFFER_PLUGIN_CONFIGURATION => c.data().plugin_config.clone(),
-                BUFFER_VM_CONFIGURATION => Vec::new(),
+                BUFFER_VM_CONFIGURATION => c.data().vm_config.clone(),
                 BUFFER_HTTP_CALL_RESPONSE_BODY => match &c.data().call_response {
                     Some((_, body)) => body.clone(),
                     None => return Ok(status::NOT_FOUND),

@@ -82,6 +82,9 @@ pub type HeaderMap = Vec<(String, Vec<u8>)>;
 pub(crate) struct VmState {
     pub(crate) node: Node,
     pub(crate) plugin_config: Vec<u8>,
+    /// The VM configuration (Envoy's `vm_config.configuration`, ngx_wasm_module's `module`
+    /// directive's third argument), read at `proxy_on_vm_start`.
+    pub(crate) vm_config: Vec<u8>,
     pub(crate) request_headers: Vec<(String, Vec<u8>)>,
     pub(crate) response_headers: Vec<(String, Vec<u8>)>,
     pub(crate) source_address: Option<String>,
@@ -134,9 +137,15 @@ impl Vm {
     /// Instantiates `plugin` as one VM of `node` and configures it with `config`. A rejected
     /// configuration is not an error here: check [`Vm::configure`]'s result or the logs.
     pub fn start(plugin: &Plugin, node: &Node, config: &[u8]) -> Result<Vm> {
+        Vm::start_with_vm_config(plugin, node, &[], config)
+    }
+
+    /// [`Vm::start`] with a VM configuration, which the plugin reads when its VM starts.
+    pub fn start_with_vm_config(plugin: &Plugin, node: &Node, vm_config: &[u8], config: &[u8]) -> Result<Vm> {
         let state = VmState {
             node: node.clone(),
             plugin_config: config.to_vec(),
+            vm_config: vm_config.to_vec(),
             request_headers: Vec::new(),
             response_headers: Vec::new(),
             source_address: None,
@@ -181,7 +190,8 @@ impl Vm {
         }
         vm.call("proxy_on_context_create", &[Val::I32(1), Val::I32(0)])?;
         if vm.instance.get_func(&mut vm.store, "proxy_on_vm_start").is_some() {
-            let r = vm.call("proxy_on_vm_start", &[Val::I32(1), Val::I32(0)])?;
+            let size = vm_config.len() as i32;
+            let r = vm.call("proxy_on_vm_start", &[Val::I32(1), Val::I32(size)])?;
             if r.first().and_then(Val::i32) == Some(0) {
                 let why = "on_vm_start returned false: the VM failed to start".to_owned();
                 vm.broken = Some(why.clone());

@@ -91,8 +91,8 @@ impl Kv for LazyKv {
     async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<ratewall_store::Cas, String> {
         self.get().await.ok_or("Redis unreachable")?.cas(key, old, new, ttl_ms).await
     }
-    async fn heard(&self, node: u64, seq: u64, batch: bool) -> Result<u32, Option<u64>> {
-        self.get().await.ok_or(None)?.heard(node, seq, batch).await
+    async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<u32, ratewall_store::Unheard> {
+        self.get().await.ok_or(ratewall_store::Unheard::Failed)?.heard(node, seq, batch, sent).await
     }
     async fn ping(&self) -> bool {
         match self.get().await {
