@@ -671,8 +671,10 @@ impl Counters for TableCounters<'_> {
             // rolled over, the node starts the new one on its initial share rather than on an
             // exhausted old grant (which denied until the next sync answered).
             let rolled = matches!(state, State::FixedWindow { window, .. } if *window != now / limit.per().max(1));
+            // The node's traffic share outlives the window (degraded mode reads it).
+            let share = grant.map_or(0, |g| g.share);
             let grant = if rolled { None } else { grant };
-            let held = grant.unwrap_or(first);
+            let held = grant.unwrap_or(Allowance { share, ..first });
             let held = Allowance { units: held.units_at(now), ..held };
             let over = if no_wait { u64::from(held.over) } else { 0 };
             let allowance = match (grants, refunding) {
