@@ -1,6 +1,8 @@
 //! `ratewall`: the operator tool for rules documents (`../shared/DESIGN.md`, "Operator tools").
 //!
 //! - `ratewall check RULES.json`: validate; each rule's match, key, algorithm, limits, plans.
+//!   `ratewall check FILE.yaml` (or a directory of them) validates envoyproxy/ratelimit's
+//!   configuration for `ratewall-store --rls-config` instead: each domain's limits.
 //! - `ratewall explain RULES.json --method M --path P [-H 'name: value']... [--ip A]`: which
 //!   rules match a request, the counter key each would use, the limit in force, and why the
 //!   others do not.
@@ -121,6 +123,85 @@ pub fn load(path: &Path) -> Result<(serde_json::Value, Config), Failure> {
     Ok((doc, config))
 }
 
+/// Whether `path` is envoyproxy/ratelimit's YAML (a `.yaml` / `.yml` file or a directory)
+/// rather than a rules document.
+fn is_rls_config(path: &Path) -> bool {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    path.is_dir() || ext.eq_ignore_ascii_case("yaml") || ext.eq_ignore_ascii_case("yml")
+}
+
+/// `ratewall check` of a rate limit service configuration: its limits, or `file:line:column:
+/// reason`.
+fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
+    use ratewall_store::rls::config::RlsConfig;
+    if !path.exists() {
+        return Err(Failure::Usage(format!("cannot read {}: no such file or directory", path.display())));
+    }
+    let config = match RlsConfig::load(path) {
+        Ok(c) => c,
+        Err(e) => {
+            if as_json {
+                say!(
+                    "{}",
+                    serde_json::json!({"valid": false, "errors": [{"file": e.file, "line": e.line, "column": e.column, "reason": e.reason}]})
+                );
+            }
+            return Err(Failure::Invalid(vec![e.to_string()]));
+        }
+    };
+    let limit = |r: &ratewall_store::rls::config::Rule| -> (String, String) {
+        let algorithm = r.limit.map_or("fixed_window", |l| l.algorithm().as_str()).to_owned();
+        let text = match r.unit {
+            _ if r.unlimited => "unlimited".to_owned(),
+            Some(u) => format!("{} per {}", r.requests_per_unit, u.proto_name().to_ascii_lowercase()),
+            None => "none".to_owned(),
+        };
+        (text, algorithm)
+    };
+    if as_json {
+        let rules: Vec<serde_json::Value> = config
+            .rules
+            .iter()
+            .map(|r| {
+                let (text, algorithm) = limit(r);
+                serde_json::json!({"domain": r.domain, "key": r.full_key, "name": r.name, "limit": text,
+                    "algorithm": algorithm, "shadow_mode": r.shadow, "exact": r.exact, "replaces": r.replaces})
+            })
+            .collect();
+        say!("{}", serde_json::json!({"valid": true, "domains": config.domains().collect::<Vec<_>>(), "rules": rules}));
+        return Ok(());
+    }
+    let domains: Vec<&str> = config.domains().collect();
+    say!(
+        "{}: valid rate limit service configuration, {} domain{} ({}), {} limit{}",
+        path.display(),
+        domains.len(),
+        if domains.len() == 1 { "" } else { "s" },
+        domains.join(", "),
+        config.rules.len(),
+        if config.rules.len() == 1 { "" } else { "s" }
+    );
+    for r in &config.rules {
+        let (text, algorithm) = limit(r);
+        let mut flags = Vec::new();
+        if !r.unlimited {
+            flags.push(algorithm);
+        }
+        if r.shadow {
+            flags.push("shadow_mode".to_owned());
+        }
+        if r.exact {
+            flags.push("exact".to_owned());
+        }
+        if !r.replaces.is_empty() {
+            flags.push(format!("replaces {}", r.replaces.join(", ")));
+        }
+        let name = if r.name.is_empty() { String::new() } else { format!(" ({})", r.name) };
+        say!("- {}{name}: {text}; {}", r.full_key, flags.join("; "));
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -130,6 +211,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
+        Command::Check { rules, json } if is_rls_config(&rules) => check_rls(&rules, json),
         Command::Check { rules, json } => describe::check(&rules, json),
         Command::Explain { rules, method, path, headers, ip, json } => {
             explain::explain(&rules, &method, &path, &headers, ip.as_deref(), json)

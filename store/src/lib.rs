@@ -19,6 +19,7 @@ use ratewall_core::sync::{
 use ratewall_core::{Limit, Nanos, SECOND};
 
 pub mod redis_kv;
+pub mod rls;
 use futures_util::future::join_all;
 use std::fmt::Write as _;
 use std::future::Future;

@@ -3,7 +3,11 @@
 //! ```text
 //! RATEWALL_SYNC_SECRET=<at least 16 chars> \
 //! ratewall-store --listen 127.0.0.1:8090 --redis redis://127.0.0.1:6379 [--redis URL ...] [--cluster] [--deadline-ms 50]
+//!                [--rls 127.0.0.1:8081 --rls-config ratelimit-config.yaml]
 //! ```
+//!
+//! With `--rls-config` it also answers Envoy's rate limit service: gRPC `ShouldRateLimit` on
+//! `--rls`, and `POST /json` on `--listen`.
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
@@ -13,24 +17,31 @@ use axum::routing::{get, post};
 use axum::Router;
 use ratewall_core::Nanos;
 use ratewall_store::redis_kv::RedisKv;
+use ratewall_store::rls::config::RlsConfig;
+use ratewall_store::rls::Rls;
 use ratewall_store::{Kv, Store, MAX_BODY};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::OnceCell;
 
 const USAGE: &str = "usage: RATEWALL_SYNC_SECRET=<at least 16 characters> ratewall-store --listen ADDR:PORT \
---redis URL [--redis URL ...] [--cluster] [--deadline-ms N]";
+--redis URL [--redis URL ...] [--cluster] [--deadline-ms N] [--rls ADDR:PORT --rls-config FILE_OR_DIR]";
 
 struct Args {
     listen: String,
     redis: Vec<String>,
     cluster: bool,
     deadline: Duration,
+    /// Where Envoy's rate limit service listens (gRPC).
+    rls: Option<String>,
+    /// envoyproxy/ratelimit's configuration: a YAML file or a directory of them.
+    rls_config: Option<std::path::PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = std::env::args().skip(1);
     let (mut listen, mut redis, mut cluster, mut deadline_ms) = (None, Vec::new(), false, 50u64);
+    let (mut rls, mut rls_config) = (None, None);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--listen" => listen = Some(args.next().ok_or("--listen needs an address")?),
@@ -40,6 +51,8 @@ fn parse_args() -> Result<Args, String> {
                 let v = args.next().ok_or("--deadline-ms needs a number")?;
                 deadline_ms = v.parse().map_err(|_| format!("--deadline-ms: {v:?} is not a number of milliseconds"))?;
             }
+            "--rls" => rls = Some(args.next().ok_or("--rls needs an address")?),
+            "--rls-config" => rls_config = Some(args.next().ok_or("--rls-config needs a file or directory")?.into()),
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -48,7 +61,10 @@ fn parse_args() -> Result<Args, String> {
     if redis.is_empty() {
         return Err(format!("--redis is required\n{USAGE}"));
     }
-    Ok(Args { listen, redis, cluster, deadline: Duration::from_millis(deadline_ms.max(1)) })
+    if rls.is_some() && rls_config.is_none() {
+        return Err(format!("--rls needs --rls-config\n{USAGE}"));
+    }
+    Ok(Args { listen, redis, cluster, deadline: Duration::from_millis(deadline_ms.max(1)), rls, rls_config })
 }
 
 /// A Redis URL as it may be logged: without its password.
@@ -103,6 +119,20 @@ impl Kv for LazyKv {
 }
 
 type Shared = Arc<Store<LazyKv>>;
+type SharedRls = Arc<Rls<LazyKv>>;
+
+/// `POST /json`: envoyproxy/ratelimit's JSON twin of `ShouldRateLimit`.
+async fn rls_json(State(rls): State<SharedRls>, body: Bytes) -> Response {
+    let result = match ratewall_store::rls::json::call_of(&body) {
+        Ok(call) => rls.should_rate_limit(&call).await,
+        Err(why) => Err(ratewall_store::rls::Refusal::Invalid(why)),
+    };
+    let (status, body) = ratewall_store::rls::json::http(&result);
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut out = (status, body).into_response();
+    out.headers_mut().insert("content-type", HeaderValue::from_static("application/json"));
+    out
+}
 
 async fn sync(State(store): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
     let signature = headers.get("x-ratewall-signature").map(HeaderValue::as_bytes);
@@ -124,8 +154,12 @@ async fn healthz(State(store): State<Shared>) -> Response {
     }
 }
 
-async fn metrics(State(store): State<Shared>) -> Response {
-    let mut out = (StatusCode::OK, store.metrics.render()).into_response();
+async fn metrics(store: Shared, rls: Option<SharedRls>) -> Response {
+    let mut text = store.metrics.render();
+    if let Some(rls) = rls {
+        text.push_str(&rls.metrics.render());
+    }
+    let mut out = (StatusCode::OK, text).into_response();
     out.headers_mut().insert("content-type", HeaderValue::from_static("text/plain; version=0.0.4"));
     out
 }
@@ -173,21 +207,66 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
         redis.join(", "),
         args.deadline.as_millis()
     );
+    let rls = match &args.rls_config {
+        Some(path) => Some(start_rls(&store, path, args.rls.as_deref(), secret.as_bytes()).await?),
+        None => None,
+    };
     if !store.kv.ping().await {
         eprintln!("ratewall-store: Redis does not answer yet; /v1/sync answers 503 until it does");
     }
-    let app = Router::new()
+    let for_metrics = rls.clone();
+    let mut app = Router::new()
         .route("/v1/sync", post(sync))
         .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(move |State(store): State<Shared>| metrics(store, for_metrics.clone())))
         .layer(DefaultBodyLimit::max(MAX_BODY + 1))
         .with_state(store);
-    let stop = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
-        }
-    };
-    axum::serve(listener, app).with_graceful_shutdown(stop).await.map_err(|e| e.to_string())
+    if let Some(rls) = rls {
+        app = app.merge(Router::new().route("/json", post(rls_json)).with_state(rls));
+    }
+    axum::serve(listener, app).with_graceful_shutdown(stop()).await.map_err(|e| e.to_string())
+}
+
+/// SIGINT or SIGTERM.
+async fn stop() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+    }
+}
+
+/// The rate limit service: its configuration read (refused: the store does not start), its
+/// reloads, its leases' syncing and, with `--rls`, its gRPC listener.
+async fn start_rls(
+    store: &Shared,
+    path: &std::path::Path,
+    addr: Option<&str>,
+    secret: &[u8],
+) -> Result<SharedRls, String> {
+    let config = RlsConfig::load(path).map_err(|e| format!("--rls-config: {e}"))?;
+    let domains: Vec<&str> = config.domains().collect();
+    println!(
+        "ratewall-store: rate limit configuration {}: {} domain(s) ({}), {} limit(s)",
+        path.display(),
+        domains.len(),
+        domains.join(", "),
+        config.rules.len()
+    );
+    let rls: SharedRls = Arc::new(Rls::new(Arc::clone(store), config, Some(path.to_path_buf()), secret));
+    tokio::spawn(ratewall_store::rls::watch(Arc::clone(&rls), Duration::from_secs(1)));
+    tokio::spawn(ratewall_store::rls::lease::run(Arc::clone(&rls)));
+    if let Some(addr) = addr {
+        let listener =
+            tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr} (--rls): {e}"))?;
+        let local = listener.local_addr().map_err(|e| e.to_string())?;
+        println!("ratewall-store: rate limit service on {local} (gRPC envoy.service.ratelimit.v3.RateLimitService)");
+        let rls = Arc::clone(&rls);
+        tokio::spawn(async move {
+            if let Err(e) = ratewall_store::rls::grpc::serve(rls, listener, stop()).await {
+                eprintln!("ratewall-store: the rate limit service stopped: {e}");
+            }
+        });
+    }
+    Ok(rls)
 }

@@ -66,6 +66,8 @@ fn bootstrap() -> MessageDescriptor {
         "envoy/extensions/filters/network/http_connection_manager/v3/http_connection_manager.proto",
         "envoy/extensions/filters/http/wasm/v3/wasm.proto",
         "envoy/extensions/filters/http/router/v3/router.proto",
+        "envoy/extensions/filters/http/ratelimit/v3/rate_limit.proto",
+        "envoy/extensions/upstreams/http/v3/http_protocol_options.proto",
     ];
     let pool = DescriptorPool::from_file_descriptor_set(protox::compile(files, &includes).unwrap()).unwrap();
     pool.get_message_by_name("envoy.config.bootstrap.v3.Bootstrap").unwrap()
@@ -81,10 +83,24 @@ fn decode(desc: &MessageDescriptor, yaml: &str) -> Result<DynamicMessage, String
 fn the_envoy_configs_are_valid_v3_bootstraps_and_a_typo_anywhere_is_caught() {
     let desc = bootstrap();
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy-config");
-    for name in ["envoy.yaml", "envoy-store.yaml"] {
+    for name in ["envoy.yaml", "envoy-store.yaml", "envoy-rls.yaml"] {
         let yaml = std::fs::read_to_string(root.join(name)).unwrap();
         if let Err(e) = decode(&desc, &yaml) {
             panic!("envoy-config/{name} is not a valid v3 Bootstrap: {e}");
+        }
+        if name == "envoy-rls.yaml" {
+            // The rate limit filter's config, its route actions and the h2c cluster's
+            // protocol options are typed too.
+            for (from, to) in [
+                ("failure_mode_deny:", "failure_mode_deni:"),
+                ("descriptor_key:", "descriptor_kee:"),
+                ("http2_protocol_options:", "http2_protocol_option:"),
+                ("ratelimit.v3.RateLimit\n", "ratelimit.v3.RateLimits\n"),
+            ] {
+                assert!(yaml.contains(from), "{name} has {from}");
+                assert!(decode(&desc, &yaml.replacen(from, to, 1)).is_err(), "{name} with {to} was accepted");
+            }
+            continue;
         }
         // The check can fail: a typo in the Wasm filter's config (inside two typed configs),
         // in the connection manager's, and an unknown extension type are each refused.

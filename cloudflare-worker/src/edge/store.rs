@@ -123,7 +123,7 @@ mod tests {
     use super::*;
     use crate::edge::object::Object;
     use ratewall_core::algo::{Algorithm, Limit};
-    use ratewall_core::sync::Delta;
+    use ratewall_core::sync::{verify, Delta};
     use ratewall_core::SECOND;
 
     const SECRET: &str = "0123456789abcdef";

@@ -1,0 +1,113 @@
+//! `envoy.service.ratelimit.v3.RateLimitService` over gRPC (h2c), on the `envoy-types`
+//! crate's generated tonic server.
+
+use super::{Answer, Call, Code, Descriptor, Refusal, Rls};
+use crate::Kv;
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code as PbCode, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use std::future::Future;
+use std::sync::Arc;
+
+/// Largest request accepted, bytes (the descriptor limits keep a valid one far below).
+pub const MAX_MESSAGE: usize = 1 << 20;
+
+/// A call from its protobuf message.
+pub fn call_of(req: &RateLimitRequest) -> Call {
+    Call {
+        domain: req.domain.clone(),
+        descriptors: req
+            .descriptors
+            .iter()
+            .map(|d| Descriptor {
+                entries: d.entries.iter().map(|e| (e.key.clone(), e.value.clone())).collect(),
+                limit: d.limit.map(|l| (l.requests_per_unit, l.unit)),
+                hits_addend: d.hits_addend.as_ref().map(|h| h.value),
+            })
+            .collect(),
+        hits_addend: req.hits_addend,
+    }
+}
+
+fn code(c: Code) -> i32 {
+    match c {
+        Code::Ok => PbCode::Ok as i32,
+        Code::OverLimit => PbCode::OverLimit as i32,
+    }
+}
+
+/// A duration in protobuf's form.
+pub fn duration(n: ratewall_core::Nanos) -> PbDuration {
+    let secs = n / ratewall_core::SECOND;
+    PbDuration {
+        seconds: i64::try_from(secs).unwrap_or(i64::MAX),
+        nanos: i32::try_from(n % ratewall_core::SECOND).unwrap_or(0),
+    }
+}
+
+/// An answer as its protobuf message.
+pub fn response_of(a: &Answer) -> RateLimitResponse {
+    RateLimitResponse {
+        overall_code: code(a.overall_code),
+        statuses: a
+            .statuses
+            .iter()
+            .map(|s| DescriptorStatus {
+                code: code(s.code),
+                current_limit: s.current_limit.as_ref().map(|l| RateLimit {
+                    name: l.name.clone(),
+                    requests_per_unit: l.requests_per_unit,
+                    unit: l.unit,
+                }),
+                limit_remaining: s.limit_remaining,
+                duration_until_reset: s.duration_until_reset.map(duration),
+                quota: None,
+            })
+            .collect(),
+        response_headers_to_add: a
+            .headers
+            .iter()
+            .map(|(k, v)| HeaderValue { key: (*k).to_owned(), value: v.clone(), raw_value: Vec::new() })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// The service, for tonic.
+pub struct Service<K>(pub Arc<Rls<K>>);
+
+#[tonic::async_trait]
+impl<K: Kv + 'static> RateLimitService for Service<K> {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+        let call = call_of(request.get_ref());
+        match self.0.should_rate_limit(&call).await {
+            Ok(a) => Ok(tonic::Response::new(response_of(&a))),
+            Err(Refusal::Invalid(why)) => Err(tonic::Status::invalid_argument(why)),
+            Err(Refusal::Unavailable(why)) => Err(tonic::Status::unavailable(why)),
+        }
+    }
+}
+
+/// Serves the service on `listener` (h2c) until `stop`.
+pub async fn serve<K: Kv + 'static>(
+    rls: Arc<Rls<K>>,
+    listener: tokio::net::TcpListener,
+    stop: impl Future<Output = ()>,
+) -> Result<(), String> {
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let service = RateLimitServiceServer::new(Service(rls)).max_decoding_message_size(MAX_MESSAGE);
+    tonic::transport::Server::builder()
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, stop)
+        .await
+        .map_err(|e| e.to_string())
+}

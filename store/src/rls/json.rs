@@ -1,0 +1,215 @@
+//! `POST /json`: envoyproxy/ratelimit's JSON twin of `ShouldRateLimit` — a `RateLimitRequest`
+//! in proto3 JSON in, the `RateLimitResponse` in proto3 JSON out (200, or 429 over the
+//! limit). Written over `serde_json::Value` because the generated types carry no serde
+//! support; field names are accepted in lowerCamelCase and as in the `.proto`, unknown ones
+//! refused, as proto3 JSON parsers do.
+
+use super::config::Unit;
+use super::{Answer, Call, Code, Descriptor, Refusal};
+use serde_json::{json, Map, Value};
+
+/// Reads a proto3 JSON `RateLimitRequest`.
+pub fn call_of(body: &[u8]) -> Result<Call, String> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("not JSON: {e}"))?;
+    let obj = v.as_object().ok_or("a RateLimitRequest is a JSON object")?;
+    let mut call = Call::default();
+    for (k, v) in obj {
+        match k.as_str() {
+            "domain" => call.domain = string(v, "domain")?,
+            "descriptors" => {
+                for (i, d) in list(v, "descriptors")?.iter().enumerate() {
+                    call.descriptors.push(descriptor(d).map_err(|e| format!("descriptors[{i}]: {e}"))?);
+                }
+            }
+            "hitsAddend" | "hits_addend" => {
+                call.hits_addend = u32::try_from(uint(v, "hitsAddend")?).map_err(|_| "hitsAddend is over 2^32")?
+            }
+            other => return Err(format!("unknown field '{other}' in RateLimitRequest")),
+        }
+    }
+    Ok(call)
+}
+
+fn descriptor(v: &Value) -> Result<Descriptor, String> {
+    let obj = v.as_object().ok_or("a descriptor is an object")?;
+    let mut d = Descriptor::default();
+    for (k, v) in obj {
+        match k.as_str() {
+            "entries" => {
+                for (i, e) in list(v, "entries")?.iter().enumerate() {
+                    let e = e.as_object().ok_or_else(|| format!("entries[{i}] is not an object"))?;
+                    let (mut key, mut value) = (String::new(), String::new());
+                    for (f, x) in e {
+                        match f.as_str() {
+                            "key" => key = string(x, "key")?,
+                            "value" => value = string(x, "value")?,
+                            other => return Err(format!("entries[{i}]: unknown field '{other}'")),
+                        }
+                    }
+                    d.entries.push((key, value));
+                }
+            }
+            "limit" => {
+                let l = v.as_object().ok_or("limit is not an object")?;
+                let (mut rpu, mut unit) = (0u32, 0i32);
+                for (f, x) in l {
+                    match f.as_str() {
+                        "requestsPerUnit" | "requests_per_unit" => {
+                            rpu = u32::try_from(uint(x, "requestsPerUnit")?)
+                                .map_err(|_| "requestsPerUnit is over 2^32")?
+                        }
+                        "unit" => unit = unit_of(x)?,
+                        other => return Err(format!("limit: unknown field '{other}'")),
+                    }
+                }
+                d.limit = Some((rpu, unit));
+            }
+            "hitsAddend" | "hits_addend" => {
+                // A UInt64Value: the number itself (or null: not set).
+                if !v.is_null() {
+                    d.hits_addend = Some(uint(v, "hitsAddend")?);
+                }
+            }
+            "isNegativeHits" | "is_negative_hits" => {
+                if v.as_bool() == Some(true) {
+                    return Err("isNegativeHits is not supported".into());
+                }
+            }
+            other => return Err(format!("unknown field '{other}'")),
+        }
+    }
+    Ok(d)
+}
+
+fn string(v: &Value, what: &str) -> Result<String, String> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Null => Ok(String::new()),
+        _ => Err(format!("{what} is not a string")),
+    }
+}
+
+fn list<'a>(v: &'a Value, what: &str) -> Result<&'a [Value], String> {
+    match v {
+        Value::Array(a) => Ok(a),
+        Value::Null => Ok(&[]),
+        _ => Err(format!("{what} is not a list")),
+    }
+}
+
+/// A proto3 JSON unsigned integer: a number or a decimal string.
+fn uint(v: &Value, what: &str) -> Result<u64, String> {
+    match v {
+        Value::Number(n) => n.as_u64().ok_or_else(|| format!("{what} is not an unsigned integer")),
+        Value::String(s) => s.parse().map_err(|_| format!("{what} is not an unsigned integer")),
+        Value::Null => Ok(0),
+        _ => Err(format!("{what} is not an unsigned integer")),
+    }
+}
+
+fn unit_of(v: &Value) -> Result<i32, String> {
+    match v {
+        Value::String(s) if s == "UNKNOWN" => Ok(0),
+        Value::String(s) => Unit::from_name(s).map(Unit::proto).ok_or_else(|| format!("unknown unit '{s}'")),
+        Value::Number(n) => n.as_i64().and_then(|n| i32::try_from(n).ok()).ok_or_else(|| "unknown unit".into()),
+        _ => Err("unit is not a string".into()),
+    }
+}
+
+fn code(c: Code) -> &'static str {
+    match c {
+        Code::Ok => "OK",
+        Code::OverLimit => "OVER_LIMIT",
+    }
+}
+
+/// A proto3 JSON `Duration`: seconds with 0, 3, 6 or 9 fractional digits and an `s`.
+pub fn duration(n: ratewall_core::Nanos) -> String {
+    let (s, ns) = (n / ratewall_core::SECOND, n % ratewall_core::SECOND);
+    match ns {
+        0 => format!("{s}s"),
+        ns if ns % 1_000_000 == 0 => format!("{s}.{:03}s", ns / 1_000_000),
+        ns if ns % 1_000 == 0 => format!("{s}.{:06}s", ns / 1_000),
+        ns => format!("{s}.{ns:09}s"),
+    }
+}
+
+/// An answer as a proto3 JSON `RateLimitResponse` (fields at their default omitted).
+pub fn response_of(a: &Answer) -> Value {
+    let statuses: Vec<Value> = a
+        .statuses
+        .iter()
+        .map(|s| {
+            let mut o = Map::new();
+            o.insert("code".into(), json!(code(s.code)));
+            if let Some(l) = &s.current_limit {
+                let mut limit = Map::new();
+                if !l.name.is_empty() {
+                    limit.insert("name".into(), json!(l.name));
+                }
+                if l.requests_per_unit != 0 {
+                    limit.insert("requestsPerUnit".into(), json!(l.requests_per_unit));
+                }
+                let unit = Unit::from_proto(l.unit).map_or("UNKNOWN", Unit::proto_name);
+                limit.insert("unit".into(), json!(unit));
+                o.insert("currentLimit".into(), Value::Object(limit));
+            }
+            if s.limit_remaining != 0 {
+                o.insert("limitRemaining".into(), json!(s.limit_remaining));
+            }
+            if let Some(d) = s.duration_until_reset {
+                o.insert("durationUntilReset".into(), json!(duration(d)));
+            }
+            Value::Object(o)
+        })
+        .collect();
+    let mut out = Map::new();
+    out.insert("overallCode".into(), json!(code(a.overall_code)));
+    out.insert("statuses".into(), Value::Array(statuses));
+    if !a.headers.is_empty() {
+        let headers: Vec<Value> = a.headers.iter().map(|(k, v)| json!({"key": k, "value": v})).collect();
+        out.insert("responseHeadersToAdd".into(), Value::Array(headers));
+    }
+    Value::Object(out)
+}
+
+/// The HTTP status and body of a `POST /json` answer.
+pub fn http(result: &Result<Answer, Refusal>) -> (u16, Vec<u8>) {
+    match result {
+        Ok(a) => {
+            let status = if a.overall_code == Code::OverLimit { 429 } else { 200 };
+            (status, response_of(a).to_string().into_bytes())
+        }
+        Err(Refusal::Invalid(why)) => (400, json!({"error": why}).to_string().into_bytes()),
+        Err(Refusal::Unavailable(why)) => (503, json!({"error": why}).to_string().into_bytes()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_reads_in_both_spellings() {
+        let c = call_of(br#"{"domain":"d","hits_addend":2,"descriptors":[{"entries":[{"key":"k","value":"v"}],"hitsAddend":"0","limit":{"requests_per_unit":5,"unit":"MINUTE"}}]}"#).unwrap();
+        assert_eq!(c.domain, "d");
+        assert_eq!(c.hits_addend, 2);
+        let d = &c.descriptors[0];
+        assert_eq!(d.entries, vec![("k".to_owned(), "v".to_owned())]);
+        assert_eq!(d.hits_addend, Some(0));
+        assert_eq!(d.limit, Some((5, 2)));
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        assert!(call_of(br#"{"domain":"d","extra":1}"#).unwrap_err().contains("extra"));
+        assert!(call_of(br#"{"descriptors":[{"entries":[{"key":"k","val":"v"}]}]}"#).unwrap_err().contains("val"));
+    }
+
+    #[test]
+    fn durations_are_proto3_json() {
+        assert_eq!(duration(3 * ratewall_core::SECOND), "3s");
+        assert_eq!(duration(1_500_000_000), "1.500s");
+        assert_eq!(duration(1), "0.000000001s");
+    }
+}

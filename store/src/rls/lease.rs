@@ -1,0 +1,395 @@
+//! The service as a node of its counters, like a proxy: it holds grants and decides most
+//! calls in memory.
+//!
+//! A call on a counter this process holds a grant of is decided here: the grant pays for its
+//! hits, which are reported with the next batch. Otherwise — no grant yet, spent, expired, or
+//! the limit changed — it *asks* at Redis ([`Counter::ask`](ratewall_core::sync::Counter::ask):
+//! the hits are taken there only if free beside every grant held, and the answer brings a
+//! share of what else is free). Every [`FLUSH`] the spent units go to Redis in one batch per
+//! counter ([`Counter::apply`](ratewall_core::sync::Counter::apply), with this node's id and a
+//! sequence number, so a retried batch is never counted twice) and the answer is the next
+//! grant. These are the transitions the sync endpoint runs for the filter's proxies, so the
+//! overshoot bound of docs/sync-protocol.md holds for the service too.
+
+use super::Rls;
+use crate::Kv;
+use ratewall_core::sync::{Applied, RETRY_HORIZON};
+use ratewall_core::{Algorithm, Decision, Limit, Nanos};
+use std::collections::HashMap;
+use std::hash::BuildHasher as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How often spent units are reported and grants renewed.
+pub const FLUSH: Duration = Duration::from_millis(100);
+/// Most counters whose grants one process holds (past it, calls ask at Redis).
+pub const MAX_HELD: usize = 100_000;
+/// How long a refused ask is answered from memory (at most its `retry_after`): a hot
+/// counter over its limit costs Redis one call per this, not one per call.
+pub const DENY_CACHE: Nanos = 50_000_000;
+/// Counters synced concurrently in one flush.
+const BATCH: usize = 256;
+
+/// One counter as this process holds it.
+#[derive(Clone, Debug)]
+struct Held {
+    limit: Limit,
+    /// Units it may still admit.
+    grant: u64,
+    /// When the grant ends (our clock).
+    until: Nanos,
+    /// Units admitted since the last batch was cut.
+    spent: u64,
+    /// A batch sent and not yet acknowledged: its seq, its units, when first sent.
+    pending: Option<(u64, u64, Nanos)>,
+    /// The global view last answered: remaining, time to reset, when (our clock).
+    view: (u64, Nanos, Nanos),
+    /// Last call.
+    used: Nanos,
+    /// Refused until then (our clock), for calls of at least this many hits.
+    denied_until: Nanos,
+    denied_hits: u64,
+}
+
+/// Where a call's hits were taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// From this process's grant (given back here).
+    Grant,
+    /// At Redis (given back there).
+    Redis,
+}
+
+/// The grants this process holds.
+#[derive(Debug)]
+pub struct Leases {
+    /// This process's node id on its counters.
+    pub node: u64,
+    seq: AtomicU64,
+    asks: AtomicU64,
+    held: Mutex<HashMap<String, Held>>,
+    /// Calls decided from a grant.
+    pub local: AtomicU64,
+    /// Asks sent to Redis.
+    pub asked: AtomicU64,
+    /// Batches acknowledged.
+    pub synced: AtomicU64,
+    /// Units of batches given up after [`RETRY_HORIZON`] (Redis unreachable that long).
+    pub dropped: AtomicU64,
+}
+
+impl Default for Leases {
+    fn default() -> Leases {
+        Leases::new()
+    }
+}
+
+impl Leases {
+    /// No grants yet, and a node id of its own.
+    pub fn new() -> Leases {
+        let node = std::collections::hash_map::RandomState::new().hash_one((std::process::id(), super::wall_clock()));
+        Leases {
+            node: node.max(1),
+            seq: AtomicU64::new(0),
+            asks: AtomicU64::new(0),
+            held: Mutex::default(),
+            local: AtomicU64::new(0),
+            asked: AtomicU64::new(0),
+            synced: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    /// A new ask number (never 0).
+    pub fn next_ask(&self) -> u64 {
+        self.asks.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Takes `hits` from the grant of counter `rkey` at `now` (our clock): the decision, or
+    /// None when the call must ask at Redis. A refused ask answers from here for a while.
+    pub fn take(&self, rkey: &str, limit: Limit, hits: u64, now: Nanos) -> Option<Decision> {
+        let mut held = self.held.lock().ok()?;
+        let h = held.get_mut(rkey)?;
+        if h.limit != limit {
+            return None;
+        }
+        h.used = now;
+        let (remaining, reset_after) = estimate(h, now);
+        if hits > 0 && hits >= h.denied_hits && now < h.denied_until {
+            self.local.fetch_add(1, Ordering::Relaxed);
+            let retry = Some(h.denied_until - now);
+            return Some(Decision {
+                allowed: false,
+                limit: limit.quota(),
+                remaining: 0,
+                reset_after,
+                retry_after: retry,
+            });
+        }
+        if now >= h.until || h.grant < hits {
+            return None;
+        }
+        h.grant -= hits;
+        h.spent = h.spent.saturating_add(hits);
+        self.local.fetch_add(1, Ordering::Relaxed);
+        let remaining = remaining.saturating_sub(hits);
+        Some(Decision { allowed: true, limit: limit.quota(), remaining, reset_after, retry_after: None })
+    }
+
+    /// Records an ask's answer at `now` (our clock) for a call of `hits`: the units beside
+    /// them become this process's grant. Returns the call's decision.
+    pub fn asked(
+        &self,
+        rkey: &str,
+        limit: Limit,
+        hits: u64,
+        a: &Applied,
+        retry: Option<Nanos>,
+        now: Nanos,
+    ) -> Decision {
+        self.asked.fetch_add(1, Ordering::Relaxed);
+        let allowed = hits == 0 || a.grant >= hits;
+        if let Ok(mut held) = self.held.lock() {
+            if held.len() >= MAX_HELD && !held.contains_key(rkey) {
+                held.retain(|_, h| h.pending.is_some() || h.spent > 0 || now < h.until);
+            }
+            if held.len() < MAX_HELD || held.contains_key(rkey) {
+                let h = held.entry(rkey.to_owned()).or_insert_with(|| Held {
+                    limit,
+                    grant: 0,
+                    until: 0,
+                    spent: 0,
+                    pending: None,
+                    view: (0, 0, now),
+                    used: now,
+                    denied_until: 0,
+                    denied_hits: 0,
+                });
+                if h.limit != limit {
+                    // The rules changed: what was held under the old limit is not spent any more.
+                    h.limit = limit;
+                    h.grant = 0;
+                }
+                h.used = now;
+                h.view = (a.remaining, a.reset_after, now);
+                if allowed {
+                    h.grant = a.grant - hits;
+                    h.until = lease_end(limit, now, a.lease, a.reset_after);
+                    h.denied_until = 0;
+                } else if hits > 0 {
+                    h.denied_until = now.saturating_add(retry.unwrap_or(DENY_CACHE).min(DENY_CACHE));
+                    h.denied_hits = hits;
+                }
+            }
+        }
+        Decision {
+            allowed,
+            limit: limit.quota(),
+            remaining: if allowed { a.remaining } else { 0 },
+            reset_after: a.reset_after,
+            retry_after: if allowed { None } else { retry },
+        }
+    }
+
+    /// Gives back `hits` taken from the grant: false when they were reported already (then
+    /// they are given back at Redis).
+    pub fn give_back(&self, rkey: &str, hits: u64) -> bool {
+        let Ok(mut held) = self.held.lock() else { return false };
+        match held.get_mut(rkey) {
+            Some(h) if h.spent >= hits => {
+                h.spent -= hits;
+                h.grant = h.grant.saturating_add(hits);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The batches due at `now`: per counter, its key, limit, seq and units (a retry keeps
+    /// its seq). A grant still in use is renewed before it ends even when nothing was spent.
+    fn due(&self, now: Nanos) -> Vec<(String, Limit, u64, u64)> {
+        let Ok(mut held) = self.held.lock() else { return Vec::new() };
+        let mut out = Vec::new();
+        let renew = 2 * u64::try_from(FLUSH.as_nanos()).unwrap_or(u64::MAX);
+        held.retain(|rkey, h| {
+            if let Some((seq, units, first)) = h.pending {
+                if now.saturating_sub(first) > RETRY_HORIZON {
+                    // Past the horizon a store may have forgotten the seq: dropped, never
+                    // counted twice.
+                    self.dropped.fetch_add(units, Ordering::Relaxed);
+                    h.pending = None;
+                } else {
+                    out.push((rkey.clone(), h.limit, seq, units));
+                    return true;
+                }
+            }
+            let in_use = now.saturating_sub(h.used) < 2 * ratewall_core::sync::MAX_LEASE;
+            if h.spent > 0 || (in_use && h.until.saturating_sub(now) < renew) {
+                let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+                h.pending = Some((seq, h.spent, now));
+                out.push((rkey.clone(), h.limit, seq, h.spent));
+                h.spent = 0;
+                return true;
+            }
+            // Forgotten once idle, its grant over and nothing to report.
+            in_use || now < h.until
+        });
+        out
+    }
+
+    /// Records a batch's answer at `now` (our clock).
+    fn synced(&self, rkey: &str, seq: u64, a: &Applied, now: Nanos) {
+        self.synced.fetch_add(1, Ordering::Relaxed);
+        let Ok(mut held) = self.held.lock() else { return };
+        let Some(h) = held.get_mut(rkey) else { return };
+        if h.pending.is_some_and(|(s, _, _)| s == seq) {
+            h.pending = None;
+        }
+        // What was spent while the batch travelled came from the old grant, and is not in
+        // the answer's remaining yet.
+        h.grant = a.grant.saturating_sub(h.spent);
+        h.until = lease_end(h.limit, now, a.lease, a.reset_after);
+        h.view = (a.remaining.saturating_sub(h.spent), a.reset_after, now);
+    }
+
+    /// Counters held.
+    pub fn held(&self) -> usize {
+        self.held.lock().map_or(0, |h| h.len())
+    }
+}
+
+/// A grant's end: its lease, and for a fixed window no later than the window's end (the
+/// store counts a fixed window's grant only within the window it was given in).
+fn lease_end(limit: Limit, now: Nanos, lease: Nanos, reset_after: Nanos) -> Nanos {
+    let lease = if limit.algorithm() == Algorithm::FixedWindow { lease.min(reset_after) } else { lease };
+    now.saturating_add(lease)
+}
+
+/// The global remaining and time to reset at `now`, from the last view and what was spent
+/// since.
+fn estimate(h: &Held, now: Nanos) -> (u64, Nanos) {
+    let (remaining, reset_after, at) = h.view;
+    let elapsed = now.saturating_sub(at);
+    let unreported = h.spent.saturating_add(h.pending.map_or(0, |(_, u, _)| u));
+    if elapsed >= reset_after {
+        // The window turned (or the bucket filled) since: a fresh quota less what was spent.
+        let per = h.limit.per().max(1);
+        return (h.limit.quota().saturating_sub(h.spent), per - now % per);
+    }
+    (remaining.saturating_sub(unreported), reset_after - elapsed)
+}
+
+/// Syncs `rls`'s grants every [`FLUSH`] while the process runs.
+pub async fn run<K: Kv>(rls: Arc<Rls<K>>) {
+    let mut tick = tokio::time::interval(FLUSH);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        flush(&rls).await;
+    }
+}
+
+/// Sends every batch due now and records the answers.
+pub async fn flush<K: Kv>(rls: &Rls<K>) {
+    let leases = &rls.leases;
+    let due = leases.due(super::wall_clock());
+    let node = leases.node;
+    for chunk in due.chunks(BATCH) {
+        let sends = chunk.iter().map(|(rkey, limit, seq, units)| {
+            let (limit, seq, units) = (*limit, *seq, *units);
+            let send = rls.update(rkey, limit, move |counter, now| {
+                let a = counter.apply(limit, now, node, seq, units, crate::NODE_TTL);
+                (a, a.counted)
+            });
+            async move { (rkey, seq, tokio::time::timeout(rls.store().deadline * 4, send).await) }
+        });
+        for (rkey, seq, r) in futures_util::future::join_all(sends).await {
+            if let Ok(Ok(a)) = r {
+                leases.synced(rkey, seq, &a, super::wall_clock());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limit() -> Limit {
+        Limit::new(Algorithm::FixedWindow, 100, 60 * ratewall_core::SECOND, None).unwrap()
+    }
+
+    fn applied(grant: u64, remaining: u64) -> Applied {
+        Applied {
+            remaining,
+            grant,
+            reset_after: 30 * ratewall_core::SECOND,
+            lease: ratewall_core::SECOND,
+            nodes: 1,
+            counted: true,
+        }
+    }
+
+    #[test]
+    fn a_grant_pays_for_calls_until_spent_or_over() {
+        let l = Leases::new();
+        assert!(l.take("k", limit(), 1, 10).is_none(), "nothing held yet");
+        let d = l.asked("k", limit(), 1, &applied(4, 99), None, 10);
+        assert!(d.allowed);
+        for _ in 0..3 {
+            assert!(l.take("k", limit(), 1, 20).unwrap().allowed);
+        }
+        assert!(l.take("k", limit(), 1, 20).is_none(), "spent");
+        let due = l.due(30);
+        assert_eq!(due, vec![("k".to_owned(), limit(), 1, 3)]);
+        l.synced("k", 1, &applied(10, 93), 40);
+        assert_eq!(l.take("k", limit(), 1, 50).unwrap().remaining, 92);
+        assert!(l.take("k", limit(), 1, 40 + ratewall_core::SECOND).is_none(), "the lease ended");
+    }
+
+    #[test]
+    fn an_unacknowledged_batch_is_sent_again_with_its_seq() {
+        let l = Leases::new();
+        l.asked("k", limit(), 1, &applied(5, 99), None, 0);
+        l.take("k", limit(), 2, 1).unwrap();
+        let first = l.due(2);
+        l.take("k", limit(), 1, 3).unwrap();
+        assert_eq!(l.due(4), first, "the same seq and units, the new hit waits");
+        l.synced("k", first[0].2, &applied(5, 90), 5);
+        let next = l.due(6);
+        assert_eq!((next[0].2, next[0].3), (first[0].2 + 1, 1));
+    }
+
+    #[test]
+    fn a_batch_past_the_retry_horizon_is_dropped_not_resent() {
+        let l = Leases::new();
+        l.asked("k", limit(), 1, &applied(5, 99), None, 0);
+        l.take("k", limit(), 2, 1).unwrap();
+        assert_eq!(l.due(2).len(), 1);
+        assert!(l.due(3 + RETRY_HORIZON).iter().all(|(_, _, _, u)| *u == 0));
+        assert_eq!(l.dropped.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn a_refused_ask_answers_from_memory_briefly() {
+        let l = Leases::new();
+        let d = l.asked("k", limit(), 1, &applied(0, 0), Some(10 * ratewall_core::SECOND), 0);
+        assert!(!d.allowed);
+        assert!(!l.take("k", limit(), 1, DENY_CACHE - 1).unwrap().allowed);
+        assert!(l.take("k", limit(), 1, DENY_CACHE).is_none());
+        l.asked("k", limit(), 3, &applied(0, 2), Some(ratewall_core::SECOND), 0);
+        assert!(l.take("k", limit(), 2, 1).is_none(), "a smaller call may fit: it asks");
+        assert!(!l.take("k", limit(), 3, 1).unwrap().allowed);
+    }
+
+    #[test]
+    fn given_back_hits_return_to_the_grant() {
+        let l = Leases::new();
+        l.asked("k", limit(), 1, &applied(2, 99), None, 0);
+        l.take("k", limit(), 1, 1).unwrap();
+        assert!(l.give_back("k", 1));
+        assert!(l.take("k", limit(), 1, 2).is_some());
+        assert!(!l.give_back("k", 5));
+    }
+}

@@ -1,0 +1,619 @@
+//! The rate limit service front: Envoy's `ShouldRateLimit` (`rls.proto` v3) answered from
+//! envoyproxy/ratelimit's configuration ([`config`]) with the store's counters in Redis.
+//!
+//! Each matched descriptor is one counter — a Redis key holding the core's `sync::Counter`,
+//! changed by the same compare-and-swap of the core's pure transitions the sync endpoint
+//! uses. A call is decided in two steps: every limited descriptor takes its hits; when an
+//! enforced one is over its limit, the ones that took are given back, so a denied request
+//! charges no descriptor. Descriptors not configured `exact` are decided from this process's
+//! grants ([`lease`]), like a proxy's; `exact` ones at Redis on every call.
+//!
+//! The gRPC server ([`grpc`]) and `POST /json` ([`json`]) are two encodings of the same
+//! [`Call`] and [`Answer`].
+
+pub mod config;
+pub mod grpc;
+pub mod json;
+pub mod lease;
+pub mod metrics;
+
+use crate::{redis_key, Cas, Kv, Store, CAS_ATTEMPTS, KNOWN};
+use config::{Matched, RlsConfig, Rule, Unit};
+use ratewall_core::response::{ceil_secs, policy_item, push_decimal};
+use ratewall_core::sync::{hex, sign, Counter, RETRY_HORIZON, SEQ_MEMORY};
+use ratewall_core::{Decision, Limit, Nanos};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+/// A counter's value as this process last wrote it, the key's clock then, and when (ours).
+type Known = (Vec<u8>, Nanos, std::time::Instant);
+
+/// Per descriptor of a call, the rule it selects and how it matched (None: no limit applies).
+type Resolved = Vec<Option<(Arc<Rule>, Option<Matched>)>>;
+
+/// One request descriptor: its entries, its `limit` override and its `hits_addend`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Descriptor {
+    /// `(key, value)` pairs, outermost first.
+    pub entries: Vec<(String, String)>,
+    /// `limit` override: requests per unit and the `rls.proto` unit number.
+    pub limit: Option<(u32, i32)>,
+    /// Its own `hits_addend` (0 allowed: a check that takes nothing).
+    pub hits_addend: Option<u64>,
+}
+
+/// A `ShouldRateLimit` call.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Call {
+    /// `domain`.
+    pub domain: String,
+    /// `descriptors`.
+    pub descriptors: Vec<Descriptor>,
+    /// `hits_addend` (0: 1).
+    pub hits_addend: u32,
+}
+
+/// `rls.proto`'s `Code`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Code {
+    /// `OK`.
+    Ok,
+    /// `OVER_LIMIT`.
+    OverLimit,
+}
+
+/// The limit a status reports (`current_limit`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CurrentLimit {
+    /// `name`.
+    pub name: String,
+    /// `requests_per_unit`.
+    pub requests_per_unit: u32,
+    /// `unit` (`rls.proto` number).
+    pub unit: i32,
+}
+
+/// One descriptor's answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    /// `code`.
+    pub code: Code,
+    /// `current_limit` (None: no limit applies).
+    pub current_limit: Option<CurrentLimit>,
+    /// `limit_remaining`.
+    pub limit_remaining: u32,
+    /// `duration_until_reset`.
+    pub duration_until_reset: Option<Nanos>,
+}
+
+/// The answer to a [`Call`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Answer {
+    /// `overall_code`.
+    pub overall_code: Code,
+    /// `statuses`, one per descriptor.
+    pub statuses: Vec<Status>,
+    /// `response_headers_to_add`.
+    pub headers: Vec<(&'static str, String)>,
+}
+
+/// Why a call got no answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The call is malformed (gRPC `INVALID_ARGUMENT`, `/json` 400).
+    Invalid(String),
+    /// Redis did not answer within the deadline (gRPC `UNAVAILABLE`, `/json` 503).
+    Unavailable(String),
+}
+
+/// Most descriptors one call may carry.
+pub const MAX_DESCRIPTORS: usize = 64;
+/// Most entries one descriptor may carry.
+pub const MAX_ENTRIES: usize = 32;
+/// Longest key or value, bytes.
+pub const MAX_TEXT: usize = 4096;
+
+/// What one limited descriptor is decided against.
+struct Check {
+    index: usize,
+    rule: Arc<Rule>,
+    hits: u64,
+    /// The counter's Redis key.
+    rkey: String,
+}
+
+/// The rate limit service over a store's Redis.
+pub struct Rls<K> {
+    store: Arc<Store<K>>,
+    config: RwLock<Arc<RlsConfig>>,
+    /// Where the configuration is read from (None: given in memory).
+    path: Option<PathBuf>,
+    stamp: Mutex<Vec<(PathBuf, Option<std::time::SystemTime>, u64)>>,
+    /// Keys counter names (descriptor values may be secrets: Redis sees only a keyed hash).
+    secret: Vec<u8>,
+    /// Per rule and per domain counts.
+    pub metrics: metrics::RlsMetrics,
+    /// Counters being updated by this process (calls on one counter take turns here, so
+    /// compare-and-swap conflicts come only from other processes).
+    busy: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The value this process last wrote to each counter and the key's clock then: the next
+    /// update goes straight to the compare-and-set. At most [`KNOWN`] counters.
+    known: Mutex<HashMap<String, Known>>,
+    /// This process's grants.
+    pub leases: lease::Leases,
+}
+
+impl<K: Kv> Rls<K> {
+    /// A service over `store`'s Redis answering from `config`, read from `path` (reloaded
+    /// by [`Rls::reload`]); counter names are keyed by `secret`.
+    pub fn new(store: Arc<Store<K>>, config: RlsConfig, path: Option<PathBuf>, secret: &[u8]) -> Rls<K> {
+        let stamp = path.as_deref().map(config::stamp).unwrap_or_default();
+        Rls {
+            store,
+            metrics: metrics::RlsMetrics::new(&config),
+            config: RwLock::new(Arc::new(config)),
+            path,
+            stamp: Mutex::new(stamp),
+            secret: secret.to_vec(),
+            busy: Mutex::default(),
+            known: Mutex::default(),
+            leases: lease::Leases::new(),
+        }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Arc<RlsConfig> {
+        match self.config.read() {
+            Ok(c) => Arc::clone(&c),
+            Err(e) => Arc::clone(&e.into_inner()),
+        }
+    }
+
+    /// Reads the configuration again if its files changed. `Ok(true)`: a new one is in force;
+    /// `Err`: the files are bad and the last good configuration stays.
+    pub fn reload(&self) -> Result<bool, config::ConfigError> {
+        let Some(path) = &self.path else { return Ok(false) };
+        let now = config::stamp(path);
+        {
+            let Ok(mut last) = self.stamp.lock() else { return Ok(false) };
+            if *last == now {
+                return Ok(false);
+            }
+            *last = now;
+        }
+        match RlsConfig::load(path) {
+            Ok(c) => {
+                self.metrics.set_rules(&c);
+                if let Ok(mut slot) = self.config.write() {
+                    *slot = Arc::new(c);
+                }
+                self.metrics.config_loads.fetch_add(1, Ordering::Relaxed);
+                Ok(true)
+            }
+            Err(e) => {
+                self.metrics.config_errors.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// Answers a call within the store's deadline.
+    pub async fn should_rate_limit(&self, call: &Call) -> Result<Answer, Refusal> {
+        let started = std::time::Instant::now();
+        let result = match tokio::time::timeout(self.store.deadline, self.decide(call)).await {
+            Ok(r) => r,
+            Err(_) => Err(Refusal::Unavailable("Redis did not answer within the deadline".into())),
+        };
+        let known = self.config().has_domain(&call.domain);
+        self.metrics.observe(if known { &call.domain } else { "" }, started.elapsed(), &result);
+        result
+    }
+
+    fn counter_key(&self, domain: &str, entries: &[(String, String)], matched: Option<&Matched>) -> String {
+        // Length-prefixed, so no two descriptors share a name.
+        let mut name = Vec::with_capacity(64);
+        let mut push = |s: &str| {
+            name.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            name.extend_from_slice(s.as_bytes());
+        };
+        push("rls");
+        push(domain);
+        for (i, (k, v)) in entries.iter().enumerate() {
+            push(k);
+            let shared = matched.and_then(|m| m.shared.get(i)).and_then(Option::as_deref);
+            push(shared.unwrap_or(v));
+        }
+        let tag = sign(&self.secret, &name);
+        redis_key(tag.get(..16).unwrap_or(&tag))
+    }
+
+    /// The rules a call's descriptors select (envoyproxy/ratelimit's: a `limit` override in a
+    /// known domain, else the configuration's match; then `replaces` drops the limits named).
+    fn resolve(&self, call: &Call) -> Result<Resolved, Refusal> {
+        if call.domain.is_empty() {
+            return Err(Refusal::Invalid("rate limit domain must not be empty".into()));
+        }
+        if call.descriptors.is_empty() {
+            return Err(Refusal::Invalid("rate limit descriptor list must not be empty".into()));
+        }
+        if call.descriptors.len() > MAX_DESCRIPTORS {
+            return Err(Refusal::Invalid(format!("a call carries at most {MAX_DESCRIPTORS} descriptors")));
+        }
+        let config = self.config();
+        let known_domain = config.has_domain(&call.domain);
+        let mut rules = Vec::with_capacity(call.descriptors.len());
+        for (i, d) in call.descriptors.iter().enumerate() {
+            if d.entries.len() > MAX_ENTRIES {
+                return Err(Refusal::Invalid(format!("descriptors[{i}] has more than {MAX_ENTRIES} entries")));
+            }
+            if d.entries.iter().any(|(k, v)| k.len() > MAX_TEXT || v.len() > MAX_TEXT) {
+                return Err(Refusal::Invalid(format!("descriptors[{i}]: a key or value is over {MAX_TEXT} bytes")));
+            }
+            if !known_domain {
+                rules.push(None);
+                continue;
+            }
+            if let Some((rpu, unit)) = d.limit {
+                let unit = Unit::from_proto(unit)
+                    .ok_or_else(|| Refusal::Invalid(format!("descriptors[{i}].limit: unknown unit {unit}")))?;
+                let mut key = call.domain.clone();
+                for (k, v) in &d.entries {
+                    key.push('.');
+                    key.push_str(k);
+                    if !v.is_empty() {
+                        key.push('_');
+                        key.push_str(v);
+                    }
+                }
+                let rule = Rule::overriding(&call.domain, key, rpu, unit)
+                    .map_err(|e| Refusal::Invalid(format!("descriptors[{i}].limit: {e}")))?;
+                rules.push(Some((Arc::new(rule), None)));
+                continue;
+            }
+            let entries: Vec<(&str, &str)> = d.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            rules.push(config.find(&call.domain, &entries).map(|m| (Arc::clone(&m.rule), Some(m))));
+        }
+        let replaced: Vec<&str> =
+            rules.iter().flatten().flat_map(|(r, _)| r.replaces.iter().map(String::as_str)).collect();
+        let mut out = Vec::with_capacity(rules.len());
+        for r in &rules {
+            out.push(match r {
+                Some((rule, _)) if !rule.name.is_empty() && replaced.contains(&rule.name.as_str()) => None,
+                other => other.clone(),
+            });
+        }
+        Ok(out)
+    }
+
+    async fn decide(&self, call: &Call) -> Result<Answer, Refusal> {
+        let rules = self.resolve(call)?;
+        let mut statuses: Vec<Status> =
+            vec![
+                Status { code: Code::Ok, current_limit: None, limit_remaining: 0, duration_until_reset: None };
+                call.descriptors.len()
+            ];
+        let mut checks = Vec::new();
+        let mut decisions: Vec<Option<(Arc<Rule>, Decision)>> = vec![None; call.descriptors.len()];
+        for (i, (d, r)) in call.descriptors.iter().zip(rules).enumerate() {
+            let Some((rule, matched)) = r else { continue };
+            let hits = d.hits_addend.unwrap_or(u64::from(call.hits_addend.max(1)));
+            if rule.unlimited {
+                if let Some(s) = statuses.get_mut(i) {
+                    s.limit_remaining = u32::MAX;
+                }
+                self.metrics.count(&rule, hits, metrics::Outcome::Unlimited);
+                continue;
+            }
+            match rule.limit {
+                Some(_) => {
+                    let rkey = self.counter_key(&call.domain, &d.entries, matched.as_ref());
+                    checks.push(Check { index: i, rule, hits, rkey });
+                }
+                None => {
+                    // `requests_per_unit: 0`: every hit is over the limit.
+                    let per = rule.unit.map_or(1, Unit::nanos);
+                    let now = wall_clock();
+                    let reset_after = per - now % per;
+                    let decision =
+                        Decision { allowed: hits == 0, limit: 0, remaining: 0, reset_after, retry_after: None };
+                    if let Some(slot) = decisions.get_mut(i) {
+                        *slot = Some((rule, decision));
+                    }
+                }
+            }
+        }
+        // Every limited descriptor takes its hits at once.
+        let taken = futures_util::future::join_all(checks.iter().map(|c| self.take(c))).await;
+        let mut failed = None;
+        let mut charged = Vec::new();
+        for (c, t) in checks.iter().zip(taken) {
+            match t {
+                Ok((d, at, from)) => {
+                    if d.allowed && c.hits > 0 {
+                        charged.push((c, at, from));
+                    }
+                    if let Some(slot) = decisions.get_mut(c.index) {
+                        *slot = Some((Arc::clone(&c.rule), d));
+                    }
+                }
+                Err(e) => failed = Some(e),
+            }
+        }
+        let denied = decisions.iter().flatten().any(|(r, d)| !d.allowed && !r.shadow);
+        if failed.is_some() || denied {
+            // Given back: a denied (or failed) call charges no descriptor.
+            let gone =
+                futures_util::future::join_all(charged.iter().map(|(c, at, from)| self.give_back(c, *at, *from))).await;
+            for ((c, _, _), g) in charged.iter().zip(gone) {
+                if g.is_ok() {
+                    if let Some(Some((_, d))) = decisions.get_mut(c.index) {
+                        d.remaining = d.remaining.saturating_add(c.hits).min(d.limit);
+                    }
+                }
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let mut violated = Vec::new();
+        let mut best: Option<(&Rule, Decision)> = None;
+        for (i, slot) in decisions.iter().enumerate() {
+            let Some((rule, d)) = slot else { continue };
+            let hits =
+                call.descriptors.get(i).and_then(|x| x.hits_addend).unwrap_or(u64::from(call.hits_addend.max(1)));
+            let over = !d.allowed;
+            let outcome = match (over, rule.shadow) {
+                (true, true) => metrics::Outcome::Shadow,
+                (true, false) => metrics::Outcome::OverLimit,
+                (false, _) if d.remaining.saturating_mul(5) < d.limit => metrics::Outcome::NearLimit,
+                _ => metrics::Outcome::Ok,
+            };
+            self.metrics.count(rule, hits, outcome);
+            if let Some(s) = statuses.get_mut(i) {
+                s.code = if over && !rule.shadow { Code::OverLimit } else { Code::Ok };
+                s.current_limit = Some(CurrentLimit {
+                    name: rule.name.clone(),
+                    requests_per_unit: rule.requests_per_unit,
+                    unit: rule.unit_proto(),
+                });
+                s.limit_remaining = u32::try_from(d.remaining).unwrap_or(u32::MAX);
+                s.duration_until_reset = Some(d.reset_after);
+            }
+            if rule.shadow {
+                continue;
+            }
+            if over {
+                violated.push((rule.as_ref(), *d));
+            } else if best.is_none_or(|(_, b)| {
+                d.remaining < b.remaining || (d.remaining == b.remaining && d.reset_after > b.reset_after)
+            }) {
+                best = Some((rule.as_ref(), *d));
+            }
+        }
+        let overall_code = if violated.is_empty() { Code::Ok } else { Code::OverLimit };
+        let headers = if violated.is_empty() { fields(None, best.as_slice()) } else { fields(Some(()), &violated) };
+        Ok(Answer { overall_code, statuses, headers })
+    }
+
+    /// Takes a check's hits (exact: at Redis; else from this process's grant, or by an ask
+    /// at Redis). Returns the decision, the counter's clock then and where they were taken.
+    async fn take(&self, c: &Check) -> Result<(Decision, Nanos, lease::Source), Refusal> {
+        let Some(limit) = c.rule.limit else {
+            return Err(Refusal::Invalid("no limit".into()));
+        };
+        let hits = c.hits;
+        if c.rule.exact {
+            let (d, at) = self
+                .update(&c.rkey, limit, move |counter, now| {
+                    let d = counter.take(limit, now, hits);
+                    ((d, now), d.allowed && hits > 0)
+                })
+                .await?;
+            return Ok((d, at, lease::Source::Redis));
+        }
+        let now = wall_clock();
+        if let Some(d) = self.leases.take(&c.rkey, limit, hits, now) {
+            return Ok((d, now, lease::Source::Grant));
+        }
+        let (node, ask) = (self.leases.node, self.leases.next_ask());
+        let (a, at, retry) = self
+            .update(&c.rkey, limit, move |counter, now| {
+                let a = counter.ask(limit, now, node, ask, hits, crate::NODE_TTL);
+                let retry = if a.counted || hits == 0 { None } else { counter.retry_after(now, hits) };
+                ((a, now, retry), a.counted)
+            })
+            .await?;
+        let d = self.leases.asked(&c.rkey, limit, hits, &a, retry, wall_clock());
+        Ok((d, at, lease::Source::Redis))
+    }
+
+    /// Gives back hits taken at `at` where they were taken.
+    async fn give_back(&self, c: &Check, at: Nanos, from: lease::Source) -> Result<(), Refusal> {
+        let Some(limit) = c.rule.limit else { return Ok(()) };
+        if from == lease::Source::Grant && self.leases.give_back(&c.rkey, c.hits) {
+            return Ok(());
+        }
+        let hits = c.hits;
+        self.update(&c.rkey, limit, move |counter, now| {
+            counter.refund(limit, now, at, hits);
+            ((), true)
+        })
+        .await
+    }
+
+    /// One counter's compare-and-swap loop: the value (the one this process last wrote, else
+    /// read), `f` — the core's transition — on it, and a write if `f` says so and the value is
+    /// still the one it ran on, else `f` again on what Redis holds.
+    pub(crate) async fn update<R>(
+        &self,
+        rkey: &str,
+        limit: Limit,
+        f: impl Fn(&mut Counter, Nanos) -> (R, bool),
+    ) -> Result<R, Refusal> {
+        let turn = self.busy.lock().ok().map(|mut b| Arc::clone(b.entry(rkey.to_owned()).or_default()));
+        let _turn = match &turn {
+            Some(t) => Some(t.lock().await),
+            None => None,
+        };
+        let result = self.update_locked(rkey, limit, f).await;
+        if let Ok(mut busy) = self.busy.lock() {
+            if busy.get(rkey).is_some_and(|t| Arc::strong_count(t) <= 2) {
+                busy.remove(rkey);
+            }
+        }
+        result
+    }
+
+    async fn update_locked<R>(
+        &self,
+        rkey: &str,
+        limit: Limit,
+        f: impl Fn(&mut Counter, Nanos) -> (R, bool),
+    ) -> Result<R, Refusal> {
+        let m = &self.store.metrics;
+        let unavailable = || {
+            m.redis_errors.fetch_add(1, Ordering::Relaxed);
+            Refusal::Unavailable("Redis failed".into())
+        };
+        let mut current = self.known.lock().ok().and_then(|k| {
+            k.get(rkey).map(|(v, t, at)| {
+                let since = u64::try_from(at.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                (Some(v.clone()), t.saturating_add(since))
+            })
+        });
+        for attempt in 0..CAS_ATTEMPTS {
+            if attempt > 0 {
+                m.cas_conflicts.fetch_add(1, Ordering::Relaxed);
+            }
+            let (stored, now) = match current.take() {
+                Some(c) => c,
+                None => self.store.kv.read(rkey).await.map_err(|_| unavailable())?,
+            };
+            let mut counter = match &stored {
+                None => Counter::new(limit),
+                Some(bytes) => match Counter::decode(limit, bytes) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Kept as it is: a counter is never reset because it could not be read.
+                        m.unreadable.fetch_add(1, Ordering::Relaxed);
+                        return Err(Refusal::Unavailable(format!("a stored counter is unreadable ({e}); it is kept")));
+                    }
+                },
+            };
+            let (r, write) = f(&mut counter, now);
+            if !write {
+                return Ok(r);
+            }
+            // Kept while anything in it matters (the state, grants, remembered seqs), and a
+            // retry horizon on top, as the sync endpoint keeps its counters.
+            let idle = counter.idle_at().saturating_sub(counter.last_seen).max(SEQ_MEMORY);
+            let ttl_ms = (idle.saturating_add(RETRY_HORIZON) / 1_000_000).max(1);
+            let new = counter.encode();
+            match self.store.kv.cas(rkey, stored.as_deref(), &new, ttl_ms).await {
+                Ok(Cas::Written(at)) => {
+                    if let Ok(mut known) = self.known.lock() {
+                        if known.len() >= KNOWN && !known.contains_key(rkey) {
+                            known.clear();
+                        }
+                        known.insert(rkey.to_owned(), (new, at, std::time::Instant::now()));
+                    }
+                    m.counter_writes.fetch_add(1, Ordering::Relaxed);
+                    return Ok(r);
+                }
+                Ok(Cas::Changed(value, at)) => current = Some((value, at)),
+                Err(_) => {
+                    if let Ok(mut known) = self.known.lock() {
+                        known.remove(rkey);
+                    }
+                    return Err(unavailable());
+                }
+            }
+        }
+        m.cas_exhausted.fetch_add(1, Ordering::Relaxed);
+        Err(Refusal::Unavailable("a counter was too contended".into()))
+    }
+
+    /// The store the service runs on.
+    pub fn store(&self) -> &Store<K> {
+        &self.store
+    }
+
+    /// A short hex digest naming a counter in logs (never the descriptor's values).
+    pub fn digest(&self, rkey: &str) -> String {
+        hex(rkey.as_bytes()).chars().take(12).collect()
+    }
+}
+
+/// The wall clock, ns since the Unix epoch (0 if before it).
+pub fn wall_clock() -> Nanos {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// `RateLimit-Policy` and `RateLimit` (and `Retry-After` when `over`) for `policies`, as the
+/// core renders them for the filter: `"name";q=Q;w=W` and `"name";r=R;t=T`.
+fn fields(over: Option<()>, policies: &[(&Rule, Decision)]) -> Vec<(&'static str, String)> {
+    let mut headers = Vec::with_capacity(3);
+    if policies.is_empty() {
+        return headers;
+    }
+    if over.is_some() {
+        let retry = policies.iter().map(|(r, d)| d.retry_after.map_or(window(r), ceil_secs).max(1)).max().unwrap_or(1);
+        let mut v = String::new();
+        push_decimal(&mut v, retry);
+        headers.push(("Retry-After", v));
+    }
+    let mut policy = String::with_capacity(64 * policies.len());
+    let mut state = String::with_capacity(64 * policies.len());
+    for (i, (rule, d)) in policies.iter().enumerate() {
+        if i > 0 {
+            policy.push_str(", ");
+            state.push_str(", ");
+        }
+        match &rule.limit {
+            Some(limit) => policy.push_str(&policy_item(&rule.policy, d.limit, limit)),
+            None => {
+                policy.push('"');
+                policy.push_str(&rule.policy);
+                policy.push_str("\";q=0;w=");
+                push_decimal(&mut policy, window(rule));
+            }
+        }
+        state.push('"');
+        state.push_str(&rule.policy);
+        state.push_str("\";r=");
+        push_decimal(&mut state, d.remaining);
+        state.push_str(";t=");
+        push_decimal(&mut state, ceil_secs(d.reset_after));
+    }
+    headers.push(("RateLimit-Policy", policy));
+    headers.push(("RateLimit", state));
+    headers
+}
+
+/// A rule's window, whole seconds.
+fn window(rule: &Rule) -> u64 {
+    ceil_secs(rule.unit.map_or(ratewall_core::SECOND, Unit::nanos)).max(1)
+}
+
+/// Reloads `rls`'s configuration every `every` while the process runs, logging a refused
+/// file with its file, line and reason.
+pub async fn watch<K: Kv>(rls: Arc<Rls<K>>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match rls.reload() {
+            Ok(true) => eprintln!("ratewall-store: rate limit configuration reloaded"),
+            Ok(false) => {}
+            Err(e) => eprintln!("ratewall-store: rate limit configuration refused, the last good one stays: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

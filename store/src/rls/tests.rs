@@ -1,0 +1,220 @@
+//! The service's logic on Redis in memory.
+
+use super::config::RlsConfig;
+use super::*;
+use crate::{Cas, Kv, Store};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::Mutex;
+
+#[derive(Default)]
+struct FakeKv {
+    values: Mutex<HashMap<String, Vec<u8>>>,
+    now: AtomicU64,
+    down: AtomicBool,
+    ops: AtomicUsize,
+}
+
+impl Kv for FakeKv {
+    async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
+        self.ops.fetch_add(1, Ordering::Relaxed);
+        if self.down.load(Ordering::Relaxed) {
+            return Err("down".into());
+        }
+        Ok((self.values.lock().unwrap().get(key).cloned(), self.now.load(Ordering::Relaxed)))
+    }
+    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], _ttl_ms: u64) -> Result<Cas, String> {
+        self.ops.fetch_add(1, Ordering::Relaxed);
+        if self.down.load(Ordering::Relaxed) {
+            return Err("down".into());
+        }
+        let now = self.now.load(Ordering::Relaxed);
+        let mut values = self.values.lock().unwrap();
+        if values.get(key).map(Vec::as_slice) != old {
+            return Ok(Cas::Changed(values.get(key).cloned(), now));
+        }
+        values.insert(key.to_owned(), new.to_vec());
+        Ok(Cas::Written(now))
+    }
+    async fn heard(&self, _node: u64, _seq: u64, _batch: bool, _sent: Nanos) -> Result<u32, crate::Unheard> {
+        Ok(1)
+    }
+    async fn ping(&self) -> bool {
+        true
+    }
+}
+
+const CONFIG: &str = "domain: d
+descriptors:
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 3, exact: true}
+  - key: ip
+    rate_limit: {unit: hour, requests_per_unit: 10, name: per-ip, exact: true}
+  - key: shadow
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1, exact: true}
+  - key: banned
+    rate_limit: {unit: hour, requests_per_unit: 0}
+  - key: free
+    rate_limit: {unlimited: true}
+";
+
+fn rls() -> Rls<FakeKv> {
+    let kv = FakeKv::default();
+    kv.now.store(1_000 * 3600 * ratewall_core::SECOND, Ordering::Relaxed);
+    let store = Arc::new(Store::new(kv, b"unit-test-secret-0123", Duration::from_secs(1)));
+    Rls::new(store, RlsConfig::parse("t.yaml", CONFIG).unwrap(), None, b"unit-test-secret-0123")
+}
+
+fn call(descriptors: &[&[(&str, &str)]]) -> Call {
+    Call {
+        domain: "d".into(),
+        descriptors: descriptors
+            .iter()
+            .map(|e| Descriptor {
+                entries: e.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+                ..Default::default()
+            })
+            .collect(),
+        hits_addend: 0,
+    }
+}
+
+fn remaining(a: &Answer) -> Vec<u32> {
+    a.statuses.iter().map(|s| s.limit_remaining).collect()
+}
+
+#[tokio::test]
+async fn a_limit_counts_each_hit_and_denies_past_it() {
+    let r = rls();
+    let c = call(&[&[("user", "alice")]]);
+    for left in [2, 1, 0] {
+        let a = r.should_rate_limit(&c).await.unwrap();
+        assert_eq!(a.overall_code, Code::Ok);
+        assert_eq!(remaining(&a), [left]);
+    }
+    let a = r.should_rate_limit(&c).await.unwrap();
+    assert_eq!(a.overall_code, Code::OverLimit);
+    assert_eq!(a.statuses[0].code, Code::OverLimit);
+    assert!(a.headers.iter().any(|(k, _)| *k == "Retry-After"), "{:?}", a.headers);
+    // Another value of the key has a counter of its own.
+    assert_eq!(r.should_rate_limit(&call(&[&[("user", "bob")]])).await.unwrap().overall_code, Code::Ok);
+}
+
+#[tokio::test]
+async fn a_denied_call_charges_no_descriptor() {
+    let r = rls();
+    let both = call(&[&[("ip", "1.2.3.4")], &[("user", "alice")]]);
+    for _ in 0..3 {
+        assert_eq!(r.should_rate_limit(&both).await.unwrap().overall_code, Code::Ok);
+    }
+    for _ in 0..5 {
+        let a = r.should_rate_limit(&both).await.unwrap();
+        assert_eq!(a.overall_code, Code::OverLimit);
+        assert_eq!(a.statuses[0].code, Code::Ok);
+        assert_eq!(a.statuses[0].limit_remaining, 7, "the ip descriptor was given its hit back");
+    }
+    let a = r.should_rate_limit(&call(&[&[("ip", "1.2.3.4")]])).await.unwrap();
+    assert_eq!(remaining(&a), [6]);
+}
+
+#[tokio::test]
+async fn hits_addend_per_call_and_per_descriptor() {
+    let r = rls();
+    let mut c = call(&[&[("ip", "a")]]);
+    c.hits_addend = 4;
+    assert_eq!(remaining(&r.should_rate_limit(&c).await.unwrap()), [6]);
+    c.descriptors[0].hits_addend = Some(0);
+    assert_eq!(remaining(&r.should_rate_limit(&c).await.unwrap()), [6], "0 checks without taking");
+    c.descriptors[0].hits_addend = Some(7);
+    assert_eq!(r.should_rate_limit(&c).await.unwrap().overall_code, Code::OverLimit);
+    c.descriptors[0].hits_addend = Some(6);
+    assert_eq!(remaining(&r.should_rate_limit(&c).await.unwrap()), [0]);
+}
+
+#[tokio::test]
+async fn shadow_mode_reports_ok() {
+    let r = rls();
+    let c = call(&[&[("shadow", "x")]]);
+    r.should_rate_limit(&c).await.unwrap();
+    let a = r.should_rate_limit(&c).await.unwrap();
+    assert_eq!(a.overall_code, Code::Ok);
+    assert_eq!(a.statuses[0].code, Code::Ok);
+    assert!(r.metrics.render().contains("ratewall_rls_shadow_mode_total{domain=\"d\",rule=\"d.shadow\"} 1"));
+}
+
+#[tokio::test]
+async fn zero_requests_deny_and_unlimited_allows() {
+    let r = rls();
+    let a = r.should_rate_limit(&call(&[&[("banned", "x")], &[("free", "y")], &[("nothing", "z")]])).await.unwrap();
+    assert_eq!(a.overall_code, Code::OverLimit);
+    assert_eq!(a.statuses[0].code, Code::OverLimit);
+    assert_eq!(a.statuses[1].limit_remaining, u32::MAX);
+    assert!(a.statuses[1].current_limit.is_none());
+    assert_eq!(
+        a.statuses[2],
+        Status { code: Code::Ok, current_limit: None, limit_remaining: 0, duration_until_reset: None }
+    );
+    assert_eq!(r.store.kv.ops.load(Ordering::Relaxed), 0, "none of them needs Redis");
+}
+
+#[tokio::test]
+async fn an_override_replaces_the_configured_limit() {
+    let r = rls();
+    let mut c = call(&[&[("user", "carol")]]);
+    c.descriptors[0].limit = Some((1, Unit::Minute.proto()));
+    let a = r.should_rate_limit(&c).await.unwrap();
+    let l = a.statuses[0].current_limit.clone().unwrap();
+    assert_eq!((l.requests_per_unit, l.unit), (1, Unit::Minute.proto()));
+    assert_eq!(r.should_rate_limit(&c).await.unwrap().overall_code, Code::OverLimit);
+    c.descriptors[0].limit = Some((1, 0));
+    assert!(matches!(r.should_rate_limit(&c).await, Err(Refusal::Invalid(_))));
+}
+
+#[tokio::test]
+async fn headers_are_the_filters_fields() {
+    let r = rls();
+    let a = r.should_rate_limit(&call(&[&[("ip", "a")], &[("user", "b")]])).await.unwrap();
+    // The most restrictive policy: the user's (2 of 3 left).
+    assert_eq!(
+        a.headers,
+        vec![
+            ("RateLimit-Policy", "\"d.user\";q=3;w=3600".to_owned()),
+            ("RateLimit", "\"d.user\";r=2;t=3600".to_owned()),
+        ]
+    );
+    let mut c = call(&[&[("ip", "a")]]);
+    c.hits_addend = 20;
+    let a = r.should_rate_limit(&c).await.unwrap();
+    assert_eq!(a.headers[0], ("Retry-After", "3600".to_owned()));
+    assert_eq!(a.headers[1], ("RateLimit-Policy", "\"per-ip\";q=10;w=3600".to_owned()));
+}
+
+#[tokio::test]
+async fn redis_down_is_unavailable_and_nothing_is_lost() {
+    let r = rls();
+    let c = call(&[&[("user", "dave")]]);
+    r.should_rate_limit(&c).await.unwrap();
+    r.store.kv.down.store(true, Ordering::Relaxed);
+    assert!(matches!(r.should_rate_limit(&c).await, Err(Refusal::Unavailable(_))));
+    r.store.kv.down.store(false, Ordering::Relaxed);
+    assert_eq!(remaining(&r.should_rate_limit(&c).await.unwrap()), [1]);
+}
+
+#[tokio::test]
+async fn malformed_calls_are_invalid() {
+    let r = rls();
+    let mut c = call(&[&[("user", "a")]]);
+    c.domain.clear();
+    assert!(matches!(r.should_rate_limit(&c).await, Err(Refusal::Invalid(_))));
+    assert!(matches!(r.should_rate_limit(&call(&[])).await, Err(Refusal::Invalid(_))));
+}
+
+#[tokio::test]
+async fn counter_names_hide_descriptor_values() {
+    let r = rls();
+    r.should_rate_limit(&call(&[&[("user", "secret-api-key-123")]])).await.unwrap();
+    for k in r.store.kv.values.lock().unwrap().keys() {
+        assert!(!k.contains("secret") && !k.contains(&hex(b"secret")), "{k}");
+    }
+}

@@ -1,0 +1,570 @@
+//! ratewall-store's rate limit service as Envoy drives it: the built binary with `--rls` on
+//! loopback, over a real Redis the tests start and stop by PID, called by a tonic client of
+//! `envoy.service.ratelimit.v3.RateLimitService` (and `POST /json`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{Entry, RateLimitOverride};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use ratewall_tests::http;
+use ratewall_tests::redis::Redis;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+const SECRET: &str = "rls-test-secret-0123456789";
+const DEADLINE_MS: u64 = 200;
+
+/// A running `ratewall-store --rls`, killed when dropped.
+struct RlsProcess {
+    child: Child,
+    /// The HTTP listener.
+    http: String,
+    /// The gRPC listener.
+    grpc: String,
+    stderr: PathBuf,
+    _stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl RlsProcess {
+    fn start(redis: &str, config: &Path) -> RlsProcess {
+        let stderr = config.with_extension(format!("stderr-{}", std::process::id()));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall-store"));
+        cmd.env("RATEWALL_SYNC_SECRET", SECRET)
+            .args(["--listen", "127.0.0.1:0", "--rls", "127.0.0.1:0", "--deadline-ms", &DEADLINE_MS.to_string()])
+            .args(["--redis", redis])
+            .arg("--rls-config")
+            .arg(config)
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        let mut child = cmd.spawn().unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let (mut http, mut grpc) = (None, None);
+        while grpc.is_none() {
+            let mut line = String::new();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "ratewall-store ended: {}",
+                std::fs::read_to_string(&stderr).unwrap()
+            );
+            assert!(!line.contains(SECRET));
+            if let Some(rest) = line.split("http://").nth(1) {
+                http = rest.split_whitespace().next().map(str::to_owned);
+            }
+            if let Some(rest) = line.split("rate limit service on ").nth(1) {
+                grpc = rest.split_whitespace().next().map(str::to_owned);
+            }
+        }
+        RlsProcess { child, http: http.unwrap(), grpc: grpc.unwrap(), stderr, _stdout: out }
+    }
+
+    async fn client(&self) -> RateLimitServiceClient<Channel> {
+        RateLimitServiceClient::connect(format!("http://{}", self.grpc)).await.unwrap()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn metrics(&self) -> String {
+        http::request(&self.http, "GET", "/metrics", &[], &[]).unwrap().text()
+    }
+}
+
+impl Drop for RlsProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.stderr);
+    }
+}
+
+/// A fresh directory for a test's configuration files.
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ratewall-rls-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries.iter().map(|(k, v)| Entry { key: (*k).into(), value: (*v).into() }).collect(),
+        ..Default::default()
+    }
+}
+
+fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest { domain: domain.into(), descriptors, hits_addend: 0 }
+}
+
+async fn ask(c: &mut RateLimitServiceClient<Channel>, r: RateLimitRequest) -> RateLimitResponse {
+    c.should_rate_limit(r).await.unwrap().into_inner()
+}
+
+/// The limit a status reports: (requests per unit, unit), or None.
+fn limit_of(r: &RateLimitResponse, i: usize) -> Option<(u32, i32)> {
+    r.statuses[i].current_limit.as_ref().map(|l| (l.requests_per_unit, l.unit))
+}
+
+fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
+    r.response_headers_to_add.iter().find(|h| h.key.eq_ignore_ascii_case(name)).map(|h| h.value.as_str())
+}
+
+const SECOND: i32 = 1;
+const MINUTE: i32 = 2;
+const DAY: i32 = 4;
+const OK: i32 = Code::Ok as i32;
+const OVER: i32 = Code::OverLimit as i32;
+
+/// The configuration section of envoyproxy/ratelimit's README, one example per file.
+const README_EXAMPLES: [(&str, &str); 8] = [
+    (
+        "example1.yaml",
+        "domain: mongo_cps
+descriptors:
+  - key: database
+    value: users
+    rate_limit:
+      unit: second
+      requests_per_unit: 500
+
+  - key: database
+    value: default
+    rate_limit:
+      unit: second
+      requests_per_unit: 500
+",
+    ),
+    (
+        "example2.yaml",
+        "domain: messaging
+descriptors:
+  # Only allow 5 marketing messages a day
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        rate_limit:
+          unit: day
+          requests_per_unit: 5
+
+  # Only allow 100 messages a day to any unique phone number
+  - key: to_number
+    rate_limit:
+      unit: day
+      requests_per_unit: 100
+",
+    ),
+    (
+        "example3.yaml",
+        "domain: edge_proxy_per_ip
+descriptors:
+  - key: remote_address
+    rate_limit:
+      unit: second
+      requests_per_unit: 10
+
+  # Black list IP
+  - key: remote_address
+    value: 50.0.0.5
+    rate_limit:
+      unit: second
+      requests_per_unit: 0
+",
+    ),
+    (
+        "example4.yaml",
+        "domain: example4
+descriptors:
+  - key: key
+    value: value
+    rate_limit:
+      requests_per_unit: 300
+      unit: second
+  - key: nested
+    value: value
+    descriptors:
+      - key: subkey
+        rate_limit:
+          requests_per_unit: 300
+          unit: second
+",
+    ),
+    (
+        "example5.yaml",
+        "domain: internal
+descriptors:
+  - key: ldap
+    rate_limit:
+      unlimited: true
+
+  - key: azure
+    rate_limit:
+      unit: minute
+      requests_per_unit: 100
+
+  # Neither a limit nor descriptors: whitelisted.
+  - key: health
+",
+    ),
+    (
+        "example6.yaml",
+        "domain: example6
+descriptors:
+  - key: service
+    descriptors:
+      - key: user
+        value: user-a
+        rate_limit:
+          requests_per_unit: 10
+          unit: second
+        shadow_mode: true
+      - key: user
+        value: user-b
+        rate_limit:
+          requests_per_unit: 20
+          unit: second
+",
+    ),
+    (
+        "example7.yaml",
+        "domain: example7
+descriptors:
+  - key: key_1
+    value: value_1
+    descriptors:
+      - key: user
+        value: bkthomps
+        rate_limit:
+          name: specific_limit
+          requests_per_unit: 5
+          unit: second
+  - key: key_2
+    value: value_2
+    descriptors:
+      - key: user
+        value: bkthomps
+        rate_limit:
+          replaces:
+            - name: specific_limit
+          requests_per_unit: 10
+          unit: second
+",
+    ),
+    (
+        "example9.yml",
+        "domain: example9
+descriptors:
+  - key: key1
+    value: value*
+    rate_limit:
+      unit: minute
+      requests_per_unit: 20
+  - key: path
+    value: /api/*/action
+    rate_limit:
+      unit: minute
+      requests_per_unit: 21
+  - key: route
+    value: /api/*/resource/*/action
+    rate_limit:
+      unit: minute
+      requests_per_unit: 22
+",
+    ),
+];
+
+fn readme_examples() -> PathBuf {
+    let d = dir("readme");
+    for (name, text) in README_EXAMPLES {
+        std::fs::write(d.join(name), text).unwrap();
+    }
+    d
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_readme_example_answers_as_the_readme_says() {
+    let redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start(&redis.url(), &readme_examples());
+    let mut c = store.client().await;
+
+    // Example 1: two values of one key, 500 per second each.
+    for value in ["users", "default"] {
+        let r = ask(&mut c, request("mongo_cps", vec![descriptor(&[("database", value)])])).await;
+        assert_eq!((r.overall_code, limit_of(&r, 0)), (OK, Some((500, SECOND))), "{value}");
+        assert_eq!(r.statuses[0].limit_remaining, 499);
+    }
+    let r = ask(&mut c, request("mongo_cps", vec![descriptor(&[("database", "other")])])).await;
+    assert_eq!((r.overall_code, limit_of(&r, 0)), (OK, None));
+
+    // Example 2: nested descriptors, and several descriptors in one call.
+    let marketing = || descriptor(&[("message_type", "marketing"), ("to_number", "2061111111")]);
+    let number = || descriptor(&[("to_number", "2061111111")]);
+    let r = ask(&mut c, request("messaging", vec![marketing(), number()])).await;
+    assert_eq!((limit_of(&r, 0), limit_of(&r, 1)), (Some((5, DAY)), Some((100, DAY))));
+    let other = ask(
+        &mut c,
+        request("messaging", vec![descriptor(&[("message_type", "marketing"), ("to_number", "2062222222")])]),
+    )
+    .await;
+    assert_eq!(other.statuses[0].limit_remaining, 4, "each number has its own 5 a day");
+    for _ in 0..4 {
+        assert_eq!(ask(&mut c, request("messaging", vec![marketing(), number()])).await.overall_code, OK);
+    }
+    let r = ask(&mut c, request("messaging", vec![marketing(), number()])).await;
+    assert_eq!(r.overall_code, OVER, "the sixth marketing message of the day");
+    assert_eq!((r.statuses[0].code, r.statuses[1].code), (OVER, OK));
+    assert_eq!(r.statuses[1].limit_remaining, 95, "a denied call charges no descriptor");
+
+    // Example 3: the most specific match; 0 requests per unit blocks.
+    let r = ask(&mut c, request("edge_proxy_per_ip", vec![descriptor(&[("remote_address", "50.0.0.1")])])).await;
+    assert_eq!((r.overall_code, limit_of(&r, 0)), (OK, Some((10, SECOND))));
+    let r = ask(&mut c, request("edge_proxy_per_ip", vec![descriptor(&[("remote_address", "50.0.0.5")])])).await;
+    assert_eq!((r.overall_code, limit_of(&r, 0)), (OVER, Some((0, SECOND))));
+
+    // Example 4: a request matches only at its own depth.
+    let r = ask(&mut c, request("example4", vec![descriptor(&[("key", "value"), ("subkey", "subvalue")])])).await;
+    assert_eq!((r.overall_code, limit_of(&r, 0)), (OK, None));
+    let r = ask(&mut c, request("example4", vec![descriptor(&[("nested", "value"), ("subkey", "subvalue")])])).await;
+    assert_eq!(limit_of(&r, 0), Some((300, SECOND)));
+
+    // Example 5: unlimited answers OK with the most remaining; a bare descriptor is whitelisted.
+    let r = ask(
+        &mut c,
+        request(
+            "internal",
+            vec![descriptor(&[("ldap", "x")]), descriptor(&[("azure", "y")]), descriptor(&[("health", "z")])],
+        ),
+    )
+    .await;
+    assert_eq!(r.overall_code, OK);
+    assert_eq!((r.statuses[0].code, r.statuses[0].limit_remaining, limit_of(&r, 0)), (OK, u32::MAX, None));
+    assert_eq!(limit_of(&r, 1), Some((100, MINUTE)));
+    assert_eq!((r.statuses[2].code, limit_of(&r, 2)), (OK, None));
+
+    // Example 6: shadow mode never limits; its neighbour does.
+    let mut shadow = request("example6", vec![descriptor(&[("service", "auth-service"), ("user", "user-a")])]);
+    shadow.hits_addend = 11;
+    let r = ask(&mut c, shadow).await;
+    assert_eq!((r.overall_code, r.statuses[0].code), (OK, OK), "over its 10 a second, in shadow mode");
+    let mut enforced = request("example6", vec![descriptor(&[("service", "auth-service"), ("user", "user-b")])]);
+    enforced.hits_addend = 21;
+    assert_eq!(ask(&mut c, enforced).await.overall_code, OVER);
+    assert!(store
+        .metrics()
+        .contains("ratewall_rls_shadow_mode_total{domain=\"example6\",rule=\"example6.service.user_user-a\"} 11"));
+
+    // Example 7: replaces.
+    let one = || descriptor(&[("key_1", "value_1"), ("user", "bkthomps")]);
+    let two = || descriptor(&[("key_2", "value_2"), ("user", "bkthomps")]);
+    assert_eq!(limit_of(&ask(&mut c, request("example7", vec![one()])).await, 0), Some((5, SECOND)));
+    assert_eq!(limit_of(&ask(&mut c, request("example7", vec![two()])).await, 0), Some((10, SECOND)));
+    let r = ask(&mut c, request("example7", vec![one(), two()])).await;
+    assert_eq!((limit_of(&r, 0), limit_of(&r, 1)), (None, Some((10, SECOND))), "specific_limit was replaced");
+
+    // Example 9: wildcards, trailing, in the middle and several.
+    for (key, value, want) in [
+        ("key1", "value1", Some((20, MINUTE))),
+        ("key1", "valueXYZ", Some((20, MINUTE))),
+        ("path", "/api/123/action", Some((21, MINUTE))),
+        ("path", "/api/123/other", None),
+        ("route", "/api/v1/resource/123/action", Some((22, MINUTE))),
+    ] {
+        let r = ask(&mut c, request("example9", vec![descriptor(&[(key, value)])])).await;
+        assert_eq!(limit_of(&r, 0), want, "{key}={value}");
+    }
+
+    // A domain nobody configured limits nothing.
+    let r = ask(&mut c, request("nobody", vec![descriptor(&[("database", "users")])])).await;
+    assert_eq!((r.overall_code, limit_of(&r, 0)), (OK, None));
+}
+
+const LIMITS: &str = "domain: api
+descriptors:
+  - key: user
+    rate_limit:
+      unit: day
+      requests_per_unit: 5
+  - key: exact_user
+    exact: true
+    rate_limit:
+      unit: day
+      requests_per_unit: 5
+      name: exact-user
+  - key: sliding
+    rate_limit:
+      unit: minute
+      requests_per_unit: 4
+      algorithm: sliding_window
+";
+
+fn limits(name: &str) -> PathBuf {
+    let p = dir(name).join("limits.yaml");
+    std::fs::write(&p, LIMITS).unwrap();
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_addend_counts_per_call_and_per_descriptor() {
+    let redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start(&redis.url(), &limits("hits"));
+    let mut c = store.client().await;
+    for key in ["user", "exact_user"] {
+        let mut r = request("api", vec![descriptor(&[(key, "h")])]);
+        r.hits_addend = 3;
+        assert_eq!(ask(&mut c, r.clone()).await.statuses[0].limit_remaining, 2, "{key}");
+        // Its own hits_addend wins over the call's; 0 looks without taking.
+        r.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+        let a = ask(&mut c, r.clone()).await;
+        assert_eq!((a.overall_code, a.statuses[0].limit_remaining), (OK, 2), "{key}");
+        r.descriptors[0].hits_addend = Some(UInt64Value { value: 3 });
+        assert_eq!(ask(&mut c, r.clone()).await.overall_code, OVER, "{key}");
+        r.descriptors[0].hits_addend = Some(UInt64Value { value: 2 });
+        let a = ask(&mut c, r).await;
+        assert_eq!((a.overall_code, a.statuses[0].limit_remaining), (OK, 0), "{key}: the denied 3 took nothing");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_override_replaces_the_configured_limit() {
+    let redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start(&redis.url(), &limits("override"));
+    let mut c = store.client().await;
+    let mut d = descriptor(&[("user", "o")]);
+    d.limit = Some(RateLimitOverride { requests_per_unit: 2, unit: MINUTE });
+    let r = ask(&mut c, request("api", vec![d.clone()])).await;
+    assert_eq!((limit_of(&r, 0), r.statuses[0].limit_remaining), (Some((2, MINUTE)), 1));
+    assert_eq!(ask(&mut c, request("api", vec![d.clone()])).await.overall_code, OK);
+    assert_eq!(ask(&mut c, request("api", vec![d.clone()])).await.overall_code, OVER);
+    // Overrides also limit descriptors the configuration does not match, in a known domain.
+    let mut unmatched = descriptor(&[("tenant", "t")]);
+    unmatched.limit = Some(RateLimitOverride { requests_per_unit: 1, unit: DAY });
+    assert_eq!(limit_of(&ask(&mut c, request("api", vec![unmatched])).await, 0), Some((1, DAY)));
+    // An override without a unit is refused, not guessed.
+    d.limit = Some(RateLimitOverride { requests_per_unit: 2, unit: 0 });
+    let e = c.should_rate_limit(request("api", vec![d])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_carry_ratelimit_policy_and_retry_after() {
+    let redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start(&redis.url(), &limits("headers"));
+    let mut c = store.client().await;
+    let r = ask(&mut c, request("api", vec![descriptor(&[("exact_user", "hd")])])).await;
+    assert_eq!(header(&r, "RateLimit-Policy"), Some("\"exact-user\";q=5;w=86400"));
+    let state = header(&r, "RateLimit").unwrap();
+    assert!(state.starts_with("\"exact-user\";r=4;t="), "{state}");
+    assert!(header(&r, "Retry-After").is_none());
+    let mut big = request("api", vec![descriptor(&[("exact_user", "hd")]), descriptor(&[("sliding", "hd")])]);
+    big.hits_addend = 5;
+    let r = ask(&mut c, big).await;
+    assert_eq!(r.overall_code, OVER);
+    let retry: u64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    assert!((1..=86_400).contains(&retry), "{retry}");
+    let policy = header(&r, "RateLimit-Policy").unwrap();
+    assert!(policy.contains("\"exact-user\";q=5;w=86400") && policy.contains("\"api.sliding\";q=4;w=60"), "{policy}");
+    let duration = r.statuses[0].duration_until_reset.unwrap();
+    assert!(duration.seconds > 0 && duration.seconds <= 86_400, "{duration:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_file_is_reloaded_and_a_broken_one_refused() {
+    let redis = Redis::start(false).unwrap();
+    let path = limits("reload");
+    let store = RlsProcess::start(&redis.url(), &path);
+    let mut c = store.client().await;
+    let probe = || request("api", vec![descriptor(&[("user", "r")])]);
+    assert_eq!(limit_of(&ask(&mut c, probe()).await, 0), Some((5, DAY)));
+    std::fs::write(
+        &path,
+        LIMITS.replace("requests_per_unit: 5\n  - key: exact_user", "requests_per_unit: 7\n  - key: exact_user"),
+    )
+    .unwrap();
+    let start = Instant::now();
+    while limit_of(&ask(&mut c, probe()).await, 0) != Some((7, DAY)) {
+        assert!(start.elapsed() < Duration::from_secs(10), "the changed file was not reloaded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    std::fs::write(&path, "domain: api\ndescriptors:\n  - key: user\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n").unwrap();
+    let start = Instant::now();
+    while !store.metrics().contains("ratewall_rls_config_errors_total 1") {
+        assert!(start.elapsed() < Duration::from_secs(10), "the broken file was not read");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(limit_of(&ask(&mut c, probe()).await, 0), Some((7, DAY)), "the last good configuration stays");
+    let log = store.log();
+    assert!(
+        log.contains(&format!("{}:4:", path.display())) && log.contains("invalid rate limit unit 'fortnight'"),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_is_unavailable_within_the_deadline_and_answers_resume() {
+    let mut redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start(&redis.url(), &limits("down"));
+    let mut c = store.client().await;
+    assert_eq!(ask(&mut c, request("api", vec![descriptor(&[("exact_user", "x")])])).await.overall_code, OK);
+    redis.stop();
+    for key in ["exact_user", "user"] {
+        let started = Instant::now();
+        let e = c.should_rate_limit(request("api", vec![descriptor(&[(key, "never-seen")])])).await.unwrap_err();
+        let took = started.elapsed();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{key}: {e}");
+        assert!(took < Duration::from_millis(DEADLINE_MS + 300), "{key}: {took:?}");
+    }
+    redis.restart().unwrap();
+    let start = Instant::now();
+    loop {
+        match c.should_rate_limit(request("api", vec![descriptor(&[("exact_user", "y")])])).await {
+            Ok(r) if r.get_ref().overall_code == OK => break,
+            other => assert!(start.elapsed() < Duration::from_secs(15), "answers did not resume: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn post_json_is_the_grpc_answer_in_proto3_json() {
+    let redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start(&redis.url(), &limits("json"));
+    let body = br#"{"domain":"api","descriptors":[{"entries":[{"key":"exact_user","value":"j"}]}],"hitsAddend":4}"#;
+    let r = http::request(&store.http, "POST", "/json", &[("content-type", "application/json")], body).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["overallCode"], "OK");
+    assert_eq!(v["statuses"][0]["currentLimit"]["requestsPerUnit"], 5);
+    assert_eq!(v["statuses"][0]["currentLimit"]["unit"], "DAY");
+    assert_eq!(v["statuses"][0]["limitRemaining"], 1);
+    assert!(v["statuses"][0]["durationUntilReset"].as_str().unwrap().ends_with('s'));
+    let r = http::request(&store.http, "POST", "/json", &[], body).unwrap();
+    assert_eq!(r.status, 429);
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["overallCode"], "OVER_LIMIT");
+    assert!(v["responseHeadersToAdd"].as_array().unwrap().iter().any(|h| h["key"] == "Retry-After"));
+    let r = http::request(&store.http, "POST", "/json", &[], b"{\"domain\":\"api\",\"bogus\":1}").unwrap();
+    assert_eq!(r.status, 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_file_at_start_stops_the_store_with_its_line() {
+    let p = dir("broken").join("bad.yaml");
+    std::fs::write(&p, "domain: d\ndescriptors:\n  - key: a\n    ratelimit:\n      unit: second\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
+        .env("RATEWALL_SYNC_SECRET", SECRET)
+        .args(["--listen", "127.0.0.1:0", "--redis", "redis://127.0.0.1:1", "--rls", "127.0.0.1:0", "--rls-config"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("{}:4:", p.display())) && err.contains("unknown field `ratelimit`"), "{err}");
+}
