@@ -167,13 +167,33 @@ pub struct Engine {
     /// The request headers read, in the order [`Engine::on_request`] expects them: `:method`,
     /// `:path`, `x-forwarded-for` (empty when untrusted), then the identity headers.
     header_names: HeaderNames,
+    /// Per rule, whether it is exact: only those wait for the store (asks); the others decide
+    /// at once, on their grant and overdraft.
+    exact: Vec<bool>,
 }
 
-/// `limit` shared by `nodes`: the local limit while the global store is unreachable.
-fn share(limit: Limit, nodes: u32) -> Limit {
-    let n = u64::from(nodes.max(1));
-    let burst = (limit.algorithm() == ratewall_core::Algorithm::TokenBucket).then(|| (limit.capacity() / n).max(1));
-    Limit::new(limit.algorithm(), (limit.requests() / n).max(1), limit.per(), burst).unwrap_or(limit)
+/// Degraded mode admits a node's measured share of a counter's traffic times
+/// `1 + 1 / DEGRADED_MARGIN` of its limit.
+const DEGRADED_MARGIN: u64 = 20;
+
+/// The local limit while the global store is unreachable: `limit` scaled by this node's share
+/// of the counter's traffic before the outage (`share` 65,535ths; rounded, at least 1), or,
+/// with no share known (0), shared evenly by `nodes`.
+fn share(limit: Limit, share: u16, nodes: u32) -> Limit {
+    let part = |units: u64| {
+        if share == 0 {
+            (units / u64::from(nodes.max(1))).max(1)
+        } else {
+            // With a margin of 1/20th: a node's measured share is an estimate, and a node held
+            // below its traffic leaves the others short too (the fleet then never reaches the
+            // limit, and every denial is one the limit allowed).
+            let scaled =
+                u128::from(units) * u128::from(share) * u128::from(DEGRADED_MARGIN + 1) / u128::from(DEGRADED_MARGIN);
+            u64::try_from((scaled + u128::from(u16::MAX / 2)) / u128::from(u16::MAX)).unwrap_or(u64::MAX).max(1)
+        }
+    };
+    let burst = (limit.algorithm() == ratewall_core::Algorithm::TokenBucket).then(|| part(limit.capacity()));
+    Limit::new(limit.algorithm(), part(limit.requests()), limit.per(), burst).unwrap_or(limit)
 }
 
 /// Whether a rule counts requests in flight.
@@ -242,6 +262,7 @@ impl Engine {
         )
         .reporting_repeats_of(XFF);
         let top = crate::top::Top::new(host, &config, metric_name);
+        let exact = config.rules.iter().map(|r| r.exact).collect();
         let engine = Engine {
             config,
             table,
@@ -253,6 +274,7 @@ impl Engine {
             shared: Cell::new(None),
             fallback_logged: Cell::new(None),
             header_names,
+            exact,
         };
         if proven {
             engine.shared.set(Some(true));
@@ -619,12 +641,14 @@ impl Engine {
                 unavailable = self.config.rules.iter().map(|r| r.on_store_failure == FailurePolicy::Closed).collect();
                 let nodes = s.nodes();
                 for c in checks.iter_mut().filter(|c| c.limit.algorithm() != ratewall_core::Algorithm::Concurrent) {
-                    c.limit = share(c.limit, nodes);
+                    let known = self.table.grant(host, &c.key).map_or(0, |g| g.share);
+                    c.limit = share(c.limit, known, nodes);
                 }
                 (Grants::Off, s.store_now(now))
             }
         };
         let mut counters = TableCounters::new(&self.table, host, grants, &unavailable);
+        counters.exact = &self.exact;
         let mut outcome = evaluate(&self.config, &checks, &mut counters, now);
         if self.refuse_wait(host, &checks, &mut outcome, &mut counters, now) {
             if let Some(id) = self.node.waits_refused {

@@ -78,6 +78,48 @@ const GIVE_UP_AFTER: Nanos = if MAX_REQUEST_SKEW < RETRY_HORIZON { MAX_REQUEST_S
 const REFUSED_FOR_TIME: u32 = 422;
 const MS: Nanos = 1_000_000;
 
+/// The overdraft's part of the quota, per node: a node may admit up to `quota /
+/// OVERDRAFT_PART / nodes` units (at least 1) past its spent grant per answer.
+pub const OVERDRAFT_PART: u64 = 100;
+
+/// The overdraft a batch's answer allows a node on a counter of `quota` units per window
+/// shared by `nodes`, that showed `remaining` units left and granted it `grant`: what it may
+/// admit past the grant before the next answer, without waiting for the store — at most
+/// what the store had beyond the grant, and at most [`OVERDRAFT_PART`]th of the quota per
+/// node (but 1). The units admitted on it reach the store with the next batch, which counts
+/// them: what the store grants next is smaller by them (the debt is repaid). While a node is
+/// `overdrawn` — it spent overdraft units and no answer has found room for it since (a grant
+/// of 0: the other nodes' grants hold all that remains) — its debt is not repaid and it gets
+/// no new overdraft. So each node has at most one overdraft unrepaid at a time, and a fleet
+/// of `n` nodes over-admits by at most `n × max(1, quota / 100 / n)` units through them
+/// (docs/sync-protocol.md, "The error bound").
+pub fn overdraft(quota: u64, nodes: u32, remaining: u64, grant: u64, overdrawn: bool) -> u32 {
+    if grant == 0 && overdrawn {
+        return 0;
+    }
+    let cap = (quota / OVERDRAFT_PART / u64::from(nodes.max(1))).max(1);
+    u32::try_from(remaining.saturating_sub(grant).min(cap)).unwrap_or(u32::MAX)
+}
+
+/// This node's share of a counter's traffic, in 65,535ths, from the answer to a batch: what
+/// the node's own state has used of the limit, over what the store's has (`remaining` left),
+/// averaged with the share known before (`old`, 0: none) at a quarter's weight. Measured only
+/// once the store has counted 5 % of the quota (before that one request more or less moves
+/// the ratio by a lot); until then the old share stays.
+fn traffic_share(limit: Limit, local: &ratewall_core::State, now: Nanos, remaining: u64, old: u16) -> u16 {
+    let quota = limit.quota();
+    let global = quota.saturating_sub(remaining);
+    if global == 0 || global < quota / 20 {
+        return old;
+    }
+    let own = quota.saturating_sub(limit.decide(local, now, 0).0.remaining).min(global);
+    let sample = u16::try_from(own.saturating_mul(u64::from(u16::MAX)) / global).unwrap_or(u16::MAX);
+    if old == 0 {
+        return sample.max(1);
+    }
+    u16::try_from((u32::from(old) * 3 + u32::from(sample)) / 4).unwrap_or(u16::MAX).max(1)
+}
+
 /// Writes an answer's grants into the counters' table entries. A batch's grant replaces what
 /// the node held; an ask's is added to it. Leases count from when the request was sent
 /// (`sent`, the node's clock: the answer's `now` less the round trip), so the node's lease
@@ -98,6 +140,16 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
             &weigh,
             &mut |st, held| {
                 let kept = if ask { held.map_or(0, |h| h.units_at(resp.now)) } else { 0 };
+                // An ask's answer (exact rules, which have none) leaves the overdraft as it was.
+                let over = if ask {
+                    held.map_or(0, |h| h.over)
+                } else {
+                    let overdrawn = held.is_some_and(|h| h.overdrawn);
+                    overdraft(d.limit.quota(), resp.nodes, g.remaining, g.grant, overdrawn)
+                };
+                // Repaid once an answer finds room for the node; else it stays overdrawn.
+                let overdrawn = held.is_some_and(|h| h.overdrawn) && (ask || g.grant == 0);
+                let share = held.map_or(0, |h| h.share);
                 // A fixed window's grant belongs to the store's current window: a state of an
                 // older one is moved on with it (it is spent; else the grant would be read as
                 // the old window's and dropped).
@@ -108,7 +160,11 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                     }
                     other => other.clone(),
                 };
-                Some((st, Some(Allowance { units: kept.saturating_add(grant), more, until_ms })))
+                let share = if ask { share } else { traffic_share(d.limit, &st, resp.now, g.remaining, share) };
+                Some((
+                    st,
+                    Some(Allowance { units: kept.saturating_add(grant), more, until_ms, over, overdrawn, share }),
+                ))
             },
             &mut Default::default(),
         );

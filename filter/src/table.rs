@@ -38,6 +38,11 @@ const VERSION: u8 = 1;
 const VERSION_GRANTS: u8 = 2;
 /// Entries carry a grant and a leaky bucket's [`Departures`].
 const VERSION_QUEUE: u8 = 3;
+/// Entries carry a grant with its overdraft and traffic share.
+const VERSION_OVER: u8 = 4;
+/// Entries carry a grant with its overdraft and traffic share, and a leaky bucket's
+/// [`Departures`].
+const VERSION_OVER_QUEUE: u8 = 5;
 /// The most departures a leaky bucket's entry remembers: a waiter that leaves while the log
 /// is full leaves its turn empty rather than let later arrivals take turns already held.
 pub const DEPARTURES: usize = 4;
@@ -151,6 +156,18 @@ pub struct Allowance {
     /// The end of the grant's lease, in whole milliseconds of the store's clock (0: none);
     /// after it the grant is spent.
     pub until_ms: u64,
+    /// The overdraft left: units a rule that is not exact may admit once `units` are spent,
+    /// without waiting for the store, reported with the next batch like any others (the
+    /// store counts them, so what it grants next is smaller by them). Set by each answer,
+    /// not leased: an overdraft is not held at the store, only spent after the fact.
+    pub over: u32,
+    /// Whether the node has admitted on its overdraft since an answer last found room for it
+    /// (a grant above 0): until one does, its overdraft is not repaid and it gets no other.
+    pub overdrawn: bool,
+    /// This node's share of the counter's traffic, in 65,535ths (0: not known yet), as its
+    /// answers measured it: what an `open` rule admits locally while the store is out of
+    /// reach (docs/sync-protocol.md, "Degraded mode").
+    pub share: u16,
 }
 
 impl Allowance {
@@ -164,7 +181,8 @@ impl Allowance {
     }
 
     /// Writes the entry encoding: a varint, 0 for none, else
-    /// `(units << 2 | more << 1 | leased) + 1`, then the lease end when leased.
+    /// `(units << 2 | more << 1 | leased) + 1`, then the lease end when leased, then (bucket
+    /// version 3) the overdraft and the traffic share.
     fn put(a: Option<Allowance>, out: &mut Vec<u8>) {
         let Some(a) = a else {
             put_varint(out, 0);
@@ -175,12 +193,28 @@ impl Allowance {
         if leased {
             put_varint(out, a.until_ms);
         }
+        put_varint(out, (u64::from(a.over) << 1) | u64::from(a.overdrawn));
+        put_varint(out, u64::from(a.share));
     }
 
-    fn read(r: &mut Reader<'_>) -> Result<Option<Allowance>, DecodeError> {
+    /// Reads [`Allowance::put`]; a bucket of version 2 (an older VM's, during an upgrade) has
+    /// no overdraft.
+    fn read(r: &mut Reader<'_>, version: u8) -> Result<Option<Allowance>, DecodeError> {
         let Some(v) = r.varint()?.checked_sub(1) else { return Ok(None) };
         let until_ms = if v & 1 == 1 { r.varint()? } else { 0 };
-        Ok(Some(Allowance { units: u32::try_from(v >> 2).unwrap_or(u32::MAX), more: v & 2 == 2, until_ms }))
+        let (over, share) = if version == VERSION_OVER || version == VERSION_OVER_QUEUE {
+            (r.varint()?, u16::try_from(r.varint()?).unwrap_or(u16::MAX))
+        } else {
+            (0, 0)
+        };
+        Ok(Some(Allowance {
+            units: u32::try_from(v >> 2).unwrap_or(u32::MAX),
+            more: v & 2 == 2,
+            until_ms,
+            over: u32::try_from(over >> 1).unwrap_or(u32::MAX),
+            overdrawn: over & 1 == 1,
+            share,
+        }))
     }
 }
 
@@ -195,7 +229,7 @@ pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
 pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), DecodeError> {
     entries.clear();
     let (&version, rest) = bytes.split_first().ok_or(DecodeError::Truncated)?;
-    if version != VERSION && version != VERSION_GRANTS && version != VERSION_QUEUE {
+    if !matches!(version, VERSION | VERSION_GRANTS | VERSION_QUEUE | VERSION_OVER | VERSION_OVER_QUEUE) {
         return Err(DecodeError::Version(version));
     }
     let (&n, mut rest) = rest.split_first().ok_or(DecodeError::Truncated)?;
@@ -211,8 +245,8 @@ pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), 
         let (mut grant, mut queue) = (None, Departures::default());
         if version != VERSION {
             let mut r = Reader { bytes: rest, pos: 0 };
-            grant = Allowance::read(&mut r)?;
-            if version == VERSION_QUEUE {
+            grant = Allowance::read(&mut r, version)?;
+            if version == VERSION_QUEUE || version == VERSION_OVER_QUEUE {
                 queue = Departures::read(&mut r)?;
             }
             rest = rest.get(r.pos..).ok_or(DecodeError::Truncated)?;
@@ -242,8 +276,8 @@ pub fn encode_bucket_into(entries: &[Entry], out: &mut Vec<u8>) {
     let grants = entries.iter().take(WAYS).any(|e| e.grant.is_some());
     let queues = entries.iter().take(WAYS).any(|e| !e.queue.is_empty());
     out.push(match (grants, queues) {
-        (_, true) => VERSION_QUEUE,
-        (true, false) => VERSION_GRANTS,
+        (_, true) => VERSION_OVER_QUEUE,
+        (true, false) => VERSION_OVER,
         (false, false) => VERSION,
     });
     out.push(entries.len().min(WAYS) as u8);
@@ -305,6 +339,24 @@ impl Table {
             last_seq: std::cell::Cell::new(0),
             scratch,
         }
+    }
+
+    /// The grant held on `key` (one read; nothing written).
+    pub fn grant(&self, host: &dyn Host, key: &[u8]) -> Option<Allowance> {
+        let mut held = None;
+        let weigh = |_: &State| (0, 0);
+        let _ = self.update(
+            host,
+            key,
+            0,
+            &weigh,
+            &mut |_, g| {
+                held = g;
+                None
+            },
+            &mut TableStats::default(),
+        );
+        held
     }
 
     /// Number of buckets (shared-data keys).
@@ -532,8 +584,11 @@ pub struct TableCounters<'a> {
     /// global store is unreachable).
     pub unavailable: &'a [bool],
     /// Keys of the checks that a spent grant denied while the local limit would admit and
-    /// the store had quota left: the request may ask the store for them.
+    /// the store had quota left: the request may ask the store for them (exact rules only).
     pub askable: Vec<Vec<u8>>,
+    /// Whether each rule is exact (`"exact": true`): its spent grant asks the store, and it
+    /// has no overdraft. Rules past the end are not.
+    pub exact: &'a [bool],
     /// The departure count each leaky bucket's admission read (by counter key): the turn it
     /// was given is moved up by the departures after it.
     pub seqs: Vec<(Vec<u8>, u32)>,
@@ -553,6 +608,7 @@ impl<'a> TableCounters<'a> {
             grants,
             unavailable,
             askable: Vec::new(),
+            exact: &[],
             seqs: Vec::new(),
             leaving: None,
             refunding: false,
@@ -591,26 +647,55 @@ impl Counters for TableCounters<'_> {
         let late = matches!(grants, Grants::On { .. })
             && limit.algorithm() == ratewall_core::Algorithm::FixedWindow
             && now % limit.per().max(1) >= limit.per() / 4;
-        let first = Allowance { units: if late { 0 } else { initial }, more: late, until_ms: 0 };
+        // A rule that is not exact never waits: once its grant is spent it admits on the
+        // overdraft the store's last answer allowed (see `sync::overdraft`). A node new to a
+        // fixed window's counter late in the window, which has no answer yet, starts on an
+        // overdraft of its own (what an answer showing the whole quota left would allow):
+        // spent, it is the node's one unrepaid overdraft, until an answer finds room for it.
+        let no_wait = !self.exact.get(check.rule).copied().unwrap_or(false);
+        let late_over = match grants {
+            Grants::On { nodes } if no_wait && late => crate::sync::overdraft(limit.quota(), nodes, u64::MAX, 1, false),
+            _ => 0,
+        };
+        let first = Allowance {
+            units: if late { 0 } else { initial },
+            more: late,
+            until_ms: 0,
+            over: late_over,
+            overdrawn: false,
+            share: 0,
+        };
         let mut askable = false;
         let mut g = |state: &State, grant: Option<Allowance>| {
             // A fixed window's grant is a share of that window's quota: once the window has
             // rolled over, the node starts the new one on its initial share rather than on an
             // exhausted old grant (which denied until the next sync answered).
             let rolled = matches!(state, State::FixedWindow { window, .. } if *window != now / limit.per().max(1));
+            // The node's traffic share outlives the window (degraded mode reads it).
+            let share = grant.map_or(0, |g| g.share);
             let grant = if rolled { None } else { grant };
-            let held = grant.unwrap_or(first);
+            let held = grant.unwrap_or(Allowance { share, ..first });
             let held = Allowance { units: held.units_at(now), ..held };
+            let over = if no_wait { u64::from(held.over) } else { 0 };
             let allowance = match (grants, refunding) {
-                (Grants::On { .. }, false) => u64::from(held.units),
+                (Grants::On { .. }, false) => u64::from(held.units) + over,
                 _ => u64::MAX,
             };
-            askable = allowance < u64::from(cost) && held.more && limit.decide(state, now, check.cost).0.allowed;
+            askable =
+                !no_wait && allowance < u64::from(cost) && held.more && limit.decide(state, now, check.cost).0.allowed;
             let (next, charged) = f(state, allowance)?;
             let charged = u32::try_from(charged).unwrap_or(u32::MAX);
+            // The grant is spent first, then the overdraft.
+            let from_grant = charged.min(held.units);
+            let spent = Allowance {
+                units: held.units - from_grant,
+                over: held.over.saturating_sub(charged - from_grant),
+                overdrawn: held.overdrawn || charged > from_grant,
+                ..held
+            };
             let grant = match (grants, refunding) {
                 (Grants::On { .. }, false) if charged == 0 => grant,
-                (Grants::On { .. }, false) => Some(Allowance { units: held.units.saturating_sub(charged), ..held }),
+                (Grants::On { .. }, false) => Some(spent),
                 (Grants::On { .. }, true) => grant.map(|g| Allowance { units: g.units.saturating_add(cost), ..g }),
                 (Grants::Off, _) => grant,
             };
@@ -674,23 +759,40 @@ mod tests {
         let bytes = encode_bucket(&entries);
         // At most 32 bytes per tracked key: 21 for a token bucket, 29 for a sliding window.
         assert_eq!(bytes.len(), 2 + 21 + 29);
-        // With a sync grant the bucket is version 2 and each entry carries it (1 byte here, and
-        // 6 for the end of a lease).
+        // With a sync grant the bucket is version 4 and each entry carries it (1 byte here, 6
+        // for the end of a lease, and 1 for the overdraft).
         let mut granted = entries.clone();
-        granted[0].grant = Some(Allowance { units: 3, more: true, until_ms: 0 });
-        granted[1].grant = Some(Allowance { units: 1, more: false, until_ms: 1_800_000_000_123 });
+        granted[0].grant = Some(Allowance { units: 3, more: true, until_ms: 0, over: 2, overdrawn: true, share: 0 });
+        granted[1].grant = Some(Allowance {
+            units: 1,
+            more: false,
+            until_ms: 1_800_000_000_123,
+            over: 0,
+            overdrawn: false,
+            share: 9_000,
+        });
         let bytes2 = encode_bucket(&granted);
-        assert_eq!(bytes2.len(), bytes.len() + 2 + 6);
+        // (1 byte for no share, 2 for one of 9,000.)
+        assert_eq!(bytes2.len(), bytes.len() + 2 + 6 + 2 + 3);
         assert_eq!(decode_bucket(&bytes2).unwrap(), granted);
         assert_eq!(decode_bucket(&bytes).unwrap(), entries);
+        // A version-2 bucket (an older VM's) reads with no overdraft.
+        let mut v2 = vec![VERSION_GRANTS, 1];
+        v2.extend_from_slice(&bytes2[2..2 + 21]);
+        v2.push(((3 << 2) | 2) + 1);
+        let old = decode_bucket(&v2).unwrap();
+        assert_eq!(
+            old[0].grant,
+            Some(Allowance { units: 3, more: true, until_ms: 0, over: 0, overdrawn: false, share: 0 })
+        );
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
         assert!(decode_bucket(&[]).is_err());
         assert!(decode_bucket(&[1, 200]).is_err());
-        // A leaky bucket's departures make it version 3.
+        // A leaky bucket's departures make it version 5.
         let mut queued = entries.clone();
         queued[0].queue = Departures { seq: 7, gone: vec![(1_800_000_000_400_000_000, 200_000_000)] };
         let bytes3 = encode_bucket(&queued);
-        assert_eq!(bytes3[0], VERSION_QUEUE);
+        assert_eq!(bytes3[0], VERSION_OVER_QUEUE);
         assert_eq!(decode_bucket(&bytes3).unwrap(), queued);
         for cut in 0..bytes3.len() {
             assert!(decode_bucket(&bytes3[..cut]).is_err(), "cut at {cut}");

@@ -165,6 +165,14 @@ impl Node {
         node.set_time(now);
         node
     }
+    /// A node with its clock at `now` and the `node.id` property `id` (a simulation names its
+    /// nodes, so its figures do not depend on how many nodes were made before it).
+    pub fn named(now: u64, id: &str) -> Node {
+        let node = Node { state: Arc::new(NodeState { profile: Profile::Envoy, ..NodeState::default() }) };
+        let _ = node.state.id.set(id.to_owned());
+        node.set_time(now);
+        node
+    }
 
     /// The proxy this node behaves as.
     pub fn profile(&self) -> Profile {

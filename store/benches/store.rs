@@ -164,6 +164,7 @@ fn main() {
         faults_from: 99,
         seed: 11,
         algorithm: "fixed_window",
+        exact: false,
         duration: None,
         rtt: 0,
         max_wait: None,

@@ -305,6 +305,22 @@ fn a_three_primary_cluster_holds_counters_over_its_slots() {
     assert_eq!(a.get("/healthz").status, 200);
 }
 
+/// End to end, past the quota: three filter nodes on one counter, syncing over real HTTP to
+/// ratewall-store on Redis, offered 3× the limit — no request waits for the store, and the
+/// fleet admits within the written bound (docs/sync-protocol.md, "The error bound").
+#[test]
+fn filter_nodes_past_the_quota_decide_at_once_within_the_written_bound() {
+    use ratewall_tests::sim::{bound_pct, past_the_quota, run_with, Backend};
+    let redis = Redis::start(false).unwrap();
+    let store = StoreProcess::start_with(ratewall_tests::sim::SECRET, &[redis.url()], false);
+    let s = past_the_quota("store_past_the_quota");
+    let r = run_with(&s, &Backend::Http(&store.addr)).unwrap();
+    println!("{r:?}");
+    assert_eq!(r.paused_pct, 0.0, "no request waited: {r:?}");
+    assert!(r.overadmission_max_pct <= bound_pct(&s), "over the bound {:.1} %: {r:?}", bound_pct(&s));
+    assert!(r.admitted >= 108, "the fleet admitted about the limit in each window: {r:?}");
+}
+
 /// End to end: filter nodes (the built filter in the wasmtime host) sync over real HTTP to
 /// ratewall-store on Redis; the fleet holds one global limit, as it does against the Worker.
 #[test]

@@ -6,7 +6,7 @@
 
 use ratewall_core::SECOND;
 use ratewall_tests::bench::figure;
-use ratewall_tests::sim::{run, Faults, Scenario, Spread};
+use ratewall_tests::sim::{bound_pct, run, Faults, Scenario, Spread};
 
 const MS: u64 = 1_000_000;
 
@@ -31,6 +31,7 @@ fn main() {
         faults_from: 1,
         seed,
         algorithm: "fixed_window",
+        exact: false,
         duration: None,
         rtt: 0,
         max_wait: None,
@@ -61,6 +62,19 @@ fn main() {
         Scenario { name: "even20_rtt20", spread: Spread::Even, rtt: 20 * MS, ..base.clone() },
         Scenario { name: "even20_rtt80", spread: Spread::Even, rtt: 80 * MS, ..base.clone() },
         Scenario { name: "zipf100_rtt20", nodes: 100, rtt: 20 * MS, ..base.clone() },
+        // The rules' default algorithms (sliding window; token bucket when `burst` is given),
+        // and every rule exact.
+        Scenario { name: "zipf20_rtt20_sliding", rtt: 20 * MS, algorithm: "sliding_window", ..base.clone() },
+        Scenario { name: "zipf20_rtt20_bucket", rtt: 20 * MS, algorithm: "token_bucket", ..base.clone() },
+        Scenario {
+            name: "zipf100_rtt20_sliding",
+            nodes: 100,
+            rtt: 20 * MS,
+            algorithm: "sliding_window",
+            ..base.clone()
+        },
+        Scenario { name: "zipf100_rtt20_bucket", nodes: 100, rtt: 20 * MS, algorithm: "token_bucket", ..base.clone() },
+        Scenario { name: "zipf20_rtt20_exact", rtt: 20 * MS, exact: true, ..base.clone() },
         Scenario { name: "zipf100", nodes: 100, ..base.clone() },
     ];
     let only = std::env::var("RATEWALL_SIM_ONLY").ok();
@@ -68,6 +82,7 @@ fn main() {
         let r = run(s).unwrap();
         figure(&format!("overadmission_pct_{}", s.name), r.overadmission_pct, "%");
         figure(&format!("overadmission_max_pct_{}", s.name), r.overadmission_max_pct, "%");
+        figure(&format!("overadmission_bound_pct_{}", s.name), bound_pct(s), "%");
         figure(&format!("false_denial_pct_{}", s.name), r.false_denial_pct, "%");
         figure(&format!("store_calls_per_node_per_sec_{}", s.name), r.calls_per_node_per_sec, "calls/s");
         figure(&format!("bytes_per_sync_{}", s.name), r.bytes_per_sync, "B");

@@ -74,8 +74,11 @@ pub struct Scenario {
     pub faults_from: u64,
     /// The RNG seed.
     pub seed: u64,
-    /// The rule's algorithm: `fixed_window`, or `token_bucket` (burst = limit).
+    /// The rule's algorithm: `fixed_window`, `sliding_window`, or `token_bucket` (burst =
+    /// limit).
     pub algorithm: &'static str,
+    /// Whether the rule is `"exact": true` (a spent grant waits for the store).
+    pub exact: bool,
     /// Simulated time the traffic spreads over (default: `window × windows`).
     pub duration: Option<u64>,
     /// The store's round trip (ns; 0: every call is answered at once). Each call reaches the
@@ -87,10 +90,15 @@ pub struct Scenario {
     pub max_wait: Option<u64>,
 }
 
-/// What a scenario measured.
+/// What a scenario measured. Over-admission and false denials are against one exact limiter
+/// of the rule's own algorithm fed, in time order, with what the fleet admitted: a request the
+/// fleet admitted while that limiter had no room for it is over-admitted, one it denied while
+/// that limiter had room is a false denial. (For a fixed window: admitted beyond the limit in
+/// the window, and denied while the window's count was under it.)
 #[derive(Clone, Debug, Default)]
 pub struct Report {
-    /// Mean over (counter, window) of max(0, admitted − limit) ÷ limit, in %.
+    /// Mean over (counter, window) of the requests admitted in it beyond the exact limiter's
+    /// room ÷ limit, in %.
     pub overadmission_pct: f64,
     /// The worst (counter, window), in %.
     pub overadmission_max_pct: f64,
@@ -134,11 +142,24 @@ pub fn call_timeout(s: &Scenario) -> u64 {
     (50 * MS).max(3 * s.rtt)
 }
 
+/// The written bound on a scenario's over-admission per counter and window without faults, in
+/// % of the limit (docs/sync-protocol.md, "The error bound"): `n × c` for the nodes' overdrafts
+/// (`c = max(1, limit / 100 / n)`; none for exact rules) plus what the fleet admits while a
+/// batch is on its way, at most its offered rate × (round trip + one interval).
+pub fn bound_pct(s: &Scenario) -> f64 {
+    let n = s.nodes as f64;
+    let c = if s.exact { 0.0 } else { (s.limit as f64 / 100.0 / n).floor().max(1.0) };
+    let rate = s.load * s.limit as f64 / (s.window as f64 / SECOND as f64);
+    let in_flight = rate * (s.rtt + 100 * MS) as f64 / SECOND as f64;
+    (n * c + in_flight) / s.limit as f64 * 100.0
+}
+
 /// The rules document of the simulated fleet.
 pub fn rules(s: &Scenario) -> String {
     let mut doc = serde_json::json!({
         "identity": {"user": {"header": "x-user-id"}},
         "rules": [{"name": "per-user", "key": ["user"], "algorithm": s.algorithm,
+                   "exact": s.exact,
                    "limit": if s.algorithm == "token_bucket" {
                        serde_json::json!({"requests": s.limit, "per": format!("{}ms", s.window / MS), "burst": s.limit})
                    } else {
@@ -200,7 +221,34 @@ pub fn end_to_end(name: &'static str) -> Scenario {
         faults_from: 99,
         seed: 7,
         algorithm: "token_bucket",
+        exact: false,
         duration: Some(5 * SECOND),
+        rtt: 0,
+        max_wait: None,
+    }
+}
+
+/// Three proxies × 2 VMs on one counter of 60 per 4 s (fixed windows, rules not exact), Zipf
+/// traffic offered at 3× the limit: two thirds of each window come after its quota is spent,
+/// where grants run out and nodes decide on their overdraft.
+pub fn past_the_quota(name: &'static str) -> Scenario {
+    Scenario {
+        name,
+        nodes: 3,
+        vms: 2,
+        keys: 1,
+        limit: 60,
+        window: 4 * SECOND,
+        load: 3.0,
+        windows: 2,
+        spread: Spread::Zipf,
+        skew: 0,
+        faults: Faults::default(),
+        faults_from: 99,
+        seed: 5,
+        algorithm: "fixed_window",
+        exact: false,
+        duration: None,
         rtt: 0,
         max_wait: None,
     }
@@ -240,9 +288,11 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
     let config = rules(s);
     let mut rng = Rng(s.seed | 1);
     let mut fleet: Vec<(Node, Vec<Vm>, i64)> = Vec::new();
-    for _ in 0..s.nodes {
+    for i in 0..s.nodes {
         let skew = if s.skew == 0 { 0 } else { rng.below(2 * s.skew) as i64 - s.skew as i64 };
-        let node = Node::new(start.saturating_add_signed(skew));
+        // Named by its place in the fleet: the node ids (hashed from it) are the same whatever
+        // ran before.
+        let node = Node::named(start.saturating_add_signed(skew), &format!("node-{i}"));
         let vms = (0..s.vms).map(|_| Vm::start(&plugin, &node, config.as_bytes())).collect::<wasmtime::Result<_>>()?;
         fleet.push((node, vms, skew));
     }
@@ -282,6 +332,9 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         queue: BTreeMap::new(),
         seq: 0,
         admitted: BTreeMap::new(),
+        over: BTreeMap::new(),
+        truth: BTreeMap::new(),
+        exact_limit: exact_limit(s)?,
         false_denials: 0,
         calls: 0,
         sync_bytes: 0,
@@ -322,7 +375,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         let window = (t - start) / s.window;
         let req = HttpRequest::new("GET", "/").header("x-user-id", format!("user-{key}"));
         match vms[v].begin(&req)? {
-            Started::Done(r) => w.decided(key, window, r.passed),
+            Started::Done(r) => w.decided(key, window, t, r.passed),
             Started::Paused(ctx) => {
                 for c in vms[v].take_callouts() {
                     w.asks += 1;
@@ -335,7 +388,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
     while let Some(at) = w.queue.keys().next().map(|(at, _)| *at) {
         w.event(at)?;
     }
-    let World { fleet, admitted, false_denials, calls, sync_bytes, asks, mut waits, .. } = w;
+    let World { fleet, admitted, over, false_denials, calls, sync_bytes, asks, mut waits, .. } = w;
     if std::env::var("RATEWALL_SIM_SUM").is_ok() {
         let mut sums: BTreeMap<String, i64> = BTreeMap::new();
         for (node, _, _) in &fleet {
@@ -366,7 +419,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         eprintln!("simulation against a real store: {seconds:.1} s simulated in {real:.1} s");
     }
     let overs: Vec<f64> =
-        admitted.values().map(|&a| a.saturating_sub(s.limit) as f64 / s.limit as f64 * 100.0).collect();
+        admitted.keys().map(|k| over.get(k).copied().unwrap_or(0) as f64 / s.limit as f64 * 100.0).collect();
     Ok(Report {
         overadmission_pct: overs.iter().sum::<f64>() / overs.len().max(1) as f64,
         overadmission_max_pct: overs.iter().copied().fold(0.0, f64::max),
@@ -433,6 +486,11 @@ struct World<'a> {
     queue: BTreeMap<(u64, u64), InFlight>,
     seq: u64,
     admitted: BTreeMap<(usize, u64), u64>,
+    /// Per (counter, window): admitted while the exact limiter had no room.
+    over: BTreeMap<(usize, u64), u64>,
+    /// Per counter: the exact limiter's state, fed with what the fleet admitted.
+    truth: BTreeMap<usize, ratewall_core::State>,
+    exact_limit: ratewall_core::Limit,
     false_denials: u64,
     calls: u64,
     sync_bytes: u64,
@@ -552,17 +610,23 @@ impl World<'_> {
                 wasmtime::bail!("a request stayed paused after its ask was answered")
             };
             self.waits.push(at - p.at);
-            self.decided(p.key, p.window, r.passed);
+            self.decided(p.key, p.window, at, r.passed);
         }
         Ok(())
     }
 
-    /// Counts a decided request of `key` that arrived in `window`.
-    fn decided(&mut self, key: usize, window: u64, passed: bool) {
-        let count = self.admitted.entry((key, window)).or_insert(0);
+    /// Counts a request of `key` that arrived in `window`, decided at `at`, against the exact
+    /// limiter.
+    fn decided(&mut self, key: usize, window: u64, at: u64, passed: bool) {
+        let state = self.truth.entry(key).or_insert(ratewall_core::State::Fresh);
+        let (room, _) = self.exact_limit.decide(state, at, 1);
+        *self.admitted.entry((key, window)).or_insert(0) += u64::from(passed);
         if passed {
-            *count += 1;
-        } else if *count < self.s.limit {
+            *state = self.exact_limit.consume(state, at, 1);
+            if !room.allowed {
+                *self.over.entry((key, window)).or_insert(0) += 1;
+            }
+        } else if room.allowed {
             self.false_denials += 1;
         }
     }
@@ -581,6 +645,14 @@ impl World<'_> {
         }
         Ok(())
     }
+}
+
+/// The scenario's limit, as one exact limiter applies it.
+fn exact_limit(s: &Scenario) -> wasmtime::Result<ratewall_core::Limit> {
+    let algorithm = ratewall_core::Algorithm::from_name(s.algorithm)
+        .ok_or_else(|| wasmtime::format_err!("unknown algorithm {}", s.algorithm))?;
+    let burst = (algorithm == ratewall_core::Algorithm::TokenBucket).then_some(s.limit);
+    ratewall_core::Limit::new(algorithm, s.limit, s.window, burst).map_err(|e| wasmtime::format_err!("{e:?}"))
 }
 
 /// A callout's `x-ratewall-signature` header (empty: none).

@@ -6,7 +6,9 @@
 use ratewall_core::sync::Store;
 use ratewall_core::SECOND;
 use ratewall_tests::host::{HttpRequest, Node, Plugin, Started, Vm};
-use ratewall_tests::sim::{answer_from, request_with, run, Faults, Scenario, Spread, SECRET};
+use ratewall_tests::sim::{
+    answer_from, bound_pct, past_the_quota, request_with, run, Faults, Scenario, Spread, SECRET,
+};
 
 fn small(name: &'static str) -> Scenario {
     Scenario {
@@ -24,6 +26,7 @@ fn small(name: &'static str) -> Scenario {
         faults_from: 1,
         seed: 42,
         algorithm: "fixed_window",
+        exact: false,
         duration: None,
         rtt: 0,
         max_wait: None,
@@ -40,6 +43,27 @@ fn a_synced_fleet_holds_one_global_limit() {
     let batches = r.calls_per_node_per_sec - r.asks_per_node_per_sec;
     assert!(batches <= 10.5, "one batch per node per interval: {r:?}");
     assert!(r.paused_pct <= 15.0, "only requests near the limit ask the store: {r:?}");
+}
+
+#[test]
+fn past_the_quota_no_request_waits_and_the_fleet_stays_within_the_written_bound() {
+    for rtt in [0, 20_000_000] {
+        let s = Scenario { rtt, ..past_the_quota("past_the_quota") };
+        let r = run(&s).unwrap();
+        println!("{r:?}");
+        assert_eq!(r.paused_pct, 0.0, "no request waited: {r:?}");
+        assert!(r.overadmission_max_pct <= bound_pct(&s), "over the bound {:.1} %: {r:?}", bound_pct(&s));
+        assert!(r.false_denial_pct <= 5.0, "{r:?}");
+    }
+}
+
+#[test]
+fn exact_rules_still_wait_for_the_store_past_the_quota() {
+    let s = Scenario { exact: true, rtt: 20_000_000, ..past_the_quota("past_the_quota_exact") };
+    let r = run(&s).unwrap();
+    println!("{r:?}");
+    assert!(r.paused_pct > 0.0, "exact rules ask: {r:?}");
+    assert!(r.overadmission_max_pct <= bound_pct(&s), "{r:?}");
 }
 
 #[test]
@@ -64,6 +88,12 @@ fn user_rules(limit: u64, per: &str, stale_after: &str, nodes: u32) -> String {
         "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": stale_after, "nodes": nodes}
     })
     .to_string()
+}
+
+/// [`user_rules`] with the rule `"exact": true`: a request whose grant is spent waits for an
+/// ask to the store.
+fn exact_user_rules(limit: u64, per: &str, stale_after: &str, nodes: u32) -> String {
+    user_rules(limit, per, stale_after, nodes).replace(r#""key":["user"]"#, r#""exact":true,"key":["user"]"#)
 }
 
 /// A node of one VM under `config`, with its own reference store.
@@ -261,7 +291,7 @@ fn a_rules_push_keeps_the_node_identity_and_its_unsent_deltas() {
 
 #[test]
 fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant() {
-    let config = user_rules(4, "1s", "5s", 2);
+    let config = exact_user_rules(4, "1s", "5s", 2);
     // Start on a window boundary, as seen through the store's clock (the same clock here).
     let (node, mut vm, mut store) = one_node(&config);
     let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
@@ -294,7 +324,7 @@ fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant()
 #[test]
 fn a_request_whose_grant_is_spent_asks_the_store_and_waits_for_the_answer() {
     use ratewall_core::sync::SyncRequest;
-    let config = user_rules(100, "10s", "5s", 4);
+    let config = exact_user_rules(100, "10s", "5s", 4);
     let (node, mut vm, mut store) = one_node(&config);
     let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
     let key = |c: &ratewall_tests::host::Callout| SyncRequest::decode(&c.body).unwrap().deltas[0].key.clone();
@@ -356,7 +386,7 @@ fn a_request_whose_grant_is_spent_asks_the_store_and_waits_for_the_answer() {
 
 #[test]
 fn an_ask_is_refused_once_the_global_quota_is_spent_and_the_node_stops_asking() {
-    let config = user_rules(6, "10s", "5s", 2);
+    let config = exact_user_rules(6, "10s", "5s", 2);
     let (a, b) = (Node::new(1_800_000_000 * SECOND), Node::new(1_800_000_000 * SECOND));
     let plugin = Plugin::filter().unwrap();
     let (mut va, mut vb) =

@@ -20,11 +20,18 @@ fn rules_with(limit: u64, nodes: u32, extra: &str) -> String {
   "rules": [
     {{"name": "user", "match": {{"path": "/u/*"}}, "key": ["user"], "limit": {{"requests": {limit}, "per": "60s"}}}},
     {{"name": "strict", "match": {{"path": "/cl/*"}}, "key": ["user"], "on_store_failure": "closed",
+      "limit": {{"requests": {limit}, "per": "60s"}}}},
+    {{"name": "exact", "match": {{"path": "/ex/*"}}, "key": ["user"], "exact": true,
       "limit": {{"requests": {limit}, "per": "60s"}}}}
   ],
   "sync": {{{extra}"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": {nodes}}}}}"#
     )
 }
+
+/// A path of the rule that is `"exact": true` (a spent grant asks the store).
+const EXACT: &str = "/ex/x";
+/// A path of the rule that is not (a spent grant admits on the overdraft, never waits).
+const NO_WAIT: &str = "/u/x";
 
 fn store() -> Store {
     Store::new(10_000, 2_000 * MS)
@@ -639,8 +646,8 @@ fn too_many_counters_pending_drops_units_and_counts_them() {
     assert_eq!(h.metric("ratewall_sync_dropped_units"), 50);
 }
 
-/// A node that synced a slow start for `ann` on `/u/x`: its grant is about what its rate
-/// spends in a lease, and the store has far more quota left.
+/// A node that synced a slow start for `ann` on the exact rule: its grant is about what its
+/// rate spends in a lease, and the store has far more quota left.
 fn spent_grant(h: &FakeHost) -> (Engine, Store) {
     spent_grant_with(h, &rules(1_000, 1))
 }
@@ -652,7 +659,7 @@ fn spent_grant_with(h: &FakeHost, doc: &str) -> (Engine, Store) {
     let ann = [("x-user-id", "ann")];
     // A slow start: the store grants about what the node's rate spends in a lease.
     for _ in 0..5 {
-        let _ = reply(&e, h, "GET", "/u/x", &ann);
+        let _ = reply(&e, h, "GET", EXACT, &ann);
         e.on_tick(h);
         serve(&mut s, &e, h);
         h.advance(100 * MS);
@@ -663,7 +670,7 @@ fn spent_grant_with(h: &FakeHost, doc: &str) -> (Engine, Store) {
 /// Requests for `ann` until one asks (`None`: one was denied first, or none asked).
 fn burst_until_ask(e: &Engine, h: &FakeHost) -> Option<crate::engine::Asking> {
     for _ in 0..5_000 {
-        h.request("GET", "/u/x", &[("x-user-id", "ann")]);
+        h.request("GET", EXACT, &[("x-user-id", "ann")]);
         match e.on_request(h) {
             Verdict::Ask(a) => return Some(a),
             Verdict::Reply(r) | Verdict::Hold(r, _) if r.status == 200 => {}
@@ -684,13 +691,13 @@ fn a_spent_grant_with_quota_left_at_the_store_asks_and_the_answer_admits() {
     let ask = batch(&calls[0]);
     assert!(ask.ask);
     assert_eq!(ask.deltas[0].units, 1);
-    let before = counted(&s, &e, "/u/x", "ann", h.now());
+    let before = counted(&s, &e, EXACT, "ann", h.now());
     let (status, tag, body) = answer(&mut s, h.now(), SECRET, &calls[0]);
     let r = e.on_ask_response(&h, asking, status, tag.as_deref(), &body).into_reply();
     assert_eq!(r.status, 200);
     assert_eq!(h.metric("ratewall_sync_asks"), 1);
     assert_eq!(h.metric("ratewall_sync_asks_granted"), 1);
-    assert!(counted(&s, &e, "/u/x", "ann", h.now()) > before, "the store took the request's unit");
+    assert!(counted(&s, &e, EXACT, "ann", h.now()) > before, "the store took the request's unit");
 }
 
 #[test]
@@ -711,7 +718,7 @@ fn asks_in_flight_are_bounded_and_an_abandoned_one_frees_its_place() {
     let mut paused = vec![burst_until_ask(&e, &h).expect("the node asked")];
     // Every further request asks too while its grant is spent, up to the bound.
     let last = loop {
-        h.request("GET", "/u/x", &[("x-user-id", "ann")]);
+        h.request("GET", EXACT, &[("x-user-id", "ann")]);
         match e.on_request(&h) {
             Verdict::Ask(a) => paused.push(a),
             v => break v.into_reply(),
@@ -721,7 +728,7 @@ fn asks_in_flight_are_bounded_and_an_abandoned_one_frees_its_place() {
     assert_eq!(last.status, 429, "past the bound: decided at once");
     assert_eq!(paused.len(), crate::sync::MAX_ASKS as usize);
     e.ask_abandoned();
-    h.request("GET", "/u/x", &[("x-user-id", "ann")]);
+    h.request("GET", EXACT, &[("x-user-id", "ann")]);
     assert!(matches!(e.on_request(&h), Verdict::Ask(_)), "a place was freed");
 }
 
@@ -754,7 +761,7 @@ fn a_vm_whose_asks_time_out_stops_asking_for_a_while() {
     let h = FakeHost::new();
     let (e, mut s) = spent_grant(&h);
     let headers = [Some(&b"ann"[..])];
-    let (checks, _) = e.config().checks(&Request { method: "GET", path: "/u/x", headers: &headers, ip: None });
+    let (checks, _) = e.config().checks(&Request { method: "GET", path: EXACT, headers: &headers, ip: None });
     let ann = Delta { key: checks[0].key.clone(), limit: checks[0].limit, units: 1 };
     // Time passes with the batches answered (the view stays fresh), and another node spends
     // on the counter: this node's grant (renewed meanwhile, and all its bursts spend) is a
@@ -853,7 +860,7 @@ fn a_vm_whose_ask_timed_out_asks_no_more_while_batches_take_longer_than_max_wait
     let ann = [("x-user-id", "ann")];
     // Another node spends on the counter too, so this one's grant is a share and it may ask.
     let headers = [Some(&b"ann"[..])];
-    let (checks, _) = e.config().checks(&Request { method: "GET", path: "/u/x", headers: &headers, ip: None });
+    let (checks, _) = e.config().checks(&Request { method: "GET", path: EXACT, headers: &headers, ip: None });
     let delta = Delta { key: checks[0].key.clone(), limit: checks[0].limit, units: 1 };
     let other = std::cell::Cell::new(0);
     let spend = |s: &mut Store| {
@@ -865,7 +872,7 @@ fn a_vm_whose_ask_timed_out_asks_no_more_while_batches_take_longer_than_max_wait
     // request stopped waiting for it.
     let slow = |s: &mut Store, ms: u64| {
         for _ in 0..ms / 100 {
-            let _ = reply(&e, &h, "GET", "/u/x", &ann);
+            let _ = reply(&e, &h, "GET", EXACT, &ann);
             e.on_tick(&h);
             let calls = h.take_calls();
             h.advance(10 * MS);
@@ -896,4 +903,114 @@ fn a_vm_whose_ask_timed_out_asks_no_more_while_batches_take_longer_than_max_wait
         spend(&mut s);
     }
     assert!(burst_until_ask(&e, &h).is_some());
+}
+
+/// A node that synced a slow start for `ann` on the rule that is not exact, answered by
+/// `store`.
+fn slow_start(e: &Engine, h: &FakeHost, store: &mut Store) {
+    let ann = [("x-user-id", "ann")];
+    for _ in 0..5 {
+        let _ = reply(e, h, "GET", NO_WAIT, &ann);
+        e.on_tick(h);
+        serve(store, e, h);
+        h.advance(100 * MS);
+    }
+}
+
+/// Requests for `ann` on the rule that is not exact until one is denied (at most 5,000): how
+/// many were admitted. None may wait.
+fn burst_until_denied(e: &Engine, h: &FakeHost) -> u64 {
+    let mut admitted = 0;
+    for _ in 0..5_000 {
+        h.request("GET", NO_WAIT, &[("x-user-id", "ann")]);
+        match e.on_request(h) {
+            Verdict::Reply(r) | Verdict::Hold(r, _) if r.status == 200 => admitted += 1,
+            Verdict::Reply(r) => {
+                assert_eq!(r.status, 429);
+                return admitted;
+            }
+            v => panic!("a request that is not exact waited: {v:?}"),
+        }
+    }
+    admitted
+}
+
+#[test]
+fn a_spent_grant_admits_within_the_overdraft_without_a_call() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(1_000, 1));
+    let mut s = store();
+    slow_start(&e, &h, &mut s);
+    let held = e.table().grant(&h, &key_of(&e, NO_WAIT, "ann")).expect("a grant");
+    assert!(held.more && held.over > 0, "the store had quota beyond the grant: {held:?}");
+    // The grant, then the overdraft, with no ask and no call; then a denial.
+    let admitted = burst_until_denied(&e, &h);
+    assert_eq!(admitted, u64::from(held.units + held.over), "{held:?}");
+    assert!(h.take_calls().is_empty(), "no call on the request path");
+    assert_eq!(h.metric("ratewall_sync_asks"), 0);
+}
+
+#[test]
+fn the_overdraft_is_reported_and_repaid_from_what_the_store_grants_next() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(1_000, 1));
+    let mut s = store();
+    slow_start(&e, &h, &mut s);
+    let before = counted(&s, &e, NO_WAIT, "ann", h.now());
+    let admitted = burst_until_denied(&e, &h);
+    h.advance(100 * MS);
+    e.on_tick(&h);
+    serve(&mut s, &e, &h);
+    // The store counted every unit admitted, the overdraft's too...
+    assert_eq!(counted(&s, &e, NO_WAIT, "ann", h.now()), before + admitted);
+    // ...so the next grant and overdraft come out of what remains after them.
+    let next = e.table().grant(&h, &key_of(&e, NO_WAIT, "ann")).expect("a grant");
+    assert!(u64::from(next.units + next.over) <= 1_000 - before - admitted, "{next:?}");
+}
+
+#[test]
+fn nodes_that_over_spend_are_held_to_the_bound() {
+    // Three nodes on one counter of 100, each admitting all it may every interval: the
+    // fleet admits at most the limit plus each node's overdraft (max(1, 100 / 100 / 3) = 1).
+    let hosts: Vec<FakeHost> = (0..3)
+        .map(|i| {
+            let mut h = FakeHost::new();
+            h.node_id = format!("node-{i}").into_bytes();
+            h
+        })
+        .collect();
+    let engines: Vec<Engine> = hosts.iter().map(|h| engine(h, &rules(100, 3))).collect();
+    let mut s = store();
+    // Each node's first request is counted by the store before the bursts: from then on
+    // every node spends grants, not an initial share the store has not counted.
+    let mut admitted = 0;
+    for (e, h) in engines.iter().zip(&hosts) {
+        admitted += u64::from(reply(e, h, "GET", NO_WAIT, &[("x-user-id", "ann")]).status == 200);
+        e.on_tick(h);
+        serve(&mut s, e, h);
+    }
+    // Every interval each node spends all it may before any of them syncs — but the first,
+    // which spends what it holds only at the end, while the others keep spending.
+    for round in 0..40 {
+        for (i, (e, h)) in engines.iter().zip(&hosts).enumerate() {
+            if i > 0 || round == 0 || round == 5 {
+                admitted += burst_until_denied(e, h);
+            }
+        }
+        for (e, h) in engines.iter().zip(&hosts) {
+            h.advance(100 * MS);
+            e.on_tick(h);
+            serve(&mut s, e, h);
+        }
+    }
+    assert!((100..=100 + 3).contains(&admitted), "admitted {admitted}");
+}
+
+#[test]
+fn a_rule_that_is_not_exact_never_asks_and_an_exact_one_still_does() {
+    let h = FakeHost::new();
+    let (e, _s) = spent_grant(&h);
+    let _ = burst_until_denied(&e, &h);
+    assert_eq!(h.metric("ratewall_sync_asks"), 0);
+    assert!(burst_until_ask(&e, &h).is_some(), "the exact rule asks");
 }
