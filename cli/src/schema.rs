@@ -102,7 +102,7 @@ pub fn schema() -> Value {
                 "additionalProperties": false,
                 "required": ["cluster", "secret"],
                 "properties": {
-                    "cluster": {"type": "string", "minLength": 1, "description": "The upstream that reaches the store (an Envoy cluster or NGINX upstream)."},
+                    "cluster": {"type": "string", "minLength": 1, "description": "The upstream that reaches the store: an Envoy cluster name, or under NGINX (ngx_wasm_module) the store's host:port (an IP address or a hostname NGINX resolves; not an upstream {} block)."},
                     "authority": {"type": "string", "description": "The :authority of sync calls (default: the cluster)."},
                     "path": {"type": "string", "description": "The store's path (default /v1/sync)."},
                     "secret": {"type": "string", "minLength": 16, "description": "The HMAC secret shared with the store (never logged)."},

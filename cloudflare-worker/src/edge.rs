@@ -461,6 +461,9 @@ pub struct Metrics {
     pub sync_ok: u64,
     /// `/v1/sync` batches refused (authentication, format) or failed.
     pub sync_failed: u64,
+    /// Of which refused for their time: made further than `MAX_REQUEST_SKEW` from this
+    /// isolate's clock (422: a node's clock is off, or a replay).
+    pub sync_refused_stale: u64,
     /// Checks admitted from the isolate's grants, with no object call.
     pub grant_admissions: u64,
     /// Units admitted from grants whose report was given up.
@@ -540,6 +543,11 @@ impl Metrics {
             ("rules_rejected", "Rules documents rejected (the previous rules stayed).", self.rules_rejected),
             ("sync_ok", "POST /v1/sync calls answered.", self.sync_ok),
             ("sync_failed", "POST /v1/sync calls refused or failed.", self.sync_failed),
+            (
+                "sync_refused_stale",
+                "POST /v1/sync calls refused (422) for a time too far from the store's clock.",
+                self.sync_refused_stale,
+            ),
             (
                 "grant_admissions",
                 "Checks admitted from the isolate's grants, with no object call.",

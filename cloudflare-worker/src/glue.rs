@@ -348,10 +348,13 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
     let tag = req.headers().get("x-ratewall-signature").ok().flatten();
     let body = req.bytes().await?;
     let refused = |r: store::Refusal| {
-        with(|i| i.metrics.sync_failed += 1);
+        with(|i| {
+            i.metrics.sync_failed += 1;
+            i.metrics.sync_refused_stale += u64::from(r.status == 422);
+        });
         Response::error(r.message, r.status)
     };
-    let batch = match store::check(&secret, tag.as_deref(), &body) {
+    let batch = match store::check(&secret, tag.as_deref(), &body, now()) {
         Ok(b) => b,
         Err(r) => return refused(r),
     };

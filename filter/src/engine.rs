@@ -8,11 +8,22 @@ use ratewall_core::algo::Limit;
 use ratewall_core::eval::{evaluate, Check, CheckResult, Request, Skip, StoreError, Tally};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_key, parse_ip};
-use ratewall_core::rules::{Config, Dimension, FailurePolicy};
+use ratewall_core::rules::{Config, Dimension, FailurePolicy, SyncOptions};
 use ratewall_core::sync::Delta;
 use ratewall_core::Nanos;
 use ratewall_core::{render, ConfigError, Reply};
 use std::borrow::Cow;
+use std::cell::{Cell, OnceCell};
+
+/// A shared-data key read once per VM before any other: where the host has no shared data
+/// (ngx_wasm_module without a `shm_kv` zone) this read traps, and the counters of
+/// [`Engine::ready`] let the next instance know.
+const PROBE_KEY: &str = "rw1/probe";
+/// Counts the requests passed without limits because no usable configuration is in force
+/// (a rejected rules document with none before it, or no shared data).
+pub const FALLBACK_METRIC: &str = "ratewall_config_rejected";
+/// How often a filter serving without limits says so at error level.
+pub const FALLBACK_LOG_EVERY: Nanos = 10 * ratewall_core::algo::SECOND;
 
 /// Headers read before the identity headers: `:method`, `:path`, `X-Forwarded-For`.
 const FIXED_HEADERS: usize = 3;
@@ -42,6 +53,10 @@ struct NodeMetrics {
     evictions: Option<u32>,
     corrupt: Option<u32>,
     cas_conflicts: Option<u32>,
+    /// Requests passed without limits: no usable configuration (here: no shared data).
+    fallback: Option<u32>,
+    /// Waits a host that cannot resume a paused request turned into 429s.
+    waits_refused: Option<u32>,
 }
 
 /// What to do with a request.
@@ -83,10 +98,26 @@ pub struct Waiting {
     /// Its reply (a pass) once it goes.
     pub reply: Reply,
     /// The leaky-bucket checks it took a turn from, given back if it never goes.
-    turns: Vec<Check>,
+    turns: Vec<Turn>,
     at: Nanos,
     /// Its concurrency slots, held while it waits and after.
     pub slots: Slots,
+}
+
+/// A turn in one leaky bucket's queue: the check, the turn given (the host clock) and the
+/// queue's departure count then; departures after it move the turn up ([`Engine::turn`]).
+#[derive(Clone, Debug)]
+pub struct Turn {
+    check: Check,
+    at: Nanos,
+    seq: u32,
+}
+
+impl Waiting {
+    /// Its turns, for [`Engine::turn`].
+    pub fn turns(&self) -> &[Turn] {
+        &self.turns
+    }
 }
 
 /// A request paused on an ask: what deciding it again needs.
@@ -124,7 +155,13 @@ pub struct Engine {
     table: Table,
     rules: Vec<RuleMetrics>,
     node: NodeMetrics,
-    sync: Option<Syncer>,
+    /// The sync state, made with the table ([`Engine::ready`]) unless carried over.
+    sync: OnceCell<Syncer>,
+    sync_opts: Option<SyncOptions>,
+    /// Whether shared data works (None: not tried yet in this VM).
+    shared: Cell<Option<bool>>,
+    /// When the filter last said at error level that it serves without limits.
+    fallback_logged: Cell<Option<Nanos>>,
     /// The request headers read, in the order [`Engine::on_request`] expects them: `:method`,
     /// `:path`, `x-forwarded-for` (empty when untrusted), then the identity headers.
     header_names: HeaderNames,
@@ -181,18 +218,18 @@ impl Engine {
             evictions: host.define_counter("ratewall_table_evictions"),
             corrupt: host.define_counter("ratewall_table_corrupt"),
             cas_conflicts: host.define_counter("ratewall_table_cas_conflicts"),
+            fallback: host.define_counter(FALLBACK_METRIC),
+            waits_refused: host.define_counter("ratewall_waits_refused"),
         };
-        if let Err(e) = table.create(host) {
-            host.log(Level::Warn, &format!("ratewall: could not create the counter table: {e:?}"));
+        // Shared data is first touched by a request or a tick, never here: on ngx_wasm_module
+        // a trap in `on_configure` is fatal to the worker, and without a `shm_kv` zone the
+        // first shared-data call traps. A VM that has used it already goes on at once.
+        let proven = previous.is_some_and(|p| p.shared.get() == Some(true));
+        let sync = OnceCell::new();
+        if let (Some(opts), Some(old)) = (&config.sync, previous.and_then(|p| p.sync.get())) {
+            let _ = sync.set(Syncer::continuing(old, opts.clone()));
         }
-        // A resized table starts clean; the old one's entries are dropped (its keys stay).
-        if let Some(old) = previous.map(|p| &p.table).filter(|t| t.buckets() != table.buckets()) {
-            old.clear(host);
-        }
-        let sync = config.sync.clone().map(|opts| match previous.and_then(|p| p.sync.as_ref()) {
-            Some(old) => Syncer::continuing(old, opts),
-            None => Syncer::new(host, opts),
-        });
+        let sync_opts = config.sync.clone();
         let xff = if config.identity.ip.trusted_hops > 0 { "x-forwarded-for" } else { "" };
         let header_names = HeaderNames::new(
             [":method", ":path", xff]
@@ -202,7 +239,86 @@ impl Engine {
                 .collect(),
         )
         .reporting_repeats_of(XFF);
-        Ok(Engine { config, table, rules, node, sync, header_names })
+        let engine = Engine {
+            config,
+            table,
+            rules,
+            node,
+            sync,
+            sync_opts,
+            shared: Cell::new(None),
+            fallback_logged: Cell::new(None),
+            header_names,
+        };
+        if proven {
+            engine.shared.set(Some(true));
+            engine.prepare(host);
+            // A resized table starts clean; the old one's entries are dropped (its keys stay).
+            if let Some(old) = previous.map(|p| &p.table).filter(|t| t.buckets() != engine.table.buckets()) {
+                old.clear(host);
+            }
+        }
+        Ok(engine)
+    }
+
+    /// Whether shared data can be used, found out on the first call in this VM: a host
+    /// without it (ngx_wasm_module with no `shm_kv` zone) traps on the first shared-data
+    /// call, so two counters in the host's metrics, which outlive a trapped instance, record
+    /// each first call tried and each that came back. More tried than came back: an earlier
+    /// instance trapped there, and this one serves without limits (counted in
+    /// `ratewall_config_rejected`, said at error level) instead of trapping in turn.
+    pub fn ready(&self, host: &dyn Host) -> bool {
+        if let Some(ok) = self.shared.get() {
+            return ok;
+        }
+        let tried = host.define_counter("ratewall_shared_data_tried");
+        let came_back = host.define_counter("ratewall_shared_data_ready");
+        let read = |m: Option<u32>| m.and_then(|id| host.metric_value(id)).unwrap_or(0);
+        if read(tried) > read(came_back) {
+            self.shared.set(Some(false));
+            self.say_fallback(host);
+            return false;
+        }
+        if let Some(id) = tried {
+            host.increment(id, 1);
+        }
+        let _ = host.shared_get(PROBE_KEY);
+        if let Some(id) = came_back {
+            host.increment(id, 1);
+        }
+        self.shared.set(Some(true));
+        self.prepare(host);
+        true
+    }
+
+    /// Creates the table's keys and joins the node's sync: the first shared-data writes.
+    fn prepare(&self, host: &dyn Host) {
+        if let Err(e) = self.table.create(host) {
+            host.log(Level::Warn, &format!("ratewall: could not create the counter table: {e:?}"));
+        }
+        if let (Some(opts), None) = (&self.sync_opts, self.sync.get()) {
+            let _ = self.sync.set(Syncer::new(host, opts.clone()));
+        }
+    }
+
+    /// Says at error level, at most every [`FALLBACK_LOG_EVERY`], that requests pass
+    /// without limits because the host has no shared data.
+    fn say_fallback(&self, host: &dyn Host) {
+        let now = host.now();
+        if self.fallback_logged.get().is_some_and(|at| now.saturating_sub(at) < FALLBACK_LOG_EVERY) {
+            return;
+        }
+        self.fallback_logged.set(Some(now));
+        host.log(
+            Level::Error,
+            "ratewall: the proxy has no shared data (on NGINX: add `shm_kv * 16m;` to the `wasm {}` block); \
+             requests pass without limits, counted in ratewall_config_rejected",
+        );
+    }
+
+    /// The sync state, once the table is prepared.
+    fn sync(&self) -> Option<&Syncer> {
+        self.sync.get()
     }
 
     /// The validated configuration.
@@ -217,24 +333,33 @@ impl Engine {
 
     /// How often the host should call [`Engine::on_tick`] (None: never needed).
     pub fn tick_interval(&self) -> Option<ratewall_core::Nanos> {
-        self.sync.as_ref().map(|s| s.options().interval)
+        self.sync_opts.as_ref().map(|s| s.interval)
+    }
+
+    /// Whether some rule shapes (a leaky bucket): its admitted requests may wait their turn.
+    pub fn shapes(&self) -> bool {
+        self.config.rules.iter().any(leaky)
     }
 
     /// The periodic tick: sync with the global store.
     pub fn on_tick(&self, host: &dyn Host) {
-        if let Some(s) = &self.sync {
+        if !self.ready(host) {
+            self.say_fallback(host);
+            return;
+        }
+        if let Some(s) = self.sync() {
             s.on_tick(host);
         }
     }
 
     /// The longest valid answer to sync call `token`: the glue reads no longer body.
     pub fn answer_cap(&self, token: u32) -> usize {
-        self.sync.as_ref().map_or(0, |s| s.answer_cap(token))
+        self.sync().map_or(0, |s| s.answer_cap(token))
     }
 
     /// The answer to a sync call (`status` 0: failed or timed out).
     pub fn on_sync_response(&self, host: &dyn Host, token: u32, status: u32, tag: Option<&[u8]>, body: &[u8]) {
-        if let Some(s) = &self.sync {
+        if let Some(s) = self.sync() {
             s.on_response(host, &self.table, token, status, tag, body);
         }
     }
@@ -242,6 +367,13 @@ impl Engine {
     /// Decides one request from its headers: a reply, or an ask to the global store that the
     /// request waits for (paused), answered through [`Engine::on_ask_response`].
     pub fn on_request(&self, host: &dyn Host) -> Verdict {
+        if !self.ready(host) {
+            if let Some(id) = self.node.fallback {
+                host.increment(id, 1);
+            }
+            self.say_fallback(host);
+            return Verdict::Reply(Reply { status: 200, headers: Vec::new(), body: String::new() });
+        }
         let now = host.now();
         let map = host.request_headers();
         let identity = &self.config.identity;
@@ -325,7 +457,7 @@ impl Engine {
         tag: Option<&[u8]>,
         body: &[u8],
     ) -> Verdict {
-        let taken = match &self.sync {
+        let taken = match self.sync() {
             Some(s) => s.on_ask_response(host, &self.table, (&asking.wants, asking.asked_at), (status, tag, body)),
             None => Vec::new(),
         };
@@ -343,12 +475,32 @@ impl Engine {
 
     /// A request that waited its turn went away before it: its turns go back to the queues,
     /// so the requests after it are not held for it, and its slots are given back.
+    /// Each waiter behind it in a queue moves up a turn (see [`crate::table::Departures`]).
     pub fn give_back(&self, host: &dyn Host, waiting: Waiting) {
         let mut counters = TableCounters::new(&self.table, host, Grants::Off, &[]);
-        for c in &waiting.turns {
-            let _ = ratewall_core::eval::Counters::refund(&mut counters, c, waiting.at);
+        let now = host.now();
+        for t in &waiting.turns {
+            let shift = t.check.cost.saturating_mul(t.check.limit.interval());
+            let span = t.check.limit.capacity().saturating_mul(t.check.limit.interval());
+            let horizon = now.saturating_sub(span).saturating_sub(ratewall_core::algo::SECOND);
+            counters.leaving = Some((t.at, t.seq, shift, horizon));
+            let _ = ratewall_core::eval::Counters::refund(&mut counters, &t.check, waiting.at);
         }
         self.release(host, waiting.slots);
+    }
+
+    /// When a waiter with `turns` goes now (the host clock): the latest of its turns, each
+    /// moved up by the waiters ahead of it that left. `until`: when it was to go.
+    pub fn turn(&self, host: &dyn Host, turns: &[Turn], until: Nanos) -> Nanos {
+        let mut latest = None;
+        for t in turns {
+            let moved = match self.table.queue(host, &t.check.key) {
+                Some((_, q)) => q.turn(t.at, t.seq),
+                None => t.at,
+            };
+            latest = Some(latest.map_or(moved, |l: Nanos| l.max(moved)));
+        }
+        latest.map_or(until, |l| l.min(until))
     }
 
     /// A request that held concurrency slots ended (its response completed, or its stream
@@ -379,9 +531,52 @@ impl Engine {
 
     /// A request paused on an ask went away before the answer.
     pub fn ask_abandoned(&self) {
-        if let Some(s) = &self.sync {
+        if let Some(s) = self.sync() {
             s.ask_done();
         }
+    }
+
+    /// On a host that cannot resume a paused request later (ngx_wasm_module resumes one only
+    /// from its own callbacks, not from the root's tick), a request a leaky bucket would hold
+    /// for its turn is refused instead: what it took is given back, and its 429 says when its
+    /// turn would have come (`Retry-After`, rounded up: waiting that long, it passes). Whether
+    /// it did so.
+    fn refuse_wait(
+        &self,
+        host: &dyn Host,
+        checks: &[Check],
+        outcome: &mut ratewall_core::eval::Outcome,
+        counters: &mut TableCounters<'_>,
+        now: Nanos,
+    ) -> bool {
+        let waits = |c: &Check, o: &ratewall_core::eval::CheckOutcome| match o.result {
+            CheckResult::Decided(d) if o.mode == ratewall_core::rules::Mode::Enforce => c.limit.wait(&d, c.cost),
+            _ => 0,
+        };
+        if outcome.rejected || !checks.iter().zip(&outcome.checks).any(|(c, o)| waits(c, o) > 0) {
+            return false;
+        }
+        if host.resumes_waiters() {
+            return false;
+        }
+        for (c, o) in checks.iter().zip(&outcome.checks) {
+            if let CheckResult::Decided(d) = o.result {
+                if d.allowed && c.cost > 0 {
+                    // A failed refund leaves the units spent: conservative, never over-admits.
+                    let _ = ratewall_core::eval::Counters::refund(counters, c, now);
+                }
+            }
+        }
+        for (c, o) in checks.iter().zip(outcome.checks.iter_mut()) {
+            let wait = waits(c, o);
+            if let (CheckResult::Decided(d), true) = (&mut o.result, wait > 0) {
+                d.allowed = false;
+                d.remaining = 0;
+                d.retry_after = Some(wait);
+            }
+        }
+        outcome.rejected = true;
+        true
     }
 
     /// Evaluates a request's checks against the table (and the store's grants), records the
@@ -401,11 +596,11 @@ impl Engine {
             Round::AfterAsk { paid } => (false, paid),
         };
         let real_limits: Vec<Limit> =
-            if self.sync.is_some() { checks.iter().map(|c| c.limit).collect() } else { Vec::new() };
+            if self.sync().is_some() { checks.iter().map(|c| c.limit).collect() } else { Vec::new() };
         // With sync: admit on the store's grants while its data is fresh; else degrade, open
         // rules to `limit / nodes` locally and closed rules to rejection.
         let mut unavailable = Vec::new();
-        let (grants, now) = match &self.sync {
+        let (grants, now) = match self.sync() {
             None => (Grants::Off, now),
             Some(s) if s.fresh(now) => (Grants::On { nodes: s.nodes() }, s.store_now(now)),
             Some(s) => {
@@ -419,7 +614,12 @@ impl Engine {
             }
         };
         let mut counters = TableCounters::new(&self.table, host, grants, &unavailable);
-        let outcome = evaluate(&self.config, &checks, &mut counters, now);
+        let mut outcome = evaluate(&self.config, &checks, &mut counters, now);
+        if self.refuse_wait(host, &checks, &mut outcome, &mut counters, now) {
+            if let Some(id) = self.node.waits_refused {
+                host.increment(id, 1);
+            }
+        }
         let stats = counters.stats;
         let bump = |m: Option<u32>, by: u64| {
             if let (Some(id), true) = (m, by > 0) {
@@ -429,7 +629,7 @@ impl Engine {
         bump(self.node.evictions, stats.evictions);
         bump(self.node.corrupt, stats.corrupt);
         bump(self.node.cas_conflicts, stats.cas_conflicts);
-        if let (true, true, Some(s)) = (may_ask, outcome.rejected, &self.sync) {
+        if let (true, true, Some(s)) = (may_ask, outcome.rejected, self.sync()) {
             // Ask only when every rejection is a spent grant the store may still cover.
             let askable = &counters.askable;
             let asks = |c: &Check| askable.contains(&c.key);
@@ -446,7 +646,7 @@ impl Engine {
                 }
             }
         }
-        if let Some(s) = &self.sync {
+        if let Some(s) = self.sync() {
             // Deltas name each counter's real limit, not a degraded share of it. A denied
             // counter is named with 0 units: the next batch asks the store for a new grant
             // (its window may have rolled over, or quota come back).
@@ -465,6 +665,7 @@ impl Engine {
         // concurrency rule's holds its slot until it ends.
         let mut wait = 0;
         let (mut turns, mut slots, mut delayed) = (Vec::new(), Vec::new(), Vec::new());
+        let host_now = host.now();
         for (c, o) in checks.iter().zip(&outcome.checks) {
             let CheckResult::Decided(d) = o.result else { continue };
             match c.limit.algorithm() {
@@ -476,7 +677,8 @@ impl Engine {
                     if o.mode == ratewall_core::rules::Mode::Enforce {
                         wait = wait.max(w);
                     }
-                    turns.push(c.clone());
+                    let seq = counters.seqs.iter().find(|(k, _)| *k == c.key).map_or(0, |(_, s)| *s);
+                    turns.push(Turn { check: c.clone(), at: host_now.saturating_add(w), seq });
                 }
                 ratewall_core::Algorithm::Concurrent => {
                     self.in_flight(host, c, Some(d.remaining));
@@ -522,6 +724,6 @@ impl Engine {
                 bump(m.delayed, 1);
             }
         }
-        Verdict::Wait(Waiting { until: host.now().saturating_add(wait), reply, turns, at: now, slots })
+        Verdict::Wait(Waiting { until: host_now.saturating_add(wait), reply, turns, at: now, slots })
     }
 }

@@ -57,6 +57,9 @@ pub struct FakeHost {
     pub shared_broken: Cell<bool>,
     /// Fault injection: dispatch refuses every call.
     pub refuse_calls: Cell<bool>,
+    /// Behave as a host that resumes a paused request only from its own callbacks
+    /// (ngx_wasm_module), not from the root's tick.
+    pub no_root_resume: Cell<bool>,
     /// The header map leaves the pseudo-headers out (as some hosts do); they are still
     /// found by name.
     pub map_omits_pseudo: Cell<bool>,
@@ -89,6 +92,7 @@ impl FakeHost {
             cas_conflicts: Cell::new(0),
             shared_broken: Cell::new(false),
             refuse_calls: Cell::new(false),
+            no_root_resume: Cell::new(false),
             map_omits_pseudo: Cell::new(false),
         }
     }
@@ -162,13 +166,12 @@ pub fn header_map<N: AsRef<str>, V: AsRef<[u8]>>(headers: &[(N, V)]) -> Vec<u8> 
 }
 
 /// Answers a dispatched sync call from a reference store, as a signed 200: (status, tag,
-/// body), or the store's refusal as a status with no body.
+/// body), or the store's refusal: its status and reason.
 pub fn answer(store: &mut Store, now: Nanos, secret: &str, call: &Call) -> (u32, Option<Vec<u8>>, Vec<u8>) {
     let tag = call.header("x-ratewall-signature").and_then(|t| ratewall_core::sync::unhex(t.as_bytes()));
     match store.handle_signed(now, secret.as_bytes(), &call.body, &tag.unwrap_or_default()) {
         Ok(body) => (200, Some(hex(&sign(secret.as_bytes(), &body)).into_bytes()), body),
-        Err(ratewall_core::sync::SyncError::Stale { .. }) => (409, None, Vec::new()),
-        Err(_) => (401, None, Vec::new()),
+        Err(e) => (u32::from(e.status()), None, e.to_string().into_bytes()),
     }
 }
 
@@ -258,6 +261,12 @@ impl Host for FakeHost {
             assert!(m.1, "set_gauge of counter {}", m.0);
             m.2 = value;
         }
+    }
+    fn metric_value(&self, metric: u32) -> Option<u64> {
+        self.metrics.borrow().get(metric as usize).map(|m| m.2)
+    }
+    fn resumes_waiters(&self) -> bool {
+        !self.no_root_resume.get()
     }
     fn dispatch(&self, upstream: &str, headers: &[(&str, &str)], body: &[u8], timeout: Nanos) -> Option<u32> {
         if self.refuse_calls.get() {

@@ -1,37 +1,77 @@
 //! The thin proxy-wasm layer: implements [`Host`] with the SDK's host calls (the variants
 //! that return errors rather than panic) and wires contexts to the [`Engine`].
 
-use crate::engine::{Asking, Engine, Slots, Verdict, Waiting};
+use crate::engine::{Asking, Engine, Slots, Turn, Verdict, Waiting, FALLBACK_LOG_EVERY, FALLBACK_METRIC};
 use crate::host::{Host, Level, SetError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 use ratewall_core::Nanos;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
-/// How often the root ticks while a request waits its turn: a turn is kept within this.
+/// How often the root ticks under rules that shape (a leaky bucket): a waiting request is
+/// resumed within this of its turn.
 const WAIT_TICK: Nanos = 5_000_000;
 
 /// The requests of this VM waiting their turn in a leaky bucket.
 #[derive(Default)]
 struct WaitList {
-    /// (context id, when it goes).
-    list: Vec<(u32, Nanos)>,
-    /// A request set the fast tick (the root puts the period back when none waits).
-    fast: bool,
+    /// (context id, when it goes, its turns: a waiter ahead that leaves moves it up).
+    list: Vec<(u32, Nanos, Vec<Turn>)>,
 }
 
 type Waiters = Rc<RefCell<WaitList>>;
 
-impl WaitList {
-    /// Takes note that a request set the fast tick (`ticking`: the period the root set), and
-    /// says whether any request waits.
-    fn waiting(&mut self, ticking: &mut Nanos) -> bool {
-        if std::mem::take(&mut self.fast) {
-            *ticking = WAIT_TICK;
+/// What a VM does while no rules are in force (its first document was rejected): it serves,
+/// open by default, or closed (503) when its VM configuration says `{"without_rules":
+/// "closed"}`; either way every such request is counted in `ratewall_config_rejected` and the
+/// rejection is said at error level, at most every [`FALLBACK_LOG_EVERY`], until good rules
+/// arrive.
+#[derive(Default)]
+struct Fallback {
+    closed: Cell<bool>,
+    metric: Cell<Option<u32>>,
+    /// Why the rules were rejected (None: rules are in force, or none were given yet).
+    why: RefCell<Option<String>>,
+    logged: Cell<Option<Nanos>>,
+}
+
+impl Fallback {
+    /// Says at error level, at most every [`FALLBACK_LOG_EVERY`], that no rules are in force.
+    fn say(&self) {
+        let Some(why) = self.why.borrow().clone() else { return };
+        let now = ProxyHost.now();
+        if self.logged.get().is_some_and(|at| now.saturating_sub(at) < FALLBACK_LOG_EVERY) {
+            return;
         }
-        !self.list.is_empty()
+        self.logged.set(Some(now));
+        let how = if self.closed.get() {
+            "every request is refused with 503 (without_rules: closed)"
+        } else {
+            "requests pass without limits"
+        };
+        ProxyHost.log(
+            Level::Error,
+            &format!("ratewall: no rules in force, the rules document was rejected: {why}; {how}, counted in {FALLBACK_METRIC}"),
+        );
+    }
+
+    /// A request while no rules are in force: whether it goes on.
+    fn request(&self) -> bool {
+        if self.why.borrow().is_none() {
+            return true;
+        }
+        if let Some(id) = self.metric.get() {
+            ProxyHost.increment(id, 1);
+        }
+        self.say();
+        if !self.closed.get() {
+            return true;
+        }
+        let body = r#"{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"the rate limiter has no valid rules"}"#;
+        let headers = vec![("content-type", "application/problem+json"), ("retry-after", "10")];
+        hostcalls::send_http_response(503, headers, Some(body.as_bytes())).is_err()
     }
 }
 
@@ -44,6 +84,14 @@ extern "C" {
     // The SDK's `get_current_time` returns a `SystemTime`, which the engine would turn back
     // into nanoseconds through 128-bit arithmetic on every request.
     fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
+    // The SDK's `get_metric` traps on a status it does not expect.
+    fn proxy_get_metric(metric_id: u32, return_value: *mut u64) -> u32;
+}
+
+thread_local! {
+    /// Whether this host resumes a paused request from the root's tick (found out in the
+    /// first request that needs it).
+    static RESUMES_FROM_ROOT: Cell<Option<bool>> = const { Cell::new(None) };
 }
 
 /// The request headers as the host serializes them.
@@ -107,6 +155,27 @@ impl Host for ProxyHost {
     fn set_gauge(&self, metric: u32, value: u64) {
         let _ = hostcalls::record_metric(metric, value);
     }
+    fn metric_value(&self, metric: u32) -> Option<u64> {
+        let mut value: u64 = 0;
+        // SAFETY: the host writes one u64 through a pointer to a live local.
+        match unsafe { proxy_get_metric(metric, &mut value) } {
+            0 => Some(value),
+            _ => None,
+        }
+    }
+    fn resumes_waiters(&self) -> bool {
+        // ngx_wasm_module (which has the `ngx.*` properties: NGINX's variables) accepts
+        // `proxy_set_effective_context` and does nothing, so `proxy_continue_stream` from the
+        // root's tick cannot reach a paused request. Asked from a request's context only.
+        RESUMES_FROM_ROOT.with(|known| match known.get() {
+            Some(r) => r,
+            None => {
+                let r = self.property(&["ngx", "nginx_version"]).is_none();
+                known.set(Some(r));
+                r
+            }
+        })
+    }
     fn dispatch(&self, upstream: &str, headers: &[(&str, &str)], body: &[u8], timeout: Nanos) -> Option<u32> {
         let timeout = std::time::Duration::from_nanos(timeout);
         hostcalls::dispatch_http_call(upstream, headers.to_vec(), Some(body), Vec::new(), timeout).ok()
@@ -129,7 +198,13 @@ proxy_wasm::main! {{
         let _ = hostcalls::log(LogLevel::Critical, &format!("ratewall: panic: {info}"));
     }));
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(Root { engine: None, waiters: Waiters::default(), next_sync: 0, ticking: 0 })
+        Box::new(Root {
+            engine: None,
+            waiters: Waiters::default(),
+            next_sync: 0,
+            ticking: 0,
+            fallback: Rc::new(Fallback::default()),
+        })
     });
 }}
 
@@ -142,16 +217,29 @@ struct Root {
     next_sync: Nanos,
     /// The tick period set (0: none).
     ticking: Nanos,
+    fallback: Rc<Fallback>,
 }
 
-/// Sets the tick period the root needs: fast while requests wait, else the sync interval
-/// (none without sync); `current` is the one set.
-fn tick_for(engine: Option<&Engine>, waiting: bool, current: &mut Nanos) {
-    let want = if waiting { WAIT_TICK } else { engine.and_then(Engine::tick_interval).unwrap_or(0) };
-    if want != *current {
-        *current = want;
-        let _ = hostcalls::set_tick_period(std::time::Duration::from_nanos(want));
+/// Sets, from the root context, the tick period `engine` needs: [`WAIT_TICK`] under rules
+/// that shape, else the sync interval (none without sync); `current` is the one set. Set at
+/// configure only: ngx_wasm_module traps on a period set from a request's context, and on a
+/// non-zero period replacing another (where a push changes it — Envoy — it is cleared first;
+/// ngx_wasm_module configures each VM once).
+fn tick_for(engine: Option<&Engine>, current: &mut Nanos) {
+    let sync = engine.and_then(Engine::tick_interval);
+    let want = match (engine.is_some_and(Engine::shapes), sync) {
+        (true, Some(i)) => WAIT_TICK.min(i),
+        (true, None) => WAIT_TICK,
+        (false, i) => i.unwrap_or(0),
+    };
+    if want == *current {
+        return;
     }
+    if *current != 0 && want != 0 {
+        let _ = hostcalls::set_tick_period(std::time::Duration::ZERO);
+    }
+    *current = want;
+    let _ = hostcalls::set_tick_period(std::time::Duration::from_nanos(want));
 }
 
 /// The store's answer to a call: status (0: failed, timed out, or a body longer than `cap`,
@@ -194,9 +282,13 @@ impl RootContext for Root {
         // Requests whose turn came go on (resumed in their own context).
         let due: Vec<u32> = {
             let mut w = self.waiters.borrow_mut();
-            w.waiting(&mut self.ticking);
-            let due = w.list.iter().filter(|(_, until)| *until <= now).map(|(ctx, _)| *ctx).collect();
-            w.list.retain(|(_, until)| *until > now);
+            if let Some(engine) = &self.engine {
+                for (_, until, turns) in w.list.iter_mut().filter(|(_, until, _)| *until > now) {
+                    *until = engine.turn(&ProxyHost, turns, *until);
+                }
+            }
+            let due = w.list.iter().filter(|(_, until, _)| *until <= now).map(|(ctx, _, _)| *ctx).collect();
+            w.list.retain(|(_, until, _)| *until > now);
             due
         };
         for ctx in due {
@@ -210,35 +302,64 @@ impl RootContext for Root {
                 engine.on_tick(&ProxyHost);
             }
         }
-        let waiting = !self.waiters.borrow().list.is_empty();
-        tick_for(self.engine.as_deref(), waiting, &mut self.ticking);
+        self.fallback.say();
+    }
+
+    fn on_vm_start(&mut self, size: usize) -> bool {
+        // The deployment's choice for a VM without valid rules: `{"without_rules": "closed"}`
+        // refuses requests with 503; anything else (or nothing) serves them. Never false: on
+        // ngx_wasm_module a VM that fails to start takes its worker down.
+        let config = hostcalls::get_buffer(BufferType::VmConfiguration, 0, size).ok().flatten().unwrap_or_default();
+        let text = String::from_utf8_lossy(&config);
+        let closed = text.contains("\"without_rules\"") && text.contains("\"closed\"");
+        if !config.is_empty() && !closed && !text.contains("\"open\"") {
+            ProxyHost.log(
+                Level::Warn,
+                &format!("ratewall: VM configuration {text:?} not understood; without valid rules requests pass"),
+            );
+        }
+        self.fallback.closed.set(closed);
+        true
     }
 
     fn on_configure(&mut self, size: usize) -> bool {
+        // Never false, whatever the document: on ngx_wasm_module a false answer is fatal to
+        // the worker (NGINX then serves nothing), and on Envoy it adds nothing to the error
+        // logged here.
+        self.fallback.metric.set(ProxyHost.define_counter(FALLBACK_METRIC));
         let document = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size) {
             Ok(Some(d)) => d,
             Ok(None) => Vec::new(),
-            Err(_) => return false,
+            Err(_) => b"(the host did not give the plugin configuration)".to_vec(),
         };
         match Engine::configure(&ProxyHost, &document, self.engine.as_deref()) {
             Ok(engine) => {
                 ProxyHost.log(Level::Info, &format!("ratewall: loaded {} rules", engine.config().rules.len()));
-                let waiting = self.waiters.borrow_mut().waiting(&mut self.ticking);
-                tick_for(Some(&engine), waiting, &mut self.ticking);
+                tick_for(Some(&engine), &mut self.ticking);
                 self.engine = Some(Rc::new(engine));
-                true
+                *self.fallback.why.borrow_mut() = None;
             }
-            Err(e) => {
-                let keeping = if self.engine.is_some() { "keeping the previous rules" } else { "no rules loaded" };
-                ProxyHost.log(Level::Error, &format!("ratewall: configuration rejected: {e}; {keeping}"));
-                false
-            }
+            Err(e) => match &self.engine {
+                Some(_) => {
+                    ProxyHost.log(
+                        Level::Error,
+                        &format!("ratewall: configuration rejected: {e}; keeping the previous rules"),
+                    );
+                }
+                None => {
+                    *self.fallback.why.borrow_mut() = Some(e.to_string());
+                    self.fallback.logged.set(None);
+                    self.fallback.say();
+                }
+            },
         }
+        true
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Request {
             engine: self.engine.clone(),
+            fallback: self.fallback.clone(),
             response_headers: Vec::new(),
             asking: None,
             id: context_id,
@@ -256,6 +377,7 @@ impl RootContext for Root {
 /// One HTTP request's context.
 struct Request {
     engine: Option<Rc<Engine>>,
+    fallback: Rc<Fallback>,
     response_headers: Vec<(&'static str, String)>,
     /// The ask this request is paused on.
     asking: Option<Asking>,
@@ -293,14 +415,8 @@ impl Request {
             }
             Verdict::Wait(waiting) => {
                 self.response_headers.clone_from(&waiting.reply.headers);
-                let mut w = self.waiters.borrow_mut();
-                w.list.push((self.id, waiting.until));
-                // The root ticks fast while something waits (the period is the root's; this
-                // context's root is the effective one for the call).
-                if !w.fast {
-                    w.fast = hostcalls::set_tick_period(std::time::Duration::from_nanos(WAIT_TICK)).is_ok();
-                }
-                drop(w);
+                // The root, ticking every WAIT_TICK under rules that shape, resumes it.
+                self.waiters.borrow_mut().list.push((self.id, waiting.until, waiting.turns().to_vec()));
                 self.waiting = Some(waiting);
                 false
             }
@@ -321,7 +437,7 @@ impl Drop for Request {
         // ends (completed or reset).
         if let Some(waiting) = self.waiting.take() {
             let mut w = self.waiters.borrow_mut();
-            match w.list.iter().position(|(ctx, _)| *ctx == self.id) {
+            match w.list.iter().position(|(ctx, _, _)| *ctx == self.id) {
                 Some(i) => {
                     w.list.swap_remove(i);
                     drop(w);
@@ -355,7 +471,7 @@ impl Context for Request {
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let Some(engine) = self.engine.clone() else {
-            return Action::Continue;
+            return if self.fallback.request() { Action::Continue } else { Action::Pause };
         };
         if self.verdict(engine.on_request(&ProxyHost)) {
             Action::Continue

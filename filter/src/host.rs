@@ -60,6 +60,13 @@ pub trait Host {
     fn define_gauge(&self, name: &str) -> Option<u32>;
     /// Sets a gauge.
     fn set_gauge(&self, metric: u32, value: u64);
+    /// A metric's value (None: the host cannot say). Metrics outlive a trapped instance.
+    fn metric_value(&self, metric: u32) -> Option<u64>;
+    /// Whether a request paused now can be resumed later from the root context's tick
+    /// (Envoy), rather than only from one of its own callbacks (ngx_wasm_module).
+    fn resumes_waiters(&self) -> bool {
+        true
+    }
     /// Sends an HTTP request to an upstream; the answer arrives later, by its token.
     fn dispatch(&self, upstream: &str, headers: &[(&str, &str)], body: &[u8], timeout: Nanos) -> Option<u32>;
     /// Logs a line.

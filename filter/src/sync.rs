@@ -21,7 +21,9 @@ use crate::host::{Host, Level, SetError};
 use crate::table::{Allowance, Table};
 use ratewall_core::algo::{Limit, Nanos};
 use ratewall_core::rules::SyncOptions;
-use ratewall_core::sync::{hex, sign, unhex, verify, Delta, SyncRequest, SyncResponse, RETRY_HORIZON};
+use ratewall_core::sync::{
+    hex, sign, unhex, verify, Delta, SyncRequest, SyncResponse, MAX_REQUEST_SKEW, RETRY_HORIZON,
+};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
@@ -67,6 +69,13 @@ const RELAXED_LEASE: Nanos = 1_000 * MS;
 pub const MAX_STORE_SKEW: Nanos = 300 * 1_000 * MS;
 /// Failures in a row that open the circuit breaker.
 const BREAKER_AFTER: u32 = 3;
+/// How long a failed batch is retried. A retry repeats the body, and with it the time the
+/// batch was made: a store refuses it once that is [`MAX_REQUEST_SKEW`] old (so a captured
+/// copy cannot be replayed after the store forgets its `seq`), so the node gives it up then
+/// rather than at [`RETRY_HORIZON`].
+const GIVE_UP_AFTER: Nanos = if MAX_REQUEST_SKEW < RETRY_HORIZON { MAX_REQUEST_SKEW } else { RETRY_HORIZON };
+/// The status a store refuses a request with when its time is too far from the store's clock.
+const REFUSED_FOR_TIME: u32 = 422;
 const MS: Nanos = 1_000_000;
 
 /// Writes an answer's grants into the counters' table entries. A batch's grant replaces what
@@ -134,6 +143,11 @@ impl Syncing {
     }
 }
 
+/// A store's plain-text reason, for a log line: printable ASCII, at most 300 bytes.
+fn quoted(body: &[u8]) -> String {
+    body.iter().take(300).map(|b| if b.is_ascii_graphic() || *b == b' ' { char::from(*b) } else { '?' }).collect()
+}
+
 fn outbox(i: u32) -> String {
     format!("rw1/sync/out/{i}")
 }
@@ -177,7 +191,7 @@ struct Batch {
     seq: u64,
     deltas: Vec<Delta>,
     body: Vec<u8>,
-    /// When it was first sent (0: not yet): it is retried for [`RETRY_HORIZON`] at most.
+    /// When it was first sent (0: not yet): it is retried for [`GIVE_UP_AFTER`] at most.
     first_sent: Nanos,
 }
 
@@ -242,6 +256,7 @@ struct Metrics {
     breaker_open: Option<u32>,
     asks: Option<u32>,
     asks_granted: Option<u32>,
+    refused_stale: Option<u32>,
 }
 
 /// One VM's syncer.
@@ -260,6 +275,9 @@ pub struct Syncer {
     /// Asks that failed in a row (timed out past `max_wait`, or refused by the host), and
     /// until when this VM does not ask.
     ask_backoff: Cell<(u32, Nanos)>,
+    /// Whether this VM has logged that the store refuses its requests for their time (once,
+    /// until a batch succeeds again).
+    refusal_logged: Cell<bool>,
 }
 
 fn merge(into: &mut Pending, key: &[u8], limit: Limit, units: u64) -> bool {
@@ -304,13 +322,17 @@ impl Syncer {
             breaker_open: gauge("ratewall_sync_breaker_open"),
             asks: counter("ratewall_sync_asks"),
             asks_granted: counter("ratewall_sync_asks_granted"),
+            refused_stale: counter("ratewall_sync_refused_stale"),
         };
         // The node id on the wire and the lease token: unique per VM incarnation — the proxy's
         // node id (Envoy's --service-node), this VM's number and its start time, hashed.
         let token = {
             use std::hash::Hasher;
             let mut h = siphasher::sip::SipHasher13::new_with_keys(0x7261_7465_7761_6c6c, u64::from(vm));
-            h.write(&host.property(&["node", "id"]).unwrap_or_default());
+            // ngx_wasm_module (whose upstreams are `host:port`) has no `node.id`, and asking
+            // for it outside a request logs an error there.
+            let id = if opts.cluster.contains(':') { None } else { host.property(&["node", "id"]) };
+            h.write(&id.unwrap_or_default());
             h.write_u64(now);
             h.write_u32(vm);
             h.finish()
@@ -326,6 +348,7 @@ impl Syncer {
             metrics,
             asks: Cell::new((0, 0)),
             ask_backoff: Cell::new((0, 0)),
+            refusal_logged: Cell::new(false),
         }
     }
 
@@ -348,6 +371,7 @@ impl Syncer {
             metrics: previous.metrics,
             asks: Cell::new(previous.asks.get()),
             ask_backoff: Cell::new(previous.ask_backoff.get()),
+            refusal_logged: Cell::new(previous.refusal_logged.get()),
         }
     }
 
@@ -437,7 +461,7 @@ impl Syncer {
             }
             let deltas: Vec<Delta> =
                 merged.into_iter().map(|(key, (limit, units))| Delta { key, limit, units }).collect();
-            let body = SyncRequest::encode_parts(0, 0, &deltas, false);
+            let body = SyncRequest::encode_parts(0, 0, 0, &deltas, false);
             match host.shared_set(&key, &body, cas) {
                 Ok(()) => {
                     if let (Some(m), true) = (self.metrics.dropped, dropped > 0) {
@@ -541,14 +565,14 @@ impl Syncer {
         if s.retry.is_none() && now < s.sent_at.saturating_add(due) {
             return;
         }
-        // A batch failing for longer than the store promises to remember its seq is given up:
-        // resent after that, a store that had applied it could count it twice.
-        if let Some(old) = s.retry.take_if(|b| b.first_sent > 0 && now.saturating_sub(b.first_sent) > RETRY_HORIZON) {
+        // A batch failing for as long as a store accepts its time is given up: the store
+        // would refuse it from then on (and it remembers the seq no longer than that allows).
+        if let Some(old) = s.retry.take_if(|b| b.first_sent > 0 && now.saturating_sub(b.first_sent) > GIVE_UP_AFTER) {
             let units = old.deltas.iter().map(|d| d.units).fold(0, u64::saturating_add);
             if let Some(m) = self.metrics.dropped {
                 host.increment(m, units);
             }
-            host.log(Level::Warn, "ratewall: a sync batch failed for 45 s and was dropped (its units are not counted)");
+            host.log(Level::Warn, "ratewall: a sync batch failed for 25 s and was dropped (its units are not counted)");
         }
         let batch = match s.retry.take() {
             Some(b) => b,
@@ -559,7 +583,9 @@ impl Syncer {
                     .filter_map(|k| s.unsent.remove(&k).map(|(limit, units)| Delta { key: k, limit, units }))
                     .collect();
                 s.seq += 1;
-                let body = SyncRequest::encode_parts(self.token, s.seq, &deltas, false);
+                // Made now: its retries repeat this time, so a store accepts them for as long
+                // as it would accept a replay it still recognizes.
+                let body = SyncRequest::encode_parts(self.token, s.seq, now, &deltas, false);
                 Batch { seq: s.seq, deltas, body, first_sent: 0 }
             }
         };
@@ -612,7 +638,7 @@ impl Syncer {
         // replaces the units it gives with the grant of the node's next batch.
         let node = Self::lease(host).map_or(0, |((holder, _), _)| holder);
         let node = if node == 0 { self.token } else { node };
-        let body = SyncRequest::encode_parts(node, number, wants, true);
+        let body = SyncRequest::encode_parts(node, number, host.now(), wants, true);
         let token = self.send(host, &body, max_wait)?;
         self.asks.set((inflight + 1, seq));
         if let Some(m) = self.metrics.asks {
@@ -645,7 +671,11 @@ impl Syncer {
         // (at most 32 s): requests are decided at once rather than wait for nothing, and the
         // store is not left holding units for answers nobody reads.
         let (failures, _) = self.ask_backoff.get();
-        if status == 0 {
+        if status == REFUSED_FOR_TIME {
+            self.refused_for_time(host, body);
+        }
+        // An ask refused for its time would be refused again: it backs off as one that failed.
+        if status == 0 || status == REFUSED_FOR_TIME {
             let failures = failures.saturating_add(1);
             let backoff = (1_000 * MS).saturating_mul(1 << (failures - 1).min(5));
             self.ask_backoff.set((failures, host.now().saturating_add(backoff)));
@@ -684,9 +714,31 @@ impl Syncer {
         if let Some(m) = self.metrics.failed {
             host.increment(m, 1);
         }
-        if s.failures == 1 || s.failures == BREAKER_AFTER {
+        if (s.failures == 1 || s.failures == BREAKER_AFTER) && !why.is_empty() {
             host.log(Level::Warn, &format!("ratewall: sync to {} failed: {why}", self.opts.cluster));
         }
+    }
+
+    /// The store refused a request because its time is further than [`MAX_REQUEST_SKEW`]
+    /// from the store's clock: this node's clock is off. Counted every time, logged once
+    /// until a batch succeeds again, quoting the store's reason (its clock and the difference).
+    fn refused_for_time(&self, host: &dyn Host, body: &[u8]) {
+        if let Some(m) = self.metrics.refused_stale {
+            host.increment(m, 1);
+        }
+        if self.refusal_logged.replace(true) {
+            return;
+        }
+        host.log(
+            Level::Error,
+            &format!(
+                "ratewall: the store at {} refuses this node's sync requests: this proxy's clock is more than \
+                 {} s from the store's (\"{}\"); the limits stay in degraded mode until the clocks agree",
+                self.opts.cluster,
+                MAX_REQUEST_SKEW / 1_000_000_000,
+                quoted(body)
+            ),
+        );
     }
 
     /// The longest valid answer to call `token` (0 when it is not the batch in flight): a
@@ -734,12 +786,19 @@ impl Syncer {
             return;
         }
         let Some(resp) = resp else {
+            if status == REFUSED_FOR_TIME {
+                // Logged once by itself, not as each failed batch.
+                self.refused_for_time(host, body);
+                self.failed(host, batch, now, "");
+                return;
+            }
             let why = match (status, verified) {
                 _ if skewed => "the store's clock is more than 300 s away from ours".to_owned(),
                 (0, _) => "timeout or connection failure".to_owned(),
                 (200, false) => "answer not signed with the shared secret".to_owned(),
                 (200, true) => "garbled answer".to_owned(),
-                (s, _) => format!("status {s}"),
+                (s, _) if body.is_empty() => format!("status {s}"),
+                (s, _) => format!("status {s} (\"{}\")", quoted(body)),
             };
             self.failed(host, batch, now, &why);
             return;
@@ -749,6 +808,7 @@ impl Syncer {
         let view = View { ok_at: now, nodes: resp.nodes.max(1), offset, rtt: now.saturating_sub(sent) };
         let _ = host.shared_set(VIEW, &view.encode(), None);
         self.view.set(view);
+        self.refusal_logged.set(false);
         {
             let mut s = self.syncing.borrow_mut();
             s.failures = 0;

@@ -19,8 +19,10 @@
 //!
 //! Creation: on Envoy a missing key reads as NotFound and a set with `cas = 0` is
 //! unconditional, so a first insert is not protected. Every bucket key is therefore created
-//! (empty) when the filter is configured, before it serves traffic, and request-path writes
-//! only ever use a CAS value they have read.
+//! (empty) before the VM counts its first request (by that request, or the first tick), and
+//! request-path writes only ever use a CAS value they have read. ngx_wasm_module reads
+//! `cas = 0` as "only if absent": there a VM that loses the creation race to another finds
+//! the key created, which is all it wanted.
 
 use crate::host::{Host, SetError};
 use ratewall_core::algo::{Nanos, State, SECOND};
@@ -34,6 +36,11 @@ use std::hash::Hasher;
 pub const WAYS: usize = 8;
 const VERSION: u8 = 1;
 const VERSION_GRANTS: u8 = 2;
+/// Entries carry a grant and a leaky bucket's [`Departures`].
+const VERSION_QUEUE: u8 = 3;
+/// The most departures a leaky bucket's entry remembers: a waiter that leaves while the log
+/// is full leaves its turn empty rather than let later arrivals take turns already held.
+pub const DEPARTURES: usize = 4;
 /// Bytes of an entry before its state.
 const HEAD: usize = 11;
 /// Fingerprints keep their low 48 bits.
@@ -63,6 +70,74 @@ pub struct Entry {
     /// What the global store lets this node admit before its next sync (None: the store has
     /// not answered for this counter).
     pub grant: Option<Allowance>,
+    /// A leaky bucket's waiters that left before their turn.
+    pub queue: Departures,
+}
+
+/// The waiters of a leaky bucket that left before their turn, newest last: each moves every
+/// waiter behind it up by its `shift`. A waiter admitted when the count was `seq` applies
+/// the departures numbered after it, in order, to the turn it was given ([`Departures::turn`]),
+/// so the queue closes up across every VM of the node and no two waiters share a turn.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Departures {
+    /// Departures so far (wrapping); the last of `gone` is number `seq`.
+    pub seq: u32,
+    /// (the turn it left, how far the waiters behind it move up), oldest first.
+    pub gone: Vec<(Nanos, Nanos)>,
+}
+
+impl Departures {
+    /// The turn now of a waiter given `turn` when the count was `seq`.
+    pub fn turn(&self, mut turn: Nanos, seq: u32) -> Nanos {
+        let n = self.gone.len() as u32;
+        for (i, (left, shift)) in self.gone.iter().enumerate() {
+            // The number of the i-th departure, compared with wrapping.
+            let number = self.seq.wrapping_sub(n - 1 - i as u32);
+            if (number.wrapping_sub(seq) as i32) > 0 && *left < turn {
+                turn = turn.saturating_sub(*shift);
+            }
+        }
+        turn
+    }
+
+    /// Records a waiter leaving `turn` (a departure moving those behind by `shift`), first
+    /// forgetting departures that left before `horizon` (no waiter admitted before them can
+    /// still wait). False when the log is full: the turn stays empty instead.
+    pub fn leave(&mut self, turn: Nanos, shift: Nanos, horizon: Nanos) -> bool {
+        self.gone.retain(|(left, _)| *left >= horizon);
+        if self.gone.len() >= DEPARTURES {
+            return false;
+        }
+        self.gone.push((turn, shift));
+        self.seq = self.seq.wrapping_add(1);
+        true
+    }
+
+    fn is_empty(&self) -> bool {
+        self.seq == 0 && self.gone.is_empty()
+    }
+
+    fn put(&self, out: &mut Vec<u8>) {
+        put_varint(out, u64::from(self.seq));
+        put_varint(out, self.gone.len().min(DEPARTURES) as u64);
+        for (left, shift) in self.gone.iter().take(DEPARTURES) {
+            put_varint(out, *left);
+            put_varint(out, *shift);
+        }
+    }
+
+    fn read(r: &mut Reader<'_>) -> Result<Departures, DecodeError> {
+        let seq = u32::try_from(r.varint()?).unwrap_or(0);
+        let n = r.varint()?;
+        if n > DEPARTURES as u64 {
+            return Err(DecodeError::Truncated);
+        }
+        let mut gone = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            gone.push((r.varint()?, r.varint()?));
+        }
+        Ok(Departures { seq, gone })
+    }
 }
 
 /// A node's grant on one counter.
@@ -120,7 +195,7 @@ pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
 pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), DecodeError> {
     entries.clear();
     let (&version, rest) = bytes.split_first().ok_or(DecodeError::Truncated)?;
-    if version != VERSION && version != VERSION_GRANTS {
+    if version != VERSION && version != VERSION_GRANTS && version != VERSION_QUEUE {
         return Err(DecodeError::Version(version));
     }
     let (&n, mut rest) = rest.split_first().ok_or(DecodeError::Truncated)?;
@@ -133,10 +208,13 @@ pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), 
         let usage = head.get(10).copied().ok_or(DecodeError::Truncated)?;
         let (state, used) = State::decode(rest.get(HEAD..).ok_or(DecodeError::Truncated)?)?;
         rest = rest.get(HEAD + used..).ok_or(DecodeError::Truncated)?;
-        let mut grant = None;
-        if version == VERSION_GRANTS {
+        let (mut grant, mut queue) = (None, Departures::default());
+        if version != VERSION {
             let mut r = Reader { bytes: rest, pos: 0 };
             grant = Allowance::read(&mut r)?;
+            if version == VERSION_QUEUE {
+                queue = Departures::read(&mut r)?;
+            }
             rest = rest.get(r.pos..).ok_or(DecodeError::Truncated)?;
         }
         entries.push(Entry {
@@ -145,6 +223,7 @@ pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), 
             usage,
             state,
             grant,
+            queue,
         });
     }
     Ok(())
@@ -161,15 +240,23 @@ pub fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
 pub fn encode_bucket_into(entries: &[Entry], out: &mut Vec<u8>) {
     out.clear();
     let grants = entries.iter().take(WAYS).any(|e| e.grant.is_some());
-    out.push(if grants { VERSION_GRANTS } else { VERSION });
+    let queues = entries.iter().take(WAYS).any(|e| !e.queue.is_empty());
+    out.push(match (grants, queues) {
+        (_, true) => VERSION_QUEUE,
+        (true, false) => VERSION_GRANTS,
+        (false, false) => VERSION,
+    });
     out.push(entries.len().min(WAYS) as u8);
     for e in entries.iter().take(WAYS) {
         out.extend_from_slice(e.fingerprint.to_le_bytes().get(..6).unwrap_or(&[0; 6]));
         out.extend_from_slice(&e.idle_at.to_le_bytes());
         out.push(e.usage);
         e.state.encode_into(out);
-        if grants {
+        if grants || queues {
             Allowance::put(e.grant, out);
+        }
+        if queues {
+            e.queue.put(out);
         }
     }
 }
@@ -184,6 +271,8 @@ pub struct Table {
     seed: u64,
     prefix: String,
     cas_retries: u32,
+    /// The departure count of the entry the last successful [`Table::update`] wrote.
+    last_seq: std::cell::Cell<u32>,
     /// Buffers reused by every update (a VM runs one request at a time), so the request path
     /// does not allocate per bucket read and write.
     scratch: RefCell<(Vec<Entry>, Vec<u8>)>,
@@ -208,7 +297,14 @@ impl Table {
         let buckets = slots.div_ceil(WAYS as u32).max(1).checked_next_power_of_two().unwrap_or(1 << 31);
         // The bucket count is part of the key so a resized table starts clean.
         let scratch = RefCell::new((Vec::with_capacity(WAYS), Vec::with_capacity(2 + WAYS * 32)));
-        Table { buckets, seed, prefix: format!("rw1/{buckets}/"), cas_retries, scratch }
+        Table {
+            buckets,
+            seed,
+            prefix: format!("rw1/{buckets}/"),
+            cas_retries,
+            last_seq: std::cell::Cell::new(0),
+            scratch,
+        }
     }
 
     /// Number of buckets (shared-data keys).
@@ -262,8 +358,13 @@ impl Table {
                 Err(_) => false,
             };
             if missing {
-                host.shared_set(&key, &empty, None)?;
-                created += 1;
+                match host.shared_set(&key, &empty, None) {
+                    Ok(()) => created += 1,
+                    // Another VM created it between the read and the write (ngx_wasm_module
+                    // refuses a `cas = 0` write to a key that exists): it is there, as wanted.
+                    Err(SetError::CasMismatch) if matches!(host.shared_get(&key), Ok((Some(_), _))) => {}
+                    Err(e) => return Err(e),
+                }
             }
         }
         Ok(created)
@@ -274,9 +375,11 @@ impl Table {
     pub fn clear(&self, host: &dyn Host) {
         for b in 0..self.buckets {
             let key = self.bucket_key(b);
-            if let Ok((Some(v), _)) = host.shared_get(&key) {
+            if let Ok((Some(v), cas)) = host.shared_get(&key) {
                 if !v.is_empty() {
-                    let _ = host.shared_set(&key, &[], None);
+                    // With the CAS read: a write without one would be refused by a host that
+                    // reads `cas = 0` as "only if absent".
+                    let _ = host.shared_set(&key, &[], cas);
                 }
             }
         }
@@ -291,6 +394,36 @@ impl Table {
         now: Nanos,
         weigh: &dyn Fn(&State) -> (Nanos, u8),
         f: &mut EntryUpdate<'_>,
+        stats: &mut TableStats,
+    ) -> Result<(), StoreError> {
+        self.update_queue(host, key, now, weigh, f, None, stats)
+    }
+
+    /// The departure count of the entry the last successful update wrote (read with that
+    /// update's state, so a waiter it admitted knows which departures came after it).
+    pub fn last_seq(&self) -> u32 {
+        self.last_seq.get()
+    }
+
+    /// A leaky bucket's state and departures for `key` (None: not tracked, or unreadable).
+    pub fn queue(&self, host: &dyn Host, key: &[u8]) -> Option<(State, Departures)> {
+        let slot = self.slot(key);
+        let (bytes, _) = host.shared_get(&self.bucket_key(slot.bucket)).ok()?;
+        let entries = decode_bucket(&bytes?).ok()?;
+        entries.into_iter().find(|e| e.fingerprint == slot.fingerprint).map(|e| (e.state, e.queue))
+    }
+
+    /// [`Table::update`], and in the same write `departure` changes the entry's departures
+    /// (false: leave the bucket unchanged).
+    #[allow(clippy::too_many_arguments)]
+    pub fn update_queue(
+        &self,
+        host: &dyn Host,
+        key: &[u8],
+        now: Nanos,
+        weigh: &dyn Fn(&State) -> (Nanos, u8),
+        f: &mut EntryUpdate<'_>,
+        mut departure: Option<&mut dyn FnMut(&mut Departures) -> bool>,
         stats: &mut TableStats,
     ) -> Result<(), StoreError> {
         let slot = self.slot(key);
@@ -318,14 +451,22 @@ impl Table {
                 None => entries.clear(),
             }
             let pos = entries.iter().position(|e| e.fingerprint == slot.fingerprint);
-            let (current, grant) =
-                pos.and_then(|i| entries.get(i)).map_or((State::Fresh, None), |e| (e.state.clone(), e.grant));
+            let (current, grant, mut queue) = pos.and_then(|i| entries.get(i)).map_or_else(
+                || (State::Fresh, None, Departures::default()),
+                |e| (e.state.clone(), e.grant, e.queue.clone()),
+            );
             let Some((next, grant)) = f(&current, grant) else {
                 return Ok(());
             };
+            if let Some(leave) = departure.as_deref_mut() {
+                if !leave(&mut queue) {
+                    return Ok(());
+                }
+            }
             let (idle_at, usage) = weigh(&next);
             let idle = u32::try_from(idle_at.div_ceil(SECOND)).unwrap_or(u32::MAX);
-            let entry = Entry { fingerprint: slot.fingerprint, idle_at: idle, usage, state: next, grant };
+            let seq = queue.seq;
+            let entry = Entry { fingerprint: slot.fingerprint, idle_at: idle, usage, state: next, grant, queue };
             match pos {
                 Some(i) => {
                     if let Some(e) = entries.get_mut(i) {
@@ -352,7 +493,10 @@ impl Table {
             // A bucket that does not exist yet was not created at configure time (a table
             // resized while traffic flows); create it now, unprotected, as Envoy allows.
             match host.shared_set(bkey, value, cas) {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    self.last_seq.set(seq);
+                    return Ok(());
+                }
                 Err(SetError::CasMismatch) => stats.cas_conflicts += 1,
                 Err(SetError::Other) => return Err(StoreError::Unavailable),
             }
@@ -390,6 +534,12 @@ pub struct TableCounters<'a> {
     /// Keys of the checks that a spent grant denied while the local limit would admit and
     /// the store had quota left: the request may ask the store for them.
     pub askable: Vec<Vec<u8>>,
+    /// The departure count each leaky bucket's admission read (by counter key): the turn it
+    /// was given is moved up by the departures after it.
+    pub seqs: Vec<(Vec<u8>, u32)>,
+    /// Set while a refund is a waiter leaving its turn: (its turn as given, the count when it
+    /// was, how far those behind move up, the oldest departure still worth remembering).
+    pub leaving: Option<(Nanos, u32, Nanos, Nanos)>,
     refunding: bool,
 }
 
@@ -403,6 +553,8 @@ impl<'a> TableCounters<'a> {
             grants,
             unavailable,
             askable: Vec::new(),
+            seqs: Vec::new(),
+            leaving: None,
             refunding: false,
         }
     }
@@ -465,7 +617,22 @@ impl Counters for TableCounters<'_> {
             Some((next, grant))
         };
         let weigh = |s: &State| (limit.idle_at(s), limit.usage(s, now));
-        let r = self.table.update(self.host, &check.key, now, &weigh, &mut g, &mut self.stats);
+        let leaky = limit.algorithm() == ratewall_core::Algorithm::LeakyBucket;
+        let r = match self.leaving.filter(|_| refunding && leaky) {
+            // A waiter leaving: its turn goes to the waiters behind it, in the same write as
+            // its refund (or, the log full, neither: its turn stays empty).
+            Some((turn, seq, shift, horizon)) => {
+                let mut leave = |q: &mut Departures| {
+                    let now_turn = q.turn(turn, seq);
+                    q.leave(now_turn, shift, horizon)
+                };
+                self.table.update_queue(self.host, &check.key, now, &weigh, &mut g, Some(&mut leave), &mut self.stats)
+            }
+            None => self.table.update(self.host, &check.key, now, &weigh, &mut g, &mut self.stats),
+        };
+        if leaky && !refunding && r.is_ok() {
+            self.seqs.push((check.key.clone(), self.table.last_seq()));
+        }
         if askable {
             self.askable.push(check.key.clone());
         }
@@ -487,13 +654,21 @@ mod tests {
     #[test]
     fn buckets_round_trip_and_garbage_is_an_error() {
         let entries = vec![
-            Entry { fingerprint: 1, idle_at: 2, usage: 0, state: State::TokenBucket { tat: 3 }, grant: None },
+            Entry {
+                fingerprint: 1,
+                idle_at: 2,
+                usage: 0,
+                state: State::TokenBucket { tat: 3 },
+                grant: None,
+                queue: Departures::default(),
+            },
             Entry {
                 fingerprint: FINGERPRINT_MASK,
                 idle_at: 5,
                 usage: 255,
                 state: State::SlidingWindow { window: 1, prev: 2, curr: 3 },
                 grant: None,
+                queue: Departures::default(),
             },
         ];
         let bytes = encode_bucket(&entries);
@@ -511,6 +686,36 @@ mod tests {
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
         assert!(decode_bucket(&[]).is_err());
         assert!(decode_bucket(&[1, 200]).is_err());
+        // A leaky bucket's departures make it version 3.
+        let mut queued = entries.clone();
+        queued[0].queue = Departures { seq: 7, gone: vec![(1_800_000_000_400_000_000, 200_000_000)] };
+        let bytes3 = encode_bucket(&queued);
+        assert_eq!(bytes3[0], VERSION_QUEUE);
+        assert_eq!(decode_bucket(&bytes3).unwrap(), queued);
+        for cut in 0..bytes3.len() {
+            assert!(decode_bucket(&bytes3[..cut]).is_err(), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn departures_move_up_only_the_waiters_behind_them_and_after_whom_they_left() {
+        const I: Nanos = 200;
+        let mut q = Departures::default();
+        // Waiters given turns 200..=1000 when the count was 0; the one at 400 leaves.
+        assert!(q.leave(400, I, 0));
+        assert_eq!([200, 600, 800, 1000].map(|t| q.turn(t, 0)), [200, 400, 600, 800]);
+        // A waiter admitted after it (count 1) was given its turn from the queue as closed.
+        assert_eq!(q.turn(1000, 1), 1000);
+        // Then the waiter now at 600 (given 800) leaves too: the rest move up once more.
+        assert!(q.leave(q.turn(800, 0), I, 0));
+        assert_eq!([200, 1000].map(|t| q.turn(t, 0)), [200, 600]);
+        assert_eq!(q.turn(1000, 1), 800);
+        // The log is bounded: past DEPARTURES a leaving waiter's turn stays empty.
+        assert!(q.leave(5000, I, 0) && q.leave(5200, I, 0));
+        assert!(!q.leave(5400, I, 0));
+        // Departures older than the horizon are forgotten.
+        assert!(q.leave(5400, I, 1000));
+        assert_eq!(q.gone.len(), 3);
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub(crate) mod status {
     pub const NOT_FOUND: i32 = 1;
     pub const BAD_ARGUMENT: i32 = 2;
     pub const CAS_MISMATCH: i32 = 8;
+    pub const INTERNAL_FAILURE: i32 = 10;
     pub const UNIMPLEMENTED: i32 = 12;
 }
 

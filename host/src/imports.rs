@@ -35,6 +35,50 @@ pub(crate) fn define_imports(linker: &mut Linker<VmState>, module: &Module) -> R
     shared_data(linker)?;
     calls(linker)?;
     metrics(linker)?;
+    nginx_unimplemented(linker, module)?;
+    Ok(())
+}
+
+/// Whether the VM's node behaves as ngx_wasm_module.
+fn nginx(c: &Caller<'_, VmState>) -> bool {
+    c.data().node.profile().is_nginx()
+}
+
+/// The calls ngx_wasm_module declares but does not implement: they trap ("NYI") under its
+/// profile; under Envoy's they keep their stubs.
+fn nginx_unimplemented(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
+    const NYI: [&str; 11] = [
+        "proxy_done",
+        "proxy_close_stream",
+        "proxy_get_status",
+        "proxy_resume_downstream",
+        "proxy_resume_upstream",
+        "proxy_continue_response",
+        "proxy_grpc_call",
+        "proxy_grpc_stream",
+        "proxy_grpc_send",
+        "proxy_grpc_cancel",
+        "proxy_grpc_close",
+    ];
+    for import in module.imports() {
+        let (m, n) = (import.module(), import.name());
+        let Some(ty) = import.ty().func().cloned() else { continue };
+        if m != "env" || !NYI.contains(&n) {
+            continue;
+        }
+        let name = n.to_owned();
+        linker.func_new(m, n, ty, move |c, _args, results| {
+            if nginx(&c) {
+                bail!("[wasm] {name}: function not yet implemented");
+            }
+            if let Some(r) = results.first_mut() {
+                // Envoy's answers: proxy_done and proxy_close_stream succeed.
+                let ok = name == "proxy_done" || name == "proxy_close_stream";
+                *r = Val::I32(if ok { status::OK } else { status::UNIMPLEMENTED });
+            }
+            Ok(())
+        })?;
+    }
     Ok(())
 }
 
@@ -66,9 +110,18 @@ fn context(linker: &mut Linker<VmState>) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_set_tick_period_milliseconds",
-        |mut c: Caller<'_, VmState>, period: i32| -> i32 {
+        |mut c: Caller<'_, VmState>, period: i32| -> Result<i32> {
+            if nginx(&c) {
+                // ngx_proxy_wasm_hfuncs_set_tick_period: root context only, and once.
+                if c.data().current != 1 {
+                    bail!("[wasm] can only set tick_period in root context");
+                }
+                if period != 0 && c.data().tick_period_ms != 0 {
+                    bail!("[wasm] tick_period already set");
+                }
+            }
             c.data_mut().tick_period_ms = period as u32;
-            status::OK
+            Ok(status::OK)
         },
     )?;
     linker.func_wrap(
@@ -77,7 +130,7 @@ fn context(linker: &mut Linker<VmState>) -> Result<()> {
         |mut c: Caller<'_, VmState>, kind: i32, start: i32, max: i32, ret_ptr: i32, ret_size: i32| -> Result<i32> {
             let data = match kind {
                 BUFFER_PLUGIN_CONFIGURATION => c.data().plugin_config.clone(),
-                BUFFER_VM_CONFIGURATION => Vec::new(),
+                BUFFER_VM_CONFIGURATION => c.data().vm_config.clone(),
                 BUFFER_HTTP_CALL_RESPONSE_BODY => match &c.data().call_response {
                     Some((_, body)) => body.clone(),
                     None => return Ok(status::NOT_FOUND),
@@ -166,11 +219,20 @@ fn context(linker: &mut Linker<VmState>) -> Result<()> {
         "proxy_get_property",
         |mut c: Caller<'_, VmState>, pp: i32, pl: i32, ret_ptr: i32, ret_size: i32| -> Result<i32> {
             let path = read(&mut c, pp, pl)?;
-            let parts: Vec<&[u8]> = path.split(|&b| b == 0).collect();
+            let parts: Vec<&[u8]> = path.split(|&b| b == 0).filter(|p| !p.is_empty()).collect();
+            let nginx = nginx(&c);
+            if nginx && c.data().current == 1 && parts.len() > 1 {
+                // ngx_proxy_wasm_properties_get: a dotted path needs a request.
+                let line = "[wasm] cannot get scoped properties outside of a request".to_owned();
+                lock(&c.data().node.state.logs).push((4, line));
+                return Ok(status::INTERNAL_FAILURE);
+            }
             let value = match parts.as_slice() {
                 [b"source", b"address"] => c.data().source_address.clone().map(String::into_bytes),
                 [b"plugin_root_id"] | [b"plugin_name"] => Some(b"ratewall".to_vec()),
-                [b"node", b"id"] => c.data().node.state.id.get().map(|s| s.clone().into_bytes()),
+                // ngx_wasm_module has no `node.id` (it maps `node` to "not supported").
+                [b"node", b"id"] if !nginx => c.data().node.state.id.get().map(|s| s.clone().into_bytes()),
+                [b"ngx", b"nginx_version"] if nginx => Some(b"1.27.4".to_vec()),
                 _ => None,
             };
             reply_bytes(&mut c, value, ret_ptr, ret_size)
@@ -195,6 +257,7 @@ fn shared_data(linker: &mut Linker<VmState>) -> Result<()> {
         "env",
         "proxy_get_shared_data",
         |mut c: Caller<'_, VmState>, kp: i32, kl: i32, ret_ptr: i32, ret_size: i32, ret_cas: i32| -> Result<i32> {
+            no_shm_kv(&c, "getting value from")?;
             // Copied out under the lock into the VM's scratch buffer (no allocation), then into
             // the guest's: the guest's allocator runs in between.
             let mut value = std::mem::take(&mut c.data_mut().scratch);
@@ -221,6 +284,7 @@ fn shared_data(linker: &mut Linker<VmState>) -> Result<()> {
         "env",
         "proxy_set_shared_data",
         |mut c: Caller<'_, VmState>, kp: i32, kl: i32, vp: i32, vl: i32, cas: i32| -> Result<i32> {
+            no_shm_kv(&c, "setting value in")?;
             with_memory(&mut c, |mem, s| {
                 let (key, value) = (text(guest_slice(mem, kp, kl)?), guest_slice(mem, vp, vl)?);
                 Ok(s.node.shared_set(&key, value, cas as u32))
@@ -228,6 +292,28 @@ fn shared_data(linker: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     Ok(())
+}
+
+/// ngx_wasm_module without a `shm_kv` zone: every shared-data call traps.
+fn no_shm_kv(c: &Caller<'_, VmState>, what: &str) -> Result<()> {
+    if c.data().node.profile() == (crate::Profile::Nginx { shm_kv: false }) {
+        bail!("[wasm] failed {what} shm (could not resolve namespace)");
+    }
+    Ok(())
+}
+
+/// ngx_wasm_module's upstream of `proxy_http_call`: `host:port`, the host an IP address or a
+/// name its resolver looks up (not an `upstream {}` block).
+fn nginx_upstream(upstream: &str) -> bool {
+    let (host, port) = match upstream.rsplit_once(':') {
+        Some((h, p)) => (h.trim_start_matches('[').trim_end_matches(']'), p),
+        None => return false,
+    };
+    let name = !host.is_empty()
+        && host
+            .split('.')
+            .all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') && !l.starts_with('-'));
+    (host.parse::<std::net::IpAddr>().is_ok() || name) && port.parse::<u16>().is_ok_and(|p| p > 0)
 }
 
 /// Local replies, dispatched HTTP calls, and stream control.
@@ -271,6 +357,11 @@ fn calls(linker: &mut Linker<VmState>) -> Result<()> {
          ret: i32|
          -> Result<i32> {
             let upstream = read_str(&mut c, up, ul)?;
+            if nginx(&c) && !nginx_upstream(&upstream) {
+                let line = format!("[wasm] dispatch failed: invalid host \"{upstream}\" (expected host:port)");
+                lock(&c.data().node.state.logs).push((4, line));
+                return Ok(status::INTERNAL_FAILURE);
+            }
             let headers = deserialize_map(&read(&mut c, hp, hl)?)?;
             let body = read(&mut c, bp, bl)?;
             let token = c.data().node.state.next_token.fetch_add(1, Ordering::SeqCst) + 1;
@@ -281,16 +372,21 @@ fn calls(linker: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     linker.func_wrap("env", "proxy_set_effective_context", |mut c: Caller<'_, VmState>, ctx: i32| -> i32 {
-        c.data_mut().effective_context = ctx as u32;
+        // ngx_wasm_module accepts the call and does nothing.
+        if !nginx(&c) {
+            c.data_mut().effective_context = ctx as u32;
+        }
         status::OK
     })?;
     linker.func_wrap("env", "proxy_continue_stream", |mut c: Caller<'_, VmState>, _t: i32| -> i32 {
-        let ctx = c.data().effective_context;
-        c.data_mut().resumed.insert(ctx);
+        // Envoy resumes the effective context; ngx_wasm_module the request whose callback
+        // runs (from the root's tick, none).
+        let ctx = if nginx(&c) { c.data().current } else { c.data().effective_context };
+        if ctx != 1 {
+            c.data_mut().resumed.insert(ctx);
+        }
         status::OK
     })?;
-    linker.func_wrap("env", "proxy_close_stream", |_c: Caller<'_, VmState>, _t: i32| -> i32 { status::OK })?;
-    linker.func_wrap("env", "proxy_done", |_c: Caller<'_, VmState>| -> i32 { status::OK })?;
     Ok(())
 }
 

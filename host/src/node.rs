@@ -1,5 +1,6 @@
-//! A node (one proxy process): the compiled plugin, shared data with Envoy's semantics,
-//! metrics, the clock, logs and the calls its VMs dispatch.
+//! A node (one proxy process): the compiled plugin, shared data with its host's semantics
+//! (Envoy's or ngx_wasm_module's, see [`Profile`]), metrics, the clock, logs and the calls
+//! its VMs dispatch.
 
 use crate::abi::*;
 use rustc_hash::FxHashMap;
@@ -75,9 +76,44 @@ pub struct Metric {
     pub value: i64,
 }
 
+/// Which proxy a node behaves as, where proxies differ in what a filter can observe.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Profile {
+    /// Envoy: a missing key reads as NotFound and a set with `cas = 0` is unconditional; any
+    /// context may set the root's tick period; `set_effective_context` switches the context
+    /// that `continue_stream` resumes; a rejected `on_configure` keeps the VM serving.
+    #[default]
+    Envoy,
+    /// NGINX with Kong's ngx_wasm_module (0.6): `cas = 0` means "only if absent" (and a
+    /// missing key takes only `cas = 0`); without a `shm_kv` zone every shared-data call
+    /// traps; the tick period is set only from the root context, and a non-zero period
+    /// replacing another traps; `set_effective_context` does nothing and `continue_stream`
+    /// resumes only the context whose callback runs; `http_call` takes `host:port` only;
+    /// scoped properties (`node.id`, ...) fail outside a request; `proxy_done`,
+    /// `proxy_close_stream`, `proxy_get_status` and the gRPC calls trap; `on_configure` or
+    /// `on_vm_start` returning false (or trapping) is fatal to the worker; a reload brings
+    /// fresh VMs and an empty `shm_kv` zone ([`Node::reload`]).
+    Nginx {
+        /// Whether `wasm { shm_kv * SIZE; }` is configured.
+        shm_kv: bool,
+    },
+}
+
+impl Profile {
+    /// ngx_wasm_module with a `shm_kv` zone, as `envoy-config/nginx.conf` configures it.
+    pub const NGINX: Profile = Profile::Nginx { shm_kv: true };
+
+    /// Whether this is ngx_wasm_module.
+    pub fn is_nginx(self) -> bool {
+        matches!(self, Profile::Nginx { .. })
+    }
+}
+
 /// What one proxy process shares between its VMs.
 #[derive(Default)]
 pub struct NodeState {
+    /// The proxy it behaves as.
+    pub(crate) profile: Profile,
     /// Keys hashed with FxHash, as a proxy's own maps use a fast hash (Envoy: absl's).
     pub(crate) shared: Mutex<FxHashMap<String, (Vec<u8>, u32)>>,
     pub(crate) next_cas: AtomicU32,
@@ -117,12 +153,32 @@ pub struct Node {
 }
 
 impl Node {
-    /// A node with its clock at `now` (nanoseconds since the epoch).
+    /// A node with its clock at `now` (nanoseconds since the epoch), behaving as Envoy.
     pub fn new(now: u64) -> Node {
-        let node = Node::default();
+        Node::with_profile(now, Profile::Envoy)
+    }
+
+    /// A node behaving as `profile`.
+    pub fn with_profile(now: u64, profile: Profile) -> Node {
+        let node = Node { state: Arc::new(NodeState { profile, ..NodeState::default() }) };
         let _ = node.state.id.set(format!("node-{}", NODES.fetch_add(1, Ordering::SeqCst)));
         node.set_time(now);
         node
+    }
+
+    /// The proxy this node behaves as.
+    pub fn profile(&self) -> Profile {
+        self.state.profile
+    }
+
+    /// A configuration reload (`nginx -s reload`): under ngx_wasm_module the new workers get a
+    /// fresh, empty `shm_kv` zone and a fresh metrics zone (start new [`crate::Vm`]s for them);
+    /// under Envoy a configuration push keeps shared data, so nothing changes here.
+    pub fn reload(&self) {
+        if self.state.profile.is_nginx() {
+            lock(&self.state.shared).clear();
+            lock(&self.state.metrics).clear();
+        }
     }
     /// Sets the virtual clock.
     pub fn set_time(&self, now: u64) {
@@ -169,14 +225,18 @@ impl Node {
     }
 
     /// Envoy's `SharedData::set`: with `cas != 0` an existing key must still have that CAS;
-    /// a missing key is inserted whatever `cas` is.
+    /// a missing key is inserted whatever `cas` is. ngx_wasm_module's: the CAS given must be
+    /// the key's (0 for a missing key), so `cas = 0` on an existing key is a CasMismatch.
     pub(crate) fn shared_set(&self, key: &str, value: &[u8], cas: u32) -> i32 {
         if cas != 0 && self.state.cas_always_fails.load(Ordering::SeqCst) {
             return status::CAS_MISMATCH;
         }
+        let nginx = self.state.profile.is_nginx();
         let mut map = lock(&self.state.shared);
         let next = self.state.next_cas.fetch_add(1, Ordering::SeqCst).wrapping_add(1).max(1);
         match map.get_mut(key) {
+            Some(entry) if nginx && cas != entry.1 => status::CAS_MISMATCH,
+            None if nginx && cas != 0 => status::CAS_MISMATCH,
             Some(entry) if cas != 0 && cas != entry.1 => status::CAS_MISMATCH,
             Some(entry) => {
                 entry.0.clear();

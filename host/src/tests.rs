@@ -193,3 +193,182 @@ fn header_maps_round_trip_and_malformed_ones_are_errors() {
     huge.extend_from_slice(b"a\0b\0");
     assert!(deserialize_map(&huge).is_err());
 }
+
+/// A guest for the ngx_wasm_module profile: each export calls one host function from the
+/// context it is called in (the root's configure and tick, or a request's headers) and
+/// returns its status. Request headers: `x-op` picks what the request callback does.
+const PROFILE_GUEST: &str = r#"(module
+  (import "env" "proxy_get_shared_data" (func $get (param i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_set_shared_data" (func $set (param i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_set_tick_period_milliseconds" (func $tick (param i32) (result i32)))
+  (import "env" "proxy_set_effective_context" (func $effective (param i32) (result i32)))
+  (import "env" "proxy_continue_stream" (func $continue (param i32) (result i32)))
+  (import "env" "proxy_get_property" (func $property (param i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_http_call" (func $call (param i32 i32 i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_done" (func $done (result i32)))
+  (import "env" "proxy_get_header_map_value" (func $header (param i32 i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 2)
+  (data (i32.const 0) "k")
+  (data (i32.const 16) "v1")
+  (data (i32.const 32) "node\00id")
+  (data (i32.const 48) "plugin_name")
+  (data (i32.const 64) "store")
+  (data (i32.const 80) "127.0.0.1:8090")
+  (data (i32.const 96) "x-op")
+  (data (i32.const 128) "\00\00\00\00")
+  (global $bump (mut i32) (i32.const 32768))
+  (global $status (mut i32) (i32.const -1))
+  (func (export "malloc") (param $n i32) (result i32) (local $p i32)
+    global.get $bump local.set $p
+    global.get $bump local.get $n i32.add global.set $bump
+    local.get $p)
+  (func (export "status") (result i32) (global.get $status))
+  (func (export "get") (result i32) (call $get (i32.const 0) (i32.const 1) (i32.const 200) (i32.const 204) (i32.const 208)))
+  (func (export "set") (param $cas i32) (result i32) (call $set (i32.const 0) (i32.const 1) (i32.const 16) (i32.const 2) (local.get $cas)))
+  (func (export "cas") (result i32) (i32.load (i32.const 208)))
+  (func (export "tick") (param $ms i32) (result i32) (call $tick (local.get $ms)))
+  (func (export "node_id") (result i32) (call $property (i32.const 32) (i32.const 7) (i32.const 200) (i32.const 204)))
+  (func (export "plugin_name") (result i32) (call $property (i32.const 48) (i32.const 11) (i32.const 200) (i32.const 204)))
+  (func (export "call_named") (result i32)
+    (call $call (i32.const 64) (i32.const 5) (i32.const 128) (i32.const 4) (i32.const 0) (i32.const 0) (i32.const 128) (i32.const 4) (i32.const 1000) (i32.const 300)))
+  (func (export "call_address") (result i32)
+    (call $call (i32.const 80) (i32.const 14) (i32.const 128) (i32.const 4) (i32.const 0) (i32.const 0) (i32.const 128) (i32.const 4) (i32.const 1000) (i32.const 300)))
+  (func (export "done") (result i32) (call $done))
+  ;; Resume context $ctx from here: switch to it, then continue.
+  (func (export "resume") (param $ctx i32) (result i32)
+    (drop (call $effective (local.get $ctx)))
+    (call $continue (i32.const 0)))
+  (func (export "proxy_abi_version_0_2_1"))
+  (func (export "proxy_on_context_create") (param i32 i32))
+  (func (export "proxy_on_vm_start") (param i32 i32) (result i32) (i32.const 1))
+  (func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 1))
+  ;; x-op: "t" sets the tick period from the request; "p" reads node.id; else pause.
+  (func (export "proxy_on_request_headers") (param i32 i32 i32) (result i32) (local $op i32)
+    (if (i32.eqz (call $header (i32.const 0) (i32.const 96) (i32.const 4) (i32.const 300) (i32.const 304)))
+      (then (local.set $op (i32.load8_u (i32.load (i32.const 300))))))
+    (if (i32.eq (local.get $op) (i32.const 116)) (then (global.set $status (call $tick (i32.const 5))) (return (i32.const 0))))
+    (if (i32.eq (local.get $op) (i32.const 112)) (then (global.set $status (call $property (i32.const 32) (i32.const 7) (i32.const 200) (i32.const 204))) (return (i32.const 0))))
+    (i32.const 1))
+  (func (export "proxy_on_response_headers") (param i32 i32 i32) (result i32) (i32.const 0))
+  (func (export "proxy_on_done") (param i32) (result i32) (i32.const 1))
+  (func (export "proxy_on_log") (param i32))
+  (func (export "proxy_on_delete") (param i32)))"#;
+
+fn profile_vm(node: &Node) -> Vm {
+    let plugin = Plugin::from_bytes(PROFILE_GUEST.as_bytes()).unwrap();
+    Vm::start(&plugin, node, b"{}").unwrap()
+}
+
+const INTERNAL_FAILURE: i64 = 10;
+
+#[test]
+fn nginx_reads_cas_zero_as_only_if_absent_and_a_missing_key_takes_only_zero() {
+    let node = Node::with_profile(1, crate::Profile::NGINX);
+    let mut vm = profile_vm(&node);
+    assert_eq!(call(&mut vm, "set", &[Val::I32(7)]), CAS_MISMATCH, "a missing key takes cas 0 only");
+    assert_eq!(call(&mut vm, "set", &[Val::I32(0)]), OK, "cas 0 creates");
+    assert_eq!(call(&mut vm, "set", &[Val::I32(0)]), CAS_MISMATCH, "cas 0 on an existing key is refused");
+    assert_eq!(call(&mut vm, "get", &[]), OK);
+    let cas = call(&mut vm, "cas", &[]) as i32;
+    assert_eq!(call(&mut vm, "set", &[Val::I32(cas)]), OK, "the CAS read");
+    // Envoy: cas 0 is unconditional.
+    let mut envoy = profile_vm(&Node::new(1));
+    assert_eq!(call(&mut envoy, "set", &[Val::I32(0)]), OK);
+    assert_eq!(call(&mut envoy, "set", &[Val::I32(0)]), OK);
+}
+
+#[test]
+fn nginx_without_shm_kv_traps_on_shared_data() {
+    let node = Node::with_profile(1, crate::Profile::Nginx { shm_kv: false });
+    let mut vm = profile_vm(&node);
+    let e = vm.call("get", &[]).unwrap_err();
+    assert!(e.to_string().contains("could not resolve namespace"), "{e}");
+    assert!(vm.trapped().is_some(), "the instance is discarded");
+    let mut vm = profile_vm(&node);
+    assert!(vm.call("set", &[Val::I32(0)]).is_err());
+}
+
+#[test]
+fn nginx_sets_the_tick_period_from_the_root_only_and_once() {
+    let node = Node::with_profile(1, crate::Profile::NGINX);
+    let mut vm = profile_vm(&node);
+    // From a request's context: a trap that discards the instance.
+    let r = vm.begin(&HttpRequest::new("GET", "/").header("x-op", "t"));
+    assert!(r.unwrap_err().to_string().contains("can only set tick_period in root context"));
+    assert!(vm.trapped().is_some());
+    // From the root: once; a non-zero period replacing another traps, 0 then a period does not.
+    let mut vm = profile_vm(&node);
+    assert_eq!(call(&mut vm, "tick", &[Val::I32(5)]), OK);
+    assert_eq!(call(&mut vm, "tick", &[Val::I32(0)]), OK);
+    assert_eq!(call(&mut vm, "tick", &[Val::I32(100)]), OK);
+    assert!(vm.call("tick", &[Val::I32(5)]).unwrap_err().to_string().contains("tick_period already set"));
+    // Envoy: any context, any time.
+    let mut envoy = profile_vm(&Node::new(1));
+    assert!(matches!(envoy.begin(&HttpRequest::new("GET", "/").header("x-op", "t")), Ok(crate::Started::Done(_))));
+    assert_eq!(call(&mut envoy, "tick", &[Val::I32(7)]), OK);
+    assert_eq!(envoy.tick_period_ms(), 7);
+}
+
+#[test]
+fn nginx_resumes_a_request_only_from_its_own_context() {
+    for (profile, resumed) in [(crate::Profile::Envoy, true), (crate::Profile::NGINX, false)] {
+        let node = Node::with_profile(1, profile);
+        let mut vm = profile_vm(&node);
+        let crate::Started::Paused(ctx) = vm.begin(&HttpRequest::new("GET", "/")).unwrap() else { panic!("paused") };
+        // From the root (a tick): set_effective_context, then continue_stream.
+        assert_eq!(call(&mut vm, "resume", &[Val::I32(ctx as i32)]), OK, "accepted on both");
+        assert_eq!(vm.finish(ctx).unwrap().is_some(), resumed, "{profile:?}");
+    }
+}
+
+#[test]
+fn nginx_has_no_scoped_properties_outside_a_request_and_no_node_id() {
+    let node = Node::with_profile(1, crate::Profile::NGINX);
+    let mut vm = profile_vm(&node);
+    assert_eq!(call(&mut vm, "node_id", &[]), INTERNAL_FAILURE);
+    assert!(node
+        .logs()
+        .iter()
+        .any(|(l, m)| *l == 4 && m.contains("cannot get scoped properties outside of a request")));
+    assert_eq!(call(&mut vm, "plugin_name", &[]), OK, "a plain property is there");
+    let mut envoy = profile_vm(&Node::new(1));
+    assert_eq!(call(&mut envoy, "node_id", &[]), OK);
+    assert!(vm.request(&HttpRequest::new("GET", "/").header("x-op", "p")).unwrap().passed);
+    assert_eq!(call(&mut vm, "status", &[]), NOT_FOUND, "in a request: no node.id on NGINX");
+}
+
+#[test]
+fn nginx_calls_host_port_only_and_traps_on_what_it_does_not_implement() {
+    let node = Node::with_profile(1, crate::Profile::NGINX);
+    let mut vm = profile_vm(&node);
+    assert_eq!(call(&mut vm, "call_named", &[]), INTERNAL_FAILURE, "an Envoy cluster name");
+    assert_eq!(call(&mut vm, "call_address", &[]), OK);
+    assert_eq!(vm.take_callouts()[0].upstream, "127.0.0.1:8090");
+    assert!(vm.call("done", &[]).unwrap_err().to_string().contains("not yet implemented"));
+    let mut envoy = profile_vm(&Node::new(1));
+    assert_eq!(call(&mut envoy, "call_named", &[]), OK);
+    assert_eq!(call(&mut envoy, "done", &[]), OK);
+}
+
+#[test]
+fn an_nginx_reload_brings_fresh_shared_data_and_envoy_keeps_it() {
+    for (profile, kept) in [(crate::Profile::Envoy, true), (crate::Profile::NGINX, false)] {
+        let node = Node::with_profile(1, profile);
+        assert_eq!(node.set_shared("k", b"v", 0), 0);
+        node.reload();
+        assert_eq!(node.shared_get("k").is_some(), kept, "{profile:?}");
+    }
+}
+
+#[test]
+fn a_configuration_refused_is_fatal_under_nginx_and_kept_serving_under_envoy() {
+    let refusing = PROFILE_GUEST.replace(
+        r#"(func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 1))"#,
+        r#"(func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 0))"#,
+    );
+    let plugin = Plugin::from_bytes(refusing.as_bytes()).unwrap();
+    let mut envoy = Vm::start(&plugin, &Node::new(1), b"{}").unwrap();
+    assert!(!envoy.configure(b"{}").unwrap(), "Envoy: rejected, the VM serves on");
+    let e = Vm::start(&plugin, &Node::with_profile(1, crate::Profile::NGINX), b"{}").err().unwrap();
+    assert!(e.to_string().contains("fatal code 2"), "{e}");
+}

@@ -82,6 +82,9 @@ pub type HeaderMap = Vec<(String, Vec<u8>)>;
 pub(crate) struct VmState {
     pub(crate) node: Node,
     pub(crate) plugin_config: Vec<u8>,
+    /// The VM configuration (Envoy's `vm_config.configuration`, ngx_wasm_module's `module`
+    /// directive's third argument), read at `proxy_on_vm_start`.
+    pub(crate) vm_config: Vec<u8>,
     pub(crate) request_headers: Vec<(String, Vec<u8>)>,
     pub(crate) response_headers: Vec<(String, Vec<u8>)>,
     pub(crate) source_address: Option<String>,
@@ -93,6 +96,9 @@ pub(crate) struct VmState {
     pub(crate) callouts: Vec<Callout>,
     pub(crate) call_response: Option<(HeaderMap, Vec<u8>)>,
     pub(crate) effective_context: u32,
+    /// The context whose callback is running (ngx_wasm_module checks this one, not the
+    /// effective context).
+    pub(crate) current: u32,
     /// The guest's memory and allocator, looked up once after instantiation.
     pub(crate) memory: Option<Memory>,
     pub(crate) alloc: Option<TypedFunc<i32, i32>>,
@@ -131,9 +137,15 @@ impl Vm {
     /// Instantiates `plugin` as one VM of `node` and configures it with `config`. A rejected
     /// configuration is not an error here: check [`Vm::configure`]'s result or the logs.
     pub fn start(plugin: &Plugin, node: &Node, config: &[u8]) -> Result<Vm> {
+        Vm::start_with_vm_config(plugin, node, &[], config)
+    }
+
+    /// [`Vm::start`] with a VM configuration, which the plugin reads when its VM starts.
+    pub fn start_with_vm_config(plugin: &Plugin, node: &Node, vm_config: &[u8], config: &[u8]) -> Result<Vm> {
         let state = VmState {
             node: node.clone(),
             plugin_config: config.to_vec(),
+            vm_config: vm_config.to_vec(),
             request_headers: Vec::new(),
             response_headers: Vec::new(),
             source_address: None,
@@ -143,6 +155,7 @@ impl Vm {
             callouts: Vec::new(),
             call_response: None,
             effective_context: 0,
+            current: 1,
             memory: None,
             alloc: None,
             pairs_without_pseudo_headers: false,
@@ -177,19 +190,40 @@ impl Vm {
         }
         vm.call("proxy_on_context_create", &[Val::I32(1), Val::I32(0)])?;
         if vm.instance.get_func(&mut vm.store, "proxy_on_vm_start").is_some() {
-            vm.call("proxy_on_vm_start", &[Val::I32(1), Val::I32(0)])?;
+            let size = vm_config.len() as i32;
+            let r = vm.call("proxy_on_vm_start", &[Val::I32(1), Val::I32(size)])?;
+            if r.first().and_then(Val::i32) == Some(0) {
+                let why = "on_vm_start returned false: the VM failed to start".to_owned();
+                vm.broken = Some(why.clone());
+                bail!(why);
+            }
         }
         vm.configure(config)?;
         Ok(vm)
     }
 
     /// Pushes a new plugin configuration (as Envoy does on an ECDS update); returns whether
-    /// the plugin accepted it.
+    /// the plugin accepted it. Under ngx_wasm_module a false answer is fatal: the worker
+    /// exits and cannot be respawned, so this is an error and the VM is unusable.
     pub fn configure(&mut self, config: &[u8]) -> Result<bool> {
         self.store.data_mut().plugin_config = config.to_vec();
         let root = self.root as i32;
+        self.enter(self.root);
         let r = self.call("proxy_on_configure", &[Val::I32(root), Val::I32(config.len() as i32)])?;
-        Ok(r.first().and_then(Val::i32) == Some(1))
+        let accepted = r.first().and_then(Val::i32) == Some(1);
+        if !accepted && self.node().profile().is_nginx() {
+            let why = "on_configure returned false: worker process exited with fatal code 2 and cannot be respawned";
+            self.broken = Some(why.to_owned());
+            bail!(why);
+        }
+        Ok(accepted)
+    }
+
+    /// Marks `ctx` as the context whose callback runs next (and the effective one).
+    fn enter(&mut self, ctx: u32) {
+        let s = self.store.data_mut();
+        s.current = ctx;
+        s.effective_context = ctx;
     }
 
     pub(crate) fn call(&mut self, name: &str, args: &[Val]) -> Result<Vec<Val>> {
@@ -238,6 +272,7 @@ impl Vm {
             s.response_headers = Vec::new();
             s.source_address.clone_from(&req.source_address);
             s.effective_context = ctx;
+            s.current = ctx;
         }
         let root = self.root as i32;
         let c = ctx as i32;
@@ -280,7 +315,7 @@ impl Vm {
     /// stream without a response, as Envoy ends it.
     pub fn abort(&mut self, ctx: u32) -> Result<()> {
         let c = ctx as i32;
-        self.store.data_mut().effective_context = ctx;
+        self.enter(ctx);
         self.guard(|s, e| e.done.call(s, c))?;
         self.guard(|s, e| e.log.call(s, c))?;
         self.guard(|s, e| e.delete.call(s, c))?;
@@ -292,7 +327,7 @@ impl Vm {
     /// response's headers when it passed, then the end of the stream.
     fn complete(&mut self, ctx: u32, reply: Option<LocalReply>) -> Result<FilterResult> {
         let c = ctx as i32;
-        self.store.data_mut().effective_context = ctx;
+        self.enter(ctx);
         let result = if let Some(reply) = reply {
             FilterResult { status: reply.status, headers: reply.headers, body: reply.body, passed: false }
         } else {
@@ -329,7 +364,7 @@ impl Vm {
     /// Runs the root context's tick.
     pub fn tick(&mut self) -> Result<()> {
         let root = self.root as i32;
-        self.store.data_mut().effective_context = self.root;
+        self.enter(self.root);
         self.call("proxy_on_tick", &[Val::I32(root)]).map(|_| ())
     }
 
@@ -362,7 +397,7 @@ impl Vm {
     fn deliver_headers(&mut self, callout: &Callout, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Result<()> {
         let (nh, nb) = (headers.len() as i32, body.len() as i32);
         self.store.data_mut().call_response = Some((headers, body));
-        self.store.data_mut().effective_context = callout.context;
+        self.enter(callout.context);
         let r = self.call(
             "proxy_on_http_call_response",
             &[
@@ -409,6 +444,11 @@ impl Vm {
     /// Wasm instructions the guest has run (a [`Plugin::metered`] plugin; else 0).
     pub fn fuel_used(&self) -> u64 {
         self.store.get_fuel().map_or(0, |left| u64::MAX - left)
+    }
+
+    /// Why the VM is unusable (it trapped, or its start or configuration failed fatally).
+    pub fn trapped(&self) -> Option<&str> {
+        self.broken.as_deref()
     }
 
     /// The node this VM belongs to.

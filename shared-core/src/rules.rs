@@ -183,7 +183,8 @@ impl Default for FilterOptions {
 /// How a proxy-wasm filter node syncs with the global store (docs/sync-protocol.md).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SyncOptions {
-    /// The upstream the store is reached through (Envoy cluster, NGINX upstream).
+    /// The upstream the store is reached through: an Envoy cluster name, or under NGINX
+    /// (ngx_wasm_module) the store's `host:port` (an IP, or a name its resolver finds).
     pub cluster: String,
     /// The `:authority` of sync requests (default: the cluster name).
     pub authority: String,

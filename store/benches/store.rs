@@ -69,7 +69,7 @@ fn drive(addrs: &[String], senders: u64, batches: u64, keys: impl Fn(u64) -> Vec
                     let mut lat = Vec::new();
                     for seq in 1..=batches {
                         let deltas = keys.iter().map(|k| Delta { key: k.clone(), limit, units: 1 }).collect();
-                        let req = SyncRequest { node: base + sender, seq, deltas, ask: false };
+                        let req = SyncRequest { node: base + sender, seq, sent: 0, deltas, ask: false };
                         let addr = &addrs[(sender as usize + seq as usize) % addrs.len()];
                         let t = Instant::now();
                         let (status, _) = Http(addr).call(&req);

@@ -14,7 +14,7 @@
 //! It is not a rate limiter of its own: proxies decide; this adds up what they admitted.
 
 use ratewall_core::sync::{
-    hex, sign, unhex, verify, Counter, Grant, SyncRequest, SyncResponse, RETRY_HORIZON, SEQ_MEMORY,
+    hex, sign, unhex, Counter, Grant, SyncError, SyncRequest, SyncResponse, RETRY_HORIZON, SEQ_MEMORY,
 };
 use ratewall_core::{Limit, Nanos, SECOND};
 
@@ -58,9 +58,13 @@ pub enum Cas {
 /// The registry: `KEYS[1]` a hash node → latest batch seq (20 zero-padded digits, so string
 /// order is numeric order), `KEYS[2]` a sorted set node → last heard (ms of the key's
 /// clock). `ARGV`: node, seq, "1" for a batch (checked and moved) or "0" for an ask, the node
-/// TTL and the seq memory in ms. Returns `{nodes heard within the TTL, ""}`, or
-/// `{-1, latest seq}` for a batch older than the node's latest (nothing is changed then).
+/// TTL and the seq memory in ms, the request's time and the most it may be from the key's
+/// clock, in ms. Returns `{nodes heard within the TTL, ""}`, `{-1, latest seq}` for a batch
+/// older than the node's latest, or `{-2, the clock in ms}` for a request made too far from
+/// it (nothing is changed then). The time is checked here, at the clock the registry's memory
+/// runs on, so that every request it accepts is one whose `seq` it remembers.
 pub const REGISTRY: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) \
+if math.abs(now - tonumber(ARGV[6])) > tonumber(ARGV[7]) then return {-2, now} end \
 if ARGV[3] == '1' then local last = redis.call('HGET', KEYS[1], ARGV[1]) \
 if last and ARGV[2] < last then return {-1, last} end \
 if (not last) or ARGV[2] > last then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end end \
@@ -94,11 +98,23 @@ pub trait Kv: Send + Sync {
         new: &[u8],
         ttl_ms: u64,
     ) -> impl Future<Output = Result<Cas, String>> + Send;
-    /// The registry: `Ok(nodes)`, or `Err(Some(latest seq))` for an older batch, `Err(None)`
-    /// when Redis failed.
-    fn heard(&self, node: u64, seq: u64, batch: bool) -> impl Future<Output = Result<u32, Option<u64>>> + Send;
+    /// The registry, for a request made at `sent` (the node's clock): `Ok(nodes)`, or why not.
+    fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos)
+        -> impl Future<Output = Result<u32, Unheard>> + Send;
     /// Whether Redis answers.
     fn ping(&self) -> impl Future<Output = bool> + Send;
+}
+
+/// Why the registry refused a call, or could not say. Nothing is changed in either case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unheard {
+    /// A batch older than the node's latest (this one).
+    Older(u64),
+    /// A request made further than [`MAX_REQUEST_SKEW`](ratewall_core::sync::MAX_REQUEST_SKEW)
+    /// from the registry's clock (this).
+    Skewed(Nanos),
+    /// Redis failed.
+    Failed,
 }
 
 /// The store's counters, exported at `GET /metrics`.
@@ -114,6 +130,10 @@ pub struct Metrics {
     pub status_409: AtomicU64,
     /// Too large.
     pub status_413: AtomicU64,
+    /// Of a protocol version this store does not speak.
+    pub status_415: AtomicU64,
+    /// Made too far from the store's clock (a node's clock is off, or a replay).
+    pub status_422: AtomicU64,
     /// Redis failed or was too slow.
     pub status_503: AtomicU64,
     /// Counter updates written.
@@ -156,6 +176,8 @@ impl Metrics {
             (401, &self.status_401),
             (409, &self.status_409),
             (413, &self.status_413),
+            (415, &self.status_415),
+            (422, &self.status_422),
             (503, &self.status_503),
         ] {
             let _ =
@@ -231,6 +253,8 @@ impl<K: Kv> Store<K> {
             401 => &m.status_401,
             409 => &m.status_409,
             413 => &m.status_413,
+            415 => &m.status_415,
+            422 => &m.status_422,
             503 => &m.status_503,
             _ => &m.sync_ok,
         };
@@ -248,13 +272,13 @@ impl<K: Kv> Store<K> {
         if body.len() > MAX_BODY {
             return Answer::error(413, format!("a body is at most {MAX_BODY} bytes"));
         }
-        let tag = signature.and_then(|s| unhex(s.trim_ascii()));
-        if !tag.is_some_and(|t| verify(&self.secret, body, &t)) {
-            return Answer::error(401, "missing or invalid x-ratewall-signature");
-        }
-        let req = match SyncRequest::decode(body) {
+        let tag = signature.and_then(|s| unhex(s.trim_ascii())).unwrap_or_default();
+        // The time is checked by the registry, at Redis's clock.
+        let req = match SyncRequest::verified(&self.secret, body, &tag, None) {
             Ok(r) => r,
-            Err(e) => return Answer::error(400, format!("malformed batch: {e}")),
+            Err(SyncError::Unauthorized) => return Answer::error(401, "missing or invalid x-ratewall-signature"),
+            Err(e @ SyncError::Malformed(_)) => return Answer::error(400, format!("malformed batch: {e}")),
+            Err(e) => return Answer::error(e.status(), e.to_string()),
         };
         if req.deltas.len() > MAX_DELTAS {
             return Answer::error(413, format!("a batch names at most {MAX_DELTAS} counters"));
@@ -270,13 +294,18 @@ impl<K: Kv> Store<K> {
     }
 
     async fn apply(&self, req: &SyncRequest) -> Result<SyncResponse, Answer> {
-        // The registry first: an older batch is refused before any counter sees it.
-        let nodes = match self.kv.heard(req.node, req.seq, !req.ask).await {
+        // The registry first: a request made too far from Redis's clock, and an older batch,
+        // are refused before any counter sees them.
+        let nodes = match self.kv.heard(req.node, req.seq, !req.ask, req.sent).await {
             Ok(n) => n,
-            Err(Some(last)) => {
+            Err(Unheard::Older(last)) => {
                 return Err(Answer::error(409, format!("seq {} is older than this node's latest ({last})", req.seq)))
             }
-            Err(None) => {
+            Err(Unheard::Skewed(now)) => {
+                let e = SyncError::Skewed { sent: req.sent, now };
+                return Err(Answer::error(e.status(), e.to_string()));
+            }
+            Err(Unheard::Failed) => {
                 self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
                 return Err(Answer::error(503, "the node registry failed; retry the batch with the same seq"));
             }
@@ -422,7 +451,7 @@ impl<K: Kv> Store<K> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
     use super::*;
-    use ratewall_core::sync::{Delta, Registry};
+    use ratewall_core::sync::{Delta, Registry, MAX_REQUEST_SKEW};
     use ratewall_core::Algorithm;
     use std::collections::HashMap;
     use std::sync::Mutex;
@@ -452,11 +481,14 @@ mod tests {
             values.insert(key.to_owned(), new.to_vec());
             Ok(Cas::Written(now))
         }
-        async fn heard(&self, node: u64, seq: u64, batch: bool) -> Result<u32, Option<u64>> {
+        async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<u32, Unheard> {
             let now = self.now.load(Ordering::Relaxed);
+            if sent.abs_diff(now) > MAX_REQUEST_SKEW {
+                return Err(Unheard::Skewed(now));
+            }
             self.registry.lock().unwrap().heard(now, node, seq, !batch, NODE_TTL).map_err(|e| match e {
-                ratewall_core::sync::SyncError::Stale { last } => Some(last),
-                _ => None,
+                ratewall_core::sync::SyncError::Stale { last } => Unheard::Older(last),
+                _ => Unheard::Failed,
             })
         }
         async fn ping(&self) -> bool {
@@ -471,8 +503,16 @@ mod tests {
     }
 
     async fn call(store: &Store<FakeKv>, node: u64, seq: u64, units: &[(&[u8], u64)]) -> Answer {
-        let deltas = units.iter().map(|(k, u)| Delta { key: k.to_vec(), limit: limit(), units: *u }).collect();
-        let body = SyncRequest { node, seq, deltas, ask: false }.encode();
+        let sent = store.kv.now.load(Ordering::Relaxed);
+        call_at(store, SyncRequest { node, seq, sent, deltas: deltas(units), ask: false }).await
+    }
+
+    fn deltas(units: &[(&[u8], u64)]) -> Vec<Delta> {
+        units.iter().map(|(k, u)| Delta { key: k.to_vec(), limit: limit(), units: *u }).collect()
+    }
+
+    async fn call_at(store: &Store<FakeKv>, req: SyncRequest) -> Answer {
+        let body = req.encode();
         store.sync(&body, Some(hex(&sign(SECRET, &body)).as_bytes())).await
     }
 
@@ -497,6 +537,27 @@ mod tests {
         assert_eq!(call(&store, 1, 2, &[(b"a", 1)]).await.status, 200);
         assert_eq!(call(&store, 1, 1, &[(b"a", 5)]).await.status, 409);
         assert_eq!(remaining(&call(&store, 1, 3, &[(b"a", 0), (b"b", 0)]).await), [94, 93]);
+    }
+
+    #[tokio::test]
+    async fn a_request_made_too_far_from_the_registrys_clock_is_refused_before_any_counter() {
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let now = 1_800_000_000 * SECOND;
+        store.kv.now.store(now, Ordering::Relaxed);
+        for (sent, status) in [(now - 26 * SECOND, 422), (now + 26 * SECOND, 422), (now - 25 * SECOND, 200)] {
+            for ask in [false, true] {
+                let a = call_at(&store, SyncRequest { node: 1, seq: 1, sent, deltas: deltas(&[(b"a", 5)]), ask }).await;
+                assert_eq!(a.status, status, "{}", String::from_utf8_lossy(&a.body));
+                if status == 422 {
+                    let why = String::from_utf8(a.body).unwrap();
+                    assert!(why.contains("26.000 s") && why.contains("the store's clock"), "{why}");
+                }
+            }
+        }
+        assert_eq!(store.metrics.status_422.load(Ordering::Relaxed), 4);
+        assert!(store.metrics.render().contains("ratewall_store_sync_failed_total{status=\"422\"} 4\n"));
+        // Only the accepted batch and ask counted.
+        assert_eq!(store.metrics.units_counted.load(Ordering::Relaxed), 10);
     }
 
     #[tokio::test]

@@ -2,8 +2,8 @@
 //! that reconnects by itself, or a Cluster connection), the three scripts invoked by SHA and
 //! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
 
-use crate::{Cas, Kv, CAS, NODE_TTL, READ, REGISTRY, REGISTRY_KEYS};
-use ratewall_core::sync::SEQ_MEMORY;
+use crate::{Cas, Kv, Unheard, CAS, NODE_TTL, READ, REGISTRY, REGISTRY_KEYS};
+use ratewall_core::sync::{MAX_REQUEST_SKEW, SEQ_MEMORY};
 use ratewall_core::Nanos;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
@@ -119,16 +119,18 @@ impl Kv for RedisKv {
         }
     }
 
-    async fn heard(&self, node: u64, seq: u64, batch: bool) -> Result<u32, Option<u64>> {
+    async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<u32, Unheard> {
         let args = [
             node.to_string().into_bytes(),
             format!("{seq:020}").into_bytes(),
             if batch { b"1".to_vec() } else { b"0".to_vec() },
             (NODE_TTL / 1_000_000).to_string().into_bytes(),
             (SEQ_MEMORY / 1_000_000).to_string().into_bytes(),
+            (sent / 1_000_000).to_string().into_bytes(),
+            (MAX_REQUEST_SKEW / 1_000_000).to_string().into_bytes(),
         ];
         let Ok(Value::Array(parts)) = self.run(&self.registry, &REGISTRY_KEYS, &args).await else {
-            return Err(None);
+            return Err(Unheard::Failed);
         };
         match parts.first().and_then(int) {
             Some(-1) => {
@@ -136,10 +138,14 @@ impl Kv for RedisKv {
                     Some(Value::BulkString(b)) => std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()),
                     _ => None,
                 };
-                Err(Some(last.unwrap_or(0)))
+                Err(Unheard::Older(last.unwrap_or(0)))
+            }
+            Some(-2) => {
+                let now_ms = parts.get(1).and_then(int).and_then(|ms| u64::try_from(ms).ok());
+                Err(now_ms.map_or(Unheard::Failed, |ms| Unheard::Skewed(ms.saturating_mul(1_000_000))))
             }
             Some(n) => Ok(u32::try_from(n).unwrap_or(u32::MAX)),
-            None => Err(None),
+            None => Err(Unheard::Failed),
         }
     }
 

@@ -5,7 +5,10 @@
 
 use ratewall_core::sync::{hex, sign, Delta, SyncRequest};
 use ratewall_core::{Algorithm, Limit, SECOND};
-use ratewall_tests::conformance::{comparable, key, sequences, Http, Reference, SyncStore, SECRET};
+use ratewall_tests::conformance::{
+    comparable, key, replay_after_the_seq_memory, sequences, version_1_batch, wall_clock, Http, Reference, SyncStore,
+    SECRET,
+};
 use ratewall_tests::http;
 use ratewall_tests::redis::{cli, Cluster, Redis};
 use std::io::BufRead;
@@ -70,6 +73,7 @@ fn counted(addr: &str, k: &[u8], probe_seq: u64) -> u64 {
     let probe = SyncRequest {
         node: 7_777,
         seq: probe_seq,
+        sent: 0,
         deltas: vec![Delta { key: k.to_vec(), limit: big(), units: 0 }],
         ask: false,
     };
@@ -89,7 +93,7 @@ fn load(addrs: &[&str], keys: &[Vec<u8>], senders: u64, batches: u64, node_base:
                     for seq in 1..=batches {
                         let units = 1 + (sender + seq) % 4;
                         let deltas = keys.iter().map(|k| Delta { key: k.clone(), limit: big(), units }).collect();
-                        let req = SyncRequest { node: node_base + sender, seq, deltas, ask: false };
+                        let req = SyncRequest { node: node_base + sender, seq, sent: 0, deltas, ask: false };
                         for attempt in 0..20 {
                             let addr = addrs[((sender + seq + attempt) as usize) % addrs.len()];
                             if Http(addr).call(&req).0 == 200 {
@@ -136,6 +140,25 @@ fn answers_every_sequence_as_the_reference_store_does() {
         assert_eq!(ours, theirs, "{name}: ratewall-store and the reference store disagree");
     }
     assert_eq!(store.get("/healthz").status, 200);
+    // The sequences' refusals for time (batches, a heartbeat, an ask) and for shape are
+    // counted by status.
+    let metrics = store.get("/metrics").text();
+    assert!(metrics.contains("ratewall_store_sync_failed_total{status=\"422\"} 4\n"), "{metrics}");
+    assert!(metrics.contains("ratewall_store_sync_failed_total{status=\"415\"} 1\n"), "{metrics}");
+}
+
+/// Waits out the store's 60 s `seq` memory on Redis's clock (61 s): no virtual clock
+/// reaches inside Redis.
+#[test]
+fn a_batch_replayed_after_its_seq_is_forgotten_is_refused_and_counts_nothing() {
+    let redis = Redis::start(false).unwrap();
+    let store = StoreProcess::start(&[redis.url()], false);
+    let run = format!("p{}", std::process::id());
+    let seen = replay_after_the_seq_memory(&run, &mut Http(&store.addr));
+    let statuses: Vec<u16> = seen.iter().map(|s| s.status).collect();
+    assert_eq!(statuses, [200, 200, 422, 200], "the replay is refused for its time");
+    assert_eq!((seen[1].remaining.as_slice(), seen[3].remaining.as_slice()), (&[75][..], &[75][..]), "counted once");
+    assert_eq!(seen, replay_after_the_seq_memory(&run, &mut Reference::new()));
 }
 
 #[test]
@@ -193,6 +216,7 @@ fn redis_gone_answers_503_within_the_deadline_and_service_resumes_when_it_is_bac
     let req = |seq: u64, units: u64| SyncRequest {
         node: 1,
         seq,
+        sent: 0,
         deltas: vec![Delta { key: k.clone(), limit: big(), units }],
         ask: false,
     };
@@ -229,22 +253,32 @@ fn redis_gone_answers_503_within_the_deadline_and_service_resumes_when_it_is_bac
 fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
     let redis = Redis::start(false).unwrap();
     let store = StoreProcess::start(&[redis.url()], false);
-    let req =
-        SyncRequest { node: 1, seq: 1, deltas: vec![Delta { key: b"k".to_vec(), limit: big(), units: 1 }], ask: false };
+    let req = SyncRequest {
+        node: 1,
+        seq: 1,
+        sent: wall_clock(),
+        deltas: vec![Delta { key: b"k".to_vec(), limit: big(), units: 1 }],
+        ask: false,
+    };
     let body = req.encode();
     assert_eq!(post(&store.addr, &body, None).status, 401, "unsigned");
     assert_eq!(post(&store.addr, &body, Some(&hex(&sign(b"another secret", &body)))).status, 401, "forged");
     assert_eq!(post(&store.addr, &body, Some(&"0".repeat(64))).status, 401, "a well-formed wrong signature");
-    let garbage = b"\x01\x01garbage";
+    let garbage = b"\x02\x01garbage";
     assert_eq!(post(&store.addr, garbage, Some(&hex(&sign(SECRET.as_bytes(), garbage)))).status, 400, "signed garbage");
     let mut trailing = body.clone();
     trailing.push(0);
     assert_eq!(post(&store.addr, &trailing, Some(&hex(&sign(SECRET.as_bytes(), &trailing)))).status, 400);
     let huge = vec![0u8; (1 << 20) + 10];
     assert_eq!(post(&store.addr, &huge, Some(&hex(&sign(SECRET.as_bytes(), &huge)))).status, 413, "over 1 MiB");
+    let old = version_1_batch(1, 1, b"k", 1);
+    let r = post(&store.addr, &old, Some(&hex(&sign(SECRET.as_bytes(), &old))));
+    assert_eq!(r.status, 415, "the previous protocol version");
+    assert!(r.text().contains("version 1 (requests without a time) is not spoken here"), "{}", r.text());
     let many = SyncRequest {
         node: 1,
         seq: 1,
+        sent: wall_clock(),
         deltas: (0..501).map(|i| Delta { key: format!("k{i}").into_bytes(), limit: big(), units: 1 }).collect(),
         ask: false,
     }

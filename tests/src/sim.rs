@@ -169,7 +169,7 @@ fn answer(backend: &Backend<'_>, store: &mut Store, now: u64, body: &[u8], tag_h
             let tag = unhex(tag_hex).unwrap_or_default();
             match store.handle_signed(now, SECRET.as_bytes(), body, &tag) {
                 Ok(out) => Some((200, hex(&sign(SECRET.as_bytes(), &out)).into_bytes(), out)),
-                Err(_) => Some((409, Vec::new(), Vec::new())),
+                Err(e) => Some((e.status(), Vec::new(), e.to_string().into_bytes())),
             }
         }
         Backend::Http(addr) => {

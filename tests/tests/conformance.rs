@@ -6,7 +6,9 @@
 
 use ratewall_core::sync::{Delta, SyncRequest};
 use ratewall_core::{Algorithm, Limit, SECOND};
-use ratewall_tests::conformance::{comparable, key, sequences, Http, Reference, SyncStore, SECRET};
+use ratewall_tests::conformance::{
+    comparable, key, replay_after_the_seq_memory, sequences, Http, Reference, Seen, SyncStore, SECRET,
+};
 use ratewall_tests::workerd::Workerd;
 
 #[test]
@@ -30,6 +32,41 @@ fn the_reference_store_answers_as_the_protocol_says() {
     assert_eq!(ask[3].remaining, [6]);
     // Many nodes: the first node's repeat counted once.
     assert_eq!(find("many nodes").last().unwrap().remaining, [99]);
+    // Skewed clocks: 20 s either way served, 30 s refused (a batch, a heartbeat, an ask),
+    // and only the served units counted.
+    let skewed = find("skewed clocks");
+    let statuses: Vec<u16> = skewed.iter().map(|s| s.status).collect();
+    assert_eq!(statuses, [200, 200, 422, 422, 422, 422, 200]);
+    assert_eq!(skewed.last().unwrap().remaining, [93]);
+    // The old shape and a concurrency delta: refused, nothing counted.
+    let refused = find("refused shapes");
+    assert_eq!((refused[0].status, refused[1].status), (415, 400));
+    assert_eq!(refused[2].remaining, [100]);
+}
+
+/// What the replay must show at every store: the captured batch counted once.
+fn assert_replay_refused(seen: &[Seen], store: &str) {
+    let statuses: Vec<u16> = seen.iter().map(|s| s.status).collect();
+    assert_eq!(statuses, [200, 200, 422, 200], "{store}: the replay is refused for its time");
+    assert_eq!(seen[1].remaining, [75]);
+    assert_eq!(seen[3].remaining, [75], "{store}: 25 units reported, 25 counted");
+}
+
+#[test]
+fn the_reference_store_refuses_a_batch_replayed_after_its_seq_is_forgotten() {
+    assert_replay_refused(&replay_after_the_seq_memory("ref", &mut Reference::new()), "the reference store");
+}
+
+/// Waits out the Worker's 60 s `seq` memory on the real clock (61 s): no virtual clock
+/// reaches inside workerd.
+#[test]
+fn the_worker_refuses_a_batch_replayed_after_its_seq_is_forgotten() {
+    let w = Workerd::start(&[("RATEWALL_SYNC_SECRET", SECRET)]).unwrap();
+    let run = format!("r{}", std::process::id());
+    let seen = replay_after_the_seq_memory(&run, &mut Http(&w.addr));
+    assert_replay_refused(&seen, &format!("the Worker\n{}", w.log()));
+    let metrics = ratewall_tests::http::request(&w.addr, "GET", "/metrics", &[], &[]).unwrap().text();
+    assert!(metrics.contains("ratewall_sync_refused_stale 1\n"), "{metrics}");
 }
 
 #[test]
@@ -62,7 +99,7 @@ fn the_worker_counts_every_acknowledged_unit_once_under_concurrent_senders() {
                     for seq in 1..=15u64 {
                         let units = 1 + (sender + seq) % 4;
                         let deltas = keys.iter().map(|k| Delta { key: k.clone(), limit: big, units }).collect();
-                        let req = SyncRequest { node: 900 + sender, seq, deltas, ask: false };
+                        let req = SyncRequest { node: 900 + sender, seq, sent: 0, deltas, ask: false };
                         // A retry of the same seq after a failure counts once, so retry until
                         // the store acknowledges.
                         for _ in 0..5 {
@@ -79,8 +116,13 @@ fn the_worker_counts_every_acknowledged_unit_once_under_concurrent_senders() {
         handles.into_iter().map(|h| h.join().unwrap()).sum()
     });
     for k in &keys {
-        let probe =
-            SyncRequest { node: 999, seq: 1, deltas: vec![Delta { key: k.clone(), limit: big, units: 0 }], ask: false };
+        let probe = SyncRequest {
+            node: 999,
+            seq: 1,
+            sent: 0,
+            deltas: vec![Delta { key: k.clone(), limit: big, units: 0 }],
+            ask: false,
+        };
         let (status, resp) = Http(&w.addr).call(&probe);
         assert_eq!(status, 200);
         let counted = 1_000_000 - resp.unwrap().grants[0].remaining;

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use ratewall_tests::host::{FilterResult, HttpRequest, Node, Plugin, Vm};
+use ratewall_tests::host::{FilterResult, HttpRequest, Node, Plugin, Profile, Vm};
 use serde_json::{json, Value};
 
 const SECOND: u64 = 1_000_000_000;
@@ -16,9 +16,9 @@ fn plugin() -> Plugin {
     Plugin::filter().unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// A node at T0 with `vms` VMs configured with `rules`.
-fn node(rules: &Value, vms: usize) -> (Node, Vec<Vm>) {
-    let node = Node::new(T0);
+/// A node at T0 behaving as `profile`, with `vms` VMs configured with `rules`.
+fn node(profile: Profile, rules: &Value, vms: usize) -> (Node, Vec<Vm>) {
+    let node = Node::with_profile(T0, profile);
     let doc = rules.to_string();
     let vms = (0..vms).map(|_| Vm::start(&plugin(), &node, doc.as_bytes()).unwrap()).collect();
     (node, vms)
@@ -42,21 +42,19 @@ fn admitted(vm: &mut Vm, req: &HttpRequest, n: usize) -> usize {
     (0..n).filter(|_| vm.request(req).unwrap().passed).count()
 }
 
-#[test]
-fn limits_hold_across_the_vms_of_one_node() {
+fn limits_hold_across_the_vms_of_one_node(p: Profile) {
     let (_, mut vms) =
-        node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 10, "per": "60s"}}])), 4);
+        node(p, &rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 10, "per": "60s"}}])), 4);
     let req = user("alice");
     let passed = (0..40).filter(|i| vms[i % 4].request(&req).unwrap().passed).count();
     assert_eq!(passed, 10);
 }
 
-#[test]
-fn concurrent_worker_threads_never_over_admit() {
+fn concurrent_worker_threads_never_over_admit(p: Profile) {
     // Real threads, one VM each, racing on one key: CAS must make the limit exact.
     for round in 0..10 {
         let (node, vms) =
-            node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 25, "per": "60s"}}])), 4);
+            node(p, &rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 25, "per": "60s"}}])), 4);
         let handles: Vec<_> =
             vms.into_iter().map(|mut vm| std::thread::spawn(move || admitted(&mut vm, &user("racer"), 20))).collect();
         let total: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
@@ -80,16 +78,19 @@ fn the_host_reproduces_envoys_unprotected_first_insert() {
 }
 
 fn node_with_table() -> (Node, Vec<Vm>) {
-    let (node, vms) = node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 1, "per": "1s"}}])), 1);
-    // Every bucket key exists before the first request.
+    let (node, mut vms) =
+        node(Profile::Envoy, &rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 1, "per": "1s"}}])), 1);
+    assert_eq!(node.shared_data_size().0, 0, "configure touches no shared data");
+    // Every bucket key exists once the first request is counted.
+    assert!(vms[0].request(&user("first")).unwrap().passed);
     let (keys, _) = node.shared_data_size();
     assert_eq!(keys, 65_536 / 8);
     (node, vms)
 }
 
-#[test]
-fn a_denied_request_charges_no_other_rule() {
+fn a_denied_request_charges_no_other_rule(p: Profile) {
     let (_, mut vms) = node(
+        p,
         &rules(json!([
             {"name": "roomy", "key": ["user"], "limit": {"requests": 3, "per": "60s"}},
             {"name": "holds", "match": {"path": "/v1/holds", "method": "POST"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}}
@@ -108,9 +109,8 @@ fn a_denied_request_charges_no_other_rule() {
     assert_eq!(admitted(vm, &get, 5), 2);
 }
 
-#[test]
-fn plans_raise_the_limit_and_internal_is_unlimited() {
-    let (node, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 2);
+fn plans_raise_the_limit_and_internal_is_unlimited(p: Profile) {
+    let (node, mut vms) = node(p, &serde_json::from_str(EXAMPLE).unwrap(), 2);
     let free = HttpRequest::new("GET", "/v1/x").header("x-api-key", "free");
     let partner = HttpRequest::new("GET", "/v1/x").header("x-api-key", "p").header("x-plan", "partner");
     let internal = HttpRequest::new("GET", "/v1/x").header("x-api-key", "i").header("x-plan", "internal");
@@ -122,9 +122,9 @@ fn plans_raise_the_limit_and_internal_is_unlimited() {
     assert_eq!(node.metric("ratewall_rule_api_key_rejected"), 100);
 }
 
-#[test]
-fn shadow_rules_count_and_log_but_never_reject() {
+fn shadow_rules_count_and_log_but_never_reject(p: Profile) {
     let (node, mut vms) = node(
+        p,
         &rules(json!([{"name": "trial", "mode": "shadow", "key": ["user"], "limit": {"requests": 2, "per": "60s"}}])),
         1,
     );
@@ -135,11 +135,15 @@ fn shadow_rules_count_and_log_but_never_reject() {
 
 #[test]
 fn a_bad_config_is_rejected_and_the_old_rules_stay() {
-    let (node, mut vms) =
-        node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 2, "per": "60s"}}])), 1);
+    let (node, mut vms) = node(
+        Profile::Envoy,
+        &rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 2, "per": "60s"}}])),
+        1,
+    );
     let bad = rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 5, "per": "6O s"}}])).to_string();
-    assert!(!vms[0].configure(bad.as_bytes()).unwrap());
-    assert!(!vms[0].configure(b"{not json").unwrap());
+    // Never refused to the proxy (on NGINX a refusal is fatal to the worker): said in the log.
+    assert!(vms[0].configure(bad.as_bytes()).unwrap());
+    assert!(vms[0].configure(b"{not json").unwrap());
     let logs = node.logs();
     assert!(
         logs.iter().any(|(lvl, l)| *lvl >= 3 && l.contains("rules[0].limit.per: \"6O s\" is not a duration")),
@@ -150,16 +154,19 @@ fn a_bad_config_is_rejected_and_the_old_rules_stay() {
 
 #[test]
 fn a_pushed_config_takes_effect_without_a_restart() {
-    let (_, mut vms) = node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 2, "per": "60s"}}])), 1);
+    let (_, mut vms) = node(
+        Profile::Envoy,
+        &rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 2, "per": "60s"}}])),
+        1,
+    );
     assert_eq!(admitted(&mut vms[0], &user("a"), 5), 2);
     let looser = rules(json!([{"name": "u2", "key": ["user"], "limit": {"requests": 4, "per": "60s"}}])).to_string();
     assert!(vms[0].configure(looser.as_bytes()).unwrap());
     assert_eq!(admitted(&mut vms[0], &user("a"), 10), 4);
 }
 
-#[test]
-fn forwarded_for_entries_cannot_dodge_the_per_ip_limit() {
-    let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
+fn forwarded_for_entries_cannot_dodge_the_per_ip_limit(p: Profile) {
+    let (_, mut vms) = node(p, &serde_json::from_str(EXAMPLE).unwrap(), 1);
     let mut passed = 0;
     for i in 0..30 {
         // The load balancer (trusted hop) appends the real client; the client prepends junk.
@@ -178,7 +185,7 @@ fn under_envoys_connection_manager_trusted_hops_counts_envoys_own_append() {
     let logins = |hops: u32, req: &dyn Fn(usize) -> HttpRequest| {
         let mut rules: Value = serde_json::from_str(EXAMPLE).unwrap();
         rules["identity"]["ip"]["trusted_hops"] = json!(hops);
-        let (_, mut vms) = node(&rules, 1);
+        let (_, mut vms) = node(Profile::Envoy, &rules, 1);
         vms[0].append_peer_to_xff_as_envoy();
         (0..15).map(|i| usize::from(vms[0].request(&req(i)).unwrap().passed)).sum::<usize>()
     };
@@ -210,9 +217,8 @@ fn under_envoys_connection_manager_trusted_hops_counts_envoys_own_append() {
     assert_eq!(logins(0, &direct), 10, "or the peer address, with 0");
 }
 
-#[test]
-fn ipv6_clients_are_limited_by_prefix() {
-    let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
+fn ipv6_clients_are_limited_by_prefix(p: Profile) {
+    let (_, mut vms) = node(p, &serde_json::from_str(EXAMPLE).unwrap(), 1);
     let passed = (0..30)
         .filter(|i| {
             let xff = format!("2001:db8:aa:bb:{i:x}::1");
@@ -222,9 +228,8 @@ fn ipv6_clients_are_limited_by_prefix() {
     assert_eq!(passed, 10, "one /64 is one client");
 }
 
-#[test]
-fn disguised_paths_do_not_escape_a_rule() {
-    let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
+fn disguised_paths_do_not_escape_a_rule(p: Profile) {
+    let (_, mut vms) = node(p, &serde_json::from_str(EXAMPLE).unwrap(), 1);
     let paths = [
         "/v1/auth/login",
         "/v1/auth/login/",
@@ -241,17 +246,15 @@ fn disguised_paths_do_not_escape_a_rule() {
     assert_eq!(passed, 10);
 }
 
-#[test]
-fn requests_missing_a_key_dimension_are_not_counted_but_are_measured() {
+fn requests_missing_a_key_dimension_are_not_counted_but_are_measured(p: Profile) {
     let (node, mut vms) =
-        node(&rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 1, "per": "60s"}}])), 1);
+        node(p, &rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 1, "per": "60s"}}])), 1);
     assert_eq!(admitted(&mut vms[0], &HttpRequest::new("GET", "/"), 5), 5);
     assert_eq!(node.metric("ratewall_rule_u_unkeyed"), 5);
 }
 
-#[test]
-fn hostile_requests_never_trap() {
-    let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
+fn hostile_requests_never_trap(p: Profile) {
+    let (_, mut vms) = node(p, &serde_json::from_str(EXAMPLE).unwrap(), 1);
     let vm = &mut vms[0];
     let big = vec![b'a'; 64 * 1024];
     let mut many = HttpRequest::new("POST", "/v1/auth/login");
@@ -277,14 +280,13 @@ fn hostile_requests_never_trap() {
 }
 
 /// The seed trace through the filter: 10 per second, 10 requests at 0.99 s, 10 at 1.01 s.
-#[test]
-fn the_seed_trace_through_the_filter() {
+fn the_seed_trace_through_the_filter(p: Profile) {
     for (algorithm, expected) in
         [("fixed_window", 20), ("sliding_log", 10), ("token_bucket", 10), ("sliding_window", 11)]
     {
         let rule =
             json!([{"name": "seed", "algorithm": algorithm, "key": ["user"], "limit": {"requests": 10, "per": "1s"}}]);
-        let (node, mut vms) = node(&rules(rule), 2);
+        let (node, mut vms) = node(p, &rules(rule), 2);
         // Start on a second boundary so windows are aligned as in the trace.
         node.set_time(T0 + 990 * MS);
         let mut passed = admitted(&mut vms[0], &user("s"), 10);
@@ -294,12 +296,11 @@ fn the_seed_trace_through_the_filter() {
     }
 }
 
-#[test]
-fn waiting_exactly_retry_after_is_enough() {
+fn waiting_exactly_retry_after_is_enough(p: Profile) {
     for algorithm in ["fixed_window", "sliding_log", "token_bucket", "sliding_window"] {
         let rule =
             json!([{"name": "w", "algorithm": algorithm, "key": ["user"], "limit": {"requests": 3, "per": "10s"}}]);
-        let (node, mut vms) = node(&rules(rule), 1);
+        let (node, mut vms) = node(p, &rules(rule), 1);
         node.set_time(T0 + 4321 * MS);
         assert_eq!(admitted(&mut vms[0], &user("w"), 3), 3);
         let r: FilterResult = vms[0].request(&user("w")).unwrap();
@@ -312,9 +313,8 @@ fn waiting_exactly_retry_after_is_enough() {
     }
 }
 
-#[test]
-fn allowed_responses_carry_parseable_ratelimit_fields() {
-    let (_, mut vms) = node(&serde_json::from_str(EXAMPLE).unwrap(), 1);
+fn allowed_responses_carry_parseable_ratelimit_fields(p: Profile) {
+    let (_, mut vms) = node(p, &serde_json::from_str(EXAMPLE).unwrap(), 1);
     let r = vms[0]
         .request(&HttpRequest::new("POST", "/v1/events/9/holds").header("x-user-id", "u").header("x-api-key", "k"))
         .unwrap();
@@ -326,17 +326,16 @@ fn allowed_responses_carry_parseable_ratelimit_fields() {
     assert!(r.header("ratelimit").unwrap().starts_with("\"holds-per-user\";r=4;t="));
 }
 
-#[test]
-fn memory_stays_bounded_under_a_flood_of_distinct_keys_and_a_limited_client_stays_limited() {
+fn memory_stays_bounded_under_a_flood_of_distinct_keys_and_a_limited_client_stays_limited(p: Profile) {
     let doc = json!({
         "identity": {"ip": {"trusted_hops": 1}},
         "filter": {"slots": 4096, "hash_seed": "test-secret"},
         "rules": [{"name": "ip", "key": ["ip"], "limit": {"requests": 5, "per": "60s"}}]
     });
-    let (node, mut vms) = node(&doc, 1);
-    let (keys_before, bytes_before) = node.shared_data_size();
+    let (node, mut vms) = node(p, &doc, 1);
     let victim = HttpRequest::new("GET", "/").header("x-forwarded-for", "203.0.113.200");
     assert_eq!(admitted(&mut vms[0], &victim, 10), 5);
+    let (keys_before, bytes_before) = node.shared_data_size();
     let mut memory_warm = 0;
     for i in 0..100_000u32 {
         let ip = format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255);
@@ -359,8 +358,7 @@ fn memory_stays_bounded_under_a_flood_of_distinct_keys_and_a_limited_client_stay
     assert!(!vms[0].request(&victim).unwrap().passed, "the flood must not evict a limited client into a fresh budget");
 }
 
-#[test]
-fn when_cas_never_succeeds_open_rules_serve_and_closed_rules_reject_with_503() {
+fn when_cas_never_succeeds_open_rules_serve_and_closed_rules_reject_with_503(p: Profile) {
     let doc = json!({
         "identity": {"user": {"header": "x-user-id"}},
         "filter": {"cas_retries": 3},
@@ -369,7 +367,7 @@ fn when_cas_never_succeeds_open_rules_serve_and_closed_rules_reject_with_503() {
             {"name": "hard", "match": {"path": "/hard"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}, "on_store_failure": "closed"}
         ]
     });
-    let (node, mut vms) = node(&doc, 1);
+    let (node, mut vms) = node(p, &doc, 1);
     node.fail_every_cas(true);
     let soft = HttpRequest::new("GET", "/soft").header("x-user-id", "u");
     let hard = HttpRequest::new("GET", "/hard").header("x-user-id", "u");
@@ -393,7 +391,7 @@ fn a_host_that_lists_headers_without_pseudo_headers_still_matches_method_and_pat
         {"name": "posts", "match": {"path": "/v1/*", "method": "POST"}, "key": ["user"],
          "limit": {"requests": 1, "per": "1h"}}
     ]));
-    let (_node, mut vms) = node(&r, 1);
+    let (_node, mut vms) = node(Profile::Envoy, &r, 1);
     let vm = &mut vms[0];
     vm.list_headers_without_pseudo_headers();
     let post = HttpRequest::new("POST", "/v1/things").header("x-user-id", "u");
@@ -401,8 +399,7 @@ fn a_host_that_lists_headers_without_pseudo_headers_still_matches_method_and_pat
     assert_eq!(admitted(vm, &HttpRequest::new("GET", "/v1/things").header("x-user-id", "u"), 2), 2);
 }
 
-#[test]
-fn many_identity_headers_and_many_matching_rules_all_count() {
+fn many_identity_headers_and_many_matching_rules_all_count(p: Profile) {
     // 20 identity headers and 20 rules that all match: past what the filter keeps on its
     // stack (13 identity headers, 16 matching rules).
     let identity: serde_json::Map<String, Value> =
@@ -412,7 +409,7 @@ fn many_identity_headers_and_many_matching_rules_all_count() {
             |i| json!({"name": format!("r{i}"), "key": [format!("d{i}")], "limit": {"requests": 20 - i, "per": "60s"}}),
         )
         .collect();
-    let (_, mut vms) = node(&json!({"identity": identity, "rules": list}), 1);
+    let (_, mut vms) = node(p, &json!({"identity": identity, "rules": list}), 1);
     let mut req = HttpRequest::new("GET", "/any");
     for i in 0..20 {
         req = req.header(&format!("x-dim-{i}"), format!("v{i}"));
@@ -433,6 +430,37 @@ fn many_identity_headers_and_many_matching_rules_all_count() {
     assert!(r.passed, "{r:?}");
     assert!(r.header("ratelimit").unwrap().starts_with("\"r18\";r=0;"), "{r:?}");
 }
+
+/// The tests that run under both hosts' rules: `envoy::NAME` and `nginx::NAME`.
+macro_rules! under_both_profiles {
+    ($($name:ident),* $(,)?) => {
+        mod envoy {
+            $(#[test] fn $name() { super::$name(super::Profile::Envoy) })*
+        }
+        mod nginx {
+            $(#[test] fn $name() { super::$name(super::Profile::NGINX) })*
+        }
+    };
+}
+
+under_both_profiles!(
+    limits_hold_across_the_vms_of_one_node,
+    concurrent_worker_threads_never_over_admit,
+    a_denied_request_charges_no_other_rule,
+    plans_raise_the_limit_and_internal_is_unlimited,
+    shadow_rules_count_and_log_but_never_reject,
+    forwarded_for_entries_cannot_dodge_the_per_ip_limit,
+    ipv6_clients_are_limited_by_prefix,
+    disguised_paths_do_not_escape_a_rule,
+    requests_missing_a_key_dimension_are_not_counted_but_are_measured,
+    hostile_requests_never_trap,
+    the_seed_trace_through_the_filter,
+    waiting_exactly_retry_after_is_enough,
+    allowed_responses_carry_parseable_ratelimit_fields,
+    memory_stays_bounded_under_a_flood_of_distinct_keys_and_a_limited_client_stays_limited,
+    when_cas_never_succeeds_open_rules_serve_and_closed_rules_reject_with_503,
+    many_identity_headers_and_many_matching_rules_all_count,
+);
 
 mod shaping {
     use super::*;
@@ -457,7 +485,7 @@ mod shaping {
         assert_eq!(node.metric("ratewall_rule_shape_delayed"), 5);
         assert_eq!(node.metric("ratewall_rule_shape_queue_full"), 6);
         for vm in &vms {
-            assert_eq!(vm.tick_period_ms(), 0, "no ticks once nothing waits (no sync)");
+            assert_eq!(vm.tick_period_ms(), 5, "the root's tick, set once at configure");
         }
     }
 
@@ -479,6 +507,66 @@ mod shaping {
         // The first queued request left: the next took its turn, and one more fit the queue.
         assert_eq!((b.at_once, b.forwarded.len(), b.rejected.len()), (1, 5, 5), "{b:?}");
         assert!((turn(0)..=turn(0) + 10 * MS).contains(&b.forwarded[0]), "{b:?}");
+    }
+
+    /// Steps the clock 1 ms at a time until `until` (ns after T0), every VM ticking at the
+    /// period it set; records when each paused `(vm, ctx, number)` goes.
+    fn run_until(
+        node: &Node,
+        vms: &mut [Vm],
+        paused: &mut Vec<(usize, u32, usize)>,
+        went: &mut Vec<(usize, u64)>,
+        until: u64,
+    ) {
+        while node.now() - T0 < until {
+            node.advance(MS);
+            for vm in vms.iter_mut() {
+                let period = u64::from(vm.tick_period_ms()) * MS;
+                if period > 0 && (node.now() - T0) % period == 0 {
+                    vm.tick().unwrap();
+                }
+            }
+            paused.retain(|(v, ctx, n)| match vms[*v].finish(*ctx).unwrap() {
+                Some(r) => {
+                    assert!(r.passed);
+                    went.push((*n, node.now() - T0));
+                    false
+                }
+                None => true,
+            });
+        }
+    }
+
+    #[test]
+    fn when_a_waiter_leaves_the_waiters_behind_it_move_up_and_never_two_go_in_one_interval() {
+        // #0 goes at once, #1..#5 wait on two VMs; #2 (due at 400 ms) leaves at 100 ms; #6
+        // arrives at 150 ms. Before: #3 600, #4 800, #5 1000 and #6 1000 too.
+        let (node, mut vms) = node(&plugin(), &rules(5, 0), 2, T0).unwrap();
+        let req = HttpRequest::new("GET", "/q").header("x-user-id", "trace");
+        let (mut paused, mut went) = (Vec::new(), Vec::new());
+        for i in 0..6 {
+            match vms[i % 2].begin(&req).unwrap() {
+                ratewall_tests::host::Started::Paused(ctx) => paused.push((i % 2, ctx, i)),
+                ratewall_tests::host::Started::Done(r) => assert!(i == 0 && r.passed, "{i}: {r:?}"),
+            }
+        }
+        run_until(&node, &mut vms, &mut paused, &mut went, 100 * MS);
+        let (v, ctx, _) = paused.remove(1);
+        vms[v].abort(ctx).unwrap();
+        run_until(&node, &mut vms, &mut paused, &mut went, 150 * MS);
+        match vms[0].begin(&req).unwrap() {
+            ratewall_tests::host::Started::Paused(ctx) => paused.push((0, ctx, 6)),
+            other => panic!("#6 waits: {other:?}"),
+        }
+        run_until(&node, &mut vms, &mut paused, &mut went, 1500 * MS);
+        let numbers: Vec<usize> = went.iter().map(|(n, _)| *n).collect();
+        assert_eq!(numbers, [1, 3, 4, 5, 6], "{went:?}");
+        for ((n, at), turn) in went.iter().zip([200, 400, 600, 800, 1000]) {
+            assert!((turn * MS..=turn * MS + 10 * MS).contains(at), "#{n} went at {} ms: {went:?}", at / MS);
+        }
+        for pair in went.windows(2) {
+            assert!(pair[1].1 - pair[0].1 >= 190 * MS, "two in one interval: {went:?}");
+        }
     }
 
     #[test]
@@ -539,9 +627,10 @@ mod concurrency {
         }
     }
 
-    #[test]
-    fn slots_are_shared_by_the_vms_and_freed_on_completion_on_reset_and_after_hold_max() {
-        let (node, mut vms) = node(&flight(2, "10s"), 3);
+    under_both_profiles!(slots_are_shared_by_the_vms_and_freed_on_completion_on_reset_and_after_hold_max);
+
+    fn slots_are_shared_by_the_vms_and_freed_on_completion_on_reset_and_after_hold_max(p: Profile) {
+        let (node, mut vms) = node(p, &flight(2, "10s"), 3);
         let a = open(&mut vms[0], "ann").unwrap();
         let b = open(&mut vms[1], "ann").unwrap();
         let r = open(&mut vms[2], "ann").unwrap_err();

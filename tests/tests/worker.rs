@@ -6,6 +6,7 @@
 
 use ratewall_core::sync::{hex, sign, unhex, verify, Delta, SyncRequest, SyncResponse};
 use ratewall_core::{Config, Request};
+use ratewall_tests::conformance::wall_clock;
 use ratewall_tests::http::Response;
 use ratewall_tests::workerd::Workerd;
 use sfv::{BareItem, Parser};
@@ -259,7 +260,13 @@ fn post_sync(w: &Workerd, body: &[u8], tag: Option<String>) -> Response {
 fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     let w = start(&[]);
     let (key, limit) = key_of("/u/x", "ivy");
-    let batch = SyncRequest { node: 77, seq: 1, deltas: vec![Delta { key: key.clone(), limit, units: 2 }], ask: false };
+    let batch = SyncRequest {
+        node: 77,
+        seq: 1,
+        sent: wall_clock(),
+        deltas: vec![Delta { key: key.clone(), limit, units: 2 }],
+        ask: false,
+    };
     let body = batch.encode();
     assert_eq!(post_sync(&w, &body, None).status, 401, "unauthenticated");
     assert_eq!(post_sync(&w, &body, Some(hex(&sign(b"wrong secret", &body)))).status, 401, "forged");
@@ -294,7 +301,14 @@ fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     // An ask (a paused request's units, taken at once) from another node on a fresh counter.
     ratewall_tests::clear_of_a_window_edge(Duration::from_secs(60), Duration::from_secs(5));
     let (ava, limit) = key_of("/u/x", "ava");
-    let ask = SyncRequest { node: 78, seq: 1, deltas: vec![Delta { key: ava, limit, units: 1 }], ask: true }.encode();
+    let ask = SyncRequest {
+        node: 78,
+        seq: 1,
+        sent: wall_clock(),
+        deltas: vec![Delta { key: ava, limit, units: 1 }],
+        ask: true,
+    }
+    .encode();
     let answer = post_sync(&w, &ask, Some(hex(&sign(SECRET.as_bytes(), &ask))));
     assert_eq!(answer.status, 200, "{}", answer.text());
     let given = SyncResponse::decode(&answer.body).unwrap();

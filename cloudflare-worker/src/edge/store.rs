@@ -4,7 +4,7 @@
 
 use super::{decode_applied, decode_heard, hex, unhex, Call};
 use ratewall_core::algo::Nanos;
-use ratewall_core::sync::{sign, verify, Grant, SyncRequest, SyncResponse};
+use ratewall_core::sync::{sign, Grant, SyncError, SyncRequest, SyncResponse};
 
 /// A batch may name at most this many counters: each is one Durable Object call, and a
 /// Worker invocation has a bounded number of subrequests. Filters split larger batches.
@@ -26,9 +26,11 @@ fn refuse(status: u16, message: impl Into<String>) -> Refusal {
 }
 
 /// Checks a sync call before any object sees it: the store is configured, the body is
-/// within bounds, signed with the secret (`tag`: the `x-ratewall-signature` header), well
-/// formed, and names at most [`MAX_SYNC_DELTAS`] counters.
-pub fn check(secret: &str, tag: Option<&str>, body: &[u8]) -> Result<SyncRequest, Refusal> {
+/// within bounds, signed with the secret (`tag`: the `x-ratewall-signature` header), of this
+/// protocol version (415), well formed (400), names at most [`MAX_SYNC_DELTAS`] counters,
+/// and was made within `MAX_REQUEST_SKEW` of `now`, the isolate's clock (422: a captured
+/// request replayed later, or a node whose clock is off).
+pub fn check(secret: &str, tag: Option<&str>, body: &[u8], now: Nanos) -> Result<SyncRequest, Refusal> {
     if secret.is_empty() {
         return Err(refuse(
             503,
@@ -38,14 +40,16 @@ pub fn check(secret: &str, tag: Option<&str>, body: &[u8]) -> Result<SyncRequest
     if body.len() > MAX_SYNC_BODY {
         return Err(refuse(413, "batch too large"));
     }
-    let tag = tag.and_then(|t| unhex(t.trim().as_bytes()));
-    if !tag.is_some_and(|tag| verify(secret.as_bytes(), body, &tag)) {
-        return Err(refuse(401, "missing or invalid x-ratewall-signature"));
-    }
-    let batch = SyncRequest::decode(body).map_err(|e| refuse(400, format!("malformed batch: {e}")))?;
+    let tag = tag.and_then(|t| unhex(t.trim().as_bytes())).unwrap_or_default();
+    let batch = SyncRequest::verified(secret.as_bytes(), body, &tag, None).map_err(|e| match e {
+        SyncError::Unauthorized => refuse(401, "missing or invalid x-ratewall-signature"),
+        SyncError::Malformed(_) => refuse(400, format!("malformed batch: {e}")),
+        e => refuse(e.status(), e.to_string()),
+    })?;
     if batch.deltas.len() > MAX_SYNC_DELTAS {
         return Err(refuse(413, format!("a batch names at most {MAX_SYNC_DELTAS} counters")));
     }
+    batch.check_time(now).map_err(|e| refuse(e.status(), e.to_string()))?;
     Ok(batch)
 }
 
@@ -127,7 +131,7 @@ mod tests {
 
     fn batch(seq: u64, ask: bool) -> SyncRequest {
         let limit = Limit::new(Algorithm::SlidingWindow, 100, 60 * SECOND, None).unwrap();
-        SyncRequest { node: 9, seq, ask, deltas: vec![Delta { key: b"k1".to_vec(), limit, units: 5 }] }
+        SyncRequest { node: 9, seq, sent: T, ask, deltas: vec![Delta { key: b"k1".to_vec(), limit, units: 5 }] }
     }
 
     fn signed(b: &SyncRequest) -> (Vec<u8>, String) {
@@ -139,24 +143,48 @@ mod tests {
     #[test]
     fn a_signed_batch_passes_and_everything_else_is_refused_with_its_status() {
         let (body, tag) = signed(&batch(1, false));
-        assert_eq!(check(SECRET, Some(&tag), &body).unwrap().seq, 1);
-        assert_eq!(check(SECRET, Some(&format!(" {tag} ")), &body).map(|b| b.seq), Ok(1), "whitespace is trimmed");
-        assert_eq!(check("", Some(&tag), &body).unwrap_err().status, 503);
-        assert_eq!(check(SECRET, None, &body).unwrap_err().status, 401);
-        assert_eq!(check(SECRET, Some("zz"), &body).unwrap_err().status, 401);
-        assert_eq!(check("another secret!!", Some(&tag), &body).unwrap_err().status, 401);
-        let garbled = b"\x01\x09nonsense".to_vec();
+        assert_eq!(check(SECRET, Some(&tag), &body, T).unwrap().seq, 1);
+        assert_eq!(check(SECRET, Some(&format!(" {tag} ")), &body, T).map(|b| b.seq), Ok(1), "whitespace is trimmed");
+        assert_eq!(check("", Some(&tag), &body, T).unwrap_err().status, 503);
+        assert_eq!(check(SECRET, None, &body, T).unwrap_err().status, 401);
+        assert_eq!(check(SECRET, Some("zz"), &body, T).unwrap_err().status, 401);
+        assert_eq!(check("another secret!!", Some(&tag), &body, T).unwrap_err().status, 401);
+        let garbled = b"\x02\x09nonsense".to_vec();
         let gtag = hex(&sign(SECRET.as_bytes(), &garbled));
-        let r = check(SECRET, Some(&gtag), &garbled).unwrap_err();
+        let r = check(SECRET, Some(&gtag), &garbled, T).unwrap_err();
         assert_eq!(r.status, 400);
         assert!(r.message.starts_with("malformed batch"), "{}", r.message);
         let big = vec![0u8; MAX_SYNC_BODY + 1];
-        assert_eq!(check(SECRET, Some(&tag), &big).unwrap_err().status, 413);
+        assert_eq!(check(SECRET, Some(&tag), &big, T).unwrap_err().status, 413);
         let mut many = batch(1, false);
         let d = many.deltas[0].clone();
         many.deltas = (0..=MAX_SYNC_DELTAS).map(|i| Delta { key: format!("k{i}").into_bytes(), ..d.clone() }).collect();
         let (body, tag) = signed(&many);
-        assert_eq!(check(SECRET, Some(&tag), &body).unwrap_err().status, 413);
+        assert_eq!(check(SECRET, Some(&tag), &body, T).unwrap_err().status, 413);
+    }
+
+    #[test]
+    fn a_request_too_far_from_the_isolates_clock_or_of_the_old_version_is_refused_apart() {
+        for ask in [false, true] {
+            let (body, tag) = signed(&SyncRequest { sent: T - 26 * SECOND, ..batch(1, ask) });
+            let r = check(SECRET, Some(&tag), &body, T).unwrap_err();
+            assert_eq!(r.status, 422);
+            assert!(r.message.contains("26.000 s behind the store's clock"), "{}", r.message);
+            let (body, tag) = signed(&SyncRequest { sent: T + 25 * SECOND, ..batch(1, ask) });
+            assert!(check(SECRET, Some(&tag), &body, T).is_ok(), "within the bound");
+        }
+        let mut v1 = batch(1, false).encode();
+        v1[0] = 1;
+        let tag = hex(&sign(SECRET.as_bytes(), &v1));
+        let r = check(SECRET, Some(&tag), &v1, T).unwrap_err();
+        assert_eq!(r.status, 415);
+        assert!(r.message.contains("version 1 (requests without a time) is not spoken here"), "{}", r.message);
+        // A concurrency delta (code 5) is malformed.
+        let concurrent = Limit::new(Algorithm::Concurrent, 2, 60 * SECOND, None).unwrap();
+        let mut b = batch(1, false);
+        b.deltas[0].limit = concurrent;
+        let (body, tag) = signed(&b);
+        assert_eq!(check(SECRET, Some(&tag), &body, T).unwrap_err().status, 400);
     }
 
     #[test]

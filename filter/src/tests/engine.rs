@@ -1,6 +1,7 @@
 //! The engine on the fake host, without sync: rules, identity, the table, metrics, replies.
 
 use super::*;
+use crate::host::Level;
 
 const RULES: &str = r#"{
   "identity": {"user": {"header": "x-user-id"}, "plan": {"header": "x-plan"}, "ip": {"trusted_hops": 1}},
@@ -388,4 +389,81 @@ fn a_slot_taken_by_a_request_another_rule_rejects_is_given_back() {
     assert_eq!(s, 200);
     assert_eq!(held(&e, &h, "/slow/x").0, 429, "two in flight");
     drop((slots, more));
+}
+
+/// A waiting request's turn as the root's tick sees it now, in ms after the burst.
+fn turn_ms(e: &Engine, h: &FakeHost, w: &crate::engine::Waiting, t0: Nanos) -> Nanos {
+    (e.turn(h, w.turns(), w.until) - t0) / MS
+}
+
+#[test]
+fn when_a_waiter_leaves_the_waiters_behind_it_move_up_and_none_share_a_turn() {
+    // Two VMs of one node; the burst arrives on both. #0 goes at once, #1..#5 wait; #2 (400
+    // ms) leaves; #6 arrives after. Before: #3 600, #4 800, #5 1000 and #6 1000 too.
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let (ea, eb) = (engine(&a, LEAKY), engine(&b, LEAKY));
+    let t0 = a.now.get();
+    let mut waiting = Vec::new();
+    for i in 0..6 {
+        let (e, h) = if i % 2 == 0 { (&ea, &a) } else { (&eb, &b) };
+        h.request("GET", "/q/x", &[("x-user-id", "ann")]);
+        match e.on_request(h) {
+            Verdict::Wait(w) => waiting.push(w),
+            Verdict::Reply(r) => assert_eq!((i, r.status), (0, 200)),
+            other => panic!("{other:?}"),
+        }
+    }
+    let gone = waiting.remove(1);
+    a.advance(100 * MS);
+    b.advance(100 * MS);
+    eb.give_back(&b, gone);
+    b.request("GET", "/q/x", &[("x-user-id", "ann")]);
+    let Verdict::Wait(last) = eb.on_request(&b) else { panic!("#6 waits") };
+    waiting.push(last);
+    let turns: Vec<Nanos> = waiting.iter().map(|w| turn_ms(&ea, &a, w, t0)).collect();
+    assert_eq!(turns, [200, 400, 600, 800, 1000]);
+    // A waiter that leaves after one moved up moves those behind it up again.
+    let gone = waiting.remove(2);
+    ea.give_back(&a, gone);
+    let turns: Vec<Nanos> = waiting.iter().map(|w| turn_ms(&eb, &b, w, t0)).collect();
+    assert_eq!(turns, [200, 400, 600, 800]);
+}
+
+#[test]
+fn where_the_host_cannot_resume_a_waiter_it_is_refused_with_its_turn_as_retry_after() {
+    let h = FakeHost::new();
+    h.no_root_resume.set(true);
+    let e = engine(&h, LEAKY);
+    assert_eq!(shaped(&e, &h, "/q/x"), Ok(0), "a conforming request passes at once");
+    h.request("GET", "/q/x", &[("x-user-id", "ann")]);
+    let r = current(&e, &h);
+    assert_eq!((r.status, header(&r, "retry-after")), (429, Some("1")), "never a wait, never a 500");
+    assert_eq!(h.metric("ratewall_waits_refused"), 1);
+    // It took no turn: waiting its Retry-After, it passes at once; sooner, not.
+    h.advance(100 * MS);
+    assert_eq!(shaped(&e, &h, "/q/x"), Err(429));
+    h.advance(900 * MS);
+    assert_eq!(shaped(&e, &h, "/q/x"), Ok(0));
+}
+
+#[test]
+fn without_shared_data_the_engine_serves_open_counts_it_and_says_so() {
+    // An earlier instance's first shared-data call never came back (it trapped: NGINX
+    // without shm_kv): the counters the host keeps across instances say so.
+    let h = FakeHost::new();
+    let tried = h.define_counter("ratewall_shared_data_tried").unwrap();
+    h.increment(tried, 1);
+    let e = engine(&h, LEAKY);
+    h.shared_broken.set(true);
+    assert_eq!(statuses(&e, &h, "GET", "/q/x", &[("x-user-id", "ann")], 20), [200; 20]);
+    assert_eq!(h.metric("ratewall_config_rejected"), 20);
+    assert!(h.logs.borrow().iter().any(|(l, m)| *l == Level::Error && m.contains("shm_kv")), "{:?}", h.logs);
+    assert!(h.shared_keys().is_empty(), "no shared-data call at all");
+    // With shared data proven, the table is made at the first request, not at configure.
+    let h = FakeHost::new();
+    let e = engine(&h, LEAKY);
+    assert!(h.shared_keys().is_empty(), "configure touches no shared data");
+    assert_eq!(shaped(&e, &h, "/q/x"), Ok(0));
+    assert!(h.shared_keys().len() > 1000);
 }

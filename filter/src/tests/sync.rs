@@ -5,7 +5,7 @@ use super::*;
 use crate::fake::{answer, signed, Call};
 use crate::host::Level;
 use ratewall_core::eval::Request;
-use ratewall_core::sync::{Delta, Store, SyncRequest, SyncResponse, RETRY_HORIZON};
+use ratewall_core::sync::{Delta, Store, SyncRequest, SyncResponse, MAX_REQUEST_SKEW, RETRY_HORIZON};
 
 const SECRET: &str = "0123456789abcdef";
 
@@ -62,7 +62,11 @@ fn fail(e: &Engine, h: &FakeHost) -> usize {
 }
 
 fn batch(c: &Call) -> SyncRequest {
-    SyncRequest::decode(&c.body).unwrap()
+    batch_of(&c.body)
+}
+
+fn batch_of(body: &[u8]) -> SyncRequest {
+    SyncRequest::decode(body).unwrap()
 }
 
 use ratewall_core::Nanos;
@@ -251,7 +255,134 @@ fn a_batch_failing_past_the_retry_horizon_is_dropped_and_its_units_counted() {
         h.advance(100 * MS);
     }
     assert_eq!(h.metric("ratewall_sync_dropped_units"), 7);
-    assert!(h.logged("failed for 45 s and was dropped"));
+    assert!(h.logged("failed for 25 s and was dropped"));
+}
+
+#[test]
+fn a_failed_batch_is_given_up_once_a_store_would_refuse_it_for_its_time() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 7), [200; 7]);
+    let start = h.now();
+    let mut bodies = Vec::new();
+    while h.now() - start <= MAX_REQUEST_SKEW + 31_000 * MS {
+        e.on_tick(&h);
+        for c in h.take_calls() {
+            if batch(&c).seq == 1 {
+                bodies.push((h.now(), c.body.clone()));
+            }
+            e.on_sync_response(&h, c.token, 0, None, &[]);
+        }
+        h.advance(100 * MS);
+    }
+    // Every retry is the same body, made when the batch was: none is sent once that time is
+    // further from the node's clock than a store accepts.
+    assert!(bodies.len() > 3);
+    assert!(bodies.iter().all(|(_, b)| *b == bodies[0].1));
+    assert_eq!(batch_of(&bodies[0].1).sent, start);
+    assert!(bodies.iter().all(|(at, _)| at - start <= MAX_REQUEST_SKEW), "{:?}", bodies.last().map(|b| b.0 - start));
+    assert_eq!(h.metric("ratewall_sync_dropped_units"), 7);
+}
+
+/// Answers every call the host dispatched from `store`, whose clock is `skew` ahead of the
+/// node's (behind, when negative); returns the statuses.
+fn serve_skewed(store: &mut Store, e: &Engine, h: &FakeHost, skew: i64) -> Vec<u32> {
+    let calls = h.take_calls();
+    let mut statuses = Vec::new();
+    for c in &calls {
+        let (status, tag, body) = answer(store, h.now().saturating_add_signed(skew), SECRET, c);
+        e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
+        statuses.push(status);
+    }
+    statuses
+}
+
+#[test]
+fn a_node_whose_clock_is_within_the_bound_of_the_stores_is_served() {
+    for skew in [-20_000 * MS as i64, 20_000 * MS as i64] {
+        let h = FakeHost::new();
+        let e = engine(&h, &rules(100, 1));
+        let mut s = store();
+        assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 5), [200; 5]);
+        e.on_tick(&h);
+        assert_eq!(serve_skewed(&mut s, &e, &h, skew), [200], "store {skew} ns from the node");
+        assert_eq!(counted(&s, &e, "/u/x", "ann", h.now().saturating_add_signed(skew)), 5);
+        assert_eq!((h.metric("ratewall_sync_ok"), h.metric("ratewall_sync_refused_stale")), (1, 0));
+    }
+}
+
+#[test]
+fn a_node_whose_clock_is_beyond_the_bound_is_refused_counts_it_logs_once_and_degrades() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(10, 2));
+    let mut s = store();
+    // The store's clock is 30 s ahead of this node's: every request is refused, 422.
+    let skew = 30_000 * MS as i64;
+    let mut refused = 0;
+    for _ in 0..30 {
+        let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "bob")]);
+        e.on_tick(&h);
+        let got = serve_skewed(&mut s, &e, &h, skew);
+        assert!(got.iter().all(|st| *st == 422), "{got:?}");
+        refused += got.len() as u64;
+        h.advance(100 * MS);
+    }
+    assert!(refused >= 3);
+    assert_eq!(h.metric("ratewall_sync_refused_stale"), refused, "every refusal is counted");
+    assert_eq!(h.metric("ratewall_sync_ok"), 0);
+    assert_eq!(counted(&s, &e, "/u/x", "bob", h.now().saturating_add_signed(skew)), 0, "nothing was applied");
+    let lines: Vec<String> = h
+        .logs
+        .borrow()
+        .iter()
+        .filter(|(_, m)| m.contains("refuses this node's sync requests"))
+        .map(|l| l.1.clone())
+        .collect();
+    assert_eq!(lines.len(), 1, "logged once, not per batch: {lines:?}");
+    assert!(
+        lines[0].contains("more than 25 s") && lines[0].contains("30.000 s behind the store's clock"),
+        "{}",
+        lines[0]
+    );
+    assert!(!lines[0].contains(SECRET));
+    // Degraded: the view is stale, so open rules limit to their share, closed ones refuse.
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 6), [200, 200, 200, 200, 200, 429], "10 / 2 nodes locally");
+    assert_eq!(reply(&e, &h, "GET", "/cl/x", &ann).status, 503);
+    assert!(h.metric("ratewall_sync_degraded_requests") >= 7);
+    // Once the clocks agree, the next batch is served, and a later refusal is logged again.
+    for _ in 0..400 {
+        e.on_tick(&h);
+        if serve_skewed(&mut s, &e, &h, 0).contains(&200) {
+            break;
+        }
+        h.advance(100 * MS);
+    }
+    assert_eq!(h.metric("ratewall_sync_ok"), 1);
+    // Heartbeats carry the node's clock too.
+    for _ in 0..10 {
+        e.on_tick(&h);
+        serve_skewed(&mut s, &e, &h, -skew);
+        h.advance(100 * MS);
+    }
+    let logged = h.logs.borrow().iter().filter(|(_, m)| m.contains("refuses this node's sync requests")).count();
+    assert_eq!(logged, 2);
+}
+
+#[test]
+fn an_ask_refused_for_its_time_is_counted_and_the_vm_stops_asking_for_a_while() {
+    let h = FakeHost::new();
+    let (e, mut s) = spent_grant(&h);
+    let asking = burst_until_ask(&e, &h).expect("an ask");
+    let c = h.take_calls().into_iter().find(|c| c.token == asking.token).unwrap();
+    assert!(batch(&c).ask);
+    assert_eq!(batch(&c).sent, h.now(), "an ask carries the node's clock");
+    let (status, tag, body) = answer(&mut s, h.now() + 40_000 * MS, SECRET, &c);
+    assert_eq!(status, 422);
+    let r = e.on_ask_response(&h, asking, status, tag.as_deref(), &body).into_reply();
+    assert_eq!(r.status, 429, "decided on what the node holds");
+    assert_eq!(h.metric("ratewall_sync_refused_stale"), 1);
+    assert!(burst_until_ask(&e, &h).is_none(), "no ask while backing off");
 }
 
 #[test]
@@ -635,7 +766,11 @@ fn a_vm_whose_asks_time_out_stops_asking_for_a_while() {
             e.on_tick(&h);
             serve(s, &e, &h);
             other += 1;
-            s.handle(h.now(), &SyncRequest { node: 999, seq: other, deltas: vec![ann.clone()], ask: false }).unwrap();
+            s.handle(
+                h.now(),
+                &SyncRequest { node: 999, seq: other, sent: h.now(), deltas: vec![ann.clone()], ask: false },
+            )
+            .unwrap();
         }
     };
     let asking = burst_until_ask(&e, &h).expect("the node asked");
@@ -723,7 +858,7 @@ fn a_vm_whose_ask_timed_out_asks_no_more_while_batches_take_longer_than_max_wait
     let other = std::cell::Cell::new(0);
     let spend = |s: &mut Store| {
         other.set(other.get() + 1);
-        let batch = SyncRequest { node: 999, seq: other.get(), deltas: vec![delta.clone()], ask: false };
+        let batch = SyncRequest { node: 999, seq: other.get(), sent: h.now(), deltas: vec![delta.clone()], ask: false };
         s.handle(h.now(), &batch).unwrap();
     };
     // Each batch's answer comes 10 ms after it was sent: an ask's would come after the

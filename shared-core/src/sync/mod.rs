@@ -12,6 +12,9 @@
 //!   never counted twice) and refuses older ones ([`SyncError::Stale`]).
 //! - **Authenticated:** [`sign`] / [`verify`] are HMAC-SHA256 over the encoded body with a
 //!   shared secret; the tag travels beside the body (a header), never in logs.
+//! - **Fresh:** every request carries the time it was made, inside the signed body; a store
+//!   refuses one made further than [`MAX_REQUEST_SKEW`] from its clock, so a captured request
+//!   cannot be replayed once its `seq` is forgotten ([`SyncError::Skewed`]).
 //! - **One clock:** the store's `now` in the response is the reference for window ids, so
 //!   nodes with skewed clocks agree on windows.
 //! - **Compact:** `version | kind | varints`; a delta is its key, its limit (4 varints) and
@@ -31,4 +34,6 @@ pub use auth::{hex, sign, unhex, verify};
 pub use counter::{Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, RETRY_HORIZON, SEQ_MEMORY};
 pub use registry::{Registry, MAX_NODES};
 pub use store::Store;
-pub use wire::{Delta, Grant, SyncError, SyncRequest, SyncResponse, MAX_ENTRIES, MAX_KEY, VERSION};
+pub use wire::{
+    Delta, Grant, SyncError, SyncRequest, SyncResponse, MAX_ENTRIES, MAX_KEY, MAX_REASON, MAX_REQUEST_SKEW, VERSION,
+};

@@ -1,6 +1,5 @@
 //! The reference store.
 
-use super::auth::verify;
 use super::counter::Counter;
 use super::registry::Registry;
 use super::wire::{Grant, SyncError, SyncRequest, SyncResponse};
@@ -41,17 +40,19 @@ impl Store {
         self.counters.get(key).map(|c| c.limit.decide(&c.state, now, 0).0)
     }
 
-    /// Verifies and applies an encoded, signed batch; returns the encoded response.
+    /// Verifies and applies an encoded, signed batch or ask; returns the encoded response.
+    /// What every store checks first ([`SyncRequest::verified`]): the signature, the version,
+    /// the encoding, and that the request was made within
+    /// [`MAX_REQUEST_SKEW`](super::MAX_REQUEST_SKEW) of `now` — a captured request replayed
+    /// after its `seq` is forgotten is refused ([`SyncError::Skewed`]) and counts nothing.
     pub fn handle_signed(&mut self, now: Nanos, secret: &[u8], body: &[u8], tag: &[u8]) -> Result<Vec<u8>, SyncError> {
-        if !verify(secret, body, tag) {
-            return Err(SyncError::Unauthorized);
-        }
-        let req = SyncRequest::decode(body).map_err(SyncError::Malformed)?;
+        let req = SyncRequest::verified(secret, body, tag, Some(now))?;
         self.handle(now, &req).map(|r| r.encode())
     }
 
     /// Applies a batch, or answers an ask, at the store's `now`, as docs/sync-protocol.md
-    /// specifies: an older batch `seq` is refused ([`SyncError::Stale`]); every counter
+    /// specifies (the request trusted as it is: its signature and time are checked by
+    /// [`Store::handle_signed`]): an older batch `seq` is refused ([`SyncError::Stale`]); every counter
     /// applies a node's `seq` once, so a repeat — whole, or after a partial failure — counts
     /// nothing again and is answered with the grant each counter gave it, on what remains of
     /// its lease. An ask's `seq` numbers the node's asks: it neither checks nor moves the

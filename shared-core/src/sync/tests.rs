@@ -11,7 +11,7 @@ fn limit() -> Limit {
 }
 
 fn req(node: u64, seq: u64, units: u64) -> SyncRequest {
-    SyncRequest { node, seq, deltas: vec![Delta { key: b"k".to_vec(), limit: limit(), units }], ask: false }
+    SyncRequest { node, seq, sent: NOW, deltas: vec![Delta { key: b"k".to_vec(), limit: limit(), units }], ask: false }
 }
 
 const NOW: Nanos = 1_700_000_000 * SECOND;
@@ -56,10 +56,11 @@ fn a_delta_costs_a_few_bytes() {
     let r = SyncRequest {
         node: 1,
         seq: 1,
+        sent: NOW,
         deltas: vec![Delta { key: vec![b'x'; 24], limit: limit(), units: 12 }; 100],
         ask: false,
     };
-    let per_delta = (r.encode().len() - 5) / 100;
+    let per_delta = (r.encode().len() - 14) / 100;
     assert!(per_delta <= 36, "{per_delta} bytes per delta for a 24-byte key");
 }
 
@@ -76,6 +77,128 @@ fn forged_or_tampered_batches_are_refused() {
     assert_eq!(s.handle_signed(NOW, b"secret", &tampered, &tag), Err(SyncError::Unauthorized));
     assert!(s.handle_signed(NOW, b"secret", &body, &tag).is_ok());
     assert_eq!(s.peek(b"k", NOW).map(|d| d.remaining), Some(95));
+}
+
+/// `req` signed with `b"secret"`: (body, tag).
+fn signed(r: &SyncRequest) -> (Vec<u8>, Vec<u8>) {
+    let body = r.encode();
+    let tag = sign(b"secret", &body).to_vec();
+    (body, tag)
+}
+
+#[test]
+fn a_captured_batch_replayed_after_its_seq_is_forgotten_is_refused_and_counts_nothing() {
+    // A fixed window of an hour: what is counted stays counted over the test's 65 s.
+    let hour = Limit::new(Algorithm::FixedWindow, 100, 3600 * SECOND, None).unwrap();
+    let at = |node, units, sent| SyncRequest {
+        sent,
+        deltas: vec![Delta { key: b"k".to_vec(), limit: hour, units }],
+        ..req(node, 1, 0)
+    };
+    let later = NOW + 65 * SECOND;
+    let mut s = Store::new(100, 2 * SECOND);
+    let (body, tag) = signed(&at(1, 25, NOW));
+    assert!(s.handle_signed(NOW, b"secret", &body, &tag).is_ok());
+    // Another node syncs the counter 65 s later: the counter and the registry forget node 1.
+    let (other, other_tag) = signed(&at(2, 0, later));
+    assert!(s.handle_signed(later, b"secret", &other, &other_tag).is_ok());
+    assert_eq!(s.peek(b"k", later).map(|d| d.remaining), Some(75));
+    // The captured batch, sent again byte for byte: its time gives it away.
+    let replayed = s.handle_signed(later, b"secret", &body, &tag);
+    assert_eq!(replayed, Err(SyncError::Skewed { sent: NOW, now: later }));
+    assert_eq!(replayed.unwrap_err().status(), 422);
+    assert_eq!(s.peek(b"k", later).map(|d| d.remaining), Some(75), "25 units, counted once");
+    // Without its time checked, the same batch would have counted again: the store forgot it.
+    assert!(s.handle(later, &at(1, 25, NOW)).is_ok());
+    assert_eq!(s.peek(b"k", later).map(|d| d.remaining), Some(50));
+}
+
+#[test]
+fn a_request_within_the_skew_bound_is_applied_and_one_beyond_it_is_refused() {
+    for (sent, applied) in [
+        (NOW - MAX_REQUEST_SKEW, true),
+        (NOW + MAX_REQUEST_SKEW, true),
+        (NOW - MAX_REQUEST_SKEW - 1, false),
+        (NOW + MAX_REQUEST_SKEW + 1, false),
+    ] {
+        for ask in [false, true] {
+            let mut s = Store::new(100, 2 * SECOND);
+            let (body, tag) = signed(&SyncRequest { sent, ask, ..req(1, 1, 5) });
+            let r = s.handle_signed(NOW, b"secret", &body, &tag);
+            assert_eq!(r.is_ok(), applied, "sent {sent}, ask {ask}: {r:?}");
+            let counted = s.peek(b"k", NOW).map_or(0, |d| d.limit - d.remaining);
+            assert_eq!(counted, if applied { 5 } else { 0 }, "sent {sent}, ask {ask}");
+            if !applied {
+                assert_eq!(r, Err(SyncError::Skewed { sent, now: NOW }));
+            }
+        }
+    }
+    // A heartbeat too.
+    let mut s = Store::new(100, 2 * SECOND);
+    let (body, tag) = signed(&SyncRequest { sent: NOW - 30 * SECOND, deltas: vec![], ..req(1, 1, 0) });
+    assert!(matches!(s.handle_signed(NOW, b"secret", &body, &tag), Err(SyncError::Skewed { .. })));
+}
+
+#[test]
+fn every_refusal_reason_fits_what_a_node_reads_of_an_answer() {
+    let longest = [
+        SyncError::Stale { last: u64::MAX },
+        SyncError::Malformed(crate::encoding::DecodeError::BadLog),
+        SyncError::Unauthorized,
+        SyncError::Skewed { sent: u64::MAX, now: 0 },
+        SyncError::Version(1),
+        SyncError::Version(255),
+    ];
+    for e in longest {
+        // The stores prefix a malformed batch's reason with "malformed batch: ".
+        assert!(alloc::format!("malformed batch: {e}").len() <= MAX_REASON, "{e}");
+    }
+    assert!(SyncResponse::max_len(core::iter::empty()) >= MAX_REASON, "a heartbeat's refusal is read");
+}
+
+#[test]
+fn a_refusal_for_time_says_which_way_and_by_how_much() {
+    let behind = SyncError::Skewed { sent: NOW - 40 * SECOND - 5_000_000, now: NOW };
+    let text = alloc::format!("{behind}");
+    assert!(text.contains("40.005 s behind the store's clock (1700000000.000 s)"), "{text}");
+    assert!(text.contains("more than 25 s"), "{text}");
+    let ahead = alloc::format!("{}", SyncError::Skewed { sent: NOW + 30 * SECOND, now: NOW });
+    assert!(ahead.contains("30.000 s ahead of"), "{ahead}");
+}
+
+#[test]
+fn a_request_of_the_previous_version_is_refused_as_such() {
+    // Version 1: a batch (kind 1) of node 1, seq 1, one delta, and no time after the seq.
+    let mut v1 = vec![1u8, 1, 1, 1, 1, 1, b'k'];
+    super::wire::put_limit(&mut v1, &limit());
+    crate::encoding::put_varint(&mut v1, 5);
+    let mut s = Store::new(100, 2 * SECOND);
+    let tag = sign(b"secret", &v1);
+    let r = s.handle_signed(NOW, b"secret", &v1, &tag);
+    assert_eq!(r, Err(SyncError::Version(1)));
+    assert_eq!(r.unwrap_err().status(), 415);
+    assert!(alloc::format!("{}", SyncError::Version(1)).contains("version 1 (requests without a time)"));
+    // Unsigned, it is refused as any unsigned body is.
+    assert_eq!(s.handle_signed(NOW, b"secret", &v1, &[0; 32]), Err(SyncError::Unauthorized));
+    assert!(s.is_empty());
+}
+
+#[test]
+fn a_delta_for_a_concurrency_limit_is_malformed() {
+    let concurrent = Limit::new(Algorithm::Concurrent, 2, 60 * SECOND, None).unwrap();
+    let r = SyncRequest { deltas: vec![Delta { key: b"k".to_vec(), limit: concurrent, units: 1 }], ..req(1, 1, 0) };
+    let (body, tag) = signed(&r);
+    let mut s = Store::new(100, 2 * SECOND);
+    let refused = s.handle_signed(NOW, b"secret", &body, &tag);
+    assert_eq!(refused, Err(SyncError::Malformed(crate::encoding::DecodeError::Tag(5))));
+    assert_eq!(refused.unwrap_err().status(), 400);
+    assert!(s.is_empty());
+    // The codes 0-4 decode.
+    for a in Algorithm::ALL.iter().filter(|a| **a != Algorithm::Concurrent) {
+        let l = Limit::new(*a, 2, 60 * SECOND, None).unwrap();
+        let r = SyncRequest { deltas: vec![Delta { key: b"k".to_vec(), limit: l, units: 1 }], ..req(1, 1, 0) };
+        assert_eq!(SyncRequest::decode(&r.encode()), Ok(r));
+    }
 }
 
 #[test]
@@ -130,10 +253,10 @@ fn nodes_are_the_fleet_heard_from_even_in_a_heartbeat() {
     for node in 1..=3 {
         assert_eq!(s.handle(NOW, &req(node, 1, 1)).unwrap().nodes, node as u32);
     }
-    let heartbeat = SyncRequest { node: 1, seq: 2, deltas: vec![], ask: false };
+    let heartbeat = SyncRequest { node: 1, seq: 2, sent: NOW, deltas: vec![], ask: false };
     assert_eq!(s.handle(NOW + SECOND, &heartbeat).unwrap().nodes, 3);
     // Past the node TTL only the sender counts.
-    let heartbeat = SyncRequest { node: 1, seq: 3, deltas: vec![], ask: false };
+    let heartbeat = SyncRequest { node: 1, seq: 3, sent: NOW, deltas: vec![], ask: false };
     assert_eq!(s.handle(NOW + 4 * SECOND, &heartbeat).unwrap().nodes, 1);
 }
 
@@ -144,6 +267,7 @@ fn an_asks_remaining_is_after_its_units() {
     let ask = SyncRequest {
         node: 2,
         seq: 1,
+        sent: NOW,
         deltas: vec![Delta { key: b"k".to_vec(), limit: limit(), units: 3 }],
         ask: true,
     };
@@ -300,7 +424,7 @@ fn memory_is_bounded_by_max_counters() {
     let mut s = Store::new(10, 10 * SECOND);
     for i in 0..1000u64 {
         let d = Delta { key: i.to_le_bytes().to_vec(), limit: limit(), units: 1 };
-        s.handle(NOW + i, &SyncRequest { node: 1, seq: i + 1, deltas: vec![d], ask: false }).unwrap();
+        s.handle(NOW + i, &SyncRequest { node: 1, seq: i + 1, sent: NOW, deltas: vec![d], ask: false }).unwrap();
     }
     assert_eq!(s.len(), 10);
 }

@@ -1,15 +1,29 @@
 //! The wire format: batches, asks and answers (`version | kind | varints`).
 
-use super::counter::Applied;
-use crate::algo::{Algorithm, Limit, Nanos};
+use super::auth::verify;
+use super::counter::{Applied, SEQ_MEMORY};
+use crate::algo::{Algorithm, Limit, Nanos, SECOND};
 use crate::encoding::{put_varint, DecodeError, Reader};
 use alloc::vec::Vec;
 
-/// The protocol version byte.
-pub const VERSION: u8 = 1;
+/// The protocol version byte. Version 2 requests carry the time they were made (`sent`);
+/// version 1 ones did not, and are refused ([`SyncError::Version`]).
+pub const VERSION: u8 = 2;
+/// How far a request's `sent` may be from the store's clock, either way, before the store
+/// refuses it ([`SyncError::Skewed`]). A store first applies a request no earlier than
+/// `sent - MAX_REQUEST_SKEW` and remembers its `seq` for [`SEQ_MEMORY`] after that; a copy
+/// replayed later than `sent + MAX_REQUEST_SKEW` is refused. Twice the bound is under the
+/// memory, with 10 s to spare for the store's own clocks disagreeing (a store process, its
+/// Redis primaries, the Worker's objects): every copy a store could still be made to apply is
+/// one whose `seq` it still remembers.
+pub const MAX_REQUEST_SKEW: Nanos = 25 * SECOND;
+const _: () = assert!(2 * MAX_REQUEST_SKEW + 10 * SECOND <= SEQ_MEMORY);
 const KIND_REQUEST: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
 const KIND_ASK: u8 = 3;
+/// Longest reason a store gives with a refusal (a [`SyncError`]'s text, plain): a node
+/// reads a refusal of up to this many bytes, for its status and to quote it in a log line.
+pub const MAX_REASON: usize = 512;
 /// Longest counter key accepted on the wire.
 pub const MAX_KEY: usize = 1024;
 /// Most deltas (or grants) in one message.
@@ -33,6 +47,10 @@ pub struct SyncRequest {
     pub node: u64,
     /// Strictly increasing per node; a retry repeats the same number.
     pub seq: u64,
+    /// When the node made the request (Unix ns, its own clock): a store refuses a request
+    /// further than [`MAX_REQUEST_SKEW`] from its clock. A retry repeats the whole body, this
+    /// included. 0 in a request not meant for a store (the filter's outboxes).
+    pub sent: Nanos,
     /// The deltas.
     pub deltas: Vec<Delta>,
     /// An *ask* rather than a batch: each delta's `units` are units a paused request needs
@@ -89,6 +107,39 @@ pub enum SyncError {
     Malformed(DecodeError),
     /// The tag does not match the body.
     Unauthorized,
+    /// Signed, but made further than [`MAX_REQUEST_SKEW`] from the store's clock: a replay
+    /// of a captured request, or a node whose clock is off. Nothing of it is applied.
+    Skewed {
+        /// The request's `sent`.
+        sent: Nanos,
+        /// The store's clock.
+        now: Nanos,
+    },
+    /// Signed, but in a protocol version this store does not speak (version 1: requests
+    /// without a time).
+    Version(u8),
+}
+
+impl SyncError {
+    /// The HTTP status every store answers this with (docs/sync-protocol.md, "HTTP").
+    pub fn status(&self) -> u16 {
+        match self {
+            SyncError::Stale { .. } => 409,
+            SyncError::Malformed(_) => 400,
+            SyncError::Unauthorized => 401,
+            SyncError::Skewed { .. } => 422,
+            SyncError::Version(_) => 415,
+        }
+    }
+}
+
+/// `ns` as seconds with milliseconds (`12.345`).
+struct Secs(Nanos);
+
+impl core::fmt::Display for Secs {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "{}.{:03}", self.0 / SECOND, self.0 % SECOND / 1_000_000)
+    }
 }
 
 impl core::fmt::Display for SyncError {
@@ -97,6 +148,26 @@ impl core::fmt::Display for SyncError {
             SyncError::Stale { last } => write!(f, "older than the node's latest batch (seq {last})"),
             SyncError::Malformed(e) => write!(f, "malformed message: {e}"),
             SyncError::Unauthorized => f.write_str("the signature does not match the body"),
+            SyncError::Skewed { sent, now } => {
+                let side = if sent > now { "ahead of" } else { "behind" };
+                write!(
+                    f,
+                    "request time {} s is {} s {side} the store's clock ({} s), more than {} s: the node's \
+                     clock is off, or the request is a replay; nothing was applied",
+                    Secs(*sent),
+                    Secs(sent.abs_diff(*now)),
+                    Secs(*now),
+                    MAX_REQUEST_SKEW / SECOND
+                )
+            }
+            SyncError::Version(1) => write!(
+                f,
+                "sync protocol version 1 (requests without a time) is not spoken here: this store speaks \
+                 version {VERSION}; upgrade the node"
+            ),
+            SyncError::Version(v) => {
+                write!(f, "sync protocol version {v} is not spoken here: this store speaks version {VERSION}")
+            }
         }
     }
 }
@@ -112,7 +183,8 @@ pub(super) fn put_limit(out: &mut Vec<u8>, l: &Limit) {
 
 pub(super) fn read_limit(r: &mut Reader<'_>) -> Result<Limit, DecodeError> {
     let code = r.u8()?;
-    let algorithm = Algorithm::from_code(code).ok_or(DecodeError::Tag(code))?;
+    // A concurrency limit counts one proxy's requests in flight: it is never synced.
+    let algorithm = Algorithm::from_code(code).filter(|a| *a != Algorithm::Concurrent).ok_or(DecodeError::Tag(code))?;
     let (requests, per, capacity) = (r.varint()?, r.varint()?, r.varint()?);
     // A leaky bucket's `delay` does not travel: the store never says how long a request
     // waits.
@@ -156,14 +228,16 @@ pub(super) fn read_count(r: &mut Reader<'_>) -> Result<usize, DecodeError> {
 impl SyncRequest {
     /// The wire encoding.
     pub fn encode(&self) -> Vec<u8> {
-        SyncRequest::encode_parts(self.node, self.seq, &self.deltas, self.ask)
+        SyncRequest::encode_parts(self.node, self.seq, self.sent, &self.deltas, self.ask)
     }
 
     /// The wire encoding of a request made of these parts (without building one).
-    pub fn encode_parts(node: u64, seq: u64, deltas: &[Delta], ask: bool) -> Vec<u8> {
+    pub fn encode_parts(node: u64, seq: u64, sent: Nanos, deltas: &[Delta], ask: bool) -> Vec<u8> {
         let mut out = alloc::vec![VERSION, if ask { KIND_ASK } else { KIND_REQUEST }];
         put_varint(&mut out, node);
         put_varint(&mut out, seq);
+        // The time goes in the head: what follows the deltas is left for optional sections.
+        put_varint(&mut out, sent);
         put_varint(&mut out, deltas.len() as u64);
         for d in deltas {
             put_bytes(&mut out, &d.key);
@@ -177,7 +251,7 @@ impl SyncRequest {
     pub fn decode(bytes: &[u8]) -> Result<SyncRequest, DecodeError> {
         let mut r = Reader { bytes, pos: 0 };
         let ask = read_header(&mut r, &[KIND_REQUEST, KIND_ASK])? == KIND_ASK;
-        let (node, seq) = (r.varint()?, r.varint()?);
+        let (node, seq, sent) = (r.varint()?, r.varint()?, r.varint()?);
         let n = read_count(&mut r)?;
         let mut deltas = Vec::with_capacity(n.min(1024));
         for _ in 0..n {
@@ -186,7 +260,34 @@ impl SyncRequest {
         if r.pos != bytes.len() {
             return Err(DecodeError::Truncated);
         }
-        Ok(SyncRequest { node, seq, deltas, ask })
+        Ok(SyncRequest { node, seq, sent, deltas, ask })
+    }
+
+    /// What a store does with a call before anything else: checks the signature (`tag`, the
+    /// raw HMAC), the version ([`SyncError::Version`]), the encoding, and — when `now` is the
+    /// store's clock — that the request was made within [`MAX_REQUEST_SKEW`] of it. `None`
+    /// leaves the time to the caller (ratewall-store checks it at Redis's clock).
+    pub fn verified(secret: &[u8], body: &[u8], tag: &[u8], now: Option<Nanos>) -> Result<SyncRequest, SyncError> {
+        if !verify(secret, body, tag) {
+            return Err(SyncError::Unauthorized);
+        }
+        let req = SyncRequest::decode(body).map_err(|e| match e {
+            DecodeError::Version(v) => SyncError::Version(v),
+            e => SyncError::Malformed(e),
+        })?;
+        if let Some(now) = now {
+            req.check_time(now)?;
+        }
+        Ok(req)
+    }
+
+    /// [`SyncError::Skewed`] unless the request was made within [`MAX_REQUEST_SKEW`] of the
+    /// store's clock `now`.
+    pub fn check_time(&self, now: Nanos) -> Result<(), SyncError> {
+        if self.sent.abs_diff(now) > MAX_REQUEST_SKEW {
+            return Err(SyncError::Skewed { sent: self.sent, now });
+        }
+        Ok(())
     }
 }
 
@@ -208,12 +309,13 @@ impl SyncResponse {
         out
     }
 
-    /// The longest valid answer to a request for counters with keys of these lengths: a
-    /// node refuses a longer one before reading (or authenticating) it.
+    /// The longest valid answer to a request for counters with keys of these lengths — the
+    /// encoded response, or a store's refusal reason (at most [`MAX_REASON`] bytes): a node
+    /// refuses a longer one before reading (or authenticating) it.
     pub fn max_len(key_lens: impl Iterator<Item = usize>) -> usize {
         // version, kind, seq, now, nodes, count; then per grant its key (length varint and
         // bytes) and four varints of at most 10 bytes each.
-        key_lens.fold(2 + 10 + 10 + 5 + 10, |n, k| n.saturating_add(k.saturating_add(3 + 40)))
+        key_lens.fold(2 + 10 + 10 + 5 + 10, |n: usize, k| n.saturating_add(k.saturating_add(3 + 40))).max(MAX_REASON)
     }
 
     /// Decodes the wire encoding; trailing bytes are an error.

@@ -1,0 +1,249 @@
+//! The built filter under the host's ngx_wasm_module profile: what NGINX does differently
+//! (fatal configure results, no `shm_kv`, the tick period from the root only, resumption only
+//! from a request's own context, `cas = 0` as "only if absent", reloads with fresh shared data
+//! and VMs, `host:port` callouts, no scoped properties outside a request) never takes it down.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use ratewall_core::sync::Store;
+use ratewall_tests::host::{HttpRequest, Node, Plugin, Profile, Started, Vm};
+use ratewall_tests::sim::{answer_from, request_with, SECRET};
+use serde_json::{json, Value};
+
+const SECOND: u64 = 1_000_000_000;
+const MS: u64 = 1_000_000;
+const T0: u64 = 1_800_000_000 * SECOND;
+
+fn plugin() -> Plugin {
+    Plugin::filter().unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn user_rules(requests: u64) -> Value {
+    json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "u", "key": ["user"], "limit": {"requests": requests, "per": "60s"}}]
+    })
+}
+
+const BAD: &str = r#"{"identity": {"user": {"header": "x-user-id"}}, "rules": [{"name": "u", "key": ["user"], "limit": {"requests": 5, "per": "6O s"}}]}"#;
+
+fn user(name: &str) -> HttpRequest {
+    HttpRequest::new("GET", "/v1/things").header("x-user-id", name)
+}
+
+fn admitted(vm: &mut Vm, req: &HttpRequest, n: usize) -> usize {
+    (0..n).filter(|_| vm.request(req).unwrap().passed).count()
+}
+
+/// `n` workers of `node`, started with `doc` (each a fresh VM, as NGINX starts them).
+fn workers(node: &Node, doc: &str, n: usize) -> Vec<Vm> {
+    (0..n).map(|_| Vm::start(&plugin(), node, doc.as_bytes()).unwrap()).collect()
+}
+
+fn errors(node: &Node) -> Vec<String> {
+    node.logs().into_iter().filter(|(l, _)| *l >= 4).map(|(_, m)| m).collect()
+}
+
+#[test]
+fn a_bad_document_at_a_cold_start_leaves_every_worker_serving_and_says_why() {
+    let node = Node::with_profile(T0, Profile::NGINX);
+    // Fatal to the worker before (on_configure false): Vm::start failed.
+    let mut vms = workers(&node, BAD, 2);
+    for vm in &mut vms {
+        assert_eq!(admitted(vm, &user("a"), 10), 10, "open: requests pass without limits");
+        assert!(vm.trapped().is_none());
+    }
+    assert_eq!(node.metric("ratewall_config_rejected"), 20, "every such request counted");
+    let errs = errors(&node);
+    assert!(errs.iter().any(|m| m.contains("no rules in force") && m.contains("rules[0].limit.per")), "{errs:?}");
+    // Said again at the ticks while no rules are in force, at most every 10 s.
+    let before = errors(&node).len();
+    node.advance(11 * SECOND);
+    vms[0].tick().unwrap();
+    vms[0].request(&user("a")).unwrap();
+    assert_eq!(errors(&node).len(), before + 1);
+}
+
+#[test]
+fn a_deployment_that_wants_it_closed_gets_503_without_valid_rules() {
+    let node = Node::with_profile(T0, Profile::NGINX);
+    let mut vm = Vm::start_with_vm_config(&plugin(), &node, br#"{"without_rules": "closed"}"#, BAD.as_bytes()).unwrap();
+    let r = vm.request(&user("a")).unwrap();
+    assert_eq!((r.status, r.header("retry-after")), (503, Some("10")));
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    assert_eq!(node.metric("ratewall_config_rejected"), 1);
+}
+
+#[test]
+fn a_bad_document_at_a_reload_keeps_nginx_serving_and_a_good_one_brings_the_limits_back() {
+    let node = Node::with_profile(T0, Profile::NGINX);
+    let good = user_rules(3).to_string();
+    let mut vms = workers(&node, &good, 2);
+    assert_eq!(admitted(&mut vms[0], &user("a"), 5), 3);
+    // nginx -s reload with a typo: fresh workers, fresh VMs, no previous rules to keep.
+    node.reload();
+    let mut vms = workers(&node, BAD, 2);
+    assert_eq!(admitted(&mut vms[1], &user("a"), 5), 5);
+    node.reload();
+    let mut vms = workers(&node, &good, 2);
+    let passed = (0..6).filter(|i| vms[i % 2].request(&user("a")).unwrap().passed).count();
+    assert_eq!(passed, 3, "the good document's limit, across both workers");
+    assert_eq!(node.metric("ratewall_config_rejected"), 0, "a reload brings fresh metrics too");
+}
+
+#[test]
+fn without_shm_kv_one_instance_traps_and_the_rest_serve_open_and_say_so() {
+    let node = Node::with_profile(T0, Profile::Nginx { shm_kv: false });
+    // Configure makes no shared-data call (a trap there is fatal to the worker): this failed
+    // before, at Vm::start.
+    let mut first = Vm::start(&plugin(), &node, user_rules(3).to_string().as_bytes()).unwrap();
+    // The first shared-data call traps; ngx_wasm_module discards that instance.
+    assert!(first.request(&user("a")).is_err());
+    assert!(first.trapped().unwrap().contains("could not resolve namespace"));
+    // Its successors (a recycled instance, the other workers) know from the host's metrics.
+    let mut vms = workers(&node, &user_rules(3).to_string(), 2);
+    for vm in &mut vms {
+        assert_eq!(admitted(vm, &user("a"), 5), 5);
+        vm.tick().unwrap();
+        assert!(vm.trapped().is_none());
+    }
+    assert_eq!(node.metric("ratewall_config_rejected"), 10);
+    assert!(errors(&node).iter().any(|m| m.contains("shm_kv")), "{:?}", errors(&node));
+}
+
+/// The leaky bucket of 5 per second with a queue of 5.
+fn shaping() -> String {
+    ratewall_tests::shaping::rules(5, 0)
+}
+
+#[test]
+fn leaky_bucket_requests_that_would_wait_get_a_429_with_a_true_retry_after_never_a_trap() {
+    let node = Node::with_profile(T0, Profile::NGINX);
+    let mut vms = workers(&node, &shaping(), 2);
+    // The tick period was set once, from the root, at configure (a request setting it trapped).
+    assert_eq!(vms[0].tick_period_ms(), 5);
+    let req = HttpRequest::new("GET", "/q").header("x-user-id", "burst");
+    let mut statuses = Vec::new();
+    for i in 0..8 {
+        match vms[i % 2].begin(&req).unwrap() {
+            Started::Done(r) => statuses.push((r.status, r.header("retry-after").map(str::to_owned))),
+            Started::Paused(_) => panic!("request {i} paused: on NGINX nothing would resume it"),
+        }
+    }
+    assert_eq!(statuses[0], (200, None));
+    assert!(statuses[1..].iter().all(|s| *s == (429, Some("1".to_owned()))), "{statuses:?}");
+    for _ in 0..50 {
+        node.advance(MS);
+        for vm in &mut vms {
+            vm.tick().unwrap();
+        }
+    }
+    assert!(vms.iter().all(|vm| vm.trapped().is_none()));
+    // Retry-After is true: 1 s on, the next request passes at once.
+    node.advance(SECOND);
+    assert!(vms[1].request(&req).unwrap().passed);
+    assert_eq!(node.metric("ratewall_waits_refused"), 7);
+}
+
+#[test]
+fn delay_still_passes_part_of_a_burst_at_once_on_nginx() {
+    let node = Node::with_profile(T0, Profile::NGINX);
+    let mut vms = workers(&node, &ratewall_tests::shaping::rules(10, 3), 1);
+    let req = HttpRequest::new("GET", "/q").header("x-user-id", "burst");
+    assert_eq!(admitted(&mut vms[0], &req, 12), 4, "the conforming one and delay = 3");
+}
+
+#[test]
+fn workers_racing_to_create_the_table_log_nothing_and_limits_hold() {
+    for round in 0..3 {
+        let node = Node::with_profile(T0, Profile::NGINX);
+        let doc = user_rules(25).to_string();
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let (node, doc) = (node.clone(), doc.clone());
+                std::thread::spawn(move || {
+                    let mut vm = Vm::start(&plugin(), &node, doc.as_bytes()).unwrap();
+                    admitted(&mut vm, &user("racer"), 20)
+                })
+            })
+            .collect();
+        let total: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        assert_eq!(total, 25, "round {round}");
+        let noise: Vec<_> = node.logs().into_iter().filter(|(l, _)| *l >= 3).collect();
+        assert!(noise.is_empty(), "round {round}: {noise:?}");
+    }
+}
+
+/// Rules with a `sync` section naming the store as NGINX must: `host:port`.
+fn synced(requests: u64) -> String {
+    json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "r", "key": ["user"], "algorithm": "fixed_window",
+                   "limit": {"requests": requests, "per": "60s"}}],
+        "filter": {"slots": 256},
+        "sync": {"cluster": "127.0.0.1:8090", "secret": SECRET, "interval": "100ms", "stale_after": "1s", "nodes": 4}
+    })
+    .to_string()
+}
+
+/// One interval: the clock moves on, every VM ticks, `store` answers each call.
+fn synced_tick(node: &Node, vms: &mut [Vm], store: &mut Store) {
+    node.advance(100 * MS);
+    for vm in vms.iter_mut() {
+        vm.tick().unwrap();
+        for c in vm.take_callouts() {
+            assert_eq!(c.upstream, "127.0.0.1:8090");
+            answer_from(store, node.now(), vm, &c).unwrap();
+        }
+    }
+}
+
+#[test]
+fn sync_to_a_host_port_store_starts_without_an_error_line() {
+    let node = Node::with_profile(T0, Profile::NGINX);
+    let mut store = Store::new(1000, 10 * SECOND);
+    let mut vms = workers(&node, &synced(10), 2);
+    for _ in 0..3 {
+        synced_tick(&node, &mut vms, &mut store);
+    }
+    assert_eq!(admitted(&mut vms[0], &user("a"), 2), 2);
+    synced_tick(&node, &mut vms, &mut store);
+    assert!(node.metric("ratewall_sync_ok") > 0, "batches reached the store");
+    assert!(errors(&node).is_empty(), "{:?}", errors(&node));
+}
+
+#[test]
+fn after_a_reload_a_client_that_spent_its_quota_is_denied_once_the_first_batch_is_answered() {
+    let node = Node::with_profile(T0 + 10 * SECOND, Profile::NGINX);
+    let mut store = Store::new(1000, 10 * SECOND);
+    let doc = synced(5);
+    let mut vms = workers(&node, &doc, 2);
+    synced_tick(&node, &mut vms, &mut store);
+    let mut passed = 0;
+    for i in 0..8 {
+        passed +=
+            usize::from(request_with(Some(&mut store), node.now(), &mut vms[i % 2], &user("spender")).unwrap().passed);
+        synced_tick(&node, &mut vms, &mut store);
+    }
+    assert_eq!(passed, 5, "the quota, spent");
+    // nginx -s reload: fresh shm_kv, fresh VMs; the local count is gone.
+    node.reload();
+    assert_eq!(node.shared_get("rw1/32/0"), None);
+    let mut vms = workers(&node, &doc, 2);
+    synced_tick(&node, &mut vms, &mut store);
+    // Until the store has answered for this counter the new workers admit on an initial
+    // share (limit / nodes = 1), as a node that has just joined does; that unit goes out in
+    // the next batch.
+    let first = request_with(Some(&mut store), node.now(), &mut vms[0], &user("spender")).unwrap();
+    synced_tick(&node, &mut vms, &mut store);
+    synced_tick(&node, &mut vms, &mut store);
+    for i in 0..6 {
+        let r = request_with(Some(&mut store), node.now(), &mut vms[i % 2], &user("spender")).unwrap();
+        assert_eq!(r.status, 429, "request {i} after the reload: the store still counts the quota spent");
+        synced_tick(&node, &mut vms, &mut store);
+    }
+    assert!(first.passed || first.status == 429);
+    // Another client has its quota.
+    let r = request_with(Some(&mut store), node.now(), &mut vms[0], &user("fresh")).unwrap();
+    assert!(r.passed);
+}
