@@ -2,7 +2,7 @@
 
 use crate::{load, Failure};
 use ratewall_core::algo::{Algorithm, Limit, Nanos};
-use ratewall_core::rules::{Dimension, FailurePolicy, Mode, PlanLimit, Rule};
+use ratewall_core::rules::{Dimension, FailurePolicy, HashKeySource, Mode, PlanLimit, Rule};
 use ratewall_core::Config;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -64,6 +64,25 @@ pub fn key_names(config: &Config, rule: &Rule) -> Vec<String> {
             Dimension::Ip => "ip".to_owned(),
         })
         .collect()
+}
+
+/// The names of a rule's key dimensions, secret ones marked (`api_key (secret)`).
+fn key_names_marked(config: &Config, rule: &Rule) -> Vec<String> {
+    rule.key
+        .iter()
+        .zip(key_names(config, rule))
+        .map(|(d, n)| if config.identity.is_secret(*d) { format!("{n} (secret)") } else { n })
+        .collect()
+}
+
+/// Where secret values' hash key comes from, when a rule keys on a secret dimension.
+fn hash_key_source(config: &Config) -> Option<&'static str> {
+    let secret = config.rules.iter().any(|r| r.key.iter().any(|d| config.identity.is_secret(*d)));
+    secret.then_some(match config.identity.hash_key_source {
+        HashKeySource::HashKey => "identity.hash_key",
+        HashKeySource::SyncSecret => "sync.secret",
+        HashKeySource::BuiltIn => "built-in",
+    })
 }
 
 /// The rule's `match` as written (path pattern, methods).
@@ -140,7 +159,11 @@ pub fn check(path: &Path, as_json: bool) -> Result<(), Failure> {
     };
     if as_json {
         let rules: Vec<Value> = config.rules.iter().enumerate().map(|(i, r)| rule_json(&doc, &config, i, r)).collect();
-        say!("{}", json!({"valid": true, "rules": rules, "sync": config.sync.is_some()}));
+        let mut out = json!({"valid": true, "rules": rules, "sync": config.sync.is_some()});
+        if let Some(source) = hash_key_source(&config) {
+            out["secret_hash_key"] = json!(source);
+        }
+        say!("{out}");
         return Ok(());
     }
     say!("{}: valid, {} rule{}", path.display(), config.rules.len(), if config.rules.len() == 1 { "" } else { "s" });
@@ -149,7 +172,7 @@ pub fn check(path: &Path, as_json: bool) -> Result<(), Failure> {
         let methods = if methods.is_empty() { "any method".to_owned() } else { methods.join(",") };
         say!("- {}", r.name);
         say!("    match: {methods} {}", pattern.as_deref().unwrap_or("any path"));
-        say!("    key:   {}", key_names(&config, r).join(" + "));
+        say!("    key:   {}", key_names_marked(&config, r).join(" + "));
         say!(
             "    limit: {}{}",
             limit_text(&r.limit),
@@ -170,6 +193,13 @@ pub fn check(path: &Path, as_json: bool) -> Result<(), Failure> {
     }
     if config.sync.is_some() {
         say!("sync: on (limits are shared across proxies through the global store)");
+    }
+    match hash_key_source(&config) {
+        Some("built-in") => say!(
+            "secret values: shown as #hash under ratewall's built-in key, which anyone can hash guesses with; set identity.hash_key (or sync.secret)"
+        ),
+        Some(source) => say!("secret values: counted and shown only as a hash keyed by {source}"),
+        _ => {}
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! `ratewall explain`: what the rules do with one request.
 
-use crate::describe::{key_names, limit_json, limit_text, match_as_written};
+use crate::describe::{limit_json, limit_text, match_as_written};
 use crate::{load, Failure};
 use ratewall_core::eval::{Check, Request, Skip};
 use ratewall_core::glob::normalize_path;
@@ -57,26 +57,29 @@ impl Parts {
         Request { method, path: &self.path, headers: values, ip: self.ip.as_deref() }
     }
 
-    /// The rule's key as `dimension=value` pairs (what `Check::key` encodes).
+    /// The rule's key as `dimension=value` pairs, shown as everywhere else
+    /// ([`ratewall_core::topk::render`] of `Check::key`): secret and overlong values only as
+    /// their keyed hash.
     pub fn key_text(&self, config: &Config, rule: &Rule) -> String {
-        let names = key_names(config, rule);
-        rule.key
-            .iter()
-            .zip(names)
-            .map(|(d, name)| {
-                let v = match d {
-                    Dimension::Header(i) => self
-                        .values
-                        .get(*i)
-                        .cloned()
-                        .flatten()
-                        .map_or_else(String::new, |v| String::from_utf8_lossy(&v).into_owned()),
-                    Dimension::Ip => self.ip.clone().unwrap_or_default(),
-                };
-                format!("{name}={v}")
-            })
-            .collect::<Vec<_>>()
-            .join(",")
+        let identity = &config.identity;
+        let mut out = String::new();
+        for (i, d) in rule.key.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            let v: &[u8] = match d {
+                Dimension::Header(h) => self.values.get(*h).and_then(|v| v.as_deref()).unwrap_or_default(),
+                Dimension::Ip => self.ip.as_deref().map(str::as_bytes).unwrap_or_default(),
+            };
+            out.push_str(identity.name(*d));
+            out.push('=');
+            if identity.is_secret(*d) || v.len() > ratewall_core::eval::MAX_PART {
+                ratewall_core::key::push_hashed(&mut out, identity.hash_key.hash(v));
+            } else {
+                ratewall_core::key::push_value(&mut out, v);
+            }
+        }
+        out
     }
 }
 

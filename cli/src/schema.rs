@@ -52,7 +52,7 @@ pub fn schema() -> Value {
             "identity": {
                 "type": "object",
                 "description": "Where each identity dimension comes from. Default: user (x-user-id), api_key (x-api-key), partner (x-partner-id), plan (x-plan), and ip from the peer address.",
-                "maxProperties": 65,
+                "maxProperties": 66,
                 "propertyNames": {"pattern": "^[A-Za-z0-9_.-]{1,64}$"},
                 "properties": {
                     "ip": {
@@ -62,16 +62,21 @@ pub fn schema() -> Value {
                         "properties": {
                             "trusted_hops": {"type": "integer", "minimum": 0, "maximum": 16, "description": "Proxies in front whose X-Forwarded-For entries are trusted; 0 (default) keys on the peer address."},
                             "ipv6_prefix": {"type": "integer", "minimum": 1, "maximum": 128, "description": "IPv6 clients are keyed by this prefix (default 64)."},
-                            "ipv4_prefix": {"type": "integer", "minimum": 1, "maximum": 32, "description": "IPv4 clients are keyed by this prefix (default 32)."}
+                            "ipv4_prefix": {"type": "integer", "minimum": 1, "maximum": 32, "description": "IPv4 clients are keyed by this prefix (default 32)."},
+                            "secret": {"type": "boolean", "description": "Count and show client addresses only as a keyed hash (#3f9a1c2e). Default false."}
                         }
-                    }
+                    },
+                    "hash_key": {"type": "string", "minLength": 16, "description": "The deployment's key for hashing secret identity values (the same on every node). Default: derived from sync.secret, else a built-in key anyone can hash guesses with."}
                 },
                 "additionalProperties": {
                     "type": "object",
                     "description": "A dimension read from a request header. A dimension named plan selects per-plan limits.",
                     "additionalProperties": false,
                     "required": ["header"],
-                    "properties": {"header": {"type": "string", "pattern": "^[!#$%&'*+.^_`|~0-9A-Za-z-]+$", "description": "The header's name (case-insensitive)."}}
+                    "properties": {
+                        "header": {"type": "string", "pattern": "^[!#$%&'*+.^_`|~0-9A-Za-z-]+$", "description": "The header's name (case-insensitive)."},
+                        "secret": {"type": "boolean", "description": "Count and show this dimension's values only as a keyed hash (api_key=#3f9a1c2e): no value appears in logs, metrics, sync batches, the store or admin endpoints. Default: true for api_key, false otherwise."}
+                    }
                 }
             },
             "rules": {

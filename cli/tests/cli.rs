@@ -168,6 +168,36 @@ fn replay_counts_on_the_logs_own_clock() {
 }
 
 #[test]
+fn secret_values_show_only_as_the_same_keyed_hash_in_explain_replay_and_the_core() {
+    let doc = r#"{"identity": {"api_key": {"header": "x-api-key"}, "hash_key": "a deployment key, 16+"},
+        "rules": [{"name": "k", "key": ["api_key"], "limit": {"requests": 1, "per": "1h"}}]}"#;
+    let rules = temp("secret.json", doc);
+    let config = Config::parse(doc.as_bytes()).unwrap();
+    let headers: Vec<Option<&[u8]>> = vec![Some(b"sk_live_TOPSECRET")];
+    let req = ratewall_core::Request { method: "GET", path: "/", headers: &headers, ip: None };
+    let (checks, _) = config.checks(&req);
+    let shown = ratewall_core::topk::render(&config, &checks[0].key).unwrap().1;
+    assert!(shown.starts_with("api_key=#") && shown.len() == 17, "{shown}");
+    let o = ratewall(&["explain", &rules, "--path", "/", "-H", "x-api-key: sk_live_TOPSECRET"]);
+    let out = stdout(&o);
+    assert!(out.contains(&shown) && !out.contains("TOPSECRET"), "{out}");
+    let o = ratewall(&["explain", "--json", &rules, "--path", "/", "-H", "x-api-key: sk_live_TOPSECRET"]);
+    assert!(!stdout(&o).contains("TOPSECRET") && !stdout(&o).contains(&ratewall_core::sync::hex(b"TOPSECRET")));
+    let line = "{\"ts\": 1796119260, \"path\": \"/\", \"headers\": {\"x-api-key\": \"sk_live_TOPSECRET\"}}\n";
+    let log = temp("secret.jsonl", &line.repeat(3));
+    let o = ratewall(&["replay", "--json", &rules, &log]);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["rules"][0]["top_rejected_keys"], json!([{"key": shown, "rejected": 2}]));
+    assert!(!stdout(&o).contains("TOPSECRET"));
+    let o = ratewall(&["check", &rules]);
+    assert!(
+        stdout(&o).contains("api_key (secret)") && stdout(&o).contains("keyed by identity.hash_key"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
 fn replay_reads_a_log_on_standard_input() {
     let rules = root("examples/rules.json");
     let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall"))

@@ -157,6 +157,8 @@ pub struct Engine {
     node: NodeMetrics,
     /// The sync state, made with the table ([`Engine::ready`]) unless carried over.
     sync: OnceCell<Syncer>,
+    /// Who the rules deny (top offenders).
+    top: crate::top::Top,
     sync_opts: Option<SyncOptions>,
     /// Whether shared data works (None: not tried yet in this VM).
     shared: Cell<Option<bool>>,
@@ -239,12 +241,14 @@ impl Engine {
                 .collect(),
         )
         .reporting_repeats_of(XFF);
+        let top = crate::top::Top::new(host, &config, metric_name);
         let engine = Engine {
             config,
             table,
             rules,
             node,
             sync,
+            top,
             sync_opts,
             shared: Cell::new(None),
             fallback_logged: Cell::new(None),
@@ -333,7 +337,8 @@ impl Engine {
 
     /// How often the host should call [`Engine::on_tick`] (None: never needed).
     pub fn tick_interval(&self) -> Option<ratewall_core::Nanos> {
-        self.sync_opts.as_ref().map(|s| s.interval)
+        let top = (!self.config.rules.is_empty()).then_some(crate::top::TICK);
+        self.sync_opts.as_ref().map(|s| s.interval).or(top)
     }
 
     /// Whether some rule shapes (a leaky bucket): its admitted requests may wait their turn.
@@ -341,14 +346,20 @@ impl Engine {
         self.config.rules.iter().any(leaky)
     }
 
-    /// The periodic tick: sync with the global store.
+    /// The periodic tick: merge this VM's denials into the proxy's top offenders, sync with
+    /// the global store.
     pub fn on_tick(&self, host: &dyn Host) {
         if !self.ready(host) {
             self.say_fallback(host);
             return;
         }
+        self.top.on_tick(host, &self.config);
         if let Some(s) = self.sync() {
-            s.on_tick(host);
+            s.on_tick(host, &|node, deltas, body| {
+                if let Some(section) = self.top.section(host, &self.config, node, deltas) {
+                    section.encode_into(body);
+                }
+            });
         }
     }
 
@@ -697,12 +708,14 @@ impl Engine {
                 Tally::Rejected => {
                     bump(m.rejected, 1);
                     bump(m.queue_full, 1);
+                    self.top.denied_by(rule, &checks, false);
                 }
                 Tally::Unkeyed => bump(m.unkeyed, 1),
                 Tally::Failed(StoreError::Contention) => bump(m.cas_exhausted, 1),
                 Tally::Failed(_) => bump(m.store_failed, 1),
                 Tally::ShadowRejected => {
                     bump(m.shadow_rejected, 1);
+                    self.top.denied_by(rule, &checks, true);
                     if let Some(rule) = self.config.rules.get(rule) {
                         host.log(
                             Level::Info,

@@ -16,6 +16,7 @@ pub mod host;
 mod small_alloc;
 pub mod sync;
 pub mod table;
+pub mod top;
 
 #[cfg(target_arch = "wasm32")]
 mod glue;

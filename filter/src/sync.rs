@@ -259,6 +259,9 @@ struct Metrics {
     refused_stale: Option<u32>,
 }
 
+/// What ends a new batch: given the node's id and the batch's deltas, appends to its body.
+pub type Section<'a> = dyn Fn(u64, &[Delta], &mut Vec<u8>) + 'a;
+
 /// One VM's syncer.
 #[derive(Debug)]
 pub struct Syncer {
@@ -420,8 +423,10 @@ impl Syncer {
         }
     }
 
-    /// Every VM, every interval: publish deltas, read the view; the lease holder syncs.
-    pub fn on_tick(&self, host: &dyn Host) {
+    /// Every VM, every interval: publish deltas, read the view; the lease holder syncs. A new
+    /// batch ends with what `section` appends for its node and deltas (the optional
+    /// top-offenders section).
+    pub fn on_tick(&self, host: &dyn Host, section: &Section<'_>) {
         let now = host.now();
         self.publish(host);
         if let Ok((Some(v), _)) = host.shared_get(VIEW) {
@@ -435,7 +440,7 @@ impl Syncer {
             host.set_gauge(m, now.saturating_sub(since) / MS);
         }
         if self.hold_lease(host, now) {
-            self.drive(host, now);
+            self.drive(host, now, section);
         }
     }
 
@@ -505,7 +510,7 @@ impl Syncer {
         host.shared_set(LEASE, &lease, cas).is_ok()
     }
 
-    fn drive(&self, host: &dyn Host, now: Nanos) {
+    fn drive(&self, host: &dyn Host, now: Nanos, section: &Section<'_>) {
         let mut s = self.syncing.borrow_mut();
         // Drain the outboxes.
         for i in 0..OUTBOXES {
@@ -585,7 +590,8 @@ impl Syncer {
                 s.seq += 1;
                 // Made now: its retries repeat this time, so a store accepts them for as long
                 // as it would accept a replay it still recognizes.
-                let body = SyncRequest::encode_parts(self.token, s.seq, now, &deltas, false);
+                let mut body = SyncRequest::encode_parts(self.token, s.seq, now, &deltas, false);
+                section(self.token, &deltas, &mut body);
                 Batch { seq: s.seq, deltas, body, first_sent: 0 }
             }
         };

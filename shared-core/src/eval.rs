@@ -48,14 +48,15 @@ pub const MAX_PART: usize = 254;
 /// began with the rule name's length, 1 to 64, so no new key equals an old one.)
 pub const KEY_VERSION: u8 = 0x82;
 /// The length byte that marks a part replaced by its hash.
-const HASHED_PART: u8 = 0xff;
+pub const HASHED_PART: u8 = 0xff;
 
 impl Config {
     /// The checks a request must pass, and the matching rules that skip it.
     ///
     /// A counter key is `KEY_VERSION | len | rule name | fingerprint (8, LE) | parts`, each
-    /// part `len (0..=254) | bytes`, or `0xff | FNV-1a-64 (8, LE)` for a part longer than
-    /// [`MAX_PART`]. The limit's fingerprint makes each limit of a rule (each plan, each
+    /// part `len (0..=254) | bytes`, or `0xff | hash (8, LE)` for a secret part or one longer
+    /// than [`MAX_PART`] (the identity's keyed hash, [`crate::key::HashKey`]: no secret value
+    /// is in a key, so none travels in a sync batch or is stored). The limit's fingerprint makes each limit of a rule (each plan, each
     /// version pushed) a counter of its own.
     #[must_use]
     pub fn checks(&self, req: &Request<'_>) -> (Vec<Check>, Vec<(usize, Skip)>) {
@@ -73,17 +74,10 @@ impl Config {
         let mut checks = Vec::with_capacity(matching.len());
         let mut skipped = Vec::new();
         let plan = self.identity.header_index("plan").and_then(|i| req.headers.get(i).copied().flatten());
-        // A long header value is hashed once per request, however many rules key on it (a
-        // client address is never that long).
+        // A secret or long header value is hashed once per request, however many rules key on
+        // it, and only when one does.
         let mut hashed: Vec<Option<u64>> = Vec::new();
-        for (i, v) in req.headers.iter().enumerate() {
-            if let Some(v) = v.filter(|v| v.len() > MAX_PART) {
-                hashed.resize(i + 1, None);
-                if let Some(h) = hashed.get_mut(i) {
-                    *h = Some(crate::hash::fnv1a(v));
-                }
-            }
-        }
+        let identity = &self.identity;
         'rules: for &i in matching {
             let Some(rule) = self.rules.get(i) else {
                 continue;
@@ -100,12 +94,28 @@ impl Config {
             push_part(&mut key, rule.name.as_bytes(), None);
             key.extend_from_slice(&limit.fingerprint().to_le_bytes());
             for dim in &rule.key {
-                let (value, hash) = match dim {
-                    Dimension::Ip => (req.ip.map(str::as_bytes), None),
-                    Dimension::Header(h) => (req.headers.get(*h).copied().flatten(), hashed.get(*h).copied().flatten()),
+                let value = match dim {
+                    Dimension::Ip => req.ip.map(str::as_bytes),
+                    Dimension::Header(h) => req.headers.get(*h).copied().flatten(),
                 };
                 match value {
-                    Some(v) if !v.is_empty() => push_part(&mut key, v, hash),
+                    Some(v) if !v.is_empty() => {
+                        let hash = (v.len() > MAX_PART || identity.is_secret(*dim)).then(|| match dim {
+                            Dimension::Header(h) => {
+                                if hashed.len() <= *h {
+                                    hashed.resize(h + 1, None);
+                                }
+                                let slot = hashed.get_mut(*h);
+                                match slot {
+                                    Some(Some(known)) => *known,
+                                    Some(slot) => *slot.insert(identity.hash_key.hash(v)),
+                                    None => identity.hash_key.hash(v),
+                                }
+                            }
+                            Dimension::Ip => identity.hash_key.hash(v),
+                        });
+                        push_part(&mut key, v, hash);
+                    }
                     _ => {
                         skipped.push((i, Skip::Unkeyed));
                         continue 'rules;
@@ -118,15 +128,15 @@ impl Config {
     }
 }
 
-/// Appends one key part: its length and bytes, or past [`MAX_PART`] the marker and its hash
-/// (`hash` when the caller has it already).
+/// Appends one key part: its length and bytes, or, given its keyed hash (a secret value, or
+/// one past [`MAX_PART`]), the marker and the hash.
 fn push_part(key: &mut Vec<u8>, part: &[u8], hash: Option<u64>) {
-    match u8::try_from(part.len()) {
-        Ok(n) if usize::from(n) <= MAX_PART => {
+    match (hash, u8::try_from(part.len())) {
+        (None, Ok(n)) if usize::from(n) <= MAX_PART => {
             key.push(n);
             key.extend_from_slice(part);
         }
-        _ => {
+        (hash, _) => {
             key.push(HASHED_PART);
             key.extend_from_slice(&hash.unwrap_or_else(|| crate::hash::fnv1a(part)).to_le_bytes());
         }

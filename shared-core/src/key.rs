@@ -318,7 +318,32 @@ fn push_ipv6(out: &mut String, a: Ipv6Addr) {
     }
 }
 
-pub use crate::hash::fnv1a;
+pub use crate::hash::{fnv1a, HashKey};
+
+/// How a hashed identity value is shown: `#` and the hash's top 32 bits in 8 lower-case hex
+/// digits (`#3f9a1c2e`).
+pub fn push_hashed(out: &mut String, hash: u64) {
+    out.push('#');
+    for i in (0..8).rev() {
+        let d = ((hash >> 32) >> (4 * i)) & 15;
+        out.push(char::from(b"0123456789abcdef".get(d as usize).copied().unwrap_or(b'0')));
+    }
+}
+
+/// How a (non-secret) identity value is shown: printable ASCII as is, every other byte and
+/// `%`, `,`, `=` as `%XX`, so a shown key is one line and splits back into its pairs.
+pub fn push_value(out: &mut String, value: &[u8]) {
+    for &b in value {
+        if (0x21..0x7f).contains(&b) && !b"%,=".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push('%');
+            for d in [b >> 4, b & 15] {
+                out.push(char::from(b"0123456789ABCDEF".get(usize::from(d)).copied().unwrap_or(b'0')));
+            }
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -14,6 +14,8 @@
 //! - [`rules`]: the rules document parsed once into typed, validated rules;
 //! - [`eval`]: multi-rule evaluation over any [`eval::Counters`] store;
 //! - [`response`]: the 429 / `RateLimit` client contract;
+//! - [`topk`]: who is being limited: a bounded heavy-hitters summary of denials and the
+//!   readable identity of a counter key;
 //! - [`sync`]: the protocol between proxies and the global store, and a reference store.
 //!
 //! It is not a store, a proxy plugin or a Worker: those are the wrappers' jobs.
@@ -36,6 +38,7 @@ pub mod key;
 pub mod rules;
 pub mod eval;
 pub mod response;
+pub mod topk;
 pub mod sync;
 
 pub use algo::{Algorithm, Decision, Limit, Nanos, State, SECOND};

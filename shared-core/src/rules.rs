@@ -59,12 +59,49 @@ pub struct Identity {
     pub headers: Vec<(String, String)>,
     /// How the client IP is found.
     pub ip: IpSource,
+    /// Which of [`Identity::headers`] are secret (same order): their values are counted and
+    /// shown only as a keyed hash (`api_key` is secret unless it says `"secret": false`).
+    pub secret: Vec<bool>,
+    /// Whether the client IP is secret.
+    pub ip_secret: bool,
+    /// The key of the hash secret values are counted and shown by ([`crate::key::HashKey`]).
+    pub hash_key: crate::key::HashKey,
+    /// Where [`Identity::hash_key`] came from.
+    pub hash_key_source: HashKeySource,
+}
+
+/// Where the key that hashes secret identity values comes from: the same on every node of a
+/// deployment, so each node counts and shows a value under the same hash.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HashKeySource {
+    /// `identity.hash_key`.
+    HashKey,
+    /// Derived from `sync.secret`.
+    SyncSecret,
+    /// Neither is set: a key built into ratewall, which anyone can hash guesses under.
+    BuiltIn,
 }
 
 impl Identity {
     /// The index in [`Identity::headers`] of a header dimension.
     pub fn header_index(&self, dimension: &str) -> Option<usize> {
         self.headers.iter().position(|(d, _)| d == dimension)
+    }
+
+    /// Whether a dimension's values are secret.
+    pub fn is_secret(&self, dim: Dimension) -> bool {
+        match dim {
+            Dimension::Ip => self.ip_secret,
+            Dimension::Header(i) => self.secret.get(i).copied().unwrap_or(true),
+        }
+    }
+
+    /// A dimension's name (`ip`, or the header dimension's).
+    pub fn name(&self, dim: Dimension) -> &str {
+        match dim {
+            Dimension::Ip => "ip",
+            Dimension::Header(i) => self.headers.get(i).map_or("?", |(n, _)| n.as_str()),
+        }
     }
 }
 
@@ -341,6 +378,13 @@ impl Config {
             }
         }
         let sync = top.get("sync").map(parse_sync).transpose()?;
+        let mut identity = identity;
+        if identity.hash_key_source == HashKeySource::BuiltIn {
+            if let Some(s) = &sync {
+                identity.hash_key = crate::key::HashKey::derive(s.secret.as_bytes());
+                identity.hash_key_source = HashKeySource::SyncSecret;
+            }
+        }
         Ok(Config { identity, rules, response, filter, sync })
     }
 }
@@ -426,22 +470,54 @@ pub fn parse_duration(s: &str) -> Option<Nanos> {
 const DEFAULT_HEADERS: [(&str, &str); 4] =
     [("user", "x-user-id"), ("api_key", "x-api-key"), ("partner", "x-partner-id"), ("plan", "x-plan")];
 
+/// Whether a dimension is secret when its source does not say: `api_key` is.
+fn secret_by_default(dim: &str) -> bool {
+    dim == "api_key"
+}
+
+/// Shortest `identity.hash_key` accepted.
+pub const MIN_HASH_KEY: usize = 16;
+
 fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
     let mut ip = IpSource { trusted_hops: 0, ipv6_prefix: 64, ipv4_prefix: 32 };
+    let builtin = crate::key::HashKey::derive(b"");
     let Some(v) = v else {
-        let headers = DEFAULT_HEADERS.iter().map(|(d, h)| ((*d).to_owned(), (*h).to_owned())).collect();
-        return Ok(Identity { headers, ip });
+        let headers: Vec<(String, String)> =
+            DEFAULT_HEADERS.iter().map(|(d, h)| ((*d).to_owned(), (*h).to_owned())).collect();
+        let secret = headers.iter().map(|(d, _)| secret_by_default(d)).collect();
+        return Ok(Identity {
+            headers,
+            ip,
+            secret,
+            ip_secret: false,
+            hash_key: builtin,
+            hash_key_source: HashKeySource::BuiltIn,
+        });
     };
     let m = object(v, "identity")?;
-    if m.len() > MAX_DIMENSIONS + 1 {
-        return too_many("identity", m.len(), "dimensions", MAX_DIMENSIONS + 1);
+    let dims = m.len() - usize::from(matches!(m.get("hash_key"), Some(Value::String(_))));
+    if dims > MAX_DIMENSIONS + 1 {
+        return too_many("identity", dims, "dimensions", MAX_DIMENSIONS + 1);
     }
-    let mut headers = Vec::new();
+    let (mut headers, mut secret, mut ip_secret) = (Vec::new(), Vec::new(), false);
+    let (mut hash_key, mut hash_key_source) = (builtin, HashKeySource::BuiltIn);
     for (dim, src) in m {
         let path = format!("identity.{dim}");
+        if dim == "hash_key" {
+            if let Value::String(k) = src {
+                if k.len() < MIN_HASH_KEY {
+                    return err(&path, format!("must be at least {MIN_HASH_KEY} characters"));
+                }
+                hash_key = crate::key::HashKey::derive(k.as_bytes());
+                hash_key_source = HashKeySource::HashKey;
+                continue;
+            }
+        }
+        let secret_field = |o: &Map| o.get("secret").map(|b| boolean(b, &format!("{path}.secret"))).transpose();
         if dim == "ip" {
             let o = object(src, &path)?;
-            known_fields(o, &path, &["trusted_hops", "ipv6_prefix", "ipv4_prefix"])?;
+            known_fields(o, &path, &["trusted_hops", "ipv6_prefix", "ipv4_prefix", "secret"])?;
+            ip_secret = secret_field(o)?.unwrap_or(false);
             if let Some(h) = o.get("trusted_hops") {
                 ip.trusted_hops = bounded(h, &format!("{path}.trusted_hops"), 0, 16)? as u8;
             }
@@ -457,7 +533,8 @@ fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
             return err(&path, "dimension names use only A-Z a-z 0-9 _ . - (1 to 64 characters)");
         }
         let o = object(src, &path)?;
-        known_fields(o, &path, &["header"])?;
+        known_fields(o, &path, &["header", "secret"])?;
+        secret.push(secret_field(o)?.unwrap_or_else(|| secret_by_default(dim)));
         let header = match o.get("header") {
             Some(h) => string(h, &format!("{path}.header"))?,
             None => return err(&format!("{path}.header"), "is required"),
@@ -467,7 +544,7 @@ fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
         }
         headers.push((dim.clone(), header.to_ascii_lowercase()));
     }
-    Ok(Identity { headers, ip })
+    Ok(Identity { headers, ip, secret, ip_secret, hash_key, hash_key_source })
 }
 
 fn is_token_char(b: u8) -> bool {

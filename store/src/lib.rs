@@ -18,7 +18,9 @@ use ratewall_core::sync::{
 };
 use ratewall_core::{Limit, Nanos, SECOND};
 
+pub mod admin;
 pub mod redis_kv;
+pub mod top;
 use futures_util::future::join_all;
 use std::fmt::Write as _;
 use std::future::Future;
@@ -213,6 +215,8 @@ pub struct Store<K> {
     pub deadline: Duration,
     /// Its counters.
     pub metrics: Metrics,
+    /// The fleet's top offenders, traffic and nodes, from the batches this process answered.
+    pub top: top::Top,
     /// Counters being updated by this process: concurrent calls naming the same counter take
     /// turns here, so compare-and-swap conflicts come only from other processes (measured:
     /// 8 senders on one hot counter through two processes ran out of 16 attempts without it).
@@ -241,6 +245,7 @@ impl<K: Kv> Store<K> {
             secret: secret.to_vec(),
             deadline,
             metrics: Metrics::default(),
+            top: top::Top::default(),
             busy: Default::default(),
             known: Default::default(),
         }
@@ -283,14 +288,21 @@ impl<K: Kv> Store<K> {
         if req.deltas.len() > MAX_DELTAS {
             return Answer::error(413, format!("a batch names at most {MAX_DELTAS} counters"));
         }
-        match tokio::time::timeout(self.deadline, self.apply(&req)).await {
+        // The optional top section (verified with the rest of the body above).
+        let section = SyncRequest::decode_with_top(body).ok().and_then(|(_, s)| s);
+        let started = std::time::Instant::now();
+        let answer = match tokio::time::timeout(self.deadline, self.apply(&req)).await {
             Ok(Ok(resp)) => {
                 let out = resp.encode();
                 Answer { status: 200, signature: Some(hex(&sign(&self.secret, &out))), body: out }
             }
             Ok(Err(a)) => a,
             Err(_) => Answer::error(503, "Redis did not answer within the deadline; retry the batch with the same seq"),
+        };
+        if !req.ask {
+            self.top.heard(req.node, req.seq, answer.status == 200, started.elapsed(), section.as_ref());
         }
+        answer
     }
 
     async fn apply(&self, req: &SyncRequest) -> Result<SyncResponse, Answer> {

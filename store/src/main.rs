@@ -19,23 +19,27 @@ use std::time::Duration;
 use tokio::sync::OnceCell;
 
 const USAGE: &str = "usage: RATEWALL_SYNC_SECRET=<at least 16 characters> ratewall-store --listen ADDR:PORT \
---redis URL [--redis URL ...] [--cluster] [--deadline-ms N]";
+--redis URL [--redis URL ...] [--cluster] [--deadline-ms N] [--admin ADDR:PORT]";
 
 struct Args {
     listen: String,
     redis: Vec<String>,
     cluster: bool,
     deadline: Duration,
+    /// The admin listener's address (none: off).
+    admin: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = std::env::args().skip(1);
     let (mut listen, mut redis, mut cluster, mut deadline_ms) = (None, Vec::new(), false, 50u64);
+    let mut admin = None;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--listen" => listen = Some(args.next().ok_or("--listen needs an address")?),
             "--redis" => redis.push(args.next().ok_or("--redis needs a URL")?),
             "--cluster" => cluster = true,
+            "--admin" => admin = Some(args.next().ok_or("--admin needs an address")?),
             "--deadline-ms" => {
                 let v = args.next().ok_or("--deadline-ms needs a number")?;
                 deadline_ms = v.parse().map_err(|_| format!("--deadline-ms: {v:?} is not a number of milliseconds"))?;
@@ -48,7 +52,7 @@ fn parse_args() -> Result<Args, String> {
     if redis.is_empty() {
         return Err(format!("--redis is required\n{USAGE}"));
     }
-    Ok(Args { listen, redis, cluster, deadline: Duration::from_millis(deadline_ms.max(1)) })
+    Ok(Args { listen, redis, cluster, deadline: Duration::from_millis(deadline_ms.max(1)), admin })
 }
 
 /// A Redis URL as it may be logged: without its password.
@@ -175,6 +179,23 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     );
     if !store.kv.ping().await {
         eprintln!("ratewall-store: Redis does not answer yet; /v1/sync answers 503 until it does");
+    }
+    let admin = match &args.admin {
+        Some(a) => {
+            let l = tokio::net::TcpListener::bind(a).await.map_err(|e| format!("cannot listen on --admin {a}: {e}"))?;
+            let at = l.local_addr().map_err(|e| e.to_string())?;
+            println!("ratewall-store: admin on http://{at}/ (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz; no authentication)");
+            Some(l)
+        }
+        None => None,
+    };
+    if let Some(l) = admin {
+        let router = ratewall_store::admin::router(Arc::clone(&store));
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(l, router).await {
+                eprintln!("ratewall-store: the admin listener stopped: {e}");
+            }
+        });
     }
     let app = Router::new()
         .route("/v1/sync", post(sync))

@@ -182,6 +182,42 @@ fn guest_instructions(rules: &str, req: &HttpRequest, limited: &HttpRequest) {
     };
     figure("filter_guest_instructions_per_request", per_request(&mut vm, req), "instructions");
     figure("filter_guest_instructions_per_429", per_request(&mut vm, limited), "instructions");
+    top_instructions(&bytes);
+}
+
+/// What counting who is denied adds: guest instructions per admitted and per denied request
+/// on a rule keyed by a (non-secret) user, against the build at `RATEWALL_BASELINE_WASM`
+/// when given (e.g. main's `dist/ratewall_filter.wasm`).
+fn top_instructions(bytes: &[u8]) {
+    let rules = json!({"identity": {"user": {"header": "x-user-id"}}, "rules": [{"name": "per-user",
+        "key": ["user"], "limit": {"requests": 1, "per": "1h"}}]})
+    .to_string();
+    let per = |bytes: &[u8]| {
+        let mut vm = Vm::start(&Plugin::metered(bytes).unwrap(), &Node::new(T0), rules.as_bytes()).unwrap();
+        let mut run = |users: &[String]| {
+            for u in users.iter().take(100) {
+                vm.request(&HttpRequest::new("GET", "/").header("x-user-id", u)).unwrap();
+            }
+            let before = vm.fuel_used();
+            for u in users.iter().skip(100) {
+                vm.request(&HttpRequest::new("GET", "/").header("x-user-id", u)).unwrap();
+            }
+            (vm.fuel_used() - before) as f64 / (users.len() - 100) as f64
+        };
+        // Admitted: a new user each time; denied: the same 16 users, long spent.
+        let fresh: Vec<String> = (0..1100).map(|i| format!("user-{i}")).collect();
+        let allowed = run(&fresh);
+        let spent: Vec<String> = (0..1100).map(|i| format!("user-{}", i % 16)).collect();
+        (allowed, run(&spent))
+    };
+    let (allowed, denied) = per(bytes);
+    figure("top_guest_instructions_per_allowed", allowed, "instructions");
+    figure("top_guest_instructions_per_429", denied, "instructions");
+    if let Some(base) = std::env::var_os("RATEWALL_BASELINE_WASM").and_then(|p| std::fs::read(p).ok()) {
+        let (base_allowed, base_denied) = per(&base);
+        figure("top_added_instructions_per_allowed", allowed - base_allowed, "instructions");
+        figure("top_added_instructions_per_429", denied - base_denied, "instructions");
+    }
 }
 
 /// Shared-data bytes after 1,000,000 distinct client IPs with the default table size.

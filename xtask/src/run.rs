@@ -132,13 +132,24 @@ pub(crate) fn fleet_child(cmd: &mut Command, slot: usize) -> Result<std::process
 
 /// The first line a child prints that contains `http://`, and the address after it.
 pub(crate) fn announced(child: &mut std::process::Child) -> Result<String> {
+    announced_all(child, 1).map(|mut a| a.remove(0))
+}
+
+/// The first `n` addresses a child prints (`http://ADDR` on lines of their own).
+fn announced_all(child: &mut std::process::Child, n: usize) -> Result<Vec<String>> {
     use std::io::BufRead;
     let out = child.stdout.take().ok_or("no stdout")?;
     let mut lines = std::io::BufReader::new(out).lines();
-    let line = lines.by_ref().map_while(std::result::Result::ok).find(|l| l.contains("http://")).ok_or("it exited")?;
+    let mut found = Vec::new();
+    while found.len() < n {
+        let line =
+            lines.by_ref().map_while(std::result::Result::ok).find(|l| l.contains("http://")).ok_or("it exited")?;
+        let addr = line.split("http://").nth(1).and_then(|s| s.split(['/', ' ']).next()).ok_or("no address")?;
+        found.push(addr.to_owned());
+    }
     // Keep draining its output, so it never blocks on a full pipe.
     std::thread::spawn(move || lines.for_each(drop));
-    line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).map(str::to_owned).ok_or("no address".into())
+    Ok(found)
 }
 
 /// Redis, two ratewall-store processes on it, three gateway nodes syncing to them.
@@ -194,15 +205,20 @@ pub(crate) fn fleet() -> Result<()> {
     let redis_url = format!("redis://127.0.0.1:{redis_port}");
     let mut children = Vec::new();
     let mut stores = Vec::new();
+    let mut admin = String::new();
     for i in 0..2 {
-        let mut c = fleet_child(
-            Command::new(bin.join("ratewall-store"))
-                .env("RATEWALL_SYNC_SECRET", &secret)
-                .args(["--listen", "127.0.0.1:0", "--redis", &redis_url])
-                .stdout(Stdio::piped()),
-            1 + i,
-        )?;
-        stores.push(announced(&mut c)?);
+        let mut cmd = Command::new(bin.join("ratewall-store"));
+        cmd.env("RATEWALL_SYNC_SECRET", &secret).args(["--listen", "127.0.0.1:0", "--redis", &redis_url]);
+        // The first store's admin listener, at loopback (no authentication).
+        if i == 0 {
+            cmd.args(["--admin", "127.0.0.1:0"]);
+        }
+        let mut c = fleet_child(cmd.stdout(Stdio::piped()), 1 + i)?;
+        let mut addrs = announced_all(&mut c, if i == 0 { 2 } else { 1 })?.into_iter();
+        stores.push(addrs.next().ok_or("no address")?);
+        if let Some(a) = addrs.next() {
+            admin = a;
+        }
         children.push(c);
     }
     // The example rules, with a sync section pointing at the stores.
@@ -248,6 +264,8 @@ ratewall fleet: Redis on 127.0.0.1:{redis_port}, ratewall-store on {} and {}, ga
   grant for up to its 2 s lease):
     for g in {g1} {g2} {g3} {g1} {g2} {g3} {g1}; do curl -s -o /dev/null -w \"$g %{{http_code}}\\n\" -X POST -H 'x-user-id: alice' http://$g/v1/events/42/holds; sleep 0.3; done
   the stores' view:    curl -s http://{}/metrics | grep -v '^#'
+  who is limited:      http://{admin}/ (the dashboard), curl -s http://{admin}/v1/top
+                       (the first store's admin listener: what the batches it answered say)
   a gateway's sync:    curl -s http://{g1}/_ratewall/metrics | grep sync
 
 Ctrl-C stops it all.

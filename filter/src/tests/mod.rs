@@ -5,6 +5,7 @@
 
 mod engine;
 mod sync;
+mod top;
 
 use crate::engine::{Engine, Verdict};
 use crate::fake::{FakeHost, MS, T0};

@@ -35,5 +35,6 @@ pub use counter::{Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, RETRY_HORI
 pub use registry::{Registry, MAX_NODES};
 pub use store::Store;
 pub use wire::{
-    Delta, Grant, SyncError, SyncRequest, SyncResponse, MAX_ENTRIES, MAX_KEY, MAX_REASON, MAX_REQUEST_SKEW, VERSION,
+    Delta, Grant, RuleTop, SyncError, SyncRequest, SyncResponse, TopSection, MAX_ENTRIES, MAX_KEY, MAX_REASON,
+    MAX_REQUEST_SKEW, MAX_TOP_SECTION, TOP_SECTION, VERSION,
 };

@@ -247,8 +247,14 @@ impl SyncRequest {
         out
     }
 
-    /// Decodes the wire encoding; trailing bytes are an error.
+    /// Decodes the wire encoding; trailing bytes are an error, but for an optional
+    /// [`TopSection`] (read by [`SyncRequest::decode_with_top`]).
     pub fn decode(bytes: &[u8]) -> Result<SyncRequest, DecodeError> {
+        SyncRequest::decode_with_top(bytes).map(|(req, _)| req)
+    }
+
+    /// The request's parts and where they end.
+    fn decode_parts(bytes: &[u8]) -> Result<(SyncRequest, usize), DecodeError> {
         let mut r = Reader { bytes, pos: 0 };
         let ask = read_header(&mut r, &[KIND_REQUEST, KIND_ASK])? == KIND_ASK;
         let (node, seq, sent) = (r.varint()?, r.varint()?, r.varint()?);
@@ -257,12 +263,110 @@ impl SyncRequest {
         for _ in 0..n {
             deltas.push(Delta { key: read_bytes(&mut r, MAX_KEY)?, limit: read_limit(&mut r)?, units: r.varint()? });
         }
+        Ok((SyncRequest { node, seq, sent, deltas, ask }, r.pos))
+    }
+
+    /// Decodes a request and its optional trailing [`TopSection`]; any other trailing bytes
+    /// are an error.
+    pub fn decode_with_top(bytes: &[u8]) -> Result<(SyncRequest, Option<TopSection>), DecodeError> {
+        let (req, end) = SyncRequest::decode_parts(bytes)?;
+        match bytes.get(end..) {
+            None | Some([]) => Ok((req, None)),
+            Some(rest) => Ok((req, Some(TopSection::decode(rest)?))),
+        }
+    }
+}
+
+/// The first byte of a batch's optional top-offenders section, after everything else.
+pub const TOP_SECTION: u8 = 0x54;
+/// The most bytes a top section takes: a rule whose entries would not fit travels with its
+/// counts only.
+pub const MAX_TOP_SECTION: usize = 32 * 1024;
+
+/// One rule's report in a batch's top section: what the node decided since its last batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleTop {
+    /// The rule's name.
+    pub rule: alloc::string::String,
+    /// Units admitted.
+    pub allowed: u64,
+    /// Requests denied (enforcing).
+    pub denied: u64,
+    /// Requests a shadow rule would have denied.
+    pub shadow_denied: u64,
+    /// Its denied (and shadow-denied) keys, by their shown form
+    /// ([`crate::topk::render`]; never a secret value).
+    pub top: crate::topk::Summary,
+}
+
+/// The optional trailing section of a batch: per rule, its counts and top denied keys since
+/// the node's last batch. Applied with the batch it ends (a repeated batch is not applied).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TopSection {
+    /// The rules that decided anything.
+    pub rules: Vec<RuleTop>,
+}
+
+/// Longest rule name in a top section.
+const MAX_RULE_NAME: usize = 64;
+
+impl TopSection {
+    /// Appends `TOP_SECTION | count | per rule: name | allowed | denied | shadow_denied |
+    /// summary`, at most [`MAX_TOP_SECTION`] bytes: a rule whose entries do not fit goes with
+    /// its counts only, and rules past the bytes left are left out.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let mut body = Vec::new();
+        let mut n = 0u64;
+        for r in &self.rules {
+            let at = body.len();
+            put_bytes(&mut body, r.rule.as_bytes().get(..r.rule.len().min(MAX_RULE_NAME)).unwrap_or_default());
+            put_varint(&mut body, r.allowed);
+            put_varint(&mut body, r.denied);
+            put_varint(&mut body, r.shadow_denied);
+            let counts = body.len();
+            r.top.encode(&mut body);
+            if body.len() > MAX_TOP_SECTION - 16 {
+                body.truncate(counts);
+                crate::topk::Summary::new(r.top.capacity()).encode(&mut body);
+            }
+            if body.len() > MAX_TOP_SECTION - 16 {
+                body.truncate(at);
+                break;
+            }
+            n += 1;
+        }
+        out.push(TOP_SECTION);
+        put_varint(out, n);
+        out.extend_from_slice(&body);
+    }
+
+    /// Reads [`TopSection::encode_into`]'s form (the whole of `bytes`).
+    pub fn decode(bytes: &[u8]) -> Result<TopSection, DecodeError> {
+        if bytes.len() > MAX_TOP_SECTION {
+            return Err(DecodeError::Truncated);
+        }
+        let mut r = Reader { bytes, pos: 0 };
+        let marker = r.u8()?;
+        if marker != TOP_SECTION {
+            return Err(DecodeError::Tag(marker));
+        }
+        let n = read_count(&mut r)?;
+        let mut rules = Vec::with_capacity(n.min(64));
+        for _ in 0..n {
+            let name = read_bytes(&mut r, MAX_RULE_NAME)?;
+            let rule = alloc::string::String::from_utf8(name).map_err(|_| DecodeError::Truncated)?;
+            let (allowed, denied, shadow_denied) = (r.varint()?, r.varint()?, r.varint()?);
+            let top = crate::topk::Summary::decode(&mut r, crate::topk::MAX_KEY)?;
+            rules.push(RuleTop { rule, allowed, denied, shadow_denied, top });
+        }
         if r.pos != bytes.len() {
             return Err(DecodeError::Truncated);
         }
-        Ok(SyncRequest { node, seq, sent, deltas, ask })
+        Ok(TopSection { rules })
     }
+}
 
+impl SyncRequest {
     /// What a store does with a call before anything else: checks the signature (`tag`, the
     /// raw HMAC), the version ([`SyncError::Version`]), the encoding, and — when `now` is the
     /// store's clock — that the request was made within [`MAX_REQUEST_SKEW`] of it. `None`

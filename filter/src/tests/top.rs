@@ -1,0 +1,110 @@
+//! Top offenders on the fake host: the VMs' denials merged per proxy, logged once a minute
+//! without a store, carried in sync batches with one, never a secret value.
+
+use super::*;
+use crate::fake::answer;
+use ratewall_core::sync::{Store, SyncRequest};
+
+const KEY: &str = "sk_live_TOPSECRET";
+
+fn rules(sync: &str) -> String {
+    format!(
+        r#"{{"identity": {{"api_key": {{"header": "x-api-key"}}, "hash_key": "the deployment's hash key"}},
+  "rules": [
+    {{"name": "api-key", "key": ["api_key"], "limit": {{"requests": 2, "per": "60s"}}}},
+    {{"name": "watch", "key": ["api_key"], "mode": "shadow", "limit": {{"requests": 1, "per": "60s"}}}}
+  ]{sync}}}"#
+    )
+}
+
+fn shown(e: &Engine, key: &str) -> String {
+    let headers = [Some(key.as_bytes())];
+    let req = ratewall_core::eval::Request { method: "GET", path: "/", headers: &headers, ip: None };
+    let (checks, _) = e.config().checks(&req);
+    ratewall_core::topk::render(e.config(), &checks[0].key).unwrap().1
+}
+
+#[test]
+fn a_proxy_without_a_store_logs_each_rules_top_denied_keys_once_a_minute() {
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let (ea, eb) = (engine(&a, &rules("")), engine(&b, &rules("")));
+    assert_eq!(ea.tick_interval(), Some(crate::top::TICK), "ticks without a store");
+    statuses(&ea, &a, "GET", "/", &[("x-api-key", KEY)], 20);
+    statuses(&eb, &b, "GET", "/", &[("x-api-key", KEY)], 10);
+    statuses(&eb, &b, "GET", "/", &[("x-api-key", "light")], 5);
+    ea.on_tick(&a);
+    eb.on_tick(&b);
+    assert_eq!(b.metric("ratewall_rule_api_key_limited_keys"), 2, "the VM that merged last saw both keys");
+    assert!(!a.logged("top denied"), "not before the minute is over");
+    for h in [&a, &b] {
+        h.advance(61_000 * MS);
+    }
+    ea.on_tick(&a);
+    eb.on_tick(&b);
+    let lines: Vec<String> = a
+        .logs
+        .borrow()
+        .iter()
+        .chain(b.logs.borrow().iter())
+        .map(|(_, l)| l.clone())
+        .filter(|l| l.contains("top denied"))
+        .collect();
+    let heavy = shown(&ea, KEY);
+    let light = shown(&ea, "light");
+    assert!(lines.contains(&format!("ratewall: top denied [api-key] {heavy} 28, {light} 3")), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("ratewall: top denied [watch] ")), "shadow denials are listed too");
+    assert_eq!(lines.len(), 2, "one line per rule per proxy: {lines:?}");
+    let everything: String = a.logs.borrow().iter().chain(b.logs.borrow().iter()).map(|(_, l)| l.clone()).collect();
+    assert!(!everything.contains("TOPSECRET"), "{everything}");
+    // A quiet minute logs nothing.
+    for h in [&a, &b] {
+        h.advance(61_000 * MS);
+    }
+    ea.on_tick(&a);
+    eb.on_tick(&b);
+    let after = a.logs.borrow().iter().chain(b.logs.borrow().iter()).filter(|(_, l)| l.contains("top denied")).count();
+    assert_eq!(after, 2);
+}
+
+#[test]
+fn batches_carry_each_rules_counts_and_top_keys_and_no_secret() {
+    let sync = r#", "sync": {"cluster": "store", "secret": "0123456789abcdef", "interval": "100ms"}"#;
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let (ea, eb) = (engine(&a, &rules(sync)), engine(&b, &rules(sync)));
+    let mut store = Store::new(10_000, 2_000 * MS);
+    // First a grant, so the node decides locally.
+    ea.on_tick(&a);
+    for c in a.take_calls() {
+        let (status, tag, body) = answer(&mut store, a.now(), "0123456789abcdef", &c);
+        ea.on_sync_response(&a, c.token, status, tag.as_deref(), &body);
+    }
+    statuses(&ea, &a, "GET", "/", &[("x-api-key", KEY)], 8);
+    statuses(&eb, &b, "GET", "/", &[("x-api-key", KEY)], 4);
+    statuses(&eb, &b, "GET", "/", &[("x-api-key", "light")], 1);
+    for h in [&a, &b] {
+        h.advance(200 * MS);
+    }
+    eb.on_tick(&b);
+    ea.on_tick(&a);
+    let calls: Vec<_> = a.take_calls().into_iter().chain(b.take_calls()).collect();
+    let sections: Vec<_> = calls.iter().filter_map(|c| SyncRequest::decode_with_top(&c.body).unwrap().1).collect();
+    assert_eq!(sections.len(), 1, "{} calls", calls.len());
+    let api = sections[0].rules.iter().find(|r| r.rule == "api-key").unwrap();
+    let top = api.top.top(20);
+    assert_eq!(top[0].key, shown(&ea, KEY).as_bytes());
+    assert!(api.denied >= 8, "{api:?}");
+    assert!(api.allowed >= 1, "{api:?}");
+    for c in &calls {
+        assert!(!c.body.windows(9).any(|w| w == b"TOPSECRET"), "no secret in a batch");
+    }
+    // The next batch carries only what is new.
+    for h in [&a, &b] {
+        h.advance(200 * MS);
+    }
+    ea.on_tick(&a);
+    let again: Vec<_> =
+        a.take_calls().iter().filter_map(|c| SyncRequest::decode_with_top(&c.body).unwrap().1).collect();
+    assert!(again.iter().all(|s| s.rules.iter().all(|r| r.denied == 0)), "{again:?}");
+}

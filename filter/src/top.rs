@@ -1,0 +1,375 @@
+//! Who the proxy is limiting: each rule's denied (and shadow "would deny") requests, counted
+//! per VM on the request path at a few hundred instructions, merged on the tick into one
+//! bounded summary per rule in shared data, reported in sync batches or logged once a minute.
+//!
+//! A denial costs a hash of its counter key and one slot of a small direct-mapped table; an
+//! admitted request costs nothing. On each tick every VM merges its table into its rules'
+//! shared summaries ([`ratewall_core::topk::Summary`], at most 64 keys each, whatever the
+//! traffic) with compare-and-swap. Summaries hold counter keys, which carry no secret value
+//! (secret parts are keyed hashes); keys are shown ([`ratewall_core::topk::render`]) only when
+//! logged or sent.
+
+use crate::host::{Host, Level, SetError};
+use ratewall_core::encoding::{put_varint, Reader};
+use ratewall_core::rules::Config;
+use ratewall_core::sync::{Delta, RuleTop, TopSection};
+use ratewall_core::topk::{bounded_key, node_bit, render, Distinct, Summary};
+use ratewall_core::Nanos;
+use std::cell::RefCell;
+
+/// Slots of a VM's table of recent denials (direct-mapped by key hash).
+const SLOTS: usize = 256;
+/// How often the proxy logs each rule's top denied keys when it has no store.
+pub const LOG_EVERY: Nanos = 60 * ratewall_core::SECOND;
+/// How often a proxy without a store ticks to merge its VMs' denials.
+pub const TICK: Nanos = ratewall_core::SECOND;
+/// Keys a log line names.
+const LOGGED: usize = 5;
+
+fn shared_key(rule: usize) -> String {
+    format!("rw1/top/{rule}")
+}
+
+/// A recent denial of one counter.
+#[derive(Debug)]
+struct Slot {
+    hash: u64,
+    rule: usize,
+    key: Vec<u8>,
+    denied: u64,
+}
+
+/// One VM's denials since its last tick.
+#[derive(Debug, Default)]
+struct Local {
+    slots: Vec<Option<Slot>>,
+    /// Per rule: keys evicted from `slots`, and denials, shadow denials, distinct keys.
+    rules: Vec<LocalRule>,
+    any: bool,
+}
+
+#[derive(Debug, Default, Clone)]
+struct LocalRule {
+    spilled: Option<Summary>,
+    denied: u64,
+    shadow: u64,
+    distinct: Distinct,
+}
+
+/// One rule's state in shared data.
+#[derive(Debug, Default, PartialEq)]
+struct Shared {
+    name: String,
+    /// The minute being counted: its start, denials, distinct keys (and the last minute's).
+    minute_start: Nanos,
+    minute: Summary,
+    previous: Distinct,
+    current: Distinct,
+    /// Since the last batch (with sync): denials, shadow denials, keys.
+    pending_denied: u64,
+    pending_shadow: u64,
+    pending: Summary,
+}
+
+impl Shared {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(512);
+        put_varint(&mut out, self.name.len() as u64);
+        out.extend_from_slice(self.name.as_bytes());
+        put_varint(&mut out, self.minute_start);
+        for d in [&self.previous, &self.current] {
+            for w in d.0 {
+                out.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+        self.minute.encode(&mut out);
+        put_varint(&mut out, self.pending_denied);
+        put_varint(&mut out, self.pending_shadow);
+        self.pending.encode(&mut out);
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Shared> {
+        let mut r = Reader { bytes, pos: 0 };
+        let n = usize::try_from(r.varint().ok()?).ok()?;
+        let name = String::from_utf8(r.take(n).ok()?.to_vec()).ok()?;
+        let minute_start = r.varint().ok()?;
+        let mut distinct = [Distinct::default(), Distinct::default()];
+        for d in &mut distinct {
+            for w in d.0.iter_mut() {
+                *w = u64::from_le_bytes(r.take(8).ok()?.try_into().ok()?);
+            }
+        }
+        let [previous, current] = distinct;
+        let minute = Summary::decode(&mut r, ratewall_core::sync::MAX_KEY).ok()?;
+        let (pending_denied, pending_shadow) = (r.varint().ok()?, r.varint().ok()?);
+        let pending = Summary::decode(&mut r, ratewall_core::sync::MAX_KEY).ok()?;
+        (r.pos == bytes.len()).then_some(Shared {
+            name,
+            minute_start,
+            minute,
+            previous,
+            current,
+            pending_denied,
+            pending_shadow,
+            pending,
+        })
+    }
+}
+
+/// Metric ids.
+#[derive(Debug, Default)]
+struct Metrics {
+    limited_keys: Vec<Option<u32>>,
+    evictions: Option<u32>,
+}
+
+/// A VM's part in its proxy's top offenders.
+#[derive(Debug)]
+pub struct Top {
+    local: RefCell<Local>,
+    metrics: Metrics,
+    /// Whether batches carry the summaries (else the proxy logs them).
+    synced: bool,
+    /// When a VM with no new denials next looks at the shared state (minutes to roll over).
+    idle_until: std::cell::Cell<Nanos>,
+}
+
+/// FNV-1a, 64-bit, with a final mix (its low bits pick the slot, its top bits the distinct
+/// estimate's bit): the cheapest hash for a key already chosen by the rules.
+fn hash(key: &[u8]) -> u64 {
+    let h = ratewall_core::key::fnv1a(key);
+    (h ^ (h >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+impl Top {
+    /// Defines the metrics of `config`'s rules (their shared keys are made on the first tick
+    /// that has something to merge: no shared data at configure).
+    pub fn new(host: &dyn Host, config: &Config, metric: impl Fn(&str, &str) -> String) -> Top {
+        let limited_keys = config.rules.iter().map(|r| host.define_gauge(&metric(&r.name, "limited_keys"))).collect();
+        let metrics = Metrics { limited_keys, evictions: host.define_counter("ratewall_top_evictions") };
+        let local = Local { slots: Vec::new(), rules: vec![LocalRule::default(); config.rules.len()], any: false };
+        Top { local: RefCell::new(local), metrics, synced: config.sync.is_some(), idle_until: Default::default() }
+    }
+
+    /// A request denied (or, `shadow`, that a shadow rule would deny) by `rule`, one of
+    /// whose `checks` it is.
+    pub fn denied_by(&self, rule: usize, checks: &[ratewall_core::eval::Check], shadow: bool) {
+        if let Some(c) = checks.iter().find(|c| c.rule == rule) {
+            self.denied(rule, &c.key, shadow);
+        }
+    }
+
+    /// A request denied (or, `shadow`, that a shadow rule would deny) by `rule` under the
+    /// counter `key`.
+    pub fn denied(&self, rule: usize, key: &[u8], shadow: bool) {
+        let h = hash(key);
+        let Ok(mut local) = self.local.try_borrow_mut() else { return };
+        let local = &mut *local;
+        let Some(r) = local.rules.get_mut(rule) else { return };
+        local.any = true;
+        if shadow {
+            r.shadow += 1;
+        } else {
+            r.denied += 1;
+        }
+        r.distinct.add(h);
+        if local.slots.is_empty() {
+            local.slots.resize_with(SLOTS, || None);
+        }
+        let Some(slot) = local.slots.get_mut(h as usize % SLOTS) else { return };
+        match slot {
+            Some(s) if s.hash == h && s.rule == rule => s.denied += 1,
+            _ => {
+                let new = Slot { hash: h, rule, key: key.to_vec(), denied: 1 };
+                // A key denied once since it took the slot goes uncounted in the summary when
+                // another takes it (its denial stays in the rule's totals): a flood of distinct
+                // keys then costs a slot each, not a summary update each. A key denied more
+                // often than its slot changes hands keeps its count.
+                if let Some(old) = slot.replace(new).filter(|o| o.denied > 1) {
+                    if let Some(r) = local.rules.get_mut(old.rule) {
+                        r.spilled.get_or_insert_with(Summary::default).add(&old.key, old.denied, 0, 0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every VM, every tick: merges this VM's denials into the shared summaries; logs a
+    /// rule's top denied keys when its minute is over (without a store), and sets the gauges.
+    pub fn on_tick(&self, host: &dyn Host, config: &Config) {
+        let now = host.now();
+        let per_rule = {
+            let Ok(mut l) = self.local.try_borrow_mut() else { return };
+            if !l.any {
+                drop(l);
+                if now >= self.idle_until.get() || now < self.idle_until.get().saturating_sub(TICK) {
+                    self.idle_until.set(now.saturating_add(TICK));
+                    self.roll(host, config, now, None);
+                }
+                return;
+            }
+            let l = &mut *l;
+            l.any = false;
+            let n = l.rules.len();
+            let mut per_rule = std::mem::replace(&mut l.rules, vec![LocalRule::default(); n]);
+            // The table stays allocated for the next tick's denials.
+            for s in l.slots.iter_mut().filter_map(Option::take) {
+                if let Some(r) = per_rule.get_mut(s.rule) {
+                    r.spilled.get_or_insert_with(Summary::default).add(&s.key, s.denied, 0, 0);
+                }
+            }
+            per_rule
+        };
+        self.roll(host, config, now, Some(&per_rule));
+    }
+
+    /// Merges `mine` (None: nothing) into each rule's shared state, rolling its minute over.
+    fn roll(&self, host: &dyn Host, config: &Config, now: Nanos, mine: Option<&[LocalRule]>) {
+        for (i, rule) in config.rules.iter().enumerate() {
+            let add = mine.and_then(|m| m.get(i)).filter(|r| r.denied + r.shadow > 0);
+            let key = shared_key(i);
+            for _ in 0..16 {
+                let Ok((value, cas)) = host.shared_get(&key) else { break };
+                let found = value.as_deref().and_then(Shared::decode).filter(|s| s.name == rule.name);
+                let fresh = found.is_none();
+                let mut s =
+                    found.unwrap_or_else(|| Shared { name: rule.name.clone(), minute_start: now, ..Shared::default() });
+                let mut line = None;
+                // Time that goes backwards is clamped (saturating): a minute only ever ends.
+                let rolled = now.saturating_sub(s.minute_start) >= LOG_EVERY;
+                if rolled {
+                    if !self.synced && !s.minute.is_empty() {
+                        line = Some(log_line(config, &rule.name, &s.minute));
+                    }
+                    s.previous = s.current;
+                    s.current = Distinct::default();
+                    s.minute = Summary::default();
+                    s.minute_start = now;
+                }
+                let before = s.minute.evictions();
+                if let Some(a) = add {
+                    if let Some(sp) = &a.spilled {
+                        s.minute.merge(sp);
+                        if self.synced {
+                            s.pending.merge(sp);
+                        }
+                    }
+                    s.current.merge(&a.distinct);
+                    if self.synced {
+                        s.pending_denied = s.pending_denied.saturating_add(a.denied);
+                        s.pending_shadow = s.pending_shadow.saturating_add(a.shadow);
+                    }
+                }
+                if add.is_none() && !rolled && !fresh {
+                    self.gauge(host, i, &s, now);
+                    break;
+                }
+                match host.shared_set(&key, &s.encode(), cas) {
+                    Ok(()) => {
+                        if let (Some(m), true) = (self.metrics.evictions, s.minute.evictions() > before) {
+                            host.increment(m, s.minute.evictions() - before);
+                        }
+                        if let Some(line) = line {
+                            host.log(Level::Info, &line);
+                        }
+                        self.gauge(host, i, &s, now);
+                        break;
+                    }
+                    Err(SetError::CasMismatch) => continue,
+                    Err(SetError::Other) => break,
+                }
+            }
+        }
+    }
+
+    /// Distinct keys denied over the last minute: the running minute's plus the share of the
+    /// last one still inside the minute (the sliding-window estimate).
+    fn gauge(&self, host: &dyn Host, rule: usize, s: &Shared, now: Nanos) {
+        let Some(Some(id)) = self.metrics.limited_keys.get(rule) else { return };
+        let into = now.saturating_sub(s.minute_start).min(LOG_EVERY);
+        let prev = s.previous.estimate() as u128 * u128::from(LOG_EVERY - into) / u128::from(LOG_EVERY);
+        host.set_gauge(*id, s.current.estimate().saturating_add(prev as u64));
+    }
+
+    /// The section a new batch ends with: per rule, its counts and top denied keys since the
+    /// last batch (taken from shared data, so each goes in one batch), admitted units from the
+    /// batch's `deltas`.
+    pub fn section(&self, host: &dyn Host, config: &Config, node: u64, deltas: &[Delta]) -> Option<TopSection> {
+        let mut rules = Vec::new();
+        let mut allowed = vec![0u64; config.rules.len()];
+        let mut by_key: std::collections::HashMap<&[u8], u64> = std::collections::HashMap::new();
+        for d in deltas.iter().filter(|d| d.units > 0) {
+            let name = d.key.get(2..2 + usize::from(*d.key.get(1)?)).unwrap_or_default();
+            if let Some(i) = config.rules.iter().position(|r| r.name.as_bytes() == name) {
+                if let Some(a) = allowed.get_mut(i) {
+                    *a = a.saturating_add(d.units);
+                }
+                by_key.insert(&d.key, d.units);
+            }
+        }
+        for (i, rule) in config.rules.iter().enumerate() {
+            let key = shared_key(i);
+            let mut taken = None;
+            for _ in 0..16 {
+                let Ok((value, cas)) = host.shared_get(&key) else { break };
+                let Some(mut s) = value.as_deref().and_then(Shared::decode).filter(|s| s.name == rule.name) else {
+                    break;
+                };
+                if s.pending.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 {
+                    break;
+                }
+                let t = (std::mem::take(&mut s.pending), s.pending_denied, s.pending_shadow);
+                (s.pending_denied, s.pending_shadow) = (0, 0);
+                match host.shared_set(&key, &s.encode(), cas) {
+                    Ok(()) => {
+                        taken = Some(t);
+                        break;
+                    }
+                    Err(SetError::CasMismatch) => continue,
+                    Err(SetError::Other) => break,
+                }
+            }
+            let rule_allowed = allowed.get(i).copied().unwrap_or(0);
+            if taken.is_none() && rule_allowed == 0 {
+                continue;
+            }
+            let (pending, denied, shadow) = taken.unwrap_or_default();
+            let bit = node_bit(node);
+            let top = pending.map_keys(|k| {
+                let (_, shown) = render(config, k)?;
+                Some(bounded_key(shown, &config.identity.hash_key).into_bytes())
+            });
+            // Admitted units per shown key, for the listed keys.
+            let mut top = top;
+            let mut admitted: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
+            for e in pending.entries() {
+                if let (Some(u), Some((_, shown))) = (by_key.get(e.key.as_slice()), render(config, &e.key)) {
+                    *admitted.entry(bounded_key(shown, &config.identity.hash_key).into_bytes()).or_default() += u;
+                }
+            }
+            for (k, u) in admitted {
+                top.set_allowed(&k, u);
+            }
+            let keys: Vec<Vec<u8>> = top.entries().iter().map(|e| e.key.clone()).collect();
+            for k in keys {
+                top.add(&k, 0, 0, bit);
+            }
+            rules.push(RuleTop { rule: rule.name.clone(), allowed: rule_allowed, denied, shadow_denied: shadow, top });
+        }
+        (!rules.is_empty()).then_some(TopSection { rules })
+    }
+}
+
+/// `ratewall: top denied [api-key] api_key=#3f9a1c2e 1204, ip=203.0.113.7 88`.
+fn log_line(config: &Config, rule: &str, minute: &Summary) -> String {
+    let shown = minute.map_keys(|k| render(config, k).map(|(_, s)| bounded_key(s, &config.identity.hash_key).into()));
+    let mut line = format!("ratewall: top denied [{rule}]");
+    for (i, e) in shown.top(LOGGED).iter().enumerate() {
+        line.push_str(if i == 0 { " " } else { ", " });
+        line.push_str(&String::from_utf8_lossy(&e.key));
+        line.push(' ');
+        line.push_str(&e.denied.to_string());
+    }
+    line
+}

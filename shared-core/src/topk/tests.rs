@@ -1,0 +1,281 @@
+use super::*;
+use crate::eval::Request;
+use alloc::collections::BTreeMap;
+use alloc::format;
+use alloc::string::ToString;
+use alloc::vec;
+use proptest::prelude::*;
+
+fn exact(stream: &[(u8, u64)]) -> BTreeMap<Vec<u8>, u64> {
+    let mut m = BTreeMap::new();
+    for &(k, w) in stream {
+        *m.entry(vec![k]).or_insert(0) += w;
+    }
+    m
+}
+
+fn summarize(stream: &[(u8, u64)], k: usize) -> Summary {
+    let mut s = Summary::new(k);
+    for &(key, w) in stream {
+        s.add(&[key], w, 0, 0);
+    }
+    s
+}
+
+/// The summary's promises against the exact counts of the stream it summarizes.
+fn holds_its_bounds(s: &Summary, truth: &BTreeMap<Vec<u8>, u64>) -> Result<(), TestCaseError> {
+    let total: u64 = truth.values().sum();
+    prop_assert_eq!(s.total(), total);
+    prop_assert!(s.entries().len() <= s.capacity());
+    prop_assert!(s.error() <= total / (s.capacity() as u64 + 1), "error {} total {}", s.error(), total);
+    for (key, &t) in truth {
+        let c = s.count(key);
+        prop_assert!(c <= t, "listed {c} above the true {t}");
+        prop_assert!(t - c <= s.error(), "listed {c}, true {t}, error {}", s.error());
+        if t * (s.capacity() as u64 + 1) > total {
+            prop_assert!(c > 0, "a key with {t} of {total} is not listed");
+        }
+    }
+    Ok(())
+}
+
+/// Skewed streams: key `i` drawn with weight falling off like a Zipf law, weights 1 to 4.
+fn stream() -> impl Strategy<Value = Vec<(u8, u64)>> {
+    proptest::collection::vec((0u32..10_000, 1u64..5), 0..600)
+        .prop_map(|v| v.into_iter().map(|(r, w)| ((10_000 / (r + 1)).min(255) as u8 ^ (r % 7) as u8, w)).collect())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    #[test]
+    fn counts_stay_within_the_stated_error(s in stream(), k in 1usize..24) {
+        holds_its_bounds(&summarize(&s, k), &exact(&s))?;
+    }
+
+    #[test]
+    fn merged_summaries_keep_the_bound_of_the_whole_stream(s in stream(), k in 1usize..24, a in 0usize..600, b in 0usize..600) {
+        let (a, b) = (a.min(s.len()), b.min(s.len()));
+        let (a, b) = (a.min(b), a.max(b));
+        let parts: Vec<Summary> = [&s[..a], &s[a..b], &s[b..]].iter().map(|p| summarize(p, k)).collect();
+        let truth = exact(&s);
+        let mut left = parts[0].clone();
+        left.merge(&parts[1]);
+        left.merge(&parts[2]);
+        let mut right = parts[1].clone();
+        right.merge(&parts[2]);
+        let mut right_first = parts[0].clone();
+        right_first.merge(&right);
+        holds_its_bounds(&left, &truth)?;
+        holds_its_bounds(&right_first, &truth)?;
+        // Associative on the listed set: every key past the bound is listed by both groupings.
+        let total: u64 = truth.values().sum();
+        for (key, &t) in &truth {
+            if t * (k as u64 + 1) > total {
+                prop_assert!(left.count(key) > 0 && right_first.count(key) > 0);
+            }
+        }
+        // Commutative, exactly.
+        let mut ab = parts[0].clone();
+        ab.merge(&parts[1]);
+        let mut ba = parts[1].clone();
+        ba.merge(&parts[0]);
+        prop_assert_eq!(ab, ba);
+    }
+
+    #[test]
+    fn a_summary_reads_back_as_written(s in stream(), k in 1usize..24) {
+        let mut sum = summarize(&s, k);
+        sum.add(b"nodes", 3, 7, node_bit(42));
+        let mut out = Vec::new();
+        sum.encode(&mut out);
+        let mut r = Reader { bytes: &out, pos: 0 };
+        prop_assert_eq!(Summary::decode(&mut r, MAX_KEY).unwrap(), sum);
+        prop_assert_eq!(r.pos, out.len());
+    }
+
+    #[test]
+    fn garbage_never_decodes_into_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+        let _ = Summary::decode(&mut Reader { bytes: &bytes, pos: 0 }, MAX_KEY);
+    }
+}
+
+#[test]
+fn without_evictions_merging_is_exact_and_associative() {
+    let a = summarize(&[(1, 5), (2, 1)], 8);
+    let b = summarize(&[(2, 2), (3, 9)], 8);
+    let c = summarize(&[(1, 1), (4, 4)], 8);
+    let mut ab_c = a.clone();
+    ab_c.merge(&b);
+    ab_c.merge(&c);
+    let mut bc = b.clone();
+    bc.merge(&c);
+    let mut a_bc = a.clone();
+    a_bc.merge(&bc);
+    assert_eq!(ab_c, a_bc);
+    assert_eq!((ab_c.count(&[1]), ab_c.count(&[2]), ab_c.count(&[3]), ab_c.error()), (6, 3, 9, 0));
+    let top: Vec<&[u8]> = ab_c.top(2).iter().map(|e| e.key.as_slice()).collect();
+    assert_eq!(top, [&[3u8][..], &[1u8][..]]);
+}
+
+#[test]
+fn a_flood_of_distinct_keys_stays_bounded() {
+    let mut s = Summary::new(CAPACITY);
+    for i in 0u32..100_000 {
+        s.add(&i.to_le_bytes(), 1, 0, 0);
+        s.add(b"heavy", 1, 0, 0);
+    }
+    assert!(s.entries().len() <= CAPACITY);
+    assert!(s.count(b"heavy") >= 100_000 - s.error());
+    assert_eq!(s.top(1)[0].key, b"heavy");
+    assert!(s.evictions() > 0);
+}
+
+#[test]
+fn distinct_keys_are_estimated_within_a_few_percent() {
+    for n in [0u64, 1, 10, 100, 500, 1000] {
+        let mut d = Distinct::default();
+        for i in 0..n {
+            d.add(crate::hash::HashKey::derive(b"k").hash(&i.to_le_bytes()));
+        }
+        let e = d.estimate();
+        assert!(e.abs_diff(n) * 100 <= n * 8 + 1, "{n} distinct estimated {e}");
+    }
+    assert_eq!(node_count(node_bit(1) | node_bit(2) | node_bit(3)), 3);
+}
+
+const RULES: &str = r#"{
+  "identity": {
+    "api_key": { "header": "x-api-key" },
+    "user": { "header": "x-user-id" },
+    "token": { "header": "x-token", "secret": true },
+    "ip": { "trusted_hops": 1, "ipv6_prefix": 64 },
+    "hash_key": "a deployment's own hash key"
+  },
+  "rules": [
+    { "name": "per-user", "key": ["user"], "limit": { "requests": 5, "per": "60s" } },
+    { "name": "per-ip", "key": ["ip"], "limit": { "requests": 5, "per": "60s" } },
+    { "name": "api-key", "key": ["api_key", "ip"], "limit": { "requests": 5, "per": "60s" } },
+    { "name": "token", "key": ["token"], "limit": { "requests": 5, "per": "60s" } }
+  ]
+}"#;
+
+fn shown(config: &Config, rule: &str, headers: [Option<&str>; 3], ip: Option<&str>) -> (Vec<u8>, String) {
+    let headers: Vec<Option<&[u8]>> = headers.iter().map(|h| h.map(str::as_bytes)).collect();
+    let req = Request { method: "GET", path: "/", headers: &headers, ip };
+    let (checks, _) = config.checks(&req);
+    let i = config.rules.iter().position(|r| r.name == rule).unwrap();
+    let check = checks.into_iter().find(|c| c.rule == i).unwrap();
+    let (index, text) = render(config, &check.key).unwrap();
+    assert_eq!(index, i);
+    (check.key, text)
+}
+
+#[test]
+fn keys_show_as_pairs_in_the_rules_key_order_with_secrets_hashed() {
+    let c = Config::parse(RULES.as_bytes()).unwrap();
+    let (_, user) = shown(&c, "per-user", [None, Some("alice"), None], None);
+    assert_eq!(user, "user=alice");
+    let (_, ip) = shown(&c, "per-ip", [None, None, None], Some("203.0.113.7"));
+    assert_eq!(ip, "ip=203.0.113.7");
+    let v6 = crate::key::ip_key("2001:db8:1:2:aaaa::1".parse().unwrap(), &c.identity.ip);
+    let (_, ip6) = shown(&c, "per-ip", [None, None, None], Some(&v6));
+    assert_eq!(ip6, "ip=2001:db8:1:2::/64");
+    let (key, both) = shown(&c, "api-key", [Some("sk_live_SECRET"), None, None], Some("203.0.113.7"));
+    let hash = c.identity.hash_key.hash(b"sk_live_SECRET");
+    assert_eq!(both, format!("api_key=#{:08x},ip=203.0.113.7", hash >> 32));
+    assert!(!key.windows(6).any(|w| w == b"SECRET"), "the counter key holds no secret value");
+    let (key, token) = shown(&c, "token", [None, None, Some("tok-SECRET")], None);
+    assert!(token.starts_with("token=#") && token.len() == "token=#".len() + 8, "{token}");
+    assert!(!key.windows(6).any(|w| w == b"SECRET"));
+    let (_, odd) = shown(&c, "per-user", [None, Some("a,b=c d\u{e9}"), None], None);
+    assert_eq!(odd, "user=a%2Cb%3Dc%20d%C3%A9");
+}
+
+#[test]
+fn hashes_are_keyed_per_deployment() {
+    let with = |extra: &str| {
+        let doc = format!(
+            r#"{{"identity":{{"api_key":{{"header":"x-api-key"}}{extra}}},"rules":[{{"name":"k","key":["api_key"],"limit":{{"requests":1,"per":"1s"}}}}]}}"#
+        );
+        let c = Config::parse(doc.as_bytes()).unwrap();
+        let headers: Vec<Option<&[u8]>> = vec![Some(b"sk_live_1")];
+        let (checks, _) = c.checks(&Request { method: "GET", path: "/", headers: &headers, ip: None });
+        (render(&c, &checks[0].key).unwrap().1, c.identity.hash_key_source)
+    };
+    let (a, source) = with(r#","hash_key":"0123456789abcdef""#);
+    assert_eq!(source, crate::rules::HashKeySource::HashKey);
+    assert_eq!(a, with(r#","hash_key":"0123456789abcdef""#).0, "every node of a deployment agrees");
+    assert_ne!(a, with(r#","hash_key":"another key, longer""#).0);
+    let (builtin, source) = with("");
+    assert_eq!(source, crate::rules::HashKeySource::BuiltIn);
+    assert_ne!(a, builtin);
+    let short = Config::parse(br#"{"identity":{"hash_key":"short"},"rules":[]}"#).unwrap_err();
+    assert_eq!(short.to_string(), "identity.hash_key: must be at least 16 characters");
+    let sync = r#"{"rules":[],"sync":{"cluster":"s","secret":"0123456789abcdef"}}"#;
+    let c = Config::parse(sync.as_bytes()).unwrap();
+    assert_eq!(c.identity.hash_key_source, crate::rules::HashKeySource::SyncSecret);
+    assert_eq!(c.identity.hash_key, crate::key::HashKey::derive(b"0123456789abcdef"));
+    let public = Config::parse(br#"{"identity":{"api_key":{"header":"k","secret":false}},"rules":[]}"#).unwrap();
+    assert!(!public.identity.secret[0], "api_key may be declared public");
+    assert!(Config::parse(br#"{"identity":{"user":{"header":"u"}},"rules":[]}"#).unwrap().identity.secret == [false]);
+}
+
+#[test]
+fn long_keys_are_cut_and_keep_apart() {
+    let k = crate::key::HashKey::derive(b"x");
+    let a = bounded_key("a".repeat(400), &k);
+    let b = bounded_key(format!("{}b", "a".repeat(399)), &k);
+    assert!(a.len() <= MAX_KEY && b.len() <= MAX_KEY);
+    assert_ne!(a, b);
+    assert_eq!(bounded_key("user=bob".to_string(), &k), "user=bob");
+}
+
+fn batch() -> crate::sync::SyncRequest {
+    let limit = crate::algo::Limit::new(crate::algo::Algorithm::FixedWindow, 5, crate::SECOND, None).unwrap();
+    let delta = crate::sync::Delta { key: b"k".to_vec(), limit, units: 3 };
+    crate::sync::SyncRequest { node: 7, seq: 9, sent: 0, deltas: vec![delta], ask: false }
+}
+
+#[test]
+fn batches_are_read_with_and_without_a_top_section() {
+    use crate::sync::{RuleTop, SyncRequest, TopSection};
+    let req = batch();
+    let plain = req.encode();
+    assert_eq!(SyncRequest::decode_with_top(&plain).unwrap(), (req.clone(), None));
+    let mut top = Summary::default();
+    top.add(b"api_key=#3f9a1c2e", 30, 5, node_bit(7));
+    let section = TopSection {
+        rules: vec![RuleTop { rule: "api-key".into(), allowed: 1200, denied: 37, shadow_denied: 2, top }],
+    };
+    let mut with = plain.clone();
+    section.encode_into(&mut with);
+    assert_eq!(SyncRequest::decode(&with).unwrap(), req, "a store that reads only the batch still takes it");
+    assert_eq!(SyncRequest::decode_with_top(&with).unwrap(), (req, Some(section)));
+    let mut garbage = plain.clone();
+    garbage.push(0x00);
+    assert!(SyncRequest::decode(&garbage).is_err(), "other trailing bytes are still an error");
+    let mut cut = with.clone();
+    cut.pop();
+    assert!(SyncRequest::decode(&cut).is_err());
+}
+
+#[test]
+fn a_top_section_stays_within_its_byte_bound() {
+    use crate::sync::{RuleTop, TopSection, MAX_TOP_SECTION};
+    let mut rules = Vec::new();
+    for r in 0..40 {
+        let mut top = Summary::default();
+        for i in 0..200u32 {
+            top.add(format!("user={}{i}", "x".repeat(140)).as_bytes(), u64::from(i) + 1, 0, 1);
+        }
+        rules.push(RuleTop { rule: format!("rule-{r}"), allowed: 1, denied: 2, shadow_denied: 0, top });
+    }
+    let section = TopSection { rules };
+    let mut out = Vec::new();
+    section.encode_into(&mut out);
+    assert!(out.len() <= MAX_TOP_SECTION, "{}", out.len());
+    let back = TopSection::decode(&out).unwrap();
+    assert!(back.rules.len() >= 3, "{}", back.rules.len());
+    assert_eq!(back.rules[0], section.rules[0]);
+}

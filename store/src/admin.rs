@@ -1,0 +1,82 @@
+//! The admin listener (`--admin ADDR`, off unless given): the dashboard page, the fleet's top
+//! offenders, its traffic series and nodes, metrics and health — without authentication, as
+//! Envoy's admin port, so bind it to loopback or a private network (docs/operations.md).
+
+use crate::top::Window;
+use crate::{Kv, Store};
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// The dashboard page, compiled in.
+pub const PAGE: &str = include_str!("../../dashboard/index.html");
+
+/// The admin routes over `store`.
+pub fn router<K: Kv + Send + Sync + 'static>(store: Arc<Store<K>>) -> Router {
+    Router::new()
+        .route("/", get(page))
+        .route("/v1/top", get(top::<K>))
+        .route("/v1/series", get(series::<K>))
+        .route("/v1/fleet", get(fleet::<K>))
+        .route("/metrics", get(metrics::<K>))
+        .route("/healthz", get(healthz::<K>))
+        .with_state(store)
+}
+
+/// A query string's value of `name` (the first; none percent-decoded: rule names and
+/// windows are plain).
+fn param<'a>(uri: &'a Uri, name: &str) -> Option<&'a str> {
+    uri.query()?.split('&').find_map(|p| p.strip_prefix(name)?.strip_prefix('='))
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response {
+    let mut out = (status, v.to_string()).into_response();
+    out.headers_mut().insert("content-type", HeaderValue::from_static("application/json"));
+    out.headers_mut().insert("cache-control", HeaderValue::from_static("no-store"));
+    out
+}
+
+async fn page() -> Response {
+    let mut out = (StatusCode::OK, PAGE).into_response();
+    out.headers_mut().insert("content-type", HeaderValue::from_static("text/html; charset=utf-8"));
+    out
+}
+
+async fn top<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response {
+    let window = match param(&uri, "window") {
+        None | Some("1m") => Window::Minute,
+        Some("1h") => Window::Hour,
+        Some(other) => {
+            let why = format!("window: {other:?} is not 1m or 1h");
+            return json_response(StatusCode::BAD_REQUEST, &json!({"error": why}));
+        }
+    };
+    json_response(StatusCode::OK, &store.top.top(param(&uri, "rule"), window))
+}
+
+async fn series<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response {
+    json_response(StatusCode::OK, &store.top.series(param(&uri, "rule")))
+}
+
+async fn fleet<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {
+    let ok = store.kv.ping().await;
+    json_response(StatusCode::OK, &json!({"nodes": store.top.fleet(), "redis": {"ok": ok}}))
+}
+
+async fn metrics<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {
+    let mut out = (StatusCode::OK, store.metrics.render()).into_response();
+    out.headers_mut().insert("content-type", HeaderValue::from_static("text/plain; version=0.0.4"));
+    out
+}
+
+async fn healthz<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {
+    if store.kv.ping().await {
+        (StatusCode::OK, "ok\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "Redis does not answer\n").into_response()
+    }
+}

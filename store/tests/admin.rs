@@ -1,0 +1,257 @@
+//! The admin listener of the built `ratewall-store` over a real Redis: off unless asked for,
+//! and serving the fleet's top offenders, series, nodes, the page, metrics and health.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use ratewall_core::sync::{hex, sign, Delta, RuleTop, SyncRequest, TopSection};
+use ratewall_core::topk::{node_bit, Summary};
+use ratewall_core::{Algorithm, Limit, SECOND};
+use ratewall_tests::conformance::SECRET;
+use ratewall_tests::http;
+use ratewall_tests::redis::Redis;
+use serde_json::Value;
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+
+struct Store {
+    child: Child,
+    addr: String,
+    admin: Option<String>,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(redis: &Redis, admin: bool) -> Store {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall-store"));
+    cmd.env("RATEWALL_SYNC_SECRET", SECRET).args(["--listen", "127.0.0.1:0", "--redis", &redis.url()]);
+    if admin {
+        cmd.args(["--admin", "127.0.0.1:0"]);
+    }
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let addr_of =
+        |line: &str| line.split("http://").nth(1).and_then(|s| s.split(['/', ' ']).next()).unwrap().to_owned();
+    let mut lines = Vec::new();
+    for _ in 0..if admin { 2 } else { 1 } {
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        lines.push(line);
+    }
+    let admin_line = lines.iter().find(|l| l.contains("admin on"));
+    assert_eq!(admin_line.is_some(), admin, "{lines:?}");
+    let listen = lines.iter().find(|l| l.contains("listening on")).unwrap();
+    Store { child, addr: addr_of(listen), admin: admin_line.map(|l| addr_of(l)) }
+}
+
+fn limit() -> Limit {
+    Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap()
+}
+
+fn batch(node: u64, seq: u64, section: Option<&TopSection>) -> Vec<u8> {
+    let deltas = vec![Delta { key: format!("counter-{node}").into_bytes(), limit: limit(), units: 4 }];
+    let sent = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let mut body = SyncRequest { node, seq, sent, deltas, ask: false }.encode();
+    if let Some(s) = section {
+        s.encode_into(&mut body);
+    }
+    body
+}
+
+fn post(addr: &str, body: &[u8]) -> u16 {
+    let tag = hex(&sign(SECRET.as_bytes(), body));
+    http::request(addr, "POST", "/v1/sync", &[("x-ratewall-signature", &tag)], body).unwrap().status
+}
+
+fn get(addr: &str, path: &str) -> (u16, String) {
+    let r = http::request(addr, "GET", path, &[], &[]).unwrap();
+    (r.status, String::from_utf8_lossy(&r.body).into_owned())
+}
+
+fn json(addr: &str, path: &str) -> Value {
+    let (status, body) = get(addr, path);
+    assert_eq!(status, 200, "{path}: {body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+fn section(node: u64, heavy: u64, light: u64) -> TopSection {
+    let mut top = Summary::default();
+    top.add(b"api_key=#3f9a1c2e", heavy, 2, node_bit(node));
+    top.add(b"ip=203.0.113.7", light, 0, node_bit(node));
+    let rule = RuleTop { rule: "api-key".into(), allowed: 4, denied: heavy + light, shadow_denied: 0, top };
+    let watch = RuleTop { rule: "watch".into(), allowed: 0, denied: 0, shadow_denied: 5, top: Summary::default() };
+    TopSection { rules: vec![rule, watch] }
+}
+
+#[test]
+fn the_admin_listener_lists_the_fleets_top_offenders_and_nodes() {
+    let redis = Redis::start(false).unwrap();
+    let store = start(&redis, true);
+    let admin = store.admin.clone().unwrap();
+    for node in 1..=3 {
+        assert_eq!(post(&store.addr, &batch(node, 1, Some(&section(node, 30, node)))), 200);
+    }
+    assert_eq!(post(&store.addr, &batch(4, 1, None)), 200, "a batch without the section is taken as before");
+    assert_eq!(post(&store.addr, &batch(1, 1, Some(&section(1, 30, 1)))), 200, "a retry");
+    let top = json(&admin, "/v1/top");
+    assert_eq!(top["window_s"], 60);
+    let rule = &top["rules"][0];
+    assert_eq!(
+        (rule["rule"].as_str(), rule["allowed"].as_u64(), rule["denied"].as_u64()),
+        (Some("api-key"), Some(12), Some(96))
+    );
+    assert_eq!(rule["top"][0], serde_json::json!({"key": "api_key=#3f9a1c2e", "denied": 90, "allowed": 6, "nodes": 3}));
+    assert_eq!(rule["top"][1]["key"], "ip=203.0.113.7");
+    assert_eq!(top["rules"][1]["shadow_denied"], 15, "rules in the order first heard");
+    let only = json(&admin, "/v1/top?rule=watch&window=1h");
+    assert_eq!((only["window_s"].as_u64(), only["rules"].as_array().unwrap().len()), (Some(3600), 1));
+    assert_eq!(get(&admin, "/v1/top?window=2d").0, 400);
+    let fleet = json(&admin, "/v1/fleet");
+    assert_eq!(fleet["nodes"].as_array().unwrap().len(), 4);
+    assert_eq!(fleet["redis"]["ok"], true);
+    assert_eq!(fleet["nodes"][0]["degraded"], false);
+    let series = json(&admin, "/v1/series?rule=api-key");
+    let denied: u64 = series["rules"][0]["denied"].as_array().unwrap().iter().filter_map(Value::as_u64).sum();
+    assert_eq!((series["step_s"].as_u64(), denied), (Some(1), 96));
+    let (status, page) = get(&admin, "/");
+    assert_eq!((status, page.as_str()), (200, ratewall_store::admin::PAGE));
+    assert_eq!(get(&admin, "/healthz").0, 200);
+    assert!(get(&admin, "/metrics").1.contains("ratewall_store_sync_ok_total 5"));
+    assert_eq!(get(&store.addr, "/v1/top").0, 404, "not on the main listener");
+}
+
+#[test]
+fn the_admin_listener_is_off_unless_asked_for() {
+    let redis = Redis::start(false).unwrap();
+    let store = start(&redis, false);
+    assert!(store.admin.is_none());
+    assert_eq!(get(&store.addr, "/v1/fleet").0, 404);
+}
+
+mod fleet {
+    //! The built filter in the wasmtime host, three proxies of two VMs each, syncing over real
+    //! HTTP to this store on Redis.
+
+    use super::*;
+    use ratewall_tests::host::{Callout, HttpRequest, Node, Plugin, Started, Vm};
+
+    const HEAVY: &str = "sk_live_HEAVYSECRET";
+
+    fn rules() -> String {
+        format!(
+            r#"{{"identity": {{"api_key": {{"header": "x-api-key"}}, "hash_key": "this deployment's hash key"}},
+  "rules": [{{"name": "api-key", "key": ["api_key"], "limit": {{"requests": 5, "per": "60s"}}}}],
+  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "500ms", "nodes": 3}}}}"#
+        )
+    }
+
+    /// Posts a VM's call to the store and hands it the answer; the body sent.
+    fn answer(store: &str, vm: &mut Vm, c: &Callout) -> Vec<u8> {
+        let sig = c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone()).unwrap();
+        let sig = String::from_utf8(sig).unwrap();
+        let r = http::request(store, "POST", "/v1/sync", &[("x-ratewall-signature", &sig)], &c.body).unwrap();
+        let back = r.header("x-ratewall-signature").unwrap_or_default().as_bytes().to_vec();
+        vm.respond(c, r.status, &[("x-ratewall-signature", &back)], r.body).unwrap();
+        c.body.clone()
+    }
+
+    fn request(store: &str, vm: &mut Vm, key: &str, sent: &mut Vec<Vec<u8>>) -> bool {
+        let req = HttpRequest::new("GET", "/v1/items").header("x-api-key", key);
+        match vm.begin(&req).unwrap() {
+            Started::Done(r) => r.passed,
+            Started::Paused(ctx) => {
+                for c in vm.take_callouts() {
+                    sent.push(answer(store, vm, &c));
+                }
+                vm.finish(ctx).unwrap().is_some_and(|r| r.passed)
+            }
+        }
+    }
+
+    fn wall() -> u64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    }
+
+    #[test]
+    fn a_heavy_client_shows_first_within_two_intervals_and_its_key_never_in_plain_text() {
+        let redis = Redis::start(false).unwrap();
+        let store = start(&redis, true);
+        let admin = store.admin.clone().unwrap();
+        let plugin = Plugin::filter().unwrap();
+        let config = rules();
+        let start = wall();
+        let mut fleet: Vec<(Node, Vec<Vm>)> = (0..3)
+            .map(|_| {
+                let node = Node::new(start);
+                let vms = (0..2).map(|_| Vm::start(&plugin, &node, config.as_bytes()).unwrap()).collect();
+                (node, vms)
+            })
+            .collect();
+        let mut sent = Vec::new();
+        let mut tick = |fleet: &mut Vec<(Node, Vec<Vm>)>, at: u64, sent: &mut Vec<Vec<u8>>| {
+            for (node, vms) in fleet.iter_mut() {
+                node.set_time(at);
+                for vm in vms.iter_mut() {
+                    vm.tick().unwrap();
+                    for c in vm.take_callouts() {
+                        sent.push(answer(&store.addr, vm, &c));
+                    }
+                }
+            }
+        };
+        // The proxies join: a heartbeat each.
+        tick(&mut fleet, start, &mut sent);
+        let parsed = ratewall_core::Config::parse(config.as_bytes()).unwrap();
+        let shown = |key: &str| {
+            let headers: Vec<Option<&[u8]>> = vec![Some(key.as_bytes())];
+            let req = ratewall_core::Request { method: "GET", path: "/v1/items", headers: &headers, ip: None };
+            ratewall_core::topk::render(&parsed, &parsed.checks(&req).0[0].key).unwrap().1
+        };
+        let mut first_at = None;
+        for round in 1..=4u64 {
+            let at = start + round * 100_000_000;
+            for (n, (node, vms)) in fleet.iter_mut().enumerate() {
+                node.set_time(at);
+                for (v, vm) in vms.iter_mut().enumerate() {
+                    for _ in 0..6 {
+                        request(&store.addr, vm, HEAVY, &mut sent);
+                    }
+                    request(&store.addr, vm, &format!("sk_light_{round}_{n}_{v}"), &mut sent);
+                }
+            }
+            tick(&mut fleet, at + 50_000_000, &mut sent);
+            let top = json(&admin, "/v1/top?rule=api-key");
+            let listed = top["rules"][0]["top"][0]["key"].as_str().map(str::to_owned);
+            if first_at.is_none() && listed.as_deref() == Some(shown(HEAVY).as_str()) {
+                first_at = Some(round);
+            }
+        }
+        assert!(first_at.is_some_and(|r| r <= 2), "first listed after {first_at:?} intervals");
+        let top = json(&admin, "/v1/top");
+        let heavy = &top["rules"][0]["top"][0];
+        assert!(heavy["denied"].as_u64().unwrap() >= 4 * 36 - 5, "{top}");
+        assert_eq!(heavy["nodes"], 3, "{top}");
+        // The key in plain text (or in hex) nowhere: batches, logs, Redis, the admin listener.
+        let plain = HEAVY.as_bytes();
+        let hexed = hex(plain);
+        let has =
+            |hay: &[u8]| hay.windows(plain.len()).any(|w| w == plain) || String::from_utf8_lossy(hay).contains(&hexed);
+        assert!(sent.len() > 6 && sent.iter().all(|b| !has(b)), "a batch carries the key");
+        for (node, _) in &fleet {
+            assert!(node.logs().iter().all(|(_, l)| !has(l.as_bytes())), "a log line names the key");
+        }
+        let keys = ratewall_tests::redis::cli(redis.port, &["--scan"]).unwrap();
+        assert!(!keys.trim().is_empty() && !has(keys.as_bytes()), "a Redis key holds the key");
+        for k in keys.lines() {
+            let v = ratewall_tests::redis::cli(redis.port, &["--raw", "GET", k]).unwrap();
+            assert!(!has(v.as_bytes()), "the Redis value of {k} holds the key");
+        }
+        for path in ["/v1/top", "/v1/top?window=1h", "/v1/fleet", "/v1/series", "/metrics"] {
+            assert!(!has(get(&admin, path).1.as_bytes()), "{path} shows the key");
+        }
+    }
+}
