@@ -28,25 +28,30 @@ impl Drop for Store {
     }
 }
 
-fn free_addr() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
 fn start_store(redis: &Redis) -> Store {
-    let admin = free_addr();
     let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
         .env("RATEWALL_SYNC_SECRET", SECRET)
-        .args(["--listen", "127.0.0.1:0", "--admin", &admin, "--redis", &format!("redis://127.0.0.1:{}", redis.port)])
+        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--redis", &format!("redis://127.0.0.1:{}", redis.port)])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
+    // It announces both listeners, the admin one as "admin on http://…".
+    let (mut addr, mut admin) = (None, None);
+    while addr.is_none() || admin.is_none() {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "ratewall-store exited before announcing both listeners");
+        let Some(at) = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()) else { continue };
+        let at = at.trim_end_matches('/').to_owned();
+        if line.contains("admin") {
+            admin = Some(at);
+        } else {
+            addr = Some(at);
+        }
+    }
     std::thread::spawn(move || out.lines().for_each(drop));
+    let (addr, admin) = (addr.unwrap(), admin.unwrap());
     let store = Store { child, addr, admin };
     let start = Instant::now();
     while http::request(&store.admin, "GET", "/healthz", &[], &[]).map_or(true, |r| r.status != 200) {
