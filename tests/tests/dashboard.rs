@@ -82,7 +82,7 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
         collect: "({ keys: [...document.querySelectorAll('section.rule[data-rule=\"api-key\"] table.top td.key')].map(e => e.textContent),
                     rules: [...document.querySelectorAll('section.rule')].map(e => e.dataset.rule),
                     charts: [...document.querySelectorAll('section.rule .chart-box')].map(e => e.textContent),
-                    fleetHidden: document.getElementById('fleet-area').hidden,
+                    fleetShown: document.getElementById('fleet-area').offsetHeight > 0,
                     href: location.href })",
         screenshots: &[(&shot, 1280, 800)],
     })
@@ -91,7 +91,7 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
     assert_eq!(r["keys"], serde_json::json!(["api_key=#3f9a1c2e", "api_key=#77aa01b3"]), "{v:?}");
     assert_eq!(r["rules"], serde_json::json!(["api-key", "login-per-ip"]), "a rule without a name is skipped: {v:?}");
     assert_eq!(r["charts"], serde_json::json!(["no data", "no data"]), "no series: no chart, no exception: {v:?}");
-    assert_eq!(r["fleetHidden"], true, "the Worker has no fleet: {v:?}");
+    assert_eq!(r["fleetShown"], false, "the Worker has no fleet: {v:?}");
     assert!(v.outside(&origin).is_empty(), "requests outside the server: {:?}", v.outside(&origin));
     // The only console errors are the browser's own notes of the routes the Worker lacks.
     let unexpected: Vec<&String> = v.errors.iter().filter(|e| !e.contains("404")).collect();
