@@ -6,9 +6,10 @@
 //! - `ratewall explain RULES.json --method M --path P [-H 'name: value']... [--ip A]`: which
 //!   rules match a request, the counter key each would use, the limit in force, and why the
 //!   others do not.
-//! - `ratewall replay RULES.json LOG`: JSON lines of timestamped requests through the core on
-//!   their own clock (no sleeping): per rule allowed / rejected / unkeyed, the top rejected
-//!   keys. The offline twin of shadow mode.
+//! - `ratewall replay RULES.json LOG [--format nginx|envoy|jsonl|auto] [--log-format '…']`:
+//!   an access log (NGINX `combined` or any `log_format`, Envoy's default format or any format
+//!   string, ratewall's JSON lines) through the core on its own clock (no sleeping): per rule
+//!   allowed / rejected / unkeyed, the top rejected keys. The offline twin of shadow mode.
 //! - `ratewall schema`: the rules document's JSON Schema (`rules.schema.json`).
 //!
 //! Human-readable output by default, `--json` for scripts. Exit codes: 0 done (a valid
@@ -32,6 +33,7 @@ macro_rules! say {
 
 mod describe;
 mod explain;
+mod logformat;
 mod replay;
 mod schema;
 
@@ -84,13 +86,22 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Replay a log of requests (JSON lines: {"ts", "method", "path", "headers", "ip"})
-    /// through the rules on the log's own clock.
+    /// Replay an access log through the rules on the log's own clock: NGINX (`combined` or a
+    /// `log_format`), Envoy (its default format or a format string), or JSON lines
+    /// ({"ts", "method", "path", "headers", "ip"}).
     Replay {
         /// The rules document.
         rules: PathBuf,
         /// The log ("-": standard input).
         log: PathBuf,
+        /// How the log is written; `auto` tells the formats apart from its first lines.
+        #[arg(long, value_enum, default_value_t = replay::FormatChoice::Auto)]
+        format: replay::FormatChoice,
+        /// The format string the log was written with: an NGINX `log_format` (`$remote_addr`,
+        /// `$time_local`, `$request`, `$http_x_api_key`, ...) or an Envoy format string
+        /// (`%START_TIME%`, `%REQ(X-API-KEY)%`, ...).
+        #[arg(long)]
+        log_format: Option<String>,
         /// How many of the most rejected keys to list per rule.
         #[arg(long, default_value_t = 10)]
         top: usize,
@@ -216,7 +227,14 @@ fn main() -> ExitCode {
         Command::Explain { rules, method, path, headers, ip, json } => {
             explain::explain(&rules, &method, &path, &headers, ip.as_deref(), json)
         }
-        Command::Replay { rules, log, top, json } => replay::replay(&rules, &log, top, json),
+        Command::Replay { rules, log, format, log_format, top, json } => replay::replay(&replay::Options {
+            rules: &rules,
+            log: &log,
+            format,
+            log_format: log_format.as_deref(),
+            top,
+            json,
+        }),
         Command::Schema => {
             say!("{}", schema::text());
             Ok(())

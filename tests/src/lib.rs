@@ -7,11 +7,13 @@
 //! - [`workerd`]: the built Worker in real local workerd (wrangler dev), over [`http`];
 //!   [`worker_sim`]: the Worker's isolate grants against one counter object on a virtual
 //!   clock (its logic natively, no runtime).
+//! - [`browser`]: headless Chromium driven by playwright-core, for the dashboard page.
 //! - [`conformance`]: the sync protocol's call sequences, for every store; [`redis`]: Redis
 //!   servers and Clusters on loopback for the store's tests, stopped by PID.
 //! - The local HTTP gateway that serves through the filter is its own crate (`gateway/`).
 
 pub mod bench;
+pub mod browser;
 pub mod conformance;
 pub mod redis;
 pub mod shaping;

@@ -1,5 +1,5 @@
-//! `cargo xtask test` and `cargo xtask bench`: Redis for the store's tests, the suite, and
-//! its summary line.
+//! `cargo xtask test` and `cargo xtask bench`: Redis for the store's tests, Chromium for the
+//! dashboard's, the suite, and its summary line.
 
 use crate::toolchain::*;
 use crate::*;
@@ -28,9 +28,31 @@ fn promtool() {
     }
 }
 
+/// A real browser for the dashboard's tests: Debian's `chromium` (installed with apt-get, as
+/// root, from the package registry) and `playwright-core` from npm, pinned in
+/// package-lock.json (it drives that Chromium and never downloads one).
+fn browser() -> Result<()> {
+    let chromium = std::path::Path::new("/usr/bin/chromium");
+    let installed = chromium.exists() || (apt_install(&["--no-install-recommends", "chromium"]) && chromium.exists());
+    if !installed {
+        return Err("the dashboard's tests need Chromium: install it (apt-get install chromium) and run again".into());
+    }
+    if !root().join("node_modules/playwright-core/package.json").exists() {
+        run(Command::new("npm").current_dir(root()).env("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1").args([
+            "ci",
+            "--no-audit",
+            "--no-fund",
+            "--loglevel=error",
+        ]))
+        .map_err(|e| format!("{e}\nthe dashboard's tests need playwright-core from npm (Node.js >= 20)"))?;
+    }
+    Ok(())
+}
+
 pub(crate) fn test() -> Result<()> {
     redis()?;
     promtool();
+    browser()?;
     let (mut passed, mut failed) = (0u64, 0u64);
     // Doc tests first, so the closing summary is the whole run's.
     for kind in ["--doc", "--all-targets"] {

@@ -1,0 +1,1018 @@
+//! The access-log formats `ratewall replay` reads: NGINX `log_format` strings (`combined` by
+//! default), Envoy format strings (its default access-log format by default) and ratewall's
+//! JSON lines, each read into the same borrowed [`Entry`].
+
+use ratewall_core::Nanos;
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+use std::fmt;
+
+/// NGINX's predefined `combined` format.
+pub const NGINX_COMBINED: &str = r#"$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent "$http_referer" "$http_user_agent""#;
+
+/// Envoy's default access-log format (without its closing newline).
+pub const ENVOY_DEFAULT: &str = concat!(
+    r#"[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%" "#,
+    r#"%RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION% "#,
+    r#"%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)% "%REQ(X-FORWARDED-FOR)%" "%REQ(USER-AGENT)%" "#,
+    r#""%REQ(X-REQUEST-ID)%" "%REQ(:AUTHORITY)%" "%UPSTREAM_HOST%""#
+);
+
+/// One request as a log line gives it, borrowed from the line where it can be.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Entry<'a> {
+    /// When it started, in nanoseconds since the epoch.
+    pub ts: Nanos,
+    /// Its method as written (`None`: the log does not say; `GET` is assumed).
+    pub method: Option<Cow<'a, str>>,
+    /// Its path, with the query if the log has it.
+    pub path: Cow<'a, [u8]>,
+    /// The identity headers' values, in the order of the rules' identity (`None`: absent).
+    pub headers: Vec<Option<Cow<'a, [u8]>>>,
+    /// `X-Forwarded-For`, its fields joined.
+    pub xff: Option<Cow<'a, [u8]>>,
+    /// The address the request came from (the proxy's peer).
+    pub peer: Option<Cow<'a, str>>,
+}
+
+/// The headers a replay needs from each line: the rules' identity headers (lower case).
+pub struct Wanted {
+    names: Vec<String>,
+}
+
+impl Wanted {
+    /// `names`: the identity headers, lower case, in the rules' order.
+    pub fn new(names: Vec<String>) -> Wanted {
+        Wanted { names }
+    }
+
+    /// Which identity header `name` is (any case), or `XFF` for `X-Forwarded-For`.
+    fn index(&self, name: &str) -> Option<usize> {
+        if name.eq_ignore_ascii_case("x-forwarded-for") {
+            return Some(XFF);
+        }
+        self.names.iter().position(|n| n.eq_ignore_ascii_case(name))
+    }
+
+    /// [`Wanted::index`] for an NGINX `$http_` variable's name (`x_user_id`).
+    fn index_nginx(&self, var: &str) -> Option<usize> {
+        let same = |n: &str| {
+            n.len() == var.len()
+                && n.bytes().zip(var.bytes()).all(|(a, b)| a.eq_ignore_ascii_case(&b) || (a == b'-' && b == b'_'))
+        };
+        if same("x-forwarded-for") {
+            return Some(XFF);
+        }
+        self.names.iter().position(|n| same(n))
+    }
+}
+
+/// The index [`Wanted`] gives `X-Forwarded-For`.
+const XFF: usize = usize::MAX;
+
+/// How a log is written.
+pub enum LogFormat {
+    /// ratewall's JSON lines: `{"ts", "method", "path", "headers", "ip"}`.
+    Jsonl,
+    /// A text format: fields between literal text.
+    Text(Template),
+}
+
+impl LogFormat {
+    /// What to call it in a report.
+    pub fn name(&self) -> &str {
+        match self {
+            LogFormat::Jsonl => "jsonl",
+            LogFormat::Text(t) => &t.name,
+        }
+    }
+
+    /// Reads one line (without its line end). `Err`: why it is not a request.
+    pub fn read<'a>(&self, wanted: &Wanted, line: &'a [u8]) -> Result<Entry<'a>, String> {
+        match self {
+            LogFormat::Jsonl => read_json(wanted, line),
+            LogFormat::Text(t) => t.read(wanted, line),
+        }
+    }
+}
+
+/// Which variable syntax a format string is written in.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Syntax {
+    /// `$name` and `${name}`.
+    Nginx,
+    /// `%NAME%`, `%NAME(arg)%`, `%NAME(arg):length%`.
+    Envoy,
+}
+
+impl Syntax {
+    /// The syntax a format string looks written in: Envoy's when it has a `%NAME%` command
+    /// operator, else NGINX's.
+    pub fn guess(format: &str) -> Syntax {
+        let b = format.as_bytes();
+        let envoy = b.iter().enumerate().any(|(i, &c)| {
+            c == b'%'
+                && b.get(i + 1).is_some_and(u8::is_ascii_uppercase)
+                && b.get(i + 1..).is_some_and(|rest| {
+                    let name = rest.iter().take_while(|c| c.is_ascii_uppercase() || **c == b'_').count();
+                    matches!(rest.get(name), Some(b'%' | b'('))
+                })
+        });
+        if envoy {
+            Syntax::Envoy
+        } else {
+            Syntax::Nginx
+        }
+    }
+}
+
+/// What one variable of a format carries.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Field {
+    /// The client address (a port after it is dropped).
+    Peer,
+    /// A time: RFC 3339 / ISO 8601, NGINX's `$time_local`, or epoch seconds.
+    Time,
+    /// `METHOD URI PROTOCOL`.
+    Request,
+    /// The method alone.
+    Method,
+    /// The path (and query) alone.
+    Path,
+    /// A request header, by [`Wanted`] index.
+    Header(usize),
+    /// Something a replay does not need.
+    Other,
+}
+
+#[derive(Debug)]
+enum Token {
+    Literal(Vec<u8>),
+    Field(Field),
+}
+
+/// A compiled format string.
+pub struct Template {
+    name: String,
+    tokens: Vec<Token>,
+    /// The index of the last token a replay needs: reading stops after it.
+    last_needed: usize,
+    syntax: Syntax,
+    /// Whether the format has the client address (Envoy's default has only X-Forwarded-For).
+    has_peer: bool,
+}
+
+impl Template {
+    /// Compiles `format` (`name`: what the report calls it). `Err`: why it cannot be read by.
+    pub fn compile(name: &str, format: &str, syntax: Syntax, wanted: &Wanted) -> Result<Template, String> {
+        let tokens = match syntax {
+            Syntax::Nginx => nginx_tokens(format, wanted)?,
+            Syntax::Envoy => envoy_tokens(format, wanted)?,
+        };
+        let has = |f: Field| tokens.iter().any(|t| matches!(t, Token::Field(x) if *x == f));
+        if !has(Field::Time) {
+            return Err("the format has no time ($time_local, $time_iso8601, $msec or %START_TIME%)".to_owned());
+        }
+        if !has(Field::Request) && !has(Field::Path) {
+            return Err("the format has no path ($request, $request_uri or %REQ(:PATH)%)".to_owned());
+        }
+        let needed = |t: &Token| matches!(t, Token::Field(f) if *f != Field::Other);
+        let last_needed = tokens.iter().rposition(needed).unwrap_or(0);
+        // Two variables with nothing between them cannot be told apart.
+        for pair in tokens.windows(2) {
+            if let [Token::Field(a), Token::Field(b)] = pair {
+                if *a != Field::Other || *b != Field::Other {
+                    return Err("two variables with nothing between them cannot be told apart".to_owned());
+                }
+            }
+        }
+        Ok(Template { name: name.to_owned(), last_needed, syntax, has_peer: has(Field::Peer), tokens })
+    }
+
+    fn read<'a>(&self, wanted: &Wanted, line: &'a [u8]) -> Result<Entry<'a>, String> {
+        let mut e = Entry {
+            ts: 0,
+            method: None,
+            path: Cow::Borrowed(&b""[..]),
+            headers: vec![None; wanted.names.len()],
+            xff: None,
+            peer: None,
+        };
+        let (mut at, mut time, mut path) = (0usize, None, false);
+        for (i, token) in self.tokens.iter().enumerate().take(self.last_needed + 1) {
+            let rest = line.get(at..).unwrap_or_default();
+            match token {
+                Token::Literal(lit) => {
+                    if !rest.starts_with(lit) {
+                        return Err(format!("expected {:?} at column {}", String::from_utf8_lossy(lit), at + 1));
+                    }
+                    at += lit.len();
+                }
+                Token::Field(field) => {
+                    let len = match self.tokens.get(i + 1) {
+                        Some(Token::Literal(next)) => find(rest, next).ok_or_else(|| {
+                            format!("expected {:?} after column {}", String::from_utf8_lossy(next), at + 1)
+                        })?,
+                        _ => rest.len(),
+                    };
+                    let raw = rest.get(..len).unwrap_or_default();
+                    at += len;
+                    let value = (raw != b"-" && !raw.is_empty()).then_some(raw);
+                    match (field, value) {
+                        (Field::Other, _) => {}
+                        (Field::Time, v) => time = Some(v.and_then(parse_time).ok_or_else(|| bad("time", raw))?),
+                        (Field::Request, v) => {
+                            let (method, uri) = v.and_then(request_line).ok_or_else(|| bad("request line", raw))?;
+                            e.method = Some(method);
+                            e.path = self.unescape(uri);
+                            path = true;
+                        }
+                        (Field::Method, v) => e.method = v.and_then(|m| std::str::from_utf8(m).ok()).map(Cow::Borrowed),
+                        (Field::Path, Some(v)) => {
+                            e.path = self.unescape(v);
+                            path = true;
+                        }
+                        (Field::Path, None) => return Err(bad("path", raw)),
+                        (Field::Peer, v) => e.peer = v.and_then(without_port).map(Cow::Borrowed),
+                        (Field::Header(XFF), v) => e.xff = v.map(|v| self.unescape(v)),
+                        (Field::Header(h), v) => {
+                            if let Some(slot) = e.headers.get_mut(*h) {
+                                *slot = v.map(|v| self.unescape(v));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        e.ts = time.ok_or("no time")?;
+        if !path {
+            return Err("no path".to_owned());
+        }
+        if !self.has_peer {
+            // Envoy appends the peer to X-Forwarded-For (with `use_remote_address`): the last
+            // entry is the address the proxy saw.
+            e.peer = e
+                .xff
+                .as_deref()
+                .and_then(|x| x.rsplit(|&b| b == b',').next())
+                .and_then(|last| std::str::from_utf8(last.trim_ascii()).ok().map(|s| Cow::Owned(s.to_owned())));
+        }
+        Ok(e)
+    }
+
+    /// NGINX writes `"`, `\` and bytes outside printable ASCII as `\xHH`; Envoy writes bytes as
+    /// they came.
+    fn unescape<'a>(&self, v: &'a [u8]) -> Cow<'a, [u8]> {
+        if self.syntax != Syntax::Nginx || find(v, b"\\x").is_none() {
+            return Cow::Borrowed(v);
+        }
+        let mut out = Vec::with_capacity(v.len());
+        let mut i = 0;
+        while let Some(&b) = v.get(i) {
+            let hex = |j: usize| v.get(j).and_then(|c| (*c as char).to_digit(16));
+            if let (b'\\', Some(b'x'), Some(h), Some(l)) = (b, v.get(i + 1), hex(i + 2), hex(i + 3)) {
+                out.push((h * 16 + l) as u8);
+                i += 4;
+            } else {
+                out.push(b);
+                i += 1;
+            }
+        }
+        Cow::Owned(out)
+    }
+}
+
+fn bad(what: &str, raw: &[u8]) -> String {
+    format!("cannot read the {what} {:?}", String::from_utf8_lossy(raw))
+}
+
+/// Where `needle` first occurs in `hay`.
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    match needle {
+        [] => Some(0),
+        [b] => memchr::memchr(*b, hay),
+        _ => memchr::memmem::find(hay, needle),
+    }
+}
+
+/// `METHOD URI PROTOCOL` (HTTP/0.9's `METHOD URI` too).
+fn request_line(v: &[u8]) -> Option<(Cow<'_, str>, &[u8])> {
+    let sp = memchr::memchr(b' ', v)?;
+    let (method, rest) = (v.get(..sp)?, v.get(sp + 1..)?);
+    if method.is_empty() || !method.iter().all(u8::is_ascii_alphabetic) {
+        return None;
+    }
+    let uri = match memchr::memrchr(b' ', rest) {
+        Some(end) if rest.get(end + 1..).is_some_and(|p| p.starts_with(b"HTTP/")) => rest.get(..end)?,
+        _ => rest,
+    };
+    if uri.is_empty() || uri.contains(&b' ') {
+        return None;
+    }
+    Some((Cow::Borrowed(std::str::from_utf8(method).ok()?), uri))
+}
+
+/// An address without the port a proxy may write after it (`192.0.2.1:443`,
+/// `[2001:db8::1]:443`).
+fn without_port(v: &[u8]) -> Option<&str> {
+    let s = std::str::from_utf8(v).ok()?;
+    if let Some(rest) = s.strip_prefix('[') {
+        return rest.split_once(']').map(|(ip, _)| ip);
+    }
+    match s.rsplit_once(':') {
+        // One colon: IPv4 with a port. More: an IPv6 address without brackets.
+        Some((ip, port)) if !ip.contains(':') && port.bytes().all(|b| b.is_ascii_digit()) => Some(ip),
+        _ => Some(s),
+    }
+}
+
+fn nginx_tokens(format: &str, wanted: &Wanted) -> Result<Vec<Token>, String> {
+    let mut tokens = Vec::new();
+    let mut lit = Vec::new();
+    let b = format.as_bytes();
+    let mut i = 0;
+    while let Some(&c) = b.get(i) {
+        if c != b'$' {
+            lit.push(c);
+            i += 1;
+            continue;
+        }
+        let (name, next) = if b.get(i + 1) == Some(&b'{') {
+            let end = b.get(i + 2..).and_then(|r| r.iter().position(|&c| c == b'}')).ok_or("an unclosed ${")?;
+            (format.get(i + 2..i + 2 + end).unwrap_or_default(), i + 3 + end)
+        } else {
+            let len =
+                b.get(i + 1..).unwrap_or_default().iter().take_while(|c| c.is_ascii_alphanumeric() || **c == b'_');
+            let len = len.count();
+            (format.get(i + 1..i + 1 + len).unwrap_or_default(), i + 1 + len)
+        };
+        if name.is_empty() {
+            return Err(format!("a $ without a variable name at column {}", i + 1));
+        }
+        let field = match name {
+            "remote_addr" | "realip_remote_addr" => Field::Peer,
+            "time_local" | "time_iso8601" | "msec" => Field::Time,
+            "request" => Field::Request,
+            "request_method" => Field::Method,
+            "request_uri" | "uri" | "document_uri" => Field::Path,
+            _ => match name.strip_prefix("http_").and_then(|h| wanted.index_nginx(h)) {
+                Some(h) => Field::Header(h),
+                None => Field::Other,
+            },
+        };
+        if !lit.is_empty() {
+            tokens.push(Token::Literal(std::mem::take(&mut lit)));
+        }
+        tokens.push(Token::Field(field));
+        i = next;
+    }
+    if !lit.is_empty() {
+        tokens.push(Token::Literal(lit));
+    }
+    Ok(tokens)
+}
+
+fn envoy_tokens(format: &str, wanted: &Wanted) -> Result<Vec<Token>, String> {
+    let mut tokens = Vec::new();
+    let mut lit = Vec::new();
+    let mut rest = format;
+    while let Some(start) = rest.find('%') {
+        lit.extend_from_slice(rest.get(..start).unwrap_or_default().as_bytes());
+        let after = rest.get(start + 1..).unwrap_or_default();
+        // `%NAME%`, `%NAME(arg)%`, `%NAME(arg):N%`; the argument may hold `%` (START_TIME's).
+        let name_len = after.bytes().take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == b'_').count();
+        let (name, mut tail) = after.split_at(name_len);
+        if name.is_empty() {
+            // A `%` that starts no command operator is text.
+            lit.push(b'%');
+            rest = after;
+            continue;
+        }
+        let mut arg = "";
+        if let Some(t) = tail.strip_prefix('(') {
+            let close = t.find(')').ok_or_else(|| format!("%{name}( has no closing )"))?;
+            arg = t.get(..close).unwrap_or_default();
+            tail = t.get(close + 1..).unwrap_or_default();
+        }
+        if let Some(t) = tail.strip_prefix(':') {
+            tail = t.trim_start_matches(|c: char| c.is_ascii_digit());
+        }
+        tail = tail.strip_prefix('%').ok_or_else(|| format!("%{name} has no closing %"))?;
+        let field = match name {
+            "START_TIME" => Field::Time,
+            "DOWNSTREAM_REMOTE_ADDRESS"
+            | "DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT"
+            | "DOWNSTREAM_DIRECT_REMOTE_ADDRESS"
+            | "DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT" => Field::Peer,
+            "REQ" => {
+                let alternatives: Vec<&str> = arg.split('?').collect();
+                if alternatives.iter().any(|a| a.eq_ignore_ascii_case(":path")) {
+                    Field::Path
+                } else if arg.eq_ignore_ascii_case(":method") {
+                    Field::Method
+                } else {
+                    match alternatives.first().and_then(|h| wanted.index(h)) {
+                        Some(h) => Field::Header(h),
+                        None => Field::Other,
+                    }
+                }
+            }
+            _ => Field::Other,
+        };
+        if !lit.is_empty() {
+            tokens.push(Token::Literal(std::mem::take(&mut lit)));
+        }
+        tokens.push(Token::Field(field));
+        rest = tail;
+    }
+    lit.extend_from_slice(rest.as_bytes());
+    if !lit.is_empty() {
+        tokens.push(Token::Literal(lit));
+    }
+    Ok(tokens)
+}
+
+// ---- times ----
+
+/// A time as the formats write it: RFC 3339 / ISO 8601 (`2026-12-01T10:00:00.250Z`,
+/// `2026-12-01T11:00:00+01:00`), NGINX's `$time_local` (`01/Dec/2026:10:00:00 +0000`), or
+/// seconds since the epoch (`1796119200.250`).
+pub fn parse_time(v: &[u8]) -> Option<Nanos> {
+    match v.get(2) {
+        Some(b'/') => time_local(v),
+        _ if v.get(4) == Some(&b'-') => rfc3339(v),
+        _ => epoch_seconds(v),
+    }
+}
+
+/// Seconds since the epoch written in decimal, exact to the nanosecond (read from the text,
+/// not through a float: an f64 has 16 digits).
+pub fn epoch_seconds(text: &[u8]) -> Option<Nanos> {
+    let (secs, frac) = match memchr::memchr(b'.', text) {
+        Some(dot) => (text.get(..dot)?, text.get(dot + 1..)?),
+        None => (text, &b""[..]),
+    };
+    if secs.is_empty()
+        || secs.len() > 11
+        || !secs.iter().all(u8::is_ascii_digit)
+        || !frac.iter().all(u8::is_ascii_digit)
+    {
+        return None;
+    }
+    let secs = digits(secs)?;
+    let mut nanos = 0u64;
+    for i in 0..9 {
+        nanos = nanos * 10 + frac.get(i).map_or(0, |b| u64::from(b - b'0'));
+    }
+    secs.checked_mul(1_000_000_000)?.checked_add(nanos)
+}
+
+fn digits(d: &[u8]) -> Option<u64> {
+    if d.is_empty() || !d.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    d.iter().try_fold(0u64, |n, &b| n.checked_mul(10)?.checked_add(u64::from(b - b'0')))
+}
+
+fn num(v: &[u8], from: usize, len: usize) -> Option<u64> {
+    digits(v.get(from..from + len)?)
+}
+
+/// Days from 1970-01-01 to a date of the proleptic Gregorian calendar (negative before it;
+/// `None` for a day the month does not have).
+fn days_since_epoch(y: u64, m: u64, d: u64) -> Option<i64> {
+    let leap = (y.is_multiple_of(4) && !y.is_multiple_of(100)) || y.is_multiple_of(400);
+    let month_days = [31, if leap { 29 } else { 28 }, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31];
+    if !(1..=12).contains(&m) || d == 0 || d > *month_days.get(usize::try_from(m - 1).ok()?)? || y == 0 {
+        return None;
+    }
+    // Counted from 0000-03-01, so the leap day ends a year.
+    let (y, m) = if m <= 2 { (y - 1, m + 9) } else { (y, m - 3) };
+    let days = y * 365 + y / 4 - y / 100 + y / 400 + (153 * m + 2) / 5 + d - 1;
+    i64::try_from(days).ok().map(|d| d - 719_468)
+}
+
+/// Nanoseconds since the epoch of a date and time written at an offset east of UTC (`None`
+/// before the epoch).
+fn instant(ymd: (u64, u64, u64), hms: (u64, u64, u64), nanos: u64, offset_east_s: i64) -> Option<Nanos> {
+    let (h, mi, s) = hms;
+    if h > 23 || mi > 59 || s > 59 {
+        return None;
+    }
+    let clock = i64::try_from(h * 3600 + mi * 60 + s).ok()?;
+    let local = days_since_epoch(ymd.0, ymd.1, ymd.2)?.checked_mul(86_400)?.checked_add(clock)?;
+    let utc = u64::try_from(local.checked_sub(offset_east_s)?).ok()?;
+    utc.checked_mul(1_000_000_000)?.checked_add(nanos)
+}
+
+/// `+hhmm`, `-hh:mm` or `Z`, in seconds east of UTC.
+fn offset(v: &[u8]) -> Option<i64> {
+    if v == b"Z" || v == b"z" {
+        return Some(0);
+    }
+    let sign = match v.first()? {
+        b'+' => 1,
+        b'-' => -1,
+        _ => return None,
+    };
+    let (h, m) = match v.len() {
+        5 => (num(v, 1, 2)?, num(v, 3, 2)?),
+        6 if v.get(3) == Some(&b':') => (num(v, 1, 2)?, num(v, 4, 2)?),
+        _ => return None,
+    };
+    if h > 23 || m > 59 {
+        return None;
+    }
+    Some(sign * i64::try_from(h * 3600 + m * 60).ok()?)
+}
+
+/// `01/Dec/2026:10:00:00 +0000`.
+fn time_local(v: &[u8]) -> Option<Nanos> {
+    const MONTHS: [&[u8]; 12] =
+        [b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov", b"Dec"];
+    if v.len() != 26 || v.get(6) != Some(&b'/') || v.get(11) != Some(&b':') || v.get(20) != Some(&b' ') {
+        return None;
+    }
+    let month = MONTHS.iter().position(|m| Some(*m) == v.get(3..6))? as u64 + 1;
+    let (d, y) = (num(v, 0, 2)?, num(v, 7, 4)?);
+    let (h, mi, s) = (num(v, 12, 2)?, num(v, 15, 2)?, num(v, 18, 2)?);
+    if v.get(14) != Some(&b':') || v.get(17) != Some(&b':') {
+        return None;
+    }
+    instant((y, month, d), (h, mi, s), 0, offset(v.get(21..)?)?)
+}
+
+/// `2026-12-01T10:00:00.250Z`, `2026-12-01T11:00:00+01:00`; other RFC 3339 spellings through
+/// chrono.
+pub fn rfc3339(v: &[u8]) -> Option<Nanos> {
+    let fast = || {
+        if v.get(7) != Some(&b'-') || v.get(10) != Some(&b'T') || v.get(13) != Some(&b':') || v.get(16) != Some(&b':') {
+            return None;
+        }
+        let ymd = (num(v, 0, 4)?, num(v, 5, 2)?, num(v, 8, 2)?);
+        let hms = (num(v, 11, 2)?, num(v, 14, 2)?, num(v, 17, 2)?);
+        let mut at = 19;
+        let mut nanos = 0u64;
+        if v.get(at) == Some(&b'.') {
+            let frac = v.get(at + 1..)?.iter().take_while(|b| b.is_ascii_digit()).count();
+            if frac == 0 {
+                return None;
+            }
+            for i in 0..9 {
+                nanos = nanos * 10 + if i < frac { u64::from(v.get(at + 1 + i)? - b'0') } else { 0 };
+            }
+            at += 1 + frac;
+        }
+        instant(ymd, hms, nanos, offset(v.get(at..)?)?)
+    };
+    fast().or_else(|| {
+        let t = chrono::DateTime::parse_from_rfc3339(std::str::from_utf8(v).ok()?).ok()?;
+        u64::try_from(t.timestamp_nanos_opt()?).ok()
+    })
+}
+
+// ---- JSON lines ----
+
+/// A JSON line's fields, borrowed from its text (a string with escapes is copied).
+struct JsonLine<'a> {
+    ts: Option<&'a RawValue>,
+    method: Option<Cow<'a, str>>,
+    path: Option<Cow<'a, str>>,
+    headers: Vec<Option<Cow<'a, str>>>,
+    xff: Vec<Cow<'a, str>>,
+    ip: Option<Cow<'a, str>>,
+}
+
+/// Reads a JSON line in one pass, keeping only the identity headers. `Err` for a line of
+/// another shape (a field of another type): the caller reads those as a `Value`, which says
+/// what is wrong.
+fn read_json<'a>(wanted: &Wanted, line: &'a [u8]) -> Result<Entry<'a>, String> {
+    // One UTF-8 check of the whole line, rather than one per string.
+    let line = std::str::from_utf8(line).map_err(|e| e.to_string())?;
+    let mut de = serde_json::Deserializer::from_str(line);
+    let l = LineSeed(wanted).deserialize(&mut de).map_err(|e| e.to_string())?;
+    de.end().map_err(|e| e.to_string())?;
+    let ts = l.ts.and_then(|raw| json_time(raw.get())).ok_or("no \"ts\"")?;
+    let path = l.path.ok_or("no \"path\"")?;
+    let bytes = |c: Cow<'a, str>| match c {
+        Cow::Borrowed(s) => Cow::Borrowed(s.as_bytes()),
+        Cow::Owned(s) => Cow::Owned(s.into_bytes()),
+    };
+    let xff = match l.xff.len() {
+        0 => None,
+        1 => l.xff.into_iter().next().map(bytes),
+        _ => Some(Cow::Owned(l.xff.join(", ").into_bytes())),
+    };
+    Ok(Entry {
+        ts,
+        method: l.method,
+        path: bytes(path),
+        headers: l.headers.into_iter().map(|h| h.map(bytes)).collect(),
+        xff,
+        peer: l.ip,
+    })
+}
+
+/// A time as a JSON line writes it: a string (RFC 3339) or a number (epoch seconds).
+pub fn json_time(text: &str) -> Option<Nanos> {
+    if text.starts_with('"') {
+        let s: Cow<'_, str> = serde_json::from_str::<CowStr<'_>>(text).ok()?.0;
+        return rfc3339(s.as_bytes());
+    }
+    epoch_seconds(text.as_bytes())
+}
+
+/// A string borrowed from the input when it has no escapes.
+struct CowStr<'a>(Cow<'a, str>);
+
+impl<'de> serde::Deserialize<'de> for CowStr<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_str(CowStrVisitor)
+    }
+}
+
+struct CowStrVisitor;
+
+impl<'de> Visitor<'de> for CowStrVisitor {
+    type Value = CowStr<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(CowStr(Cow::Borrowed(v)))
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(CowStr(Cow::Owned(v.to_owned())))
+    }
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(CowStr(Cow::Owned(v)))
+    }
+}
+
+/// An optional string field (`null` reads as absent).
+struct OptStr<'a>(Option<Cow<'a, str>>);
+
+impl<'de> serde::Deserialize<'de> for OptStr<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Option::<CowStr<'de>>::deserialize(d).map(|o| OptStr(o.map(|c| c.0)))
+    }
+}
+
+struct LineSeed<'w>(&'w Wanted);
+
+impl<'de> DeserializeSeed<'de> for LineSeed<'_> {
+    type Value = JsonLine<'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for LineSeed<'_> {
+    type Value = JsonLine<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut line = JsonLine {
+            ts: None,
+            method: None,
+            path: None,
+            headers: vec![None; self.0.names.len()],
+            xff: Vec::new(),
+            ip: None,
+        };
+        while let Some(key) = map.next_key::<CowStr<'de>>()? {
+            match &*key.0 {
+                "ts" => line.ts = Some(map.next_value()?),
+                "method" => line.method = map.next_value::<OptStr<'de>>()?.0,
+                "path" => line.path = map.next_value::<OptStr<'de>>()?.0,
+                "ip" => line.ip = map.next_value::<OptStr<'de>>()?.0,
+                "headers" => map.next_value_seed(HeadersSeed { wanted: self.0, line: &mut line })?,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(line)
+    }
+}
+
+/// The `headers` field: an object of name → value (a string, or a list of strings for a
+/// field sent several times), or a list of `[name, value]` pairs; other values are ignored.
+struct HeadersSeed<'w, 'l, 'de> {
+    wanted: &'w Wanted,
+    line: &'l mut JsonLine<'de>,
+}
+
+impl<'w, 'l, 'de> HeadersSeed<'w, 'l, 'de> {
+    fn put(&mut self, index: usize, value: Cow<'de, str>) {
+        if index == XFF {
+            self.line.xff.push(value);
+        } else if let Some(slot) = self.line.headers.get_mut(index) {
+            if slot.is_none() && !value.is_empty() {
+                *slot = Some(value);
+            }
+        }
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for HeadersSeed<'_, '_, 'de> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for HeadersSeed<'_, '_, 'de> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("headers")
+    }
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
+        while let Some(name) = map.next_key::<CowStr<'de>>()? {
+            let Some(index) = self.wanted.index(&name.0) else {
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            };
+            for v in map.next_value::<Strings<'de>>()?.0 {
+                self.put(index, v);
+            }
+        }
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
+        while let Some(Pair(pair)) = seq.next_element::<Pair<'de>>()? {
+            if let Some((index, value)) = pair.and_then(|(name, value)| Some((self.wanted.index(&name)?, value))) {
+                self.put(index, value);
+            }
+        }
+        Ok(())
+    }
+    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+}
+
+/// A string, or the strings of a list (other values skipped, as are other types).
+struct Strings<'a>(Vec<Cow<'a, str>>);
+
+impl<'de> serde::Deserialize<'de> for Strings<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StringsVisitor)
+    }
+}
+
+struct StringsVisitor;
+
+impl<'de> Visitor<'de> for StringsVisitor {
+    type Value = Strings<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string or a list of strings")
+    }
+    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Strings(vec![Cow::Borrowed(v)]))
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Strings(vec![Cow::Owned(v.to_owned())]))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element::<AnyStr<'de>>()? {
+            out.extend(v.0);
+        }
+        Ok(Strings(out))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Strings(Vec::new()))
+    }
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(Strings(Vec::new()))
+    }
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(Strings(Vec::new()))
+    }
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(Strings(Vec::new()))
+    }
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(Strings(Vec::new()))
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Strings(Vec::new()))
+    }
+}
+
+/// One list element: a string, or nothing for a value of another type.
+struct AnyStr<'a>(Option<Cow<'a, str>>);
+
+impl<'de> serde::Deserialize<'de> for AnyStr<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(AnyStrVisitor)
+    }
+}
+
+struct AnyStrVisitor;
+
+impl<'de> Visitor<'de> for AnyStrVisitor {
+    type Value = AnyStr<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any value")
+    }
+    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(AnyStr(Some(Cow::Borrowed(v))))
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(AnyStr(Some(Cow::Owned(v.to_owned()))))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(AnyStr(None))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(AnyStr(None))
+    }
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(AnyStr(None))
+    }
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(AnyStr(None))
+    }
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(AnyStr(None))
+    }
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(AnyStr(None))
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        Ok(AnyStr(None))
+    }
+}
+
+/// One `[name, value]` pair of a headers list (`None`: an element of another shape).
+struct Pair<'a>(Option<(Cow<'a, str>, Cow<'a, str>)>);
+
+impl<'de> serde::Deserialize<'de> for Pair<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(PairVisitor)
+    }
+}
+
+struct PairVisitor;
+
+impl<'de> Visitor<'de> for PairVisitor {
+    type Value = Pair<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a [name, value] pair")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let name = seq.next_element::<AnyStr<'de>>()?.and_then(|a| a.0);
+        let value = seq.next_element::<AnyStr<'de>>()?.and_then(|a| a.0);
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Pair(name.zip(value)))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Pair(None))
+    }
+    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(Pair(None))
+    }
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(Pair(None))
+    }
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(Pair(None))
+    }
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(Pair(None))
+    }
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(Pair(None))
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Pair(None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    use super::*;
+
+    fn wanted() -> Wanted {
+        Wanted::new(vec!["x-user-id".to_owned(), "x-api-key".to_owned()])
+    }
+
+    /// The hand-written time readers agree with chrono over a sweep of instants and offsets.
+    #[test]
+    fn times_read_as_chrono_reads_them() {
+        use chrono::{DateTime, FixedOffset};
+        let mut t: i64 = 0;
+        while t < 4_102_444_800 {
+            for off in [0, 3600, -7 * 3600, 5 * 3600 + 1800] {
+                let tz = FixedOffset::east_opt(off).unwrap();
+                let d: DateTime<FixedOffset> = DateTime::from_timestamp(t, 250_000_000).unwrap().with_timezone(&tz);
+                let want = Some(u64::try_from(t).unwrap() * 1_000_000_000);
+                let local = d.format("%d/%b/%Y:%H:%M:%S %z").to_string();
+                assert_eq!(parse_time(local.as_bytes()), want, "{local}");
+                let iso = d.format("%Y-%m-%dT%H:%M:%S%:z").to_string();
+                assert_eq!(parse_time(iso.as_bytes()), want, "{iso}");
+                let ms = d.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+                assert_eq!(parse_time(ms.as_bytes()), want.map(|n| n + 250_000_000), "{ms}");
+            }
+            t += 86_400 * 17 + 3_607;
+        }
+        assert_eq!(parse_time(b"1796119200.250"), Some(1_796_119_200_250_000_000));
+        for bad in [
+            &b"31/Feb/2026:10:00:00 +0000"[..],
+            b"01/Foo/2026:10:00:00 +0000",
+            b"01/Dec/2026:24:00:00 +0000",
+            b"1969-12-31T23:59:59Z",
+            b"-",
+            b"",
+            b"12.3.4",
+        ] {
+            assert_eq!(parse_time(bad), None, "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn nginx_combined_reads_the_request_and_the_peer() {
+        let f = Template::compile("c", NGINX_COMBINED, Syntax::Nginx, &wanted()).unwrap();
+        let line = br#"2001:db8::1 - alice [01/Dec/2026:10:00:00 +0100] "post /v1/a%2Fb?x=\x22y HTTP/1.1" 200 5 "-" "a \x22quoted\x22 agent""#;
+        let e = f.read(&wanted(), line).unwrap();
+        assert_eq!(e.ts, 1_796_115_600_000_000_000);
+        assert_eq!(e.method.as_deref(), Some("post"));
+        assert_eq!(&*e.path, b"/v1/a%2Fb?x=\"y");
+        assert_eq!(e.peer.as_deref(), Some("2001:db8::1"));
+        assert!(f.read(&wanted(), br#"1.2.3.4 - - [01/Dec/2026:10:00:00 +0000] "\x16\x03" 400 0 "-" "-""#).is_err());
+        assert!(f.read(&wanted(), b"1.2.3.4 - - [01/Dec/2026:10:00:00 +0000]").is_err());
+    }
+
+    #[test]
+    fn format_strings_name_the_headers_they_log() {
+        let w = wanted();
+        let f = Template::compile(
+            "n",
+            r#"${remote_addr} $msec "$request_method $request_uri" "$http_x_forwarded_for" $http_X_API_KEY"#,
+            Syntax::Nginx,
+            &w,
+        )
+        .unwrap();
+        let e = f.read(&w, br#"10.0.0.1 1796119200.5 "GET /a" "203.0.113.9, 10.0.0.1" k1"#).unwrap();
+        assert_eq!(
+            (e.headers[1].as_deref(), e.xff.as_deref()),
+            (Some(&b"k1"[..]), Some(&b"203.0.113.9, 10.0.0.1"[..]))
+        );
+        assert_eq!(e.headers[0], None);
+        let f = Template::compile("e", ENVOY_DEFAULT, Syntax::Envoy, &w).unwrap();
+        let e = f
+            .read(&w, br#"[2026-12-01T10:00:00.250Z] "GET /x HTTP/2" 200 - 0 1 2 1 "198.51.100.1,10.1.1.1" "ua" "id" "host" "10.0.0.2:80""#)
+            .unwrap();
+        assert_eq!(e.ts, 1_796_119_200_250_000_000);
+        assert_eq!(e.peer.as_deref(), Some("10.1.1.1"), "the last X-Forwarded-For entry: the address Envoy saw");
+        assert_eq!(Syntax::guess(ENVOY_DEFAULT), Syntax::Envoy);
+        assert_eq!(Syntax::guess(NGINX_COMBINED), Syntax::Nginx);
+        assert_eq!(Syntax::guess("$remote_addr 100%"), Syntax::Nginx);
+        for (bad, why) in [
+            ("$remote_addr $status", "no time"),
+            ("$msec $status", "no path"),
+            ("$msec$request", "cannot be told apart"),
+            ("$msec $ x", "without a variable"),
+        ] {
+            let e = Template::compile("b", bad, Syntax::Nginx, &w).err().unwrap();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        assert!(Template::compile("b", "%START_TIME %REQ(:PATH)%", Syntax::Envoy, &w).is_err());
+    }
+
+    #[test]
+    fn addresses_lose_their_ports() {
+        for (raw, want) in [
+            ("192.0.2.1:443", "192.0.2.1"),
+            ("[2001:db8::1]:443", "2001:db8::1"),
+            ("2001:db8::1", "2001:db8::1"),
+            ("192.0.2.1", "192.0.2.1"),
+        ] {
+            assert_eq!(without_port(raw.as_bytes()), Some(want), "{raw}");
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! `ratewall replay` of real access-log formats: NGINX `combined` and `log_format` strings,
+//! Envoy's default format and format strings, against the JSON lines of the same traffic;
+//! unreadable lines; a gigabyte log through a pipe in bounded memory.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use serde_json::{json, Value};
+use std::fmt::Write as _;
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+fn ratewall(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ratewall")).args(args).output().unwrap()
+}
+
+fn root(path: &str) -> String {
+    format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn temp(name: &str, text: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("ratewall-replay-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_string_lossy().into_owned()
+}
+
+/// The report of a replay that read every line, as JSON.
+fn replay_json(args: &[&str]) -> Value {
+    let mut all = vec!["replay", "--json"];
+    all.extend_from_slice(args);
+    let o = ratewall(&all);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// Per rule: allowed, rejected, unkeyed and the top rejected keys.
+fn per_rule(v: &Value) -> Vec<Value> {
+    v["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| json!([r["name"], r["allowed"], r["rejected"], r["unkeyed"], r["top_rejected_keys"]]))
+        .collect()
+}
+
+const MONTHS: [&str; 12] = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+
+/// One request of the generated traffic: its second (since 2026-12-01T10:00:00Z), method,
+/// path and client address.
+struct Req {
+    second: u64,
+    method: &'static str,
+    path: String,
+    ip: String,
+}
+
+/// Logins from a few heavy clients and many light ones, holds and API calls, IPv4 and IPv6,
+/// over ten minutes, several requests per second.
+fn traffic() -> Vec<Req> {
+    (0..6000u64)
+        .map(|i| {
+            let ip = match i % 7 {
+                0..=2 => "203.0.113.7".to_owned(),
+                3 => format!("2001:db8:{}::{}", i % 3, i % 11),
+                _ => format!("198.51.100.{}", i % 40),
+            };
+            let (method, path) = match i % 5 {
+                0 => ("POST", format!("/v1/events/{}/holds", i % 9)),
+                1 => ("GET", "/v1/items?page=2".to_owned()),
+                _ => ("POST", "/v1/auth/login".to_owned()),
+            };
+            Req { second: i / 10, method, path, ip }
+        })
+        .collect()
+}
+
+fn clock(second: u64) -> (u64, u64, u64) {
+    let minute = second / 60;
+    (10 + minute / 60, minute % 60, second % 60)
+}
+
+#[test]
+fn nginx_combined_and_envoy_logs_of_the_same_traffic_count_as_the_json_lines_log() {
+    let rules = root("examples/rules.json");
+    let (mut jsonl, mut nginx, mut envoy) = (String::new(), String::new(), String::new());
+    for r in traffic() {
+        let (h, m, s) = clock(r.second);
+        writeln!(
+            jsonl,
+            r#"{{"ts": "2026-12-01T{h:02}:{m:02}:{s:02}Z", "method": "{}", "path": "{}", "ip": "{}"}}"#,
+            r.method, r.path, r.ip
+        )
+        .unwrap();
+        writeln!(
+            nginx,
+            r#"{} - - [01/{}/2026:{h:02}:{m:02}:{s:02} +0000] "{} {} HTTP/1.1" 200 17 "-" "Mozilla/5.0 (X11; Linux x86_64)""#,
+            r.ip, MONTHS[11], r.method, r.path
+        )
+        .unwrap();
+        // Envoy's default format; its X-Forwarded-For ends with the peer it appended.
+        writeln!(
+            envoy,
+            r#"[2026-12-01T{h:02}:{m:02}:{s:02}.000Z] "{} {} HTTP/1.1" 200 - 0 17 3 2 "{}" "curl/8.5.0" "6f1c-{}" "api.example.com" "10.0.0.9:8080""#,
+            r.method, r.path, r.ip, r.second
+        )
+        .unwrap();
+    }
+    let want = replay_json(&["--format", "jsonl", &rules, &temp("same.jsonl", &jsonl)]);
+    assert_eq!(want["requests"], 6000);
+    let login = &want["rules"][2];
+    assert!(login["rejected"].as_u64().unwrap() > 1000, "the heavy client is limited: {want}");
+    assert_eq!(login["top_rejected_keys"][0]["key"], "ip=203.0.113.7", "{want}");
+    let (nginx, envoy) = (temp("same.nginx", &nginx), temp("same.envoy", &envoy));
+    for (args, format) in [
+        (vec!["--format", "nginx", &rules, &nginx], "nginx combined"),
+        (vec![&rules, &nginx], "nginx combined"),
+        (vec!["--format", "envoy", &rules, &envoy], "envoy default"),
+        (vec![&rules, &envoy], "envoy default"),
+    ] {
+        let got = replay_json(&args);
+        assert_eq!(got["format"], format, "{args:?}");
+        assert_eq!(got["requests"], want["requests"], "{args:?}");
+        assert_eq!(per_rule(&got), per_rule(&want), "{args:?}");
+    }
+    let auto = replay_json(&[&rules, &temp("auto.jsonl", &jsonl)]);
+    assert_eq!(auto["format"], "jsonl");
+}
+
+#[test]
+fn a_custom_log_format_feeds_the_identity_headers() {
+    let rules = root("examples/rules.json");
+    let (mut jsonl, mut nginx, mut envoy) = (String::new(), String::new(), String::new());
+    // 1,400 API calls in one second: key k1 sends 1,000 of them (over its burst of 200),
+    // k2 and k3 200 each; a tenth carry no key.
+    for i in 0..1400u64 {
+        let key = match i % 7 {
+            0..=4 => "k1",
+            5 => "k2",
+            _ => "k3",
+        };
+        let key = if i % 10 == 9 { "-" } else { key };
+        let headers = if key == "-" { json!({}) } else { json!({"x-api-key": key}) };
+        writeln!(
+            jsonl,
+            "{}",
+            json!({"ts": format!("2026-12-01T10:00:00.{:03}Z", i % 1000), "method": "GET", "path": "/v1/items", "headers": headers, "ip": "192.0.2.1"})
+        )
+        .unwrap();
+        writeln!(
+            nginx,
+            r#"192.0.2.1 [2026-12-01T10:00:00+00:00] 1796119200.{:03} "GET /v1/items HTTP/2.0" 200 key="{key}" ua="-""#,
+            i % 1000
+        )
+        .unwrap();
+        writeln!(envoy, "{}.{:03} GET /v1/items {key} 192.0.2.1:5123", 1_796_119_200, i % 1000).unwrap();
+    }
+    let want = replay_json(&[&rules, &temp("keys.jsonl", &jsonl)]);
+    let api = &want["rules"][1];
+    assert_eq!(api["name"], "api-key");
+    assert_eq!(api["unkeyed"], 140);
+    assert!(api["rejected"].as_u64().unwrap() > 0, "{want}");
+    // api_key is a secret dimension: shown only as its keyed hash, never as written.
+    let shown = api["top_rejected_keys"][0]["key"].as_str().unwrap();
+    assert!(shown.starts_with("api_key=#") && shown.len() == "api_key=#".len() + 8, "{want}");
+    assert!(!want.to_string().contains("k1"), "the key never appears as written: {want}");
+    // `$msec` gives the time here: the last time variable of a format wins.
+    let got = replay_json(&[
+        "--log-format",
+        r#"$remote_addr [$time_iso8601] $msec "$request" $status key="$http_x_api_key" ua="$http_user_agent""#,
+        &rules,
+        &temp("keys.nginx", &nginx),
+    ]);
+    assert_eq!(got["format"], "nginx --log-format");
+    assert_eq!(per_rule(&got), per_rule(&want));
+    let got = replay_json(&[
+        "--format",
+        "envoy",
+        "--log-format",
+        "%START_TIME(%s.%3f)% %REQ(:METHOD)% %REQ(:PATH)% %REQ(X-API-KEY)% %DOWNSTREAM_REMOTE_ADDRESS%",
+        &rules,
+        &temp("keys.envoy", &envoy),
+    ]);
+    assert_eq!(got["format"], "envoy --log-format");
+    assert_eq!(per_rule(&got), per_rule(&want));
+    // Without the header in the format, the rule cannot key the requests.
+    let got = replay_json(&[
+        "--log-format",
+        r#"$remote_addr [$time_iso8601] $msec "$request" $status key="$http_x_other" ua="$http_user_agent""#,
+        &rules,
+        &temp("keys2.nginx", &nginx),
+    ]);
+    assert_eq!(got["rules"][1]["unkeyed"], 1400);
+    // A format the replay cannot use is a usage error that says why.
+    let o = ratewall(&["replay", "--log-format", "$remote_addr $status", &rules, &temp("x.log", "")]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no time"), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn unreadable_lines_are_counted_and_shown_with_their_numbers() {
+    let rules = root("examples/rules.json");
+    let good = r#"198.51.100.4 - - [01/Dec/2026:10:00:00 +0000] "POST /v1/auth/login HTTP/1.1" 401 0 "-" "-""#;
+    let mut log = String::new();
+    for n in 1..=40 {
+        let line = match n {
+            3 => "\u{16}\u{3}\u{1} garbage".to_owned(),
+            7 => r#"198.51.100.4 - - [31/Feb/2026:10:00:00 +0000] "GET / HTTP/1.1" 200 0 "-" "-""#.to_owned(),
+            9 => r#"198.51.100.4 - - [01/Dec/2026:10:00:00 +0000] "-" 400 0 "-" "-""#.to_owned(),
+            20..=40 if n % 2 == 0 => "not a log line".to_owned(),
+            _ => good.to_owned(),
+        };
+        writeln!(log, "{line}").unwrap();
+    }
+    let path = temp("bad.log", &log);
+    let o = ratewall(&["replay", "--format", "nginx", &rules, &path]);
+    assert_eq!(o.status.code(), Some(1), "unreadable lines are a finding, not a crash");
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(out.starts_with("26 requests replayed"), "{out}");
+    assert!(out.contains("40 lines, 14 invalid"), "{out}");
+    assert!(out.contains("login-per-ip: allowed 10, rejected 16"), "{out}");
+    for n in [3, 7, 9, 20, 22] {
+        assert!(err.contains(&format!("bad.log:{n}: ")), "line {n} not named:\n{err}");
+    }
+    assert!(err.contains("bad.log:7: cannot read the time \"31/Feb/2026:10:00:00 +0000\""), "{err}");
+    assert!(err.contains("14 log lines could not be read"), "{err}");
+    // `auto` reads the log as NGINX all the same: most of its first lines are.
+    let o = ratewall(&["replay", &rules, &path]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("read as nginx combined"));
+    // Many bad lines: the first 20 are shown, all are counted.
+    let junk = temp("junk.log", &"junk\n".repeat(1000));
+    let o = ratewall(&["replay", "--format", "jsonl", &rules, &junk]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.lines().count(), 21, "{err}");
+    assert!(err.contains("junk.log:20: not JSON") && !err.contains("junk.log:21:"), "{err}");
+    assert!(err.ends_with("1000 log lines could not be read\n"), "{err}");
+}
+
+/// Peak resident memory of a live process, in KiB.
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A gigabyte of NGINX `combined` lines through a pipe, nearly every line from a new client
+/// (2.4 million counters, over 250 MiB, if none were forgotten) with a few heavy ones: the
+/// replay's peak memory stays far below what keeping them would take.
+#[test]
+fn a_gigabyte_log_streams_in_bounded_memory() {
+    const GIB: u64 = 1 << 30;
+    let rules = root("examples/rules.json");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall"))
+        .args(["replay", "--json", "--format", "nginx", &rules, "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = std::io::BufWriter::with_capacity(1 << 20, child.stdin.take().unwrap());
+    let (mut written, mut lines, mut early_peak) = (0u64, 0u64, 0u64);
+    let mut line = String::with_capacity(160);
+    while written < GIB {
+        // 1,000 lines per second of log time; a new client address on every line but every
+        // tenth, which comes from one of three heavy clients.
+        let i = lines;
+        let (h, m, s) = clock(i / 1000);
+        line.clear();
+        if i % 10 == 0 {
+            write!(line, "203.0.113.{}", i % 3).unwrap();
+        } else {
+            write!(line, "10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255).unwrap();
+        }
+        writeln!(
+            line,
+            r#" - - [01/Dec/2026:{h:02}:{m:02}:{s:02} +0000] "POST /v1/auth/login HTTP/1.1" 200 512 "https://shop.example.com/account/login?return_to=%2Fcheckout%2Fcart%3Fpromo%3Dwinter-sale-2026%26items%3D3&utm_source=newsletter&utm_medium=email&utm_campaign=december" "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/131.0.0.0 Safari/537.36 Edg/131.0.0.0 (replay test client; +https://example.com/bot)""#
+        )
+        .unwrap();
+        stdin.write_all(line.as_bytes()).unwrap();
+        written += line.len() as u64;
+        lines += 1;
+        if early_peak == 0 && written >= 256 << 20 {
+            stdin.flush().unwrap();
+            early_peak = peak_rss_kib(child.id());
+        }
+    }
+    stdin.flush().unwrap();
+    // Still running (its input is open): its peak so far.
+    let peak = peak_rss_kib(child.id());
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["requests"], lines);
+    let login = &v["rules"][2];
+    assert_eq!(login["top_rejected_keys"][0]["key"].as_str().unwrap().split('.').next(), Some("ip=203"), "{v}");
+    eprintln!(
+        "figure: replay_1gib_peak_rss = {} MiB ({} MiB after 256 MiB, {lines} lines)",
+        peak >> 10,
+        early_peak >> 10
+    );
+    assert!(peak < 192 << 10, "peak {peak} KiB after 1 GiB ({early_peak} KiB after 256 MiB)");
+}

@@ -1,0 +1,122 @@
+//! The dashboard page (`dashboard/index.html`) in headless Chromium, as the Worker serves it:
+//! at `/_ratewall/`, its JSON at `/_ratewall/top` only with the Bearer token the page was given
+//! in its URL fragment, and no series or fleet. A loopback server here plays the Worker's
+//! routes (the page as a real store serves it, with real traffic behind it, is tested in
+//! `store/tests/dashboard.rs`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use ratewall_tests::browser::{unavailable, visit, Visit};
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+
+const TOKEN: &str = "t0ken-for-the-dashboard-test";
+
+/// The Worker's admin routes on loopback: the page, `top` behind the token, 404 otherwise.
+/// Returns the origin and the (method, path, authorization) of every request it got.
+fn worker_routes() -> (String, Arc<Mutex<Vec<(String, String)>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let origin = format!("http://{}", listener.local_addr().unwrap());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = Arc::clone(&seen);
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../dashboard/index.html")).unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut request_line = String::new();
+            if reader.read_line(&mut request_line).is_err() {
+                continue;
+            }
+            let mut auth = String::new();
+            loop {
+                let mut h = String::new();
+                if reader.read_line(&mut h).is_err() || h.trim().is_empty() {
+                    break;
+                }
+                if let Some((n, v)) = h.split_once(':') {
+                    if n.eq_ignore_ascii_case("authorization") {
+                        auth = v.trim().to_owned();
+                    }
+                }
+            }
+            let path = request_line.split_whitespace().nth(1).unwrap_or("").to_owned();
+            log.lock().unwrap().push((path.clone(), auth.clone()));
+            let top = serde_json::json!({"window_s": 60, "rules": [
+                {"rule": "api-key", "allowed": 1200, "denied": 37, "shadow_denied": 0,
+                 "top": [{"key": "api_key=#3f9a1c2e", "denied": 30, "allowed": 5, "nodes": 3},
+                         {"key": "api_key=#77aa01b3"}]},
+                {"rule": "login-per-ip", "allowed": 10},
+                {"no rule name": true}
+            ]})
+            .to_string();
+            let (status, kind, body) = match path.split('?').next().unwrap_or("") {
+                "/_ratewall/" => ("200 OK", "text/html; charset=utf-8", page.clone()),
+                "/_ratewall/top" if auth == format!("Bearer {TOKEN}") => ("200 OK", "application/json", top),
+                "/_ratewall/top" => ("401 Unauthorized", "text/plain", "unauthorized".to_owned()),
+                _ => ("404 Not Found", "text/plain", "not found".to_owned()),
+            };
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    (origin, seen)
+}
+
+#[test]
+fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
+    if let Some(why) = unavailable() {
+        panic!("the browser tests cannot run: {why}");
+    }
+    let (origin, seen) = worker_routes();
+    let shot = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/dashboard-worker.png");
+    let url = format!("{origin}/_ratewall/#token={TOKEN}");
+    let v = visit(&Visit {
+        url: &url,
+        until: "document.querySelector('section.rule[data-rule=\"api-key\"] table.top td.key')",
+        timeout_ms: 15_000,
+        collect: "({ keys: [...document.querySelectorAll('section.rule[data-rule=\"api-key\"] table.top td.key')].map(e => e.textContent),
+                    rules: [...document.querySelectorAll('section.rule')].map(e => e.dataset.rule),
+                    charts: [...document.querySelectorAll('section.rule .chart-box')].map(e => e.textContent),
+                    fleetShown: document.getElementById('fleet-area').offsetHeight > 0,
+                    href: location.href })",
+        screenshots: &[(&shot, 1280, 800)],
+    })
+    .unwrap();
+    let r = &v.result;
+    assert_eq!(r["keys"], serde_json::json!(["api_key=#3f9a1c2e", "api_key=#77aa01b3"]), "{v:?}");
+    assert_eq!(r["rules"], serde_json::json!(["api-key", "login-per-ip"]), "a rule without a name is skipped: {v:?}");
+    assert_eq!(r["charts"], serde_json::json!(["no data", "no data"]), "no series: no chart, no exception: {v:?}");
+    assert_eq!(r["fleetShown"], false, "the Worker has no fleet: {v:?}");
+    assert!(v.outside(&origin).is_empty(), "requests outside the server: {:?}", v.outside(&origin));
+    // The only console errors are the browser's own notes of the routes the Worker lacks.
+    let unexpected: Vec<&String> = v.errors.iter().filter(|e| !e.contains("404")).collect();
+    assert!(unexpected.is_empty(), "console errors: {:?}", v.errors);
+    let seen = seen.lock().unwrap();
+    let tops: Vec<&(String, String)> = seen.iter().filter(|(p, _)| p.starts_with("/_ratewall/top")).collect();
+    assert!(!tops.is_empty(), "{seen:?}");
+    assert!(tops.iter().all(|(_, auth)| *auth == format!("Bearer {TOKEN}")), "{seen:?}");
+    assert!(seen.iter().all(|(p, _)| !p.contains(TOKEN)), "the token never goes to a server in a URL: {seen:?}");
+}
+
+#[test]
+fn under_the_worker_without_a_token_the_page_says_what_it_needs() {
+    if let Some(why) = unavailable() {
+        panic!("the browser tests cannot run: {why}");
+    }
+    let (origin, _) = worker_routes();
+    let v = visit(&Visit {
+        url: &format!("{origin}/_ratewall/"),
+        until: "document.querySelector('#empty .nodata')",
+        timeout_ms: 15_000,
+        collect: "document.querySelector('#empty .nodata').textContent",
+        screenshots: &[],
+    })
+    .unwrap();
+    assert!(v.result.as_str().unwrap().contains("#token="), "{v:?}");
+    assert!(v.errors.iter().all(|e| e.contains("401") || e.contains("404")), "{:?}", v.errors);
+}
