@@ -12,7 +12,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use ratewall_core::topk::{Entry, Summary, CAPACITY};
+use ratewall_core::topk::{Summary, CAPACITY};
 use ratewall_tests::bench::figure;
 use ratewall_tests::conformance::SECRET;
 use ratewall_tests::host::{Callout, HttpRequest, Node, Plugin, Started, Vm};
@@ -41,7 +41,7 @@ fn memory() {
         s.add(format!("api_key=#{:08x}", i * 7919).as_bytes(), 1 + i as u64, 0, 1);
     }
     let heap: usize =
-        s.entries().iter().map(|e| e.key.capacity()).sum::<usize>() + s.entries().len() * std::mem::size_of::<Entry>();
+        s.entries().iter().map(|e| e.key.capacity()).sum::<usize>() + std::mem::size_of_val(s.entries());
     figure("top_summary_bytes_per_rule", (std::mem::size_of::<Summary>() + heap) as f64, "B");
     let mut enc = Vec::new();
     s.encode(&mut enc);

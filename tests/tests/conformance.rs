@@ -65,7 +65,7 @@ fn the_worker_refuses_a_batch_replayed_after_its_seq_is_forgotten() {
     let run = format!("r{}", std::process::id());
     let seen = replay_after_the_seq_memory(&run, &mut Http(&w.addr));
     assert_replay_refused(&seen, &format!("the Worker\n{}", w.log()));
-    let metrics = ratewall_tests::http::request(&w.addr, "GET", "/metrics", &[], &[]).unwrap().text();
+    let metrics = ratewall_tests::http::request(&w.addr, "GET", "/_ratewall/metrics", &[], &[]).unwrap().text();
     assert!(metrics.contains("ratewall_sync_refused_stale 1\n"), "{metrics}");
 }
 
