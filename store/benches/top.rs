@@ -40,8 +40,7 @@ fn memory() {
     for i in 0..CAPACITY {
         s.add(format!("api_key=#{:08x}", i * 7919).as_bytes(), 1 + i as u64, 0, 1);
     }
-    let heap: usize =
-        s.entries().iter().map(|e| e.key.capacity()).sum::<usize>() + std::mem::size_of_val(s.entries());
+    let heap: usize = s.entries().iter().map(|e| e.key.capacity()).sum::<usize>() + std::mem::size_of_val(s.entries());
     figure("top_summary_bytes_per_rule", (std::mem::size_of::<Summary>() + heap) as f64, "B");
     let mut enc = Vec::new();
     s.encode(&mut enc);

@@ -11,11 +11,14 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 
+/// The (method and path, authorization) of each request the stand-in got.
+type Seen = Arc<Mutex<Vec<(String, String)>>>;
+
 const TOKEN: &str = "t0ken-for-the-dashboard-test";
 
 /// The Worker's admin routes on loopback: the page, `top` behind the token, 404 otherwise.
 /// Returns the origin and the (method, path, authorization) of every request it got.
-fn worker_routes() -> (String, Arc<Mutex<Vec<(String, String)>>>) {
+fn worker_routes() -> (String, Seen) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let origin = format!("http://{}", listener.local_addr().unwrap());
     let seen = Arc::new(Mutex::new(Vec::new()));

@@ -522,7 +522,7 @@ mod shaping {
             node.advance(MS);
             for vm in vms.iter_mut() {
                 let period = u64::from(vm.tick_period_ms()) * MS;
-                if period > 0 && (node.now() - T0) % period == 0 {
+                if period > 0 && (node.now() - T0).is_multiple_of(period) {
                     vm.tick().unwrap();
                 }
             }
