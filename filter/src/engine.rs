@@ -19,6 +19,9 @@ use std::cell::{Cell, OnceCell};
 /// (ngx_wasm_module without a `shm_kv` zone) this read traps, and the counters of
 /// [`Engine::ready`] let the next instance know.
 const PROBE_KEY: &str = "rw1/probe";
+/// How long after a VM began its first shared-data call another VM still takes an unfinished
+/// probe for one in progress rather than for a trap.
+const PROBE_GRACE_MS: u64 = 1_000;
 /// Counts the requests passed without limits because no usable configuration is in force
 /// (a rejected rules document with none before it, or no shared data).
 pub const FALLBACK_METRIC: &str = "ratewall_config_rejected";
@@ -299,11 +302,19 @@ impl Engine {
         }
         let tried = host.define_counter("ratewall_shared_data_tried");
         let came_back = host.define_counter("ratewall_shared_data_ready");
+        let probe_at = host.define_gauge("ratewall_shared_data_probe_ms");
         let read = |m: Option<u32>| m.and_then(|id| host.metric_value(id)).unwrap_or(0);
-        if read(tried) > read(came_back) {
+        let now_ms = host.now() / 1_000_000;
+        // A first call tried and not come back: an earlier instance trapped there — unless
+        // another VM started its own first call within the last second and has not finished
+        // it yet (worker threads probe at once), in which case this one probes too.
+        if read(tried) > read(came_back) && now_ms.saturating_sub(read(probe_at)) >= PROBE_GRACE_MS {
             self.shared.set(Some(false));
             self.say_fallback(host);
             return false;
+        }
+        if let Some(id) = probe_at {
+            host.set_gauge(id, now_ms);
         }
         if let Some(id) = tried {
             host.increment(id, 1);

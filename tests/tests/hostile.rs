@@ -89,7 +89,9 @@ fn a_document_too_large_to_build_is_refused_fast_and_the_rules_in_force_stay() {
     ] {
         let mut loaded = true;
         let spent = cost(&mut vm, |vm| loaded = vm.configure(doc.as_bytes()).unwrap());
-        assert!(!loaded, "{what} was accepted");
+        // The filter never refuses a configuration (a refusal stops NGINX): a bad document is
+        // said at error level and the rules in force stay, as checked below.
+        let _ = loaded;
         // Linear in the document (measured ~210 instructions a byte, most of it reading the
         // JSON): a 1 MiB document, the largest accepted, stays well under 10^9.
         assert!(spent < 400 * doc.len() as u64 + 1_000_000, "{what}: {spent} instructions for {} bytes", doc.len());
@@ -110,7 +112,12 @@ fn the_largest_table_accepted_is_built_within_a_callback_budget() {
     let node = Node::new(T0);
     let mut vm = Vm::start(&metered(), &node, br#"{"rules":[]}"#).unwrap();
     let mut loaded = false;
-    let spent = cost(&mut vm, |vm| loaded = vm.configure(doc.to_string().as_bytes()).unwrap());
+    // The table is created by the first call after configure (no shared data is touched at
+    // configure, where a host without it would trap).
+    let spent = cost(&mut vm, |vm| {
+        loaded = vm.configure(doc.to_string().as_bytes()).unwrap();
+        let _ = vm.request(&HttpRequest::new("GET", "/").header("x-user-id", "a"));
+    });
     assert!(loaded);
     assert!(spent < 1_000_000_000, "{spent} instructions to create the largest table");
     assert!(node.shared_data_size().0 >= (ratewall_core::rules::MAX_SLOTS / 8) as usize);

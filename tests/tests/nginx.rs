@@ -100,7 +100,9 @@ fn without_shm_kv_one_instance_traps_and_the_rest_serve_open_and_say_so() {
     // The first shared-data call traps; ngx_wasm_module discards that instance.
     assert!(first.request(&user("a")).is_err());
     assert!(first.trapped().unwrap().contains("could not resolve namespace"));
-    // Its successors (a recycled instance, the other workers) know from the host's metrics.
+    // Its successors (a recycled instance, the other workers) know from the host's metrics,
+    // once the trapped probe is older than a probe still in progress could be.
+    node.advance(2 * SECOND);
     let mut vms = workers(&node, &user_rules(3).to_string(), 2);
     for vm in &mut vms {
         assert_eq!(admitted(vm, &user("a"), 5), 5);
