@@ -90,7 +90,6 @@ fn forward(vm: &mut Vm, store: &str, calls: Vec<Callout>) {
 }
 
 #[test]
-#[ignore = "not yet run against the admin listener: run with `cargo test -p ratewall-store --test dashboard -- --ignored`"]
 fn the_dashboard_shows_the_fleets_traffic_and_names_the_heaviest_client() {
     if let Some(why) = unavailable() {
         panic!("the browser tests cannot run: {why}");
