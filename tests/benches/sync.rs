@@ -49,7 +49,7 @@ fn main() {
         Scenario { name: "garbage_zipf20", faults: Faults { garbage: true, ..f }, ..base.clone() },
         Scenario { name: "dup_reorder_zipf20", faults: Faults { duplicate: true, reorder: true, ..f }, ..base.clone() },
         Scenario { name: "partition5_zipf20", faults: Faults { partitioned: 5, ..f }, ..base.clone() },
-        // The store a round trip away (issue 14): answers and asks take time.
+        // The store a round trip away: answers and asks take time.
         Scenario { name: "zipf20_rtt1", rtt: MS, ..base.clone() },
         Scenario { name: "zipf20_rtt20", rtt: 20 * MS, ..base.clone() },
         Scenario { name: "zipf20_rtt80", rtt: 80 * MS, ..base.clone() },
