@@ -9,21 +9,8 @@ use serde_json::{json, Value};
 use std::io::Write;
 use std::process::{Command, Output};
 
-fn ratewall(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ratewall")).args(args).output().unwrap()
-}
-
-fn root(path: &str) -> String {
-    format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
-}
-
-fn temp(name: &str, text: &str) -> String {
-    let dir = std::env::temp_dir().join(format!("ratewall-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p.to_string_lossy().into_owned()
-}
+mod common;
+use common::{ratewall, root, temp};
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()

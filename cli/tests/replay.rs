@@ -7,23 +7,10 @@
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::io::Write;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
-fn ratewall(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ratewall")).args(args).output().unwrap()
-}
-
-fn root(path: &str) -> String {
-    format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
-}
-
-fn temp(name: &str, text: &str) -> String {
-    let dir = std::env::temp_dir().join(format!("ratewall-replay-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p.to_string_lossy().into_owned()
-}
+mod common;
+use common::{ratewall, root, temp};
 
 /// The report of a replay that read every line, as JSON.
 fn replay_json(args: &[&str]) -> Value {

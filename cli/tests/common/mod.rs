@@ -1,0 +1,23 @@
+//! What the CLI's integration tests share: the built binary, paths in the repository, and
+//! files written for one test run.
+
+use std::process::{Command, Output};
+
+/// Runs the built `ratewall` with `args`.
+pub fn ratewall(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ratewall")).args(args).output().unwrap()
+}
+
+/// A path in the repository.
+pub fn root(path: &str) -> String {
+    format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Writes `text` to `name` in this test process's temporary directory; its path.
+pub fn temp(name: &str, text: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("ratewall-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_string_lossy().into_owned()
+}
