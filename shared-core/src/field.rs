@@ -37,3 +37,13 @@ pub fn push_policy_item(out: &mut String, name: &str, quota: u64, limit: &Limit)
     out.push_str(";w=");
     push_decimal(out, window_secs(limit));
 }
+
+/// Appends a `RateLimit` item: `"name";r=<remaining>;t=<seconds until reset>`.
+pub fn push_state_item(out: &mut String, name: &str, remaining: u64, reset_after: Nanos) {
+    out.push('"');
+    out.push_str(name);
+    out.push_str("\";r=");
+    push_decimal(out, remaining);
+    out.push_str(";t=");
+    push_decimal(out, ceil_secs(reset_after));
+}

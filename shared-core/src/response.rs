@@ -9,7 +9,7 @@
 
 use crate::algo::{Decision, Limit};
 use crate::eval::{CheckResult, Outcome};
-pub use crate::field::{ceil_secs, policy_item};
+pub use crate::field::{ceil_secs, policy_item, push_state_item};
 use crate::field::{push_policy_item, window_secs};
 use crate::rules::{Config, Mode, Rule};
 use crate::text::decimal;
@@ -136,6 +136,7 @@ fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: 
         let name = rule.name.as_str();
         if i > 0 {
             policy.push_str(", ");
+            state.push_str(", ");
         }
         // Under the rule's default limit the item was rendered when the rules were loaded.
         if **limit == rule.limit && d.limit == limit.quota() {
@@ -143,13 +144,7 @@ fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: 
         } else {
             push_policy_item(&mut policy, name, d.limit, limit);
         }
-        let sep = if i > 0 { ", \"" } else { "\"" };
-        state.push_str(sep);
-        state.push_str(name);
-        state.push_str("\";r=");
-        push_decimal(&mut state, d.remaining);
-        state.push_str(";t=");
-        push_decimal(&mut state, ceil_secs(d.reset_after));
+        push_state_item(&mut state, name, d.remaining, d.reset_after);
     }
     headers.push(("RateLimit-Policy", policy));
     headers.push(("RateLimit", state));

@@ -19,6 +19,8 @@ use ratewall_core::sync::{
 use ratewall_core::{Limit, Nanos, SECOND};
 
 pub mod admin;
+#[cfg(test)]
+mod fake;
 pub mod redis_kv;
 pub mod rls;
 pub mod top;
@@ -464,50 +466,9 @@ impl<K: Kv> Store<K> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
     use super::*;
-    use ratewall_core::sync::{Delta, Registry, MAX_REQUEST_SKEW};
+    use crate::fake::FakeKv;
+    use ratewall_core::sync::Delta;
     use ratewall_core::Algorithm;
-    use std::collections::HashMap;
-    use std::sync::Mutex;
-
-    /// Redis in memory, with a key whose next write fails.
-    #[derive(Default)]
-    struct FakeKv {
-        values: Mutex<HashMap<String, Vec<u8>>>,
-        registry: Mutex<Registry>,
-        now: AtomicU64,
-        fail_next_write_of: Mutex<Option<String>>,
-    }
-
-    impl Kv for FakeKv {
-        async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
-            Ok((self.values.lock().unwrap().get(key).cloned(), self.now.load(Ordering::Relaxed)))
-        }
-        async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], _ttl_ms: u64) -> Result<Cas, String> {
-            if self.fail_next_write_of.lock().unwrap().take_if(|k| k == key).is_some() {
-                return Err("connection reset".into());
-            }
-            let now = self.now.load(Ordering::Relaxed);
-            let mut values = self.values.lock().unwrap();
-            if values.get(key).map(Vec::as_slice) != old {
-                return Ok(Cas::Changed(values.get(key).cloned(), now));
-            }
-            values.insert(key.to_owned(), new.to_vec());
-            Ok(Cas::Written(now))
-        }
-        async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<u32, Unheard> {
-            let now = self.now.load(Ordering::Relaxed);
-            if sent.abs_diff(now) > MAX_REQUEST_SKEW {
-                return Err(Unheard::Skewed(now));
-            }
-            self.registry.lock().unwrap().heard(now, node, seq, !batch, NODE_TTL).map_err(|e| match e {
-                ratewall_core::sync::SyncError::Stale { last } => Unheard::Older(last),
-                _ => Unheard::Failed,
-            })
-        }
-        async fn ping(&self) -> bool {
-            true
-        }
-    }
 
     const SECRET: &[u8] = b"unit-test-secret-0123";
 

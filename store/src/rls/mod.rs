@@ -19,7 +19,7 @@ pub mod metrics;
 
 use crate::{redis_key, Cas, Kv, Store, CAS_ATTEMPTS, KNOWN};
 use config::{Matched, RlsConfig, Rule, Unit};
-use ratewall_core::response::{ceil_secs, policy_item, push_decimal};
+use ratewall_core::response::{ceil_secs, policy_item, push_decimal, push_state_item};
 use ratewall_core::sync::{hex, sign, Counter, RETRY_HORIZON, SEQ_MEMORY};
 use ratewall_core::{Decision, Limit, Nanos};
 use std::collections::HashMap;
@@ -583,12 +583,7 @@ fn fields(over: Option<()>, policies: &[(&Rule, Decision)]) -> Vec<(&'static str
                 push_decimal(&mut policy, window(rule));
             }
         }
-        state.push('"');
-        state.push_str(&rule.policy);
-        state.push_str("\";r=");
-        push_decimal(&mut state, d.remaining);
-        state.push_str(";t=");
-        push_decimal(&mut state, ceil_secs(d.reset_after));
+        push_state_item(&mut state, &rule.policy, d.remaining, d.reset_after);
     }
     headers.push(("RateLimit-Policy", policy));
     headers.push(("RateLimit", state));

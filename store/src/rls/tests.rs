@@ -2,47 +2,8 @@
 
 use super::config::RlsConfig;
 use super::*;
-use crate::{Cas, Kv, Store};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
-use std::sync::Mutex;
-
-#[derive(Default)]
-struct FakeKv {
-    values: Mutex<HashMap<String, Vec<u8>>>,
-    now: AtomicU64,
-    down: AtomicBool,
-    ops: AtomicUsize,
-}
-
-impl Kv for FakeKv {
-    async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
-        self.ops.fetch_add(1, Ordering::Relaxed);
-        if self.down.load(Ordering::Relaxed) {
-            return Err("down".into());
-        }
-        Ok((self.values.lock().unwrap().get(key).cloned(), self.now.load(Ordering::Relaxed)))
-    }
-    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], _ttl_ms: u64) -> Result<Cas, String> {
-        self.ops.fetch_add(1, Ordering::Relaxed);
-        if self.down.load(Ordering::Relaxed) {
-            return Err("down".into());
-        }
-        let now = self.now.load(Ordering::Relaxed);
-        let mut values = self.values.lock().unwrap();
-        if values.get(key).map(Vec::as_slice) != old {
-            return Ok(Cas::Changed(values.get(key).cloned(), now));
-        }
-        values.insert(key.to_owned(), new.to_vec());
-        Ok(Cas::Written(now))
-    }
-    async fn heard(&self, _node: u64, _seq: u64, _batch: bool, _sent: Nanos) -> Result<u32, crate::Unheard> {
-        Ok(1)
-    }
-    async fn ping(&self) -> bool {
-        true
-    }
-}
+use crate::fake::FakeKv;
+use crate::Store;
 
 const CONFIG: &str = "domain: d
 descriptors:

@@ -1,0 +1,63 @@
+//! Redis in memory, for the unit tests of the sync endpoint and the rate limit service: a
+//! clock the test sets, a key whose next write fails, an outage switch and an operation count.
+
+#![allow(clippy::unwrap_used)]
+
+use crate::{Cas, Kv, Unheard, NODE_TTL};
+use ratewall_core::sync::{Registry, SyncError, MAX_REQUEST_SKEW};
+use ratewall_core::Nanos;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+#[derive(Default)]
+pub(crate) struct FakeKv {
+    pub values: Mutex<HashMap<String, Vec<u8>>>,
+    pub registry: Mutex<Registry>,
+    pub now: AtomicU64,
+    pub fail_next_write_of: Mutex<Option<String>>,
+    pub down: AtomicBool,
+    pub ops: AtomicUsize,
+}
+
+impl FakeKv {
+    fn op(&self) -> Result<Nanos, String> {
+        self.ops.fetch_add(1, Ordering::Relaxed);
+        if self.down.load(Ordering::Relaxed) {
+            return Err("down".into());
+        }
+        Ok(self.now.load(Ordering::Relaxed))
+    }
+}
+
+impl Kv for FakeKv {
+    async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
+        let now = self.op()?;
+        Ok((self.values.lock().unwrap().get(key).cloned(), now))
+    }
+    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], _ttl_ms: u64) -> Result<Cas, String> {
+        let now = self.op()?;
+        if self.fail_next_write_of.lock().unwrap().take_if(|k| k == key).is_some() {
+            return Err("connection reset".into());
+        }
+        let mut values = self.values.lock().unwrap();
+        if values.get(key).map(Vec::as_slice) != old {
+            return Ok(Cas::Changed(values.get(key).cloned(), now));
+        }
+        values.insert(key.to_owned(), new.to_vec());
+        Ok(Cas::Written(now))
+    }
+    async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<u32, Unheard> {
+        let now = self.now.load(Ordering::Relaxed);
+        if sent.abs_diff(now) > MAX_REQUEST_SKEW {
+            return Err(Unheard::Skewed(now));
+        }
+        self.registry.lock().unwrap().heard(now, node, seq, !batch, NODE_TTL).map_err(|e| match e {
+            SyncError::Stale { last } => Unheard::Older(last),
+            _ => Unheard::Failed,
+        })
+    }
+    async fn ping(&self) -> bool {
+        true
+    }
+}
