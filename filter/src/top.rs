@@ -177,20 +177,27 @@ impl Top {
         if local.slots.is_empty() {
             local.slots.resize_with(SLOTS, || None);
         }
-        let Some(slot) = local.slots.get_mut(h as usize % SLOTS) else { return };
-        match slot {
-            Some(s) if s.hash == h && s.rule == rule => s.denied += 1,
-            _ => {
-                let new = Slot { hash: h, rule, key: key.to_vec(), denied: 1 };
-                // A key denied once since it took the slot goes uncounted in the summary when
-                // another takes it (its denial stays in the rule's totals): a flood of distinct
-                // keys then costs a slot each, not a summary update each. A key denied more
-                // often than its slot changes hands keeps its count.
-                if let Some(old) = slot.replace(new).filter(|o| o.denied > 1) {
-                    if let Some(r) = local.rules.get_mut(old.rule) {
-                        r.spilled.get_or_insert_with(Summary::default).add(&old.key, old.denied, 0, 0);
-                    }
-                }
+        // Two ways per set: a key keeps its slot against keys denied less often since the
+        // tick, so a flood of distinct keys churns one way while a client denied again and
+        // again keeps the other.
+        let set = (h as usize % (SLOTS / 2)) * 2;
+        let Some([a, b]) = local.slots.get_mut(set..set + 2) else { return };
+        for s in [&mut *a, &mut *b].into_iter().flatten() {
+            if s.hash == h && s.rule == rule {
+                s.denied += 1;
+                return;
+            }
+        }
+        let count = |s: &Option<Slot>| s.as_ref().map_or(0, |s| s.denied);
+        let slot = if count(a) < count(b) { a } else { b };
+        let new = Slot { hash: h, rule, key: key.to_vec(), denied: 1 };
+        // A key denied once since it took the slot goes uncounted in the summary when another
+        // takes it (its denial stays in the rule's totals): a flood of distinct keys then
+        // costs a slot each, not a summary update each. A key denied more often than its slot
+        // changes hands keeps its count.
+        if let Some(old) = slot.replace(new).filter(|o| o.denied > 1) {
+            if let Some(r) = local.rules.get_mut(old.rule) {
+                r.spilled.get_or_insert_with(Summary::default).add(&old.key, old.denied, 0, 0);
             }
         }
     }

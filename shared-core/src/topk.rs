@@ -6,6 +6,11 @@
 //! of the key's true count and at most [`Summary::error`] below it, and `error ≤ N / (k + 1)`:
 //! every key with more than `N / (k + 1)` is listed. Merging is a pure function, the same
 //! whichever summary is merged into which.
+//!
+//! The listed count is the weight added while the key was listed: the Misra-Gries counter
+//! (which decides evictions) plus what the reductions took from it. So a key listed since its
+//! first denial, as a heavy hitter soon is, shows its exact count, not one lowered by every
+//! reduction; the bound above still holds, since the counter alone satisfies it.
 
 use crate::encoding::{put_varint, DecodeError, Reader};
 use crate::eval::{HASHED_PART, KEY_VERSION};
@@ -27,8 +32,10 @@ pub const MAX_KEY: usize = 160;
 pub struct Entry {
     /// The key (a counter key, or its shown form).
     pub key: Vec<u8>,
-    /// Denials counted for it: at most [`Summary::error`] below its true count.
+    /// Denials counted for it while listed: at most [`Summary::error`] below its true count.
     pub denied: u64,
+    /// Its Misra-Gries counter (at most `denied`): what decides which key is dropped.
+    pub weight: u64,
     /// Units admitted for it while listed (side information, not part of the bound).
     pub allowed: u64,
     /// Nodes that reported it, as bits of a 64-bit set ([`node_bit`]).
@@ -148,6 +155,7 @@ impl Summary {
             Ok(i) => {
                 if let Some(e) = self.entries.get_mut(i) {
                     e.denied = e.denied.saturating_add(denied);
+                    e.weight = e.weight.saturating_add(denied);
                     e.allowed = e.allowed.saturating_add(allowed);
                     e.nodes |= nodes;
                 }
@@ -157,7 +165,7 @@ impl Summary {
                     // Admitted units alone do not list a key.
                     return;
                 }
-                self.entries.insert(i, Entry { key: key.to_vec(), denied, allowed, nodes });
+                self.entries.insert(i, Entry { key: key.to_vec(), denied, weight: denied, allowed, nodes });
                 self.reduce();
             }
         }
@@ -182,6 +190,7 @@ impl Summary {
                 core::cmp::Ordering::Equal => {
                     if let (Some(mut x), Some(y)) = (a.next(), b.next()) {
                         x.denied = x.denied.saturating_add(y.denied);
+                        x.weight = x.weight.saturating_add(y.weight);
                         x.allowed = x.allowed.saturating_add(y.allowed);
                         x.nodes |= y.nodes;
                         merged.push(x);
@@ -204,16 +213,16 @@ impl Summary {
         if self.entries.len() <= self.capacity {
             return;
         }
-        let mut counts: Vec<u64> = self.entries.iter().map(|e| e.denied).collect();
+        let mut counts: Vec<u64> = self.entries.iter().map(|e| e.weight).collect();
         let cut = match counts.get(self.capacity) {
             Some(_) => *counts.select_nth_unstable_by(self.capacity, |x, y| y.cmp(x)).1,
             None => 0,
         };
         let before = self.entries.len();
         for e in &mut self.entries {
-            e.denied = e.denied.saturating_sub(cut);
+            e.weight = e.weight.saturating_sub(cut);
         }
-        self.entries.retain(|e| e.denied > 0);
+        self.entries.retain(|e| e.weight > 0);
         self.offset = self.offset.saturating_add(cut);
         self.evictions = self.evictions.saturating_add((before - self.entries.len()) as u64);
     }
@@ -226,7 +235,8 @@ impl Summary {
         v
     }
 
-    /// Appends the encoding: capacity, total, error, evictions, then the entries.
+    /// Appends the encoding: capacity, total, error, evictions, then the entries (key,
+    /// denied, allowed, nodes, and how far the counter is below `denied`).
     pub fn encode(&self, out: &mut Vec<u8>) {
         put_varint(out, self.capacity as u64);
         put_varint(out, self.total);
@@ -239,11 +249,22 @@ impl Summary {
             put_varint(out, e.denied);
             put_varint(out, e.allowed);
             out.extend_from_slice(&e.nodes.to_le_bytes());
+            put_varint(out, e.denied - e.weight);
         }
     }
 
     /// Reads [`Summary::encode`]'s form, keys at most `max_key` bytes each.
     pub fn decode(r: &mut Reader<'_>, max_key: usize) -> Result<Summary, DecodeError> {
+        Summary::decode_form(r, max_key, true)
+    }
+
+    /// Reads the first form of the encoding, whose entries end at their nodes (every listed
+    /// count then is its counter).
+    pub fn decode_counters_only(r: &mut Reader<'_>, max_key: usize) -> Result<Summary, DecodeError> {
+        Summary::decode_form(r, max_key, false)
+    }
+
+    fn decode_form(r: &mut Reader<'_>, max_key: usize, taken: bool) -> Result<Summary, DecodeError> {
         let capacity = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
         if !(1..=MAX_CAPACITY).contains(&capacity) {
             return Err(DecodeError::Truncated);
@@ -263,11 +284,14 @@ impl Summary {
             let (denied, allowed) = (r.varint()?, r.varint()?);
             let mut nodes = [0u8; 8];
             nodes.copy_from_slice(r.take(8)?);
-            // Sorted and distinct, as encoded: anything else is not this encoding.
-            if entries.last().is_some_and(|l| l.key >= key) || denied == 0 {
+            let taken = if taken { r.varint()? } else { 0 };
+            // Sorted and distinct, as encoded, with a counter above 0: anything else is not
+            // this encoding.
+            let weight = denied.checked_sub(taken).filter(|w| *w > 0).ok_or(DecodeError::Truncated)?;
+            if entries.last().is_some_and(|l| l.key >= key) {
                 return Err(DecodeError::Truncated);
             }
-            entries.push(Entry { key, denied, allowed, nodes: u64::from_le_bytes(nodes) });
+            entries.push(Entry { key, denied, weight, allowed, nodes: u64::from_le_bytes(nodes) });
         }
         Ok(Summary { capacity, entries, total, offset, evictions })
     }
@@ -282,6 +306,7 @@ impl Summary {
                 Ok(i) => {
                     if let Some(o) = out.entries.get_mut(i) {
                         o.denied = o.denied.saturating_add(e.denied);
+                        o.weight = o.weight.saturating_add(e.weight);
                         o.allowed = o.allowed.saturating_add(e.allowed);
                         o.nodes |= e.nodes;
                     }

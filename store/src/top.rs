@@ -3,10 +3,11 @@
 //! hour, a per-second series over 15 minutes), and the nodes heard from.
 //!
 //! Memory is bounded whatever the traffic: at most [`MAX_RULES`] rules, each with a fixed
-//! number of buckets holding a summary of at most 64 keys, and at most [`MAX_NODES`] nodes.
+//! number of buckets holding a summary of at most [`KEPT`] keys, and at most [`MAX_NODES`]
+//! nodes.
 
 use ratewall_core::sync::TopSection;
-use ratewall_core::topk::{node_count, Summary, CAPACITY};
+use ratewall_core::topk::{node_count, Summary};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -18,6 +19,9 @@ pub const MAX_RULES: usize = 256;
 pub const MAX_NODES: usize = 10_000;
 /// Nodes unheard this long are forgotten.
 pub const NODE_TTL: Duration = Duration::from_secs(600);
+/// Keys a bucket's summary keeps: four times a proxy's, since a bucket merges the whole
+/// fleet's batches and its error bound is a share of everything they denied.
+pub const KEPT: usize = 4 * ratewall_core::topk::CAPACITY;
 /// Entries `top` lists at most.
 pub const LISTED: usize = 20;
 /// Seconds of the per-second series.
@@ -47,7 +51,7 @@ impl Bucket {
         self.denied = self.denied.saturating_add(denied);
         self.shadow = self.shadow.saturating_add(shadow);
         if let Some(t) = top.filter(|t| !t.is_empty()) {
-            self.top.get_or_insert_with(|| Summary::new(CAPACITY)).merge(t);
+            self.top.get_or_insert_with(|| Summary::new(KEPT)).merge(t);
         }
     }
 }
@@ -199,7 +203,7 @@ impl Top {
             .filter(|r| rule.is_none_or(|n| n == r.name))
             .map(|r| {
                 let buckets = if window == Window::Minute { &r.minute } else { &r.hour };
-                let (mut allowed, mut denied, mut shadow, mut top) = (0u64, 0u64, 0u64, Summary::new(CAPACITY));
+                let (mut allowed, mut denied, mut shadow, mut top) = (0u64, 0u64, 0u64, Summary::new(KEPT));
                 for b in buckets.iter().filter(|b| b.at >= first && b.at <= t / len) {
                     allowed = allowed.saturating_add(b.allowed);
                     denied = denied.saturating_add(b.denied);

@@ -36,5 +36,5 @@ pub use registry::{Registry, MAX_NODES};
 pub use store::Store;
 pub use wire::{
     Delta, Grant, RuleTop, SyncError, SyncRequest, SyncResponse, TopSection, MAX_ENTRIES, MAX_KEY, MAX_REASON,
-    MAX_REQUEST_SKEW, MAX_TOP_SECTION, TOP_SECTION, VERSION,
+    MAX_REQUEST_SKEW, MAX_TOP_SECTION, TOP_SECTION, TOP_SECTION_COUNTERS_ONLY, VERSION,
 };

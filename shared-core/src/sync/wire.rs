@@ -278,7 +278,10 @@ impl SyncRequest {
 }
 
 /// The first byte of a batch's optional top-offenders section, after everything else.
-pub const TOP_SECTION: u8 = 0x54;
+pub const TOP_SECTION: u8 = 0x55;
+/// The first byte of the section's first form, still read: its entries carry no count of
+/// what reductions took (see [`crate::topk`]).
+pub const TOP_SECTION_COUNTERS_ONLY: u8 = 0x54;
 /// The most bytes a top section takes: a rule whose entries would not fit travels with its
 /// counts only.
 pub const MAX_TOP_SECTION: usize = 32 * 1024;
@@ -347,16 +350,22 @@ impl TopSection {
         }
         let mut r = Reader { bytes, pos: 0 };
         let marker = r.u8()?;
-        if marker != TOP_SECTION {
-            return Err(DecodeError::Tag(marker));
-        }
+        let taken = match marker {
+            TOP_SECTION => true,
+            TOP_SECTION_COUNTERS_ONLY => false,
+            _ => return Err(DecodeError::Tag(marker)),
+        };
         let n = read_count(&mut r)?;
         let mut rules = Vec::with_capacity(n.min(64));
         for _ in 0..n {
             let name = read_bytes(&mut r, MAX_RULE_NAME)?;
             let rule = alloc::string::String::from_utf8(name).map_err(|_| DecodeError::Truncated)?;
             let (allowed, denied, shadow_denied) = (r.varint()?, r.varint()?, r.varint()?);
-            let top = crate::topk::Summary::decode(&mut r, crate::topk::MAX_KEY)?;
+            let top = if taken {
+                crate::topk::Summary::decode(&mut r, crate::topk::MAX_KEY)?
+            } else {
+                crate::topk::Summary::decode_counters_only(&mut r, crate::topk::MAX_KEY)?
+            };
             rules.push(RuleTop { rule, allowed, denied, shadow_denied, top });
         }
         if r.pos != bytes.len() {

@@ -279,3 +279,48 @@ fn a_top_section_stays_within_its_byte_bound() {
     assert!(back.rules.len() >= 3, "{}", back.rules.len());
     assert_eq!(back.rules[0], section.rules[0]);
 }
+
+#[test]
+fn a_key_listed_since_its_first_denial_shows_its_exact_count_through_reductions() {
+    let mut s = Summary::new(4);
+    // The heavy key, then a flood of keys seen once each: every fifth key forces a
+    // reduction, which lowers the heavy key's counter but not what it shows.
+    s.add(b"heavy", 10, 0, 0);
+    for i in 0u32..400 {
+        s.add(&i.to_le_bytes(), 1, 0, 0);
+        if i % 4 == 0 {
+            s.add(b"heavy", 1, 0, 0);
+        }
+    }
+    assert!(s.error() > 50, "the flood forced reductions: {}", s.error());
+    assert_eq!(s.count(b"heavy"), 110);
+    let mut other = Summary::new(4);
+    other.add(b"heavy", 5, 0, 0);
+    s.merge(&other);
+    assert_eq!(s.count(b"heavy"), 115);
+    let mut out = Vec::new();
+    s.encode(&mut out);
+    assert_eq!(Summary::decode(&mut Reader { bytes: &out, pos: 0 }, MAX_KEY).unwrap(), s);
+}
+
+#[test]
+fn the_first_form_of_the_top_section_is_still_read() {
+    use crate::encoding::put_varint;
+    use crate::sync::{TopSection, TOP_SECTION_COUNTERS_ONLY};
+    // One rule `rule` (7 allowed, 3 denied, 0 shadow) whose summary (capacity 64, total 3,
+    // error 0, evictions 0) lists `user=a`: 3 denied, 2 allowed, node bits 1.
+    let mut out = vec![TOP_SECTION_COUNTERS_ONLY, 1, 4];
+    out.extend_from_slice(b"rule");
+    for v in [7u64, 3, 0, 64, 3, 0, 0, 1, 6] {
+        put_varint(&mut out, v);
+    }
+    out.extend_from_slice(b"user=a");
+    put_varint(&mut out, 3);
+    put_varint(&mut out, 2);
+    out.extend_from_slice(&1u64.to_le_bytes());
+    let back = TopSection::decode(&out).unwrap();
+    let top = &back.rules[0].top;
+    assert_eq!(top.count(b"user=a"), 3);
+    assert_eq!(top.entries()[0].weight, 3);
+    assert_eq!(top.entries()[0].allowed, 2);
+}
