@@ -26,6 +26,8 @@ use std::rc::Rc;
 pub const ADMIN_OBJECT: &str = "t:top";
 /// How often an isolate reports, by default (the `TOP_REPORT_SECONDS` var sets it).
 pub const REPORT_EVERY: Nanos = 5 * SECOND;
+/// A scheduled report not taken this long after its time is taken as lost.
+pub const LOST_AFTER: Nanos = 30 * SECOND;
 /// Seconds of per-second counts an isolate keeps between reports (past it, the last second
 /// takes the counts).
 pub const PENDING_SECONDS: usize = 64;
@@ -116,7 +118,8 @@ pub struct IsolateTop {
     /// Counts made under rules no longer in force, already in their shown form.
     carried: Option<Report>,
     any: bool,
-    scheduled: bool,
+    /// When the report scheduled is due (none scheduled: `None`).
+    scheduled: Option<Nanos>,
     last_sent: Nanos,
     /// Reports sent, and of which failed (their counts are lost: a report is not retried,
     /// so that none is counted twice).
@@ -184,20 +187,23 @@ impl IsolateTop {
         self.any || self.carried.is_some()
     }
 
-    /// When the next report should go, if the glue should schedule one now (none is
-    /// scheduled and counts wait): `every` after the last one. Marks it scheduled.
+    /// How long until the next report should go, if the glue should schedule one now (none
+    /// is scheduled and counts wait): `every` after the last one. Marks it scheduled. A
+    /// report still not taken [`LOST_AFTER`] past its time was lost with its background task
+    /// (the runtime ends them): another is scheduled.
     pub fn schedule(&mut self, now: Nanos, every: Nanos) -> Option<Nanos> {
-        if self.scheduled || !self.pending() {
+        if self.scheduled.is_some_and(|due| now < due.saturating_add(LOST_AFTER)) || !self.pending() {
             return None;
         }
-        self.scheduled = true;
-        Some(self.last_sent.saturating_add(every).saturating_sub(now))
+        let due = self.last_sent.saturating_add(every).max(now);
+        self.scheduled = Some(due);
+        Some(due - now)
     }
 
     /// The report of everything counted since the last one, as `node` (`None`: nothing),
     /// starting the next interval at `now`.
     pub fn take(&mut self, node: u64, now: Nanos) -> Option<Report> {
-        self.scheduled = false;
+        self.scheduled = None;
         self.last_sent = now;
         let mut report = self.render(node).unwrap_or_default();
         if let Some(c) = self.carried.take() {

@@ -61,6 +61,8 @@ fn denials_count_whoever_answered_them_and_secrets_show_only_as_their_hash() {
     let (o, _) = combine(&c, &light, &[decided(false), decided(false)]);
     top.count(&c, &light, &o, T + 6 * SECOND);
     assert_eq!(top.schedule(T + 6 * SECOND, REPORT_EVERY), Some(4 * SECOND), "one report per interval");
+    assert_eq!(top.schedule(T + 30 * SECOND, REPORT_EVERY), None, "scheduled");
+    assert_eq!(top.schedule(T + 10 * SECOND + LOST_AFTER, REPORT_EVERY), Some(0), "a lost report is scheduled again");
     let per_key = &r.section.rules[0];
     assert_eq!((per_key.rule.as_str(), per_key.allowed, per_key.denied, per_key.shadow_denied), ("per-key", 2, 9, 0));
     let listed = per_key.top.top(2);
