@@ -4,7 +4,7 @@
 use crate::edge::admin::{self, Access};
 use crate::edge::grants::{Answer, Grants, Local, REPORT_EVERY};
 use crate::edge::object::{AlarmPlan, Object};
-use crate::edge::top::{self, Aggregate, IsolateTop, TopCall, Window, ADMIN_OBJECT};
+use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
     cached_denials, checks_for, decisions, in_flight, object_name, refund_calls, store, take_answer, wait_of,
     BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
@@ -489,7 +489,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
 }
 
 /// `POST /v1/sync`: a filter node's signed batch of deltas in, the global view out (signed).
-async fn sync(mut req: Request, env: Env) -> Result<Response> {
+async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
     let secret = env.secret("RATEWALL_SYNC_SECRET").map(|s| s.to_string()).unwrap_or_default();
     let tag = req.headers().get("x-ratewall-signature").ok().flatten();
     let body = req.bytes().await?;
@@ -530,6 +530,14 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
     headers.set("content-type", "application/octet-stream")?;
     headers.set("x-ratewall-signature", &signature)?;
     with(|i| i.metrics.sync_ok += 1);
+    // A batch's top section (who the node's proxy is limiting) goes to the admin object, in
+    // the background: the Worker's /_ratewall/top then covers the filter fleet too.
+    if let Ok((_, Some(section))) = ratewall_core::sync::SyncRequest::decode_with_top(&body) {
+        let report = Report { node: batch.node, seq: batch.seq, section, series: Vec::new() };
+        ctx.wait_until(async move {
+            let _ = call_body(&env, ADMIN_OBJECT, TopCall::Report(report).encode(), timeout).await;
+        });
+    }
     Ok(Response::from_bytes(out)?.with_headers(headers))
 }
 
@@ -547,7 +555,7 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
         return admin_route(req, env, &path).await;
     }
     if path == SYNC_PATH && req.method() == Method::Post {
-        return sync(req, env).await;
+        return sync(req, env, ctx).await;
     }
     if path.starts_with(PEER_PREFIX) {
         if let Ok(peer) = env.rate_limiter(PEER_LIMITER) {

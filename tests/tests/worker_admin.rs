@@ -166,3 +166,47 @@ fn without_a_token_the_admin_routes_do_not_exist() {
     // The limits work as ever.
     assert_eq!(statuses(&w, "/k/x", &[("x-api-key", HEAVY)], 3), [200, 200, 429]);
 }
+
+#[test]
+fn the_top_sections_of_filter_batches_synced_to_the_worker_are_in_its_top() {
+    use ratewall_core::sync::{hex, sign, RuleTop, SyncRequest, TopSection};
+    use ratewall_core::topk::{node_bit, Summary};
+    const SECRET: &str = "test-sync-secret";
+    let rules = compact(RULES);
+    let w = Workerd::start(&[
+        ("RATEWALL_RULES", rules.as_str()),
+        ("RATEWALL_ADMIN_TOKEN", TOKEN),
+        ("RATEWALL_SYNC_SECRET", SECRET),
+    ])
+    .unwrap();
+    let mut summary = Summary::default();
+    summary.add(b"api_key=#0badc0de", 40, 3, node_bit(91));
+    let section = TopSection {
+        rules: vec![RuleTop { rule: "per-key".into(), allowed: 7, denied: 40, shadow_denied: 0, top: summary }],
+    };
+    let mut body =
+        SyncRequest { node: 91, seq: 1, sent: ratewall_tests::conformance::wall_clock(), deltas: vec![], ask: false }
+            .encode();
+    section.encode_into(&mut body);
+    let tag = hex(&sign(SECRET.as_bytes(), &body));
+    // Sent twice, as a node retries a batch whose answer it lost: merged once.
+    for _ in 0..2 {
+        let headers = [("content-type", "application/octet-stream"), ("x-ratewall-signature", tag.as_str())];
+        let r = w.request("POST", "/v1/sync", &headers, &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let start = Instant::now();
+    let v = loop {
+        let v = top(&w, "?rule=per-key");
+        if v["rules"][0]["denied"] != 0 || start.elapsed() > Duration::from_secs(10) {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let v2 = top(&w, "?rule=per-key");
+    assert_eq!(v, v2, "the retried batch added nothing");
+    let r = &v["rules"][0];
+    assert_eq!((r["allowed"].clone(), r["denied"].clone()), (7.into(), 40.into()), "{v}");
+    assert_eq!(r["top"][0], serde_json::json!({"key": "api_key=#0badc0de", "denied": 40, "allowed": 3, "nodes": 1}));
+}

@@ -33,6 +33,8 @@ pub const LOST_AFTER: Nanos = 30 * SECOND;
 pub const PENDING_SECONDS: usize = 64;
 /// Most rules the admin object tracks (rules first heard past it are not).
 pub const MAX_RULES: usize = 64;
+/// Filter nodes whose latest batch `seq` the admin object remembers.
+pub const MAX_NODES: usize = 10_000;
 /// Entries `top` lists at most.
 pub const LISTED: usize = 20;
 /// Seconds of the per-second series.
@@ -72,6 +74,9 @@ impl Pending {
 pub struct Report {
     /// The isolate's node id (its bit marks the keys it saw).
     pub node: u64,
+    /// For a filter node's batch, its `seq` (a retried batch is merged once); 0 for an
+    /// isolate's report.
+    pub seq: u64,
     /// Per rule: counts and top denied keys.
     pub section: TopSection,
     /// Per rule, in the order of `section`'s: counts per second, oldest first.
@@ -84,7 +89,7 @@ impl Report {
         self.section.encode_into(&mut section);
         let series: Vec<Value> =
             self.series.iter().map(|s| json!(s.iter().map(|e| [e.0, e.1, e.2, e.3]).collect::<Vec<_>>())).collect();
-        json!({"node": self.node, "top": hex(&section), "series": series})
+        json!({"node": self.node, "seq": self.seq, "top": hex(&section), "series": series})
     }
 
     fn from_json(v: &Value) -> Option<Report> {
@@ -105,7 +110,8 @@ impl Report {
             }
             series.push(s);
         }
-        Some(Report { node, section, series })
+        let seq = v.get("seq").map_or(Some(0), Value::as_u64)?;
+        Some(Report { node, seq, section, series })
     }
 }
 
@@ -371,6 +377,8 @@ struct AggRule {
 #[derive(Debug, Default)]
 pub struct Aggregate {
     rules: Vec<AggRule>,
+    /// Per filter node, the latest batch `seq` merged (at most [`MAX_NODES`]).
+    seqs: std::collections::HashMap<u64, u64>,
     /// The latest unix second seen (time that goes backwards is clamped to it).
     now: u64,
 }
@@ -378,6 +386,16 @@ pub struct Aggregate {
 impl Aggregate {
     /// Merges `report`, received at `unix` (seconds).
     pub fn add(&mut self, unix: u64, report: &Report) {
+        if report.seq > 0 {
+            if self.seqs.get(&report.node).is_some_and(|s| *s >= report.seq) {
+                return;
+            }
+            if self.seqs.len() >= MAX_NODES && !self.seqs.contains_key(&report.node) {
+                // Forgetting the nodes only risks counting a retried batch's section twice.
+                self.seqs.clear();
+            }
+            self.seqs.insert(report.node, report.seq);
+        }
         self.now = self.now.max(unix);
         let t = self.now;
         for (n, r) in report.section.rules.iter().enumerate() {

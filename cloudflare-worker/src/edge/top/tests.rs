@@ -117,8 +117,15 @@ fn the_admin_object_merges_the_isolates_over_the_window() {
             top: Summary::default(),
         }],
     };
-    agg.add(unix + 2, &Report { node: 3, section, series: vec![] });
-    assert_eq!(agg.series(unix + 2, Some("per-key"))["rules"][0]["allowed"][SERIES - 1], 3);
+    let batch = Report { node: 3, seq: 9, section, series: vec![] };
+    agg.add(unix + 2, &batch);
+    agg.add(unix + 2, &batch);
+    assert_eq!(
+        agg.series(unix + 2, Some("per-key"))["rules"][0]["allowed"][SERIES - 1],
+        3,
+        "a retried batch counts once"
+    );
+    assert_eq!(TopCall::decode(&TopCall::Report(batch.clone()).encode()), Some(TopCall::Report(batch)));
 }
 
 #[test]
@@ -127,7 +134,7 @@ fn memory_stays_bounded_whatever_the_rules_and_the_seconds() {
     for i in 0..(MAX_RULES + 20) {
         let rules =
             vec![RuleTop { rule: format!("r{i}"), allowed: 1, denied: 0, shadow_denied: 0, top: Summary::default() }];
-        agg.add(1_800_000_000, &Report { node: 1, section: TopSection { rules }, series: vec![] });
+        agg.add(1_800_000_000, &Report { node: 1, seq: 0, section: TopSection { rules }, series: vec![] });
     }
     assert_eq!(agg.top(1_800_000_000, None, Window::Hour)["rules"].as_array().unwrap().len(), MAX_RULES);
     let c = config(RULES);
