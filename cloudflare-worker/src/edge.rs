@@ -470,8 +470,6 @@ pub struct Metrics {
     pub grant_admissions: u64,
     /// Units admitted from grants whose report was given up.
     pub units_dropped: u64,
-    /// Checks of keys new to the isolate admitted on their first credit, without waiting.
-    pub first_credits: u64,
     /// Reports of who is being limited sent to the admin object, and of which failed.
     pub top_reports: u64,
     pub top_reports_failed: u64,
@@ -561,11 +559,6 @@ impl Metrics {
                 self.grant_admissions,
             ),
             ("units_dropped", "Units admitted from grants whose report was given up.", self.units_dropped),
-            (
-                "first_credits",
-                "Checks of keys new to this isolate admitted on their first credit, without waiting for the object.",
-                self.first_credits,
-            ),
             ("top_reports", "Reports of the top denied keys sent to the admin object.", self.top_reports),
             (
                 "top_reports_failed",

@@ -548,7 +548,6 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
         return Response::ok(with(|i| {
             i.metrics.grant_admissions = i.grants.local;
             i.metrics.units_dropped = i.grants.dropped;
-            i.metrics.first_credits = i.grants.credited;
             i.metrics.render()
         }));
     }

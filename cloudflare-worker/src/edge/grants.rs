@@ -8,7 +8,7 @@
 //! isolate that disappears before reporting (at most what it held).
 
 use super::{make_room, Call, Taken};
-use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos, State};
+use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos};
 use ratewall_core::eval::StoreError;
 use ratewall_core::sync::RETRY_HORIZON;
 use serde_json::{json, Value};
@@ -17,16 +17,6 @@ use std::collections::HashMap;
 /// How long units admitted from a grant wait before they are reported: one report per
 /// counter per this interval, whatever the traffic.
 pub const REPORT_EVERY: Nanos = 250 * super::MS;
-
-/// Units a key's first request in an isolate may take on credit, without waiting for its
-/// object: the isolate knows nothing of the counter yet, so it decides as a fresh counter
-/// would and reports the units at once (the report brings its grant and the object's view).
-/// One credit per counter while the isolate holds no view of it: the edge admits at most
-/// this many units per isolate per counter beyond what the object would.
-pub const FIRST_CREDIT: u64 = 1;
-/// Limits below this quota take no credit (one unit over would be too large a share of
-/// them): their first request waits for the object, as exact rules do.
-pub const CREDIT_MIN_QUOTA: u64 = 10;
 
 /// A counter object's answer to [`Call::Spend`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,8 +184,6 @@ pub struct Grants {
     cap: usize,
     /// Checks admitted from a grant, without an object call.
     pub local: u64,
-    /// Of which admitted on a key's first credit ([`FIRST_CREDIT`]).
-    pub credited: u64,
     /// Admitted units never reported: given up after [`RETRY_HORIZON`] of failed reports, or
     /// forgotten when the map was full of live counters.
     pub dropped: u64,
@@ -215,16 +203,7 @@ fn lease_end(limit: &Limit, sent: Nanos, lease: Nanos) -> Nanos {
 impl Grants {
     /// An isolate's grants as node `node`, holding at most `cap` counters.
     pub fn new(node: u64, cap: usize) -> Grants {
-        Grants {
-            node: node.max(1),
-            seq: 0,
-            ask: 0,
-            held: HashMap::new(),
-            cap: cap.max(1),
-            local: 0,
-            credited: 0,
-            dropped: 0,
-        }
+        Grants { node: node.max(1), seq: 0, ask: 0, held: HashMap::new(), cap: cap.max(1), local: 0, dropped: 0 }
     }
 
     fn entry(&mut self, key: &[u8], limit: Limit, now: Nanos) -> &mut Held {
@@ -260,17 +239,6 @@ impl Grants {
                 reset_after,
                 retry_after: None,
             });
-        }
-        if h.known_at == 0 && h.report.is_none() && h.pending == 0 && cost <= FIRST_CREDIT {
-            // A key the isolate has never heard of from its object: decided as a fresh
-            // counter, at once; its report goes in the background and brings the view.
-            let (d, _) = limit.decide(&State::Fresh, now, cost);
-            if d.allowed && limit.quota() >= CREDIT_MIN_QUOTA {
-                h.pending = cost;
-                self.local += 1;
-                self.credited += 1;
-                return Local::Admitted(d);
-            }
         }
         self.ask = self.ask.wrapping_add(1).max(1);
         let ask = self.ask;
@@ -566,7 +534,6 @@ mod tests {
     fn a_refund_goes_back_to_the_grant() {
         let mut p = Pair::new(sliding(100));
         p.request(T);
-        p.reports(T);
         let Local::Admitted(a) = p.grants.check(KEY, p.limit, 1, T + 1) else { panic!("from the grant") };
         p.grants.refund(KEY, 1);
         let Local::Admitted(b) = p.grants.check(KEY, p.limit, 1, T + 2) else { panic!() };
@@ -582,7 +549,6 @@ mod tests {
         assert!(g.len() <= 10);
         let mut p = Pair::new(sliding(100));
         p.request(T);
-        p.reports(T);
         assert!(matches!(p.grants.check(KEY, p.limit, 1, T + 1), Local::Admitted(_)));
         assert!(matches!(p.grants.check(KEY, sliding(50), 1, T + 2), Local::Call(_)), "a new limit asks");
     }
@@ -593,55 +559,8 @@ mod tests {
         let mut p = Pair::new(l);
         let start = T + SECOND - 10 * super::super::MS;
         p.request(start);
-        p.reports(start);
         assert!(matches!(p.grants.check(KEY, l, 1, start + 1), Local::Admitted(_)));
         assert!(matches!(p.grants.check(KEY, l, 1, T + SECOND), Local::Call(_)), "the next window asks");
-    }
-
-    #[test]
-    fn a_keys_first_request_takes_one_credit_and_waits_for_nothing() {
-        let mut p = Pair::new(sliding(100));
-        let Local::Admitted(d) = p.grants.check(KEY, p.limit, 1, T) else { panic!("decided at once") };
-        assert_eq!((d.allowed, d.remaining, p.calls), (true, 99, 0), "as a fresh counter, no object call");
-        assert!(matches!(p.grants.check(KEY, p.limit, 1, T), Local::Call(_)), "one credit until the object answers");
-        assert_eq!(p.grants.schedule(KEY, T), Some(0), "its report goes at once");
-        assert_eq!(p.grants.credited, 1);
-        // Tiny limits, and requests costing more than the credit, wait for the object.
-        let mut g = Grants::new(2, 10);
-        assert!(matches!(g.check(b"tiny", sliding(5), 1, T), Local::Call(_)));
-        assert!(matches!(g.check(b"dear", sliding(100), 2, T), Local::Call(_)));
-    }
-
-    #[test]
-    fn first_credits_admit_at_most_one_unit_per_isolate_past_the_limit() {
-        // The object's 20 units spent by one isolate; 30 isolates then see the key for the
-        // first time.
-        let limit = sliding(20);
-        let mut object = Object::default();
-        object.load(None, Some(limit)).unwrap();
-        for _ in 0..20 {
-            object.handle(Call::Take { limit, cost: 1 }, T).unwrap();
-        }
-        let mut admitted = 0;
-        for node in 0..30u64 {
-            let mut g = Grants::new(100 + node, 10);
-            for i in 0..5 {
-                let t = T + i * super::super::MS;
-                let allowed = match g.check(KEY, limit, 1, t) {
-                    Local::Admitted(d) => d.allowed,
-                    Local::Call(call) => {
-                        let reply = object.handle(call, t).unwrap().reply;
-                        g.answered(KEY, &call, Ok(&reply), t, t).unwrap().unwrap().decision().allowed
-                    }
-                };
-                admitted += u64::from(allowed);
-                if let Some(call) = g.report(KEY, t) {
-                    let reply = object.handle(call, t).unwrap().reply;
-                    g.answered(KEY, &call, Ok(&reply), t, t);
-                }
-            }
-        }
-        assert_eq!(admitted, 30, "one credit per isolate, none after its view arrived");
     }
 
     #[test]
