@@ -4,9 +4,11 @@
 //! between the Worker and its Durable Objects, the isolate's metrics; the counter object
 //! ([`object`]) and `/v1/sync` ([`store`]).
 
+pub mod admin;
 pub mod grants;
 pub mod object;
 pub mod store;
+pub mod top;
 
 use grants::Answer;
 
@@ -468,6 +470,9 @@ pub struct Metrics {
     pub grant_admissions: u64,
     /// Units admitted from grants whose report was given up.
     pub units_dropped: u64,
+    /// Reports of who is being limited sent to the admin object, and of which failed.
+    pub top_reports: u64,
+    pub top_reports_failed: u64,
 }
 
 impl Metrics {
@@ -554,6 +559,12 @@ impl Metrics {
                 self.grant_admissions,
             ),
             ("units_dropped", "Units admitted from grants whose report was given up.", self.units_dropped),
+            ("top_reports", "Reports of the top denied keys sent to the admin object.", self.top_reports),
+            (
+                "top_reports_failed",
+                "Reports of the top denied keys that failed (their counts are not in /_ratewall/top).",
+                self.top_reports_failed,
+            ),
         ] {
             let _ = writeln!(out, "# HELP ratewall_{what} {help}\n# TYPE ratewall_{what} counter\nratewall_{what} {v}");
         }

@@ -1,8 +1,10 @@
 //! The Workers runtime glue (wasm32 only): the fetch handler, the counter Durable Object and
 //! the `/v1/sync` store. Decisions are made by `ratewall-core` and `crate::edge`.
 
+use crate::edge::admin::{self, Access};
 use crate::edge::grants::{Answer, Grants, Local, REPORT_EVERY};
 use crate::edge::object::{AlarmPlan, Object};
+use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
     cached_denials, checks_for, decisions, in_flight, object_name, refund_calls, store, take_answer, wait_of,
     BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
@@ -26,6 +28,11 @@ const COUNTERS: &str = "RATEWALL_COUNTER";
 const SYNC_PATH: &str = "/v1/sync";
 /// The isolate's metrics.
 const METRICS_PATH: &str = "/_ratewall/metrics";
+/// The admin routes (behind `RATEWALL_ADMIN_TOKEN`): the edge's top offenders, its
+/// per-second series, and the dashboard page.
+const TOP_PATH: &str = "/_ratewall/top";
+const SERIES_PATH: &str = "/_ratewall/series";
+const PAGE_PATH: &str = "/_ratewall/";
 /// Requests under this path are limited by Cloudflare's own `ratelimit` binding named
 /// [`PEER_LIMITER`], keyed by `x-user-id`, when the Worker has that binding (the benchmark's
 /// peer, in the same Worker and run); without it they are ordinary requests.
@@ -39,6 +46,11 @@ struct Isolate {
     fallback: LocalFallback,
     grants: Grants,
     metrics: Metrics,
+    /// This isolate's node id at the counter and admin objects.
+    node: u64,
+    top: IsolateTop,
+    /// A too-short admin token was reported.
+    admin_warned: bool,
 }
 
 /// A random node id for this isolate at the counter objects.
@@ -48,14 +60,20 @@ fn random_node() -> u64 {
 }
 
 thread_local! {
-    static ISOLATE: RefCell<Isolate> = RefCell::new(Isolate {
-        rules: Rules::default(),
-        var_loaded: false,
-        kv_next: 0,
-        cache: BlockedCache::new(10_000),
-        fallback: LocalFallback::new(10_000),
-        grants: Grants::new(random_node(), 10_000),
-        metrics: Metrics::default(),
+    static ISOLATE: RefCell<Isolate> = RefCell::new({
+        let node = random_node();
+        Isolate {
+            rules: Rules::default(),
+            var_loaded: false,
+            kv_next: 0,
+            cache: BlockedCache::new(10_000),
+            fallback: LocalFallback::new(10_000),
+            grants: Grants::new(node, 10_000),
+            metrics: Metrics::default(),
+            node,
+            top: IsolateTop::default(),
+            admin_warned: false,
+        }
     });
 }
 
@@ -129,12 +147,17 @@ async fn call_object(env: &Env, key: &[u8], call: Call, timeout: Duration) -> st
 
 /// One call to the object named `name`, with a deadline.
 async fn call_named(env: &Env, name: &str, call: Call, timeout: Duration) -> std::result::Result<String, StoreError> {
+    call_body(env, name, call.encode(), timeout).await
+}
+
+/// One message `body` to the object named `name`, with a deadline.
+async fn call_body(env: &Env, name: &str, body: String, timeout: Duration) -> std::result::Result<String, StoreError> {
     with(|i| i.metrics.object_calls += 1);
     let attempt = async {
         let binding = var(env, "COUNTER_BINDING").unwrap_or_else(|| COUNTERS.to_owned());
         let stub = env.durable_object(&binding)?.get_by_name(name)?;
         let mut init = RequestInit::new();
-        init.with_method(Method::Post).with_body(Some(JsValue::from_str(&call.encode())));
+        init.with_method(Method::Post).with_body(Some(JsValue::from_str(&body)));
         let req = Request::new_with_init("https://counter.ratewall/", &init)?;
         let mut resp = stub.fetch_with_request(req).await?;
         if resp.status_code() != 200 {
@@ -262,8 +285,131 @@ fn schedule_report(env: &Env, ctx: &Context, key: &[u8], timeout: Duration) {
     });
 }
 
-fn count(config: &Config, outcome: &Outcome, skipped: &[(usize, Skip)], cached: bool) {
-    with(|i| i.metrics.count(config, outcome, skipped, cached));
+/// Counts a request's outcome: the isolate's metrics, and its top offenders (reported to the
+/// admin object in the background, at most once per `TOP_REPORT_SECONDS`).
+fn count(
+    env: &Env,
+    ctx: &Context,
+    config: &Rc<Config>,
+    checks: &[Check],
+    outcome: &Outcome,
+    skipped: &[(usize, Skip)],
+    cached: bool,
+) {
+    let t = now();
+    with(|i| {
+        i.metrics.count(config, outcome, skipped, cached);
+        i.top.count(config, checks, outcome, t);
+    });
+    schedule_top(env, ctx);
+}
+
+fn object_timeout(env: &Env) -> Duration {
+    Duration::from_millis(var_u64(env, "OBJECT_TIMEOUT_MS", 1000))
+}
+
+/// Starts the background report of what this isolate counted, unless one is scheduled: one
+/// call to the admin object per interval (`TOP_REPORT_SECONDS`, 1 to 20, default 5) while
+/// there is traffic, none per request.
+fn schedule_top(env: &Env, ctx: &Context) {
+    let every = var_u64(env, "TOP_REPORT_SECONDS", top::REPORT_EVERY / SECOND).clamp(1, 20).saturating_mul(SECOND);
+    let Some(delay) = with(|i| i.top.schedule(now(), every)) else { return };
+    let (env, timeout) = (env.clone(), object_timeout(env));
+    ctx.wait_until(async move {
+        if delay > 0 {
+            Delay::from(Duration::from_millis(delay / MS)).await;
+        }
+        let Some(report) = with(|i| i.top.take(i.node, now())) else { return };
+        let sent = call_body(&env, ADMIN_OBJECT, TopCall::Report(report).encode(), timeout).await;
+        with(|i| {
+            i.metrics.top_reports += 1;
+            i.metrics.top_reports_failed += u64::from(sent.is_err());
+        });
+    });
+}
+
+/// The admin token, if the Worker has one (a secret, or a var in local runs). A token too
+/// short to be one leaves the routes off; that is logged once (never the token).
+fn admin_token(env: &Env) -> Option<String> {
+    let token = env
+        .secret("RATEWALL_ADMIN_TOKEN")
+        .map(|s| s.to_string())
+        .ok()
+        .or_else(|| var(env, "RATEWALL_ADMIN_TOKEN"))
+        .filter(|t| !t.trim().is_empty())?;
+    if token.trim().len() < admin::MIN_TOKEN && !with(|i| std::mem::replace(&mut i.admin_warned, true)) {
+        console_error!(
+            "ratewall: RATEWALL_ADMIN_TOKEN is shorter than {} characters; the admin routes stay off",
+            admin::MIN_TOKEN
+        );
+    }
+    Some(token)
+}
+
+fn json_response(status: u16, body: &str) -> Result<Response> {
+    let headers = Headers::new();
+    headers.set("content-type", "application/json")?;
+    headers.set("cache-control", "no-store")?;
+    Ok(Response::from_bytes(body.as_bytes().to_vec())?.with_status(status).with_headers(headers))
+}
+
+/// `GET /_ratewall/top`, `GET /_ratewall/series` and the page at `GET /_ratewall/`, only for
+/// the admin token (edge::admin): the answers come from the admin object, which this
+/// isolate's own unreported counts reach first, with the rules in document order.
+async fn admin_route(req: Request, env: Env, path: &str) -> Result<Response> {
+    let page = path == PAGE_PATH || path == "/_ratewall";
+    let url = req.url()?;
+    let query = |name: &str| url.query_pairs().find(|(k, _)| k == name).map(|(_, v)| v.into_owned());
+    let authorization = req.headers().get("authorization").ok().flatten();
+    let query_token = if page { query("token") } else { None };
+    let access = admin::access(admin_token(&env).as_deref(), authorization.as_deref(), query_token.as_deref());
+    if access != Access::Granted {
+        let headers = Headers::new();
+        headers.set("content-type", "text/plain; charset=utf-8")?;
+        headers.set("cache-control", "no-store")?;
+        if access == Access::Refused {
+            headers.set("www-authenticate", "Bearer realm=\"ratewall\"")?;
+        }
+        let body = admin::refusal(access, page).as_bytes().to_vec();
+        return Ok(Response::from_bytes(body)?.with_status(access.status()).with_headers(headers));
+    }
+    if req.method() != Method::Get {
+        let headers = Headers::new();
+        headers.set("allow", "GET")?;
+        return Ok(Response::from_bytes(b"GET only\n".to_vec())?.with_status(405).with_headers(headers));
+    }
+    if page {
+        let headers = Headers::new();
+        for (name, value) in admin::PAGE_HEADERS {
+            headers.set(name, value)?;
+        }
+        return Ok(Response::from_bytes(admin::PAGE.as_bytes().to_vec())?.with_headers(headers));
+    }
+    let rule = query("rule");
+    let window = match Window::parse(query("window").as_deref()) {
+        Ok(w) => w,
+        Err(why) => return json_response(400, &serde_json::json!({"error": why}).to_string()),
+    };
+    let config = rules(&env).await;
+    let report = with(|i| i.top.take(i.node, now()));
+    let reported = report.is_some();
+    let (call, zeros) = if path == TOP_PATH {
+        (TopCall::Top { window, rule: rule.clone(), report }, true)
+    } else {
+        (TopCall::Series { rule: rule.clone(), report }, false)
+    };
+    let answer = call_body(&env, ADMIN_OBJECT, call.encode(), object_timeout(&env)).await;
+    with(|i| {
+        i.metrics.top_reports += u64::from(reported);
+        i.metrics.top_reports_failed += u64::from(reported && answer.is_err());
+    });
+    match answer.ok().and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok()) {
+        Some(v) => {
+            let v = top::in_document_order(config.as_deref(), rule.as_deref(), v, zeros);
+            json_response(200, &v.to_string())
+        }
+        None => json_response(503, r#"{"error": "the admin object did not answer"}"#),
+    }
 }
 
 async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
@@ -279,7 +425,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     if use_cache {
         let outcome = with(|i| cached_denials(&config, &checks, t, &mut i.cache));
         if outcome.rejected {
-            count(&config, &outcome, &skipped, true);
+            count(&env, &ctx, &config, &checks, &outcome, &skipped, true);
             return reply_response(&render(&config, &outcome));
         }
     }
@@ -320,7 +466,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
             }
         });
     }
-    count(&config, &outcome, &skipped, false);
+    count(&env, &ctx, &config, &checks, &outcome, &skipped, false);
     let reply = render(&config, &outcome);
     if reply.passes() {
         // A leaky bucket's queued request waits its turn, then goes.
@@ -343,7 +489,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
 }
 
 /// `POST /v1/sync`: a filter node's signed batch of deltas in, the global view out (signed).
-async fn sync(mut req: Request, env: Env) -> Result<Response> {
+async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
     let secret = env.secret("RATEWALL_SYNC_SECRET").map(|s| s.to_string()).unwrap_or_default();
     let tag = req.headers().get("x-ratewall-signature").ok().flatten();
     let body = req.bytes().await?;
@@ -384,6 +530,14 @@ async fn sync(mut req: Request, env: Env) -> Result<Response> {
     headers.set("content-type", "application/octet-stream")?;
     headers.set("x-ratewall-signature", &signature)?;
     with(|i| i.metrics.sync_ok += 1);
+    // A batch's top section (who the node's proxy is limiting) goes to the admin object, in
+    // the background: the Worker's /_ratewall/top then covers the filter fleet too.
+    if let Ok((_, Some(section))) = ratewall_core::sync::SyncRequest::decode_with_top(&body) {
+        let report = Report { node: batch.node, seq: batch.seq, section, series: Vec::new() };
+        ctx.wait_until(async move {
+            let _ = call_body(&env, ADMIN_OBJECT, TopCall::Report(report).encode(), timeout).await;
+        });
+    }
     Ok(Response::from_bytes(out)?.with_headers(headers))
 }
 
@@ -397,8 +551,11 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
             i.metrics.render()
         }));
     }
+    if path == TOP_PATH || path == SERIES_PATH || path == PAGE_PATH || path == "/_ratewall" {
+        return admin_route(req, env, &path).await;
+    }
     if path == SYNC_PATH && req.method() == Method::Post {
-        return sync(req, env).await;
+        return sync(req, env, ctx).await;
     }
     if path.starts_with(PEER_PREFIX) {
         if let Ok(peer) = env.rate_limiter(PEER_LIMITER) {
@@ -424,6 +581,8 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
 pub struct RateLimitCounter {
     state: worker::State,
     object: RefCell<Object>,
+    /// For the object named [`ADMIN_OBJECT`]: the isolates' reports, merged.
+    top: RefCell<Aggregate>,
 }
 
 impl RateLimitCounter {
@@ -460,12 +619,15 @@ impl RateLimitCounter {
 
 impl DurableObject for RateLimitCounter {
     fn new(state: worker::State, _env: Env) -> Self {
-        RateLimitCounter { state, object: RefCell::new(Object::default()) }
+        RateLimitCounter { state, object: RefCell::new(Object::default()), top: RefCell::new(Aggregate::default()) }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
         let body = req.text().await?;
         let Some(call) = Call::decode(&body) else {
+            if let Some(call) = TopCall::decode(&body) {
+                return Response::ok(self.top.borrow_mut().handle(call, now() / SECOND));
+            }
             return Response::error("not a counter call", 400);
         };
         if let Some(limit) = call.limit() {

@@ -1,12 +1,14 @@
 //! The dashboard page (`dashboard/index.html`) in headless Chromium, as the Worker serves it:
-//! at `/_ratewall/`, its JSON at `/_ratewall/top` only with the Bearer token the page was given
-//! in its URL fragment, and no series or fleet. A loopback server here plays the Worker's
-//! routes (the page as a real store serves it, with real traffic behind it, is tested in
-//! `store/tests/dashboard.rs`).
+//! at `/_ratewall/?token=…`, its JSON at `/_ratewall/top` and `/_ratewall/series` only with the
+//! Bearer token the page was given, and no fleet. First the built Worker in real workerd with
+//! real traffic behind it; then a loopback server that plays the Worker's routes with answers
+//! that lack fields, which the page must cope with (the page as a real store serves it is
+//! tested in `store/tests/dashboard.rs`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use ratewall_tests::browser::{unavailable, visit, Visit};
+use ratewall_tests::workerd::Workerd;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
@@ -55,7 +57,10 @@ fn worker_routes() -> (String, Seen) {
             ]})
             .to_string();
             let (status, kind, body) = match path.split('?').next().unwrap_or("") {
-                "/_ratewall/" => ("200 OK", "text/html; charset=utf-8", page.clone()),
+                "/_ratewall/" if path.ends_with(&format!("?token={TOKEN}")) || auth == format!("Bearer {TOKEN}") => {
+                    ("200 OK", "text/html; charset=utf-8", page.clone())
+                }
+                "/_ratewall/" => ("401 Unauthorized", "text/plain", "unauthorized".to_owned()),
                 "/_ratewall/top" if auth == format!("Bearer {TOKEN}") => ("200 OK", "application/json", top),
                 "/_ratewall/top" => ("401 Unauthorized", "text/plain", "unauthorized".to_owned()),
                 _ => ("404 Not Found", "text/plain", "not found".to_owned()),
@@ -76,8 +81,7 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
         panic!("the browser tests cannot run: {why}");
     }
     let (origin, seen) = worker_routes();
-    let shot = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/dashboard-worker.png");
-    let url = format!("{origin}/_ratewall/#token={TOKEN}");
+    let url = format!("{origin}/_ratewall/?token={TOKEN}");
     let v = visit(&Visit {
         url: &url,
         until: "document.querySelector('section.rule[data-rule=\"api-key\"] table.top td.key')",
@@ -87,7 +91,7 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
                     charts: [...document.querySelectorAll('section.rule .chart-box')].map(e => e.textContent),
                     fleetShown: document.getElementById('fleet-area').offsetHeight > 0,
                     href: location.href })",
-        screenshots: &[(&shot, 1280, 800)],
+        screenshots: &[],
     })
     .unwrap();
     let r = &v.result;
@@ -95,6 +99,7 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
     assert_eq!(r["rules"], serde_json::json!(["api-key", "login-per-ip"]), "a rule without a name is skipped: {v:?}");
     assert_eq!(r["charts"], serde_json::json!(["no data", "no data"]), "no series: no chart, no exception: {v:?}");
     assert_eq!(r["fleetShown"], false, "the Worker has no fleet: {v:?}");
+    assert_eq!(r["href"], format!("{origin}/_ratewall/"), "the token is out of the address bar: {v:?}");
     assert!(v.outside(&origin).is_empty(), "requests outside the server: {:?}", v.outside(&origin));
     // The only console errors are the browser's own notes of the routes the Worker lacks.
     let unexpected: Vec<&String> = v.errors.iter().filter(|e| !e.contains("404")).collect();
@@ -103,23 +108,61 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
     let tops: Vec<&(String, String)> = seen.iter().filter(|(p, _)| p.starts_with("/_ratewall/top")).collect();
     assert!(!tops.is_empty(), "{seen:?}");
     assert!(tops.iter().all(|(_, auth)| *auth == format!("Bearer {TOKEN}")), "{seen:?}");
-    assert!(seen.iter().all(|(p, _)| !p.contains(TOKEN)), "the token never goes to a server in a URL: {seen:?}");
+    assert!(seen[0].0.contains(TOKEN), "the page's own address: {seen:?}");
+    assert!(seen[1..].iter().all(|(p, _)| !p.contains(TOKEN)), "the token goes in no other URL: {seen:?}");
 }
 
+const RULES: &str = r#"{
+  "identity": {"api_key": {"header": "x-api-key"}},
+  "rules": [{"name": "per-key", "match": {"path": "/k/*"}, "key": ["api_key"], "limit": {"requests": 2, "per": "60s"}}]
+}"#;
+
 #[test]
-fn under_the_worker_without_a_token_the_page_says_what_it_needs() {
+fn the_worker_serves_the_page_for_its_token_and_the_page_names_the_heaviest_client() {
     if let Some(why) = unavailable() {
         panic!("the browser tests cannot run: {why}");
     }
-    let (origin, _) = worker_routes();
+    let rules = serde_json::from_str::<serde_json::Value>(RULES).unwrap().to_string();
+    let w = Workerd::start(&[("RATEWALL_RULES", &rules), ("RATEWALL_ADMIN_TOKEN", TOKEN), ("TOP_REPORT_SECONDS", "1")])
+        .unwrap();
+    for (key, n) in [("sk_live_heaviest", 12), ("sk_live_lighter", 4)] {
+        for _ in 0..n {
+            assert_ne!(w.request("GET", "/k/x", &[("x-api-key", key)], &[]).status, 0);
+        }
+    }
+    let origin = format!("http://{}", w.addr);
+    let shot = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/dashboard-worker.png");
+    let v = visit(&Visit {
+        url: &format!("{origin}/_ratewall/?token={TOKEN}"),
+        until: "document.querySelector('section.rule[data-rule=\"per-key\"] table.top td.key') &&
+                document.querySelector('section.rule[data-rule=\"per-key\"] svg.chart')",
+        timeout_ms: 20_000,
+        collect: "({ keys: [...document.querySelectorAll('section.rule[data-rule=\"per-key\"] table.top td.key')].map(e => e.textContent),
+                    denied: [...document.querySelectorAll('section.rule[data-rule=\"per-key\"] table.top td.denied')].map(e => e.textContent),
+                    points: Number(document.querySelector('section.rule[data-rule=\"per-key\"] svg.chart').dataset.points),
+                    text: document.body.innerText, href: location.href })",
+        screenshots: &[(&shot, 1280, 800)],
+    })
+    .unwrap();
+    let r = &v.result;
+    assert!(r["keys"][0].as_str().unwrap().starts_with("api_key=#"), "{v:?}");
+    assert_eq!(r["denied"][0], "10", "the heaviest client first: {v:?}");
+    assert!(r["points"].as_u64().unwrap() > 0, "the chart has points: {v:?}");
+    assert!(!r["text"].as_str().unwrap().contains(TOKEN) && !r["text"].as_str().unwrap().contains("sk_live"), "{v:?}");
+    assert_eq!(r["href"], format!("{origin}/_ratewall/"), "{v:?}");
+    assert!(v.outside(&origin).is_empty(), "requests outside the Worker: {:?}", v.outside(&origin));
+    assert!(v.requests[1..].iter().all(|u| !u.contains(TOKEN)), "the token in a URL: {:?}", v.requests);
+    assert!(v.errors.is_empty(), "console errors: {:?}", v.errors);
+
+    // Opened without its token, the Worker answers 401 and says how to open it.
     let v = visit(&Visit {
         url: &format!("{origin}/_ratewall/"),
-        until: "document.querySelector('#empty .nodata')",
+        until: "document.body && document.body.innerText.length > 0",
         timeout_ms: 15_000,
-        collect: "document.querySelector('#empty .nodata').textContent",
+        collect: "document.body.innerText",
         screenshots: &[],
     })
     .unwrap();
-    assert!(v.result.as_str().unwrap().contains("#token="), "{v:?}");
-    assert!(v.errors.iter().all(|e| e.contains("401") || e.contains("404")), "{:?}", v.errors);
+    assert!(v.result.as_str().unwrap().contains("?token="), "{v:?}");
+    assert!(v.requests.len() == 1, "nothing else is loaded: {:?}", v.requests);
 }

@@ -48,17 +48,20 @@ pub(crate) fn dev(args: &[String]) -> Result<()> {
         .and_then(|p| p.parse().ok())
         .unwrap_or(8787);
     let port = free_port(want);
-    // A fresh secret per run for the sync store; filter fleets in this dev setup use it.
-    let secret = {
+    // Fresh secrets per run: the sync store's (filter fleets in this dev setup use it) and the
+    // admin routes' (the dashboard).
+    let random = || {
         use std::io::Read;
         let mut bytes = [0u8; 16];
         let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
         bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
     };
+    let (secret, admin) = (random(), random());
     let mut child = Command::new(root().join("node_modules/.bin/wrangler"))
         .current_dir(root())
         .args(["dev", "--local", "--ip", "127.0.0.1", "--port", &port.to_string(), "--persist-to", "target/dev-state"])
         .args(["--var", &format!("RATEWALL_SYNC_SECRET:{secret}")])
+        .args(["--var", &format!("RATEWALL_ADMIN_TOKEN:{admin}")])
         .env("WRANGLER_SEND_METRICS", "false")
         .env("WRANGLER_HIDE_BANNER", "true")
         .env("CLOUDFLARE_CF_FETCH_ENABLED", "false")
@@ -83,6 +86,9 @@ pub(crate) fn dev(args: &[String]) -> Result<()> {
     curl -si -H 'cf-connecting-ip: 203.0.113.7' {url}/v1/auth/login
   metrics of this isolate:
     curl -s {url}/_ratewall/metrics
+  the dashboard (who is being limited, for the whole edge), and its JSON:
+    {url}/_ratewall/?token={admin}
+    curl -s -H 'authorization: Bearer {admin}' {url}/_ratewall/top
   sync secret for filter fleets (POST {url}/v1/sync): {secret}
 
 Ctrl-C stops it.\n"

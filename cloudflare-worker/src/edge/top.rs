@@ -1,0 +1,551 @@
+//! Who the edge is limiting, for the whole edge: each isolate counts its rules' allowed and
+//! denied requests and its denied keys (a denial answered from the blocked-key cache
+//! included) in isolate memory, and reports them in the background, at most once per
+//! report interval, to one admin Durable Object ([`ADMIN_OBJECT`]), which merges the
+//! isolates' reports into bounded time buckets: `GET /_ratewall/top` and
+//! `GET /_ratewall/series` read them there.
+//!
+//! Costs: a decided check adds to a few integers and, when denied, to its rule's bounded
+//! summary ([`Summary`], at most 64 keys); no request makes an object call for it — one
+//! report per isolate per interval while it has traffic. Memory: per isolate, per rule one
+//! summary and at most [`PENDING_SECONDS`] seconds of counts; at the admin object at most
+//! [`MAX_RULES`] rules, each with a fixed number of buckets. Keys are counter keys until a
+//! report is made, then their shown form ([`render`]): a secret value is only ever its keyed
+//! hash, as in the filter and the store.
+
+use super::hex;
+use ratewall_core::algo::Nanos;
+use ratewall_core::eval::{Check, Outcome, Tally};
+use ratewall_core::sync::{RuleTop, TopSection};
+use ratewall_core::topk::{bounded_key, node_bit, node_count, render, Summary, CAPACITY};
+use ratewall_core::{Config, SECOND};
+use serde_json::{json, Value};
+use std::rc::Rc;
+
+/// The Durable Object that merges the isolates' reports.
+pub const ADMIN_OBJECT: &str = "t:top";
+/// How often an isolate reports, by default (the `TOP_REPORT_SECONDS` var sets it).
+pub const REPORT_EVERY: Nanos = 5 * SECOND;
+/// A scheduled report not taken this long after its time is taken as lost.
+pub const LOST_AFTER: Nanos = 30 * SECOND;
+/// Seconds of per-second counts an isolate keeps between reports (past it, the last second
+/// takes the counts).
+pub const PENDING_SECONDS: usize = 64;
+/// Most rules the admin object tracks (rules first heard past it are not).
+pub const MAX_RULES: usize = 64;
+/// Filter nodes whose latest batch `seq` the admin object remembers.
+pub const MAX_NODES: usize = 10_000;
+/// Entries `top` lists at most.
+pub const LISTED: usize = 20;
+/// Seconds of the per-second series.
+pub const SERIES: usize = 900;
+/// A window's buckets: how long each is (seconds) and how many there are.
+const MINUTE: (u64, usize) = (5, 12);
+const HOUR: (u64, usize) = (300, 12);
+
+/// One second's counts: (unix second, allowed, denied, shadow denied).
+pub type Second = (u64, u64, u64, u64);
+
+/// One rule's counts in an isolate since its last report.
+#[derive(Clone, Debug, Default)]
+struct Pending {
+    allowed: u64,
+    denied: u64,
+    shadow: u64,
+    /// Denied (and shadow-denied) counter keys.
+    top: Option<Summary>,
+    series: Vec<Second>,
+}
+
+impl Pending {
+    fn second(&mut self, sec: u64) -> Option<&mut Second> {
+        let last = self.series.last().map(|s| s.0);
+        // Time that goes backwards counts in the latest second; a full list in its last.
+        if last.is_none_or(|l| sec > l) && self.series.len() < PENDING_SECONDS {
+            self.series.push((sec, 0, 0, 0));
+        }
+        self.series.last_mut()
+    }
+}
+
+/// An isolate's report: per rule its counts and top keys (shown form), and its counts per
+/// second.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// The isolate's node id (its bit marks the keys it saw).
+    pub node: u64,
+    /// For a filter node's batch, its `seq` (a retried batch is merged once); 0 for an
+    /// isolate's report.
+    pub seq: u64,
+    /// Per rule: counts and top denied keys.
+    pub section: TopSection,
+    /// Per rule, in the order of `section`'s: counts per second, oldest first.
+    pub series: Vec<Vec<Second>>,
+}
+
+impl Report {
+    fn to_json(&self) -> Value {
+        let mut section = Vec::new();
+        self.section.encode_into(&mut section);
+        let series: Vec<Value> =
+            self.series.iter().map(|s| json!(s.iter().map(|e| [e.0, e.1, e.2, e.3]).collect::<Vec<_>>())).collect();
+        json!({"node": self.node, "seq": self.seq, "top": hex(&section), "series": series})
+    }
+
+    fn from_json(v: &Value) -> Option<Report> {
+        let node = v.get("node")?.as_u64()?;
+        let bytes = super::unhex(v.get("top")?.as_str()?.as_bytes())?;
+        let section = TopSection::decode(&bytes).ok()?;
+        let mut series = Vec::new();
+        for list in v.get("series")?.as_array()? {
+            let list = list.as_array()?;
+            if list.len() > PENDING_SECONDS || series.len() >= MAX_RULES {
+                return None;
+            }
+            let mut s = Vec::with_capacity(list.len());
+            for e in list {
+                let e = e.as_array()?;
+                let n = |i: usize| e.get(i).and_then(Value::as_u64);
+                s.push((n(0)?, n(1)?, n(2)?, n(3)?));
+            }
+            series.push(s);
+        }
+        let seq = v.get("seq").map_or(Some(0), Value::as_u64)?;
+        Some(Report { node, seq, section, series })
+    }
+}
+
+/// What an isolate has counted since its last report.
+#[derive(Default)]
+pub struct IsolateTop {
+    /// The rules the pending counts are indexed by.
+    under: Option<Rc<Config>>,
+    rules: Vec<Pending>,
+    /// Counts made under rules no longer in force, already in their shown form.
+    carried: Option<Report>,
+    any: bool,
+    /// When the report scheduled is due (none scheduled: `None`).
+    scheduled: Option<Nanos>,
+    last_sent: Nanos,
+    /// Reports sent, and of which failed (their counts are lost: a report is not retried,
+    /// so that none is counted twice).
+    pub reports: u64,
+    pub reports_failed: u64,
+}
+
+impl IsolateTop {
+    /// Counts a request's `outcome` (its `checks`, at `t`) under `config`. A denial answered
+    /// from the blocked-key cache is counted as any other.
+    pub fn count(&mut self, config: &Rc<Config>, checks: &[Check], outcome: &Outcome, t: Nanos) {
+        if !self.under.as_ref().is_some_and(|u| Rc::ptr_eq(u, config)) {
+            // The rules changed: what was counted under the old ones is shown with them.
+            if let Some(old) = self.render(0) {
+                let carried = self.carried.get_or_insert_with(Report::default);
+                carried.section.rules.extend(old.section.rules);
+                carried.series.extend(old.series);
+                carried.section.rules.truncate(MAX_RULES);
+                carried.series.truncate(MAX_RULES);
+            }
+            self.rules = vec![Pending::default(); config.rules.len()];
+            self.under = Some(Rc::clone(config));
+        }
+        let sec = t / SECOND;
+        for (rule, tally) in outcome.tally(&[]) {
+            let Some(p) = self.rules.get_mut(rule) else { continue };
+            let check = checks.iter().find(|c| c.rule == rule);
+            let denied = match tally {
+                Tally::Allowed => {
+                    p.allowed = p.allowed.saturating_add(1);
+                    if let (Some(top), Some(c)) = (p.top.as_mut(), check) {
+                        // Admitted units of a key already listed (side information).
+                        top.add(&c.key, 0, c.cost, 0);
+                    }
+                    if let Some(s) = p.second(sec) {
+                        s.1 = s.1.saturating_add(1);
+                    }
+                    false
+                }
+                Tally::Rejected => {
+                    p.denied = p.denied.saturating_add(1);
+                    if let Some(s) = p.second(sec) {
+                        s.2 = s.2.saturating_add(1);
+                    }
+                    true
+                }
+                Tally::ShadowRejected => {
+                    p.shadow = p.shadow.saturating_add(1);
+                    if let Some(s) = p.second(sec) {
+                        s.3 = s.3.saturating_add(1);
+                    }
+                    true
+                }
+                Tally::Unkeyed | Tally::Failed(_) => continue,
+            };
+            if let (true, Some(c)) = (denied, check) {
+                p.top.get_or_insert_with(|| Summary::new(CAPACITY)).add(&c.key, 1, 0, 0);
+            }
+            self.any = true;
+        }
+    }
+
+    /// Whether counts wait to be reported.
+    pub fn pending(&self) -> bool {
+        self.any || self.carried.is_some()
+    }
+
+    /// How long until the next report should go, if the glue should schedule one now (none
+    /// is scheduled and counts wait): `every` after the last one. Marks it scheduled. A
+    /// report still not taken [`LOST_AFTER`] past its time was lost with its background task
+    /// (the runtime ends them): another is scheduled.
+    pub fn schedule(&mut self, now: Nanos, every: Nanos) -> Option<Nanos> {
+        if self.scheduled.is_some_and(|due| now < due.saturating_add(LOST_AFTER)) || !self.pending() {
+            return None;
+        }
+        let due = self.last_sent.saturating_add(every).max(now);
+        self.scheduled = Some(due);
+        Some(due - now)
+    }
+
+    /// The report of everything counted since the last one, as `node` (`None`: nothing),
+    /// starting the next interval at `now`.
+    pub fn take(&mut self, node: u64, now: Nanos) -> Option<Report> {
+        self.scheduled = None;
+        self.last_sent = now;
+        let mut report = self.render(node).unwrap_or_default();
+        if let Some(c) = self.carried.take() {
+            report.section.rules.extend(c.section.rules);
+            report.series.extend(c.series);
+        }
+        report.node = node;
+        if report.section.rules.is_empty() {
+            return None;
+        }
+        let bit = node_bit(node);
+        for r in &mut report.section.rules {
+            let keys: Vec<Vec<u8>> = r.top.entries().iter().map(|e| e.key.clone()).collect();
+            for k in keys {
+                r.top.add(&k, 0, 0, bit);
+            }
+        }
+        Some(report)
+    }
+
+    /// The pending counts in their shown form, emptied.
+    fn render(&mut self, node: u64) -> Option<Report> {
+        let config = self.under.as_ref()?;
+        if !std::mem::take(&mut self.any) {
+            return None;
+        }
+        let mut report = Report { node, ..Report::default() };
+        for (rule, p) in config.rules.iter().zip(self.rules.iter_mut()) {
+            let p = std::mem::take(p);
+            if p.allowed == 0 && p.denied == 0 && p.shadow == 0 {
+                continue;
+            }
+            let top = p.top.map_or_else(
+                || Summary::new(CAPACITY),
+                |t| {
+                    t.map_keys(|k| {
+                        let (_, shown) = render(config, k)?;
+                        Some(bounded_key(shown, &config.identity.hash_key).into_bytes())
+                    })
+                },
+            );
+            report.section.rules.push(RuleTop {
+                rule: rule.name.clone(),
+                allowed: p.allowed,
+                denied: p.denied,
+                shadow_denied: p.shadow,
+                top,
+            });
+            report.series.push(p.series);
+        }
+        Some(report)
+    }
+}
+
+/// Which window `top` answers for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Window {
+    /// The last minute.
+    Minute,
+    /// The last hour.
+    Hour,
+}
+
+impl Window {
+    /// `1m` or `1h` (absent: the minute).
+    pub fn parse(v: Option<&str>) -> Result<Window, String> {
+        match v {
+            None | Some("1m") => Ok(Window::Minute),
+            Some("1h") => Ok(Window::Hour),
+            Some(other) => Err(format!("window: {other:?} is not 1m or 1h")),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Window::Minute => "1m",
+            Window::Hour => "1h",
+        }
+    }
+}
+
+/// A call to the admin object: an isolate's report, or a read (which may carry the reading
+/// isolate's own report first, so that what it counted is in the answer).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TopCall {
+    /// Merge a report.
+    Report(Report),
+    /// `GET /_ratewall/top`.
+    Top { window: Window, rule: Option<String>, report: Option<Report> },
+    /// `GET /_ratewall/series`.
+    Series { rule: Option<String>, report: Option<Report> },
+}
+
+impl TopCall {
+    /// The message body (JSON).
+    pub fn encode(&self) -> String {
+        let report = |r: &Option<Report>| r.as_ref().map_or(Value::Null, Report::to_json);
+        match self {
+            TopCall::Report(r) => json!({"op": "top_report", "report": r.to_json()}),
+            TopCall::Top { window, rule, report: r } => {
+                json!({"op": "top_read", "window": window.name(), "rule": rule, "report": report(r)})
+            }
+            TopCall::Series { rule, report: r } => json!({"op": "series_read", "rule": rule, "report": report(r)}),
+        }
+        .to_string()
+    }
+
+    /// Parses a message body; `None` when it is not a valid admin call.
+    pub fn decode(body: &str) -> Option<TopCall> {
+        let v: Value = serde_json::from_str(body).ok()?;
+        let report = match v.get("report") {
+            None | Some(Value::Null) => None,
+            Some(r) => Some(Report::from_json(r)?),
+        };
+        let rule = match v.get("rule") {
+            None | Some(Value::Null) => None,
+            Some(r) => Some(r.as_str()?.to_owned()),
+        };
+        match v.get("op")?.as_str()? {
+            "top_report" => Some(TopCall::Report(report?)),
+            "top_read" => Some(TopCall::Top { window: Window::parse(v.get("window")?.as_str()).ok()?, rule, report }),
+            "series_read" => Some(TopCall::Series { rule, report }),
+            _ => None,
+        }
+    }
+}
+
+/// What one bucket of time counted.
+#[derive(Clone, Debug, Default)]
+struct Bucket {
+    /// Its index (unix seconds / bucket length); 0: never used.
+    at: u64,
+    allowed: u64,
+    denied: u64,
+    shadow: u64,
+    top: Option<Summary>,
+}
+
+impl Bucket {
+    fn add(&mut self, at: u64, r: &RuleTop) {
+        if self.at != at {
+            *self = Bucket { at, ..Bucket::default() };
+        }
+        self.allowed = self.allowed.saturating_add(r.allowed);
+        self.denied = self.denied.saturating_add(r.denied);
+        self.shadow = self.shadow.saturating_add(r.shadow_denied);
+        if !r.top.is_empty() {
+            self.top.get_or_insert_with(|| Summary::new(CAPACITY)).merge(&r.top);
+        }
+    }
+}
+
+/// One rule at the admin object.
+#[derive(Debug)]
+struct AggRule {
+    name: String,
+    minute: Vec<Bucket>,
+    hour: Vec<Bucket>,
+    series: Vec<Second>,
+}
+
+/// The admin object's view of the edge: the isolates' reports merged per rule into bounded
+/// buckets (the last minute, the last hour, a per-second series over 15 minutes). Soft
+/// state, in the object's memory: a restart of the object starts it empty.
+#[derive(Debug, Default)]
+pub struct Aggregate {
+    rules: Vec<AggRule>,
+    /// Per filter node, the latest batch `seq` merged (at most [`MAX_NODES`]).
+    seqs: std::collections::HashMap<u64, u64>,
+    /// The latest unix second seen (time that goes backwards is clamped to it).
+    now: u64,
+}
+
+impl Aggregate {
+    /// Merges `report`, received at `unix` (seconds).
+    pub fn add(&mut self, unix: u64, report: &Report) {
+        if report.seq > 0 {
+            if self.seqs.get(&report.node).is_some_and(|s| *s >= report.seq) {
+                return;
+            }
+            if self.seqs.len() >= MAX_NODES && !self.seqs.contains_key(&report.node) {
+                // Forgetting the nodes only risks counting a retried batch's section twice.
+                self.seqs.clear();
+            }
+            self.seqs.insert(report.node, report.seq);
+        }
+        self.now = self.now.max(unix);
+        let t = self.now;
+        for (n, r) in report.section.rules.iter().enumerate() {
+            let i = match self.rules.iter().position(|x| x.name == r.rule) {
+                Some(i) => i,
+                None if self.rules.len() < MAX_RULES => {
+                    self.rules.push(AggRule {
+                        name: r.rule.clone(),
+                        minute: vec![Bucket::default(); MINUTE.1],
+                        hour: vec![Bucket::default(); HOUR.1],
+                        series: vec![(0, 0, 0, 0); SERIES],
+                    });
+                    self.rules.len() - 1
+                }
+                None => continue,
+            };
+            let Some(rule) = self.rules.get_mut(i) else { continue };
+            for (buckets, (len, count)) in [(&mut rule.minute, MINUTE), (&mut rule.hour, HOUR)] {
+                let at = t / len;
+                if let Some(b) = buckets.get_mut((at % count as u64) as usize) {
+                    b.add(at, r);
+                }
+            }
+            let seconds = report.series.get(n).map(Vec::as_slice);
+            let own = [(t, r.allowed, r.denied, r.shadow_denied)];
+            // Without seconds of its own, a rule's counts are the second they were heard.
+            let seconds = seconds.filter(|s| !s.is_empty()).unwrap_or(&own);
+            for &(sec, a, d, s) in seconds {
+                // An isolate's clock ahead of this one's counts now; one too far behind, not.
+                let sec = sec.min(t);
+                if sec + (SERIES as u64) <= t {
+                    continue;
+                }
+                if let Some(e) = rule.series.get_mut((sec % SERIES as u64) as usize) {
+                    if e.0 != sec {
+                        *e = (sec, 0, 0, 0);
+                    }
+                    e.1 = e.1.saturating_add(a);
+                    e.2 = e.2.saturating_add(d);
+                    e.3 = e.3.saturating_add(s);
+                }
+            }
+        }
+    }
+
+    /// Handles an admin call at `unix` (seconds): the answer body.
+    pub fn handle(&mut self, call: TopCall, unix: u64) -> String {
+        match call {
+            TopCall::Report(r) => {
+                self.add(unix, &r);
+                String::from("{}")
+            }
+            TopCall::Top { window, rule, report } => {
+                if let Some(r) = report {
+                    self.add(unix, &r);
+                }
+                self.top(unix, rule.as_deref(), window).to_string()
+            }
+            TopCall::Series { rule, report } => {
+                if let Some(r) = report {
+                    self.add(unix, &r);
+                }
+                self.series(unix, rule.as_deref()).to_string()
+            }
+        }
+    }
+
+    /// Per rule (or only `rule`), its counts and top denied keys over the window: the JSON of
+    /// ratewall-store's `GET /v1/top`.
+    pub fn top(&self, unix: u64, rule: Option<&str>, window: Window) -> Value {
+        let t = unix.max(self.now);
+        let (len, count) = if window == Window::Minute { MINUTE } else { HOUR };
+        let first = (t / len).saturating_sub(count as u64 - 1);
+        let rules: Vec<Value> = self
+            .rules
+            .iter()
+            .filter(|r| rule.is_none_or(|n| n == r.name))
+            .map(|r| {
+                let buckets = if window == Window::Minute { &r.minute } else { &r.hour };
+                let (mut allowed, mut denied, mut shadow, mut top) = (0u64, 0u64, 0u64, Summary::new(CAPACITY));
+                for b in buckets.iter().filter(|b| b.at >= first && b.at <= t / len) {
+                    allowed = allowed.saturating_add(b.allowed);
+                    denied = denied.saturating_add(b.denied);
+                    shadow = shadow.saturating_add(b.shadow);
+                    if let Some(s) = &b.top {
+                        top.merge(s);
+                    }
+                }
+                let entries: Vec<Value> = top
+                    .top(LISTED)
+                    .into_iter()
+                    .map(|e| {
+                        json!({"key": String::from_utf8_lossy(&e.key), "denied": e.denied, "allowed": e.allowed,
+                               "nodes": node_count(e.nodes)})
+                    })
+                    .collect();
+                json!({"rule": r.name, "allowed": allowed, "denied": denied, "shadow_denied": shadow, "top": entries})
+            })
+            .collect();
+        json!({"window_s": len * count as u64, "rules": rules})
+    }
+
+    /// Per rule (or only `rule`), per-second counts over the last 15 minutes, oldest first:
+    /// the JSON of ratewall-store's `GET /v1/series`.
+    pub fn series(&self, unix: u64, rule: Option<&str>) -> Value {
+        let end = unix.max(self.now);
+        let rules: Vec<Value> = self
+            .rules
+            .iter()
+            .filter(|r| rule.is_none_or(|n| n == r.name))
+            .map(|r| {
+                let (mut a, mut d, mut s) = (Vec::new(), Vec::new(), Vec::new());
+                for sec in (end + 1).saturating_sub(SERIES as u64)..=end {
+                    let e = r.series.get((sec % SERIES as u64) as usize).filter(|e| e.0 == sec);
+                    let (x, y, z) = e.map_or((0, 0, 0), |e| (e.1, e.2, e.3));
+                    a.push(x);
+                    d.push(y);
+                    s.push(z);
+                }
+                json!({"rule": r.name, "allowed": a, "denied": d, "shadow_denied": s})
+            })
+            .collect();
+        json!({"step_s": 1, "end_unix_s": end, "rules": rules})
+    }
+}
+
+/// The admin object's answer with its rules in `config`'s document order (only those of the
+/// document; `rule`: only that one). With `zeros`, a rule the object has not heard of is
+/// listed with nothing counted (a `top` answer); else it is left out (a `series` answer).
+pub fn in_document_order(config: Option<&Config>, rule: Option<&str>, mut answer: Value, zeros: bool) -> Value {
+    let Some(config) = config else { return answer };
+    let mut heard: Vec<Value> = match answer.get_mut("rules").map(Value::take) {
+        Some(Value::Array(a)) => a,
+        _ => Vec::new(),
+    };
+    let mut rules = Vec::new();
+    for r in config.rules.iter().filter(|r| rule.is_none_or(|n| n == r.name)) {
+        match heard.iter().position(|h| h.get("rule").and_then(Value::as_str) == Some(r.name.as_str())) {
+            Some(i) => rules.push(heard.swap_remove(i)),
+            None if zeros => {
+                rules.push(json!({"rule": r.name, "allowed": 0, "denied": 0, "shadow_denied": 0, "top": []}));
+            }
+            None => {}
+        }
+    }
+    if let Some(obj) = answer.as_object_mut() {
+        obj.insert("rules".into(), Value::Array(rules));
+    }
+    answer
+}
+
+#[cfg(test)]
+mod tests;

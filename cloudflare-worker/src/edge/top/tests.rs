@@ -1,0 +1,187 @@
+use super::*;
+use crate::edge::{cached_denials, checks_for, BlockedCache, Rules};
+use ratewall_core::algo::Decision;
+use ratewall_core::eval::{combine, StoreError};
+
+const RULES: &str = r#"{
+  "identity": {"user": {"header": "x-user-id"}, "api_key": {"header": "x-api-key"},
+               "hash_key": "this deployment's hash key"},
+  "rules": [
+    {"name": "per-key", "key": ["api_key"], "limit": {"requests": 2, "per": "60s"}},
+    {"name": "watch", "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "60s"}}
+  ]}"#;
+
+const T: Nanos = 1_800_000_000 * SECOND;
+
+fn config(doc: &str) -> Rc<Config> {
+    let mut r = Rules::default();
+    r.load(doc).unwrap();
+    r.current().unwrap()
+}
+
+fn checks(c: &Config, key: &str, user: &str) -> Vec<Check> {
+    let (checks, _) = checks_for(c, "GET", "/x", &|h: &str| match h {
+        "x-api-key" => Some(key.to_owned()),
+        "x-user-id" => Some(user.to_owned()),
+        _ => None,
+    });
+    checks
+}
+
+fn decided(allowed: bool) -> Result<Decision, StoreError> {
+    Ok(Decision { allowed, limit: 2, remaining: 0, reset_after: SECOND, retry_after: (!allowed).then_some(SECOND) })
+}
+
+#[test]
+fn denials_count_whoever_answered_them_and_secrets_show_only_as_their_hash() {
+    let c = config(RULES);
+    let mut top = IsolateTop::default();
+    let heavy = checks(&c, "sk_live_heavy", "ann");
+    // Two allowed, one denied by the counter object, then denials from the blocked cache.
+    for allowed in [true, true, false] {
+        let (o, _) = combine(&c, &heavy, &[decided(allowed), decided(true)]);
+        top.count(&c, &heavy, &o, T);
+    }
+    let mut cache = BlockedCache::new(10);
+    cache.insert(&heavy[0].key, T, 1, decided(false).unwrap());
+    for i in 0..7 {
+        let o = cached_denials(&c, &heavy, T + i * SECOND / 10, &mut cache);
+        assert!(o.rejected);
+        top.count(&c, &heavy, &o, T + SECOND);
+    }
+    let light = checks(&c, "sk_live_light", "bob");
+    let (o, _) = combine(&c, &light, &[decided(false), decided(false)]);
+    top.count(&c, &light, &o, T + SECOND);
+
+    assert_eq!(top.schedule(T, REPORT_EVERY), Some(0), "an isolate's first report goes at once");
+    assert_eq!(top.schedule(T, REPORT_EVERY), None, "one report at a time");
+    let r = top.take(7, T + 5 * SECOND).unwrap();
+    assert!(!top.pending(), "a report takes everything");
+    assert_eq!(top.schedule(T + 6 * SECOND, REPORT_EVERY), None, "nothing to report");
+    let (o, _) = combine(&c, &light, &[decided(false), decided(false)]);
+    top.count(&c, &light, &o, T + 6 * SECOND);
+    assert_eq!(top.schedule(T + 6 * SECOND, REPORT_EVERY), Some(4 * SECOND), "one report per interval");
+    assert_eq!(top.schedule(T + 30 * SECOND, REPORT_EVERY), None, "scheduled");
+    assert_eq!(top.schedule(T + 10 * SECOND + LOST_AFTER, REPORT_EVERY), Some(0), "a lost report is scheduled again");
+    let per_key = &r.section.rules[0];
+    assert_eq!((per_key.rule.as_str(), per_key.allowed, per_key.denied, per_key.shadow_denied), ("per-key", 2, 9, 0));
+    let listed = per_key.top.top(2);
+    let shown = String::from_utf8(listed[0].key.clone()).unwrap();
+    assert!(shown.starts_with("api_key=#") && shown.len() == "api_key=#".len() + 8, "{shown}");
+    assert_eq!((listed[0].denied, listed[1].denied), (8, 1));
+    assert_eq!(listed[0].nodes, ratewall_core::topk::node_bit(7));
+    let watch = &r.section.rules[1];
+    assert_eq!((watch.allowed, watch.shadow_denied), (3, 1), "a shadow rule is not served from the cache");
+    assert_eq!(watch.top.top(1)[0].key, b"user=bob", "shadow denials are listed too");
+    assert_eq!(r.series[0], [(T / SECOND, 2, 1, 0), (T / SECOND + 1, 0, 8, 0)]);
+    let body = TopCall::Report(r.clone()).encode();
+    assert!(!body.contains("sk_live"), "{body}");
+    assert_eq!(TopCall::decode(&body), Some(TopCall::Report(r)));
+}
+
+#[test]
+fn the_admin_object_merges_the_isolates_over_the_window() {
+    let c = config(RULES);
+    let mut agg = Aggregate::default();
+    let unix = T / SECOND;
+    for node in [1u64, 2] {
+        let mut top = IsolateTop::default();
+        let k = checks(&c, "sk_live_heavy", "ann");
+        for _ in 0..5 {
+            let (o, _) = combine(&c, &k, &[decided(false), decided(true)]);
+            top.count(&c, &k, &o, T);
+        }
+        let read = TopCall::Top { window: Window::Minute, rule: None, report: top.take(node, T) };
+        let v: Value = serde_json::from_str(&agg.handle(TopCall::decode(&read.encode()).unwrap(), unix)).unwrap();
+        assert_eq!(v["rules"][0]["denied"], 5 * node);
+    }
+    let v = agg.top(unix, Some("per-key"), Window::Minute);
+    assert_eq!(v["window_s"], 60);
+    let r = &v["rules"][0];
+    assert_eq!((r["rule"].clone(), r["allowed"].clone(), r["denied"].clone()), (json!("per-key"), json!(0), json!(10)));
+    assert_eq!(r["top"][0]["denied"], 10);
+    assert_eq!(r["top"][0]["nodes"], 2, "two isolates saw it");
+    assert_eq!(agg.top(unix + 61, None, Window::Minute)["rules"][0]["denied"], 0, "a minute later");
+    assert_eq!(agg.top(unix + 61, None, Window::Hour)["rules"][0]["denied"], 10);
+    let s = agg.series(unix + 1, Some("watch"));
+    let allowed = s["rules"][0]["allowed"].as_array().unwrap();
+    assert_eq!((allowed.len(), allowed[SERIES - 2].clone()), (SERIES, json!(10)));
+    assert_eq!(s["end_unix_s"], unix + 1);
+    // A report without seconds of its own (from a filter's section) counts at its arrival.
+    let section = TopSection {
+        rules: vec![RuleTop {
+            rule: "per-key".into(),
+            allowed: 3,
+            denied: 0,
+            shadow_denied: 0,
+            top: Summary::default(),
+        }],
+    };
+    let batch = Report { node: 3, seq: 9, section, series: vec![] };
+    agg.add(unix + 2, &batch);
+    agg.add(unix + 2, &batch);
+    assert_eq!(
+        agg.series(unix + 2, Some("per-key"))["rules"][0]["allowed"][SERIES - 1],
+        3,
+        "a retried batch counts once"
+    );
+    assert_eq!(TopCall::decode(&TopCall::Report(batch.clone()).encode()), Some(TopCall::Report(batch)));
+}
+
+#[test]
+fn memory_stays_bounded_whatever_the_rules_and_the_seconds() {
+    let mut agg = Aggregate::default();
+    for i in 0..(MAX_RULES + 20) {
+        let rules =
+            vec![RuleTop { rule: format!("r{i}"), allowed: 1, denied: 0, shadow_denied: 0, top: Summary::default() }];
+        agg.add(1_800_000_000, &Report { node: 1, seq: 0, section: TopSection { rules }, series: vec![] });
+    }
+    assert_eq!(agg.top(1_800_000_000, None, Window::Hour)["rules"].as_array().unwrap().len(), MAX_RULES);
+    let c = config(RULES);
+    let mut top = IsolateTop::default();
+    let k = checks(&c, "a", "b");
+    for s in 0..(PENDING_SECONDS as u64 * 3) {
+        let (o, _) = combine(&c, &k, &[decided(true), decided(true)]);
+        top.count(&c, &k, &o, T + s * SECOND);
+        // Time going backwards counts in the latest second.
+        top.count(&c, &k, &o, T);
+    }
+    let r = top.take(1, T).unwrap();
+    assert_eq!(r.series[0].len(), PENDING_SECONDS);
+    assert_eq!(r.series[0].iter().map(|s| s.1).sum::<u64>(), PENDING_SECONDS as u64 * 6);
+    assert!(TopCall::decode(r#"{"op":"top_report","report":{"node":1,"top":"zz","series":[]}}"#).is_none());
+}
+
+#[test]
+fn counts_made_under_rules_since_replaced_are_reported_under_those() {
+    let old = config(RULES);
+    let mut top = IsolateTop::default();
+    let k = checks(&old, "sk_live_x", "ann");
+    let (o, _) = combine(&old, &k, &[decided(false), decided(true)]);
+    top.count(&old, &k, &o, T);
+    let new = config(&RULES.replace("per-key", "renamed"));
+    let k2 = checks(&new, "sk_live_x", "ann");
+    let (o, _) = combine(&new, &k2, &[decided(false), decided(true)]);
+    top.count(&new, &k2, &o, T);
+    let r = top.take(1, T).unwrap();
+    let names: Vec<&str> = r.section.rules.iter().map(|r| r.rule.as_str()).collect();
+    assert_eq!(names, ["renamed", "watch", "per-key", "watch"]);
+    assert_eq!(r.series.len(), 4);
+    assert!(r.section.rules.iter().all(|x| x.top.entries().iter().all(|e| !e.key.windows(7).any(|w| w == b"sk_live"))));
+}
+
+#[test]
+fn answers_list_the_documents_rules_in_order() {
+    let c = config(RULES);
+    let answer = json!({"window_s": 60, "rules": [
+        {"rule": "gone", "denied": 1}, {"rule": "watch", "denied": 2}]});
+    let v = in_document_order(Some(&c), None, answer.clone(), true);
+    assert_eq!(v["rules"][0], json!({"rule": "per-key", "allowed": 0, "denied": 0, "shadow_denied": 0, "top": []}));
+    assert_eq!(v["rules"][1]["denied"], 2);
+    assert_eq!(v["rules"].as_array().unwrap().len(), 2, "rules no longer in force are left out");
+    assert_eq!(in_document_order(Some(&c), Some("watch"), answer.clone(), false)["rules"].as_array().unwrap().len(), 1);
+    assert_eq!(in_document_order(Some(&c), None, answer.clone(), false)["rules"].as_array().unwrap().len(), 1);
+    assert_eq!(in_document_order(Some(&c), Some("nope"), answer.clone(), true)["rules"], json!([]));
+    assert_eq!(in_document_order(None, None, answer.clone(), true), answer);
+    assert_eq!(Window::parse(Some("1d")), Err("window: \"1d\" is not 1m or 1h".into()));
+}
