@@ -63,8 +63,20 @@ fn shipped_configs_carry_the_example_rules_and_the_filter_accepts_them() {
         assert_eq!(parsed, example_for(name), "{name} drifted from examples/rules.json");
         let node = Node::new(1_700_000_000_000_000_000);
         let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, doc.as_bytes()).unwrap();
-        assert!(vm.configure(doc.as_bytes()).unwrap(), "{name}: the filter rejected its rules: {:?}", node.logs());
+        assert!(vm.configure(doc.as_bytes()).unwrap(), "{name}: the host refused the filter: {:?}", node.logs());
+        assert_loaded(name, &node, &parsed);
     }
+}
+
+/// The filter answers a configure with true whatever the document (a refused one serves the
+/// fallback), so what says the rules are in force is its log: the line a user reads.
+fn assert_loaded(name: &str, node: &Node, doc: &serde_json::Value) {
+    let rules = doc["rules"].as_array().map_or(0, Vec::len);
+    assert!(rules > 0, "{name}: no rules");
+    let logs = node.logs();
+    let loaded = format!("ratewall: loaded {rules} rules");
+    assert!(logs.iter().any(|(_, l)| *l == loaded), "{name}: no `{loaded}` in {logs:?}");
+    assert!(!logs.iter().any(|(_, l)| l.contains("refused") || l.contains("rejected")), "{name}: {logs:?}");
 }
 
 #[test]
@@ -80,5 +92,6 @@ fn the_self_hosted_store_config_adds_only_a_sync_section_and_its_cluster() {
     assert!(cfg.sync.is_some());
     let node = Node::new(1_700_000_000_000_000_000);
     let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, doc.as_bytes()).unwrap();
-    assert!(vm.configure(doc.as_bytes()).unwrap(), "the filter rejected its rules: {:?}", node.logs());
+    assert!(vm.configure(doc.as_bytes()).unwrap(), "the host refused the filter: {:?}", node.logs());
+    assert_loaded("envoy-store.yaml", &node, &parsed);
 }
