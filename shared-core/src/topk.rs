@@ -415,5 +415,8 @@ pub fn bounded_key(shown: String, hash: &crate::key::HashKey) -> String {
     out
 }
 
+#[cfg(feature = "admin")]
+pub mod windows;
+
 #[cfg(test)]
 mod tests;

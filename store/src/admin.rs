@@ -47,13 +47,9 @@ async fn page() -> Response {
 }
 
 async fn top<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response {
-    let window = match param(&uri, "window") {
-        None | Some("1m") => Window::Minute,
-        Some("1h") => Window::Hour,
-        Some(other) => {
-            let why = format!("window: {other:?} is not 1m or 1h");
-            return json_response(StatusCode::BAD_REQUEST, &json!({"error": why}));
-        }
+    let window = match Window::parse(param(&uri, "window")) {
+        Ok(w) => w,
+        Err(why) => return json_response(StatusCode::BAD_REQUEST, &json!({"error": why})),
     };
     json_response(StatusCode::OK, &store.top.top(param(&uri, "rule"), window))
 }

@@ -3,11 +3,12 @@
 //! hour, a per-second series over 15 minutes), and the nodes heard from.
 //!
 //! Memory is bounded whatever the traffic: at most [`MAX_RULES`] rules, each with a fixed
-//! number of buckets holding a summary of at most [`KEPT`] keys, and at most [`MAX_NODES`]
-//! nodes.
+//! number of buckets holding a summary of at most [`KEPT`] keys
+//! ([`ratewall_core::topk::windows`]), and at most [`MAX_NODES`] nodes.
 
 use ratewall_core::sync::TopSection;
-use ratewall_core::topk::{node_count, Summary};
+use ratewall_core::topk::windows::Windows;
+pub use ratewall_core::topk::windows::{Window, SERIES};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -22,60 +23,6 @@ pub const NODE_TTL: Duration = Duration::from_secs(600);
 /// Keys a bucket's summary keeps: four times a proxy's, since a bucket merges the whole
 /// fleet's batches and its error bound is a share of everything they denied.
 pub const KEPT: usize = 4 * ratewall_core::topk::CAPACITY;
-/// Entries `top` lists at most.
-pub const LISTED: usize = 20;
-/// Seconds of the per-second series.
-pub const SERIES: usize = 900;
-
-/// A window's buckets: how long each is and how many there are.
-const MINUTE: (u64, usize) = (5, 12);
-const HOUR: (u64, usize) = (300, 12);
-
-/// What one bucket of time counted.
-#[derive(Clone, Debug, Default)]
-struct Bucket {
-    /// Its index (unix seconds / bucket length); 0: never used.
-    at: u64,
-    allowed: u64,
-    denied: u64,
-    shadow: u64,
-    top: Option<Summary>,
-}
-
-impl Bucket {
-    fn add(&mut self, at: u64, allowed: u64, denied: u64, shadow: u64, top: Option<&Summary>) {
-        if self.at != at {
-            *self = Bucket { at, ..Bucket::default() };
-        }
-        self.allowed = self.allowed.saturating_add(allowed);
-        self.denied = self.denied.saturating_add(denied);
-        self.shadow = self.shadow.saturating_add(shadow);
-        if let Some(t) = top.filter(|t| !t.is_empty()) {
-            self.top.get_or_insert_with(|| Summary::new(KEPT)).merge(t);
-        }
-    }
-}
-
-/// One rule's buckets.
-#[derive(Debug)]
-struct Rule {
-    name: String,
-    minute: Vec<Bucket>,
-    hour: Vec<Bucket>,
-    /// Per second: (unix second, allowed, denied, shadow).
-    series: Vec<(u64, u64, u64, u64)>,
-}
-
-impl Rule {
-    fn new(name: String) -> Rule {
-        Rule {
-            name,
-            minute: vec![Bucket::default(); MINUTE.1],
-            hour: vec![Bucket::default(); HOUR.1],
-            series: vec![(0, 0, 0, 0); SERIES],
-        }
-    }
-}
 
 /// A node as heard from.
 #[derive(Clone, Debug)]
@@ -89,27 +36,24 @@ struct Node {
     counted_seq: u64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Inner {
-    rules: Vec<Rule>,
+    /// The rules' buckets (and the latest unix second seen: time that goes backwards is
+    /// clamped to it).
+    windows: Windows,
     nodes: HashMap<u64, Node>,
-    /// The latest unix second seen (time that goes backwards is clamped to it).
-    now: u64,
 }
 
 /// The process's view of the fleet.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Top {
     inner: Mutex<Inner>,
 }
 
-/// Which window `top` answers for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Window {
-    /// The last minute.
-    Minute,
-    /// The last hour.
-    Hour,
+impl Default for Top {
+    fn default() -> Self {
+        Top { inner: Mutex::new(Inner { windows: Windows::new(MAX_RULES, KEPT), nodes: HashMap::new() }) }
+    }
 }
 
 fn unix_now() -> u64 {
@@ -136,8 +80,7 @@ impl Top {
     ) {
         let Ok(mut inner) = self.inner.lock() else { return };
         let inner = &mut *inner;
-        inner.now = inner.now.max(unix);
-        let t = inner.now;
+        inner.windows.clock(unix);
         if inner.nodes.len() >= MAX_NODES && !inner.nodes.contains_key(&node) {
             inner.nodes.retain(|_, n| now.saturating_duration_since(n.last_seen) < NODE_TTL);
             if inner.nodes.len() >= MAX_NODES {
@@ -157,31 +100,7 @@ impl Top {
         (n.last_seen, n.rtt, n.degraded) = (now, rtt, !ok);
         let Some(section) = section.filter(|_| ok && seq > n.counted_seq) else { return };
         n.counted_seq = seq;
-        for r in &section.rules {
-            let i = match inner.rules.iter().position(|x| x.name == r.rule) {
-                Some(i) => i,
-                None if inner.rules.len() < MAX_RULES => {
-                    inner.rules.push(Rule::new(r.rule.clone()));
-                    inner.rules.len() - 1
-                }
-                None => continue,
-            };
-            let Some(rule) = inner.rules.get_mut(i) else { continue };
-            for (buckets, (len, count)) in [(&mut rule.minute, MINUTE), (&mut rule.hour, HOUR)] {
-                let at = t / len;
-                if let Some(b) = buckets.get_mut((at % count as u64) as usize) {
-                    b.add(at, r.allowed, r.denied, r.shadow_denied, Some(&r.top));
-                }
-            }
-            if let Some(s) = rule.series.get_mut((t % SERIES as u64) as usize) {
-                if s.0 != t {
-                    *s = (t, 0, 0, 0);
-                }
-                s.1 = s.1.saturating_add(r.allowed);
-                s.2 = s.2.saturating_add(r.denied);
-                s.3 = s.3.saturating_add(r.shadow_denied);
-            }
-        }
+        inner.windows.add(unix, section, &[]);
     }
 
     /// `GET /v1/top`: per rule (or only `rule`), its counts and top denied keys over the
@@ -193,37 +112,7 @@ impl Top {
     /// [`Top::top`] at a given unix second (tests).
     pub fn top_at(&self, unix: u64, rule: Option<&str>, window: Window) -> Value {
         let Ok(inner) = self.inner.lock() else { return json!({"window_s": 0, "rules": []}) };
-        let t = unix.max(inner.now);
-        let (len, count) = if window == Window::Minute { MINUTE } else { HOUR };
-        let window_s = len * count as u64;
-        let first = (t / len).saturating_sub(count as u64 - 1);
-        let rules: Vec<Value> = inner
-            .rules
-            .iter()
-            .filter(|r| rule.is_none_or(|n| n == r.name))
-            .map(|r| {
-                let buckets = if window == Window::Minute { &r.minute } else { &r.hour };
-                let (mut allowed, mut denied, mut shadow, mut top) = (0u64, 0u64, 0u64, Summary::new(KEPT));
-                for b in buckets.iter().filter(|b| b.at >= first && b.at <= t / len) {
-                    allowed = allowed.saturating_add(b.allowed);
-                    denied = denied.saturating_add(b.denied);
-                    shadow = shadow.saturating_add(b.shadow);
-                    if let Some(s) = &b.top {
-                        top.merge(s);
-                    }
-                }
-                let entries: Vec<Value> = top
-                    .top(LISTED)
-                    .into_iter()
-                    .map(|e| {
-                        json!({"key": String::from_utf8_lossy(&e.key), "denied": e.denied, "allowed": e.allowed,
-                               "nodes": node_count(e.nodes)})
-                    })
-                    .collect();
-                json!({"rule": r.name, "allowed": allowed, "denied": denied, "shadow_denied": shadow, "top": entries})
-            })
-            .collect();
-        json!({"window_s": window_s, "rules": rules})
+        inner.windows.top(unix, rule, window)
     }
 
     /// `GET /v1/series`: per rule, per-second counts over the last 15 minutes, oldest first.
@@ -234,24 +123,7 @@ impl Top {
     /// [`Top::series`] at a given unix second (tests).
     pub fn series_at(&self, unix: u64, rule: Option<&str>) -> Value {
         let Ok(inner) = self.inner.lock() else { return json!({"step_s": 1, "end_unix_s": unix, "rules": []}) };
-        let end = unix.max(inner.now);
-        let rules: Vec<Value> = inner
-            .rules
-            .iter()
-            .filter(|r| rule.is_none_or(|n| n == r.name))
-            .map(|r| {
-                let (mut a, mut d, mut s) = (Vec::new(), Vec::new(), Vec::new());
-                for sec in (end + 1).saturating_sub(SERIES as u64)..=end {
-                    let e = r.series.get((sec % SERIES as u64) as usize).filter(|e| e.0 == sec);
-                    let (x, y, z) = e.map_or((0, 0, 0), |e| (e.1, e.2, e.3));
-                    a.push(x);
-                    d.push(y);
-                    s.push(z);
-                }
-                json!({"rule": r.name, "allowed": a, "denied": d, "shadow_denied": s})
-            })
-            .collect();
-        json!({"step_s": 1, "end_unix_s": end, "rules": rules})
+        inner.windows.series(unix, rule)
     }
 
     /// `GET /v1/fleet`'s nodes: id, seconds since last heard, batches per second, the last
@@ -279,7 +151,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
     use ratewall_core::sync::RuleTop;
-    use ratewall_core::topk::node_bit;
+    use ratewall_core::topk::{node_bit, Summary};
 
     fn section(rule: &str, keys: &[(&str, u64)], node: u64) -> TopSection {
         let mut top = Summary::default();

@@ -17,7 +17,9 @@ use super::hex;
 use ratewall_core::algo::Nanos;
 use ratewall_core::eval::{Check, Outcome, Tally};
 use ratewall_core::sync::{RuleTop, TopSection};
-use ratewall_core::topk::{bounded_key, node_bit, node_count, render, Summary, CAPACITY};
+use ratewall_core::topk::windows::Windows;
+pub use ratewall_core::topk::windows::{Second, Window, SERIES};
+use ratewall_core::topk::{bounded_key, node_bit, render, Summary, CAPACITY};
 use ratewall_core::{Config, SECOND};
 use serde_json::{json, Value};
 use std::rc::Rc;
@@ -35,16 +37,6 @@ pub const PENDING_SECONDS: usize = 64;
 pub const MAX_RULES: usize = 64;
 /// Filter nodes whose latest batch `seq` the admin object remembers.
 pub const MAX_NODES: usize = 10_000;
-/// Entries `top` lists at most.
-pub const LISTED: usize = 20;
-/// Seconds of the per-second series.
-pub const SERIES: usize = 900;
-/// A window's buckets: how long each is (seconds) and how many there are.
-const MINUTE: (u64, usize) = (5, 12);
-const HOUR: (u64, usize) = (300, 12);
-
-/// One second's counts: (unix second, allowed, denied, shadow denied).
-pub type Second = (u64, u64, u64, u64);
 
 /// One rule's counts in an isolate since its last report.
 #[derive(Clone, Debug, Default)]
@@ -264,33 +256,6 @@ impl IsolateTop {
     }
 }
 
-/// Which window `top` answers for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Window {
-    /// The last minute.
-    Minute,
-    /// The last hour.
-    Hour,
-}
-
-impl Window {
-    /// `1m` or `1h` (absent: the minute).
-    pub fn parse(v: Option<&str>) -> Result<Window, String> {
-        match v {
-            None | Some("1m") => Ok(Window::Minute),
-            Some("1h") => Ok(Window::Hour),
-            Some(other) => Err(format!("window: {other:?} is not 1m or 1h")),
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Window::Minute => "1m",
-            Window::Hour => "1h",
-        }
-    }
-}
-
 /// A call to the admin object: an isolate's report, or a read (which may carry the reading
 /// isolate's own report first, so that what it counted is in the answer).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -337,50 +302,22 @@ impl TopCall {
     }
 }
 
-/// What one bucket of time counted.
-#[derive(Clone, Debug, Default)]
-struct Bucket {
-    /// Its index (unix seconds / bucket length); 0: never used.
-    at: u64,
-    allowed: u64,
-    denied: u64,
-    shadow: u64,
-    top: Option<Summary>,
-}
-
-impl Bucket {
-    fn add(&mut self, at: u64, r: &RuleTop) {
-        if self.at != at {
-            *self = Bucket { at, ..Bucket::default() };
-        }
-        self.allowed = self.allowed.saturating_add(r.allowed);
-        self.denied = self.denied.saturating_add(r.denied);
-        self.shadow = self.shadow.saturating_add(r.shadow_denied);
-        if !r.top.is_empty() {
-            self.top.get_or_insert_with(|| Summary::new(CAPACITY)).merge(&r.top);
-        }
-    }
-}
-
-/// One rule at the admin object.
-#[derive(Debug)]
-struct AggRule {
-    name: String,
-    minute: Vec<Bucket>,
-    hour: Vec<Bucket>,
-    series: Vec<Second>,
-}
-
 /// The admin object's view of the edge: the isolates' reports merged per rule into bounded
 /// buckets (the last minute, the last hour, a per-second series over 15 minutes). Soft
 /// state, in the object's memory: a restart of the object starts it empty.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Aggregate {
-    rules: Vec<AggRule>,
+    /// The rules' buckets (and the latest unix second seen: time that goes backwards is
+    /// clamped to it).
+    windows: Windows,
     /// Per filter node, the latest batch `seq` merged (at most [`MAX_NODES`]).
     seqs: std::collections::HashMap<u64, u64>,
-    /// The latest unix second seen (time that goes backwards is clamped to it).
-    now: u64,
+}
+
+impl Default for Aggregate {
+    fn default() -> Self {
+        Aggregate { windows: Windows::new(MAX_RULES, CAPACITY), seqs: Default::default() }
+    }
 }
 
 impl Aggregate {
@@ -396,49 +333,7 @@ impl Aggregate {
             }
             self.seqs.insert(report.node, report.seq);
         }
-        self.now = self.now.max(unix);
-        let t = self.now;
-        for (n, r) in report.section.rules.iter().enumerate() {
-            let i = match self.rules.iter().position(|x| x.name == r.rule) {
-                Some(i) => i,
-                None if self.rules.len() < MAX_RULES => {
-                    self.rules.push(AggRule {
-                        name: r.rule.clone(),
-                        minute: vec![Bucket::default(); MINUTE.1],
-                        hour: vec![Bucket::default(); HOUR.1],
-                        series: vec![(0, 0, 0, 0); SERIES],
-                    });
-                    self.rules.len() - 1
-                }
-                None => continue,
-            };
-            let Some(rule) = self.rules.get_mut(i) else { continue };
-            for (buckets, (len, count)) in [(&mut rule.minute, MINUTE), (&mut rule.hour, HOUR)] {
-                let at = t / len;
-                if let Some(b) = buckets.get_mut((at % count as u64) as usize) {
-                    b.add(at, r);
-                }
-            }
-            let seconds = report.series.get(n).map(Vec::as_slice);
-            let own = [(t, r.allowed, r.denied, r.shadow_denied)];
-            // Without seconds of its own, a rule's counts are the second they were heard.
-            let seconds = seconds.filter(|s| !s.is_empty()).unwrap_or(&own);
-            for &(sec, a, d, s) in seconds {
-                // An isolate's clock ahead of this one's counts now; one too far behind, not.
-                let sec = sec.min(t);
-                if sec + (SERIES as u64) <= t {
-                    continue;
-                }
-                if let Some(e) = rule.series.get_mut((sec % SERIES as u64) as usize) {
-                    if e.0 != sec {
-                        *e = (sec, 0, 0, 0);
-                    }
-                    e.1 = e.1.saturating_add(a);
-                    e.2 = e.2.saturating_add(d);
-                    e.3 = e.3.saturating_add(s);
-                }
-            }
-        }
+        self.windows.add(unix, &report.section, &report.series);
     }
 
     /// Handles an admin call at `unix` (seconds): the answer body.
@@ -466,59 +361,13 @@ impl Aggregate {
     /// Per rule (or only `rule`), its counts and top denied keys over the window: the JSON of
     /// ratewall-store's `GET /v1/top`.
     pub fn top(&self, unix: u64, rule: Option<&str>, window: Window) -> Value {
-        let t = unix.max(self.now);
-        let (len, count) = if window == Window::Minute { MINUTE } else { HOUR };
-        let first = (t / len).saturating_sub(count as u64 - 1);
-        let rules: Vec<Value> = self
-            .rules
-            .iter()
-            .filter(|r| rule.is_none_or(|n| n == r.name))
-            .map(|r| {
-                let buckets = if window == Window::Minute { &r.minute } else { &r.hour };
-                let (mut allowed, mut denied, mut shadow, mut top) = (0u64, 0u64, 0u64, Summary::new(CAPACITY));
-                for b in buckets.iter().filter(|b| b.at >= first && b.at <= t / len) {
-                    allowed = allowed.saturating_add(b.allowed);
-                    denied = denied.saturating_add(b.denied);
-                    shadow = shadow.saturating_add(b.shadow);
-                    if let Some(s) = &b.top {
-                        top.merge(s);
-                    }
-                }
-                let entries: Vec<Value> = top
-                    .top(LISTED)
-                    .into_iter()
-                    .map(|e| {
-                        json!({"key": String::from_utf8_lossy(&e.key), "denied": e.denied, "allowed": e.allowed,
-                               "nodes": node_count(e.nodes)})
-                    })
-                    .collect();
-                json!({"rule": r.name, "allowed": allowed, "denied": denied, "shadow_denied": shadow, "top": entries})
-            })
-            .collect();
-        json!({"window_s": len * count as u64, "rules": rules})
+        self.windows.top(unix, rule, window)
     }
 
     /// Per rule (or only `rule`), per-second counts over the last 15 minutes, oldest first:
     /// the JSON of ratewall-store's `GET /v1/series`.
     pub fn series(&self, unix: u64, rule: Option<&str>) -> Value {
-        let end = unix.max(self.now);
-        let rules: Vec<Value> = self
-            .rules
-            .iter()
-            .filter(|r| rule.is_none_or(|n| n == r.name))
-            .map(|r| {
-                let (mut a, mut d, mut s) = (Vec::new(), Vec::new(), Vec::new());
-                for sec in (end + 1).saturating_sub(SERIES as u64)..=end {
-                    let e = r.series.get((sec % SERIES as u64) as usize).filter(|e| e.0 == sec);
-                    let (x, y, z) = e.map_or((0, 0, 0), |e| (e.1, e.2, e.3));
-                    a.push(x);
-                    d.push(y);
-                    s.push(z);
-                }
-                json!({"rule": r.name, "allowed": a, "denied": d, "shadow_denied": s})
-            })
-            .collect();
-        json!({"step_s": 1, "end_unix_s": end, "rules": rules})
+        self.windows.series(unix, rule)
     }
 }
 
