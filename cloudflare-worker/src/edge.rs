@@ -473,6 +473,9 @@ pub struct Metrics {
     /// Reports of who is being limited sent to the admin object, and of which failed.
     pub top_reports: u64,
     pub top_reports_failed: u64,
+    /// Reports given up after their calls kept failing (their counts are not in
+    /// /_ratewall/top).
+    pub top_reports_dropped: u64,
 }
 
 impl Metrics {
@@ -562,8 +565,13 @@ impl Metrics {
             ("top_reports", "Reports of the top denied keys sent to the admin object.", self.top_reports),
             (
                 "top_reports_failed",
-                "Reports of the top denied keys that failed (their counts are not in /_ratewall/top).",
+                "Reports of the top denied keys whose call failed (each is sent again, first, with the next report, for 60 s).",
                 self.top_reports_failed,
+            ),
+            (
+                "top_reports_dropped",
+                "Reports of the top denied keys given up after their calls failed for 60 s (their counts are not in /_ratewall/top).",
+                self.top_reports_dropped,
             ),
         ] {
             let _ = writeln!(out, "# HELP ratewall_{what} {help}\n# TYPE ratewall_{what} counter\nratewall_{what} {v}");

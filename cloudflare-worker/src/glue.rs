@@ -312,7 +312,7 @@ fn object_timeout(env: &Env) -> Duration {
 /// call to the admin object per interval (`TOP_REPORT_SECONDS`, 1 to 20, default 5) while
 /// there is traffic, none per request.
 fn schedule_top(env: &Env, ctx: &Context) {
-    let every = var_u64(env, "TOP_REPORT_SECONDS", top::REPORT_EVERY / SECOND).clamp(1, 20).saturating_mul(SECOND);
+    let every = || var_u64(env, "TOP_REPORT_SECONDS", top::REPORT_EVERY / SECOND).clamp(1, 20).saturating_mul(SECOND);
     let Some(delay) = with(|i| i.top.schedule(now(), every)) else { return };
     let (env, timeout) = (env.clone(), object_timeout(env));
     ctx.wait_until(async move {
@@ -320,10 +320,13 @@ fn schedule_top(env: &Env, ctx: &Context) {
             Delay::from(Duration::from_millis(delay / MS)).await;
         }
         let Some(report) = with(|i| i.top.take(i.node, now())) else { return };
-        let sent = call_body(&env, ADMIN_OBJECT, TopCall::Report(report).encode(), timeout).await;
+        let sent = call_body(&env, ADMIN_OBJECT, TopCall::Report(report.clone()).encode(), timeout).await;
         with(|i| {
             i.metrics.top_reports += 1;
-            i.metrics.top_reports_failed += u64::from(sent.is_err());
+            if sent.is_err() {
+                i.metrics.top_reports_failed += 1;
+                i.metrics.top_reports_dropped += u64::from(!i.top.failed(report, now()));
+            }
         });
     });
 }
@@ -392,16 +395,19 @@ async fn admin_route(req: Request, env: Env, path: &str) -> Result<Response> {
     };
     let config = rules(&env).await;
     let report = with(|i| i.top.take(i.node, now()));
-    let reported = report.is_some();
     let (call, zeros) = if path == TOP_PATH {
-        (TopCall::Top { window, rule: rule.clone(), report }, true)
+        (TopCall::Top { window, rule: rule.clone(), report: report.clone() }, true)
     } else {
-        (TopCall::Series { rule: rule.clone(), report }, false)
+        (TopCall::Series { rule: rule.clone(), report: report.clone() }, false)
     };
     let answer = call_body(&env, ADMIN_OBJECT, call.encode(), object_timeout(&env)).await;
     with(|i| {
-        i.metrics.top_reports += u64::from(reported);
-        i.metrics.top_reports_failed += u64::from(reported && answer.is_err());
+        let Some(report) = report else { return };
+        i.metrics.top_reports += 1;
+        if answer.is_err() {
+            i.metrics.top_reports_failed += 1;
+            i.metrics.top_reports_dropped += u64::from(!i.top.failed(report, now()));
+        }
     });
     match answer.ok().and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok()) {
         Some(v) => {

@@ -30,6 +30,8 @@ pub const ADMIN_OBJECT: &str = "t:top";
 pub const REPORT_EVERY: Nanos = 5 * SECOND;
 /// A scheduled report not taken this long after its time is taken as lost.
 pub const LOST_AFTER: Nanos = 30 * SECOND;
+/// How long after it was first taken a report whose call failed is still sent again.
+pub const RETRY_FOR: Nanos = 60 * SECOND;
 /// Seconds of per-second counts an isolate keeps between reports (past it, the last second
 /// takes the counts).
 pub const PENDING_SECONDS: usize = 64;
@@ -119,10 +121,13 @@ pub struct IsolateTop {
     /// When the report scheduled is due (none scheduled: `None`).
     scheduled: Option<Nanos>,
     last_sent: Nanos,
-    /// Reports sent, and of which failed (their counts are lost: a report is not retried,
-    /// so that none is counted twice).
-    pub reports: u64,
-    pub reports_failed: u64,
+    /// The number of the last report taken (reports are numbered from 1, so the admin
+    /// object merges a retried one once), and when it was first taken.
+    seq: u64,
+    first_taken: Nanos,
+    /// A report whose call failed, sent again (as it was) before any newer one, for at most
+    /// [`RETRY_FOR`] after it was first taken.
+    unsent: Option<Report>,
 }
 
 impl IsolateTop {
@@ -182,18 +187,20 @@ impl IsolateTop {
 
     /// Whether counts wait to be reported.
     pub fn pending(&self) -> bool {
-        self.any || self.carried.is_some()
+        self.any || self.carried.is_some() || self.unsent.is_some()
     }
 
     /// How long until the next report should go, if the glue should schedule one now (none
     /// is scheduled and counts wait): `every` after the last one. Marks it scheduled. A
     /// report still not taken [`LOST_AFTER`] past its time was lost with its background task
     /// (the runtime ends them): another is scheduled.
-    pub fn schedule(&mut self, now: Nanos, every: Nanos) -> Option<Nanos> {
+    /// `every` is asked for only then, so a request that finds a report scheduled reads no
+    /// setting.
+    pub fn schedule(&mut self, now: Nanos, every: impl FnOnce() -> Nanos) -> Option<Nanos> {
         if self.scheduled.is_some_and(|due| now < due.saturating_add(LOST_AFTER)) || !self.pending() {
             return None;
         }
-        let due = self.last_sent.saturating_add(every).max(now);
+        let due = self.last_sent.saturating_add(every()).max(now);
         self.scheduled = Some(due);
         Some(due - now)
     }
@@ -203,6 +210,9 @@ impl IsolateTop {
     pub fn take(&mut self, node: u64, now: Nanos) -> Option<Report> {
         self.scheduled = None;
         self.last_sent = now;
+        if let Some(unsent) = self.unsent.take() {
+            return Some(unsent);
+        }
         let mut report = self.render(node).unwrap_or_default();
         if let Some(c) = self.carried.take() {
             report.section.rules.extend(c.section.rules);
@@ -219,7 +229,22 @@ impl IsolateTop {
                 r.top.add(&k, 0, 0, bit);
             }
         }
+        self.seq += 1;
+        self.first_taken = now;
+        report.seq = self.seq;
         Some(report)
+    }
+
+    /// A report [`IsolateTop::take`] gave whose call failed at `now`: it goes again, first,
+    /// with the next one due, unless [`RETRY_FOR`] has passed since it was first taken. (Its
+    /// call may have reached the admin object all the same: its number makes the retry
+    /// count once.) False when it is given up: its counts are not in the admin object's.
+    pub fn failed(&mut self, report: Report, now: Nanos) -> bool {
+        let retry = report.seq == self.seq && now.saturating_sub(self.first_taken) < RETRY_FOR;
+        if retry {
+            self.unsent = Some(report);
+        }
+        retry
     }
 
     /// The pending counts in their shown form, emptied.

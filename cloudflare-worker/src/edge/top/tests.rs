@@ -53,16 +53,20 @@ fn denials_count_whoever_answered_them_and_secrets_show_only_as_their_hash() {
     let (o, _) = combine(&c, &light, &[decided(false), decided(false)]);
     top.count(&c, &light, &o, T + SECOND);
 
-    assert_eq!(top.schedule(T, REPORT_EVERY), Some(0), "an isolate's first report goes at once");
-    assert_eq!(top.schedule(T, REPORT_EVERY), None, "one report at a time");
+    assert_eq!(top.schedule(T, || REPORT_EVERY), Some(0), "an isolate's first report goes at once");
+    assert_eq!(top.schedule(T, || REPORT_EVERY), None, "one report at a time");
     let r = top.take(7, T + 5 * SECOND).unwrap();
     assert!(!top.pending(), "a report takes everything");
-    assert_eq!(top.schedule(T + 6 * SECOND, REPORT_EVERY), None, "nothing to report");
+    assert_eq!(top.schedule(T + 6 * SECOND, || REPORT_EVERY), None, "nothing to report");
     let (o, _) = combine(&c, &light, &[decided(false), decided(false)]);
     top.count(&c, &light, &o, T + 6 * SECOND);
-    assert_eq!(top.schedule(T + 6 * SECOND, REPORT_EVERY), Some(4 * SECOND), "one report per interval");
-    assert_eq!(top.schedule(T + 30 * SECOND, REPORT_EVERY), None, "scheduled");
-    assert_eq!(top.schedule(T + 10 * SECOND + LOST_AFTER, REPORT_EVERY), Some(0), "a lost report is scheduled again");
+    assert_eq!(top.schedule(T + 6 * SECOND, || REPORT_EVERY), Some(4 * SECOND), "one report per interval");
+    assert_eq!(top.schedule(T + 30 * SECOND, || REPORT_EVERY), None, "scheduled");
+    assert_eq!(
+        top.schedule(T + 10 * SECOND + LOST_AFTER, || REPORT_EVERY),
+        Some(0),
+        "a lost report is scheduled again"
+    );
     let per_key = &r.section.rules[0];
     assert_eq!((per_key.rule.as_str(), per_key.allowed, per_key.denied, per_key.shadow_denied), ("per-key", 2, 9, 0));
     let listed = per_key.top.top(2);
@@ -184,4 +188,43 @@ fn answers_list_the_documents_rules_in_order() {
     assert_eq!(in_document_order(Some(&c), Some("nope"), answer.clone(), true)["rules"], json!([]));
     assert_eq!(in_document_order(None, None, answer.clone(), true), answer);
     assert_eq!(Window::parse(Some("1d")), Err("window: \"1d\" is not 1m or 1h".into()));
+}
+
+#[test]
+fn a_report_whose_call_failed_goes_again_first_and_counts_once() {
+    let c = config(RULES);
+    let (mut top, mut agg) = (IsolateTop::default(), Aggregate::default());
+    let k = checks(&c, "sk_live_heavy", "ann");
+    let deny = |top: &mut IsolateTop, n: usize, t: Nanos| {
+        for _ in 0..n {
+            let (o, _) = combine(&c, &k, &[decided(false), decided(true)]);
+            top.count(&c, &k, &o, t);
+        }
+    };
+    let unix = T / SECOND;
+    let denied = |agg: &Aggregate| agg.top(unix, Some("per-key"), Window::Minute)["rules"][0]["denied"].clone();
+
+    deny(&mut top, 4, T);
+    let first = top.take(7, T).unwrap();
+    // The call timed out after the object had merged it.
+    agg.add(unix, &first);
+    assert!(top.failed(first.clone(), T + SECOND));
+    deny(&mut top, 2, T + 2 * SECOND);
+    assert!(top.pending());
+    let again = top.take(7, T + 5 * SECOND).unwrap();
+    assert_eq!(again, first, "the failed report goes as it was, before the newer counts");
+    agg.add(unix, &again);
+    assert_eq!(denied(&agg), 4, "merged once");
+    let next = top.take(7, T + 10 * SECOND).unwrap();
+    assert!(next.seq > first.seq);
+    agg.add(unix, &next);
+    assert_eq!(denied(&agg), 6, "the counts made meanwhile follow");
+
+    // A report failing for longer than RETRY_FOR is given up.
+    deny(&mut top, 1, T + 11 * SECOND);
+    let late = top.take(7, T + 11 * SECOND).unwrap();
+    assert!(top.failed(late.clone(), T + 12 * SECOND));
+    let late = top.take(7, T + 20 * SECOND).unwrap();
+    assert!(!top.failed(late, T + 11 * SECOND + RETRY_FOR));
+    assert!(!top.pending());
 }
