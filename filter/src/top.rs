@@ -36,8 +36,14 @@ struct Slot {
     hash: u64,
     rule: usize,
     key: Vec<u8>,
+    /// Denials since the last tick.
     denied: u64,
+    /// Its denials in [`HEAT`]ths, halved at every tick: how often it is denied lately.
+    heat: u32,
 }
+
+/// One denial's heat: a key denied once and never again holds its slot for five ticks.
+const HEAT: u32 = 16;
 
 /// One VM's denials since its last tick.
 #[derive(Debug, Default)]
@@ -65,10 +71,12 @@ struct Shared {
     minute: Summary,
     previous: Distinct,
     current: Distinct,
-    /// Since the last batch (with sync): denials, shadow denials, keys.
+    /// Since the last batch (with sync): denials, shadow denials.
     pending_denied: u64,
     pending_shadow: u64,
-    pending: Summary,
+    /// With sync, the listed count of each key of `minute` (by [`hash`]) when the last batch
+    /// took them, sorted: a batch carries what each key gained since.
+    reported: Vec<(u64, u64)>,
 }
 
 impl Shared {
@@ -85,7 +93,30 @@ impl Shared {
         self.minute.encode(&mut out);
         put_varint(&mut out, self.pending_denied);
         put_varint(&mut out, self.pending_shadow);
-        self.pending.encode(&mut out);
+        put_varint(&mut out, self.reported.len() as u64);
+        for (h, n) in &self.reported {
+            out.extend_from_slice(&h.to_le_bytes());
+            put_varint(&mut out, *n);
+        }
+        out
+    }
+
+    /// What each listed key gained since the last batch took them: its listed count less the
+    /// one reported then (all of it for a key listed since, or listed anew after it was
+    /// dropped, which restarted its count below the one reported).
+    fn gained(&self) -> Summary {
+        let mut out = Summary::default();
+        for e in self.minute.entries() {
+            let h = hash(&e.key);
+            let before = match self.reported.binary_search_by(|(k, _)| k.cmp(&h)) {
+                Ok(i) => self.reported.get(i).map_or(0, |(_, n)| *n),
+                Err(_) => 0,
+            };
+            let gain = if before <= e.denied { e.denied - before } else { e.denied };
+            if gain > 0 {
+                out.add(&e.key, gain, 0, 0);
+            }
+        }
         out
     }
 
@@ -103,7 +134,11 @@ impl Shared {
         let [previous, current] = distinct;
         let minute = Summary::decode(&mut r, ratewall_core::sync::MAX_KEY).ok()?;
         let (pending_denied, pending_shadow) = (r.varint().ok()?, r.varint().ok()?);
-        let pending = Summary::decode(&mut r, ratewall_core::sync::MAX_KEY).ok()?;
+        let n = usize::try_from(r.varint().ok()?).ok().filter(|n| *n <= minute.capacity())?;
+        let mut reported = Vec::with_capacity(n);
+        for _ in 0..n {
+            reported.push((u64::from_le_bytes(r.take(8).ok()?.try_into().ok()?), r.varint().ok()?));
+        }
         (r.pos == bytes.len()).then_some(Shared {
             name,
             minute_start,
@@ -112,7 +147,7 @@ impl Shared {
             current,
             pending_denied,
             pending_shadow,
-            pending,
+            reported,
         })
     }
 }
@@ -177,27 +212,28 @@ impl Top {
         if local.slots.is_empty() {
             local.slots.resize_with(SLOTS, || None);
         }
-        // Two ways per set: a key keeps its slot against keys denied less often since the
-        // tick, so a flood of distinct keys churns one way while a client denied again and
-        // again keeps the other.
+        // Two ways per set: a key keeps its slot against keys denied less often lately (its
+        // heat outlives the tick), so a flood of distinct keys churns one way while a client
+        // denied again and again — even once per tick, on each of several VMs — keeps the other.
         let set = (h as usize % (SLOTS / 2)) * 2;
         let Some([a, b]) = local.slots.get_mut(set..set + 2) else { return };
         for s in [&mut *a, &mut *b].into_iter().flatten() {
             if s.hash == h && s.rule == rule {
                 s.denied += 1;
+                s.heat = s.heat.saturating_add(HEAT);
                 return;
             }
         }
-        let count = |s: &Option<Slot>| s.as_ref().map_or(0, |s| s.denied);
-        let slot = if count(a) < count(b) { a } else { b };
-        let new = Slot { hash: h, rule, key: key.to_vec(), denied: 1 };
-        // A key denied once since it took the slot goes uncounted in the summary when another
-        // takes it (its denial stays in the rule's totals): a flood of distinct keys then
-        // costs a slot each, not a summary update each. A key denied more often than its slot
-        // changes hands keeps its count.
-        if let Some(old) = slot.replace(new).filter(|o| o.denied > 1) {
+        let heat = |s: &Option<Slot>| s.as_ref().map_or(0, |s| s.heat);
+        let slot = if heat(a) < heat(b) { a } else { b };
+        let new = Slot { hash: h, rule, key: key.to_vec(), denied: 1, heat: HEAT };
+        // A key denied once, and never before in its slot's memory, goes uncounted in the
+        // summary when another takes its slot (its denial stays in the rule's totals): a flood
+        // of distinct keys then costs a slot each, not a summary update each. A key denied more
+        // often keeps its count.
+        if let Some(old) = slot.replace(new).filter(|o| o.denied > 1 || (o.denied == 1 && o.heat > HEAT)) {
             if let Some(r) = local.rules.get_mut(old.rule) {
-                r.spilled.get_or_insert_with(Summary::default).add(&old.key, old.denied, 0, 0);
+                r.spilled.get_or_insert_with(|| Summary::new(SLOTS)).add(&old.key, old.denied, 0, 0);
             }
         }
     }
@@ -220,10 +256,19 @@ impl Top {
             l.any = false;
             let n = l.rules.len();
             let mut per_rule = std::mem::replace(&mut l.rules, vec![LocalRule::default(); n]);
-            // The table stays allocated for the next tick's denials.
-            for s in l.slots.iter_mut().filter_map(Option::take) {
-                if let Some(r) = per_rule.get_mut(s.rule) {
-                    r.spilled.get_or_insert_with(Summary::default).add(&s.key, s.denied, 0, 0);
+            // The table stays allocated for the next tick's denials; each key keeps its slot,
+            // with its heat halved, until it cools down.
+            for slot in l.slots.iter_mut() {
+                let Some(s) = slot.as_mut() else { continue };
+                if s.denied > 0 {
+                    if let Some(r) = per_rule.get_mut(s.rule) {
+                        r.spilled.get_or_insert_with(|| Summary::new(SLOTS)).add(&s.key, s.denied, 0, 0);
+                    }
+                }
+                s.denied = 0;
+                s.heat /= 2;
+                if s.heat == 0 {
+                    *slot = None;
                 }
             }
             per_rule
@@ -251,16 +296,19 @@ impl Top {
                     }
                     s.previous = s.current;
                     s.current = Distinct::default();
-                    s.minute = Summary::default();
+                    if self.synced {
+                        // Batches carry what each key gained: the summary runs on (so a heavy
+                        // key stays listed, counted from its first denials), its weights halved.
+                        s.minute.halve_weights();
+                    } else {
+                        s.minute = Summary::default();
+                    }
                     s.minute_start = now;
                 }
                 let before = s.minute.evictions();
                 if let Some(a) = add {
                     if let Some(sp) = &a.spilled {
-                        s.minute.merge(sp);
-                        if self.synced {
-                            s.pending.merge(sp);
-                        }
+                        s.minute.merge_keeping(sp);
                     }
                     s.current.merge(&a.distinct);
                     if self.synced {
@@ -323,11 +371,14 @@ impl Top {
                 let Some(mut s) = value.as_deref().and_then(Shared::decode).filter(|s| s.name == rule.name) else {
                     break;
                 };
-                if s.pending.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 {
+                let gained = s.gained();
+                if gained.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 {
                     break;
                 }
-                let t = (std::mem::take(&mut s.pending), s.pending_denied, s.pending_shadow);
+                let t = (gained, s.pending_denied, s.pending_shadow);
                 (s.pending_denied, s.pending_shadow) = (0, 0);
+                s.reported = s.minute.entries().iter().map(|e| (hash(&e.key), e.denied)).collect();
+                s.reported.sort_unstable();
                 match host.shared_set(&key, &s.encode(), cas) {
                     Ok(()) => {
                         taken = Some(t);

@@ -174,6 +174,16 @@ impl Summary {
     /// Adds `other` (the summary of another part of the stream): the result is the summary
     /// of both parts, with an error of at most the sum of both plus what this adds.
     pub fn merge(&mut self, other: &Summary) {
+        self.merge_within(other, self.capacity.max(other.capacity));
+    }
+
+    /// [`Summary::merge`], keeping this summary's capacity: a small bounded summary takes in
+    /// a larger transient one (a tick's worth of denials) without growing.
+    pub fn merge_keeping(&mut self, other: &Summary) {
+        self.merge_within(other, self.capacity);
+    }
+
+    fn merge_within(&mut self, other: &Summary, capacity: usize) {
         let mut merged = Vec::with_capacity(self.entries.len() + other.entries.len());
         let (mut a, mut b) =
             (core::mem::take(&mut self.entries).into_iter().peekable(), other.entries.iter().peekable());
@@ -199,7 +209,7 @@ impl Summary {
             }
         }
         self.entries = merged;
-        self.capacity = self.capacity.max(other.capacity);
+        self.capacity = capacity;
         self.total = self.total.saturating_add(other.total);
         self.offset = self.offset.saturating_add(other.offset);
         self.evictions = self.evictions.saturating_add(other.evictions);
@@ -315,6 +325,15 @@ impl Summary {
             }
         }
         out
+    }
+
+    /// Halves every key's Misra-Gries counter (at least 1 stays: no key is dropped), keeping
+    /// the listed counts: a summary that runs on across intervals lets keys that were heavy
+    /// long ago give way to new ones twice as fast each interval.
+    pub fn halve_weights(&mut self) {
+        for e in &mut self.entries {
+            e.weight = (e.weight / 2).max(1);
+        }
     }
 
     /// Sets a listed key's admitted units (keys not listed are not added).

@@ -324,3 +324,24 @@ fn the_first_form_of_the_top_section_is_still_read() {
     assert_eq!(top.entries()[0].weight, 3);
     assert_eq!(top.entries()[0].allowed, 2);
 }
+
+#[test]
+fn a_small_summary_takes_in_a_larger_one_without_growing_and_halving_drops_no_key() {
+    let mut tick = Summary::new(256);
+    for i in 0..200u32 {
+        tick.add(format!("k{i}").as_bytes(), 1 + u64::from(i % 3), 0, 0);
+    }
+    let mut kept = Summary::new(8);
+    kept.add(b"heavy", 50, 0, 0);
+    kept.merge_keeping(&tick);
+    assert_eq!(kept.capacity(), 8);
+    assert!(kept.entries().len() <= 8);
+    assert_eq!(kept.count(b"heavy"), 50, "a listed key keeps its count");
+    let before: Vec<(Vec<u8>, u64)> = kept.entries().iter().map(|e| (e.key.clone(), e.denied)).collect();
+    kept.halve_weights();
+    let after: Vec<(Vec<u8>, u64)> = kept.entries().iter().map(|e| (e.key.clone(), e.denied)).collect();
+    assert_eq!(before, after);
+    assert!(kept.entries().iter().all(|e| e.weight >= 1 && e.weight <= e.denied));
+    let heavy = kept.entries().iter().find(|e| e.key == b"heavy").unwrap();
+    assert!(heavy.weight < 50 / 2 + 1);
+}
