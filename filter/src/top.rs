@@ -2,10 +2,14 @@
 //! per VM on the request path at a few hundred instructions, merged on the tick into one
 //! bounded summary per rule in shared data, reported in sync batches or logged once a minute.
 //!
-//! A denial costs a hash of its counter key and one slot of a small direct-mapped table; an
-//! admitted request costs nothing. On each tick every VM merges its table into its rules'
-//! shared summaries ([`ratewall_core::topk::Summary`], at most 64 keys each, whatever the
-//! traffic) with compare-and-swap. Summaries hold counter keys, which carry no secret value
+//! A denial costs a hash of its counter key and one slot of a small two-way table, whose
+//! slots keep a key's recent heat across ticks; an admitted request costs nothing. On each
+//! tick every VM merges its table's denials into its rules' shared summaries
+//! ([`ratewall_core::topk::Summary`], at most 64 keys each, whatever the traffic) with
+//! compare-and-swap. With sync a rule's summary runs on from tick to tick (its weights halved
+//! each minute), so a key denied a little on each VM in each tick stays listed and counted;
+//! each batch carries what every listed key gained since the batch before. Summaries hold
+//! counter keys, which carry no secret value
 //! (secret parts are keyed hashes); keys are shown ([`ratewall_core::topk::render`]) only when
 //! logged or sent.
 
