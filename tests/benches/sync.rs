@@ -75,6 +75,21 @@ fn main() {
         },
         Scenario { name: "zipf100_rtt20_bucket", nodes: 100, rtt: 20 * MS, algorithm: "token_bucket", ..base.clone() },
         Scenario { name: "zipf20_rtt20_exact", rtt: 20 * MS, exact: true, ..base.clone() },
+        // The continuous algorithms with waits allowed: what the no-wait mode gives up.
+        Scenario {
+            name: "zipf20_rtt20_sliding_exact",
+            rtt: 20 * MS,
+            algorithm: "sliding_window",
+            exact: true,
+            ..base.clone()
+        },
+        Scenario {
+            name: "zipf20_rtt20_bucket_exact",
+            rtt: 20 * MS,
+            algorithm: "token_bucket",
+            exact: true,
+            ..base.clone()
+        },
         Scenario { name: "zipf100", nodes: 100, ..base.clone() },
     ];
     let only = std::env::var("RATEWALL_SIM_ONLY").ok();
