@@ -78,9 +78,7 @@ const GIVE_UP_AFTER: Nanos = if MAX_REQUEST_SKEW < RETRY_HORIZON { MAX_REQUEST_S
 const REFUSED_FOR_TIME: u32 = 422;
 const MS: Nanos = 1_000_000;
 
-/// The overdraft's part of the quota, per node: a node may admit up to `quota /
-/// OVERDRAFT_PART / nodes` units (at least 1) past its spent grant per answer.
-pub const OVERDRAFT_PART: u64 = 100;
+pub use ratewall_core::sync::OVERDRAFT_PART;
 
 /// The overdraft a batch's answer allows a node on a counter of `quota` units per window
 /// shared by `nodes`, that showed `remaining` units left and granted it `grant`: what it may

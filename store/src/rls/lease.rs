@@ -5,7 +5,10 @@
 //! hits, which are reported with the next batch. Otherwise — no grant yet, spent, expired, or
 //! the limit changed — it *asks* at Redis ([`Counter::ask`](ratewall_core::sync::Counter::ask):
 //! the hits are taken there only if free beside every grant held, and the answer brings a
-//! share of what else is free). Every [`FLUSH`] the spent units go to Redis in one batch per
+//! share of what else is free) — except a counter this process has not held yet: as a proxy
+//! does, it admits on an initial share (`quota / nodes`, or, past a fixed window's first
+//! quarter, an overdraft of `max(1, quota / 100 / nodes)`) without waiting, and reports what
+//! it admitted with the next batch ([`Leases::cold`]). Every [`FLUSH`] the spent units go to Redis in one batch per
 //! counter ([`Counter::apply`](ratewall_core::sync::Counter::apply), with this node's id and a
 //! sequence number, so a retried batch is never counted twice) and the answer is the next
 //! grant. These are the transitions the sync endpoint runs for the filter's proxies, so the
@@ -50,6 +53,10 @@ struct Held {
     /// Refused until then (our clock), for calls of at least this many hits.
     denied_until: Nanos,
     denied_hits: u64,
+    /// Whether Redis has answered for it (a counter first spent on an initial share has
+    /// not, until its first batch is answered: an ask meanwhile would be answered from a
+    /// count that lacks those units).
+    answered: bool,
 }
 
 /// Where a call's hits were taken.
@@ -77,6 +84,11 @@ pub struct Leases {
     pub synced: AtomicU64,
     /// Units of batches given up after [`RETRY_HORIZON`] (Redis unreachable that long).
     pub dropped: AtomicU64,
+    /// Calls on a counter not held yet decided on an initial share, without waiting.
+    pub cold: AtomicU64,
+    /// The most nodes Redis's answers showed on a counter, this minute and the one before
+    /// (minute, this one's, the last one's): what an initial share is divided by.
+    fleet: Mutex<(u64, u32, u32)>,
 }
 
 impl Default for Leases {
@@ -98,7 +110,68 @@ impl Leases {
             asked: AtomicU64::new(0),
             synced: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
+            cold: AtomicU64::new(0),
+            fleet: Mutex::new((0, 1, 1)),
         }
+    }
+
+    /// Notes the nodes an answer at `now` showed on its counter.
+    fn saw_nodes(&self, nodes: u32, now: Nanos) {
+        let Ok(mut f) = self.fleet.lock() else { return };
+        let minute = now / (60 * ratewall_core::SECOND);
+        if minute != f.0 {
+            *f = (minute, 1, if minute == f.0 + 1 { f.1 } else { 1 });
+        }
+        f.1 = f.1.max(nodes);
+    }
+
+    /// Nodes an initial share is divided by (at least 1).
+    fn fleet(&self) -> u64 {
+        self.fleet.lock().map_or(1, |f| u64::from(f.1.max(f.2).max(1)))
+    }
+
+    /// Decides a call on a counter this process holds nothing of (never asked, or forgotten
+    /// once its quota was restored) without waiting for Redis: it spends an initial share,
+    /// `quota / nodes` — past the first quarter of a fixed window (when others may have spent
+    /// the quota) an overdraft, `max(1, quota / 100 / nodes)` — and the next batch reports
+    /// what it admitted; Redis's answer is the grant from then on. None when the counter is
+    /// held, the share cannot pay for `hits`, or no more counters can be held: the call asks.
+    pub fn cold(&self, rkey: &str, limit: Limit, hits: u64, now: Nanos) -> Option<Decision> {
+        let nodes = self.fleet();
+        let mut held = self.held.lock().ok()?;
+        if held.contains_key(rkey) || held.len() >= MAX_HELD {
+            return None;
+        }
+        let (quota, per) = (limit.quota(), limit.per().max(1));
+        let fixed = limit.algorithm() == Algorithm::FixedWindow;
+        let share = if fixed && now % per >= per / 4 {
+            (quota / ratewall_core::sync::OVERDRAFT_PART / nodes).max(1)
+        } else {
+            quota / nodes
+        };
+        if hits == 0 || hits > share {
+            return None;
+        }
+        let reset_after = if fixed { per - now % per } else { per };
+        let until = lease_end(limit, now, ratewall_core::sync::MAX_LEASE, reset_after);
+        let remaining = quota.saturating_sub(hits);
+        held.insert(
+            rkey.to_owned(),
+            Held {
+                limit,
+                grant: share - hits,
+                until,
+                spent: hits,
+                pending: None,
+                view: (quota, reset_after, now),
+                used: now,
+                denied_until: 0,
+                denied_hits: 0,
+                answered: false,
+            },
+        );
+        self.cold.fetch_add(1, Ordering::Relaxed);
+        Some(Decision { allowed: true, limit: quota, remaining, reset_after, retry_after: None })
     }
 
     /// A new ask number (never 0).
@@ -149,6 +222,7 @@ impl Leases {
         now: Nanos,
     ) -> Decision {
         self.asked.fetch_add(1, Ordering::Relaxed);
+        self.saw_nodes(a.nodes, now);
         let allowed = hits == 0 || a.grant >= hits;
         if let Ok(mut held) = self.held.lock() {
             if held.len() >= MAX_HELD && !held.contains_key(rkey) {
@@ -165,6 +239,7 @@ impl Leases {
                     used: now,
                     denied_until: 0,
                     denied_hits: 0,
+                    answered: true,
                 });
                 if h.limit != limit {
                     // The rules changed: what was held under the old limit is not spent any more.
@@ -172,6 +247,7 @@ impl Leases {
                     h.grant = 0;
                 }
                 h.used = now;
+                h.answered = true;
                 h.view = (a.remaining, a.reset_after, now);
                 if allowed {
                     h.grant = a.grant - hits;
@@ -190,6 +266,22 @@ impl Leases {
             reset_after: a.reset_after,
             retry_after: if allowed { None } else { retry },
         }
+    }
+
+    /// The batch of a counter spent on an initial share that Redis has not answered for yet
+    /// (its seq and units: the one in flight, if any, else one cut now), for a call its
+    /// share cannot pay: the call sends it first, so that what it then asks for is answered
+    /// from a count that has those units. None for any other counter.
+    pub fn unanswered(&self, rkey: &str, now: Nanos) -> Option<(u64, u64)> {
+        let mut held = self.held.lock().ok()?;
+        let h = held.get_mut(rkey).filter(|h| !h.answered)?;
+        if let Some((seq, units, _)) = h.pending {
+            return Some((seq, units));
+        }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        h.pending = Some((seq, h.spent, now));
+        let units = std::mem::take(&mut h.spent);
+        Some((seq, units))
     }
 
     /// Gives back `hits` taken from the grant: false when they were reported already (then
@@ -232,20 +324,26 @@ impl Leases {
                 h.spent = 0;
                 return true;
             }
-            // Forgotten once idle, its grant over and nothing to report.
-            in_use || now < h.until
+            // Forgotten once idle, its grant over, nothing to report and its quota restored as
+            // far as it knows (a counter forgotten sooner would be spent again on an initial
+            // share: see `cold`).
+            let (remaining, reset_after, at) = h.view;
+            let restored = remaining >= h.limit.quota() || now >= at.saturating_add(reset_after);
+            in_use || now < h.until || !restored
         });
         out
     }
 
     /// Records a batch's answer at `now` (our clock).
-    fn synced(&self, rkey: &str, seq: u64, a: &Applied, now: Nanos) {
+    pub fn synced(&self, rkey: &str, seq: u64, a: &Applied, now: Nanos) {
         self.synced.fetch_add(1, Ordering::Relaxed);
+        self.saw_nodes(a.nodes, now);
         let Ok(mut held) = self.held.lock() else { return };
         let Some(h) = held.get_mut(rkey) else { return };
         if h.pending.is_some_and(|(s, _, _)| s == seq) {
             h.pending = None;
         }
+        h.answered = true;
         // What was spent while the batch travelled came from the old grant, and is not in
         // the answer's remaining yet.
         h.grant = a.grant.saturating_sub(h.spent);
@@ -381,6 +479,37 @@ mod tests {
         l.asked("k", limit(), 3, &applied(0, 2), Some(ratewall_core::SECOND), 0);
         assert!(l.take("k", limit(), 2, 1).is_none(), "a smaller call may fit: it asks");
         assert!(!l.take("k", limit(), 3, 1).unwrap().allowed);
+    }
+
+    #[test]
+    fn a_counter_not_held_yet_is_decided_at_once_on_an_initial_share() {
+        let s = ratewall_core::SECOND;
+        let l = Leases::new();
+        // Early in the window: the whole quota over the nodes Redis has shown.
+        l.saw_nodes(4, 0);
+        let d = l.cold("k", limit(), 1, s).unwrap();
+        assert!(d.allowed);
+        assert!(l.cold("k", limit(), 1, s).is_none(), "held now: its grant decides");
+        for _ in 0..24 {
+            assert!(l.take("k", limit(), 1, 2 * s).unwrap().allowed);
+        }
+        assert!(l.take("k", limit(), 1, 2 * s).is_none(), "100 / 4 spent: the next call asks");
+        assert_eq!(l.due(3 * s), vec![("k".to_owned(), limit(), 1, 25)], "reported with the next batch");
+        // Past the first quarter of a fixed window, only an overdraft: 1 of 100 over 4 nodes.
+        let late = Leases::new();
+        late.saw_nodes(4, 0);
+        assert!(late.cold("late", limit(), 1, 20 * s).unwrap().allowed);
+        assert!(late.take("late", limit(), 1, 20 * s).is_none());
+        assert_eq!(late.unanswered("late", 20 * s), Some((1, 1)), "the call sends the batch first");
+        assert_eq!(late.unanswered("late", 20 * s), Some((1, 1)), "the same one while unanswered");
+        assert!(late.cold("big", limit(), 2, 20 * s).is_none(), "more than the overdraft asks");
+        assert_eq!(l.unanswered("k", 3 * s), Some((1, 25)), "the batch in flight");
+        // A counter its batch showed spent is kept, idle, until its window ends.
+        l.synced("k", 1, &applied(0, 0), 4 * s);
+        assert_eq!(l.due(10 * s), vec![]);
+        assert!(l.cold("k", limit(), 1, 10 * s).is_none(), "not spent again on a share");
+        l.due(4 * s + 30 * s);
+        assert!(l.cold("k", limit(), 1, 35 * s).is_some(), "forgotten once its quota is restored");
     }
 
     #[test]

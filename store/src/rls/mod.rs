@@ -415,10 +415,28 @@ impl<K: Kv> Rls<K> {
             return Ok((d, at, lease::Source::Redis));
         }
         let now = wall_clock();
-        if let Some(d) = self.leases.take(&c.rkey, limit, hits, now) {
+        if let Some(d) =
+            self.leases.take(&c.rkey, limit, hits, now).or_else(|| self.leases.cold(&c.rkey, limit, hits, now))
+        {
             return Ok((d, now, lease::Source::Grant));
         }
-        let (node, ask) = (self.leases.node, self.leases.next_ask());
+        let node = self.leases.node;
+        if let Some((seq, units)) = self.leases.unanswered(&c.rkey, now) {
+            // Spent on an initial share that Redis has not counted yet: counted first (its
+            // answer is this process's grant), so that nothing is asked for twice.
+            let a = self
+                .update(&c.rkey, limit, move |counter, now| {
+                    let a = counter.apply(limit, now, node, seq, units, crate::NODE_TTL);
+                    (a, a.counted)
+                })
+                .await?;
+            let now = wall_clock();
+            self.leases.synced(&c.rkey, seq, &a, now);
+            if let Some(d) = self.leases.take(&c.rkey, limit, hits, now) {
+                return Ok((d, now, lease::Source::Grant));
+            }
+        }
+        let ask = self.leases.next_ask();
         let (a, at, retry) = self
             .update(&c.rkey, limit, move |counter, now| {
                 let a = counter.ask(limit, now, node, ask, hits, crate::NODE_TTL);
