@@ -224,6 +224,8 @@ impl Leases {
         self.asked.fetch_add(1, Ordering::Relaxed);
         self.saw_nodes(a.nodes, now);
         let allowed = hits == 0 || a.grant >= hits;
+        // Units this process admitted that Redis has not counted yet: not in its `remaining`.
+        let mut unreported = 0;
         if let Ok(mut held) = self.held.lock() {
             if held.len() >= MAX_HELD && !held.contains_key(rkey) {
                 held.retain(|_, h| h.pending.is_some() || h.spent > 0 || now < h.until);
@@ -249,6 +251,7 @@ impl Leases {
                 h.used = now;
                 h.answered = true;
                 h.view = (a.remaining, a.reset_after, now);
+                unreported = h.spent.saturating_add(h.pending.map_or(0, |(_, u, _)| u));
                 if allowed {
                     h.grant = a.grant - hits;
                     h.until = lease_end(limit, now, a.lease, a.reset_after);
@@ -262,7 +265,7 @@ impl Leases {
         Decision {
             allowed,
             limit: limit.quota(),
-            remaining: if allowed { a.remaining } else { 0 },
+            remaining: if allowed { a.remaining.saturating_sub(unreported) } else { 0 },
             reset_after: a.reset_after,
             retry_after: if allowed { None } else { retry },
         }
