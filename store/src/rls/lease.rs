@@ -86,6 +86,10 @@ pub struct Leases {
     pub dropped: AtomicU64,
     /// Calls on a counter not held yet decided on an initial share, without waiting.
     pub cold: AtomicU64,
+    /// Whether Redis answered the last call made to it: while it does not, a counter not
+    /// held yet is not spent on an initial share (the call is refused as unavailable, and
+    /// the proxy's failure mode decides).
+    redis_ok: std::sync::atomic::AtomicBool,
     /// The most nodes Redis's answers showed on a counter, this minute and the one before
     /// (minute, this one's, the last one's): what an initial share is divided by.
     fleet: Mutex<(u64, u32, u32)>,
@@ -111,8 +115,14 @@ impl Leases {
             synced: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             cold: AtomicU64::new(0),
+            redis_ok: std::sync::atomic::AtomicBool::new(true),
             fleet: Mutex::new((0, 1, 1)),
         }
+    }
+
+    /// Notes whether a call to Redis was answered.
+    pub fn reached(&self, ok: bool) {
+        self.redis_ok.store(ok, Ordering::Relaxed);
     }
 
     /// Notes the nodes an answer at `now` showed on its counter.
@@ -135,8 +145,12 @@ impl Leases {
     /// `quota / nodes` — past the first quarter of a fixed window (when others may have spent
     /// the quota) an overdraft, `max(1, quota / 100 / nodes)` — and the next batch reports
     /// what it admitted; Redis's answer is the grant from then on. None when the counter is
-    /// held, the share cannot pay for `hits`, or no more counters can be held: the call asks.
+    /// held, the share cannot pay for `hits`, no more counters can be held, or Redis did not
+    /// answer the last call: the call asks.
     pub fn cold(&self, rkey: &str, limit: Limit, hits: u64, now: Nanos) -> Option<Decision> {
+        if !self.redis_ok.load(Ordering::Relaxed) {
+            return None;
+        }
         let nodes = self.fleet();
         let mut held = self.held.lock().ok()?;
         if held.contains_key(rkey) || held.len() >= MAX_HELD {
@@ -513,6 +527,8 @@ mod tests {
         assert!(l.cold("k", limit(), 1, 10 * s).is_none(), "not spent again on a share");
         l.due(4 * s + 30 * s);
         assert!(l.cold("k", limit(), 1, 35 * s).is_some(), "forgotten once its quota is restored");
+        l.reached(false);
+        assert!(l.cold("other", limit(), 1, 36 * s).is_none(), "Redis not answering: it asks");
     }
 
     #[test]

@@ -477,6 +477,11 @@ impl<K: Kv> Rls<K> {
             None => None,
         };
         let result = self.update_locked(rkey, limit, f).await;
+        match &result {
+            Ok(_) => self.leases.reached(true),
+            Err(Refusal::Unavailable(_)) => self.leases.reached(false),
+            Err(_) => {}
+        }
         if let Ok(mut busy) = self.busy.lock() {
             if busy.get(rkey).is_some_and(|t| Arc::strong_count(t) <= 2) {
                 busy.remove(rkey);
