@@ -22,6 +22,8 @@ const PROBE_KEY: &str = "rw1/probe";
 /// How long after a VM began its first shared-data call another VM still takes an unfinished
 /// probe for one in progress rather than for a trap.
 const PROBE_GRACE_MS: u64 = 1_000;
+/// How long after a probe that trapped a tick probes again.
+const REPROBE_AFTER_MS: u64 = 60_000;
 /// Counts the requests passed without limits because no usable configuration is in force
 /// (a rejected rules document with none before it, or no shared data).
 pub const FALLBACK_METRIC: &str = "ratewall_config_rejected";
@@ -165,6 +167,8 @@ pub struct Engine {
     sync_opts: Option<SyncOptions>,
     /// Whether shared data works (None: not tried yet in this VM).
     shared: Cell<Option<bool>>,
+    /// The metrics [`Engine::ready`] keeps its probes in.
+    probe_metrics: OnceCell<(Option<u32>, Option<u32>, Option<u32>)>,
     /// When the filter last said at error level that it serves without limits.
     fallback_logged: Cell<Option<Nanos>>,
     /// The request headers read, in the order [`Engine::on_request`] expects them: `:method`,
@@ -275,6 +279,7 @@ impl Engine {
             top,
             sync_opts,
             shared: Cell::new(None),
+            probe_metrics: OnceCell::new(),
             fallback_logged: Cell::new(None),
             header_names,
             exact,
@@ -292,25 +297,34 @@ impl Engine {
 
     /// Whether shared data can be used, found out on the first call in this VM: a host
     /// without it (ngx_wasm_module with no `shm_kv` zone) traps on the first shared-data
-    /// call, so two counters in the host's metrics, which outlive a trapped instance, record
-    /// each first call tried and each that came back. More tried than came back: an earlier
-    /// instance trapped there, and this one serves without limits (counted in
-    /// `ratewall_config_rejected`, said at error level) instead of trapping in turn.
-    pub fn ready(&self, host: &dyn Host) -> bool {
+    /// call, so two counters in the host's metrics, which outlive a trapped instance (and, on
+    /// ngx_wasm_module, a reload), record each first call tried and each that came back, and
+    /// a gauge when the last began. More tried than came back: a probe is in progress in
+    /// another VM (begun within [`PROBE_GRACE_MS`]), or an earlier instance trapped there.
+    /// Either way this VM does not probe on a request: it serves without limits (counted in
+    /// `ratewall_config_rejected`, said at error level), asking again at its next request, so
+    /// a trapped instance's successors never trap in turn. Once a trap is [`REPROBE_AFTER_MS`]
+    /// old, one tick probes again (a trap in a tick fails no request): a `shm_kv` zone added
+    /// since, with a reload, is found, and limits return.
+    pub fn ready(&self, host: &dyn Host, tick: bool) -> bool {
         if let Some(ok) = self.shared.get() {
             return ok;
         }
-        let tried = host.define_counter("ratewall_shared_data_tried");
-        let came_back = host.define_counter("ratewall_shared_data_ready");
-        let probe_at = host.define_gauge("ratewall_shared_data_probe_ms");
+        let (tried, came_back, probe_at) = *self.probe_metrics.get_or_init(|| {
+            (
+                host.define_counter("ratewall_shared_data_tried"),
+                host.define_counter("ratewall_shared_data_ready"),
+                host.define_gauge("ratewall_shared_data_probe_ms"),
+            )
+        });
         let read = |m: Option<u32>| m.and_then(|id| host.metric_value(id)).unwrap_or(0);
         let now_ms = host.now() / 1_000_000;
-        // A first call tried and not come back: an earlier instance trapped there — unless
-        // another VM started its own first call within the last second and has not finished
-        // it yet (worker threads probe at once), in which case this one probes too.
-        if read(tried) > read(came_back) && now_ms.saturating_sub(read(probe_at)) >= PROBE_GRACE_MS {
-            self.shared.set(Some(false));
-            self.say_fallback(host);
+        let (t, c) = (read(tried), read(came_back));
+        let age = now_ms.saturating_sub(read(probe_at));
+        if t > c && (!tick || age < REPROBE_AFTER_MS) {
+            if age >= PROBE_GRACE_MS {
+                self.say_fallback(host);
+            }
             return false;
         }
         if let Some(id) = probe_at {
@@ -321,7 +335,8 @@ impl Engine {
         }
         let _ = host.shared_get(PROBE_KEY);
         if let Some(id) = came_back {
-            host.increment(id, 1);
+            // Every earlier probe settled: the ones that trapped are behind this one.
+            host.increment(id, t.saturating_sub(c).saturating_add(1));
         }
         self.shared.set(Some(true));
         self.prepare(host);
@@ -382,8 +397,7 @@ impl Engine {
     /// The periodic tick: merge this VM's denials into the proxy's top offenders, sync with
     /// the global store.
     pub fn on_tick(&self, host: &dyn Host) {
-        if !self.ready(host) {
-            self.say_fallback(host);
+        if !self.ready(host, true) {
             return;
         }
         self.top.on_tick(host, &self.config);
@@ -411,11 +425,10 @@ impl Engine {
     /// Decides one request from its headers: a reply, or an ask to the global store that the
     /// request waits for (paused), answered through [`Engine::on_ask_response`].
     pub fn on_request(&self, host: &dyn Host) -> Verdict {
-        if !self.ready(host) {
+        if !self.ready(host, false) {
             if let Some(id) = self.node.fallback {
                 host.increment(id, 1);
             }
-            self.say_fallback(host);
             return Verdict::Reply(Reply { status: 200, headers: Vec::new(), body: String::new() });
         }
         let now = host.now();

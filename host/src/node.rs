@@ -112,8 +112,8 @@ impl Profile {
 /// What one proxy process shares between its VMs.
 #[derive(Default)]
 pub struct NodeState {
-    /// The proxy it behaves as.
-    pub(crate) profile: Profile,
+    /// The proxy it behaves as (a reload may change its configuration).
+    pub(crate) profile: Mutex<Profile>,
     /// Keys hashed with FxHash, as a proxy's own maps use a fast hash (Envoy: absl's).
     pub(crate) shared: Mutex<FxHashMap<String, (Vec<u8>, u32)>>,
     pub(crate) next_cas: AtomicU32,
@@ -160,7 +160,7 @@ impl Node {
 
     /// A node behaving as `profile`.
     pub fn with_profile(now: u64, profile: Profile) -> Node {
-        let node = Node { state: Arc::new(NodeState { profile, ..NodeState::default() }) };
+        let node = Node { state: Arc::new(NodeState { profile: Mutex::new(profile), ..NodeState::default() }) };
         let _ = node.state.id.set(format!("node-{}", NODES.fetch_add(1, Ordering::SeqCst)));
         node.set_time(now);
         node
@@ -168,7 +168,7 @@ impl Node {
     /// A node with its clock at `now` and the `node.id` property `id` (a simulation names its
     /// nodes, so its figures do not depend on how many nodes were made before it).
     pub fn named(now: u64, id: &str) -> Node {
-        let node = Node { state: Arc::new(NodeState { profile: Profile::Envoy, ..NodeState::default() }) };
+        let node = Node { state: Arc::new(NodeState { profile: Mutex::new(Profile::Envoy), ..NodeState::default() }) };
         let _ = node.state.id.set(id.to_owned());
         node.set_time(now);
         node
@@ -176,17 +176,24 @@ impl Node {
 
     /// The proxy this node behaves as.
     pub fn profile(&self) -> Profile {
-        self.state.profile
+        *lock(&self.state.profile)
     }
 
     /// A configuration reload (`nginx -s reload`): under ngx_wasm_module the new workers get a
-    /// fresh, empty `shm_kv` zone and a fresh metrics zone (start new [`crate::Vm`]s for them);
-    /// under Envoy a configuration push keeps shared data, so nothing changes here.
+    /// fresh, empty `shm_kv` zone (start new [`crate::Vm`]s for them), while its metrics zone
+    /// is reused, values and all; under Envoy a configuration push keeps shared data, so
+    /// nothing changes here.
     pub fn reload(&self) {
-        if self.state.profile.is_nginx() {
+        if self.profile().is_nginx() {
             lock(&self.state.shared).clear();
-            lock(&self.state.metrics).clear();
         }
+    }
+
+    /// A reload after the proxy's own configuration was edited to behave as `profile` (for
+    /// ngx_wasm_module, a `shm_kv` directive added or removed).
+    pub fn reload_as(&self, profile: Profile) {
+        *lock(&self.state.profile) = profile;
+        self.reload();
     }
     /// Sets the virtual clock.
     pub fn set_time(&self, now: u64) {
@@ -239,7 +246,7 @@ impl Node {
         if cas != 0 && self.state.cas_always_fails.load(Ordering::SeqCst) {
             return status::CAS_MISMATCH;
         }
-        let nginx = self.state.profile.is_nginx();
+        let nginx = self.profile().is_nginx();
         let mut map = lock(&self.state.shared);
         let next = self.state.next_cas.fetch_add(1, Ordering::SeqCst).wrapping_add(1).max(1);
         match map.get_mut(key) {

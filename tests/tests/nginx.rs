@@ -88,7 +88,7 @@ fn a_bad_document_at_a_reload_keeps_nginx_serving_and_a_good_one_brings_the_limi
     let mut vms = workers(&node, &good, 2);
     let passed = (0..6).filter(|i| vms[i % 2].request(&user("a")).unwrap().passed).count();
     assert_eq!(passed, 3, "the good document's limit, across both workers");
-    assert_eq!(node.metric("ratewall_config_rejected"), 0, "a reload brings fresh metrics too");
+    assert_eq!(node.metric("ratewall_config_rejected"), 5, "ngx_wasm_module keeps its metrics across a reload");
 }
 
 #[test]
@@ -111,6 +111,51 @@ fn without_shm_kv_one_instance_traps_and_the_rest_serve_open_and_say_so() {
     }
     assert_eq!(node.metric("ratewall_config_rejected"), 10);
     assert!(errors(&node).iter().any(|m| m.contains("shm_kv")), "{:?}", errors(&node));
+}
+
+fn traps(vms: &[Vm]) -> usize {
+    vms.iter().filter(|v| v.trapped().is_some()).count()
+}
+
+#[test]
+fn without_shm_kv_requests_in_the_first_second_cost_one_trap_then_pass_and_a_reload_with_it_brings_limits_back() {
+    let node = Node::with_profile(T0, Profile::Nginx { shm_kv: false });
+    let doc = user_rules(3).to_string();
+    // Traffic already arriving at the start: each request whose instance trapped is retried
+    // on a fresh one (as ngx_wasm_module recreates a trapped worker's instance), within the
+    // first second. Before, every fresh instance probed again and trapped: every request
+    // failed, without end.
+    let mut instances = workers(&node, &doc, 1);
+    let (mut failed, mut passed) = (0, 0);
+    for i in 0..40 {
+        if instances.last().unwrap().trapped().is_some() {
+            instances.push(Vm::start(&plugin(), &node, doc.as_bytes()).unwrap());
+        }
+        node.advance(10 * MS);
+        match instances.last_mut().unwrap().request(&user(&format!("u{}", i % 2))) {
+            Ok(r) => passed += usize::from(r.passed && r.status == 200),
+            Err(_) => failed += 1,
+        }
+    }
+    assert_eq!((failed, passed, traps(&instances)), (1, 39, 1), "one trap, then service without limits");
+    // Ticks within the next minute do not probe again.
+    let vm = instances.last_mut().unwrap();
+    for _ in 0..50 {
+        node.advance(SECOND);
+        vm.tick().unwrap();
+    }
+    assert!(vm.trapped().is_none());
+    // `shm_kv` added, `nginx -s reload`: the metrics zone (with the trap's marker) is kept.
+    node.reload_as(Profile::NGINX);
+    let mut vms = workers(&node, &doc, 2);
+    assert_eq!(admitted(&mut vms[0], &user("a"), 5), 5, "no limits until a tick probes again");
+    node.advance(11 * SECOND);
+    for vm in &mut vms {
+        vm.tick().unwrap();
+    }
+    assert_eq!(traps(&vms), 0);
+    let passed = (0..8).filter(|i| vms[i % 2].request(&user("b")).unwrap().passed).count();
+    assert_eq!(passed, 3, "the limits are back, across both workers");
 }
 
 /// The leaky bucket of 5 per second with a queue of 5.
