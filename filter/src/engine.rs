@@ -22,6 +22,8 @@ const PROBE_KEY: &str = "rw1/probe";
 /// How long after a VM began its first shared-data call another VM still takes an unfinished
 /// probe for one in progress rather than for a trap.
 const PROBE_GRACE_MS: u64 = 1_000;
+/// Reads of the probe counters a VM makes while another VM's probe is in progress.
+const PROBE_SPIN: usize = 2_000;
 /// How long after a probe that trapped a tick probes again.
 const REPROBE_AFTER_MS: u64 = 60_000;
 /// Counts the requests passed without limits because no usable configuration is in force
@@ -319,8 +321,18 @@ impl Engine {
         });
         let read = |m: Option<u32>| m.and_then(|id| host.metric_value(id)).unwrap_or(0);
         let now_ms = host.now() / 1_000_000;
-        let (t, c) = (read(tried), read(came_back));
+        let (mut t, mut c) = (read(tried), read(came_back));
         let age = now_ms.saturating_sub(read(probe_at));
+        if t > c && age < PROBE_GRACE_MS {
+            // Another worker's probe, just begun, takes a few host calls to come back: wait
+            // for it (an instance that trapped never comes back, and this one serves open).
+            for _ in 0..PROBE_SPIN {
+                (t, c) = (read(tried), read(came_back));
+                if t <= c {
+                    break;
+                }
+            }
+        }
         if t > c && (!tick || age < REPROBE_AFTER_MS) {
             if age >= PROBE_GRACE_MS {
                 self.say_fallback(host);
