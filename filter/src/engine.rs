@@ -22,6 +22,9 @@ const PROBE_KEY: &str = "rw1/probe";
 /// How long after a VM began its first shared-data call another VM still takes an unfinished
 /// probe for one in progress rather than for a trap.
 const PROBE_GRACE_MS: u64 = 1_000;
+/// Most probes taken to be in progress at once (workers starting together); more out
+/// within [`PROBE_GRACE_MS`] are instances that trapped.
+const PROBES_IN_FLIGHT: u64 = 3;
 /// Reads of the probe counters a VM makes while another VM's probe is in progress.
 const PROBE_SPIN: usize = 2_000;
 /// How long after a probe that trapped a tick probes again.
@@ -302,10 +305,11 @@ impl Engine {
     /// call, so two counters in the host's metrics, which outlive a trapped instance (and, on
     /// ngx_wasm_module, a reload), record each first call tried and each that came back, and
     /// a gauge when the last began. More tried than came back: a probe is in progress in
-    /// another VM (begun within [`PROBE_GRACE_MS`]), or an earlier instance trapped there.
-    /// Either way this VM does not probe on a request: it serves without limits (counted in
-    /// `ratewall_config_rejected`, said at error level), asking again at its next request, so
-    /// a trapped instance's successors never trap in turn. Once a trap is [`REPROBE_AFTER_MS`]
+    /// another VM (begun within [`PROBE_GRACE_MS`]; this one waits a little for it, and
+    /// probes too while fewer than [`PROBES_IN_FLIGHT`] are out), or an earlier instance
+    /// trapped there. Then this VM does not probe on a request: it serves without limits
+    /// (counted in `ratewall_config_rejected`, said at error level), asking again at its next
+    /// request, so the successors of a trapped instance stop trapping after a few. Once a trap is [`REPROBE_AFTER_MS`]
     /// old, one tick probes again (a trap in a tick fails no request): a `shm_kv` zone added
     /// since, with a reload, is found, and limits return.
     pub fn ready(&self, host: &dyn Host, tick: bool) -> bool {
@@ -333,7 +337,11 @@ impl Engine {
                 }
             }
         }
-        if t > c && (!tick || age < REPROBE_AFTER_MS) {
+        // Probes still out within the grace, but few: others' in progress (workers starting
+        // together), taken for such — at the cost, on a host without shared data, of a trap
+        // for each of the first few instances.
+        let concurrent = t > c && t - c < PROBES_IN_FLIGHT && age < PROBE_GRACE_MS;
+        if t > c && !concurrent && (!tick || age < REPROBE_AFTER_MS) {
             if age >= PROBE_GRACE_MS {
                 self.say_fallback(host);
             }

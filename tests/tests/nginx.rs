@@ -113,12 +113,15 @@ fn without_shm_kv_one_instance_traps_and_the_rest_serve_open_and_say_so() {
     assert!(errors(&node).iter().any(|m| m.contains("shm_kv")), "{:?}", errors(&node));
 }
 
+/// The filter's limit on probes taken to be in progress at once: as many instances may trap.
+const PROBES_IN_FLIGHT: usize = 3;
+
 fn traps(vms: &[Vm]) -> usize {
     vms.iter().filter(|v| v.trapped().is_some()).count()
 }
 
 #[test]
-fn without_shm_kv_requests_in_the_first_second_cost_one_trap_then_pass_and_a_reload_with_it_brings_limits_back() {
+fn without_shm_kv_requests_in_the_first_second_cost_a_few_traps_then_pass_and_a_reload_with_it_brings_limits_back() {
     let node = Node::with_profile(T0, Profile::Nginx { shm_kv: false });
     let doc = user_rules(3).to_string();
     // Traffic already arriving at the start: each request whose instance trapped is retried
@@ -137,7 +140,8 @@ fn without_shm_kv_requests_in_the_first_second_cost_one_trap_then_pass_and_a_rel
             Err(_) => failed += 1,
         }
     }
-    assert_eq!((failed, passed, traps(&instances)), (1, 39, 1), "one trap, then service without limits");
+    assert!(failed <= PROBES_IN_FLIGHT && failed == traps(&instances), "{failed} failed, {} traps", traps(&instances));
+    assert_eq!(passed, 40 - failed, "then service without limits");
     // Ticks within the next minute do not probe again.
     let vm = instances.last_mut().unwrap();
     for _ in 0..50 {
