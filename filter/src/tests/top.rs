@@ -67,13 +67,18 @@ fn a_proxy_without_a_store_logs_each_rules_top_denied_keys_once_a_minute() {
     assert_eq!(after, 2);
 }
 
-#[test]
-fn batches_carry_each_rules_counts_and_top_keys_and_no_secret() {
+/// Two VMs of one proxy with a `sync` section, and the store they sync to.
+fn two_vms_syncing() -> (FakeHost, FakeHost, Engine, Engine, Store) {
     let sync = r#", "sync": {"cluster": "store", "secret": "0123456789abcdef", "interval": "100ms"}"#;
     let a = FakeHost::new();
     let b = FakeHost::joining(a.shared.clone());
     let (ea, eb) = (engine(&a, &rules(sync)), engine(&b, &rules(sync)));
-    let mut store = Store::new(10_000, 2_000 * MS);
+    (a, b, ea, eb, Store::new(10_000, 2_000 * MS))
+}
+
+#[test]
+fn batches_carry_each_rules_counts_and_top_keys_and_no_secret() {
+    let (a, b, ea, eb, mut store) = two_vms_syncing();
     // First a grant, so the node decides locally.
     ea.on_tick(&a);
     for c in a.take_calls() {
@@ -111,11 +116,7 @@ fn batches_carry_each_rules_counts_and_top_keys_and_no_secret() {
 
 #[test]
 fn a_key_denied_once_per_interval_on_each_vm_among_many_keys_denied_once_is_counted_exactly() {
-    let sync = r#", "sync": {"cluster": "store", "secret": "0123456789abcdef", "interval": "100ms"}"#;
-    let a = FakeHost::new();
-    let b = FakeHost::joining(a.shared.clone());
-    let (ea, eb) = (engine(&a, &rules(sync)), engine(&b, &rules(sync)));
-    let mut store = Store::new(10_000, 2_000 * MS);
+    let (a, b, ea, eb, mut store) = two_vms_syncing();
     let mut sync = |vms: [(&FakeHost, &Engine); 2]| {
         let mut sections = Vec::new();
         for (h, e) in vms {
