@@ -673,6 +673,7 @@ impl Counters for TableCounters<'_> {
             let rolled = matches!(state, State::FixedWindow { window, .. } if *window != now / limit.per().max(1));
             // The node's traffic share outlives the window (degraded mode reads it).
             let share = grant.map_or(0, |g| g.share);
+            let kept = grant;
             let grant = if rolled { None } else { grant };
             let held = grant.unwrap_or(Allowance { share, ..first });
             let held = Allowance { units: held.units_at(now), ..held };
@@ -697,7 +698,9 @@ impl Counters for TableCounters<'_> {
                 (Grants::On { .. }, false) if charged == 0 => grant,
                 (Grants::On { .. }, false) => Some(spent),
                 (Grants::On { .. }, true) => grant.map(|g| Allowance { units: g.units.saturating_add(cost), ..g }),
-                (Grants::Off, _) => grant,
+                // Degraded, the grant is left as it was, with the share the fallback reads
+                // (the answer to the batch that reports the degraded admissions replaces it).
+                (Grants::Off, _) => kept,
             };
             Some((next, grant))
         };

@@ -1014,3 +1014,45 @@ fn a_rule_that_is_not_exact_never_asks_and_an_exact_one_still_does() {
     assert_eq!(h.metric("ratewall_sync_asks"), 0);
     assert!(burst_until_ask(&e, &h).is_some(), "the exact rule asks");
 }
+
+#[test]
+fn without_the_store_a_node_keeps_to_its_measured_share_window_after_window() {
+    let doc = format!(
+        r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
+  "rules": [{{"name": "user", "key": ["user"], "algorithm": "fixed_window", "limit": {{"requests": 100, "per": "10s"}}}}],
+  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": 2}}}}"#
+    );
+    let h = FakeHost::new();
+    let e = engine(&h, &doc);
+    let mut s = store();
+    let ann = [("x-user-id", "ann")];
+    let key = key_of(&e, "/", "ann");
+    let limit = e.config().rules[0].limit;
+    while h.now() % (10_000 * MS) != 0 {
+        h.advance(100 * MS);
+    }
+    // Healthy: this node admits 3 of every 10 units the counter spends, another node 7.
+    for seq in 1..=8 {
+        let r: Vec<_> = (0..3).map(|_| reply(&e, &h, "GET", "/", &ann)).collect();
+        assert!(r.iter().all(|r| r.status == 200), "{seq}: {:?}", r.last());
+        let deltas = vec![Delta { key: key.clone(), limit, units: 7 }];
+        s.handle(h.now(), &SyncRequest { node: 999, seq, sent: h.now(), deltas, ask: false }).unwrap();
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+        h.advance(100 * MS);
+    }
+    // The store goes away; degraded, window after window, the node admits its share of 30 %
+    // (with its margin), not half of the limit.
+    h.refuse_calls.set(true);
+    for window in 0..2 {
+        while h.now() % (10_000 * MS) != 0 {
+            h.advance(100 * MS);
+            e.on_tick(&h);
+            let _ = fail(&e, &h);
+        }
+        let admitted = statuses(&e, &h, "GET", "/", &ann, 60).iter().filter(|s| **s == 200).count();
+        assert!((30..=33).contains(&admitted), "window {window}: {admitted}");
+        h.advance(100 * MS);
+    }
+    assert!(h.metric("ratewall_sync_degraded_requests") >= 120);
+}
