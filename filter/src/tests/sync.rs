@@ -1028,7 +1028,7 @@ fn without_the_store_a_node_keeps_to_its_measured_share_window_after_window() {
     let ann = [("x-user-id", "ann")];
     let key = key_of(&e, "/", "ann");
     let limit = e.config().rules[0].limit;
-    while h.now() % (10_000 * MS) != 0 {
+    while !h.now().is_multiple_of(10_000 * MS) {
         h.advance(100 * MS);
     }
     // Healthy: this node admits 3 of every 10 units the counter spends, another node 7.
@@ -1045,7 +1045,7 @@ fn without_the_store_a_node_keeps_to_its_measured_share_window_after_window() {
     // (with its margin), not half of the limit.
     h.refuse_calls.set(true);
     for window in 0..2 {
-        while h.now() % (10_000 * MS) != 0 {
+        while !h.now().is_multiple_of(10_000 * MS) {
             h.advance(100 * MS);
             e.on_tick(&h);
             let _ = fail(&e, &h);
