@@ -6,7 +6,7 @@
 
 use ratewall_core::SECOND;
 use ratewall_tests::bench::figure;
-use ratewall_tests::sim::{bound_pct, run, Faults, Scenario, Spread};
+use ratewall_tests::sim::{bound_pct, cap_model, run, Faults, Scenario, Spread};
 
 const MS: u64 = 1_000_000;
 
@@ -93,6 +93,17 @@ fn main() {
         Scenario { name: "zipf100", nodes: 100, ..base.clone() },
     ];
     let only = std::env::var("RATEWALL_SIM_ONLY").ok();
+    // Per-node caps without any store: the floor of degraded mode's false denials.
+    if only.as_deref().is_none_or(|o| o.split(',').any(|n| n == "cap_model")) {
+        for (margin, measured, name) in
+            [(1.05, false, "exact_shares_105"), (1.10, false, "exact_shares_110"), (1.05, true, "measured_shares_105")]
+        {
+            let (denied, over, worst) = cap_model(margin, measured, 400, seed);
+            figure(&format!("cap_model_false_denial_pct_{name}"), denied, "%");
+            figure(&format!("cap_model_overadmission_pct_{name}"), over, "%");
+            figure(&format!("cap_model_overadmission_max_pct_{name}"), worst, "%");
+        }
+    }
     for s in scenarios.iter().filter(|s| only.as_deref().is_none_or(|o| o.split(',').any(|n| n == s.name))) {
         let r = run(s).unwrap();
         figure(&format!("overadmission_pct_{}", s.name), r.overadmission_pct, "%");

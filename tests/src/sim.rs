@@ -698,3 +698,58 @@ fn deliver(vm: &mut Vm, c: &Callout, resp: Option<Answer>) -> wasmtime::Result<(
         Some((status, sig, body)) => vm.respond(c, status, &[("x-ratewall-signature", &sig)], body),
     }
 }
+
+/// What per-node caps give with no store at all: a model of the fault scenarios' outage
+/// windows (20 Zipf nodes, a fixed window of 200 offered 1.5 ×, arrivals drawn one by one),
+/// each node admitting up to `max(1, round(margin × s_i × limit))` of the window, where `s_i`
+/// is its share of the traffic exactly (`measured`: false) or as one earlier window's
+/// admissions measured it. Returns (false denials ÷ requests, mean over-admission per window,
+/// worst window), in %.
+pub fn cap_model(margin: f64, measured: bool, windows: u32, seed: u64) -> (f64, f64, f64) {
+    let (limit, nodes, offered) = (200u64, 20usize, 300u64);
+    let total: f64 = (1..=nodes).map(|i| 1.0 / i as f64).sum();
+    let weights: Vec<f64> = (1..=nodes).map(|i| 1.0 / i as f64 / total).collect();
+    let mut rng = Rng(seed | 1);
+    let pick = |rng: &mut Rng| {
+        let mut x = rng.below(1 << 30) as f64 / f64::from(1u32 << 30);
+        for (i, w) in weights.iter().enumerate() {
+            if x < *w {
+                return i;
+            }
+            x -= w;
+        }
+        nodes - 1
+    };
+    let (mut false_denials, mut over, mut worst) = (0u64, 0u64, 0u64);
+    for _ in 0..windows {
+        let shares: Vec<f64> = if measured {
+            let mut seen = vec![0u64; nodes];
+            for _ in 0..limit {
+                seen[pick(&mut rng)] += 1;
+            }
+            seen.iter().map(|n| *n as f64 / limit as f64).collect()
+        } else {
+            weights.clone()
+        };
+        let caps: Vec<u64> = shares.iter().map(|s| ((margin * s * limit as f64).round() as u64).max(1)).collect();
+        let (mut used, mut global, mut window_over) = (vec![0u64; nodes], 0u64, 0u64);
+        for _ in 0..offered {
+            let i = pick(&mut rng);
+            if used[i] < caps[i] {
+                used[i] += 1;
+                window_over += u64::from(global >= limit);
+                global += 1;
+            } else if global < limit {
+                false_denials += 1;
+            }
+        }
+        over += window_over;
+        worst = worst.max(window_over);
+    }
+    let pct = |n: f64, of: f64| n / of.max(1.0) * 100.0;
+    (
+        pct(false_denials as f64, (offered * u64::from(windows)) as f64),
+        pct(over as f64, (limit * u64::from(windows)) as f64),
+        pct(worst as f64, limit as f64),
+    )
+}
