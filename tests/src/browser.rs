@@ -93,7 +93,7 @@ const job = JSON.parse(process.env.RATEWALL_BROWSER_JOB);
     try {
       await page.waitForFunction(job.until, null, { timeout: job.timeout_ms, polling: 200 });
     } catch (e) {
-      out.errors.push('not ready within ' + job.timeout_ms + ' ms: ' + job.until);
+      out.errors.push('not ready within ' + job.timeout_ms + ' ms: ' + job.until + ' (' + (e && e.message ? e.message : String(e)) + ')');
     }
     out.result = await page.evaluate(job.collect);
     for (const [path, width, height] of job.screenshots) {
