@@ -91,7 +91,10 @@ const job = JSON.parse(process.env.RATEWALL_BROWSER_JOB);
     page.on('pageerror', e => out.errors.push('uncaught: ' + (e && e.message ? e.message : String(e))));
     await page.goto(job.url, { waitUntil: 'load' });
     try {
-      await page.waitForFunction(job.until, null, { timeout: job.timeout_ms, polling: 200 });
+      // A function, not a string: Playwright polls a string with the page's `eval`, which the
+      // page's Content-Security-Policy refuses.
+      const until = new Function('return (' + job.until + ');');
+      await page.waitForFunction(until, null, { timeout: job.timeout_ms, polling: 200 });
     } catch (e) {
       out.errors.push('not ready within ' + job.timeout_ms + ' ms: ' + job.until + ' (' + (e && e.message ? e.message : String(e)) + ')');
     }
