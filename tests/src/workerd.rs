@@ -69,7 +69,19 @@ impl Workerd {
         Ok(w)
     }
 
+    /// Starts wrangler on free ports; again on others (up to 3 times) when a port it was
+    /// given, or one of its own, was taken meanwhile by another process of the machine.
     fn launch(&mut self) -> Result<(), String> {
+        let mut tries = 0;
+        loop {
+            match self.launch_once() {
+                Err(e) if tries < 2 && e.contains("Address already in use") => tries += 1,
+                other => return other,
+            }
+        }
+    }
+
+    fn launch_once(&mut self) -> Result<(), String> {
         let port = free_port().map_err(|e| e.to_string())?;
         // Parallel instances must not share the inspector's default port (9229).
         let inspector = free_port().map_err(|e| e.to_string())?;
