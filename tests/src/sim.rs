@@ -123,6 +123,18 @@ pub struct Report {
 
 struct Rng(u64);
 
+/// An index drawn with probability `weights[i] / total` (`total`: their sum).
+fn weighted(rng: &mut Rng, weights: &[f64], total: f64) -> usize {
+    let mut x = (rng.below(1 << 30) as f64 / f64::from(1u32 << 30)) * total;
+    for (i, w) in weights.iter().enumerate() {
+        if x < *w {
+            return i;
+        }
+        x -= w;
+    }
+    weights.len().saturating_sub(1)
+}
+
 impl Rng {
     fn next(&mut self) -> u64 {
         // xorshift64*
@@ -305,16 +317,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         })
         .collect();
     let total_w: f64 = weights.iter().sum();
-    let pick_node = |rng: &mut Rng| {
-        let mut x = (rng.below(1 << 30) as f64 / f64::from(1u32 << 30)) * total_w;
-        for (i, w) in weights.iter().enumerate() {
-            if x < *w {
-                return i;
-            }
-            x -= w;
-        }
-        weights.len() - 1
-    };
+    let pick_node = |rng: &mut Rng| weighted(rng, &weights, total_w);
     let interval = 100 * MS;
     let per_window = (s.limit as f64 * s.load).round() as u64;
     let total_requests = per_window * s.keys as u64 * s.windows;
@@ -710,16 +713,7 @@ pub fn cap_model(margin: f64, measured: bool, windows: u32, seed: u64) -> (f64, 
     let total: f64 = (1..=nodes).map(|i| 1.0 / i as f64).sum();
     let weights: Vec<f64> = (1..=nodes).map(|i| 1.0 / i as f64 / total).collect();
     let mut rng = Rng(seed | 1);
-    let pick = |rng: &mut Rng| {
-        let mut x = rng.below(1 << 30) as f64 / f64::from(1u32 << 30);
-        for (i, w) in weights.iter().enumerate() {
-            if x < *w {
-                return i;
-            }
-            x -= w;
-        }
-        nodes - 1
-    };
+    let pick = |rng: &mut Rng| weighted(rng, &weights, 1.0);
     let (mut false_denials, mut over, mut worst) = (0u64, 0u64, 0u64);
     for _ in 0..windows {
         let shares: Vec<f64> = if measured {
