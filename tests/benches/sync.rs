@@ -110,6 +110,7 @@ fn main() {
         figure(&format!("overadmission_max_pct_{}", s.name), r.overadmission_max_pct, "%");
         figure(&format!("overadmission_bound_pct_{}", s.name), bound_pct(s), "%");
         figure(&format!("false_denial_pct_{}", s.name), r.false_denial_pct, "%");
+        figure(&format!("admitted_pct_{}", s.name), r.admitted as f64 / r.requests.max(1) as f64 * 100.0, "%");
         figure(&format!("store_calls_per_node_per_sec_{}", s.name), r.calls_per_node_per_sec, "calls/s");
         figure(&format!("bytes_per_sync_{}", s.name), r.bytes_per_sync, "B");
         figure(&format!("paused_pct_{}", s.name), r.paused_pct, "%");

@@ -67,6 +67,29 @@ fn exact_rules_still_wait_for_the_store_past_the_quota() {
 }
 
 #[test]
+fn exact_sliding_windows_stay_within_the_written_bound_at_twenty_nodes() {
+    // The sliding window's quota comes back all along, so its grants are small and leased
+    // briefly: units spent just before a lease ends must not look free to asks before the
+    // node's report can arrive.
+    let s = Scenario {
+        nodes: 20,
+        vms: 4,
+        keys: 10,
+        limit: 200,
+        windows: 3,
+        seed: 0x5eed_2026,
+        algorithm: "sliding_window",
+        exact: true,
+        rtt: 20_000_000,
+        ..small("sliding_exact")
+    };
+    let r = run(&s).unwrap();
+    println!("{r:?}");
+    assert!(r.paused_pct > 0.0, "exact rules ask: {r:?}");
+    assert!(r.overadmission_max_pct <= bound_pct(&s), "over the bound {:.1} %: {r:?}", bound_pct(&s));
+}
+
+#[test]
 fn duplicated_and_reordered_answers_never_count_twice() {
     let s = Scenario { faults: Faults { duplicate: true, reorder: true, ..Faults::default() }, ..small("dup") };
     let r = run(&s).unwrap();

@@ -347,9 +347,41 @@ fn a_quiet_nodes_grant_lapses_with_its_lease_and_frees_its_units() {
         assert!(asked <= free_now, "asks reached units node 1 holds");
     }
 
-    // Once the lease is over, node 1's units are free again.
-    let later = NOW + first.lease + 1;
+    // Once the lease is over (node 2 asks, so the rule is exact: and the grace for node 1's
+    // report), node 1's units are free again.
+    let later = NOW + first.lease + REPORT_GRACE + 1;
     assert!(c.ask(l, later, 2, 1000, 1, 10 * SECOND).grant > 0, "a lapsed grant locks nothing");
+}
+
+#[test]
+fn on_an_exact_rules_counter_a_lapsed_grant_stays_held_until_its_nodes_report_can_arrive() {
+    let l = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
+    let ttl = 10 * SECOND;
+    let mut c = Counter::new(l);
+    let first = c.apply(l, NOW, 1, 1, 0, ttl);
+    assert!(first.grant > 0 && first.lease > 0, "{first:?}");
+    let held_by_1 = |c: &Counter, at| c.outstanding(at, None) - c.outstanding(at, Some(1));
+    let lapsed = NOW + first.lease + 1;
+    // Nobody asks: the rule is not exact, and the grant lapses with its lease.
+    assert_eq!(held_by_1(&c.clone(), lapsed), 0);
+    // A node asks: the rule is exact. Node 1 may have spent its grant just before the lease
+    // ended; until its batch can have reported it, the units stay held.
+    assert!(c.ask(l, NOW, 2, 1, 1, ttl).grant > 0);
+    assert_eq!(held_by_1(&c, lapsed), first.grant);
+    assert_eq!(held_by_1(&c, NOW + first.lease + REPORT_GRACE + 1), 0, "then they are free");
+    // Node 1's batch reports what it spent and replaces the grant.
+    let report = c.apply(l, lapsed, 1, 2, first.grant, ttl);
+    assert_eq!(held_by_1(&c, lapsed), report.grant);
+    // A refused ask waits for the grace too.
+    let window_end = 60 * SECOND - NOW % (60 * SECOND);
+    let mut c = Counter::new(l);
+    c.take(l, NOW, 50);
+    let held = c.apply(l, NOW, 1, 1, 0, ttl);
+    assert!(c.ask(l, NOW, 2, 1, 1, ttl).grant > 0);
+    let free = c.limit.decide(&c.state, NOW, 0).0.remaining - c.outstanding(NOW, None);
+    assert_eq!(c.ask(l, NOW, 3, 1, free + 1, ttl).grant, 0);
+    let first_lapse = held.lease.min(ASK_LEASE);
+    assert_eq!(c.retry_after(NOW, free + 1), Some((first_lapse + REPORT_GRACE).min(window_end)));
 }
 
 #[test]
@@ -398,6 +430,14 @@ fn a_counter_applies_each_nodes_batch_once_and_keeps_it_across_encoding() {
     // Asks, a lease and the rate survive a restart too.
     assert!(restored.ask(limit(), NOW + 4, 3, 1, 1, SECOND).grant > 0);
     assert_eq!(Counter::decode(limit(), &restored.encode()).unwrap(), restored);
+    // A counter stored before the exactness flag reads as not exact (until the next ask).
+    let mut v2 = restored.encode();
+    v2[0] = 2;
+    v2.pop();
+    let mut old = Counter::decode(limit(), &v2).unwrap();
+    assert!(restored.exact && !old.exact);
+    old.exact = true;
+    assert_eq!(old, restored);
     // A counter stored by the version before leases reads with its grants leased.
     let mut v1 = vec![1u8];
     State::Fresh.encode_into(&mut v1);
@@ -448,7 +488,7 @@ fn a_refused_asks_wait_is_the_sooner_of_the_state_freeing_units_and_the_grants_l
     let refused = c.ask(l, NOW, 8, 1, 10 - 6 - held.grant + 1, 10 * SECOND);
     assert_eq!(refused.grant, 0);
     let wait = c.retry_after(NOW, 10 - 6 - held.grant + 1).unwrap();
-    assert_eq!(wait, held.lease.min(window_end));
+    assert_eq!(wait, (held.lease + REPORT_GRACE).min(window_end));
     assert!(c.ask(l, NOW + wait, 8, 2, 10 - 6 - held.grant + 1, 10 * SECOND).grant > 0, "waiting it is enough");
 
     // Nothing held and room left: no wait.
