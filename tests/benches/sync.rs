@@ -6,7 +6,7 @@
 
 use ratewall_core::SECOND;
 use ratewall_tests::bench::figure;
-use ratewall_tests::sim::{bound_pct, cap_model, run, Faults, Scenario, Spread};
+use ratewall_tests::sim::{bound_pct, cap_model, run, trickle_model, Faults, Scenario, Spread};
 
 const MS: u64 = 1_000_000;
 
@@ -102,6 +102,13 @@ fn main() {
             figure(&format!("cap_model_false_denial_pct_{name}"), denied, "%");
             figure(&format!("cap_model_overadmission_pct_{name}"), over, "%");
             figure(&format!("cap_model_overadmission_max_pct_{name}"), worst, "%");
+        }
+    }
+    // Units placed on nodes before their requests: the floor of no-wait false denials where
+    // the quota comes back all along.
+    if only.as_deref().is_none_or(|o| o.split(',').any(|n| n == "trickle_model")) {
+        for (lease, name) in [(None, "kept"), (Some(100 * MS), "lease_100ms"), (Some(20 * MS), "lease_20ms")] {
+            figure(&format!("trickle_model_false_denial_pct_{name}"), trickle_model(lease, 400, seed), "%");
         }
     }
     for s in scenarios.iter().filter(|s| only.as_deref().is_none_or(|o| o.split(',').any(|n| n == s.name))) {

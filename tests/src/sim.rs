@@ -747,3 +747,52 @@ pub fn cap_model(margin: f64, measured: bool, windows: u32, seed: u64) -> (f64, 
         pct(worst as f64, limit as f64),
     )
 }
+
+/// The floor of false denials where the quota comes back all along (a sliding window or a
+/// token bucket at its limit) and no request waits: a model with no store and no delay at
+/// all. One unit comes back every `1 / R` (`R` = 20 per second, 200 per 10 s), and is placed at
+/// once on a node drawn by its exact share of the traffic (20 Zipf nodes); requests arrive at
+/// 1.5 × `R` (Poisson), and one is admitted only where its node holds a unit. A unit not spent
+/// within `lease` (ns; `None`: never) goes back and is placed again. Units are the exact
+/// limiter's room, so nothing is over-admitted, and a request denied while any node holds a
+/// unit is a false denial. Returns false denials ÷ requests, in %.
+pub fn trickle_model(lease: Option<u64>, seconds: u64, seed: u64) -> f64 {
+    let nodes = 20usize;
+    let total: f64 = (1..=nodes).map(|i| 1.0 / i as f64).sum();
+    let weights: Vec<f64> = (1..=nodes).map(|i| 1.0 / i as f64 / total).collect();
+    let mut rng = Rng(seed | 1);
+    let (back_every, arrival_rate) = (SECOND / 20, 30.0 / SECOND as f64);
+    // Each node's units, by when they were placed.
+    let mut held: Vec<std::collections::VecDeque<u64>> = vec![std::collections::VecDeque::new(); nodes];
+    let (mut next_back, mut t) = (0u64, 0u64);
+    let (mut requests, mut false_denials) = (0u64, 0u64);
+    while t < seconds * SECOND {
+        let u = (rng.below(1 << 30) as f64 + 1.0) / f64::from(1u32 << 30);
+        t += (-u.ln() / arrival_rate) as u64;
+        // Units come back, and lapsed ones are placed again, up to `t`.
+        while next_back <= t {
+            let i = weighted(&mut rng, &weights, 1.0);
+            held[i].push_back(next_back);
+            next_back += back_every;
+        }
+        if let Some(lease) = lease {
+            let lapsed: usize = held
+                .iter_mut()
+                .map(|q| {
+                    let n = q.iter().take_while(|at| t.saturating_sub(**at) > lease).count();
+                    q.drain(..n).count()
+                })
+                .sum();
+            for _ in 0..lapsed {
+                let i = weighted(&mut rng, &weights, 1.0);
+                held[i].push_back(t);
+            }
+        }
+        requests += 1;
+        let i = weighted(&mut rng, &weights, 1.0);
+        if held[i].pop_front().is_none() && held.iter().any(|q| !q.is_empty()) {
+            false_denials += 1;
+        }
+    }
+    false_denials as f64 / requests.max(1) as f64 * 100.0
+}
