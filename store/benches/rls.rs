@@ -140,18 +140,39 @@ impl RateLimitService for Baseline {
     }
 }
 
-async fn baseline(redis: &Redis) -> String {
-    let client = redis::Client::open(redis.url()).unwrap();
+/// Set in the environment of this bench run again as the baseline's server, to the Redis URL.
+const BASELINE_ENV: &str = "RATEWALL_RLS_BENCH_BASELINE_REDIS";
+
+/// The baseline's server, in this process: prints its address, then serves until killed.
+async fn serve_baseline(redis_url: &str) {
+    let client = redis::Client::open(redis_url).unwrap();
     let conn = redis::aio::ConnectionManager::new(client).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
+    println!("baseline on {}", listener.local_addr().unwrap());
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(RateLimitServiceServer::new(Baseline { conn }))
-            .serve_with_incoming(incoming),
-    );
-    addr
+    tonic::transport::Server::builder()
+        .add_service(RateLimitServiceServer::new(Baseline { conn }))
+        .serve_with_incoming(incoming)
+        .await
+        .unwrap();
+}
+
+/// The baseline in a process of its own, as ratewall-store runs in its own (and as
+/// envoyproxy/ratelimit does): this bench binary run again with [`BASELINE_ENV`], on a runtime
+/// of the same two worker threads. In one process with the load generator, the two shared
+/// one runtime while ratewall-store had its own.
+fn baseline(redis: &Redis) -> Store {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env(BASELINE_ENV, redis.url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    assert!(out.read_line(&mut line).unwrap() > 0, "the baseline ended");
+    let grpc = line.trim().strip_prefix("baseline on ").unwrap().to_owned();
+    Store { child, grpc, _out: out }
 }
 
 fn call(entries: &[(&str, String)]) -> RateLimitRequest {
@@ -230,7 +251,10 @@ async fn load(
 
 fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    runtime.block_on(bench());
+    match std::env::var(BASELINE_ENV) {
+        Ok(url) => runtime.block_on(serve_baseline(&url)),
+        Err(_) => runtime.block_on(bench()),
+    }
 }
 
 async fn bench() {
@@ -241,7 +265,8 @@ async fn bench() {
     std::fs::write(&config, CONFIG).unwrap();
     let a = store(&redis, &config);
     let b = store(&redis, &config);
-    let peer = baseline(&redis).await;
+    let baseline = baseline(&redis);
+    let peer = baseline.grpc.clone();
     let one = [a.grpc.clone()];
 
     // Mixed traffic: each stream its own 1,000 users, plus the hot descriptor.
@@ -287,6 +312,6 @@ async fn bench() {
     let over = (run.ok as f64 - 20_000.0).max(0.0) / 20_000.0 * 100.0;
     println!("two stores admitted {} of {} calls on a limit of 20000", run.ok, run.calls);
     figure("rls_over_admission_pct", over, "%");
-    drop((a, b));
+    drop((a, b, baseline));
     let _ = std::fs::remove_dir_all(&dir);
 }
