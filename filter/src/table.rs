@@ -654,7 +654,9 @@ impl Counters for TableCounters<'_> {
         // spent, it is the node's one unrepaid overdraft, until an answer finds room for it.
         let no_wait = !self.exact.get(check.rule).copied().unwrap_or(false);
         let late_over = match grants {
-            Grants::On { nodes } if no_wait && late => crate::sync::overdraft(limit.quota(), nodes, u64::MAX, 1, false),
+            Grants::On { nodes } if no_wait && late => {
+                crate::sync::overdraft(limit.quota(), nodes, u64::MAX, 1, false, 0)
+            }
             _ => 0,
         };
         let first = Allowance {

@@ -936,6 +936,18 @@ fn burst_until_denied(e: &Engine, h: &FakeHost) -> u64 {
 }
 
 #[test]
+fn near_the_quotas_end_the_overdraft_is_given_with_the_chance_the_store_had_units_for_it() {
+    let given =
+        |beyond: u64| (0..3_000).filter(|&d| crate::sync::overdraft(200, 20, 5 + beyond, 5, false, d) > 0).count();
+    assert_eq!(given(0), 0, "nothing beyond the grant: no overdraft");
+    assert_eq!(given(1), 1_000, "one unit beyond: a third of the answers");
+    assert_eq!(given(2), 2_000);
+    assert_eq!(given(3), 3_000, "three or more: every answer");
+    assert_eq!(crate::sync::overdraft(200, 20, 100, 5, false, 0), 1, "at most max(1, 200 / 100 / 20)");
+    assert_eq!(crate::sync::overdraft(200, 20, 100, 0, true, 0), 0, "overdrawn and not repaid: none");
+}
+
+#[test]
 fn a_spent_grant_admits_within_the_overdraft_without_a_call() {
     let h = FakeHost::new();
     let e = engine(&h, &rules(1_000, 1));
