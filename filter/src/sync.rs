@@ -111,7 +111,7 @@ pub fn overdraft(quota: u64, nodes: u32, remaining: u64, grant: u64, overdrawn: 
         return 0;
     }
     let cap = (quota / OVERDRAFT_PART / u64::from(nodes.max(1))).max(1);
-    u32::try_from(remaining.saturating_sub(grant).min(cap)).unwrap_or(u32::MAX)
+    u32::try_from(beyond.min(cap)).unwrap_or(u32::MAX)
 }
 
 /// This node's share of a counter's traffic, in 65,535ths, from the answer to a batch: what

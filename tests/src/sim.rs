@@ -702,6 +702,12 @@ fn deliver(vm: &mut Vm, c: &Callout, resp: Option<Answer>) -> wasmtime::Result<(
     }
 }
 
+/// The traffic shares of `nodes` Zipf nodes (node `i` ∝ 1 / (i + 1)), summing to 1.
+fn zipf_shares(nodes: usize) -> Vec<f64> {
+    let total: f64 = (1..=nodes).map(|i| 1.0 / i as f64).sum();
+    (1..=nodes).map(|i| 1.0 / i as f64 / total).collect()
+}
+
 /// What per-node caps give with no store at all: a model of the fault scenarios' outage
 /// windows (20 Zipf nodes, a fixed window of 200 offered 1.5 ×, arrivals drawn one by one),
 /// each node admitting up to `max(1, round(margin × s_i × limit))` of the window, where `s_i`
@@ -710,8 +716,7 @@ fn deliver(vm: &mut Vm, c: &Callout, resp: Option<Answer>) -> wasmtime::Result<(
 /// worst window), in %.
 pub fn cap_model(margin: f64, measured: bool, windows: u32, seed: u64) -> (f64, f64, f64) {
     let (limit, nodes, offered) = (200u64, 20usize, 300u64);
-    let total: f64 = (1..=nodes).map(|i| 1.0 / i as f64).sum();
-    let weights: Vec<f64> = (1..=nodes).map(|i| 1.0 / i as f64 / total).collect();
+    let weights = zipf_shares(nodes);
     let mut rng = Rng(seed | 1);
     let pick = |rng: &mut Rng| weighted(rng, &weights, 1.0);
     let (mut false_denials, mut over, mut worst) = (0u64, 0u64, 0u64);
@@ -758,8 +763,7 @@ pub fn cap_model(margin: f64, measured: bool, windows: u32, seed: u64) -> (f64, 
 /// unit is a false denial. Returns false denials ÷ requests, in %.
 pub fn trickle_model(lease: Option<u64>, seconds: u64, seed: u64) -> f64 {
     let nodes = 20usize;
-    let total: f64 = (1..=nodes).map(|i| 1.0 / i as f64).sum();
-    let weights: Vec<f64> = (1..=nodes).map(|i| 1.0 / i as f64 / total).collect();
+    let weights = zipf_shares(nodes);
     let mut rng = Rng(seed | 1);
     let (back_every, arrival_rate) = (SECOND / 20, 30.0 / SECOND as f64);
     // Each node's units, by when they were placed.
