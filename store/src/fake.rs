@@ -10,6 +10,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
+/// A stream's entries: id (1, 2, ...) and payload.
+pub(crate) type Stream = Vec<(u64, Vec<u8>)>;
+
 #[derive(Default)]
 pub(crate) struct FakeKv {
     pub values: Mutex<HashMap<String, Vec<u8>>>,
@@ -18,6 +21,8 @@ pub(crate) struct FakeKv {
     pub fail_next_write_of: Mutex<Option<String>>,
     pub down: AtomicBool,
     pub ops: AtomicUsize,
+    /// Streams: entries with their ids (1, 2, ...).
+    pub streams: Mutex<HashMap<String, Stream>>,
 }
 
 impl FakeKv {
@@ -59,5 +64,25 @@ impl Kv for FakeKv {
     }
     async fn ping(&self) -> bool {
         true
+    }
+    async fn append(&self, key: &str, payload: &[u8], len: u64, _ttl_ms: u64) -> Result<(), String> {
+        self.op()?;
+        let mut streams = self.streams.lock().unwrap();
+        let s = streams.entry(key.to_owned()).or_default();
+        let id = s.last().map_or(1, |e| e.0 + 1);
+        s.push((id, payload.to_vec()));
+        let excess = s.len().saturating_sub(len as usize);
+        s.drain(..excess);
+        Ok(())
+    }
+    async fn read_after(&self, key: &str, after: Option<&str>, count: usize) -> Result<(String, Vec<Vec<u8>>), String> {
+        self.op()?;
+        let streams = self.streams.lock().unwrap();
+        let s = streams.get(key).map(Vec::as_slice).unwrap_or_default();
+        let Some(after) = after else { return Ok((s.last().map_or(0, |e| e.0).to_string(), Vec::new())) };
+        let from: u64 = after.parse().map_err(|_| "bad id")?;
+        let read: Vec<_> = s.iter().filter(|e| e.0 > from).take(count).collect();
+        let last = read.last().map_or(from, |e| e.0);
+        Ok((last.to_string(), read.into_iter().map(|e| e.1.clone()).collect()))
     }
 }

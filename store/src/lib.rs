@@ -108,7 +108,38 @@ pub trait Kv: Send + Sync {
         -> impl Future<Output = Result<u32, Unheard>> + Send;
     /// Whether Redis answers.
     fn ping(&self) -> impl Future<Output = bool> + Send;
+    /// Appends `payload` to the stream `key` ([`APPEND`]).
+    fn append(
+        &self,
+        key: &str,
+        payload: &[u8],
+        len: u64,
+        ttl_ms: u64,
+    ) -> impl Future<Output = Result<(), String>> + Send;
+    /// The stream `key`'s entries after the id `after`, at most `count`, and the id of the
+    /// last one (`after` when none); with `after` None, none and the stream's last id
+    /// ([`READ_AFTER`]).
+    fn read_after(
+        &self,
+        key: &str,
+        after: Option<&str>,
+        count: usize,
+    ) -> impl Future<Output = Result<(String, Vec<Vec<u8>>), String>> + Send;
 }
+
+/// Appends a share to the stream `KEYS[1]`, trimmed to about `ARGV[2]` entries, and sets the
+/// stream to expire `ARGV[3]` ms later.
+pub const APPEND: &str = "local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'p', ARGV[1]) \
+    redis.call('PEXPIRE', KEYS[1], ARGV[3]) return id";
+
+/// The entries of the stream `KEYS[1]` after the id `ARGV[1]`, at most `ARGV[2]`: `{last id,
+/// payload...}`; with `ARGV[1]` empty, only the stream's last id (`0-0` when it is empty).
+pub const READ_AFTER: &str = "if ARGV[1] == '' then \
+    local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1) \
+    if #last == 0 then return {'0-0'} end return {last[1][1]} end \
+    local es = redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', ARGV[2]) \
+    local out = {ARGV[1]} \
+    for _, e in ipairs(es) do out[1] = e[1] out[#out + 1] = e[2][2] end return out";
 
 /// Why the registry refused a call, or could not say. Nothing is changed in either case.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,6 +184,12 @@ pub struct Metrics {
     pub unreadable: AtomicU64,
     /// Units counted from batches and asks.
     pub units_counted: AtomicU64,
+    /// Shares of what this process heard written to the shared stream, and those that
+    /// could not be (kept for the next).
+    pub top_shared: AtomicU64,
+    pub top_share_failed: AtomicU64,
+    /// Peers' shares read from the stream and merged.
+    pub top_peer_shares: AtomicU64,
 }
 
 impl Metrics {
@@ -174,6 +211,21 @@ impl Metrics {
         );
         counter("ratewall_store_redis_errors_total", "Redis commands that failed.", &self.redis_errors);
         counter("ratewall_store_unreadable_counters_total", "Stored counters that did not decode.", &self.unreadable);
+        counter(
+            "ratewall_store_top_shared_total",
+            "Shares of top offenders written for peer processes.",
+            &self.top_shared,
+        );
+        counter(
+            "ratewall_store_top_share_failed_total",
+            "Shares of top offenders Redis did not take (kept for the next).",
+            &self.top_share_failed,
+        );
+        counter(
+            "ratewall_store_top_peer_shares_total",
+            "Peer processes' shares of top offenders merged.",
+            &self.top_peer_shares,
+        );
         let _ = writeln!(out, "# HELP ratewall_store_sync_failed_total Sync calls not answered 200, by status.");
         let _ = writeln!(out, "# TYPE ratewall_store_sync_failed_total counter");
         for (status, v) in [
@@ -267,6 +319,56 @@ impl<K: Kv> Store<K> {
             _ => &m.sync_ok,
         };
         c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Shares what this process heard with its peers on the same Redis
+    /// ([`top`](crate::top)), and, with `read`, merges theirs from `cursor` on (None: from
+    /// now). Once per [`top::SHARE_EVERY`], by [`Store::share_top_forever`].
+    pub async fn share_top(&self, read: bool, cursor: &mut Option<String>) {
+        if let Some(share) = self.top.take_share() {
+            let payload = share.encode();
+            let write = self.kv.append(top::SHARED_STREAM, &payload, top::SHARED_LEN, top::SHARED_TTL_MS);
+            match tokio::time::timeout(self.deadline, write).await {
+                Ok(Ok(())) => self.metrics.top_shared.fetch_add(1, Ordering::Relaxed),
+                _ => {
+                    self.top.unshared(share);
+                    self.metrics.top_share_failed.fetch_add(1, Ordering::Relaxed)
+                }
+            };
+        }
+        if !read {
+            return;
+        }
+        let mut read_count = 0;
+        while read_count < top::READ_PER_INTERVAL {
+            let want = top::READ_PER_INTERVAL - read_count;
+            let read = self.kv.read_after(top::SHARED_STREAM, cursor.as_deref(), want.min(128));
+            let Ok(Ok((last, entries))) = tokio::time::timeout(self.deadline, read).await else { return };
+            let first = cursor.is_none();
+            *cursor = Some(last);
+            read_count += entries.len();
+            for e in &entries {
+                // A share this version cannot read (a newer store's) is skipped.
+                if let Ok(share) = top::Share::decode(e) {
+                    if share.process != self.top.process() {
+                        self.top.merge_share(&share);
+                        self.metrics.top_peer_shares.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            if first || entries.len() < want.min(128) {
+                return;
+            }
+        }
+    }
+
+    /// [`Store::share_top`] every [`top::SHARE_EVERY`], for ever.
+    pub async fn share_top_forever(&self, read: bool) {
+        let mut cursor = None;
+        loop {
+            tokio::time::sleep(top::SHARE_EVERY).await;
+            self.share_top(read, &mut cursor).await;
+        }
     }
 
     /// `POST /v1/sync`: checks, applies within the deadline, answers.
@@ -492,6 +594,62 @@ mod tests {
 
     fn remaining(a: &Answer) -> Vec<u64> {
         SyncResponse::decode(&a.body).unwrap().grants.iter().map(|g| g.remaining).collect()
+    }
+
+    fn denied_in(store: &Store<FakeKv>) -> u64 {
+        store.top.top(None, top::Window::Minute)["rules"][0]["denied"].as_u64().unwrap_or(0)
+    }
+
+    fn peer_share(process: u64, denied: u64) -> top::Share {
+        use ratewall_core::sync::{RuleTop, TopSection};
+        let mut summary = ratewall_core::topk::Summary::default();
+        summary.add(b"user=alice", denied, 0, 1);
+        let rule = RuleTop { rule: "r".into(), allowed: 1, denied, shadow_denied: 0, top: summary };
+        let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        top::Share { process, seconds: vec![(unix, TopSection { rules: vec![rule] })], nodes: Vec::new() }
+    }
+
+    #[tokio::test]
+    async fn peers_shares_are_merged_once_from_where_the_reader_joined_and_its_own_never() {
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let stream = top::SHARED_STREAM;
+        // Before this process reads: not merged (it starts from the stream's end).
+        store.kv.append(stream, &peer_share(7, 5).encode(), 100, 1).await.unwrap();
+        let mut cursor = None;
+        store.share_top(true, &mut cursor).await;
+        assert_eq!(denied_in(&store), 0);
+        // A peer's shares since, and one of this process's own (already in its view), and one
+        // no store of this version reads.
+        store.kv.append(stream, &peer_share(7, 3).encode(), 100, 1).await.unwrap();
+        store.kv.append(stream, &peer_share(store.top.process(), 100).encode(), 100, 1).await.unwrap();
+        store.kv.append(stream, b"\x09garbage", 100, 1).await.unwrap();
+        store.kv.append(stream, &peer_share(8, 4).encode(), 100, 1).await.unwrap();
+        store.share_top(true, &mut cursor).await;
+        assert_eq!(denied_in(&store), 7);
+        store.share_top(true, &mut cursor).await;
+        assert_eq!(denied_in(&store), 7, "read once");
+        assert_eq!(store.metrics.top_peer_shares.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn a_share_redis_did_not_take_goes_with_the_next() {
+        use ratewall_core::sync::TopSection;
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        store.kv.now.store(now, Ordering::Relaxed);
+        let mut body = SyncRequest { node: 1, seq: 1, sent: now, deltas: deltas(&[(b"a", 1)]), ask: false }.encode();
+        TopSection { rules: peer_share(0, 6).seconds[0].1.rules.clone() }.encode_into(&mut body);
+        assert_eq!(store.sync(&body, Some(hex(&sign(SECRET, &body)).as_bytes())).await.status, 200);
+        store.kv.down.store(true, Ordering::Relaxed);
+        store.share_top(false, &mut None).await;
+        assert_eq!(store.metrics.top_share_failed.load(Ordering::Relaxed), 1);
+        store.kv.down.store(false, Ordering::Relaxed);
+        store.share_top(false, &mut None).await;
+        let streams = store.kv.streams.lock().unwrap();
+        let shares = &streams[top::SHARED_STREAM];
+        assert_eq!(shares.len(), 1);
+        let share = top::Share::decode(&shares[0].1).unwrap();
+        assert_eq!(share.seconds.iter().map(|(_, s)| s.rules[0].denied).sum::<u64>(), 6);
     }
 
     #[tokio::test]

@@ -120,6 +120,12 @@ impl Kv for LazyKv {
             None => false,
         }
     }
+    async fn append(&self, key: &str, payload: &[u8], len: u64, ttl_ms: u64) -> Result<(), String> {
+        self.get().await.ok_or("Redis unreachable")?.append(key, payload, len, ttl_ms).await
+    }
+    async fn read_after(&self, key: &str, after: Option<&str>, count: usize) -> Result<(String, Vec<Vec<u8>>), String> {
+        self.get().await.ok_or("Redis unreachable")?.read_after(key, after, count).await
+    }
 }
 
 type Shared = Arc<Store<LazyKv>>;
@@ -227,6 +233,11 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
         }
         None => None,
     };
+    // Every process shares what its batches said; one with an admin listener also reads its
+    // peers', so its /v1/top and /v1/fleet cover the whole fleet.
+    let sharing = Arc::clone(&store);
+    let reads = admin.is_some();
+    tokio::spawn(async move { sharing.share_top_forever(reads).await });
     if let Some(l) = admin {
         let router = ratewall_store::admin::router(Arc::clone(&store));
         tokio::spawn(async move {

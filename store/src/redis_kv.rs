@@ -2,7 +2,7 @@
 //! that reconnects by itself, or a Cluster connection), the three scripts invoked by SHA and
 //! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
 
-use crate::{Cas, Kv, Unheard, CAS, NODE_TTL, READ, REGISTRY, REGISTRY_KEYS};
+use crate::{Cas, Kv, Unheard, APPEND, CAS, NODE_TTL, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS};
 use ratewall_core::sync::{MAX_REQUEST_SKEW, SEQ_MEMORY};
 use ratewall_core::Nanos;
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -25,6 +25,8 @@ pub struct RedisKv {
     read: Script,
     cas: Script,
     registry: Script,
+    append: Script,
+    read_after: Script,
 }
 
 impl RedisKv {
@@ -42,7 +44,14 @@ impl RedisKv {
                 .set_number_of_retries(1);
             Conn::Single(ConnectionManager::new_with_config(client, config).await.map_err(|e| e.to_string())?)
         };
-        Ok(RedisKv { conn, read: Script::new(READ), cas: Script::new(CAS), registry: Script::new(REGISTRY) })
+        Ok(RedisKv {
+            conn,
+            read: Script::new(READ),
+            cas: Script::new(CAS),
+            registry: Script::new(REGISTRY),
+            append: Script::new(APPEND),
+            read_after: Script::new(READ_AFTER),
+        })
     }
 
     async fn run(&self, script: &Script, keys: &[&str], args: &[Vec<u8>]) -> Result<Value, String> {
@@ -157,5 +166,25 @@ impl Kv for RedisKv {
             Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
         };
         r.is_ok()
+    }
+
+    async fn append(&self, key: &str, payload: &[u8], len: u64, ttl_ms: u64) -> Result<(), String> {
+        let args = [payload.to_vec(), len.to_string().into_bytes(), ttl_ms.to_string().into_bytes()];
+        self.run(&self.append, &[key], &args).await.map(|_| ())
+    }
+
+    async fn read_after(&self, key: &str, after: Option<&str>, count: usize) -> Result<(String, Vec<Vec<u8>>), String> {
+        let args = [after.unwrap_or_default().as_bytes().to_vec(), count.to_string().into_bytes()];
+        let Value::Array(parts) = self.run(&self.read_after, &[key], &args).await? else {
+            return Err("unexpected reply to the stream read".into());
+        };
+        let mut parts = parts.into_iter().map(|v| match v {
+            Value::BulkString(b) => Ok(b),
+            Value::SimpleString(s) => Ok(s.into_bytes()),
+            other => Err(format!("unexpected entry in the stream read: {other:?}")),
+        });
+        let last = parts.next().ok_or("empty reply to the stream read")??;
+        let last = String::from_utf8(last).map_err(|_| "a stream id that is not text")?;
+        Ok((last, parts.collect::<Result<_, _>>()?))
     }
 }

@@ -1,18 +1,45 @@
-//! The fleet's top offenders and traffic as this store process heard them: each batch's
-//! optional top section merged per rule into bounded time buckets (the last minute, the last
-//! hour, a per-second series over 15 minutes), and the nodes heard from.
+//! The fleet's top offenders and traffic: each batch's optional top section merged per rule
+//! into bounded time buckets (the last minute, the last hour, a per-second series over 15
+//! minutes), and the nodes heard from — the batches this store process answered, and those
+//! its peers on the same Redis answered.
+//!
+//! Store processes behind one load balancer each hear part of the fleet. Every process cuts
+//! what it heard into a *share* once per [`SHARE_EVERY`] (the sections merged per second, and
+//! the nodes it heard) and appends it to one Redis stream ([`SHARED_STREAM`], about
+//! [`SHARED_LEN`] entries, expiring an hour after the last write); a process with an admin
+//! listener reads its peers' shares from the stream and merges them into its own view, so any
+//! of them answers for the whole fleet, a share interval or so behind.
 //!
 //! Memory is bounded whatever the traffic: at most [`MAX_RULES`] rules, each with a fixed
 //! number of buckets holding a summary of at most [`KEPT`] keys
-//! ([`ratewall_core::topk::windows`]), and at most [`MAX_NODES`] nodes.
+//! ([`ratewall_core::topk::windows`]), at most [`MAX_NODES`] nodes (and as many peers' views
+//! of nodes), and at most [`OUTBOX_SECONDS`] seconds of sections waiting to be shared.
 
+use ratewall_core::encoding::{put_varint, Reader};
 use ratewall_core::sync::TopSection;
 use ratewall_core::topk::windows::Windows;
 pub use ratewall_core::topk::windows::{Window, SERIES};
+use ratewall_core::topk::Summary;
 use serde_json::{json, Value};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The Redis stream the store processes share what they heard on.
+pub const SHARED_STREAM: &str = "rw:{top}:shared";
+/// About how many shares the stream keeps (trimmed as it grows).
+pub const SHARED_LEN: u64 = 4096;
+/// How long the stream lives after its last write, ms.
+pub const SHARED_TTL_MS: u64 = 3_600_000;
+/// How often a process shares what it heard, and reads its peers' shares.
+pub const SHARE_EVERY: Duration = Duration::from_secs(1);
+/// Most seconds of sections a process keeps waiting to be shared (while Redis cannot take
+/// them); the oldest go first.
+pub const OUTBOX_SECONDS: usize = 120;
+/// Most shares read from the stream per interval.
+pub const READ_PER_INTERVAL: usize = 1024;
+/// The version byte of a share.
+const SHARE_VERSION: u8 = 1;
 
 /// Most rules tracked (past it, rules first heard later are not).
 pub const MAX_RULES: usize = 256;
@@ -36,23 +63,144 @@ struct Node {
     counted_seq: u64,
 }
 
+/// A node as a peer process heard it, from its latest share.
+#[derive(Clone, Debug)]
+struct Remote {
+    last_seen: Instant,
+    rate: f64,
+    rtt: Duration,
+    degraded: bool,
+}
+
 #[derive(Debug)]
 struct Inner {
     /// The rules' buckets (and the latest unix second seen: time that goes backwards is
     /// clamped to it).
     windows: Windows,
     nodes: HashMap<u64, Node>,
+    /// Sections heard and not shared yet, merged per unix second.
+    outbox: BTreeMap<u64, TopSection>,
+    /// Nodes heard since the last share.
+    heard_since: Vec<u64>,
+    /// Peers' views of nodes, by (peer process, node).
+    remote: HashMap<(u64, u64), Remote>,
 }
 
 /// The process's view of the fleet.
 #[derive(Debug)]
 pub struct Top {
     inner: Mutex<Inner>,
+    /// This process's id on the shared stream.
+    process: u64,
 }
 
 impl Default for Top {
     fn default() -> Self {
-        Top { inner: Mutex::new(Inner { windows: Windows::new(MAX_RULES, KEPT), nodes: HashMap::new() }) }
+        use std::hash::BuildHasher as _;
+        let process = std::collections::hash_map::RandomState::new().hash_one((std::process::id(), unix_now()));
+        Top {
+            inner: Mutex::new(Inner {
+                windows: Windows::new(MAX_RULES, KEPT),
+                nodes: HashMap::new(),
+                outbox: BTreeMap::new(),
+                heard_since: Vec::new(),
+                remote: HashMap::new(),
+            }),
+            process: process.max(1),
+        }
+    }
+}
+
+/// Adds `from` to `into`, rule by rule (counts summed, summaries merged within [`KEPT`]).
+fn merge_section(into: &mut TopSection, from: &TopSection) {
+    for r in &from.rules {
+        let full = into.rules.len() >= MAX_RULES;
+        match into.rules.iter_mut().find(|x| x.rule == r.rule) {
+            Some(x) => {
+                x.allowed = x.allowed.saturating_add(r.allowed);
+                x.denied = x.denied.saturating_add(r.denied);
+                x.shadow_denied = x.shadow_denied.saturating_add(r.shadow_denied);
+                x.top.merge_keeping(&r.top);
+            }
+            None if !full => {
+                let mut top = Summary::new(KEPT);
+                top.merge_keeping(&r.top);
+                into.rules.push(ratewall_core::sync::RuleTop { top, ..r.clone() });
+            }
+            None => {}
+        }
+    }
+}
+
+/// A share: what one process heard in one interval.
+#[derive(Debug, Default, PartialEq)]
+pub struct Share {
+    /// The process that heard it.
+    pub process: u64,
+    /// Sections, merged per unix second.
+    pub seconds: Vec<(u64, TopSection)>,
+    /// Nodes: id, last heard (unix ms), batches per second, last round trip, degraded.
+    pub nodes: Vec<(u64, u64, f64, Duration, bool)>,
+}
+
+impl Share {
+    /// `version | process | seconds: (unix | len | section) | nodes: (id | unix ms | rate ×
+    /// 1000 | rtt µs | degraded)`, varints.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![SHARE_VERSION];
+        put_varint(&mut out, self.process);
+        put_varint(&mut out, self.seconds.len() as u64);
+        for (unix, section) in &self.seconds {
+            let mut body = Vec::new();
+            section.encode_into(&mut body);
+            put_varint(&mut out, *unix);
+            put_varint(&mut out, body.len() as u64);
+            out.extend_from_slice(&body);
+        }
+        put_varint(&mut out, self.nodes.len() as u64);
+        for (id, seen_ms, rate, rtt, degraded) in &self.nodes {
+            put_varint(&mut out, *id);
+            put_varint(&mut out, *seen_ms);
+            put_varint(&mut out, (rate * 1000.0).round() as u64);
+            put_varint(&mut out, u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX));
+            out.push(u8::from(*degraded));
+        }
+        out
+    }
+
+    /// Reads [`Share::encode`]'s form; anything else is an error.
+    pub fn decode(bytes: &[u8]) -> Result<Share, String> {
+        let bad = |e: ratewall_core::encoding::DecodeError| format!("share: {e:?}");
+        let mut r = Reader { bytes, pos: 0 };
+        let version = r.take(1).map_err(bad)?;
+        if version != [SHARE_VERSION] {
+            return Err(format!("share: version {version:?}"));
+        }
+        let process = r.varint().map_err(bad)?;
+        let n = r.varint().map_err(bad)?;
+        let mut seconds = Vec::new();
+        for _ in 0..n.min(OUTBOX_SECONDS as u64 + 1) {
+            let unix = r.varint().map_err(bad)?;
+            let len = usize::try_from(r.varint().map_err(bad)?).map_err(|_| "share: length".to_owned())?;
+            seconds.push((unix, TopSection::decode(r.take(len).map_err(bad)?).map_err(bad)?));
+        }
+        let n = r.varint().map_err(bad)?;
+        let mut nodes = Vec::new();
+        for _ in 0..n.min(MAX_NODES as u64) {
+            let (id, seen_ms, rate, rtt) = (r.varint(), r.varint(), r.varint(), r.varint());
+            let degraded = r.take(1).map_err(bad)? != [0];
+            nodes.push((
+                id.map_err(bad)?,
+                seen_ms.map_err(bad)?,
+                rate.map_err(bad)? as f64 / 1000.0,
+                Duration::from_micros(rtt.map_err(bad)?),
+                degraded,
+            ));
+        }
+        if r.pos != bytes.len() {
+            return Err("share: trailing bytes".into());
+        }
+        Ok(Share { process, seconds, nodes })
     }
 }
 
@@ -98,9 +246,88 @@ impl Top {
             n.rate = n.rate * w + (1.0 - w) / gap;
         }
         (n.last_seen, n.rtt, n.degraded) = (now, rtt, !ok);
+        if !inner.heard_since.contains(&node) && inner.heard_since.len() < MAX_NODES {
+            inner.heard_since.push(node);
+        }
         let Some(section) = section.filter(|_| ok && seq > n.counted_seq) else { return };
         n.counted_seq = seq;
-        inner.windows.add(unix, section, &[]);
+        let t = inner.windows.clock(unix);
+        inner.windows.add(t, section, &[]);
+        merge_section(inner.outbox.entry(t).or_default(), section);
+        while inner.outbox.len() > OUTBOX_SECONDS {
+            inner.outbox.pop_first();
+        }
+    }
+
+    /// This process's id on the shared stream.
+    pub fn process(&self) -> u64 {
+        self.process
+    }
+
+    /// What this process heard since the last share (None: nothing), taken out; give it back
+    /// with [`Top::unshared`] when it could not be written.
+    pub fn take_share(&self) -> Option<Share> {
+        self.take_share_at(unix_now(), Instant::now())
+    }
+
+    /// [`Top::take_share`] at a given time (tests).
+    pub fn take_share_at(&self, unix: u64, now: Instant) -> Option<Share> {
+        let Ok(mut inner) = self.inner.lock() else { return None };
+        let inner = &mut *inner;
+        let heard = std::mem::take(&mut inner.heard_since);
+        let nodes: Vec<_> = heard
+            .iter()
+            .filter_map(|id| inner.nodes.get(id).map(|n| (id, n)))
+            .map(|(id, n)| {
+                let ago = now.saturating_duration_since(n.last_seen).as_millis();
+                let seen_ms = (unix.saturating_mul(1000)).saturating_sub(u64::try_from(ago).unwrap_or(u64::MAX));
+                (*id, seen_ms, n.rate, n.rtt, n.degraded)
+            })
+            .collect();
+        let seconds: Vec<_> = std::mem::take(&mut inner.outbox).into_iter().collect();
+        (!seconds.is_empty() || !nodes.is_empty()).then_some(Share { process: self.process, seconds, nodes })
+    }
+
+    /// Gives back a share [`Top::take_share`] took that could not be written: its sections
+    /// wait for the next (the nodes are heard again soon enough).
+    pub fn unshared(&self, share: Share) {
+        let Ok(mut inner) = self.inner.lock() else { return };
+        for (unix, section) in &share.seconds {
+            merge_section(inner.outbox.entry(*unix).or_default(), section);
+        }
+        while inner.outbox.len() > OUTBOX_SECONDS {
+            inner.outbox.pop_first();
+        }
+    }
+
+    /// Merges a peer's share read from the stream (this process's own are skipped: they are
+    /// in already).
+    pub fn merge_share(&self, share: &Share) {
+        self.merge_share_at(share, unix_now(), Instant::now());
+    }
+
+    /// [`Top::merge_share`] at a given time (tests).
+    pub fn merge_share_at(&self, share: &Share, unix: u64, now: Instant) {
+        if share.process == self.process {
+            return;
+        }
+        let Ok(mut inner) = self.inner.lock() else { return };
+        let inner = &mut *inner;
+        for (sec, section) in &share.seconds {
+            inner.windows.add(*sec, section, &[]);
+        }
+        for &(id, seen_ms, rate, rtt, degraded) in &share.nodes {
+            let key = (share.process, id);
+            if inner.remote.len() >= MAX_NODES && !inner.remote.contains_key(&key) {
+                inner.remote.retain(|_, r| now.saturating_duration_since(r.last_seen) < NODE_TTL);
+                if inner.remote.len() >= MAX_NODES {
+                    continue;
+                }
+            }
+            let ago = Duration::from_millis(unix.saturating_mul(1000).saturating_sub(seen_ms));
+            let last_seen = now.checked_sub(ago).unwrap_or(now);
+            inner.remote.insert(key, Remote { last_seen, rate, rtt, degraded });
+        }
     }
 
     /// `GET /v1/top`: per rule (or only `rule`), its counts and top denied keys over the
@@ -128,12 +355,29 @@ impl Top {
 
     /// `GET /v1/fleet`'s nodes: id, seconds since last heard, batches per second, the last
     /// batch's time in this store, and whether its last batch failed here.
+    /// Nodes heard by several processes are listed once: the batches each process heard
+    /// added up, the rest from the one that heard the node last.
     pub fn fleet(&self) -> Vec<Value> {
         let Ok(inner) = self.inner.lock() else { return Vec::new() };
         let now = Instant::now();
-        let mut nodes: Vec<(&u64, &Node)> =
-            inner.nodes.iter().filter(|(_, n)| now.saturating_duration_since(n.last_seen) < NODE_TTL).collect();
-        nodes.sort_by_key(|(id, _)| **id);
+        // A process's rate of a node it stopped hearing decays as the rate itself would.
+        let decayed = |rate: f64, last_seen: Instant| {
+            rate * (-now.saturating_duration_since(last_seen).as_secs_f64() / 5.0).exp()
+        };
+        let mut nodes: BTreeMap<u64, Remote> = BTreeMap::new();
+        let own = inner
+            .nodes
+            .iter()
+            .map(|(id, n)| (*id, Remote { last_seen: n.last_seen, rate: n.rate, rtt: n.rtt, degraded: n.degraded }));
+        let peers = inner.remote.iter().map(|((_, id), r)| (*id, r.clone()));
+        for (id, r) in own.chain(peers).filter(|(_, r)| now.saturating_duration_since(r.last_seen) < NODE_TTL) {
+            let rate = decayed(r.rate, r.last_seen);
+            let e = nodes.entry(id).or_insert(Remote { rate: 0.0, ..r.clone() });
+            e.rate += rate;
+            if r.last_seen >= e.last_seen {
+                (e.last_seen, e.rtt, e.degraded) = (r.last_seen, r.rtt, r.degraded);
+            }
+        }
         nodes
             .into_iter()
             .map(|(id, n)| {
@@ -193,6 +437,46 @@ mod tests {
         assert_eq!(denied.len(), SERIES);
         assert_eq!((denied[SERIES - 2].clone(), denied[SERIES - 1].clone()), (json!(96), json!(0)));
         assert_eq!(top.fleet().len(), 3);
+    }
+
+    #[test]
+    fn a_share_reads_back_as_written_and_garbage_does_not_read() {
+        let top = Top::default();
+        let now = Instant::now();
+        let t = 1_800_000_000;
+        top.heard_at(t, now, 4, 1, true, Duration::from_micros(1500), Some(&section("r", &[("user=a", 3)], 4)));
+        top.heard_at(t + 1, now, 4, 2, true, Duration::from_micros(1500), Some(&section("r", &[("user=a", 2)], 4)));
+        let share = top.take_share_at(t + 1, now).unwrap();
+        assert_eq!(share.seconds.len(), 2);
+        assert_eq!(share.nodes.len(), 1);
+        let bytes = share.encode();
+        assert_eq!(Share::decode(&bytes).unwrap(), share);
+        assert!(top.take_share_at(t + 2, now).is_none(), "nothing new since");
+        for cut in 0..bytes.len() {
+            assert!(Share::decode(&bytes[..cut]).is_err());
+        }
+        assert!(Share::decode(&[bytes.as_slice(), &[0]].concat()).is_err());
+    }
+
+    #[test]
+    fn a_peers_share_adds_its_nodes_and_counts_and_a_processs_own_is_not_merged_again() {
+        let (a, b) = (Top::default(), Top::default());
+        let now = Instant::now();
+        let t = 1_800_000_000;
+        a.heard_at(t, now, 1, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 10)], 1)));
+        b.heard_at(t, now, 2, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 5)], 2)));
+        let share = a.take_share_at(t, now).unwrap();
+        a.merge_share_at(&share, t, now);
+        b.merge_share_at(&share, t, now);
+        assert_eq!(a.top_at(t, None, Window::Minute)["rules"][0]["denied"], 10);
+        let v = b.top_at(t, None, Window::Minute);
+        assert_eq!(v["rules"][0]["top"][0], json!({"key": "user=a", "denied": 15, "allowed": 2, "nodes": 2}));
+        assert_eq!(b.fleet().len(), 2);
+        // A node both processes hear is listed once.
+        let again =
+            Share { process: a.process(), seconds: Vec::new(), nodes: vec![(2, t * 1000, 3.0, Duration::ZERO, false)] };
+        b.merge_share_at(&again, t, now);
+        assert_eq!(b.fleet().len(), 2);
     }
 
     #[test]

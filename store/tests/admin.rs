@@ -125,6 +125,43 @@ fn the_admin_listener_lists_the_fleets_top_offenders_and_nodes() {
 }
 
 #[test]
+fn any_store_processs_admin_listener_answers_for_batches_its_peers_answered() {
+    let redis = Redis::start(false).unwrap();
+    let with_admin = start(&redis, true);
+    let peer = start(&redis, false);
+    let admin = with_admin.admin.clone().unwrap();
+    // Behind a load balancer: nodes 1 and 2 reach the peer, node 3 the process with the admin
+    // listener.
+    assert_eq!(post(&peer.addr, &batch(1, 1, Some(&section(1, 30, 1)))), 200);
+    assert_eq!(post(&peer.addr, &batch(2, 1, Some(&section(2, 30, 2)))), 200);
+    assert_eq!(post(&with_admin.addr, &batch(3, 1, Some(&section(3, 30, 3)))), 200);
+    // The peer shares once a second; wait for both of its nodes (bounded).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let top = loop {
+        let top = json(&admin, "/v1/top");
+        if top["rules"][0]["denied"].as_u64() == Some(96) || std::time::Instant::now() > deadline {
+            break top;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let rule = &top["rules"][0];
+    assert_eq!((rule["allowed"].as_u64(), rule["denied"].as_u64()), (Some(12), Some(96)), "{top}");
+    assert_eq!(rule["top"][0], serde_json::json!({"key": "api_key=#3f9a1c2e", "denied": 90, "allowed": 6, "nodes": 3}));
+    assert_eq!(top["rules"][1]["shadow_denied"], 15);
+    let fleet = json(&admin, "/v1/fleet");
+    assert_eq!(fleet["nodes"].as_array().unwrap().len(), 3, "{fleet}");
+    let series = json(&admin, "/v1/series?rule=api-key");
+    let denied: u64 = series["rules"][0]["denied"].as_array().unwrap().iter().filter_map(Value::as_u64).sum();
+    assert_eq!(denied, 96);
+    // Its own batches are not counted twice when its own share comes back from the stream.
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    assert_eq!(json(&admin, "/v1/top")["rules"][0]["denied"].as_u64(), Some(96));
+    let metrics = get(&admin, "/metrics").1;
+    let merged = metrics.lines().find_map(|l| l.strip_prefix("ratewall_store_top_peer_shares_total "));
+    assert!(merged.and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n >= 1), "{metrics}");
+}
+
+#[test]
 fn the_admin_listener_is_off_unless_asked_for() {
     let redis = Redis::start(false).unwrap();
     let store = start(&redis, false);
@@ -252,7 +289,10 @@ mod fleet {
         let keys = ratewall_tests::redis::cli(redis.port, &["--scan"]).unwrap();
         assert!(!keys.trim().is_empty() && !has(keys.as_bytes()), "a Redis key holds the key");
         for k in keys.lines() {
-            let v = ratewall_tests::redis::cli(redis.port, &["--raw", "GET", k]).unwrap();
+            let kind = ratewall_tests::redis::cli(redis.port, &["TYPE", k]).unwrap();
+            let read: &[&str] =
+                if kind.trim() == "stream" { &["--raw", "XRANGE", k, "-", "+"] } else { &["--raw", "GET", k] };
+            let v = ratewall_tests::redis::cli(redis.port, read).unwrap();
             assert!(!has(v.as_bytes()), "the Redis value of {k} holds the key");
         }
         for path in ["/v1/top", "/v1/top?window=1h", "/v1/fleet", "/v1/series", "/metrics"] {

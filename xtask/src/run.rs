@@ -271,7 +271,7 @@ ratewall fleet: Redis on 127.0.0.1:{redis_port}, ratewall-store on {} and {}, ga
     for g in {g1} {g2} {g3} {g1} {g2} {g3} {g1}; do curl -s -o /dev/null -w \"$g %{{http_code}}\\n\" -X POST -H 'x-user-id: alice' http://$g/v1/events/42/holds; sleep 0.3; done
   the stores' view:    curl -s http://{}/metrics | grep -v '^#'
   who is limited:      http://{admin}/ (the dashboard), curl -s http://{admin}/v1/top
-                       (the first store's admin listener: what the batches it answered say)
+                       (the first store's admin listener, for the batches both stores answered)
   a gateway's sync:    curl -s http://{g1}/_ratewall/metrics | grep sync
 
 Ctrl-C stops it all.
