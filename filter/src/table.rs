@@ -659,9 +659,13 @@ impl Counters for TableCounters<'_> {
             }
             _ => 0,
         };
+        // An exact rule spends only what the store granted: its first request on a counter
+        // asks, as a spent grant does (an initial share would be units no store counted, on
+        // every node at once: at three nodes, three through an exact limit of two).
+        let unasked = !late && no_wait;
         let first = Allowance {
-            units: if late { 0 } else { initial },
-            more: late,
+            units: if unasked { initial } else { 0 },
+            more: !unasked,
             until_ms: 0,
             over: late_over,
             overdrawn: false,

@@ -313,7 +313,7 @@ fn a_rules_push_keeps_the_node_identity_and_its_unsent_deltas() {
 }
 
 #[test]
-fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant() {
+fn a_new_fixed_window_asks_afresh_rather_than_deny_on_the_last_windows_spent_grant() {
     let config = exact_user_rules(4, "1s", "5s", 2);
     // Start on a window boundary, as seen through the store's clock (the same clock here).
     let (node, mut vm, mut store) = one_node(&config);
@@ -329,11 +329,14 @@ fn a_new_fixed_window_starts_on_a_fresh_share_not_the_last_windows_spent_grant()
     assert_eq!(passed, 4, "the global limit holds within the window");
     assert!(!request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed, "the quota is spent");
     // The next window, before any sync has answered in it: the spent grant belonged to the old
-    // window, so the node admits on its initial share (4 / the 1 node the store has seen) —
-    // and then denies without asking, since the store has not counted that share yet.
+    // window, so the node asks afresh (an exact rule spends no share the store did not grant),
+    // and the new window's quota passes, no more.
     node.advance(SECOND - node.now() % SECOND);
-    let fresh: Vec<bool> = (0..5).map(|_| vm.request(&user).unwrap().passed).collect();
-    assert_eq!(fresh, [true, true, true, true, false], "a fresh window's share, and no more");
+    let asked = node.metric("ratewall_sync_asks");
+    let fresh: Vec<bool> =
+        (0..5).map(|_| request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed).collect();
+    assert_eq!(fresh, [true, true, true, true, false], "a fresh window's quota, and no more");
+    assert!(node.metric("ratewall_sync_asks") > asked, "it asked");
     // Past the first quarter of a window, a node new to a counter in it spends no initial
     // share: it asks, and the store answers from its count.
     node.advance(SECOND + SECOND / 2);
@@ -351,14 +354,19 @@ fn a_request_whose_grant_is_spent_asks_the_store_and_waits_for_the_answer() {
     let (node, mut vm, mut store) = one_node(&config);
     let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
     let key = |c: &ratewall_tests::host::Callout| SyncRequest::decode(&c.body).unwrap().deltas[0].key.clone();
+    // The first request asks (an exact rule spends only what the store granted); the answer
+    // brings a grant the second spends.
+    let asked = node.metric("ratewall_sync_asks");
     for _ in 0..2 {
-        assert!(vm.request(&user).unwrap().passed);
+        assert!(request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap().passed);
     }
+    assert_eq!(node.metric("ratewall_sync_asks"), asked + 1);
     node.advance(100_000_000);
     vm.tick().unwrap();
     let batch = vm.take_callouts().pop().unwrap();
     answer_from(&mut store, node.now(), &mut vm, &batch).unwrap();
     let counter = key(&batch);
+    let counted = store.peek(&counter, node.now()).unwrap().remaining;
     // The store granted a share of what remains; spend it without a store call.
     let mut granted = 0;
     loop {
@@ -386,14 +394,14 @@ fn a_request_whose_grant_is_spent_asks_the_store_and_waits_for_the_answer() {
         assert!(granted < 100, "a spent grant must ask");
     }
     assert!(granted >= 1, "the batch's answer granted units");
-    // The store counted the ask's unit at once: 2 reported + 1 asked.
-    assert_eq!(store.peek(&counter, node.now()).unwrap().remaining, 97);
+    // The store counted the ask's unit at once.
+    assert_eq!(store.peek(&counter, node.now()).unwrap().remaining, counted - 1);
     // The next batch (within two ticks: far from the limit, deltas wait for every other
     // one) does not report it again.
     for _ in 0..2 {
         synced_tick(&node, &mut vm, &mut store);
     }
-    assert_eq!(store.peek(&counter, node.now()).unwrap().remaining, 97 - granted);
+    assert_eq!(store.peek(&counter, node.now()).unwrap().remaining, counted - 1 - granted);
     // With the store unreachable, an ask fails and the request is denied, not left hanging.
     loop {
         if let Started::Paused(ctx) = vm.begin(&user).unwrap() {
@@ -417,8 +425,7 @@ fn an_ask_is_refused_once_the_global_quota_is_spent_and_the_node_stops_asking() 
     let mut store = Store::new(1000, 10 * SECOND);
     let user = HttpRequest::new("GET", "/").header("x-user-id", "a");
     let mut admitted = 0;
-    // Both nodes start on an initial share (6 / 2) the store learns of only from their first
-    // batches: the first-interval term of the error bound.
+    // Each node's first request asks: an exact rule spends no share the store did not grant.
     for (node, vm) in [(&a, &mut va), (&b, &mut vb)] {
         admitted += u32::from(request_with(Some(&mut store), node.now(), vm, &user).unwrap().passed);
         synced_tick(node, vm, &mut store);
@@ -435,7 +442,9 @@ fn an_ask_is_refused_once_the_global_quota_is_spent_and_the_node_stops_asking() 
             }
         }
     }
-    assert!((6..=9).contains(&admitted), "{admitted}: no more once the store has counted it all");
+    // The limit, no more; units a node's lapsed grant held stay held until its report can
+    // arrive, so a burst this quick may end short of it.
+    assert!((4..=6).contains(&admitted), "{admitted}: the limit, no more");
     let ((asked_a, granted_a), (asked_b, granted_b)) = (asks(&a), asks(&b));
     assert!(asked_a + asked_b > granted_a + granted_b, "an ask was refused");
     let after_first = admitted;

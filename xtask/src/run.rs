@@ -266,8 +266,9 @@ ratewall fleet: Redis on 127.0.0.1:{redis_port}, ratewall-store on {} and {}, ga
   http://{g1}   http://{g2}   http://{g3}
 
   one limit of 5 holds a minute per user, shared by all three gateways (each alone would
-  admit 5, the three 15; the fleet admits at most 5 — a last unit may sit on one gateway's
-  grant for up to its 2 s lease):
+  admit 5, the three 15; the rule is exact, so the fleet admits at most 5 — a last unit may
+  sit on one gateway's grant for up to its 2 s lease; rules that are not exact never wait
+  and may admit about one more per gateway):
     for g in {g1} {g2} {g3} {g1} {g2} {g3} {g1}; do curl -s -o /dev/null -w \"$g %{{http_code}}\\n\" -X POST -H 'x-user-id: alice' http://$g/v1/events/42/holds; sleep 0.3; done
   the stores' view:    curl -s http://{}/metrics | grep -v '^#'
   who is limited:      http://{admin}/ (the dashboard), curl -s http://{admin}/v1/top

@@ -515,7 +515,9 @@ fn the_view_the_syncing_vm_writes_keeps_every_vm_fresh() {
         a.advance(100 * MS);
         b.advance(100 * MS);
     }
-    let _ = reply(&eb, &b, "GET", "/cl/x", &[("x-user-id", "ann")]);
+    // An exact rule's first request asks (or, stale, would be decided degraded).
+    b.request("GET", "/cl/x", &[("x-user-id", "ann")]);
+    let _ = eb.on_request(&b);
     assert_eq!(b.metric("ratewall_sync_degraded_requests"), 0, "b is fresh on a's answers");
     assert!(b.metric("ratewall_sync_staleness_ms") <= 500, "at most a heartbeat period behind");
 }
@@ -656,10 +658,9 @@ fn spent_grant(h: &FakeHost) -> (Engine, Store) {
 fn spent_grant_with(h: &FakeHost, doc: &str) -> (Engine, Store) {
     let e = engine(h, doc);
     let mut s = store();
-    let ann = [("x-user-id", "ann")];
     // A slow start: the store grants about what the node's rate spends in a lease.
     for _ in 0..5 {
-        let _ = reply(&e, h, "GET", EXACT, &ann);
+        let _ = exact_request(&e, h, &mut s);
         e.on_tick(h);
         serve(&mut s, &e, h);
         h.advance(100 * MS);
@@ -684,6 +685,7 @@ fn burst_until_ask(e: &Engine, h: &FakeHost) -> Option<crate::engine::Asking> {
 fn a_spent_grant_with_quota_left_at_the_store_asks_and_the_answer_admits() {
     let h = FakeHost::new();
     let (e, mut s) = spent_grant(&h);
+    let (asks, granted) = (h.metric("ratewall_sync_asks"), h.metric("ratewall_sync_asks_granted"));
     let asking = burst_until_ask(&e, &h).expect("the node asked");
     assert!(asking.answer_cap() > 0);
     let calls = h.take_calls();
@@ -695,8 +697,8 @@ fn a_spent_grant_with_quota_left_at_the_store_asks_and_the_answer_admits() {
     let (status, tag, body) = answer(&mut s, h.now(), SECRET, &calls[0]);
     let r = e.on_ask_response(&h, asking, status, tag.as_deref(), &body).into_reply();
     assert_eq!(r.status, 200);
-    assert_eq!(h.metric("ratewall_sync_asks"), 1);
-    assert_eq!(h.metric("ratewall_sync_asks_granted"), 1);
+    assert_eq!(h.metric("ratewall_sync_asks"), asks + 1);
+    assert_eq!(h.metric("ratewall_sync_asks_granted"), granted + 1);
     assert!(counted(&s, &e, EXACT, "ann", h.now()) > before, "the store took the request's unit");
 }
 
@@ -704,11 +706,12 @@ fn a_spent_grant_with_quota_left_at_the_store_asks_and_the_answer_admits() {
 fn a_failed_ask_decides_the_request_on_what_the_node_holds() {
     let h = FakeHost::new();
     let (e, _s) = spent_grant(&h);
+    let granted = h.metric("ratewall_sync_asks_granted");
     let asking = burst_until_ask(&e, &h).expect("the node asked");
     let _ = h.take_calls();
     let r = e.on_ask_response(&h, asking, 0, None, &[]).into_reply();
     assert_eq!(r.status, 429);
-    assert_eq!(h.metric("ratewall_sync_asks_granted"), 0);
+    assert_eq!(h.metric("ratewall_sync_asks_granted"), granted);
 }
 
 #[test]
@@ -743,8 +746,9 @@ fn an_ask_is_not_made_while_the_breaker_is_open() {
         failures += fail(&e, &h);
     }
     assert_eq!(h.metric("ratewall_sync_breaker_open"), 1);
+    let asks = h.metric("ratewall_sync_asks");
     assert!(burst_until_ask(&e, &h).is_none(), "no ask into an open breaker");
-    assert_eq!(h.metric("ratewall_sync_asks"), 0);
+    assert_eq!(h.metric("ratewall_sync_asks"), asks);
 }
 
 #[test]
@@ -780,12 +784,13 @@ fn a_vm_whose_asks_time_out_stops_asking_for_a_while() {
             .unwrap();
         }
     };
+    let asks = h.metric("ratewall_sync_asks");
     let asking = burst_until_ask(&e, &h).expect("the node asked");
     let _ = h.take_calls();
     // The store is further than max_wait: the host times the ask out.
     assert_eq!(e.on_ask_response(&h, asking, 0, None, &[]).into_reply().status, 429);
     assert!(burst_until_ask(&e, &h).is_none(), "no ask for a second: decided at once");
-    assert_eq!(h.metric("ratewall_sync_asks"), 1);
+    assert_eq!(h.metric("ratewall_sync_asks"), asks + 1);
     pass(&mut s, 1_000);
     let asking = burst_until_ask(&e, &h).expect("it tries again after 1 s");
     let _ = h.take_calls();
@@ -857,7 +862,6 @@ fn a_vm_whose_ask_timed_out_asks_no_more_while_batches_take_longer_than_max_wait
     let h = FakeHost::new();
     let e = engine(&h, &rules_with(1_000, 1, r#""max_wait": "7ms", "#));
     let mut s = store();
-    let ann = [("x-user-id", "ann")];
     // Another node spends on the counter too, so this one's grant is a share and it may ask.
     let headers = [Some(&b"ann"[..])];
     let (checks, _) = e.config().checks(&Request { method: "GET", path: EXACT, headers: &headers, ip: None });
@@ -872,7 +876,7 @@ fn a_vm_whose_ask_timed_out_asks_no_more_while_batches_take_longer_than_max_wait
     // request stopped waiting for it.
     let slow = |s: &mut Store, ms: u64| {
         for _ in 0..ms / 100 {
-            let _ = reply(&e, &h, "GET", EXACT, &ann);
+            let _ = exact_request(&e, &h, s);
             e.on_tick(&h);
             let calls = h.take_calls();
             h.advance(10 * MS);
@@ -888,13 +892,14 @@ fn a_vm_whose_ask_timed_out_asks_no_more_while_batches_take_longer_than_max_wait
     let view = h.shared_value("rw1/sync/view").unwrap();
     assert_eq!(u64::from_le_bytes(view[20..28].try_into().unwrap()), 10 * MS, "the view carries the round trip");
     // Batches alone do not stop asks (a store may answer a one-delta ask sooner)...
+    let asks = h.metric("ratewall_sync_asks");
     let asking = burst_until_ask(&e, &h).expect("the node asked");
     let _ = h.take_calls();
     let _ = e.on_ask_response(&h, asking, 0, None, &[]);
     // ...but once one timed out, no ask while they stay that slow, past the 1 s backoff.
     slow(&mut s, 1_500);
     assert!(burst_until_ask(&e, &h).is_none(), "decided at once");
-    assert_eq!(h.metric("ratewall_sync_asks"), 1);
+    assert_eq!(h.metric("ratewall_sync_asks"), asks + 1);
     // Nearer again, it asks.
     for _ in 0..3 {
         h.advance(100 * MS);
@@ -1018,12 +1023,57 @@ fn nodes_that_over_spend_are_held_to_the_bound() {
     assert!((100..=100 + 3).contains(&admitted), "admitted {admitted}");
 }
 
+/// Decides one request for `ann` on the exact rule, answering its ask (if it asks) from
+/// `store`: whether it passed, and whether it asked.
+fn exact_request(e: &Engine, h: &FakeHost, store: &mut Store) -> (bool, bool) {
+    h.request("GET", EXACT, &[("x-user-id", "ann")]);
+    match e.on_request(h) {
+        Verdict::Reply(r) | Verdict::Hold(r, _) => (r.status == 200, false),
+        Verdict::Ask(asking) => {
+            let calls = h.take_calls();
+            assert_eq!(calls.len(), 1);
+            let (status, tag, body) = answer(store, h.now(), SECRET, &calls[0]);
+            (e.on_ask_response(h, asking, status, tag.as_deref(), &body).into_reply().status == 200, true)
+        }
+        Verdict::Wait(w) => panic!("unexpected wait until {}", w.until),
+    }
+}
+
+#[test]
+fn an_exact_rules_first_request_on_each_node_asks_rather_than_spend_a_share_the_store_never_granted() {
+    // Three nodes, an exact limit of 2, requests on a counter none has synced: each node's
+    // first asks, and the fleet admits the limit, no more. (On an initial share each node's
+    // first would pass unasked: three through a limit of two.)
+    let hosts: Vec<FakeHost> = (0..3)
+        .map(|i| {
+            let mut h = FakeHost::new();
+            h.node_id = format!("node-{i}").into_bytes();
+            h
+        })
+        .collect();
+    let engines: Vec<Engine> = hosts.iter().map(|h| engine(h, &rules(2, 3))).collect();
+    let mut s = store();
+    let mut admitted = 0;
+    for (e, h) in engines.iter().zip(&hosts) {
+        let (passed, asked) = exact_request(e, h, &mut s);
+        assert!(asked, "the first request of an exact rule did not ask");
+        admitted += u32::from(passed);
+    }
+    for _ in 0..3 {
+        for (e, h) in engines.iter().zip(&hosts) {
+            admitted += u32::from(exact_request(e, h, &mut s).0);
+        }
+    }
+    assert_eq!(admitted, 2);
+}
+
 #[test]
 fn a_rule_that_is_not_exact_never_asks_and_an_exact_one_still_does() {
     let h = FakeHost::new();
     let (e, _s) = spent_grant(&h);
+    let asks = h.metric("ratewall_sync_asks");
     let _ = burst_until_denied(&e, &h);
-    assert_eq!(h.metric("ratewall_sync_asks"), 0);
+    assert_eq!(h.metric("ratewall_sync_asks"), asks);
     assert!(burst_until_ask(&e, &h).is_some(), "the exact rule asks");
 }
 
