@@ -89,6 +89,10 @@ pub const TRAFFIC_HALF_LIFE: Nanos = crate::algo::SECOND;
 /// node's weight is a quarter of a unit a second's.
 const WEIGHT_SCALE: u64 = 4;
 
+/// An ask on an exact rule's counter with fewer than this many units per active node left
+/// beside it is given only the units it asked for.
+pub const ASK_SCARCE: u64 = 2;
+
 /// How long past its lease a grant on an exact rule's counter stays held (or until the node's
 /// next batch replaces it): units a node spends just before its lease ends reach the store
 /// with its next batch, a sync interval and a round trip later (`sync.interval` and
@@ -411,7 +415,11 @@ impl Counter {
         let sized_lease = self.lease(view.remaining, now).min(ASK_LEASE);
         let lease = if sized { sized_lease } else { ASK_LEASE };
         if cost <= free {
-            let extra = self.share_of(node, free - cost, sized_lease, node_ttl);
+            // On an exact rule's counter near its quota's end, an ask takes only what it asked
+            // for: units given beside it would sit in one node's grant while other nodes' asks
+            // are refused (at 3 nodes and a limit of 5, a fleet admitted 4).
+            let scarce = !sized && free - cost < u64::from(nodes.max(1)).saturating_mul(ASK_SCARCE);
+            let extra = if scarce { 0 } else { self.share_of(node, free - cost, sized_lease, node_ttl) };
             given = cost.saturating_add(extra);
             self.state = self.limit.consume(&self.state, now, cost);
             self.note_rate(now, cost);

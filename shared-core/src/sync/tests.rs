@@ -385,6 +385,23 @@ fn on_an_exact_rules_counter_a_lapsed_grant_stays_held_until_its_nodes_report_ca
 }
 
 #[test]
+fn near_an_exact_counters_end_an_ask_takes_only_what_it_asked_for() {
+    // 5 a minute, three nodes asking in turn. The first, alone on the counter, gets a share
+    // beside its unit; after it fewer than two units per node are left, so the second and
+    // third get only their unit — and the third is not refused while a unit given beside the
+    // second's sat in its grant.
+    let l = Limit::new(Algorithm::SlidingWindow, 5, 60 * SECOND, None).unwrap();
+    let ttl = 10 * SECOND;
+    let mut c = Counter::new(l);
+    let first = c.ask(l, NOW, 1, 1, 1, ttl);
+    assert!(first.grant > 1, "{first:?}");
+    let (second, third) = (c.ask(l, NOW, 2, 1, 1, ttl), c.ask(l, NOW, 3, 1, 1, ttl));
+    assert_eq!((second.grant, third.grant), (1, 1), "{second:?} {third:?}");
+    // Every unit is the first node's grant or taken: none left for a fourth ask.
+    assert_eq!(c.ask(l, NOW, 4, 1, 1, ttl).grant, 0);
+}
+
+#[test]
 fn a_duplicated_ask_is_answered_again_and_takes_nothing_more() {
     let l = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
     let mut c = Counter::new(l);
