@@ -985,18 +985,24 @@ fn the_overdraft_is_reported_and_repaid_from_what_the_store_grants_next() {
     assert!(u64::from(next.units + next.over) <= 1_000 - before - admitted, "{next:?}");
 }
 
-#[test]
-fn nodes_that_over_spend_are_held_to_the_bound() {
-    // Three nodes on one counter of 100, each admitting all it may every interval: the
-    // fleet admits at most the limit plus each node's overdraft (max(1, 100 / 100 / 3) = 1).
-    let hosts: Vec<FakeHost> = (0..3)
+/// `n` nodes (each a host with its own shared data and node id), an engine on each for `doc`.
+fn fleet(n: usize, doc: &str) -> (Vec<FakeHost>, Vec<Engine>) {
+    let hosts: Vec<FakeHost> = (0..n)
         .map(|i| {
             let mut h = FakeHost::new();
             h.node_id = format!("node-{i}").into_bytes();
             h
         })
         .collect();
-    let engines: Vec<Engine> = hosts.iter().map(|h| engine(h, &rules(100, 3))).collect();
+    let engines = hosts.iter().map(|h| engine(h, doc)).collect();
+    (hosts, engines)
+}
+
+#[test]
+fn nodes_that_over_spend_are_held_to_the_bound() {
+    // Three nodes on one counter of 100, each admitting all it may every interval: the
+    // fleet admits at most the limit plus each node's overdraft (max(1, 100 / 100 / 3) = 1).
+    let (hosts, engines) = fleet(3, &rules(100, 3));
     let mut s = store();
     // Each node's first request is counted by the store before the bursts: from then on
     // every node spends grants, not an initial share the store has not counted.
@@ -1044,14 +1050,7 @@ fn an_exact_rules_first_request_on_each_node_asks_rather_than_spend_a_share_the_
     // Three nodes, an exact limit of 2, requests on a counter none has synced: each node's
     // first asks, and the fleet admits the limit, no more. (On an initial share each node's
     // first would pass unasked: three through a limit of two.)
-    let hosts: Vec<FakeHost> = (0..3)
-        .map(|i| {
-            let mut h = FakeHost::new();
-            h.node_id = format!("node-{i}").into_bytes();
-            h
-        })
-        .collect();
-    let engines: Vec<Engine> = hosts.iter().map(|h| engine(h, &rules(2, 3))).collect();
+    let (hosts, engines) = fleet(3, &rules(2, 3));
     let mut s = store();
     let mut admitted = 0;
     for (e, h) in engines.iter().zip(&hosts) {
