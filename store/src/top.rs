@@ -35,7 +35,7 @@ pub const SHARED_TTL_MS: u64 = 3_600_000;
 pub const SHARE_EVERY: Duration = Duration::from_secs(1);
 /// Most seconds of sections a process keeps waiting to be shared (while Redis cannot take
 /// them); the oldest go first.
-pub const OUTBOX_SECONDS: usize = 120;
+pub const OUTBOX_SECONDS: usize = 30;
 /// Most shares read from the stream per interval.
 pub const READ_PER_INTERVAL: usize = 1024;
 /// The version byte of a share.
