@@ -298,3 +298,40 @@ fn after_a_reload_a_client_that_spent_its_quota_is_denied_once_the_first_batch_i
     let r = request_with(Some(&mut store), node.now(), &mut vms[0], &user("fresh")).unwrap();
     assert!(r.passed);
 }
+
+#[test]
+fn an_exact_rules_request_waits_for_its_ask_and_resumes_from_its_own_context_even_after_a_reload() {
+    let node = Node::with_profile(T0 + 10 * SECOND, Profile::NGINX);
+    let mut store = Store::new(1000, 10 * SECOND);
+    let doc = synced(3).replace(r#""key":["user"]"#, r#""exact":true,"key":["user"]"#);
+    assert!(doc.contains(r#""exact":true"#));
+    let mut vms = workers(&node, &doc, 2);
+    synced_tick(&node, &mut vms, &mut store);
+    // The first request of an exact rule asks: paused, its call to `host:port`, then resumed
+    // by the answer in its own context (ngx_wasm_module resumes no other way).
+    let Started::Paused(ctx) = vms[0].begin(&user("spender")).unwrap() else {
+        panic!("an exact rule's first request did not ask")
+    };
+    let calls = vms[0].take_callouts();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].upstream, "127.0.0.1:8090");
+    answer_from(&mut store, node.now(), &mut vms[0], &calls[0]).unwrap();
+    assert!(vms[0].finish(ctx).unwrap().unwrap().passed);
+    let mut passed = 1;
+    for i in 0..6 {
+        passed +=
+            usize::from(request_with(Some(&mut store), node.now(), &mut vms[i % 2], &user("spender")).unwrap().passed);
+        synced_tick(&node, &mut vms, &mut store);
+    }
+    assert_eq!(passed, 3, "the quota, no more");
+    // nginx -s reload: fresh shm_kv and VMs. The exact rule spends no share the store did not
+    // grant, so the spent client is denied from the first request on.
+    node.reload();
+    let mut vms = workers(&node, &doc, 2);
+    synced_tick(&node, &mut vms, &mut store);
+    for i in 0..4 {
+        let r = request_with(Some(&mut store), node.now(), &mut vms[i % 2], &user("spender")).unwrap();
+        assert_eq!(r.status, 429, "request {i} after the reload");
+    }
+    assert!(errors(&node).is_empty(), "{:?}", errors(&node));
+}
