@@ -188,7 +188,7 @@ pub fn check(path: &Path, as_json: bool) -> Result<(), Failure> {
             "    mode:  {}, on store failure {}{}",
             mode(r),
             failure(r),
-            if r.exact { ", exact (every request asks the global counter)" } else { "" }
+            if r.exact { ", exact (admits only units the global counter granted; may wait for it)" } else { "" }
         );
     }
     if config.sync.is_some() {
