@@ -795,8 +795,7 @@ mod tests {
         assert_eq!(c.rules[1].limit.capacity(), 200);
         assert_eq!(c.rules[1].limit_for(Some(b"internal")), PlanLimit::Unlimited);
         assert_eq!(c.rules[2].on_store_failure, FailurePolicy::Closed);
-        assert!(c.rules[2].exact && !c.rules[1].exact, "exact by default only where the store failing closes");
-        assert!(c.rules[0].exact, "and where the rule says so");
+        assert!(c.rules[2].exact && !c.rules[0].exact, "exact by default only where the store failing closes");
         assert_eq!(c.identity.ip.trusted_hops, 1);
     }
 
