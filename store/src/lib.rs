@@ -341,8 +341,8 @@ impl<K: Kv> Store<K> {
         }
         let mut read_count = 0;
         while read_count < top::READ_PER_INTERVAL {
-            let want = top::READ_PER_INTERVAL - read_count;
-            let read = self.kv.read_after(top::SHARED_STREAM, cursor.as_deref(), want.min(128));
+            let want = (top::READ_PER_INTERVAL - read_count).min(128);
+            let read = self.kv.read_after(top::SHARED_STREAM, cursor.as_deref(), want);
             let Ok(Ok((last, entries))) = tokio::time::timeout(self.deadline, read).await else { return };
             let first = cursor.is_none();
             *cursor = Some(last);
@@ -356,7 +356,7 @@ impl<K: Kv> Store<K> {
                     }
                 }
             }
-            if first || entries.len() < want.min(128) {
+            if first || entries.len() < want {
                 return;
             }
         }

@@ -51,25 +51,22 @@ pub const NODE_TTL: Duration = Duration::from_secs(600);
 /// fleet's batches and its error bound is a share of everything they denied.
 pub const KEPT: usize = 4 * ratewall_core::topk::CAPACITY;
 
-/// A node as heard from.
+/// A node as one process heard it (this one, or a peer in its latest share).
 #[derive(Clone, Debug)]
-struct Node {
+struct Seen {
     last_seen: Instant,
     /// Batches per second, a moving average.
     rate: f64,
     rtt: Duration,
     degraded: bool,
-    /// The last seq whose section was counted (a retried batch is not counted again).
-    counted_seq: u64,
 }
 
-/// A node as a peer process heard it, from its latest share.
+/// A node as this process heard it.
 #[derive(Clone, Debug)]
-struct Remote {
-    last_seen: Instant,
-    rate: f64,
-    rtt: Duration,
-    degraded: bool,
+struct Node {
+    seen: Seen,
+    /// The last seq whose section was counted (a retried batch is not counted again).
+    counted_seq: u64,
 }
 
 #[derive(Debug)]
@@ -80,10 +77,10 @@ struct Inner {
     nodes: HashMap<u64, Node>,
     /// Sections heard and not shared yet, merged per unix second.
     outbox: BTreeMap<u64, TopSection>,
-    /// Nodes heard since the last share.
-    heard_since: Vec<u64>,
+    /// When the last share was cut: the nodes heard since go in the next.
+    shared_at: Option<Instant>,
     /// Peers' views of nodes, by (peer process, node).
-    remote: HashMap<(u64, u64), Remote>,
+    remote: HashMap<(u64, u64), Seen>,
 }
 
 /// The process's view of the fleet.
@@ -103,7 +100,7 @@ impl Default for Top {
                 windows: Windows::new(MAX_RULES, KEPT),
                 nodes: HashMap::new(),
                 outbox: BTreeMap::new(),
-                heard_since: Vec::new(),
+                shared_at: None,
                 remote: HashMap::new(),
             }),
             process: process.max(1),
@@ -129,6 +126,15 @@ fn merge_section(into: &mut TopSection, from: &TopSection) {
             }
             None => {}
         }
+    }
+}
+
+/// Queues `section`, heard at `unix`, to be shared: the oldest seconds go past
+/// [`OUTBOX_SECONDS`].
+fn queue(outbox: &mut BTreeMap<u64, TopSection>, unix: u64, section: &TopSection) {
+    merge_section(outbox.entry(unix).or_default(), section);
+    while outbox.len() > OUTBOX_SECONDS {
+        outbox.pop_first();
     }
 }
 
@@ -230,33 +236,29 @@ impl Top {
         let inner = &mut *inner;
         inner.windows.clock(unix);
         if inner.nodes.len() >= MAX_NODES && !inner.nodes.contains_key(&node) {
-            inner.nodes.retain(|_, n| now.saturating_duration_since(n.last_seen) < NODE_TTL);
+            inner.nodes.retain(|_, n| now.saturating_duration_since(n.seen.last_seen) < NODE_TTL);
             if inner.nodes.len() >= MAX_NODES {
-                if let Some(oldest) = inner.nodes.iter().min_by_key(|(_, n)| n.last_seen).map(|(k, _)| *k) {
+                if let Some(oldest) = inner.nodes.iter().min_by_key(|(_, n)| n.seen.last_seen).map(|(k, _)| *k) {
                     inner.nodes.remove(&oldest);
                 }
             }
         }
-        let n =
-            inner.nodes.entry(node).or_insert(Node { last_seen: now, rate: 0.0, rtt, degraded: false, counted_seq: 0 });
-        let gap = now.saturating_duration_since(n.last_seen).as_secs_f64();
+        let n = inner
+            .nodes
+            .entry(node)
+            .or_insert(Node { seen: Seen { last_seen: now, rate: 0.0, rtt, degraded: false }, counted_seq: 0 });
+        let gap = now.saturating_duration_since(n.seen.last_seen).as_secs_f64();
         // An exponentially weighted rate over about 5 s.
         if gap > 0.0 {
             let w = (-gap / 5.0).exp();
-            n.rate = n.rate * w + (1.0 - w) / gap;
+            n.seen.rate = n.seen.rate * w + (1.0 - w) / gap;
         }
-        (n.last_seen, n.rtt, n.degraded) = (now, rtt, !ok);
-        if !inner.heard_since.contains(&node) && inner.heard_since.len() < MAX_NODES {
-            inner.heard_since.push(node);
-        }
+        (n.seen.last_seen, n.seen.rtt, n.seen.degraded) = (now, rtt, !ok);
         let Some(section) = section.filter(|_| ok && seq > n.counted_seq) else { return };
         n.counted_seq = seq;
         let t = inner.windows.clock(unix);
         inner.windows.add(t, section, &[]);
-        merge_section(inner.outbox.entry(t).or_default(), section);
-        while inner.outbox.len() > OUTBOX_SECONDS {
-            inner.outbox.pop_first();
-        }
+        queue(&mut inner.outbox, t, section);
     }
 
     /// This process's id on the shared stream.
@@ -274,10 +276,12 @@ impl Top {
     pub fn take_share_at(&self, unix: u64, now: Instant) -> Option<Share> {
         let Ok(mut inner) = self.inner.lock() else { return None };
         let inner = &mut *inner;
-        let heard = std::mem::take(&mut inner.heard_since);
-        let nodes: Vec<_> = heard
+        let since = inner.shared_at.replace(now);
+        let nodes: Vec<_> = inner
+            .nodes
             .iter()
-            .filter_map(|id| inner.nodes.get(id).map(|n| (id, n)))
+            .map(|(id, n)| (id, &n.seen))
+            .filter(|(_, n)| since.is_none_or(|at| n.last_seen > at))
             .map(|(id, n)| {
                 let ago = now.saturating_duration_since(n.last_seen).as_millis();
                 let seen_ms = (unix.saturating_mul(1000)).saturating_sub(u64::try_from(ago).unwrap_or(u64::MAX));
@@ -293,10 +297,7 @@ impl Top {
     pub fn unshared(&self, share: Share) {
         let Ok(mut inner) = self.inner.lock() else { return };
         for (unix, section) in &share.seconds {
-            merge_section(inner.outbox.entry(*unix).or_default(), section);
-        }
-        while inner.outbox.len() > OUTBOX_SECONDS {
-            inner.outbox.pop_first();
+            queue(&mut inner.outbox, *unix, section);
         }
     }
 
@@ -326,7 +327,7 @@ impl Top {
             }
             let ago = Duration::from_millis(unix.saturating_mul(1000).saturating_sub(seen_ms));
             let last_seen = now.checked_sub(ago).unwrap_or(now);
-            inner.remote.insert(key, Remote { last_seen, rate, rtt, degraded });
+            inner.remote.insert(key, Seen { last_seen, rate, rtt, degraded });
         }
     }
 
@@ -364,15 +365,12 @@ impl Top {
         let decayed = |rate: f64, last_seen: Instant| {
             rate * (-now.saturating_duration_since(last_seen).as_secs_f64() / 5.0).exp()
         };
-        let mut nodes: BTreeMap<u64, Remote> = BTreeMap::new();
-        let own = inner
-            .nodes
-            .iter()
-            .map(|(id, n)| (*id, Remote { last_seen: n.last_seen, rate: n.rate, rtt: n.rtt, degraded: n.degraded }));
-        let peers = inner.remote.iter().map(|((_, id), r)| (*id, r.clone()));
+        let mut nodes: BTreeMap<u64, Seen> = BTreeMap::new();
+        let own = inner.nodes.iter().map(|(id, n)| (*id, &n.seen));
+        let peers = inner.remote.iter().map(|((_, id), r)| (*id, r));
         for (id, r) in own.chain(peers).filter(|(_, r)| now.saturating_duration_since(r.last_seen) < NODE_TTL) {
             let rate = decayed(r.rate, r.last_seen);
-            let e = nodes.entry(id).or_insert(Remote { rate: 0.0, ..r.clone() });
+            let e = nodes.entry(id).or_insert(Seen { rate: 0.0, ..r.clone() });
             e.rate += rate;
             if r.last_seen >= e.last_seen {
                 (e.last_seen, e.rtt, e.degraded) = (r.last_seen, r.rtt, r.degraded);
