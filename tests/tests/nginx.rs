@@ -249,6 +249,19 @@ fn synced_tick(node: &Node, vms: &mut [Vm], store: &mut Store) {
     }
 }
 
+/// `n` requests of the client "spender", taking the workers in turn, an interval after each;
+/// how many passed.
+fn spend(node: &Node, vms: &mut [Vm], store: &mut Store, n: usize) -> usize {
+    (0..n)
+        .filter(|i| {
+            let passed =
+                request_with(Some(store), node.now(), &mut vms[i % vms.len()], &user("spender")).unwrap().passed;
+            synced_tick(node, vms, store);
+            passed
+        })
+        .count()
+}
+
 #[test]
 fn sync_to_a_host_port_store_starts_without_an_error_line() {
     let node = Node::with_profile(T0, Profile::NGINX);
@@ -270,13 +283,7 @@ fn after_a_reload_a_client_that_spent_its_quota_is_denied_once_the_first_batch_i
     let doc = synced(5);
     let mut vms = workers(&node, &doc, 2);
     synced_tick(&node, &mut vms, &mut store);
-    let mut passed = 0;
-    for i in 0..12 {
-        passed +=
-            usize::from(request_with(Some(&mut store), node.now(), &mut vms[i % 2], &user("spender")).unwrap().passed);
-        synced_tick(&node, &mut vms, &mut store);
-    }
-    assert_eq!(passed, 5, "the quota, spent");
+    assert_eq!(spend(&node, &mut vms, &mut store, 12), 5, "the quota, spent");
     // nginx -s reload: fresh shm_kv, fresh VMs; the local count is gone.
     node.reload();
     assert_eq!(node.shared_get("rw1/32/0"), None);
@@ -317,13 +324,7 @@ fn an_exact_rules_request_waits_for_its_ask_and_resumes_from_its_own_context_eve
     assert_eq!(calls[0].upstream, "127.0.0.1:8090");
     answer_from(&mut store, node.now(), &mut vms[0], &calls[0]).unwrap();
     assert!(vms[0].finish(ctx).unwrap().unwrap().passed);
-    let mut passed = 1;
-    for i in 0..6 {
-        passed +=
-            usize::from(request_with(Some(&mut store), node.now(), &mut vms[i % 2], &user("spender")).unwrap().passed);
-        synced_tick(&node, &mut vms, &mut store);
-    }
-    assert_eq!(passed, 3, "the quota, no more");
+    assert_eq!(1 + spend(&node, &mut vms, &mut store, 6), 3, "the quota, no more");
     // nginx -s reload: fresh shm_kv and VMs. The exact rule spends no share the store did not
     // grant, so the spent client is denied from the first request on.
     node.reload();
