@@ -468,6 +468,11 @@ pub struct Metrics {
     pub sync_refused_stale: u64,
     /// Checks admitted from the isolate's grants, with no object call.
     pub grant_admissions: u64,
+    /// Checks admitted past the isolate's grant, on its overdraft.
+    pub overdraft_admissions: u64,
+    /// Checks denied in isolate memory while its copy of the counter had room (grant and
+    /// overdraft spent until the next answer).
+    pub short_denials: u64,
     /// Units admitted from grants whose report was given up.
     pub units_dropped: u64,
     /// Reports of who is being limited sent to the admin object, and of which failed.
@@ -560,6 +565,16 @@ impl Metrics {
                 "grant_admissions",
                 "Checks admitted from the isolate's grants, with no object call.",
                 self.grant_admissions,
+            ),
+            (
+                "overdraft_admissions",
+                "Checks admitted past the isolate's grant, on its overdraft, with no object call.",
+                self.overdraft_admissions,
+            ),
+            (
+                "short_denials",
+                "Checks denied by the isolate while its copy of the counter had room (grant and overdraft spent).",
+                self.short_denials,
             ),
             ("units_dropped", "Units admitted from grants whose report was given up.", self.units_dropped),
             ("top_reports", "Reports of the top denied keys sent to the admin object.", self.top_reports),

@@ -2,7 +2,7 @@
 //! the `/v1/sync` store. Decisions are made by `ratewall-core` and `crate::edge`.
 
 use crate::edge::admin::{self, Access};
-use crate::edge::grants::{Answer, Grants, Local, REPORT_EVERY};
+use crate::edge::grants::{Answer, Grants, Schedule, REPORT_EVERY};
 use crate::edge::object::{AlarmPlan, Object};
 use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
@@ -239,9 +239,9 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
     Ok(resp.with_headers(headers))
 }
 
-/// One check's answer: from the isolate's grant when it covers the check, else from the
-/// counter object (a `Spend` that also reports the grant's units, or, for an `exact` rule, a
-/// take). Units spent from a grant are reported in the background.
+/// One check's answer: for an `exact` rule, the counter object's (a take, waited for); for
+/// any other, the isolate's, at once (from its grant, its overdraft or its copy of the
+/// counter), its units reported in the background.
 async fn answer(
     env: &Env,
     ctx: &Context,
@@ -253,25 +253,29 @@ async fn answer(
     if exact {
         return take_answer(call_object(env, &c.key, Call::Take { limit: c.limit, cost: c.cost }, timeout).await);
     }
-    let out = match with(|i| i.grants.check(&c.key, c.limit, c.cost, t)) {
-        Local::Admitted(d) => Ok(Answer::Grant(d)),
-        Local::Call(call) => {
-            let reply = call_object(env, &c.key, call, timeout).await;
-            with(|i| i.grants.answered(&c.key, &call, reply.as_deref().map_err(|e| *e), t, now()))
-                .unwrap_or(Err(StoreError::Unavailable))
-        }
-    };
+    let local = with(|i| i.grants.check(&c.key, c.limit, c.cost, t));
     schedule_report(env, ctx, &c.key, timeout);
-    out
+    Ok(Answer::Grant(local.decision()))
 }
 
 /// Starts the background reports of `key`'s grant units unless they run: one call per
-/// [`REPORT_EVERY`] while units wait, each bringing the next grant.
+/// [`REPORT_EVERY`] while units wait, each bringing the next grant; or, while that task
+/// sleeps and the isolate needs a grant, one report at once.
 fn schedule_report(env: &Env, ctx: &Context, key: &[u8], timeout: Duration) {
-    let Some(first) = with(|i| i.grants.schedule(key, now())) else { return };
+    let Some(schedule) = with(|i| i.grants.schedule(key, now())) else { return };
     let (env, key) = (env.clone(), key.to_vec());
     ctx.wait_until(async move {
-        let mut delay = first;
+        let mut delay = match schedule {
+            Schedule::Reports(first) => first,
+            Schedule::Once => {
+                let sent = now();
+                if let Some(call) = with(|i| i.grants.report_once(&key, sent)) {
+                    let reply = call_object(&env, &key, call, timeout).await;
+                    with(|i| i.grants.answered(&key, &call, reply.as_deref().map_err(|e| *e), sent, now()));
+                }
+                return;
+            }
+        };
         loop {
             if delay > 0 {
                 Delay::from(Duration::from_millis(delay / MS)).await;
@@ -453,7 +457,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let (refunding, grant_refunds) = refund_calls(&checks, &refunds, &charged);
     with(|i| {
         for (key, cost) in &grant_refunds {
-            i.grants.refund(key, *cost);
+            i.grants.refund(key, *cost, t);
         }
     });
     if !refunding.is_empty() {
@@ -464,9 +468,10 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         });
     }
     if use_cache {
+        // Denials the objects answered: the isolate's own cost no call to repeat.
         with(|i| {
-            for (c, d) in checks.iter().zip(&decisions) {
-                if let Ok(d) = d {
+            for ((c, d), a) in checks.iter().zip(&decisions).zip(&charged) {
+                if let (Ok(d), Some(Answer::Object(_))) = (d, a) {
                     i.cache.insert(&c.key, t, c.cost, *d);
                 }
             }
@@ -553,6 +558,8 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
     if path == METRICS_PATH {
         return Response::ok(with(|i| {
             i.metrics.grant_admissions = i.grants.local;
+            i.metrics.overdraft_admissions = i.grants.overdrafts;
+            i.metrics.short_denials = i.grants.short;
             i.metrics.units_dropped = i.grants.dropped;
             i.metrics.render()
         }));

@@ -87,7 +87,6 @@ fn main() {
     let r = ratewall_tests::worker_sim::run(&s);
     figure(&format!("worker_overadmission_pct_{}", s.name), r.overadmission_pct, "%");
     figure(&format!("worker_false_denial_pct_{}", s.name), r.false_denial_pct, "%");
-    figure(&format!("worker_paused_pct_{}", s.name), r.paused_pct, "%");
     figure(&format!("worker_do_calls_per_1000_admitted_{}", s.name), r.calls_per_1000_admitted, "calls");
 
     let rules = serde_json::from_str::<serde_json::Value>(RULES).unwrap().to_string();

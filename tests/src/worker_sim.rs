@@ -2,12 +2,13 @@
 //! Worker's own [`Grants`]) send one hot key's requests to one counter [`Object`], the same
 //! logic the Durable Object runs. Every call reaches the object after half a round trip and
 //! its answer the isolate after the other half; background reports run as the glue runs them
-//! (woken when [`Grants::schedule`] says, one report per wake, then [`REPORT_EVERY`]).
+//! (woken when [`Grants::schedule`] says, one report per wake, then [`REPORT_EVERY`], or one
+//! at once). No request waits: [`Grants::check`] decides each at once.
 
 use ratewall_core::algo::{Algorithm, Limit, Nanos, SECOND};
-use ratewall_worker::edge::grants::{Grants, Local, REPORT_EVERY};
+use ratewall_worker::edge::grants::{Grants, Schedule, REPORT_EVERY};
 use ratewall_worker::edge::object::Object;
-use ratewall_worker::edge::{BlockedCache, Call};
+use ratewall_worker::edge::Call;
 use std::collections::BTreeMap;
 
 /// One scenario.
@@ -40,8 +41,6 @@ pub struct Report {
     pub false_denial_pct: f64,
     /// Object calls (requests' and reports') per 1,000 admitted requests.
     pub calls_per_1000_admitted: f64,
-    /// Requests that waited for the object ÷ requests, in %.
-    pub paused_pct: f64,
     /// Requests offered.
     pub requests: u64,
     /// Requests admitted.
@@ -66,22 +65,24 @@ const KEY: &[u8] = b"hot";
 
 enum Event {
     Arrive(usize),
-    /// A call reaches the object; `request`: it decides a request (else it is a report).
+    /// A report reaches the object; `looping`: the background task's (else a one-off).
     AtObject {
         isolate: usize,
         call: Call,
         sent: Nanos,
-        request: bool,
+        looping: bool,
     },
     Answer {
         isolate: usize,
         call: Call,
         reply: String,
         sent: Nanos,
-        decided_at: Nanos,
-        request: bool,
+        looping: bool,
     },
+    /// The background task wakes.
     Wake(usize),
+    /// A one-off report is sent.
+    Once(usize),
 }
 
 struct World {
@@ -114,8 +115,6 @@ pub fn run(s: &Scenario) -> Report {
     let mut object = Object::default();
     let _ = object.load(None, Some(limit));
     let mut isolates: Vec<Grants> = (0..s.isolates).map(|i| Grants::new(i as u64 + 1, 1000)).collect();
-    // Each isolate's blocked-key cache, as the glue keeps it.
-    let mut blocked: Vec<BlockedCache> = (0..s.isolates).map(|_| BlockedCache::new(1000)).collect();
     let mut w = World { queue: BTreeMap::new(), n: 0, admitted: BTreeMap::new(), false_denials: 0 };
     let mut rng = s.seed.max(1);
     let mut next = || {
@@ -141,36 +140,22 @@ pub fn run(s: &Scenario) -> Report {
         }
         w.push(at, Event::Arrive(isolate));
     }
-    let (mut calls, mut paused, mut reports) = (0u64, 0u64, 0u64);
+    let (mut calls, mut reports) = (0u64, 0u64);
     let half = s.rtt / 2;
     while let Some(((t, _), e)) = w.queue.pop_first() {
         match e {
-            Event::Arrive(i) if blocked[i].get(KEY, t, 1).is_some() => w.decided(s, t, false),
-            Event::Arrive(i) => match isolates[i].check(KEY, limit, 1, t) {
-                Local::Admitted(_) => {
-                    w.decided(s, t, true);
-                    wake(&mut isolates[i], &mut w, i, t);
-                }
-                Local::Call(call) => {
-                    paused += 1;
-                    calls += 1;
-                    w.push(t + half, Event::AtObject { isolate: i, call, sent: t, request: true });
-                }
-            },
-            Event::AtObject { isolate, call, sent, request } => {
-                let reply = object.handle(call, t).map(|h| h.reply).unwrap_or_default();
-                w.push(t + half, Event::Answer { isolate, call, reply, sent, decided_at: t, request });
+            Event::Arrive(i) => {
+                let local = isolates[i].check(KEY, limit, 1, t);
+                w.decided(s, t, local.decision().allowed);
+                wake(&mut isolates[i], &mut w, i, t);
             }
-            Event::Answer { isolate, call, reply, sent, decided_at, request } => {
-                let g = &mut isolates[isolate];
-                let answer = g.answered(KEY, &call, Ok(&reply), sent, t);
-                if request {
-                    let Some(Ok(a)) = answer else { unreachable!("the object always answers here") };
-                    let decision = a.decision();
-                    blocked[isolate].insert(KEY, t, 1, decision);
-                    w.decided(s, decided_at, decision.allowed);
-                    wake(g, &mut w, isolate, t);
-                } else {
+            Event::AtObject { isolate, call, sent, looping } => {
+                let reply = object.handle(call, t).map(|h| h.reply).unwrap_or_default();
+                w.push(t + half, Event::Answer { isolate, call, reply, sent, looping });
+            }
+            Event::Answer { isolate, call, reply, sent, looping } => {
+                isolates[isolate].answered(KEY, &call, Ok(&reply), sent, t);
+                if looping {
                     // The glue's task sleeps, then reports again (or ends).
                     w.push(t + REPORT_EVERY, Event::Wake(isolate));
                 }
@@ -179,7 +164,14 @@ pub fn run(s: &Scenario) -> Report {
                 if let Some(call) = isolates[i].report(KEY, t) {
                     calls += 1;
                     reports += 1;
-                    w.push(t + half, Event::AtObject { isolate: i, call, sent: t, request: false });
+                    w.push(t + half, Event::AtObject { isolate: i, call, sent: t, looping: true });
+                }
+            }
+            Event::Once(i) => {
+                if let Some(call) = isolates[i].report_once(KEY, t) {
+                    calls += 1;
+                    reports += 1;
+                    w.push(t + half, Event::AtObject { isolate: i, call, sent: t, looping: false });
                 }
             }
         }
@@ -192,13 +184,19 @@ pub fn run(s: &Scenario) -> Report {
         .collect();
     let admitted: u64 = w.admitted.values().sum();
     if std::env::var("RATEWALL_SIM_DEBUG").is_ok() {
-        eprintln!("calls {calls} (reports {reports}), windows {:?}", w.admitted);
+        let sum = |f: fn(&Grants) -> u64| isolates.iter().map(f).sum::<u64>();
+        eprintln!(
+            "calls {calls} (reports {reports}), windows {:?}, from grants {}, overdrafts {}, short denials {}",
+            w.admitted,
+            sum(|g| g.local),
+            sum(|g| g.overdrafts),
+            sum(|g| g.short)
+        );
     }
     Report {
         overadmission_pct: overs.iter().sum::<f64>() / overs.len().max(1) as f64,
         false_denial_pct: w.false_denials as f64 / requests.max(1) as f64 * 100.0,
         calls_per_1000_admitted: calls as f64 * 1000.0 / admitted.max(1) as f64,
-        paused_pct: paused as f64 / requests.max(1) as f64 * 100.0,
         requests,
         admitted,
     }
@@ -206,7 +204,9 @@ pub fn run(s: &Scenario) -> Report {
 
 /// Starts isolate `i`'s background task when its grants say so.
 fn wake(g: &mut Grants, w: &mut World, i: usize, t: Nanos) {
-    if let Some(d) = g.schedule(KEY, t) {
-        w.push(t + d, Event::Wake(i));
+    match g.schedule(KEY, t) {
+        Some(Schedule::Reports(d)) => w.push(t + d, Event::Wake(i)),
+        Some(Schedule::Once) => w.push(t, Event::Once(i)),
+        None => {}
     }
 }

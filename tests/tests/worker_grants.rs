@@ -9,13 +9,15 @@ fn twenty_isolates_share_one_hot_key_within_the_stated_bounds() {
     let r = run(&s);
     println!("{r:?}");
     assert_eq!(r.requests, 9000);
-    // Grants are strict at the object: over-admission only from units spent while a report
-    // is out (goal: ≤ 1 %).
+    // No request waits: past its grant an isolate admits on its overdraft (one unrepaid,
+    // at most `overdraft_cap` units) while its copy of the counter shows units no grant
+    // holds. Over-admission comes from those and from units spent while a report is out
+    // (goal: ≤ 1 %; measured 0.85 % for this seed).
     assert!(r.overadmission_pct <= 1.0, "{r:?}");
-    // Units held by quiet isolates' grants near the limit are denied to the busy ones only
-    // while their (short) leases last (goal: ≤ 1 %; measured 0.31 %).
+    // Denials while the counter had room: an isolate whose grant and overdraft are spent
+    // until its report's answer, near the limit (goal: ≤ 1 %; measured 0.88 %).
     assert!(r.false_denial_pct <= 1.0, "{r:?}");
-    // Per-request checks make one call per request; denials are cached.
+    // One report per counter per interval per isolate, and one at once when the grant runs
+    // low.
     assert!(r.calls_per_1000_admitted < 600.0, "{r:?}");
-    assert!(r.paused_pct < 15.0, "most requests do not wait for the object: {r:?}");
 }

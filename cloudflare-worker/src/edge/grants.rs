@@ -1,16 +1,18 @@
 //! An isolate as a node of the counter objects it uses (docs/sync-protocol.md, "The
 //! Worker's own traffic"): it holds a grant per counter, as a filter node does, spends it in
-//! isolate memory, reports what it admitted in the background (one [`Call::Spend`] per
-//! counter per [`REPORT_EVERY`], which brings the next grant), and only a request whose grant
-//! is spent waits for the object. Grants are strict at the object (the grants on lease never
-//! sum past what remains), so this admits no more than per-request checks would, but for the
-//! units spent while a report is on its way (at most one grant per isolate) and those of an
-//! isolate that disappears before reporting (at most what it held).
+//! isolate memory, and reports what it admitted in the background (one [`Call::Spend`] per
+//! counter per [`REPORT_EVERY`], which brings the next grant). No request waits for the
+//! object: past its grant (spent, lapsed, or not yet given) an isolate decides at once from
+//! its copy of the counter's state (the object's, as of its last answer, with the units
+//! admitted here since) and a bounded overdraft, and sends its report at once. Grants are
+//! strict at the object (the grants on lease never sum past what remains); the overdraft is
+//! at most one unrepaid [`overdraft_cap`] per isolate, spent only on units no grant holds as
+//! far as the isolate's last answer showed.
 
-use super::{make_room, Call, Taken};
-use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos};
+use super::{make_room, Call};
+use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos, State};
 use ratewall_core::eval::StoreError;
-use ratewall_core::sync::RETRY_HORIZON;
+use ratewall_core::sync::{hex, unhex, MAX_LEASE, OVERDRAFT_PART, RETRY_HORIZON};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 
@@ -18,8 +20,20 @@ use std::collections::HashMap;
 /// counter per this interval, whatever the traffic.
 pub const REPORT_EVERY: Nanos = 250 * super::MS;
 
+/// The `Retry-After` of a request denied because the isolate's grant and overdraft are
+/// spent while its copy of the counter still shows room: its report has gone at once, and
+/// the next grant is a round trip away (the header rounds up to whole seconds).
+pub const SHORT_RETRY: Nanos = ratewall_core::SECOND;
+
+/// Units an isolate may admit past its grant before an answer finds room for it: a
+/// hundredth of the quota split over the `nodes` the object last counted on the counter,
+/// at least 1 (as a filter node's overdraft, docs/sync-protocol.md, "The error bound").
+pub fn overdraft_cap(quota: u64, nodes: u32) -> u64 {
+    (quota / OVERDRAFT_PART / u64::from(nodes.max(1))).max(1)
+}
+
 /// A counter object's answer to [`Call::Spend`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Spent {
     /// The report's answer, when the call carried one: the isolate's new grant and its lease.
     pub grant: Option<(u64, Nanos)>,
@@ -36,6 +50,12 @@ pub struct Spent {
     pub retry_after: Option<Nanos>,
     /// The object's clock.
     pub now: Nanos,
+    /// The counter's state after this call (`None` from an object that does not send it).
+    pub state: Option<State>,
+    /// Nodes active on the counter (0: not known).
+    pub nodes: u32,
+    /// Units the other nodes' grants held.
+    pub held: u64,
 }
 
 fn u64_of(v: &Value, name: &str) -> Option<u64> {
@@ -47,16 +67,26 @@ impl Spent {
     pub fn encode(&self) -> String {
         json!({"grant": self.grant.map(|g| g.0), "lease": self.grant.map(|g| g.1), "asked": self.asked, "ask_lease": self.ask_lease,
                "remaining": self.remaining, "reset_after": self.reset_after, "retry_after": self.retry_after,
-               "now": self.now})
+               "now": self.now, "state": self.state.as_ref().map(|s| hex(&s.encode())), "nodes": self.nodes,
+               "held": self.held})
         .to_string()
     }
 
-    /// Parses a reply body.
+    /// Parses a reply body. `state`, `nodes` and `held` are optional (an object of an older
+    /// version leaves them out); a `state` that does not decode is an error.
     pub fn decode(body: &str) -> Option<Spent> {
         let v: Value = serde_json::from_str(body).ok()?;
         let grant = match (v.get("grant")?, v.get("lease")?) {
             (Value::Null, Value::Null) => None,
             (g, l) => Some((g.as_u64()?, l.as_u64()?)),
+        };
+        let state = match v.get("state") {
+            None | Some(Value::Null) => None,
+            Some(s) => {
+                let bytes = unhex(s.as_str()?.as_bytes())?;
+                let (state, used) = State::decode(&bytes).ok()?;
+                (used == bytes.len()).then_some(state)?.into()
+            }
         };
         Some(Spent {
             grant,
@@ -66,6 +96,9 @@ impl Spent {
             reset_after: u64_of(&v, "reset_after")?,
             retry_after: v.get("retry_after").and_then(Value::as_u64),
             now: u64_of(&v, "now")?,
+            state,
+            nodes: u64_of(&v, "nodes").map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
+            held: u64_of(&v, "held").unwrap_or(0),
         })
     }
 }
@@ -74,8 +107,9 @@ impl Spent {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Answer {
     /// By the object, at its clock's instant (given back with [`Call::Refund`]).
-    Object(Taken),
-    /// From the isolate's grant (given back with [`Grants::refund`]).
+    Object(super::Taken),
+    /// In isolate memory, from the grant or the overdraft (given back with
+    /// [`Grants::refund`]), or denied there.
     Grant(Decision),
 }
 
@@ -89,13 +123,37 @@ impl Answer {
     }
 }
 
-/// A check decided in isolate memory, or the call to make for it.
+/// How a check was decided in isolate memory (always at once).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Local {
     /// Admitted from the grant.
     Admitted(Decision),
-    /// The grant does not cover it: this call to the counter object decides it.
-    Call(Call),
+    /// Admitted past the grant, on the isolate's overdraft (or, for a counter it has no
+    /// answer for yet, on the overdraft a fresh counter allows).
+    Overdraft(Decision),
+    /// Denied: its copy of the counter has no room (`Retry-After` as the counter's), or it
+    /// has room but the isolate's grant and overdraft are spent (`Retry-After`:
+    /// [`SHORT_RETRY`]; the report for the next grant has gone).
+    Denied(Decision),
+}
+
+impl Local {
+    /// The decision.
+    pub fn decision(&self) -> Decision {
+        match self {
+            Local::Admitted(d) | Local::Overdraft(d) | Local::Denied(d) => *d,
+        }
+    }
+}
+
+/// What the glue starts for a counter's reports ([`Grants::schedule`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// The background task: a report after this delay, then one per [`REPORT_EVERY`] while
+    /// any is due ([`Grants::report`]).
+    Reports(Nanos),
+    /// One report now ([`Grants::report_once`]), beside the task that sleeps.
+    Once,
 }
 
 /// A report on its way (or to retry with the same `seq`).
@@ -107,7 +165,7 @@ struct Report {
 }
 
 /// One counter as this isolate holds it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Held {
     limit: Limit,
     /// Grant units left to spend, until `until` (the isolate's clock).
@@ -115,18 +173,28 @@ struct Held {
     until: Nanos,
     /// The last grant received (the grant runs low below half of it).
     granted: u64,
-    /// Units admitted from grants and not yet reported.
+    /// Units admitted here and not yet reported.
     pending: u64,
     report: Option<Report>,
     /// A report is scheduled (the glue's background task for this counter runs).
     scheduled: bool,
-    /// When the last report answered was sent: an ask sent before it was settled by it
-    /// (its units are no longer the isolate's to spend).
-    settled: Nanos,
-    /// The object's last view: remaining and reset, at `known_at`.
-    remaining: u64,
-    reset_after: Nanos,
-    known_at: Nanos,
+    /// A report should go at once, with or without units: the grant does not cover the
+    /// requests coming.
+    urgent: bool,
+    /// A [`Schedule::Once`] was started and has not sent its report yet.
+    kicked: bool,
+    /// The object's state at its last answer, with the units admitted here since (`None`:
+    /// no answer yet).
+    copy: Option<State>,
+    /// What the other nodes' grants held at the last answer, until `held_until`.
+    held: u64,
+    held_until: Nanos,
+    /// Nodes on the counter at the last answer.
+    nodes: u32,
+    /// Units admitted past the grant since an answer last granted anything (repaid then).
+    over: u64,
+    /// When the last of them was admitted.
+    over_at: Nanos,
 }
 
 impl Held {
@@ -139,36 +207,39 @@ impl Held {
             pending: 0,
             report: None,
             scheduled: false,
-            settled: 0,
-            remaining: 0,
-            reset_after: 0,
-            known_at: 0,
+            urgent: false,
+            kicked: false,
+            copy: None,
+            held: 0,
+            held_until: 0,
+            nodes: 0,
+            over: 0,
+            over_at: 0,
         }
     }
 
-    /// Units admitted here that the object's last view does not count.
+    /// Units admitted here that the object's last answer does not count.
     fn unreported(&self) -> u64 {
         self.pending.saturating_add(self.report.map_or(0, |r| r.units))
     }
 
-    /// The object's view brought forward to `now` with the units admitted here since: the
-    /// remaining quota, and the time until it is whole (a bucket's grows by one emission
-    /// interval per unit; a window's end does not move).
-    fn view(&self, now: Nanos) -> (u64, Nanos) {
-        let units = self.unreported();
-        let remaining = self.remaining.saturating_sub(units);
-        let reset = self.reset_after.saturating_sub(now.saturating_sub(self.known_at));
-        let l = &self.limit;
-        if matches!(l.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket) {
-            let interval = l.interval();
-            let span = l.capacity().saturating_mul(interval);
-            return (remaining, reset.saturating_add(units.saturating_mul(interval)).min(span));
-        }
-        (remaining, reset)
-    }
-
     fn live(&self, now: Nanos) -> bool {
         self.until > now || self.pending > 0 || self.report.is_some()
+    }
+
+    /// The copy of the counter, or a fresh counter's state before any answer.
+    fn state(&self) -> State {
+        self.copy.clone().unwrap_or_default()
+    }
+
+    /// Records `cost` units admitted at `now`: reported later, and counted in the copy.
+    fn admit(&mut self, now: Nanos, cost: u64) -> Decision {
+        self.pending = self.pending.saturating_add(cost);
+        let (d, next) = self.limit.decide(&self.state(), now, cost);
+        let state = if d.allowed { next } else { self.limit.consume(&self.state(), now, cost) };
+        let (view, _) = self.limit.decide(&state, now, 0);
+        self.copy = Some(state);
+        Decision { allowed: true, retry_after: None, ..view }
     }
 }
 
@@ -176,14 +247,18 @@ impl Held {
 pub struct Grants {
     /// This isolate's node id at the objects (random per isolate).
     node: u64,
-    /// The last report `seq` and ask number used (one sequence for all counters: each
-    /// counter only needs them to grow).
+    /// The last report `seq` used (one sequence for all counters: each counter only needs
+    /// it to grow).
     seq: u64,
-    ask: u64,
     held: HashMap<Vec<u8>, Held>,
     cap: usize,
-    /// Checks admitted from a grant, without an object call.
+    /// Checks admitted from a grant.
     pub local: u64,
+    /// Checks admitted on an overdraft.
+    pub overdrafts: u64,
+    /// Checks denied in isolate memory with room left in the copy (grant and overdraft
+    /// spent).
+    pub short: u64,
     /// Admitted units never reported: given up after [`RETRY_HORIZON`] of failed reports, or
     /// forgotten when the map was full of live counters.
     pub dropped: u64,
@@ -194,16 +269,29 @@ pub struct Grants {
 fn lease_end(limit: &Limit, sent: Nanos, lease: Nanos) -> Nanos {
     let end = sent.saturating_add(lease);
     if limit.algorithm() == Algorithm::FixedWindow {
-        let per = limit.per().max(1);
-        return end.min((sent / per).saturating_add(1).saturating_mul(per));
+        return end.min(window_end(limit, sent));
     }
     end
+}
+
+fn window_end(limit: &Limit, t: Nanos) -> Nanos {
+    let per = limit.per().max(1);
+    (t / per).saturating_add(1).saturating_mul(per)
 }
 
 impl Grants {
     /// An isolate's grants as node `node`, holding at most `cap` counters.
     pub fn new(node: u64, cap: usize) -> Grants {
-        Grants { node: node.max(1), seq: 0, ask: 0, held: HashMap::new(), cap: cap.max(1), local: 0, dropped: 0 }
+        Grants {
+            node: node.max(1),
+            seq: 0,
+            held: HashMap::new(),
+            cap: cap.max(1),
+            local: 0,
+            overdrafts: 0,
+            short: 0,
+            dropped: 0,
+        }
     }
 
     fn entry(&mut self, key: &[u8], limit: Limit, now: Nanos) -> &mut Held {
@@ -216,7 +304,8 @@ impl Grants {
         let h = self.held.entry(key.to_vec()).or_insert_with(|| Held::new(limit));
         if h.limit != limit {
             // The rules changed: what was granted under the old limit is not spent under the
-            // new one; the units admitted are still reported.
+            // new one; the units admitted are still reported. The copy carries over (a state
+            // of another algorithm reads as fresh).
             h.limit = limit;
             h.left = 0;
             h.until = 0;
@@ -224,61 +313,94 @@ impl Grants {
         h
     }
 
-    /// Decides a check of `cost` units on `key` from the grant, or names the call to make.
+    /// Decides a check of `cost` units on `key` at once: from the grant; past it, on the
+    /// overdraft while the copy of the counter shows units no grant holds; else denied. Past
+    /// the grant, the counter's report goes at once (see [`Grants::schedule`]).
     pub fn check(&mut self, key: &[u8], limit: Limit, cost: u64, now: Nanos) -> Local {
         let h = self.entry(key, limit, now);
-        if now < h.until && cost <= h.left && h.known_at > 0 {
+        if now < h.until && cost <= h.left {
             h.left -= cost;
-            h.pending = h.pending.saturating_add(cost);
-            let (remaining, reset_after) = h.view(now);
+            let d = h.admit(now, cost);
             self.local += 1;
-            return Local::Admitted(Decision {
-                allowed: true,
-                limit: limit.quota(),
-                remaining,
-                reset_after,
-                retry_after: None,
-            });
+            return Local::Admitted(d);
         }
-        self.ask = self.ask.wrapping_add(1).max(1);
-        let ask = self.ask;
-        let (seq, units) = self.next_report(key, now).unwrap_or((0, 0));
-        if seq > 0 {
-            // A report a request waits on settles the isolate at the object (it then holds
-            // only the grant answered): nothing of the old grant is spent while it is out.
-            if let Some(h) = self.held.get_mut(key) {
-                h.left = 0;
-            }
+        let (room, _) = limit.decide(&h.state(), now, cost);
+        if !room.allowed {
+            // The counter is out as far as this isolate knows: the counter's own
+            // `Retry-After`; no report is due for it.
+            return Local::Denied(room);
         }
-        Local::Call(Call::Spend { limit, node: self.node, seq, units, ask, cost })
+        h.urgent = true;
+        // Units no grant holds: what the copy has left, less what the other nodes' grants
+        // held at the last answer (while those could still be on lease) and what is left of
+        // this isolate's own.
+        let (view, _) = limit.decide(&h.state(), now, 0);
+        let others = if now < h.held_until { h.held } else { 0 };
+        let own = if now < h.until { h.left } else { 0 };
+        let free = view.remaining.saturating_sub(others).saturating_sub(own);
+        // One unrepaid overdraft at a time: up to the cap, or one request's cost when that
+        // is more (a request is never refused for costing more than the cap alone). A fixed
+        // window's overdraft is of its window: the next one starts with none.
+        if limit.algorithm() == Algorithm::FixedWindow && window_end(&limit, h.over_at) != window_end(&limit, now) {
+            h.over = 0;
+        }
+        let cap = overdraft_cap(limit.quota(), h.nodes);
+        if cost <= free && (h.over == 0 || h.over.saturating_add(cost) <= cap) {
+            h.over = h.over.saturating_add(cost);
+            h.over_at = now;
+            let d = h.admit(now, cost);
+            self.overdrafts += 1;
+            return Local::Overdraft(d);
+        }
+        self.short += 1;
+        Local::Denied(Decision { allowed: false, remaining: 0, retry_after: Some(SHORT_RETRY), ..view })
     }
 
-    /// Starts a report of `key`'s pending units, unless one is on its way: its `seq` and
-    /// units.
+    /// Starts a report of `key`'s pending units (none, for an urgent one, which only brings
+    /// a grant), unless one is on its way: its `seq` and units.
     fn next_report(&mut self, key: &[u8], now: Nanos) -> Option<(u64, u64)> {
         let next = self.seq.wrapping_add(1).max(1);
         let h = self.held.get_mut(key)?;
-        if h.report.is_some() || h.pending == 0 {
+        if h.report.is_some() || (h.pending == 0 && !h.urgent) {
             return None;
         }
         self.seq = next;
+        h.urgent = false;
         let units = std::mem::take(&mut h.pending);
         h.report = Some(Report { seq: next, units, first_sent: now });
         Some((next, units))
     }
 
-    /// When `key`'s next background report should go, if the glue should schedule one now
-    /// (none is scheduled, and units wait to be reported): after [`REPORT_EVERY`], or at
-    /// once when the grant runs low (so the next one arrives before it is spent). Marks it
-    /// scheduled.
-    pub fn schedule(&mut self, key: &[u8], now: Nanos) -> Option<Nanos> {
+    /// What the glue should start for `key` now, if anything: its background task of
+    /// reports ([`Schedule::Reports`]: none runs, and units wait to be reported or a grant
+    /// is needed), first at once when it is urgent or the grant runs low (so the next one
+    /// arrives before it is spent), else after [`REPORT_EVERY`]; or, while that task sleeps
+    /// and the isolate needs a grant, one report at once ([`Schedule::Once`]).
+    pub fn schedule(&mut self, key: &[u8], now: Nanos) -> Option<Schedule> {
         let h = self.held.get_mut(key)?;
-        if h.scheduled || (h.pending == 0 && h.report.is_none()) {
+        let low = h.urgent || h.left.saturating_mul(2) < h.granted || h.until.saturating_sub(now) < 2 * REPORT_EVERY;
+        if h.scheduled {
+            if low && (h.urgent || h.pending > 0) && h.report.is_none() && !h.kicked {
+                h.kicked = true;
+                return Some(Schedule::Once);
+            }
+            return None;
+        }
+        if h.pending == 0 && h.report.is_none() && !h.urgent {
             return None;
         }
         h.scheduled = true;
-        let low = h.left.saturating_mul(2) < h.granted || h.until.saturating_sub(now) < 2 * REPORT_EVERY;
-        Some(if low { 0 } else { REPORT_EVERY })
+        Some(Schedule::Reports(if low { 0 } else { REPORT_EVERY }))
+    }
+
+    /// The report of a [`Schedule::Once`]: like [`Grants::report`], but `None` (nothing to
+    /// send) while a report is on its way, and it leaves the schedule as it is.
+    pub fn report_once(&mut self, key: &[u8], now: Nanos) -> Option<Call> {
+        let h = self.held.get_mut(key)?;
+        h.kicked = false;
+        let limit = h.limit;
+        let (seq, units) = self.next_report(key, now)?;
+        Some(Call::Spend { limit, node: self.node, seq, units, ask: 0, cost: 0 })
     }
 
     /// The background report of `key` (its retry, if the last one failed), or `None` when
@@ -295,86 +417,60 @@ impl Grants {
         Some(Call::Spend { limit, node: self.node, seq, units, ask: 0, cost: 0 })
     }
 
-    /// Takes the object's answer (`Err`: the call failed) to `call` for `key`, sent at
-    /// `sent`, received at `now`. For a request's call (`cost` > 0 or an ask), the check's
-    /// answer; for a report, `None`.
-    pub fn answered(
-        &mut self,
-        key: &[u8],
-        call: &Call,
-        reply: Result<&str, StoreError>,
-        sent: Nanos,
-        now: Nanos,
-    ) -> Option<Result<Answer, StoreError>> {
-        let Call::Spend { limit, seq, ask, cost, .. } = *call else { return None };
-        let request = ask != 0;
+    /// Takes the object's answer (`Err`: the call failed) to the report `call` for `key`,
+    /// sent at `sent`, received at `now`.
+    pub fn answered(&mut self, key: &[u8], call: &Call, reply: Result<&str, StoreError>, sent: Nanos, now: Nanos) {
+        let Call::Spend { limit, seq, .. } = *call else { return };
         let spent = reply.ok().and_then(Spent::decode);
-        let h = self.held.get_mut(key)?;
+        let Some(h) = self.held.get_mut(key) else { return };
         let Some(s) = spent else {
             if h.report.is_some_and(|r| r.seq == seq && now.saturating_sub(r.first_sent) > RETRY_HORIZON) {
                 // Given up: a store that has forgotten the seq could count a later retry twice.
                 self.dropped = self.dropped.saturating_add(h.report.map_or(0, |r| r.units));
                 h.report = None;
             }
-            return request.then_some(Err(StoreError::Unavailable));
+            return;
         };
         if h.report.is_some_and(|r| r.seq == seq) {
             h.report = None;
         }
         if let Some((grant, lease)) = s.grant {
-            // The new grant replaces the old one and the asks' units at the object (the
-            // report settles the isolate); what was spent while the report was on its way
-            // is spent from the new one.
-            let spent_since = h.pending;
-            h.left = grant.saturating_sub(spent_since);
+            // The new grant replaces the old one; what was spent while the report was on
+            // its way is spent from the new one. A grant finds room for the isolate: its
+            // overdraft is repaid.
+            h.left = grant.saturating_sub(h.pending);
             h.granted = grant;
             h.until = lease_end(&limit, sent, lease);
-            h.settled = h.settled.max(sent);
-        }
-        h.remaining = s.remaining;
-        h.reset_after = s.reset_after;
-        h.known_at = now.max(1);
-        if !request {
-            return None;
-        }
-        let quota = limit.quota();
-        let decision = |allowed: bool, (remaining, reset_after): (u64, Nanos), retry_after: Option<Nanos>| Decision {
-            allowed,
-            limit: quota,
-            remaining,
-            reset_after,
-            retry_after,
-        };
-        if cost == 0 {
-            return Some(Ok(Answer::Grant(decision(true, h.view(now), None))));
-        }
-        if s.asked > 0 {
-            // The ask took `cost` at the object; the rest is the isolate's to spend, unless
-            // a report sent after the ask settled it meanwhile.
-            if sent >= h.settled || s.grant.is_some() {
-                h.left = h.left.saturating_add(s.asked.saturating_sub(cost));
+            if grant > 0 {
+                h.over = 0;
             }
-            h.until = h.until.max(lease_end(&limit, sent, s.ask_lease));
-            let d = decision(true, h.view(now), None);
-            return Some(Ok(Answer::Object(Taken { decision: d, now: s.now })));
         }
-        if s.grant.is_some() && cost <= h.left && now < h.until {
-            // The report's new grant covers the request.
-            h.left -= cost;
-            h.pending = h.pending.saturating_add(cost);
-            return Some(Ok(Answer::Grant(decision(true, h.view(now), None))));
+        if let Some(state) = s.state {
+            // The object's count, with what this isolate admitted since the report was cut.
+            h.copy = Some(limit.consume(&state, now, h.unreported()));
+            h.held = s.held;
+            let until = sent.saturating_add(MAX_LEASE);
+            h.held_until =
+                if limit.algorithm() == Algorithm::FixedWindow { until.min(window_end(&limit, sent)) } else { until };
         }
-        let retry = s.retry_after.map(|r| r.max(super::MS));
-        Some(Ok(Answer::Object(Taken { decision: decision(false, (0, s.reset_after), retry), now: s.now })))
+        if s.nodes > 0 {
+            h.nodes = s.nodes;
+        }
     }
 
-    /// Gives back `cost` units a check spent from `key`'s grant (another rule rejected the
-    /// request). Units already on their way in a report stay counted.
-    pub fn refund(&mut self, key: &[u8], cost: u64) {
+    /// Gives back `cost` units a check spent from `key`'s grant or overdraft (another rule
+    /// rejected the request), taken at `at`. Units already on their way in a report stay
+    /// counted.
+    pub fn refund(&mut self, key: &[u8], cost: u64, at: Nanos) {
         if let Some(h) = self.held.get_mut(key) {
             let back = cost.min(h.pending);
             h.pending -= back;
-            h.left = h.left.saturating_add(back);
+            let from_over = back.min(h.over);
+            h.over -= from_over;
+            h.left = h.left.saturating_add(back - from_over);
+            if let Some(copy) = &h.copy {
+                h.copy = Some(h.limit.refund(copy, at, back));
+            }
         }
     }
 
@@ -393,67 +489,94 @@ impl Grants {
 mod tests {
     use super::*;
     use crate::edge::object::Object;
+    use crate::edge::Taken;
     use ratewall_core::SECOND;
 
     const T: Nanos = 1_700_000_000 * SECOND;
     const KEY: &[u8] = b"k";
+    const MS: Nanos = super::super::MS;
 
-    /// One isolate and one counter object, calls answered at once; background reports run
-    /// when due.
+    /// One isolate and one counter object. Reports run as the glue runs them: the task's
+    /// when due (then every [`REPORT_EVERY`]), a one-off at once; each answered `rtt` later.
     struct Pair {
         object: Object,
         grants: Grants,
         limit: Limit,
         calls: u64,
+        rtt: Nanos,
         due: Option<Nanos>,
+        /// Reports on their way: (answered at, sent at, call, the task's).
+        flying: Vec<(Nanos, Nanos, Call, bool)>,
     }
 
     impl Pair {
         fn new(limit: Limit) -> Pair {
             let mut object = Object::default();
             object.load(None, Some(limit)).unwrap();
-            Pair { object, grants: Grants::new(7, 100), limit, calls: 0, due: None }
+            Pair { object, grants: Grants::new(7, 100), limit, calls: 0, rtt: 0, due: None, flying: Vec::new() }
         }
 
-        fn call(&mut self, call: &Call, t: Nanos) -> String {
+        fn send(&mut self, call: Call, t: Nanos, task: bool) {
             self.calls += 1;
-            self.object.handle(*call, t).unwrap().reply
+            self.flying.push((t + self.rtt, t, call, task));
         }
 
-        /// The glue's background task: it wakes when due, sends one report, and sleeps
-        /// [`REPORT_EVERY`]; it ends when nothing waits, and a later spend starts another.
-        fn reports(&mut self, t: Nanos) {
-            if self.due.is_some_and(|d| d <= t) {
-                self.due = match self.grants.report(KEY, t) {
-                    Some(call) => {
-                        let reply = self.call(&call, t);
-                        assert_eq!(self.grants.answered(KEY, &call, Ok(&reply), t, t), None);
-                        Some(t + REPORT_EVERY)
+        /// Everything due by `t`: answers, the task's report, and what the grants ask for.
+        fn run(&mut self, t: Nanos) {
+            loop {
+                self.flying.sort_by_key(|f| f.0);
+                if let Some(&(at, sent, call, task)) = self.flying.first().filter(|f| f.0 <= t) {
+                    self.flying.remove(0);
+                    let reply = self.object.handle(call, sent + self.rtt / 2).unwrap().reply;
+                    self.grants.answered(KEY, &call, Ok(&reply), sent, at);
+                    if task {
+                        self.due = Some(at + REPORT_EVERY);
                     }
-                    None => None,
-                };
+                    continue;
+                }
+                if let Some(d) = self.due.filter(|d| *d <= t) {
+                    self.due = None;
+                    if let Some(call) = self.grants.report(KEY, d) {
+                        self.send(call, d, true);
+                    }
+                    continue;
+                }
+                break;
             }
-            if self.due.is_none() {
-                self.due = self.grants.schedule(KEY, t).map(|d| t + d);
+            match self.grants.schedule(KEY, t) {
+                Some(Schedule::Reports(d)) => self.due = Some(t + d),
+                Some(Schedule::Once) => {
+                    if let Some(call) = self.grants.report_once(KEY, t) {
+                        self.send(call, t, false);
+                    }
+                }
+                None => {}
+            }
+            if self.due.is_some_and(|d| d <= t) || self.flying.iter().any(|f| f.0 <= t) {
+                self.run(t);
             }
         }
 
-        fn request(&mut self, t: Nanos) -> Decision {
-            self.reports(t);
-            let d = match self.grants.check(KEY, self.limit, 1, t) {
-                Local::Admitted(d) => d,
-                Local::Call(call) => {
-                    let reply = self.call(&call, t);
-                    self.grants.answered(KEY, &call, Ok(&reply), t, t).unwrap().unwrap().decision()
-                }
-            };
-            self.reports(t);
-            d
+        fn request(&mut self, t: Nanos) -> Local {
+            self.run(t);
+            let local = self.grants.check(KEY, self.limit, 1, t);
+            self.run(t);
+            local
+        }
+
+        /// The object's count, as a per-request check would see it.
+        fn object_remaining(&mut self, t: Nanos) -> u64 {
+            let view = self.object.handle(Call::Take { limit: self.limit, cost: 0 }, t).unwrap().reply;
+            Taken::decode(&view).unwrap().decision.remaining
         }
     }
 
     fn sliding(requests: u64) -> Limit {
         Limit::new(Algorithm::SlidingWindow, requests, 60 * SECOND, None).unwrap()
+    }
+
+    fn fixed(requests: u64, per: Nanos) -> Limit {
+        Limit::new(Algorithm::FixedWindow, requests, per, None).unwrap()
     }
 
     #[test]
@@ -462,65 +585,133 @@ mod tests {
         let mut admitted = 0;
         // 1,000 requests a second for 2 s: well under the limit.
         for i in 0..2000 {
-            let d = p.request(T + i * SECOND / 1000);
+            let d = p.request(T + i * SECOND / 1000).decision();
             assert!(d.allowed, "request {i} denied: {d:?}");
             admitted += 1;
         }
         assert!(p.calls <= 40, "{} object calls for {admitted} admitted", p.calls);
         assert!(p.grants.local >= 1950, "{}", p.grants.local);
-        // Then past the limit: exactly the limit is admitted in the window.
+        // Then past the limit, one isolate alone: the limit, and at most its overdraft more.
         let t = T + 3 * SECOND;
-        for _ in 0..9000 {
-            admitted += u64::from(p.request(t).allowed);
+        for i in 0..9000 {
+            admitted += u64::from(p.request(t + i).decision().allowed);
         }
-        assert_eq!(admitted, 10_000, "no more than the limit, and no false denial");
+        let cap = overdraft_cap(10_000, 1);
+        assert!((10_000..=10_000 + cap).contains(&admitted), "admitted {admitted} (overdraft cap {cap})");
     }
 
     #[test]
-    fn a_denial_after_the_grant_is_spent_waits_for_the_window_not_a_lease() {
+    fn a_keys_first_request_is_decided_at_once_and_reported() {
         let mut p = Pair::new(sliding(5));
-        let states: Vec<Decision> = (0..6).map(|i| p.request(T + i * super::super::MS)).collect();
-        let remaining: Vec<u64> = states.iter().take(5).map(|d| d.remaining).collect();
-        assert_eq!(remaining, [4, 3, 2, 1, 0], "RateLimit remaining counts down per request");
-        let denied = states[5];
-        assert!(!denied.allowed);
-        // What a per-request check at the object would answer.
-        let mut exact = ratewall_core::sync::Counter::new(p.limit);
-        for i in 0..5 {
-            exact.take(p.limit, T + i * super::super::MS, 1);
+        p.rtt = 50 * MS;
+        assert!(matches!(p.grants.check(KEY, p.limit, 1, T), Local::Overdraft(d) if d.allowed));
+        assert_eq!(p.calls, 0, "no call on the request's path");
+        p.run(T);
+        assert_eq!(p.calls, 1, "its report went at once");
+        // A second request before the answer: the overdraft is spent, the copy has room.
+        let short = p.request(T + MS);
+        assert!(matches!(short, Local::Denied(d) if d.retry_after == Some(SHORT_RETRY)), "{short:?}");
+        // The answer brings a grant; the units reported were counted once.
+        p.run(T + 60 * MS);
+        assert_eq!(p.object_remaining(T + 60 * MS), 4);
+        assert!(matches!(p.request(T + 61 * MS), Local::Admitted(d) if d.allowed));
+    }
+
+    #[test]
+    fn a_spent_grant_admits_on_the_overdraft_without_a_call_and_a_grant_repays_it() {
+        let l = fixed(10_000, 60 * SECOND);
+        let mut p = Pair::new(l);
+        p.rtt = 20 * MS;
+        // Warm: a grant comes with the first report's answer.
+        p.request(T);
+        p.run(T + 30 * MS);
+        let granted = p.grants.held[KEY].left;
+        assert!(granted > 0);
+        let calls = p.calls;
+        // Spend the grant with no time passing: nothing is answered meanwhile.
+        let t = T + 40 * MS;
+        for _ in 0..granted {
+            assert!(matches!(p.grants.check(KEY, l, 1, t), Local::Admitted(_)));
         }
-        let expected = exact.take(p.limit, T + 5 * super::super::MS, 1).retry_after;
+        let cap = overdraft_cap(10_000, p.grants.held[KEY].nodes);
+        for _ in 0..cap {
+            assert!(matches!(p.grants.check(KEY, l, 1, t), Local::Overdraft(_)));
+        }
+        assert!(matches!(p.grants.check(KEY, l, 1, t), Local::Denied(d) if d.retry_after == Some(SHORT_RETRY)));
+        assert_eq!(p.calls, calls, "decided without a call");
+        // The report goes at once; its answer finds room: a new grant, the overdraft repaid.
+        p.run(t);
+        p.run(t + 30 * MS);
+        assert_eq!(p.grants.held[KEY].over, 0);
+        assert!(matches!(p.grants.check(KEY, l, 1, t + 31 * MS), Local::Admitted(_)));
+    }
+
+    #[test]
+    fn an_isolate_over_its_overdraft_is_held_to_it_until_an_answer_finds_room() {
+        let l = fixed(100, 60 * SECOND);
+        let mut p = Pair::new(l);
+        p.rtt = SECOND;
+        // No answer comes within the second: one overdraft (the cap: 1 unit), then denials.
+        let admitted = (0..50).filter(|i| p.request(T + i * MS).decision().allowed).count() as u64;
+        assert_eq!(admitted, overdraft_cap(100, 0));
+        assert_eq!(p.grants.short, 49);
+    }
+
+    #[test]
+    fn a_denial_from_the_copy_waits_for_the_window_not_a_lease() {
+        let mut p = Pair::new(sliding(5));
+        p.rtt = 2 * MS;
+        let mut out = Vec::new();
+        for i in 0..40 {
+            let d = p.request(T + i * 5 * MS).decision();
+            out.push(d);
+        }
+        let admitted = out.iter().filter(|d| d.allowed).count();
+        assert_eq!(admitted, 5, "the limit, one isolate alone");
+        let denied = out.iter().rev().find(|d| !d.allowed).unwrap();
+        // What a per-request check at the object would answer then.
+        let mut exact = ratewall_core::sync::Counter::new(p.limit);
+        let times: Vec<Nanos> = (0..40).map(|i| T + i * 5 * MS).collect();
+        let mut last = None;
+        for (t, d) in times.iter().zip(&out) {
+            let e = exact.take(p.limit, *t, 1);
+            if !d.allowed {
+                last = Some(e);
+            }
+        }
+        let expected = last.unwrap().retry_after;
         assert!(expected.is_some_and(|e| e > 30 * SECOND));
-        assert_eq!(denied.retry_after, expected, "Retry-After is the window's, not a grant's lease");
+        let got = denied.retry_after.unwrap();
+        assert!(got.abs_diff(expected.unwrap()) < 5 * MS, "Retry-After is the window's: {got} vs {expected:?}");
     }
 
     #[test]
     fn a_failed_report_is_retried_with_its_seq_and_counted_once() {
         let mut p = Pair::new(sliding(100));
         for i in 0..10 {
-            assert!(p.request(T + i).allowed);
+            assert!(p.request(T + i).decision().allowed);
         }
+        p.due = None;
+        p.flying.clear();
         let call = p.grants.report(KEY, T + 20).unwrap();
-        let Call::Spend { seq, units, .. } = call else { panic!() };
+        let Call::Spend { units, .. } = call else { panic!() };
         assert!(units > 0);
         // The object applied it but its answer was lost.
-        let _ = p.call(&call, T + 20);
-        assert_eq!(p.grants.answered(KEY, &call, Err(StoreError::Unavailable), T + 20, T + 30), None);
+        let _ = p.object.handle(call, T + 20);
+        p.grants.answered(KEY, &call, Err(StoreError::Unavailable), T + 20, T + 30);
         let again = p.grants.report(KEY, T + 40).unwrap();
         assert_eq!(again, call, "the same seq and units");
-        let reply = p.call(&again, T + 40);
+        let reply = p.object.handle(again, T + 40).unwrap().reply;
         p.grants.answered(KEY, &again, Ok(&reply), T + 40, T + 40);
-        let mut o = p.object;
-        let view = o.handle(Call::Take { limit: p.limit, cost: 0 }, T + 50).unwrap().reply;
-        let before_spent = Taken::decode(&view).unwrap().decision.remaining;
-        assert_eq!(before_spent, 100 - units - (10 - units).min(10), "{seq}: counted once");
+        let counted = 100 - p.object_remaining(T + 50);
+        assert!(counted <= 10, "counted once: {counted} of 10");
     }
 
     #[test]
     fn a_report_failing_past_the_retry_horizon_is_dropped_and_counted() {
         let mut p = Pair::new(sliding(100));
         for i in 0..3 {
-            p.request(T + i);
+            p.grants.check(KEY, p.limit, 1, T + i);
         }
         let call = p.grants.report(KEY, T + 10).unwrap();
         let Call::Spend { units, .. } = call else { panic!() };
@@ -534,9 +725,10 @@ mod tests {
     fn a_refund_goes_back_to_the_grant() {
         let mut p = Pair::new(sliding(100));
         p.request(T);
-        let Local::Admitted(a) = p.grants.check(KEY, p.limit, 1, T + 1) else { panic!("from the grant") };
-        p.grants.refund(KEY, 1);
-        let Local::Admitted(b) = p.grants.check(KEY, p.limit, 1, T + 2) else { panic!() };
+        p.run(T + MS);
+        let Local::Admitted(a) = p.grants.check(KEY, p.limit, 1, T + 2 * MS) else { panic!("from the grant") };
+        p.grants.refund(KEY, 1, T + 2 * MS);
+        let Local::Admitted(b) = p.grants.check(KEY, p.limit, 1, T + 3 * MS) else { panic!() };
         assert_eq!(a.remaining, b.remaining, "the refunded unit was not counted");
     }
 
@@ -549,18 +741,26 @@ mod tests {
         assert!(g.len() <= 10);
         let mut p = Pair::new(sliding(100));
         p.request(T);
-        assert!(matches!(p.grants.check(KEY, p.limit, 1, T + 1), Local::Admitted(_)));
-        assert!(matches!(p.grants.check(KEY, sliding(50), 1, T + 2), Local::Call(_)), "a new limit asks");
+        p.run(T + MS);
+        assert!(matches!(p.grants.check(KEY, p.limit, 1, T + 2 * MS), Local::Admitted(_)));
+        assert!(
+            !matches!(p.grants.check(KEY, sliding(50), 1, T + 3 * MS), Local::Admitted(_)),
+            "not from the old limit's grant"
+        );
     }
 
     #[test]
-    fn a_fixed_windows_grant_ends_with_its_window() {
-        let l = Limit::new(Algorithm::FixedWindow, 1000, SECOND, None).unwrap();
+    fn a_fixed_windows_grant_and_overdraft_end_with_its_window() {
+        let l = fixed(1000, SECOND);
         let mut p = Pair::new(l);
-        let start = T + SECOND - 10 * super::super::MS;
+        let start = T + SECOND - 10 * MS;
         p.request(start);
-        assert!(matches!(p.grants.check(KEY, l, 1, start + 1), Local::Admitted(_)));
-        assert!(matches!(p.grants.check(KEY, l, 1, T + SECOND), Local::Call(_)), "the next window asks");
+        p.run(start + 1);
+        assert!(matches!(p.grants.check(KEY, l, 1, start + 2), Local::Admitted(_)));
+        // Spend everything this isolate may in the window, overdraft included.
+        while !matches!(p.grants.check(KEY, l, 1, start + 3), Local::Denied(_)) {}
+        // The next window: no grant yet, but a fresh overdraft.
+        assert!(matches!(p.grants.check(KEY, l, 1, T + SECOND), Local::Overdraft(_)), "the next window");
     }
 
     #[test]
@@ -574,6 +774,9 @@ mod tests {
                 reset_after: 7,
                 retry_after: Some(8),
                 now: 9,
+                state: Some(State::FixedWindow { window: 3, count: 4 }),
+                nodes: 11,
+                held: 12,
             },
             Spent {
                 grant: None,
@@ -583,10 +786,16 @@ mod tests {
                 reset_after: 0,
                 retry_after: None,
                 now: u64::MAX,
+                state: None,
+                nodes: 0,
+                held: 0,
             },
         ] {
             assert_eq!(Spent::decode(&s.encode()), Some(s));
         }
         assert_eq!(Spent::decode("{}"), None);
+        let garbled =
+            r#"{"grant":null,"lease":null,"asked":0,"ask_lease":0,"remaining":0,"reset_after":0,"now":1,"state":"zz"}"#;
+        assert_eq!(Spent::decode(garbled), None, "a state that does not decode is an error");
     }
 }

@@ -128,6 +128,9 @@ impl Object {
                     reset_after: view.reset_after,
                     retry_after,
                     now: c.last_seen,
+                    state: Some(c.state.clone()),
+                    nodes: report.map_or(0, |a| a.nodes),
+                    held: c.held_by_others(t, node),
                 };
                 (s.encode(), report.is_some_and(|a| a.counted) || asked > 0, false)
             }

@@ -364,6 +364,13 @@ impl Counter {
             .fold(0, u64::saturating_add)
     }
 
+    /// Units the grants of nodes other than `node` hold at `now` (on lease): what the node
+    /// must not take for itself beyond its own grant. The Worker's isolates read it in every
+    /// answer, to admit past their grants only on units nobody holds.
+    pub fn held_by_others(&self, now: Nanos, node: u64) -> u64 {
+        self.outstanding(now.max(self.last_seen), Some(node))
+    }
+
     /// Answers a node's *ask*: a request that needs `cost` units now, its grant being spent.
     /// The units are taken — counted here, at once — only if they are free: not consumed and
     /// not held by any node's grant on lease, the asker's included, so an ask never
