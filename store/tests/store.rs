@@ -266,6 +266,9 @@ fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
     assert_eq!(post(&store.addr, &body, Some(&"0".repeat(64))).status, 401, "a well-formed wrong signature");
     let garbage = b"\x02\x01garbage";
     assert_eq!(post(&store.addr, garbage, Some(&hex(&sign(SECRET.as_bytes(), garbage)))).status, 400, "signed garbage");
+    for other in [&b"hello"[..], b"{\"x\":1}"] {
+        assert_eq!(post(&store.addr, other, Some(&hex(&sign(SECRET.as_bytes(), other)))).status, 400, "no batch");
+    }
     let mut trailing = body.clone();
     trailing.push(0);
     assert_eq!(post(&store.addr, &trailing, Some(&hex(&sign(SECRET.as_bytes(), &trailing)))).status, 400);

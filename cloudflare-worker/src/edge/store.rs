@@ -154,6 +154,11 @@ mod tests {
         let r = check(SECRET, Some(&gtag), &garbled, T).unwrap_err();
         assert_eq!(r.status, 400);
         assert!(r.message.starts_with("malformed batch"), "{}", r.message);
+        for other in [&b"hello"[..], b"{\"x\":1}"] {
+            let otag = hex(&sign(SECRET.as_bytes(), other));
+            let r = check(SECRET, Some(&otag), other, T).unwrap_err();
+            assert_eq!(r.status, 400, "a signed body that is no batch: {}", r.message);
+        }
         let big = vec![0u8; MAX_SYNC_BODY + 1];
         assert_eq!(check(SECRET, Some(&tag), &big, T).unwrap_err().status, 413);
         let mut many = batch(1, false);

@@ -184,6 +184,26 @@ fn a_request_of_the_previous_version_is_refused_as_such() {
 }
 
 #[test]
+fn a_signed_body_that_is_no_batch_is_malformed_not_of_another_version() {
+    let mut v3 = req(1, 1, 5).encode();
+    v3[0] = 3;
+    let mut v0 = req(1, 1, 5).encode();
+    v0[0] = 0;
+    for body in [&b"hello"[..], b"{\"x\":1}", b"\xff", &v3, &v0] {
+        let tag = sign(b"secret", body);
+        let r = SyncRequest::verified(b"secret", body, &tag, Some(NOW));
+        assert!(matches!(r, Err(SyncError::Malformed(_))), "{body:?}: {r:?}");
+        assert_eq!(r.unwrap_err().status(), 400, "{body:?}");
+    }
+    // Only the earlier version is refused as a version.
+    let mut v1 = vec![1u8, 1, 1, 1, 1, 1, b'k'];
+    super::wire::put_limit(&mut v1, &limit());
+    crate::encoding::put_varint(&mut v1, 5);
+    let tag = sign(b"secret", &v1);
+    assert_eq!(SyncRequest::verified(b"secret", &v1, &tag, Some(NOW)), Err(SyncError::Version(1)));
+}
+
+#[test]
 fn a_delta_for_a_concurrency_limit_is_malformed() {
     let concurrent = Limit::new(Algorithm::Concurrent, 2, 60 * SECOND, None).unwrap();
     let r = SyncRequest { deltas: vec![Delta { key: b"k".to_vec(), limit: concurrent, units: 1 }], ..req(1, 1, 0) };

@@ -7,7 +7,8 @@ use crate::encoding::{put_varint, DecodeError, Reader};
 use alloc::vec::Vec;
 
 /// The protocol version byte. Version 2 requests carry the time they were made (`sent`);
-/// version 1 ones did not, and are refused ([`SyncError::Version`]).
+/// version 1 ones did not, and are refused ([`SyncError::Version`]). A first byte that is no
+/// version ever spoken (0, or above this one) is not a message of this protocol: malformed.
 pub const VERSION: u8 = 2;
 /// How far a request's `sent` may be from the store's clock, either way, before the store
 /// refuses it ([`SyncError::Skewed`]). A store first applies a request no earlier than
@@ -115,8 +116,8 @@ pub enum SyncError {
         /// The store's clock.
         now: Nanos,
     },
-    /// Signed, but in a protocol version this store does not speak (version 1: requests
-    /// without a time).
+    /// Signed, but in an earlier protocol version, which this store no longer speaks
+    /// (version 1: requests without a time). Any other first byte is [`SyncError::Malformed`].
     Version(u8),
 }
 
@@ -377,7 +378,7 @@ impl TopSection {
 
 impl SyncRequest {
     /// What a store does with a call before anything else: checks the signature (`tag`, the
-    /// raw HMAC), the version ([`SyncError::Version`]), the encoding, and — when `now` is the
+    /// raw HMAC), the version ([`SyncError::Version`] for an earlier one), the encoding, and — when `now` is the
     /// store's clock — that the request was made within [`MAX_REQUEST_SKEW`] of it. `None`
     /// leaves the time to the caller (ratewall-store checks it at Redis's clock).
     pub fn verified(secret: &[u8], body: &[u8], tag: &[u8], now: Option<Nanos>) -> Result<SyncRequest, SyncError> {
@@ -385,7 +386,9 @@ impl SyncRequest {
             return Err(SyncError::Unauthorized);
         }
         let req = SyncRequest::decode(body).map_err(|e| match e {
-            DecodeError::Version(v) => SyncError::Version(v),
+            // Only a version that once existed is a version; any other first byte (text,
+            // JSON, a version not yet spoken) is not a message of this protocol.
+            DecodeError::Version(v) if (1..VERSION).contains(&v) => SyncError::Version(v),
             e => SyncError::Malformed(e),
         })?;
         if let Some(now) = now {
