@@ -468,7 +468,8 @@ pub struct Metrics {
     pub sync_refused_stale: u64,
     /// Checks admitted from the isolate's grants, with no object call.
     pub grant_admissions: u64,
-    /// Checks admitted past the isolate's grant, on its overdraft.
+    /// Checks admitted past the isolate's grant: on its overdraft, or on a counter new to it
+    /// before the object's first answer.
     pub overdraft_admissions: u64,
     /// Checks denied in isolate memory while its copy of the counter had room (grant and
     /// overdraft spent until the next answer).
@@ -568,7 +569,7 @@ impl Metrics {
             ),
             (
                 "overdraft_admissions",
-                "Checks admitted past the isolate's grant, on its overdraft, with no object call.",
+                "Checks admitted past the isolate's grant (its overdraft, or a counter new to it before the first answer), with no object call.",
                 self.overdraft_admissions,
             ),
             (

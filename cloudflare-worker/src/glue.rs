@@ -558,7 +558,7 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
     if path == METRICS_PATH {
         return Response::ok(with(|i| {
             i.metrics.grant_admissions = i.grants.local;
-            i.metrics.overdraft_admissions = i.grants.overdrafts;
+            i.metrics.overdraft_admissions = i.grants.overdrafts + i.grants.first;
             i.metrics.short_denials = i.grants.short;
             i.metrics.units_dropped = i.grants.dropped;
             i.metrics.render()

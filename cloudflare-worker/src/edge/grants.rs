@@ -128,8 +128,8 @@ impl Answer {
 pub enum Local {
     /// Admitted from the grant.
     Admitted(Decision),
-    /// Admitted past the grant, on the isolate's overdraft (or, for a counter it has no
-    /// answer for yet, on the overdraft a fresh counter allows).
+    /// Admitted past the grant: on the isolate's overdraft, or, for a counter it has no
+    /// answer for yet, as a fresh counter with its own admissions would admit it.
     Overdraft(Decision),
     /// Denied: its copy of the counter has no room (`Retry-After` as the counter's), or it
     /// has room but the isolate's grant and overdraft are spent (`Retry-After`:
@@ -195,6 +195,8 @@ struct Held {
     over: u64,
     /// When the last of them was admitted.
     over_at: Nanos,
+    /// An answer with the object's state has come.
+    answered: bool,
 }
 
 impl Held {
@@ -215,6 +217,7 @@ impl Held {
             nodes: 0,
             over: 0,
             over_at: 0,
+            answered: false,
         }
     }
 
@@ -256,6 +259,8 @@ pub struct Grants {
     pub local: u64,
     /// Checks admitted on an overdraft.
     pub overdrafts: u64,
+    /// Checks admitted on a counter new to the isolate, before the object's first answer.
+    pub first: u64,
     /// Checks denied in isolate memory with room left in the copy (grant and overdraft
     /// spent).
     pub short: u64,
@@ -289,6 +294,7 @@ impl Grants {
             cap: cap.max(1),
             local: 0,
             overdrafts: 0,
+            first: 0,
             short: 0,
             dropped: 0,
         }
@@ -331,6 +337,16 @@ impl Grants {
             return Local::Denied(room);
         }
         h.urgent = true;
+        if !h.answered {
+            // New to this isolate: until the object's first answer (a round trip), it is
+            // decided as a fresh counter with this isolate's admissions — what one client
+            // may spend — so a new client's first requests are not refused for the lack of
+            // a grant. What it admits beyond the quota's rest reaches the object with the
+            // report, at most the rate × the round trip ("The error bound").
+            let d = h.admit(now, cost);
+            self.first += 1;
+            return Local::Overdraft(d);
+        }
         // Units no grant holds: what the copy has left, less what the other nodes' grants
         // held at the last answer (while those could still be on lease) and what is left of
         // this isolate's own.
@@ -448,6 +464,7 @@ impl Grants {
         if let Some(state) = s.state {
             // The object's count, with what this isolate admitted since the report was cut.
             h.copy = Some(limit.consume(&state, now, h.unreported()));
+            h.answered = true;
             h.held = s.held;
             let until = sent.saturating_add(MAX_LEASE);
             h.held_until =
@@ -601,20 +618,41 @@ mod tests {
     }
 
     #[test]
-    fn a_keys_first_request_is_decided_at_once_and_reported() {
+    fn a_keys_first_requests_are_decided_at_once_and_reported() {
         let mut p = Pair::new(sliding(5));
         p.rtt = 50 * MS;
         assert!(matches!(p.grants.check(KEY, p.limit, 1, T), Local::Overdraft(d) if d.allowed));
         assert_eq!(p.calls, 0, "no call on the request's path");
         p.run(T);
         assert_eq!(p.calls, 1, "its report went at once");
-        // A second request before the answer: the overdraft is spent, the copy has room.
-        let short = p.request(T + MS);
-        assert!(matches!(short, Local::Denied(d) if d.retry_after == Some(SHORT_RETRY)), "{short:?}");
-        // The answer brings a grant; the units reported were counted once.
-        p.run(T + 60 * MS);
-        assert_eq!(p.object_remaining(T + 60 * MS), 4);
-        assert!(matches!(p.request(T + 61 * MS), Local::Admitted(d) if d.allowed));
+        // Before the answer, as a fresh counter with this isolate's admissions: the limit,
+        // then denials with the window's Retry-After.
+        let burst: Vec<Local> = (1..8).map(|i| p.request(T + i * MS)).collect();
+        assert_eq!(burst.iter().filter(|l| l.decision().allowed).count(), 4, "{burst:?}");
+        let last = burst.last().unwrap().decision();
+        assert!(!last.allowed && last.retry_after.is_some_and(|r| r > 30 * SECOND), "{last:?}");
+        // The answers come; every unit admitted was counted, once.
+        p.run(T + 200 * MS);
+        p.run(T + 400 * MS);
+        assert_eq!(p.object_remaining(T + 400 * MS), 0);
+        assert!(!p.request(T + 401 * MS).decision().allowed);
+    }
+
+    #[test]
+    fn an_isolate_that_knows_the_counter_is_out_asks_nothing_and_denies_until_the_window_allows() {
+        let l = fixed(3, 60 * SECOND);
+        let mut p = Pair::new(l);
+        let statuses: Vec<bool> = (0..5).map(|i| p.request(T + i * MS).decision().allowed).collect();
+        assert_eq!(statuses, [true, true, true, false, false]);
+        p.run(T + SECOND);
+        let calls = p.calls;
+        for i in 0..100 {
+            let d = p.request(T + SECOND + i * MS).decision();
+            // The window ends 40 s after `T`.
+            assert!(!d.allowed && d.retry_after.is_some_and(|r| r > 38 * SECOND), "{d:?}");
+        }
+        assert_eq!(p.calls, calls, "a client the isolate knows is out costs no call");
+        assert!(p.request(T + 41 * SECOND).decision().allowed, "the next window");
     }
 
     #[test]
@@ -650,11 +688,16 @@ mod tests {
     fn an_isolate_over_its_overdraft_is_held_to_it_until_an_answer_finds_room() {
         let l = fixed(100, 60 * SECOND);
         let mut p = Pair::new(l);
-        p.rtt = SECOND;
-        // No answer comes within the second: one overdraft (the cap: 1 unit), then denials.
-        let admitted = (0..50).filter(|i| p.request(T + i * MS).decision().allowed).count() as u64;
-        assert_eq!(admitted, overdraft_cap(100, 0));
-        assert_eq!(p.grants.short, 49);
+        p.request(T);
+        p.run(T + MS);
+        let granted = p.grants.held[KEY].left;
+        // No answer comes within the next second: the grant, one overdraft (its cap), then
+        // denials.
+        p.rtt = 2 * SECOND;
+        let admitted = (0..50).filter(|i| p.request(T + 2 * MS + i * MS).decision().allowed).count() as u64;
+        let cap = overdraft_cap(100, p.grants.held[KEY].nodes);
+        assert_eq!(admitted, granted + cap);
+        assert_eq!(p.grants.short, 50 - admitted);
     }
 
     #[test]
