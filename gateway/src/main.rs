@@ -1,7 +1,8 @@
 //! `ratewall-gateway`: ratewall running locally. An HTTP/1.1 server on 127.0.0.1 whose every
 //! request goes through the built filter (`dist/ratewall_filter.wasm`) in the wasmtime
 //! proxy-wasm host — several worker VMs sharing one node's counters, as in Envoy — and, when
-//! admitted, to a small built-in demo origin. The rules file is watched and pushed to the
+//! admitted, to a small built-in demo origin (a request a leaky bucket queues is forwarded
+//! when the filter resumes it in its turn, while its worker serves others). The rules file is watched and pushed to the
 //! VMs when it changes, as an xDS config push would be; a bad file is rejected and the last
 //! good rules stay.
 //!
@@ -11,13 +12,13 @@
 //! rules, the gateway is one node of a fleet: its VMs tick, and their sync calls go over HTTP
 //! to the stores (the next one when one fails), as Envoy sends them to the sync cluster.
 
-use ratewall_host::{HttpRequest, Node, Plugin, Started, Vm};
+use ratewall_host::{FilterResult, HttpRequest, Node, Plugin, Started, Vm};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 struct Args {
     rules: String,
@@ -90,39 +91,52 @@ fn serve() -> Result<(), String> {
         let (rx, rules, node, stores) = (Arc::clone(&rx), Arc::clone(&rules), node.clone(), args.stores.clone());
         std::thread::spawn(move || {
             let mut seen = 0;
+            // Requests paused until their turn (a leaky bucket's queue): answered when the
+            // filter resumes them from its tick, as Envoy forwards them then.
+            let mut waiting: Vec<Waiting> = Vec::new();
+            let mut last_tick = Instant::now();
             loop {
-                // With a tick period (sync on), wait for a connection at most that long, then
-                // tick and make the sync calls the tick dispatched.
-                let period = u64::from(vm.tick_period_ms());
-                let next = rx.lock().map(|r| {
-                    if period == 0 {
-                        r.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
-                    } else {
-                        r.recv_timeout(Duration::from_millis(period))
-                    }
-                });
-                let stream = match next {
-                    Ok(Ok(stream)) => stream,
-                    Ok(Err(mpsc::RecvTimeoutError::Timeout)) => {
-                        node.set_time(wall_clock());
-                        if let Err(e) = vm.tick().and_then(|_| exchange(&mut vm, &stores)) {
-                            log(&format!("worker {w}: tick: {e}"));
-                        }
-                        continue;
-                    }
-                    _ => return,
+                // With a tick period (sync on, or rules that shape), wait for a connection at
+                // most until the next tick is due, then tick and make the sync calls the tick
+                // dispatched.
+                let period = Duration::from_millis(u64::from(vm.tick_period_ms()));
+                let wait = if period.is_zero() {
+                    // No tick: nothing resumes a paused request, but it is looked at again.
+                    (!waiting.is_empty()).then_some(IDLE_RECHECK)
+                } else {
+                    Some(period.saturating_sub(last_tick.elapsed()))
                 };
-                let generation = rules.generation.load(Ordering::SeqCst);
-                if generation != seen {
-                    seen = generation;
-                    if let Ok(doc) = rules.document.lock().map(|d| d.clone()) {
-                        let _ = vm.configure(&doc);
+                let next = rx.lock().map(|r| match wait {
+                    None => r.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+                    Some(wait) => r.recv_timeout(wait),
+                });
+                match next {
+                    Ok(Ok(stream)) => {
+                        let generation = rules.generation.load(Ordering::SeqCst);
+                        if generation != seen {
+                            seen = generation;
+                            if let Ok(doc) = rules.document.lock().map(|d| d.clone()) {
+                                let _ = vm.configure(&doc);
+                            }
+                        }
+                        node.set_time(wall_clock());
+                        match handle(&mut vm, stream, &stores) {
+                            Ok(Some(w)) => waiting.push(w),
+                            Ok(None) => {}
+                            Err(e) => log(&format!("worker {w}: {e}")),
+                        }
+                    }
+                    Ok(Err(mpsc::RecvTimeoutError::Timeout)) => {}
+                    _ => return,
+                }
+                if !period.is_zero() && last_tick.elapsed() >= period {
+                    last_tick = Instant::now();
+                    node.set_time(wall_clock());
+                    if let Err(e) = vm.tick().and_then(|_| exchange(&mut vm, &stores)) {
+                        log(&format!("worker {w}: tick: {e}"));
                     }
                 }
-                node.set_time(wall_clock());
-                if let Err(e) = handle(&mut vm, stream, &stores) {
-                    log(&format!("worker {w}: {e}"));
-                }
+                waiting = resume(&mut vm, waiting, w);
             }
         });
     }
@@ -204,7 +218,38 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
     Ok(())
 }
 
-fn handle(vm: &mut Vm, mut stream: TcpStream, stores: &[String]) -> Result<(), String> {
+/// How often a worker without a tick looks again at its paused requests.
+const IDLE_RECHECK: Duration = Duration::from_millis(5);
+
+/// A request paused until its turn in a leaky bucket's queue, with its connection.
+struct Waiting {
+    ctx: u32,
+    stream: TcpStream,
+    method: String,
+    target: String,
+}
+
+/// Answers the waiting requests the filter resumed (forwarded) or replied to; returns the
+/// others, still waiting.
+fn resume(vm: &mut Vm, waiting: Vec<Waiting>, worker: usize) -> Vec<Waiting> {
+    let mut still = Vec::new();
+    for mut w in waiting {
+        match vm.finish(w.ctx) {
+            Ok(Some(result)) => {
+                if let Err(e) = answer(&mut w.stream, &result, &w.method, &w.target) {
+                    log(&format!("worker {worker}: {e}"));
+                }
+            }
+            Ok(None) => still.push(w),
+            Err(e) => log(&format!("worker {worker}: {e}")),
+        }
+    }
+    still
+}
+
+/// Reads one request and runs it through the filter: answered now, or (`Some`) paused until
+/// its turn, answered by [`resume`].
+fn handle(vm: &mut Vm, mut stream: TcpStream, stores: &[String]) -> Result<Option<Waiting>, String> {
     stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
@@ -212,7 +257,7 @@ fn handle(vm: &mut Vm, mut stream: TcpStream, stores: &[String]) -> Result<(), S
     reader.read_line(&mut line).map_err(|e| e.to_string())?;
     let mut parts = line.split_whitespace();
     let (Some(method), Some(target)) = (parts.next(), parts.next()) else {
-        return respond(&mut stream, 400, &[], b"bad request\n");
+        return respond(&mut stream, 400, &[], b"bad request\n").map(|()| None);
     };
     let mut req = HttpRequest::new(method, target).from_addr(&peer);
     req.headers.retain(|(k, _)| k != ":authority");
@@ -244,24 +289,37 @@ fn handle(vm: &mut Vm, mut stream: TcpStream, stores: &[String]) -> Result<(), S
         for m in vm.node().metrics() {
             text.push_str(&format!("{} {}\n", m.name, m.value));
         }
-        return respond(&mut stream, 200, &[("content-type".into(), "text/plain".into())], text.as_bytes());
+        return respond(&mut stream, 200, &[("content-type".into(), "text/plain".into())], text.as_bytes())
+            .map(|()| None);
     }
-    // A request the filter pauses waits for its ask to the store, as in Envoy.
+    // A request the filter pauses waits for its ask to the store, as in Envoy, or for its
+    // turn in a leaky bucket's queue (the filter resumes it from a later tick).
     let result = match vm.begin(&req).map_err(|e| e.to_string())? {
         Started::Done(r) => r,
         Started::Paused(ctx) => {
             exchange(vm, stores).map_err(|e| e.to_string())?;
-            vm.finish(ctx).map_err(|e| e.to_string())?.ok_or("a request stayed paused after its ask")?
+            match vm.finish(ctx).map_err(|e| e.to_string())? {
+                Some(r) => r,
+                None => {
+                    let (method, target) = (method.to_owned(), target.to_owned());
+                    return Ok(Some(Waiting { ctx, stream, method, target }));
+                }
+            }
         }
     };
+    answer(&mut stream, &result, method, target).map(|()| None)
+}
+
+/// What the filter decided for a request: its local reply, or the demo origin's answer.
+fn answer(stream: &mut TcpStream, result: &FilterResult, method: &str, target: &str) -> Result<(), String> {
     if !result.passed {
-        return respond(&mut stream, result.status as u16, &result.headers, &result.body);
+        return respond(stream, result.status as u16, &result.headers, &result.body);
     }
     // The demo origin.
     let origin = format!("{{\"ok\":true,\"method\":\"{method}\",\"path\":{:?}}}\n", target);
     let mut headers = result.headers.clone();
     headers.push(("content-type".into(), "application/json".into()));
-    respond(&mut stream, 200, &headers, origin.as_bytes())
+    respond(stream, 200, &headers, origin.as_bytes())
 }
 
 fn respond(stream: &mut TcpStream, status: u16, headers: &[(String, String)], body: &[u8]) -> Result<(), String> {

@@ -95,3 +95,37 @@ fn the_dev_gateway_reloads_changed_rules_and_keeps_them_when_broken() {
     assert_eq!(fresh, [200, 200, 200, 429], "the last good rules (3 per hour) stay");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_dev_gateway_forwards_a_leaky_buckets_waiting_requests_in_their_turn() {
+    let dir = std::env::temp_dir().join(format!("ratewall-gateway-shape-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rules = dir.join("rules.json");
+    // 2 per second with a queue of 3: of 6 at once, one goes now, three wait their turns
+    // (0.5 s, 1 s, 1.5 s later) and two are refused.
+    let doc = r#"{"identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "shape", "key": ["user"],
+                   "limit": {"requests": 2, "per": "1s", "burst": 3, "algorithm": "leaky_bucket"}}]}"#;
+    std::fs::write(&rules, doc).unwrap();
+    let (_gateway, addr) = start(&rules);
+    let started = std::time::Instant::now();
+    let clients: Vec<_> = (0..6)
+        .map(|_| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                // An empty reply (the connection closed unanswered) shows as status 0.
+                let r = ratewall_host::http::request(&addr, "GET", "/q", &[("x-user-id", "shaped")], &[]);
+                (r.map_or(0, |r| r.status), started.elapsed())
+            })
+        })
+        .collect();
+    let mut answers: Vec<(u16, Duration)> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    answers.sort_by_key(|(_, took)| *took);
+    let statuses: Vec<u16> = answers.iter().map(|(s, _)| *s).collect();
+    assert_eq!(statuses.iter().filter(|&&s| s == 200).count(), 4, "{answers:?}");
+    assert_eq!(statuses.iter().filter(|&&s| s == 429).count(), 2, "{answers:?}");
+    // The last one forwarded waited for the third turn.
+    assert_eq!(statuses[5], 200, "{answers:?}");
+    assert!(answers[5].1 >= Duration::from_millis(1400), "{answers:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
