@@ -691,6 +691,7 @@ pub fn refund_calls(
         match a {
             Answer::Object(t) => calls.push((c.key.clone(), Call::Refund { limit: c.limit, cost: c.cost, at: t.now })),
             Answer::Grant(_) => grants.push((c.key.clone(), c.cost)),
+            Answer::Short(_) => {}
         }
     }
     (calls, grants)

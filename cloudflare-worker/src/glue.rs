@@ -2,7 +2,7 @@
 //! the `/v1/sync` store. Decisions are made by `ratewall-core` and `crate::edge`.
 
 use crate::edge::admin::{self, Access};
-use crate::edge::grants::{Answer, Grants, Schedule, REPORT_EVERY};
+use crate::edge::grants::{Answer, Grants, Local, Schedule, REPORT_EVERY};
 use crate::edge::object::{AlarmPlan, Object};
 use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
@@ -255,7 +255,10 @@ async fn answer(
     }
     let local = with(|i| i.grants.check(&c.key, c.limit, c.cost, t));
     schedule_report(env, ctx, &c.key, timeout);
-    Ok(Answer::Grant(local.decision()))
+    Ok(match local {
+        Local::Short(d) => Answer::Short(d),
+        l => Answer::Grant(l.decision()),
+    })
 }
 
 /// Starts the background reports of `key`'s grant units unless they run: one call per
@@ -468,10 +471,10 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         });
     }
     if use_cache {
-        // Denials the objects answered: the isolate's own cost no call to repeat.
+        // Denials until the counter's retry time (not those until the isolate's next grant).
         with(|i| {
             for ((c, d), a) in checks.iter().zip(&decisions).zip(&charged) {
-                if let (Ok(d), Some(Answer::Object(_))) = (d, a) {
+                if let (Ok(d), Some(Answer::Object(_) | Answer::Grant(_))) = (d, a) {
                     i.cache.insert(&c.key, t, c.cost, *d);
                 }
             }

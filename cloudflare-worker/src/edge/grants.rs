@@ -109,8 +109,10 @@ pub enum Answer {
     /// By the object, at its clock's instant (given back with [`Call::Refund`]).
     Object(super::Taken),
     /// In isolate memory, from the grant or the overdraft (given back with
-    /// [`Grants::refund`]), or denied there.
+    /// [`Grants::refund`]), or denied there by its copy of the counter.
     Grant(Decision),
+    /// Denied in isolate memory until the isolate's next grant ([`Local::Short`]).
+    Short(Decision),
 }
 
 impl Answer {
@@ -118,7 +120,7 @@ impl Answer {
     pub fn decision(&self) -> Decision {
         match self {
             Answer::Object(t) => t.decision,
-            Answer::Grant(d) => *d,
+            Answer::Grant(d) | Answer::Short(d) => *d,
         }
     }
 }
@@ -131,17 +133,18 @@ pub enum Local {
     /// Admitted past the grant: on the isolate's overdraft, or, for a counter it has no
     /// answer for yet, as a fresh counter with its own admissions would admit it.
     Overdraft(Decision),
-    /// Denied: its copy of the counter has no room (`Retry-After` as the counter's), or it
-    /// has room but the isolate's grant and overdraft are spent (`Retry-After`:
-    /// [`SHORT_RETRY`]; the report for the next grant has gone).
+    /// Denied: its copy of the counter has no room (`Retry-After` as the counter's).
     Denied(Decision),
+    /// Denied: the copy has room but the isolate's grant and overdraft are spent
+    /// (`Retry-After`: [`SHORT_RETRY`]; the report for the next grant has gone).
+    Short(Decision),
 }
 
 impl Local {
     /// The decision.
     pub fn decision(&self) -> Decision {
         match self {
-            Local::Admitted(d) | Local::Overdraft(d) | Local::Denied(d) => *d,
+            Local::Admitted(d) | Local::Overdraft(d) | Local::Denied(d) | Local::Short(d) => *d,
         }
     }
 }
@@ -369,7 +372,7 @@ impl Grants {
             return Local::Overdraft(d);
         }
         self.short += 1;
-        Local::Denied(Decision { allowed: false, remaining: 0, retry_after: Some(SHORT_RETRY), ..view })
+        Local::Short(Decision { allowed: false, remaining: 0, retry_after: Some(SHORT_RETRY), ..view })
     }
 
     /// Starts a report of `key`'s pending units (none, for an urgent one, which only brings
@@ -675,7 +678,7 @@ mod tests {
         for _ in 0..cap {
             assert!(matches!(p.grants.check(KEY, l, 1, t), Local::Overdraft(_)));
         }
-        assert!(matches!(p.grants.check(KEY, l, 1, t), Local::Denied(d) if d.retry_after == Some(SHORT_RETRY)));
+        assert!(matches!(p.grants.check(KEY, l, 1, t), Local::Short(d) if d.retry_after == Some(SHORT_RETRY)));
         assert_eq!(p.calls, calls, "decided without a call");
         // The report goes at once; its answer finds room: a new grant, the overdraft repaid.
         p.run(t);
@@ -801,7 +804,7 @@ mod tests {
         p.run(start + 1);
         assert!(matches!(p.grants.check(KEY, l, 1, start + 2), Local::Admitted(_)));
         // Spend everything this isolate may in the window, overdraft included.
-        while !matches!(p.grants.check(KEY, l, 1, start + 3), Local::Denied(_)) {}
+        while p.grants.check(KEY, l, 1, start + 3).decision().allowed {}
         // The next window: no grant yet, but a fresh overdraft.
         assert!(matches!(p.grants.check(KEY, l, 1, T + SECOND), Local::Overdraft(_)), "the next window");
     }
