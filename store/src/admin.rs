@@ -2,6 +2,7 @@
 //! offenders, its traffic series and nodes, metrics and health — without authentication, as
 //! Envoy's admin port, so bind it to loopback or a private network (docs/operations.md).
 
+use crate::rls::Rls;
 use crate::top::Window;
 use crate::{Kv, Store};
 use axum::extract::State;
@@ -15,16 +16,32 @@ use std::sync::Arc;
 /// The dashboard page, compiled in.
 pub const PAGE: &str = include_str!("../../dashboard/index.html");
 
-/// The admin routes over `store`.
-pub fn router<K: Kv + Send + Sync + 'static>(store: Arc<Store<K>>) -> Router {
+/// The admin routes over `store`, and the rate limit service `rls` when it runs (its
+/// metrics are in `/metrics`, as on the main listener).
+pub fn router<K: Kv + Send + Sync + 'static>(store: Arc<Store<K>>, rls: Option<Arc<Rls<K>>>) -> Router {
     Router::new()
         .route("/", get(page))
         .route("/v1/top", get(top::<K>))
         .route("/v1/series", get(series::<K>))
         .route("/v1/fleet", get(fleet::<K>))
-        .route("/metrics", get(metrics::<K>))
+        .route(
+            "/metrics",
+            get(move |State(store): State<Arc<Store<K>>>| async move { metrics(&store, rls.as_deref()) }),
+        )
         .route("/healthz", get(healthz::<K>))
         .with_state(store)
+}
+
+/// `GET /metrics`, on the main listener and the admin one alike: the store's metrics in
+/// Prometheus text, then the rate limit service's when it runs.
+pub fn metrics<K>(store: &Store<K>, rls: Option<&Rls<K>>) -> Response {
+    let mut text = store.metrics.render();
+    if let Some(rls) = rls {
+        text.push_str(&rls.metrics.render());
+    }
+    let mut out = (StatusCode::OK, text).into_response();
+    out.headers_mut().insert("content-type", HeaderValue::from_static("text/plain; version=0.0.4"));
+    out
 }
 
 /// A query string's value of `name` (the first; none percent-decoded: rule names and
@@ -61,12 +78,6 @@ async fn series<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response
 async fn fleet<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {
     let ok = store.kv.ping().await;
     json_response(StatusCode::OK, &json!({"nodes": store.top.fleet(), "redis": {"ok": ok}}))
-}
-
-async fn metrics<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {
-    let mut out = (StatusCode::OK, store.metrics.render()).into_response();
-    out.headers_mut().insert("content-type", HeaderValue::from_static("text/plain; version=0.0.4"));
-    out
 }
 
 async fn healthz<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {

@@ -164,16 +164,6 @@ async fn healthz(State(store): State<Shared>) -> Response {
     }
 }
 
-async fn metrics(store: Shared, rls: Option<SharedRls>) -> Response {
-    let mut text = store.metrics.render();
-    if let Some(rls) = rls {
-        text.push_str(&rls.metrics.render());
-    }
-    let mut out = (StatusCode::OK, text).into_response();
-    out.headers_mut().insert("content-type", HeaderValue::from_static("text/plain; version=0.0.4"));
-    out
-}
-
 fn main() -> std::process::ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
@@ -239,7 +229,7 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     let reads = admin.is_some();
     tokio::spawn(async move { sharing.share_top_forever(reads).await });
     if let Some(l) = admin {
-        let router = ratewall_store::admin::router(Arc::clone(&store));
+        let router = ratewall_store::admin::router(Arc::clone(&store), rls.clone());
         tokio::spawn(async move {
             if let Err(e) = axum::serve(l, router).await {
                 eprintln!("ratewall-store: the admin listener stopped: {e}");
@@ -250,7 +240,12 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     let mut app = Router::new()
         .route("/v1/sync", post(sync))
         .route("/healthz", get(healthz))
-        .route("/metrics", get(move |State(store): State<Shared>| metrics(store, for_metrics.clone())))
+        .route(
+            "/metrics",
+            get(move |State(store): State<Shared>| async move {
+                ratewall_store::admin::metrics(&store, for_metrics.as_deref())
+            }),
+        )
         .layer(DefaultBodyLimit::max(MAX_BODY + 1))
         .with_state(store);
     if let Some(rls) = rls {

@@ -28,12 +28,19 @@ struct RlsProcess {
     http: String,
     /// The gRPC listener.
     grpc: String,
+    /// The admin listener, when started with one.
+    admin: Option<String>,
     stderr: PathBuf,
     _stdout: std::io::BufReader<std::process::ChildStdout>,
 }
 
 impl RlsProcess {
     fn start(redis: &str, config: &Path) -> RlsProcess {
+        RlsProcess::start_with(redis, config, false)
+    }
+
+    /// With `admin`, also an admin listener (`--admin`).
+    fn start_with(redis: &str, config: &Path, admin: bool) -> RlsProcess {
         let stderr = config.with_extension(format!("stderr-{}", std::process::id()));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall-store"));
         cmd.env("RATEWALL_SYNC_SECRET", SECRET)
@@ -43,10 +50,13 @@ impl RlsProcess {
             .arg(config)
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr).unwrap());
+        if admin {
+            cmd.args(["--admin", "127.0.0.1:0"]);
+        }
         let mut child = cmd.spawn().unwrap();
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-        let (mut http, mut grpc) = (None, None);
-        while grpc.is_none() {
+        let (mut http, mut grpc, mut admin_at) = (None, None, None);
+        while grpc.is_none() || admin && admin_at.is_none() {
             let mut line = String::new();
             assert!(
                 out.read_line(&mut line).unwrap() > 0,
@@ -54,14 +64,17 @@ impl RlsProcess {
                 std::fs::read_to_string(&stderr).unwrap()
             );
             assert!(!line.contains(SECRET));
-            if let Some(rest) = line.split("http://").nth(1) {
-                http = rest.split_whitespace().next().map(str::to_owned);
+            let addr = line.split("http://").nth(1).and_then(|rest| rest.split(['/', ' ']).next()).map(str::to_owned);
+            if line.contains("admin on") {
+                admin_at = addr;
+            } else if addr.is_some() {
+                http = addr;
             }
             if let Some(rest) = line.split("rate limit service on ").nth(1) {
                 grpc = rest.split_whitespace().next().map(str::to_owned);
             }
         }
-        RlsProcess { child, http: http.unwrap(), grpc: grpc.unwrap(), stderr, _stdout: out }
+        RlsProcess { child, http: http.unwrap(), grpc: grpc.unwrap(), admin: admin_at, stderr, _stdout: out }
     }
 
     async fn client(&self) -> RateLimitServiceClient<Channel> {
@@ -430,6 +443,32 @@ async fn hits_addend_counts_per_call_and_per_descriptor() {
         let a = ask(&mut c, r).await;
         assert_eq!((a.overall_code, a.statuses[0].limit_remaining), (OK, 0), "{key}: the denied 3 took nothing");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_serves_the_same_metrics_as_the_main_one() {
+    let redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start_with(&redis.url(), &limits("admin-metrics"), true);
+    let mut c = store.client().await;
+    let mut r = request("api", vec![descriptor(&[("user", "m")])]);
+    r.hits_addend = 2;
+    assert_eq!(ask(&mut c, r).await.overall_code, OK);
+    let admin = store.admin.as_deref().unwrap();
+    let main = store.metrics();
+    let answer = http::request(admin, "GET", "/metrics", &[], &[]).unwrap();
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("content-type"), Some("text/plain; version=0.0.4"));
+    assert!(answer.text().contains("ratewall_rls_"), "{}", answer.text());
+    // The same text, but for the counts of top-offender shares, which go on every second.
+    let shape = |t: &str| -> Vec<String> {
+        t.lines()
+            .map(|l| match l.rsplit_once(' ') {
+                Some((name, _)) if l.starts_with("ratewall_store_top_") => name.to_owned(),
+                _ => l.to_owned(),
+            })
+            .collect()
+    };
+    assert_eq!(shape(&answer.text()), shape(&main), "the admin listener's /metrics is the main listener's");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
