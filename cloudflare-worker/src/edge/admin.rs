@@ -2,7 +2,8 @@
 //!
 //! `GET /_ratewall/top`, `GET /_ratewall/series` and the page at `GET /_ratewall/` answer only
 //! a request that presents the `RATEWALL_ADMIN_TOKEN` secret: 401 without it or with another,
-//! 404 when the Worker has none (the routes are off). The JSON routes take it only as
+//! 404 when the Worker has none (the routes are off). Any non-empty token turns them on; one
+//! shorter than [`MIN_TOKEN`] is only warned about. The JSON routes take it only as
 //! `Authorization: Bearer …`; the page also as a `token` query parameter, since a browser
 //! cannot send a header when it opens an address — the page then takes the token out of its
 //! address bar and sends it as a Bearer header with each of its requests.
@@ -10,7 +11,8 @@
 /// The dashboard page, compiled in.
 pub const PAGE: &str = include_str!("../../../dashboard/index.html");
 
-/// Shortest admin token accepted: a shorter one leaves the routes off (404).
+/// Shortest admin token not warned about: a shorter one still opens the routes (to whoever
+/// presents it), and the Worker logs once that it is short (never the token).
 pub const MIN_TOKEN: usize = 16;
 
 /// The page's response headers: no caching, no referrer, and a policy that lets it reach
@@ -35,7 +37,7 @@ pub enum Access {
     Granted,
     /// No token presented, or another one: 401.
     Refused,
-    /// The Worker has no admin token (or one too short to be one): 404.
+    /// The Worker has no admin token (none, or only blanks): 404.
     Off,
 }
 
@@ -70,7 +72,7 @@ pub fn bearer(authorization: &str) -> Option<&str> {
 /// The access of a request that presents `authorization` (the header's value) and, for the
 /// page only, `query_token`, to a Worker whose admin token is `configured`.
 pub fn access(configured: Option<&str>, authorization: Option<&str>, query_token: Option<&str>) -> Access {
-    let Some(expected) = configured.map(str::trim).filter(|t| t.len() >= MIN_TOKEN) else {
+    let Some(expected) = configured.map(str::trim).filter(|t| !t.is_empty()) else {
         return Access::Off;
     };
     let presented = authorization.and_then(bearer).or(query_token.filter(|t| !t.is_empty()));
@@ -110,7 +112,11 @@ mod tests {
         assert_eq!(access(Some(TOKEN), Some("Bearer wrong"), Some(TOKEN)), Access::Refused, "the header decides");
         assert_eq!(access(None, Some(&ok), None), Access::Off);
         assert_eq!(access(Some(""), Some("Bearer "), None), Access::Off);
-        assert_eq!(access(Some("short"), Some("Bearer short"), None), Access::Off, "too short to be a token");
+        assert_eq!(access(Some("  "), Some("Bearer x"), None), Access::Off, "only blanks");
+        // A short token is warned about, never a reason to turn the routes off.
+        assert_eq!(access(Some("short"), Some("Bearer short"), None), Access::Granted);
+        assert_eq!(access(Some("short"), Some("Bearer shorter"), None), Access::Refused);
+        assert_eq!(access(Some("short"), None, None), Access::Refused);
         assert_eq!((Access::Refused.status(), Access::Off.status()), (401, 404));
     }
 
