@@ -13,8 +13,9 @@
 //! - `ratewall schema`: the rules document's JSON Schema (`rules.schema.json`).
 //!
 //! Human-readable output by default, `--json` for scripts. Exit codes: 0 done (a valid
-//! document), 1 a document or log that is not valid (`path: reason` lines on stderr), 2 a
-//! usage error or a file that cannot be read.
+//! document; a replay that ran, its unreadable log lines reported on stderr), 1 a document
+//! that is not valid (`path: reason` lines on stderr), 2 a usage error or a file that cannot
+//! be read.
 
 // `serde_json::Value` is read with `v["field"]`, which gives `Null` for a missing field (it
 // never panics); nothing else here indexes.

@@ -11,7 +11,7 @@ use ratewall_core::{Config, Nanos};
 use serde_json::{json, Value};
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, IsTerminal, Read};
+use std::io::{BufRead, BufReader, IsTerminal, Read, Write as _};
 use std::path::Path;
 use std::sync::mpsc::{Receiver, SyncSender};
 
@@ -604,12 +604,15 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
         eprintln!();
     }
     report(o, &config, &counts, (lines, requests, rejected, invalid), format.name());
-    if invalid == 0 {
-        Ok(())
-    } else {
+    // Unreadable lines are a finding of the replay, reported, not a failure of it.
+    if invalid > 0 {
         shown.push(format!("{invalid} log line{} could not be read", if invalid == 1 { "" } else { "s" }));
-        Err(Failure::Invalid(shown))
+        let mut err = std::io::stderr().lock();
+        for line in shown {
+            let _ = writeln!(err, "{line}");
+        }
     }
+    Ok(())
 }
 
 /// Drops the less rejected half of a rule's keys.

@@ -148,7 +148,7 @@ fn replay_counts_on_the_logs_own_clock() {
     let path =
         temp("bad.jsonl", "{\"ts\": \"2026-12-01T10:00:00Z\", \"path\": \"/a\"}\nnot json\n{\"path\": \"/a\"}\n");
     let o = ratewall(&["replay", &rules, &path]);
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(0), "unreadable lines are reported, never fatal");
     assert!(stderr(&o).contains("bad.jsonl:2: not JSON"), "{}", stderr(&o));
     assert!(stderr(&o).contains("bad.jsonl:3: needs \"ts\""), "{}", stderr(&o));
     assert!(stdout(&o).contains("1 requests replayed"), "{}", stdout(&o));
