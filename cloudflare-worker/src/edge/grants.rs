@@ -198,7 +198,7 @@ struct Held {
     over: u64,
     /// When the last of them was admitted.
     over_at: Nanos,
-    /// An answer with the object's state has come.
+    /// An answer from the object has come.
     answered: bool,
 }
 
@@ -453,6 +453,9 @@ impl Grants {
         if h.report.is_some_and(|r| r.seq == seq) {
             h.report = None;
         }
+        // Past the first answer the isolate admits beyond its grants only on its overdraft
+        // (an object that sends no state leaves the copy as this isolate's own count).
+        h.answered = true;
         if let Some((grant, lease)) = s.grant {
             // The new grant replaces the old one; what was spent while the report was on
             // its way is spent from the new one. A grant finds room for the isolate: its
@@ -467,7 +470,6 @@ impl Grants {
         if let Some(state) = s.state {
             // The object's count, with what this isolate admitted since the report was cut.
             h.copy = Some(limit.consume(&state, now, h.unreported()));
-            h.answered = true;
             h.held = s.held;
             let until = sent.saturating_add(MAX_LEASE);
             h.held_until =
