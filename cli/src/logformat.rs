@@ -161,6 +161,9 @@ pub struct Template {
     syntax: Syntax,
     /// Whether the format has the client address (Envoy's default has only X-Forwarded-For).
     has_peer: bool,
+    /// Whether a line must match the whole format, to its end ([`Template::whole_lines`]);
+    /// else reading stops after the last field a replay needs.
+    whole: bool,
 }
 
 impl Template {
@@ -187,7 +190,15 @@ impl Template {
                 }
             }
         }
-        Ok(Template { name: name.to_owned(), last_needed, syntax, has_peer: has(Field::Peer), tokens })
+        Ok(Template { name: name.to_owned(), last_needed, syntax, has_peer: has(Field::Peer), tokens, whole: false })
+    }
+
+    /// This format, read only from lines that match all of it, to their end: a format the
+    /// operator wrote says what every line is, so a line that is not so is unreadable (the
+    /// predefined formats read their fields and leave what a log appends after them).
+    pub fn whole_lines(mut self) -> Template {
+        self.whole = true;
+        self
     }
 
     fn read<'a>(&self, wanted: &Wanted, line: &'a [u8]) -> Result<Entry<'a>, String> {
@@ -200,7 +211,8 @@ impl Template {
             peer: None,
         };
         let (mut at, mut time, mut path) = (0usize, None, false);
-        for (i, token) in self.tokens.iter().enumerate().take(self.last_needed + 1) {
+        let read = if self.whole { self.tokens.len() } else { self.last_needed + 1 };
+        for (i, token) in self.tokens.iter().enumerate().take(read) {
             let rest = line.get(at..).unwrap_or_default();
             match token {
                 Token::Literal(lit) => {
@@ -228,13 +240,19 @@ impl Template {
                             e.path = self.unescape(uri);
                             path = true;
                         }
-                        (Field::Method, v) => e.method = v.and_then(|m| std::str::from_utf8(m).ok()).map(Cow::Borrowed),
+                        (Field::Method, None) => {}
+                        (Field::Method, Some(m)) => {
+                            e.method = Some(method(m).map(Cow::Borrowed).ok_or_else(|| bad("method", raw))?);
+                        }
                         (Field::Path, Some(v)) => {
                             e.path = self.unescape(v);
                             path = true;
                         }
                         (Field::Path, None) => return Err(bad("path", raw)),
-                        (Field::Peer, v) => e.peer = v.and_then(without_port).map(Cow::Borrowed),
+                        (Field::Peer, None) => {}
+                        (Field::Peer, Some(v)) => {
+                            e.peer = peer(v).ok_or_else(|| bad("client address", raw))?.map(Cow::Borrowed);
+                        }
                         (Field::Header(XFF), v) => e.xff = v.map(|v| self.unescape(v)),
                         (Field::Header(h), v) => {
                             if let Some(slot) = e.headers.get_mut(*h) {
@@ -243,6 +261,16 @@ impl Template {
                         }
                     }
                 }
+            }
+        }
+        if self.whole {
+            let rest = line.get(at..).unwrap_or_default();
+            if !rest.trim_ascii().is_empty() {
+                return Err(format!(
+                    "{:?} at column {} is past the end of the format",
+                    String::from_utf8_lossy(rest),
+                    at + 1
+                ));
             }
         }
         e.ts = time.ok_or("no time")?;
@@ -300,9 +328,7 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 fn request_line(v: &[u8]) -> Option<(Cow<'_, str>, &[u8])> {
     let sp = memchr::memchr(b' ', v)?;
     let (method, rest) = (v.get(..sp)?, v.get(sp + 1..)?);
-    if method.is_empty() || !method.iter().all(u8::is_ascii_alphabetic) {
-        return None;
-    }
+    let method = self::method(method)?;
     let uri = match memchr::memrchr(b' ', rest) {
         Some(end) if rest.get(end + 1..).is_some_and(|p| p.starts_with(b"HTTP/")) => rest.get(..end)?,
         _ => rest,
@@ -310,7 +336,26 @@ fn request_line(v: &[u8]) -> Option<(Cow<'_, str>, &[u8])> {
     if uri.is_empty() || uri.contains(&b' ') {
         return None;
     }
-    Some((Cow::Borrowed(std::str::from_utf8(method).ok()?), uri))
+    Some((Cow::Borrowed(method), uri))
+}
+
+/// A method as a log writes it: letters only (`GET`, `post`).
+fn method(v: &[u8]) -> Option<&str> {
+    if v.is_empty() || !v.iter().all(u8::is_ascii_alphabetic) {
+        return None;
+    }
+    std::str::from_utf8(v).ok()
+}
+
+/// The client address of a peer field, its port dropped: `Some(None)` for a Unix socket's
+/// peer (NGINX writes `unix:`, Envoy the socket's path), which has no address; `None` when
+/// the value is no address at all.
+fn peer(v: &[u8]) -> Option<Option<&str>> {
+    if v.starts_with(b"unix:") || v.starts_with(b"/") || v.starts_with(b"@") {
+        return Some(None);
+    }
+    let a = without_port(v)?;
+    ratewall_core::key::parse_ip(a.as_bytes()).map(|_| Some(a))
 }
 
 /// An address without the port a proxy may write after it (`192.0.2.1:443`,
@@ -1002,6 +1047,36 @@ mod tests {
             assert!(e.contains(why), "{bad}: {e}");
         }
         assert!(Template::compile("b", "%START_TIME %REQ(:PATH)%", Syntax::Envoy, &w).is_err());
+    }
+
+    #[test]
+    fn a_format_string_of_ones_own_reads_only_lines_that_match_all_of_it() {
+        let w = wanted();
+        let text = r#"$remote_addr [$time_iso8601] "$request" key="$http_x_api_key" ua="$http_user_agent""#;
+        let own = Template::compile("n", text, Syntax::Nginx, &w).unwrap().whole_lines();
+        let good = br#"192.0.2.1 [2026-12-01T10:00:00+00:00] "GET /a HTTP/1.1" key="k1" ua="-""#;
+        assert_eq!(own.read(&w, good).unwrap().headers[1].as_deref(), Some(&b"k1"[..]));
+        for (line, why) in [
+            (&br#"192.0.2.1 [2026-12-01T10:00:00+00:00] "GET /a HTTP/1.1" key="k1" ua="-" extra"#[..], "past the end"),
+            (br#"192.0.2.1 [2026-12-01T10:00:00+00:00] "GET /a HTTP/1.1" key="k1""#, "expected"),
+            (br#"not an address [2026-12-01T10:00:00+00:00] "GET /a HTTP/1.1" key="k1" ua="-""#, "client address"),
+            (br#"192.0.2.1 - - [01/Dec/2026:10:00:00 +0000] "GET / HTTP/1.1" 200 0 "-" "-""#, "client address"),
+        ] {
+            let e = own.read(&w, line).err().unwrap_or_else(|| panic!("{}", String::from_utf8_lossy(line)));
+            assert!(e.contains(why), "{}: {e}", String::from_utf8_lossy(line));
+        }
+        // A method alone must be one.
+        let f = Template::compile("m", "$msec $request_method $request_uri", Syntax::Nginx, &w).unwrap().whole_lines();
+        assert!(f.read(&w, b"1796119200.5 GET /a").is_ok());
+        assert!(f.read(&w, b"1796119200.5 G3T /a").err().unwrap().contains("method"));
+        // A Unix socket's peer has no address; the line is read.
+        let f = Template::compile("u", "$remote_addr $msec $request_uri", Syntax::Nginx, &w).unwrap();
+        assert_eq!(f.read(&w, b"unix: 1796119200.5 /a").unwrap().peer, None);
+        // The predefined formats leave what a log appends after their fields.
+        let combined = Template::compile("c", NGINX_COMBINED, Syntax::Nginx, &w).unwrap();
+        assert!(combined
+            .read(&w, br#"1.2.3.4 - - [01/Dec/2026:10:00:00 +0000] "GET / HTTP/1.1" 200 0 "-" "-" 0.004"#)
+            .is_ok());
     }
 
     #[test]

@@ -191,6 +191,8 @@ fn candidates(choice: FormatChoice, log_format: Option<&str>, wanted: &Wanted) -
             None => (name.to_owned(), default),
         };
         Template::compile(&name, text, syntax, wanted)
+            // A format string of the operator's: a line matches all of it or is unreadable.
+            .map(|t| if log_format.is_some() { t.whole_lines() } else { t })
             .map(LogFormat::Text)
             .map_err(|e| Failure::Usage(format!("--log-format: {e}")))
     };

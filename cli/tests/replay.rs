@@ -224,6 +224,35 @@ fn unreadable_lines_are_counted_and_shown_with_their_numbers() {
     assert!(err.ends_with("1000 log lines could not be read\n"), "{err}");
 }
 
+#[test]
+fn a_line_that_does_not_match_the_log_format_given_is_unreadable_not_replayed() {
+    let rules = root("examples/rules.json");
+    let format = r#"$remote_addr [$time_iso8601] "$request" key="$http_x_api_key""#;
+    let good = |n: u32| format!(r#"192.0.2.1 [2026-12-01T10:00:{n:02}+00:00] "GET /v1/items HTTP/1.1" key="k1""#);
+    let mut log = String::new();
+    for n in 1..=10 {
+        let line = match n {
+            // Another format's line, one with more after the format's end, one whose address
+            // is none: none of them is a request of this log.
+            3 => r#"192.0.2.1 - - [01/Dec/2026:10:00:00 +0000] "GET /v1/items HTTP/1.1" 200 0 "-" "-""#.to_owned(),
+            5 => format!("{} 200 0.004", good(n)),
+            8 => good(n).replacen("192.0.2.1", "somebody", 1),
+            _ => good(n),
+        };
+        writeln!(log, "{line}").unwrap();
+    }
+    let o = ratewall(&["replay", "--json", "--log-format", format, &rules, &temp("mixed.nginx", &log)]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let got: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((got["requests"].clone(), got["invalid_lines"].clone()), (json!(7), json!(3)), "{got}");
+    assert_eq!(got["rules"][1]["allowed"], 7, "{got}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    for n in [3, 5, 8] {
+        assert!(err.contains(&format!("mixed.nginx:{n}: ")), "line {n} not named:\n{err}");
+    }
+    assert!(err.contains("3 log lines could not be read"), "{err}");
+}
+
 /// Peak resident memory of a live process, in KiB.
 fn peak_rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
