@@ -349,7 +349,7 @@ fn admin_token(env: &Env) -> Option<String> {
         .filter(|t| !t.trim().is_empty())?;
     if token.trim().len() < admin::MIN_TOKEN && !with(|i| std::mem::replace(&mut i.admin_warned, true)) {
         console_error!(
-            "ratewall: RATEWALL_ADMIN_TOKEN is shorter than {} characters; the admin routes stay off",
+            "ratewall: RATEWALL_ADMIN_TOKEN is shorter than {} characters; use a longer one",
             admin::MIN_TOKEN
         );
     }
