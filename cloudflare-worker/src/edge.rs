@@ -16,7 +16,7 @@ use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos, State};
 use ratewall_core::eval::{Check, CheckOutcome, CheckResult, Outcome, Skip, StoreError, Tally};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_ip, ip_key, parse_ip};
-use ratewall_core::rules::{FailurePolicy, Mode};
+use ratewall_core::rules::{FailurePolicy, HashKeySource, Mode};
 use ratewall_core::sync::Applied;
 pub use ratewall_core::sync::{hex, unhex};
 use ratewall_core::{Config, ConfigError, Request};
@@ -35,6 +35,9 @@ pub struct Rules {
     source: String,
     /// The last document rejected (each is reported once).
     last_rejected: String,
+    /// The deployment's secret secret identity values are hashed under when the document
+    /// sets no `identity.hash_key` (see [`Rules::keyed_by`]).
+    deployment_secret: String,
 }
 
 /// What offering a rules document did, for the log.
@@ -55,10 +58,29 @@ impl Rules {
         if self.config.is_some() && doc == self.source {
             return Ok(false);
         }
-        let config = Config::parse(doc.as_bytes())?;
+        let mut config = Config::parse(doc.as_bytes())?;
+        let identity = &mut config.identity;
+        if identity.hash_key_source == HashKeySource::BuiltIn && !self.deployment_secret.is_empty() {
+            identity.hash_key = ratewall_core::key::HashKey::derive(self.deployment_secret.as_bytes());
+            identity.hash_key_source = HashKeySource::SyncSecret;
+        }
         self.config = Some(Rc::new(config));
         self.source = doc.to_owned();
         Ok(true)
+    }
+
+    /// Rules whose secret identity values, when the document sets no `identity.hash_key`,
+    /// are hashed under a key derived from `secret` (the Worker's `RATEWALL_SYNC_SECRET`,
+    /// else its admin token) rather than the key built into ratewall, which anyone can hash
+    /// guesses under. Derived as a filter derives it from its `sync.secret`, so filter nodes
+    /// syncing to the Worker show a value under the same hash.
+    pub fn keyed_by(secret: &str) -> Rules {
+        Rules { deployment_secret: secret.trim().to_owned(), ..Rules::default() }
+    }
+
+    /// Sets the deployment secret of [`Rules::keyed_by`] for the documents loaded from now on.
+    pub fn set_deployment_secret(&mut self, secret: &str) {
+        self.deployment_secret = secret.trim().to_owned();
     }
 
     /// Offers `doc`, read from `origin`, counting what happened in `metrics`.
@@ -722,6 +744,28 @@ mod tests {
         assert!(msg.ends_with("the previous rules stay in force"), "{msg}");
         assert_eq!((m.rules_loaded, m.rules_rejected), (1, 2));
         assert_eq!(r.current().map(|c| c.rules.len()), Some(2));
+    }
+
+    #[test]
+    fn secret_values_hash_under_the_deployments_secret_unless_the_document_sets_a_key() {
+        let mut builtin = Rules::default();
+        builtin.load(RULES).unwrap();
+        let mut keyed = Rules::keyed_by("the sync secret of this deployment");
+        keyed.load(RULES).unwrap();
+        let (b, k) = (builtin.current().unwrap(), keyed.current().unwrap());
+        assert_eq!(b.identity.hash_key_source, HashKeySource::BuiltIn);
+        assert_eq!(k.identity.hash_key_source, HashKeySource::SyncSecret);
+        assert_ne!(k.identity.hash_key.hash(b"sk_live_1"), b.identity.hash_key.hash(b"sk_live_1"));
+        // As a filter node syncing with the same secret derives it.
+        let with_sync =
+            RULES.replacen('{', r#"{"sync": {"cluster": "store", "secret": "the sync secret of this deployment"},"#, 1);
+        let node = Config::parse(with_sync.as_bytes()).unwrap();
+        assert_eq!(k.identity.hash_key.hash(b"sk_live_1"), node.identity.hash_key.hash(b"sk_live_1"));
+        // A key the document sets wins.
+        let doc = RULES.replacen(r#""identity": {"#, r#""identity": {"hash_key": "a key the operator chose","#, 1);
+        let mut own = Rules::keyed_by("the sync secret of this deployment");
+        own.load(&doc).unwrap();
+        assert_eq!(own.current().unwrap().identity.hash_key_source, HashKeySource::HashKey);
     }
 
     #[test]

@@ -118,6 +118,14 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
     });
     let from_var = var(env, "RATEWALL_RULES");
     if load_var {
+        // Secret identity values hash under a key of this deployment's, not ratewall's own.
+        let secret = ["RATEWALL_SYNC_SECRET", "RATEWALL_ADMIN_TOKEN"]
+            .iter()
+            .find_map(|n| {
+                env.secret(n).map(|s| s.to_string()).ok().or_else(|| var(env, n)).filter(|s| !s.trim().is_empty())
+            })
+            .unwrap_or_default();
+        with(|i| i.rules.set_deployment_secret(&secret));
         match &from_var {
             Some(doc) => load_rules(doc, "var RATEWALL_RULES"),
             None => console_error!("ratewall: no RATEWALL_RULES var; waiting for rules in KV"),
