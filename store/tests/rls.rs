@@ -607,3 +607,31 @@ async fn a_broken_file_at_start_stops_the_store_with_its_line() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("{}:4:", p.display())) && err.contains("unknown field `ratelimit`"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_value_never_skips_a_limit() {
+    let redis = Redis::start(false).unwrap();
+    let d = readme_examples();
+    std::fs::write(d.join("limits.yaml"), LIMITS).unwrap();
+    let store = RlsProcess::start(&redis.url(), &d);
+    let mut c = store.client().await;
+    let long = "a".repeat(5_000);
+    // A blocklisted address beside a long value in another descriptor: still over the limit.
+    let blocked = descriptor(&[("remote_address", "50.0.0.5")]);
+    let r = ask(&mut c, request("edge_proxy_per_ip", vec![blocked, descriptor(&[("remote_address", &long)])])).await;
+    assert_eq!((r.overall_code, r.statuses[0].code), (OVER, OVER));
+    assert_eq!(limit_of(&r, 1), Some((10, SECOND)), "the long value matches the key alone");
+    let body = format!(
+        r#"{{"domain":"edge_proxy_per_ip","descriptors":[{{"entries":[{{"key":"remote_address","value":"50.0.0.5"}}]}},{{"entries":[{{"key":"remote_address","value":"{long}"}}]}}]}}"#
+    );
+    let r = http::request(&store.http, "POST", "/json", &[], body.as_bytes()).unwrap();
+    assert_eq!(r.status, 429, "{}", r.text());
+    // A long value is counted against its limit, on its own counter.
+    for left in (0..5).rev() {
+        let r = ask(&mut c, request("api", vec![descriptor(&[("user", &long)])])).await;
+        assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, left));
+    }
+    assert_eq!(ask(&mut c, request("api", vec![descriptor(&[("user", &long)])])).await.overall_code, OVER);
+    let r = ask(&mut c, request("api", vec![descriptor(&[("user", &format!("{long}b"))])])).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 4));
+}

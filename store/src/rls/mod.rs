@@ -113,7 +113,9 @@ pub enum Refusal {
 pub const MAX_DESCRIPTORS: usize = 64;
 /// Most entries one descriptor may carry.
 pub const MAX_ENTRIES: usize = 32;
-/// Longest key or value, bytes.
+/// Longest key or value a counter is named by as it is: a longer one is named by its keyed
+/// hash (a call is never refused for a long value — Envoy would then let it through — and
+/// what a counter's name holds stays bounded).
 pub const MAX_TEXT: usize = 4096;
 
 /// What one limited descriptor is decided against.
@@ -134,6 +136,8 @@ pub struct Rls<K> {
     stamp: Mutex<Vec<(PathBuf, Option<std::time::SystemTime>, u64)>>,
     /// Keys counter names (descriptor values may be secrets: Redis sees only a keyed hash).
     secret: Vec<u8>,
+    /// Keys the hash that ends a long `limit` override's policy name.
+    hash_key: ratewall_core::key::HashKey,
     /// Per rule and per domain counts.
     pub metrics: metrics::RlsMetrics,
     /// Counters being updated by this process (calls on one counter take turns here, so
@@ -158,6 +162,7 @@ impl<K: Kv> Rls<K> {
             path,
             stamp: Mutex::new(stamp),
             secret: secret.to_vec(),
+            hash_key: ratewall_core::key::HashKey::derive(secret),
             busy: Mutex::default(),
             known: Mutex::default(),
             leases: lease::Leases::new(),
@@ -213,11 +218,17 @@ impl<K: Kv> Rls<K> {
     }
 
     fn counter_key(&self, domain: &str, entries: &[(String, String)], matched: Option<&Matched>) -> String {
-        // Length-prefixed, so no two descriptors share a name.
+        // Length-prefixed, so no two descriptors share a name; a part over MAX_TEXT bytes is
+        // its keyed hash behind a length no shorter part has.
         let mut name = Vec::with_capacity(64);
         let mut push = |s: &str| {
-            name.extend_from_slice(&(s.len() as u32).to_le_bytes());
-            name.extend_from_slice(s.as_bytes());
+            if s.len() > MAX_TEXT {
+                name.extend_from_slice(&u32::MAX.to_le_bytes());
+                name.extend_from_slice(&sign(&self.secret, s.as_bytes()));
+            } else {
+                name.extend_from_slice(&(s.len() as u32).to_le_bytes());
+                name.extend_from_slice(s.as_bytes());
+            }
         };
         push("rls");
         push(domain);
@@ -249,9 +260,6 @@ impl<K: Kv> Rls<K> {
             if d.entries.len() > MAX_ENTRIES {
                 return Err(Refusal::Invalid(format!("descriptors[{i}] has more than {MAX_ENTRIES} entries")));
             }
-            if d.entries.iter().any(|(k, v)| k.len() > MAX_TEXT || v.len() > MAX_TEXT) {
-                return Err(Refusal::Invalid(format!("descriptors[{i}]: a key or value is over {MAX_TEXT} bytes")));
-            }
             if !known_domain {
                 rules.push(None);
                 continue;
@@ -268,6 +276,8 @@ impl<K: Kv> Rls<K> {
                         key.push_str(v);
                     }
                 }
+                // Named by the request's values: cut, with a keyed hash of the whole, when long.
+                let key = ratewall_core::topk::bounded_key(key, &self.hash_key);
                 let rule = Rule::overriding(&call.domain, key, rpu, unit)
                     .map_err(|e| Refusal::Invalid(format!("descriptors[{i}].limit: {e}")))?;
                 rules.push(Some((Arc::new(rule), None)));

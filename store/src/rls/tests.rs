@@ -179,3 +179,27 @@ async fn counter_names_hide_descriptor_values() {
         assert!(!k.contains("secret") && !k.contains(&hex(b"secret")), "{k}");
     }
 }
+
+#[tokio::test]
+async fn a_long_value_is_matched_and_counted_never_refused() {
+    let r = rls();
+    let long = "v".repeat(5_000);
+    // A blocklisted descriptor beside a long value still denies the call.
+    let a = r.should_rate_limit(&call(&[&[("banned", "x")], &[("user", &long)]])).await.unwrap();
+    assert_eq!(a.overall_code, Code::OverLimit);
+    assert_eq!(a.statuses[0].code, Code::OverLimit);
+    // The long value is counted against its limit, on a counter of its own.
+    let c = call(&[&[("user", &long)]]);
+    for left in [2, 1, 0] {
+        assert_eq!(remaining(&r.should_rate_limit(&c).await.unwrap()), [left]);
+    }
+    assert_eq!(r.should_rate_limit(&c).await.unwrap().overall_code, Code::OverLimit);
+    let other = format!("{}w", &long[1..]);
+    assert_eq!(remaining(&r.should_rate_limit(&call(&[&[("user", &other)]])).await.unwrap()), [2]);
+    // An override named by a long value gives a bounded policy name.
+    let mut c = call(&[&[("tenant", &long)]]);
+    c.descriptors[0].limit = Some((5, Unit::Minute.proto()));
+    let a = r.should_rate_limit(&c).await.unwrap();
+    assert_eq!(a.overall_code, Code::Ok);
+    assert!(a.headers.iter().all(|(_, v)| v.len() < 400), "{:?}", a.headers);
+}
