@@ -635,3 +635,29 @@ async fn a_long_value_never_skips_a_limit() {
     let r = ask(&mut c, request("api", vec![descriptor(&[("user", &format!("{long}b"))])])).await;
     assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 4));
 }
+
+/// Retry-After of an answer, seconds.
+fn retry_after(r: &RateLimitResponse) -> u64 {
+    header(r, "Retry-After").unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_is_the_end_of_a_spent_fixed_window() {
+    let redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start(&redis.url(), &limits("retry"));
+    let mut c = store.client().await;
+    let call = || request("api", vec![descriptor(&[("user", "retry")])]);
+    while ask(&mut c, call()).await.overall_code == OK {}
+    // The first denial and the ones answered from memory after it alike: the day's end (a
+    // client that waits less is refused again).
+    for i in 0..8 {
+        let r = ask(&mut c, call()).await;
+        assert_eq!(r.overall_code, OVER, "{i}");
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        let day_end = 86_400 - now % 86_400;
+        let retry = retry_after(&r);
+        assert!(retry + 2 >= day_end && retry <= day_end + 1, "{i}: Retry-After {retry}, {day_end} s to the day's end");
+        let reset = r.statuses[0].duration_until_reset.unwrap().seconds as u64;
+        assert!(reset + 2 >= day_end && reset <= day_end, "{i}: duration_until_reset {reset}, {day_end} s left");
+    }
+}

@@ -53,6 +53,9 @@ struct Held {
     /// Refused until then (our clock), for calls of at least this many hits.
     denied_until: Nanos,
     denied_hits: u64,
+    /// When the refused call would fit (our clock; None: never): the retry time of the calls
+    /// answered from memory.
+    retry_at: Option<Nanos>,
     /// Whether Redis has answered for it (a counter first spent on an initial share has
     /// not, until its first batch is answered: an ask meanwhile would be answered from a
     /// count that lacks those units).
@@ -181,6 +184,7 @@ impl Leases {
                 used: now,
                 denied_until: 0,
                 denied_hits: 0,
+                retry_at: None,
                 answered: false,
             },
         );
@@ -205,7 +209,8 @@ impl Leases {
         let (remaining, reset_after) = estimate(h, now);
         if hits > 0 && hits >= h.denied_hits && now < h.denied_until {
             self.local.fetch_add(1, Ordering::Relaxed);
-            let retry = Some(h.denied_until - now);
+            // The refused call's own retry time, not the end of its stay in memory.
+            let retry = h.retry_at.map(|at| at.saturating_sub(now));
             return Some(Decision {
                 allowed: false,
                 limit: limit.quota(),
@@ -255,6 +260,7 @@ impl Leases {
                     used: now,
                     denied_until: 0,
                     denied_hits: 0,
+                    retry_at: None,
                     answered: true,
                 });
                 if h.limit != limit {
@@ -273,6 +279,7 @@ impl Leases {
                 } else if hits > 0 {
                     h.denied_until = now.saturating_add(retry.unwrap_or(DENY_CACHE).min(DENY_CACHE));
                     h.denied_hits = hits;
+                    h.retry_at = retry.map(|r| now.saturating_add(r));
                 }
             }
         }
@@ -299,6 +306,13 @@ impl Leases {
         h.pending = Some((seq, h.spent, now));
         let units = std::mem::take(&mut h.spent);
         Some((seq, units))
+    }
+
+    /// Units of counter `rkey` this process admitted that Redis may not have counted yet
+    /// (spent since the last batch, and the batch in flight).
+    pub fn unreported(&self, rkey: &str) -> u64 {
+        let Ok(held) = self.held.lock() else { return 0 };
+        held.get(rkey).map_or(0, |h| h.spent.saturating_add(h.pending.map_or(0, |(_, u, _)| u)))
     }
 
     /// Gives back `hits` taken from the grant: false when they were reported already (then
@@ -491,7 +505,13 @@ mod tests {
         let l = Leases::new();
         let d = l.asked("k", limit(), 1, &applied(0, 0), Some(10 * ratewall_core::SECOND), 0);
         assert!(!d.allowed);
-        assert!(!l.take("k", limit(), 1, DENY_CACHE - 1).unwrap().allowed);
+        let cached = l.take("k", limit(), 1, DENY_CACHE - 1).unwrap();
+        assert!(!cached.allowed);
+        assert_eq!(
+            cached.retry_after,
+            Some(10 * ratewall_core::SECOND - (DENY_CACHE - 1)),
+            "the call's own retry time"
+        );
         assert!(l.take("k", limit(), 1, DENY_CACHE).is_none());
         l.asked("k", limit(), 3, &applied(0, 2), Some(ratewall_core::SECOND), 0);
         assert!(l.take("k", limit(), 2, 1).is_none(), "a smaller call may fit: it asks");

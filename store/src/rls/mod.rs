@@ -447,10 +447,11 @@ impl<K: Kv> Rls<K> {
             }
         }
         let ask = self.leases.next_ask();
+        let unreported = self.leases.unreported(&c.rkey);
         let (a, at, retry) = self
             .update(&c.rkey, limit, move |counter, now| {
                 let a = counter.ask(limit, now, node, ask, hits, crate::NODE_TTL);
-                let retry = if a.counted || hits == 0 { None } else { counter.retry_after(now, hits) };
+                let retry = if a.counted || hits == 0 { None } else { retry_after(counter, now, hits, unreported) };
                 ((a, now, retry), a.counted)
             })
             .await?;
@@ -577,6 +578,25 @@ impl<K: Kv> Rls<K> {
     /// A short hex digest naming a counter in logs (never the descriptor's values).
     pub fn digest(&self, rkey: &str) -> String {
         hex(rkey.as_bytes()).chars().take(12).collect()
+    }
+}
+
+/// How long a call of `hits` refused by an ask at `now` waits until it would fit: until the
+/// counter's state, with the `unreported` units this process admitted from its grant counted,
+/// has room for it (a fixed window whose quota is spent: the window's end), and no sooner than
+/// [`Counter::retry_after`] (the grants held lapse). That one alone counts this process's own
+/// grant as free once its lease ends, though its units were spent: it answered a second or two
+/// while the window had minutes left. None: the call never fits.
+fn retry_after(counter: &Counter, now: Nanos, hits: u64, unreported: u64) -> Option<Nanos> {
+    let now = now.max(counter.last_seen);
+    let limit = counter.limit;
+    let spent = limit.consume(&counter.state, now, unreported);
+    let (alone, _) = limit.decide(&spent, now, hits);
+    let held = counter.retry_after(now, hits);
+    if alone.allowed {
+        held
+    } else {
+        alone.retry_after.map(|r| r.max(held.unwrap_or(0)))
     }
 }
 
