@@ -321,10 +321,19 @@ pub fn decode_heard(body: &str) -> Option<Result<u32, u64>> {
 }
 
 /// Encodes a counter object's answer to [`Call::Apply`].
-pub fn encode_applied(a: &Applied) -> String {
+/// `out_for`: how long the counter is out of quota after the call
+/// ([`ratewall_core::sync::Counter::out_for`]).
+pub fn encode_applied(a: &Applied, out_for: Option<Nanos>) -> String {
     json!({"remaining": a.remaining, "grant": a.grant, "reset_after": a.reset_after, "lease": a.lease,
-           "nodes": a.nodes, "counted": a.counted})
+           "nodes": a.nodes, "counted": a.counted, "out_for": out_for})
     .to_string()
+}
+
+/// The `out_for` of an [`encode_applied`] answer (`None`: not out, or an object of an older
+/// version).
+pub fn decode_out_for(body: &str) -> Option<Nanos> {
+    let v: Value = serde_json::from_str(body).ok()?;
+    u64_field(&v, "out_for")
 }
 
 /// Parses [`encode_applied`].
@@ -825,7 +834,9 @@ mod tests {
         };
         assert_eq!(Taken::decode(&t.encode()), Some(t));
         let a = Applied { remaining: 3, grant: 1, reset_after: 2, lease: 5, nodes: 4, counted: true };
-        assert_eq!(decode_applied(&encode_applied(&a)), Some(a));
+        assert_eq!(decode_applied(&encode_applied(&a, Some(5))), Some(a));
+        assert_eq!(decode_out_for(&encode_applied(&a, Some(5))), Some(5));
+        assert_eq!(decode_out_for(&encode_applied(&a, None)), None);
     }
 
     #[test]

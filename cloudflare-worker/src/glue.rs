@@ -51,6 +51,8 @@ struct Isolate {
     top: IsolateTop,
     /// A too-short admin token was reported.
     admin_warned: bool,
+    /// Counters this isolate's `/v1/sync` calls found out of quota, named to the nodes.
+    out: ratewall_core::sync::Out,
 }
 
 /// A random node id for this isolate at the counter objects.
@@ -73,6 +75,7 @@ thread_local! {
             node,
             top: IsolateTop::default(),
             admin_warned: false,
+            out: ratewall_core::sync::Out::default(),
         }
     });
 }
@@ -544,7 +547,8 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
     // An ask's verdict is never a refusal (the registry only advises it).
     let nodes = verdict.ok().flatten();
     let replies: Vec<Option<String>> = replies.into_iter().map(|r| r.ok()).collect();
-    let (out, signature) = match store::answer(&secret, &batch, &replies, nodes, now()) {
+    let answered = with(|i| store::answer(&secret, &batch, &replies, nodes, now(), &mut i.out));
+    let (out, signature) = match answered {
         Ok(a) => a,
         Err(r) => return refused(r),
     };

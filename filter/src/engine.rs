@@ -693,6 +693,9 @@ impl Engine {
         };
         let mut counters = TableCounters::new(&self.table, host, grants, &unavailable);
         counters.exact = &self.exact;
+        if let (Some(s), Grants::On { .. }) = (self.sync(), grants) {
+            counters.named_out = s.named_out(now);
+        }
         let mut outcome = evaluate(&self.config, &checks, &mut counters, now);
         if self.refuse_wait(host, &checks, &mut outcome, &mut counters, now) {
             if let Some(id) = self.node.waits_refused {

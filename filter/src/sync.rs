@@ -235,9 +235,12 @@ pub struct View {
     pub rtt: Nanos,
 }
 
+/// The length of [`View::encode`].
+const VIEW_LEN: usize = 28;
+
 impl View {
     fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(28);
+        let mut b = Vec::with_capacity(VIEW_LEN);
         b.extend_from_slice(&self.ok_at.to_le_bytes());
         b.extend_from_slice(&self.nodes.to_le_bytes());
         b.extend_from_slice(&self.offset.to_le_bytes());
@@ -253,6 +256,29 @@ impl View {
             rtt: b.get(20..28).and_then(|r| r.try_into().ok()).map_or(0, u64::from_le_bytes),
         })
     }
+}
+
+/// Counters the store named out of quota in its last answer (`ratewall_core::sync::Out`):
+/// (the key's FNV-1a hash, out until, whole ms of the store's clock). Kept after the view in
+/// its shared value, so every VM reads them with it.
+type Named = Vec<(u64, u64)>;
+
+fn encode_named(named: &[(u64, u64)], out: &mut Vec<u8>) {
+    for (hash, until_ms) in named {
+        out.extend_from_slice(&hash.to_le_bytes());
+        out.extend_from_slice(&until_ms.to_le_bytes());
+    }
+}
+
+fn decode_named(b: &[u8]) -> Named {
+    b.chunks_exact(16)
+        .filter_map(|c| {
+            let hash = u64::from_le_bytes(c.get(..8)?.try_into().ok()?);
+            let until = u64::from_le_bytes(c.get(8..16)?.try_into().ok()?);
+            Some((hash, until))
+        })
+        .take(ratewall_core::sync::MAX_OUT)
+        .collect()
 }
 
 /// A batch sent and not yet answered, or failed and waiting to be retried with the same seq.
@@ -342,6 +368,8 @@ pub struct Syncer {
     local: RefCell<Pending>,
     syncing: RefCell<Syncing>,
     view: Cell<View>,
+    /// Counters the store named out in its last answer.
+    named: RefCell<Named>,
     metrics: Metrics,
     /// Asks in flight, and the number of the last one sent.
     asks: Cell<(u32, u64)>,
@@ -418,6 +446,7 @@ impl Syncer {
             local: RefCell::default(),
             syncing: RefCell::default(),
             view: Cell::new(View::default()),
+            named: RefCell::default(),
             metrics,
             asks: Cell::new((0, 0)),
             ask_backoff: Cell::new((0, 0)),
@@ -441,6 +470,7 @@ impl Syncer {
             local: RefCell::new(take_local.unwrap_or_default()),
             syncing: RefCell::new(take_syncing.unwrap_or_default()),
             view: Cell::new(previous.view.get()),
+            named: RefCell::new(previous.named.borrow().clone()),
             metrics: previous.metrics,
             asks: Cell::new(previous.asks.get()),
             ask_backoff: Cell::new(previous.ask_backoff.get()),
@@ -456,6 +486,12 @@ impl Syncer {
     /// The view as of this VM's last tick.
     pub fn view(&self) -> View {
         self.view.get()
+    }
+
+    /// The hashes (FNV-1a) of the counters the store's last answer named out of quota that
+    /// are still out at `store_now` (the store's clock).
+    pub fn named_out(&self, store_now: Nanos) -> Vec<u64> {
+        self.named.borrow().iter().filter(|(_, until)| store_now / MS < *until).map(|(h, _)| *h).collect()
     }
 
     /// The store's clock, from ours.
@@ -500,8 +536,9 @@ impl Syncer {
         let now = host.now();
         self.publish(host);
         if let Ok((Some(v), _)) = host.shared_get(VIEW) {
-            if let Some(v) = View::decode(&v) {
-                self.view.set(v);
+            if let Some(view) = View::decode(&v) {
+                self.view.set(view);
+                *self.named.borrow_mut() = decode_named(v.get(VIEW_LEN..).unwrap_or_default());
             }
         }
         let v = self.view.get();
@@ -882,8 +919,20 @@ impl Syncer {
         write_grants(host, table, &batch.deltas, &resp, sent, false);
         let offset = i64::try_from(resp.now).unwrap_or(i64::MAX).saturating_sub(i64::try_from(now).unwrap_or(0));
         let view = View { ok_at: now, nodes: resp.nodes.max(1), offset, rtt: now.saturating_sub(sent) };
-        let _ = host.shared_set(VIEW, &view.encode(), None);
+        // The grants past the deltas' name the counters the store found out of quota.
+        let named: Named = resp
+            .grants
+            .get(batch.deltas.len()..)
+            .unwrap_or_default()
+            .iter()
+            .take(ratewall_core::sync::MAX_OUT)
+            .map(|g| (ratewall_core::key::fnv1a(&g.key), resp.now.saturating_add(g.reset_after) / MS))
+            .collect();
+        let mut shared = view.encode();
+        encode_named(&named, &mut shared);
+        let _ = host.shared_set(VIEW, &shared, None);
         self.view.set(view);
+        *self.named.borrow_mut() = named;
         self.refusal_logged.set(false);
         {
             let mut s = self.syncing.borrow_mut();
@@ -895,9 +944,11 @@ impl Syncer {
                     r.1 = Recent(r.1).leased(end).0;
                 }
             }
-            // A heartbeat's empty answer says nothing about the counters.
-            if !resp.grants.is_empty() {
-                s.relaxed = resp.grants.iter().all(|g| g.lease >= RELAXED_LEASE);
+            // A heartbeat's empty answer says nothing about the counters (nor do the
+            // counters named out past the deltas' grants).
+            let own = resp.grants.get(..batch.deltas.len()).unwrap_or(&resp.grants);
+            if !own.is_empty() {
+                s.relaxed = own.iter().all(|g| g.lease >= RELAXED_LEASE);
             }
         }
         if let Some(m) = self.metrics.breaker_open {

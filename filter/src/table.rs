@@ -589,6 +589,9 @@ pub struct TableCounters<'a> {
     /// Whether each rule is exact (`"exact": true`): its spent grant asks the store, and it
     /// has no overdraft. Rules past the end are not.
     pub exact: &'a [bool],
+    /// The counters (FNV-1a hashes of their keys) the store's last answer named out of
+    /// quota: a rule that is not exact spends no initial share or overdraft on them.
+    pub named_out: Vec<u64>,
     /// The departure count each leaky bucket's admission read (by counter key): the turn it
     /// was given is moved up by the departures after it.
     pub seqs: Vec<(Vec<u8>, u32)>,
@@ -609,6 +612,7 @@ impl<'a> TableCounters<'a> {
             unavailable,
             askable: Vec::new(),
             exact: &[],
+            named_out: Vec::new(),
             seqs: Vec::new(),
             leaving: None,
             refunding: false,
@@ -653,8 +657,12 @@ impl Counters for TableCounters<'_> {
         // overdraft of its own (what an answer showing the whole quota left would allow):
         // spent, it is the node's one unrepaid overdraft, until an answer finds room for it.
         let no_wait = !self.exact.get(check.rule).copied().unwrap_or(false);
+        // A counter the store named out of quota: no initial share or overdraft (an exact
+        // rule's first request asks, as always: the store refuses it while the counter is out).
+        let out =
+            no_wait && !self.named_out.is_empty() && self.named_out.contains(&ratewall_core::key::fnv1a(&check.key));
         let late_over = match grants {
-            Grants::On { nodes } if no_wait && late => {
+            Grants::On { nodes } if no_wait && late && !out => {
                 crate::sync::overdraft(limit.quota(), nodes, u64::MAX, 1, false, 0)
             }
             _ => 0,
@@ -664,7 +672,7 @@ impl Counters for TableCounters<'_> {
         // every node at once: at three nodes, three through an exact limit of two).
         let unasked = !late && no_wait;
         let first = Allowance {
-            units: if unasked { initial } else { 0 },
+            units: if unasked && !out { initial } else { 0 },
             more: !unasked,
             until_ms: 0,
             over: late_over,
@@ -683,7 +691,7 @@ impl Counters for TableCounters<'_> {
             let grant = if rolled { None } else { grant };
             let held = grant.unwrap_or(Allowance { share, ..first });
             let held = Allowance { units: held.units_at(now), ..held };
-            let over = if no_wait { u64::from(held.over) } else { 0 };
+            let over = if no_wait && !out { u64::from(held.over) } else { 0 };
             let allowance = match (grants, refunding) {
                 (Grants::On { .. }, false) => u64::from(held.units) + over,
                 _ => u64::MAX,

@@ -14,7 +14,7 @@
 //! It is not a rate limiter of its own: proxies decide; this adds up what they admitted.
 
 use ratewall_core::sync::{
-    hex, sign, unhex, Counter, Grant, SyncError, SyncRequest, SyncResponse, RETRY_HORIZON, SEQ_MEMORY,
+    hex, sign, unhex, Counter, Grant, Out, SyncError, SyncRequest, SyncResponse, RETRY_HORIZON, SEQ_MEMORY,
 };
 use ratewall_core::{Limit, Nanos, SECOND};
 
@@ -281,6 +281,9 @@ pub struct Store<K> {
     /// call instead of a read and a write — and when another process wrote in between, the
     /// failed compare-and-set returns the value to run again on. At most [`KNOWN`] counters.
     known: std::sync::Mutex<std::collections::HashMap<String, Known>>,
+    /// Counters this process found out of quota, named to every node with each batch answer
+    /// (`ratewall_core::sync::Out`; each process names those its own calls found).
+    out: std::sync::Mutex<Out>,
 }
 
 /// A counter's turn within the process.
@@ -303,6 +306,7 @@ impl<K: Kv> Store<K> {
             top: top::Top::default(),
             busy: Default::default(),
             known: Default::default(),
+            out: Default::default(),
         }
     }
 
@@ -431,9 +435,11 @@ impl<K: Kv> Store<K> {
         let results = join_all(updates).await;
         let mut grants = Vec::with_capacity(results.len());
         let mut now = 0;
+        let mut noted = Vec::with_capacity(results.len());
         for (d, r) in req.deltas.iter().zip(results) {
-            let (a, at) = r?;
+            let (a, at, out_for) = r?;
             now = now.max(at);
+            noted.push((d.key.as_slice(), out_for, at));
             grants.push(Grant::from_applied(&d.key, &a));
         }
         if now == 0 {
@@ -446,18 +452,28 @@ impl<K: Kv> Store<K> {
                 }
             }
         }
+        if let Ok(mut out) = self.out.lock() {
+            for (key, out_for, at) in noted {
+                out.note(key, out_for, at);
+            }
+            if !req.ask {
+                let asked: Vec<&[u8]> = req.deltas.iter().map(|d| d.key.as_slice()).collect();
+                out.name(now, &asked, &mut grants);
+            }
+        }
         Ok(SyncResponse { seq: req.seq, now, nodes, grants })
     }
 
     /// One counter's compare-and-swap loop: read, run the core's transition, write if still
-    /// unchanged. Returns the answer and the key's clock.
+    /// unchanged. Returns the answer, the key's clock, and how long the counter is out of
+    /// quota ([`Counter::out_for`]).
     async fn update(
         &self,
         req: &SyncRequest,
         key: &[u8],
         limit: Limit,
         units: u64,
-    ) -> Result<(ratewall_core::sync::Applied, Nanos), Answer> {
+    ) -> Result<(ratewall_core::sync::Applied, Nanos, Option<Nanos>), Answer> {
         let rkey = redis_key(key);
         let turn: Option<Turn> =
             self.busy.lock().ok().map(|mut b| std::sync::Arc::clone(b.entry(rkey.clone()).or_default()));
@@ -481,7 +497,7 @@ impl<K: Kv> Store<K> {
         rkey: &str,
         limit: Limit,
         units: u64,
-    ) -> Result<(ratewall_core::sync::Applied, Nanos), Answer> {
+    ) -> Result<(ratewall_core::sync::Applied, Nanos, Option<Nanos>), Answer> {
         let unavailable = |m: &Metrics| {
             m.redis_errors.fetch_add(1, Ordering::Relaxed);
             Answer::error(503, "Redis failed; retry the batch with the same seq")
@@ -526,7 +542,7 @@ impl<K: Kv> Store<K> {
                     continue;
                 }
                 // A repeat: nothing to write.
-                return Ok((a, counter.last_seen));
+                return Ok((a, counter.last_seen, counter.out_for(counter.last_seen)));
             }
             // Kept while anything in it matters (the state, leases, remembered seqs), and a
             // retry horizon on top.
@@ -547,7 +563,7 @@ impl<K: Kv> Store<K> {
                             .units_counted
                             .fetch_add(if req.ask { a.grant.min(units) } else { units }, Ordering::Relaxed);
                     }
-                    return Ok((a, counter.last_seen));
+                    return Ok((a, counter.last_seen, counter.out_for(counter.last_seen)));
                 }
                 Ok(Cas::Changed(value, at)) => current = Some((value, at)),
                 Err(_) => {
@@ -607,6 +623,19 @@ mod tests {
         let rule = RuleTop { rule: "r".into(), allowed: 1, denied, shadow_denied: 0, top: summary };
         let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
         top::Share { process, seconds: vec![(unix, TopSection { rules: vec![rule] })], nodes: Vec::new() }
+    }
+
+    #[tokio::test]
+    async fn a_batch_answer_names_the_counters_this_process_found_out_of_quota() {
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let a = call(&store, 1, 1, &[(b"spent", 100), (b"other", 1)]).await;
+        assert_eq!(remaining(&a), [0, 99], "a batch's own counters have their grants");
+        // Another node's heartbeat hears that `spent` is out.
+        let heard = SyncResponse::decode(&call(&store, 2, 1, &[]).await.body).unwrap();
+        assert_eq!(heard.grants.len(), 1, "{heard:?}");
+        let g = &heard.grants[0];
+        assert_eq!((g.key.as_slice(), g.remaining, g.grant, g.lease), (&b"spent"[..], 0, 0, 0));
+        assert!(g.reset_after > 0 && g.reset_after <= 3600 * SECOND);
     }
 
     #[tokio::test]

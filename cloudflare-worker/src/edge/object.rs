@@ -95,11 +95,11 @@ impl Object {
             }
             Call::Apply { limit, node, seq, units } => {
                 let a = c.apply(limit, t, node, seq, units, NODE_TTL);
-                (encode_applied(&a), a.counted, true)
+                (encode_applied(&a, c.out_for(t)), a.counted, true)
             }
             Call::Ask { limit, node, ask, units } => {
                 let a = c.ask(limit, t, node, ask, units, NODE_TTL);
-                (encode_applied(&a), a.grant > 0, true)
+                (encode_applied(&a, c.out_for(t)), a.grant > 0, true)
             }
             Call::Spend { limit, node, seq, units, ask, cost } => {
                 // The isolate's own traffic, like a take: written back by the alarm.

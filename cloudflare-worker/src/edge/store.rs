@@ -2,9 +2,9 @@
 //! the calls it makes, and the signed answer assembled from the objects' replies
 //! (docs/sync-protocol.md). The glue only makes the calls.
 
-use super::{decode_applied, decode_heard, hex, unhex, Call};
+use super::{decode_applied, decode_heard, decode_out_for, hex, unhex, Call};
 use ratewall_core::algo::Nanos;
-use ratewall_core::sync::{sign, Grant, SyncError, SyncRequest, SyncResponse};
+use ratewall_core::sync::{sign, Grant, Out, SyncError, SyncRequest, SyncResponse};
 
 /// A batch may name at most this many counters: each is one Durable Object call, and a
 /// Worker invocation has a bounded number of subrequests. Filters split larger batches.
@@ -94,12 +94,15 @@ pub fn registry_verdict(batch: &SyncRequest, answer: Option<&str>) -> Result<Opt
 /// call failed), in delta order. Any failed counter fails the whole call with 503: counters
 /// apply each (node, seq) once, so the node's retry of the whole batch never counts twice.
 /// `nodes` is the registry's count; only if it failed (an ask), the most any counter saw.
+/// A batch's answer also names the counters this isolate's sync calls found out of quota
+/// (`out`; see [`Out`]).
 pub fn answer(
     secret: &str,
     batch: &SyncRequest,
     replies: &[Option<String>],
     nodes: Option<u32>,
     now: Nanos,
+    out: &mut Out,
 ) -> Result<(Vec<u8>, String), Refusal> {
     let mut grants = Vec::with_capacity(replies.len());
     let mut per_counter = 1;
@@ -112,6 +115,13 @@ pub fn answer(
     }
     if grants.len() != batch.deltas.len() {
         return Err(refuse(503, "a counter object did not answer; retry the batch with the same seq"));
+    }
+    for (d, reply) in batch.deltas.iter().zip(replies) {
+        out.note(&d.key, reply.as_deref().and_then(decode_out_for), now);
+    }
+    if !batch.ask {
+        let asked: Vec<&[u8]> = batch.deltas.iter().map(|d| d.key.as_slice()).collect();
+        out.name(now, &asked, &mut grants);
     }
     let body = SyncResponse { seq: batch.seq, now, nodes: nodes.unwrap_or(per_counter), grants }.encode();
     let tag = hex(&sign(secret.as_bytes(), &body));
@@ -222,15 +232,39 @@ mod tests {
         assert_eq!(key, b"k1");
         counter.load(None, call.limit()).unwrap();
         let reply = counter.handle(call, T).map(|h| h.reply);
-        let (body, tag) = answer(SECRET, &b, std::slice::from_ref(&reply), Some(3), T).unwrap();
+        let (body, tag) = answer(SECRET, &b, std::slice::from_ref(&reply), Some(3), T, &mut Out::default()).unwrap();
         assert!(verify(SECRET.as_bytes(), &body, &unhex(tag.as_bytes()).unwrap()));
         let resp = SyncResponse::decode(&body).unwrap();
         assert_eq!((resp.seq, resp.now, resp.nodes, resp.grants.len()), (2, T, 3, 1));
         assert_eq!(resp.grants[0].remaining, 95);
-        assert_eq!(answer(SECRET, &b, &[None], Some(3), T).unwrap_err().status, 503);
-        assert_eq!(answer(SECRET, &b, &[Some("{}".into())], Some(3), T).unwrap_err().status, 503);
-        assert_eq!(answer(SECRET, &b, &[], Some(3), T).unwrap_err().status, 503, "a missing reply");
-        let (body, _) = answer(SECRET, &b, &[reply], None, T).unwrap();
+        assert_eq!(answer(SECRET, &b, &[None], Some(3), T, &mut Out::default()).unwrap_err().status, 503);
+        assert_eq!(answer(SECRET, &b, &[Some("{}".into())], Some(3), T, &mut Out::default()).unwrap_err().status, 503);
+        assert_eq!(
+            answer(SECRET, &b, &[], Some(3), T, &mut Out::default()).unwrap_err().status,
+            503,
+            "a missing reply"
+        );
+        let (body, _) = answer(SECRET, &b, &[reply], None, T, &mut Out::default()).unwrap();
         assert_eq!(SyncResponse::decode(&body).unwrap().nodes, 1, "without the registry: what the counters saw");
+    }
+
+    #[test]
+    fn a_batch_answer_names_the_counters_found_out_of_quota() {
+        let mut out = Out::default();
+        let mut counter = Object::default();
+        let spend =
+            SyncRequest { deltas: vec![Delta { units: 100, ..batch(1, false).deltas[0].clone() }], ..batch(1, false) };
+        let (_, call) = counter_calls(&spend).remove(0);
+        counter.load(None, call.limit()).unwrap();
+        let reply = counter.handle(call, T).map(|h| h.reply);
+        answer(SECRET, &spend, &[reply], Some(2), T, &mut out).unwrap();
+        // Another node's heartbeat hears of it.
+        let heartbeat = SyncRequest { node: 10, deltas: vec![], ..batch(1, false) };
+        let (body, _) = answer(SECRET, &heartbeat, &[], Some(2), T + SECOND, &mut out).unwrap();
+        let resp = SyncResponse::decode(&body).unwrap();
+        assert_eq!(resp.grants.len(), 1, "{resp:?}");
+        let g = &resp.grants[0];
+        assert_eq!((g.key.as_slice(), g.remaining, g.grant, g.lease), (&b"k1"[..], 0, 0, 0));
+        assert!(g.reset_after > 0);
     }
 }

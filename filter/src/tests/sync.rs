@@ -1117,3 +1117,34 @@ fn without_the_store_a_node_keeps_to_its_measured_share_window_after_window() {
     }
     assert!(h.metric("ratewall_sync_degraded_requests") >= 120);
 }
+
+#[test]
+fn a_node_that_heard_a_counter_is_out_of_quota_denies_its_first_request_on_it() {
+    // Two nodes, a limit of 2: the first spends ann's quota and reports it; the second's
+    // heartbeat answer names ann's counter out, so its first request on it is denied rather
+    // than admitted on an initial share (or, late in a fixed window, an overdraft) of quota
+    // the counter no longer has.
+    let (hosts, engines) = fleet(2, &rules(2, 2));
+    let (a, ha, b, hb) = (&engines[0], &hosts[0], &engines[1], &hosts[1]);
+    let mut s = store();
+    let ann = [("x-user-id", "ann")];
+    for (e, h) in engines.iter().zip(&hosts) {
+        e.on_tick(h);
+        serve(&mut s, e, h);
+    }
+    for _ in 0..5 {
+        let _ = reply(a, ha, "GET", NO_WAIT, &ann);
+        for h in &hosts {
+            h.advance(100 * MS);
+        }
+        a.on_tick(ha);
+        serve(&mut s, a, ha);
+    }
+    assert!(counted(&s, a, NO_WAIT, "ann", ha.now()) >= 2);
+    hb.advance(400 * MS);
+    b.on_tick(hb);
+    assert!(serve(&mut s, b, hb) > 0, "a heartbeat");
+    assert_eq!(reply(b, hb, "GET", NO_WAIT, &ann).status, 429);
+    // Another client of the rule is not out: the node admits it on its initial share.
+    assert_eq!(reply(b, hb, "GET", NO_WAIT, &[("x-user-id", "bob")]).status, 200);
+}

@@ -364,6 +364,16 @@ impl Counter {
             .fold(0, u64::saturating_add)
     }
 
+    /// How long until one unit is free again, if not one is at `now` (`None`: one is, or
+    /// none ever will be): how long a store names the counter out ([`super::Out`]).
+    pub fn out_for(&self, now: Nanos) -> Option<Nanos> {
+        let (one, _) = self.limit.decide(&self.state, now.max(self.last_seen), 1);
+        if one.allowed {
+            return None;
+        }
+        one.retry_after
+    }
+
     /// Units the grants of nodes other than `node` hold at `now` (on lease): what the node
     /// must not take for itself beyond its own grant. The Worker's isolates read it in every
     /// answer, to admit past their grants only on units nobody holds.

@@ -24,6 +24,7 @@
 
 mod auth;
 mod counter;
+mod out;
 mod registry;
 mod store;
 #[cfg(test)]
@@ -37,6 +38,7 @@ pub use auth::{hex, sign, unhex, verify};
 /// (docs/sync-protocol.md, "The error bound").
 pub const OVERDRAFT_PART: u64 = 100;
 pub use counter::{Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, REPORT_GRACE, RETRY_HORIZON, SEQ_MEMORY};
+pub use out::{Out, MAX_OUT};
 pub use registry::{Registry, MAX_NODES};
 pub use store::Store;
 pub use wire::{

@@ -1,6 +1,7 @@
 //! The reference store.
 
 use super::counter::Counter;
+use super::out::Out;
 use super::registry::Registry;
 use super::wire::{Grant, SyncError, SyncRequest, SyncResponse};
 use crate::algo::Nanos;
@@ -17,12 +18,20 @@ pub struct Store {
     max_counters: usize,
     /// A node not heard from for this long no longer counts as active.
     node_ttl: Nanos,
+    /// Counters found out of quota, named to every node.
+    out: Out,
 }
 
 impl Store {
     /// A store tracking at most `max_counters` counters (least recently seen are dropped).
     pub fn new(max_counters: usize, node_ttl: Nanos) -> Store {
-        Store { counters: BTreeMap::new(), registry: Registry::default(), max_counters: max_counters.max(1), node_ttl }
+        Store {
+            counters: BTreeMap::new(),
+            registry: Registry::default(),
+            max_counters: max_counters.max(1),
+            node_ttl,
+            out: Out::default(),
+        }
     }
 
     /// Counters currently held.
@@ -56,7 +65,8 @@ impl Store {
     /// applies a node's `seq` once, so a repeat — whole, or after a partial failure — counts
     /// nothing again and is answered with the grant each counter gave it, on what remains of
     /// its lease. An ask's `seq` numbers the node's asks: it neither checks nor moves the
-    /// batch sequence (each counter answers a repeated ask again, taking nothing).
+    /// batch sequence (each counter answers a repeated ask again, taking nothing). A batch's
+    /// answer names, after its deltas' grants, the counters found out of quota ([`Out`]).
     pub fn handle(&mut self, now: Nanos, req: &SyncRequest) -> Result<SyncResponse, SyncError> {
         let ttl = self.node_ttl;
         let nodes = self.registry.heard(now, req.node, req.seq, req.ask, ttl)?;
@@ -71,7 +81,12 @@ impl Store {
             } else {
                 c.apply(d.limit, now, req.node, req.seq, d.units, ttl)
             };
+            self.out.note(&d.key, c.out_for(now), now);
             grants.push(Grant::from_applied(&d.key, &a));
+        }
+        if !req.ask {
+            let asked: Vec<&[u8]> = req.deltas.iter().map(|d| d.key.as_slice()).collect();
+            self.out.name(now, &asked, &mut grants);
         }
         Ok(SyncResponse { seq: req.seq, now, nodes, grants })
     }

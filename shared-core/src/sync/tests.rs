@@ -586,3 +586,25 @@ fn a_share_under_one_unit_is_granted_with_that_chance() {
     }
     assert!(given > trials * 3 / 10 && given < trials * 7 / 10, "{given} of {trials}");
 }
+
+#[test]
+fn every_batch_answer_names_the_counters_found_out_of_quota_until_their_window_ends() {
+    let fixed = Limit::new(Algorithm::FixedWindow, 10, 60 * SECOND, None).unwrap();
+    let window_end = (NOW / (60 * SECOND) + 1) * 60 * SECOND;
+    let mut store = Store::new(100, 2 * SECOND);
+    let batch = |node: u64, seq: u64, deltas: Vec<Delta>| SyncRequest { node, seq, sent: NOW, deltas, ask: false };
+    let spent = Delta { key: b"spent".to_vec(), limit: fixed, units: 10 };
+    let other = Delta { key: b"other".to_vec(), limit: fixed, units: 3 };
+    let resp = store.handle(NOW, &batch(1, 1, vec![spent.clone(), other])).unwrap();
+    assert_eq!(resp.grants.len(), 2, "a batch's own counters have their grants, not names");
+    // Another node's heartbeat (no deltas) hears that `spent` is out, until its window ends.
+    let heard = store.handle(NOW + SECOND, &batch(2, 1, vec![])).unwrap();
+    assert_eq!(heard.grants.len(), 1);
+    let g = &heard.grants[0];
+    assert_eq!((g.key.as_slice(), g.remaining, g.grant, g.lease), (&b"spent"[..], 0, 0, 0));
+    assert_eq!(g.reset_after, window_end - (NOW + SECOND));
+    // An ask's answer names nothing beyond its counters; the next window, nothing is out.
+    let ask = SyncRequest { node: 2, seq: 1, sent: NOW, deltas: vec![spent], ask: true };
+    assert_eq!(store.handle(NOW + SECOND, &ask).unwrap().grants.len(), 1);
+    assert!(store.handle(window_end, &batch(2, 2, vec![])).unwrap().grants.is_empty());
+}
