@@ -50,6 +50,9 @@ pub struct FakeHost {
     next_token: Cell<u32>,
     /// Fault injection: every conditional write fails with a CAS mismatch.
     pub cas_always_fails: Cell<bool>,
+    /// ngx_wasm_module's shared data: a set with CAS 0 writes only a key that is absent
+    /// (Envoy's writes unconditionally).
+    pub nginx_cas: Cell<bool>,
     /// Fault injection: the next this many conditional writes fail with a CAS mismatch (a
     /// concurrent writer), after changing nothing.
     pub cas_conflicts: Cell<u32>,
@@ -89,6 +92,7 @@ impl FakeHost {
             calls: RefCell::new(Vec::new()),
             next_token: Cell::new(0),
             cas_always_fails: Cell::new(false),
+            nginx_cas: Cell::new(false),
             cas_conflicts: Cell::new(0),
             shared_broken: Cell::new(false),
             refuse_calls: Cell::new(false),
@@ -215,6 +219,9 @@ impl Host for FakeHost {
             return Err(SetError::Other);
         }
         let cas = cas.filter(|c| *c != 0);
+        if cas.is_none() && self.nginx_cas.get() && self.shared.borrow().map.contains_key(key) {
+            return Err(SetError::CasMismatch);
+        }
         if cas.is_some() && self.cas_always_fails.get() {
             return Err(SetError::CasMismatch);
         }

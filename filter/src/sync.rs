@@ -930,7 +930,14 @@ impl Syncer {
             .collect();
         let mut shared = view.encode();
         encode_named(&named, &mut shared);
-        let _ = host.shared_set(VIEW, &shared, None);
+        // With the value's CAS: ngx_wasm_module writes a CAS of 0 only to a key that is
+        // absent, so the view would stay as first written and every VM would go stale.
+        for _ in 0..3 {
+            let cas = host.shared_get(VIEW).ok().and_then(|(_, cas)| cas);
+            if host.shared_set(VIEW, &shared, cas) != Err(SetError::CasMismatch) {
+                break;
+            }
+        }
         self.view.set(view);
         *self.named.borrow_mut() = named;
         self.refusal_logged.set(false);

@@ -503,8 +503,20 @@ fn without_the_store_open_rules_limit_to_their_share_and_closed_rules_refuse() {
 
 #[test]
 fn the_view_the_syncing_vm_writes_keeps_every_vm_fresh() {
+    view_keeps_every_vm_fresh(false);
+}
+
+#[test]
+fn under_ngx_wasm_modules_shared_data_the_view_keeps_every_vm_fresh_too() {
+    // There a write with CAS 0 only creates a key: a view written so stayed as first written.
+    view_keeps_every_vm_fresh(true);
+}
+
+fn view_keeps_every_vm_fresh(nginx: bool) {
     let a = FakeHost::new();
     let b = FakeHost::joining(a.shared.clone());
+    a.nginx_cas.set(nginx);
+    b.nginx_cas.set(nginx);
     let (ea, eb) = (engine(&a, &rules(10, 2)), engine(&b, &rules(10, 2)));
     let mut s = store();
     for _ in 0..20 {
