@@ -452,16 +452,14 @@ impl<K: Kv> Store<K> {
                 }
             }
         }
+        let mut resp = SyncResponse { seq: req.seq, now, nodes, grants };
         if let Ok(mut out) = self.out.lock() {
             for (key, out_for, at) in noted {
                 out.note(key, out_for, at);
             }
-            if !req.ask {
-                let asked: Vec<&[u8]> = req.deltas.iter().map(|d| d.key.as_slice()).collect();
-                out.name(now, &asked, &mut grants);
-            }
+            out.name(now, req, &mut resp);
         }
-        Ok(SyncResponse { seq: req.seq, now, nodes, grants })
+        Ok(resp)
     }
 
     /// One counter's compare-and-swap loop: read, run the core's transition, write if still

@@ -119,11 +119,9 @@ pub fn answer(
     for (d, reply) in batch.deltas.iter().zip(replies) {
         out.note(&d.key, reply.as_deref().and_then(decode_out_for), now);
     }
-    if !batch.ask {
-        let asked: Vec<&[u8]> = batch.deltas.iter().map(|d| d.key.as_slice()).collect();
-        out.name(now, &asked, &mut grants);
-    }
-    let body = SyncResponse { seq: batch.seq, now, nodes: nodes.unwrap_or(per_counter), grants }.encode();
+    let mut resp = SyncResponse { seq: batch.seq, now, nodes: nodes.unwrap_or(per_counter), grants };
+    out.name(now, batch, &mut resp);
+    let body = resp.encode();
     let tag = hex(&sign(secret.as_bytes(), &body));
     Ok((body, tag))
 }

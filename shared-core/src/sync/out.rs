@@ -3,7 +3,7 @@
 #[cfg(doc)]
 use super::counter::Counter;
 
-use super::wire::Grant;
+use super::wire::{Grant, SyncRequest, SyncResponse};
 use crate::algo::Nanos;
 use alloc::vec::Vec;
 
@@ -38,15 +38,31 @@ impl Out {
         }
     }
 
-    /// Appends to a batch answer's `grants` (those of its deltas, keyed by `asked`) the
-    /// counters out at `now` that the batch did not name; forgets the ones out no longer.
-    pub fn name(&mut self, now: Nanos, asked: &[&[u8]], grants: &mut Vec<Grant>) {
+    /// Names, in the answer `resp` to the batch `req` (after the grants of its deltas), the
+    /// counters out at `now` that the batch did not name, the latest found first, as many as
+    /// fit in the longest answer a node accepts for that batch
+    /// ([`SyncResponse::max_len`]): a node of an earlier version, which reads only its own
+    /// grants, reads the answer still. Forgets the counters out no longer. An ask's answer
+    /// names none.
+    pub fn name(&mut self, now: Nanos, req: &SyncRequest, resp: &mut SyncResponse) {
         self.entries.retain(|(_, until)| *until > now);
-        for (key, until) in &self.entries {
-            if asked.contains(&key.as_slice()) {
+        if req.ask {
+            return;
+        }
+        let cap = SyncResponse::max_len(req.deltas.iter().map(|d| d.key.len()));
+        // The answer so far, and 2 bytes for the count's varint growing.
+        let mut room = cap.saturating_sub(resp.encode().len().saturating_add(2));
+        for (key, until) in self.entries.iter().rev() {
+            if req.deltas.iter().any(|d| d.key == *key) {
                 continue;
             }
-            grants.push(Grant { key: key.clone(), remaining: 0, grant: 0, reset_after: until - now, lease: 0 });
+            // The key with its length, three one-byte zeros and the time until it is free.
+            let size = key.len().saturating_add(3 + 3 + 10);
+            if size > room {
+                break;
+            }
+            room -= size;
+            resp.grants.push(Grant { key: key.clone(), remaining: 0, grant: 0, reset_after: until - now, lease: 0 });
         }
     }
 
@@ -67,10 +83,18 @@ mod tests {
     use alloc::vec;
 
     fn named(out: &mut Out, now: Nanos, asked: &[&[u8]]) -> Vec<(Vec<u8>, Nanos)> {
-        let mut grants = vec![];
-        out.name(now, asked, &mut grants);
-        assert!(grants.iter().all(|g| g.remaining == 0 && g.grant == 0 && g.lease == 0));
-        grants.into_iter().map(|g| (g.key, g.reset_after)).collect()
+        let limit = crate::algo::Limit::new(crate::algo::Algorithm::FixedWindow, 10, 1_000, None).unwrap();
+        let deltas = asked.iter().map(|k| super::super::Delta { key: k.to_vec(), limit, units: 1 }).collect();
+        let req = SyncRequest { node: 1, seq: 1, sent: now, deltas, ask: false };
+        let grants =
+            asked.iter().map(|k| Grant { key: k.to_vec(), remaining: 5, grant: 1, reset_after: 9, lease: 9 }).collect();
+        let mut resp = SyncResponse { seq: 1, now, nodes: 1, grants };
+        out.name(now, &req, &mut resp);
+        let cap = SyncResponse::max_len(req.deltas.iter().map(|d| d.key.len()));
+        assert!(resp.encode().len() <= cap, "within what a node accepts");
+        let extra = resp.grants.split_off(asked.len());
+        assert!(extra.iter().all(|g| g.remaining == 0 && g.grant == 0 && g.lease == 0));
+        extra.into_iter().map(|g| (g.key, g.reset_after)).collect()
     }
 
     #[test]
@@ -79,7 +103,7 @@ mod tests {
         out.note(b"a", Some(500), 1_000);
         out.note(b"b", Some(100), 1_000);
         out.note(b"c", None, 1_000);
-        assert_eq!(named(&mut out, 1_050, &[]), [(b"a".to_vec(), 450), (b"b".to_vec(), 50)]);
+        assert_eq!(named(&mut out, 1_050, &[]), [(b"b".to_vec(), 50), (b"a".to_vec(), 450)], "the latest first");
         assert_eq!(named(&mut out, 1_050, &[b"a"]), [(b"b".to_vec(), 50)], "a batch's own counters have their grants");
         assert_eq!(named(&mut out, 1_100, &[]), [(b"a".to_vec(), 400)], "b has a unit again");
         out.note(b"a", None, 1_200);
@@ -87,13 +111,19 @@ mod tests {
     }
 
     #[test]
-    fn at_most_the_latest_max_out_are_named() {
+    fn at_most_the_latest_max_out_are_kept_and_as_many_named_as_fit() {
         let mut out = Out::default();
         for i in 0..(MAX_OUT as u32 + 10) {
             out.note(&i.to_le_bytes(), Some(1_000), 0);
         }
+        assert_eq!(out.len(), MAX_OUT);
+        // A heartbeat's answer may be 512 bytes: as many 4-byte keys as fit.
         let names = named(&mut out, 1, &[]);
-        assert_eq!(names.len(), MAX_OUT);
-        assert_eq!(names[0].0, 10u32.to_le_bytes().to_vec(), "the oldest went first");
+        assert_eq!(names.len(), (512 - 12) / 20);
+        assert_eq!(names[0].0, (MAX_OUT as u32 + 9).to_le_bytes().to_vec(), "the latest first");
+        // A batch of long keys has room for more.
+        let long: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 200]).collect();
+        let asked: Vec<&[u8]> = long.iter().map(|k| k.as_slice()).collect();
+        assert_eq!(named(&mut out, 1, &asked).len(), MAX_OUT);
     }
 }

@@ -84,11 +84,9 @@ impl Store {
             self.out.note(&d.key, c.out_for(now), now);
             grants.push(Grant::from_applied(&d.key, &a));
         }
-        if !req.ask {
-            let asked: Vec<&[u8]> = req.deltas.iter().map(|d| d.key.as_slice()).collect();
-            self.out.name(now, &asked, &mut grants);
-        }
-        Ok(SyncResponse { seq: req.seq, now, nodes, grants })
+        let mut resp = SyncResponse { seq: req.seq, now, nodes, grants };
+        self.out.name(now, req, &mut resp);
+        Ok(resp)
     }
 
     fn evict_oldest(&mut self) {
