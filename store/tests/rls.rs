@@ -661,3 +661,41 @@ async fn retry_after_is_the_end_of_a_spent_fixed_window() {
         assert!(reset + 2 >= day_end && reset <= day_end, "{i}: duration_until_reset {reset}, {day_end} s left");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unquoted_values_match_as_written() {
+    let redis = Redis::start(false).unwrap();
+    let p = dir("literals").join("literals.yaml");
+    std::fs::write(
+        &p,
+        "domain: phones
+descriptors:
+  - key: to_number
+    value: +15551234567
+    rate_limit: {unit: day, requests_per_unit: 1}
+  - key: code
+    value: 0x1F
+    rate_limit: {unit: day, requests_per_unit: 2}
+  - key: flag
+    value: True
+    rate_limit: {unit: day, requests_per_unit: 3}
+  - key: mode
+    value: 0o17
+    rate_limit: {unit: day, requests_per_unit: 4}
+",
+    )
+    .unwrap();
+    let store = RlsProcess::start(&redis.url(), &p);
+    let mut c = store.client().await;
+    for (key, written, rewritten, rpu) in [
+        ("to_number", "+15551234567", "15551234567", 1),
+        ("code", "0x1F", "31", 2),
+        ("flag", "True", "true", 3),
+        ("mode", "0o17", "15", 4),
+    ] {
+        let r = ask(&mut c, request("phones", vec![descriptor(&[(key, written)])])).await;
+        assert_eq!(limit_of(&r, 0), Some((rpu, DAY)), "{key}: {written}");
+        let r = ask(&mut c, request("phones", vec![descriptor(&[(key, rewritten)])])).await;
+        assert_eq!(limit_of(&r, 0), None, "{key}: {rewritten}");
+    }
+}

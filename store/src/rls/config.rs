@@ -17,6 +17,7 @@
 //! `unlimited: true`, and the other mistakes envoyproxy/ratelimit refuses.
 
 use ratewall_core::{Algorithm, Limit, Nanos, SECOND};
+use serde::de::{self, Visitor};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -498,39 +499,42 @@ pub fn stamp(path: &Path) -> Vec<(PathBuf, Option<std::time::SystemTime>, u64)> 
     out
 }
 
-/// A scalar read as text, as envoyproxy/ratelimit's YAML library reads a `value: 2061234567`
-/// or `value: 50.0.0.5` into its string field.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A scalar's text as written, as envoyproxy/ratelimit's YAML library reads it into a string
+/// field: `+15551234567`, `0x1F`, `0o17`, `True` and `50.0.0.5` stay as they are (serde_norway
+/// hands the scalar over untouched when asked for a string); a null (`~`, `null`, nothing) is
+/// empty.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Text(String);
 
 impl<'de> Deserialize<'de> for Text {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Text, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
+        struct Literal;
+        impl<'de> Visitor<'de> for Literal {
             type Value = Text;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str("a string")
             }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Text, E> {
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Text, E> {
                 Ok(Text(v.to_owned()))
             }
-            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Text, E> {
-                Ok(Text(v.to_string()))
+        }
+        struct OrNull;
+        impl<'de> Visitor<'de> for OrNull {
+            type Value = Text;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
             }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Text, E> {
-                Ok(Text(v.to_string()))
+            fn visit_none<E: de::Error>(self) -> Result<Text, E> {
+                Ok(Text::default())
             }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Text, E> {
-                Ok(Text(v.to_string()))
+            fn visit_unit<E: de::Error>(self) -> Result<Text, E> {
+                Ok(Text::default())
             }
-            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Text, E> {
-                Ok(Text(v.to_string()))
-            }
-            fn visit_unit<E: serde::de::Error>(self) -> Result<Text, E> {
-                Ok(Text(String::new()))
+            fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Text, D::Error> {
+                d.deserialize_str(Literal)
             }
         }
-        d.deserialize_any(V)
+        d.deserialize_option(OrNull)
     }
 }
 
@@ -786,6 +790,23 @@ mod tests {
         let plain = c.find("d", &[("c", "")]).unwrap().rule;
         assert_eq!(plain.limit.unwrap().algorithm(), Algorithm::FixedWindow);
         assert!(!plain.exact);
+    }
+
+    #[test]
+    fn unquoted_scalars_keep_their_text() {
+        let c = parse("domain: 0o17\ndescriptors:\n  - key: phone\n    value: +15551234567\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: hex\n    value: 0x1F\n    rate_limit: {unit: second, requests_per_unit: 2, name: 0x10}\n  - key: flag\n    value: True\n    rate_limit: {unit: second, requests_per_unit: 3}\n  - key: 0o17\n    rate_limit: {unit: second, requests_per_unit: 4}\n  - key: none\n    value: ~\n    rate_limit: {unit: second, requests_per_unit: 5}\n");
+        assert_eq!(c.domains().collect::<Vec<_>>(), ["0o17"]);
+        assert_eq!(rpu(&c, "0o17", &[("phone", "+15551234567")]), Some(1));
+        assert_eq!(rpu(&c, "0o17", &[("phone", "15551234567")]), None);
+        assert_eq!(rpu(&c, "0o17", &[("hex", "0x1F")]), Some(2));
+        assert_eq!(rpu(&c, "0o17", &[("hex", "31")]), None);
+        assert_eq!(c.find("0o17", &[("hex", "0x1F")]).unwrap().rule.name, "0x10");
+        assert_eq!(rpu(&c, "0o17", &[("flag", "True")]), Some(3));
+        assert_eq!(rpu(&c, "0o17", &[("flag", "true")]), None);
+        assert_eq!(rpu(&c, "0o17", &[("0o17", "x")]), Some(4));
+        assert_eq!(rpu(&c, "0o17", &[("none", "anything")]), Some(5), "a null value is none: the key alone");
+        let e = error("domain: d\ndescriptors:\n  - key: a\n    value: [1, 2]\n");
+        assert_eq!((e.line, e.column), (Some(4), Some(12)), "{e}");
     }
 
     fn error(text: &str) -> ConfigError {
