@@ -280,6 +280,9 @@ async fn start_rls(
         domains.join(", "),
         config.rules.len()
     );
+    for w in &config.warnings {
+        eprintln!("ratewall-store: rate limit configuration: {w}");
+    }
     let rls: SharedRls = Arc::new(Rls::new(Arc::clone(store), config, Some(path.to_path_buf()), secret));
     tokio::spawn(ratewall_store::rls::watch(Arc::clone(&rls), Duration::from_secs(1)));
     tokio::spawn(ratewall_store::rls::lease::run(Arc::clone(&rls)));

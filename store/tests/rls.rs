@@ -699,3 +699,53 @@ descriptors:
         assert_eq!(limit_of(&r, 0), None, "{key}: {rewritten}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_envoyproxy_ratelimit_accepts_are_accepted() {
+    let redis = Redis::start(false).unwrap();
+    let p = dir("accepted").join("accepted.yaml");
+    std::fs::write(
+        &p,
+        "domain: lenient
+descriptors:
+  - key: user
+    name: misplaced
+    rate_limit: &per_day
+      unit: day
+      requests_per_unit: 2
+      shadow_mode: true
+  - key: team
+    rate_limit:
+      <<: *per_day
+      requests_per_unit: 3
+  - key: blocked
+    rate_limit:
+      unit: second
+---
+domain: second_document
+",
+    )
+    .unwrap();
+    let store = RlsProcess::start(&redis.url(), &p);
+    let mut c = store.client().await;
+    // `shadow_mode` inside `rate_limit` is not read: the limit is enforced.
+    let user = || request("lenient", vec![descriptor(&[("user", "u")])]);
+    assert_eq!(ask(&mut c, user()).await.overall_code, OK);
+    assert_eq!(ask(&mut c, user()).await.overall_code, OK);
+    assert_eq!(ask(&mut c, user()).await.overall_code, OVER);
+    let r = ask(&mut c, request("lenient", vec![descriptor(&[("team", "t")])])).await;
+    assert_eq!((limit_of(&r, 0), r.statuses[0].limit_remaining), (Some((3, DAY)), 2), "merged, then overridden");
+    let r = ask(&mut c, request("lenient", vec![descriptor(&[("blocked", "b")])])).await;
+    assert_eq!((r.overall_code, limit_of(&r, 0)), (OVER, Some((0, SECOND))), "no requests_per_unit: 0");
+    let r = ask(&mut c, request("second_document", vec![descriptor(&[("user", "u")])])).await;
+    assert_eq!(limit_of(&r, 0), None, "the second document is not read");
+    let log = store.log();
+    let file = p.display().to_string();
+    for said in [
+        format!("{file}:3: lenient.user: `name` is not read here"),
+        format!("{file}:3: lenient.user: `rate_limit.shadow_mode` is not read here"),
+        format!("{file}:16: only the first YAML document"),
+    ] {
+        assert!(log.contains(&said), "{said}\n{log}");
+    }
+}

@@ -12,12 +12,18 @@
 //! ratelimit's, `sliding_window` or `token_bucket`) and `exact` (in a `rate_limit` or on its
 //! descriptor: decided at Redis on every call instead of from this process's grant).
 //!
-//! Any other key is an error, reported with its file, line and reason; so are an empty key
-//! or domain, a duplicate descriptor or domain, an unknown unit, a unit beside
-//! `unlimited: true`, and the other mistakes envoyproxy/ratelimit refuses.
+//! The file is read as envoyproxy/ratelimit's YAML library (yaml.v2) reads it: its first
+//! document only; a scalar as written (`+15551234567` stays that text); merge keys
+//! (`<<: *anchor`) in document order; a `rate_limit` without `requests_per_unit` is 0 (every
+//! hit over the limit). A key it knows where that key is not read (`name` on a descriptor,
+//! `shadow_mode` in a `rate_limit`) is skipped, as there, with a warning
+//! ([`RlsConfig::warnings`]). A key unknown anywhere is an error, reported with its file, line
+//! and reason; so are an empty key or domain, a duplicate descriptor or domain, an unknown
+//! unit, a unit beside `unlimited: true`, `quota_mode: true` (not supported), and the other
+//! mistakes envoyproxy/ratelimit refuses.
 
 use ratewall_core::{Algorithm, Limit, Nanos, SECOND};
-use serde::de::{self, Visitor};
+use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -236,6 +242,9 @@ pub struct RlsConfig {
     domains: BTreeMap<String, Level>,
     /// Every rule, in file order (for `ratewall check` and the metrics).
     pub rules: Vec<Arc<Rule>>,
+    /// What the files say that is not read, as envoyproxy/ratelimit does not read it either: a
+    /// known key where it does not belong, the documents after a file's first.
+    pub warnings: Vec<ConfigError>,
 }
 
 impl RlsConfig {
@@ -296,7 +305,33 @@ impl RlsConfig {
                 reason: "the file is empty; it needs a domain".into(),
             });
         }
-        let raw: RawFile = serde_norway::from_str(text).map_err(at)?;
+        // The first document, as envoyproxy/ratelimit reads it; the others are not read.
+        let mut documents = serde_norway::Deserializer::from_str(text);
+        let Some(first) = documents.next() else {
+            return Err(ConfigError {
+                file: file.to_owned(),
+                line: None,
+                column: None,
+                reason: "the file holds no YAML document".into(),
+            });
+        };
+        let raw = RawFile::deserialize(first).map_err(at)?;
+        let warn =
+            |line: Option<usize>, reason: String| ConfigError { file: file.to_owned(), line, column: None, reason };
+        if documents.next().is_some() {
+            let starts = text.lines().enumerate().filter(|(_, l)| l.starts_with("---")).map(|(i, _)| i + 1);
+            let first_content = text.lines().position(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'));
+            let opens = first_content.is_some_and(|i| text.lines().nth(i).is_some_and(|l| l.starts_with("---")));
+            let line = starts.clone().nth(usize::from(opens));
+            self.warnings.push(warn(line, "only the first YAML document of a file is read (as envoyproxy/ratelimit reads it); the others are ignored".into()));
+        }
+        for k in &raw.unread {
+            let line = text.lines().position(|l| l.starts_with(&format!("{k}:"))).map(|i| i + 1);
+            self.warnings.push(warn(
+                line,
+                format!("`{k}` is not read at the top of a file (envoyproxy/ratelimit ignores it there)"),
+            ));
+        }
         let domain_line = text.lines().position(|l| l.trim_start().starts_with("domain")).map(|i| i + 1);
         let whole = |reason: String| ConfigError { file: file.to_owned(), line: domain_line, column: None, reason };
         let domain = raw.domain.map(|d| d.0).unwrap_or_default();
@@ -306,26 +341,30 @@ impl RlsConfig {
         if self.domains.contains_key(&domain) {
             return Err(whole(format!("duplicate domain '{domain}' (each domain is in one file)")));
         }
+        // Which descriptor, found in the text (serde keeps no positions past parsing): the
+        // `nth` line naming `key`.
+        let line_of = |key: &str, nth: usize| {
+            text.lines()
+                .enumerate()
+                .filter(|(_, l)| {
+                    let l = l.trim_start().trim_start_matches("- ").trim();
+                    let named = l.strip_prefix("key:").map(|v| v.trim().trim_matches(|c| c == '"' || c == '\''));
+                    named == Some(key)
+                })
+                .nth(nth)
+                .map(|(i, _)| i + 1)
+                .or(domain_line)
+        };
         let mut level = Level::default();
         let mut rules = Vec::new();
-        build(&mut level, &domain, &format!("{domain}."), raw.descriptors, &mut rules).map_err(
-            |(reason, key, nth)| {
-                // Which descriptor, found in the text (serde keeps no positions past parsing): the
-                // `nth` line naming `key`.
-                let line = text
-                    .lines()
-                    .enumerate()
-                    .filter(|(_, l)| {
-                        let l = l.trim_start().trim_start_matches("- ").trim();
-                        let named = l.strip_prefix("key:").map(|v| v.trim().trim_matches(|c| c == '"' || c == '\''));
-                        named == Some(key.as_str())
-                    })
-                    .nth(nth)
-                    .map(|(i, _)| i + 1)
-                    .or(domain_line);
-                ConfigError { file: file.to_owned(), line, column: None, reason }
-            },
+        let mut unread = Vec::new();
+        let descriptors = raw.descriptors.unwrap_or_default();
+        build(&mut level, &domain, &format!("{domain}."), descriptors, &mut rules, &mut unread).map_err(
+            |(reason, key, nth)| ConfigError { file: file.to_owned(), line: line_of(&key, nth), column: None, reason },
         )?;
+        for (reason, key, nth) in unread {
+            self.warnings.push(warn(line_of(&key, nth), reason));
+        }
         self.rules.extend(rules);
         self.domains.insert(domain, level);
         Ok(())
@@ -400,27 +439,31 @@ fn build(
     parent: &str,
     descriptors: Vec<RawDescriptor>,
     rules: &mut Vec<Arc<Rule>>,
+    unread: &mut Vec<BuildError>,
 ) -> Result<(), BuildError> {
     for d in descriptors {
+        let key = d.key.map(|k| k.0).unwrap_or_default();
+        let value = d.value.map(|v| v.0).unwrap_or_default();
         // Descriptors of this key met so far, in file order (an approximation for nested
         // trees: enough to point at the right line in the common case).
-        let seen = level.entries.keys().filter(|k| *k == &d.key || k.starts_with(&format!("{}_", d.key))).count();
-        let composite = match &d.value {
-            Some(v) if !v.0.is_empty() => format!("{}_{}", d.key, v.0),
-            _ => d.key.clone(),
-        };
+        let seen = level.entries.keys().filter(|k| *k == &key || k.starts_with(&format!("{key}_"))).count();
+        let composite = if value.is_empty() { key.clone() } else { format!("{key}_{value}") };
         let full_key = format!("{parent}{composite}");
         if level.entries.contains_key(&composite) {
-            return Err((format!("duplicate descriptor composite key '{full_key}'"), d.key, seen));
+            return Err((format!("duplicate descriptor composite key '{full_key}'"), key, seen));
         }
-        let rule = match d.rate_limit {
+        for k in &d.unread {
+            let why = format!("{full_key}: `{k}` is not read here (envoyproxy/ratelimit ignores it)");
+            unread.push((why, key.clone(), seen));
+        }
+        let rule = match d.limit {
             None => None,
             Some(r) => {
-                let exact = r.exact || d.exact;
+                let exact = r.exact || d.exact.unwrap_or(false);
                 let unit = r.unit;
                 let limit = match unit {
                     Some(u) if !r.unlimited => core_limit(r.algorithm, r.requests_per_unit, u)
-                        .map_err(|e| (format!("{full_key}: rate_limit: {e}"), d.key.clone(), seen))?,
+                        .map_err(|e| (format!("{full_key}: rate_limit: {e}"), key.clone(), seen))?,
                     _ => None,
                 };
                 let rule = Arc::new(Rule {
@@ -431,7 +474,7 @@ fn build(
                     unit,
                     requests_per_unit: r.requests_per_unit,
                     unlimited: r.unlimited,
-                    shadow: d.shadow_mode,
+                    shadow: d.shadow_mode.unwrap_or(false),
                     replaces: r.replaces,
                     limit,
                     exact,
@@ -440,14 +483,14 @@ fn build(
                 Some(rule)
             }
         };
-        let shared = if d.share_threshold {
+        let shared = if d.share_threshold.unwrap_or(false) {
             if !composite.contains('*') {
                 let why = format!(
                     "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
                 );
-                return Err((why, d.key, seen));
+                return Err((why, key, seen));
             }
-            d.value.as_ref().map(|v| v.0.clone())
+            Some(value)
         } else {
             None
         };
@@ -455,7 +498,7 @@ fn build(
             level.wildcards.push((composite.clone(), composite.split('*').map(str::to_owned).collect()));
         }
         let mut children = Level::default();
-        build(&mut children, domain, &format!("{full_key}."), d.descriptors, rules)?;
+        build(&mut children, domain, &format!("{full_key}."), d.descriptors.unwrap_or_default(), rules, unread)?;
         level.entries.insert(composite, Entry { rule, children, shared });
     }
     Ok(())
@@ -499,6 +542,50 @@ pub fn stamp(path: &Path) -> Vec<(PathBuf, Option<std::time::SystemTime>, u64)> 
     out
 }
 
+/// The keys envoyproxy/ratelimit knows (its `validKeys`). One of them where it does not belong
+/// (`name` on a descriptor, `shadow_mode` in a `rate_limit`) is not read, as envoyproxy/
+/// ratelimit's YAML library skips it, and is warned about; any other key is an error.
+const KNOWN_KEYS: [&str; 16] = [
+    "domain",
+    "key",
+    "value",
+    "descriptors",
+    "rate_limit",
+    "unit",
+    "requests_per_unit",
+    "unlimited",
+    "shadow_mode",
+    "quota_mode",
+    "name",
+    "replaces",
+    "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    "metadata",
+];
+
+/// Every key a value not read may hold: envoyproxy/ratelimit's and ratewall's additions.
+const ANY_KEY: [&str; 18] = [
+    "domain",
+    "key",
+    "value",
+    "descriptors",
+    "rate_limit",
+    "unit",
+    "requests_per_unit",
+    "unlimited",
+    "shadow_mode",
+    "quota_mode",
+    "name",
+    "replaces",
+    "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    "metadata",
+    "algorithm",
+    "exact",
+];
+
 /// A scalar's text as written, as envoyproxy/ratelimit's YAML library reads it into a string
 /// field: `+15551234567`, `0x1F`, `0o17`, `True` and `50.0.0.5` stay as they are (serde_norway
 /// hands the scalar over untouched when asked for a string); a null (`~`, `null`, nothing) is
@@ -538,85 +625,363 @@ impl<'de> Deserialize<'de> for Text {
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawFile {
-    #[serde(default)]
-    domain: Option<Text>,
-    #[serde(default, deserialize_with = "list")]
-    descriptors: Vec<RawDescriptor>,
+/// A mapping key, as met in a mapping of some kind.
+enum Key {
+    /// One of the mapping's own.
+    Own(&'static str),
+    /// A key envoyproxy/ratelimit knows, where it is not read.
+    Unread(String),
+    /// `<<`: a YAML merge key.
+    Merge,
 }
 
-/// A list that may be written empty (`descriptors:` with nothing after it).
-fn list<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
-    Ok(Option::<Vec<T>>::deserialize(d)?.unwrap_or_default())
-}
+/// Reads a mapping key among `own` (unknown anywhere: an error, at the key).
+struct KeySeed(&'static [&'static str]);
 
-#[derive(Deserialize)]
-#[serde(try_from = "RawDescriptorFields")]
-struct RawDescriptor {
-    key: String,
-    value: Option<Text>,
-    rate_limit: Option<RawRateLimit>,
-    descriptors: Vec<RawDescriptor>,
-    shadow_mode: bool,
-    share_threshold: bool,
-    exact: bool,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawDescriptorFields {
-    #[serde(default)]
-    key: Option<Text>,
-    #[serde(default)]
-    value: Option<Text>,
-    #[serde(default)]
-    rate_limit: Option<RawRateLimit>,
-    #[serde(default, deserialize_with = "list")]
-    descriptors: Vec<RawDescriptor>,
-    #[serde(default)]
-    shadow_mode: bool,
-    #[serde(default)]
-    quota_mode: bool,
-    #[serde(default)]
-    detailed_metric: bool,
-    #[serde(default)]
-    value_to_metric: bool,
-    #[serde(default)]
-    share_threshold: bool,
-    #[serde(default)]
-    metadata: Option<serde_norway::Value>,
-    #[serde(default)]
-    exact: bool,
-}
-
-impl TryFrom<RawDescriptorFields> for RawDescriptor {
-    type Error = String;
-    fn try_from(d: RawDescriptorFields) -> Result<RawDescriptor, String> {
-        let key = d.key.map(|k| k.0).unwrap_or_default();
-        if key.is_empty() {
-            return Err("descriptor has empty key".into());
-        }
-        if d.quota_mode {
-            return Err(format!("descriptor '{key}': quota_mode is not supported by ratewall"));
-        }
-        // Metric naming and metadata only.
-        let _ = (d.detailed_metric, d.value_to_metric, d.metadata);
-        Ok(RawDescriptor {
-            key,
-            value: d.value,
-            rate_limit: d.rate_limit,
-            descriptors: d.descriptors,
-            shadow_mode: d.shadow_mode,
-            share_threshold: d.share_threshold,
-            exact: d.exact,
-        })
+impl<'de> DeserializeSeed<'de> for KeySeed {
+    type Value = Key;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Key, D::Error> {
+        d.deserialize_str(self)
     }
 }
 
-#[derive(Deserialize)]
-#[serde(try_from = "RawRateLimitFields")]
+impl<'de> Visitor<'de> for KeySeed {
+    type Value = Key;
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a key")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Key, E> {
+        if v == "<<" {
+            return Ok(Key::Merge);
+        }
+        if let Some(own) = self.0.iter().find(|k| **k == v) {
+            return Ok(Key::Own(own));
+        }
+        if KNOWN_KEYS.contains(&v) {
+            return Ok(Key::Unread(v.to_owned()));
+        }
+        Err(E::unknown_field(v, self.0))
+    }
+}
+
+/// One kind of mapping of the format, read key by key as envoyproxy/ratelimit's YAML library
+/// reads it into its struct: a key given twice, or by a merge (`<<: *anchor`), takes the last
+/// value met (a `rate_limit` met again is merged into the one before, field by field).
+trait Fields: Default {
+    /// Its own keys.
+    const KEYS: &'static [&'static str];
+    /// Reads the value of its key `key`.
+    fn read<'de, A: MapAccess<'de>>(&mut self, key: &'static str, map: &mut A) -> Result<(), A::Error>;
+    /// Takes what a merged mapping sets.
+    fn merge(&mut self, other: Self);
+    /// Keys met that are not read here.
+    fn unread(&mut self) -> &mut Vec<String>;
+    /// Checks the whole mapping (merges done); an error points at the mapping.
+    fn check(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Reads a mapping of kind `T`; `check`: a whole one (not a part merged into another).
+struct FieldsVisitor<T> {
+    check: bool,
+    kind: std::marker::PhantomData<T>,
+}
+
+impl<T> FieldsVisitor<T> {
+    fn new(check: bool) -> FieldsVisitor<T> {
+        FieldsVisitor { check, kind: std::marker::PhantomData }
+    }
+}
+
+impl<'de, T: Fields> Visitor<'de> for FieldsVisitor<T> {
+    type Value = T;
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a mapping")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<T, A::Error> {
+        let mut out = T::default();
+        while let Some(key) = map.next_key_seed(KeySeed(T::KEYS))? {
+            match key {
+                Key::Own(k) => out.read(k, &mut map)?,
+                Key::Unread(k) => {
+                    map.next_value::<Unread>()?;
+                    out.unread().push(k);
+                }
+                Key::Merge => {
+                    let Merged(parts) = map.next_value::<Merged<T>>()?;
+                    // Of a list of mappings, the earlier ones win: merged last.
+                    for part in parts.into_iter().rev() {
+                        out.merge(part);
+                    }
+                }
+            }
+        }
+        if self.check {
+            out.check().map_err(de::Error::custom)?;
+        }
+        Ok(out)
+    }
+}
+
+/// A whole mapping of kind `T`.
+fn fields<'de, D: serde::Deserializer<'de>, T: Fields>(d: D) -> Result<T, D::Error> {
+    d.deserialize_map(FieldsVisitor::new(true))
+}
+
+/// The value of a merge key: a mapping, or a list of them, of kind `T`.
+struct Merged<T>(Vec<T>);
+
+impl<'de, T: Fields> Deserialize<'de> for Merged<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Merged<T>, D::Error> {
+        struct Part<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Fields> DeserializeSeed<'de> for Part<T> {
+            type Value = T;
+            fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<T, D::Error> {
+                d.deserialize_map(FieldsVisitor::new(false))
+            }
+        }
+        struct V<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Fields> Visitor<'de> for V<T> {
+            type Value = Merged<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a mapping or a list of mappings to merge")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Merged<T>, A::Error> {
+                Ok(Merged(vec![FieldsVisitor::new(false).visit_map(map)?]))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Merged<T>, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(p) = seq.next_element_seed(Part(std::marker::PhantomData))? {
+                    parts.push(p);
+                }
+                Ok(Merged(parts))
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+/// A value not read (a known key where it does not belong), checked as envoyproxy/ratelimit
+/// checks every value: a mapping's keys are known ones, a list's items are mappings.
+struct Unread;
+
+impl<'de> Deserialize<'de> for Unread {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Unread, D::Error> {
+        d.deserialize_any(UnreadVisitor("a value"))
+    }
+}
+
+/// Reads a value not read; `.0`: what it expects.
+struct UnreadVisitor(&'static str);
+
+impl<'de> Visitor<'de> for UnreadVisitor {
+    type Value = Unread;
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Unread, A::Error> {
+        while let Some(key) = map.next_key_seed(KeySeed(&ANY_KEY))? {
+            match key {
+                // Arbitrary, as in envoyproxy/ratelimit.
+                Key::Own("metadata") => {
+                    map.next_value::<de::IgnoredAny>()?;
+                }
+                _ => {
+                    map.next_value::<Unread>()?;
+                }
+            }
+        }
+        Ok(Unread)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Unread, A::Error> {
+        struct Item;
+        impl<'de> DeserializeSeed<'de> for Item {
+            type Value = Unread;
+            fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Unread, D::Error> {
+                d.deserialize_map(UnreadVisitor("a mapping"))
+            }
+        }
+        while seq.next_element_seed(Item)?.is_some() {}
+        Ok(Unread)
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Unread, E> {
+        Ok(Unread)
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Unread, E> {
+        Ok(Unread)
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Unread, E> {
+        Ok(Unread)
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Unread, E> {
+        Ok(Unread)
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Unread, E> {
+        Ok(Unread)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Unread, E> {
+        Ok(Unread)
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Unread, E> {
+        Ok(Unread)
+    }
+}
+
+/// `quota_mode`: false, or refused at its value (ratewall has no quota mode).
+struct QuotaMode;
+
+impl<'de> Deserialize<'de> for QuotaMode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<QuotaMode, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = QuotaMode;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a boolean")
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<QuotaMode, E> {
+                if v {
+                    return Err(E::custom("quota_mode is not supported by ratewall"));
+                }
+                Ok(QuotaMode)
+            }
+        }
+        d.deserialize_bool(V)
+    }
+}
+
+/// Sets `slot` to what `v` holds, if anything.
+fn take<T>(slot: &mut Option<T>, v: Option<T>) {
+    if v.is_some() {
+        *slot = v;
+    }
+}
+
+/// A file's first document.
+#[derive(Default)]
+struct RawFile {
+    domain: Option<Text>,
+    descriptors: Option<Vec<RawDescriptor>>,
+    unread: Vec<String>,
+}
+
+impl Fields for RawFile {
+    const KEYS: &'static [&'static str] = &["domain", "descriptors"];
+    fn read<'de, A: MapAccess<'de>>(&mut self, key: &'static str, map: &mut A) -> Result<(), A::Error> {
+        match key {
+            "domain" => self.domain = map.next_value()?,
+            _ => self.descriptors = map.next_value()?,
+        }
+        Ok(())
+    }
+    fn merge(&mut self, o: RawFile) {
+        take(&mut self.domain, o.domain);
+        take(&mut self.descriptors, o.descriptors);
+        self.unread.extend(o.unread);
+    }
+    fn unread(&mut self) -> &mut Vec<String> {
+        &mut self.unread
+    }
+}
+
+impl<'de> Deserialize<'de> for RawFile {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawFile, D::Error> {
+        fields(d)
+    }
+}
+
+/// One descriptor as written; [`Fields::check`] validates it and its `rate_limit`.
+#[derive(Default)]
+struct RawDescriptor {
+    key: Option<Text>,
+    value: Option<Text>,
+    rate_limit: Option<RawRateLimitFields>,
+    descriptors: Option<Vec<RawDescriptor>>,
+    shadow_mode: Option<bool>,
+    share_threshold: Option<bool>,
+    exact: Option<bool>,
+    unread: Vec<String>,
+    /// The `rate_limit`, validated.
+    limit: Option<RawRateLimit>,
+}
+
+impl Fields for RawDescriptor {
+    const KEYS: &'static [&'static str] = &[
+        "key",
+        "value",
+        "rate_limit",
+        "descriptors",
+        "shadow_mode",
+        "quota_mode",
+        "detailed_metric",
+        "value_to_metric",
+        "share_threshold",
+        "metadata",
+        "exact",
+    ];
+    fn read<'de, A: MapAccess<'de>>(&mut self, key: &'static str, map: &mut A) -> Result<(), A::Error> {
+        match key {
+            "key" => self.key = map.next_value()?,
+            "value" => self.value = map.next_value()?,
+            "rate_limit" => match (self.rate_limit.as_mut(), map.next_value::<Option<RawRateLimitFields>>()?) {
+                (Some(old), Some(new)) => old.merge(new),
+                (_, new) => self.rate_limit = new,
+            },
+            "descriptors" => self.descriptors = map.next_value()?,
+            "shadow_mode" => self.shadow_mode = map.next_value()?,
+            "share_threshold" => self.share_threshold = map.next_value()?,
+            "exact" => self.exact = map.next_value()?,
+            "quota_mode" => {
+                map.next_value::<Option<QuotaMode>>()?;
+            }
+            // Metric naming and metadata only: read, they change nothing here.
+            "metadata" => {
+                map.next_value::<Option<serde_norway::Value>>()?;
+            }
+            _ => {
+                map.next_value::<Option<bool>>()?;
+            }
+        }
+        Ok(())
+    }
+    fn merge(&mut self, o: RawDescriptor) {
+        take(&mut self.key, o.key);
+        take(&mut self.value, o.value);
+        match (self.rate_limit.as_mut(), o.rate_limit) {
+            (Some(old), Some(new)) => old.merge(new),
+            (_, new) => take(&mut self.rate_limit, new),
+        }
+        take(&mut self.descriptors, o.descriptors);
+        take(&mut self.shadow_mode, o.shadow_mode);
+        take(&mut self.share_threshold, o.share_threshold);
+        take(&mut self.exact, o.exact);
+        self.unread.extend(o.unread);
+    }
+    fn unread(&mut self) -> &mut Vec<String> {
+        &mut self.unread
+    }
+    fn check(&mut self) -> Result<(), String> {
+        if self.key.as_ref().is_none_or(|k| k.0.is_empty()) {
+            return Err("descriptor has empty key".into());
+        }
+        if let Some(r) = self.rate_limit.take() {
+            self.unread.extend(r.unread.iter().map(|k| format!("rate_limit.{k}")));
+            self.unread.extend(
+                r.replaces.iter().flatten().flat_map(|p| &p.unread).map(|k| format!("rate_limit.replaces.{k}")),
+            );
+            self.limit = Some(RawRateLimit::try_from(r)?);
+        }
+        Ok(())
+    }
+}
+
+impl<'de> Deserialize<'de> for RawDescriptor {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawDescriptor, D::Error> {
+        fields(d)
+    }
+}
+
+/// A validated `rate_limit`.
 struct RawRateLimit {
     unit: Option<Unit>,
     requests_per_unit: u32,
@@ -627,30 +992,81 @@ struct RawRateLimit {
     exact: bool,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A `rate_limit` as written.
+#[derive(Default)]
 struct RawRateLimitFields {
-    #[serde(default)]
     unit: Option<Text>,
-    #[serde(default)]
     requests_per_unit: Option<u32>,
-    #[serde(default)]
-    unlimited: bool,
-    #[serde(default)]
+    unlimited: Option<bool>,
     name: Option<Text>,
-    #[serde(default, deserialize_with = "list")]
-    replaces: Vec<RawReplace>,
-    #[serde(default)]
-    algorithm: Option<String>,
-    #[serde(default)]
-    exact: bool,
+    replaces: Option<Vec<RawReplace>>,
+    algorithm: Option<Text>,
+    exact: Option<bool>,
+    unread: Vec<String>,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+impl Fields for RawRateLimitFields {
+    const KEYS: &'static [&'static str] =
+        &["unit", "requests_per_unit", "unlimited", "name", "replaces", "algorithm", "exact"];
+    fn read<'de, A: MapAccess<'de>>(&mut self, key: &'static str, map: &mut A) -> Result<(), A::Error> {
+        match key {
+            "unit" => self.unit = map.next_value()?,
+            "requests_per_unit" => self.requests_per_unit = map.next_value()?,
+            "unlimited" => self.unlimited = map.next_value()?,
+            "name" => self.name = map.next_value()?,
+            "replaces" => self.replaces = map.next_value()?,
+            "algorithm" => self.algorithm = map.next_value()?,
+            _ => self.exact = map.next_value()?,
+        }
+        Ok(())
+    }
+    fn merge(&mut self, o: RawRateLimitFields) {
+        take(&mut self.unit, o.unit);
+        take(&mut self.requests_per_unit, o.requests_per_unit);
+        take(&mut self.unlimited, o.unlimited);
+        take(&mut self.name, o.name);
+        take(&mut self.replaces, o.replaces);
+        take(&mut self.algorithm, o.algorithm);
+        take(&mut self.exact, o.exact);
+        self.unread.extend(o.unread);
+    }
+    fn unread(&mut self) -> &mut Vec<String> {
+        &mut self.unread
+    }
+}
+
+impl<'de> Deserialize<'de> for RawRateLimitFields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawRateLimitFields, D::Error> {
+        d.deserialize_map(FieldsVisitor::new(false))
+    }
+}
+
+/// A `replaces` entry.
+#[derive(Default)]
 struct RawReplace {
-    #[serde(default)]
     name: Option<Text>,
+    unread: Vec<String>,
+}
+
+impl Fields for RawReplace {
+    const KEYS: &'static [&'static str] = &["name"];
+    fn read<'de, A: MapAccess<'de>>(&mut self, _: &'static str, map: &mut A) -> Result<(), A::Error> {
+        self.name = map.next_value()?;
+        Ok(())
+    }
+    fn merge(&mut self, o: RawReplace) {
+        take(&mut self.name, o.name);
+        self.unread.extend(o.unread);
+    }
+    fn unread(&mut self) -> &mut Vec<String> {
+        &mut self.unread
+    }
+}
+
+impl<'de> Deserialize<'de> for RawReplace {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawReplace, D::Error> {
+        fields(d)
+    }
 }
 
 impl TryFrom<RawRateLimitFields> for RawRateLimit {
@@ -658,7 +1074,8 @@ impl TryFrom<RawRateLimitFields> for RawRateLimit {
     fn try_from(r: RawRateLimitFields) -> Result<RawRateLimit, String> {
         let unit_name = r.unit.map(|u| u.0).unwrap_or_default();
         let unit = Unit::from_name(&unit_name);
-        if r.unlimited {
+        let unlimited = r.unlimited.unwrap_or(false);
+        if unlimited {
             if unit.is_some() {
                 return Err("should not specify rate limit unit when unlimited".into());
             }
@@ -668,8 +1085,8 @@ impl TryFrom<RawRateLimitFields> for RawRateLimit {
             ));
         }
         let name = r.name.map(|n| n.0).unwrap_or_default();
-        let mut replaces = Vec::with_capacity(r.replaces.len());
-        for p in r.replaces {
+        let mut replaces = Vec::new();
+        for p in r.replaces.unwrap_or_default() {
             let p = p.name.map(|n| n.0).unwrap_or_default();
             if p.is_empty() {
                 return Err("should not have an empty replaces entry".into());
@@ -679,7 +1096,7 @@ impl TryFrom<RawRateLimitFields> for RawRateLimit {
             }
             replaces.push(p);
         }
-        let algorithm = match r.algorithm.as_deref() {
+        let algorithm = match r.algorithm.as_ref().map(|a| a.0.as_str()) {
             None | Some("fixed_window") => Algorithm::FixedWindow,
             Some("sliding_window") => Algorithm::SlidingWindow,
             Some("token_bucket") => Algorithm::TokenBucket,
@@ -687,20 +1104,18 @@ impl TryFrom<RawRateLimitFields> for RawRateLimit {
                 return Err(format!("unknown algorithm '{other}' (fixed_window, sliding_window or token_bucket)"))
             }
         };
-        if r.unlimited && r.algorithm.is_some() {
+        if unlimited && r.algorithm.is_some() {
             return Err("an unlimited rate_limit takes no algorithm".into());
         }
-        if !r.unlimited && r.requests_per_unit.is_none() {
-            return Err("rate_limit needs requests_per_unit".into());
-        }
         Ok(RawRateLimit {
-            unit: if r.unlimited { None } else { unit },
+            unit: if unlimited { None } else { unit },
+            // None: 0, as envoyproxy/ratelimit reads it — every hit is over the limit.
             requests_per_unit: r.requests_per_unit.unwrap_or(0),
-            unlimited: r.unlimited,
+            unlimited,
             name,
             replaces,
             algorithm,
-            exact: r.exact,
+            exact: r.exact.unwrap_or(false),
         })
     }
 }
@@ -807,6 +1222,83 @@ mod tests {
         assert_eq!(rpu(&c, "0o17", &[("none", "anything")]), Some(5), "a null value is none: the key alone");
         let e = error("domain: d\ndescriptors:\n  - key: a\n    value: [1, 2]\n");
         assert_eq!((e.line, e.column), (Some(4), Some(12)), "{e}");
+    }
+
+    #[test]
+    fn a_known_key_out_of_place_is_not_read_and_warned_about() {
+        let c = parse("domain: d\nname: top\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: b\n    name: not-here\n    rate_limit:\n      unit: second\n      requests_per_unit: 1\n      shadow_mode: true\n      quota_mode: true\n      replaces: [{name: x, unit: second}]\n");
+        let b = c.find("d", &[("b", "")]).unwrap().rule;
+        assert!(!b.shadow, "shadow_mode in a rate_limit is not read");
+        assert_eq!(b.replaces, ["x"]);
+        let warned: Vec<(Option<usize>, &str)> = c.warnings.iter().map(|w| (w.line, w.reason.as_str())).collect();
+        assert_eq!(
+            warned,
+            [
+                (Some(2), "`name` is not read at the top of a file (envoyproxy/ratelimit ignores it there)"),
+                (Some(6), "d.b: `name` is not read here (envoyproxy/ratelimit ignores it)"),
+                (Some(6), "d.b: `rate_limit.shadow_mode` is not read here (envoyproxy/ratelimit ignores it)"),
+                (Some(6), "d.b: `rate_limit.quota_mode` is not read here (envoyproxy/ratelimit ignores it)"),
+                (Some(6), "d.b: `rate_limit.replaces.unit` is not read here (envoyproxy/ratelimit ignores it)"),
+            ]
+        );
+        // What is not read is still checked as envoyproxy/ratelimit checks it.
+        for (text, why, line) in [
+            ("domain: d\nrate_limit:\n  burst: 1\n", "unknown field `burst`", 3),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    replaces: [x]\n",
+                "invalid type: string \"x\", expected a mapping",
+                4,
+            ),
+            ("domain: d\ndescriptors:\n  - key: a\n    algorithm: sliding_window\n", "unknown field `algorithm`", 4),
+        ] {
+            let e = error(text);
+            assert!(e.reason.contains(why), "{text}: {e}");
+            assert_eq!(e.line, Some(line), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn merge_keys_merge_as_envoyproxy_ratelimit_reads_them() {
+        let c = parse("domain: d\ndescriptors:\n  - key: a\n    rate_limit: &per_minute\n      unit: minute\n      requests_per_unit: 10\n  - key: b\n    rate_limit:\n      <<: *per_minute\n      requests_per_unit: 20\n  - &base\n    key: c\n    rate_limit: {unit: hour, requests_per_unit: 3}\n  - <<: *base\n    value: special\n  - key: e\n    <<: [{value: first}, {value: second, shadow_mode: true}]\n    rate_limit: {unit: day, requests_per_unit: 1}\n");
+        let b = c.find("d", &[("b", "x")]).unwrap().rule;
+        assert_eq!((b.unit, b.requests_per_unit), (Some(Unit::Minute), 20));
+        let special = c.find("d", &[("c", "special")]).unwrap().rule;
+        assert_eq!(
+            (special.unit, special.requests_per_unit, special.full_key.as_str()),
+            (Some(Unit::Hour), 3, "d.c_special")
+        );
+        let e = c.find("d", &[("e", "first")]).unwrap().rule;
+        assert!(e.shadow, "the earlier mapping of a list wins, the later ones fill in");
+        assert!(c.find("d", &[("e", "second")]).is_none());
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        let e = error("domain: d\ndescriptors:\n  - key: a\n    <<: 5\n");
+        assert!(e.reason.contains("a mapping or a list of mappings to merge") && e.line == Some(4), "{e}");
+    }
+
+    #[test]
+    fn a_rate_limit_without_requests_per_unit_denies_every_hit() {
+        let c = parse("domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: second\n");
+        let a = c.find("d", &[("a", "x")]).unwrap().rule;
+        assert_eq!((a.requests_per_unit, a.limit, a.unlimited), (0, None, false));
+    }
+
+    #[test]
+    fn only_a_files_first_document_is_read() {
+        let c = parse("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n---\ndomain: e\nbogus: [\n");
+        assert_eq!(c.domains().collect::<Vec<_>>(), ["d"]);
+        assert_eq!(c.warnings.len(), 1);
+        assert_eq!(c.warnings[0].line, Some(5));
+        assert!(c.warnings[0].reason.contains("only the first YAML document"), "{:?}", c.warnings);
+        let c = parse("---\ndomain: d\n---\ndomain: e\n");
+        assert_eq!((c.domains().collect::<Vec<_>>(), c.warnings[0].line), (vec!["d"], Some(3)));
+    }
+
+    #[test]
+    fn quota_mode_is_refused_at_its_line() {
+        let e = error("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: b\n    quota_mode: true\n");
+        assert_eq!(e.line, Some(6), "{e}");
+        assert!(e.reason.contains("quota_mode is not supported"), "{e}");
+        parse("domain: d\ndescriptors:\n  - key: a\n    quota_mode: false\n");
     }
 
     fn error(text: &str) -> ConfigError {

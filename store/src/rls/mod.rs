@@ -649,14 +649,19 @@ fn window(rule: &Rule) -> u64 {
 }
 
 /// Reloads `rls`'s configuration every `every` while the process runs, logging a refused
-/// file with its file, line and reason.
+/// file with its file, line and reason, and a new configuration's warnings.
 pub async fn watch<K: Kv>(rls: Arc<Rls<K>>, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         match rls.reload() {
-            Ok(true) => eprintln!("ratewall-store: rate limit configuration reloaded"),
+            Ok(true) => {
+                eprintln!("ratewall-store: rate limit configuration reloaded");
+                for w in &rls.config().warnings {
+                    eprintln!("ratewall-store: rate limit configuration: {w}");
+                }
+            }
             Ok(false) => {}
             Err(e) => eprintln!("ratewall-store: rate limit configuration refused, the last good one stays: {e}"),
         }
