@@ -1,4 +1,5 @@
-//! `ratewall-store`: serves `POST /v1/sync`, `GET /healthz` and `GET /metrics` over Redis.
+//! `ratewall-store`: serves `POST /v1/sync`, `GET /healthz` (and envoyproxy/ratelimit's
+//! `GET /healthcheck`) and `GET /metrics` over Redis.
 //!
 //! ```text
 //! RATEWALL_SYNC_SECRET=<at least 16 chars> \
@@ -164,6 +165,15 @@ async fn healthz(State(store): State<Shared>) -> Response {
     }
 }
 
+/// `GET /healthcheck`, envoyproxy/ratelimit's: 200 `OK` when Redis answers, else 500.
+async fn healthcheck(State(store): State<Shared>) -> Response {
+    if store.kv.ping().await {
+        (StatusCode::OK, "OK").into_response()
+    } else {
+        StatusCode::INTERNAL_SERVER_ERROR.into_response()
+    }
+}
+
 fn main() -> std::process::ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
@@ -203,7 +213,7 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     let redis: Vec<String> = args.redis.iter().map(|u| redacted(u)).collect();
     let mode = if args.cluster { "Cluster" } else { "single server" };
     println!(
-        "ratewall-store: listening on http://{addr} (POST /v1/sync, GET /healthz, GET /metrics); Redis {} ({mode}); deadline {} ms",
+        "ratewall-store: listening on http://{addr} (POST /v1/sync, GET /healthz, GET /healthcheck, GET /metrics); Redis {} ({mode}); deadline {} ms",
         redis.join(", "),
         args.deadline.as_millis()
     );
@@ -218,7 +228,7 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
         Some(a) => {
             let l = tokio::net::TcpListener::bind(a).await.map_err(|e| format!("cannot listen on --admin {a}: {e}"))?;
             let at = l.local_addr().map_err(|e| e.to_string())?;
-            println!("ratewall-store: admin on http://{at}/ (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz; no authentication)");
+            println!("ratewall-store: admin on http://{at}/ (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz, /healthcheck; no authentication)");
             Some(l)
         }
         None => None,
@@ -229,7 +239,8 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     let reads = admin.is_some();
     tokio::spawn(async move { sharing.share_top_forever(reads).await });
     if let Some(l) = admin {
-        let router = ratewall_store::admin::router(Arc::clone(&store), rls.clone());
+        let router = ratewall_store::admin::router(Arc::clone(&store), rls.clone())
+            .merge(Router::new().route("/healthcheck", get(healthcheck)).with_state(Arc::clone(&store)));
         tokio::spawn(async move {
             if let Err(e) = axum::serve(l, router).await {
                 eprintln!("ratewall-store: the admin listener stopped: {e}");
@@ -240,6 +251,7 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     let mut app = Router::new()
         .route("/v1/sync", post(sync))
         .route("/healthz", get(healthz))
+        .route("/healthcheck", get(healthcheck))
         .route(
             "/metrics",
             get(move |State(store): State<Shared>| async move {
@@ -290,7 +302,9 @@ async fn start_rls(
         let listener =
             tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr} (--rls): {e}"))?;
         let local = listener.local_addr().map_err(|e| e.to_string())?;
-        println!("ratewall-store: rate limit service on {local} (gRPC envoy.service.ratelimit.v3.RateLimitService)");
+        println!(
+            "ratewall-store: rate limit service on {local} (gRPC envoy.service.ratelimit.v3.RateLimitService, grpc.health.v1.Health)"
+        );
         let rls = Arc::clone(&rls);
         tokio::spawn(async move {
             if let Err(e) = ratewall_store::rls::grpc::serve(rls, listener, stop()).await {

@@ -749,3 +749,43 @@ domain: second_document
         assert!(log.contains(&said), "{said}\n{log}");
     }
 }
+
+/// The health service's status for `service` on the gRPC listener.
+async fn grpc_health(store: &RlsProcess, service: &str) -> i32 {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let channel = Channel::from_shared(format!("http://{}", store.grpc)).unwrap().connect().await.unwrap();
+    let mut c = HealthClient::new(channel);
+    c.check(HealthCheckRequest { service: service.into() }).await.unwrap().into_inner().status
+}
+
+/// Waits (at most 10 s) until every reported service has `status`.
+async fn health_becomes(store: &RlsProcess, status: tonic_health::ServingStatus) {
+    let start = Instant::now();
+    for service in ["", "envoy.service.ratelimit.v3.RateLimitService", "ratelimit"] {
+        while grpc_health(store, service).await != status as i32 {
+            assert!(start.elapsed() < Duration::from_secs(10), "{service:?} never became {status:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthcheck_and_grpc_health_follow_redis() {
+    let mut redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start_with(&redis.url(), &limits("health"), true);
+    let admin = store.admin.clone().unwrap();
+    for at in [&store.http, &admin] {
+        let r = http::request(at, "GET", "/healthcheck", &[], &[]).unwrap();
+        assert_eq!((r.status, r.text()), (200, "OK".to_owned()), "{at}");
+    }
+    health_becomes(&store, tonic_health::ServingStatus::Serving).await;
+    redis.stop();
+    for at in [&store.http, &admin] {
+        assert_eq!(http::request(at, "GET", "/healthcheck", &[], &[]).unwrap().status, 500, "{at}");
+    }
+    health_becomes(&store, tonic_health::ServingStatus::NotServing).await;
+    redis.restart().unwrap();
+    health_becomes(&store, tonic_health::ServingStatus::Serving).await;
+    assert_eq!(http::request(&store.http, "GET", "/healthcheck", &[], &[]).unwrap().status, 200);
+}

@@ -1,5 +1,7 @@
 //! `envoy.service.ratelimit.v3.RateLimitService` over gRPC (h2c), on the `envoy-types`
-//! crate's generated tonic server.
+//! crate's generated tonic server, beside gRPC's standard health service
+//! (`grpc.health.v1.Health`): SERVING while the store reaches Redis, NOT_SERVING when it does
+//! not and once the process is stopping.
 
 use super::{Answer, Call, Code, Descriptor, Refusal, Rls};
 use crate::Kv;
@@ -17,6 +19,13 @@ use std::sync::Arc;
 
 /// Largest request accepted, bytes (the descriptor limits keep a valid one far below).
 pub const MAX_MESSAGE: usize = 1 << 20;
+
+/// The services the health service reports: the whole server (""), the rate limit service,
+/// and `ratelimit` (the name envoyproxy/ratelimit reports under).
+pub const HEALTH_SERVICES: [&str; 3] = ["", "envoy.service.ratelimit.v3.RateLimitService", "ratelimit"];
+
+/// How often the health service asks Redis.
+pub const HEALTH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A call from its protobuf message.
 pub fn call_of(req: &RateLimitRequest) -> Call {
@@ -97,17 +106,46 @@ impl<K: Kv + 'static> RateLimitService for Service<K> {
     }
 }
 
-/// Serves the service on `listener` (h2c) until `stop`.
+/// Sets every service the health service reports to SERVING or not.
+async fn report(reporter: &tonic_health::server::HealthReporter, serving: bool) {
+    let status = if serving { tonic_health::ServingStatus::Serving } else { tonic_health::ServingStatus::NotServing };
+    for name in HEALTH_SERVICES {
+        reporter.set_service_status(name, status).await;
+    }
+}
+
+/// Reports, every [`HEALTH_EVERY`], whether the store reaches Redis.
+async fn watch_health<K: Kv>(rls: Arc<Rls<K>>, reporter: tonic_health::server::HealthReporter) {
+    let mut tick = tokio::time::interval(HEALTH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let up = tokio::time::timeout(HEALTH_EVERY, rls.store().kv.ping()).await.unwrap_or(false);
+        report(&reporter, up).await;
+    }
+}
+
+/// Serves the service and the health service on `listener` (h2c) until `stop`.
 pub async fn serve<K: Kv + 'static>(
     rls: Arc<Rls<K>>,
     listener: tokio::net::TcpListener,
     stop: impl Future<Output = ()>,
 ) -> Result<(), String> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    // NOT_SERVING until Redis has answered.
+    report(&reporter, false).await;
+    let watcher = tokio::spawn(watch_health(Arc::clone(&rls), reporter.clone()));
+    let stopping = async move {
+        stop.await;
+        watcher.abort();
+        report(&reporter, false).await;
+    };
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let service = RateLimitServiceServer::new(Service(rls)).max_decoding_message_size(MAX_MESSAGE);
     tonic::transport::Server::builder()
+        .add_service(health)
         .add_service(service)
-        .serve_with_incoming_shutdown(incoming, stop)
+        .serve_with_incoming_shutdown(incoming, stopping)
         .await
         .map_err(|e| e.to_string())
 }
