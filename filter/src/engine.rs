@@ -14,6 +14,7 @@ use ratewall_core::Nanos;
 use ratewall_core::{render, ConfigError, Reply};
 use std::borrow::Cow;
 use std::cell::{Cell, OnceCell};
+use std::rc::Rc;
 
 /// A shared-data key read once per VM before any other: where the host has no shared data
 /// (ngx_wasm_module without a `shm_kv` zone) this read traps, and the counters of
@@ -182,6 +183,15 @@ pub struct Engine {
     /// Per rule, whether it is exact: only those wait for the store (asks); the others decide
     /// at once, on their grant and overdraft.
     exact: Vec<bool>,
+    /// Whether a later configuration took this engine's sync state over
+    /// ([`Syncer::continuing`]).
+    retired: Cell<bool>,
+    /// The engine that took it over ([`Engine::hand_over`]): the requests this one still
+    /// decides (a filter chain draining after a push) record into, and sync through, its
+    /// syncer, which is the one in force.
+    successor: OnceCell<Rc<Engine>>,
+    /// When the next periodic tick is due ([`Engine::tick_due`]).
+    next_tick: Cell<Nanos>,
 }
 
 /// Degraded mode admits a node's measured share of a counter's traffic times
@@ -230,7 +240,12 @@ impl Engine {
     /// changed: the caller keeps its previous engine. A `previous` engine's sync state
     /// carries over (see [`Syncer::continuing`]).
     pub fn configure(host: &dyn Host, document: &[u8], previous: Option<&Engine>) -> Result<Engine, ConfigError> {
-        let config = Config::parse(document)?;
+        Ok(Engine::new(host, Config::parse(document)?, previous))
+    }
+
+    /// [`Engine::configure`] with a document already validated. A `previous` engine whose
+    /// sync state carries over is retired: see [`Engine::hand_over`].
+    pub fn new(host: &dyn Host, config: Config, previous: Option<&Engine>) -> Engine {
         let f = config.filter;
         let table = Table::new(f.slots, f.hash_seed, f.cas_retries);
         let rules = config
@@ -260,8 +275,11 @@ impl Engine {
         // first shared-data call traps. A VM that has used it already goes on at once.
         let proven = previous.is_some_and(|p| p.shared.get() == Some(true));
         let sync = OnceCell::new();
-        if let (Some(opts), Some(old)) = (&config.sync, previous.and_then(|p| p.sync.get())) {
-            let _ = sync.set(Syncer::continuing(old, opts.clone()));
+        if let (Some(opts), Some(p)) = (&config.sync, previous) {
+            if let Some(old) = p.sync() {
+                let _ = sync.set(Syncer::continuing(old, opts.clone()));
+                p.retired.set(true);
+            }
         }
         let sync_opts = config.sync.clone();
         let xff = if config.identity.ip.trusted_hops > 0 { "x-forwarded-for" } else { "" };
@@ -288,6 +306,9 @@ impl Engine {
             fallback_logged: Cell::new(None),
             header_names,
             exact,
+            retired: Cell::new(false),
+            successor: OnceCell::new(),
+            next_tick: Cell::new(0),
         };
         if proven {
             engine.shared.set(Some(true));
@@ -297,7 +318,39 @@ impl Engine {
                 old.clear(host);
             }
         }
-        Ok(engine)
+        engine
+    }
+
+    /// Links a retired engine (one whose sync state `successor` took over when configured
+    /// with it as `previous`) to its successor: requests it still decides then record their
+    /// units into, and ask through, the syncer in force, instead of one no tick drives any
+    /// more. Does nothing to an engine that was not retired.
+    pub fn hand_over(&self, successor: &Rc<Engine>) {
+        if self.retired.get() && !std::ptr::eq(self, successor.as_ref()) {
+            let _ = self.successor.set(Rc::clone(successor));
+        }
+    }
+
+    /// The engine whose sync state is in force for this one: itself, or the last of its
+    /// successors. Ticks and the answers to sync calls go to it.
+    pub fn live(self: &Rc<Engine>) -> Rc<Engine> {
+        let mut e = Rc::clone(self);
+        while let Some(next) = e.successor.get().cloned() {
+            e = next;
+        }
+        e
+    }
+
+    /// Whether the periodic tick ([`Engine::on_tick`]) is due at `now`; if so, the next one
+    /// is one [`Engine::tick_interval`] later. Several root contexts of a VM may serve one
+    /// engine: each asks, and it ticks once per interval.
+    pub fn tick_due(&self, now: Nanos) -> bool {
+        let Some(interval) = self.tick_interval() else { return false };
+        if now < self.next_tick.get() {
+            return false;
+        }
+        self.next_tick.set(now.saturating_add(interval));
+        true
     }
 
     /// Whether shared data can be used, found out on the first call in this VM: a host
@@ -388,9 +441,13 @@ impl Engine {
         );
     }
 
-    /// The sync state, once the table is prepared.
+    /// The sync state in force, once the table is prepared: this engine's, or its
+    /// successor's once it has one ([`Engine::hand_over`]).
     fn sync(&self) -> Option<&Syncer> {
-        self.sync.get()
+        match self.successor.get() {
+            Some(next) => next.sync(),
+            None => self.sync.get(),
+        }
     }
 
     /// The validated configuration.

@@ -23,17 +23,20 @@ struct WaitList {
 
 type Waiters = Rc<RefCell<WaitList>>;
 
-/// What a VM does while no rules are in force (its first document was rejected): it serves,
-/// open by default, or closed (503) when its VM configuration says `{"without_rules":
-/// "closed"}`; either way every such request is counted in `ratewall_config_rejected` and the
-/// rejection is said at error level, at most every [`FALLBACK_LOG_EVERY`], until good rules
-/// arrive.
+/// What a root context does while no rules are in force (its document was rejected and the VM
+/// has no good rules to serve instead): it serves, open by default, or closed (503) when the
+/// VM configuration says `{"without_rules": "closed"}`; either way every such request is
+/// counted in `ratewall_config_rejected` and the rejection is said at error level, at most
+/// every [`FALLBACK_LOG_EVERY`], until good rules arrive.
 #[derive(Default)]
 struct Fallback {
-    closed: Cell<bool>,
     metric: Cell<Option<u32>>,
     /// Why the rules were rejected (None: rules are in force, or none were given yet).
     why: RefCell<Option<String>>,
+    /// Why they were rejected, while the VM's last good rules are taken to serve instead:
+    /// becomes `why` should the host turn out to be ngx_wasm_module (see
+    /// `Request::on_http_request_headers`).
+    standby: RefCell<Option<String>>,
     logged: Cell<Option<Nanos>>,
 }
 
@@ -46,7 +49,7 @@ impl Fallback {
             return;
         }
         self.logged.set(Some(now));
-        let how = if self.closed.get() {
+        let how = if VM.with(|vm| vm.closed.get()) {
             "every request is refused with 503 (without_rules: closed)"
         } else {
             "requests pass without limits"
@@ -60,13 +63,14 @@ impl Fallback {
     /// A request while no rules are in force: whether it goes on.
     fn request(&self) -> bool {
         if self.why.borrow().is_none() {
-            return true;
+            let Some(why) = self.standby.take() else { return true };
+            *self.why.borrow_mut() = Some(why);
         }
         if let Some(id) = self.metric.get() {
             ProxyHost.increment(id, 1);
         }
         self.say();
-        if !self.closed.get() {
+        if !VM.with(|vm| vm.closed.get()) {
             return true;
         }
         let body = r#"{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"the rate limiter has no valid rules"}"#;
@@ -88,10 +92,57 @@ extern "C" {
     fn proxy_get_metric(metric_id: u32, return_value: *mut u64) -> u32;
 }
 
+/// What every root context of this VM shares. The wasm instance is the VM: under Envoy a
+/// configuration push starts a new root context in the running instance (proxy-wasm-cpp-host
+/// keys a root context by its plugin configuration), so what must outlive one root context —
+/// the last good rules and the node's sync identity — lives here.
+struct VmWide {
+    /// The engine of the last good rules configured in this VM.
+    last_good: RefCell<Option<Rc<Engine>>>,
+    /// Whether the host is ngx_wasm_module (found out in the first request: None before).
+    nginx: Cell<Option<bool>>,
+    /// The VM configuration says `{"without_rules": "closed"}`.
+    closed: Cell<bool>,
+}
+
 thread_local! {
-    /// Whether this host resumes a paused request from the root's tick (found out in the
-    /// first request that needs it).
-    static RESUMES_FROM_ROOT: Cell<Option<bool>> = const { Cell::new(None) };
+    static VM: VmWide = const {
+        VmWide { last_good: RefCell::new(None), nginx: Cell::new(None), closed: Cell::new(false) }
+    };
+}
+
+/// The VM's last good rules.
+fn last_good() -> Option<Rc<Engine>> {
+    VM.with(|vm| vm.last_good.borrow().clone())
+}
+
+/// Whether the host is ngx_wasm_module, as far as this VM knows: it has the `ngx.*`
+/// properties (NGINX's variables) in a request, which is where this is found out (asking
+/// outside a request logs an error there).
+fn known_nginx() -> Option<bool> {
+    VM.with(|vm| vm.nginx.get())
+}
+
+/// Finds out, in a request's context, whether the host is ngx_wasm_module (once per VM).
+fn nginx_host() -> bool {
+    if let Some(known) = known_nginx() {
+        return known;
+    }
+    let nginx = ProxyHost.property(&["ngx", "nginx_version"]).is_some();
+    VM.with(|vm| vm.nginx.set(Some(nginx)));
+    nginx
+}
+
+/// Whether a root context configured now replaces the VM's previous rules. Under Envoy every
+/// root context after the first is a configuration push (one set of rules per `vm_id`);
+/// under ngx_wasm_module, whose VMs are configured once (a reload starts new ones), each root
+/// context is a `proxy_wasm` directive of its own, with its own sync state. Until a request
+/// has told the hosts apart, a `sync.cluster` of `host:port` says ngx_wasm_module.
+fn replaces_previous(config: &ratewall_core::Config) -> bool {
+    match known_nginx() {
+        Some(nginx) => !nginx,
+        None => !config.sync.as_ref().is_some_and(|s| s.cluster.contains(':')),
+    }
 }
 
 /// The request headers as the host serializes them.
@@ -164,17 +215,10 @@ impl Host for ProxyHost {
         }
     }
     fn resumes_waiters(&self) -> bool {
-        // ngx_wasm_module (which has the `ngx.*` properties: NGINX's variables) accepts
-        // `proxy_set_effective_context` and does nothing, so `proxy_continue_stream` from the
-        // root's tick cannot reach a paused request. Asked from a request's context only.
-        RESUMES_FROM_ROOT.with(|known| match known.get() {
-            Some(r) => r,
-            None => {
-                let r = self.property(&["ngx", "nginx_version"]).is_none();
-                known.set(Some(r));
-                r
-            }
-        })
+        // ngx_wasm_module accepts `proxy_set_effective_context` and does nothing, so
+        // `proxy_continue_stream` from the root's tick cannot reach a paused request. Asked
+        // from a request's context only.
+        !nginx_host()
     }
     fn dispatch(&self, upstream: &str, headers: &[(&str, &str)], body: &[u8], timeout: Nanos) -> Option<u32> {
         let timeout = std::time::Duration::from_nanos(timeout);
@@ -201,23 +245,34 @@ proxy_wasm::main! {{
         Box::new(Root {
             engine: None,
             waiters: Waiters::default(),
-            next_sync: 0,
             ticking: 0,
             fallback: Rc::new(Fallback::default()),
         })
     });
 }}
 
-/// The plugin's root context: holds the last good configuration, and resumes the requests
-/// that wait their turn.
+/// A root context (one plugin configuration): its rules, and the requests of it that wait
+/// their turn.
 struct Root {
+    /// The engine of this root context's own document (None: it was rejected).
     engine: Option<Rc<Engine>>,
     waiters: Waiters,
-    /// When the next sync tick is due.
-    next_sync: Nanos,
     /// The tick period set (0: none).
     ticking: Nanos,
     fallback: Rc<Fallback>,
+}
+
+impl Root {
+    /// The engine this root context ticks and hands sync answers to: the one whose sync state
+    /// is in force for its rules (or for the VM's last good ones, which it may serve).
+    fn ticked(&self) -> Option<Rc<Engine>> {
+        let serving = match &self.engine {
+            Some(e) => Some(Rc::clone(e)),
+            None if known_nginx() == Some(true) => None,
+            None => last_good(),
+        };
+        serving.map(|e| e.live())
+    }
 }
 
 /// Sets, from the root context, the tick period `engine` needs: [`WAIT_TICK`] under rules
@@ -270,7 +325,7 @@ fn call_response(num_headers: usize, body_size: usize, cap: usize) -> (u32, Opti
 
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
-        let Some(engine) = &self.engine else { return };
+        let Some(engine) = self.ticked() else { return };
         let (status, tag, body) = call_response(num_headers, body_size, engine.answer_cap(token));
         engine.on_sync_response(&ProxyHost, token, status, tag.as_deref(), &body);
     }
@@ -282,7 +337,7 @@ impl RootContext for Root {
         // Requests whose turn came go on (resumed in their own context).
         let due: Vec<u32> = {
             let mut w = self.waiters.borrow_mut();
-            if let Some(engine) = &self.engine {
+            if let Some(engine) = self.engine.clone().or_else(last_good) {
                 for (_, until, turns) in w.list.iter_mut().filter(|(_, until, _)| *until > now) {
                     *until = engine.turn(&ProxyHost, turns, *until);
                 }
@@ -296,11 +351,8 @@ impl RootContext for Root {
                 let _ = hostcalls::resume_http_request();
             }
         }
-        if let Some(engine) = &self.engine {
-            if let Some(interval) = engine.tick_interval().filter(|_| now >= self.next_sync) {
-                self.next_sync = now.saturating_add(interval);
-                engine.on_tick(&ProxyHost);
-            }
+        if let Some(engine) = self.ticked().filter(|e| e.tick_due(now)) {
+            engine.on_tick(&ProxyHost);
         }
         self.fallback.say();
     }
@@ -318,38 +370,60 @@ impl RootContext for Root {
                 &format!("ratewall: VM configuration {text:?} not understood; without valid rules requests pass"),
             );
         }
-        self.fallback.closed.set(closed);
+        VM.with(|vm| vm.closed.set(closed));
         true
     }
 
     fn on_configure(&mut self, size: usize) -> bool {
-        // Never false, whatever the document: on ngx_wasm_module a false answer is fatal to
-        // the worker (NGINX then serves nothing), and on Envoy it adds nothing to the error
-        // logged here.
+        // Never false, whatever the document. On ngx_wasm_module a false answer is fatal to
+        // the worker (NGINX then serves nothing). On Envoy it would refuse the configuration
+        // in its canary — a fresh instance, which cannot tell a first start (where a refusal
+        // stops the listener from serving at all) from a push — and the canary's verdict is
+        // cached per document while the workers' VMs configure later, so a false that depends
+        // on anything but the document could disagree with it and fail the plugin on a
+        // worker. A rejected document is said here instead, and the VM's last good rules
+        // serve on.
         self.fallback.metric.set(ProxyHost.define_counter(FALLBACK_METRIC));
         let document = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size) {
             Ok(Some(d)) => d,
             Ok(None) => Vec::new(),
             Err(_) => b"(the host did not give the plugin configuration)".to_vec(),
         };
-        match Engine::configure(&ProxyHost, &document, self.engine.as_deref()) {
-            Ok(engine) => {
+        match ratewall_core::Config::parse(&document) {
+            Ok(config) => {
+                // A push continues the VM's previous rules: the node's sync identity, lease and
+                // unsent units carry over, and a table of another size replaces the old one.
+                let previous = self.engine.clone().or_else(last_good).filter(|_| replaces_previous(&config));
+                let engine = Rc::new(Engine::new(&ProxyHost, config, previous.as_deref()));
+                if let Some(p) = &previous {
+                    p.hand_over(&engine);
+                }
                 ProxyHost.log(Level::Info, &format!("ratewall: loaded {} rules", engine.config().rules.len()));
                 tick_for(Some(&engine), &mut self.ticking);
-                self.engine = Some(Rc::new(engine));
+                VM.with(|vm| *vm.last_good.borrow_mut() = Some(Rc::clone(&engine)));
+                self.engine = Some(engine);
                 *self.fallback.why.borrow_mut() = None;
+                *self.fallback.standby.borrow_mut() = None;
             }
-            Err(e) => match &self.engine {
-                Some(_) => {
+            Err(e) => match self.engine.clone().or_else(|| last_good().filter(|_| known_nginx() != Some(true))) {
+                Some(serving) => {
                     ProxyHost.log(
                         Level::Error,
                         &format!("ratewall: configuration rejected: {e}; keeping the previous rules"),
                     );
+                    tick_for(Some(&serving), &mut self.ticking);
+                    if self.engine.is_none() {
+                        // Said again should the host turn out to be ngx_wasm_module, whose
+                        // other rules are another directive's (`on_http_request_headers`).
+                        *self.fallback.standby.borrow_mut() = Some(e.to_string());
+                    }
                 }
                 None => {
+                    // What follows (requests pass, or 503) is said by the first request or tick:
+                    // Envoy's canary, which never serves, configures too.
+                    ProxyHost.log(Level::Error, &format!("ratewall: configuration rejected: {e}"));
                     *self.fallback.why.borrow_mut() = Some(e.to_string());
                     self.fallback.logged.set(None);
-                    self.fallback.say();
                 }
             },
         }
@@ -470,6 +544,14 @@ impl Context for Request {
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        // Once per VM: which host this is (see `replaces_previous`).
+        let nginx = nginx_host();
+        if self.engine.is_none() {
+            // This root context's document was rejected: under Envoy (a push of a bad
+            // document) the VM's last good rules decide. Under ngx_wasm_module the VM's other
+            // rules are another `proxy_wasm` directive's: none.
+            self.engine = if nginx { None } else { last_good() };
+        }
         let Some(engine) = self.engine.clone() else {
             return if self.fallback.request() { Action::Continue } else { Action::Pause };
         };
