@@ -111,16 +111,18 @@ fn context(linker: &mut Linker<VmState>) -> Result<()> {
         "env",
         "proxy_set_tick_period_milliseconds",
         |mut c: Caller<'_, VmState>, period: i32| -> Result<i32> {
+            // Envoy: the period of the calling context's root context, from any context.
+            let root = c.data().root_of(c.data().current);
             if nginx(&c) {
                 // ngx_proxy_wasm_hfuncs_set_tick_period: root context only, and once.
-                if c.data().current != 1 {
+                if !c.data().is_root(c.data().current) {
                     bail!("[wasm] can only set tick_period in root context");
                 }
-                if period != 0 && c.data().tick_period_ms != 0 {
+                if period != 0 && c.data().tick_periods.get(&root).is_some_and(|p| *p != 0) {
                     bail!("[wasm] tick_period already set");
                 }
             }
-            c.data_mut().tick_period_ms = period as u32;
+            c.data_mut().tick_periods.insert(root, period as u32);
             Ok(status::OK)
         },
     )?;
@@ -221,7 +223,7 @@ fn context(linker: &mut Linker<VmState>) -> Result<()> {
             let path = read(&mut c, pp, pl)?;
             let parts: Vec<&[u8]> = path.split(|&b| b == 0).filter(|p| !p.is_empty()).collect();
             let nginx = nginx(&c);
-            if nginx && c.data().current == 1 && parts.len() > 1 {
+            if nginx && c.data().is_root(c.data().current) && parts.len() > 1 {
                 // ngx_proxy_wasm_properties_get: a dotted path needs a request.
                 let line = "[wasm] cannot get scoped properties outside of a request".to_owned();
                 lock(&c.data().node.state.logs).push((4, line));
@@ -382,7 +384,7 @@ fn calls(linker: &mut Linker<VmState>) -> Result<()> {
         // Envoy resumes the effective context; ngx_wasm_module the request whose callback
         // runs (from the root's tick, none).
         let ctx = if nginx(&c) { c.data().current } else { c.data().effective_context };
-        if ctx != 1 {
+        if !c.data().is_root(ctx) {
             c.data_mut().resumed.insert(ctx);
         }
         status::OK

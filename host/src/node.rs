@@ -19,6 +19,8 @@ pub fn filter_wasm_path() -> PathBuf {
 pub struct Plugin {
     pub(crate) engine: Engine,
     pub(crate) module: Module,
+    /// Tells plugins apart (a node's configuration canaries are cached per plugin).
+    pub(crate) id: u64,
 }
 
 impl Plugin {
@@ -61,7 +63,8 @@ impl Plugin {
         if module.get_export("proxy_abi_version_0_2_1").is_none() {
             bail!("the module does not export proxy_abi_version_0_2_1");
         }
-        Ok(Plugin { engine, module })
+        static PLUGINS: AtomicU64 = AtomicU64::new(0);
+        Ok(Plugin { engine, module, id: PLUGINS.fetch_add(1, Ordering::SeqCst) })
     }
 }
 
@@ -81,7 +84,9 @@ pub struct Metric {
 pub enum Profile {
     /// Envoy: a missing key reads as NotFound and a set with `cas = 0` is unconditional; any
     /// context may set the root's tick period; `set_effective_context` switches the context
-    /// that `continue_stream` resumes; a rejected `on_configure` keeps the VM serving.
+    /// that `continue_stream` resumes; a configuration push starts a new root context in the
+    /// running instance after a canary in a fresh one, and is refused when the canary's
+    /// `on_configure` answers false ([`crate::Vm`]).
     #[default]
     Envoy,
     /// NGINX with Kong's ngx_wasm_module (0.6): `cas = 0` means "only if absent" (and a
@@ -125,7 +130,14 @@ pub struct NodeState {
     pub(crate) cas_always_fails: std::sync::atomic::AtomicBool,
     /// The `node.id` property (Envoy's `--service-node`): unique per node.
     pub(crate) id: std::sync::OnceLock<String>,
+    /// Envoy's configuration canaries' verdicts, by plugin, VM configuration and plugin
+    /// configuration.
+    pub(crate) canaries: Mutex<std::collections::HashMap<Canary, bool>>,
 }
+
+/// What a configuration canary's verdict is cached by: the plugin, the VM configuration and
+/// the plugin configuration.
+pub(crate) type Canary = (u64, Vec<u8>, Vec<u8>);
 
 pub(crate) static NODES: AtomicU64 = AtomicU64::new(0);
 

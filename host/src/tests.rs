@@ -362,15 +362,85 @@ fn an_nginx_reload_brings_fresh_shared_data_and_envoy_keeps_it() {
     }
 }
 
+/// A guest that counts its configurations: `on_configure` refuses a configuration of 5 bytes
+/// (`false`) and records the root context it ran in; every request pauses; the last context
+/// deleted and the last root ticked are kept.
+const PUSH_GUEST: &str = r#"(module
+  (memory (export "memory") 1)
+  (global $bump (mut i32) (i32.const 1024))
+  (global $configured (mut i32) (i32.const 0))
+  (global $root (mut i32) (i32.const 0))
+  (global $deleted (mut i32) (i32.const 0))
+  (global $ticked (mut i32) (i32.const 0))
+  (func (export "malloc") (param $n i32) (result i32) (local $p i32)
+    global.get $bump local.set $p
+    global.get $bump local.get $n i32.add global.set $bump
+    local.get $p)
+  (func (export "configured") (result i32) (global.get $configured))
+  (func (export "root") (result i32) (global.get $root))
+  (func (export "deleted") (result i32) (global.get $deleted))
+  (func (export "ticked") (result i32) (global.get $ticked))
+  (func (export "proxy_abi_version_0_2_1"))
+  (func (export "proxy_on_context_create") (param i32 i32))
+  (func (export "proxy_on_vm_start") (param i32 i32) (result i32) (i32.const 1))
+  (func (export "proxy_on_configure") (param $root i32) (param $size i32) (result i32)
+    (global.set $configured (i32.add (global.get $configured) (i32.const 1)))
+    (global.set $root (local.get $root))
+    (i32.ne (local.get $size) (i32.const 5)))
+  (func (export "proxy_on_tick") (param $root i32) (global.set $ticked (local.get $root)))
+  (func (export "proxy_on_request_headers") (param i32 i32 i32) (result i32) (i32.const 1))
+  (func (export "proxy_on_response_headers") (param i32 i32 i32) (result i32) (i32.const 0))
+  (func (export "proxy_on_done") (param i32) (result i32) (i32.const 1))
+  (func (export "proxy_on_log") (param i32))
+  (func (export "proxy_on_delete") (param $ctx i32) (global.set $deleted (local.get $ctx))))"#;
+
+fn push_vm(node: &Node, config: &[u8]) -> wasmtime::Result<Vm> {
+    Vm::start(&Plugin::from_bytes(PUSH_GUEST.as_bytes()).unwrap(), node, config)
+}
+
 #[test]
-fn a_configuration_refused_is_fatal_under_nginx_and_kept_serving_under_envoy() {
-    let refusing = PROFILE_GUEST.replace(
-        r#"(func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 1))"#,
-        r#"(func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 0))"#,
-    );
-    let plugin = Plugin::from_bytes(refusing.as_bytes()).unwrap();
-    let mut envoy = Vm::start(&plugin, &Node::new(1), b"{}").unwrap();
-    assert!(!envoy.configure(b"{}").unwrap(), "Envoy: rejected, the VM serves on");
-    let e = Vm::start(&plugin, &Node::with_profile(1, crate::Profile::NGINX), b"{}").err().unwrap();
+fn an_envoy_push_starts_a_new_root_context_in_the_running_instance_and_the_old_one_ends_once_drained() {
+    let node = Node::new(1);
+    let mut vm = push_vm(&node, b"{\"v\":1}").unwrap();
+    assert_eq!(vm.root_contexts(), [1]);
+    assert_eq!(call(&mut vm, "configured", &[]), 1, "the canary ran in an instance of its own");
+    let crate::Started::Paused(held) = vm.begin(&HttpRequest::new("GET", "/")).unwrap() else { panic!("paused") };
+    assert!(vm.configure(b"{\"v\":2}").unwrap());
+    // The same instance, a new root context; the old one lives while its request does.
+    assert_eq!(call(&mut vm, "configured", &[]), 2);
+    let second = call(&mut vm, "root", &[]) as u32;
+    assert!(second > held, "a new context id");
+    assert_eq!(vm.root_contexts(), [1, second]);
+    let crate::Started::Paused(next) = vm.begin(&HttpRequest::new("GET", "/")).unwrap() else { panic!("paused") };
+    vm.tick().unwrap();
+    assert_eq!(call(&mut vm, "ticked", &[]), i64::from(second), "new requests and ticks go to the new root");
+    vm.abort(held).unwrap();
+    assert_eq!(call(&mut vm, "deleted", &[]), 1, "drained: the old root context ends");
+    assert_eq!(vm.root_contexts(), [second]);
+    // The configuration in force: nothing is called.
+    assert!(vm.configure(b"{\"v\":2}").unwrap());
+    assert_eq!(call(&mut vm, "configured", &[]), 2);
+    // Back to a configuration whose root context still lives: it is current again, as is.
+    assert!(vm.configure(b"{\"v\":3}").unwrap());
+    assert_eq!(call(&mut vm, "configured", &[]), 3);
+    assert!(vm.configure(b"{\"v\":2}").unwrap());
+    assert_eq!(call(&mut vm, "configured", &[]), 3, "its root context is reused");
+    assert_eq!(vm.root_contexts().last(), Some(&second));
+    vm.abort(next).unwrap();
+}
+
+#[test]
+fn envoy_refuses_a_push_its_canary_refuses_and_the_running_root_context_serves_on() {
+    let node = Node::new(1);
+    let mut vm = push_vm(&node, b"{}").unwrap();
+    assert!(!vm.configure(b"false").unwrap(), "refused by the canary");
+    assert_eq!(call(&mut vm, "configured", &[]), 1, "the running instance never saw it");
+    assert_eq!(vm.root_contexts(), [1]);
+    assert!(!vm.configure(b"false").unwrap(), "the verdict is cached");
+    let e = push_vm(&Node::new(1), b"false").err().unwrap();
+    assert!(e.to_string().contains("canary"), "Envoy creates no filter from it: {e}");
+    let e = push_vm(&Node::with_profile(1, crate::Profile::NGINX), b"false").err().unwrap();
     assert!(e.to_string().contains("fatal code 2"), "{e}");
+    let mut nginx = push_vm(&Node::with_profile(1, crate::Profile::NGINX), b"{}").unwrap();
+    assert!(nginx.configure(b"{\"v\":2}").is_err(), "ngx_wasm_module configures a VM once");
 }

@@ -92,7 +92,13 @@ pub(crate) struct VmState {
     pub(crate) local_replies: HashMap<u32, LocalReply>,
     /// Paused contexts the plugin resumed (`proxy_continue_stream`).
     pub(crate) resumed: HashSet<u32>,
-    pub(crate) tick_period_ms: u32,
+    /// The tick period each root context set (0 or absent: none).
+    pub(crate) tick_periods: HashMap<u32, u32>,
+    /// The live root contexts: the one new requests go to and, under Envoy, those whose
+    /// filter chains still drain after a configuration push.
+    pub(crate) roots: Vec<u32>,
+    /// The root context of each live request context.
+    pub(crate) request_roots: HashMap<u32, u32>,
     pub(crate) callouts: Vec<Callout>,
     pub(crate) call_response: Option<(HeaderMap, Vec<u8>)>,
     pub(crate) effective_context: u32,
@@ -113,6 +119,18 @@ pub(crate) struct VmState {
     pub(crate) envoy_xff: bool,
 }
 
+impl VmState {
+    /// Whether `ctx` is a root context.
+    pub(crate) fn is_root(&self, ctx: u32) -> bool {
+        self.roots.contains(&ctx)
+    }
+
+    /// The root context of `ctx` (itself for a root).
+    pub(crate) fn root_of(&self, ctx: u32) -> u32 {
+        self.request_roots.get(&ctx).copied().unwrap_or(ctx)
+    }
+}
+
 /// The guest entry points called per request, looked up once.
 pub(crate) struct Entries {
     pub(crate) context_create: TypedFunc<(i32, i32), ()>,
@@ -124,34 +142,67 @@ pub(crate) struct Entries {
 }
 
 /// One VM (one worker thread) of a node, with the plugin instantiated and configured.
+///
+/// Under Envoy a configuration push is what proxy-wasm-cpp-host does with a new plugin
+/// configuration (its plugin key is the root id and the configuration): first a canary — a
+/// fresh instance of the module that starts a root context and runs `on_configure` with the
+/// new configuration, its verdict cached per configuration for the node — and the push is
+/// refused when that answers false (the running root context serves on); then, in this same
+/// instance, a new root context (a new context id: `on_context_create`, `on_vm_start`,
+/// `on_configure`) that new requests go to, while the previous root context lives on until
+/// the requests it holds are done (its filter chain drains), and then ends (`on_done`,
+/// `on_delete`). Pushing a configuration whose root context still lives makes that one
+/// current again, with no call into the guest (the thread-local plugin is cached by key).
 pub struct Vm {
     pub(crate) store: Store<VmState>,
     pub(crate) instance: Instance,
     pub(crate) entries: Entries,
+    /// The root context new requests go to.
     pub(crate) root: u32,
     pub(crate) next_context: u32,
     pub(crate) broken: Option<String>,
+    plugin: Plugin,
+    /// The plugin configuration of each live root context.
+    configs: Vec<(u32, Vec<u8>)>,
+    /// The root contexts that have ended.
+    ended_roots: HashSet<u32>,
 }
 
 impl Vm {
-    /// Instantiates `plugin` as one VM of `node` and configures it with `config`. A rejected
-    /// configuration is not an error here: check [`Vm::configure`]'s result or the logs.
+    /// Instantiates `plugin` as one VM of `node` and configures it with `config`. Under Envoy a
+    /// configuration whose canary answers false is refused (an error: Envoy creates no filter
+    /// from it); under ngx_wasm_module a false answer is fatal to the worker (an error too).
     pub fn start(plugin: &Plugin, node: &Node, config: &[u8]) -> Result<Vm> {
         Vm::start_with_vm_config(plugin, node, &[], config)
     }
 
     /// [`Vm::start`] with a VM configuration, which the plugin reads when its VM starts.
     pub fn start_with_vm_config(plugin: &Plugin, node: &Node, vm_config: &[u8], config: &[u8]) -> Result<Vm> {
+        if !node.profile().is_nginx() && !canary(plugin, node, vm_config, config) {
+            bail!("Envoy refuses the plugin configuration: on_configure returned false in its canary");
+        }
+        let mut vm = Vm::instantiate(plugin, node, vm_config)?;
+        if !vm.start_root(1, config)? {
+            bail!("on_configure returned false after the canary accepted the configuration");
+        }
+        vm.configs.push((1, config.to_vec()));
+        Ok(vm)
+    }
+
+    /// A fresh instance of `plugin` (initialized, no context yet).
+    fn instantiate(plugin: &Plugin, node: &Node, vm_config: &[u8]) -> Result<Vm> {
         let state = VmState {
             node: node.clone(),
-            plugin_config: config.to_vec(),
+            plugin_config: Vec::new(),
             vm_config: vm_config.to_vec(),
             request_headers: Vec::new(),
             response_headers: Vec::new(),
             source_address: None,
             local_replies: HashMap::new(),
             resumed: HashSet::new(),
-            tick_period_ms: 0,
+            tick_periods: HashMap::new(),
+            roots: Vec::new(),
+            request_roots: HashMap::new(),
             callouts: Vec::new(),
             call_response: None,
             effective_context: 0,
@@ -181,34 +232,46 @@ impl Vm {
             log: instance.get_typed_func(&mut store, "proxy_on_log")?,
             delete: instance.get_typed_func(&mut store, "proxy_on_delete")?,
         };
-        let mut vm = Vm { store, instance, entries, root: 1, next_context: 2, broken: None };
+        let mut vm = Vm {
+            store,
+            instance,
+            entries,
+            root: 1,
+            next_context: 2,
+            broken: None,
+            plugin: plugin.clone(),
+            configs: Vec::new(),
+            ended_roots: HashSet::new(),
+        };
         for init in ["_initialize", "_start"] {
             if vm.instance.get_func(&mut vm.store, init).is_some() {
                 vm.call(init, &[])?;
                 break;
             }
         }
-        vm.call("proxy_on_context_create", &[Val::I32(1), Val::I32(0)])?;
-        if vm.instance.get_func(&mut vm.store, "proxy_on_vm_start").is_some() {
-            let size = vm_config.len() as i32;
-            let r = vm.call("proxy_on_vm_start", &[Val::I32(1), Val::I32(size)])?;
-            if r.first().and_then(Val::i32) == Some(0) {
-                let why = "on_vm_start returned false: the VM failed to start".to_owned();
-                vm.broken = Some(why.clone());
-                bail!(why);
-            }
-        }
-        vm.configure(config)?;
         Ok(vm)
     }
 
-    /// Pushes a new plugin configuration (as Envoy does on an ECDS update); returns whether
-    /// the plugin accepted it. Under ngx_wasm_module a false answer is fatal: the worker
-    /// exits and cannot be respawned, so this is an error and the VM is unusable.
-    pub fn configure(&mut self, config: &[u8]) -> Result<bool> {
+    /// Starts root context `id` with plugin configuration `config` (`on_context_create`,
+    /// `on_vm_start`, `on_configure`) and makes it the one new requests go to when the
+    /// plugin accepts the configuration; returns whether it did. Under ngx_wasm_module a
+    /// false answer is fatal: the worker exits and cannot be respawned, so this is an error
+    /// and the VM is unusable.
+    fn start_root(&mut self, id: u32, config: &[u8]) -> Result<bool> {
         self.store.data_mut().plugin_config = config.to_vec();
-        let root = self.root as i32;
-        self.enter(self.root);
+        self.store.data_mut().roots.push(id);
+        self.enter(id);
+        let root = id as i32;
+        self.call("proxy_on_context_create", &[Val::I32(root), Val::I32(0)])?;
+        if self.instance.get_func(&mut self.store, "proxy_on_vm_start").is_some() {
+            let size = self.store.data().vm_config.len() as i32;
+            let r = self.call("proxy_on_vm_start", &[Val::I32(root), Val::I32(size)])?;
+            if r.first().and_then(Val::i32) == Some(0) {
+                let why = "on_vm_start returned false: the VM failed to start".to_owned();
+                self.broken = Some(why.clone());
+                bail!(why);
+            }
+        }
         let r = self.call("proxy_on_configure", &[Val::I32(root), Val::I32(config.len() as i32)])?;
         let accepted = r.first().and_then(Val::i32) == Some(1);
         if !accepted && self.node().profile().is_nginx() {
@@ -216,7 +279,75 @@ impl Vm {
             self.broken = Some(why.to_owned());
             bail!(why);
         }
+        if accepted {
+            self.root = id;
+        } else {
+            self.store.data_mut().roots.retain(|r| *r != id);
+        }
         Ok(accepted)
+    }
+
+    /// Pushes a new plugin configuration, as Envoy does on an ECDS / xDS update (see [`Vm`]):
+    /// whether it took effect (false: its canary refused it, and the running root context
+    /// serves on). The configuration in force again: nothing happens. Under ngx_wasm_module,
+    /// which configures a VM once, an error: a new configuration comes with a reload and new
+    /// VMs ([`Node::reload`]).
+    pub fn configure(&mut self, config: &[u8]) -> Result<bool> {
+        if self.node().profile().is_nginx() {
+            bail!("ngx_wasm_module configures a VM once: a new configuration comes with a reload and new VMs");
+        }
+        if self.configs.iter().any(|(id, c)| *id == self.root && c == config) {
+            return Ok(true);
+        }
+        let vm_config = self.store.data().vm_config.clone();
+        if !canary(&self.plugin, self.node(), &vm_config, config) {
+            return Ok(false);
+        }
+        let previous = self.root;
+        if let Some(&(id, _)) = self.configs.iter().find(|(_, c)| c == config) {
+            self.root = id;
+        } else {
+            let id = self.next_context;
+            self.next_context += 1;
+            if !self.start_root(id, config)? {
+                bail!(
+                    "on_configure returned false after its canary accepted it: Envoy fails the plugin on this worker"
+                );
+            }
+            self.configs.push((id, config.to_vec()));
+        }
+        self.drained(previous)?;
+        Ok(true)
+    }
+
+    /// The live root contexts, the one new requests go to last.
+    pub fn root_contexts(&self) -> Vec<u32> {
+        let mut roots: Vec<u32> = self.configs.iter().map(|(id, _)| *id).filter(|id| *id != self.root).collect();
+        roots.push(self.root);
+        roots
+    }
+
+    /// Ends root context `root` when it no longer serves: not the current one, and no
+    /// request of it in flight (Envoy's plugin handle is released once its filter chains
+    /// have drained): `on_done`, then `on_delete` (the guest answers `on_done` true; a root
+    /// that answers false would wait for `proxy_done`, which ratewall does not call).
+    fn drained(&mut self, root: u32) -> Result<()> {
+        if root == self.root || self.store.data().request_roots.values().any(|r| *r == root) {
+            return Ok(());
+        }
+        if !self.configs.iter().any(|(id, _)| *id == root) {
+            return Ok(());
+        }
+        self.configs.retain(|(id, _)| *id != root);
+        self.ended_roots.insert(root);
+        let c = root as i32;
+        self.enter(root);
+        self.guard(|s, e| e.done.call(s, c))?;
+        self.guard(|s, e| e.delete.call(s, c))?;
+        let s = self.store.data_mut();
+        s.roots.retain(|r| *r != root);
+        s.tick_periods.remove(&root);
+        Ok(())
     }
 
     /// Marks `ctx` as the context whose callback runs next (and the effective one).
@@ -274,8 +405,9 @@ impl Vm {
             s.effective_context = ctx;
             s.current = ctx;
         }
-        let root = self.root as i32;
-        let c = ctx as i32;
+        let root = self.root;
+        self.store.data_mut().request_roots.insert(ctx, root);
+        let (c, root) = (ctx as i32, root as i32);
         self.guard(|s, e| e.context_create.call(s, (c, root)))?;
         let n = req.headers.len() as i32;
         let timed = self.store.data().request_headers_ns.is_some().then(std::time::Instant::now);
@@ -319,8 +451,19 @@ impl Vm {
         self.guard(|s, e| e.done.call(s, c))?;
         self.guard(|s, e| e.log.call(s, c))?;
         self.guard(|s, e| e.delete.call(s, c))?;
-        self.store.data_mut().resumed.remove(&ctx);
-        Ok(())
+        self.ended(ctx)
+    }
+
+    /// Request context `ctx` was deleted: its root context ends with it if it was draining.
+    fn ended(&mut self, ctx: u32) -> Result<()> {
+        // No request callback runs now: calls made from outside one are the root's.
+        self.enter(self.root);
+        let s = self.store.data_mut();
+        s.resumed.remove(&ctx);
+        match s.request_roots.remove(&ctx) {
+            Some(root) => self.drained(root),
+            None => Ok(()),
+        }
     }
 
     /// The rest of a request's life once its headers are decided: the upstream `200`
@@ -345,7 +488,7 @@ impl Vm {
         self.guard(|s, e| e.done.call(s, c))?;
         self.guard(|s, e| e.log.call(s, c))?;
         self.guard(|s, e| e.delete.call(s, c))?;
-        self.store.data_mut().resumed.remove(&ctx);
+        self.ended(ctx)?;
         Ok(result)
     }
 
@@ -361,16 +504,24 @@ impl Vm {
         })
     }
 
-    /// Runs the root context's tick.
+    /// Runs the root context's tick, and that of every root context still draining that set
+    /// a tick period (each root context has its own timer).
     pub fn tick(&mut self) -> Result<()> {
-        let root = self.root as i32;
-        self.enter(self.root);
-        self.call("proxy_on_tick", &[Val::I32(root)]).map(|_| ())
+        for root in self.root_contexts() {
+            let period = self.store.data().tick_periods.get(&root).copied().unwrap_or(0);
+            if root != self.root && period == 0 {
+                continue;
+            }
+            self.enter(root);
+            self.call("proxy_on_tick", &[Val::I32(root as i32)])?;
+        }
+        Ok(())
     }
 
-    /// The tick period the plugin asked for (0: none).
+    /// The shortest tick period a live root context asked for (0: none).
     pub fn tick_period_ms(&self) -> u32 {
-        self.store.data().tick_period_ms
+        let s = self.store.data();
+        s.roots.iter().filter_map(|r| s.tick_periods.get(r).copied()).filter(|p| *p != 0).min().unwrap_or(0)
     }
 
     /// Takes the HTTP calls dispatched since the last call.
@@ -395,6 +546,11 @@ impl Vm {
     }
 
     fn deliver_headers(&mut self, callout: &Callout, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Result<()> {
+        // A root context that has ended had its calls cancelled (Envoy cancels a context's
+        // pending calls when it is destroyed): no answer reaches the guest.
+        if self.ended_roots.contains(&callout.context) {
+            return Ok(());
+        }
         let (nh, nb) = (headers.len() as i32, body.len() as i32);
         self.store.data_mut().call_response = Some((headers, body));
         self.enter(callout.context);
@@ -455,6 +611,25 @@ impl Vm {
     pub fn node(&self) -> &Node {
         &self.store.data().node
     }
+}
+
+/// proxy-wasm-cpp-host's configuration canary (`WasmHandleBase::canary`): a fresh instance of
+/// `plugin` — none of a running instance's memory — starts a root context with `config` and
+/// runs its `on_configure`; the configuration is accepted when that answers true, and a
+/// failed start or a trap refuses it. The verdict is cached per configuration for the node
+/// (the process), so the canary runs once per plugin configuration; the instance is then
+/// dropped with nothing more called in it. Its host calls (logs, metrics) are the node's.
+fn canary(plugin: &Plugin, node: &Node, vm_config: &[u8], config: &[u8]) -> bool {
+    let key = (plugin.id, vm_config.to_vec(), config.to_vec());
+    if let Some(verdict) = lock(&node.state.canaries).get(&key) {
+        return *verdict;
+    }
+    let verdict = match Vm::instantiate(plugin, node, vm_config) {
+        Ok(mut vm) => vm.start_root(1, config).unwrap_or(false),
+        Err(_) => false,
+    };
+    lock(&node.state.canaries).insert(key, verdict);
+    verdict
 }
 
 /// Envoy's append of the downstream peer (`address:port`, `[v6]:port` or a bare address) to

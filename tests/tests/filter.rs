@@ -153,6 +153,50 @@ fn a_bad_config_is_rejected_and_the_old_rules_stay() {
 }
 
 #[test]
+fn a_bad_push_on_envoy_keeps_limiting_on_the_last_good_rules_in_the_new_root_context() {
+    // Envoy starts a new root context in the running VM for every new document; it must serve
+    // the last good rules, not none (and not the 503 of `without_rules: closed`).
+    let good = rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 2, "per": "60s"}}])).to_string();
+    let bad = good.replace("60s", "6O s");
+    for requests_before in [true, false] {
+        let node = Node::new(T0);
+        let mut vms: Vec<Vm> = (0..2)
+            .map(|_| {
+                Vm::start_with_vm_config(&plugin(), &node, br#"{"without_rules": "closed"}"#, good.as_bytes()).unwrap()
+            })
+            .collect();
+        if requests_before {
+            assert!(vms[0].request(&user("x")).unwrap().passed);
+        }
+        for vm in &mut vms {
+            // The filter never refuses a document (see glue.rs): the canary accepts, and a new
+            // root context takes over.
+            assert!(vm.configure(bad.as_bytes()).unwrap());
+            assert_ne!(vm.root_contexts(), [1], "a new root context");
+        }
+        let passed = admitted(&mut vms[1], &user("x"), 3) + admitted(&mut vms[0], &user("x"), 3);
+        assert_eq!(
+            passed,
+            if requests_before { 1 } else { 2 },
+            "the limit of 2 still holds (requests before: {requests_before})"
+        );
+        assert_eq!(node.metric("ratewall_config_rejected"), 0, "no request went without rules");
+        let logs = node.logs();
+        assert!(
+            logs.iter().any(|(lvl, l)| *lvl >= 3
+                && l.contains("rules[0].limit.per: \"6O s\" is not a duration")
+                && l.ends_with("keeping the previous rules")),
+            "{logs:?}"
+        );
+        assert!(!logs.iter().any(|(_, l)| l.contains("no rules in force")), "{logs:?}");
+        // A good push after it takes effect.
+        let looser = good.replace("\"requests\":2", "\"requests\":3");
+        assert!(vms[0].configure(looser.as_bytes()).unwrap());
+        assert_eq!(admitted(&mut vms[0], &user("y"), 5), 3);
+    }
+}
+
+#[test]
 fn a_pushed_config_takes_effect_without_a_restart() {
     let (_, mut vms) = node(
         Profile::Envoy,

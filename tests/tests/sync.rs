@@ -313,6 +313,44 @@ fn a_rules_push_keeps_the_node_identity_and_its_unsent_deltas() {
 }
 
 #[test]
+fn a_good_push_on_envoy_keeps_one_node_at_the_store() {
+    use ratewall_core::sync::{hex, sign, unhex, SyncRequest, SyncResponse};
+    let node = Node::new(1_800_000_000 * SECOND);
+    let plugin = Plugin::filter().unwrap();
+    let mut vms: Vec<Vm> = (0..2).map(|_| Vm::start(&plugin, &node, sync_rules("open").as_bytes()).unwrap()).collect();
+    let mut store = Store::new(1000, 10 * SECOND);
+    let (mut ids, mut nodes) = (std::collections::BTreeSet::new(), Vec::new());
+    let mut interval = |vms: &mut Vec<Vm>| {
+        node.advance(100_000_000);
+        for vm in vms.iter_mut() {
+            assert!(vm.request(&HttpRequest::new("GET", "/").header("x-user-id", "a")).unwrap().passed);
+            vm.tick().unwrap();
+            for c in vm.take_callouts() {
+                ids.insert(SyncRequest::decode(&c.body).unwrap().node);
+                let tag = c.headers.iter().find(|(k, _)| k == "x-ratewall-signature").map(|(_, v)| v.clone()).unwrap();
+                let out = store.handle_signed(node.now(), SECRET.as_bytes(), &c.body, &unhex(&tag).unwrap()).unwrap();
+                nodes.push(SyncResponse::decode(&out).unwrap().nodes);
+                let sig = hex(&sign(SECRET.as_bytes(), &out));
+                vm.respond(&c, 200, &[("x-ratewall-signature", sig.as_bytes())], out).unwrap();
+            }
+        }
+    };
+    for _ in 0..5 {
+        interval(&mut vms);
+    }
+    // A new document: Envoy starts a new root context in each running VM.
+    for vm in &mut vms {
+        assert!(vm.configure(sync_rules("open").replace("100", "150").as_bytes()).unwrap());
+        assert_ne!(vm.root_contexts(), [1]);
+    }
+    for _ in 0..10 {
+        interval(&mut vms);
+    }
+    assert_eq!(ids.len(), 1, "the node kept its id through the push: {ids:?}");
+    assert_eq!(nodes.last(), Some(&1), "the store counts one node, not two: {nodes:?}");
+}
+
+#[test]
 fn a_new_fixed_window_asks_afresh_rather_than_deny_on_the_last_windows_spent_grant() {
     let config = exact_user_rules(4, "1s", "5s", 2);
     // Start on a window boundary, as seen through the store's clock (the same clock here).
