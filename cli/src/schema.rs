@@ -6,6 +6,14 @@ use serde_json::{json, Value};
 
 const DURATION: &str = "^[0-9]+(ms|s|m|h|d)$";
 
+/// `sync.cluster` as the parser takes it (`ratewall_core::rules::check_cluster`): an Envoy
+/// cluster name, or a `host:port` ngx_wasm_module can parse.
+const CLUSTER: &str = concat!(
+    r"^(?:[^:\s\x00-\x1f\x7f-\x9f]+",
+    r"|(?:[A-Za-z0-9_][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_][A-Za-z0-9_-]*)*\.?|\[[0-9A-Fa-f:.]+\])",
+    r":(?:[1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))$"
+);
+
 fn duration(description: &str) -> Value {
     json!({"type": "string", "pattern": DURATION, "description": format!("{description} A whole number and a unit: ms, s, m, h or d (\"100ms\", \"60s\", \"1h\").")})
 }
@@ -107,7 +115,7 @@ pub fn schema() -> Value {
                 "additionalProperties": false,
                 "required": ["cluster", "secret"],
                 "properties": {
-                    "cluster": {"type": "string", "minLength": 1, "description": "The upstream that reaches the store: an Envoy cluster name, or under NGINX (ngx_wasm_module) the store's host:port (an IP address or a hostname NGINX resolves; not an upstream {} block)."},
+                    "cluster": {"type": "string", "minLength": 1, "pattern": CLUSTER, "description": "The upstream that reaches the store: an Envoy cluster name (no ':', no white space), or under NGINX (ngx_wasm_module) the store's host:port — a hostname the wasm{} block's resolver finds, an IPv4 address or an [IPv6] address, and a port from 1 to 65535; not a URL, not an upstream {} block."},
                     "authority": {"type": "string", "description": "The :authority of sync calls (default: the cluster)."},
                     "path": {"type": "string", "description": "The store's path (default /v1/sync)."},
                     "secret": {"type": "string", "minLength": 16, "description": "The HMAC secret shared with the store (never logged)."},

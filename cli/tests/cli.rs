@@ -62,6 +62,24 @@ fn check_names_the_field_of_a_bad_document_and_exits_1() {
 }
 
 #[test]
+fn check_rejects_a_sync_cluster_no_host_could_call() {
+    let doc =
+        |cluster: &str| json!({"rules": [], "sync": {"cluster": cluster, "secret": "0123456789abcdef"}}).to_string();
+    for (cluster, says) in [
+        ("https://store.example.com", "sync.cluster: \"https://store.example.com\" is a URL"),
+        ("store:80x", "sync.cluster: \"store:80x\" has no valid port"),
+    ] {
+        let o = ratewall(&["check", &temp("cluster.json", &doc(cluster))]);
+        assert_eq!(o.status.code(), Some(1), "{cluster}");
+        assert!(stderr(&o).starts_with(says), "{cluster}: {}", stderr(&o));
+    }
+    for cluster in ["ratewall_store", "127.0.0.1:8090"] {
+        let o = ratewall(&["check", &temp("cluster.json", &doc(cluster))]);
+        assert_eq!(o.status.code(), Some(0), "{cluster}: {}", stderr(&o));
+    }
+}
+
+#[test]
 fn explain_shows_the_counter_key_the_core_uses_and_why_rules_do_not_apply() {
     let rules = root("examples/rules.json");
     let o = ratewall(&[
@@ -241,6 +259,9 @@ fn good_documents() -> Vec<Value> {
                      "interval": "200ms", "timeout": "80ms", "nodes": 12, "stale_after": "2s", "max_wait": "20ms"}
         }),
     ];
+    for cluster in ["127.0.0.1:8090", "ratewall-store.internal:80", "[::1]:8090", "outbound|8090||store.svc"] {
+        docs.push(json!({"rules": [], "sync": {"cluster": cluster, "secret": "0123456789abcdef"}}));
+    }
     for algorithm in ["token_bucket", "sliding_window", "fixed_window", "sliding_log"] {
         docs.push(json!({"rules": [{"name": "r", "key": ["api_key"], "algorithm": algorithm, "limit": {"requests": 7, "per": "7s"}}],
                          "filter": {"hash_seed": 42}}));
@@ -301,6 +322,12 @@ fn wrong_types_unknown_fields_and_bad_durations_are_rejected_by_both() {
         ("/filter/slots", json!(10)),
         ("/sync/nodes", json!(0)),
         ("/sync/secret", json!("short")),
+        // Clusters ngx_wasm_module could not parse in a call, and no Envoy cluster name.
+        ("/sync/cluster", json!("https://store")),
+        ("/sync/cluster", json!("store:80x")),
+        ("/sync/cluster", json!("store:70000")),
+        ("/sync/cluster", json!("::1:8090")),
+        ("/sync/cluster", json!("my store")),
     ] {
         let mut d = base.clone();
         set(&mut d, ptr, bad.clone());

@@ -221,7 +221,8 @@ impl Default for FilterOptions {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SyncOptions {
     /// The upstream the store is reached through: an Envoy cluster name, or under NGINX
-    /// (ngx_wasm_module) the store's `host:port` (an IP, or a name its resolver finds).
+    /// (ngx_wasm_module) the store's `host:port` (an IP, or a name its resolver finds). A
+    /// value with a `:` is a `host:port` ([`check_cluster`]).
     pub cluster: String,
     /// The `:authority` of sync requests (default: the cluster name).
     pub authority: String,
@@ -253,6 +254,51 @@ fn duration_field(v: &Value, path: &str, min: Nanos, max: Nanos) -> Result<Nanos
     }
 }
 
+/// Checks `sync.cluster`: an Envoy cluster name (no `:`, no white space or control
+/// character), or — any value with a `:`, which the filter hands ngx_wasm_module as the call's
+/// upstream — a `host:port` it can parse: a hostname or IPv4 address, or an IPv6 address in
+/// brackets, then a port from 1 to 65535. Anything else (`https://store`, `store:80x`) would
+/// fail ngx_wasm_module's URL parsing inside every sync call.
+pub fn check_cluster(cluster: &str) -> Result<(), String> {
+    const HOST_PORT: &str = "give an Envoy cluster name, or under NGINX the store's host:port";
+    let Some((host, port)) = cluster.rsplit_once(':') else {
+        if cluster.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(format!("{cluster:?} is no cluster name (it has white space or a control character)"));
+        }
+        return Ok(());
+    };
+    if cluster.contains("://") {
+        return Err(format!("{cluster:?} is a URL: {HOST_PORT} (no scheme, no path)"));
+    }
+    let valid_port =
+        !port.is_empty() && port.len() <= 5 && !port.starts_with('0') && port.bytes().all(|b| b.is_ascii_digit());
+    if !valid_port || !port.parse::<u32>().is_ok_and(|p| (1..=65_535).contains(&p)) {
+        return Err(format!("{cluster:?} has no valid port ({HOST_PORT}, the port from 1 to 65535)"));
+    }
+    let name = |h: &str| {
+        // A fully qualified name may end with a dot.
+        let h = h.strip_suffix('.').unwrap_or(h);
+        !h.is_empty()
+            && h.split('.').all(|label| {
+                !label.is_empty()
+                    && !label.starts_with('-')
+                    && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            })
+    };
+    let v6 = |h: &str| {
+        h.strip_prefix('[').and_then(|h| h.strip_suffix(']')).is_some_and(|a| {
+            a.bytes().all(|b| b.is_ascii_hexdigit() || b == b':' || b == b'.')
+                && matches!(crate::key::parse_ip(a.as_bytes()), Some(core::net::IpAddr::V6(_)))
+        })
+    };
+    if !name(host) && !v6(host) {
+        return Err(format!(
+            "{cluster:?} has no valid host ({HOST_PORT}: a hostname, an IPv4 address, or an IPv6 address in brackets)"
+        ));
+    }
+    Ok(())
+}
+
 fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
     let o = object(v, "sync")?;
     known_fields(
@@ -267,6 +313,7 @@ fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
         path: "sync.cluster".into(),
         reason: "is required: the upstream that reaches the store".into(),
     })?;
+    check_cluster(&cluster).map_err(|reason| ConfigError { path: "sync.cluster".into(), reason })?;
     let secret = text("secret")?.filter(|c| c.len() >= 16).ok_or_else(|| ConfigError {
         path: "sync.secret".into(),
         reason: "is required and must be at least 16 characters".into(),
@@ -954,6 +1001,51 @@ mod tests {
         assert_eq!((s.timeout, s.max_wait), (80_000_000, 5_000_000));
         let e = Config::parse(doc(r#"{"cluster":"s","secret":"0123456789abcdef","max_wait":"soon"}"#).as_bytes());
         assert_eq!(e.unwrap_err().path, "sync.max_wait");
+    }
+
+    #[test]
+    fn a_sync_cluster_is_an_envoy_cluster_name_or_a_host_and_port_nginx_can_parse() {
+        let cluster = |c: &str| {
+            let doc = format!(r#"{{"rules":[],"sync":{{"cluster":{c:?},"secret":"0123456789abcdef"}}}}"#);
+            Config::parse(doc.as_bytes()).map(|c| c.sync.map(|s| s.cluster))
+        };
+        for good in [
+            "ratewall_store",
+            "outbound|8090||store.ns.svc.cluster.local",
+            "127.0.0.1:8090",
+            "store:80",
+            "store.internal.:65535",
+            "ratewall-store.example.com:443",
+            "[::1]:8090",
+            "[2001:db8::7]:1",
+        ] {
+            assert_eq!(cluster(good), Ok(Some(good.to_owned())), "{good}");
+        }
+        for (bad, says) in [
+            ("https://store", "is a URL"),
+            ("http://127.0.0.1:8090", "is a URL"),
+            ("store:80x", "no valid port"),
+            ("store:", "no valid port"),
+            ("store:0", "no valid port"),
+            ("store:08090", "no valid port"),
+            ("store:65536", "no valid port"),
+            ("store:+80", "no valid port"),
+            ("store:8090/v1/sync", "no valid port"),
+            (":8090", "no valid host"),
+            ("::1:8090", "no valid host"),
+            ("[::1]x:8090", "no valid host"),
+            ("[not-v6]:8090", "no valid host"),
+            ("[[::1]]:8090", "no valid host"),
+            ("my store:80", "no valid host"),
+            ("a..b:80", "no valid host"),
+            ("-store:80", "no valid host"),
+            ("my store", "no cluster name"),
+            ("store\n", "no cluster name"),
+        ] {
+            let e = cluster(bad).unwrap_err();
+            assert_eq!(e.path, "sync.cluster", "{bad}");
+            assert!(e.reason.contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]
