@@ -542,29 +542,8 @@ pub fn stamp(path: &Path) -> Vec<(PathBuf, Option<std::time::SystemTime>, u64)> 
     out
 }
 
-/// The keys envoyproxy/ratelimit knows (its `validKeys`). One of them where it does not belong
-/// (`name` on a descriptor, `shadow_mode` in a `rate_limit`) is not read, as envoyproxy/
-/// ratelimit's YAML library skips it, and is warned about; any other key is an error.
-const KNOWN_KEYS: [&str; 16] = [
-    "domain",
-    "key",
-    "value",
-    "descriptors",
-    "rate_limit",
-    "unit",
-    "requests_per_unit",
-    "unlimited",
-    "shadow_mode",
-    "quota_mode",
-    "name",
-    "replaces",
-    "detailed_metric",
-    "value_to_metric",
-    "share_threshold",
-    "metadata",
-];
-
-/// Every key a value not read may hold: envoyproxy/ratelimit's and ratewall's additions.
+/// Every key a value not read may hold: envoyproxy/ratelimit's (its `validKeys`, the first
+/// [`KNOWN`] of them), then ratewall's additions.
 const ANY_KEY: [&str; 18] = [
     "domain",
     "key",
@@ -585,6 +564,14 @@ const ANY_KEY: [&str; 18] = [
     "algorithm",
     "exact",
 ];
+
+/// How many of [`ANY_KEY`] envoyproxy/ratelimit knows.
+const KNOWN: usize = 16;
+
+/// The keys envoyproxy/ratelimit knows. One of them where it does not belong (`name` on a
+/// descriptor, `shadow_mode` in a `rate_limit`) is not read, as envoyproxy/ratelimit's YAML
+/// library skips it, and is warned about; any other key is an error.
+const KNOWN_KEYS: &[&str] = ANY_KEY.split_at(KNOWN).0;
 
 /// A scalar's text as written, as envoyproxy/ratelimit's YAML library reads it into a string
 /// field: `+15551234567`, `0x1F`, `0o17`, `True` and `50.0.0.5` stay as they are (serde_norway
