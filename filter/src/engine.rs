@@ -673,8 +673,10 @@ impl Engine {
     /// On a host that cannot resume a paused request later (ngx_wasm_module resumes one only
     /// from its own callbacks, not from the root's tick), a request a leaky bucket would hold
     /// for its turn is refused instead: what it took is given back, and its 429 says when its
-    /// turn would have come (`Retry-After`, rounded up: waiting that long, it passes). Whether
-    /// it did so.
+    /// turn would have come (`Retry-After`, rounded up: waiting that long, it passes; the
+    /// bucket's reset no longer counts it). What such a host passes at once is the bucket's
+    /// `delay + 1`, so that is what `remaining` counts there, not the queue no request can
+    /// wait in. Whether a request was refused.
     fn refuse_wait(
         &self,
         host: &dyn Host,
@@ -683,14 +685,21 @@ impl Engine {
         counters: &mut TableCounters<'_>,
         now: Nanos,
     ) -> bool {
+        let leaky = |c: &Check| c.limit.algorithm() == ratewall_core::Algorithm::LeakyBucket;
+        if !checks.iter().any(leaky) || host.resumes_waiters() {
+            return false;
+        }
         let waits = |c: &Check, o: &ratewall_core::eval::CheckOutcome| match o.result {
             CheckResult::Decided(d) if o.mode == ratewall_core::rules::Mode::Enforce => c.limit.wait(&d, c.cost),
             _ => 0,
         };
         if outcome.rejected || !checks.iter().zip(&outcome.checks).any(|(c, o)| waits(c, o) > 0) {
-            return false;
-        }
-        if host.resumes_waiters() {
+            for (c, o) in checks.iter().zip(outcome.checks.iter_mut()).filter(|(c, _)| leaky(c)) {
+                if let CheckResult::Decided(d) = &mut o.result {
+                    let queue = c.limit.burst().unwrap_or(0).saturating_sub(c.limit.delay());
+                    d.remaining = d.remaining.saturating_sub(queue);
+                }
+            }
             return false;
         }
         for (c, o) in checks.iter().zip(&outcome.checks) {
@@ -707,6 +716,7 @@ impl Engine {
                 d.allowed = false;
                 d.remaining = 0;
                 d.retry_after = Some(wait);
+                d.reset_after = d.reset_after.saturating_sub(c.cost.saturating_mul(c.limit.interval()));
             }
         }
         outcome.rejected = true;

@@ -204,6 +204,48 @@ fn delay_still_passes_part_of_a_burst_at_once_on_nginx() {
     assert_eq!(admitted(&mut vms[0], &req, 12), 4, "the conforming one and delay = 3");
 }
 
+/// `r` of a response's `RateLimit` field, and its `t`.
+fn r_and_t(r: &ratewall_tests::host::FilterResult) -> (u64, u64) {
+    let field = r.header("ratelimit").unwrap_or_default();
+    let param = |name: &str| {
+        field.split(';').find_map(|p| p.trim().strip_prefix(name)?.parse::<u64>().ok()).unwrap_or(u64::MAX)
+    };
+    (param("r="), param("t="))
+}
+
+#[test]
+fn on_nginx_a_leaky_buckets_ratelimit_counts_what_passes_at_once_and_a_refused_turn_is_not_in_its_reset() {
+    let node = Node::with_profile(T0, Profile::NGINX);
+    let mut vms = workers(&node, &ratewall_tests::shaping::rules(10, 3), 1);
+    let req = HttpRequest::new("GET", "/q").header("x-user-id", "burst");
+    // The conforming request and `delay` = 3 pass at once; each says how many more will.
+    let passed: Vec<u64> = (0..4)
+        .map(|_| {
+            let r = vms[0].request(&req).unwrap();
+            assert!(r.passed);
+            r_and_t(&r).0
+        })
+        .collect();
+    assert_eq!(passed, [3, 2, 1, 0]);
+    assert_eq!(vms[0].request(&req).unwrap().status, 429);
+    // One per 10 s with a queue of 3: the one that passes says none more will; the next would
+    // wait 10 s for its turn, and is told so by both fields (the bucket's reset no longer
+    // counts the turn given back).
+    let doc = json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "slow", "key": ["user"],
+                   "limit": {"requests": 1, "per": "10s", "burst": 3, "algorithm": "leaky_bucket"}}]
+    });
+    let mut vms = workers(&node, &doc.to_string(), 1);
+    let first = vms[0].request(&req).unwrap();
+    assert!(first.passed);
+    assert_eq!(r_and_t(&first), (0, 10));
+    let refused = vms[0].request(&req).unwrap();
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("retry-after"), Some("10"));
+    assert_eq!(r_and_t(&refused), (0, 10));
+}
+
 #[test]
 fn workers_racing_to_create_the_table_log_nothing_and_limits_hold() {
     for round in 0..3 {
