@@ -693,13 +693,17 @@ impl Engine {
             CheckResult::Decided(d) if o.mode == ratewall_core::rules::Mode::Enforce => c.limit.wait(&d, c.cost),
             _ => 0,
         };
-        if outcome.rejected || !checks.iter().zip(&outcome.checks).any(|(c, o)| waits(c, o) > 0) {
-            for (c, o) in checks.iter().zip(outcome.checks.iter_mut()).filter(|(c, _)| leaky(c)) {
-                if let CheckResult::Decided(d) = &mut o.result {
-                    let queue = c.limit.burst().unwrap_or(0).saturating_sub(c.limit.delay());
-                    d.remaining = d.remaining.saturating_sub(queue);
-                }
+        let refuse = !outcome.rejected && checks.iter().zip(&outcome.checks).any(|(c, o)| waits(c, o) > 0);
+        for (c, o) in checks.iter().zip(outcome.checks.iter_mut()).filter(|(c, _)| leaky(c)) {
+            if let CheckResult::Decided(d) = &mut o.result {
+                // The policy of a token bucket of `delay + 1` at the bucket's rate (`wait`
+                // reads neither field).
+                let queue = c.limit.burst().unwrap_or(0).saturating_sub(c.limit.delay());
+                d.remaining = d.remaining.saturating_sub(queue);
+                d.limit = c.limit.requests().max(c.limit.delay().saturating_add(1));
             }
+        }
+        if !refuse {
             return false;
         }
         for (c, o) in checks.iter().zip(&outcome.checks) {

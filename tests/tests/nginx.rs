@@ -227,7 +227,10 @@ fn on_nginx_a_leaky_buckets_ratelimit_counts_what_passes_at_once_and_a_refused_t
         })
         .collect();
     assert_eq!(passed, [3, 2, 1, 0]);
-    assert_eq!(vms[0].request(&req).unwrap().status, 429);
+    let refused = vms[0].request(&req).unwrap();
+    assert_eq!(refused.status, 429);
+    // Its policy is that token bucket's: 5 a second, at most 4 at once.
+    assert_eq!(refused.header("ratelimit-policy"), Some("\"shape\";q=5;w=1"));
     // One per 10 s with a queue of 3: the one that passes says none more will; the next would
     // wait 10 s for its turn, and is told so by both fields (the bucket's reset no longer
     // counts the turn given back).
