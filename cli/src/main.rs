@@ -161,6 +161,11 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
             return Err(Failure::Invalid(vec![e.to_string()]));
         }
     };
+    // What the service would skip with a warning (a known key where it is not read, such as
+    // `shadow_mode` inside a `rate_limit`) is what a check is for: shown, though not fatal.
+    for w in &config.warnings {
+        eprintln!("warning: {w}");
+    }
     let limit = |r: &ratewall_store::rls::config::Rule| -> (String, String) {
         let algorithm = r.limit.map_or("fixed_window", |l| l.algorithm().as_str()).to_owned();
         let text = match r.unit {
@@ -180,7 +185,15 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
                     "algorithm": algorithm, "shadow_mode": r.shadow, "exact": r.exact, "replaces": r.replaces})
             })
             .collect();
-        say!("{}", serde_json::json!({"valid": true, "domains": config.domains().collect::<Vec<_>>(), "rules": rules}));
+        let warnings: Vec<serde_json::Value> = config
+            .warnings
+            .iter()
+            .map(|w| serde_json::json!({"file": w.file, "line": w.line, "column": w.column, "reason": w.reason}))
+            .collect();
+        say!(
+            "{}",
+            serde_json::json!({"valid": true, "domains": config.domains().collect::<Vec<_>>(), "rules": rules, "warnings": warnings})
+        );
         return Ok(());
     }
     let domains: Vec<&str> = config.domains().collect();
@@ -209,7 +222,8 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
             flags.push(format!("replaces {}", r.replaces.join(", ")));
         }
         let name = if r.name.is_empty() { String::new() } else { format!(" ({})", r.name) };
-        say!("- {}{name}: {text}; {}", r.full_key, flags.join("; "));
+        let flags = if flags.is_empty() { String::new() } else { format!("; {}", flags.join("; ")) };
+        say!("- {}{name}: {text}{flags}", r.full_key);
     }
     Ok(())
 }

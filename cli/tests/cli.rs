@@ -371,3 +371,19 @@ fn wrong_types_unknown_fields_and_bad_durations_are_rejected_by_both() {
         assert!(!v.is_valid(&doc), "the schema accepted {what}");
     }
 }
+
+#[test]
+fn check_of_a_rate_limit_service_file_shows_what_the_service_would_not_read() {
+    let yaml = temp(
+        "warned.yaml",
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: second\n      requests_per_unit: 1\n      shadow_mode: true\n  - key: b\n    rate_limit:\n      unlimited: true\n",
+    );
+    let o = ratewall(&["check", &yaml]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("`rate_limit.shadow_mode` is not read here"), "{}", stderr(&o));
+    assert!(stdout(&o).contains("- d.b: unlimited\n"), "{}", stdout(&o));
+    let o = ratewall(&["check", "--json", &yaml]);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["warnings"][0]["line"], 3, "{v}");
+    assert!(v["warnings"][0]["reason"].as_str().unwrap().contains("shadow_mode"), "{v}");
+}
