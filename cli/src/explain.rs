@@ -83,12 +83,14 @@ impl Parts {
     }
 }
 
-/// Parses `name: value` header arguments.
+/// Parses `name: value` header arguments. A malformed one is named by its position, not
+/// echoed: it may be an API key typed without its colon.
 pub fn parse_headers(args: &[String]) -> Result<Vec<(String, String)>, Failure> {
     args.iter()
-        .map(|h| match h.split_once(':') {
+        .enumerate()
+        .map(|(i, h)| match h.split_once(':') {
             Some((n, v)) if !n.trim().is_empty() => Ok((n.trim().to_ascii_lowercase(), v.trim().to_owned())),
-            _ => Err(Failure::Usage(format!("-H {h:?}: expected 'name: value'"))),
+            _ => Err(Failure::Usage(format!("-H (header argument {}): expected 'name: value'", i + 1))),
         })
         .collect()
 }

@@ -387,3 +387,13 @@ fn check_of_a_rate_limit_service_file_shows_what_the_service_would_not_read() {
     assert_eq!(v["warnings"][0]["line"], 3, "{v}");
     assert!(v["warnings"][0]["reason"].as_str().unwrap().contains("shadow_mode"), "{v}");
 }
+
+#[test]
+fn a_malformed_header_argument_is_refused_without_echoing_its_value() {
+    let rules = root("examples/rules.json");
+    let o =
+        ratewall(&["explain", &rules, "--path", "/v1/x", "-H", "x-user-id: a", "-H", "x-api-key sk_live_0123456789"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("header argument 2"), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("sk_live"), "{}", stderr(&o));
+}
