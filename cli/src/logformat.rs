@@ -266,11 +266,9 @@ impl Template {
         if self.whole {
             let rest = line.get(at..).unwrap_or_default();
             if !rest.trim_ascii().is_empty() {
-                return Err(format!(
-                    "{:?} at column {} is past the end of the format",
-                    String::from_utf8_lossy(rest),
-                    at + 1
-                ));
+                // Its length, not its text: what a log appends past a format is fields the
+                // format does not name, such as a header that carries an API key.
+                return Err(format!("{} more bytes from column {}, past the end of the format", rest.len(), at + 1));
             }
         }
         e.ts = time.ok_or("no time")?;

@@ -235,7 +235,7 @@ fn a_line_that_does_not_match_the_log_format_given_is_unreadable_not_replayed() 
             // Another format's line, one with more after the format's end, one whose address
             // is none: none of them is a request of this log.
             3 => r#"192.0.2.1 - - [01/Dec/2026:10:00:00 +0000] "GET /v1/items HTTP/1.1" 200 0 "-" "-""#.to_owned(),
-            5 => format!("{} 200 0.004", good(n)),
+            5 => format!("{} 200 0.004 \"sk_live_0123456789\"", good(n)),
             8 => good(n).replacen("192.0.2.1", "somebody", 1),
             _ => good(n),
         };
@@ -251,6 +251,7 @@ fn a_line_that_does_not_match_the_log_format_given_is_unreadable_not_replayed() 
         assert!(err.contains(&format!("mixed.nginx:{n}: ")), "line {n} not named:\n{err}");
     }
     assert!(err.contains("3 log lines could not be read"), "{err}");
+    assert!(!err.contains("sk_live"), "what follows the format is not echoed: it may be a secret\n{err}");
 }
 
 /// Peak resident memory of a live process, in KiB.
