@@ -121,6 +121,10 @@ pub fn explain(
 ) -> Result<(), Failure> {
     let (doc, config) = load(rules)?;
     let headers = parse_headers(header_args)?;
+    // A mistyped address would explain a request with no client address, as if it were right.
+    if let Some(ip) = peer.filter(|ip| parse_ip(ip.as_bytes()).is_none()) {
+        return Err(Failure::Usage(format!("--ip {ip:?}: not an IP address")));
+    }
     let method = method.to_ascii_uppercase();
     let parts = Parts::new(&config, path, &headers, peer);
     let matching = config.matching(&method, &parts.path);

@@ -397,3 +397,16 @@ fn a_malformed_header_argument_is_refused_without_echoing_its_value() {
     assert!(stderr(&o).contains("header argument 2"), "{}", stderr(&o));
     assert!(!stderr(&o).contains("sk_live"), "{}", stderr(&o));
 }
+
+#[test]
+fn explain_refuses_an_ip_that_is_no_address() {
+    let rules = root("examples/rules.json");
+    for ip in ["203.0.113.300", "localhost", "2001:db8::1::2"] {
+        let o = ratewall(&["explain", &rules, "--path", "/v1/auth/login", "--ip", ip]);
+        assert_eq!(o.status.code(), Some(2), "{ip}: {}", stdout(&o));
+        assert!(stderr(&o).contains("not an IP address"), "{ip}: {}", stderr(&o));
+    }
+    let o = ratewall(&["explain", &rules, "--path", "/v1/auth/login", "--ip", "2001:db8::1"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("key ip=2001:db8::/64"), "{}", stdout(&o));
+}
