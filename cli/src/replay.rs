@@ -53,9 +53,25 @@ const SNIFF_LINES: usize = 16;
 /// Rejected keys tracked per rule; past it the least rejected half is dropped (the report
 /// says so). Keeps a flood of distinct rejected clients from growing the replay.
 const MAX_KEYS: usize = 1 << 16;
-/// Counters idle (equivalent to fresh) this long before the newest time seen are forgotten:
-/// lines at most this much out of order are replayed exactly.
+/// Counters idle (equivalent to fresh) this long before the replay's clock are forgotten; a
+/// line at most this much older than the clock is replayed at the clock (see [`clock`]).
 const REORDER_SLACK: Nanos = 60 * ratewall_core::algo::SECOND;
+
+/// The time a line is replayed at, and the replay's clock after it. A proxy's clock never
+/// goes back, but a log's lines can: Envoy writes a request's `START_TIME` when it completes,
+/// so a slow request is logged after later ones, and merged logs interleave. The core takes a
+/// time before a counter's own as a clock step back and moves the counter back with it, which
+/// forgets what it counted; so a line at most [`REORDER_SLACK`] older than the clock is
+/// replayed at the clock. A line further back starts the clock over from it, with fresh
+/// counters (logs joined out of order, `zcat access.log.*.gz`), rather than piling that
+/// stretch onto one instant; `None` then.
+fn clock(now: Nanos, ts: Nanos) -> Option<Nanos> {
+    match now.checked_sub(ts) {
+        None | Some(0) => Some(ts),
+        Some(back) if back <= REORDER_SLACK => Some(now),
+        Some(_) => None,
+    }
+}
 
 /// One rule's counts.
 #[derive(Default)]
@@ -534,7 +550,7 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
         }
         let name = &name;
         scope.spawn(move || split(input, first, &chunks_tx, name));
-        let mut newest: Nanos = 0;
+        let mut now: Nanos = 0;
         'batches: for turn in (0..workers).cycle() {
             let (Some(rx), Some(back)) = (batches_rx.get(turn), spares_tx.get(turn)) else { break };
             let Ok(item) = rx.recv() else { break 'batches };
@@ -559,7 +575,11 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
                 let skipped = batch.skipped.get(s0..s0 + n_skipped).unwrap_or_default();
                 let spans = batch.spans.get(v0..v0 + heads).unwrap_or_default();
                 (c0, s0, v0) = (c0 + n_checks, s0 + n_skipped, v0 + heads);
-                let outcome = evaluate(&config, checks, &mut counters, ts);
+                now = clock(now, ts).unwrap_or_else(|| {
+                    counters = Counters::default();
+                    ts
+                });
+                let outcome = evaluate(&config, checks, &mut counters, now);
                 requests += 1;
                 rejected += u64::from(outcome.rejected);
                 for (rule, tally) in outcome.tally(skipped) {
@@ -592,9 +612,8 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
                         Tally::Failed(_) => {}
                     }
                 }
-                newest = newest.max(ts);
             }
-            counters.sweep(newest.saturating_sub(REORDER_SLACK));
+            counters.sweep(now.saturating_sub(REORDER_SLACK));
             if progress && lines / 100_000 != (lines - batch.recs.len() as u64) / 100_000 {
                 eprint!("\rreplayed {lines} lines in {:.1} s", started.elapsed().as_secs_f64());
             }

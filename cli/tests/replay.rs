@@ -319,3 +319,52 @@ fn a_gigabyte_log_streams_in_bounded_memory() {
     );
     assert!(peak < 192 << 10, "peak {peak} KiB after 1 GiB ({early_peak} KiB after 256 MiB)");
 }
+
+/// Envoy logs a request's start time when it completes: a slow request comes after later ones.
+/// Replayed at the time already reached, it is counted against the same counter, which keeps
+/// what it counted; a stretch of log further back (files joined out of order) is replayed on
+/// its own clock.
+#[test]
+fn a_line_logged_out_of_order_does_not_make_a_counter_forget() {
+    for algorithm in ["sliding_window", "token_bucket", "fixed_window", "sliding_log"] {
+        let rules = temp(
+            &format!("reorder-{algorithm}.json"),
+            &json!({"identity": {"user": {"header": "x-user-id"}},
+                    "rules": [{"name": "u", "key": ["user"], "algorithm": algorithm,
+                               "limit": {"requests": 3, "per": "1s"}}]})
+            .to_string(),
+        );
+        let line = |ms: u64| {
+            format!(
+                "[2026-12-01T10:00:{:02}.{:03}Z] \"GET /v1/x HTTP/1.1\" 200 - 0 17 3 2 \"203.0.113.7\" \"curl/8.5.0\" \"id\" \"api.example.com\" \"10.0.0.9:8080\"\n",
+                ms / 1000,
+                ms % 1000
+            )
+        };
+        // Three at 10:00:30.1, one that started 1.6 s earlier, then one at 10:00:30.2: the limit
+        // of 3 a second admits none of the last two.
+        let log: String = [30_100, 30_100, 30_100, 28_500, 30_200].into_iter().map(line).collect();
+        // Envoy's default format, with the user's header where X-Forwarded-For is.
+        let format = r#"[%START_TIME%] "%REQ(:METHOD)% %REQ(:PATH)% %PROTOCOL%" %RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION% %RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)% "%REQ(X-USER-ID)%" "%REQ(USER-AGENT)%" "%REQ(X-REQUEST-ID)%" "%REQ(:AUTHORITY)%" "%UPSTREAM_HOST%""#;
+        let got = replay_json(&["--log-format", format, &rules, &temp(&format!("reorder-{algorithm}.envoy"), &log)]);
+        assert_eq!(
+            (got["rules"][0]["allowed"].clone(), got["rules"][0]["rejected"].clone()),
+            (json!(3), json!(2)),
+            "{algorithm}: {got}"
+        );
+        // The same second an hour earlier, after it: its own clock, its own three.
+        let later: String = [30_100, 30_100, 30_100, 30_100].into_iter().map(line).collect();
+        let earlier = later.replace("T10:", "T09:");
+        let got = replay_json(&[
+            "--log-format",
+            format,
+            &rules,
+            &temp(&format!("joined-{algorithm}.envoy"), &(later + &earlier)),
+        ]);
+        assert_eq!(
+            (got["rules"][0]["allowed"].clone(), got["rules"][0]["rejected"].clone()),
+            (json!(6), json!(2)),
+            "{algorithm}: {got}"
+        );
+    }
+}
