@@ -174,3 +174,55 @@ fn the_dashboard_shows_the_fleets_traffic_and_names_the_heaviest_client() {
     assert_eq!(r["redis"], "ok", "{v:?}");
     println!("screenshots: {} and {}", laptop.display(), phone.display());
 }
+
+/// A signed batch from `node` whose top section has one rule per name, each denying `user=a`.
+fn batch_with_rules(node: u64, names: &[&str]) -> Vec<u8> {
+    use ratewall_core::sync::{Delta, RuleTop, SyncRequest, TopSection};
+    use ratewall_core::topk::{node_bit, Summary};
+    use ratewall_core::{Algorithm, Limit, SECOND};
+    let limit = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
+    let deltas = vec![Delta { key: b"counter".to_vec(), limit, units: 1 }];
+    let mut body = SyncRequest { node, seq: 1, sent: wall(), deltas, ask: false }.encode();
+    let rules = names
+        .iter()
+        .map(|name| {
+            let mut top = Summary::default();
+            top.add(b"user=a", 3, 1, node_bit(node));
+            RuleTop { rule: (*name).to_owned(), allowed: 1, denied: 3, shadow_denied: 0, top }
+        })
+        .collect();
+    TopSection { rules }.encode_into(&mut body);
+    body
+}
+
+#[test]
+fn rules_named_like_javascripts_object_members_each_get_their_card() {
+    if let Some(why) = unavailable() {
+        panic!("the browser tests cannot run: {why}");
+    }
+    let redis = Redis::start(false).unwrap();
+    let store = start_store(&redis);
+    // Valid rule names (A-Z a-z 0-9 _ . -) that an object literal already has as members.
+    let names = ["constructor", "toString", "__proto__", "hasOwnProperty", "api-key"];
+    let body = batch_with_rules(1, &names);
+    let tag = ratewall_core::sync::hex(&ratewall_core::sync::sign(SECRET.as_bytes(), &body));
+    let r = http::request(&store.addr, "POST", "/v1/sync", &[("x-ratewall-signature", &tag)], &body).unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let origin = format!("http://{}", store.admin);
+    let v = visit(&Visit {
+        url: &format!("{origin}/"),
+        until:
+            "document.querySelectorAll('section.rule table.top').length >= 5 && document.querySelector('table.fleet')",
+        timeout_ms: 10_000,
+        collect: "({ rules: [...document.querySelectorAll('section.rule')].map(s => [s.dataset.rule,
+                     (s.querySelector('table.top td.key') || {}).textContent]),
+                    nodes: document.querySelectorAll('table.fleet tbody tr').length })",
+        screenshots: &[],
+    })
+    .unwrap();
+    assert!(v.errors.is_empty(), "console errors: {:?}", v.errors);
+    let shown: Vec<(String, String)> = serde_json::from_value(v.result["rules"].clone()).unwrap();
+    let want: Vec<(String, String)> = names.iter().map(|n| ((*n).to_owned(), "user=a".to_owned())).collect();
+    assert_eq!(shown, want, "{v:?}");
+    assert_eq!(v.result["nodes"], 1, "{v:?}");
+}
