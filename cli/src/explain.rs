@@ -177,7 +177,9 @@ pub fn explain(
                     .find(|c| config.rules.get(c.rule).is_some_and(|r| r.name == name))
                     .map(|c| limit_text(&c.limit))
                     .unwrap_or_default();
-                say!("  counts    {name}: key {}, limit {limit}", e["key"].as_str().unwrap_or(""));
+                let cost = e["cost"].as_u64().filter(|&c| c != 1).map(|c| format!(", cost {c}")).unwrap_or_default();
+                let shadow = if e["mode"] == "shadow" { " (shadow: never rejects)" } else { "" };
+                say!("  counts    {name}: key {}, limit {limit}{cost}{shadow}", e["key"].as_str().unwrap_or(""));
                 say!("            counter {}", e["counter"].as_str().unwrap_or(""));
             }
             (Some(true), _) => say!("  skips     {name}: {}", e["why"].as_str().unwrap_or("")),

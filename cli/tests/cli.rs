@@ -410,3 +410,18 @@ fn explain_refuses_an_ip_that_is_no_address() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stdout(&o).contains("key ip=2001:db8::/64"), "{}", stdout(&o));
 }
+
+#[test]
+fn explain_text_says_a_rules_cost_and_shadow_mode() {
+    let rules = temp(
+        "cost.json",
+        r#"{"identity": {"user": {"header": "x-user-id"}},
+            "rules": [{"name": "heavy", "key": ["user"], "cost": 5, "limit": {"requests": 10, "per": "1s"}},
+                      {"name": "trial", "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "1s"}}]}"#,
+    );
+    let o = ratewall(&["explain", &rules, "--path", "/x", "-H", "x-user-id: u"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("heavy: key user=u, limit 10 per 1s (sliding_window), cost 5\n"), "{out}");
+    assert!(out.contains("trial: key user=u, limit 1 per 1s (sliding_window) (shadow: never rejects)\n"), "{out}");
+}
