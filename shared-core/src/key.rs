@@ -229,7 +229,13 @@ fn is_canonical_ipv4(s: &[u8]) -> bool {
     let mut parts = 0;
     for octet in s.split(|&b| b == b'.') {
         parts += 1;
-        let value = octet.iter().try_fold(0u32, |v, &b| b.is_ascii_digit().then(|| v * 10 + u32::from(b - b'0')));
+        let value = octet.iter().try_fold(0u32, |v, &b| {
+            if b.is_ascii_digit() {
+                v.checked_mul(10)?.checked_add(u32::from(b - b'0'))
+            } else {
+                None
+            }
+        });
         let canonical = matches!(octet.len(), 1..=3) && !(octet.len() > 1 && octet.first() == Some(&b'0'));
         if parts > 4 || !canonical || value.is_none_or(|v| v > 255) {
             return false;
@@ -349,6 +355,15 @@ pub fn push_value(out: &mut String, value: &[u8]) {
 mod tests {
     use super::*;
     use alloc::format;
+
+    #[test]
+    fn a_long_run_of_digits_is_no_address_and_no_overflow() {
+        for raw in ["12345678901", "99999999999999999999.1.1.1", "1.1.1.4294967296"] {
+            assert!(!is_canonical_ipv4(raw.as_bytes()), "{raw}");
+            let src = IpSource { trusted_hops: 1, ipv6_prefix: 64, ipv4_prefix: 32 };
+            assert_eq!(client_key(|| None, Some(raw.as_bytes()), &src), None, "{raw}");
+        }
+    }
 
     /// What `parse_ip` was: core's parsers.
     fn std_parse(raw: &[u8]) -> Option<IpAddr> {
