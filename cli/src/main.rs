@@ -126,13 +126,25 @@ pub enum Failure {
 /// the patterns as written) and the validated rules.
 pub fn load(path: &Path) -> Result<(serde_json::Value, Config), Failure> {
     let bytes = std::fs::read(path).map_err(|e| Failure::Usage(format!("cannot read {}: {e}", path.display())))?;
-    let config = Config::parse(&bytes).map_err(|e| {
+    let mut config = Config::parse(&bytes).map_err(|e| {
         let at = if e.path.is_empty() { "(document)".to_owned() } else { e.path.clone() };
         Failure::Invalid(vec![format!("{at}: {}", e.reason)])
     })?;
+    config.identity.key_by_secret(&deployment_secret());
     // The core accepted it, so it is JSON.
     let doc = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
     Ok((doc, config))
+}
+
+/// The secret a Worker deployment keys its hashes by when its rules set neither
+/// `identity.hash_key` nor `sync` — `RATEWALL_SYNC_SECRET`, else `RATEWALL_ADMIN_TOKEN` — read
+/// from the same environment variables, so `explain` and `replay` show a secret value under
+/// that deployment's `#hash`. Empty when neither is set.
+fn deployment_secret() -> String {
+    ["RATEWALL_SYNC_SECRET", "RATEWALL_ADMIN_TOKEN"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok().map(|v| v.trim().to_owned()).filter(|v| !v.is_empty()))
+        .unwrap_or_default()
 }
 
 /// Whether `path` is envoyproxy/ratelimit's YAML (a `.yaml` / `.yml` file or a directory)

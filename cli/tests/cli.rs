@@ -10,7 +10,7 @@ use std::io::Write;
 use std::process::{Command, Output};
 
 mod common;
-use common::{ratewall, root, temp};
+use common::{ratewall, ratewall_with, root, temp};
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
@@ -200,6 +200,42 @@ fn secret_values_show_only_as_the_same_keyed_hash_in_explain_replay_and_the_core
         "{}",
         stdout(&o)
     );
+}
+
+/// A Worker deployment whose rules set neither `identity.hash_key` nor `sync` keys its hashes
+/// by its `RATEWALL_SYNC_SECRET` (else `RATEWALL_ADMIN_TOKEN`): given the same variable, the
+/// CLI shows a value under that deployment's hash — the one filter nodes syncing to it with
+/// that secret show.
+#[test]
+fn with_a_workers_secret_in_the_environment_the_cli_shows_that_deployments_hash() {
+    let secret = "the deployment's sync secret";
+    let rule = r#""rules": [{"name": "k", "key": ["api_key"], "limit": {"requests": 1, "per": "1h"}}]"#;
+    let bare = temp("worker.json", &format!(r#"{{"identity": {{"api_key": {{"header": "x-api-key"}}}}, {rule}}}"#));
+    let synced = temp(
+        "synced.json",
+        &format!(
+            r#"{{"identity": {{"api_key": {{"header": "x-api-key"}}}}, {rule},
+                "sync": {{"cluster": "store", "secret": "{secret}"}}}}"#
+        ),
+    );
+    let shown = |o: Output| {
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(!stdout(&o).contains("TOPSECRET") && !stdout(&o).contains(secret));
+        (v["rules"][0]["key"].clone(), v["rules"][0]["counter"].clone())
+    };
+    let args = |rules: &str| {
+        ["explain", "--json", rules, "--path", "/", "-H", "x-api-key: sk_live_TOPSECRET"].map(str::to_owned)
+    };
+    let run =
+        |env: &[(&str, &str)], rules: &str| shown(ratewall_with(env, &args(rules).each_ref().map(String::as_str)));
+    let filter = run(&[], &synced);
+    let builtin = run(&[], &bare);
+    assert!(filter.0.as_str().is_some_and(|k| k.starts_with("api_key=#")), "{filter:?}");
+    assert_ne!(filter, builtin);
+    assert_eq!(run(&[("RATEWALL_SYNC_SECRET", secret)], &bare), filter);
+    assert_eq!(run(&[("RATEWALL_ADMIN_TOKEN", secret)], &bare), filter);
+    // The document's own key comes first, as in the Worker.
+    assert_eq!(run(&[("RATEWALL_SYNC_SECRET", "another secret, 16+")], &synced), filter);
 }
 
 #[test]

@@ -16,7 +16,7 @@ use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos, State};
 use ratewall_core::eval::{Check, CheckOutcome, CheckResult, Outcome, Skip, StoreError, Tally};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_ip, ip_key, parse_ip};
-use ratewall_core::rules::{FailurePolicy, HashKeySource, Mode};
+use ratewall_core::rules::{FailurePolicy, Mode};
 use ratewall_core::sync::Applied;
 pub use ratewall_core::sync::{hex, unhex};
 use ratewall_core::{Config, ConfigError, Request};
@@ -59,11 +59,7 @@ impl Rules {
             return Ok(false);
         }
         let mut config = Config::parse(doc.as_bytes())?;
-        let identity = &mut config.identity;
-        if identity.hash_key_source == HashKeySource::BuiltIn && !self.deployment_secret.is_empty() {
-            identity.hash_key = ratewall_core::key::HashKey::derive(self.deployment_secret.as_bytes());
-            identity.hash_key_source = HashKeySource::SyncSecret;
-        }
+        config.identity.key_by_secret(&self.deployment_secret);
         self.config = Some(Rc::new(config));
         self.source = doc.to_owned();
         Ok(true)
@@ -731,6 +727,7 @@ pub fn refund_calls(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ratewall_core::rules::HashKeySource;
     use ratewall_core::SECOND;
 
     const RULES: &str = r#"{

@@ -83,6 +83,17 @@ pub enum HashKeySource {
 }
 
 impl Identity {
+    /// Hashes secret values under a key derived from a deployment's shared `secret` (a
+    /// filter's `sync.secret`, a Worker's `RATEWALL_SYNC_SECRET`), unless the document set
+    /// `identity.hash_key`, or `secret` is empty: every node given the same secret then
+    /// shows and counts a value under the same hash.
+    pub fn key_by_secret(&mut self, secret: &str) {
+        if self.hash_key_source == HashKeySource::BuiltIn && !secret.is_empty() {
+            self.hash_key = crate::key::HashKey::derive(secret.as_bytes());
+            self.hash_key_source = HashKeySource::SyncSecret;
+        }
+    }
+
     /// The index in [`Identity::headers`] of a header dimension.
     pub fn header_index(&self, dimension: &str) -> Option<usize> {
         self.headers.iter().position(|(d, _)| d == dimension)
@@ -426,11 +437,8 @@ impl Config {
         }
         let sync = top.get("sync").map(parse_sync).transpose()?;
         let mut identity = identity;
-        if identity.hash_key_source == HashKeySource::BuiltIn {
-            if let Some(s) = &sync {
-                identity.hash_key = crate::key::HashKey::derive(s.secret.as_bytes());
-                identity.hash_key_source = HashKeySource::SyncSecret;
-            }
+        if let Some(s) = &sync {
+            identity.key_by_secret(&s.secret);
         }
         Ok(Config { identity, rules, response, filter, sync })
     }

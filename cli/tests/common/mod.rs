@@ -3,9 +3,18 @@
 
 use std::process::{Command, Output};
 
-/// Runs the built `ratewall` with `args`.
+/// Runs the built `ratewall` with `args`, without a deployment secret in its environment.
 pub fn ratewall(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ratewall")).args(args).output().unwrap()
+    ratewall_with(&[], args)
+}
+
+/// Runs the built `ratewall` with `args` and the environment variables `env` (none other of
+/// those that name a deployment secret).
+#[allow(dead_code)]
+pub fn ratewall_with(env: &[(&str, &str)], args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall"));
+    cmd.env_remove("RATEWALL_SYNC_SECRET").env_remove("RATEWALL_ADMIN_TOKEN").envs(env.iter().copied());
+    cmd.args(args).output().unwrap()
 }
 
 /// A path in the repository.
