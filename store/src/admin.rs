@@ -44,10 +44,37 @@ pub fn metrics<K>(store: &Store<K>, rls: Option<&Rls<K>>) -> Response {
     out
 }
 
-/// A query string's value of `name` (the first; none percent-decoded: rule names and
-/// windows are plain).
-fn param<'a>(uri: &'a Uri, name: &str) -> Option<&'a str> {
-    uri.query()?.split('&').find_map(|p| p.strip_prefix(name)?.strip_prefix('='))
+/// A query string's value of `name` (the first), percent-decoded as a browser encodes it (`+`
+/// a space; bytes that are not UTF-8 replaced), as the Worker reads it; a bare `name` is
+/// the empty value.
+fn param(uri: &Uri, name: &str) -> Option<String> {
+    let raw = uri.query()?.split('&').find_map(|p| match p.split_once('=') {
+        Some((k, v)) if k == name => Some(v),
+        None if p == name => Some(""),
+        _ => None,
+    })?;
+    let (bytes, mut out, mut i) = (raw.as_bytes(), Vec::with_capacity(raw.len()), 0);
+    while let Some(&b) = bytes.get(i) {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
+            .and_then(|h| std::str::from_utf8(h).ok());
+        match (b, hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(v)) => {
+                out.push(v);
+                i += 3;
+            }
+            (b'+', _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            _ => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    Some(String::from_utf8_lossy(&out).into_owned())
 }
 
 fn json_response(status: StatusCode, v: &Value) -> Response {
@@ -64,15 +91,15 @@ async fn page() -> Response {
 }
 
 async fn top<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response {
-    let window = match Window::parse(param(&uri, "window")) {
+    let window = match Window::parse(param(&uri, "window").as_deref()) {
         Ok(w) => w,
         Err(why) => return json_response(StatusCode::BAD_REQUEST, &json!({"error": why})),
     };
-    json_response(StatusCode::OK, &store.top.top(param(&uri, "rule"), window))
+    json_response(StatusCode::OK, &store.top.top(param(&uri, "rule").as_deref(), window))
 }
 
 async fn series<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response {
-    json_response(StatusCode::OK, &store.top.series(param(&uri, "rule")))
+    json_response(StatusCode::OK, &store.top.series(param(&uri, "rule").as_deref()))
 }
 
 async fn fleet<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {

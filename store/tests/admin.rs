@@ -300,3 +300,25 @@ mod fleet {
         }
     }
 }
+
+#[test]
+fn query_parameters_are_read_as_a_browser_encodes_them_and_a_bare_window_is_refused() {
+    let redis = Redis::start(false).unwrap();
+    let store = start(&redis, true);
+    let admin = store.admin.clone().unwrap();
+    assert_eq!(post(&store.addr, &batch(1, 1, Some(&section(1, 30, 1)))), 200);
+    // Percent-encoded names and windows read as their plain forms (as the Worker reads them).
+    let only = json(&admin, "/v1/top?rule=api%2Dkey&window=1%68");
+    assert_eq!(only["window_s"], 3600, "{only}");
+    let rules: Vec<&str> = only["rules"].as_array().unwrap().iter().filter_map(|r| r["rule"].as_str()).collect();
+    assert_eq!(rules, ["api-key"], "{only}");
+    let series = json(&admin, "/v1/series?rule=%77atch");
+    assert_eq!(series["rules"][0]["rule"], "watch", "{series}");
+    // `window` without a value is not a window: 400, as for any other.
+    for bad in ["/v1/top?window", "/v1/top?window=", "/v1/top?rule=watch&window", "/v1/top?window=1m%FF"] {
+        let (status, body) = get(&admin, bad);
+        assert_eq!(status, 400, "{bad}: {body}");
+        assert!(body.contains("is not 1m or 1h"), "{bad}: {body}");
+    }
+    assert_eq!(get(&admin, "/v1/top?windows=1h&window=1h").0, 200, "another parameter's name is not `window`");
+}
