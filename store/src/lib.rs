@@ -366,9 +366,20 @@ impl<K: Kv> Store<K> {
         }
     }
 
-    /// [`Store::share_top`] every [`top::SHARE_EVERY`], for ever.
-    pub async fn share_top_forever(&self, read: bool) {
-        let mut cursor = None;
+    /// Where a process with an admin listener starts reading its peers' shares: the shared
+    /// stream's end now (None when Redis does not answer: then from its first read). Taken
+    /// before the listener is announced, so a share a peer writes after that is merged.
+    pub async fn join_shares(&self) -> Option<String> {
+        let read = self.kv.read_after(top::SHARED_STREAM, None, 0);
+        match tokio::time::timeout(self.deadline, read).await {
+            Ok(Ok((last, _))) => Some(last),
+            _ => None,
+        }
+    }
+
+    /// [`Store::share_top`] every [`top::SHARE_EVERY`], for ever, reading peers' shares (with
+    /// `read`) from `cursor` ([`Store::join_shares`]) on.
+    pub async fn share_top_forever(&self, read: bool, mut cursor: Option<String>) {
         loop {
             tokio::time::sleep(top::SHARE_EVERY).await;
             self.share_top(read, &mut cursor).await;

@@ -224,6 +224,8 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     if !store.kv.ping().await {
         eprintln!("ratewall-store: Redis does not answer yet; /v1/sync answers 503 until it does");
     }
+    // A process with an admin listener merges what its peers share from here on.
+    let joined = if args.admin.is_some() { store.join_shares().await } else { None };
     let admin = match &args.admin {
         Some(a) => {
             let l = tokio::net::TcpListener::bind(a).await.map_err(|e| format!("cannot listen on --admin {a}: {e}"))?;
@@ -237,7 +239,7 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     // peers', so its /v1/top and /v1/fleet cover the whole fleet.
     let sharing = Arc::clone(&store);
     let reads = admin.is_some();
-    tokio::spawn(async move { sharing.share_top_forever(reads).await });
+    tokio::spawn(async move { sharing.share_top_forever(reads, joined).await });
     if let Some(l) = admin {
         let router = ratewall_store::admin::router(Arc::clone(&store), rls.clone())
             .merge(Router::new().route("/healthcheck", get(healthcheck)).with_state(Arc::clone(&store)));

@@ -322,3 +322,27 @@ fn query_parameters_are_read_as_a_browser_encodes_them_and_a_bare_window_is_refu
     }
     assert_eq!(get(&admin, "/v1/top?windows=1h&window=1h").0, 200, "another parameter's name is not `window`");
 }
+
+#[test]
+fn an_admin_listener_counts_what_its_peers_heard_from_when_it_announced_itself() {
+    let redis = Redis::start(false).unwrap();
+    // The peer runs first; the process with the admin listener joins later. What the peer hears
+    // once that process has announced its listener is in its answers.
+    let peer = start(&redis, false);
+    // Half a share interval later: the peer's next share comes well before the newcomer's first
+    // read of the stream.
+    std::thread::sleep(ratewall_store::top::SHARE_EVERY / 2);
+    let with_admin = start(&redis, true);
+    let admin = with_admin.admin.clone().unwrap();
+    assert_eq!(post(&peer.addr, &batch(1, 1, Some(&section(1, 30, 1)))), 200);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let top = loop {
+        let top = json(&admin, "/v1/top");
+        if top["rules"][0]["denied"].as_u64() == Some(31) || std::time::Instant::now() > deadline {
+            break top;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(top["rules"][0]["denied"].as_u64(), Some(31), "{top}");
+    assert_eq!(json(&admin, "/v1/fleet")["nodes"].as_array().unwrap().len(), 1);
+}
