@@ -345,3 +345,25 @@ fn a_small_summary_takes_in_a_larger_one_without_growing_and_halving_drops_no_ke
     let heavy = kept.entries().iter().find(|e| e.key == b"heavy").unwrap();
     assert!(heavy.weight < 50 / 2 + 1);
 }
+
+#[cfg(feature = "admin")]
+#[test]
+fn the_windows_keep_their_bound_when_a_batch_brings_a_larger_summary() {
+    use crate::sync::{RuleTop, TopSection};
+    let mut big = Summary::new(1024);
+    for i in 0..1000u32 {
+        big.add(format!("user=u{i}").as_bytes(), 1 + u64::from(i % 40), 0, 0);
+    }
+    big.add(b"user=heavy", 100_000, 0, 0);
+    let section = TopSection {
+        rules: alloc::vec![RuleTop { rule: "r".into(), allowed: 0, denied: 1000, shadow_denied: 0, top: big }],
+    };
+    let mut w = super::windows::Windows::new(4, 16);
+    w.add(1_000, &section, &[]);
+    w.add(1_001, &section, &[]);
+    let top = w.top(1_001, None, super::windows::Window::Minute);
+    let listed = top["rules"][0]["top"].as_array().map_or(0, Vec::len);
+    assert!((1..=16).contains(&listed), "{listed} keys listed from windows that keep 16: {top}");
+    assert_eq!(top["rules"][0]["top"][0]["key"], "user=heavy");
+    assert!(w.largest_summary() <= 16, "a bucket holds {} keys", w.largest_summary());
+}

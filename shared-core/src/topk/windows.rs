@@ -135,7 +135,7 @@ impl Windows {
                 b.denied = b.denied.saturating_add(r.denied);
                 b.shadow = b.shadow.saturating_add(r.shadow_denied);
                 if !r.top.is_empty() {
-                    b.top.get_or_insert_with(|| Summary::new(self.kept)).merge(&r.top);
+                    b.top.get_or_insert_with(|| Summary::new(self.kept)).merge_keeping(&r.top);
                 }
             }
             let own = [(t, r.allowed, r.denied, r.shadow_denied)];
@@ -155,6 +155,13 @@ impl Windows {
                 }
             }
         }
+    }
+
+    /// The most keys any bucket's summary holds.
+    #[cfg(test)]
+    pub(crate) fn largest_summary(&self) -> usize {
+        let buckets = self.rules.iter().flat_map(|r| r.minute.iter().chain(&r.hour));
+        buckets.filter_map(|b| b.top.as_ref()).map(|t| t.entries().len()).max().unwrap_or(0)
     }
 
     fn named<'a>(&'a self, rule: Option<&'a str>) -> impl Iterator<Item = &'a Rule> + 'a {
@@ -177,7 +184,7 @@ impl Windows {
                     denied = denied.saturating_add(b.denied);
                     shadow = shadow.saturating_add(b.shadow);
                     if let Some(s) = &b.top {
-                        top.merge(s);
+                        top.merge_keeping(s);
                     }
                 }
                 let entries: Vec<Value> = top
