@@ -41,7 +41,8 @@ pub const READ_PER_INTERVAL: usize = 1024;
 /// The version byte of a share.
 const SHARE_VERSION: u8 = 1;
 
-/// Most rules tracked (past it, rules first heard later are not).
+/// Most rules tracked (past it, a rule first heard later takes the place of one not heard of
+/// for an hour, or is not tracked).
 pub const MAX_RULES: usize = 256;
 /// Most nodes tracked (the longest unheard is forgotten first).
 pub const MAX_NODES: usize = 10_000;

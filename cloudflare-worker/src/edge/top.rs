@@ -35,7 +35,8 @@ pub const RETRY_FOR: Nanos = 60 * SECOND;
 /// Seconds of per-second counts an isolate keeps between reports (past it, the last second
 /// takes the counts).
 pub const PENDING_SECONDS: usize = 64;
-/// Most rules the admin object tracks (rules first heard past it are not).
+/// Most rules the admin object tracks (past it, a rule first heard later takes the place of
+/// one not heard of for an hour, or is not tracked).
 pub const MAX_RULES: usize = 64;
 /// Filter nodes whose latest batch `seq` the admin object remembers.
 pub const MAX_NODES: usize = 10_000;

@@ -367,3 +367,34 @@ fn the_windows_keep_their_bound_when_a_batch_brings_a_larger_summary() {
     assert_eq!(top["rules"][0]["top"][0]["key"], "user=heavy");
     assert!(w.largest_summary() <= 16, "a bucket holds {} keys", w.largest_summary());
 }
+
+#[cfg(feature = "admin")]
+#[test]
+fn a_rule_not_heard_of_for_an_hour_makes_room_for_a_new_one_when_the_windows_are_full() {
+    use crate::sync::{RuleTop, TopSection};
+    let section = |name: &str| TopSection {
+        rules: alloc::vec![RuleTop {
+            rule: name.into(),
+            allowed: 1,
+            denied: 0,
+            shadow_denied: 0,
+            top: Summary::new(4)
+        }],
+    };
+    let names = |w: &super::windows::Windows, t: u64| -> Vec<String> {
+        let top = w.top(t, None, super::windows::Window::Hour);
+        top["rules"]
+            .as_array()
+            .map_or_else(Vec::new, |r| r.iter().map(|x| x["rule"].as_str().unwrap_or("").into()).collect())
+    };
+    let mut w = super::windows::Windows::new(2, 4);
+    w.add(10_000, &section("old"), &[]);
+    w.add(10_000, &section("kept"), &[]);
+    // Full, and both were heard within the hour: a third is not tracked.
+    w.add(12_000, &section("kept"), &[]);
+    w.add(13_000, &section("new"), &[]);
+    assert_eq!(names(&w, 13_000), ["old", "kept"]);
+    // "old" has not been heard of for an hour: "new" takes its place; "kept" stays.
+    w.add(13_600, &section("new"), &[]);
+    assert_eq!(names(&w, 13_600), ["kept", "new"]);
+}

@@ -80,6 +80,20 @@ struct Rule {
     minute: Vec<Bucket>,
     hour: Vec<Bucket>,
     series: Vec<Second>,
+    /// The unix second it was last heard of.
+    heard: u64,
+}
+
+impl Rule {
+    fn new(name: &str, heard: u64) -> Rule {
+        Rule {
+            name: name.into(),
+            minute: vec![Bucket::default(); MINUTE.1],
+            hour: vec![Bucket::default(); HOUR.1],
+            series: vec![(0, 0, 0, 0); SERIES],
+            heard,
+        }
+    }
 }
 
 /// The rules heard of, in the order first heard.
@@ -94,7 +108,8 @@ pub struct Windows {
 }
 
 impl Windows {
-    /// Empty; past `max_rules` rules, rules first heard later are not tracked.
+    /// Empty; past `max_rules` rules, a rule first heard later takes the place of one not heard
+    /// of for an hour (none shows in any window any more), or is not tracked.
     pub fn new(max_rules: usize, kept: usize) -> Windows {
         Windows { rules: Vec::new(), max_rules, kept, now: 0 }
     }
@@ -113,18 +128,21 @@ impl Windows {
         for (n, r) in section.rules.iter().enumerate() {
             let i = match self.rules.iter().position(|x| x.name == r.rule) {
                 Some(i) => i,
-                None if self.rules.len() < self.max_rules => {
-                    self.rules.push(Rule {
-                        name: r.rule.clone(),
-                        minute: vec![Bucket::default(); MINUTE.1],
-                        hour: vec![Bucket::default(); HOUR.1],
-                        series: vec![(0, 0, 0, 0); SERIES],
-                    });
+                None => {
+                    if self.rules.len() >= self.max_rules {
+                        // Full: a rule not heard of for longer than every window shows (one
+                        // renamed or removed since) makes room; else this one is not tracked.
+                        let span = HOUR.0 * HOUR.1 as u64;
+                        let idle = self.rules.iter().enumerate().filter(|(_, x)| x.heard.saturating_add(span) <= t);
+                        let Some(oldest) = idle.min_by_key(|(_, x)| x.heard).map(|(i, _)| i) else { continue };
+                        self.rules.remove(oldest);
+                    }
+                    self.rules.push(Rule::new(&r.rule, t));
                     self.rules.len() - 1
                 }
-                None => continue,
             };
             let Some(rule) = self.rules.get_mut(i) else { continue };
+            rule.heard = t;
             for (buckets, (len, count)) in [(&mut rule.minute, MINUTE), (&mut rule.hour, HOUR)] {
                 let at = t / len;
                 let Some(b) = buckets.get_mut((at % count as u64) as usize) else { continue };
