@@ -264,7 +264,7 @@ impl Counter {
     /// no more than twice what that share of the fleet's recent rate would use in the lease
     /// — units a quiet node holds are locked from every other node.
     fn share_of(&self, node: u64, available: u64, lease: Nanos, node_ttl: Nanos) -> u64 {
-        if lease == 0 {
+        if lease == 0 || self.asks_only() {
             return 0;
         }
         let now = self.last_seen;
@@ -289,6 +289,16 @@ impl Counter {
         let draw = u128::from(mix(node ^ now) & 1023);
         let units = (share >> 10) + u128::from(draw < (share & 1023));
         u64::try_from(units).unwrap_or(u64::MAX).min(available)
+    }
+
+    /// Whether every unit of this counter is taken by an ask: an exact rule's limit slower than
+    /// one unit per longest lease (5 a minute, 10 logins a minute). A grant or the units given
+    /// beside an ask would sit with one node, its lease longer than the limit's own pace,
+    /// while the others' asks are refused: at 3 nodes and a limit of 5 a minute, requests
+    /// taking turns over the nodes were refused with 3 units left. Asking costs each request
+    /// a round trip, which such a limit's traffic can afford.
+    fn asks_only(&self) -> bool {
+        self.exact && u128::from(self.limit.requests()) * u128::from(MAX_LEASE) < u128::from(self.limit.per().max(1))
     }
 
     /// Counts `units` reported at `now` into the per-second rate.

@@ -406,19 +406,31 @@ fn on_an_exact_rules_counter_a_lapsed_grant_stays_held_until_its_nodes_report_ca
 
 #[test]
 fn near_an_exact_counters_end_an_ask_takes_only_what_it_asked_for() {
-    // 5 a minute, three nodes asking in turn. The first, alone on the counter, gets a share
-    // beside its unit; after it fewer than two units per node are left, so the second and
-    // third get only their unit — and the third is not refused while a unit given beside the
-    // second's sat in its grant.
-    let l = Limit::new(Algorithm::SlidingWindow, 5, 60 * SECOND, None).unwrap();
+    // 200 a minute, three nodes asking in turn. The first, alone on the counter, gets a share
+    // beside its unit; once fewer than two units per node are left, an ask gets only its
+    // unit, and none is refused while a unit given beside another sat in its grant.
+    let l = Limit::new(Algorithm::SlidingWindow, 200, 60 * SECOND, None).unwrap();
     let ttl = 10 * SECOND;
     let mut c = Counter::new(l);
+    c.take(l, NOW, 194);
     let first = c.ask(l, NOW, 1, 1, 1, ttl);
     assert!(first.grant > 1, "{first:?}");
-    let (second, third) = (c.ask(l, NOW, 2, 1, 1, ttl), c.ask(l, NOW, 3, 1, 1, ttl));
-    assert_eq!((second.grant, third.grant), (1, 1), "{second:?} {third:?}");
-    // Every unit is the first node's grant or taken: none left for a fourth ask.
-    assert_eq!(c.ask(l, NOW, 4, 1, 1, ttl).grant, 0);
+    let held = first.grant - 1;
+    let asks: Vec<u64> = (2..=6).map(|node| c.ask(l, NOW, node, 1, 1, ttl).grant).collect();
+    // 5 left after the first ask, `held` of them in its grant: every other one goes to an ask.
+    let granted = 5 - held as usize;
+    assert!(asks.iter().take(granted).all(|&g| g == 1), "{asks:?}");
+    assert!(asks.iter().skip(granted).all(|&g| g == 0), "{asks:?}");
+}
+
+/// A limit slower than one unit per longest lease is taken by asks alone: none gets units
+/// beside its own, so none sits in one node's grant.
+#[test]
+fn a_slow_exact_limit_gives_only_the_asked_units() {
+    let l = Limit::new(Algorithm::SlidingWindow, 5, 60 * SECOND, None).unwrap();
+    let mut c = Counter::new(l);
+    let grants: Vec<u64> = (1..=6).map(|node| c.ask(l, NOW, node, 1, 1, 10 * SECOND).grant).collect();
+    assert_eq!(grants, [1, 1, 1, 1, 1, 0]);
 }
 
 #[test]
@@ -607,4 +619,23 @@ fn every_batch_answer_names_the_counters_found_out_of_quota_until_their_window_e
     let ask = SyncRequest { node: 2, seq: 1, sent: NOW, deltas: vec![spent], ask: true };
     assert_eq!(store.handle(NOW + SECOND, &ask).unwrap().grants.len(), 1);
     assert!(store.handle(window_end, &batch(2, 2, vec![])).unwrap().grants.is_empty());
+}
+
+#[test]
+fn a_small_exact_limit_spread_over_nodes_admits_its_whole_quota_by_asks() {
+    // 5 a minute, three nodes taking turns, each node's batch following its request. Every
+    // ask within the quota is granted (and gives only the unit asked), the sixth refused.
+    let small = Limit::new(Algorithm::SlidingWindow, 5, 60 * SECOND, None).unwrap();
+    let mut c = Counter::new(small);
+    let mut seqs = [0u64; 4];
+    let mut granted = Vec::new();
+    for i in 0..9u64 {
+        let node = 1 + i % 3;
+        let t = NOW + i * 300_000_000;
+        granted.push(c.ask(small, t, node, i + 1, 1, 10 * SECOND).grant > 0);
+        let seq = &mut seqs[node as usize];
+        *seq += 1;
+        assert_eq!(c.apply(small, t + 50_000_000, node, *seq, 0, 10 * SECOND).grant, 0);
+    }
+    assert_eq!(granted, [true, true, true, true, true, false, false, false, false]);
 }
