@@ -446,6 +446,28 @@ impl LocalFallback {
         *state = next;
         d
     }
+
+    /// Gives back what `check` took at `at` (a slot of a request in flight that completed, or
+    /// units of a request another rule rejected).
+    pub fn refund(&mut self, check: &Check, at: Nanos) {
+        if let Some((limit, state)) = self.states.get_mut(&check.key) {
+            *state = limit.refund(state, at, check.cost);
+        }
+    }
+}
+
+/// The checks of `among` that the isolate's [`LocalFallback`] decided: their object failed
+/// (nothing charged there) and the rule is `open` (a decision came all the same).
+pub fn decided_locally<'a>(
+    checks: &'a [Check],
+    among: &'a [usize],
+    decisions: &'a [Result<Decision, StoreError>],
+    charged: &'a [Option<Answer>],
+) -> impl Iterator<Item = &'a Check> + 'a {
+    among.iter().filter_map(move |&i| match (decisions.get(i), charged.get(i)) {
+        (Some(Ok(_)), Some(None)) => checks.get(i),
+        _ => None,
+    })
 }
 
 /// Per-rule counts.

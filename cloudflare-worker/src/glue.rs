@@ -6,8 +6,8 @@ use crate::edge::grants::{Answer, Grants, Local, Schedule, REPORT_EVERY};
 use crate::edge::object::{AlarmPlan, Object};
 use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
-    cached_denials, checks_for, decisions, in_flight, object_name, refund_calls, store, take_answer, wait_of,
-    BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
+    cached_denials, checks_for, decided_locally, decisions, in_flight, object_name, refund_calls, store, take_answer,
+    wait_of, BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
 };
 use futures_util::future::{join, join_all, select, Either};
 use ratewall_core::eval::{combine, Check, Outcome, Skip, StoreError};
@@ -250,6 +250,17 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
     Ok(resp.with_headers(headers))
 }
 
+/// The answer when the origin could not be reached: 502, an RFC 9457 body, the cause in the
+/// log (never in the answer).
+fn bad_gateway(e: &worker::Error) -> Result<Response> {
+    console_error!("ratewall: the origin could not be reached: {e}");
+    let body =
+        r#"{"type":"about:blank","title":"Bad Gateway","status":502,"detail":"the origin could not be reached"}"#;
+    let headers = Headers::new();
+    headers.set("content-type", "application/problem+json")?;
+    Ok(Response::from_bytes(body.as_bytes().to_vec())?.with_status(502).with_headers(headers))
+}
+
 /// One check's answer: for an `exact` rule, the counter object's (a take, waited for); for
 /// any other, the isolate's, at once (from its grant, its overdraft or its copy of the
 /// counter), its units reported in the background.
@@ -439,7 +450,7 @@ async fn admin_route(req: Request, env: Env, path: &str) -> Result<Response> {
 async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let Some(config) = rules(&env).await else {
         // Never a good rules document: serve unlimited and say so in the logs (above).
-        return forward(req, &env, &[]).await;
+        return forward(req, &env, &[]).await.or_else(|e| bad_gateway(&e));
     };
     let method = req.method().to_string();
     let path = req.path();
@@ -464,7 +475,16 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         answer(&env, &ctx, c, exact, t, timeout)
     });
     let answers = join_all(calls).await;
-    let (decisions, charged) = with(|i| decisions(&config, &checks, answers, t, &mut i.fallback, &mut i.metrics));
+    let (decisions, charged) = with(|i| {
+        // A rule decided on the isolate's grants while its object fails the reports is
+        // degraded as much as one whose take failed: a store failure in its metrics.
+        for c in checks.iter().filter(|c| i.grants.failing(&c.key)) {
+            if let Some(r) = config.rules.get(c.rule) {
+                i.metrics.rule(&r.name).store_failed += 1;
+            }
+        }
+        decisions(&config, &checks, answers, t, &mut i.fallback, &mut i.metrics)
+    });
     let (outcome, refunds) = combine(&config, &checks, &decisions);
     // Units taken by rules that allowed a request another rule rejected go back. The client
     // gets its 429 without waiting for that.
@@ -472,6 +492,9 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     with(|i| {
         for (key, cost) in &grant_refunds {
             i.grants.refund(key, *cost, t);
+        }
+        for c in decided_locally(&checks, &refunds, &decisions, &charged) {
+            i.fallback.refund(c, t);
         }
     });
     if !refunding.is_empty() {
@@ -499,9 +522,16 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         if wait > 0 {
             Delay::from(Duration::from_nanos(wait)).await;
         }
-        let response = forward(req, &env, &reply.headers).await;
-        // Its concurrency slots are given back once the origin has answered (or failed).
-        let (slots, _) = refund_calls(&checks, &in_flight(&checks), &charged);
+        let response = forward(req, &env, &reply.headers).await.or_else(|e| bad_gateway(&e));
+        // Its concurrency slots are given back once the origin has answered (or failed): to
+        // their objects, or to the isolate's fallback that decided them.
+        let running = in_flight(&checks);
+        with(|i| {
+            for c in decided_locally(&checks, &running, &decisions, &charged) {
+                i.fallback.refund(c, now());
+            }
+        });
+        let (slots, _) = refund_calls(&checks, &running, &charged);
         if !slots.is_empty() {
             ctx.wait_until(async move {
                 join_all(slots.iter().map(|(key, call)| call_object(&env, key, *call, timeout))).await;

@@ -241,12 +241,34 @@ fn unreachable_counter_objects_fail_open_to_a_local_limit_or_closed_with_503() {
     });
     assert!(failures, "{}", w.metric("ratewall_object_failures"));
     assert!(w.metric("ratewall_rule_store_failed{rule=\"strict\"}") >= 1);
+    // Decided on the isolate's own count while the reports fail: degraded, and counted so.
+    assert_eq!(statuses(&w, "GET", "/u/x", &kim, 1), [429]);
+    assert!(w.metric("ratewall_rule_store_failed{rule=\"user\"}") >= 1);
+    // A concurrency limit decided by the isolate's fallback gives each slot back when the
+    // response completes: one request after another never runs out of its two.
+    assert_eq!(statuses(&w, "GET", "/f/x", &kim, 5), [200; 5]);
     // wrangler relays the Worker's console a little later.
     let logged = (0..40).any(|_| {
         std::thread::sleep(Duration::from_millis(100));
         w.log().contains("counter object failed")
     });
     assert!(logged, "failures are logged:\n{}", w.log());
+}
+
+#[test]
+fn an_unreachable_origin_is_a_502_with_a_problem_body_and_the_slot_comes_back() {
+    let w = start(&[("ORIGIN_URL", "http://127.0.0.1:1")]);
+    let ann = [("x-user-id", "ann")];
+    for _ in 0..3 {
+        let r = w.request("GET", "/f/x", &ann, &[]);
+        assert_eq!(r.status, 502, "{}", r.text());
+        assert_eq!(r.header("content-type"), Some("application/problem+json"));
+        assert!(r.text().contains("\"status\":502"), "{}", r.text());
+    }
+    // Its concurrency slot was given back each time (a limit of 2: the third still got
+    // through to the origin, which failed).
+    assert_eq!(w.metric("ratewall_rule_allowed{rule=\"flight\"}"), 3);
+    assert_eq!(w.metric("ratewall_rule_rejected{rule=\"flight\"}"), 0);
 }
 
 /// The counter key the rules give a request (what a filter node sends in its deltas).

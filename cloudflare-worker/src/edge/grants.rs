@@ -200,6 +200,8 @@ struct Held {
     over_at: Nanos,
     /// An answer from the object has come.
     answered: bool,
+    /// The last report failed (no answer, or one that could not be read).
+    failing: bool,
 }
 
 impl Held {
@@ -221,6 +223,7 @@ impl Held {
             over: 0,
             over_at: 0,
             answered: false,
+            failing: false,
         }
     }
 
@@ -442,6 +445,7 @@ impl Grants {
         let Call::Spend { limit, seq, .. } = *call else { return };
         let spent = reply.ok().and_then(Spent::decode);
         let Some(h) = self.held.get_mut(key) else { return };
+        h.failing = spent.is_none();
         let Some(s) = spent else {
             if h.report.is_some_and(|r| r.seq == seq && now.saturating_sub(r.first_sent) > RETRY_HORIZON) {
                 // Given up: a store that has forgotten the seq could count a later retry twice.
@@ -478,6 +482,12 @@ impl Grants {
         if s.nodes > 0 {
             h.nodes = s.nodes;
         }
+    }
+
+    /// Whether `key`'s counter object failed its last report: the isolate decides on what it
+    /// holds while the object is out of reach (a store failure in the rule's metrics).
+    pub fn failing(&self, key: &[u8]) -> bool {
+        self.held.get(key).is_some_and(|h| h.failing)
     }
 
     /// Gives back `cost` units a check spent from `key`'s grant or overdraft (another rule
