@@ -9,6 +9,8 @@ use ratewall_core::sync::{sign, Grant, Out, SyncError, SyncRequest, SyncResponse
 /// A batch may name at most this many counters: each is one Durable Object call, and a
 /// Worker invocation has a bounded number of subrequests. Filters split larger batches.
 pub const MAX_SYNC_DELTAS: usize = 500;
+/// Fewest characters of a sync secret (a filter's `sync.secret` and ratewall-store's alike).
+pub const MIN_SECRET: usize = 16;
 /// Largest sync body accepted.
 pub const MAX_SYNC_BODY: usize = 1 << 20;
 
@@ -37,13 +39,17 @@ pub fn check(secret: &str, tag: Option<&str>, body: &[u8], now: Nanos) -> Result
             "sync is disabled: set RATEWALL_SYNC_SECRET (wrangler secret put RATEWALL_SYNC_SECRET)",
         ));
     }
+    if secret.chars().count() < MIN_SECRET {
+        // As ratewall-store refuses to start on one, and a filter's `sync.secret` is refused.
+        return Err(refuse(503, "sync is disabled: RATEWALL_SYNC_SECRET is shorter than 16 characters"));
+    }
     if body.len() > MAX_SYNC_BODY {
         return Err(refuse(413, "batch too large"));
     }
     let tag = tag.and_then(|t| unhex(t.trim().as_bytes())).unwrap_or_default();
     let batch = SyncRequest::verified(secret.as_bytes(), body, &tag, None).map_err(|e| match e {
         SyncError::Unauthorized => refuse(401, "missing or invalid x-ratewall-signature"),
-        SyncError::Malformed(_) => refuse(400, format!("malformed batch: {e}")),
+        SyncError::Malformed(d) => refuse(400, format!("malformed batch: {d}")),
         e => refuse(e.status(), e.to_string()),
     })?;
     if batch.deltas.len() > MAX_SYNC_DELTAS {
@@ -154,9 +160,20 @@ mod tests {
         assert_eq!(check(SECRET, Some(&tag), &body, T).unwrap().seq, 1);
         assert_eq!(check(SECRET, Some(&format!(" {tag} ")), &body, T).map(|b| b.seq), Ok(1), "whitespace is trimmed");
         assert_eq!(check("", Some(&tag), &body, T).unwrap_err().status, 503);
+        let short = "s3cr3t";
+        let r = check(short, Some(&hex(&sign(short.as_bytes(), &body))), &body, T).unwrap_err();
+        assert_eq!(r.status, 503, "a secret under 16 characters is none: {}", r.message);
+        assert!(!r.message.contains(short));
         assert_eq!(check(SECRET, None, &body, T).unwrap_err().status, 401);
         assert_eq!(check(SECRET, Some("zz"), &body, T).unwrap_err().status, 401);
         assert_eq!(check("another secret!!", Some(&tag), &body, T).unwrap_err().status, 401);
+        // A refusal says what is wrong with the batch, not with a counter's state.
+        let (mut odd, _) = signed(&batch(1, false));
+        if let Some(kind) = odd.get_mut(1) {
+            *kind = 9;
+        }
+        let r = check(SECRET, Some(&hex(&sign(SECRET.as_bytes(), &odd))), &odd, T).unwrap_err();
+        assert_eq!((r.status, r.message.as_str()), (400, "malformed batch: invalid message kind"));
         let garbled = b"\x02\x09nonsense".to_vec();
         let gtag = hex(&sign(SECRET.as_bytes(), &garbled));
         let r = check(SECRET, Some(&gtag), &garbled, T).unwrap_err();
