@@ -32,15 +32,18 @@ pub enum DecodeError {
     Tag(u8),
     /// A sliding log longer than any limit allows, or not in time order.
     BadLog,
+    /// A field that is not one of its values: what it is.
+    Invalid(&'static str),
 }
 
 impl core::fmt::Display for DecodeError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self {
-            DecodeError::Truncated => f.write_str("state bytes are truncated"),
-            DecodeError::Version(v) => write!(f, "unknown state encoding version {v}"),
-            DecodeError::Tag(t) => write!(f, "unknown state tag {t}"),
-            DecodeError::BadLog => f.write_str("sliding log is too long or out of order"),
+            DecodeError::Truncated => f.write_str("the bytes are truncated"),
+            DecodeError::Version(v) => write!(f, "unknown encoding version {v}"),
+            DecodeError::Tag(t) => write!(f, "unknown tag {t}"),
+            DecodeError::BadLog => f.write_str("a sliding log is too long or out of order"),
+            DecodeError::Invalid(what) => write!(f, "invalid {what}"),
         }
     }
 }

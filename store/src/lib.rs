@@ -402,7 +402,7 @@ impl<K: Kv> Store<K> {
         let req = match SyncRequest::verified(&self.secret, body, &tag, None) {
             Ok(r) => r,
             Err(SyncError::Unauthorized) => return Answer::error(401, "missing or invalid x-ratewall-signature"),
-            Err(e @ SyncError::Malformed(_)) => return Answer::error(400, format!("malformed batch: {e}")),
+            Err(SyncError::Malformed(e)) => return Answer::error(400, format!("malformed batch: {e}")),
             Err(e) => return Answer::error(e.status(), e.to_string()),
         };
         if req.deltas.len() > MAX_DELTAS {

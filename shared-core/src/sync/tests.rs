@@ -210,7 +210,7 @@ fn a_delta_for_a_concurrency_limit_is_malformed() {
     let (body, tag) = signed(&r);
     let mut s = Store::new(100, 2 * SECOND);
     let refused = s.handle_signed(NOW, b"secret", &body, &tag);
-    assert_eq!(refused, Err(SyncError::Malformed(crate::encoding::DecodeError::Tag(5))));
+    assert_eq!(refused, Err(SyncError::Malformed(crate::encoding::DecodeError::Invalid("limit algorithm"))));
     assert_eq!(refused.unwrap_err().status(), 400);
     assert!(s.is_empty());
     // The codes 0-4 decode.

@@ -185,11 +185,14 @@ pub(super) fn put_limit(out: &mut Vec<u8>, l: &Limit) {
 pub(super) fn read_limit(r: &mut Reader<'_>) -> Result<Limit, DecodeError> {
     let code = r.u8()?;
     // A concurrency limit counts one proxy's requests in flight: it is never synced.
-    let algorithm = Algorithm::from_code(code).filter(|a| *a != Algorithm::Concurrent).ok_or(DecodeError::Tag(code))?;
+    let algorithm = Algorithm::from_code(code)
+        .filter(|a| *a != Algorithm::Concurrent)
+        .ok_or(DecodeError::Invalid("limit algorithm"))?;
     let (requests, per, capacity) = (r.varint()?, r.varint()?, r.varint()?);
     // A leaky bucket's `delay` does not travel: the store never says how long a request
     // waits.
-    Limit::from_capacity(algorithm, requests, per, capacity).map_err(|_| DecodeError::Tag(255))
+    Limit::from_capacity(algorithm, requests, per, capacity)
+        .map_err(|_| DecodeError::Invalid("limit (requests, per or burst)"))
 }
 
 pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
@@ -213,7 +216,7 @@ pub(super) fn read_header(r: &mut Reader<'_>, kinds: &[u8]) -> Result<u8, Decode
     }
     let k = r.u8()?;
     if !kinds.contains(&k) {
-        return Err(DecodeError::Tag(k));
+        return Err(DecodeError::Invalid("message kind"));
     }
     Ok(k)
 }
