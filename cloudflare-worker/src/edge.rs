@@ -722,6 +722,23 @@ pub fn decisions(
     (out, charged)
 }
 
+/// The log lines of a request's shadow rules that would have rejected it, as the filter
+/// writes them (the path without its query).
+pub fn shadow_lines(
+    config: &Config,
+    outcome: &Outcome,
+    skipped: &[(usize, Skip)],
+    method: &str,
+    path: &str,
+) -> Vec<String> {
+    outcome
+        .tally(skipped)
+        .filter(|(_, t)| *t == Tally::ShadowRejected)
+        .filter_map(|(rule, _)| config.rules.get(rule))
+        .map(|r| format!("ratewall: shadow rule \"{}\" would reject {method} {path}", r.name))
+        .collect()
+}
+
 /// Units to give back to the isolate's grant of a counter: (key, cost).
 pub type GrantRefund = (Vec<u8>, u64);
 
@@ -758,6 +775,23 @@ mod tests {
         {"name": "per-user", "key": ["user"], "limit": {"requests": 2, "per": "60s"}},
         {"name": "per-ip", "match": {"path": "/login"}, "key": ["ip"], "limit": {"requests": 2, "per": "60s"}}
       ]}"#;
+
+    #[test]
+    fn a_shadow_rule_that_would_reject_is_logged_as_the_filter_logs_it() {
+        let doc = r#"{"identity": {"user": {"header": "x-user-id"}},
+          "rules": [{"name": "watch", "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "60s"}}]}"#;
+        let config = Config::parse(doc.as_bytes()).unwrap();
+        let (checks, skipped) = checks_for(&config, "GET", "/a", &|h| (h == "x-user-id").then(|| "ann".to_owned()));
+        let mut fallback = LocalFallback::new(10);
+        let lines = |fallback: &mut LocalFallback| {
+            let d = checks.iter().map(|c| Ok(fallback.take(c, SECOND))).collect::<Vec<_>>();
+            let (outcome, _) = ratewall_core::eval::combine(&config, &checks, &d);
+            assert!(!outcome.rejected, "a shadow rule never rejects");
+            shadow_lines(&config, &outcome, &skipped, "GET", "/a")
+        };
+        assert!(lines(&mut fallback).is_empty());
+        assert_eq!(lines(&mut fallback), ["ratewall: shadow rule \"watch\" would reject GET /a"]);
+    }
 
     #[test]
     fn offered_rules_are_counted_and_each_rejection_reported_once() {

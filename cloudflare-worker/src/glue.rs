@@ -6,8 +6,8 @@ use crate::edge::grants::{Answer, Grants, Local, Schedule, REPORT_EVERY};
 use crate::edge::object::{AlarmPlan, Object};
 use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
-    cached_denials, checks_for, decided_locally, decisions, in_flight, object_name, refund_calls, store, take_answer,
-    wait_of, BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
+    cached_denials, checks_for, decided_locally, decisions, in_flight, object_name, refund_calls, shadow_lines, store,
+    take_answer, wait_of, BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
 };
 use futures_util::future::{join, join_all, select, Either};
 use ratewall_core::eval::{combine, Check, Outcome, Skip, StoreError};
@@ -515,6 +515,9 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         });
     }
     count(&env, &ctx, &config, &checks, &outcome, &skipped, false);
+    for line in shadow_lines(&config, &outcome, &skipped, &method, &path) {
+        console_log!("{line}");
+    }
     let reply = render(&config, &outcome);
     if reply.passes() {
         // A leaky bucket's queued request waits its turn, then goes.
