@@ -129,25 +129,41 @@ pub(crate) fn drop_exports(wasm: &[u8], drop: impl Fn(&str) -> bool) -> Result<V
     Ok(out)
 }
 
+/// wasm-opt over the Worker (wasm-bindgen's output): the features it uses (exception
+/// handling and reference types among them), no debug info. Measured: 1,220,620 → 899,802
+/// bytes, 406 → 356 KB gzipped.
+pub(crate) const WORKER_WASM_OPT_FLAGS: &[&str] = &[
+    "-Oz",
+    "--enable-exception-handling",
+    "--enable-reference-types",
+    "--enable-bulk-memory",
+    "--enable-sign-ext",
+    "--enable-mutable-globals",
+    "--enable-nontrapping-float-to-int",
+    "--enable-multivalue",
+    "--strip-debug",
+    "--strip-producers",
+];
+
 /// Runs binaryen's wasm-opt (npm `binaryen`, pinned in package-lock.json) over the filter in
 /// place. Without Node the filter is still built, only larger, and xtask says so.
 pub(crate) fn optimize(wasm: &Path) {
+    optimize_with(wasm, WASM_OPT_FLAGS);
+}
+
+/// [`optimize`] with `flags`.
+fn optimize_with(wasm: &Path, flags: &[&str]) {
     let wasm_opt = root().join("node_modules/binaryen/bin/wasm-opt");
     let ok = npm_tools().is_ok()
-        && Command::new(&wasm_opt)
-            .args(WASM_OPT_FLAGS)
-            .arg(wasm)
-            .arg("-o")
-            .arg(wasm)
-            .status()
-            .is_ok_and(|s| s.success());
+        && Command::new(&wasm_opt).args(flags).arg(wasm).arg("-o").arg(wasm).status().is_ok_and(|s| s.success());
     if !ok {
         eprintln!("xtask: wasm-opt (npm binaryen) did not run; {} is not size-optimized", wasm.display());
     }
 }
 
 /// Builds the Worker with worker-build (wasm-bindgen at the version in Cargo.lock, esbuild
-/// from npm, no wasm-opt download) into dist/worker/, the bundle wrangler.toml deploys.
+/// from npm, no wasm-opt download) into dist/worker/, the bundle wrangler.toml deploys, then
+/// runs npm binaryen's wasm-opt over its wasm.
 pub(crate) fn build_worker(tc: &Toolchain) -> Result<()> {
     if !matches!(tc, Toolchain::Rustup) {
         return Err("the Worker is built with rustup's wasm32 target (worker-build checks for it); \
@@ -171,6 +187,7 @@ pub(crate) fn build_worker(tc: &Toolchain) -> Result<()> {
         std::fs::copy(crate_dir.join("build").join(file), dist.join(file))
             .map_err(|e| format!("copying the Worker's {file}: {e}"))?;
     }
+    optimize_with(&dist.join("index_bg.wasm"), WORKER_WASM_OPT_FLAGS);
     let size = std::fs::metadata(dist.join("index_bg.wasm")).map(|m| m.len()).unwrap_or(0);
     eprintln!("xtask: built {} ({size} bytes of wasm)", dist.display());
     Ok(())
