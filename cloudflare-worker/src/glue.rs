@@ -476,14 +476,16 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     });
     let answers = join_all(calls).await;
     let (decisions, charged) = with(|i| {
-        // A rule decided on the isolate's grants while its object fails the reports is
-        // degraded as much as one whose take failed: a store failure in its metrics.
-        for c in checks.iter().filter(|c| i.grants.failing(&c.key)) {
-            if let Some(r) = config.rules.get(c.rule) {
+        let (decided, charged) = decisions(&config, &checks, answers, t, &mut i.fallback, &mut i.metrics);
+        // A check decided on the isolate's grants while its object fails the reports is
+        // degraded as much as one whose take failed: a store failure in its rule's metrics.
+        for (c, a) in checks.iter().zip(&charged) {
+            let on_grants = matches!(a, Some(Answer::Grant(_) | Answer::Short(_)));
+            if let (true, Some(r)) = (on_grants && i.grants.failing(&c.key), config.rules.get(c.rule)) {
                 i.metrics.rule(&r.name).store_failed += 1;
             }
         }
-        decisions(&config, &checks, answers, t, &mut i.fallback, &mut i.metrics)
+        (decided, charged)
     });
     let (outcome, refunds) = combine(&config, &checks, &decisions);
     // Units taken by rules that allowed a request another rule rejected go back. The client
