@@ -365,21 +365,22 @@ fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     assert!((3..=4).contains(&total), "node 78's unit, the edge {during:?} then {after:?}");
 }
 
-/// The Worker as the store of a simulated filter fleet: its rules, signed with its secret.
-fn fleet_store(s: &ratewall_tests::sim::Scenario) -> Workerd {
+/// Runs scenario `s`'s filter fleet against the Worker as its store (its rules, signed with
+/// its secret): the Worker, and the fleet's report.
+fn fleet_run(s: &ratewall_tests::sim::Scenario) -> (Workerd, ratewall_tests::sim::Report) {
     let doc = ratewall_tests::sim::rules(s);
-    Workerd::start(&[("RATEWALL_RULES", doc.as_str()), ("RATEWALL_SYNC_SECRET", ratewall_tests::sim::SECRET)]).unwrap()
+    let w = Workerd::start(&[("RATEWALL_RULES", doc.as_str()), ("RATEWALL_SYNC_SECRET", ratewall_tests::sim::SECRET)])
+        .unwrap();
+    let r = ratewall_tests::sim::run_with(s, &ratewall_tests::sim::Backend::Http(&w.addr)).unwrap();
+    println!("{r:?}");
+    (w, r)
 }
 
 /// End to end: filter nodes (the built filter in the wasmtime host) sync over real HTTP to the
 /// Worker in workerd; the fleet holds one global limit, and the Worker's edge shares it.
 #[test]
 fn filter_nodes_syncing_to_the_worker_share_one_global_limit() {
-    use ratewall_tests::sim::{end_to_end, run_with, Backend};
-    let s = end_to_end("worker_e2e");
-    let w = fleet_store(&s);
-    let r = run_with(&s, &Backend::Http(&w.addr)).unwrap();
-    println!("{r:?}");
+    let (w, r) = fleet_run(&ratewall_tests::sim::end_to_end("worker_e2e"));
     // Without sync, 3 nodes would admit up to 3 × 40 per user: 200% over.
     assert!(r.overadmission_max_pct <= 7.5, "at most 3 units over a limit of 40: {r:?}\n{}", w.log());
     assert!(w.metric("ratewall_sync_ok") > 0);
@@ -396,11 +397,9 @@ fn filter_nodes_syncing_to_the_worker_share_one_global_limit() {
 /// fleet admits within the written bound (docs/sync-protocol.md, "The error bound").
 #[test]
 fn filter_nodes_past_the_quota_decide_at_once_against_the_worker_within_the_written_bound() {
-    use ratewall_tests::sim::{bound_pct, past_the_quota, run_with, Backend};
+    use ratewall_tests::sim::{bound_pct, past_the_quota};
     let s = past_the_quota("worker_past_the_quota");
-    let w = fleet_store(&s);
-    let r = run_with(&s, &Backend::Http(&w.addr)).unwrap();
-    println!("{r:?}");
+    let (w, r) = fleet_run(&s);
     assert_eq!(r.paused_pct, 0.0, "no request waited: {r:?}");
     assert!(r.overadmission_max_pct <= bound_pct(&s), "over the bound {:.1} %: {r:?}\n{}", bound_pct(&s), w.log());
     assert!(r.admitted >= 108, "the fleet admitted about the limit in each window: {r:?}");
