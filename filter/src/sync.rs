@@ -169,10 +169,16 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                 let share = held.map_or(0, |h| h.share);
                 // A fixed window's grant belongs to the store's current window: a state of an
                 // older one is moved on with it (it is spent; else the grant would be read as
-                // the old window's and dropped).
+                // the old window's and dropped), and a fresh one (the node admitted nothing on
+                // the counter yet) takes that window, so that in the next window the grant is
+                // read as an old window's, not spent as a grant of that one.
                 let per = d.limit.per().max(1);
+                let fixed = d.limit.algorithm() == ratewall_core::Algorithm::FixedWindow;
                 let st = match st {
                     ratewall_core::State::FixedWindow { window, .. } if *window < resp.now / per => {
+                        ratewall_core::State::FixedWindow { window: resp.now / per, count: 0 }
+                    }
+                    ratewall_core::State::Fresh if fixed => {
                         ratewall_core::State::FixedWindow { window: resp.now / per, count: 0 }
                     }
                     other => other.clone(),

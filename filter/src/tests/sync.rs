@@ -1035,6 +1035,39 @@ fn fleet(n: usize, doc: &str) -> (Vec<FakeHost>, Vec<Engine>) {
     (hosts, engines)
 }
 
+/// Every node ticks every 100 ms for `ms`, its calls answered from `store`.
+fn tick_all(hosts: &[FakeHost], engines: &[Engine], store: &mut Store, ms: u64) {
+    for _ in 0..ms / 100 {
+        for (h, e) in hosts.iter().zip(engines) {
+            h.advance(100 * MS);
+            e.on_tick(h);
+            serve(store, e, h);
+        }
+    }
+}
+
+#[test]
+fn a_node_that_met_a_spent_fixed_window_only_in_denials_starts_the_next_window_on_its_initial_share() {
+    let doc =
+        rules(1, 2).replace(r#""limit": {"requests": 1,"#, r#""algorithm": "fixed_window", "limit": {"requests": 1,"#);
+    let (hosts, engines) = fleet(2, &doc);
+    let mut s = store();
+    let user = [("x-user-id", "ann")];
+    // Into the first quarter of a minute (T0 is 20 s into one).
+    tick_all(&hosts, &engines, &mut s, 41_000);
+    // Node b spends the counter's one unit and reports it; node a hears it is out.
+    assert_eq!(statuses(&engines[1], &hosts[1], "GET", NO_WAIT, &user, 1), [200]);
+    tick_all(&hosts, &engines, &mut s, 300);
+    // Node a's requests are denied: it holds an answer on the counter, and nothing of its own.
+    assert_eq!(statuses(&engines[0], &hosts[0], "GET", NO_WAIT, &user, 1), [429]);
+    tick_all(&hosts, &engines, &mut s, 300);
+    assert_eq!(statuses(&engines[0], &hosts[0], "GET", NO_WAIT, &user, 1), [429]);
+    // In the next minute, before any answer on the counter, node a starts on its initial
+    // share: the answer it held was the last minute's.
+    tick_all(&hosts, &engines, &mut s, 60_000);
+    assert_eq!(statuses(&engines[0], &hosts[0], "GET", NO_WAIT, &user, 1), [200]);
+}
+
 #[test]
 fn nodes_that_over_spend_are_held_to_the_bound() {
     // Three nodes on one counter of 100, each admitting all it may every interval: the
