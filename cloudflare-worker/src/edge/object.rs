@@ -103,7 +103,7 @@ impl Object {
             }
             Call::Spend { limit, node, seq, units, ask, cost } => {
                 // The isolate's own traffic, like a take: written back by the alarm.
-                let report = (seq > 0).then(|| c.apply(limit, t, node, seq, units, NODE_TTL));
+                let report = (seq > 0).then(|| c.report(limit, t, node, seq, units, NODE_TTL));
                 if report.is_some_and(|a| a.counted) {
                     // The isolate holds only the grant answered: it counts what it spends
                     // while the report is out against that grant, and spends nothing more of

@@ -72,6 +72,12 @@ pub struct Applied {
     pub counted: bool,
 }
 
+/// The fewest units free (beside every other node's grant) for which [`Counter::apply`]
+/// grants a node that reported units at least 1. With any unit free, `zipf20_rtt20`
+/// over-admitted 1.17 % on average (two seeds); from 3 on, 0.98 % (three seeds), with false
+/// denials 0.91 %, against 1.54 % with no unit of room.
+pub const ROOM_UNIT_FREE: u64 = 3;
+
 /// The longest lease a grant gets (far from the limit, or with no traffic to go by).
 pub const MAX_LEASE: Nanos = 2 * crate::algo::SECOND;
 /// The lease of units given to an ask (the longest, for [`Counter::ask_sized`]): they are
@@ -204,7 +210,29 @@ impl Counter {
     /// Adds one node's delta (units it already admitted) and answers its grant. A delta whose
     /// `seq` this counter has already applied for the node is not counted again: a repeat gets
     /// the grant it got before, an older one a grant of 0.
+    ///
+    /// For a filter node's batch: a node that reported units, whose share of the units free
+    /// rounds to 0 while at least [`ROOM_UNIT_FREE`] are free, is granted 1 — see
+    /// [`Counter::report`] for the answer without it.
     pub fn apply(&mut self, limit: Limit, now: Nanos, node: u64, seq: u64, units: u64, node_ttl: Nanos) -> Applied {
+        self.apply_with(limit, now, (node, seq, units), node_ttl, true)
+    }
+
+    /// [`Counter::apply`] with no unit of room: for the Worker's isolates and ratewall-store's
+    /// RLS front, whose overdrafts are repaid by their own rules (given it, the isolates'
+    /// simulation over-admitted 1.47 % instead of 0.85 %).
+    pub fn report(&mut self, limit: Limit, now: Nanos, node: u64, seq: u64, units: u64, node_ttl: Nanos) -> Applied {
+        self.apply_with(limit, now, (node, seq, units), node_ttl, false)
+    }
+
+    fn apply_with(
+        &mut self,
+        limit: Limit,
+        now: Nanos,
+        (node, seq, units): (u64, u64, u64),
+        node_ttl: Nanos,
+        room_unit: bool,
+    ) -> Applied {
         let now = self.clock(limit, now);
         self.forget_quiet(node, now);
         let nodes = |c: &Counter| u32::try_from(c.active(now, node_ttl).count()).unwrap_or(u32::MAX);
@@ -250,7 +278,15 @@ impl Counter {
                 carried,
                 last_ask: s.last_ask,
             };
-            grant = self.share_of(node, available.saturating_sub(carried), lease, node_ttl);
+            let free = available.saturating_sub(carried);
+            grant = self.share_of(node, free, lease, node_ttl);
+            // A unit of room: a filter node spends its overdraft again only after an answer
+            // finds room for it (a grant above 0), and a node whose share rounds to 0 (most
+            // of a fleet of 20 or 100 near a limit) otherwise waited many answers for one
+            // while units were free, denying meanwhile.
+            if room_unit && grant == 0 && units > 0 && free >= ROOM_UNIT_FREE && lease > 0 && !self.asks_only() {
+                grant = 1;
+            }
         }
         if let Some(s) = self.shares.get_mut(idx) {
             s.grant = grant;

@@ -37,7 +37,9 @@ pub use auth::{hex, sign, unhex, verify};
 /// up to `quota / OVERDRAFT_PART / nodes` units (at least 1) past what it holds
 /// (docs/sync-protocol.md, "The error bound").
 pub const OVERDRAFT_PART: u64 = 100;
-pub use counter::{Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, REPORT_GRACE, RETRY_HORIZON, SEQ_MEMORY};
+pub use counter::{
+    Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, REPORT_GRACE, RETRY_HORIZON, ROOM_UNIT_FREE, SEQ_MEMORY,
+};
 pub use out::{Out, MAX_OUT};
 pub use registry::{Registry, MAX_NODES};
 pub use store::Store;

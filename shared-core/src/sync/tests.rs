@@ -639,3 +639,30 @@ fn a_small_exact_limit_spread_over_nodes_admits_its_whole_quota_by_asks() {
     }
     assert_eq!(granted, [true, true, true, true, true, false, false, false, false]);
 }
+
+#[test]
+fn a_node_that_reported_units_is_granted_a_unit_of_room_while_units_are_free() {
+    // 20 active nodes; node 100 reports `units` with `free` units left beside the others'
+    // grants (none): its share of them is under one unit.
+    let l = Limit::new(Algorithm::FixedWindow, 1_000, 60 * SECOND, None).unwrap();
+    let answer = |free: u64, units: u64, room: bool, t: u64| {
+        let at = NOW + t * 7_919;
+        let mut c = Counter::new(l);
+        c.take(l, at, 1_000);
+        for node in 1..=19 {
+            assert_eq!(c.apply(l, at, node, 1, 0, 10 * SECOND).grant, 0);
+        }
+        c.refund(l, at, at, free + units);
+        let a =
+            if room { c.apply(l, at, 100, 1, units, 10 * SECOND) } else { c.report(l, at, 100, 1, units, 10 * SECOND) };
+        assert_eq!(a.remaining, free);
+        a.grant
+    };
+    assert!((0..200).all(|t| answer(ROOM_UNIT_FREE, 1, true, t) >= 1), "room: always a unit");
+    // Fewer free, a node that reported nothing, or a report with no unit of room: its share,
+    // drawn (often 0).
+    assert!((0..200).any(|t| answer(ROOM_UNIT_FREE - 1, 1, true, t) == 0));
+    assert!((0..200).any(|t| answer(ROOM_UNIT_FREE, 0, true, t) == 0));
+    assert!((0..200).any(|t| answer(ROOM_UNIT_FREE, 1, false, t) == 0));
+    assert!((0..200).all(|t| answer(ROOM_UNIT_FREE, 1, false, t) <= 1));
+}

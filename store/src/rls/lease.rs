@@ -428,7 +428,7 @@ pub async fn flush<K: Kv>(rls: &Rls<K>) {
         let sends = chunk.iter().map(|(rkey, limit, seq, units)| {
             let (limit, seq, units) = (*limit, *seq, *units);
             let send = rls.update(rkey, limit, move |counter, now| {
-                let a = counter.apply(limit, now, node, seq, units, crate::NODE_TTL);
+                let a = counter.report(limit, now, node, seq, units, crate::NODE_TTL);
                 (a, a.counted)
             });
             async move { (rkey, seq, tokio::time::timeout(rls.store().deadline * 4, send).await) }

@@ -436,7 +436,7 @@ impl<K: Kv> Rls<K> {
             // answer is this process's grant), so that nothing is asked for twice.
             let a = self
                 .update(&c.rkey, limit, move |counter, now| {
-                    let a = counter.apply(limit, now, node, seq, units, crate::NODE_TTL);
+                    let a = counter.report(limit, now, node, seq, units, crate::NODE_TTL);
                     (a, a.counted)
                 })
                 .await?;
