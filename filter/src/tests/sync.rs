@@ -1035,6 +1035,21 @@ fn fleet(n: usize, doc: &str) -> (Vec<FakeHost>, Vec<Engine>) {
     (hosts, engines)
 }
 
+#[test]
+fn a_token_buckets_initial_share_splits_its_burst_not_its_rate() {
+    // 1,000 a minute with a burst of 200, on 3 nodes: before any answer a node admits its
+    // share of the 200 the bucket holds, not of the 1,000.
+    let doc = rules(1_000, 3).replacen(
+        r#""requests": 1000, "per": "60s"}"#,
+        r#""requests": 1000, "per": "60s", "burst": 200}"#,
+        1,
+    );
+    let h = FakeHost::new();
+    let e = engine(&h, &doc);
+    let admitted = statuses(&e, &h, "GET", NO_WAIT, &[("x-user-id", "ann")], 120).iter().filter(|s| **s == 200).count();
+    assert_eq!(admitted, 200 / 3);
+}
+
 /// Every node ticks every 100 ms for `ms`, its calls answered from `store`.
 fn tick_all(hosts: &[FakeHost], engines: &[Engine], store: &mut Store, ms: u64) {
     for _ in 0..ms / 100 {

@@ -164,7 +164,8 @@ impl Leases {
         let share = if fixed && now % per >= per / 4 {
             (quota / ratewall_core::sync::OVERDRAFT_PART / nodes).max(1)
         } else {
-            quota / nodes
+            // What the counter admits at once: a token bucket's burst, not its rate's quota.
+            limit.capacity() / nodes
         };
         if hits == 0 || hits > share {
             return None;
@@ -516,6 +517,19 @@ mod tests {
         l.asked("k", limit(), 3, &applied(0, 2), Some(ratewall_core::SECOND), 0);
         assert!(l.take("k", limit(), 2, 1).is_none(), "a smaller call may fit: it asks");
         assert!(!l.take("k", limit(), 3, 1).unwrap().allowed);
+    }
+
+    #[test]
+    fn a_token_buckets_initial_share_splits_its_burst_not_its_rate() {
+        let s = ratewall_core::SECOND;
+        // 1,000 a minute with a burst of 200, on 4 nodes: 50 each, not 250.
+        let bucket = Limit::new(Algorithm::TokenBucket, 1_000, 60 * s, Some(200)).unwrap();
+        let l = Leases::new();
+        l.saw_nodes(4, 0);
+        assert!(l.cold("big", bucket, 51, s).is_none(), "more than a quarter of the burst asks");
+        assert!(l.cold("k", bucket, 1, s).unwrap().allowed);
+        let taken = (0..60).take_while(|_| l.take("k", bucket, 1, s).is_some_and(|d| d.allowed)).count();
+        assert_eq!(taken + 1, 50);
     }
 
     #[test]
