@@ -173,15 +173,15 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                 // the counter yet) takes that window, so that in the next window the grant is
                 // read as an old window's, not spent as a grant of that one.
                 let per = d.limit.per().max(1);
-                let fixed = d.limit.algorithm() == ratewall_core::Algorithm::FixedWindow;
-                let st = match st {
-                    ratewall_core::State::FixedWindow { window, .. } if *window < resp.now / per => {
-                        ratewall_core::State::FixedWindow { window: resp.now / per, count: 0 }
-                    }
-                    ratewall_core::State::Fresh if fixed => {
-                        ratewall_core::State::FixedWindow { window: resp.now / per, count: 0 }
-                    }
-                    other => other.clone(),
+                let before = match st {
+                    ratewall_core::State::FixedWindow { window, .. } => *window < resp.now / per,
+                    ratewall_core::State::Fresh => d.limit.algorithm() == ratewall_core::Algorithm::FixedWindow,
+                    _ => false,
+                };
+                let st = if before {
+                    ratewall_core::State::FixedWindow { window: resp.now / per, count: 0 }
+                } else {
+                    st.clone()
                 };
                 let share = if ask { share } else { traffic_share(d.limit, &st, resp.now, g.remaining, share) };
                 Some((
