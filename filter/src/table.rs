@@ -43,6 +43,11 @@ const VERSION_OVER: u8 = 4;
 /// Entries carry a grant with its overdraft and traffic share, and a leaky bucket's
 /// [`Departures`].
 const VERSION_OVER_QUEUE: u8 = 5;
+/// Entries carry a grant with its overdraft, traffic share and units not yet reported.
+const VERSION_UNREPORTED: u8 = 6;
+/// Entries carry a grant with its overdraft, traffic share and units not yet reported, and a
+/// leaky bucket's [`Departures`].
+const VERSION_UNREPORTED_QUEUE: u8 = 7;
 /// The most departures a leaky bucket's entry remembers: a waiter that leaves while the log
 /// is full leaves its turn empty rather than let later arrivals take turns already held.
 pub const DEPARTURES: usize = 4;
@@ -168,6 +173,11 @@ pub struct Allowance {
     /// answers measured it: what an `open` rule admits locally while the store is out of
     /// reach (docs/sync-protocol.md, "Degraded mode").
     pub share: u16,
+    /// Units admitted on the counter (not refunded) since the node's last batch answer for it.
+    pub since: u32,
+    /// Units the node had admitted that no batch had reported when that answer came (its
+    /// estimate, see `sync::write_grants`).
+    pub carry: u32,
 }
 
 impl Allowance {
@@ -182,7 +192,8 @@ impl Allowance {
 
     /// Writes the entry encoding: a varint, 0 for none, else
     /// `(units << 2 | more << 1 | leased) + 1`, then the lease end when leased, then (bucket
-    /// version 3) the overdraft and the traffic share.
+    /// version 4) the overdraft and the traffic share, then (version 6) the units admitted
+    /// since the last answer and those it found unreported.
     fn put(a: Option<Allowance>, out: &mut Vec<u8>) {
         let Some(a) = a else {
             put_varint(out, 0);
@@ -195,18 +206,22 @@ impl Allowance {
         }
         put_varint(out, (u64::from(a.over) << 1) | u64::from(a.overdrawn));
         put_varint(out, u64::from(a.share));
+        put_varint(out, u64::from(a.since));
+        put_varint(out, u64::from(a.carry));
     }
 
-    /// Reads [`Allowance::put`]; a bucket of version 2 (an older VM's, during an upgrade) has
-    /// no overdraft.
+    /// Reads [`Allowance::put`]; a bucket of an older version (an older VM's, during an
+    /// upgrade) has no overdraft (version 2) or no units unreported (versions 4 and 5).
     fn read(r: &mut Reader<'_>, version: u8) -> Result<Option<Allowance>, DecodeError> {
         let Some(v) = r.varint()?.checked_sub(1) else { return Ok(None) };
         let until_ms = if v & 1 == 1 { r.varint()? } else { 0 };
-        let (over, share) = if version == VERSION_OVER || version == VERSION_OVER_QUEUE {
+        let (over, share) = if version >= VERSION_OVER {
             (r.varint()?, u16::try_from(r.varint()?).unwrap_or(u16::MAX))
         } else {
             (0, 0)
         };
+        let (since, carry) = if version >= VERSION_UNREPORTED { (r.varint()?, r.varint()?) } else { (0, 0) };
+        let small = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
         Ok(Some(Allowance {
             units: u32::try_from(v >> 2).unwrap_or(u32::MAX),
             more: v & 2 == 2,
@@ -214,6 +229,8 @@ impl Allowance {
             over: u32::try_from(over >> 1).unwrap_or(u32::MAX),
             overdrawn: over & 1 == 1,
             share,
+            since: small(since),
+            carry: small(carry),
         }))
     }
 }
@@ -229,7 +246,16 @@ pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<Entry>, DecodeError> {
 pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), DecodeError> {
     entries.clear();
     let (&version, rest) = bytes.split_first().ok_or(DecodeError::Truncated)?;
-    if !matches!(version, VERSION | VERSION_GRANTS | VERSION_QUEUE | VERSION_OVER | VERSION_OVER_QUEUE) {
+    if !matches!(
+        version,
+        VERSION
+            | VERSION_GRANTS
+            | VERSION_QUEUE
+            | VERSION_OVER
+            | VERSION_OVER_QUEUE
+            | VERSION_UNREPORTED
+            | VERSION_UNREPORTED_QUEUE
+    ) {
         return Err(DecodeError::Version(version));
     }
     let (&n, mut rest) = rest.split_first().ok_or(DecodeError::Truncated)?;
@@ -246,7 +272,7 @@ pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), 
         if version != VERSION {
             let mut r = Reader { bytes: rest, pos: 0 };
             grant = Allowance::read(&mut r, version)?;
-            if version == VERSION_QUEUE || version == VERSION_OVER_QUEUE {
+            if matches!(version, VERSION_QUEUE | VERSION_OVER_QUEUE | VERSION_UNREPORTED_QUEUE) {
                 queue = Departures::read(&mut r)?;
             }
             rest = rest.get(r.pos..).ok_or(DecodeError::Truncated)?;
@@ -276,8 +302,8 @@ pub fn encode_bucket_into(entries: &[Entry], out: &mut Vec<u8>) {
     let grants = entries.iter().take(WAYS).any(|e| e.grant.is_some());
     let queues = entries.iter().take(WAYS).any(|e| !e.queue.is_empty());
     out.push(match (grants, queues) {
-        (_, true) => VERSION_OVER_QUEUE,
-        (true, false) => VERSION_OVER,
+        (_, true) => VERSION_UNREPORTED_QUEUE,
+        (true, false) => VERSION_UNREPORTED,
         (false, false) => VERSION,
     });
     out.push(entries.len().min(WAYS) as u8);
@@ -683,6 +709,8 @@ impl Counters for TableCounters<'_> {
             over: late_over,
             overdrawn: false,
             share: 0,
+            since: 0,
+            carry: 0,
         };
         let mut askable = false;
         let mut g = |state: &State, grant: Option<Allowance>| {
@@ -707,16 +735,24 @@ impl Counters for TableCounters<'_> {
             let charged = u32::try_from(charged).unwrap_or(u32::MAX);
             // The grant is spent first, then the overdraft.
             let from_grant = charged.min(held.units);
+            // A rule that is not exact counts what it admits until the store's answer (see
+            // `sync::write_grants`); an exact rule's asked units are counted at the store.
+            let since = if no_wait { held.since.saturating_add(charged) } else { held.since };
             let spent = Allowance {
                 units: held.units - from_grant,
                 over: held.over.saturating_sub(charged - from_grant),
                 overdrawn: held.overdrawn || charged > from_grant,
+                since,
                 ..held
             };
             let grant = match (grants, refunding) {
                 (Grants::On { .. }, false) if charged == 0 => grant,
                 (Grants::On { .. }, false) => Some(spent),
-                (Grants::On { .. }, true) => grant.map(|g| Allowance { units: g.units.saturating_add(cost), ..g }),
+                (Grants::On { .. }, true) => grant.map(|g| Allowance {
+                    units: g.units.saturating_add(cost),
+                    since: if no_wait { g.since.saturating_sub(cost) } else { g.since },
+                    ..g
+                }),
                 // Degraded, the grant is left as it was, with the share the fallback reads
                 // (the answer to the batch that reports the degraded admissions replaces it).
                 (Grants::Off, _) => kept,
@@ -781,10 +817,19 @@ mod tests {
         let bytes = encode_bucket(&entries);
         // At most 32 bytes per tracked key: 21 for a token bucket, 29 for a sliding window.
         assert_eq!(bytes.len(), 2 + 21 + 29);
-        // With a sync grant the bucket is version 4 and each entry carries it (1 byte here, 6
-        // for the end of a lease, and 1 for the overdraft).
+        // With a sync grant the bucket is version 6 and each entry carries it (1 byte here, 6
+        // for the end of a lease, 1 for the overdraft, and 2 for the units unreported).
         let mut granted = entries.clone();
-        granted[0].grant = Some(Allowance { units: 3, more: true, until_ms: 0, over: 2, overdrawn: true, share: 0 });
+        granted[0].grant = Some(Allowance {
+            units: 3,
+            more: true,
+            until_ms: 0,
+            over: 2,
+            overdrawn: true,
+            share: 0,
+            since: 4,
+            carry: 1,
+        });
         granted[1].grant = Some(Allowance {
             units: 1,
             more: false,
@@ -792,10 +837,13 @@ mod tests {
             over: 0,
             overdrawn: false,
             share: 9_000,
+            since: 0,
+            carry: 0,
         });
         let bytes2 = encode_bucket(&granted);
         // (1 byte for no share, 2 for one of 9,000.)
-        assert_eq!(bytes2.len(), bytes.len() + 2 + 6 + 2 + 3);
+        assert_eq!(bytes2.len(), bytes.len() + 2 + 6 + 2 + 3 + 2 * 2);
+        assert_eq!(bytes2[0], VERSION_UNREPORTED);
         assert_eq!(decode_bucket(&bytes2).unwrap(), granted);
         assert_eq!(decode_bucket(&bytes).unwrap(), entries);
         // A version-2 bucket (an older VM's) reads with no overdraft.
@@ -805,16 +853,43 @@ mod tests {
         let old = decode_bucket(&v2).unwrap();
         assert_eq!(
             old[0].grant,
-            Some(Allowance { units: 3, more: true, until_ms: 0, over: 0, overdrawn: false, share: 0 })
+            Some(Allowance {
+                units: 3,
+                more: true,
+                until_ms: 0,
+                over: 0,
+                overdrawn: false,
+                share: 0,
+                since: 0,
+                carry: 0
+            })
+        );
+        // A version-4 bucket reads with no units unreported.
+        let mut v4 = vec![VERSION_OVER, 1];
+        v4.extend_from_slice(&bytes2[2..2 + 21]);
+        v4.extend_from_slice(&[((3 << 2) | 2) + 1, (2 << 1) | 1, 0]);
+        let old = decode_bucket(&v4).unwrap();
+        assert_eq!(
+            old[0].grant,
+            Some(Allowance {
+                units: 3,
+                more: true,
+                until_ms: 0,
+                over: 2,
+                overdrawn: true,
+                share: 0,
+                since: 0,
+                carry: 0
+            })
         );
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
         assert!(decode_bucket(&[]).is_err());
         assert!(decode_bucket(&[1, 200]).is_err());
-        // A leaky bucket's departures make it version 5.
+        // A leaky bucket's departures make it version 7.
         let mut queued = entries.clone();
         queued[0].queue = Departures { seq: 7, gone: vec![(1_800_000_000_400_000_000, 200_000_000)] };
         let bytes3 = encode_bucket(&queued);
-        assert_eq!(bytes3[0], VERSION_OVER_QUEUE);
+        assert_eq!(bytes3[0], VERSION_UNREPORTED_QUEUE);
         assert_eq!(decode_bucket(&bytes3).unwrap(), queued);
         for cut in 0..bytes3.len() {
             assert!(decode_bucket(&bytes3[..cut]).is_err(), "cut at {cut}");

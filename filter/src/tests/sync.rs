@@ -887,6 +887,44 @@ fn a_counter_granted_nothing_while_quota_remains_is_renewed_at_the_next_batch() 
 }
 
 #[test]
+fn units_admitted_while_a_batch_is_on_its_way_are_taken_from_the_grant_its_answer_brings() {
+    // (the grant answered, requests admitted between the batch's cut and its answer, then
+    // admitted on the grant and the overdraft of 1): a grant of 1, room the store found for
+    // the node, is kept.
+    for (grant, on_the_way, then) in [(10, 4, 6 + 1), (10, 0, 10 + 1), (1, 4, 1 + 1)] {
+        let h = FakeHost::new();
+        let e = engine(&h, &rules(100, 1));
+        let mut s = store();
+        let ann = [("x-user-id", "ann")];
+        assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 3), [200; 3]);
+        e.on_tick(&h);
+        let c = h.take_calls().remove(0);
+        assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, on_the_way), vec![200; on_the_way]);
+        let (_, _, body) = answer(&mut s, h.now(), SECRET, &c);
+        let mut r = SyncResponse::decode(&body).unwrap();
+        for g in &mut r.grants {
+            (g.grant, g.lease) = (grant, 2_000 * MS);
+        }
+        let (status, tag, body) = signed(SECRET, &r);
+        e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+        let after = statuses(&e, &h, "GET", "/u/x", &ann, 20);
+        assert_eq!(after.iter().take_while(|s| **s == 200).count(), then, "{grant} {on_the_way}: {after:?}");
+    }
+}
+
+#[test]
+fn units_counted_unreported_are_at_most_those_admitted_since_the_last_answer() {
+    use crate::sync::unreported;
+    // (admitted since the last answer, found unreported then, in this batch)
+    assert_eq!(unreported(5, 0, 3), 2);
+    assert_eq!(unreported(5, 2, 3), 4);
+    assert_eq!(unreported(1, 0, 4), 0);
+    // Ten units lost with a batch given up weigh on one answer, as no more than it admitted.
+    assert_eq!(unreported(2, 10, 0), 2);
+    assert_eq!(unreported(0, 2, 0), 0);
+}
+
+#[test]
 fn a_counter_whose_quota_is_spent_is_not_renewed() {
     let (h, e, mut s) = three_synced(3);
     // The answer showed nothing left: a renewal could gain nothing.
