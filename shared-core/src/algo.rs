@@ -59,7 +59,10 @@ pub enum Algorithm {
     LeakyBucket = 4,
     /// Requests in flight (`limit.concurrent`): at most `requests` slots, each taken on
     /// admission and given back ([`Limit::refund`]) when the response completes, or after
-    /// `per` (`hold_max`) anyway. Counted like the sliding log, whose window is `hold_max`.
+    /// `per` (`hold_max`) anyway. Counted like the sliding log, except that a slot is
+    /// released at the start of its `per / 8` slot plus `hold_max`: no later than `hold_max`
+    /// after it was taken (up to an eighth of it sooner), as a lost release must not hold it
+    /// past the documented time.
     Concurrent = 5,
 }
 
@@ -369,9 +372,21 @@ impl Limit {
         self.per.div_ceil(LOG_QUANTA).max(1)
     }
 
-    /// When the units of sliding-log slot `q` stop counting: the end of the slot plus `per`.
+    /// When the units of sliding-log slot `q` stop counting: the end of the slot plus
+    /// [`Limit::held_for`].
     fn slot_expiry(&self, q: u64) -> Nanos {
-        q.saturating_add(1).saturating_mul(self.quantum()).saturating_add(self.per)
+        q.saturating_add(1).saturating_mul(self.quantum()).saturating_add(self.held_for())
+    }
+
+    /// How long past the end of its slot a sliding-log unit counts: `per` (so the log never
+    /// admits more than `requests` in any window of `per`), and for a concurrency slot one
+    /// slot less (so it is released no later than `hold_max` after it was taken).
+    fn held_for(&self) -> Nanos {
+        if self.algorithm == Algorithm::Concurrent {
+            self.per.saturating_sub(self.quantum())
+        } else {
+            self.per
+        }
     }
 
     /// The instant from which `state` is equivalent to [`State::Fresh`]: an entry idle since
@@ -479,8 +494,8 @@ impl Limit {
                 }
             }
         }
-        // Slot q counts while (q + 1) * g + per > now, that is from q = (now - per) / g on.
-        let oldest = now.saturating_sub(self.per) / g;
+        // Slot q counts while (q + 1) * g + held > now, that is from q = (now - held) / g on.
+        let oldest = now.saturating_sub(self.held_for()) / g;
         let live_from = LAST.saturating_sub(usize::try_from(cur - oldest.min(cur)).unwrap_or(usize::MAX));
         for c in counts.iter_mut().take(live_from) {
             *c = 0;
@@ -847,9 +862,16 @@ mod tests {
         let s = limit.refund(&s, t, 1);
         let (d, s) = limit.decide(&s, t + 3 * MS, 1);
         assert!(d.allowed);
-        // Releases lost: the slots free after hold_max (and at most an eighth more).
-        assert!(!limit.decide(&s, t + 59 * SECOND, 1).0.allowed);
-        assert!(limit.decide(&s, t + 68 * SECOND, 1).0.allowed);
+        // Releases lost: the slots free by hold_max (up to an eighth of it sooner), whenever
+        // in their slot they were taken.
+        assert!(!limit.decide(&s, t + 52 * SECOND, 1).0.allowed);
+        assert!(limit.decide(&s, t + 60 * SECOND, 1).0.allowed);
+        for taken in [t, t + 7 * SECOND, t + 7_499 * MS, t + 7_500 * MS] {
+            let (one, held) = limit.decide(&State::Fresh, taken, 2);
+            assert!(one.allowed);
+            assert!(!limit.decide(&held, taken + 52 * SECOND + 500 * MS, 1).0.allowed, "{taken}");
+            assert!(limit.decide(&held, taken + 60 * SECOND, 1).0.allowed, "{taken}");
+        }
     }
 
     #[test]
