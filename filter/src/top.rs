@@ -22,6 +22,11 @@ use ratewall_core::Nanos;
 use std::cell::RefCell;
 
 /// Slots of a VM's table of recent denials (direct-mapped by key hash).
+/// Documents of up to this many rules list their idle rules too in each batch's top section
+/// (about 70 bytes each at most), so that the store lists every rule in the document's order;
+/// longer ones list the rules that decided something, in that order, keeping the section's
+/// 32 KiB for their counts and keys.
+const IDLE_LISTED_UP_TO: usize = 64;
 const SLOTS: usize = 256;
 /// How often the proxy logs each rule's top denied keys when it has no store.
 pub const LOG_EVERY: Nanos = 60 * ratewall_core::SECOND;
@@ -351,11 +356,11 @@ impl Top {
         host.set_gauge(*id, s.current.estimate().saturating_add(prev as u64));
     }
 
-    /// The section a new batch ends with: per rule, its counts and top denied keys since the
-    /// last batch (taken from shared data, so each goes in one batch), admitted units from the
-    /// batch's `deltas`.
+    /// The section a new batch ends with: per rule, in the document's order, its counts and
+    /// top denied keys since the last batch (taken from shared data, so each goes in one
+    /// batch), admitted units from the batch's `deltas`.
     pub fn section(&self, host: &dyn Host, config: &Config, node: u64, deltas: &[Delta]) -> Option<TopSection> {
-        let mut rules = Vec::new();
+        let (mut rules, mut active) = (Vec::new(), false);
         let mut allowed = vec![0u64; config.rules.len()];
         let mut by_key: std::collections::HashMap<&[u8], u64> = std::collections::HashMap::new();
         for d in deltas.iter().filter(|d| d.units > 0) {
@@ -393,7 +398,9 @@ impl Top {
                 }
             }
             let rule_allowed = allowed.get(i).copied().unwrap_or(0);
-            if taken.is_none() && rule_allowed == 0 {
+            let busy = taken.is_some() || rule_allowed > 0;
+            active |= busy;
+            if !busy && config.rules.len() > IDLE_LISTED_UP_TO {
                 continue;
             }
             let (pending, denied, shadow) = taken.unwrap_or_default();
@@ -419,7 +426,10 @@ impl Top {
             }
             rules.push(RuleTop { rule: rule.name.clone(), allowed: rule_allowed, denied, shadow_denied: shadow, top });
         }
-        (!rules.is_empty()).then_some(TopSection { rules })
+        // Every rule, in the document's order (an idle one with no counts, in a document of up
+        // to `IDLE_LISTED_UP_TO` rules), so that the store lists them in that order; none when
+        // no rule has anything to report.
+        active.then_some(TopSection { rules })
     }
 }
 

@@ -11,6 +11,7 @@ fn rules(sync: &str) -> String {
     format!(
         r#"{{"identity": {{"api_key": {{"header": "x-api-key"}}, "hash_key": "the deployment's hash key"}},
   "rules": [
+    {{"name": "idle", "match": {{"path": "/idle/*"}}, "key": ["api_key"], "limit": {{"requests": 2, "per": "60s"}}}},
     {{"name": "api-key", "key": ["api_key"], "limit": {{"requests": 2, "per": "60s"}}}},
     {{"name": "watch", "key": ["api_key"], "mode": "shadow", "limit": {{"requests": 1, "per": "60s"}}}}
   ]{sync}}}"#
@@ -96,6 +97,10 @@ fn batches_carry_each_rules_counts_and_top_keys_and_no_secret() {
     let calls: Vec<_> = a.take_calls().into_iter().chain(b.take_calls()).collect();
     let sections: Vec<_> = calls.iter().filter_map(|c| SyncRequest::decode_with_top(&c.body).unwrap().1).collect();
     assert_eq!(sections.len(), 1, "{} calls", calls.len());
+    // Every rule, in the document's order: the store lists them so.
+    let names: Vec<&str> = sections[0].rules.iter().map(|r| r.rule.as_str()).collect();
+    assert_eq!(names, ["idle", "api-key", "watch"]);
+    assert_eq!((sections[0].rules[0].allowed, sections[0].rules[0].denied), (0, 0));
     let api = sections[0].rules.iter().find(|r| r.rule == "api-key").unwrap();
     let top = api.top.top(20);
     assert_eq!(top[0].key, shown(&ea, KEY).as_bytes());

@@ -398,3 +398,31 @@ fn a_rule_not_heard_of_for_an_hour_makes_room_for_a_new_one_when_the_windows_are
     w.add(13_600, &section("new"), &[]);
     assert_eq!(names(&w, 13_600), ["kept", "new"]);
 }
+
+#[cfg(feature = "admin")]
+#[test]
+fn rules_are_listed_in_the_order_of_the_document_the_last_section_came_from() {
+    use crate::sync::{RuleTop, TopSection};
+    let section = |names: &[&str]| TopSection {
+        rules: names
+            .iter()
+            .map(|n| RuleTop { rule: (*n).into(), allowed: 1, denied: 0, shadow_denied: 0, top: Summary::new(4) })
+            .collect(),
+    };
+    let names = |w: &super::windows::Windows| -> Vec<String> {
+        let top = w.top(10_000, None, super::windows::Window::Minute);
+        top["rules"]
+            .as_array()
+            .map_or_else(Vec::new, |r| r.iter().map(|x| x["rule"].as_str().unwrap_or("").into()).collect())
+    };
+    let mut w = super::windows::Windows::new(8, 4);
+    // Heard first: the third rule, then the first and the third.
+    w.add(10_000, &section(&["login"]), &[]);
+    w.add(10_000, &section(&["api-key", "login"]), &[]);
+    assert_eq!(names(&w), ["api-key", "login"]);
+    // A section with every rule of the document puts them all in its order (a rule new to the
+    // store included); a rule only an older document had keeps its place.
+    w.add(10_000, &section(&["retired"]), &[]);
+    w.add(10_000, &section(&["holds", "api-key", "login"]), &[]);
+    assert_eq!(names(&w), ["holds", "api-key", "retired", "login"]);
+}

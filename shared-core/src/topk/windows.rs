@@ -96,7 +96,8 @@ impl Rule {
     }
 }
 
-/// The rules heard of, in the order first heard.
+/// The rules heard of, in the order of the last section that named them (first heard, for
+/// those it did not name).
 #[derive(Debug)]
 pub struct Windows {
     rules: Vec<Rule>,
@@ -172,6 +173,24 @@ impl Windows {
                     e.3 = e.3.saturating_add(s);
                 }
             }
+        }
+        self.order_as(section);
+    }
+
+    /// Puts the rules `section` names in its order (a filter lists its document's rules in
+    /// the document's order), in the places they hold among the others: the rules are listed
+    /// in the order of the document the last batch came from.
+    fn order_as(&mut self, section: &TopSection) {
+        let rank = |name: &str| section.rules.iter().position(|r| r.rule == name);
+        let places: Vec<usize> =
+            self.rules.iter().enumerate().filter(|(_, r)| rank(&r.name).is_some()).map(|(i, _)| i).collect();
+        let mut named: Vec<Rule> = Vec::with_capacity(places.len());
+        for &i in places.iter().rev() {
+            named.push(self.rules.remove(i));
+        }
+        named.sort_by_key(|r| rank(&r.name));
+        for (&i, r) in places.iter().zip(named) {
+            self.rules.insert(i, r);
         }
     }
 
