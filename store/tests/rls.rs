@@ -552,13 +552,15 @@ async fn redis_stopped_is_unavailable_within_the_deadline_and_answers_resume() {
     let store = RlsProcess::start(&redis.url(), &limits("down"));
     let mut c = store.client().await;
     assert_eq!(ask(&mut c, request("api", vec![descriptor(&[("exact_user", "x")])])).await.overall_code, OK);
+    // A counter this process then holds a grant on.
+    assert_eq!(ask(&mut c, request("api", vec![descriptor(&[("user", "held")])])).await.overall_code, OK);
     redis.stop();
-    for key in ["exact_user", "user"] {
+    for (key, value) in [("exact_user", "never-seen"), ("user", "never-seen"), ("user", "held")] {
         let started = Instant::now();
-        let e = c.should_rate_limit(request("api", vec![descriptor(&[(key, "never-seen")])])).await.unwrap_err();
+        let e = c.should_rate_limit(request("api", vec![descriptor(&[(key, value)])])).await.unwrap_err();
         let took = started.elapsed();
-        assert_eq!(e.code(), tonic::Code::Unavailable, "{key}: {e}");
-        assert!(took < Duration::from_millis(DEADLINE_MS + 300), "{key}: {took:?}");
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{key}={value}: {e}");
+        assert!(took < Duration::from_millis(DEADLINE_MS + 300), "{key}={value}: {took:?}");
     }
     redis.restart().unwrap();
     let start = Instant::now();
@@ -566,6 +568,25 @@ async fn redis_stopped_is_unavailable_within_the_deadline_and_answers_resume() {
         match c.should_rate_limit(request("api", vec![descriptor(&[("exact_user", "y")])])).await {
             Ok(r) if r.get_ref().overall_code == OK => break,
             other => assert!(start.elapsed() < Duration::from_secs(15), "answers did not resume: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_started_while_redis_is_down_answers_unavailable_until_it_is_up() {
+    let mut redis = Redis::start(false).unwrap();
+    redis.stop();
+    let store = RlsProcess::start(&redis.url(), &limits("down-at-start"));
+    let mut c = store.client().await;
+    let e = c.should_rate_limit(request("api", vec![descriptor(&[("user", "first")])])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+    redis.restart().unwrap();
+    let start = Instant::now();
+    loop {
+        match c.should_rate_limit(request("api", vec![descriptor(&[("user", "first")])])).await {
+            Ok(r) if r.get_ref().overall_code == OK => break,
+            other => assert!(start.elapsed() < Duration::from_secs(15), "answers did not start: {other:?}"),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

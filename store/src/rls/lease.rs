@@ -89,9 +89,9 @@ pub struct Leases {
     pub dropped: AtomicU64,
     /// Calls on a counter not held yet decided on an initial share, without waiting.
     pub cold: AtomicU64,
-    /// Whether Redis answered the last call made to it: while it does not, a counter not
-    /// held yet is not spent on an initial share (the call is refused as unavailable, and
-    /// the proxy's failure mode decides).
+    /// Whether Redis answered the last call made to it (false until one has): while it does
+    /// not, no call is decided on a grant or an initial share (it asks, and is refused as
+    /// unavailable; the proxy's failure mode decides).
     redis_ok: std::sync::atomic::AtomicBool,
     /// The most nodes Redis's answers showed on a counter, this minute and the one before
     /// (minute, this one's, the last one's): what an initial share is divided by.
@@ -118,7 +118,7 @@ impl Leases {
             synced: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             cold: AtomicU64::new(0),
-            redis_ok: std::sync::atomic::AtomicBool::new(true),
+            redis_ok: std::sync::atomic::AtomicBool::new(false),
             fleet: Mutex::new((0, 1, 1)),
         }
     }
@@ -220,7 +220,10 @@ impl Leases {
                 retry_after: retry,
             });
         }
-        if now >= h.until || h.grant < hits {
+        // While Redis does not answer (or has not yet), a call is not decided on a grant: it
+        // asks, and is answered `UNAVAILABLE` within the deadline, as Envoy's own service
+        // answers (Envoy's `failure_mode_deny` then decides).
+        if now >= h.until || h.grant < hits || !self.redis_ok.load(Ordering::Relaxed) {
             return None;
         }
         h.grant -= hits;
@@ -450,6 +453,27 @@ mod tests {
         Limit::new(Algorithm::FixedWindow, 100, 60 * ratewall_core::SECOND, None).unwrap()
     }
 
+    /// Leases of a process that Redis has answered.
+    fn answered() -> Leases {
+        let l = Leases::new();
+        l.reached(true);
+        l
+    }
+
+    #[test]
+    fn nothing_is_decided_without_redis_before_it_answers_or_while_it_does_not() {
+        let l = Leases::new();
+        assert!(l.cold("k", limit(), 1, 10).is_none(), "Redis has not answered yet: it asks");
+        l.reached(true);
+        assert!(l.asked("k", limit(), 1, &applied(4, 99), None, 10).allowed);
+        assert!(l.take("k", limit(), 1, 20).is_some());
+        l.reached(false);
+        assert!(l.take("k", limit(), 1, 20).is_none(), "a grant held waits for Redis too");
+        assert!(l.cold("other", limit(), 1, 20).is_none());
+        l.reached(true);
+        assert!(l.take("k", limit(), 1, 20).is_some(), "the grant is spent again once Redis answers");
+    }
+
     fn applied(grant: u64, remaining: u64) -> Applied {
         Applied {
             remaining,
@@ -463,7 +487,7 @@ mod tests {
 
     #[test]
     fn a_grant_pays_for_calls_until_spent_or_over() {
-        let l = Leases::new();
+        let l = answered();
         assert!(l.take("k", limit(), 1, 10).is_none(), "nothing held yet");
         let d = l.asked("k", limit(), 1, &applied(4, 99), None, 10);
         assert!(d.allowed);
@@ -480,7 +504,7 @@ mod tests {
 
     #[test]
     fn an_unacknowledged_batch_is_sent_again_with_its_seq() {
-        let l = Leases::new();
+        let l = answered();
         l.asked("k", limit(), 1, &applied(5, 99), None, 0);
         l.take("k", limit(), 2, 1).unwrap();
         let first = l.due(2);
@@ -493,7 +517,7 @@ mod tests {
 
     #[test]
     fn a_batch_past_the_retry_horizon_is_dropped_not_resent() {
-        let l = Leases::new();
+        let l = answered();
         l.asked("k", limit(), 1, &applied(5, 99), None, 0);
         l.take("k", limit(), 2, 1).unwrap();
         assert_eq!(l.due(2).len(), 1);
@@ -503,7 +527,7 @@ mod tests {
 
     #[test]
     fn a_refused_ask_answers_from_memory_briefly() {
-        let l = Leases::new();
+        let l = answered();
         let d = l.asked("k", limit(), 1, &applied(0, 0), Some(10 * ratewall_core::SECOND), 0);
         assert!(!d.allowed);
         let cached = l.take("k", limit(), 1, DENY_CACHE - 1).unwrap();
@@ -524,7 +548,7 @@ mod tests {
         let s = ratewall_core::SECOND;
         // 1,000 a minute with a burst of 200, on 4 nodes: 50 each, not 250.
         let bucket = Limit::new(Algorithm::TokenBucket, 1_000, 60 * s, Some(200)).unwrap();
-        let l = Leases::new();
+        let l = answered();
         l.saw_nodes(4, 0);
         assert!(l.cold("big", bucket, 51, s).is_none(), "more than a quarter of the burst asks");
         assert!(l.cold("k", bucket, 1, s).unwrap().allowed);
@@ -535,7 +559,7 @@ mod tests {
     #[test]
     fn a_counter_not_held_yet_is_decided_at_once_on_an_initial_share() {
         let s = ratewall_core::SECOND;
-        let l = Leases::new();
+        let l = answered();
         // Early in the window: the whole quota over the nodes Redis has shown.
         l.saw_nodes(4, 0);
         let d = l.cold("k", limit(), 1, s).unwrap();
@@ -547,7 +571,7 @@ mod tests {
         assert!(l.take("k", limit(), 1, 2 * s).is_none(), "100 / 4 spent: the next call asks");
         assert_eq!(l.due(3 * s), vec![("k".to_owned(), limit(), 1, 25)], "reported with the next batch");
         // Past the first quarter of a fixed window, only an overdraft: 1 of 100 over 4 nodes.
-        let late = Leases::new();
+        let late = answered();
         late.saw_nodes(4, 0);
         assert!(late.cold("late", limit(), 1, 20 * s).unwrap().allowed);
         assert!(late.take("late", limit(), 1, 20 * s).is_none());
@@ -567,7 +591,7 @@ mod tests {
 
     #[test]
     fn given_back_hits_return_to_the_grant() {
-        let l = Leases::new();
+        let l = answered();
         l.asked("k", limit(), 1, &applied(2, 99), None, 0);
         l.take("k", limit(), 1, 1).unwrap();
         assert!(l.give_back("k", 1));
