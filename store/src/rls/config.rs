@@ -178,12 +178,19 @@ impl Rule {
         self.unit.map_or(0, Unit::proto)
     }
 
-    /// A rule for a request descriptor's `limit` override: a fixed window, enforced, no name.
-    pub fn overriding(domain: &str, full_key: String, requests_per_unit: u32, unit: Unit) -> Result<Rule, String> {
+    /// A rule for a request descriptor's `limit` override: a fixed window, enforced, no name,
+    /// its policy named `shown`.
+    pub fn overriding(
+        domain: &str,
+        full_key: String,
+        shown: &str,
+        requests_per_unit: u32,
+        unit: Unit,
+    ) -> Result<Rule, String> {
         let limit = core_limit(Algorithm::FixedWindow, requests_per_unit, unit)?;
         Ok(Rule {
             domain: domain.to_owned(),
-            policy: policy_name(&full_key),
+            policy: policy_name(shown),
             full_key,
             name: String::new(),
             unit: Some(unit),

@@ -267,18 +267,26 @@ impl<K: Kv> Rls<K> {
             if let Some((rpu, unit)) = d.limit {
                 let unit = Unit::from_proto(unit)
                     .ok_or_else(|| Refusal::Invalid(format!("descriptors[{i}].limit: unknown unit {unit}")))?;
-                let mut key = call.domain.clone();
+                // Counted under the request's values (Redis sees only a keyed hash of the key);
+                // named in the response's headers by their keyed hashes, as a value may be a
+                // secret (an API key): `domain.key_#3f9a1c2e`.
+                let (mut key, mut shown) = (call.domain.clone(), call.domain.clone());
                 for (k, v) in &d.entries {
-                    key.push('.');
-                    key.push_str(k);
+                    for s in [&mut key, &mut shown] {
+                        s.push('.');
+                        s.push_str(k);
+                    }
                     if !v.is_empty() {
                         key.push('_');
                         key.push_str(v);
+                        shown.push('_');
+                        ratewall_core::key::push_hashed(&mut shown, self.hash_key.hash(v.as_bytes()));
                     }
                 }
-                // Named by the request's values: cut, with a keyed hash of the whole, when long.
+                // Cut, with a keyed hash of the whole, when long.
                 let key = ratewall_core::topk::bounded_key(key, &self.hash_key);
-                let rule = Rule::overriding(&call.domain, key, rpu, unit)
+                let shown = ratewall_core::topk::bounded_key(shown, &self.hash_key);
+                let rule = Rule::overriding(&call.domain, key, &shown, rpu, unit)
                     .map_err(|e| Refusal::Invalid(format!("descriptors[{i}].limit: {e}")))?;
                 rules.push(Some((Arc::new(rule), None)));
                 continue;

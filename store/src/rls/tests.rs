@@ -127,7 +127,15 @@ async fn an_override_replaces_the_configured_limit() {
     let a = r.should_rate_limit(&c).await.unwrap();
     let l = a.statuses[0].current_limit.clone().unwrap();
     assert_eq!((l.requests_per_unit, l.unit), (1, Unit::Minute.proto()));
+    // The policy is named by the value's keyed hash: a value may be a secret.
+    let policy = &a.headers.iter().find(|(n, _)| *n == "RateLimit-Policy").unwrap().1;
+    assert!(policy.starts_with("\"d.user_#") && policy.len() == "\"d.user_#3f9a1c2e\";q=1;w=60".len(), "{policy}");
+    assert!(a.headers.iter().all(|(_, v)| !v.contains("carol")), "{:?}", a.headers);
     assert_eq!(r.should_rate_limit(&c).await.unwrap().overall_code, Code::OverLimit);
+    // Another value is another counter.
+    let mut other = call(&[&[("user", "carl")]]);
+    other.descriptors[0].limit = Some((1, Unit::Minute.proto()));
+    assert_eq!(r.should_rate_limit(&other).await.unwrap().overall_code, Code::Ok);
     c.descriptors[0].limit = Some((1, 0));
     assert!(matches!(r.should_rate_limit(&c).await, Err(Refusal::Invalid(_))));
 }
