@@ -19,6 +19,11 @@ use ratewall_core::sync::{
 use ratewall_core::{Limit, Nanos, SECOND};
 
 pub mod admin;
+/// The refusal of a sync body over [`MAX_BODY`] bytes.
+fn too_large() -> Answer {
+    Answer::error(413, format!("a body is at most {MAX_BODY} bytes"))
+}
+
 #[cfg(test)]
 mod fake;
 pub mod redis_kv;
@@ -393,9 +398,17 @@ impl<K: Kv> Store<K> {
         answer
     }
 
+    /// `POST /v1/sync` with a body over [`MAX_BODY`] bytes, cut off before it was read whole
+    /// (the listener reads no more): refused, and counted, as one read whole would be.
+    pub fn sync_too_large(&self) -> Answer {
+        let answer = too_large();
+        self.count(answer.status);
+        answer
+    }
+
     async fn sync_checked(&self, body: &[u8], signature: Option<&[u8]>) -> Answer {
         if body.len() > MAX_BODY {
-            return Answer::error(413, format!("a body is at most {MAX_BODY} bytes"));
+            return too_large();
         }
         let tag = signature.and_then(|s| unhex(s.trim_ascii())).unwrap_or_default();
         // The time is checked by the registry, at Redis's clock.

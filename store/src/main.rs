@@ -145,9 +145,19 @@ async fn rls_json(State(rls): State<SharedRls>, body: Bytes) -> Response {
     out
 }
 
-async fn sync(State(store): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+async fn sync(
+    State(store): State<Shared>,
+    headers: HeaderMap,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
     let signature = headers.get("x-ratewall-signature").map(HeaderValue::as_bytes);
-    let a = store.sync(&body, signature).await;
+    let a = match body {
+        Ok(body) => store.sync(&body, signature).await,
+        // Past the listener's body limit (`MAX_BODY` + 1): refused as the store refuses any
+        // body over `MAX_BODY`, and counted.
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => store.sync_too_large(),
+        Err(e) => return e.into_response(),
+    };
     let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut out = (status, a.body).into_response();
     if let Some(sig) = a.signature.and_then(|s| HeaderValue::from_str(&s).ok()) {

@@ -273,7 +273,9 @@ fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
     trailing.push(0);
     assert_eq!(post(&store.addr, &trailing, Some(&hex(&sign(SECRET.as_bytes(), &trailing)))).status, 400);
     let huge = vec![0u8; (1 << 20) + 10];
-    assert_eq!(post(&store.addr, &huge, Some(&hex(&sign(SECRET.as_bytes(), &huge)))).status, 413, "over 1 MiB");
+    let r = post(&store.addr, &huge, Some(&hex(&sign(SECRET.as_bytes(), &huge))));
+    assert_eq!(r.status, 413, "over 1 MiB");
+    assert!(r.text().contains("a body is at most 1048576 bytes"), "{}", r.text());
     let old = version_1_batch(1, 1, b"k", 1);
     let r = post(&store.addr, &old, Some(&hex(&sign(SECRET.as_bytes(), &old))));
     assert_eq!(r.status, 415, "the previous protocol version");
@@ -287,6 +289,9 @@ fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
     }
     .encode();
     assert_eq!(post(&store.addr, &many, Some(&hex(&sign(SECRET.as_bytes(), &many)))).status, 413, "over 500 counters");
+    // Every refusal is counted, the body cut off at the listener's limit included.
+    let metrics = store.get("/metrics").text();
+    assert!(metrics.contains("ratewall_store_sync_failed_total{status=\"413\"} 2\n"), "{metrics}");
     // None of it counted anything, and the store still serves.
     assert_eq!(counted(&store.addr, b"k", 1), 0);
 }
