@@ -58,7 +58,6 @@ fn parse_args() -> Result<Args, String> {
             }
             "--rls" => rls = Some(args.next().ok_or("--rls needs an address")?),
             "--rls-config" => rls_config = Some(args.next().ok_or("--rls-config needs a file or directory")?.into()),
-            "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
@@ -185,6 +184,10 @@ async fn healthcheck(State(store): State<Shared>) -> Response {
 }
 
 fn main() -> std::process::ExitCode {
+    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return std::process::ExitCode::SUCCESS;
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {

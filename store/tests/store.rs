@@ -127,6 +127,11 @@ fn refuses_to_start_without_a_secret_or_a_port() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
     assert!(!run(Some(SECRET), &format!("127.0.0.1:{port}")).success(), "a port that cannot be bound");
+    // `--help` is not a mistake: the usage on stdout, exit 0; an unknown flag exits 2.
+    let help = Command::new(env!("CARGO_BIN_EXE_ratewall-store")).arg("--help").output().unwrap();
+    assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).contains("--rls-config"), "{help:?}");
+    let bogus = Command::new(env!("CARGO_BIN_EXE_ratewall-store")).arg("--bogus").output().unwrap();
+    assert_eq!(bogus.status.code(), Some(2));
 }
 
 #[test]
