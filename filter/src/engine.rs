@@ -201,7 +201,7 @@ const DEGRADED_MARGIN: u64 = 20;
 /// The local limit while the global store is unreachable: `limit` scaled by this node's share
 /// of the counter's traffic before the outage (`share` 65,535ths; rounded, at least 1), or,
 /// with no share known (0), shared evenly by `nodes`.
-fn share(limit: Limit, share: u16, nodes: u32) -> Limit {
+pub(crate) fn share(limit: Limit, share: u16, nodes: u32) -> Limit {
     let part = |units: u64| {
         if share == 0 {
             (units / u64::from(nodes.max(1))).max(1)
@@ -214,8 +214,18 @@ fn share(limit: Limit, share: u16, nodes: u32) -> Limit {
             u64::try_from((scaled + u128::from(u16::MAX / 2)) / u128::from(u16::MAX)).unwrap_or(u64::MAX).max(1)
         }
     };
-    let burst = (limit.algorithm() == ratewall_core::Algorithm::TokenBucket).then(|| part(limit.capacity()));
-    Limit::new(limit.algorithm(), part(limit.requests()), limit.per(), burst).unwrap_or(limit)
+    let burst = match limit.algorithm() {
+        ratewall_core::Algorithm::TokenBucket => Some(part(limit.capacity())),
+        // A leaky bucket keeps its queue (and the part of it that goes at once), scaled as its
+        // rate is: its requests still wait their turn rather than be refused.
+        ratewall_core::Algorithm::LeakyBucket => limit.burst().map(|b| if b == 0 { 0 } else { part(b) }),
+        _ => None,
+    };
+    let delay = if limit.delay() == 0 { 0 } else { part(limit.delay()).min(burst.unwrap_or(0)) };
+    match Limit::new(limit.algorithm(), part(limit.requests()), limit.per(), burst) {
+        Ok(l) => l.with_delay(delay).unwrap_or(l),
+        Err(_) => limit,
+    }
 }
 
 /// Whether a rule counts requests in flight.
