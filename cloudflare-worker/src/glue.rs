@@ -18,7 +18,7 @@ use std::time::Duration;
 use worker::wasm_bindgen::JsValue;
 use worker::{
     console_error, console_log, durable_object, event, Context, Date, Delay, DurableObject, Env, Fetch, Headers,
-    Method, Request, RequestInit, Response, Result,
+    Method, Request, RequestInit, Response, ResponseBody, Result,
 };
 
 /// The counter objects' namespace binding (wrangler.toml); the `COUNTER_BINDING` var names
@@ -248,6 +248,22 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
         headers.set(name, value)?;
     }
     Ok(resp.with_headers(headers))
+}
+
+/// `response` with its body passed through a stream, and the promise of that passing: it
+/// settles once the body has been sent to the client, or the client went away (`None`: no
+/// body to wait for, or a response this cannot pass through — a WebSocket's).
+fn until_sent(response: Response) -> (Result<Response>, Option<worker::js_sys::Promise>) {
+    let ResponseBody::Stream(body) = response.body() else { return (Ok(response), None) };
+    if response.status_code() == 101 {
+        return (Ok(response), None);
+    }
+    let Ok(pass) = worker::web_sys::TransformStream::new() else { return (Ok(response), None) };
+    let sent = body.pipe_to(&pass.writable());
+    let (status, headers) = (response.status_code(), response.headers().clone());
+    let passed =
+        Response::from_body(ResponseBody::Stream(pass.readable())).map(|r| r.with_status(status).with_headers(headers));
+    (passed, Some(sent))
 }
 
 /// The answer when the origin could not be reached: 502, an RFC 9457 body, the cause in the
@@ -528,20 +544,31 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
             Delay::from(Duration::from_nanos(wait)).await;
         }
         let response = forward(req, &env, &reply.headers).await.or_else(|e| bad_gateway(&e));
-        // Its concurrency slots are given back once the origin has answered (or failed): to
-        // their objects, or to the isolate's fallback that decided them.
+        // Its concurrency slots are given back once its response has completed (its body
+        // sent, or the client gone): to their objects, or to the isolate's fallback that
+        // decided them.
         let running = in_flight(&checks);
-        with(|i| {
-            for c in decided_locally(&checks, &running, &decisions, &charged) {
-                i.fallback.refund(c, now());
-            }
-        });
-        let (slots, _) = refund_calls(&checks, &running, &charged);
-        if !slots.is_empty() {
-            ctx.wait_until(async move {
-                join_all(slots.iter().map(|(key, call)| call_object(&env, key, *call, timeout))).await;
-            });
+        if running.is_empty() {
+            return response;
         }
+        let locally: Vec<Check> = decided_locally(&checks, &running, &decisions, &charged).cloned().collect();
+        let (slots, _) = refund_calls(&checks, &running, &charged);
+        let (response, sent) = match response {
+            Ok(r) => until_sent(r),
+            Err(e) => (Err(e), None),
+        };
+        ctx.wait_until(async move {
+            if let Some(sent) = sent {
+                // Resolved when the body has been sent, rejected when the client went away.
+                let _ = worker::wasm_bindgen_futures::JsFuture::from(sent).await;
+            }
+            with(|i| {
+                for c in &locally {
+                    i.fallback.refund(c, now());
+                }
+            });
+            join_all(slots.iter().map(|(key, call)| call_object(&env, key, *call, timeout))).await;
+        });
         response
     } else {
         reply_response(&reply)
