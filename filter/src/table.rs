@@ -846,42 +846,19 @@ mod tests {
         assert_eq!(bytes2[0], VERSION_UNREPORTED);
         assert_eq!(decode_bucket(&bytes2).unwrap(), granted);
         assert_eq!(decode_bucket(&bytes).unwrap(), entries);
-        // A version-2 bucket (an older VM's) reads with no overdraft.
-        let mut v2 = vec![VERSION_GRANTS, 1];
-        v2.extend_from_slice(&bytes2[2..2 + 21]);
-        v2.push(((3 << 2) | 2) + 1);
-        let old = decode_bucket(&v2).unwrap();
-        assert_eq!(
-            old[0].grant,
-            Some(Allowance {
-                units: 3,
-                more: true,
-                until_ms: 0,
-                over: 0,
-                overdrawn: false,
-                share: 0,
-                since: 0,
-                carry: 0
-            })
-        );
-        // A version-4 bucket reads with no units unreported.
-        let mut v4 = vec![VERSION_OVER, 1];
-        v4.extend_from_slice(&bytes2[2..2 + 21]);
-        v4.extend_from_slice(&[((3 << 2) | 2) + 1, (2 << 1) | 1, 0]);
-        let old = decode_bucket(&v4).unwrap();
-        assert_eq!(
-            old[0].grant,
-            Some(Allowance {
-                units: 3,
-                more: true,
-                until_ms: 0,
-                over: 2,
-                overdrawn: true,
-                share: 0,
-                since: 0,
-                carry: 0
-            })
-        );
+        // Older VMs' buckets: version 2 reads with no overdraft, version 4 with no units
+        // unreported (entry 0's grant: 3 units, more; then the overdraft of 2, overdrawn).
+        let three =
+            Allowance { units: 3, more: true, until_ms: 0, over: 0, overdrawn: false, share: 0, since: 0, carry: 0 };
+        for (version, tail, grant) in [
+            (VERSION_GRANTS, &[((3 << 2) | 2) + 1][..], three),
+            (VERSION_OVER, &[((3 << 2) | 2) + 1, (2 << 1) | 1, 0][..], Allowance { over: 2, overdrawn: true, ..three }),
+        ] {
+            let mut old = vec![version, 1];
+            old.extend_from_slice(&bytes2[2..2 + 21]);
+            old.extend_from_slice(tail);
+            assert_eq!(decode_bucket(&old).unwrap()[0].grant, Some(grant), "version {version}");
+        }
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
         assert!(decode_bucket(&[]).is_err());
         assert!(decode_bucket(&[1, 200]).is_err());

@@ -474,8 +474,9 @@ fn a_leaky_bucket_forwards_a_burst_in_turns_and_rejects_past_its_queue() {
     }
 }
 
-/// An origin on loopback that answers every request after `delay`.
-fn slow_origin(delay: Duration) -> String {
+/// An origin on loopback that answers every request after `delay` — or, `headers_first`, its
+/// headers and the first byte of its body at once and the rest after `delay`.
+fn slow_origin(delay: Duration, headers_first: bool) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
@@ -485,98 +486,62 @@ fn slow_origin(delay: Duration) -> String {
                 let mut stream = stream;
                 let mut buf = [0u8; 4096];
                 let _ = stream.read(&mut buf);
-                std::thread::sleep(delay);
-                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok");
+                let head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n";
+                if headers_first {
+                    let _ = stream.write_all(head).and_then(|()| stream.write_all(b"o"));
+                    let _ = stream.flush();
+                    std::thread::sleep(delay);
+                    let _ = stream.write_all(b"k");
+                } else {
+                    std::thread::sleep(delay);
+                    let _ = stream.write_all(&[&head[..], b"ok"].concat());
+                }
             });
         }
     });
     format!("http://{addr}")
-}
-
-/// An origin that answers its headers and the first byte of its body at once, and the rest
-/// after `delay`.
-fn slow_body_origin(delay: Duration) -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for stream in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                use std::io::{Read, Write};
-                let mut stream = stream;
-                let mut buf = [0u8; 4096];
-                let _ = stream.read(&mut buf);
-                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\no");
-                let _ = stream.flush();
-                std::thread::sleep(delay);
-                let _ = stream.write_all(b"k");
-            });
-        }
-    });
-    format!("http://{addr}")
-}
-
-/// A concurrency slot is held until the response has completed, not only until the origin's
-/// headers came: with bodies that take 1.5 s, a third request at 0.7 s is rejected.
-#[test]
-fn a_concurrency_slot_is_held_until_the_response_body_is_sent() {
-    let origin = slow_body_origin(Duration::from_millis(1500));
-    let w = start(&[("ORIGIN_URL", origin.as_str())]);
-    let who = [("x-user-id", "streamer")];
-    let statuses: Vec<u16> = std::thread::scope(|s| {
-        let first: Vec<_> = (0..2)
-            .map(|_| {
-                let w = &w;
-                s.spawn(move || w.request("GET", "/f/x", &who, &[]))
-            })
-            .collect();
-        std::thread::sleep(Duration::from_millis(700));
-        let third = w.request("GET", "/f/x", &who, &[]);
-        let mut out: Vec<Response> = first.into_iter().map(|h| h.join().unwrap()).collect();
-        out.push(third);
-        out.iter().map(|r| r.status).collect()
-    });
-    assert_eq!(statuses, [200, 200, 429], "{}", w.log());
-    // Both bodies sent: their slots come back.
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(w.request("GET", "/f/x", &who, &[]).status, 200);
 }
 
 /// A concurrency limit in real workerd: with a slow origin, two requests of a key are in
-/// flight at once and the third is rejected; once they end, the slots are free again.
+/// flight at once and the third is rejected; once they end, the slots are free again. A slot
+/// is held until the response has completed, not only until the origin's headers came: with
+/// bodies that take 1.5 s, the third request at 0.7 s is rejected too.
 #[test]
 fn a_concurrency_limit_counts_requests_in_flight_across_the_edge() {
-    let origin = slow_origin(Duration::from_millis(1500));
-    let w = start(&[("ORIGIN_URL", origin.as_str())]);
-    let who = [("x-user-id", "flyer")];
-    let results: Vec<Response> = std::thread::scope(|s| {
-        let first: Vec<_> = (0..2)
-            .map(|_| {
-                let w = &w;
-                s.spawn(move || w.request("GET", "/f/x", &who, &[]))
-            })
-            .collect();
-        // Both are in flight (the origin holds them) when the third comes.
-        std::thread::sleep(Duration::from_millis(700));
-        let third = w.request("GET", "/f/x", &who, &[]);
-        let mut out: Vec<Response> = first.into_iter().map(|h| h.join().unwrap()).collect();
-        out.push(third);
-        out
-    });
-    let statuses: Vec<u16> = results.iter().map(|r| r.status).collect();
-    assert_eq!(statuses, [200, 200, 429], "{}", w.log());
-    let rejected = &results[2];
-    assert_eq!(rejected.header("retry-after"), Some("1"));
-    assert_eq!(rejected.header("ratelimit-policy"), Some("\"flight\";q=2;qu=\"concurrent-requests\""));
-    // Both ended: their slots come back (given back just after each response).
-    std::thread::sleep(Duration::from_millis(1100));
-    let again: Vec<u16> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|_| {
-                let w = &w;
-                s.spawn(move || w.request("GET", "/f/x", &who, &[]).status)
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert_eq!(again, [200, 200]);
+    for headers_first in [false, true] {
+        let origin = slow_origin(Duration::from_millis(1500), headers_first);
+        let w = start(&[("ORIGIN_URL", origin.as_str())]);
+        let who = [("x-user-id", "flyer")];
+        let results: Vec<Response> = std::thread::scope(|s| {
+            let first: Vec<_> = (0..2)
+                .map(|_| {
+                    let w = &w;
+                    s.spawn(move || w.request("GET", "/f/x", &who, &[]))
+                })
+                .collect();
+            // Both are in flight (the origin holds them) when the third comes.
+            std::thread::sleep(Duration::from_millis(700));
+            let third = w.request("GET", "/f/x", &who, &[]);
+            let mut out: Vec<Response> = first.into_iter().map(|h| h.join().unwrap()).collect();
+            out.push(third);
+            out
+        });
+        let statuses: Vec<u16> = results.iter().map(|r| r.status).collect();
+        assert_eq!(statuses, [200, 200, 429], "headers first: {headers_first}; {}", w.log());
+        let rejected = &results[2];
+        assert_eq!(rejected.header("retry-after"), Some("1"));
+        assert_eq!(rejected.header("ratelimit-policy"), Some("\"flight\";q=2;qu=\"concurrent-requests\""));
+        // Both ended: their slots come back (given back just after each response).
+        std::thread::sleep(Duration::from_millis(1100));
+        let again: Vec<u16> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|_| {
+                    let w = &w;
+                    s.spawn(move || w.request("GET", "/f/x", &who, &[]).status)
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(again, [200, 200], "headers first: {headers_first}");
+    }
 }
