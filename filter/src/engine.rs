@@ -819,8 +819,12 @@ impl Engine {
                 }
                 if let CheckResult::Decided(d) = o.result {
                     let counted = paid.contains(&c.key.as_slice());
-                    let units = if d.allowed && !outcome.rejected && !counted { c.cost } else { 0 };
-                    s.record(host, &c.key, *real, units);
+                    let admitted = d.allowed && !outcome.rejected;
+                    s.record(host, &c.key, *real, if admitted && !counted { c.cost } else { 0 });
+                    if admitted && counted {
+                        // Units an ask took at the store: in no delta, but admitted all the same.
+                        self.top.paid(c.rule, c.cost);
+                    }
                 }
             }
         }

@@ -69,6 +69,8 @@ struct LocalRule {
     denied: u64,
     shadow: u64,
     distinct: Distinct,
+    /// Units admitted that an ask took at the store (with sync): in no delta.
+    paid: u64,
 }
 
 /// One rule's state in shared data.
@@ -80,9 +82,11 @@ struct Shared {
     minute: Summary,
     previous: Distinct,
     current: Distinct,
-    /// Since the last batch (with sync): denials, shadow denials.
+    /// Since the last batch (with sync): denials, shadow denials, units admitted that asks
+    /// took at the store.
     pending_denied: u64,
     pending_shadow: u64,
+    pending_paid: u64,
     /// With sync, the listed count of each key of `minute` (by [`hash`]) when the last batch
     /// took them, sorted: a batch carries what each key gained since.
     reported: Vec<(u64, u64)>,
@@ -107,6 +111,7 @@ impl Shared {
             out.extend_from_slice(&h.to_le_bytes());
             put_varint(&mut out, *n);
         }
+        put_varint(&mut out, self.pending_paid);
         out
     }
 
@@ -148,6 +153,8 @@ impl Shared {
         for _ in 0..n {
             reported.push((u64::from_le_bytes(r.take(8).ok()?.try_into().ok()?), r.varint().ok()?));
         }
+        // Absent from an older VM's state (during an upgrade).
+        let pending_paid = if r.pos < bytes.len() { r.varint().ok()? } else { 0 };
         (r.pos == bytes.len()).then_some(Shared {
             name,
             minute_start,
@@ -156,6 +163,7 @@ impl Shared {
             current,
             pending_denied,
             pending_shadow,
+            pending_paid,
             reported,
         })
     }
@@ -201,6 +209,15 @@ impl Top {
     pub fn denied_by(&self, rule: usize, checks: &[ratewall_core::eval::Check], shadow: bool) {
         if let Some(c) = checks.iter().find(|c| c.rule == rule) {
             self.denied(rule, &c.key, shadow);
+        }
+    }
+
+    /// `units` admitted by `rule` that an ask took at the store (they travel in no delta).
+    pub fn paid(&self, rule: usize, units: u64) {
+        let Ok(mut local) = self.local.try_borrow_mut() else { return };
+        if let Some(r) = local.rules.get_mut(rule) {
+            r.paid = r.paid.saturating_add(units);
+            local.any = true;
         }
     }
 
@@ -288,7 +305,7 @@ impl Top {
     /// Merges `mine` (None: nothing) into each rule's shared state, rolling its minute over.
     fn roll(&self, host: &dyn Host, config: &Config, now: Nanos, mine: Option<&[LocalRule]>) {
         for (i, rule) in config.rules.iter().enumerate() {
-            let add = mine.and_then(|m| m.get(i)).filter(|r| r.denied + r.shadow > 0);
+            let add = mine.and_then(|m| m.get(i)).filter(|r| r.denied + r.shadow + r.paid > 0);
             let key = shared_key(i);
             for _ in 0..16 {
                 let Ok((value, cas)) = host.shared_get(&key) else { break };
@@ -323,6 +340,7 @@ impl Top {
                     if self.synced {
                         s.pending_denied = s.pending_denied.saturating_add(a.denied);
                         s.pending_shadow = s.pending_shadow.saturating_add(a.shadow);
+                        s.pending_paid = s.pending_paid.saturating_add(a.paid);
                     }
                 }
                 if add.is_none() && !rolled && !fresh {
@@ -381,11 +399,11 @@ impl Top {
                     break;
                 };
                 let gained = s.gained();
-                if gained.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 {
+                if gained.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 && s.pending_paid == 0 {
                     break;
                 }
-                let t = (gained, s.pending_denied, s.pending_shadow);
-                (s.pending_denied, s.pending_shadow) = (0, 0);
+                let t = (gained, s.pending_denied, s.pending_shadow, s.pending_paid);
+                (s.pending_denied, s.pending_shadow, s.pending_paid) = (0, 0, 0);
                 s.reported = s.minute.entries().iter().map(|e| (hash(&e.key), e.denied)).collect();
                 s.reported.sort_unstable();
                 match host.shared_set(&key, &s.encode(), cas) {
@@ -397,13 +415,14 @@ impl Top {
                     Err(SetError::Other) => break,
                 }
             }
-            let rule_allowed = allowed.get(i).copied().unwrap_or(0);
-            let busy = taken.is_some() || rule_allowed > 0;
+            let busy_top = taken.is_some();
+            let (pending, denied, shadow, paid) = taken.unwrap_or_default();
+            let rule_allowed = allowed.get(i).copied().unwrap_or(0).saturating_add(paid);
+            let busy = busy_top || rule_allowed > 0;
             active |= busy;
             if !busy && config.rules.len() > IDLE_LISTED_UP_TO {
                 continue;
             }
-            let (pending, denied, shadow) = taken.unwrap_or_default();
             let bit = node_bit(node);
             let top = pending.map_keys(|k| {
                 let (_, shown) = render(config, k)?;

@@ -1169,6 +1169,31 @@ fn exact_request(e: &Engine, h: &FakeHost, store: &mut Store) -> (bool, bool) {
 }
 
 #[test]
+fn units_an_ask_took_at_the_store_are_counted_allowed_in_the_top_section() {
+    // They travel in no delta (the store counted them as it answered the ask), yet the rule
+    // admitted them: `/v1/top` and the dashboard count them.
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    assert_eq!(exact_request(&e, &h, &mut s), (true, true));
+    let mut allowed = 0;
+    for _ in 0..3 {
+        h.advance(200 * MS);
+        e.on_tick(&h);
+        for c in h.take_calls() {
+            if let Ok((_, Some(top))) = SyncRequest::decode_with_top(&c.body) {
+                let names: Vec<&str> = top.rules.iter().map(|r| r.rule.as_str()).collect();
+                assert_eq!(names, ["user", "strict", "exact"], "every rule, in the document's order");
+                allowed += top.rules.iter().filter(|r| r.rule == "exact").map(|r| r.allowed).sum::<u64>();
+            }
+            let (status, tag, body) = answer(&mut s, h.now(), SECRET, &c);
+            e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+        }
+    }
+    assert_eq!(allowed, 1);
+}
+
+#[test]
 fn an_exact_rules_first_request_on_each_node_asks_rather_than_spend_a_share_the_store_never_granted() {
     // Three nodes, an exact limit of 2, requests on a counter none has synced: each node's
     // first asks, and the fleet admits the limit, no more. (On an initial share each node's
