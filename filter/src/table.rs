@@ -48,6 +48,9 @@ const VERSION_UNREPORTED: u8 = 6;
 /// Entries carry a grant with its overdraft, traffic share and units not yet reported, and a
 /// leaky bucket's [`Departures`].
 const VERSION_UNREPORTED_QUEUE: u8 = 7;
+/// Versions kept for later encodings of a bucket: one of them is a newer VM's, which this
+/// one leaves as it is (any other that does not decode is reset).
+const NEWER_VERSIONS: core::ops::RangeInclusive<u8> = 8..=31;
 /// The most departures a leaky bucket's entry remembers: a waiter that leaves while the log
 /// is full leaves its turn empty rather than let later arrivals take turns already held.
 pub const DEPARTURES: usize = 4;
@@ -522,6 +525,12 @@ impl Table {
             let (bytes, cas) = host.shared_get(bkey).map_err(|_| StoreError::Unavailable)?;
             match bytes.as_deref().map(|b| decode_bucket_into(b, entries)) {
                 Some(Ok(())) => {}
+                // A newer VM's bucket (during an upgrade, old and new VMs share the table):
+                // not read, and not overwritten, so its counters are not reset; the check
+                // fails as a store failure (its rule's `on_store_failure` decides).
+                Some(Err(DecodeError::Version(v))) if NEWER_VERSIONS.contains(&v) => {
+                    return Err(StoreError::Unavailable);
+                }
                 Some(Err(_)) => {
                     stats.corrupt += 1;
                     entries.clear();

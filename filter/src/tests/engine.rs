@@ -206,6 +206,23 @@ fn a_corrupt_bucket_is_counted_and_replaced() {
 }
 
 #[test]
+fn a_bucket_a_newer_vm_wrote_is_left_as_it_is() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    let ann = [("x-user-id", "ann")];
+    let _ = reply(&e, &h, "GET", "/u/x", &ann);
+    let newer = b"\x08 a later encoding".to_vec();
+    for key in h.shared_keys() {
+        h.shared_set(&key, &newer, None).unwrap();
+    }
+    // Decided as a store failure (the rule is open: admitted), and not overwritten.
+    assert_eq!(reply(&e, &h, "GET", "/u/x", &ann).status, 200);
+    assert_eq!(h.metric("ratewall_rule_user_store_failed"), 1);
+    assert!(h.shared_keys().iter().all(|k| h.shared_value(k) == Some(newer.clone())));
+    assert_eq!(h.metric("ratewall_table_corrupt"), 0);
+}
+
+#[test]
 fn a_bad_document_is_an_error_that_names_the_field() {
     let h = FakeHost::new();
     let err =
