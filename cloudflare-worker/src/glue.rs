@@ -231,7 +231,12 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
             headers.append(&k, &v)?;
         }
         let mut init = RequestInit::new();
-        init.with_method(req.method()).with_headers(headers).with_body(req.inner().body().map(JsValue::from));
+        // A redirect is the origin's answer to the client (a login's 302 and its cookie), not
+        // one for the Worker to follow.
+        init.with_method(req.method())
+            .with_headers(headers)
+            .with_body(req.inner().body().map(JsValue::from))
+            .with_redirect(worker::RequestRedirect::Manual);
         Fetch::Request(Request::new_with_init(&target, &init)?).send().await?
     } else {
         demo_origin(&req)?
@@ -295,6 +300,7 @@ async fn answer(
     schedule_report(env, ctx, &c.key, timeout);
     Ok(match local {
         Local::Short(d) => Answer::Short(d),
+        Local::Unreachable(_) => return Err(StoreError::Unavailable),
         l => Answer::Grant(l.decision()),
     })
 }

@@ -474,9 +474,9 @@ fn a_leaky_bucket_forwards_a_burst_in_turns_and_rejects_past_its_queue() {
     }
 }
 
-/// An origin on loopback that answers every request after `delay` — or, `headers_first`, its
-/// headers and the first byte of its body at once and the rest after `delay`.
-fn slow_origin(delay: Duration, headers_first: bool) -> String {
+/// An origin on loopback that answers every request with `answer`: its first `at_once` bytes
+/// at once, the rest after `delay`.
+fn origin(answer: &'static [u8], at_once: usize, delay: Duration) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
@@ -486,20 +486,37 @@ fn slow_origin(delay: Duration, headers_first: bool) -> String {
                 let mut stream = stream;
                 let mut buf = [0u8; 4096];
                 let _ = stream.read(&mut buf);
-                let head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n";
-                if headers_first {
-                    let _ = stream.write_all(head).and_then(|()| stream.write_all(b"o"));
-                    let _ = stream.flush();
-                    std::thread::sleep(delay);
-                    let _ = stream.write_all(b"k");
-                } else {
-                    std::thread::sleep(delay);
-                    let _ = stream.write_all(&[&head[..], b"ok"].concat());
-                }
+                let (first, rest) = answer.split_at(at_once.min(answer.len()));
+                let _ = stream.write_all(first).and_then(|()| stream.flush());
+                std::thread::sleep(delay);
+                let _ = stream.write_all(rest);
             });
         }
     });
     format!("http://{addr}")
+}
+
+/// An origin that answers every request after `delay` — or, `headers_first`, its headers and
+/// the first byte of its body at once and the rest after `delay`.
+fn slow_origin(delay: Duration, headers_first: bool) -> String {
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok";
+    origin(OK, if headers_first { OK.len() - 1 } else { 0 }, delay)
+}
+
+/// The origin's redirect reaches the client as it is: the Worker does not follow it.
+#[test]
+fn an_origins_redirect_goes_to_the_client() {
+    let to = origin(
+        b"HTTP/1.1 302 Found\r\nlocation: /v1/target\r\nset-cookie: session=1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+        usize::MAX,
+        Duration::ZERO,
+    );
+    let w = start(&[("ORIGIN_URL", to.as_str())]);
+    let r = w.request("GET", "/u/x", &[("x-user-id", "rita")], &[]);
+    assert_eq!(r.status, 302, "{}", r.text());
+    assert_eq!(r.header("location"), Some("/v1/target"));
+    assert_eq!(r.header("set-cookie"), Some("session=1"));
+    assert!(r.header("ratelimit").is_some(), "an admitted response carries the RateLimit fields");
 }
 
 /// A concurrency limit in real workerd: with a slow origin, two requests of a key are in

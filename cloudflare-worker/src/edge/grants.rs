@@ -138,13 +138,17 @@ pub enum Local {
     /// Denied: the copy has room but the isolate's grant and overdraft are spent
     /// (`Retry-After`: [`SHORT_RETRY`]; the report for the next grant has gone).
     Short(Decision),
+    /// Not decided: the grant and overdraft are spent and the counter's object failed the
+    /// last report, so no grant is coming — a store failure (the rule's `on_store_failure`
+    /// decides: an `open` rule's local limit, a `closed` rule's 503), not a 429.
+    Unreachable(Decision),
 }
 
 impl Local {
     /// The decision.
     pub fn decision(&self) -> Decision {
         match self {
-            Local::Admitted(d) | Local::Overdraft(d) | Local::Denied(d) | Local::Short(d) => *d,
+            Local::Admitted(d) | Local::Overdraft(d) | Local::Denied(d) | Local::Short(d) | Local::Unreachable(d) => *d,
         }
     }
 }
@@ -374,8 +378,12 @@ impl Grants {
             self.overdrafts += 1;
             return Local::Overdraft(d);
         }
+        let short = Decision { allowed: false, remaining: 0, retry_after: Some(SHORT_RETRY), ..view };
+        if h.failing {
+            return Local::Unreachable(short);
+        }
         self.short += 1;
-        Local::Short(Decision { allowed: false, remaining: 0, retry_after: Some(SHORT_RETRY), ..view })
+        Local::Short(short)
     }
 
     /// Starts a report of `key`'s pending units (none, for an urgent one, which only brings
@@ -777,6 +785,26 @@ mod tests {
         p.grants.answered(KEY, &call, Err(StoreError::Unavailable), T + 10, late);
         assert_eq!(p.grants.dropped, units);
         assert_ne!(p.grants.report(KEY, late), Some(call), "not retried again");
+    }
+
+    #[test]
+    fn past_its_grant_with_its_object_failing_a_counter_is_unreachable_not_short() {
+        let mut p = Pair::new(sliding(100));
+        p.request(T);
+        p.run(T + MS);
+        // The object stops answering: the next report fails, the grant lapses.
+        p.grants.check(KEY, p.limit, 1, T + 2 * MS);
+        let call = p.grants.report(KEY, T + 3 * MS).unwrap();
+        p.grants.answered(KEY, &call, Err(StoreError::Unavailable), T + 3 * MS, T + 4 * MS);
+        let later = T + 10 * SECOND;
+        let outcomes: Vec<Local> = (0..5).map(|i| p.grants.check(KEY, p.limit, 1, later + i)).collect();
+        assert!(matches!(outcomes[0], Local::Overdraft(_)), "{outcomes:?}");
+        assert!(outcomes[1..].iter().all(|o| matches!(o, Local::Unreachable(_))), "{outcomes:?}");
+        // Once the object answers again, a spent grant is short again, not a failure.
+        let call = p.grants.report(KEY, later + 10).unwrap();
+        let reply = p.object.handle(call, later + 10).unwrap().reply;
+        p.grants.answered(KEY, &call, Ok(&reply), later + 10, later + 11);
+        assert!(!p.grants.failing(KEY));
     }
 
     #[test]
