@@ -258,16 +258,21 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
 /// `response` with its body passed through a stream, and the promise of that passing: it
 /// settles once the body has been sent to the client, or the client went away (`None`: no
 /// body to wait for, or a response this cannot pass through — a WebSocket's).
-fn until_sent(response: Response) -> (Result<Response>, Option<worker::js_sys::Promise>) {
-    let ResponseBody::Stream(body) = response.body() else { return (Ok(response), None) };
+fn until_sent(response: Response) -> (Response, Option<worker::js_sys::Promise>) {
+    let ResponseBody::Stream(body) = response.body() else { return (response, None) };
     if response.status_code() == 101 {
-        return (Ok(response), None);
+        return (response, None);
     }
-    let Ok(pass) = worker::web_sys::TransformStream::new() else { return (Ok(response), None) };
-    let sent = body.pipe_to(&pass.writable());
+    let Ok(pass) = worker::web_sys::TransformStream::new() else { return (response, None) };
+    // Made before the body is piped (which locks it): if it cannot be, the response goes as it
+    // came, and its slots are given back at once.
     let (status, headers) = (response.status_code(), response.headers().clone());
-    let passed =
-        Response::from_body(ResponseBody::Stream(pass.readable())).map(|r| r.with_status(status).with_headers(headers));
+    let Ok(passed) =
+        Response::from_body(ResponseBody::Stream(pass.readable())).map(|r| r.with_status(status).with_headers(headers))
+    else {
+        return (response, None);
+    };
+    let sent = body.pipe_to(&pass.writable());
     (passed, Some(sent))
 }
 
@@ -560,7 +565,10 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         let locally: Vec<Check> = decided_locally(&checks, &running, &decisions, &charged).cloned().collect();
         let (slots, _) = refund_calls(&checks, &running, &charged);
         let (response, sent) = match response {
-            Ok(r) => until_sent(r),
+            Ok(r) => {
+                let (r, sent) = until_sent(r);
+                (Ok(r), sent)
+            }
             Err(e) => (Err(e), None),
         };
         ctx.wait_until(async move {
