@@ -75,7 +75,11 @@ pub fn access(configured: Option<&str>, authorization: Option<&str>, query_token
     let Some(expected) = configured.map(str::trim).filter(|t| !t.is_empty()) else {
         return Access::Off;
     };
-    let presented = authorization.and_then(bearer).or(query_token.filter(|t| !t.is_empty()));
+    // With an `Authorization` header, it alone decides (whatever its scheme).
+    let presented = match authorization {
+        Some(a) => bearer(a),
+        None => query_token.filter(|t| !t.is_empty()),
+    };
     match presented {
         Some(p) if same_secret(p.as_bytes(), expected.as_bytes()) => Access::Granted,
         _ => Access::Refused,
@@ -110,6 +114,7 @@ mod tests {
         assert_eq!(access(Some(TOKEN), Some(&ok[..ok.len() - 1]), None), Access::Refused);
         assert_eq!(access(Some(TOKEN), None, Some("")), Access::Refused);
         assert_eq!(access(Some(TOKEN), Some("Bearer wrong"), Some(TOKEN)), Access::Refused, "the header decides");
+        assert_eq!(access(Some(TOKEN), Some("Basic d3Jvbmc="), Some(TOKEN)), Access::Refused, "whatever its scheme");
         assert_eq!(access(None, Some(&ok), None), Access::Off);
         assert_eq!(access(Some(""), Some("Bearer "), None), Access::Off);
         assert_eq!(access(Some("  "), Some("Bearer x"), None), Access::Off, "only blanks");
