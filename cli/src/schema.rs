@@ -25,7 +25,7 @@ fn limit(description: &str) -> Value {
         "additionalProperties": false,
         "required": ["requests", "per"],
         "properties": {
-            "requests": {"type": "integer", "minimum": 1, "description": "Units admitted per period (at most 1,000,000,000; 100,000 for sliding_log)."},
+            "requests": {"type": "integer", "minimum": 1, "maximum": 4_294_967_295_u64, "description": "Units admitted per period (at most 4,294,967,295; 10,000 for sliding_log)."},
             "per": duration("The period."),
             "burst": {"type": "integer", "minimum": 0, "description": "Token bucket capacity (at least 1; default: requests; setting it alone selects the token bucket), or how many requests a leaky bucket queues (default 0)."},
             "delay": {"type": "integer", "minimum": 0, "description": "leaky_bucket only: how many of the queued requests go at once, like NGINX limit_req delay= (default 0, at most burst)."},
@@ -130,7 +130,7 @@ pub fn schema() -> Value {
         "$defs": {
             "algorithm": {
                 "enum": ["token_bucket", "sliding_window", "fixed_window", "sliding_log", "leaky_bucket"],
-                "description": "token_bucket (GCRA; the default with burst), sliding_window (the default), fixed_window, sliding_log (exact, up to 100,000 per period), or leaky_bucket (queues: excess requests wait their turn, one per per/requests, up to burst of them)."
+                "description": "token_bucket (GCRA; the default with burst), sliding_window (the default), fixed_window, sliding_log (counted per eighth of per, up to 10,000 per period), or leaky_bucket (queues: excess requests wait their turn, one per per/requests, up to burst of them)."
             },
             "rule": {
                 "type": "object",
