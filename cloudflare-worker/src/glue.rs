@@ -136,15 +136,23 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
     }
     if read_kv {
         if let Ok(kv) = env.kv("RATEWALL_KV") {
-            match kv.get("rules").text().await {
-                Ok(Some(doc)) => load_rules(&doc, "KV RATEWALL_KV/rules"),
+            // Read on a request's path, so with a deadline: a KV read that hangs must not hold
+            // the request (the rules in force stay, and the next refresh reads again).
+            let read = Box::pin(async move { kv.get("rules").text().await });
+            match select(read, Delay::from(object_timeout(env))).await {
+                Either::Left((Ok(Some(doc)), _)) => load_rules(&doc, "KV RATEWALL_KV/rules"),
                 // The key was removed: the deploy-time var is in force again.
-                Ok(None) => {
+                Either::Left((Ok(None), _)) => {
                     if let Some(doc) = &from_var {
                         load_rules(doc, "var RATEWALL_RULES");
                     }
                 }
-                Err(e) => console_error!("ratewall: reading rules from KV failed ({e}); the rules in force stay"),
+                Either::Left((Err(e), _)) => {
+                    console_error!("ratewall: reading rules from KV failed ({e}); the rules in force stay")
+                }
+                Either::Right(_) => {
+                    console_error!("ratewall: reading rules from KV took too long; the rules in force stay")
+                }
             }
         }
     }
