@@ -214,14 +214,16 @@ pub(crate) fn share(limit: Limit, share: u16, nodes: u32) -> Limit {
             u64::try_from((scaled + u128::from(u16::MAX / 2)) / u128::from(u16::MAX)).unwrap_or(u64::MAX).max(1)
         }
     };
+    // A queue (or the part of it that goes at once) of none stays none.
+    let part_of_queue = |units: u64| if units == 0 { 0 } else { part(units) };
     let burst = match limit.algorithm() {
         ratewall_core::Algorithm::TokenBucket => Some(part(limit.capacity())),
         // A leaky bucket keeps its queue (and the part of it that goes at once), scaled as its
         // rate is: its requests still wait their turn rather than be refused.
-        ratewall_core::Algorithm::LeakyBucket => limit.burst().map(|b| if b == 0 { 0 } else { part(b) }),
+        ratewall_core::Algorithm::LeakyBucket => limit.burst().map(part_of_queue),
         _ => None,
     };
-    let delay = if limit.delay() == 0 { 0 } else { part(limit.delay()).min(burst.unwrap_or(0)) };
+    let delay = part_of_queue(limit.delay()).min(burst.unwrap_or(0));
     match Limit::new(limit.algorithm(), part(limit.requests()), limit.per(), burst) {
         Ok(l) => l.with_delay(delay).unwrap_or(l),
         Err(_) => limit,

@@ -315,9 +315,10 @@ impl<K: Kv> Store<K> {
         }
     }
 
-    fn count(&self, status: u16) {
+    /// `answer`, counted in the sync metrics by its status.
+    fn counted(&self, answer: Answer) -> Answer {
         let m = &self.metrics;
-        let c = match status {
+        let c = match answer.status {
             400 => &m.status_400,
             401 => &m.status_401,
             409 => &m.status_409,
@@ -328,6 +329,7 @@ impl<K: Kv> Store<K> {
             _ => &m.sync_ok,
         };
         c.fetch_add(1, Ordering::Relaxed);
+        answer
     }
 
     /// Shares what this process heard with its peers on the same Redis
@@ -393,17 +395,13 @@ impl<K: Kv> Store<K> {
 
     /// `POST /v1/sync`: checks, applies within the deadline, answers.
     pub async fn sync(&self, body: &[u8], signature: Option<&[u8]>) -> Answer {
-        let answer = self.sync_checked(body, signature).await;
-        self.count(answer.status);
-        answer
+        self.counted(self.sync_checked(body, signature).await)
     }
 
     /// `POST /v1/sync` with a body over [`MAX_BODY`] bytes, cut off before it was read whole
     /// (the listener reads no more): refused, and counted, as one read whole would be.
     pub fn sync_too_large(&self) -> Answer {
-        let answer = too_large();
-        self.count(answer.status);
-        answer
+        self.counted(too_large())
     }
 
     async fn sync_checked(&self, body: &[u8], signature: Option<&[u8]>) -> Answer {
