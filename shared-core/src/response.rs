@@ -4,7 +4,8 @@
 //!   `RateLimit` in the Structured Fields syntax of draft-ietf-httpapi-ratelimit-headers
 //!   (`"name";q=10;w=60`, `"name";r=0;t=42`) for every violated policy, optional legacy
 //!   `X-RateLimit-*`, and an RFC 9457 `application/problem+json` body.
-//! - Allowed: the same fields for the most restrictive enforcing policy.
+//! - Allowed: the same fields for every enforcing policy that decided, the most restrictive
+//!   first (the legacy fields are its).
 //! - A `closed` rule whose store failed: `503` with `Retry-After: 1` and a problem body.
 
 use crate::algo::{Decision, Limit};
@@ -48,13 +49,13 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
         })
     };
     if !outcome.rejected {
-        // The most restrictive enforcing policy: least remaining, then longest reset.
-        let best =
-            decided().min_by(|(_, a), (_, b)| a.remaining.cmp(&b.remaining).then(b.reset_after.cmp(&a.reset_after)));
+        // Every enforcing policy, the most restrictive first: least remaining, then longest
+        // reset.
+        let mut policies: Vec<(&Rule, &Limit, Decision)> =
+            decided().filter_map(|(c, d)| Some((config.rules.get(c.rule)?, &c.limit, d))).collect();
+        policies.sort_by(|(_, _, a), (_, _, b)| a.remaining.cmp(&b.remaining).then(b.reset_after.cmp(&a.reset_after)));
         let mut headers = Vec::with_capacity(2);
-        if let Some((rule, (c, d))) = best.and_then(|b| Some((config.rules.get(b.0.rule)?, b))) {
-            fields(&mut headers, config, &[(rule, &c.limit, d)]);
-        }
+        fields(&mut headers, config, &policies);
         return Reply { status: 200, headers, body: String::new() };
     }
     let violated: Vec<(&Rule, &Limit, Decision)> = decided()

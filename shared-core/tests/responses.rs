@@ -55,20 +55,25 @@ fn sf_list(value: &str) -> Vec<(String, Vec<(String, i64)>)> {
 }
 
 #[test]
-fn allowed_requests_carry_the_most_restrictive_policy() {
+fn allowed_requests_carry_every_enforcing_policy_the_most_restrictive_first() {
     let c = Config::parse(RULES.as_bytes()).unwrap();
     let mut m = MemoryCounters::default();
     let h = [("x-user-id", "alice"), ("x-api-key", "k1")];
     let r = call(&c, &mut m, "POST", "/v1/events/7/holds", &h, None, T0);
     assert_eq!(r.status, 200);
-    // holds-per-user (5/60s, 4 left) is tighter than api-key (burst 200).
+    // holds-per-user (5/60s, 4 left) is tighter than api-key (burst 200): it comes first.
     assert_eq!(
         sf_list(header(&r, "RateLimit-Policy").unwrap()),
-        [("holds-per-user".to_owned(), vec![("q".to_owned(), 5), ("w".to_owned(), 60)])]
+        [
+            ("holds-per-user".to_owned(), vec![("q".to_owned(), 5), ("w".to_owned(), 60)]),
+            ("api-key".to_owned(), vec![("q".to_owned(), 1000), ("w".to_owned(), 60)])
+        ]
     );
     let rl = sf_list(header(&r, "RateLimit").unwrap());
     assert_eq!(rl[0].0, "holds-per-user");
     assert_eq!(rl[0].1[0], ("r".to_owned(), 4));
+    assert_eq!(rl[1].0, "api-key");
+    assert_eq!(rl[1].1[0], ("r".to_owned(), 199));
 }
 
 #[test]

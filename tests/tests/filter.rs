@@ -365,9 +365,11 @@ fn allowed_responses_carry_parseable_ratelimit_fields(p: Profile) {
     assert!(r.passed);
     let policy: sfv::List = sfv::Parser::new(r.header("ratelimit-policy").unwrap()).parse().unwrap();
     let state: sfv::List = sfv::Parser::new(r.header("ratelimit").unwrap()).parse().unwrap();
-    assert_eq!(policy.len(), 1);
-    assert_eq!(state.len(), 1);
+    // Both rules that counted it, the most restrictive first.
+    assert_eq!(policy.len(), 2);
+    assert_eq!(state.len(), 2);
     assert!(r.header("ratelimit").unwrap().starts_with("\"holds-per-user\";r=4;t="));
+    assert!(r.header("ratelimit").unwrap().contains(", \"api-key\";r=199;t="), "{:?}", r.header("ratelimit"));
 }
 
 fn memory_stays_bounded_under_a_flood_of_distinct_keys_and_a_limited_client_stays_limited(p: Profile) {

@@ -126,8 +126,10 @@ fn responses_follow_the_client_contract_and_denials_charge_no_other_rule() {
     assert!(r.text().contains("ratewall demo origin"));
     let policy = r.header("ratelimit-policy").unwrap();
     let list = Parser::new(policy).parse::<sfv::List>().unwrap();
-    assert_eq!(list.len(), 1);
-    assert_eq!(ratelimit(&r), [("tight".to_owned(), 0, ratelimit(&r)[0].2)], "the most restrictive policy");
+    assert_eq!(list.len(), 2, "every enforcing policy");
+    let fields = ratelimit(&r);
+    assert_eq!((fields[0].0.as_str(), fields[0].1), ("tight", 0), "the most restrictive policy first");
+    assert_eq!((fields[1].0.as_str(), fields[1].1), ("roomy", 4));
     // Denied by "tight" three times: "roomy" must not be charged for them.
     for _ in 0..3 {
         let r = w.request("POST", "/m/x", &carol, &[]);

@@ -377,7 +377,7 @@ impl<K: Kv> Rls<K> {
             return Err(e);
         }
         let mut violated = Vec::new();
-        let mut best: Option<(&Rule, Decision)> = None;
+        let mut enforced: Vec<(&Rule, Decision)> = Vec::new();
         for (i, slot) in decisions.iter().enumerate() {
             let Some((rule, d)) = slot else { continue };
             let hits =
@@ -405,14 +405,15 @@ impl<K: Kv> Rls<K> {
             }
             if over {
                 violated.push((rule.as_ref(), *d));
-            } else if best.is_none_or(|(_, b)| {
-                d.remaining < b.remaining || (d.remaining == b.remaining && d.reset_after > b.reset_after)
-            }) {
-                best = Some((rule.as_ref(), *d));
+            } else {
+                enforced.push((rule.as_ref(), *d));
             }
         }
         let overall_code = if violated.is_empty() { Code::Ok } else { Code::OverLimit };
-        let headers = if violated.is_empty() { fields(None, best.as_slice()) } else { fields(Some(()), &violated) };
+        // Allowed: every enforced limit, the most restrictive first (least remaining, then
+        // longest reset), as the filter answers.
+        enforced.sort_by(|(_, a), (_, b)| a.remaining.cmp(&b.remaining).then(b.reset_after.cmp(&a.reset_after)));
+        let headers = if violated.is_empty() { fields(None, &enforced) } else { fields(Some(()), &violated) };
         Ok(Answer { overall_code, statuses, headers })
     }
 

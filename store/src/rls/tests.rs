@@ -144,12 +144,12 @@ async fn an_override_replaces_the_configured_limit() {
 async fn headers_are_the_filters_fields() {
     let r = rls();
     let a = r.should_rate_limit(&call(&[&[("ip", "a")], &[("user", "b")]])).await.unwrap();
-    // The most restrictive policy: the user's (2 of 3 left).
+    // Every policy, the most restrictive first: the user's (2 of 3 left), then the address's.
     assert_eq!(
         a.headers,
         vec![
-            ("RateLimit-Policy", "\"d.user\";q=3;w=3600".to_owned()),
-            ("RateLimit", "\"d.user\";r=2;t=3600".to_owned()),
+            ("RateLimit-Policy", "\"d.user\";q=3;w=3600, \"per-ip\";q=10;w=3600".to_owned()),
+            ("RateLimit", "\"d.user\";r=2;t=3600, \"per-ip\";r=9;t=3600".to_owned()),
         ]
     );
     let mut c = call(&[&[("ip", "a")]]);
