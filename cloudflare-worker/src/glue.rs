@@ -607,7 +607,9 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
             i.metrics.sync_failed += 1;
             i.metrics.sync_refused_stale += u64::from(r.status == 422);
         });
-        Response::error(r.message, r.status)
+        let mut out = Response::error(r.message, r.status)?;
+        out.headers_mut().set("content-type", "text/plain; charset=utf-8")?;
+        Ok(out)
     };
     let batch = match store::check(&secret, tag.as_deref(), &body, now()) {
         Ok(b) => b,

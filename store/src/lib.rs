@@ -14,14 +14,14 @@
 //! It is not a rate limiter of its own: proxies decide; this adds up what they admitted.
 
 use ratewall_core::sync::{
-    hex, sign, unhex, Counter, Grant, Out, SyncError, SyncRequest, SyncResponse, RETRY_HORIZON, SEQ_MEMORY,
+    hex, reason, sign, unhex, Counter, Grant, Out, SyncError, SyncRequest, SyncResponse, RETRY_HORIZON, SEQ_MEMORY,
 };
 use ratewall_core::{Limit, Nanos, SECOND};
 
 pub mod admin;
 /// The refusal of a sync body over [`MAX_BODY`] bytes.
 fn too_large() -> Answer {
-    Answer::error(413, format!("a body is at most {MAX_BODY} bytes"))
+    Answer::error(413, reason::too_large(MAX_BODY))
 }
 
 #[cfg(test)]
@@ -412,12 +412,12 @@ impl<K: Kv> Store<K> {
         // The time is checked by the registry, at Redis's clock.
         let req = match SyncRequest::verified(&self.secret, body, &tag, None) {
             Ok(r) => r,
-            Err(SyncError::Unauthorized) => return Answer::error(401, "missing or invalid x-ratewall-signature"),
-            Err(SyncError::Malformed(e)) => return Answer::error(400, format!("malformed batch: {e}")),
+            Err(SyncError::Unauthorized) => return Answer::error(401, reason::UNSIGNED),
+            Err(SyncError::Malformed(e)) => return Answer::error(400, reason::malformed(e)),
             Err(e) => return Answer::error(e.status(), e.to_string()),
         };
         if req.deltas.len() > MAX_DELTAS {
-            return Answer::error(413, format!("a batch names at most {MAX_DELTAS} counters"));
+            return Answer::error(413, reason::too_many(MAX_DELTAS));
         }
         // The optional top section (verified with the rest of the body above).
         let section = SyncRequest::decode_with_top(body).ok().and_then(|(_, s)| s);
@@ -441,16 +441,14 @@ impl<K: Kv> Store<K> {
         // are refused before any counter sees them.
         let nodes = match self.kv.heard(req.node, req.seq, !req.ask, req.sent).await {
             Ok(n) => n,
-            Err(Unheard::Older(last)) => {
-                return Err(Answer::error(409, format!("seq {} is older than this node's latest ({last})", req.seq)))
-            }
+            Err(Unheard::Older(last)) => return Err(Answer::error(409, reason::older(req.seq, last))),
             Err(Unheard::Skewed(now)) => {
                 let e = SyncError::Skewed { sent: req.sent, now };
                 return Err(Answer::error(e.status(), e.to_string()));
             }
             Err(Unheard::Failed) => {
                 self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
-                return Err(Answer::error(503, "the node registry failed; retry the batch with the same seq"));
+                return Err(Answer::error(503, reason::REGISTRY_FAILED));
             }
         };
         let updates = req.deltas.iter().map(|d| self.update(req, &d.key, d.limit, d.units));

@@ -159,9 +159,15 @@ async fn sync(
     };
     let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut out = (status, a.body).into_response();
-    if let Some(sig) = a.signature.and_then(|s| HeaderValue::from_str(&s).ok()) {
-        out.headers_mut().insert("x-ratewall-signature", sig);
-        out.headers_mut().insert("content-type", HeaderValue::from_static("application/octet-stream"));
+    match a.signature.and_then(|s| HeaderValue::from_str(&s).ok()) {
+        Some(sig) => {
+            out.headers_mut().insert("x-ratewall-signature", sig);
+            out.headers_mut().insert("content-type", HeaderValue::from_static("application/octet-stream"));
+        }
+        // A refusal's body is its plain-text reason, as the Worker's.
+        None => {
+            out.headers_mut().insert("content-type", HeaderValue::from_static("text/plain; charset=utf-8"));
+        }
     }
     out
 }

@@ -4,7 +4,7 @@
 
 use super::{decode_applied, decode_heard, decode_out_for, hex, unhex, Call};
 use ratewall_core::algo::Nanos;
-use ratewall_core::sync::{sign, Grant, Out, SyncError, SyncRequest, SyncResponse};
+use ratewall_core::sync::{reason, sign, Grant, Out, SyncError, SyncRequest, SyncResponse};
 
 /// A batch may name at most this many counters: each is one Durable Object call, and a
 /// Worker invocation has a bounded number of subrequests. Filters split larger batches.
@@ -44,16 +44,16 @@ pub fn check(secret: &str, tag: Option<&str>, body: &[u8], now: Nanos) -> Result
         return Err(refuse(503, "sync is disabled: RATEWALL_SYNC_SECRET is shorter than 16 characters"));
     }
     if body.len() > MAX_SYNC_BODY {
-        return Err(refuse(413, "batch too large"));
+        return Err(refuse(413, reason::too_large(MAX_SYNC_BODY)));
     }
     let tag = tag.and_then(|t| unhex(t.trim().as_bytes())).unwrap_or_default();
     let batch = SyncRequest::verified(secret.as_bytes(), body, &tag, None).map_err(|e| match e {
-        SyncError::Unauthorized => refuse(401, "missing or invalid x-ratewall-signature"),
-        SyncError::Malformed(d) => refuse(400, format!("malformed batch: {d}")),
+        SyncError::Unauthorized => refuse(401, reason::UNSIGNED),
+        SyncError::Malformed(d) => refuse(400, reason::malformed(d)),
         e => refuse(e.status(), e.to_string()),
     })?;
     if batch.deltas.len() > MAX_SYNC_DELTAS {
-        return Err(refuse(413, format!("a batch names at most {MAX_SYNC_DELTAS} counters")));
+        return Err(refuse(413, reason::too_many(MAX_SYNC_DELTAS)));
     }
     batch.check_time(now).map_err(|e| refuse(e.status(), e.to_string()))?;
     Ok(batch)
@@ -89,10 +89,8 @@ pub fn registry_verdict(batch: &SyncRequest, answer: Option<&str>) -> Result<Opt
     match (answer.and_then(decode_heard), batch.ask) {
         (Some(Ok(n)), _) => Ok(Some(n)),
         (_, true) => Ok(None),
-        (Some(Err(last)), false) => {
-            Err(refuse(409, format!("seq {} is older than this node's latest batch ({last})", batch.seq)))
-        }
-        (None, false) => Err(refuse(503, "the node registry failed; retry the batch with the same seq")),
+        (Some(Err(last)), false) => Err(refuse(409, reason::older(batch.seq, last))),
+        (None, false) => Err(refuse(503, reason::REGISTRY_FAILED)),
     }
 }
 

@@ -397,25 +397,29 @@ impl Aggregate {
     }
 }
 
-/// The admin object's answer with its rules in `config`'s document order (only those of the
-/// document; `rule`: only that one). With `zeros`, a rule the object has not heard of is
-/// listed with nothing counted (a `top` answer); else it is left out (a `series` answer).
+/// The admin object's answer with its rules in `config`'s document order (`rule`: only that
+/// one), then the rules heard of that the document does not name, as they were heard: a
+/// filter fleet's that syncs here, or a rule renamed within the window. With `zeros`, a rule
+/// of the document the object has not heard of is listed with nothing counted (a `top`
+/// answer); else it is left out (a `series` answer).
 pub fn in_document_order(config: Option<&Config>, rule: Option<&str>, mut answer: Value, zeros: bool) -> Value {
     let Some(config) = config else { return answer };
     let mut heard: Vec<Value> = match answer.get_mut("rules").map(Value::take) {
         Some(Value::Array(a)) => a,
         _ => Vec::new(),
     };
+    heard.retain(|h| rule.is_none_or(|n| h.get("rule").and_then(Value::as_str) == Some(n)));
     let mut rules = Vec::new();
     for r in config.rules.iter().filter(|r| rule.is_none_or(|n| n == r.name)) {
         match heard.iter().position(|h| h.get("rule").and_then(Value::as_str) == Some(r.name.as_str())) {
-            Some(i) => rules.push(heard.swap_remove(i)),
+            Some(i) => rules.push(heard.remove(i)),
             None if zeros => {
                 rules.push(json!({"rule": r.name, "allowed": 0, "denied": 0, "shadow_denied": 0, "top": []}));
             }
             None => {}
         }
     }
+    rules.append(&mut heard);
     if let Some(obj) = answer.as_object_mut() {
         obj.insert("rules".into(), Value::Array(rules));
     }

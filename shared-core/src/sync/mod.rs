@@ -25,6 +25,7 @@
 mod auth;
 mod counter;
 mod out;
+pub mod reason;
 mod registry;
 mod store;
 #[cfg(test)]

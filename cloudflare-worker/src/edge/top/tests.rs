@@ -175,16 +175,18 @@ fn counts_made_under_rules_since_replaced_are_reported_under_those() {
 }
 
 #[test]
-fn answers_list_the_documents_rules_in_order() {
+fn answers_list_the_documents_rules_in_order_then_the_fleets() {
     let c = config(RULES);
     let answer = json!({"window_s": 60, "rules": [
-        {"rule": "gone", "denied": 1}, {"rule": "watch", "denied": 2}]});
+        {"rule": "fleet-only", "denied": 1}, {"rule": "watch", "denied": 2}]});
     let v = in_document_order(Some(&c), None, answer.clone(), true);
     assert_eq!(v["rules"][0], json!({"rule": "per-key", "allowed": 0, "denied": 0, "shadow_denied": 0, "top": []}));
     assert_eq!(v["rules"][1]["denied"], 2);
-    assert_eq!(v["rules"].as_array().unwrap().len(), 2, "rules no longer in force are left out");
+    assert_eq!(v["rules"][2]["rule"], "fleet-only", "a rule only a syncing fleet reports comes after the document's");
+    assert_eq!(v["rules"].as_array().unwrap().len(), 3);
     assert_eq!(in_document_order(Some(&c), Some("watch"), answer.clone(), false)["rules"].as_array().unwrap().len(), 1);
-    assert_eq!(in_document_order(Some(&c), None, answer.clone(), false)["rules"].as_array().unwrap().len(), 1);
+    assert_eq!(in_document_order(Some(&c), None, answer.clone(), false)["rules"].as_array().unwrap().len(), 2);
+    assert_eq!(in_document_order(Some(&c), Some("fleet-only"), answer.clone(), true)["rules"][0]["denied"], 1);
     assert_eq!(in_document_order(Some(&c), Some("nope"), answer.clone(), true)["rules"], json!([]));
     assert_eq!(in_document_order(None, None, answer.clone(), true), answer);
     assert_eq!(Window::parse(Some("1d")), Err("window: \"1d\" is not 1m or 1h".into()));

@@ -1,0 +1,32 @@
+//! The plain-text reasons a store gives when it refuses a sync call, one text for each
+//! refusal, so that ratewall-store and the Worker answer alike (docs/sync-protocol.md,
+//! "Status codes").
+
+use alloc::format;
+use alloc::string::String;
+
+/// 401: the signature is missing or does not match.
+pub const UNSIGNED: &str = "missing or invalid x-ratewall-signature";
+
+/// 503: the node registry could not say whether the batch is new.
+pub const REGISTRY_FAILED: &str = "the node registry failed; retry the batch with the same seq";
+
+/// 413: a body over `max` bytes.
+pub fn too_large(max: usize) -> String {
+    format!("a body is at most {max} bytes")
+}
+
+/// 413: a batch naming more than `max` counters.
+pub fn too_many(max: usize) -> String {
+    format!("a batch names at most {max} counters")
+}
+
+/// 400: a body that is not a batch.
+pub fn malformed(detail: impl core::fmt::Display) -> String {
+    format!("malformed batch: {detail}")
+}
+
+/// 409: a batch older than the node's latest.
+pub fn older(seq: u64, latest: u64) -> String {
+    format!("seq {seq} is older than this node's latest batch ({latest})")
+}
