@@ -531,6 +531,9 @@ pub struct Metrics {
     /// Reports given up after their calls kept failing (their counts are not in
     /// /_ratewall/top).
     pub top_reports_dropped: u64,
+    /// Requests whose client went away while they waited their leaky-bucket turn (every
+    /// unit they took went back; they were not forwarded).
+    pub queue_abandoned: u64,
 }
 
 impl Metrics {
@@ -637,6 +640,11 @@ impl Metrics {
                 "top_reports_dropped",
                 "Reports of the top denied keys given up after their calls failed for 60 s (their counts are not in /_ratewall/top).",
                 self.top_reports_dropped,
+            ),
+            (
+                "queue_abandoned",
+                "Requests whose client went away while they waited their leaky-bucket turn (their turn and units went back).",
+                self.queue_abandoned,
             ),
         ] {
             let _ = writeln!(out, "# HELP ratewall_{what} {help}\n# TYPE ratewall_{what} counter\nratewall_{what} {v}");

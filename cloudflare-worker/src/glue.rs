@@ -525,22 +525,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let (outcome, refunds) = combine(&config, &checks, &decisions);
     // Units taken by rules that allowed a request another rule rejected go back. The client
     // gets its 429 without waiting for that.
-    let (refunding, grant_refunds) = refund_calls(&checks, &refunds, &charged);
-    with(|i| {
-        for (key, cost) in &grant_refunds {
-            i.grants.refund(key, *cost, t);
-        }
-        for c in decided_locally(&checks, &refunds, &decisions, &charged) {
-            i.fallback.refund(c, t);
-        }
-    });
-    if !refunding.is_empty() {
-        let env2 = env.clone();
-        ctx.wait_until(async move {
-            let calls = refunding.iter().map(|(key, call)| call_object(&env2, key, *call, timeout));
-            join_all(calls).await;
-        });
-    }
+    give_back(&env, &ctx, &checks, &refunds, &decisions, &charged, t, timeout);
     if use_cache {
         // Denials until the counter's retry time (not those until the isolate's next grant).
         with(|i| {
@@ -560,7 +545,22 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         // A leaky bucket's queued request waits its turn, then goes.
         let wait = wait_of(&config, &checks, &decisions);
         if wait > 0 {
-            Delay::from(Duration::from_nanos(wait)).await;
+            // Checked every CLIENT_POLL: a client that goes away gives its turn back (and
+            // every unit its request took; it is never forwarded).
+            let (signal, until) = (req.inner().signal(), now().saturating_add(wait));
+            loop {
+                let left = until.saturating_sub(now());
+                if left == 0 {
+                    break;
+                }
+                Delay::from(Duration::from_nanos(left.min(CLIENT_POLL))).await;
+                if signal.aborted() {
+                    let all: Vec<usize> = (0..checks.len()).collect();
+                    give_back(&env, &ctx, &checks, &all, &decisions, &charged, t, timeout);
+                    with(|i| i.metrics.queue_abandoned += 1);
+                    return Ok(Response::empty()?.with_status(499));
+                }
+            }
         }
         let response = forward(req, &env, &reply.headers).await.or_else(|e| bad_gateway(&e));
         // Its concurrency slots are given back once its response has completed (its body
@@ -594,6 +594,40 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         response
     } else {
         reply_response(&reply)
+    }
+}
+
+/// How often a request waiting its leaky-bucket turn looks whether its client went away.
+const CLIENT_POLL: Nanos = 50 * MS;
+
+/// Gives back what checks `which` took at `t`: to their objects (in the background), the
+/// isolate's grants, or the isolate's fallback that decided them.
+#[allow(clippy::too_many_arguments)]
+fn give_back(
+    env: &Env,
+    ctx: &Context,
+    checks: &[Check],
+    which: &[usize],
+    decisions: &[std::result::Result<ratewall_core::Decision, StoreError>],
+    charged: &[Option<Answer>],
+    t: Nanos,
+    timeout: Duration,
+) {
+    let (refunding, grant_refunds) = refund_calls(checks, which, charged);
+    with(|i| {
+        for (key, cost) in &grant_refunds {
+            i.grants.refund(key, *cost, t);
+        }
+        for c in decided_locally(checks, which, decisions, charged) {
+            i.fallback.refund(c, t);
+        }
+    });
+    if !refunding.is_empty() {
+        let env = env.clone();
+        ctx.wait_until(async move {
+            let calls = refunding.iter().map(|(key, call)| call_object(&env, key, *call, timeout));
+            join_all(calls).await;
+        });
     }
 }
 
