@@ -410,6 +410,11 @@ impl BlockedCache {
         self.entries.insert(key.to_vec(), Blocked { at: now, until: now.saturating_add(retry), cost, decision });
     }
 
+    /// Forgets `key`'s denial: units went back to its counter from this isolate.
+    pub fn forget(&mut self, key: &[u8]) {
+        self.entries.remove(key);
+    }
+
     /// Entries held.
     pub fn len(&self) -> usize {
         self.entries.len()
@@ -917,6 +922,10 @@ mod tests {
         let allowed = Decision { allowed: true, retry_after: None, ..denied };
         cache.insert(b"ok", 0, 1, allowed);
         assert!(cache.get(b"ok", 0, 1).is_none());
+        // Units given back to a counter (a queued request whose client left): ask again.
+        cache.insert(b"back", 0, 1, denied);
+        cache.forget(b"back");
+        assert!(cache.get(b"back", SECOND / 2, 1).is_none());
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::edge::{
 use futures_util::future::{join, join_all, select, Either};
 use ratewall_core::eval::{combine, Check, Outcome, Skip, StoreError};
 use ratewall_core::{render, Config, Nanos, Reply, SECOND};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Duration;
 use worker::wasm_bindgen::JsValue;
@@ -525,7 +525,9 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let (outcome, refunds) = combine(&config, &checks, &decisions);
     // Units taken by rules that allowed a request another rule rejected go back. The client
     // gets its 429 without waiting for that.
-    give_back(&env, &ctx, &checks, &refunds, &decisions, &charged, t, timeout);
+    if !refunds.is_empty() {
+        ctx.wait_until(give_back(&env, &checks, &refunds, &decisions, &charged, t, timeout));
+    }
     if use_cache {
         // Denials until the counter's retry time (not those until the isolate's next grant).
         with(|i| {
@@ -545,21 +547,31 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         // A leaky bucket's queued request waits its turn, then goes.
         let wait = wait_of(&config, &checks, &decisions);
         if wait > 0 {
-            // Checked every CLIENT_POLL: a client that goes away gives its turn back (and
-            // every unit its request took; it is never forwarded).
-            let (signal, until) = (req.inner().signal(), now().saturating_add(wait));
-            loop {
-                let left = until.saturating_sub(now());
-                if left == 0 {
-                    break;
+            // While it waits, a task that outlives the request (the client may leave, ending
+            // it) looks every CLIENT_POLL whether the client went away: if so the request
+            // gives its turn back, and every unit it took, and is not forwarded.
+            let (signal, until, gone) = (req.inner().signal(), now().saturating_add(wait), Rc::new(Cell::new(false)));
+            let (watch, env2) = (gone.clone(), env.clone());
+            let all: Vec<usize> = (0..checks.len()).collect();
+            let (checks, decisions, charged) = (checks.clone(), decisions.clone(), charged.clone());
+            ctx.wait_until(async move {
+                loop {
+                    let left = until.saturating_sub(now());
+                    if left == 0 {
+                        return;
+                    }
+                    Delay::from(Duration::from_nanos(left.min(CLIENT_POLL))).await;
+                    if signal.aborted() && !watch.get() {
+                        watch.set(true);
+                        with(|i| i.metrics.queue_abandoned += 1);
+                        give_back(&env2, &checks, &all, &decisions, &charged, t, timeout).await;
+                        return;
+                    }
                 }
-                Delay::from(Duration::from_nanos(left.min(CLIENT_POLL))).await;
-                if signal.aborted() {
-                    let all: Vec<usize> = (0..checks.len()).collect();
-                    give_back(&env, &ctx, &checks, &all, &decisions, &charged, t, timeout);
-                    with(|i| i.metrics.queue_abandoned += 1);
-                    return Ok(Response::empty()?.with_status(499));
-                }
+            });
+            Delay::from(Duration::from_nanos(wait)).await;
+            if gone.get() {
+                return Ok(Response::empty()?.with_status(499));
             }
         }
         let response = forward(req, &env, &reply.headers).await.or_else(|e| bad_gateway(&e));
@@ -600,19 +612,18 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
 /// How often a request waiting its leaky-bucket turn looks whether its client went away.
 const CLIENT_POLL: Nanos = 50 * MS;
 
-/// Gives back what checks `which` took at `t`: to their objects (in the background), the
-/// isolate's grants, or the isolate's fallback that decided them.
-#[allow(clippy::too_many_arguments)]
+/// Gives back what checks `which` took at `t`: at once to the isolate's grants, or to the
+/// isolate's fallback that decided them, forgetting their counters' cached denials (the units
+/// came back); the returned future gives the objects theirs.
 fn give_back(
     env: &Env,
-    ctx: &Context,
     checks: &[Check],
     which: &[usize],
     decisions: &[std::result::Result<ratewall_core::Decision, StoreError>],
     charged: &[Option<Answer>],
     t: Nanos,
     timeout: Duration,
-) {
+) -> impl std::future::Future<Output = ()> + 'static {
     let (refunding, grant_refunds) = refund_calls(checks, which, charged);
     with(|i| {
         for (key, cost) in &grant_refunds {
@@ -621,13 +632,14 @@ fn give_back(
         for c in decided_locally(checks, which, decisions, charged) {
             i.fallback.refund(c, t);
         }
+        for c in which.iter().filter_map(|&n| checks.get(n)) {
+            i.cache.forget(&c.key);
+        }
     });
-    if !refunding.is_empty() {
-        let env = env.clone();
-        ctx.wait_until(async move {
-            let calls = refunding.iter().map(|(key, call)| call_object(&env, key, *call, timeout));
-            join_all(calls).await;
-        });
+    let env = env.clone();
+    async move {
+        let calls = refunding.iter().map(|(key, call)| call_object(&env, key, *call, timeout));
+        join_all(calls).await;
     }
 }
 
