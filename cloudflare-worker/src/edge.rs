@@ -98,6 +98,11 @@ impl Rules {
         }
     }
 
+    /// Whether `doc` is the text of the rules in force.
+    pub fn in_force(&self, doc: &str) -> bool {
+        self.config.is_some() && self.source == doc
+    }
+
     /// The rules in force, if a good document was ever loaded.
     pub fn current(&self) -> Option<Rc<Config>> {
         self.config.clone()

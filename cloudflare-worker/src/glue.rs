@@ -42,6 +42,10 @@ struct Isolate {
     rules: Rules,
     var_loaded: bool,
     kv_next: Nanos,
+    /// The rules in force came from KV (its `rules` key, or [`LAST_GOOD_KEY`]).
+    kv_in_force: bool,
+    /// What this isolate made sure [`LAST_GOOD_KEY`] holds (`Some(None)`: nothing).
+    last_good: Option<Option<String>>,
     cache: BlockedCache,
     fallback: LocalFallback,
     grants: Grants,
@@ -68,6 +72,8 @@ thread_local! {
             rules: Rules::default(),
             var_loaded: false,
             kv_next: 0,
+            kv_in_force: false,
+            last_good: None,
             cache: BlockedCache::new(10_000),
             fallback: LocalFallback::new(10_000),
             grants: Grants::new(node, 10_000),
@@ -138,25 +144,71 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
         if let Ok(kv) = env.kv("RATEWALL_KV") {
             // Read on a request's path, so with a deadline: a KV read that hangs must not hold
             // the request (the rules in force stay, and the next refresh reads again).
-            let read = Box::pin(async move { kv.get("rules").text().await });
-            match select(read, Delay::from(object_timeout(env))).await {
-                Either::Left((Ok(Some(doc)), _)) => load_rules(&doc, "KV RATEWALL_KV/rules"),
+            match within(env, kv.get("rules").text()).await {
+                Some(Ok(Some(doc))) => {
+                    load_rules(&doc, "KV RATEWALL_KV/rules");
+                    if with(|i| i.rules.in_force(&doc)) {
+                        with(|i| i.kv_in_force = true);
+                        keep_last_good(env, &kv, Some(doc)).await;
+                    } else if !with(|i| i.kv_in_force) {
+                        // A bad document, and this isolate never had KV's rules in force (it
+                        // started since): the last document of `rules` that loaded, if any.
+                        if let Some(Ok(Some(good))) = within(env, kv.get(LAST_GOOD_KEY).text()).await {
+                            load_rules(&good, "KV RATEWALL_KV/rules.last_good");
+                            if with(|i| i.rules.in_force(&good)) {
+                                with(|i| i.kv_in_force = true);
+                            }
+                        }
+                    }
+                }
                 // The key was removed: the deploy-time var is in force again.
-                Either::Left((Ok(None), _)) => {
+                Some(Ok(None)) => {
                     if let Some(doc) = &from_var {
                         load_rules(doc, "var RATEWALL_RULES");
                     }
+                    with(|i| i.kv_in_force = false);
+                    keep_last_good(env, &kv, None).await;
                 }
-                Either::Left((Err(e), _)) => {
+                Some(Err(e)) => {
                     console_error!("ratewall: reading rules from KV failed ({e}); the rules in force stay")
                 }
-                Either::Right(_) => {
-                    console_error!("ratewall: reading rules from KV took too long; the rules in force stay")
-                }
+                None => console_error!("ratewall: reading rules from KV took too long; the rules in force stay"),
             }
         }
     }
     with(|i| i.rules.current())
+}
+
+/// The `RATEWALL_KV` key holding the last document of `rules` that loaded, so that an isolate
+/// starting while `rules` holds a bad document keeps the last good rules, not the var's.
+const LAST_GOOD_KEY: &str = "rules.last_good";
+
+/// A KV operation with the objects' deadline (`None`: it took too long).
+async fn within<T>(env: &Env, op: impl std::future::Future<Output = T>) -> Option<T> {
+    match select(Box::pin(op), Delay::from(object_timeout(env))).await {
+        Either::Left((v, _)) => Some(v),
+        Either::Right(_) => None,
+    }
+}
+
+/// Makes sure [`LAST_GOOD_KEY`] holds `good` (`None`: the `rules` key is gone, and so goes
+/// the last good copy): read, and written only when it differs, once per change per isolate.
+async fn keep_last_good(env: &Env, kv: &worker::kv::KvStore, good: Option<String>) {
+    if with(|i| i.last_good.as_ref() == Some(&good)) {
+        return;
+    }
+    let Some(Ok(held)) = within(env, kv.get(LAST_GOOD_KEY).text()).await else { return };
+    let written = match (&good, held == good) {
+        (_, true) => true,
+        (Some(doc), false) => match kv.put(LAST_GOOD_KEY, doc.as_str()) {
+            Ok(put) => matches!(within(env, put.execute()).await, Some(Ok(()))),
+            Err(_) => false,
+        },
+        (None, false) => matches!(within(env, kv.delete(LAST_GOOD_KEY)).await, Some(Ok(()))),
+    };
+    if written {
+        with(|i| i.last_good = Some(good));
+    }
 }
 
 /// One call to a counter object, with a deadline.

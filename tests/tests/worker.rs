@@ -206,6 +206,13 @@ fn rules_reload_from_kv_and_a_bad_document_keeps_the_last_good_rules() {
     assert!(w.log().contains("rules[0].key"), "the error names the field:\n{}", w.log());
     assert_eq!(statuses(&w, "GET", "/any", &[("x-user-id", "frank")], 2), [200, 429], "the last good rules stay");
     assert!(w.metric("ratewall_rules_rejected") >= 1);
+    // A new isolate, started while KV holds the bad document, takes the last good one too
+    // (not the var's, which would admit 3 on /u/*).
+    let mut w = w;
+    w.restart().unwrap();
+    let kv_rule = || ratelimit(&w.request("GET", "/u/x", &[("x-user-id", "probe3")], &[])).first().map(|p| p.0.clone());
+    assert_eq!(kv_rule().as_deref(), Some("kv"), "{}", w.log());
+    assert_eq!(statuses(&w, "GET", "/u/x", &[("x-user-id", "gail")], 2), [200, 429]);
 }
 
 #[test]
