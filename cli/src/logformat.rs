@@ -681,13 +681,19 @@ fn read_json<'a>(wanted: &Wanted, line: &'a [u8]) -> Result<Entry<'a>, String> {
     })
 }
 
-/// A time as a JSON line writes it: a string (RFC 3339) or a number (epoch seconds).
+/// A time as a JSON line writes it: a number of seconds since the epoch, or a string of RFC
+/// 3339 or of seconds since the epoch (`"1796119200.250"`).
 pub fn json_time(text: &str) -> Option<Nanos> {
     if text.starts_with('"') {
         let s: Cow<'_, str> = serde_json::from_str::<CowStr<'_>>(text).ok()?.0;
-        return rfc3339(s.as_bytes());
+        return time_string(&s);
     }
     epoch_seconds(text.as_bytes())
+}
+
+/// A time a JSON line writes as a string: RFC 3339, or seconds since the epoch.
+pub fn time_string(s: &str) -> Option<Nanos> {
+    epoch_seconds(s.as_bytes()).or_else(|| rfc3339(s.as_bytes()))
 }
 
 /// A string borrowed from the input when it has no escapes.
