@@ -76,7 +76,10 @@ fn clock(now: Nanos, ts: Nanos) -> Option<Nanos> {
 /// One rule's counts.
 #[derive(Default)]
 struct Counts {
+    /// Requests the rule let through: counted and allowed, or on a plan it leaves unlimited.
     allowed: u64,
+    /// Of `allowed`, the requests whose plan the rule leaves unlimited (counted by no limit).
+    unlimited: u64,
     rejected: u64,
     shadow_rejected: u64,
     unkeyed: u64,
@@ -612,6 +615,13 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
                         Tally::Failed(_) => {}
                     }
                 }
+                // A plan the rule leaves unlimited: the rule lets the request through.
+                for (rule, _) in skipped.iter().filter(|(_, why)| *why == Skip::Unlimited) {
+                    if let Some(c) = counts.get_mut(*rule) {
+                        c.allowed += 1;
+                        c.unlimited += 1;
+                    }
+                }
             }
             counters.sweep(now.saturating_sub(REORDER_SLACK));
             if progress && lines / 100_000 != (lines - batch.recs.len() as u64) / 100_000 {
@@ -667,7 +677,7 @@ fn report(o: &Options<'_>, config: &Config, counts: &[Counts], totals: (u64, u64
             .map(|(r, c)| {
                 let keys: Vec<Value> =
                     top_of(c, o.top).into_iter().map(|(k, n)| json!({"key": k, "rejected": n})).collect();
-                let mut v = json!({"name": r.name, "allowed": c.allowed, "rejected": c.rejected,
+                let mut v = json!({"name": r.name, "allowed": c.allowed, "unlimited": c.unlimited, "rejected": c.rejected,
                                    "shadow_rejected": c.shadow_rejected, "unkeyed": c.unkeyed, "top_rejected_keys": keys});
                 if c.pruned {
                     v["top_rejected_keys_approximate"] = json!(true);
@@ -689,7 +699,9 @@ fn report(o: &Options<'_>, config: &Config, counts: &[Counts], totals: (u64, u64
         } else {
             String::new()
         };
-        say!("- {}: allowed {}, rejected {}{shadow}, unkeyed {}", r.name, c.allowed, c.rejected, c.unkeyed);
+        let unlimited =
+            if c.unlimited > 0 { format!(" ({} on an unlimited plan)", c.unlimited) } else { String::new() };
+        say!("- {}: allowed {}{unlimited}, rejected {}{shadow}, unkeyed {}", r.name, c.allowed, c.rejected, c.unkeyed);
         if c.pruned {
             say!("    (more than {MAX_KEYS} keys rejected: the least rejected were not tracked)");
         }

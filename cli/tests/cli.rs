@@ -173,6 +173,34 @@ fn replay_counts_on_the_logs_own_clock() {
 }
 
 #[test]
+fn replay_counts_the_requests_of_an_unlimited_plan_as_allowed() {
+    let rules = root("examples/rules.json");
+    let line = |ts: u64, plan: &str| {
+        format!("{{\"ts\": {ts}, \"path\": \"/v1/items\", \"headers\": {{\"x-api-key\": \"k1\", \"x-plan\": \"{plan}\"}}}}\n")
+    };
+    let log: String =
+        (0..3).map(|i| line(1_796_119_200 + i, "internal")).chain([line(1_796_119_203, "partner")]).collect();
+    let log = temp("plans.jsonl", &log);
+    let o = ratewall(&["replay", "--json", &rules, &log]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let api = &v["rules"][1];
+    assert_eq!(api["name"], "api-key");
+    assert_eq!(
+        (api["allowed"].clone(), api["unlimited"].clone(), api["rejected"].clone(), api["unkeyed"].clone()),
+        (json!(4), json!(3), json!(0), json!(0)),
+        "{v}"
+    );
+    assert_eq!(v["rules"][0]["unlimited"], 0);
+    let o = ratewall(&["replay", &rules, &log]);
+    assert!(
+        stdout(&o).contains("- api-key: allowed 4 (3 on an unlimited plan), rejected 0, unkeyed 0\n"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
 fn secret_values_show_only_as_the_same_keyed_hash_in_explain_replay_and_the_core() {
     let doc = r#"{"identity": {"api_key": {"header": "x-api-key"}, "hash_key": "a deployment key, 16+"},
         "rules": [{"name": "k", "key": ["api_key"], "limit": {"requests": 1, "per": "1h"}}]}"#;
