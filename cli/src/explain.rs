@@ -57,6 +57,18 @@ impl Parts {
         Request { method, path: &self.path, headers: values, ip: self.ip.as_deref() }
     }
 
+    /// The client address's key as shown: as in [`Parts::key_text`], only as its keyed hash
+    /// when the `ip` dimension is secret.
+    pub fn ip_text(&self, config: &Config) -> Option<String> {
+        let ip = self.ip.as_deref()?;
+        if !config.identity.is_secret(Dimension::Ip) {
+            return Some(ip.to_owned());
+        }
+        let mut out = String::new();
+        ratewall_core::key::push_hashed(&mut out, config.identity.hash_key.hash(ip.as_bytes()));
+        Some(out)
+    }
+
     /// The rule's key as `dimension=value` pairs, shown as everywhere else
     /// ([`ratewall_core::topk::render`] of `Check::key`): secret and overlong values only as
     /// their keyed hash.
@@ -162,12 +174,14 @@ pub fn explain(
         };
         out.push(entry);
     }
+    // A secret client address shows only as its keyed hash, as in the keys.
+    let client_ip = parts.ip_text(&config);
     if as_json {
-        let v = json!({"method": method, "path": parts.path, "client_ip": parts.ip, "rules": out});
+        let v = json!({"method": method, "path": parts.path, "client_ip": client_ip, "rules": out});
         say!("{v}");
         return Ok(());
     }
-    say!("{method} {} (client ip {})", parts.path, parts.ip.as_deref().unwrap_or("unknown"));
+    say!("{method} {} (client ip {})", parts.path, client_ip.as_deref().unwrap_or("unknown"));
     for e in &out {
         let name = e["name"].as_str().unwrap_or("");
         match (e["matches"].as_bool(), e["counted"].as_bool()) {

@@ -230,6 +230,28 @@ fn secret_values_show_only_as_the_same_keyed_hash_in_explain_replay_and_the_core
     );
 }
 
+#[test]
+fn a_secret_client_address_shows_in_explain_only_as_its_keyed_hash() {
+    let rules = temp(
+        "secret-ip.json",
+        r#"{"identity": {"user": {"header": "x-user-id"}, "ip": {"secret": true}, "hash_key": "a deployment key, 16+"},
+            "rules": [{"name": "per-ip", "key": ["ip"], "limit": {"requests": 1, "per": "1s"}}]}"#,
+    );
+    let args = ["explain", "--json", &rules, "--path", "/", "--ip", "198.51.100.7"];
+    let o = ratewall(&args);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let key = v["rules"][0]["key"].as_str().unwrap().to_owned();
+    let hash = key.strip_prefix("ip=").unwrap();
+    assert!(hash.starts_with('#') && hash.len() == 9, "{v}");
+    assert_eq!(v["client_ip"], hash, "the address shows as the key shows it");
+    assert!(!stdout(&o).contains("198.51.100"), "{}", stdout(&o));
+    let o = ratewall(&["explain", &rules, "--path", "/", "--ip", "198.51.100.7"]);
+    let out = stdout(&o);
+    assert!(out.starts_with(&format!("GET / (client ip {hash})\n")), "{out}");
+    assert!(!out.contains("198.51.100"), "{out}");
+}
+
 /// A Worker deployment whose rules set neither `identity.hash_key` nor `sync` keys its hashes
 /// by its `RATEWALL_SYNC_SECRET` (else `RATEWALL_ADMIN_TOKEN`): given the same variable, the
 /// CLI shows a value under that deployment's hash — the one filter nodes syncing to it with
