@@ -498,6 +498,37 @@ fn explain_refuses_an_ip_that_is_no_address() {
 }
 
 #[test]
+fn explain_names_the_plan_whose_limit_is_in_force() {
+    let rules = root("examples/rules.json");
+    let explain = |plan: &str, json: bool| {
+        let header = format!("x-plan: {plan}");
+        let mut args = vec!["explain", &rules, "--path", "/v1/items", "-H", "x-api-key: k1", "-H", &header];
+        if json {
+            args.insert(1, "--json");
+        }
+        let o = ratewall(&args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        o
+    };
+    let api = |plan: &str| {
+        let v: Value = serde_json::from_slice(&explain(plan, true).stdout).unwrap();
+        v["rules"][1].clone()
+    };
+    assert_eq!(
+        (api("partner")["plan"].clone(), api("partner")["limit"]["requests"].clone()),
+        (json!("partner"), json!(10000))
+    );
+    assert_eq!((api("gold")["plan"].clone(), api("gold")["limit"]["requests"].clone()), (json!(null), json!(1000)));
+    let internal = api("internal");
+    assert_eq!((internal["counted"].clone(), internal["plan"].clone()), (json!(false), json!("internal")));
+    assert_eq!(internal["why"], "its plan \"internal\" is unlimited under this rule");
+    let text = |plan: &str| stdout(&explain(plan, false));
+    assert!(text("partner").contains(", plan \"partner\" limit 10000 per "), "{}", text("partner"));
+    assert!(text("gold").contains(", default limit 1000 per "), "{}", text("gold"));
+    assert!(text("internal").contains("skips     api-key: its plan \"internal\" is unlimited"), "{}", text("internal"));
+}
+
+#[test]
 fn explain_text_says_a_rules_cost_and_shadow_mode() {
     let rules = temp(
         "cost.json",
