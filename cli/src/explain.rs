@@ -1,6 +1,6 @@
 //! `ratewall explain`: what the rules do with one request.
 
-use crate::describe::{limit_json, limit_text, match_as_written};
+use crate::describe::{limit_as_written, limit_json, limit_text, match_as_written};
 use crate::{load, Failure};
 use ratewall_core::eval::{Check, Request, Skip};
 use ratewall_core::glob::normalize_path;
@@ -160,14 +160,15 @@ pub fn explain(
         let entry = if let Some(why) = mismatch(&doc, i, rule, &method, &parts.path) {
             json!({"name": rule.name, "matches": false, "counted": false, "why": why})
         } else if let Some(c) = check {
-            let limit = limit_text(&c.limit);
+            let written = limit_as_written(&doc, i, plan);
+            let limit = limit_text(&c.limit, written);
             limits.push(match plan {
                 Some(p) => format!("plan {p:?} limit {limit}"),
                 None if !rule.plans.is_empty() => format!("default limit {limit}"),
                 None => format!("limit {limit}"),
             });
             json!({"name": rule.name, "matches": true, "counted": true, "key": parts.key_text(&config, rule),
-                   "counter": hex(&c.key), "plan": plan, "limit": limit_json(&c.limit), "cost": c.cost,
+                   "counter": hex(&c.key), "plan": plan, "limit": limit_json(&c.limit, written), "cost": c.cost,
                    "mode": if rule.mode == ratewall_core::rules::Mode::Shadow { "shadow" } else { "enforce" }})
         } else if skipped.iter().any(|&(r, why)| r == i && why == Skip::Unlimited) {
             let why = format!("its plan {:?} is unlimited under this rule", plan.unwrap_or_default());

@@ -30,6 +30,8 @@ fn check_lists_the_rules_of_a_good_document() {
         "holds-per-user",
         "POST /v1/events/*/holds",
         "burst 200",
+        "limit: 5 per 60s (sliding_window)",
+        "plan partner: 10000 per 60s (sliding_window)",
         "plan internal: unlimited",
         "on store failure closed",
     ] {
@@ -40,8 +42,10 @@ fn check_lists_the_rules_of_a_good_document() {
     assert_eq!(v["valid"], true);
     assert_eq!(
         v["rules"][1]["limit"],
-        json!({"requests": 1000, "per": "1m", "algorithm": "token_bucket", "burst": 200})
+        json!({"requests": 1000, "per": "60s", "algorithm": "token_bucket", "burst": 200}),
+        "per as the document writes it"
     );
+    assert_eq!(v["rules"][1]["plans"]["partner"]["per"], "60s");
     assert_eq!(v["rules"][1]["plans"]["internal"], "unlimited");
     assert_eq!(v["rules"][2]["key"], json!(["ip"]));
 }
@@ -523,8 +527,14 @@ fn explain_names_the_plan_whose_limit_is_in_force() {
     assert_eq!((internal["counted"].clone(), internal["plan"].clone()), (json!(false), json!("internal")));
     assert_eq!(internal["why"], "its plan \"internal\" is unlimited under this rule");
     let text = |plan: &str| stdout(&explain(plan, false));
-    assert!(text("partner").contains(", plan \"partner\" limit 10000 per "), "{}", text("partner"));
-    assert!(text("gold").contains(", default limit 1000 per "), "{}", text("gold"));
+    assert!(
+        text("partner").contains(", plan \"partner\" limit 10000 per 60s (sliding_window)\n"),
+        "{}",
+        text("partner")
+    );
+    assert!(text("gold").contains(", default limit 1000 per 60s (token_bucket, burst 200)\n"), "{}", text("gold"));
+    assert_eq!(api("partner")["limit"]["per"], "60s", "per as the plan writes it");
+    assert_eq!(api("gold")["limit"]["per"], "60s");
     assert!(text("internal").contains("skips     api-key: its plan \"internal\" is unlimited"), "{}", text("internal"));
 }
 
@@ -534,11 +544,15 @@ fn explain_text_says_a_rules_cost_and_shadow_mode() {
         "cost.json",
         r#"{"identity": {"user": {"header": "x-user-id"}},
             "rules": [{"name": "heavy", "key": ["user"], "cost": 5, "limit": {"requests": 10, "per": "1s"}},
-                      {"name": "trial", "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "1s"}}]}"#,
+                      {"name": "trial", "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "1s"}},
+                      {"name": "slots", "key": ["user"], "limit": {"concurrent": 2}},
+                      {"name": "hourly", "key": ["user"], "limit": {"requests": 100, "per": "3600s", "algorithm": "fixed_window"}}]}"#,
     );
     let o = ratewall(&["explain", &rules, "--path", "/x", "-H", "x-user-id: u"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let out = stdout(&o);
     assert!(out.contains("heavy: key user=u, limit 10 per 1s (sliding_window), cost 5\n"), "{out}");
+    assert!(out.contains("slots: key user=u, limit 2 in flight (held at most 1m)\n"), "a default hold_max: {out}");
+    assert!(out.contains("hourly: key user=u, limit 100 per 3600s (fixed_window)\n"), "{out}");
     assert!(out.contains("trial: key user=u, limit 1 per 1s (sliding_window) (shadow: never rejects)\n"), "{out}");
 }
