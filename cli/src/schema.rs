@@ -59,8 +59,15 @@ pub fn schema() -> Value {
             "$schema": {"type": "string", "description": "This schema, for editors (ignored by ratewall)."},
             "identity": {
                 "type": "object",
-                "description": "Where each identity dimension comes from. Default: user (x-user-id), api_key (x-api-key), partner (x-partner-id), plan (x-plan), and ip from the peer address.",
+                "description": "Where each identity dimension comes from: at most 64 header dimensions, ip, and hash_key. Default: user (x-user-id), api_key (x-api-key), partner (x-partner-id), plan (x-plan), and ip from the peer address.",
                 "maxProperties": 66,
+                // 64 header dimensions, and ip and hash_key when present (`MAX_DIMENSIONS`).
+                "if": {"required": ["ip", "hash_key"]},
+                "else": {
+                    "if": {"anyOf": [{"required": ["ip"]}, {"required": ["hash_key"]}]},
+                    "then": {"maxProperties": 65},
+                    "else": {"maxProperties": 64}
+                },
                 "propertyNames": {"pattern": "^[A-Za-z0-9_.-]{1,64}$"},
                 "properties": {
                     "ip": {
@@ -158,10 +165,10 @@ pub fn schema() -> Value {
                     "key": {
                         "type": "array",
                         "minItems": 1,
-                        "maxItems": 64,
+                        "maxItems": 65,
                         "uniqueItems": true,
-                        "description": "The identity dimensions counted together (a composite key when several), e.g. [\"api_key\", \"ip\"].",
-                        "items": {"type": "string"}
+                        "description": "The identity dimensions counted together (a composite key when several), e.g. [\"api_key\", \"ip\"]: ip, or a dimension identity defines.",
+                        "items": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$", "not": {"const": "hash_key"}}
                     },
                     "limit": limit("The default limit."),
                     "algorithm": {"$ref": "#/$defs/algorithm"},

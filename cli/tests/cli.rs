@@ -408,6 +408,8 @@ fn wrong_types_unknown_fields_and_bad_durations_are_rejected_by_both() {
         ("/rules/0/algorithm", json!("leaky")),
         ("/identity/ip/trusted_hops", json!(-1)),
         ("/identity/user/header", json!(["x"])),
+        ("/identity/hash_key", json!({"header": "x-h"})),
+        ("/$schema", json!(5)),
         ("/response/legacy_headers", json!("yes")),
         ("/filter/slots", json!(10)),
         ("/sync/nodes", json!(0)),
@@ -460,6 +462,41 @@ fn wrong_types_unknown_fields_and_bad_durations_are_rejected_by_both() {
         assert!(Config::parse(doc.to_string().as_bytes()).is_err(), "the parser accepted {what}");
         assert!(!v.is_valid(&doc), "the schema accepted {what}");
     }
+}
+
+/// A document whose identity has `headers` header dimensions (and `ip`, `hash_key` when
+/// asked), with one rule keyed on all of its dimensions.
+fn with_dimensions(headers: usize, ip: bool, hash_key: bool) -> Value {
+    let mut identity = serde_json::Map::new();
+    let mut key: Vec<Value> = Vec::new();
+    for i in 0..headers {
+        identity.insert(format!("d{i}"), json!({"header": format!("x-d{i}")}));
+        key.push(json!(format!("d{i}")));
+    }
+    if ip {
+        identity.insert("ip".to_owned(), json!({"trusted_hops": 1}));
+        key.push(json!("ip"));
+    }
+    if hash_key {
+        identity.insert("hash_key".to_owned(), json!("sixteen chars at least"));
+    }
+    json!({"identity": identity, "rules": [{"name": "r", "key": key, "limit": {"requests": 1, "per": "1s"}}]})
+}
+
+#[test]
+fn the_schema_counts_identity_dimensions_and_key_parts_as_the_parser_does() {
+    let v = validator();
+    for (ip, hash_key) in [(false, false), (true, false), (false, true), (true, true)] {
+        let most = with_dimensions(64, ip, hash_key);
+        assert!(Config::parse(most.to_string().as_bytes()).is_ok(), "ip {ip}, hash_key {hash_key}");
+        let errors: Vec<String> = v.iter_errors(&most).map(|e| format!("{e} at {}", e.instance_path)).collect();
+        assert!(errors.is_empty(), "ip {ip}, hash_key {hash_key}: {errors:?}");
+        let over = with_dimensions(65, ip, hash_key);
+        assert!(Config::parse(over.to_string().as_bytes()).is_err(), "ip {ip}, hash_key {hash_key}");
+        assert!(!v.is_valid(&over), "ip {ip}, hash_key {hash_key}");
+    }
+    // A key of every dimension: 64 headers and ip.
+    assert_eq!(with_dimensions(64, true, false)["rules"][0]["key"].as_array().map(Vec::len), Some(65));
 }
 
 #[test]
