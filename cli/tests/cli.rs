@@ -352,7 +352,7 @@ fn good_documents() -> Vec<Value> {
     for cluster in ["127.0.0.1:8090", "ratewall-store.internal:80", "[::1]:8090", "outbound|8090||store.svc"] {
         docs.push(json!({"rules": [], "sync": {"cluster": cluster, "secret": "0123456789abcdef"}}));
     }
-    for algorithm in ["token_bucket", "sliding_window", "fixed_window", "sliding_log"] {
+    for algorithm in ["token_bucket", "sliding_window", "fixed_window", "sliding_log", "leaky_bucket"] {
         docs.push(json!({"rules": [{"name": "r", "key": ["api_key"], "algorithm": algorithm, "limit": {"requests": 7, "per": "7s"}}],
                          "filter": {"hash_seed": 42}}));
     }
@@ -366,6 +366,154 @@ fn every_document_the_parser_accepts_the_schema_accepts() {
         Config::parse(doc.to_string().as_bytes()).unwrap_or_else(|e| panic!("the parser refused {doc}: {e}"));
         let errors: Vec<String> = v.iter_errors(&doc).map(|e| format!("{e} at {}", e.instance_path)).collect();
         assert!(errors.is_empty(), "the schema refused {doc}: {errors:?}");
+    }
+}
+
+/// A document of one rule: `name` r keyed on `user` with `rule`'s fields (the default identity).
+fn one_rule(rule: Value) -> Value {
+    let mut r = json!({"name": "r", "key": ["user"]});
+    r.as_object_mut().unwrap().extend(rule.as_object().unwrap().clone());
+    json!({"rules": [r]})
+}
+
+/// Documents at the edges of what the parser takes: each algorithm's burst and delay, a
+/// rule's algorithm under its limits' own, the largest numbers.
+fn edge_documents() -> Vec<Value> {
+    let mut docs = vec![
+        one_rule(json!({"limit": {"requests": 5, "per": "1s", "burst": 10, "delay": 3, "algorithm": "leaky_bucket"}})),
+        one_rule(json!({"limit": {"requests": 5, "per": "1s", "burst": 0, "delay": 0, "algorithm": "leaky_bucket"}})),
+        one_rule(
+            json!({"limit": {"requests": 5, "per": "1s", "burst": 4_294_967_294_u64}, "algorithm": "leaky_bucket"}),
+        ),
+        one_rule(json!({"limit": {"requests": 5, "per": "060s", "burst": 1, "delay": 0}})),
+        one_rule(json!({"limit": {"requests": 5, "per": "1s", "delay": 0, "algorithm": "sliding_window"}})),
+        one_rule(json!({"limit": {"requests": 10000, "per": "1d"}, "algorithm": "sliding_log",
+                        "plans": {"gold": {"requests": 100_000, "per": "1s", "burst": 9, "algorithm": "token_bucket"},
+                                  "free": "unlimited", "trial": {"requests": 10000, "per": "1h"}}})),
+        one_rule(
+            json!({"limit": {"requests": 100, "per": "1m"}, "algorithm": "fixed_window", "plans": {"free": "unlimited"}}),
+        ),
+        one_rule(json!({"limit": {"concurrent": 10000, "hold_max": "1h"}, "plans": {"gold": {"concurrent": 1}}})),
+        one_rule(json!({"limit": {"requests": 4_294_967_295_u64, "per": "1s"}, "cost": 4_294_967_295_u64})),
+        one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "match": {"path": format!("/{}", "a".repeat(1023))}})),
+        one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "key": ["user", "api_key", "partner", "plan", "ip"]})),
+    ];
+    let mut seeded = one_rule(json!({"limit": {"requests": 1, "per": "1s"}}));
+    set(&mut seeded, "/filter/hash_seed", json!(u64::MAX));
+    docs.push(seeded);
+    docs
+}
+
+#[test]
+fn the_schema_takes_what_the_parser_takes_at_the_edges() {
+    let v = validator();
+    for doc in edge_documents() {
+        Config::parse(doc.to_string().as_bytes()).unwrap_or_else(|e| panic!("the parser refused {doc}: {e}"));
+        let errors: Vec<String> = v.iter_errors(&doc).map(|e| format!("{e} at {}", e.instance_path)).collect();
+        assert!(errors.is_empty(), "the schema refused {doc}: {errors:?}");
+    }
+}
+
+#[test]
+fn the_schema_refuses_what_the_parser_refuses_of_algorithms_durations_and_bounds() {
+    let v = validator();
+    let limit = |l: Value| one_rule(json!({"limit": l}));
+    let mut cases: Vec<(&str, Value)> = vec![
+        ("a zero per", limit(json!({"requests": 1, "per": "0s"}))),
+        ("a zero per in ms", limit(json!({"requests": 1, "per": "0ms"}))),
+        ("a zero per of zeros", limit(json!({"requests": 1, "per": "000m"}))),
+        ("a zero hold_max", limit(json!({"concurrent": 1, "hold_max": "0s"}))),
+        ("a query in a path", one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "match": {"path": "/a?b"}}))),
+        ("a fragment in a path", one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "match": {"path": "/a#b"}}))),
+        (
+            "a path over 1,024 bytes",
+            one_rule(
+                json!({"limit": {"requests": 1, "per": "1s"}, "match": {"path": format!("/{}", "a".repeat(1024))}}),
+            ),
+        ),
+        (
+            "a cost over 4,294,967,295",
+            one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "cost": 4_294_967_296_u64})),
+        ),
+        ("burst over 4,294,967,295", limit(json!({"requests": 1, "per": "1s", "burst": 4_294_967_296_u64}))),
+        (
+            "a leaky bucket's burst of 4,294,967,295",
+            limit(json!({"requests": 1, "per": "1s", "burst": 4_294_967_295_u64, "algorithm": "leaky_bucket"})),
+        ),
+        ("sliding_log over 10,000", limit(json!({"requests": 10001, "per": "1s", "algorithm": "sliding_log"}))),
+        (
+            "a rule's sliding_log over 10,000",
+            one_rule(json!({"limit": {"requests": 10001, "per": "1s"}, "algorithm": "sliding_log"})),
+        ),
+        (
+            "a plan's sliding_log over 10,000",
+            one_rule(
+                json!({"limit": {"requests": 1, "per": "1s"}, "algorithm": "sliding_log", "plans": {"gold": {"requests": 10001, "per": "1s"}}}),
+            ),
+        ),
+        (
+            "burst with sliding_window",
+            limit(json!({"requests": 1, "per": "1s", "burst": 2, "algorithm": "sliding_window"})),
+        ),
+        (
+            "burst 0 with sliding_window",
+            limit(json!({"requests": 1, "per": "1s", "burst": 0, "algorithm": "sliding_window"})),
+        ),
+        (
+            "burst with a rule's fixed_window",
+            one_rule(json!({"limit": {"requests": 1, "per": "1s", "burst": 2}, "algorithm": "fixed_window"})),
+        ),
+        (
+            "burst in a plan of a rule's sliding_log",
+            one_rule(
+                json!({"limit": {"requests": 1, "per": "1s"}, "algorithm": "sliding_log", "plans": {"gold": {"requests": 1, "per": "1s", "burst": 3}}}),
+            ),
+        ),
+        (
+            "delay with token_bucket",
+            limit(json!({"requests": 1, "per": "1s", "burst": 5, "delay": 1, "algorithm": "token_bucket"})),
+        ),
+        ("delay without an algorithm", limit(json!({"requests": 1, "per": "1s", "delay": 1}))),
+        ("delay with a burst and no algorithm", limit(json!({"requests": 1, "per": "1s", "burst": 5, "delay": 1}))),
+        (
+            "delay with a rule's fixed_window",
+            one_rule(json!({"limit": {"requests": 1, "per": "1s", "delay": 2}, "algorithm": "fixed_window"})),
+        ),
+        ("burst 0 without an algorithm", limit(json!({"requests": 1, "per": "1s", "burst": 0}))),
+        (
+            "burst 0 with a rule's token_bucket",
+            one_rule(json!({"limit": {"requests": 1, "per": "1s", "burst": 0}, "algorithm": "token_bucket"})),
+        ),
+        (
+            "a concurrent limit under a rule's algorithm",
+            one_rule(json!({"limit": {"concurrent": 1}, "algorithm": "token_bucket"})),
+        ),
+        (
+            "a concurrent plan under a rule's algorithm",
+            one_rule(
+                json!({"limit": {"requests": 1, "per": "1s"}, "algorithm": "sliding_window", "plans": {"gold": {"concurrent": 1}}}),
+            ),
+        ),
+        (
+            "a key dimension the default identity has not",
+            one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "key": ["nobody"]})),
+        ),
+    ];
+    let mut hash_key = one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "key": ["hash_key"]}));
+    set(&mut hash_key, "/identity", json!({"user": {"header": "x-user-id"}, "hash_key": "sixteen chars at least"}));
+    cases.push(("hash_key as a key dimension", hash_key));
+    let mut no_plan = one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "plans": {"gold": "unlimited"}}));
+    set(&mut no_plan, "/identity", json!({"user": {"header": "x-user-id"}}));
+    cases.push(("plans without a plan dimension", no_plan));
+    let mut seeded = one_rule(json!({"limit": {"requests": 1, "per": "1s"}}));
+    set(&mut seeded, "/filter/hash_seed", json!(-1));
+    cases.push(("a negative hash_seed", seeded));
+    let mut synced = one_rule(json!({"limit": {"requests": 1, "per": "1s"}}));
+    set(&mut synced, "/sync", json!({"cluster": "store", "secret": "0123456789abcdef", "interval": "0ms"}));
+    cases.push(("a zero sync interval", synced));
+    for (what, doc) in cases {
+        assert!(Config::parse(doc.to_string().as_bytes()).is_err(), "the parser accepted {what}: {doc}");
+        assert!(!v.is_valid(&doc), "the schema accepted {what}: {doc}");
     }
 }
 
