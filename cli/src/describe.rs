@@ -7,8 +7,8 @@ use ratewall_core::Config;
 use serde_json::{json, Value};
 use std::path::Path;
 
-/// A duration as the rules document writes it (`60s`, `1h`, `100ms`), in the largest unit
-/// that divides it.
+/// A duration in the rules document's terms (`1m`, `1h`, `100ms`), in the largest unit that
+/// divides it: for one the document does not write (a default `hold_max`).
 pub fn duration(ns: Nanos) -> String {
     const UNITS: [(Nanos, &str); 5] = [
         (86_400_000_000_000, "d"),
@@ -25,12 +25,31 @@ pub fn duration(ns: Nanos) -> String {
     format!("{ns}ns")
 }
 
-/// A limit in words: `5 per 60s`, with its burst and algorithm.
-pub fn limit_text(l: &Limit) -> String {
-    if l.algorithm() == Algorithm::Concurrent {
-        return format!("{} in flight (held at most {})", l.requests(), duration(l.per()));
+/// A limit's period (`per`, a concurrent limit's `hold_max`) as the document writes it
+/// (`60s` stays `60s`), from `written`, the limit's object in the document
+/// ([`limit_as_written`]); one it does not write in the largest unit that divides it.
+pub fn period(l: &Limit, written: &Value) -> String {
+    let field = if l.algorithm() == Algorithm::Concurrent { "hold_max" } else { "per" };
+    written[field].as_str().map_or_else(|| duration(l.per()), str::to_owned)
+}
+
+/// The object of the document that writes rule `i`'s limit for `plan` (`None`: its default
+/// limit).
+pub fn limit_as_written<'a>(doc: &'a Value, i: usize, plan: Option<&str>) -> &'a Value {
+    let rule = &doc["rules"][i];
+    match plan {
+        Some(p) => &rule["plans"][p],
+        None => &rule["limit"],
     }
-    let mut s = format!("{} per {} ({}", l.requests(), duration(l.per()), l.algorithm().as_str());
+}
+
+/// A limit in words: `5 per 60s`, with its burst and algorithm (`written`: its object in the
+/// document, [`limit_as_written`]).
+pub fn limit_text(l: &Limit, written: &Value) -> String {
+    if l.algorithm() == Algorithm::Concurrent {
+        return format!("{} in flight (held at most {})", l.requests(), period(l, written));
+    }
+    let mut s = format!("{} per {} ({}", l.requests(), period(l, written), l.algorithm().as_str());
     match (l.algorithm(), l.burst()) {
         (Algorithm::LeakyBucket, Some(b)) => s.push_str(&format!(", burst {b}, delay {}", l.delay())),
         (_, Some(b)) => s.push_str(&format!(", burst {b}")),
@@ -40,12 +59,13 @@ pub fn limit_text(l: &Limit) -> String {
     s
 }
 
-/// A limit as JSON, in the document's terms.
-pub fn limit_json(l: &Limit) -> Value {
+/// A limit as JSON, in the document's terms (`written`: its object in the document,
+/// [`limit_as_written`]).
+pub fn limit_json(l: &Limit, written: &Value) -> Value {
     if l.algorithm() == Algorithm::Concurrent {
-        return json!({"concurrent": l.requests(), "hold_max": duration(l.per())});
+        return json!({"concurrent": l.requests(), "hold_max": period(l, written)});
     }
-    let mut v = json!({"requests": l.requests(), "per": duration(l.per()), "algorithm": l.algorithm().as_str()});
+    let mut v = json!({"requests": l.requests(), "per": period(l, written), "algorithm": l.algorithm().as_str()});
     if let Some(b) = l.burst() {
         v["burst"] = json!(b);
     }
@@ -121,7 +141,7 @@ pub fn rule_json(doc: &Value, config: &Config, i: usize, r: &Rule) -> Value {
         .iter()
         .map(|(name, l)| {
             let v = match l {
-                PlanLimit::Limited(l) => limit_json(l),
+                PlanLimit::Limited(l) => limit_json(l, limit_as_written(doc, i, Some(name))),
                 PlanLimit::Unlimited => json!("unlimited"),
             };
             (name.clone(), v)
@@ -131,7 +151,7 @@ pub fn rule_json(doc: &Value, config: &Config, i: usize, r: &Rule) -> Value {
         "name": r.name,
         "match": {"path": path, "methods": methods},
         "key": key_names(config, r),
-        "limit": limit_json(&r.limit),
+        "limit": limit_json(&r.limit, limit_as_written(doc, i, None)),
         "plans": plans,
         "cost": r.cost,
         "mode": mode(r),
@@ -175,12 +195,14 @@ pub fn check(path: &Path, as_json: bool) -> Result<(), Failure> {
         say!("    key:   {}", key_names_marked(&config, r).join(" + "));
         say!(
             "    limit: {}{}",
-            limit_text(&r.limit),
+            limit_text(&r.limit, limit_as_written(&doc, i, None)),
             if r.cost == 1 { String::new() } else { format!(", cost {}", r.cost) }
         );
         for (name, l) in &r.plans {
             match l {
-                PlanLimit::Limited(l) => say!("    plan {name}: {}", limit_text(l)),
+                PlanLimit::Limited(l) => {
+                    say!("    plan {name}: {}", limit_text(l, limit_as_written(&doc, i, Some(name))))
+                }
                 PlanLimit::Unlimited => say!("    plan {name}: unlimited"),
             }
         }
@@ -209,7 +231,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn durations_read_as_written() {
+    fn a_duration_not_written_reads_in_its_largest_unit() {
         assert_eq!(duration(60_000_000_000), "1m");
         assert_eq!(duration(90_000_000_000), "90s");
         assert_eq!(duration(3_600_000_000_000), "1h");

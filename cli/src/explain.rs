@@ -1,6 +1,6 @@
 //! `ratewall explain`: what the rules do with one request.
 
-use crate::describe::{limit_json, limit_text, match_as_written};
+use crate::describe::{limit_as_written, limit_json, limit_text, match_as_written};
 use crate::{load, Failure};
 use ratewall_core::eval::{Check, Request, Skip};
 use ratewall_core::glob::normalize_path;
@@ -55,6 +55,26 @@ impl Parts {
     /// The core's view of the request (`values`: from [`Parts::header_values`]).
     pub fn request<'a>(&'a self, method: &'a str, values: &'a [Option<&'a [u8]>]) -> Request<'a> {
         Request { method, path: &self.path, headers: values, ip: self.ip.as_deref() }
+    }
+
+    /// The plan whose limit `rule` applies to the request, as the core finds it
+    /// ([`Rule::limit_for`] of the `plan` dimension's value): `None` for the rule's default
+    /// limit (no plan value, or one the rule has no limit of its own for).
+    pub fn plan<'r>(&self, config: &Config, rule: &'r Rule) -> Option<&'r str> {
+        let value = config.identity.header_index("plan").and_then(|i| self.values.get(i)).and_then(|v| v.as_deref())?;
+        rule.plans.iter().find(|(name, _)| name.as_bytes() == value).map(|(name, _)| name.as_str())
+    }
+
+    /// The client address's key as shown: as in [`Parts::key_text`], only as its keyed hash
+    /// when the `ip` dimension is secret.
+    pub fn ip_text(&self, config: &Config) -> Option<String> {
+        let ip = self.ip.as_deref()?;
+        if !config.identity.is_secret(Dimension::Ip) {
+            return Some(ip.to_owned());
+        }
+        let mut out = String::new();
+        ratewall_core::key::push_hashed(&mut out, config.identity.hash_key.hash(ip.as_bytes()));
+        Some(out)
     }
 
     /// The rule's key as `dimension=value` pairs, shown as everywhere else
@@ -132,54 +152,61 @@ pub fn explain(
     let req = parts.request(&method, &values);
     let (checks, skipped) = config.checks_of(&req, &matching);
     let mut out = Vec::new();
+    // Per counted rule, its limit in words (the text report's).
+    let mut limits: Vec<String> = Vec::new();
     for (i, rule) in config.rules.iter().enumerate() {
         let check: Option<&Check> = checks.iter().find(|c| c.rule == i);
+        let plan = parts.plan(&config, rule);
         let entry = if let Some(why) = mismatch(&doc, i, rule, &method, &parts.path) {
             json!({"name": rule.name, "matches": false, "counted": false, "why": why})
         } else if let Some(c) = check {
+            let written = limit_as_written(&doc, i, plan);
+            let limit = limit_text(&c.limit, written);
+            limits.push(match plan {
+                Some(p) => format!("plan {p:?} limit {limit}"),
+                None if !rule.plans.is_empty() => format!("default limit {limit}"),
+                None => format!("limit {limit}"),
+            });
             json!({"name": rule.name, "matches": true, "counted": true, "key": parts.key_text(&config, rule),
-                   "counter": hex(&c.key), "limit": limit_json(&c.limit), "cost": c.cost,
+                   "counter": hex(&c.key), "plan": plan, "limit": limit_json(&c.limit, written), "cost": c.cost,
                    "mode": if rule.mode == ratewall_core::rules::Mode::Shadow { "shadow" } else { "enforce" }})
+        } else if skipped.iter().any(|&(r, why)| r == i && why == Skip::Unlimited) {
+            let why = format!("its plan {:?} is unlimited under this rule", plan.unwrap_or_default());
+            json!({"name": rule.name, "matches": true, "counted": false, "plan": plan, "why": why})
         } else {
-            let why = match skipped.iter().find(|(r, _)| *r == i).map(|(_, w)| *w) {
-                Some(Skip::Unlimited) => "its plan is unlimited under this rule".to_owned(),
-                _ => {
-                    let missing: Vec<String> = rule
-                        .key
-                        .iter()
-                        .filter_map(|d| match d {
-                            Dimension::Header(h) if parts.values.get(*h).is_none_or(Option::is_none) => {
-                                config.identity.headers.get(*h).map(|(n, hdr)| format!("{n} (header {hdr})"))
-                            }
-                            Dimension::Ip if parts.ip.is_none() => Some("ip (no client address)".to_owned()),
-                            _ => None,
-                        })
-                        .collect();
-                    format!("the request has no {}", missing.join(" and "))
-                }
-            };
+            let missing: Vec<String> = rule
+                .key
+                .iter()
+                .filter_map(|d| match d {
+                    Dimension::Header(h) if parts.values.get(*h).is_none_or(Option::is_none) => {
+                        config.identity.headers.get(*h).map(|(n, hdr)| format!("{n} (header {hdr})"))
+                    }
+                    Dimension::Ip if parts.ip.is_none() => Some("ip (no client address)".to_owned()),
+                    _ => None,
+                })
+                .collect();
+            let why = format!("the request has no {}", missing.join(" and "));
             json!({"name": rule.name, "matches": true, "counted": false, "why": why})
         };
         out.push(entry);
     }
+    // A secret client address shows only as its keyed hash, as in the keys.
+    let client_ip = parts.ip_text(&config);
     if as_json {
-        let v = json!({"method": method, "path": parts.path, "client_ip": parts.ip, "rules": out});
+        let v = json!({"method": method, "path": parts.path, "client_ip": client_ip, "rules": out});
         say!("{v}");
         return Ok(());
     }
-    say!("{method} {} (client ip {})", parts.path, parts.ip.as_deref().unwrap_or("unknown"));
+    say!("{method} {} (client ip {})", parts.path, client_ip.as_deref().unwrap_or("unknown"));
+    let mut limits = limits.iter();
     for e in &out {
         let name = e["name"].as_str().unwrap_or("");
         match (e["matches"].as_bool(), e["counted"].as_bool()) {
             (Some(true), Some(true)) => {
-                let limit = checks
-                    .iter()
-                    .find(|c| config.rules.get(c.rule).is_some_and(|r| r.name == name))
-                    .map(|c| limit_text(&c.limit))
-                    .unwrap_or_default();
+                let limit = limits.next().map_or("", String::as_str);
                 let cost = e["cost"].as_u64().filter(|&c| c != 1).map(|c| format!(", cost {c}")).unwrap_or_default();
                 let shadow = if e["mode"] == "shadow" { " (shadow: never rejects)" } else { "" };
-                say!("  counts    {name}: key {}, limit {limit}{cost}{shadow}", e["key"].as_str().unwrap_or(""));
+                say!("  counts    {name}: key {}, {limit}{cost}{shadow}", e["key"].as_str().unwrap_or(""));
                 say!("            counter {}", e["counter"].as_str().unwrap_or(""));
             }
             (Some(true), _) => say!("  skips     {name}: {}", e["why"].as_str().unwrap_or("")),

@@ -169,10 +169,19 @@ pub struct Template {
 impl Template {
     /// Compiles `format` (`name`: what the report calls it). `Err`: why it cannot be read by.
     pub fn compile(name: &str, format: &str, syntax: Syntax, wanted: &Wanted) -> Result<Template, String> {
-        let tokens = match syntax {
+        let format = without_line_end(format);
+        let mut tokens = match syntax {
             Syntax::Nginx => nginx_tokens(format, wanted)?,
             Syntax::Envoy => envoy_tokens(format, wanted)?,
         };
+        // Lines are read without their line end, and white space at a line's end is not
+        // required: what ends the format ends with the last text that is not white space.
+        if let Some(Token::Literal(last)) = tokens.last_mut() {
+            last.truncate(last.trim_ascii_end().len());
+            if last.is_empty() {
+                tokens.pop();
+            }
+        }
         let has = |f: Field| tokens.iter().any(|t| matches!(t, Token::Field(x) if *x == f));
         if !has(Field::Time) {
             return Err("the format has no time ($time_local, $time_iso8601, $msec or %START_TIME%)".to_owned());
@@ -226,7 +235,8 @@ impl Template {
                         Some(Token::Literal(next)) => find(rest, next).ok_or_else(|| {
                             format!("expected {:?} after column {}", String::from_utf8_lossy(next), at + 1)
                         })?,
-                        _ => rest.len(),
+                        // The format's last field: to the line's end, white space after it left.
+                        _ => rest.trim_ascii_end().len(),
                     };
                     let raw = rest.get(..len).unwrap_or_default();
                     at += len;
@@ -307,6 +317,20 @@ impl Template {
         }
         Cow::Owned(out)
     }
+}
+
+/// A format string without the one line end it may close with: Envoy's format strings end
+/// in a newline (its documented default ones do, written `\n` in their YAML), as a real one or
+/// as the two characters `\n` when copied from a configuration; a log's lines are read
+/// without theirs.
+fn without_line_end(format: &str) -> &str {
+    if let Some(f) = format.strip_suffix('\n') {
+        return f.strip_suffix('\r').unwrap_or(f);
+    }
+    if let Some(f) = format.strip_suffix("\\n") {
+        return f.strip_suffix("\\r").unwrap_or(f);
+    }
+    format
 }
 
 fn bad(what: &str, raw: &[u8]) -> String {
@@ -657,13 +681,19 @@ fn read_json<'a>(wanted: &Wanted, line: &'a [u8]) -> Result<Entry<'a>, String> {
     })
 }
 
-/// A time as a JSON line writes it: a string (RFC 3339) or a number (epoch seconds).
+/// A time as a JSON line writes it: a number of seconds since the epoch, or a string of RFC
+/// 3339 or of seconds since the epoch (`"1796119200.250"`).
 pub fn json_time(text: &str) -> Option<Nanos> {
     if text.starts_with('"') {
         let s: Cow<'_, str> = serde_json::from_str::<CowStr<'_>>(text).ok()?.0;
-        return rfc3339(s.as_bytes());
+        return time_string(&s);
     }
     epoch_seconds(text.as_bytes())
+}
+
+/// A time a JSON line writes as a string: RFC 3339, or seconds since the epoch.
+pub fn time_string(s: &str) -> Option<Nanos> {
+    epoch_seconds(s.as_bytes()).or_else(|| rfc3339(s.as_bytes()))
 }
 
 /// A string borrowed from the input when it has no escapes.
@@ -1075,6 +1105,32 @@ mod tests {
         assert!(combined
             .read(&w, br#"1.2.3.4 - - [01/Dec/2026:10:00:00 +0000] "GET / HTTP/1.1" 200 0 "-" "-" 0.004"#)
             .is_ok());
+    }
+
+    #[test]
+    fn a_format_strings_closing_newline_is_not_part_of_a_line() {
+        let w = wanted();
+        // Envoy's documented default format string, as its YAML writes it.
+        let envoy = format!("{ENVOY_DEFAULT}\\n");
+        let line = br#"[2026-12-01T10:00:00.250Z] "GET /x HTTP/2" 200 - 0 1 2 1 "198.51.100.1" "ua" "id" "host" "10.0.0.2:80""#;
+        for text in [
+            envoy.clone(),
+            format!("{ENVOY_DEFAULT}\n"),
+            format!("{ENVOY_DEFAULT}\r\n"),
+            format!("{ENVOY_DEFAULT} \\n"),
+        ] {
+            let f = Template::compile("e", &text, Syntax::Envoy, &w).unwrap().whole_lines();
+            let e = f.read(&w, line).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+            assert_eq!((e.ts, &*e.path), (1_796_119_200_250_000_000, &b"/x"[..]), "{text:?}");
+            assert!(f.read(&w, &[&line[..], b" "].concat()).is_ok(), "white space at a line's end is no field");
+            assert!(f.read(&w, &[&line[..], b" x"].concat()).is_err(), "{text:?}");
+        }
+        let nginx = format!("{NGINX_COMBINED}\n");
+        let f = Template::compile("n", &nginx, Syntax::Nginx, &w).unwrap().whole_lines();
+        assert!(f.read(&w, br#"1.2.3.4 - - [01/Dec/2026:10:00:00 +0000] "GET / HTTP/1.1" 200 0 "-" "-""#).is_ok());
+        // A format ending in a field reads it to the line's end, without the white space after.
+        let f = Template::compile("u", "$msec $request_uri\n", Syntax::Nginx, &w).unwrap().whole_lines();
+        assert_eq!(&*f.read(&w, b"1796119200.5 /a?b \r").unwrap().path, b"/a?b");
     }
 
     #[test]

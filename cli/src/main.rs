@@ -4,8 +4,8 @@
 //!   `ratewall check FILE.yaml` (or a directory of them) validates envoyproxy/ratelimit's
 //!   configuration for `ratewall-store --rls-config` instead: each domain's limits.
 //! - `ratewall explain RULES.json --method M --path P [-H 'name: value']... [--ip A]`: which
-//!   rules match a request, the counter key each would use, the limit in force, and why the
-//!   others do not.
+//!   rules match a request, the counter key each would use, the limit in force (and whose plan
+//!   it is), and why the others do not.
 //! - `ratewall replay RULES.json LOG [--format nginx|envoy|jsonl|auto] [--log-format '…']`:
 //!   an access log (NGINX `combined` or any `log_format`, Envoy's default format or any format
 //!   string, ratewall's JSON lines) through the core on its own clock (no sleeping): per rule

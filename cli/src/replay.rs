@@ -76,7 +76,10 @@ fn clock(now: Nanos, ts: Nanos) -> Option<Nanos> {
 /// One rule's counts.
 #[derive(Default)]
 struct Counts {
+    /// Requests the rule let through: counted and allowed, or on a plan it leaves unlimited.
     allowed: u64,
+    /// Of `allowed`, the requests whose plan the rule leaves unlimited (counted by no limit).
+    unlimited: u64,
     rejected: u64,
     shadow_rejected: u64,
     unkeyed: u64,
@@ -327,11 +330,11 @@ fn json_value_entry<'a>(config: &Config, text: &[u8]) -> Result<Entry<'a>, Strin
     })
 }
 
-/// A log line's time as a JSON value: RFC 3339 (`2026-12-01T10:00:00.250Z`), or a number of
-/// seconds since the epoch (fractions allowed).
+/// A log line's time as a JSON value: RFC 3339 (`2026-12-01T10:00:00.250Z`), or seconds since
+/// the epoch (fractions allowed), a number or a string.
 pub fn timestamp(v: &Value) -> Option<Nanos> {
     match v {
-        Value::String(s) => logformat::rfc3339(s.as_bytes()),
+        Value::String(s) => logformat::time_string(s),
         Value::Number(n) => logformat::epoch_seconds(n.to_string().as_bytes()),
         _ => None,
     }
@@ -612,6 +615,13 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
                         Tally::Failed(_) => {}
                     }
                 }
+                // A plan the rule leaves unlimited: the rule lets the request through.
+                for (rule, _) in skipped.iter().filter(|(_, why)| *why == Skip::Unlimited) {
+                    if let Some(c) = counts.get_mut(*rule) {
+                        c.allowed += 1;
+                        c.unlimited += 1;
+                    }
+                }
             }
             counters.sweep(now.saturating_sub(REORDER_SLACK));
             if progress && lines / 100_000 != (lines - batch.recs.len() as u64) / 100_000 {
@@ -667,7 +677,7 @@ fn report(o: &Options<'_>, config: &Config, counts: &[Counts], totals: (u64, u64
             .map(|(r, c)| {
                 let keys: Vec<Value> =
                     top_of(c, o.top).into_iter().map(|(k, n)| json!({"key": k, "rejected": n})).collect();
-                let mut v = json!({"name": r.name, "allowed": c.allowed, "rejected": c.rejected,
+                let mut v = json!({"name": r.name, "allowed": c.allowed, "unlimited": c.unlimited, "rejected": c.rejected,
                                    "shadow_rejected": c.shadow_rejected, "unkeyed": c.unkeyed, "top_rejected_keys": keys});
                 if c.pruned {
                     v["top_rejected_keys_approximate"] = json!(true);
@@ -689,7 +699,9 @@ fn report(o: &Options<'_>, config: &Config, counts: &[Counts], totals: (u64, u64
         } else {
             String::new()
         };
-        say!("- {}: allowed {}, rejected {}{shadow}, unkeyed {}", r.name, c.allowed, c.rejected, c.unkeyed);
+        let unlimited =
+            if c.unlimited > 0 { format!(" ({} on an unlimited plan)", c.unlimited) } else { String::new() };
+        say!("- {}: allowed {}{unlimited}, rejected {}{shadow}, unkeyed {}", r.name, c.allowed, c.rejected, c.unkeyed);
         if c.pruned {
             say!("    (more than {MAX_KEYS} keys rejected: the least rejected were not tracked)");
         }
@@ -718,6 +730,11 @@ mod tests {
         assert_eq!(t, 1_796_119_200_250_000_000);
         assert_eq!(timestamp(&json!("2026-12-01T11:00:00.250+01:00")), Some(t));
         assert_eq!(timestamp(&json!(1_796_119_200.25)), Some(t));
+        assert_eq!(timestamp(&json!("1796119200.25")), Some(t));
+        assert_eq!(timestamp(&json!("1796119200")), Some(t - 250_000_000));
+        assert_eq!(timestamp(&json!("")), None);
+        assert_eq!(timestamp(&json!("-1")), None);
+        assert_eq!(timestamp(&json!("1.2.3")), None);
         assert_eq!(timestamp(&json!("yesterday")), None);
         assert_eq!(timestamp(&json!(-1)), None);
         assert_eq!(timestamp(&json!(null)), None);
@@ -739,6 +756,9 @@ mod tests {
         for line in [
             r#"{"ts": "2026-12-01T10:00:00.250Z", "path": "/a", "headers": {"X-User-Id": ["1", "2"], "x-api-key": "k\u0031"}}"#,
             r#"{"ts": 1796119200.25, "method": "post", "path": "/a?q", "ip": "198.51.100.7"}"#,
+            r#"{"ts": "1796119200", "path": "/a"}"#,
+            r#"{"ts": "1796119200.123", "path": "/a"}"#,
+            r#"{"ts": "1796119200.123\u0034", "path": "/a"}"#,
             r#"{"ts": 1796119200, "path": "/a", "headers": [["X-User-Id", "u"], ["x-user-id", "v"], ["bad"], 7]}"#,
             r#"{"ts": 1796119200, "path": "/a", "headers": {"x-user-id": "", "X-USER-ID": "w", "x-forwarded-for": ["1.2.3.4", "5.6.7.8"]}}"#,
             r#"{"ts": 1796119200, "path": "/a", "headers": {"x-n": 5, "x-user-id": ["a", 3]}, "extra": {"x": [1]}}"#,
@@ -756,6 +776,9 @@ mod tests {
         // Read from the text, epoch seconds are exact to the nanosecond.
         let e = LogFormat::Jsonl.read(&wanted, br#"{"ts": 1796119200.123456789, "path": "/"}"#).unwrap();
         assert_eq!(e.ts, 1_796_119_200_123_456_789);
+        // Epoch seconds in a string read as in a number.
+        let e = LogFormat::Jsonl.read(&wanted, br#"{"ts": "1796119200.123", "path": "/"}"#).unwrap();
+        assert_eq!(e.ts, 1_796_119_200_123_000_000);
         // A field of another type is for the `Value` reading.
         assert!(LogFormat::Jsonl.read(&wanted, br#"{"ts": 1, "path": 5}"#).is_err());
     }

@@ -4,7 +4,15 @@
 
 use serde_json::{json, Value};
 
-const DURATION: &str = "^[0-9]+(ms|s|m|h|d)$";
+/// A duration above zero (the parser refuses `0s` wherever it takes one); the upper bounds of
+/// each field are in its description.
+const DURATION: &str = "^0*[1-9][0-9]*(ms|s|m|h|d)$";
+
+/// `MAX_REQUESTS`: the most `requests`, `burst`, `delay` and `cost` can be.
+const MAX_REQUESTS: u64 = 4_294_967_295;
+
+/// The algorithms a rate limit may name.
+const ALGORITHMS: [&str; 5] = ["token_bucket", "sliding_window", "fixed_window", "sliding_log", "leaky_bucket"];
 
 /// `sync.cluster` as the parser takes it (`ratewall_core::rules::check_cluster`): an Envoy
 /// cluster name, or a `host:port` ngx_wasm_module can parse.
@@ -15,7 +23,50 @@ const CLUSTER: &str = concat!(
 );
 
 fn duration(description: &str) -> Value {
-    json!({"type": "string", "pattern": DURATION, "description": format!("{description} A whole number and a unit: ms, s, m, h or d (\"100ms\", \"60s\", \"1h\").")})
+    json!({"type": "string", "pattern": DURATION, "description": format!("{description} A whole number above 0 and a unit: ms, s, m, h or d (\"100ms\", \"60s\", \"1h\").")})
+}
+
+/// What a rate limit object may hold when `algorithm` is the one it runs (`None`: no
+/// algorithm written, by the limit or its rule: a token bucket with `burst`, else a sliding
+/// window), as `Limit::new` and `Limit::with_delay` take it: `burst` at least 1 for a token
+/// bucket and none for the windows and the log, `delay` above 0 only for a leaky bucket, at most
+/// 10,000 `requests` for the log.
+fn under(algorithm: Option<&str>) -> Value {
+    let no_delay = json!({"maximum": 0, "description": "Above 0 only for leaky_bucket."});
+    match algorithm {
+        Some("leaky_bucket") => json!({"properties": {"burst": {"maximum": MAX_REQUESTS - 1}}}),
+        Some("sliding_log") => {
+            json!({"properties": {"requests": {"maximum": 10000}, "burst": false, "delay": no_delay}})
+        }
+        Some("sliding_window" | "fixed_window") => json!({"properties": {"burst": false, "delay": no_delay}}),
+        _ => json!({"properties": {"burst": {"minimum": 1}, "delay": no_delay}}),
+    }
+}
+
+/// The name in `$defs` of what a limit holds under `algorithm` (`None`: none named).
+fn def_name(prefix: &str, algorithm: Option<&str>) -> String {
+    format!("{prefix}_{}", algorithm.unwrap_or("default"))
+}
+
+/// A reference to `$defs`' `name`.
+fn def_ref(name: &str) -> Value {
+    json!({"$ref": format!("#/$defs/{name}")})
+}
+
+/// Whether a rule or limit object names `algorithm`.
+fn names(algorithm: &str) -> Value {
+    json!({"required": ["algorithm"], "properties": {"algorithm": {"const": algorithm}}})
+}
+
+/// What a limit of a rule (its `limit`, or a plan's) may hold when the rule names `algorithm`
+/// (`None`: it names none), which the limit runs unless it names its own: [`under`] it; and a
+/// rule that names one has no concurrent limit. A plan's `"unlimited"` passes.
+fn inherited(algorithm: Option<&str>) -> Value {
+    let own = json!({"if": {"type": "object", "not": {"required": ["algorithm"]}}, "then": def_ref(&def_name("as", algorithm))});
+    match algorithm {
+        Some(_) => json!({"allOf": [own, {"not": {"type": "object", "required": ["concurrent"]}}]}),
+        None => own,
+    }
 }
 
 fn limit(description: &str) -> Value {
@@ -25,12 +76,15 @@ fn limit(description: &str) -> Value {
         "additionalProperties": false,
         "required": ["requests", "per"],
         "properties": {
-            "requests": {"type": "integer", "minimum": 1, "maximum": 4_294_967_295_u64, "description": "Units admitted per period (at most 4,294,967,295; 10,000 for sliding_log)."},
-            "per": duration("The period."),
-            "burst": {"type": "integer", "minimum": 0, "description": "Token bucket capacity (at least 1; default: requests; setting it alone selects the token bucket), or how many requests a leaky bucket queues (default 0)."},
-            "delay": {"type": "integer", "minimum": 0, "description": "leaky_bucket only: how many of the queued requests go at once, like NGINX limit_req delay= (default 0, at most burst)."},
+            "requests": {"type": "integer", "minimum": 1, "maximum": MAX_REQUESTS, "description": "Units admitted per period (at most 4,294,967,295; 10,000 for sliding_log)."},
+            "per": duration("The period (1ms to 366d)."),
+            "burst": {"type": "integer", "minimum": 0, "maximum": MAX_REQUESTS, "description": "Token bucket capacity (at least 1; default: requests; setting it alone selects the token bucket), or how many requests a leaky bucket queues (default 0; below 4,294,967,295); no other algorithm takes one. A token bucket refills whole within 100 years (burst × per / requests)."},
+            "delay": {"type": "integer", "minimum": 0, "maximum": MAX_REQUESTS, "description": "leaky_bucket only: how many of the queued requests go at once, like NGINX limit_req delay= (default 0, at most burst)."},
             "algorithm": {"$ref": "#/$defs/algorithm"}
-        }
+        },
+        // Its own algorithm's terms; a rule's algorithm, which it runs when it names none, is
+        // held at the rule.
+        "allOf": ALGORITHMS.iter().map(|a| json!({"if": names(a), "then": def_ref(&def_name("as", Some(a)))})).collect::<Vec<_>>()
     });
     let concurrent = json!({
         "type": "object",
@@ -39,7 +93,7 @@ fn limit(description: &str) -> Value {
         "required": ["concurrent"],
         "properties": {
             "concurrent": {"type": "integer", "minimum": 1, "maximum": 10000, "description": "Requests in flight at once (per proxy in the filter, global in the Worker); over it: 429 with Retry-After: 1."},
-            "hold_max": duration("A slot not given back within this is released anyway (default 60s, at most 1h).")
+            "hold_max": duration("A slot not given back within this is released anyway (default 60s; 1ms to 1h).")
         }
     });
     json!({"description": description, "oneOf": [rate, concurrent]})
@@ -47,20 +101,27 @@ fn limit(description: &str) -> Value {
 
 /// The schema as a value.
 pub fn schema() -> Value {
-    json!({
+    let mut schema = json!({
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://github.com/ratewall/ratewall/rules.schema.json",
         "title": "ratewall rules",
-        "description": "Rate-limit rules for ratewall's proxy-wasm filter, Cloudflare Worker and CLI. Unknown fields are errors, and so is a key repeated in one object.",
+        "description": "Rate-limit rules for ratewall's proxy-wasm filter, Cloudflare Worker and CLI. Unknown fields are errors, and so is a key repeated in one object. ratewall also refuses what this schema cannot say: a key dimension that is neither ip nor one identity defines, two rules of one name, a leaky bucket's delay above its burst, a cost above a limit's capacity, a token bucket that takes over 100 years to refill, durations past their field's range (per at most 366d), a match path over 1,024 bytes, numbers written with a fraction or an exponent (1.0, 1e3), and a document over 1 MiB. Per-plan limits need a plan dimension under identity (the default identity has one).",
         "type": "object",
         "additionalProperties": false,
         "required": ["rules"],
         "properties": {
-            "$schema": {"type": "string", "description": "This schema, for editors (ignored by ratewall)."},
+            "$schema": {"type": "string", "description": "This schema, for editors (a string, which ratewall does not read)."},
             "identity": {
                 "type": "object",
-                "description": "Where each identity dimension comes from. Default: user (x-user-id), api_key (x-api-key), partner (x-partner-id), plan (x-plan), and ip from the peer address.",
+                "description": "Where each identity dimension comes from: at most 64 header dimensions, ip, and hash_key. Default: user (x-user-id), api_key (x-api-key), partner (x-partner-id), plan (x-plan), and ip from the peer address.",
                 "maxProperties": 66,
+                // 64 header dimensions, and ip and hash_key when present (`MAX_DIMENSIONS`).
+                "if": {"required": ["ip", "hash_key"]},
+                "else": {
+                    "if": {"anyOf": [{"required": ["ip"]}, {"required": ["hash_key"]}]},
+                    "then": {"maxProperties": 65},
+                    "else": {"maxProperties": 64}
+                },
                 "propertyNames": {"pattern": "^[A-Za-z0-9_.-]{1,64}$"},
                 "properties": {
                     "ip": {
@@ -106,7 +167,7 @@ pub fn schema() -> Value {
                 "properties": {
                     "slots": {"type": "integer", "minimum": 64, "maximum": 1048576, "description": "Counters the table holds (default 65,536), in buckets of 8."},
                     "cas_retries": {"type": "integer", "minimum": 1, "maximum": 1000, "description": "Compare-and-swap attempts per counter under contention."},
-                    "hash_seed": {"description": "Keys the table's hash, so clients cannot aim their keys at one bucket: a number or a string.", "type": ["integer", "string"]}
+                    "hash_seed": {"description": "Keys the table's hash, so clients cannot aim their keys at one bucket: a whole number from 0 to 18,446,744,073,709,551,615, or a string.", "type": ["integer", "string"], "minimum": 0, "maximum": u64::MAX}
                 }
             },
             "sync": {
@@ -122,11 +183,23 @@ pub fn schema() -> Value {
                     "interval": duration("Time between batches (default 100ms; 10ms to 60s)."),
                     "timeout": duration("Deadline of one sync call (default 50ms; 1ms to 10s). Set it above the store's round trip."),
                     "nodes": {"type": "integer", "minimum": 1, "maximum": 100000, "description": "Proxies to assume until the store reports how many there are (default 1)."},
-                    "stale_after": duration("Global data older than this is stale: rules fall back to their on_store_failure policy (default 1s)."),
-                    "max_wait": duration("The longest a request waits for an ask to the store (default: timeout).")
+                    "stale_after": duration("Global data older than this is stale: rules fall back to their on_store_failure policy (default 1s; 10ms to 1h)."),
+                    "max_wait": duration("The longest a request waits for an ask to the store (default: timeout; 1ms to 10s).")
                 }
             }
         },
+        "allOf": [
+            // Per-plan limits need a plan dimension: the default identity has one.
+            {
+                "if": {"required": ["identity"], "properties": {"identity": {"not": {"required": ["plan"]}}}},
+                "then": {"properties": {"rules": {"items": {"not": {"required": ["plans"]}}}}}
+            },
+            // Without identity, the dimensions are the default ones.
+            {
+                "if": {"not": {"required": ["identity"]}},
+                "then": {"properties": {"rules": {"items": {"properties": {"key": {"items": {"enum": ["user", "api_key", "partner", "plan", "ip"]}}}}}}}
+            }
+        ],
         "$defs": {
             "algorithm": {
                 "enum": ["token_bucket", "sliding_window", "fixed_window", "sliding_log", "leaky_bucket"],
@@ -145,7 +218,7 @@ pub fn schema() -> Value {
                         "description": "Which requests the rule applies to (default: all).",
                         "additionalProperties": false,
                         "properties": {
-                            "path": {"type": "string", "pattern": "^/", "description": "A path pattern: a * segment matches one segment (as the last one, one or more: /v1/* covers everything below /v1), ** any number of segments, a * inside a segment (*.json) part of one. Matching is on the normalized path."},
+                            "path": {"type": "string", "pattern": "^/[^?#]*$", "maxLength": 1024, "description": "A path pattern, without a query or fragment (at most 1,024 bytes): a * segment matches one segment (as the last one, one or more: /v1/* covers everything below /v1), ** any number of segments, a * inside a segment (*.json) part of one. Matching is on the normalized path."},
                             "method": {
                                 "description": "An HTTP method or a list of them (default: any).",
                                 "oneOf": [
@@ -158,10 +231,10 @@ pub fn schema() -> Value {
                     "key": {
                         "type": "array",
                         "minItems": 1,
-                        "maxItems": 64,
+                        "maxItems": 65,
                         "uniqueItems": true,
-                        "description": "The identity dimensions counted together (a composite key when several), e.g. [\"api_key\", \"ip\"].",
-                        "items": {"type": "string"}
+                        "description": "The identity dimensions counted together (a composite key when several), e.g. [\"api_key\", \"ip\"]: ip, or a dimension identity defines.",
+                        "items": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$", "not": {"const": "hash_key"}}
                     },
                     "limit": limit("The default limit."),
                     "algorithm": {"$ref": "#/$defs/algorithm"},
@@ -173,14 +246,34 @@ pub fn schema() -> Value {
                             "oneOf": [limit("This plan's limit."), {"const": "unlimited", "description": "Not limited by this rule."}]
                         }
                     },
-                    "cost": {"type": "integer", "minimum": 0, "description": "Units one matching request consumes (default 1; at most a limit's capacity)."},
+                    "cost": {"type": "integer", "minimum": 0, "maximum": MAX_REQUESTS, "description": "Units one matching request consumes (default 1; at most a limit's capacity)."},
                     "mode": {"enum": ["enforce", "shadow"], "description": "enforce (default) rejects; shadow only counts and logs what it would reject."},
                     "on_store_failure": {"enum": ["open", "closed"], "description": "When the counter store fails: open (default) admits, closed answers 503."},
                     "exact": {"type": "boolean", "description": "Decide every request at the global counter (the Worker asks the key's Durable Object each time) instead of spending a grant held locally. Default: true for on_store_failure closed rules, false otherwise."}
-                }
+                },
+                // The rule's algorithm, for its limits that name none.
+                "allOf": ALGORITHMS
+                    .iter()
+                    .map(|a| {
+                        let limit = def_ref(&def_name("in_rule", Some(a)));
+                        json!({"if": names(a), "then": {"properties": {"limit": limit, "plans": {"additionalProperties": limit}}}})
+                    })
+                    .chain([{
+                        let limit = def_ref(&def_name("in_rule", None));
+                        json!({"if": {"not": {"required": ["algorithm"]}}, "then": {"properties": {"limit": limit, "plans": {"additionalProperties": limit}}}})
+                    }])
+                    .collect::<Vec<_>>()
             }
         }
-    })
+    });
+    // What a rate limit holds under each algorithm, named once for the limits to refer to.
+    if let Some(defs) = schema["$defs"].as_object_mut() {
+        for a in ALGORITHMS.iter().copied().map(Some).chain([None]) {
+            defs.insert(def_name("as", a), under(a));
+            defs.insert(def_name("in_rule", a), inherited(a));
+        }
+    }
+    schema
 }
 
 /// The schema as printed and committed.

@@ -30,6 +30,8 @@ fn check_lists_the_rules_of_a_good_document() {
         "holds-per-user",
         "POST /v1/events/*/holds",
         "burst 200",
+        "limit: 5 per 60s (sliding_window)",
+        "plan partner: 10000 per 60s (sliding_window)",
         "plan internal: unlimited",
         "on store failure closed",
     ] {
@@ -40,8 +42,10 @@ fn check_lists_the_rules_of_a_good_document() {
     assert_eq!(v["valid"], true);
     assert_eq!(
         v["rules"][1]["limit"],
-        json!({"requests": 1000, "per": "1m", "algorithm": "token_bucket", "burst": 200})
+        json!({"requests": 1000, "per": "60s", "algorithm": "token_bucket", "burst": 200}),
+        "per as the document writes it"
     );
+    assert_eq!(v["rules"][1]["plans"]["partner"]["per"], "60s");
     assert_eq!(v["rules"][1]["plans"]["internal"], "unlimited");
     assert_eq!(v["rules"][2]["key"], json!(["ip"]));
 }
@@ -173,6 +177,34 @@ fn replay_counts_on_the_logs_own_clock() {
 }
 
 #[test]
+fn replay_counts_the_requests_of_an_unlimited_plan_as_allowed() {
+    let rules = root("examples/rules.json");
+    let line = |ts: u64, plan: &str| {
+        format!("{{\"ts\": {ts}, \"path\": \"/v1/items\", \"headers\": {{\"x-api-key\": \"k1\", \"x-plan\": \"{plan}\"}}}}\n")
+    };
+    let log: String =
+        (0..3).map(|i| line(1_796_119_200 + i, "internal")).chain([line(1_796_119_203, "partner")]).collect();
+    let log = temp("plans.jsonl", &log);
+    let o = ratewall(&["replay", "--json", &rules, &log]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let api = &v["rules"][1];
+    assert_eq!(api["name"], "api-key");
+    assert_eq!(
+        (api["allowed"].clone(), api["unlimited"].clone(), api["rejected"].clone(), api["unkeyed"].clone()),
+        (json!(4), json!(3), json!(0), json!(0)),
+        "{v}"
+    );
+    assert_eq!(v["rules"][0]["unlimited"], 0);
+    let o = ratewall(&["replay", &rules, &log]);
+    assert!(
+        stdout(&o).contains("- api-key: allowed 4 (3 on an unlimited plan), rejected 0, unkeyed 0\n"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
 fn secret_values_show_only_as_the_same_keyed_hash_in_explain_replay_and_the_core() {
     let doc = r#"{"identity": {"api_key": {"header": "x-api-key"}, "hash_key": "a deployment key, 16+"},
         "rules": [{"name": "k", "key": ["api_key"], "limit": {"requests": 1, "per": "1h"}}]}"#;
@@ -200,6 +232,28 @@ fn secret_values_show_only_as_the_same_keyed_hash_in_explain_replay_and_the_core
         "{}",
         stdout(&o)
     );
+}
+
+#[test]
+fn a_secret_client_address_shows_in_explain_only_as_its_keyed_hash() {
+    let rules = temp(
+        "secret-ip.json",
+        r#"{"identity": {"user": {"header": "x-user-id"}, "ip": {"secret": true}, "hash_key": "a deployment key, 16+"},
+            "rules": [{"name": "per-ip", "key": ["ip"], "limit": {"requests": 1, "per": "1s"}}]}"#,
+    );
+    let args = ["explain", "--json", &rules, "--path", "/", "--ip", "198.51.100.7"];
+    let o = ratewall(&args);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let key = v["rules"][0]["key"].as_str().unwrap().to_owned();
+    let hash = key.strip_prefix("ip=").unwrap();
+    assert!(hash.starts_with('#') && hash.len() == 9, "{v}");
+    assert_eq!(v["client_ip"], hash, "the address shows as the key shows it");
+    assert!(!stdout(&o).contains("198.51.100"), "{}", stdout(&o));
+    let o = ratewall(&["explain", &rules, "--path", "/", "--ip", "198.51.100.7"]);
+    let out = stdout(&o);
+    assert!(out.starts_with(&format!("GET / (client ip {hash})\n")), "{out}");
+    assert!(!out.contains("198.51.100"), "{out}");
 }
 
 /// A Worker deployment whose rules set neither `identity.hash_key` nor `sync` keys its hashes
@@ -298,7 +352,7 @@ fn good_documents() -> Vec<Value> {
     for cluster in ["127.0.0.1:8090", "ratewall-store.internal:80", "[::1]:8090", "outbound|8090||store.svc"] {
         docs.push(json!({"rules": [], "sync": {"cluster": cluster, "secret": "0123456789abcdef"}}));
     }
-    for algorithm in ["token_bucket", "sliding_window", "fixed_window", "sliding_log"] {
+    for algorithm in ["token_bucket", "sliding_window", "fixed_window", "sliding_log", "leaky_bucket"] {
         docs.push(json!({"rules": [{"name": "r", "key": ["api_key"], "algorithm": algorithm, "limit": {"requests": 7, "per": "7s"}}],
                          "filter": {"hash_seed": 42}}));
     }
@@ -312,6 +366,154 @@ fn every_document_the_parser_accepts_the_schema_accepts() {
         Config::parse(doc.to_string().as_bytes()).unwrap_or_else(|e| panic!("the parser refused {doc}: {e}"));
         let errors: Vec<String> = v.iter_errors(&doc).map(|e| format!("{e} at {}", e.instance_path)).collect();
         assert!(errors.is_empty(), "the schema refused {doc}: {errors:?}");
+    }
+}
+
+/// A document of one rule: `name` r keyed on `user` with `rule`'s fields (the default identity).
+fn one_rule(rule: Value) -> Value {
+    let mut r = json!({"name": "r", "key": ["user"]});
+    r.as_object_mut().unwrap().extend(rule.as_object().unwrap().clone());
+    json!({"rules": [r]})
+}
+
+/// Documents at the edges of what the parser takes: each algorithm's burst and delay, a
+/// rule's algorithm under its limits' own, the largest numbers.
+fn edge_documents() -> Vec<Value> {
+    let mut docs = vec![
+        one_rule(json!({"limit": {"requests": 5, "per": "1s", "burst": 10, "delay": 3, "algorithm": "leaky_bucket"}})),
+        one_rule(json!({"limit": {"requests": 5, "per": "1s", "burst": 0, "delay": 0, "algorithm": "leaky_bucket"}})),
+        one_rule(
+            json!({"limit": {"requests": 5, "per": "1s", "burst": 4_294_967_294_u64}, "algorithm": "leaky_bucket"}),
+        ),
+        one_rule(json!({"limit": {"requests": 5, "per": "060s", "burst": 1, "delay": 0}})),
+        one_rule(json!({"limit": {"requests": 5, "per": "1s", "delay": 0, "algorithm": "sliding_window"}})),
+        one_rule(json!({"limit": {"requests": 10000, "per": "1d"}, "algorithm": "sliding_log",
+                        "plans": {"gold": {"requests": 100_000, "per": "1s", "burst": 9, "algorithm": "token_bucket"},
+                                  "free": "unlimited", "trial": {"requests": 10000, "per": "1h"}}})),
+        one_rule(
+            json!({"limit": {"requests": 100, "per": "1m"}, "algorithm": "fixed_window", "plans": {"free": "unlimited"}}),
+        ),
+        one_rule(json!({"limit": {"concurrent": 10000, "hold_max": "1h"}, "plans": {"gold": {"concurrent": 1}}})),
+        one_rule(json!({"limit": {"requests": 4_294_967_295_u64, "per": "1s"}, "cost": 4_294_967_295_u64})),
+        one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "match": {"path": format!("/{}", "a".repeat(1023))}})),
+        one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "key": ["user", "api_key", "partner", "plan", "ip"]})),
+    ];
+    let mut seeded = one_rule(json!({"limit": {"requests": 1, "per": "1s"}}));
+    set(&mut seeded, "/filter/hash_seed", json!(u64::MAX));
+    docs.push(seeded);
+    docs
+}
+
+#[test]
+fn the_schema_takes_what_the_parser_takes_at_the_edges() {
+    let v = validator();
+    for doc in edge_documents() {
+        Config::parse(doc.to_string().as_bytes()).unwrap_or_else(|e| panic!("the parser refused {doc}: {e}"));
+        let errors: Vec<String> = v.iter_errors(&doc).map(|e| format!("{e} at {}", e.instance_path)).collect();
+        assert!(errors.is_empty(), "the schema refused {doc}: {errors:?}");
+    }
+}
+
+#[test]
+fn the_schema_refuses_what_the_parser_refuses_of_algorithms_durations_and_bounds() {
+    let v = validator();
+    let limit = |l: Value| one_rule(json!({"limit": l}));
+    let mut cases: Vec<(&str, Value)> = vec![
+        ("a zero per", limit(json!({"requests": 1, "per": "0s"}))),
+        ("a zero per in ms", limit(json!({"requests": 1, "per": "0ms"}))),
+        ("a zero per of zeros", limit(json!({"requests": 1, "per": "000m"}))),
+        ("a zero hold_max", limit(json!({"concurrent": 1, "hold_max": "0s"}))),
+        ("a query in a path", one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "match": {"path": "/a?b"}}))),
+        ("a fragment in a path", one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "match": {"path": "/a#b"}}))),
+        (
+            "a path over 1,024 bytes",
+            one_rule(
+                json!({"limit": {"requests": 1, "per": "1s"}, "match": {"path": format!("/{}", "a".repeat(1024))}}),
+            ),
+        ),
+        (
+            "a cost over 4,294,967,295",
+            one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "cost": 4_294_967_296_u64})),
+        ),
+        ("burst over 4,294,967,295", limit(json!({"requests": 1, "per": "1s", "burst": 4_294_967_296_u64}))),
+        (
+            "a leaky bucket's burst of 4,294,967,295",
+            limit(json!({"requests": 1, "per": "1s", "burst": 4_294_967_295_u64, "algorithm": "leaky_bucket"})),
+        ),
+        ("sliding_log over 10,000", limit(json!({"requests": 10001, "per": "1s", "algorithm": "sliding_log"}))),
+        (
+            "a rule's sliding_log over 10,000",
+            one_rule(json!({"limit": {"requests": 10001, "per": "1s"}, "algorithm": "sliding_log"})),
+        ),
+        (
+            "a plan's sliding_log over 10,000",
+            one_rule(
+                json!({"limit": {"requests": 1, "per": "1s"}, "algorithm": "sliding_log", "plans": {"gold": {"requests": 10001, "per": "1s"}}}),
+            ),
+        ),
+        (
+            "burst with sliding_window",
+            limit(json!({"requests": 1, "per": "1s", "burst": 2, "algorithm": "sliding_window"})),
+        ),
+        (
+            "burst 0 with sliding_window",
+            limit(json!({"requests": 1, "per": "1s", "burst": 0, "algorithm": "sliding_window"})),
+        ),
+        (
+            "burst with a rule's fixed_window",
+            one_rule(json!({"limit": {"requests": 1, "per": "1s", "burst": 2}, "algorithm": "fixed_window"})),
+        ),
+        (
+            "burst in a plan of a rule's sliding_log",
+            one_rule(
+                json!({"limit": {"requests": 1, "per": "1s"}, "algorithm": "sliding_log", "plans": {"gold": {"requests": 1, "per": "1s", "burst": 3}}}),
+            ),
+        ),
+        (
+            "delay with token_bucket",
+            limit(json!({"requests": 1, "per": "1s", "burst": 5, "delay": 1, "algorithm": "token_bucket"})),
+        ),
+        ("delay without an algorithm", limit(json!({"requests": 1, "per": "1s", "delay": 1}))),
+        ("delay with a burst and no algorithm", limit(json!({"requests": 1, "per": "1s", "burst": 5, "delay": 1}))),
+        (
+            "delay with a rule's fixed_window",
+            one_rule(json!({"limit": {"requests": 1, "per": "1s", "delay": 2}, "algorithm": "fixed_window"})),
+        ),
+        ("burst 0 without an algorithm", limit(json!({"requests": 1, "per": "1s", "burst": 0}))),
+        (
+            "burst 0 with a rule's token_bucket",
+            one_rule(json!({"limit": {"requests": 1, "per": "1s", "burst": 0}, "algorithm": "token_bucket"})),
+        ),
+        (
+            "a concurrent limit under a rule's algorithm",
+            one_rule(json!({"limit": {"concurrent": 1}, "algorithm": "token_bucket"})),
+        ),
+        (
+            "a concurrent plan under a rule's algorithm",
+            one_rule(
+                json!({"limit": {"requests": 1, "per": "1s"}, "algorithm": "sliding_window", "plans": {"gold": {"concurrent": 1}}}),
+            ),
+        ),
+        (
+            "a key dimension the default identity has not",
+            one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "key": ["nobody"]})),
+        ),
+    ];
+    let mut hash_key = one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "key": ["hash_key"]}));
+    set(&mut hash_key, "/identity", json!({"user": {"header": "x-user-id"}, "hash_key": "sixteen chars at least"}));
+    cases.push(("hash_key as a key dimension", hash_key));
+    let mut no_plan = one_rule(json!({"limit": {"requests": 1, "per": "1s"}, "plans": {"gold": "unlimited"}}));
+    set(&mut no_plan, "/identity", json!({"user": {"header": "x-user-id"}}));
+    cases.push(("plans without a plan dimension", no_plan));
+    let mut seeded = one_rule(json!({"limit": {"requests": 1, "per": "1s"}}));
+    set(&mut seeded, "/filter/hash_seed", json!(-1));
+    cases.push(("a negative hash_seed", seeded));
+    let mut synced = one_rule(json!({"limit": {"requests": 1, "per": "1s"}}));
+    set(&mut synced, "/sync", json!({"cluster": "store", "secret": "0123456789abcdef", "interval": "0ms"}));
+    cases.push(("a zero sync interval", synced));
+    for (what, doc) in cases {
+        assert!(Config::parse(doc.to_string().as_bytes()).is_err(), "the parser accepted {what}: {doc}");
+        assert!(!v.is_valid(&doc), "the schema accepted {what}: {doc}");
     }
 }
 
@@ -354,6 +556,8 @@ fn wrong_types_unknown_fields_and_bad_durations_are_rejected_by_both() {
         ("/rules/0/algorithm", json!("leaky")),
         ("/identity/ip/trusted_hops", json!(-1)),
         ("/identity/user/header", json!(["x"])),
+        ("/identity/hash_key", json!({"header": "x-h"})),
+        ("/$schema", json!(5)),
         ("/response/legacy_headers", json!("yes")),
         ("/filter/slots", json!(10)),
         ("/sync/nodes", json!(0)),
@@ -408,6 +612,41 @@ fn wrong_types_unknown_fields_and_bad_durations_are_rejected_by_both() {
     }
 }
 
+/// A document whose identity has `headers` header dimensions (and `ip`, `hash_key` when
+/// asked), with one rule keyed on all of its dimensions.
+fn with_dimensions(headers: usize, ip: bool, hash_key: bool) -> Value {
+    let mut identity = serde_json::Map::new();
+    let mut key: Vec<Value> = Vec::new();
+    for i in 0..headers {
+        identity.insert(format!("d{i}"), json!({"header": format!("x-d{i}")}));
+        key.push(json!(format!("d{i}")));
+    }
+    if ip {
+        identity.insert("ip".to_owned(), json!({"trusted_hops": 1}));
+        key.push(json!("ip"));
+    }
+    if hash_key {
+        identity.insert("hash_key".to_owned(), json!("sixteen chars at least"));
+    }
+    json!({"identity": identity, "rules": [{"name": "r", "key": key, "limit": {"requests": 1, "per": "1s"}}]})
+}
+
+#[test]
+fn the_schema_counts_identity_dimensions_and_key_parts_as_the_parser_does() {
+    let v = validator();
+    for (ip, hash_key) in [(false, false), (true, false), (false, true), (true, true)] {
+        let most = with_dimensions(64, ip, hash_key);
+        assert!(Config::parse(most.to_string().as_bytes()).is_ok(), "ip {ip}, hash_key {hash_key}");
+        let errors: Vec<String> = v.iter_errors(&most).map(|e| format!("{e} at {}", e.instance_path)).collect();
+        assert!(errors.is_empty(), "ip {ip}, hash_key {hash_key}: {errors:?}");
+        let over = with_dimensions(65, ip, hash_key);
+        assert!(Config::parse(over.to_string().as_bytes()).is_err(), "ip {ip}, hash_key {hash_key}");
+        assert!(!v.is_valid(&over), "ip {ip}, hash_key {hash_key}");
+    }
+    // A key of every dimension: 64 headers and ip.
+    assert_eq!(with_dimensions(64, true, false)["rules"][0]["key"].as_array().map(Vec::len), Some(65));
+}
+
 #[test]
 fn check_of_a_rate_limit_service_file_shows_what_the_service_would_not_read() {
     let yaml = temp(
@@ -448,16 +687,57 @@ fn explain_refuses_an_ip_that_is_no_address() {
 }
 
 #[test]
+fn explain_names_the_plan_whose_limit_is_in_force() {
+    let rules = root("examples/rules.json");
+    let explain = |plan: &str, json: bool| {
+        let header = format!("x-plan: {plan}");
+        let mut args = vec!["explain", &rules, "--path", "/v1/items", "-H", "x-api-key: k1", "-H", &header];
+        if json {
+            args.insert(1, "--json");
+        }
+        let o = ratewall(&args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        o
+    };
+    let api = |plan: &str| {
+        let v: Value = serde_json::from_slice(&explain(plan, true).stdout).unwrap();
+        v["rules"][1].clone()
+    };
+    assert_eq!(
+        (api("partner")["plan"].clone(), api("partner")["limit"]["requests"].clone()),
+        (json!("partner"), json!(10000))
+    );
+    assert_eq!((api("gold")["plan"].clone(), api("gold")["limit"]["requests"].clone()), (json!(null), json!(1000)));
+    let internal = api("internal");
+    assert_eq!((internal["counted"].clone(), internal["plan"].clone()), (json!(false), json!("internal")));
+    assert_eq!(internal["why"], "its plan \"internal\" is unlimited under this rule");
+    let text = |plan: &str| stdout(&explain(plan, false));
+    assert!(
+        text("partner").contains(", plan \"partner\" limit 10000 per 60s (sliding_window)\n"),
+        "{}",
+        text("partner")
+    );
+    assert!(text("gold").contains(", default limit 1000 per 60s (token_bucket, burst 200)\n"), "{}", text("gold"));
+    assert_eq!(api("partner")["limit"]["per"], "60s", "per as the plan writes it");
+    assert_eq!(api("gold")["limit"]["per"], "60s");
+    assert!(text("internal").contains("skips     api-key: its plan \"internal\" is unlimited"), "{}", text("internal"));
+}
+
+#[test]
 fn explain_text_says_a_rules_cost_and_shadow_mode() {
     let rules = temp(
         "cost.json",
         r#"{"identity": {"user": {"header": "x-user-id"}},
             "rules": [{"name": "heavy", "key": ["user"], "cost": 5, "limit": {"requests": 10, "per": "1s"}},
-                      {"name": "trial", "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "1s"}}]}"#,
+                      {"name": "trial", "key": ["user"], "mode": "shadow", "limit": {"requests": 1, "per": "1s"}},
+                      {"name": "slots", "key": ["user"], "limit": {"concurrent": 2}},
+                      {"name": "hourly", "key": ["user"], "limit": {"requests": 100, "per": "3600s", "algorithm": "fixed_window"}}]}"#,
     );
     let o = ratewall(&["explain", &rules, "--path", "/x", "-H", "x-user-id: u"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let out = stdout(&o);
     assert!(out.contains("heavy: key user=u, limit 10 per 1s (sliding_window), cost 5\n"), "{out}");
+    assert!(out.contains("slots: key user=u, limit 2 in flight (held at most 1m)\n"), "a default hold_max: {out}");
+    assert!(out.contains("hourly: key user=u, limit 100 per 3600s (fixed_window)\n"), "{out}");
     assert!(out.contains("trial: key user=u, limit 1 per 1s (sliding_window) (shadow: never rejects)\n"), "{out}");
 }

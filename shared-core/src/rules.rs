@@ -360,7 +360,8 @@ pub const MAX_DOCUMENT: usize = 1 << 20;
 pub const MAX_RULES: usize = 1_000;
 /// Most plans one rule may name.
 pub const MAX_PLANS: usize = 1_000;
-/// Most identity dimensions (each is a header every request is searched for).
+/// Most header identity dimensions (each is a header every request is searched for); `ip`
+/// comes on top.
 pub const MAX_DIMENSIONS: usize = 64;
 /// Most methods one rule may list.
 pub const MAX_METHODS: usize = 32;
@@ -383,7 +384,10 @@ impl Config {
         let top = object(doc, "")?;
         known_fields(top, "", &["$schema", "identity", "rules", "response", "filter", "sync"])?;
         // `$schema` names the document's JSON Schema for editors; it is not a setting, and
-        // its value is not read.
+        // its value is not read, but it is a string, as the schema says.
+        if let Some(v) = top.get("$schema") {
+            string(v, "$schema")?;
+        }
         let identity = parse_identity(top.get("identity"))?;
         let rules_v = match top.get("rules") {
             Some(Value::Array(a)) => a,
@@ -550,23 +554,25 @@ fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
         });
     };
     let m = object(v, "identity")?;
-    let dims = m.len() - usize::from(matches!(m.get("hash_key"), Some(Value::String(_))));
-    if dims > MAX_DIMENSIONS + 1 {
-        return too_many("identity", dims, "dimensions", MAX_DIMENSIONS + 1);
+    // `hash_key` is the hashes' key and `ip` the client address: every other member is a
+    // header dimension.
+    let headers_n = m.len() - usize::from(m.get("hash_key").is_some()) - usize::from(m.get("ip").is_some());
+    if headers_n > MAX_DIMENSIONS {
+        return too_many("identity", headers_n, "header dimensions", MAX_DIMENSIONS);
     }
     let (mut headers, mut secret, mut ip_secret) = (Vec::new(), Vec::new(), false);
     let (mut hash_key, mut hash_key_source) = (builtin, HashKeySource::BuiltIn);
     for (dim, src) in m {
         let path = format!("identity.{dim}");
         if dim == "hash_key" {
-            if let Value::String(k) = src {
-                if k.len() < MIN_HASH_KEY {
-                    return err(&path, format!("must be at least {MIN_HASH_KEY} characters"));
-                }
-                hash_key = crate::key::HashKey::derive(k.as_bytes());
-                hash_key_source = HashKeySource::HashKey;
-                continue;
+            // Never a dimension: a `hash_key` of another type is a mistake, not a header source.
+            let k = string(src, &path)?;
+            if k.len() < MIN_HASH_KEY {
+                return err(&path, format!("must be at least {MIN_HASH_KEY} characters"));
             }
+            hash_key = crate::key::HashKey::derive(k.as_bytes());
+            hash_key_source = HashKeySource::HashKey;
+            continue;
         }
         let secret_field = |o: &Map| o.get("secret").map(|b| boolean(b, &format!("{path}.secret"))).transpose();
         if dim == "ip" {
@@ -972,6 +978,55 @@ mod tests {
         assert!(error_of(slots).starts_with("filter.slots"), "{}", error_of(slots));
         let twice = r#"{"rules":[],"rules":[]}"#;
         assert!(error_of(twice).contains("duplicate key"), "{}", error_of(twice));
+    }
+
+    #[test]
+    fn hash_key_and_schema_are_strings_never_a_dimension() {
+        let rule = r#""rules":[{"name":"r","key":["ip"],"limit":{"requests":1,"per":"1s"}}]"#;
+        assert_eq!(
+            error_of(&format!(r#"{{"identity":{{"hash_key":{{"header":"x-h"}}}},{rule}}}"#)),
+            "identity.hash_key: must be a string, not an object"
+        );
+        let doc = r#"{"identity":{"hash_key":{"header":"x-h"}},
+            "rules":[{"name":"r","key":["hash_key"],"limit":{"requests":1,"per":"1s"}}]}"#;
+        assert!(error_of(doc).starts_with("identity.hash_key: must be a string"), "{}", error_of(doc));
+        assert_eq!(
+            error_of(&format!(r#"{{"identity":{{"hash_key":12345678901234567890}},{rule}}}"#)),
+            "identity.hash_key: must be a string, not a number"
+        );
+        let c = Config::parse(format!(r#"{{"identity":{{"hash_key":"sixteen chars at least"}},{rule}}}"#).as_bytes());
+        assert_eq!(c.unwrap().identity.hash_key_source, HashKeySource::HashKey);
+        assert_eq!(error_of(&format!(r#"{{"$schema":5,{rule}}}"#)), "$schema: must be a string, not a number");
+        assert!(Config::parse(format!(r#"{{"$schema":"./rules.schema.json",{rule}}}"#).as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn identity_has_at_most_64_header_dimensions_and_ip() {
+        let doc = |headers: usize, ip: bool, hash_key: bool| {
+            let mut members: Vec<String> = (0..headers).map(|i| format!(r#""d{i}":{{"header":"x-d{i}"}}"#)).collect();
+            if ip {
+                members.push(r#""ip":{"trusted_hops":1}"#.to_owned());
+            }
+            if hash_key {
+                members.push(r#""hash_key":"sixteen chars at least""#.to_owned());
+            }
+            let key: Vec<String> =
+                (0..headers).map(|i| format!(r#""d{i}""#)).chain(ip.then(|| r#""ip""#.to_owned())).collect();
+            format!(
+                r#"{{"identity":{{{}}},"rules":[{{"name":"r","key":[{}],"limit":{{"requests":1,"per":"1s"}}}}]}}"#,
+                members.join(","),
+                key.join(",")
+            )
+        };
+        for (ip, hash_key) in [(false, false), (true, false), (false, true), (true, true)] {
+            let c = Config::parse(doc(MAX_DIMENSIONS, ip, hash_key).as_bytes()).unwrap();
+            assert_eq!(c.rules[0].key.len(), MAX_DIMENSIONS + usize::from(ip));
+            assert_eq!(
+                error_of(&doc(MAX_DIMENSIONS + 1, ip, hash_key)),
+                "identity: has 65 header dimensions; at most 64 are accepted",
+                "ip {ip}, hash_key {hash_key}"
+            );
+        }
     }
 
     #[test]
