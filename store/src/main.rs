@@ -114,6 +114,9 @@ impl Kv for LazyKv {
     async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<u32, ratewall_store::Unheard> {
         self.get().await.ok_or(ratewall_store::Unheard::Failed)?.heard(node, seq, batch, sent).await
     }
+    async fn present(&self, node: u64) -> Result<u32, String> {
+        self.get().await.ok_or("Redis unreachable")?.present(node).await
+    }
     async fn ping(&self) -> bool {
         match self.get().await {
             Some(kv) => tokio::time::timeout(Duration::from_millis(500), kv.ping()).await.unwrap_or(false),
