@@ -81,6 +81,20 @@ impl RlsProcess {
         RateLimitServiceClient::connect(format!("http://{}", self.grpc)).await.unwrap()
     }
 
+    /// Stops the process as an orchestrator does (SIGTERM) and waits, at most 15 s, for it
+    /// to end; whether it ended successfully.
+    fn terminate(&mut self) -> bool {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.success();
+            }
+            assert!(start.elapsed() < Duration::from_secs(15), "ratewall-store did not stop: {}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn log(&self) -> String {
         std::fs::read_to_string(&self.stderr).unwrap_or_default()
     }
@@ -930,4 +944,47 @@ async fn two_processes_on_one_redis_admit_within_the_written_bound() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// One hour-long token bucket of 5: a process that has met Redis decides a new counter's first
+/// calls on its initial share, from memory.
+const BUCKET: &str = "domain: api
+descriptors:
+  - key: bucket
+    rate_limit: {unit: hour, requests_per_unit: 5, algorithm: token_bucket}
+";
+
+/// Units admitted from memory and not yet reported when the process is stopped (SIGTERM) are
+/// reported on the way out: the next process does not admit them again. (They were lost: the
+/// next process found the bucket full.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_process_reports_what_it_admitted_from_memory() {
+    let redis = Redis::start(false).unwrap();
+    let path = dir("stop").join("limits.yaml");
+    std::fs::write(&path, BUCKET).unwrap();
+    let look = |value: &str| {
+        let mut d = descriptor(&[("bucket", value)]);
+        d.hits_addend = Some(UInt64Value { value: 0 });
+        request("api", vec![d])
+    };
+    for round in 0..3 {
+        let mut store = RlsProcess::start(&redis.url(), &path);
+        let mut c = store.client().await;
+        // Redis has answered this process (a look at another counter, and its notes).
+        ask(&mut c, look("warm")).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let value = format!("stop-{round}");
+        for left in [4, 3, 2] {
+            let r = ask(&mut c, request("api", vec![descriptor(&[("bucket", &value)])])).await;
+            assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, left), "round {round}");
+        }
+        assert!(store.terminate(), "round {round}: {}", store.log());
+        let next = RlsProcess::start(&redis.url(), &path);
+        let r = ask(&mut next.client().await, look(&value)).await;
+        assert_eq!(
+            (r.overall_code, r.statuses[0].limit_remaining),
+            (OK, 2),
+            "round {round}: the 3 units admitted before the stop are counted"
+        );
+    }
 }

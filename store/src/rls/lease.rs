@@ -13,9 +13,9 @@
 //! ([`Kv::present`]) and the spent units go to Redis in one batch per counter
 //! ([`Counter::report`](ratewall_core::sync::Counter::report), with this node's id and a
 //! sequence number, so a retried batch is never counted twice), the answer being the next
-//! grant. These are the transitions the sync endpoint runs for the filter's proxies, so the
-//! overshoot bound of docs/sync-protocol.md holds for the service too, with every process a
-//! node.
+//! grant; a process that stops sends what it has not reported ([`flush_all`]). These are the
+//! transitions the sync endpoint runs for the filter's proxies, so the overshoot bound of
+//! docs/sync-protocol.md holds for the service too, with every process a node.
 
 use super::Rls;
 use crate::Kv;
@@ -34,6 +34,9 @@ pub const MAX_HELD: usize = 100_000;
 /// How long a refused ask is answered from memory (at most its `retry_after`): a hot
 /// counter over its limit costs Redis one call per this, not one per call.
 pub const DENY_CACHE: Nanos = 50_000_000;
+/// How long a process that stops keeps reporting what it admitted while Redis fails
+/// ([`flush_all`]).
+pub const STOP_FLUSH: Duration = Duration::from_secs(5);
 /// Counters synced concurrently in one flush.
 const BATCH: usize = 256;
 
@@ -356,6 +359,20 @@ impl Leases {
     /// The batches due at `now`: per counter, its key, limit, seq and units (a retry keeps
     /// its seq). A grant still in use is renewed before it ends even when nothing was spent.
     fn due(&self, now: Nanos) -> Vec<(String, Limit, u64, u64)> {
+        self.batches(now, false)
+    }
+
+    /// The batches that report every unit admitted and not yet counted at `now`, for a
+    /// process that stops: per counter, the batch in flight (resent with its seq), else one
+    /// cut of what was spent since. No grant is renewed and no counter forgotten. Empty once
+    /// Redis has acknowledged everything (a counter whose batch in flight is answered and
+    /// that spent nothing since). A counter that spent while its batch was on its way needs
+    /// two rounds: the batch, then the units after it.
+    fn unreported_batches(&self, now: Nanos) -> Vec<(String, Limit, u64, u64)> {
+        self.batches(now, true)
+    }
+
+    fn batches(&self, now: Nanos, stopping: bool) -> Vec<(String, Limit, u64, u64)> {
         let Ok(mut held) = self.held.lock() else { return Vec::new() };
         let mut out = Vec::new();
         let renew = 2 * u64::try_from(FLUSH.as_nanos()).unwrap_or(u64::MAX);
@@ -372,7 +389,7 @@ impl Leases {
                 }
             }
             let in_use = now.saturating_sub(h.used) < 2 * ratewall_core::sync::MAX_LEASE;
-            if h.spent > 0 || (in_use && h.until.saturating_sub(now) < renew) {
+            if h.spent > 0 || (!stopping && in_use && h.until.saturating_sub(now) < renew) {
                 let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
                 h.pending = Some((seq, h.spent, now));
                 out.push((rkey.clone(), h.limit, seq, h.spent));
@@ -384,7 +401,7 @@ impl Leases {
             // share: see `cold`).
             let (remaining, reset_after, at) = h.view;
             let restored = remaining >= h.limit.quota() || now >= at.saturating_add(reset_after);
-            in_use || now < h.until || !restored
+            stopping || in_use || now < h.until || !restored
         });
         out
     }
@@ -459,10 +476,32 @@ pub async fn flush<K: Kv>(rls: &Rls<K>) {
     futures_util::future::join(present, send(rls, &due)).await;
 }
 
-/// Sends `batches` and records the answers.
-async fn send<K: Kv>(rls: &Rls<K>, batches: &[(String, Limit, u64, u64)]) {
+/// Sends what this process admitted and Redis has not counted, for a process that stops
+/// (its listeners closed: nothing more is admitted), round after round until Redis has
+/// acknowledged all of it or `budget` has passed. Returns the units left unacknowledged
+/// (0: none). A batch in flight is sent again with its seq, so a batch whose answer was
+/// lost is counted once.
+pub async fn flush_all<K: Kv>(rls: &Rls<K>, budget: Duration) -> u64 {
+    let started = tokio::time::Instant::now();
+    loop {
+        let batches = rls.leases.unreported_batches(super::wall_clock());
+        let left: u64 = batches.iter().map(|(_, _, _, units)| *units).fold(0, u64::saturating_add);
+        if batches.is_empty() || started.elapsed() >= budget {
+            return left;
+        }
+        let sent = tokio::time::timeout(budget.saturating_sub(started.elapsed()), send(rls, &batches)).await;
+        if sent.is_ok_and(|acked| acked < batches.len()) {
+            // Redis failed some: not again at once.
+            tokio::time::sleep(FLUSH.min(budget.saturating_sub(started.elapsed()))).await;
+        }
+    }
+}
+
+/// Sends `batches` and records the answers; how many were acknowledged.
+async fn send<K: Kv>(rls: &Rls<K>, batches: &[(String, Limit, u64, u64)]) -> usize {
     let leases = &rls.leases;
     let node = leases.node;
+    let mut acked = 0;
     for chunk in batches.chunks(BATCH) {
         let sends = chunk.iter().map(|(rkey, limit, seq, units)| {
             let (limit, seq, units) = (*limit, *seq, *units);
@@ -475,9 +514,11 @@ async fn send<K: Kv>(rls: &Rls<K>, batches: &[(String, Limit, u64, u64)]) {
         for (rkey, seq, r) in futures_util::future::join_all(sends).await {
             if let Ok(Ok(a)) = r {
                 leases.synced(rkey, seq, &a, super::wall_clock());
+                acked += 1;
             }
         }
     }
+    acked
 }
 
 #[cfg(test)]
@@ -652,6 +693,36 @@ mod tests {
         // Not answered: nothing on a share until the next note is.
         l.present(None, 4 * s);
         assert!(l.cold("k4", limit(), 1, 4 * s).is_none());
+    }
+
+    #[test]
+    fn a_process_that_stops_reports_every_unit_not_acknowledged() {
+        let s = ratewall_core::SECOND;
+        let l = answered();
+        l.asked("a", limit(), 1, &applied(10, 99), None, 0);
+        l.asked("b", limit(), 1, &applied(10, 99), None, 0);
+        l.asked("idle", limit(), 1, &applied(10, 99), None, 0);
+        l.take("a", limit(), 2, 1).unwrap();
+        l.take("b", limit(), 1, 1).unwrap();
+        // A batch of `a` on its way, and a unit spent after it was cut.
+        let first = l.due(2);
+        assert_eq!(first.iter().map(|b| b.3).sum::<u64>(), 3);
+        l.take("a", limit(), 1, 3).unwrap();
+        let round = l.unreported_batches(4);
+        let mut units: Vec<_> = round.iter().map(|(k, _, seq, u)| (k.as_str(), *seq, *u)).collect();
+        units.sort_unstable();
+        let seq = |k: &str| first.iter().find(|b| b.0 == k).unwrap().2;
+        assert_eq!(units, vec![("a", seq("a"), 2), ("b", seq("b"), 1)], "the batches in flight, with their seqs");
+        for (k, _, seq, _) in &round {
+            l.synced(k, *seq, &applied(5, 90), 5);
+        }
+        let round = l.unreported_batches(6);
+        assert_eq!(round.iter().map(|(k, _, _, u)| (k.as_str(), *u)).collect::<Vec<_>>(), vec![("a", 1)]);
+        // No renewal (the `idle` grant is about to end), nothing forgotten.
+        assert!(l.unreported_batches(s).iter().all(|(k, _, _, _)| k == "a"));
+        l.synced("a", round[0].2, &applied(5, 89), 7);
+        assert_eq!(l.unreported_batches(8), vec![], "all of it acknowledged");
+        assert_eq!(l.held(), 3);
     }
 
     #[test]
