@@ -23,6 +23,8 @@ pub(crate) struct FakeKv {
     pub ops: AtomicUsize,
     /// Streams: entries with their ids (1, 2, ...).
     pub streams: Mutex<HashMap<String, Stream>>,
+    /// The rate limit service's processes: node → last heard.
+    pub present: Mutex<HashMap<u64, Nanos>>,
 }
 
 impl FakeKv {
@@ -61,6 +63,13 @@ impl Kv for FakeKv {
             SyncError::Stale { last } => Unheard::Older(last),
             _ => Unheard::Failed,
         })
+    }
+    async fn present(&self, node: u64) -> Result<u32, String> {
+        let now = self.op()?;
+        let mut present = self.present.lock().unwrap();
+        present.insert(node, now);
+        present.retain(|_, at| now.saturating_sub(*at) < NODE_TTL);
+        Ok(u32::try_from(present.len()).unwrap())
     }
     async fn ping(&self) -> bool {
         true

@@ -84,6 +84,21 @@ for _, n in ipairs(gone) do redis.call('HDEL', KEYS[1], n) redis.call('ZREM', KE
 redis.call('PEXPIRE', KEYS[1], ARGV[5]) redis.call('PEXPIRE', KEYS[2], ARGV[5]) \
 return {redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf'), ''}";
 
+/// The rate limit service's processes: `KEYS[1]` a sorted set process → last heard (ms of the
+/// key's clock). `ARGV`: the process's node id and the time a process counts for after it was
+/// last heard, in ms. Notes the process as heard now, forgets the others not heard for that
+/// long and returns how many it counts, the process included. Apart from the sync registry
+/// ([`REGISTRY`]): the service's counters are not the filters', so neither fleet shrinks the
+/// other's initial shares.
+pub const PRESENT: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) \
+redis.call('ZADD', KEYS[1], now, ARGV[1]) \
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2])) \
+redis.call('PEXPIRE', KEYS[1], ARGV[2]) \
+return redis.call('ZCARD', KEYS[1])";
+
+/// The key of the rate limit service's processes ([`PRESENT`]).
+pub const PRESENT_KEY: &str = "rw:{rls-processes}";
+
 /// A key never written, read for Redis's clock when a call names no counter (a heartbeat).
 pub const CLOCK_KEY: &str = "rw:{registry}:clock";
 
@@ -111,6 +126,9 @@ pub trait Kv: Send + Sync {
     /// The registry, for a request made at `sent` (the node's clock): `Ok(nodes)`, or why not.
     fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos)
         -> impl Future<Output = Result<u32, Unheard>> + Send;
+    /// Notes rate limit service process `node` as heard now ([`PRESENT`]): the processes
+    /// heard within [`NODE_TTL`], this one included.
+    fn present(&self, node: u64) -> impl Future<Output = Result<u32, String>> + Send;
     /// Whether Redis answers.
     fn ping(&self) -> impl Future<Output = bool> + Send;
     /// Appends `payload` to the stream `key` ([`APPEND`]).

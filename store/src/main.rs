@@ -114,6 +114,9 @@ impl Kv for LazyKv {
     async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<u32, ratewall_store::Unheard> {
         self.get().await.ok_or(ratewall_store::Unheard::Failed)?.heard(node, seq, batch, sent).await
     }
+    async fn present(&self, node: u64) -> Result<u32, String> {
+        self.get().await.ok_or("Redis unreachable")?.present(node).await
+    }
     async fn ping(&self) -> bool {
         match self.get().await {
             Some(kv) => tokio::time::timeout(Duration::from_millis(500), kv.ping()).await.unwrap_or(false),
@@ -236,10 +239,11 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
         redis.join(", "),
         args.deadline.as_millis()
     );
-    let rls = match &args.rls_config {
+    let running = match &args.rls_config {
         Some(path) => Some(start_rls(&store, path, args.rls.as_deref(), secret.as_bytes()).await?),
         None => None,
     };
+    let rls = running.as_ref().map(|r| Arc::clone(&r.rls));
     if !store.kv.ping().await {
         eprintln!("ratewall-store: Redis does not answer yet; /v1/sync answers 503 until it does");
     }
@@ -284,7 +288,11 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     if let Some(rls) = rls {
         app = app.merge(Router::new().route("/json", post(rls_json)).with_state(rls));
     }
-    axum::serve(listener, app).with_graceful_shutdown(stop()).await.map_err(|e| e.to_string())
+    let served = axum::serve(listener, app).with_graceful_shutdown(stop()).await.map_err(|e| e.to_string());
+    if let Some(r) = running {
+        r.stop(args.deadline).await;
+    }
+    served
 }
 
 /// SIGINT or SIGTERM.
@@ -296,6 +304,35 @@ async fn stop() {
     }
 }
 
+/// The rate limit service running: its leases' syncing and its gRPC listener.
+struct RlsRunning {
+    rls: SharedRls,
+    flusher: tokio::task::JoinHandle<()>,
+    grpc: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl RlsRunning {
+    /// Once the HTTP listener has stopped: waits for the gRPC listener's calls in flight (a
+    /// call ends within the deadline; a health `Watch` stream may stay open, so not past
+    /// that), then reports to Redis every unit admitted from a grant or an initial share
+    /// and not counted yet, so a restart does not admit them again.
+    async fn stop(self, deadline: Duration) {
+        if let Some(grpc) = self.grpc {
+            let drain = (deadline * 4).max(Duration::from_secs(1));
+            let _ = tokio::time::timeout(drain, grpc).await;
+        }
+        self.flusher.abort();
+        let budget = ratewall_store::rls::lease::STOP_FLUSH;
+        let left = ratewall_store::rls::lease::flush_all(&self.rls, budget).await;
+        if left > 0 {
+            eprintln!(
+                "ratewall-store: stopping: {left} admitted unit(s) could not be reported to Redis within {} s and are not counted",
+                budget.as_secs()
+            );
+        }
+    }
+}
+
 /// The rate limit service: its configuration read (refused: the store does not start), its
 /// reloads, its leases' syncing and, with `--rls`, its gRPC listener.
 async fn start_rls(
@@ -303,7 +340,7 @@ async fn start_rls(
     path: &std::path::Path,
     addr: Option<&str>,
     secret: &[u8],
-) -> Result<SharedRls, String> {
+) -> Result<RlsRunning, String> {
     let config = RlsConfig::load(path).map_err(|e| format!("--rls-config: {e}"))?;
     let domains: Vec<&str> = config.domains().collect();
     println!(
@@ -318,7 +355,8 @@ async fn start_rls(
     }
     let rls: SharedRls = Arc::new(Rls::new(Arc::clone(store), config, Some(path.to_path_buf()), secret));
     tokio::spawn(ratewall_store::rls::watch(Arc::clone(&rls), Duration::from_secs(1)));
-    tokio::spawn(ratewall_store::rls::lease::run(Arc::clone(&rls)));
+    let flusher = tokio::spawn(ratewall_store::rls::lease::run(Arc::clone(&rls)));
+    let mut grpc = None;
     if let Some(addr) = addr {
         let listener =
             tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr} (--rls): {e}"))?;
@@ -327,11 +365,11 @@ async fn start_rls(
             "ratewall-store: rate limit service on {local} (gRPC envoy.service.ratelimit.v3.RateLimitService, grpc.health.v1.Health)"
         );
         let rls = Arc::clone(&rls);
-        tokio::spawn(async move {
+        grpc = Some(tokio::spawn(async move {
             if let Err(e) = ratewall_store::rls::grpc::serve(rls, listener, stop()).await {
                 eprintln!("ratewall-store: the rate limit service stopped: {e}");
             }
-        });
+        }));
     }
-    Ok(rls)
+    Ok(RlsRunning { rls, flusher, grpc })
 }

@@ -2,7 +2,7 @@
 //! that reconnects by itself, or a Cluster connection), the three scripts invoked by SHA and
 //! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
 
-use crate::{Cas, Kv, Unheard, APPEND, CAS, NODE_TTL, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS};
+use crate::{Cas, Kv, Unheard, APPEND, CAS, NODE_TTL, PRESENT, PRESENT_KEY, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS};
 use ratewall_core::sync::{MAX_REQUEST_SKEW, SEQ_MEMORY};
 use ratewall_core::Nanos;
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -25,6 +25,7 @@ pub struct RedisKv {
     read: Script,
     cas: Script,
     registry: Script,
+    present: Script,
     append: Script,
     read_after: Script,
 }
@@ -49,6 +50,7 @@ impl RedisKv {
             read: Script::new(READ),
             cas: Script::new(CAS),
             registry: Script::new(REGISTRY),
+            present: Script::new(PRESENT),
             append: Script::new(APPEND),
             read_after: Script::new(READ_AFTER),
         })
@@ -156,6 +158,12 @@ impl Kv for RedisKv {
             Some(n) => Ok(u32::try_from(n).unwrap_or(u32::MAX)),
             None => Err(Unheard::Failed),
         }
+    }
+
+    async fn present(&self, node: u64) -> Result<u32, String> {
+        let args = [node.to_string().into_bytes(), (NODE_TTL / 1_000_000).to_string().into_bytes()];
+        let v = self.run(&self.present, &[PRESENT_KEY], &args).await?;
+        int(&v).and_then(|n| u32::try_from(n).ok()).ok_or_else(|| "unexpected reply to the presence script".into())
     }
 
     async fn ping(&self) -> bool {

@@ -81,6 +81,20 @@ impl RlsProcess {
         RateLimitServiceClient::connect(format!("http://{}", self.grpc)).await.unwrap()
     }
 
+    /// Stops the process as an orchestrator does (SIGTERM) and waits, at most 15 s, for it
+    /// to end; whether it ended successfully.
+    fn terminate(&mut self) -> bool {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.success();
+            }
+            assert!(start.elapsed() < Duration::from_secs(15), "ratewall-store did not stop: {}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn log(&self) -> String {
         std::fs::read_to_string(&self.stderr).unwrap_or_default()
     }
@@ -807,4 +821,170 @@ async fn healthcheck_and_grpc_health_follow_redis() {
     redis.restart().unwrap();
     health_becomes(&store, tonic_health::ServingStatus::Serving).await;
     assert_eq!(http::request(&store.http, "GET", "/healthcheck", &[], &[]).unwrap().status, 200);
+}
+
+/// Two limits of 3 a minute, for the service processes sharing one Redis.
+const THREE_A_MINUTE: &str = "domain: api
+descriptors:
+  - key: fixed
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: sliding
+    rate_limit: {unit: minute, requests_per_unit: 3, algorithm: sliding_window}
+";
+
+/// Seconds since the Unix epoch.
+fn unix_secs() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64()
+}
+
+/// Waits, if need be, until `need` seconds fit in one part of the minute — its first quarter,
+/// or the rest — and returns whether it is the first quarter.
+async fn part_of_the_minute_with_room(need: f64) -> bool {
+    loop {
+        let t = unix_secs() % 60.0;
+        let (first_quarter, end) = if t < 15.0 { (true, 15.0) } else { (false, 60.0) };
+        if end - t >= need {
+            return first_quarter;
+        }
+        tokio::time::sleep(Duration::from_secs_f64(end - t + 0.05)).await;
+    }
+}
+
+/// Calls `entry` once on each process of `order` (0 or 1), `pause` after each, and
+/// `switch_pause` more where the process changes; how many calls were allowed.
+async fn allowed(
+    clients: &mut [RateLimitServiceClient<Channel>; 2],
+    order: &[usize],
+    entry: (&str, &str),
+    pause: Duration,
+    switch_pause: Duration,
+) -> usize {
+    let mut ok = 0;
+    for (i, &p) in order.iter().enumerate() {
+        if i > 0 && order[i - 1] != p {
+            tokio::time::sleep(switch_pause).await;
+        }
+        if ask(&mut clients[p], request("api", vec![descriptor(&[entry])])).await.overall_code == OK {
+            ok += 1;
+        }
+        tokio::time::sleep(pause).await;
+    }
+    ok
+}
+
+/// One client, one call at a time, over two service processes on one Redis: it switches from
+/// one to the other, or takes turns between them. docs/rls.md's bound with N processes: a
+/// process new to a counter admits at most ⌊limit / N⌋ (here 1) before Redis counts it, and
+/// nothing past a fixed window's first quarter: at most 3 + 1 here, 3 for a fixed window past
+/// its first quarter. (Each process had counted itself alone and spent the whole quota blind:
+/// 6 of 3, and 4 of 3 past a fixed window's first quarter.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_on_one_redis_admit_within_the_written_bound() {
+    let redis = Redis::start(false).unwrap();
+    let configs = ["a", "b"].map(|p| {
+        let path = dir(&format!("two-processes-{p}")).join("limits.yaml");
+        std::fs::write(&path, THREE_A_MINUTE).unwrap();
+        path
+    });
+    let stores = configs.each_ref().map(|c| RlsProcess::start(&redis.url(), c));
+    let mut clients = [stores[0].client().await, stores[1].client().await];
+    // Each has had an answer from Redis (a look at a counter of its own), as a process
+    // serving traffic has, and has noted itself present there (every 100 ms) and counted the
+    // other.
+    for (i, c) in clients.iter_mut().enumerate() {
+        let mut look = descriptor(&[("fixed", &format!("warm-{i}"))]);
+        look.hits_addend = Some(UInt64Value { value: 0 });
+        assert_eq!(ask(c, request("api", vec![look])).await.overall_code, OK);
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let run = unix_secs() as u64;
+    let switch = [0, 0, 0, 0, 1, 1, 1, 1];
+    let turns = [0, 1, 0, 1, 0, 1, 0, 1];
+    let (no_pause, half_a_second, a_flush) = (Duration::ZERO, Duration::from_millis(500), Duration::from_millis(150));
+    let mut failures = Vec::new();
+    let mut check = |what: String, got: usize, bound: usize| {
+        eprintln!("{what}: {got} of 3 allowed (bound {bound})");
+        if got > bound {
+            failures.push(format!("{what}: {got} of 3 allowed, over the bound of {bound}"));
+        }
+    };
+    // Sliding windows: a process new to the counter spends its initial share (1 of 3).
+    for (name, order, pause, switch_pause) in [
+        ("switch after 0.5 s", &switch, no_pause, half_a_second),
+        ("turns", &turns, no_pause, no_pause),
+        ("turns, 150 ms apart", &turns, a_flush, no_pause),
+    ] {
+        // A minute turning mid-run would weigh the spent quota down (a sliding window's
+        // previous minute counts less as the new one goes on): each run fits in one minute.
+        part_of_the_minute_with_room(3.0).await;
+        let value = format!("{name}-{run}");
+        let got = allowed(&mut clients, order, ("sliding", &value), pause, switch_pause).await;
+        check(format!("sliding_window, {name}"), got, 4);
+    }
+    // Fixed windows: the same in a window's first quarter, none past it. A minute turning
+    // mid-run would give a fresh quota: each run fits in one part of the minute.
+    let mut first_quarter = part_of_the_minute_with_room(3.0).await;
+    for round in 0..2 {
+        for (name, order, pause, switch_pause) in
+            [("switch after 0.5 s", &switch, no_pause, half_a_second), ("turns", &turns, no_pause, no_pause)]
+        {
+            let part = if first_quarter { "first quarter" } else { "past the first quarter" };
+            let value = format!("{name}-{run}-{round}");
+            let got = allowed(&mut clients, order, ("fixed", &value), pause, switch_pause).await;
+            check(format!("fixed_window, {part}, {name}"), got, if first_quarter { 4 } else { 3 });
+        }
+        if !first_quarter {
+            break;
+        }
+        // Past the first quarter too (at most 15 s away).
+        first_quarter = part_of_the_minute_with_room(3.0).await;
+        while first_quarter {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            first_quarter = part_of_the_minute_with_room(3.0).await;
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// One hour-long token bucket of 5: a process that has met Redis decides a new counter's first
+/// calls on its initial share, from memory.
+const BUCKET: &str = "domain: api
+descriptors:
+  - key: bucket
+    rate_limit: {unit: hour, requests_per_unit: 5, algorithm: token_bucket}
+";
+
+/// Units admitted from memory and not yet reported when the process is stopped (SIGTERM) are
+/// reported on the way out: the next process does not admit them again. (They were lost: the
+/// next process found the bucket full.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_process_reports_what_it_admitted_from_memory() {
+    let redis = Redis::start(false).unwrap();
+    let path = dir("stop").join("limits.yaml");
+    std::fs::write(&path, BUCKET).unwrap();
+    let look = |value: &str| {
+        let mut d = descriptor(&[("bucket", value)]);
+        d.hits_addend = Some(UInt64Value { value: 0 });
+        request("api", vec![d])
+    };
+    for round in 0..3 {
+        let mut store = RlsProcess::start(&redis.url(), &path);
+        let mut c = store.client().await;
+        // Redis has answered this process (a look at another counter, and its notes).
+        ask(&mut c, look("warm")).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let value = format!("stop-{round}");
+        for left in [4, 3, 2] {
+            let r = ask(&mut c, request("api", vec![descriptor(&[("bucket", &value)])])).await;
+            assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, left), "round {round}");
+        }
+        assert!(store.terminate(), "round {round}: {}", store.log());
+        let next = RlsProcess::start(&redis.url(), &path);
+        let r = ask(&mut next.client().await, look(&value)).await;
+        assert_eq!(
+            (r.overall_code, r.statuses[0].limit_remaining),
+            (OK, 2),
+            "round {round}: the 3 units admitted before the stop are counted"
+        );
+    }
 }

@@ -6,13 +6,16 @@
 //! the limit changed — it *asks* at Redis ([`Counter::ask`](ratewall_core::sync::Counter::ask):
 //! the hits are taken there only if free beside every grant held, and the answer brings a
 //! share of what else is free) — except a counter this process has not held yet: as a proxy
-//! does, it admits on an initial share (`quota / nodes`, or, past a fixed window's first
-//! quarter, an overdraft of `max(1, quota / 100 / nodes)`) without waiting, and reports what
-//! it admitted with the next batch ([`Leases::cold`]). Every [`FLUSH`] the spent units go to Redis in one batch per
-//! counter ([`Counter::apply`](ratewall_core::sync::Counter::apply), with this node's id and a
-//! sequence number, so a retried batch is never counted twice) and the answer is the next
-//! grant. These are the transitions the sync endpoint runs for the filter's proxies, so the
-//! overshoot bound of docs/sync-protocol.md holds for the service too.
+//! does, it admits on an initial share (`quota / nodes`, `nodes` counting every service
+//! process on the Redis) without waiting, and reports what it admitted with the next batch
+//! ([`Leases::cold`]); past a fixed window's first quarter it asks instead, as a proxy new to
+//! a counter does. Every [`FLUSH`] the process notes itself as present in Redis
+//! ([`Kv::present`]) and the spent units go to Redis in one batch per counter
+//! ([`Counter::report`](ratewall_core::sync::Counter::report), with this node's id and a
+//! sequence number, so a retried batch is never counted twice), the answer being the next
+//! grant; a process that stops sends what it has not reported ([`flush_all`]). These are the
+//! transitions the sync endpoint runs for the filter's proxies, so the overshoot bound of
+//! docs/sync-protocol.md holds for the service too, with every process a node.
 
 use super::Rls;
 use crate::Kv;
@@ -31,6 +34,9 @@ pub const MAX_HELD: usize = 100_000;
 /// How long a refused ask is answered from memory (at most its `retry_after`): a hot
 /// counter over its limit costs Redis one call per this, not one per call.
 pub const DENY_CACHE: Nanos = 50_000_000;
+/// How long a process that stops keeps reporting what it admitted while Redis fails
+/// ([`flush_all`]).
+pub const STOP_FLUSH: Duration = Duration::from_secs(5);
 /// Counters synced concurrently in one flush.
 const BATCH: usize = 256;
 
@@ -93,9 +99,14 @@ pub struct Leases {
     /// not, no call is decided on a grant or an initial share (it asks, and is refused as
     /// unavailable; the proxy's failure mode decides).
     redis_ok: std::sync::atomic::AtomicBool,
-    /// The most nodes Redis's answers showed on a counter, this minute and the one before
-    /// (minute, this one's, the last one's): what an initial share is divided by.
+    /// The most nodes seen, this minute and the one before (minute, this one's, the last
+    /// one's) — on a counter in Redis's answers, or service processes present on the Redis
+    /// ([`Leases::present`]): what an initial share is divided by.
     fleet: Mutex<(u64, u32, u32)>,
+    /// Whether this process's last note of itself as present in Redis was answered (false
+    /// until one is): until then the others may not count it, and it does not know how many
+    /// they are, so no call is decided on an initial share.
+    registered: std::sync::atomic::AtomicBool,
 }
 
 impl Default for Leases {
@@ -120,12 +131,23 @@ impl Leases {
             cold: AtomicU64::new(0),
             redis_ok: std::sync::atomic::AtomicBool::new(false),
             fleet: Mutex::new((0, 1, 1)),
+            registered: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
     /// Notes whether a call to Redis was answered.
     pub fn reached(&self, ok: bool) {
         self.redis_ok.store(ok, Ordering::Relaxed);
+    }
+
+    /// Notes the answer to this process's note of itself as present in Redis at `now`: the
+    /// service processes on the Redis (None: no answer).
+    pub fn present(&self, processes: Option<u32>, now: Nanos) {
+        if let Some(n) = processes {
+            self.saw_nodes(n, now);
+        }
+        self.registered.store(processes.is_some(), Ordering::Relaxed);
+        self.reached(processes.is_some());
     }
 
     /// Notes the nodes an answer at `now` showed on its counter.
@@ -145,13 +167,20 @@ impl Leases {
 
     /// Decides a call on a counter this process holds nothing of (never asked, or forgotten
     /// once its quota was restored) without waiting for Redis: it spends an initial share,
-    /// `quota / nodes` — past the first quarter of a fixed window (when others may have spent
-    /// the quota) an overdraft, `max(1, quota / 100 / nodes)` — and the next batch reports
-    /// what it admitted; Redis's answer is the grant from then on. None when the counter is
-    /// held, the share cannot pay for `hits`, no more counters can be held, or Redis did not
-    /// answer the last call: the call asks.
+    /// `quota / nodes` (rounded down; `nodes`: the most service processes present on the
+    /// Redis, or nodes on one counter, seen this minute or the last), and the next batch
+    /// reports what it admitted; Redis's answer is the grant from then on. None — the call
+    /// asks — when the counter is held, the share cannot pay for `hits`, no more counters can
+    /// be held, Redis did not answer the last call or this process's last note of itself as
+    /// present, or past the first quarter of a fixed window: the other processes may have
+    /// spent its quota by then, and a share spent blind would come on top of it.
     pub fn cold(&self, rkey: &str, limit: Limit, hits: u64, now: Nanos) -> Option<Decision> {
-        if !self.redis_ok.load(Ordering::Relaxed) {
+        if !self.redis_ok.load(Ordering::Relaxed) || !self.registered.load(Ordering::Relaxed) {
+            return None;
+        }
+        let (quota, per) = (limit.quota(), limit.per().max(1));
+        let fixed = limit.algorithm() == Algorithm::FixedWindow;
+        if fixed && now % per >= per / 4 {
             return None;
         }
         let nodes = self.fleet();
@@ -159,14 +188,8 @@ impl Leases {
         if held.contains_key(rkey) || held.len() >= MAX_HELD {
             return None;
         }
-        let (quota, per) = (limit.quota(), limit.per().max(1));
-        let fixed = limit.algorithm() == Algorithm::FixedWindow;
-        let share = if fixed && now % per >= per / 4 {
-            (quota / ratewall_core::sync::OVERDRAFT_PART / nodes).max(1)
-        } else {
-            // What the counter admits at once: a token bucket's burst, not its rate's quota.
-            limit.capacity() / nodes
-        };
+        // What the counter admits at once: a token bucket's burst, not its rate's quota.
+        let share = limit.capacity() / nodes;
         if hits == 0 || hits > share {
             return None;
         }
@@ -336,6 +359,20 @@ impl Leases {
     /// The batches due at `now`: per counter, its key, limit, seq and units (a retry keeps
     /// its seq). A grant still in use is renewed before it ends even when nothing was spent.
     fn due(&self, now: Nanos) -> Vec<(String, Limit, u64, u64)> {
+        self.batches(now, false)
+    }
+
+    /// The batches that report every unit admitted and not yet counted at `now`, for a
+    /// process that stops: per counter, the batch in flight (resent with its seq), else one
+    /// cut of what was spent since. No grant is renewed and no counter forgotten. Empty once
+    /// Redis has acknowledged everything (a counter whose batch in flight is answered and
+    /// that spent nothing since). A counter that spent while its batch was on its way needs
+    /// two rounds: the batch, then the units after it.
+    fn unreported_batches(&self, now: Nanos) -> Vec<(String, Limit, u64, u64)> {
+        self.batches(now, true)
+    }
+
+    fn batches(&self, now: Nanos, stopping: bool) -> Vec<(String, Limit, u64, u64)> {
         let Ok(mut held) = self.held.lock() else { return Vec::new() };
         let mut out = Vec::new();
         let renew = 2 * u64::try_from(FLUSH.as_nanos()).unwrap_or(u64::MAX);
@@ -352,7 +389,7 @@ impl Leases {
                 }
             }
             let in_use = now.saturating_sub(h.used) < 2 * ratewall_core::sync::MAX_LEASE;
-            if h.spent > 0 || (in_use && h.until.saturating_sub(now) < renew) {
+            if h.spent > 0 || (!stopping && in_use && h.until.saturating_sub(now) < renew) {
                 let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
                 h.pending = Some((seq, h.spent, now));
                 out.push((rkey.clone(), h.limit, seq, h.spent));
@@ -364,7 +401,7 @@ impl Leases {
             // share: see `cold`).
             let (remaining, reset_after, at) = h.view;
             let restored = remaining >= h.limit.quota() || now >= at.saturating_add(reset_after);
-            in_use || now < h.until || !restored
+            stopping || in_use || now < h.until || !restored
         });
         out
     }
@@ -423,12 +460,49 @@ pub async fn run<K: Kv>(rls: Arc<Rls<K>>) {
     }
 }
 
-/// Sends every batch due now and records the answers.
+/// Notes this process as present in Redis, sends every batch due now and records the
+/// answers.
 pub async fn flush<K: Kv>(rls: &Rls<K>) {
     let leases = &rls.leases;
+    let present = async {
+        let r = tokio::time::timeout(rls.store().deadline * 4, rls.store().kv.present(leases.node)).await;
+        let processes = r.ok().and_then(Result::ok);
+        if processes.is_none() {
+            rls.store().metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        leases.present(processes, super::wall_clock());
+    };
     let due = leases.due(super::wall_clock());
+    futures_util::future::join(present, send(rls, &due)).await;
+}
+
+/// Sends what this process admitted and Redis has not counted, for a process that stops
+/// (its listeners closed: nothing more is admitted), round after round until Redis has
+/// acknowledged all of it or `budget` has passed. Returns the units left unacknowledged
+/// (0: none). A batch in flight is sent again with its seq, so a batch whose answer was
+/// lost is counted once.
+pub async fn flush_all<K: Kv>(rls: &Rls<K>, budget: Duration) -> u64 {
+    let started = tokio::time::Instant::now();
+    loop {
+        let batches = rls.leases.unreported_batches(super::wall_clock());
+        let left: u64 = batches.iter().map(|(_, _, _, units)| *units).fold(0, u64::saturating_add);
+        if batches.is_empty() || started.elapsed() >= budget {
+            return left;
+        }
+        let sent = tokio::time::timeout(budget.saturating_sub(started.elapsed()), send(rls, &batches)).await;
+        if sent.is_ok_and(|acked| acked < batches.len()) {
+            // Redis failed some: not again at once.
+            tokio::time::sleep(FLUSH.min(budget.saturating_sub(started.elapsed()))).await;
+        }
+    }
+}
+
+/// Sends `batches` and records the answers; how many were acknowledged.
+async fn send<K: Kv>(rls: &Rls<K>, batches: &[(String, Limit, u64, u64)]) -> usize {
+    let leases = &rls.leases;
     let node = leases.node;
-    for chunk in due.chunks(BATCH) {
+    let mut acked = 0;
+    for chunk in batches.chunks(BATCH) {
         let sends = chunk.iter().map(|(rkey, limit, seq, units)| {
             let (limit, seq, units) = (*limit, *seq, *units);
             let send = rls.update(rkey, limit, move |counter, now| {
@@ -440,9 +514,11 @@ pub async fn flush<K: Kv>(rls: &Rls<K>) {
         for (rkey, seq, r) in futures_util::future::join_all(sends).await {
             if let Ok(Ok(a)) = r {
                 leases.synced(rkey, seq, &a, super::wall_clock());
+                acked += 1;
             }
         }
     }
+    acked
 }
 
 #[cfg(test)]
@@ -453,10 +529,11 @@ mod tests {
         Limit::new(Algorithm::FixedWindow, 100, 60 * ratewall_core::SECOND, None).unwrap()
     }
 
-    /// Leases of a process that Redis has answered.
+    /// Leases of a process that Redis has answered, alone on it.
     fn answered() -> Leases {
         let l = Leases::new();
         l.reached(true);
+        l.present(Some(1), 0);
         l
     }
 
@@ -464,6 +541,7 @@ mod tests {
     fn nothing_is_decided_without_redis_before_it_answers_or_while_it_does_not() {
         let l = Leases::new();
         assert!(l.cold("k", limit(), 1, 10).is_none(), "Redis has not answered yet: it asks");
+        l.present(Some(1), 0);
         l.reached(true);
         assert!(l.asked("k", limit(), 1, &applied(4, 99), None, 10).allowed);
         assert!(l.take("k", limit(), 1, 20).is_some());
@@ -570,23 +648,81 @@ mod tests {
         }
         assert!(l.take("k", limit(), 1, 2 * s).is_none(), "100 / 4 spent: the next call asks");
         assert_eq!(l.due(3 * s), vec![("k".to_owned(), limit(), 1, 25)], "reported with the next batch");
-        // Past the first quarter of a fixed window, only an overdraft: 1 of 100 over 4 nodes.
+        // Past the first quarter of a fixed window, nothing is admitted blind: the call asks.
         let late = answered();
-        late.saw_nodes(4, 0);
-        assert!(late.cold("late", limit(), 1, 20 * s).unwrap().allowed);
-        assert!(late.take("late", limit(), 1, 20 * s).is_none());
-        assert_eq!(late.unanswered("late", 20 * s), Some((1, 1)), "the call sends the batch first");
-        assert_eq!(late.unanswered("late", 20 * s), Some((1, 1)), "the same one while unanswered");
-        assert!(late.cold("big", limit(), 2, 20 * s).is_none(), "more than the overdraft asks");
+        assert!(late.cold("late", limit(), 1, 15 * s).is_none());
+        assert!(late.cold("late", limit(), 1, 59 * s).is_none());
+        assert_eq!(late.unanswered("late", 20 * s), None, "nothing to send first");
+        assert!(late.cold("late", limit(), 1, 60 * s).is_some(), "a new window's first quarter");
+        assert_eq!(late.unanswered("late", 61 * s), Some((1, 1)), "the call sends the batch first");
+        assert_eq!(late.unanswered("late", 61 * s), Some((1, 1)), "the same one while unanswered");
         assert_eq!(l.unanswered("k", 3 * s), Some((1, 25)), "the batch in flight");
         // A counter its batch showed spent is kept, idle, until its window ends.
         l.synced("k", 1, &applied(0, 0), 4 * s);
         assert_eq!(l.due(10 * s), vec![]);
         assert!(l.cold("k", limit(), 1, 10 * s).is_none(), "not spent again on a share");
         l.due(4 * s + 30 * s);
-        assert!(l.cold("k", limit(), 1, 35 * s).is_some(), "forgotten once its quota is restored");
+        assert!(l.cold("k", limit(), 1, 35 * s).is_none(), "past the first quarter: it asks");
+        assert!(l.cold("k", limit(), 1, 61 * s).is_some(), "forgotten once its quota is restored");
         l.reached(false);
         assert!(l.cold("other", limit(), 1, 36 * s).is_none(), "Redis not answering: it asks");
+    }
+
+    #[test]
+    fn an_initial_share_is_divided_by_the_processes_present() {
+        let s = ratewall_core::SECOND;
+        let l = answered();
+        assert!(l.cold("k", limit(), 100, s).is_some(), "alone: the whole quota");
+        let l = Leases::new();
+        l.reached(true);
+        assert!(l.cold("k", limit(), 1, s).is_none(), "not noted as present yet: it asks");
+        l.present(Some(3), 0);
+        assert!(l.cold("big", limit(), 34, s).is_none(), "more than 100 / 3 asks");
+        assert!(l.cold("k", limit(), 33, s).unwrap().allowed);
+        // A process gone from the Redis still counts for the minute (and the next).
+        l.present(Some(1), s);
+        assert!(l.cold("k2", limit(), 34, 2 * s).is_none());
+        // A counter's own nodes count too, whichever is more.
+        l.saw_nodes(5, 2 * s);
+        assert!(l.cold("k3", limit(), 21, 3 * s).is_none());
+        assert!(l.cold("k3", limit(), 20, 3 * s).is_some());
+        // Fewer units than processes: no share at all, every call asks.
+        let three = Limit::new(Algorithm::SlidingWindow, 3, 60 * s, None).unwrap();
+        l.present(Some(4), 3 * s);
+        assert!(l.cold("small", three, 1, 3 * s).is_none());
+        // Not answered: nothing on a share until the next note is.
+        l.present(None, 4 * s);
+        assert!(l.cold("k4", limit(), 1, 4 * s).is_none());
+    }
+
+    #[test]
+    fn a_process_that_stops_reports_every_unit_not_acknowledged() {
+        let s = ratewall_core::SECOND;
+        let l = answered();
+        l.asked("a", limit(), 1, &applied(10, 99), None, 0);
+        l.asked("b", limit(), 1, &applied(10, 99), None, 0);
+        l.asked("idle", limit(), 1, &applied(10, 99), None, 0);
+        l.take("a", limit(), 2, 1).unwrap();
+        l.take("b", limit(), 1, 1).unwrap();
+        // A batch of `a` on its way, and a unit spent after it was cut.
+        let first = l.due(2);
+        assert_eq!(first.iter().map(|b| b.3).sum::<u64>(), 3);
+        l.take("a", limit(), 1, 3).unwrap();
+        let round = l.unreported_batches(4);
+        let mut units: Vec<_> = round.iter().map(|(k, _, seq, u)| (k.as_str(), *seq, *u)).collect();
+        units.sort_unstable();
+        let seq = |k: &str| first.iter().find(|b| b.0 == k).unwrap().2;
+        assert_eq!(units, vec![("a", seq("a"), 2), ("b", seq("b"), 1)], "the batches in flight, with their seqs");
+        for (k, _, seq, _) in &round {
+            l.synced(k, *seq, &applied(5, 90), 5);
+        }
+        let round = l.unreported_batches(6);
+        assert_eq!(round.iter().map(|(k, _, _, u)| (k.as_str(), *u)).collect::<Vec<_>>(), vec![("a", 1)]);
+        // No renewal (the `idle` grant is about to end), nothing forgotten.
+        assert!(l.unreported_batches(s).iter().all(|(k, _, _, _)| k == "a"));
+        l.synced("a", round[0].2, &applied(5, 89), 7);
+        assert_eq!(l.unreported_batches(8), vec![], "all of it acknowledged");
+        assert_eq!(l.held(), 3);
     }
 
     #[test]

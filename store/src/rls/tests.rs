@@ -18,6 +18,8 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 0}
   - key: free
     rate_limit: {unlimited: true}
+  - key: plain
+    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: sliding_window}
 ";
 
 fn rls() -> Rls<FakeKv> {
@@ -210,4 +212,27 @@ async fn a_long_value_is_matched_and_counted_never_refused() {
     let a = r.should_rate_limit(&c).await.unwrap();
     assert_eq!(a.overall_code, Code::Ok);
     assert!(a.headers.iter().all(|(_, v)| v.len() < 400), "{:?}", a.headers);
+}
+
+#[tokio::test]
+async fn a_process_that_stops_reports_what_it_admitted_or_says_how_much_it_could_not() {
+    let r = rls();
+    // Noted present (as every flush does): a new counter is decided on an initial share.
+    lease::flush(&r).await;
+    let c = call(&[&[("plain", "p")]]);
+    for left in [9, 8, 7] {
+        assert_eq!(remaining(&r.should_rate_limit(&c).await.unwrap()), [left]);
+    }
+    assert_eq!(r.leases.cold.load(Ordering::Relaxed), 1, "admitted in memory, not reported yet");
+    r.store.kv.down.store(true, Ordering::Relaxed);
+    assert_eq!(lease::flush_all(&r, Duration::from_millis(300)).await, 3, "Redis down: 3 units not reported");
+    r.store.kv.down.store(false, Ordering::Relaxed);
+    assert_eq!(lease::flush_all(&r, Duration::from_secs(1)).await, 0);
+    assert_eq!(lease::flush_all(&r, Duration::from_secs(1)).await, 0, "nothing left to send");
+    // The next process on the Redis finds them counted, once.
+    let next =
+        Rls::new(Arc::clone(&r.store), RlsConfig::parse("t.yaml", CONFIG).unwrap(), None, b"unit-test-secret-0123");
+    let mut look = c.clone();
+    look.descriptors[0].hits_addend = Some(0);
+    assert_eq!(remaining(&next.should_rate_limit(&look).await.unwrap()), [7]);
 }
