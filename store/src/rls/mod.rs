@@ -398,7 +398,8 @@ impl<K: Kv> Rls<K> {
                     unit: rule.unit_proto(),
                 });
                 s.limit_remaining = u32::try_from(d.remaining).unwrap_or(u32::MAX);
-                s.duration_until_reset = Some(d.reset_after);
+                // Whole seconds, rounded up, as envoyproxy/ratelimit answers (and as `t=`).
+                s.duration_until_reset = Some(ceil_secs(d.reset_after).saturating_mul(ratewall_core::SECOND));
             }
             if rule.shadow {
                 continue;

@@ -211,3 +211,15 @@ async fn a_long_value_is_matched_and_counted_never_refused() {
     assert_eq!(a.overall_code, Code::Ok);
     assert!(a.headers.iter().all(|(_, v)| v.len() < 400), "{:?}", a.headers);
 }
+
+#[tokio::test]
+async fn duration_until_reset_is_whole_seconds_rounded_up() {
+    let r = rls();
+    // 0.4 s into the hour: a fixed window of an hour ends in 3599.6 s.
+    r.store.kv.now.store(1_000 * 3600 * ratewall_core::SECOND + 400_000_000, Ordering::Relaxed);
+    let a = r.should_rate_limit(&call(&[&[("user", "whole")], &[("banned", "b")]])).await.unwrap();
+    assert_eq!(a.statuses[0].duration_until_reset, Some(3600 * ratewall_core::SECOND));
+    let banned = a.statuses[1].duration_until_reset.unwrap();
+    assert_eq!(banned % ratewall_core::SECOND, 0, "{banned}");
+    assert!((1..=3600).contains(&(banned / ratewall_core::SECOND)), "{banned}");
+}
