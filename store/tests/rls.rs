@@ -812,3 +812,39 @@ async fn healthcheck_and_grpc_health_follow_redis() {
     health_becomes(&store, tonic_health::ServingStatus::Serving).await;
     assert_eq!(http::request(&store.http, "GET", "/healthcheck", &[], &[]).unwrap().status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_shaped_as_envoyproxy_ratelimits_example_answers_with_its_quotas() {
+    let redis = Redis::start(false).unwrap();
+    let p = dir("envoyproxy-shaped").join("config.yaml");
+    std::fs::write(&p, include_str!("data/envoyproxy-shaped.yaml")).unwrap();
+    let store = RlsProcess::start(&redis.url(), &p);
+    let mut c = store.client().await;
+    let both = || request("shop", vec![descriptor(&[("backend", "primary")]), descriptor(&[("backend", "fallback")])]);
+    let codes = |r: &RateLimitResponse| (r.overall_code, r.statuses.iter().map(|s| s.code).collect::<Vec<_>>());
+    assert_eq!(codes(&ask(&mut c, both()).await), (OK, vec![OK, OK]));
+    // The primary's quota is spent: its status says so; the call goes on while the fallback
+    // has room.
+    assert_eq!(codes(&ask(&mut c, both()).await), (OK, vec![OVER, OK]));
+    let r = ask(&mut c, both()).await;
+    assert_eq!(codes(&r), (OVER, vec![OVER, OVER]), "every quota spent");
+    let reset = r.statuses[0].duration_until_reset.unwrap();
+    assert!(reset.nanos == 0 && (1..=3600).contains(&reset.seconds), "{reset:?}");
+    // A limit that is not a quota denies as ever; replaces, named limits and a blocklist too.
+    let r = ask(&mut c, request("shop", vec![descriptor(&[("buyer", "b"), ("item", "recalled")])])).await;
+    assert_eq!((r.overall_code, limit_of(&r, 0)), (OVER, Some((0, MINUTE))));
+    let gold_and_limited =
+        request("shop", vec![descriptor(&[("tier", "gold")]), descriptor(&[("buyer", "b"), ("item", "limited")])]);
+    let r = ask(&mut c, gold_and_limited).await;
+    assert_eq!((limit_of(&r, 0), limit_of(&r, 1)), (Some((6, MINUTE)), None), "per_buyer was replaced");
+    let r = ask(&mut c, request("shop", vec![descriptor(&[("buyer", "b"), ("gift", "g")])])).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, u32::MAX));
+    let body = br#"{"domain":"shop","descriptors":[{"entries":[{"key":"report","value":"r"}],"limit":null}]}"#;
+    let r = http::request(&store.http, "POST", "/json", &[], body).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["statuses"][0]["currentLimit"]["requestsPerUnit"], 3);
+    let reset = v["statuses"][0]["durationUntilReset"].as_str().unwrap();
+    let secs: u64 = reset.strip_suffix('s').unwrap().parse().unwrap_or_else(|_| panic!("not whole seconds: {reset}"));
+    assert!((1..=60).contains(&secs), "{reset}");
+}

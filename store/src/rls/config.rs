@@ -4,8 +4,8 @@
 //! The format (envoyproxy/ratelimit's README, "The configuration format"): a `domain` and a
 //! tree of `descriptors`, each with a `key`, an optional `value` (`*` matches any run of
 //! characters), an optional `rate_limit` {`unit`, `requests_per_unit`, `name`, `unlimited`,
-//! `replaces`}, `shadow_mode` and nested `descriptors`. Its other keys are accepted with its
-//! meaning: `share_threshold` (the values a wildcard matches share one counter),
+//! `replaces`}, `shadow_mode`, `quota_mode` and nested `descriptors`. Its other keys are
+//! accepted with its meaning: `share_threshold` (the values a wildcard matches share one counter),
 //! `detailed_metric` and `value_to_metric` (metric naming: ratewall's metrics are per rule,
 //! so they change nothing), `metadata` (read, not returned). ratewall's additions are
 //! opt-in: `algorithm` in a `rate_limit` (`fixed_window`, the default and envoyproxy/
@@ -19,8 +19,7 @@
 //! `shadow_mode` in a `rate_limit`) is skipped, as there, with a warning
 //! ([`RlsConfig::warnings`]). A key unknown anywhere is an error, reported with its file, line
 //! and reason; so are an empty key or domain, a duplicate descriptor or domain, an unknown
-//! unit, a unit beside `unlimited: true`, `quota_mode: true` (not supported), and the other
-//! mistakes envoyproxy/ratelimit refuses.
+//! unit, a unit beside `unlimited: true`, and the other mistakes envoyproxy/ratelimit refuses.
 
 use ratewall_core::{Algorithm, Limit, Nanos, SECOND};
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
@@ -164,6 +163,9 @@ pub struct Rule {
     pub unlimited: bool,
     /// `shadow_mode`: reported, never enforced.
     pub shadow: bool,
+    /// `quota_mode`: over its limit, its status says so, but the call is over the limit only
+    /// when an enforced limit that is not a quota is, or every quota of the call is.
+    pub quota: bool,
     /// `rate_limit.replaces`: the names of the limits this one drops from a call.
     pub replaces: Vec<String>,
     /// The core limit (None: unlimited, or `requests_per_unit: 0`, which denies every hit).
@@ -197,6 +199,7 @@ impl Rule {
             requests_per_unit,
             unlimited: false,
             shadow: false,
+            quota: false,
             replaces: Vec::new(),
             limit,
             exact: false,
@@ -482,6 +485,7 @@ fn build(
                     requests_per_unit: r.requests_per_unit,
                     unlimited: r.unlimited,
                     shadow: d.shadow_mode.unwrap_or(false),
+                    quota: d.quota_mode.unwrap_or(false),
                     replaces: r.replaces,
                     limit,
                     exact,
@@ -822,28 +826,6 @@ impl<'de> Visitor<'de> for UnreadVisitor {
     }
 }
 
-/// `quota_mode`: false, or refused at its value (ratewall has no quota mode).
-struct QuotaMode;
-
-impl<'de> Deserialize<'de> for QuotaMode {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<QuotaMode, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = QuotaMode;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a boolean")
-            }
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<QuotaMode, E> {
-                if v {
-                    return Err(E::custom("quota_mode is not supported by ratewall"));
-                }
-                Ok(QuotaMode)
-            }
-        }
-        d.deserialize_bool(V)
-    }
-}
-
 /// Sets `slot` to what `v` holds, if anything.
 fn take<T>(slot: &mut Option<T>, v: Option<T>) {
     if v.is_some() {
@@ -892,6 +874,7 @@ struct RawDescriptor {
     rate_limit: Option<RawRateLimitFields>,
     descriptors: Option<Vec<RawDescriptor>>,
     shadow_mode: Option<bool>,
+    quota_mode: Option<bool>,
     share_threshold: Option<bool>,
     exact: Option<bool>,
     unread: Vec<String>,
@@ -925,9 +908,7 @@ impl Fields for RawDescriptor {
             "shadow_mode" => self.shadow_mode = map.next_value()?,
             "share_threshold" => self.share_threshold = map.next_value()?,
             "exact" => self.exact = map.next_value()?,
-            "quota_mode" => {
-                map.next_value::<Option<QuotaMode>>()?;
-            }
+            "quota_mode" => self.quota_mode = map.next_value()?,
             // Metric naming and metadata only: read, they change nothing here.
             "metadata" => {
                 map.next_value::<Option<serde_norway::Value>>()?;
@@ -947,6 +928,7 @@ impl Fields for RawDescriptor {
         }
         take(&mut self.descriptors, o.descriptors);
         take(&mut self.shadow_mode, o.shadow_mode);
+        take(&mut self.quota_mode, o.quota_mode);
         take(&mut self.share_threshold, o.share_threshold);
         take(&mut self.exact, o.exact);
         self.unread.extend(o.unread);
@@ -1288,11 +1270,36 @@ mod tests {
     }
 
     #[test]
-    fn quota_mode_is_refused_at_its_line() {
-        let e = error("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: b\n    quota_mode: true\n");
-        assert_eq!(e.line, Some(6), "{e}");
-        assert!(e.reason.contains("quota_mode is not supported"), "{e}");
-        parse("domain: d\ndescriptors:\n  - key: a\n    quota_mode: false\n");
+    fn quota_mode_is_read_on_a_descriptor() {
+        let c = parse("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: b\n    quota_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 2}\n  - key: c\n    quota_mode: false\n    rate_limit: {unit: minute, requests_per_unit: 2}\n");
+        assert!(!c.find("d", &[("a", "")]).unwrap().rule.quota);
+        assert!(c.find("d", &[("b", "")]).unwrap().rule.quota);
+        assert!(!c.find("d", &[("c", "")]).unwrap().rule.quota);
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        let e = error("domain: d\ndescriptors:\n  - key: a\n    quota_mode: sometimes\n");
+        assert_eq!(e.line, Some(4), "{e}");
+    }
+
+    /// A file in the shape of envoyproxy/ratelimit's own example configuration: a leading
+    /// document marker, `replaces` naming a limit of another branch and one no limit has,
+    /// named limits, a blocklist of 0, shadow and unlimited leaves, `detailed_metric`, and
+    /// quota-mode descriptors with `metadata`.
+    const ENVOYPROXY_SHAPED: &str = include_str!("../../tests/data/envoyproxy-shaped.yaml");
+
+    #[test]
+    fn a_file_shaped_as_envoyproxy_ratelimits_example_loads() {
+        let c = parse(ENVOYPROXY_SHAPED);
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        assert_eq!(c.rules.len(), 12);
+        let primary = c.find("shop", &[("backend", "primary")]).unwrap().rule;
+        assert!(primary.quota && !primary.shadow);
+        assert_eq!((primary.unit, primary.requests_per_unit), (Some(Unit::Hour), 1));
+        assert!(c.find("shop", &[("backend", "fallback")]).unwrap().rule.quota);
+        let limited = c.find("shop", &[("buyer", "b"), ("item", "limited")]).unwrap().rule;
+        assert_eq!((limited.name.as_str(), limited.quota), ("per_buyer", false));
+        assert!(c.find("shop", &[("buyer", "b"), ("coupon", "trial")]).unwrap().rule.shadow);
+        assert!(c.find("shop", &[("buyer", "b"), ("gift", "g")]).unwrap().rule.unlimited);
+        assert_eq!(c.find("shop", &[("tier", "gold")]).unwrap().rule.replaces, ["per_buyer", "no_such_limit"]);
     }
 
     fn error(text: &str) -> ConfigError {

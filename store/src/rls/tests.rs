@@ -223,3 +223,75 @@ async fn duration_until_reset_is_whole_seconds_rounded_up() {
     assert_eq!(banned % ratewall_core::SECOND, 0, "{banned}");
     assert!((1..=3600).contains(&(banned / ratewall_core::SECOND)), "{banned}");
 }
+
+/// Two quotas (one of them shadow) beside an enforced limit, decided at Redis.
+const QUOTAS: &str = "domain: q
+descriptors:
+  - key: plain
+    rate_limit: {unit: hour, requests_per_unit: 1, exact: true}
+  - key: backend
+    value: primary
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1, exact: true}
+  - key: backend
+    value: fallback
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 2, exact: true}
+  - key: backend
+    value: trial
+    quota_mode: true
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 0}
+";
+
+fn quotas() -> Rls<FakeKv> {
+    let kv = FakeKv::default();
+    kv.now.store(1_000 * 3600 * ratewall_core::SECOND, Ordering::Relaxed);
+    let store = Arc::new(Store::new(kv, b"unit-test-secret-0123", Duration::from_secs(1)));
+    Rls::new(store, RlsConfig::parse("q.yaml", QUOTAS).unwrap(), None, b"unit-test-secret-0123")
+}
+
+fn in_domain(domain: &str, mut c: Call) -> Call {
+    c.domain = domain.into();
+    c
+}
+
+fn codes(a: &Answer) -> Vec<Code> {
+    a.statuses.iter().map(|s| s.code).collect()
+}
+
+#[tokio::test]
+async fn a_quota_over_its_limit_says_so_and_denies_only_with_every_other_quota_over() {
+    use Code::{Ok as OK, OverLimit as OVER};
+    let r = quotas();
+    let both = || in_domain("q", call(&[&[("backend", "primary")], &[("backend", "fallback")]]));
+    let a = r.should_rate_limit(&both()).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OK, vec![OK, OK]));
+    // The primary's quota is spent: its status says so, the call goes on (the fallback has
+    // room), and only the fallback counts it.
+    let a = r.should_rate_limit(&both()).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a), remaining(&a)), (OK, vec![OVER, OK], vec![0, 0]));
+    assert!(a.headers.iter().all(|(k, _)| *k != "Retry-After"), "{:?}", a.headers);
+    let policy = &a.headers.iter().find(|(k, _)| *k == "RateLimit-Policy").unwrap().1;
+    assert_eq!(policy, "\"q.backend_fallback\";q=2;w=3600", "the quota over its limit is not a policy of the call");
+    // Every quota of the call over: over the limit, charging nothing.
+    let a = r.should_rate_limit(&both()).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OVER, vec![OVER, OVER]));
+    assert!(a.headers.iter().any(|(k, v)| *k == "Retry-After" && v == "3600"), "{:?}", a.headers);
+    // A quota alone is every quota of its call.
+    let a = r.should_rate_limit(&in_domain("q", call(&[&[("backend", "primary")]]))).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OVER, vec![OVER]));
+    // A shadow quota over its limit answers OK and counts as a quota with room.
+    let shadowed = in_domain("q", call(&[&[("backend", "primary")], &[("backend", "trial")]]));
+    let a = r.should_rate_limit(&shadowed).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OK, vec![OVER, OK]));
+    // An enforced limit over denies whatever the quotas say; quotas do not make a call over
+    // while one has room.
+    let mixed = || in_domain("q", call(&[&[("plain", "p")], &[("backend", "primary")], &[("backend", "trial")]]));
+    let a = r.should_rate_limit(&mixed()).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OK, vec![OK, OVER, OK]));
+    let a = r.should_rate_limit(&mixed()).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OVER, vec![OVER, OVER, OK]));
+    let policy = &a.headers.iter().find(|(k, _)| *k == "RateLimit-Policy").unwrap().1;
+    assert_eq!(policy, "\"q.plain\";q=1;w=3600", "denied for the enforced limit alone");
+}
