@@ -848,3 +848,56 @@ async fn a_file_shaped_as_envoyproxy_ratelimits_example_answers_with_its_quotas(
     let secs: u64 = reset.strip_suffix('s').unwrap().parse().unwrap_or_else(|_| panic!("not whole seconds: {reset}"));
     assert!((1..=60).contains(&secs), "{reset}");
 }
+
+/// `#` and 8 hex digits of `value`'s keyed hash, as the store shows it under [`SECRET`].
+fn hashed(value: &str) -> String {
+    let mut out = String::new();
+    let key = ratewall_core::key::HashKey::derive(SECRET.as_bytes());
+    ratewall_core::key::push_hashed(&mut out, key.hash(value.as_bytes()));
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn denied_calls_show_in_the_admin_listeners_top_offenders_by_hashed_keys() {
+    let redis = Redis::start(false).unwrap();
+    let p = dir("top").join("config.yaml");
+    std::fs::write(&p, include_str!("data/envoyproxy-shaped.yaml")).unwrap();
+    let store = RlsProcess::start_with(&redis.url(), &p, true);
+    let admin = store.admin.clone().unwrap();
+    let mut c = store.client().await;
+    let recalled = |buyer: &str| request("shop", vec![descriptor(&[("buyer", buyer), ("item", "recalled")])]);
+    for _ in 0..3 {
+        assert_eq!(ask(&mut c, recalled("api-key-of-alice")).await.overall_code, OVER);
+    }
+    assert_eq!(ask(&mut c, recalled("api-key-of-bob")).await.overall_code, OVER);
+    // A call allowed: counted for its rule.
+    assert_eq!(ask(&mut c, request("shop", vec![descriptor(&[("report", "r")])])).await.overall_code, OK);
+    let top = http::request(&admin, "GET", "/v1/top", &[], &[]).unwrap();
+    assert_eq!(top.status, 200);
+    let text = top.text();
+    assert!(!text.contains("api-key-of"), "no descriptor value is shown: {text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rule = |name: &str| v["rules"].as_array().unwrap().iter().find(|r| r["rule"] == name).cloned();
+    let denied = rule("recalled_item").unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(
+        (denied["denied"].clone(), denied["allowed"].clone()),
+        (serde_json::json!(4), serde_json::json!(0)),
+        "{v}"
+    );
+    let key = |buyer: &str| format!("buyer={},item={}", hashed(buyer), hashed("recalled"));
+    assert_eq!(
+        denied["top"],
+        serde_json::json!([
+            {"key": key("api-key-of-alice"), "denied": 3, "allowed": 0, "nodes": 1},
+            {"key": key("api-key-of-bob"), "denied": 1, "allowed": 0, "nodes": 1},
+        ])
+    );
+    let report = rule("shop.report").unwrap_or_else(|| panic!("{v}"));
+    assert_eq!((report["allowed"].clone(), report["denied"].clone()), (serde_json::json!(1), serde_json::json!(0)));
+    // The same calls per second in the series the dashboard draws.
+    let series: serde_json::Value =
+        serde_json::from_slice(&http::request(&admin, "GET", "/v1/series?rule=recalled_item", &[], &[]).unwrap().body)
+            .unwrap();
+    let per_second = series["rules"][0]["denied"].as_array().unwrap();
+    assert_eq!(per_second.iter().map(|n| n.as_u64().unwrap()).sum::<u64>(), 4, "{series}");
+}

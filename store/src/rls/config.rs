@@ -172,6 +172,36 @@ pub struct Rule {
     pub limit: Option<Limit>,
     /// Decided at Redis on every call.
     pub exact: bool,
+    /// The rule's name among the top offenders (`GET /v1/top`): `policy`, or `DOMAIN
+    /// (override)` for a request's `limit` override (one per domain, whatever the values), cut
+    /// to the 64 bytes a sync batch's top section carries.
+    pub top_name: String,
+    /// Its place in the configuration, in file order (`usize::MAX`: an override).
+    pub order: usize,
+}
+
+/// How a request's `limit` override is named where its runtime values are not shown (a metric's
+/// `rule` label, the top offenders' rule).
+pub const OVERRIDE: &str = "(override)";
+
+/// Longest rule name among the top offenders (a top section's).
+pub const MAX_TOP_NAME: usize = 64;
+
+/// `name` as the top offenders name a rule: itself, or when longer than [`MAX_TOP_NAME`]
+/// bytes its start and `#` with 8 hex digits of a hash of the whole (two long names stay
+/// apart).
+fn top_name(name: &str) -> String {
+    if name.len() <= MAX_TOP_NAME {
+        return name.to_owned();
+    }
+    let mut cut = MAX_TOP_NAME - 9;
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut out = String::with_capacity(MAX_TOP_NAME);
+    out.push_str(name.get(..cut).unwrap_or(""));
+    ratewall_core::key::push_hashed(&mut out, ratewall_core::key::fnv1a(name.as_bytes()));
+    out
 }
 
 impl Rule {
@@ -192,6 +222,8 @@ impl Rule {
         let limit = core_limit(Algorithm::FixedWindow, requests_per_unit, unit)?;
         Ok(Rule {
             domain: domain.to_owned(),
+            top_name: top_name(&format!("{domain} {OVERRIDE}")),
+            order: usize::MAX,
             policy: policy_name(shown),
             full_key,
             name: String::new(),
@@ -366,16 +398,25 @@ impl RlsConfig {
                 .or(domain_line)
         };
         let mut level = Level::default();
-        let mut rules = Vec::new();
+        // The rules of the files before this one first: a rule's place is its index.
+        let mut rules = std::mem::take(&mut self.rules);
+        let before = rules.len();
         let mut unread = Vec::new();
         let descriptors = raw.descriptors.unwrap_or_default();
-        build(&mut level, &domain, &format!("{domain}."), descriptors, &mut rules, &mut unread).map_err(
-            |(reason, key, nth)| ConfigError { file: file.to_owned(), line: line_of(&key, nth), column: None, reason },
-        )?;
+        let built = build(&mut level, &domain, &format!("{domain}."), descriptors, &mut rules, &mut unread);
+        if built.is_err() {
+            rules.truncate(before);
+        }
+        self.rules = rules;
+        built.map_err(|(reason, key, nth)| ConfigError {
+            file: file.to_owned(),
+            line: line_of(&key, nth),
+            column: None,
+            reason,
+        })?;
         for (reason, key, nth) in unread {
             self.warnings.push(warn(line_of(&key, nth), reason));
         }
-        self.rules.extend(rules);
         self.domains.insert(domain, level);
         Ok(())
     }
@@ -476,9 +517,12 @@ fn build(
                         .map_err(|e| (format!("{full_key}: rate_limit: {e}"), key.clone(), seen))?,
                     _ => None,
                 };
+                let policy = policy_name(if r.name.is_empty() { &full_key } else { &r.name });
                 let rule = Arc::new(Rule {
                     domain: domain.to_owned(),
-                    policy: policy_name(if r.name.is_empty() { &full_key } else { &r.name }),
+                    top_name: top_name(&policy),
+                    order: rules.len(),
+                    policy,
                     full_key: full_key.clone(),
                     name: r.name,
                     unit,
@@ -1342,6 +1386,19 @@ mod tests {
         let e = c.add("b.yaml", "domain: d\n").unwrap_err();
         assert_eq!(e.file, "b.yaml");
         assert!(e.reason.contains("duplicate domain 'd'"), "{e}");
+    }
+
+    #[test]
+    fn top_names_are_bounded() {
+        let long = "n".repeat(100);
+        let shown = top_name(&long);
+        assert_eq!(shown.len(), MAX_TOP_NAME);
+        assert!(shown.starts_with("nnn") && shown[55..].starts_with('#'), "{shown}");
+        assert_ne!(top_name(&format!("{long}x")), shown);
+        assert_eq!(top_name("api.user"), "api.user");
+        let c = parse("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: b\n    rate_limit: {unit: second, requests_per_unit: 1, name: named}\n");
+        let names: Vec<(&str, usize)> = c.rules.iter().map(|r| (r.top_name.as_str(), r.order)).collect();
+        assert_eq!(names, [("d.a", 0), ("named", 1)]);
     }
 
     #[test]

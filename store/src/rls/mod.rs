@@ -10,7 +10,8 @@
 //! this process's grants ([`lease`]), like a proxy's; `exact` ones at Redis on every call.
 //!
 //! The gRPC server ([`grpc`]) and `POST /json` ([`json`]) are two encodings of the same
-//! [`Call`] and [`Answer`].
+//! [`Call`] and [`Answer`]. Each call's outcome is heard by the store's top offenders
+//! ([`crate::top`]), per rule, under the client's key with its values hashed.
 
 pub mod config;
 pub mod grpc;
@@ -316,8 +317,12 @@ impl<K: Kv> Rls<K> {
             ];
         let mut checks = Vec::new();
         let mut decisions: Vec<Option<(Arc<Rule>, Decision)>> = vec![None; call.descriptors.len()];
+        let mut matches: Vec<Option<Matched>> = vec![None; call.descriptors.len()];
         for (i, (d, r)) in call.descriptors.iter().zip(rules).enumerate() {
             let Some((rule, matched)) = r else { continue };
+            if let Some(slot) = matches.get_mut(i) {
+                slot.clone_from(&matched);
+            }
             let hits = d.hits_addend.unwrap_or(u64::from(call.hits_addend.max(1)));
             if rule.unlimited {
                 if let Some(s) = statuses.get_mut(i) {
@@ -381,6 +386,9 @@ impl<K: Kv> Rls<K> {
         let mut enforced: Vec<(&Rule, Decision)> = Vec::new();
         let mut retry: Option<u64> = None;
         let mut quota_retry: Option<u64> = None;
+        // Per descriptor the rule decided something for: its index, units admitted, what it
+        // did, the client's key.
+        let mut heard: Vec<(usize, u64, crate::top::Outcome, String)> = Vec::new();
         for (i, slot) in decisions.iter().enumerate() {
             let Some((rule, d)) = slot else { continue };
             let hits =
@@ -405,6 +413,18 @@ impl<K: Kv> Rls<K> {
                 // Whole seconds, rounded up, as envoyproxy/ratelimit answers (and as `t=`).
                 s.duration_until_reset = Some(ceil_secs(d.reset_after).saturating_mul(ratewall_core::SECOND));
             }
+            // Who is being limited: this rule's count of the call, under the client's key.
+            let top = match (over, verdict.denies(rule)) {
+                (true, true) => crate::top::Outcome::Denied,
+                (true, false) => crate::top::Outcome::ShadowDenied,
+                (false, _) => crate::top::Outcome::Within,
+            };
+            let admitted = if over || verdict.over { 0 } else { hits };
+            if top != crate::top::Outcome::Within || admitted > 0 {
+                let entries = call.descriptors.get(i).map_or(&[][..], |x| x.entries.as_slice());
+                let matched = matches.get(i).and_then(Option::as_ref);
+                heard.push((i, admitted, top, self.shown_key(entries, matched)));
+            }
             if !verdict.denies(rule) && (over || rule.shadow) {
                 // Shadow, or a quota over its limit beside one with room: not in the answer's
                 // fields.
@@ -423,6 +443,20 @@ impl<K: Kv> Rls<K> {
                 enforced.push((rule.as_ref(), *d));
             }
         }
+        let decided: Vec<crate::top::Decided<'_>> = heard
+            .iter()
+            .filter_map(|(i, allowed, outcome, key)| {
+                let (rule, _) = decisions.get(*i)?.as_ref()?;
+                Some(crate::top::Decided {
+                    rule: &rule.top_name,
+                    order: rule.order,
+                    key: key.as_bytes(),
+                    allowed: *allowed,
+                    outcome: *outcome,
+                })
+            })
+            .collect();
+        self.store.top.decided(&decided);
         let overall_code = if verdict.over { Code::OverLimit } else { Code::Ok };
         // Allowed: every enforced limit, the most restrictive first (least remaining, then
         // longest reset), as the filter answers. Over: the limits it is over for; it fits
@@ -435,6 +469,24 @@ impl<K: Kv> Rls<K> {
             fields(None, &enforced)
         };
         Ok(Answer { overall_code, statuses, headers })
+    }
+
+    /// The client's key among the top offenders: the descriptor's entries as `key=value`,
+    /// joined by `,` in order, each value shown only as `#` and 8 hex digits of its keyed hash
+    /// (a value may be a secret, an API key), a shared wildcard's value as its pattern (the
+    /// counter it counts in); cut, with a hash of the whole, past 160 bytes.
+    fn shown_key(&self, entries: &[(String, String)], matched: Option<&Matched>) -> String {
+        let mut out = String::with_capacity(16 * entries.len());
+        for (i, (k, v)) in entries.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            ratewall_core::key::push_value(&mut out, k.as_bytes());
+            out.push('=');
+            let shared = matched.and_then(|m| m.shared.get(i)).and_then(Option::as_deref);
+            ratewall_core::key::push_hashed(&mut out, self.hash_key.hash(shared.unwrap_or(v).as_bytes()));
+        }
+        ratewall_core::topk::bounded_key(out, &self.hash_key)
     }
 
     /// Takes a check's hits (exact: at Redis; else from this process's grant, or by an ask

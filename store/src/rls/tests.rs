@@ -4,6 +4,7 @@ use super::config::RlsConfig;
 use super::*;
 use crate::fake::FakeKv;
 use crate::Store;
+use serde_json::json;
 
 const CONFIG: &str = "domain: d
 descriptors:
@@ -294,4 +295,63 @@ async fn a_quota_over_its_limit_says_so_and_denies_only_with_every_other_quota_o
     assert_eq!((a.overall_code, codes(&a)), (OVER, vec![OVER, OVER, OK]));
     let policy = &a.headers.iter().find(|(k, _)| *k == "RateLimit-Policy").unwrap().1;
     assert_eq!(policy, "\"q.plain\";q=1;w=3600", "denied for the enforced limit alone");
+}
+
+#[tokio::test]
+async fn denied_calls_are_heard_among_the_top_offenders_by_hashed_keys() {
+    use crate::top::Window;
+    let r = rls();
+    let alice = call(&[&[("ip", "10.0.0.1")], &[("user", "alice-secret-key")]]);
+    for _ in 0..3 {
+        assert_eq!(r.should_rate_limit(&alice).await.unwrap().overall_code, Code::Ok);
+    }
+    for _ in 0..2 {
+        assert_eq!(r.should_rate_limit(&alice).await.unwrap().overall_code, Code::OverLimit);
+    }
+    // A shadow limit over: would deny.
+    for _ in 0..2 {
+        r.should_rate_limit(&call(&[&[("shadow", "s")]])).await.unwrap();
+    }
+    r.should_rate_limit(&call(&[&[("banned", "x")]])).await.unwrap();
+    let v = r.store.top.top(None, Window::Minute);
+    let text = v.to_string();
+    assert!(!text.contains("alice") && !text.contains("10.0.0.1"), "{text}");
+    let rules = v["rules"].as_array().unwrap();
+    let names: Vec<&str> = rules.iter().map(|r| r["rule"].as_str().unwrap()).collect();
+    assert_eq!(names, ["d.user", "per-ip", "d.shadow", "d.banned"], "in the configuration's order");
+    let hashed = |v: &str| {
+        let mut s = String::new();
+        ratewall_core::key::push_hashed(&mut s, r.hash_key.hash(v.as_bytes()));
+        s
+    };
+    let user = &rules[0];
+    assert_eq!((user["allowed"].clone(), user["denied"].clone()), (json!(3), json!(2)));
+    assert_eq!(
+        user["top"][0],
+        json!({"key": format!("user={}", hashed("alice-secret-key")), "denied": 2, "allowed": 0, "nodes": 1})
+    );
+    // The address's limit had room: it admitted 3 and denied nothing (the 2 denied calls were
+    // given back to it).
+    assert_eq!((rules[1]["allowed"].clone(), rules[1]["denied"].clone()), (json!(3), json!(0)));
+    assert_eq!(rules[1]["top"], json!([]));
+    assert_eq!((rules[2]["allowed"].clone(), rules[2]["shadow_denied"].clone()), (json!(1), json!(1)));
+    assert_eq!(rules[2]["top"][0]["key"], json!(format!("shadow={}", hashed("s"))));
+    assert_eq!(rules[3]["denied"], json!(1));
+    // The same counts per second, for the dashboard.
+    let series = r.store.top.series(Some("d.user"));
+    assert_eq!(series["rules"][0]["denied"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).sum::<u64>(), 2);
+}
+
+#[tokio::test]
+async fn overrides_are_one_top_rule_per_domain() {
+    let r = rls();
+    for user in ["u1", "u2"] {
+        let mut c = call(&[&[("user", user)]]);
+        c.descriptors[0].limit = Some((0, Unit::Minute.proto()));
+        assert_eq!(r.should_rate_limit(&c).await.unwrap().overall_code, Code::OverLimit);
+    }
+    let v = r.store.top.top(None, crate::top::Window::Minute);
+    assert_eq!(v["rules"][0]["rule"], "d (override)");
+    assert_eq!(v["rules"][0]["denied"], 2);
+    assert_eq!(v["rules"][0]["top"].as_array().unwrap().len(), 2);
 }
