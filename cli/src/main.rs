@@ -194,7 +194,8 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
             .map(|r| {
                 let (text, algorithm) = limit(r);
                 serde_json::json!({"domain": r.domain, "key": r.full_key, "name": r.name, "limit": text,
-                    "algorithm": algorithm, "shadow_mode": r.shadow, "exact": r.exact, "replaces": r.replaces})
+                    "algorithm": algorithm, "shadow_mode": r.shadow, "quota_mode": r.quota, "exact": r.exact,
+                    "replaces": r.replaces})
             })
             .collect();
         let warnings: Vec<serde_json::Value> = config
@@ -226,6 +227,9 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
         }
         if r.shadow {
             flags.push("shadow_mode".to_owned());
+        }
+        if r.quota {
+            flags.push("quota_mode".to_owned());
         }
         if r.exact {
             flags.push("exact".to_owned());

@@ -10,13 +10,19 @@
 //! listener reads its peers' shares from the stream and merges them into its own view, so any
 //! of them answers for the whole fleet, a share interval or so behind.
 //!
+//! The process's own decisions — the rate limit service's ([`crate::rls`]) — are heard the same
+//! way: [`Top::decided`] adds each call's outcome to a section of the current second, which is
+//! merged like a batch's (and shared with the peers) once that second is over, or when the
+//! views are read.
+//!
 //! Memory is bounded whatever the traffic: at most [`MAX_RULES`] rules, each with a fixed
 //! number of buckets holding a summary of at most [`KEPT`] keys
 //! ([`ratewall_core::topk::windows`]), at most [`MAX_NODES`] nodes (and as many peers' views
-//! of nodes), and at most [`OUTBOX_SECONDS`] seconds of sections waiting to be shared.
+//! of nodes), at most [`OUTBOX_SECONDS`] seconds of sections waiting to be shared, and one
+//! second of the process's own decisions (at most [`MAX_RULES`] rules of [`KEPT`] keys).
 
 use ratewall_core::encoding::{put_varint, Reader};
-use ratewall_core::sync::TopSection;
+use ratewall_core::sync::{RuleTop, TopSection};
 use ratewall_core::topk::windows::Windows;
 pub use ratewall_core::topk::windows::{Window, SERIES};
 use ratewall_core::topk::Summary;
@@ -82,6 +88,36 @@ struct Inner {
     shared_at: Option<Instant>,
     /// Peers' views of nodes, by (peer process, node).
     remote: HashMap<(u64, u64), Seen>,
+    /// The process's own decisions of one unix second: the second, and per rule its place in
+    /// the configuration and its counts.
+    own: Option<(u64, Vec<(usize, RuleTop)>)>,
+}
+
+/// What one of the process's own decisions (a rate limit service call) did under one rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decided<'a> {
+    /// The rule's name ([`crate::rls::config::Rule::top_name`]).
+    pub rule: &'a str,
+    /// The rule's place in the configuration: the rules are listed in that order.
+    pub order: usize,
+    /// The client's shown key (never a secret value).
+    pub key: &'a [u8],
+    /// Units admitted under the rule (0: none).
+    pub allowed: u64,
+    /// What the rule did with the request.
+    pub outcome: Outcome,
+}
+
+/// Whether a rule denied a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Within its limit.
+    Within,
+    /// Over its limit, and the request was denied for it.
+    Denied,
+    /// Over its limit, not enforced (shadow mode; a quota while another quota of the call had
+    /// room): it would have denied the request.
+    ShadowDenied,
 }
 
 /// The process's view of the fleet.
@@ -103,6 +139,7 @@ impl Default for Top {
                 outbox: BTreeMap::new(),
                 shared_at: None,
                 remote: HashMap::new(),
+                own: None,
             }),
             process: process.max(1),
         }
@@ -123,7 +160,7 @@ fn merge_section(into: &mut TopSection, from: &TopSection) {
             None if !full => {
                 let mut top = Summary::new(KEPT);
                 top.merge_keeping(&r.top);
-                into.rules.push(ratewall_core::sync::RuleTop { top, ..r.clone() });
+                into.rules.push(RuleTop { top, ..r.clone() });
             }
             None => {}
         }
@@ -215,6 +252,21 @@ fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+impl Inner {
+    /// Merges the process's own decisions of a second before `unix` (all of them with `all`),
+    /// as a batch's section heard then, in the configuration's order.
+    fn own_until(&mut self, unix: u64, all: bool) {
+        if !self.own.as_ref().is_some_and(|(at, _)| all || *at < unix) {
+            return;
+        }
+        let Some((at, mut rules)) = self.own.take() else { return };
+        rules.sort_by_key(|(order, _)| *order);
+        let section = TopSection { rules: rules.into_iter().map(|(_, r)| r).collect() };
+        self.windows.add(at, &section, &[]);
+        queue(&mut self.outbox, at, &section);
+    }
+}
+
 impl Top {
     /// A batch from `node` answered (`ok`: 200) after `rtt`, with its top section if any.
     pub fn heard(&self, node: u64, seq: u64, ok: bool, rtt: Duration, section: Option<&TopSection>) {
@@ -235,7 +287,8 @@ impl Top {
     ) {
         let Ok(mut inner) = self.inner.lock() else { return };
         let inner = &mut *inner;
-        inner.windows.clock(unix);
+        let t = inner.windows.clock(unix);
+        inner.own_until(t, false);
         if inner.nodes.len() >= MAX_NODES && !inner.nodes.contains_key(&node) {
             inner.nodes.retain(|_, n| now.saturating_duration_since(n.seen.last_seen) < NODE_TTL);
             if inner.nodes.len() >= MAX_NODES {
@@ -267,6 +320,58 @@ impl Top {
         self.process
     }
 
+    /// The outcome of one of this process's own decisions (a rate limit service call), per
+    /// rule that decided it: its rule's counts (units admitted, requests denied, requests a
+    /// rule not enforced would have denied), and its key's in the rule's summary, where this
+    /// process is its node.
+    pub fn decided(&self, decisions: &[Decided<'_>]) {
+        self.decided_at(unix_now(), decisions);
+    }
+
+    /// [`Top::decided`] at a given unix second (tests).
+    pub fn decided_at(&self, unix: u64, decisions: &[Decided<'_>]) {
+        if decisions.is_empty() {
+            return;
+        }
+        let Ok(mut inner) = self.inner.lock() else { return };
+        let inner = &mut *inner;
+        let t = inner.windows.clock(unix);
+        inner.own_until(t, false);
+        let (_, rules) = inner.own.get_or_insert_with(|| (t, Vec::new()));
+        let bit = ratewall_core::topk::node_bit(self.process);
+        for d in decisions {
+            let i = match rules.iter().position(|(_, r)| r.rule == d.rule) {
+                Some(i) => i,
+                None if rules.len() < MAX_RULES => {
+                    let r = RuleTop {
+                        rule: d.rule.to_owned(),
+                        allowed: 0,
+                        denied: 0,
+                        shadow_denied: 0,
+                        top: Summary::new(KEPT),
+                    };
+                    rules.push((d.order, r));
+                    rules.len() - 1
+                }
+                None => continue,
+            };
+            let Some((_, r)) = rules.get_mut(i) else { continue };
+            r.allowed = r.allowed.saturating_add(d.allowed);
+            let denied = match d.outcome {
+                Outcome::Within => 0,
+                Outcome::Denied => {
+                    r.denied = r.denied.saturating_add(1);
+                    1
+                }
+                Outcome::ShadowDenied => {
+                    r.shadow_denied = r.shadow_denied.saturating_add(1);
+                    1
+                }
+            };
+            r.top.add(d.key, denied, d.allowed, bit);
+        }
+    }
+
     /// What this process heard since the last share (None: nothing), taken out; give it back
     /// with [`Top::unshared`] when it could not be written.
     pub fn take_share(&self) -> Option<Share> {
@@ -277,6 +382,7 @@ impl Top {
     pub fn take_share_at(&self, unix: u64, now: Instant) -> Option<Share> {
         let Ok(mut inner) = self.inner.lock() else { return None };
         let inner = &mut *inner;
+        inner.own_until(unix, false);
         let since = inner.shared_at.replace(now);
         let nodes: Vec<_> = inner
             .nodes
@@ -340,7 +446,8 @@ impl Top {
 
     /// [`Top::top`] at a given unix second (tests).
     pub fn top_at(&self, unix: u64, rule: Option<&str>, window: Window) -> Value {
-        let Ok(inner) = self.inner.lock() else { return json!({"window_s": 0, "rules": []}) };
+        let Ok(mut inner) = self.inner.lock() else { return json!({"window_s": 0, "rules": []}) };
+        inner.own_until(unix, true);
         inner.windows.top(unix, rule, window)
     }
 
@@ -351,7 +458,8 @@ impl Top {
 
     /// [`Top::series`] at a given unix second (tests).
     pub fn series_at(&self, unix: u64, rule: Option<&str>) -> Value {
-        let Ok(inner) = self.inner.lock() else { return json!({"step_s": 1, "end_unix_s": unix, "rules": []}) };
+        let Ok(mut inner) = self.inner.lock() else { return json!({"step_s": 1, "end_unix_s": unix, "rules": []}) };
+        inner.own_until(unix, true);
         inner.windows.series(unix, rule)
     }
 
@@ -476,6 +584,66 @@ mod tests {
             Share { process: a.process(), seconds: Vec::new(), nodes: vec![(2, t * 1000, 3.0, Duration::ZERO, false)] };
         b.merge_share_at(&again, t, now);
         assert_eq!(b.fleet().len(), 2);
+    }
+
+    #[test]
+    fn the_processs_own_decisions_count_as_a_section_and_are_shared() {
+        let top = Top::default();
+        let now = Instant::now();
+        let t = 1_800_000_000;
+        let d = |rule: &'static str, order: usize, key: &'static str, allowed: u64, outcome: Outcome| Decided {
+            rule,
+            order,
+            key: key.as_bytes(),
+            allowed,
+            outcome,
+        };
+        top.decided_at(
+            t,
+            &[d("b", 1, "k=#00000001", 0, Outcome::Denied), d("a", 0, "k=#00000002", 2, Outcome::Within)],
+        );
+        top.decided_at(
+            t,
+            &[d("b", 1, "k=#00000001", 0, Outcome::Denied), d("b", 1, "k=#00000003", 0, Outcome::ShadowDenied)],
+        );
+        // The key is listed: what it is admitted counts for it too.
+        top.decided_at(t, &[d("b", 1, "k=#00000001", 5, Outcome::Within)]);
+        let v = top.top_at(t, None, Window::Minute);
+        let rules = v["rules"].as_array().unwrap();
+        assert_eq!((rules[0]["rule"].clone(), rules[0]["allowed"].clone()), (json!("a"), json!(2)), "{v}");
+        let b = &rules[1];
+        assert_eq!(
+            (b["allowed"].clone(), b["denied"].clone(), b["shadow_denied"].clone()),
+            (json!(5), json!(2), json!(1))
+        );
+        assert_eq!(b["top"][0], json!({"key": "k=#00000001", "denied": 2, "allowed": 5, "nodes": 1}));
+        assert_eq!(b["top"][1]["key"], "k=#00000003");
+        // Read once, counted once; what follows in the same second adds to it.
+        top.decided_at(t, &[d("b", 1, "k=#00000001", 0, Outcome::Denied)]);
+        assert_eq!(top.top_at(t + 1, Some("b"), Window::Minute)["rules"][0]["denied"], 3);
+        assert_eq!(top.series_at(t + 1, Some("b"))["rules"][0]["denied"][SERIES - 2], 3);
+        // The peers hear it in this process's share.
+        let share = top.take_share_at(t + 1, now).unwrap();
+        let shared: u64 = share.seconds.iter().flat_map(|(_, s)| &s.rules).map(|r| r.denied).sum();
+        assert_eq!((shared, share.nodes.len()), (3, 0), "no node: the process decided them itself");
+        // A second not yet read is shared once it is over.
+        top.decided_at(t + 2, &[d("a", 0, "k=#00000002", 0, Outcome::Denied)]);
+        assert!(top.take_share_at(t + 2, now).is_none());
+        assert_eq!(top.take_share_at(t + 3, now).unwrap().seconds.len(), 1);
+    }
+
+    #[test]
+    fn the_processs_own_rules_are_bounded_too() {
+        let top = Top::default();
+        let names: Vec<String> = (0..MAX_RULES + 10).map(|i| format!("r{i}")).collect();
+        let decided: Vec<Decided<'_>> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| Decided { rule: n, order: i, key: b"k=#00000001", allowed: 0, outcome: Outcome::Denied })
+            .collect();
+        top.decided_at(1_800_000_000, &decided);
+        let v = top.top_at(1_800_000_000, None, Window::Minute);
+        assert_eq!(v["rules"].as_array().unwrap().len(), MAX_RULES);
     }
 
     #[test]

@@ -4,8 +4,8 @@
 //! The format (envoyproxy/ratelimit's README, "The configuration format"): a `domain` and a
 //! tree of `descriptors`, each with a `key`, an optional `value` (`*` matches any run of
 //! characters), an optional `rate_limit` {`unit`, `requests_per_unit`, `name`, `unlimited`,
-//! `replaces`}, `shadow_mode` and nested `descriptors`. Its other keys are accepted with its
-//! meaning: `share_threshold` (the values a wildcard matches share one counter),
+//! `replaces`}, `shadow_mode`, `quota_mode` and nested `descriptors`. Its other keys are
+//! accepted with its meaning: `share_threshold` (the values a wildcard matches share one counter),
 //! `detailed_metric` and `value_to_metric` (metric naming: ratewall's metrics are per rule,
 //! so they change nothing), `metadata` (read, not returned). ratewall's additions are
 //! opt-in: `algorithm` in a `rate_limit` (`fixed_window`, the default and envoyproxy/
@@ -19,8 +19,7 @@
 //! `shadow_mode` in a `rate_limit`) is skipped, as there, with a warning
 //! ([`RlsConfig::warnings`]). A key unknown anywhere is an error, reported with its file, line
 //! and reason; so are an empty key or domain, a duplicate descriptor or domain, an unknown
-//! unit, a unit beside `unlimited: true`, `quota_mode: true` (not supported), and the other
-//! mistakes envoyproxy/ratelimit refuses.
+//! unit, a unit beside `unlimited: true`, and the other mistakes envoyproxy/ratelimit refuses.
 
 use ratewall_core::{Algorithm, Limit, Nanos, SECOND};
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
@@ -164,12 +163,45 @@ pub struct Rule {
     pub unlimited: bool,
     /// `shadow_mode`: reported, never enforced.
     pub shadow: bool,
+    /// `quota_mode`: over its limit, its status says so, but the call is over the limit only
+    /// when an enforced limit that is not a quota is, or every quota of the call is.
+    pub quota: bool,
     /// `rate_limit.replaces`: the names of the limits this one drops from a call.
     pub replaces: Vec<String>,
     /// The core limit (None: unlimited, or `requests_per_unit: 0`, which denies every hit).
     pub limit: Option<Limit>,
     /// Decided at Redis on every call.
     pub exact: bool,
+    /// The rule's name among the top offenders (`GET /v1/top`): `policy`, or `DOMAIN
+    /// (override)` for a request's `limit` override (one per domain, whatever the values), cut
+    /// to the 64 bytes a sync batch's top section carries.
+    pub top_name: String,
+    /// Its place in the configuration, in file order (`usize::MAX`: an override).
+    pub order: usize,
+}
+
+/// How a request's `limit` override is named where its runtime values are not shown (a metric's
+/// `rule` label, the top offenders' rule).
+pub const OVERRIDE: &str = "(override)";
+
+/// Longest rule name among the top offenders (a top section's).
+pub const MAX_TOP_NAME: usize = 64;
+
+/// `name` as the top offenders name a rule: itself, or when longer than [`MAX_TOP_NAME`]
+/// bytes its start and `#` with 8 hex digits of a hash of the whole (two long names stay
+/// apart).
+fn top_name(name: &str) -> String {
+    if name.len() <= MAX_TOP_NAME {
+        return name.to_owned();
+    }
+    let mut cut = MAX_TOP_NAME - 9;
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut out = String::with_capacity(MAX_TOP_NAME);
+    out.push_str(name.get(..cut).unwrap_or(""));
+    ratewall_core::key::push_hashed(&mut out, ratewall_core::key::fnv1a(name.as_bytes()));
+    out
 }
 
 impl Rule {
@@ -190,6 +222,8 @@ impl Rule {
         let limit = core_limit(Algorithm::FixedWindow, requests_per_unit, unit)?;
         Ok(Rule {
             domain: domain.to_owned(),
+            top_name: top_name(&format!("{domain} {OVERRIDE}")),
+            order: usize::MAX,
             policy: policy_name(shown),
             full_key,
             name: String::new(),
@@ -197,6 +231,7 @@ impl Rule {
             requests_per_unit,
             unlimited: false,
             shadow: false,
+            quota: false,
             replaces: Vec::new(),
             limit,
             exact: false,
@@ -363,16 +398,25 @@ impl RlsConfig {
                 .or(domain_line)
         };
         let mut level = Level::default();
-        let mut rules = Vec::new();
+        // The rules of the files before this one first: a rule's place is its index.
+        let mut rules = std::mem::take(&mut self.rules);
+        let before = rules.len();
         let mut unread = Vec::new();
         let descriptors = raw.descriptors.unwrap_or_default();
-        build(&mut level, &domain, &format!("{domain}."), descriptors, &mut rules, &mut unread).map_err(
-            |(reason, key, nth)| ConfigError { file: file.to_owned(), line: line_of(&key, nth), column: None, reason },
-        )?;
+        let built = build(&mut level, &domain, &format!("{domain}."), descriptors, &mut rules, &mut unread);
+        if built.is_err() {
+            rules.truncate(before);
+        }
+        self.rules = rules;
+        built.map_err(|(reason, key, nth)| ConfigError {
+            file: file.to_owned(),
+            line: line_of(&key, nth),
+            column: None,
+            reason,
+        })?;
         for (reason, key, nth) in unread {
             self.warnings.push(warn(line_of(&key, nth), reason));
         }
-        self.rules.extend(rules);
         self.domains.insert(domain, level);
         Ok(())
     }
@@ -473,15 +517,19 @@ fn build(
                         .map_err(|e| (format!("{full_key}: rate_limit: {e}"), key.clone(), seen))?,
                     _ => None,
                 };
+                let policy = policy_name(if r.name.is_empty() { &full_key } else { &r.name });
                 let rule = Arc::new(Rule {
                     domain: domain.to_owned(),
-                    policy: policy_name(if r.name.is_empty() { &full_key } else { &r.name }),
+                    top_name: top_name(&policy),
+                    order: rules.len(),
+                    policy,
                     full_key: full_key.clone(),
                     name: r.name,
                     unit,
                     requests_per_unit: r.requests_per_unit,
                     unlimited: r.unlimited,
                     shadow: d.shadow_mode.unwrap_or(false),
+                    quota: d.quota_mode.unwrap_or(false),
                     replaces: r.replaces,
                     limit,
                     exact,
@@ -822,28 +870,6 @@ impl<'de> Visitor<'de> for UnreadVisitor {
     }
 }
 
-/// `quota_mode`: false, or refused at its value (ratewall has no quota mode).
-struct QuotaMode;
-
-impl<'de> Deserialize<'de> for QuotaMode {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<QuotaMode, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = QuotaMode;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a boolean")
-            }
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<QuotaMode, E> {
-                if v {
-                    return Err(E::custom("quota_mode is not supported by ratewall"));
-                }
-                Ok(QuotaMode)
-            }
-        }
-        d.deserialize_bool(V)
-    }
-}
-
 /// Sets `slot` to what `v` holds, if anything.
 fn take<T>(slot: &mut Option<T>, v: Option<T>) {
     if v.is_some() {
@@ -892,6 +918,7 @@ struct RawDescriptor {
     rate_limit: Option<RawRateLimitFields>,
     descriptors: Option<Vec<RawDescriptor>>,
     shadow_mode: Option<bool>,
+    quota_mode: Option<bool>,
     share_threshold: Option<bool>,
     exact: Option<bool>,
     unread: Vec<String>,
@@ -925,9 +952,7 @@ impl Fields for RawDescriptor {
             "shadow_mode" => self.shadow_mode = map.next_value()?,
             "share_threshold" => self.share_threshold = map.next_value()?,
             "exact" => self.exact = map.next_value()?,
-            "quota_mode" => {
-                map.next_value::<Option<QuotaMode>>()?;
-            }
+            "quota_mode" => self.quota_mode = map.next_value()?,
             // Metric naming and metadata only: read, they change nothing here.
             "metadata" => {
                 map.next_value::<Option<serde_norway::Value>>()?;
@@ -947,6 +972,7 @@ impl Fields for RawDescriptor {
         }
         take(&mut self.descriptors, o.descriptors);
         take(&mut self.shadow_mode, o.shadow_mode);
+        take(&mut self.quota_mode, o.quota_mode);
         take(&mut self.share_threshold, o.share_threshold);
         take(&mut self.exact, o.exact);
         self.unread.extend(o.unread);
@@ -1288,11 +1314,36 @@ mod tests {
     }
 
     #[test]
-    fn quota_mode_is_refused_at_its_line() {
-        let e = error("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: b\n    quota_mode: true\n");
-        assert_eq!(e.line, Some(6), "{e}");
-        assert!(e.reason.contains("quota_mode is not supported"), "{e}");
-        parse("domain: d\ndescriptors:\n  - key: a\n    quota_mode: false\n");
+    fn quota_mode_is_read_on_a_descriptor() {
+        let c = parse("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: b\n    quota_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 2}\n  - key: c\n    quota_mode: false\n    rate_limit: {unit: minute, requests_per_unit: 2}\n");
+        assert!(!c.find("d", &[("a", "")]).unwrap().rule.quota);
+        assert!(c.find("d", &[("b", "")]).unwrap().rule.quota);
+        assert!(!c.find("d", &[("c", "")]).unwrap().rule.quota);
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        let e = error("domain: d\ndescriptors:\n  - key: a\n    quota_mode: sometimes\n");
+        assert_eq!(e.line, Some(4), "{e}");
+    }
+
+    /// A file in the shape of envoyproxy/ratelimit's own example configuration: a leading
+    /// document marker, `replaces` naming a limit of another branch and one no limit has,
+    /// named limits, a blocklist of 0, shadow and unlimited leaves, `detailed_metric`, and
+    /// quota-mode descriptors with `metadata`.
+    const ENVOYPROXY_SHAPED: &str = include_str!("../../tests/data/envoyproxy-shaped.yaml");
+
+    #[test]
+    fn a_file_shaped_as_envoyproxy_ratelimits_example_loads() {
+        let c = parse(ENVOYPROXY_SHAPED);
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        assert_eq!(c.rules.len(), 12);
+        let primary = c.find("shop", &[("backend", "primary")]).unwrap().rule;
+        assert!(primary.quota && !primary.shadow);
+        assert_eq!((primary.unit, primary.requests_per_unit), (Some(Unit::Hour), 1));
+        assert!(c.find("shop", &[("backend", "fallback")]).unwrap().rule.quota);
+        let limited = c.find("shop", &[("buyer", "b"), ("item", "limited")]).unwrap().rule;
+        assert_eq!((limited.name.as_str(), limited.quota), ("per_buyer", false));
+        assert!(c.find("shop", &[("buyer", "b"), ("coupon", "trial")]).unwrap().rule.shadow);
+        assert!(c.find("shop", &[("buyer", "b"), ("gift", "g")]).unwrap().rule.unlimited);
+        assert_eq!(c.find("shop", &[("tier", "gold")]).unwrap().rule.replaces, ["per_buyer", "no_such_limit"]);
     }
 
     fn error(text: &str) -> ConfigError {
@@ -1335,6 +1386,19 @@ mod tests {
         let e = c.add("b.yaml", "domain: d\n").unwrap_err();
         assert_eq!(e.file, "b.yaml");
         assert!(e.reason.contains("duplicate domain 'd'"), "{e}");
+    }
+
+    #[test]
+    fn top_names_are_bounded() {
+        let long = "n".repeat(100);
+        let shown = top_name(&long);
+        assert_eq!(shown.len(), MAX_TOP_NAME);
+        assert!(shown.starts_with("nnn") && shown[55..].starts_with('#'), "{shown}");
+        assert_ne!(top_name(&format!("{long}x")), shown);
+        assert_eq!(top_name("api.user"), "api.user");
+        let c = parse("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: b\n    rate_limit: {unit: second, requests_per_unit: 1, name: named}\n");
+        let names: Vec<(&str, usize)> = c.rules.iter().map(|r| (r.top_name.as_str(), r.order)).collect();
+        assert_eq!(names, [("d.a", 0), ("named", 1)]);
     }
 
     #[test]

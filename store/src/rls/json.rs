@@ -2,7 +2,8 @@
 //! in proto3 JSON in, the `RateLimitResponse` in proto3 JSON out (200, or 429 over the
 //! limit). Written over `serde_json::Value` because the generated types carry no serde
 //! support; field names are accepted in lowerCamelCase and as in the `.proto`, unknown ones
-//! refused, as proto3 JSON parsers do.
+//! refused, and `null` for any field is that field not set (its default), as proto3 JSON
+//! parsers do.
 
 use super::config::Unit;
 use super::{Answer, Call, Code, Descriptor, Refusal};
@@ -49,6 +50,8 @@ fn descriptor(v: &Value) -> Result<Descriptor, String> {
                     d.entries.push((key, value));
                 }
             }
+            // A message field set to null: not set.
+            "limit" if v.is_null() => {}
             "limit" => {
                 let l = v.as_object().ok_or("limit is not an object")?;
                 let (mut rpu, mut unit) = (0u32, 0i32);
@@ -109,6 +112,7 @@ fn uint(v: &Value, what: &str) -> Result<u64, String> {
 
 fn unit_of(v: &Value) -> Result<i32, String> {
     match v {
+        Value::Null => Ok(0),
         Value::String(s) if s == "UNKNOWN" => Ok(0),
         Value::String(s) => Unit::from_name(s).map(Unit::proto).ok_or_else(|| format!("unknown unit '{s}'")),
         Value::Number(n) => n.as_i64().and_then(|n| i32::try_from(n).ok()).ok_or_else(|| "unknown unit".into()),
@@ -198,6 +202,23 @@ mod tests {
         assert_eq!(d.entries, vec![("k".to_owned(), "v".to_owned())]);
         assert_eq!(d.hits_addend, Some(0));
         assert_eq!(d.limit, Some((5, 2)));
+    }
+
+    #[test]
+    fn null_is_a_field_not_set() {
+        let c = call_of(br#"{"domain":"d","hitsAddend":null,"descriptors":[{"entries":[{"key":"k","value":null}],"limit":null,"hitsAddend":null,"isNegativeHits":null}]}"#).unwrap();
+        assert_eq!((c.domain.as_str(), c.hits_addend), ("d", 0));
+        let d = &c.descriptors[0];
+        assert_eq!((d.entries.clone(), d.limit, d.hits_addend), (vec![("k".to_owned(), String::new())], None, None));
+        let c =
+            call_of(br#"{"domain":"d","descriptors":[{"entries":null,"limit":{"requestsPerUnit":null,"unit":null}}]}"#)
+                .unwrap();
+        assert_eq!((c.descriptors[0].entries.len(), c.descriptors[0].limit), (0, Some((0, 0))));
+        let c = call_of(br#"{"domain":null,"descriptors":null}"#).unwrap();
+        assert_eq!((c.domain.as_str(), c.descriptors.len()), ("", 0));
+        // An element of a list is a value, not a field: null there is not a message.
+        assert!(call_of(br#"{"domain":"d","descriptors":[null]}"#).is_err());
+        assert!(call_of(br#"{"domain":"d","descriptors":[{"entries":[null]}]}"#).is_err());
     }
 
     #[test]

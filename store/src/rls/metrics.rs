@@ -68,7 +68,7 @@ pub struct RlsMetrics {
 }
 
 /// The rule label of hits under a request's `limit` override (its key holds runtime values).
-pub const OVERRIDE: &str = "(override)";
+pub use super::config::OVERRIDE;
 
 impl RlsMetrics {
     /// Metrics for `config`'s rules.

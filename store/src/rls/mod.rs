@@ -3,13 +3,15 @@
 //!
 //! Each matched descriptor is one counter — a Redis key holding the core's `sync::Counter`,
 //! changed by the same compare-and-swap of the core's pure transitions the sync endpoint
-//! uses. A call is decided in two steps: every limited descriptor takes its hits; when an
-//! enforced one is over its limit, the ones that took are given back, so a denied request
-//! charges no descriptor. Descriptors not configured `exact` are decided from this process's
-//! grants ([`lease`]), like a proxy's; `exact` ones at Redis on every call.
+//! uses. A call is decided in two steps: every limited descriptor takes its hits; when the
+//! call is over the limit (an enforced limit that is not a quota is over, or every quota of
+//! the call is, as envoyproxy/ratelimit decides), the ones that took are given back, so a
+//! denied request charges no descriptor. Descriptors not configured `exact` are decided from
+//! this process's grants ([`lease`]), like a proxy's; `exact` ones at Redis on every call.
 //!
 //! The gRPC server ([`grpc`]) and `POST /json` ([`json`]) are two encodings of the same
-//! [`Call`] and [`Answer`].
+//! [`Call`] and [`Answer`]. Each call's outcome is heard by the store's top offenders
+//! ([`crate::top`]), per rule, under the client's key with its values hashed.
 
 pub mod config;
 pub mod grpc;
@@ -315,8 +317,12 @@ impl<K: Kv> Rls<K> {
             ];
         let mut checks = Vec::new();
         let mut decisions: Vec<Option<(Arc<Rule>, Decision)>> = vec![None; call.descriptors.len()];
+        let mut matches: Vec<Option<Matched>> = vec![None; call.descriptors.len()];
         for (i, (d, r)) in call.descriptors.iter().zip(rules).enumerate() {
             let Some((rule, matched)) = r else { continue };
+            if let Some(slot) = matches.get_mut(i) {
+                slot.clone_from(&matched);
+            }
             let hits = d.hits_addend.unwrap_or(u64::from(call.hits_addend.max(1)));
             if rule.unlimited {
                 if let Some(s) = statuses.get_mut(i) {
@@ -360,8 +366,8 @@ impl<K: Kv> Rls<K> {
                 Err(e) => failed = Some(e),
             }
         }
-        let denied = decisions.iter().flatten().any(|(r, d)| !d.allowed && !r.shadow);
-        if failed.is_some() || denied {
+        let verdict = Verdict::of(decisions.iter().flatten().map(|(r, d)| (r.as_ref(), d)));
+        if failed.is_some() || verdict.over {
             // Given back: a denied (or failed) call charges no descriptor.
             let gone =
                 futures_util::future::join_all(charged.iter().map(|(c, at, from)| self.give_back(c, *at, *from))).await;
@@ -378,6 +384,11 @@ impl<K: Kv> Rls<K> {
         }
         let mut violated = Vec::new();
         let mut enforced: Vec<(&Rule, Decision)> = Vec::new();
+        let mut retry: Option<u64> = None;
+        let mut quota_retry: Option<u64> = None;
+        // Per descriptor the rule decided something for: its index, units admitted, what it
+        // did, the client's key.
+        let mut heard: Vec<(usize, u64, crate::top::Outcome, String)> = Vec::new();
         for (i, slot) in decisions.iter().enumerate() {
             let Some((rule, d)) = slot else { continue };
             let hits =
@@ -391,6 +402,7 @@ impl<K: Kv> Rls<K> {
             };
             self.metrics.count(rule, hits, outcome);
             if let Some(s) = statuses.get_mut(i) {
+                // A quota over its limit says so, whether or not the call is over.
                 s.code = if over && !rule.shadow { Code::OverLimit } else { Code::Ok };
                 s.current_limit = Some(CurrentLimit {
                     name: rule.name.clone(),
@@ -398,23 +410,83 @@ impl<K: Kv> Rls<K> {
                     unit: rule.unit_proto(),
                 });
                 s.limit_remaining = u32::try_from(d.remaining).unwrap_or(u32::MAX);
-                s.duration_until_reset = Some(d.reset_after);
+                // Whole seconds, rounded up, as envoyproxy/ratelimit answers (and as `t=`).
+                s.duration_until_reset = Some(ceil_secs(d.reset_after).saturating_mul(ratewall_core::SECOND));
             }
-            if rule.shadow {
+            // Who is being limited: this rule's count of the call, under the client's key.
+            let top = match (over, verdict.denies(rule)) {
+                (true, true) => crate::top::Outcome::Denied,
+                (true, false) => crate::top::Outcome::ShadowDenied,
+                (false, _) => crate::top::Outcome::Within,
+            };
+            let admitted = if over || verdict.over { 0 } else { hits };
+            if top != crate::top::Outcome::Within || admitted > 0 {
+                let entries = call.descriptors.get(i).map_or(&[][..], |x| x.entries.as_slice());
+                let matched = matches.get(i).and_then(Option::as_ref);
+                heard.push((i, admitted, top, self.shown_key(entries, matched)));
+            }
+            if !verdict.denies(rule) && (over || rule.shadow) {
+                // Shadow, or a quota over its limit beside one with room: not in the answer's
+                // fields.
                 continue;
             }
             if over {
+                let wait = d.retry_after.map_or(window(rule), ceil_secs).max(1);
+                let slot = if rule.quota { &mut quota_retry } else { &mut retry };
+                *slot = Some(match (*slot, rule.quota) {
+                    (Some(w), true) => w.min(wait),
+                    (Some(w), false) => w.max(wait),
+                    (None, _) => wait,
+                });
                 violated.push((rule.as_ref(), *d));
             } else {
                 enforced.push((rule.as_ref(), *d));
             }
         }
-        let overall_code = if violated.is_empty() { Code::Ok } else { Code::OverLimit };
+        let decided: Vec<crate::top::Decided<'_>> = heard
+            .iter()
+            .filter_map(|(i, allowed, outcome, key)| {
+                let (rule, _) = decisions.get(*i)?.as_ref()?;
+                Some(crate::top::Decided {
+                    rule: &rule.top_name,
+                    order: rule.order,
+                    key: key.as_bytes(),
+                    allowed: *allowed,
+                    outcome: *outcome,
+                })
+            })
+            .collect();
+        self.store.top.decided(&decided);
+        let overall_code = if verdict.over { Code::OverLimit } else { Code::Ok };
         // Allowed: every enforced limit, the most restrictive first (least remaining, then
-        // longest reset), as the filter answers.
+        // longest reset), as the filter answers. Over: the limits it is over for; it fits
+        // once every one of them that is not a quota has room, and one of the quotas does.
         enforced.sort_by(|(_, a), (_, b)| a.remaining.cmp(&b.remaining).then(b.reset_after.cmp(&a.reset_after)));
-        let headers = if violated.is_empty() { fields(None, &enforced) } else { fields(Some(()), &violated) };
+        let headers = if verdict.over {
+            let wait = retry.into_iter().chain(quota_retry).max().unwrap_or(1);
+            fields(Some(wait), &violated)
+        } else {
+            fields(None, &enforced)
+        };
         Ok(Answer { overall_code, statuses, headers })
+    }
+
+    /// The client's key among the top offenders: the descriptor's entries as `key=value`,
+    /// joined by `,` in order, each value shown only as `#` and 8 hex digits of its keyed hash
+    /// (a value may be a secret, an API key), a shared wildcard's value as its pattern (the
+    /// counter it counts in); cut, with a hash of the whole, past 160 bytes.
+    fn shown_key(&self, entries: &[(String, String)], matched: Option<&Matched>) -> String {
+        let mut out = String::with_capacity(16 * entries.len());
+        for (i, (k, v)) in entries.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            ratewall_core::key::push_value(&mut out, k.as_bytes());
+            out.push('=');
+            let shared = matched.and_then(|m| m.shared.get(i)).and_then(Option::as_deref);
+            ratewall_core::key::push_hashed(&mut out, self.hash_key.hash(shared.unwrap_or(v).as_bytes()));
+        }
+        ratewall_core::topk::bounded_key(out, &self.hash_key)
     }
 
     /// Takes a check's hits (exact: at Redis; else from this process's grant, or by an ask
@@ -616,15 +688,14 @@ pub fn wall_clock() -> Nanos {
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
-/// `RateLimit-Policy` and `RateLimit` (and `Retry-After` when `over`) for `policies`, as the
-/// core renders them for the filter: `"name";q=Q;w=W` and `"name";r=R;t=T`.
-fn fields(over: Option<()>, policies: &[(&Rule, Decision)]) -> Vec<(&'static str, String)> {
+/// `RateLimit-Policy` and `RateLimit` (and `Retry-After`, whole seconds, when given) for
+/// `policies`, as the core renders them for the filter: `"name";q=Q;w=W` and `"name";r=R;t=T`.
+fn fields(retry: Option<u64>, policies: &[(&Rule, Decision)]) -> Vec<(&'static str, String)> {
     let mut headers = Vec::with_capacity(3);
     if policies.is_empty() {
         return headers;
     }
-    if over.is_some() {
-        let retry = policies.iter().map(|(r, d)| d.retry_after.map_or(window(r), ceil_secs).max(1)).max().unwrap_or(1);
+    if let Some(retry) = retry {
         let mut v = String::new();
         push_decimal(&mut v, retry);
         headers.push(("Retry-After", v));
@@ -650,6 +721,39 @@ fn fields(over: Option<()>, policies: &[(&Rule, Decision)]) -> Vec<(&'static str
     headers.push(("RateLimit-Policy", policy));
     headers.push(("RateLimit", state));
     headers
+}
+
+/// Whether a call is over the limit, as envoyproxy/ratelimit decides it: when a limit that is
+/// neither shadow nor quota is over, or when the call has quotas and every one of them is over
+/// (a shadow quota over its limit counts as one with room: its status is OK).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Verdict {
+    /// The call is over the limit.
+    over: bool,
+    /// Every quota of the call is over (none: false).
+    quotas_over: bool,
+}
+
+impl Verdict {
+    fn of<'a>(decisions: impl Iterator<Item = (&'a Rule, &'a Decision)>) -> Verdict {
+        let (mut enforced_over, mut quotas, mut quotas_over) = (false, 0usize, 0usize);
+        for (rule, d) in decisions {
+            let over = !d.allowed && !rule.shadow;
+            if rule.quota {
+                quotas += 1;
+                quotas_over += usize::from(over);
+            } else {
+                enforced_over |= over;
+            }
+        }
+        let all_quotas = quotas > 0 && quotas == quotas_over;
+        Verdict { over: enforced_over || all_quotas, quotas_over: all_quotas }
+    }
+
+    /// Whether `rule`, over its limit, is one the call is denied for.
+    fn denies(&self, rule: &Rule) -> bool {
+        !rule.shadow && (!rule.quota || self.quotas_over)
+    }
 }
 
 /// A rule's window, whole seconds.

@@ -4,6 +4,7 @@ use super::config::RlsConfig;
 use super::*;
 use crate::fake::FakeKv;
 use crate::Store;
+use serde_json::json;
 
 const CONFIG: &str = "domain: d
 descriptors:
@@ -235,4 +236,147 @@ async fn a_process_that_stops_reports_what_it_admitted_or_says_how_much_it_could
     let mut look = c.clone();
     look.descriptors[0].hits_addend = Some(0);
     assert_eq!(remaining(&next.should_rate_limit(&look).await.unwrap()), [7]);
+}
+
+#[tokio::test]
+async fn duration_until_reset_is_whole_seconds_rounded_up() {
+    let r = rls();
+    // 0.4 s into the hour: a fixed window of an hour ends in 3599.6 s.
+    r.store.kv.now.store(1_000 * 3600 * ratewall_core::SECOND + 400_000_000, Ordering::Relaxed);
+    let a = r.should_rate_limit(&call(&[&[("user", "whole")], &[("banned", "b")]])).await.unwrap();
+    assert_eq!(a.statuses[0].duration_until_reset, Some(3600 * ratewall_core::SECOND));
+    let banned = a.statuses[1].duration_until_reset.unwrap();
+    assert_eq!(banned % ratewall_core::SECOND, 0, "{banned}");
+    assert!((1..=3600).contains(&(banned / ratewall_core::SECOND)), "{banned}");
+}
+
+/// Two quotas (one of them shadow) beside an enforced limit, decided at Redis.
+const QUOTAS: &str = "domain: q
+descriptors:
+  - key: plain
+    rate_limit: {unit: hour, requests_per_unit: 1, exact: true}
+  - key: backend
+    value: primary
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1, exact: true}
+  - key: backend
+    value: fallback
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 2, exact: true}
+  - key: backend
+    value: trial
+    quota_mode: true
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 0}
+";
+
+fn quotas() -> Rls<FakeKv> {
+    let kv = FakeKv::default();
+    kv.now.store(1_000 * 3600 * ratewall_core::SECOND, Ordering::Relaxed);
+    let store = Arc::new(Store::new(kv, b"unit-test-secret-0123", Duration::from_secs(1)));
+    Rls::new(store, RlsConfig::parse("q.yaml", QUOTAS).unwrap(), None, b"unit-test-secret-0123")
+}
+
+fn in_domain(domain: &str, mut c: Call) -> Call {
+    c.domain = domain.into();
+    c
+}
+
+fn codes(a: &Answer) -> Vec<Code> {
+    a.statuses.iter().map(|s| s.code).collect()
+}
+
+#[tokio::test]
+async fn a_quota_over_its_limit_says_so_and_denies_only_with_every_other_quota_over() {
+    use Code::{Ok as OK, OverLimit as OVER};
+    let r = quotas();
+    let both = || in_domain("q", call(&[&[("backend", "primary")], &[("backend", "fallback")]]));
+    let a = r.should_rate_limit(&both()).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OK, vec![OK, OK]));
+    // The primary's quota is spent: its status says so, the call goes on (the fallback has
+    // room), and only the fallback counts it.
+    let a = r.should_rate_limit(&both()).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a), remaining(&a)), (OK, vec![OVER, OK], vec![0, 0]));
+    assert!(a.headers.iter().all(|(k, _)| *k != "Retry-After"), "{:?}", a.headers);
+    let policy = &a.headers.iter().find(|(k, _)| *k == "RateLimit-Policy").unwrap().1;
+    assert_eq!(policy, "\"q.backend_fallback\";q=2;w=3600", "the quota over its limit is not a policy of the call");
+    // Every quota of the call over: over the limit, charging nothing.
+    let a = r.should_rate_limit(&both()).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OVER, vec![OVER, OVER]));
+    assert!(a.headers.iter().any(|(k, v)| *k == "Retry-After" && v == "3600"), "{:?}", a.headers);
+    // A quota alone is every quota of its call.
+    let a = r.should_rate_limit(&in_domain("q", call(&[&[("backend", "primary")]]))).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OVER, vec![OVER]));
+    // A shadow quota over its limit answers OK and counts as a quota with room.
+    let shadowed = in_domain("q", call(&[&[("backend", "primary")], &[("backend", "trial")]]));
+    let a = r.should_rate_limit(&shadowed).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OK, vec![OVER, OK]));
+    // An enforced limit over denies whatever the quotas say; quotas do not make a call over
+    // while one has room.
+    let mixed = || in_domain("q", call(&[&[("plain", "p")], &[("backend", "primary")], &[("backend", "trial")]]));
+    let a = r.should_rate_limit(&mixed()).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OK, vec![OK, OVER, OK]));
+    let a = r.should_rate_limit(&mixed()).await.unwrap();
+    assert_eq!((a.overall_code, codes(&a)), (OVER, vec![OVER, OVER, OK]));
+    let policy = &a.headers.iter().find(|(k, _)| *k == "RateLimit-Policy").unwrap().1;
+    assert_eq!(policy, "\"q.plain\";q=1;w=3600", "denied for the enforced limit alone");
+}
+
+#[tokio::test]
+async fn denied_calls_are_heard_among_the_top_offenders_by_hashed_keys() {
+    use crate::top::Window;
+    let r = rls();
+    let alice = call(&[&[("ip", "10.0.0.1")], &[("user", "alice-secret-key")]]);
+    for _ in 0..3 {
+        assert_eq!(r.should_rate_limit(&alice).await.unwrap().overall_code, Code::Ok);
+    }
+    for _ in 0..2 {
+        assert_eq!(r.should_rate_limit(&alice).await.unwrap().overall_code, Code::OverLimit);
+    }
+    // A shadow limit over: would deny.
+    for _ in 0..2 {
+        r.should_rate_limit(&call(&[&[("shadow", "s")]])).await.unwrap();
+    }
+    r.should_rate_limit(&call(&[&[("banned", "x")]])).await.unwrap();
+    let v = r.store.top.top(None, Window::Minute);
+    let text = v.to_string();
+    assert!(!text.contains("alice") && !text.contains("10.0.0.1"), "{text}");
+    let rules = v["rules"].as_array().unwrap();
+    let names: Vec<&str> = rules.iter().map(|r| r["rule"].as_str().unwrap()).collect();
+    assert_eq!(names, ["d.user", "per-ip", "d.shadow", "d.banned"], "in the configuration's order");
+    let hashed = |v: &str| {
+        let mut s = String::new();
+        ratewall_core::key::push_hashed(&mut s, r.hash_key.hash(v.as_bytes()));
+        s
+    };
+    let user = &rules[0];
+    assert_eq!((user["allowed"].clone(), user["denied"].clone()), (json!(3), json!(2)));
+    assert_eq!(
+        user["top"][0],
+        json!({"key": format!("user={}", hashed("alice-secret-key")), "denied": 2, "allowed": 0, "nodes": 1})
+    );
+    // The address's limit had room: it admitted 3 and denied nothing (the 2 denied calls were
+    // given back to it).
+    assert_eq!((rules[1]["allowed"].clone(), rules[1]["denied"].clone()), (json!(3), json!(0)));
+    assert_eq!(rules[1]["top"], json!([]));
+    assert_eq!((rules[2]["allowed"].clone(), rules[2]["shadow_denied"].clone()), (json!(1), json!(1)));
+    assert_eq!(rules[2]["top"][0]["key"], json!(format!("shadow={}", hashed("s"))));
+    assert_eq!(rules[3]["denied"], json!(1));
+    // The same counts per second, for the dashboard.
+    let series = r.store.top.series(Some("d.user"));
+    assert_eq!(series["rules"][0]["denied"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).sum::<u64>(), 2);
+}
+
+#[tokio::test]
+async fn overrides_are_one_top_rule_per_domain() {
+    let r = rls();
+    for user in ["u1", "u2"] {
+        let mut c = call(&[&[("user", user)]]);
+        c.descriptors[0].limit = Some((0, Unit::Minute.proto()));
+        assert_eq!(r.should_rate_limit(&c).await.unwrap().overall_code, Code::OverLimit);
+    }
+    let v = r.store.top.top(None, crate::top::Window::Minute);
+    assert_eq!(v["rules"][0]["rule"], "d (override)");
+    assert_eq!(v["rules"][0]["denied"], 2);
+    assert_eq!(v["rules"][0]["top"].as_array().unwrap().len(), 2);
 }
