@@ -172,7 +172,8 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                 let (remaining, grant) =
                     (g.remaining.saturating_sub(unreported), g.grant.saturating_sub(unreported).max(g.grant.min(1)));
                 // Whether the store had quota beyond this grant: a request it leaves short may ask.
-                let more = remaining > grant && (!ask || grant > 0);
+                // An ask's `remaining` is counted after its asked units, which its grant holds.
+                let more = if ask { grant > 0 && remaining > grant.saturating_sub(d.units) } else { remaining > grant };
                 let kept = if ask { held.map_or(0, |h| h.units_at(resp.now)) } else { 0 };
                 // An ask's answer leaves the overdraft as it was.
                 let over = if ask {
