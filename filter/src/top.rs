@@ -35,8 +35,14 @@ pub const TICK: Nanos = ratewall_core::SECOND;
 /// Keys a log line names.
 const LOGGED: usize = 5;
 
-fn shared_key(rule: usize) -> String {
-    format!("rw1/top/{rule}")
+/// Shared keys a rule's summary may take: its name's hash picks one, so rules of several
+/// documents on one proxy (NGINX's `proxy_wasm` directives, filters sharing a `vm_id`) keep
+/// theirs apart, and the keys stay bounded whatever rules come and go (shared data has no
+/// delete). Two names on one key take turns (each finds the other's and starts afresh).
+const SHARED_KEYS: u64 = 1024;
+
+fn shared_key(name: &str) -> String {
+    format!("rw1/top/{}", ratewall_core::key::fnv1a(name.as_bytes()) % SHARED_KEYS)
 }
 
 /// A recent denial of one counter.
@@ -306,7 +312,7 @@ impl Top {
     fn roll(&self, host: &dyn Host, config: &Config, now: Nanos, mine: Option<&[LocalRule]>) {
         for (i, rule) in config.rules.iter().enumerate() {
             let add = mine.and_then(|m| m.get(i)).filter(|r| r.denied + r.shadow + r.paid > 0);
-            let key = shared_key(i);
+            let key = shared_key(&rule.name);
             for _ in 0..16 {
                 let Ok((value, cas)) = host.shared_get(&key) else { break };
                 let found = value.as_deref().and_then(Shared::decode).filter(|s| s.name == rule.name);
@@ -391,7 +397,7 @@ impl Top {
             }
         }
         for (i, rule) in config.rules.iter().enumerate() {
-            let key = shared_key(i);
+            let key = shared_key(&rule.name);
             let mut taken = None;
             for _ in 0..16 {
                 let Ok((value, cas)) = host.shared_get(&key) else { break };

@@ -160,3 +160,30 @@ fn a_key_denied_once_per_interval_on_each_vm_among_many_keys_denied_once_is_coun
     // Its first denial on each VM looks like any one-off key's and may go uncounted.
     assert!(listed + 2 >= denied as u64, "{listed} of {denied} denials of the heavy key reach the store");
 }
+
+#[test]
+fn two_documents_on_one_proxy_each_log_their_rules_top_denied_keys() {
+    // As two NGINX proxy_wasm directives: one shared data, rules of different names at the
+    // same places, each document's VM ticking every second.
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let other = rules("")
+        .replace("\"idle\"", "\"idle-b\"")
+        .replace("\"api-key\"", "\"per-key\"")
+        .replace("\"watch\"", "\"look\"");
+    let (ea, eb) = (engine(&a, &rules("")), engine(&b, &other));
+    statuses(&ea, &a, "GET", "/", &[("x-api-key", KEY)], 5);
+    statuses(&eb, &b, "GET", "/", &[("x-api-key", KEY)], 5);
+    for _ in 0..62 {
+        ea.on_tick(&a);
+        eb.on_tick(&b);
+        for h in [&a, &b] {
+            h.advance(1_000 * MS);
+        }
+    }
+    let logged = |h: &FakeHost, rule: &str| {
+        h.logs.borrow().iter().any(|(_, l)| l.starts_with(&format!("ratewall: top denied [{rule}] ")))
+    };
+    assert!(logged(&a, "api-key") || logged(&b, "api-key"), "{:?} {:?}", a.logs.borrow(), b.logs.borrow());
+    assert!(logged(&a, "per-key") || logged(&b, "per-key"), "{:?} {:?}", a.logs.borrow(), b.logs.borrow());
+}
