@@ -358,7 +358,10 @@ impl Engine {
     /// engine: each asks, and it ticks once per interval.
     pub fn tick_due(&self, now: Nanos) -> bool {
         let Some(interval) = self.tick_interval() else { return false };
-        if now < self.next_tick.get() {
+        // A next tick further ahead than one interval is from a clock that stepped back:
+        // due now, not when the clock catches up.
+        let next = self.next_tick.get();
+        if now < next && next <= now.saturating_add(interval) {
             return false;
         }
         self.next_tick.set(now.saturating_add(interval));

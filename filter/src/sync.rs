@@ -69,6 +69,10 @@ const RELAXED_LEASE: Nanos = 1_000 * MS;
 pub const MAX_STORE_SKEW: Nanos = 300 * 1_000 * MS;
 /// Failures in a row that open the circuit breaker.
 const BREAKER_AFTER: u32 = 3;
+/// The longest the breaker stays open.
+const BREAKER_MAX: Nanos = 30_000 * MS;
+/// The longest a VM's failing asks back off.
+const ASK_BACKOFF_MAX: Nanos = 32_000 * MS;
 /// How long a failed batch is retried. A retry repeats the body, and with it the time the
 /// batch was made: a store refuses it once that is [`MAX_REQUEST_SKEW`] old (so a captured
 /// copy cannot be replayed after the store forgets its `seq`), so the node gives it up then
@@ -554,7 +558,10 @@ impl Syncer {
     pub fn fresh(&self, now: Nanos) -> bool {
         let v = self.view.get();
         let since = if v.ok_at > 0 { v.ok_at } else { self.started };
-        now <= since.saturating_add(self.opts.stale_after)
+        // An answer further ahead than `stale_after` is from a clock that stepped back: not
+        // fresh (degraded until the next answer, an interval away), rather than fresh until
+        // the clock catches up with it.
+        now <= since.saturating_add(self.opts.stale_after) && since <= now.saturating_add(self.opts.stale_after)
     }
 
     /// Counts a request decided in degraded mode.
@@ -698,6 +705,10 @@ impl Syncer {
                 s = self.syncing.borrow_mut();
             }
         }
+        // Times ahead of what they can be are from a clock that stepped back: clamped, so the
+        // breaker and the batches run on rather than wait for the clock to catch up.
+        s.open_until = s.open_until.min(now.saturating_add(BREAKER_MAX));
+        s.sent_at = s.sent_at.min(now);
         if now < s.open_until {
             return;
         }
@@ -783,7 +794,8 @@ impl Syncer {
         let max_wait = self.opts.max_wait.min(self.opts.timeout);
         if inflight >= MAX_ASKS
             || host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until)
-            || host.now() < self.ask_backoff.get().1
+            || (host.now() < self.ask_backoff.get().1
+                && self.ask_backoff.get().1 <= host.now().saturating_add(ASK_BACKOFF_MAX))
             || (self.view.get().rtt > max_wait && self.ask_backoff.get().0 > 0)
         {
             return None;
@@ -862,7 +874,7 @@ impl Syncer {
         s.retry = Some(batch);
         s.failures = s.failures.saturating_add(1);
         if s.failures >= BREAKER_AFTER {
-            let backoff = (500 * MS).saturating_mul(1 << (s.failures - BREAKER_AFTER).min(6)).min(30_000 * MS);
+            let backoff = (500 * MS).saturating_mul(1 << (s.failures - BREAKER_AFTER).min(6)).min(BREAKER_MAX);
             s.open_until = now.saturating_add(backoff);
             if let Some(m) = self.metrics.breaker_open {
                 host.set_gauge(m, 1);

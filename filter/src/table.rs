@@ -425,8 +425,9 @@ impl Table {
         ratewall_core::text(buf.get(..len).unwrap_or_default()).unwrap_or_default()
     }
 
-    /// Creates every bucket key that does not exist yet. Runs at configure time, before
-    /// traffic: this is the only place a key is written without a CAS value that was read.
+    /// Creates every bucket key that does not exist yet. Runs at a VM's first request or
+    /// tick, before it counts anything in the table: this is the only place a key is written
+    /// without a CAS value that was read.
     pub fn create(&self, host: &dyn Host) -> Result<u32, SetError> {
         let empty = encode_bucket(&[]);
         let mut created = 0;

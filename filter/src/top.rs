@@ -321,7 +321,10 @@ impl Top {
                     found.unwrap_or_else(|| Shared { name: rule.name.clone(), minute_start: now, ..Shared::default() });
                 let mut line = None;
                 // Time that goes backwards is clamped (saturating): a minute only ever ends.
-                let rolled = now.saturating_sub(s.minute_start) >= LOG_EVERY;
+                // (A minute that starts further ahead than a minute is from a clock that stepped
+                // back: it ends now.)
+                let rolled =
+                    now.saturating_sub(s.minute_start) >= LOG_EVERY || s.minute_start > now.saturating_add(LOG_EVERY);
                 if rolled {
                     if !self.synced && !s.minute.is_empty() {
                         line = Some(log_line(config, &rule.name, &s.minute));

@@ -1296,3 +1296,45 @@ fn a_node_that_heard_a_counter_is_out_of_quota_denies_its_first_request_on_it() 
     // Another client of the rule is not out: the node admits it on its initial share.
     assert_eq!(reply(b, hb, "GET", NO_WAIT, &[("x-user-id", "bob")]).status, 200);
 }
+
+#[test]
+fn a_clock_that_steps_back_an_hour_keeps_ticking_and_syncing_and_is_not_fresh_on_old_answers() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut st = store();
+    let user = [("x-user-id", "back")];
+    statuses(&e, &h, "GET", NO_WAIT, &user, 3);
+    for _ in 0..5 {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        serve(&mut st, &e, &h);
+    }
+    assert!(e.tick_due(h.now()));
+    h.now.set(h.now() - 3_600_000 * MS);
+    assert!(e.tick_due(h.now()), "a tick is due now, not in an hour");
+    // The store stops answering: the node's last answer is an hour ahead of its clock, and
+    // must not keep it fresh for that hour.
+    let before = h.metric("ratewall_sync_degraded_requests");
+    let mut calls = 0;
+    for _ in 0..5 {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        calls += fail(&e, &h);
+    }
+    assert!(calls >= 1, "batches go on after the step back");
+    statuses(&e, &h, "GET", NO_WAIT, &user, 1);
+    assert_eq!(
+        h.metric("ratewall_sync_degraded_requests"),
+        before + 1,
+        "degraded, not fresh on an answer from the future"
+    );
+    // The store answers again: fresh again at once.
+    for _ in 0..10 {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        serve(&mut st, &e, &h);
+    }
+    statuses(&e, &h, "GET", NO_WAIT, &user, 1);
+    assert_eq!(h.metric("ratewall_sync_degraded_requests"), before + 1);
+    assert!(counted(&st, &e, NO_WAIT, "back", h.now()) >= 3, "the units admitted before the step were counted");
+}
