@@ -45,8 +45,8 @@ impl std::hash::BuildHasher for KeyHasher {
     }
 }
 
-const LEASE: &str = "rw1/sync/lease";
-const VIEW: &str = "rw1/sync/view";
+/// VM numbers are taken from this counter, one per proxy (whatever store its documents sync
+/// to, so that no two VMs share one).
 const VMS: &str = "rw1/sync/vms";
 /// Outboxes VMs spread their deltas over (VM `i` uses `i % OUTBOXES`).
 pub const OUTBOXES: u32 = 8;
@@ -262,8 +262,33 @@ fn quoted(body: &[u8]) -> String {
     body.iter().take(300).map(|b| if b.is_ascii_graphic() || *b == b' ' { char::from(*b) } else { '?' }).collect()
 }
 
-fn outbox(i: u32) -> String {
-    format!("rw1/sync/out/{i}")
+/// The shared-data keys of one store's sync on this proxy: documents that sync to the same
+/// store (cluster, path and secret) share one lease, view and outboxes, so one VM syncs for
+/// them all; documents syncing elsewhere (NGINX's `proxy_wasm` directives, filters sharing a
+/// `vm_id`) keep theirs apart.
+#[derive(Clone, Debug)]
+struct Keys {
+    lease: String,
+    view: String,
+    out: String,
+}
+
+impl Keys {
+    fn of(opts: &SyncOptions) -> Keys {
+        use std::hash::Hasher;
+        let mut h = siphasher::sip::SipHasher13::new_with_keys(0x7277_7379_6e63_6b65, 0x7973_0000_0000_0001);
+        for part in [&opts.cluster, &opts.path, &opts.secret] {
+            h.write(part.as_bytes());
+            h.write_u8(0);
+        }
+        // 32 bits of a keyed hash of the secret among the rest: the key names no secret.
+        let ns = format!("rw1/sync/{:08x}", h.finish() as u32);
+        Keys { lease: format!("{ns}/lease"), view: format!("{ns}/view"), out: format!("{ns}/out/") }
+    }
+
+    fn outbox(&self, i: u32) -> String {
+        format!("{}{i}", self.out)
+    }
 }
 
 /// What the node last heard from the store.
@@ -410,6 +435,7 @@ pub type Section<'a> = dyn Fn(u64, &[Delta], &mut Vec<u8>) + 'a;
 #[derive(Debug)]
 pub struct Syncer {
     opts: SyncOptions,
+    keys: Keys,
     vm: u32,
     token: u64,
     started: Nanos,
@@ -454,9 +480,10 @@ impl Syncer {
                 break;
             }
         }
+        let keys = Keys::of(&opts);
         for i in 0..OUTBOXES {
-            if let Ok((None, _)) = host.shared_get(&outbox(i)) {
-                let _ = host.shared_set(&outbox(i), &[], None);
+            if let Ok((None, _)) = host.shared_get(&keys.outbox(i)) {
+                let _ = host.shared_set(&keys.outbox(i), &[], None);
             }
         }
         let counter = |n: &str| host.define_counter(n);
@@ -488,6 +515,7 @@ impl Syncer {
         };
         Syncer {
             opts,
+            keys,
             vm,
             token,
             started: now,
@@ -511,6 +539,7 @@ impl Syncer {
         let take_local = previous.local.try_borrow_mut().map(|mut l| std::mem::take(&mut *l));
         let take_syncing = previous.syncing.try_borrow_mut().map(|mut s| std::mem::take(&mut *s));
         Syncer {
+            keys: Keys::of(&opts),
             opts,
             vm: previous.vm,
             token: previous.token,
@@ -586,7 +615,7 @@ impl Syncer {
     pub fn on_tick(&self, host: &dyn Host, section: &Section<'_>) {
         let now = host.now();
         self.publish(host);
-        if let Ok((Some(v), _)) = host.shared_get(VIEW) {
+        if let Ok((Some(v), _)) = host.shared_get(&self.keys.view) {
             if let Some(view) = View::decode(&v) {
                 self.view.set(view);
                 *self.named.borrow_mut() = decode_named(v.get(VIEW_LEN..).unwrap_or_default());
@@ -607,7 +636,7 @@ impl Syncer {
         if local.is_empty() {
             return;
         }
-        let key = outbox(self.vm % OUTBOXES);
+        let key = self.keys.outbox(self.vm % OUTBOXES);
         for _ in 0..32 {
             let Ok((value, cas)) = host.shared_get(&key) else { break };
             let mut merged = Pending::default();
@@ -644,8 +673,8 @@ impl Syncer {
     }
 
     /// The lease's holder and expiry, and its CAS value.
-    fn lease(host: &dyn Host) -> Option<((u64, Nanos), Option<u32>)> {
-        let (value, cas) = host.shared_get(LEASE).ok()?;
+    fn lease(&self, host: &dyn Host) -> Option<((u64, Nanos), Option<u32>)> {
+        let (value, cas) = host.shared_get(&self.keys.lease).ok()?;
         let holder = value
             .and_then(|v| {
                 Some((
@@ -658,21 +687,21 @@ impl Syncer {
     }
 
     fn hold_lease(&self, host: &dyn Host, now: Nanos) -> bool {
-        let Some(((holder, expires), cas)) = Self::lease(host) else { return false };
+        let Some(((holder, expires), cas)) = self.lease(host) else { return false };
         if holder != self.token && expires > now {
             return false;
         }
         let mut lease = Vec::with_capacity(16);
         lease.extend_from_slice(&self.token.to_le_bytes());
         lease.extend_from_slice(&now.saturating_add(self.opts.interval.saturating_mul(3)).to_le_bytes());
-        host.shared_set(LEASE, &lease, cas).is_ok()
+        host.shared_set(&self.keys.lease, &lease, cas).is_ok()
     }
 
     fn drive(&self, host: &dyn Host, now: Nanos, section: &Section<'_>) {
         let mut s = self.syncing.borrow_mut();
         // Drain the outboxes.
         for i in 0..OUTBOXES {
-            let key = outbox(i);
+            let key = self.keys.outbox(i);
             let Ok((Some(value), cas)) = host.shared_get(&key) else { continue };
             if value.is_empty() {
                 continue;
@@ -805,7 +834,7 @@ impl Syncer {
         let number = (u64::from(self.vm) << 40) | seq;
         // The node asks under the id its batches carry (the lease holder's): the store then
         // replaces the units it gives with the grant of the node's next batch.
-        let node = Self::lease(host).map_or(0, |((holder, _), _)| holder);
+        let node = self.lease(host).map_or(0, |((holder, _), _)| holder);
         let node = if node == 0 { self.token } else { node };
         let body = SyncRequest::encode_parts(node, number, host.now(), wants, true);
         let token = self.send(host, &body, max_wait)?;
@@ -989,8 +1018,8 @@ impl Syncer {
         // With the value's CAS: ngx_wasm_module writes a CAS of 0 only to a key that is
         // absent, so the view would stay as first written and every VM would go stale.
         for _ in 0..3 {
-            let cas = host.shared_get(VIEW).ok().and_then(|(_, cas)| cas);
-            if host.shared_set(VIEW, &shared, cas) != Err(SetError::CasMismatch) {
+            let cas = host.shared_get(&self.keys.view).ok().and_then(|(_, cas)| cas);
+            if host.shared_set(&self.keys.view, &shared, cas) != Err(SetError::CasMismatch) {
                 break;
             }
         }

@@ -68,6 +68,12 @@ fn fail(e: &Engine, h: &FakeHost) -> usize {
     calls.len()
 }
 
+/// The value of the sync key ending in `suffix` (the keys of one store's sync share a prefix).
+fn synced(h: &FakeHost, suffix: &str) -> Option<Vec<u8>> {
+    let key = h.shared_keys().into_iter().find(|k| k.starts_with("rw1/sync/") && k.ends_with(suffix))?;
+    h.shared_value(&key)
+}
+
 fn batch(c: &Call) -> SyncRequest {
     batch_of(&c.body)
 }
@@ -90,7 +96,7 @@ fn the_vms_of_a_node_take_their_own_outboxes_and_one_of_them_syncs() {
     eb.on_tick(&b);
     assert_eq!(a.take_calls().len(), 1, "the first VM to tick holds the lease");
     assert!(b.take_calls().is_empty());
-    assert!(a.shared_value("rw1/sync/out/1").is_some_and(|v| !v.is_empty()), "the second VM published to its outbox");
+    assert!(synced(&a, "/out/1").is_some_and(|v| !v.is_empty()), "the second VM published to its outbox");
 }
 
 #[test]
@@ -963,7 +969,7 @@ fn a_vm_whose_ask_timed_out_asks_no_more_while_batches_take_longer_than_max_wait
         }
     };
     slow(&mut s, 500);
-    let view = h.shared_value("rw1/sync/view").unwrap();
+    let view = synced(&h, "/view").unwrap();
     assert_eq!(u64::from_le_bytes(view[20..28].try_into().unwrap()), 10 * MS, "the view carries the round trip");
     // Batches alone do not stop asks (a store may answer a one-delta ask sooner)...
     let asks = h.metric("ratewall_sync_asks");
@@ -1337,4 +1343,24 @@ fn a_clock_that_steps_back_an_hour_keeps_ticking_and_syncing_and_is_not_fresh_on
     statuses(&e, &h, "GET", NO_WAIT, &user, 1);
     assert_eq!(h.metric("ratewall_sync_degraded_requests"), before + 1);
     assert!(counted(&st, &e, NO_WAIT, "back", h.now()) >= 3, "the units admitted before the step were counted");
+}
+
+#[test]
+fn documents_syncing_to_two_stores_on_one_proxy_sync_each_to_its_own() {
+    // As two NGINX proxy_wasm directives: one shared data, two stores.
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let other = rules(100, 1).replace(r#""cluster": "store""#, r#""cluster": "other-store""#);
+    let (ea, eb) = (engine(&a, &rules(100, 1)), engine(&b, &other));
+    let _ = reply(&ea, &a, "GET", "/u/x", &[("x-user-id", "ann")]);
+    let _ = reply(&eb, &b, "GET", "/u/x", &[("x-user-id", "bob")]);
+    ea.on_tick(&a);
+    eb.on_tick(&b);
+    let (ca, cb) = (a.take_calls(), b.take_calls());
+    assert_eq!((ca.len(), cb.len()), (1, 1), "each document's VM syncs to its own store");
+    assert_eq!(ca[0].upstream, "store");
+    assert_eq!(cb[0].upstream, "other-store");
+    assert_eq!(batch(&ca[0]).deltas.len(), 1, "ann's units only");
+    assert_eq!(batch(&cb[0]).deltas.len(), 1, "bob's units only");
+    assert_ne!(batch(&ca[0]).deltas[0].key, batch(&cb[0]).deltas[0].key);
 }
