@@ -115,6 +115,7 @@ fn main() {
         let r = run(s).unwrap();
         figure(&format!("overadmission_pct_{}", s.name), r.overadmission_pct, "%");
         figure(&format!("overadmission_max_pct_{}", s.name), r.overadmission_max_pct, "%");
+        figure(&format!("overadmission_peak_pct_{}", s.name), r.overadmission_peak_pct, "%");
         figure(&format!("overadmission_bound_pct_{}", s.name), bound_pct(s), "%");
         figure(&format!("false_denial_pct_{}", s.name), r.false_denial_pct, "%");
         figure(&format!("admitted_pct_{}", s.name), r.admitted as f64 / r.requests.max(1) as f64 * 100.0, "%");

@@ -102,6 +102,11 @@ pub struct Report {
     pub overadmission_pct: f64,
     /// The worst (counter, window), in %.
     pub overadmission_max_pct: f64,
+    /// The most the exact limiter's count ever stood above its limit, ÷ limit, in % (fixed and
+    /// sliding windows; 0 for the others). Where the fleet runs a unit ahead of that limiter
+    /// for a while, each admission meanwhile counts as over-admitted: this says by how much it
+    /// was ahead.
+    pub overadmission_peak_pct: f64,
     /// Denials while the counter's true global count was under the limit ÷ requests, in %.
     pub false_denial_pct: f64,
     /// Store calls per node per second.
@@ -339,6 +344,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
         truth: BTreeMap::new(),
         exact_limit: exact_limit(s)?,
         false_denials: 0,
+        peak_excess: 0,
         calls: 0,
         sync_bytes: 0,
         asks: 0,
@@ -391,7 +397,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
     while let Some(at) = w.queue.keys().next().map(|(at, _)| *at) {
         w.event(at)?;
     }
-    let World { fleet, admitted, over, false_denials, calls, sync_bytes, asks, mut waits, .. } = w;
+    let World { fleet, admitted, over, peak_excess, false_denials, calls, sync_bytes, asks, mut waits, .. } = w;
     if std::env::var("RATEWALL_SIM_SUM").is_ok() {
         let mut sums: BTreeMap<String, i64> = BTreeMap::new();
         for (node, _, _) in &fleet {
@@ -426,6 +432,7 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
     Ok(Report {
         overadmission_pct: overs.iter().sum::<f64>() / overs.len().max(1) as f64,
         overadmission_max_pct: overs.iter().copied().fold(0.0, f64::max),
+        overadmission_peak_pct: peak_excess as f64 / s.limit as f64 * 100.0,
         false_denial_pct: false_denials as f64 / total_requests.max(1) as f64 * 100.0,
         calls_per_node_per_sec: calls as f64 / s.nodes as f64 / seconds.max(1e-9),
         bytes_per_sync: sync_bytes as f64 / calls.saturating_sub(asks).max(1) as f64,
@@ -491,6 +498,8 @@ struct World<'a> {
     admitted: BTreeMap<(usize, u64), u64>,
     /// Per (counter, window): admitted while the exact limiter had no room.
     over: BTreeMap<(usize, u64), u64>,
+    /// The most the exact limiter's count stood above its limit.
+    peak_excess: u64,
     /// Per counter: the exact limiter's state, fed with what the fleet admitted.
     truth: BTreeMap<usize, ratewall_core::State>,
     exact_limit: ratewall_core::Limit,
@@ -626,6 +635,7 @@ impl World<'_> {
         *self.admitted.entry((key, window)).or_insert(0) += u64::from(passed);
         if passed {
             *state = self.exact_limit.consume(state, at, 1);
+            self.peak_excess = self.peak_excess.max(excess(&self.exact_limit, state, at));
             if !room.allowed {
                 *self.over.entry((key, window)).or_insert(0) += 1;
             }
@@ -648,6 +658,21 @@ impl World<'_> {
         }
         Ok(())
     }
+}
+
+/// How far `state`'s count stands above `limit`'s quota at `at` (fixed and sliding windows;
+/// 0 for the others).
+fn excess(limit: &ratewall_core::Limit, state: &ratewall_core::State, at: u64) -> u64 {
+    let per = limit.per().max(1);
+    let used = match *state {
+        ratewall_core::State::FixedWindow { window, count } if window == at / per => u64::from(count),
+        ratewall_core::State::SlidingWindow { window, prev, curr } if window == at / per => {
+            let e = at % per;
+            (u128::from(prev) * u128::from(per - e) / u128::from(per)) as u64 + u64::from(curr)
+        }
+        _ => 0,
+    };
+    used.saturating_sub(limit.requests())
 }
 
 /// The scenario's limit, as one exact limiter applies it.

@@ -86,9 +86,11 @@ fn exact_sliding_windows_stay_within_the_written_bound_on_average_at_twenty_node
     let r = run(&s).unwrap();
     println!("{r:?}");
     assert!(r.paused_pct > 0.0, "exact rules ask: {r:?}");
-    // The mean holds the written bound; the worst window does not always: 2.5 % here, 1.0 to
-    // 5.5 % over other seeds (docs/sync-protocol.md, "Exact rules"). This guards it from
-    // growing.
+    // The exact limiter's count never stands above its limit by more than the written bound,
+    // and the mean holds it. Admissions counted over in the worst window do not always (2.5 %
+    // here, 1.0 to 5.5 % over other seeds: docs/sync-protocol.md, "Not held"); this guards
+    // them from growing.
+    assert!(r.overadmission_peak_pct <= bound_pct(&s), "the count over the bound {:.1} %: {r:?}", bound_pct(&s));
     assert!(r.overadmission_pct <= bound_pct(&s), "mean over the bound {:.1} %: {r:?}", bound_pct(&s));
     assert!(r.overadmission_max_pct <= 2.0 * bound_pct(&s), "worst window past twice the bound: {r:?}");
 }
