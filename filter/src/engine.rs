@@ -828,7 +828,7 @@ impl Engine {
                     s.record(host, &c.key, *real, if admitted && !counted { c.cost } else { 0 });
                     if admitted && counted {
                         // Units an ask took at the store: in no delta, but admitted all the same.
-                        self.top.paid(c.rule, c.cost);
+                        self.top.paid(c.rule, &c.key, c.cost);
                     }
                 }
             }

@@ -34,6 +34,20 @@ pub const LOG_EVERY: Nanos = 60 * ratewall_core::SECOND;
 pub const TICK: Nanos = ratewall_core::SECOND;
 /// Keys a log line names.
 const LOGGED: usize = 5;
+/// Counters per rule whose units asks took are kept, between batches, for the keys a batch
+/// lists (an exact rule's admitted units travel in no delta); longer keys are not kept.
+const PAID_KEYS: usize = 32;
+const PAID_KEY_MAX: usize = 256;
+
+/// Adds `units` under `key` to `into`, at most [`PAID_KEYS`] keys of at most
+/// [`PAID_KEY_MAX`] bytes (others are not kept: their units still count in the rule's).
+fn add_paid(into: &mut Vec<(Vec<u8>, u64)>, key: &[u8], units: u64) {
+    if let Some(e) = into.iter_mut().find(|(k, _)| k.as_slice() == key) {
+        e.1 = e.1.saturating_add(units);
+    } else if into.len() < PAID_KEYS && key.len() <= PAID_KEY_MAX {
+        into.push((key.to_vec(), units));
+    }
+}
 
 /// Shared keys a rule's summary may take: its name's hash picks one, so rules of several
 /// documents on one proxy (NGINX's `proxy_wasm` directives, filters sharing a `vm_id`) keep
@@ -75,8 +89,10 @@ struct LocalRule {
     denied: u64,
     shadow: u64,
     distinct: Distinct,
-    /// Units admitted that an ask took at the store (with sync): in no delta.
+    /// Units admitted that an ask took at the store (with sync): in no delta; and per
+    /// counter key (some of them, [`add_paid`]).
     paid: u64,
+    paid_keys: Vec<(Vec<u8>, u64)>,
 }
 
 /// One rule's state in shared data.
@@ -93,6 +109,7 @@ struct Shared {
     pending_denied: u64,
     pending_shadow: u64,
     pending_paid: u64,
+    pending_paid_keys: Vec<(Vec<u8>, u64)>,
     /// With sync, the listed count of each key of `minute` (by [`hash`]) when the last batch
     /// took them, sorted: a batch carries what each key gained since.
     reported: Vec<(u64, u64)>,
@@ -118,6 +135,12 @@ impl Shared {
             put_varint(&mut out, *n);
         }
         put_varint(&mut out, self.pending_paid);
+        put_varint(&mut out, self.pending_paid_keys.len() as u64);
+        for (k, n) in &self.pending_paid_keys {
+            put_varint(&mut out, k.len() as u64);
+            out.extend_from_slice(k);
+            put_varint(&mut out, *n);
+        }
         out
     }
 
@@ -161,6 +184,15 @@ impl Shared {
         }
         // Absent from an older VM's state (during an upgrade).
         let pending_paid = if r.pos < bytes.len() { r.varint().ok()? } else { 0 };
+        let mut pending_paid_keys = Vec::new();
+        if r.pos < bytes.len() {
+            let n = usize::try_from(r.varint().ok()?).ok().filter(|n| *n <= PAID_KEYS)?;
+            for _ in 0..n {
+                let len = usize::try_from(r.varint().ok()?).ok().filter(|l| *l <= PAID_KEY_MAX)?;
+                let k = r.take(len).ok()?.to_vec();
+                pending_paid_keys.push((k, r.varint().ok()?));
+            }
+        }
         (r.pos == bytes.len()).then_some(Shared {
             name,
             minute_start,
@@ -170,6 +202,7 @@ impl Shared {
             pending_denied,
             pending_shadow,
             pending_paid,
+            pending_paid_keys,
             reported,
         })
     }
@@ -218,11 +251,13 @@ impl Top {
         }
     }
 
-    /// `units` admitted by `rule` that an ask took at the store (they travel in no delta).
-    pub fn paid(&self, rule: usize, units: u64) {
+    /// `units` admitted by `rule` under the counter `key` that an ask took at the store (they
+    /// travel in no delta).
+    pub fn paid(&self, rule: usize, key: &[u8], units: u64) {
         let Ok(mut local) = self.local.try_borrow_mut() else { return };
         if let Some(r) = local.rules.get_mut(rule) {
             r.paid = r.paid.saturating_add(units);
+            add_paid(&mut r.paid_keys, key, units);
             local.any = true;
         }
     }
@@ -350,6 +385,9 @@ impl Top {
                         s.pending_denied = s.pending_denied.saturating_add(a.denied);
                         s.pending_shadow = s.pending_shadow.saturating_add(a.shadow);
                         s.pending_paid = s.pending_paid.saturating_add(a.paid);
+                        for (k, n) in &a.paid_keys {
+                            add_paid(&mut s.pending_paid_keys, k, *n);
+                        }
                     }
                 }
                 if add.is_none() && !rolled && !fresh {
@@ -411,7 +449,13 @@ impl Top {
                 if gained.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 && s.pending_paid == 0 {
                     break;
                 }
-                let t = (gained, s.pending_denied, s.pending_shadow, s.pending_paid);
+                let t = (
+                    gained,
+                    s.pending_denied,
+                    s.pending_shadow,
+                    s.pending_paid,
+                    std::mem::take(&mut s.pending_paid_keys),
+                );
                 (s.pending_denied, s.pending_shadow, s.pending_paid) = (0, 0, 0);
                 s.reported = s.minute.entries().iter().map(|e| (hash(&e.key), e.denied)).collect();
                 s.reported.sort_unstable();
@@ -425,7 +469,7 @@ impl Top {
                 }
             }
             let busy_top = taken.is_some();
-            let (pending, denied, shadow, paid) = taken.unwrap_or_default();
+            let (pending, denied, shadow, paid, paid_keys) = taken.unwrap_or_default();
             let rule_allowed = allowed.get(i).copied().unwrap_or(0).saturating_add(paid);
             let busy = busy_top || rule_allowed > 0;
             active |= busy;
@@ -441,7 +485,9 @@ impl Top {
             let mut top = top;
             let mut admitted: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
             for e in pending.entries() {
-                if let (Some(u), Some((_, shown))) = (by_key.get(e.key.as_slice()), render(config, &e.key)) {
+                let asked = paid_keys.iter().find(|(k, _)| *k == e.key).map_or(0, |(_, n)| *n);
+                let u = by_key.get(e.key.as_slice()).copied().unwrap_or(0).saturating_add(asked);
+                if let (true, Some((_, shown))) = (u > 0, render(config, &e.key)) {
                     *admitted.entry(bounded_key(shown, &config.identity.hash_key).into_bytes()).or_default() += u;
                 }
             }

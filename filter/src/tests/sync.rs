@@ -1364,3 +1364,27 @@ fn documents_syncing_to_two_stores_on_one_proxy_sync_each_to_its_own() {
     assert_eq!(batch(&cb[0]).deltas.len(), 1, "bob's units only");
     assert_ne!(batch(&ca[0]).deltas[0].key, batch(&cb[0]).deltas[0].key);
 }
+
+#[test]
+fn a_denied_key_of_an_exact_rule_shows_the_units_its_asks_took_as_allowed() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(2, 1));
+    let mut s = store();
+    let outcomes: Vec<(bool, bool)> = (0..3).map(|_| exact_request(&e, &h, &mut s)).collect();
+    assert_eq!(outcomes.iter().map(|o| o.0).collect::<Vec<_>>(), [true, true, false], "{outcomes:?}");
+    let mut entries = Vec::new();
+    for _ in 0..3 {
+        h.advance(200 * MS);
+        e.on_tick(&h);
+        for c in h.take_calls() {
+            if let Ok((_, Some(top))) = SyncRequest::decode_with_top(&c.body) {
+                for r in top.rules.iter().filter(|r| r.rule == "exact") {
+                    entries.extend(r.top.entries().iter().map(|x| (x.denied, x.allowed)));
+                }
+            }
+            let (status, tag, body) = answer(&mut s, h.now(), SECRET, &c);
+            e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+        }
+    }
+    assert_eq!(entries, [(1, 2)], "ann: denied once, admitted twice through asks");
+}
