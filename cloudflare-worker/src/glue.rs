@@ -144,7 +144,7 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
         if let Ok(kv) = env.kv("RATEWALL_KV") {
             // Read on a request's path, so with a deadline: a KV read that hangs must not hold
             // the request (the rules in force stay, and the next refresh reads again).
-            match within(env, kv.get("rules").text()).await {
+            match within(object_timeout(env), kv.get("rules").text()).await {
                 Some(Ok(Some(doc))) => {
                     load_rules(&doc, "KV RATEWALL_KV/rules");
                     if with(|i| i.rules.in_force(&doc)) {
@@ -153,7 +153,7 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
                     } else if !with(|i| i.kv_in_force) {
                         // A bad document, and this isolate never had KV's rules in force (it
                         // started since): the last document of `rules` that loaded, if any.
-                        if let Some(Ok(Some(good))) = within(env, kv.get(LAST_GOOD_KEY).text()).await {
+                        if let Some(Ok(Some(good))) = within(object_timeout(env), kv.get(LAST_GOOD_KEY).text()).await {
                             load_rules(&good, "KV RATEWALL_KV/rules.last_good");
                             if with(|i| i.rules.in_force(&good)) {
                                 with(|i| i.kv_in_force = true);
@@ -183,9 +183,9 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
 /// starting while `rules` holds a bad document keeps the last good rules, not the var's.
 const LAST_GOOD_KEY: &str = "rules.last_good";
 
-/// A KV operation with the objects' deadline (`None`: it took too long).
-async fn within<T>(env: &Env, op: impl std::future::Future<Output = T>) -> Option<T> {
-    match select(Box::pin(op), Delay::from(object_timeout(env))).await {
+/// `op` within `deadline` (`None`: it took longer).
+async fn within<T>(deadline: Duration, op: impl std::future::Future<Output = T>) -> Option<T> {
+    match select(Box::pin(op), Delay::from(deadline)).await {
         Either::Left((v, _)) => Some(v),
         Either::Right(_) => None,
     }
@@ -197,14 +197,14 @@ async fn keep_last_good(env: &Env, kv: &worker::kv::KvStore, good: Option<String
     if with(|i| i.last_good.as_ref() == Some(&good)) {
         return;
     }
-    let Some(Ok(held)) = within(env, kv.get(LAST_GOOD_KEY).text()).await else { return };
+    let Some(Ok(held)) = within(object_timeout(env), kv.get(LAST_GOOD_KEY).text()).await else { return };
     let written = match (&good, held == good) {
         (_, true) => true,
         (Some(doc), false) => match kv.put(LAST_GOOD_KEY, doc.as_str()) {
-            Ok(put) => matches!(within(env, put.execute()).await, Some(Ok(()))),
+            Ok(put) => matches!(within(object_timeout(env), put.execute()).await, Some(Ok(()))),
             Err(_) => false,
         },
-        (None, false) => matches!(within(env, kv.delete(LAST_GOOD_KEY)).await, Some(Ok(()))),
+        (None, false) => matches!(within(object_timeout(env), kv.delete(LAST_GOOD_KEY)).await, Some(Ok(()))),
     };
     if written {
         with(|i| i.last_good = Some(good));
@@ -236,13 +236,13 @@ async fn call_body(env: &Env, name: &str, body: String, timeout: Duration) -> st
         }
         resp.text().await
     };
-    let result = match select(Box::pin(attempt), Delay::from(timeout)).await {
-        Either::Left((Ok(body), _)) => Ok(body),
-        Either::Left((Err(e), _)) => {
+    let result = match within(timeout, attempt).await {
+        Some(Ok(body)) => Ok(body),
+        Some(Err(e)) => {
             console_error!("ratewall: counter object failed: {e}");
             Err(StoreError::Unavailable)
         }
-        Either::Right(_) => {
+        None => {
             console_error!("ratewall: counter object timed out after {} ms", timeout.as_millis());
             Err(StoreError::Unavailable)
         }
@@ -603,7 +603,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
             // it) looks every CLIENT_POLL whether the client went away: if so the request
             // gives its turn back, and every unit it took, and is not forwarded.
             let (signal, until, gone) = (req.inner().signal(), now().saturating_add(wait), Rc::new(Cell::new(false)));
-            let (watch, env2) = (gone.clone(), env.clone());
+            let (left_early, env2) = (gone.clone(), env.clone());
             let all: Vec<usize> = (0..checks.len()).collect();
             let (checks, decisions, charged) = (checks.clone(), decisions.clone(), charged.clone());
             ctx.wait_until(async move {
@@ -613,8 +613,8 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
                         return;
                     }
                     Delay::from(Duration::from_nanos(left.min(CLIENT_POLL))).await;
-                    if signal.aborted() && !watch.get() {
-                        watch.set(true);
+                    if signal.aborted() {
+                        left_early.set(true);
                         with(|i| i.metrics.queue_abandoned += 1);
                         give_back(&env2, &checks, &all, &decisions, &charged, t, timeout).await;
                         return;

@@ -275,8 +275,8 @@ struct Keys {
 
 impl Keys {
     fn of(opts: &SyncOptions) -> Keys {
-        use std::hash::Hasher;
-        let mut h = siphasher::sip::SipHasher13::new_with_keys(0x7277_7379_6e63_6b65, 0x7973_0000_0000_0001);
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = KeyHasher.build_hasher();
         for part in [&opts.cluster, &opts.path, &opts.secret] {
             h.write(part.as_bytes());
             h.write_u8(0);
