@@ -67,10 +67,10 @@ fn exact_rules_still_wait_for_the_store_past_the_quota() {
 }
 
 #[test]
-fn exact_sliding_windows_stay_within_the_written_bound_on_average_at_twenty_nodes() {
+fn exact_sliding_windows_stay_within_the_written_bound_at_twenty_nodes() {
     // The sliding window's quota comes back all along, so its grants are small and leased
-    // briefly: units spent just before a lease ends must not look free to asks before the
-    // node's report can arrive.
+    // briefly: units spent just before a lease ends, or while a batch is on its way, must not
+    // look free to asks before the node's report can arrive.
     let s = Scenario {
         nodes: 20,
         vms: 4,
@@ -86,13 +86,10 @@ fn exact_sliding_windows_stay_within_the_written_bound_on_average_at_twenty_node
     let r = run(&s).unwrap();
     println!("{r:?}");
     assert!(r.paused_pct > 0.0, "exact rules ask: {r:?}");
-    // The exact limiter's count never stands above its limit by more than the written bound,
-    // and the mean holds it. Admissions counted over in the worst window do not always (2.5 %
-    // here, 1.0 to 5.5 % over other seeds: docs/sync-protocol.md, "Not held"); this guards
-    // them from growing.
+    // Neither the worst window's admissions made while the exact limiter had no room nor that
+    // limiter's count above its limit pass the written bound.
+    assert!(r.overadmission_max_pct <= bound_pct(&s), "worst window over the bound {:.1} %: {r:?}", bound_pct(&s));
     assert!(r.overadmission_peak_pct <= bound_pct(&s), "the count over the bound {:.1} %: {r:?}", bound_pct(&s));
-    assert!(r.overadmission_pct <= bound_pct(&s), "mean over the bound {:.1} %: {r:?}", bound_pct(&s));
-    assert!(r.overadmission_max_pct <= 2.0 * bound_pct(&s), "worst window past twice the bound: {r:?}");
 }
 
 #[test]

@@ -480,13 +480,16 @@ fn a_counter_applies_each_nodes_batch_once_and_keeps_it_across_encoding() {
     assert!(restored.ask(limit(), NOW + 4, 3, 1, 1, SECOND).grant > 0);
     assert_eq!(Counter::decode(limit(), &restored.encode()).unwrap(), restored);
     // A counter stored before the exactness flag reads as not exact (until the next ask).
-    let mut v2 = restored.encode();
-    v2[0] = 2;
-    v2.pop();
+    let v2 = restored.encode_version(2);
     let mut old = Counter::decode(limit(), &v2).unwrap();
     assert!(restored.exact && !old.exact);
     old.exact = true;
     assert_eq!(old, restored);
+    // One stored before units in flight were held reads with none held.
+    let mut held = restored.clone();
+    held.shares[0].flight = 3;
+    let old = Counter::decode(limit(), &held.encode_version(3)).unwrap();
+    assert_eq!((old.shares[0].flight, Counter::decode(limit(), &held.encode()).unwrap().shares[0].flight), (0, 3));
     // A counter stored by the version before leases reads with its grants leased.
     let mut v1 = vec![1u8];
     State::Fresh.encode_into(&mut v1);
@@ -665,4 +668,43 @@ fn a_node_that_reported_units_is_granted_a_unit_of_room_while_units_are_free() {
     assert!((0..200).any(|t| answer(ROOM_UNIT_FREE, 0, true, t) == 0));
     assert!((0..200).any(|t| answer(ROOM_UNIT_FREE, 1, false, t) == 0));
     assert!((0..200).all(|t| answer(ROOM_UNIT_FREE, 1, false, t) <= 1));
+}
+
+#[test]
+fn on_an_exact_sliding_windows_counter_a_unit_spent_while_a_batch_travels_stays_held_until_the_next() {
+    const MS: Nanos = SECOND / 1000;
+    let ttl = 10 * SECOND;
+    let sliding = Limit::new(Algorithm::SlidingWindow, 100, 60 * SECOND, None).unwrap();
+    let fixed = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
+    for l in [sliding, fixed] {
+        let mut c = Counter::new(l);
+        c.take(l, NOW, 95);
+        let first = c.apply(l, NOW, 1, 1, 0, ttl);
+        assert!(first.grant >= 2, "{first:?}");
+        // A node asks: the rule is exact.
+        assert!(c.ask(l, NOW, 2, 1, 1, ttl).grant > 0);
+        // Node 1's next batch reports all but one unit of its grant: that one may be spent
+        // while the batch travels, and the node keeps a unit of any grant above 0.
+        let at = NOW + 100 * MS;
+        let report = c.apply(l, at, 1, 2, first.grant - 1, ttl);
+        assert_eq!(report.grant, 0, "the quota is near its end: {report:?}");
+        let held_by_1 = |c: &Counter, t| c.outstanding(t, None) - c.outstanding(t, Some(1));
+        let free = |c: &Counter, t| c.limit.decide(&c.state, t, 0).0.remaining.saturating_sub(c.outstanding(t, None));
+        if l == sliding {
+            assert_eq!(held_by_1(&c, at), 1, "{report:?}");
+            // Not given to another node's ask meanwhile.
+            let mut other = c.clone();
+            assert_eq!(other.ask(l, at, 3, 1, free(&c, at) + 1, ttl).grant, 0);
+            // Held until the node's next batch can have arrived, then its grant alone.
+            assert_eq!(held_by_1(&c, at + REPORT_GRACE + 1), 0);
+            // The next batch replaces the hold.
+            let mut next = c.clone();
+            let after = next.apply(l, at + 50 * MS, 1, 3, 1, ttl);
+            assert_eq!(held_by_1(&next, at + 50 * MS), after.grant, "{after:?}");
+            assert_eq!(Counter::decode(l, &c.encode()).unwrap(), c, "the hold survives encoding");
+        } else {
+            // A fixed window's count ends with its window: nothing is held beyond the grant.
+            assert_eq!(held_by_1(&c, at), report.grant, "{report:?}");
+        }
+    }
 }
