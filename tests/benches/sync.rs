@@ -6,7 +6,7 @@
 
 use ratewall_core::SECOND;
 use ratewall_tests::bench::figure;
-use ratewall_tests::sim::{bound_pct, cap_model, run, trickle_model, Faults, Scenario, Spread};
+use ratewall_tests::sim::{bound_pct, cap_model, outage_model, run, trickle_model, Fallback, Faults, Scenario, Spread};
 
 const MS: u64 = 1_000_000;
 
@@ -102,6 +102,24 @@ fn main() {
             figure(&format!("cap_model_false_denial_pct_{name}"), denied, "%");
             figure(&format!("cap_model_overadmission_pct_{name}"), over, "%");
             figure(&format!("cap_model_overadmission_max_pct_{name}"), worst, "%");
+        }
+    }
+    // Other node-local rules for an outage, with shares and the rate known exactly.
+    if only.as_deref().is_none_or(|o| o.split(',').any(|n| n == "outage_model")) {
+        let blend = |cap, est, k| Fallback::CapsOrEstimate { cap, est, k };
+        for (policy, name) in [
+            (Fallback::Caps(1.05), "caps_105"),
+            (Fallback::Caps(1.08), "caps_108"),
+            (Fallback::Clock(1.0), "clock_100"),
+            (Fallback::Clock(1.08), "clock_108"),
+            (blend(1.0, 1.0, 20.0), "caps_or_estimate_100"),
+            (blend(1.03, 1.0, 60.0), "caps_or_estimate_103"),
+            (blend(1.05, 1.03, 20.0), "caps_or_estimate_105"),
+        ] {
+            let (denied, over, worst) = outage_model(policy, 1000, seed);
+            figure(&format!("outage_model_false_denial_pct_{name}"), denied, "%");
+            figure(&format!("outage_model_overadmission_pct_{name}"), over, "%");
+            figure(&format!("outage_model_overadmission_max_pct_{name}"), worst, "%");
         }
     }
     // Units placed on nodes before their requests: the floor of no-wait false denials where

@@ -148,6 +148,11 @@ impl Rng {
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
+    /// A Poisson process's wait for its next event at `rate` per ns.
+    fn wait(&mut self, rate: f64) -> u64 {
+        let u = (self.below(1 << 30) as f64 + 1.0) / f64::from(1u32 << 30);
+        (-u.ln() / rate) as u64
+    }
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n.max(1)
     }
@@ -778,6 +783,64 @@ pub fn cap_model(margin: f64, measured: bool, windows: u32, seed: u64) -> (f64, 
     )
 }
 
+/// How a node decides a fixed window's counter with no store to ask, in [`outage_model`].
+#[derive(Clone, Copy, Debug)]
+pub enum Fallback {
+    /// Up to `margin × s_i × limit` units of the window (the filter's degraded mode).
+    Caps(f64),
+    /// While the fleet's count, estimated from the clock at the rate before the outage, is
+    /// under `margin × limit`: every node stops at one instant.
+    Clock(f64),
+    /// Within its cap (`cap × s_i × limit`), or while an estimate of the fleet's count is
+    /// under `est × limit`: the clock's estimate and the node's own arrivals ÷ its share,
+    /// the latter weighed `e / (e + k)` where `e` is the arrivals it expected by then.
+    CapsOrEstimate { cap: f64, est: f64, k: f64 },
+}
+
+/// Decentralized fallbacks with no store at all, and shares and the fleet's rate known
+/// exactly: 20 Zipf nodes, a fixed window of 200 offered 1.5 × (Poisson arrivals), over
+/// `windows`. A model of what any node-local rule can do in an outage. Returns (false denials
+/// ÷ requests, mean over-admission per window, worst window), in %.
+pub fn outage_model(policy: Fallback, windows: u32, seed: u64) -> (f64, f64, f64) {
+    let (limit, nodes, offered) = (200.0f64, 20usize, 300.0f64);
+    let shares = zipf_shares(nodes);
+    let mut rng = Rng(seed | 1);
+    let (mut requests, mut false_denials, mut over, mut worst) = (0u64, 0u64, 0u64, 0u64);
+    for _ in 0..windows {
+        let (mut used, mut seen, mut global, mut window_over) = (vec![0u64; nodes], vec![0u64; nodes], 0u64, 0u64);
+        let mut t = rng.wait(offered / SECOND as f64);
+        while t < SECOND {
+            let i = weighted(&mut rng, &shares, 1.0);
+            seen[i] += 1;
+            requests += 1;
+            let clock = offered * t as f64 / SECOND as f64;
+            let cap = |margin: f64| used[i] < ((margin * shares[i] * limit).round() as u64).max(1);
+            let admit = match policy {
+                Fallback::Caps(margin) => cap(margin),
+                Fallback::Clock(margin) => clock < margin * limit,
+                Fallback::CapsOrEstimate { cap: margin, est, k } => {
+                    let expected = clock * shares[i];
+                    let weight = expected / (expected + k);
+                    let estimate = weight * seen[i] as f64 / shares[i] + (1.0 - weight) * clock;
+                    cap(margin) || estimate < est * limit
+                }
+            };
+            if admit {
+                used[i] += 1;
+                window_over += u64::from(global >= limit as u64);
+                global += 1;
+            } else if global < limit as u64 {
+                false_denials += 1;
+            }
+            t += rng.wait(offered / SECOND as f64);
+        }
+        over += window_over;
+        worst = worst.max(window_over);
+    }
+    let pct = |n: u64, of: f64| n as f64 / of.max(1.0) * 100.0;
+    (pct(false_denials, requests as f64), pct(over, limit * f64::from(windows)), pct(worst, limit))
+}
+
 /// The floor of false denials where the quota comes back all along (a sliding window or a
 /// token bucket at its limit) and no request waits: a model with no store and no delay at
 /// all. One unit comes back every `1 / R` (`R` = 20 per second, 200 per 10 s), and is placed at
@@ -796,8 +859,7 @@ pub fn trickle_model(lease: Option<u64>, seconds: u64, seed: u64) -> f64 {
     let (mut next_back, mut t) = (0u64, 0u64);
     let (mut requests, mut false_denials) = (0u64, 0u64);
     while t < seconds * SECOND {
-        let u = (rng.below(1 << 30) as f64 + 1.0) / f64::from(1u32 << 30);
-        t += (-u.ln() / arrival_rate) as u64;
+        t += rng.wait(arrival_rate);
         // Units come back, and lapsed ones are placed again, up to `t`.
         while next_back <= t {
             let i = weighted(&mut rng, &weights, 1.0);
