@@ -134,7 +134,11 @@ fn main() {
     // key's first call).
     figure("worker_hot_key_added_latency_p50_ms", percentile(&admitted, 0.5) - p50, "ms");
     let pass_rps = throughput(&w, "/pass/x", 8, 150);
+    let before = w.metric("ratewall_object_calls");
     let checks_rps = throughput(&w, "/limited/x", 8, 150);
+    // The 400 keys' reports, once the last ones have gone.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    figure("worker_object_calls_per_cold_key", (w.metric("ratewall_object_calls") - before) as f64 / 400.0, "calls");
     figure("worker_passthrough_rps_8_clients", pass_rps, "req/s");
     figure("worker_checks_per_sec_8_clients", checks_rps, "req/s");
     figure("worker_checks_vs_passthrough_throughput", checks_rps / pass_rps, "x");
