@@ -40,6 +40,12 @@ impl Reply {
     }
 }
 
+/// The order an allowed request's policies are listed in: the most restrictive first (least
+/// remaining, then longest until reset).
+pub fn most_restrictive_first(a: &Decision, b: &Decision) -> core::cmp::Ordering {
+    a.remaining.cmp(&b.remaining).then(b.reset_after.cmp(&a.reset_after))
+}
+
 /// Renders the reply for an outcome.
 pub fn render(config: &Config, outcome: &Outcome) -> Reply {
     let decided = || {
@@ -49,11 +55,10 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
         })
     };
     if !outcome.rejected {
-        // Every enforcing policy, the most restrictive first: least remaining, then longest
-        // reset.
+        // Every enforcing policy, the most restrictive first.
         let mut policies: Vec<(&Rule, &Limit, Decision)> =
             decided().filter_map(|(c, d)| Some((config.rules.get(c.rule)?, &c.limit, d))).collect();
-        policies.sort_by(|(_, _, a), (_, _, b)| a.remaining.cmp(&b.remaining).then(b.reset_after.cmp(&a.reset_after)));
+        policies.sort_by(|(_, _, a), (_, _, b)| most_restrictive_first(a, b));
         let mut headers = Vec::with_capacity(2);
         fields(&mut headers, config, &policies);
         return Reply { status: 200, headers, body: String::new() };

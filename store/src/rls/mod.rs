@@ -461,7 +461,7 @@ impl<K: Kv> Rls<K> {
         // Allowed: every enforced limit, the most restrictive first (least remaining, then
         // longest reset), as the filter answers. Over: the limits it is over for; it fits
         // once every one of them that is not a quota has room, and one of the quotas does.
-        enforced.sort_by(|(_, a), (_, b)| a.remaining.cmp(&b.remaining).then(b.reset_after.cmp(&a.reset_after)));
+        enforced.sort_by(|(_, a), (_, b)| ratewall_core::response::most_restrictive_first(a, b));
         let headers = if verdict.over {
             let wait = retry.into_iter().chain(quota_retry).max().unwrap_or(1);
             fields(Some(wait), &violated)
