@@ -360,8 +360,7 @@ impl Engine {
         let Some(interval) = self.tick_interval() else { return false };
         // A next tick further ahead than one interval is from a clock that stepped back:
         // due now, not when the clock catches up.
-        let next = self.next_tick.get();
-        if now < next && next <= now.saturating_add(interval) {
+        if crate::sync::waiting(self.next_tick.get(), now, interval) {
             return false;
         }
         self.next_tick.set(now.saturating_add(interval));

@@ -73,6 +73,13 @@ const BREAKER_AFTER: u32 = 3;
 const BREAKER_MAX: Nanos = 30_000 * MS;
 /// The longest a VM's failing asks back off.
 const ASK_BACKOFF_MAX: Nanos = 32_000 * MS;
+/// Whether a wait until `until` is still on at `now`: `until` is ahead, and by no more than
+/// `max`, the longest such a wait lasts. A wait further ahead is from a clock that stepped
+/// back: over now, rather than when the clock catches up.
+pub(crate) fn waiting(until: Nanos, now: Nanos, max: Nanos) -> bool {
+    now < until && until <= now.saturating_add(max)
+}
+
 /// How long a failed batch is retried. A retry repeats the body, and with it the time the
 /// batch was made: a store refuses it once that is [`MAX_REQUEST_SKEW`] old (so a captured
 /// copy cannot be replayed after the store forgets its `seq`), so the node gives it up then
@@ -823,8 +830,7 @@ impl Syncer {
         let max_wait = self.opts.max_wait.min(self.opts.timeout);
         if inflight >= MAX_ASKS
             || host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until)
-            || (host.now() < self.ask_backoff.get().1
-                && self.ask_backoff.get().1 <= host.now().saturating_add(ASK_BACKOFF_MAX))
+            || waiting(self.ask_backoff.get().1, host.now(), ASK_BACKOFF_MAX)
             || (self.view.get().rtt > max_wait && self.ask_backoff.get().0 > 0)
         {
             return None;
