@@ -6,7 +6,7 @@
 
 use ratewall_core::SECOND;
 use ratewall_tests::bench::figure;
-use ratewall_tests::sim::{bound_pct, cap_model, outage_model, run, trickle_model, Fallback, Faults, Scenario, Spread};
+use ratewall_tests::sim::{bound_pct, outage_model, run, trickle_model, Fallback, Faults, Scenario, Spread};
 
 const MS: u64 = 1_000_000;
 
@@ -98,7 +98,7 @@ fn main() {
         for (margin, measured, name) in
             [(1.05, false, "exact_shares_105"), (1.10, false, "exact_shares_110"), (1.05, true, "measured_shares_105")]
         {
-            let (denied, over, worst) = cap_model(margin, measured, 400, seed);
+            let (denied, over, worst) = outage_model(Fallback::Caps { margin, measured }, 400, seed);
             figure(&format!("cap_model_false_denial_pct_{name}"), denied, "%");
             figure(&format!("cap_model_overadmission_pct_{name}"), over, "%");
             figure(&format!("cap_model_overadmission_max_pct_{name}"), worst, "%");
@@ -108,8 +108,8 @@ fn main() {
     if only.as_deref().is_none_or(|o| o.split(',').any(|n| n == "outage_model")) {
         let blend = |cap, est, k| Fallback::CapsOrEstimate { cap, est, k };
         for (policy, name) in [
-            (Fallback::Caps(1.05), "caps_105"),
-            (Fallback::Caps(1.08), "caps_108"),
+            (Fallback::Caps { margin: 1.05, measured: false }, "caps_105"),
+            (Fallback::Caps { margin: 1.08, measured: false }, "caps_108"),
             (Fallback::Clock(1.0), "clock_100"),
             (Fallback::Clock(1.08), "clock_108"),
             (blend(1.0, 1.0, 20.0), "caps_or_estimate_100"),

@@ -738,56 +738,13 @@ fn zipf_shares(nodes: usize) -> Vec<f64> {
     (1..=nodes).map(|i| 1.0 / i as f64 / total).collect()
 }
 
-/// What per-node caps give with no store at all: a model of the fault scenarios' outage
-/// windows (20 Zipf nodes, a fixed window of 200 offered 1.5 ×, arrivals drawn one by one),
-/// each node admitting up to `max(1, round(margin × s_i × limit))` of the window, where `s_i`
-/// is its share of the traffic exactly (`measured`: false) or as one earlier window's
-/// admissions measured it. Returns (false denials ÷ requests, mean over-admission per window,
-/// worst window), in %.
-pub fn cap_model(margin: f64, measured: bool, windows: u32, seed: u64) -> (f64, f64, f64) {
-    let (limit, nodes, offered) = (200u64, 20usize, 300u64);
-    let weights = zipf_shares(nodes);
-    let mut rng = Rng(seed | 1);
-    let pick = |rng: &mut Rng| weighted(rng, &weights, 1.0);
-    let (mut false_denials, mut over, mut worst) = (0u64, 0u64, 0u64);
-    for _ in 0..windows {
-        let shares: Vec<f64> = if measured {
-            let mut seen = vec![0u64; nodes];
-            for _ in 0..limit {
-                seen[pick(&mut rng)] += 1;
-            }
-            seen.iter().map(|n| *n as f64 / limit as f64).collect()
-        } else {
-            weights.clone()
-        };
-        let caps: Vec<u64> = shares.iter().map(|s| ((margin * s * limit as f64).round() as u64).max(1)).collect();
-        let (mut used, mut global, mut window_over) = (vec![0u64; nodes], 0u64, 0u64);
-        for _ in 0..offered {
-            let i = pick(&mut rng);
-            if used[i] < caps[i] {
-                used[i] += 1;
-                window_over += u64::from(global >= limit);
-                global += 1;
-            } else if global < limit {
-                false_denials += 1;
-            }
-        }
-        over += window_over;
-        worst = worst.max(window_over);
-    }
-    let pct = |n: f64, of: f64| n / of.max(1.0) * 100.0;
-    (
-        pct(false_denials as f64, (offered * u64::from(windows)) as f64),
-        pct(over as f64, (limit * u64::from(windows)) as f64),
-        pct(worst as f64, limit as f64),
-    )
-}
-
 /// How a node decides a fixed window's counter with no store to ask, in [`outage_model`].
 #[derive(Clone, Copy, Debug)]
 pub enum Fallback {
-    /// Up to `margin × s_i × limit` units of the window (the filter's degraded mode).
-    Caps(f64),
+    /// Up to `max(1, round(margin × s_i × limit))` units of the window (the filter's degraded
+    /// mode), `s_i` the node's share exactly, or, `measured`, as one earlier window's
+    /// admissions measured it.
+    Caps { margin: f64, measured: bool },
     /// While the fleet's count, estimated from the clock at the rate before the outage, is
     /// under `margin × limit`: every node stops at one instant.
     Clock(f64),
@@ -797,16 +754,32 @@ pub enum Fallback {
     CapsOrEstimate { cap: f64, est: f64, k: f64 },
 }
 
-/// Decentralized fallbacks with no store at all, and shares and the fleet's rate known
-/// exactly: 20 Zipf nodes, a fixed window of 200 offered 1.5 × (Poisson arrivals), over
-/// `windows`. A model of what any node-local rule can do in an outage. Returns (false denials
-/// ÷ requests, mean over-admission per window, worst window), in %.
+/// Decentralized fallbacks with no store at all, and the fleet's rate (and, but for measured
+/// caps, the shares) known exactly: a model of the fault scenarios' outage windows and of
+/// what any node-local rule can do in them (20 Zipf nodes, a fixed window of 200 offered
+/// 1.5 ×, Poisson arrivals, over `windows`). Returns (false denials ÷ requests, mean
+/// over-admission per window, worst window), in %.
 pub fn outage_model(policy: Fallback, windows: u32, seed: u64) -> (f64, f64, f64) {
     let (limit, nodes, offered) = (200.0f64, 20usize, 300.0f64);
     let shares = zipf_shares(nodes);
     let mut rng = Rng(seed | 1);
     let (mut requests, mut false_denials, mut over, mut worst) = (0u64, 0u64, 0u64, 0u64);
     for _ in 0..windows {
+        let caps: Vec<u64> = match policy {
+            Fallback::Caps { margin, measured } => {
+                let measured_shares: Vec<f64> = if measured {
+                    let mut seen = vec![0u64; nodes];
+                    for _ in 0..limit as u64 {
+                        seen[weighted(&mut rng, &shares, 1.0)] += 1;
+                    }
+                    seen.iter().map(|n| *n as f64 / limit).collect()
+                } else {
+                    shares.clone()
+                };
+                measured_shares.iter().map(|s| ((margin * s * limit).round() as u64).max(1)).collect()
+            }
+            _ => Vec::new(),
+        };
         let (mut used, mut seen, mut global, mut window_over) = (vec![0u64; nodes], vec![0u64; nodes], 0u64, 0u64);
         let mut t = rng.wait(offered / SECOND as f64);
         while t < SECOND {
@@ -816,7 +789,7 @@ pub fn outage_model(policy: Fallback, windows: u32, seed: u64) -> (f64, f64, f64
             let clock = offered * t as f64 / SECOND as f64;
             let cap = |margin: f64| used[i] < ((margin * shares[i] * limit).round() as u64).max(1);
             let admit = match policy {
-                Fallback::Caps(margin) => cap(margin),
+                Fallback::Caps { .. } => caps.get(i).is_some_and(|c| used[i] < *c),
                 Fallback::Clock(margin) => clock < margin * limit,
                 Fallback::CapsOrEstimate { cap: margin, est, k } => {
                     let expected = clock * shares[i];
