@@ -15,6 +15,7 @@ fn req(node: u64, seq: u64, units: u64) -> SyncRequest {
 }
 
 const NOW: Nanos = 1_700_000_000 * SECOND;
+const MS_: Nanos = 1_000_000;
 
 #[test]
 fn the_longest_answer_fits_its_bound() {
@@ -484,7 +485,10 @@ fn a_counter_applies_each_nodes_batch_once_and_keeps_it_across_encoding() {
     let mut old = Counter::decode(limit(), &v2).unwrap();
     assert!(restored.exact && !old.exact);
     old.exact = true;
-    assert_eq!(old, restored);
+    assert_eq!(old, restored.without_parts());
+    // One stored before nodes' parts were kept reads with none known.
+    assert_eq!(Counter::decode(limit(), &restored.encode_version(4)).unwrap(), restored.without_parts());
+    assert_ne!(restored, restored.without_parts(), "its filter nodes have parts");
     // One stored before units in flight were held reads with none held.
     let mut held = restored.clone();
     held.shares[0].flight = 3;
@@ -707,4 +711,64 @@ fn on_an_exact_sliding_windows_counter_a_unit_spent_while_a_batch_travels_stays_
             assert_eq!(held_by_1(&c, at), report.grant, "{report:?}");
         }
     }
+}
+
+/// A fixed window of 100 per 10 s, three filter nodes: node 1 carries half the traffic and
+/// nodes 2 and 3 a quarter each through a window; then node 1 falls silent. Returns the
+/// counter and the next window's start.
+fn cut_off_fleet() -> (Counter, Limit, Nanos) {
+    let limit = Limit::new(Algorithm::FixedWindow, 100, 10 * SECOND, None).unwrap();
+    let mut c = Counter::new(limit);
+    let start = NOW - NOW % (10 * SECOND);
+    for seq in 1..=25u64 {
+        let t = start + seq * 300 * MS_;
+        c.apply(limit, t, 2, seq, 1, 2 * SECOND);
+        c.apply(limit, t, 3, seq, 1, 2 * SECOND);
+        c.apply(limit, t, 1, seq, 2, 2 * SECOND);
+    }
+    (c, limit, start + 10 * SECOND)
+}
+
+#[test]
+fn a_filter_node_that_stops_reporting_while_the_others_go_on_has_its_share_held() {
+    let (mut c, limit, t) = cut_off_fleet();
+    // Node 1 falls silent; the others report 20 units over 3 s: at its share (half) it would
+    // have had about 20 to report.
+    for i in 1..=10u64 {
+        let at = t + i * 300 * MS_;
+        c.apply(limit, at, 2, 25 + i, 1, 2 * SECOND);
+        c.apply(limit, at, 3, 25 + i, 1, 2 * SECOND);
+    }
+    let at = t + 3_100 * MS_;
+    // Its half of the quota is held: 20 counted, 80 remain, of which node 2 is granted no
+    // more than what is neither held for node 1 nor by node 3's grant.
+    let held = c.cut_off(at, None);
+    assert!((45..=55).contains(&held), "held {held}");
+    assert_eq!(c.cut_off(at, Some(2)), held);
+    let a = c.apply(limit, at, 2, 36, 0, 2 * SECOND);
+    assert!(a.grant + held <= 80, "granted {} beside {held} held", a.grant);
+    // Node 1 is heard again: nothing is held for it.
+    c.apply(limit, at, 1, 26, 30, 2 * SECOND);
+    assert_eq!(c.cut_off(at, None), 0);
+}
+
+#[test]
+fn a_silent_node_is_not_held_for_when_the_others_report_too_little_or_a_node_takes_its_traffic() {
+    let (mut c, limit, t) = cut_off_fleet();
+    // The others report 2 units in 3 s: node 1 would have had 2, too few to tell.
+    c.apply(limit, t + 3 * SECOND, 2, 26, 1, 2 * SECOND);
+    c.apply(limit, t + 3 * SECOND, 3, 26, 1, 2 * SECOND);
+    assert_eq!(c.cut_off(t + 3 * SECOND, None), 0);
+    // A node new to the counter (node 1 restarted under a new id) takes its traffic over:
+    // what is held for node 1 goes as the newcomer's part grows.
+    let mut held = Vec::new();
+    for i in 1..=25u64 {
+        let at = t + 3 * SECOND + i * 300 * MS_;
+        c.apply(limit, at, 2, 26 + i, 1, 2 * SECOND);
+        c.apply(limit, at, 3, 26 + i, 1, 2 * SECOND);
+        c.apply(limit, at, 9, i, 2, 2 * SECOND);
+        held.push(c.cut_off(at, None));
+    }
+    assert!(held.iter().all(|&h| h <= 50), "held {held:?}");
+    assert!(held[24] <= 5, "held {held:?}");
 }
