@@ -194,10 +194,6 @@ pub struct Engine {
     next_tick: Cell<Nanos>,
 }
 
-/// Degraded mode admits a node's measured share of a counter's traffic times
-/// `1 + 1 / DEGRADED_MARGIN` of its limit.
-const DEGRADED_MARGIN: u64 = 20;
-
 /// The local limit while the global store is unreachable: `limit` scaled by this node's share
 /// of the counter's traffic before the outage (`share` 65,535ths; rounded, at least 1), or,
 /// with no share known (0), shared evenly by `nodes`.
@@ -209,8 +205,8 @@ pub(crate) fn share(limit: Limit, share: u16, nodes: u32) -> Limit {
             // With a margin of 1/20th: a node's measured share is an estimate, and a node held
             // below its traffic leaves the others short too (the fleet then never reaches the
             // limit, and every denial is one the limit allowed).
-            let scaled =
-                u128::from(units) * u128::from(share) * u128::from(DEGRADED_MARGIN + 1) / u128::from(DEGRADED_MARGIN);
+            let scaled = u128::from(units) * u128::from(share) * u128::from(ratewall_core::sync::DEGRADED_MARGIN + 1)
+                / u128::from(ratewall_core::sync::DEGRADED_MARGIN);
             u64::try_from((scaled + u128::from(u16::MAX / 2)) / u128::from(u16::MAX)).unwrap_or(u64::MAX).max(1)
         }
     };

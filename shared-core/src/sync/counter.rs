@@ -174,8 +174,12 @@ pub const CUT_OFF_SILENCE: Nanos = crate::algo::SECOND;
 /// A silent filter node is taken as cut off once the other nodes have reported so many units
 /// since its last batch that, at its share of the counter's traffic, it would have had this
 /// many to report (a node routed traffic by chance, at that share, reports none with odds
-/// of about e⁻⁵, 0.7 %).
-pub const CUT_OFF_EXPECTED: u64 = 3;
+/// of about e⁻⁶, 0.25 %). Lower, live nodes were taken as cut off often enough to cost
+/// false denials (at 3: `zipf20_rtt80` 1.09 % → 2.36 %, and `zipf20_rtt20_sliding_exact`'s
+/// worst window 2.5 %, over its bound; at 4, `zipf20_rtt20` 1.09 % → 2.48 %; at 5,
+/// `zipf20_rtt80` 1.72 %); higher, a node with a small share is taken too late (at 10,
+/// `partition5_zipf20` over-admitted 9.9 % / 28 %, against 5.9 % / 14.5 % at 6).
+pub const CUT_OFF_EXPECTED: u64 = 6;
 
 /// Until when `s`'s grant holds units: its lease, and on an `exact` rule's counter
 /// [`REPORT_GRACE`] more.
@@ -398,8 +402,9 @@ impl Counter {
                 s.flight = if grant > 0 { unspent.saturating_add(1).saturating_sub(grant) } else { unspent };
             }
         }
-        let (remaining, reset_after) = (view.remaining, view.reset_after);
-        Applied { remaining, grant, reset_after, lease, nodes: nodes(self), counted: true }
+        // What nodes cut off are taken to admit is not there for this one to count on.
+        let remaining = view.remaining.saturating_sub(self.cut_off(now, Some(node)));
+        Applied { remaining, grant, reset_after: view.reset_after, lease, nodes: nodes(self), counted: true }
     }
 
     /// `node`'s part of `available` units for a lease of `lease`: its traffic share (weights
@@ -533,8 +538,9 @@ impl Counter {
     /// `except`): a node out of reach falls back to admitting its share of the limit on its
     /// own (docs/sync-protocol.md, "Degraded mode"), which the store never hears of until it
     /// is back. Without a hold the nodes still in reach were granted the whole quota, and
-    /// `partition5_zipf20` over-admitted 15.8 % per window (32.5 % at worst; with it, 8.1 %
-    /// and 16.5 %, false denials 3.0 % → 3.8 %).
+    /// `partition5_zipf20` over-admitted 15.8 % per window (32.5 % at worst; with it, 5.9 %
+    /// and 14.5 %, false denials 3.0 % → 4.5 %). The answers' `remaining` leaves it out too,
+    /// so that no node overdraws on it (without: 8.1 % / 16.5 % at a hold of the bare part).
     ///
     /// A node is taken as cut off when it has been silent on the counter for
     /// [`CUT_OFF_SILENCE`], its lease is over, and the units the others reported meanwhile
@@ -543,6 +549,7 @@ impl Counter {
     /// again or is forgotten ([`SEQ_MEMORY`]), less the parts of nodes that began to sync the
     /// counter since it fell silent: a restarted node syncs under a new id, and its
     /// replacement takes its traffic over, so what is held goes as the newcomer's part grows.
+    /// What is held is the part times `1 + 1 / DEGRADED_MARGIN`, as the node admits.
     /// A part counts for as many of the quota's units as it was measured over, so a node
     /// barely heard from holds little. Only windowed counters hold: a window's count is what
     /// the nodes admitted in it, so holding the share's units keeps the fleet at the limit,
@@ -584,7 +591,9 @@ impl Counter {
             .filter(|j| j.mark.is_some() && j.born > earliest)
             .map(|j| u128::from(j.part) * u128::from(j.depth) / quota.max(1))
             .sum();
-        let held = (quota * cut.saturating_sub(taken)) >> 10;
+        // As much as such a node admits on its own: its share, with the margin.
+        let margin = u128::from(super::DEGRADED_MARGIN);
+        let held = (quota * cut.saturating_sub(taken) * (margin + 1) / margin) >> 10;
         u64::try_from(held.min(quota)).unwrap_or(u64::MAX)
     }
 
@@ -685,8 +694,8 @@ impl Counter {
         // What remains after the units this ask took.
         let (view, _) = self.limit.decide(&self.state, now, 0);
         let nodes = u32::try_from(self.active(now, node_ttl).count()).unwrap_or(nodes);
-        let (remaining, reset_after) = (view.remaining, view.reset_after);
-        Applied { remaining, grant: given, reset_after, lease, nodes, counted: given > 0 }
+        let remaining = view.remaining.saturating_sub(self.cut_off(now, Some(node)));
+        Applied { remaining, grant: given, reset_after: view.reset_after, lease, nodes, counted: given > 0 }
     }
 
     /// Releases what `node` holds beyond its grant (the units given to its asks, which

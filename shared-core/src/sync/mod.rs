@@ -38,6 +38,10 @@ pub use auth::{hex, sign, unhex, verify};
 /// up to `quota / OVERDRAFT_PART / nodes` units (at least 1) past what it holds
 /// (docs/sync-protocol.md, "The error bound").
 pub const OVERDRAFT_PART: u64 = 100;
+/// A node the store is out of reach of admits its measured share of a counter's traffic times
+/// `1 + 1 / DEGRADED_MARGIN` of its limit (docs/sync-protocol.md, "Degraded mode"); the store
+/// holds as much for a node it takes as cut off.
+pub const DEGRADED_MARGIN: u64 = 20;
 pub use counter::{
     Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, REPORT_GRACE, RETRY_HORIZON, ROOM_UNIT_FREE, SEQ_MEMORY,
 };
