@@ -276,6 +276,20 @@ pub fn past_the_quota(name: &'static str) -> Scenario {
     }
 }
 
+/// [`past_the_quota`]'s fleet offered 1.5× the limit over 4 windows, its busiest node (about
+/// half the traffic) cut off from the store from the second window on: it admits its share
+/// on its own, which the store does not hear of.
+pub fn cut_off(name: &'static str) -> Scenario {
+    Scenario {
+        load: 1.5,
+        windows: 4,
+        faults: Faults { partitioned: 1, ..Faults::default() },
+        faults_from: 1,
+        seed: 42,
+        ..past_the_quota(name)
+    }
+}
+
 /// Runs a scenario against the reference store.
 pub fn run(s: &Scenario) -> wasmtime::Result<Report> {
     run_with(s, &Backend::Reference)
