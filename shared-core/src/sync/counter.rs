@@ -232,7 +232,7 @@ pub struct Counter {
     /// and report as they settle: holding theirs raised the isolates' false denials from
     /// 0.37 % to 3.5 %.)
     pub(super) exact: bool,
-    /// Units counted from nodes' batches and asks, all told (see [`Counter::cut_off`]).
+    /// Units counted from nodes' batches, asks and takes, all told (see [`Counter::cut_off`]).
     reported: u64,
 }
 
@@ -268,6 +268,9 @@ impl Counter {
         // A denial returns the state as it was, or moved back after a clock step.
         if !d.allowed || cost > 0 {
             self.state = next;
+        }
+        if d.allowed {
+            self.reported = self.reported.saturating_add(cost);
         }
         d
     }
