@@ -774,3 +774,30 @@ fn a_silent_node_is_not_held_for_when_the_others_report_too_little_or_a_node_tak
     assert!(held.iter().all(|&h| h <= 50), "held {held:?}");
     assert!(held[24] <= 5, "held {held:?}");
 }
+
+#[test]
+fn once_one_node_is_taken_as_cut_off_the_other_silent_ones_are_taken_at_fewer_units() {
+    // Node 1 carries 40 % of the traffic, nodes 2, 3 and 4 20 % each, through a window.
+    let limit = Limit::new(Algorithm::FixedWindow, 100, 10 * SECOND, None).unwrap();
+    let mut c = Counter::new(limit);
+    let start = NOW - NOW % (10 * SECOND);
+    for seq in 1..=20u64 {
+        let t = start + seq * 400 * MS_;
+        for (node, units) in [(2, 1), (3, 1), (4, 1), (1, 2)] {
+            c.apply(limit, t, node, seq, units, 2 * SECOND);
+        }
+    }
+    // Nodes 1 and 4 fall silent; 2 and 3 report 14 units: node 1 would have had about 9 to
+    // report (taken), node 4 about 3.5 (not enough alone, enough beside node 1).
+    let t = start + 10 * SECOND;
+    for i in 1..=7u64 {
+        c.apply(limit, t + i * 300 * MS_, 2, 20 + i, 1, 2 * SECOND);
+        c.apply(limit, t + i * 300 * MS_, 3, 20 + i, 1, 2 * SECOND);
+    }
+    let at = t + 2_200 * MS_;
+    let both = c.cut_off(at, None);
+    assert!((55..=70).contains(&both), "held {both} for 60 % of the traffic");
+    // Node 1 is heard again: node 4 alone is not taken.
+    c.apply(limit, at, 1, 21, 0, 2 * SECOND);
+    assert_eq!(c.cut_off(at + 100 * MS_, None), 0);
+}
