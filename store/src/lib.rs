@@ -207,6 +207,9 @@ pub struct Metrics {
     pub unreadable: AtomicU64,
     /// Units counted from batches and asks.
     pub units_counted: AtomicU64,
+    /// Counter answers given while part of the quota was held for filter nodes taken as cut
+    /// off from the store.
+    pub cut_off_answers: AtomicU64,
     /// Shares of what this process heard written to the shared stream, and those that
     /// could not be (kept for the next).
     pub top_shared: AtomicU64,
@@ -226,6 +229,11 @@ impl Metrics {
         // Not `…_counter_writes_total`: promtool's lint refuses a metric name with a type in it.
         counter("ratewall_store_state_writes_total", "Counter states written to Redis.", &self.counter_writes);
         counter("ratewall_store_units_counted_total", "Units counted from batches and asks.", &self.units_counted);
+        counter(
+            "ratewall_store_cut_off_answers_total",
+            "Counter answers given while part of the quota was held for proxies taken as cut off.",
+            &self.cut_off_answers,
+        );
         counter("ratewall_store_cas_conflicts_total", "Compare-and-swap attempts that ran again.", &self.cas_conflicts);
         counter(
             "ratewall_store_cas_exhausted_total",
@@ -594,6 +602,9 @@ impl<K: Kv> Store<K> {
                         known.insert(rkey.to_owned(), (new, at, std::time::Instant::now()));
                     }
                     self.metrics.counter_writes.fetch_add(1, Ordering::Relaxed);
+                    if counter.held_for_cut_off(counter.last_seen) > 0 {
+                        self.metrics.cut_off_answers.fetch_add(1, Ordering::Relaxed);
+                    }
                     if a.counted {
                         self.metrics
                             .units_counted
@@ -659,6 +670,33 @@ mod tests {
         let rule = RuleTop { rule: "r".into(), allowed: 1, denied, shadow_denied: 0, top: summary };
         let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
         top::Share { process, seconds: vec![(unix, TopSection { rules: vec![rule] })], nodes: Vec::new() }
+    }
+
+    #[tokio::test]
+    async fn answers_given_while_a_proxy_is_taken_as_cut_off_are_counted_and_leave_its_part_out() {
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let at = |ms: u64| store.kv.now.store(1_700_000_000 * SECOND + ms * 1_000_000, Ordering::Relaxed);
+        // Node 1 carries half the traffic, nodes 2 and 3 a quarter each: 40 units.
+        for seq in 1..=10u64 {
+            at(seq * 300);
+            for (node, units) in [(2, 1), (3, 1), (1, 2)] {
+                assert_eq!(call(&store, node, seq, &[(b"k", units)]).await.status, 200);
+            }
+        }
+        assert_eq!(store.metrics.cut_off_answers.load(Ordering::Relaxed), 0);
+        // Node 1 falls silent while the others report 30 units: at its part it would have had
+        // about 8 to report.
+        let mut last = Vec::new();
+        for seq in 11..=25u64 {
+            at(seq * 300);
+            call(&store, 2, seq, &[(b"k", 1)]).await;
+            last = remaining(&call(&store, 3, seq, &[(b"k", 1)]).await);
+        }
+        assert!(store.metrics.cut_off_answers.load(Ordering::Relaxed) > 0);
+        assert!(store.metrics.render().contains("ratewall_store_cut_off_answers_total "));
+        // 30 units remain; about 20 are held for node 1 (its part, as much as it was measured
+        // over), so the answer shows fewer.
+        assert!(last[0] <= 15, "remaining {last:?}");
     }
 
     #[tokio::test]

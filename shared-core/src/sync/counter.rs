@@ -618,6 +618,12 @@ impl Counter {
         u64::try_from(held.min(quota)).unwrap_or(u64::MAX)
     }
 
+    /// Units held at `now` for filter nodes taken as cut off from the store (see the protocol
+    /// doc, "Degraded mode"): what a store counts in its metrics.
+    pub fn held_for_cut_off(&self, now: Nanos) -> u64 {
+        self.cut_off(now.max(self.last_seen), None)
+    }
+
     /// How long until one unit is free again, if not one is at `now` (`None`: one is, or
     /// none ever will be): how long a store names the counter out ([`super::Out`]).
     pub fn out_for(&self, now: Nanos) -> Option<Nanos> {
