@@ -87,6 +87,12 @@ impl Share {
         self.mark = Some(reported);
     }
 
+    /// Its [`Share::part`] for as many of the counter's units as it was measured over, of
+    /// `horizon` (in 1,024ths): a node barely heard from weighs little.
+    fn weighed_part(&self, horizon: u128) -> u128 {
+        u128::from(self.part) * u128::from(self.depth) / horizon.max(1)
+    }
+
     /// Units held for what the node may have spent while its last batch was on its way, at
     /// `now`: [`Share::flight`] until [`REPORT_GRACE`] after that batch.
     fn in_flight(&self, now: Nanos) -> u64 {
@@ -573,7 +579,7 @@ impl Counter {
         let quota = u128::from(self.limit.requests());
         // The nodes taken as cut off at `expected` units: their parts, and the earliest of
         // their silences.
-        let taken_at = |expected: u64| {
+        let cut_at = |expected: u64| {
             let expected = u128::from(expected);
             let mut earliest: Option<Nanos> = None;
             let cut: u128 = self
@@ -582,9 +588,8 @@ impl Counter {
                 .filter(|s| Some(s.node) != except && s.until <= now)
                 .filter(|s| now.saturating_sub(s.seen) >= CUT_OFF_SILENCE)
                 .filter_map(|s| {
-                    // Its part of the counter's units as of its last batch (in 1,024ths), for
-                    // as many of them as it is of.
-                    let mine = u128::from(s.part) * u128::from(s.depth) / quota.max(1);
+                    // Its part of the counter's units as of its last batch.
+                    let mine = s.weighed_part(quota);
                     let rest = (1u128 << 10).saturating_sub(mine);
                     let since = u128::from(self.reported.saturating_sub(s.mark?));
                     let missed = mine > 0 && rest > 0 && since >= expected && since * mine >= expected * rest;
@@ -596,22 +601,17 @@ impl Counter {
                 .sum();
             (cut, earliest)
         };
-        let (mut cut, mut earliest_silence) = taken_at(CUT_OFF_EXPECTED);
+        let (mut cut, mut earliest_silence) = cut_at(CUT_OFF_EXPECTED);
         if earliest_silence.is_some() {
             // One node cut off makes it likelier that others are (a partition cuts off several
             // at once): they are taken at fewer units.
-            (cut, earliest_silence) = taken_at(CUT_OFF_EXPECTED_BESIDE);
+            (cut, earliest_silence) = cut_at(CUT_OFF_EXPECTED_BESIDE);
         }
         let Some(earliest) = earliest_silence else { return 0 };
         // Less the parts of filter nodes that began to sync the counter since: a node
-        // restarted under a new id, or its replacement, takes its traffic over. (A part of
-        // fewer units than the horizon counts for as many.)
-        let taken: u128 = self
-            .shares
-            .iter()
-            .filter(|j| j.mark.is_some() && j.born > earliest)
-            .map(|j| u128::from(j.part) * u128::from(j.depth) / quota.max(1))
-            .sum();
+        // restarted under a new id, or its replacement, takes its traffic over.
+        let taken: u128 =
+            self.shares.iter().filter(|j| j.mark.is_some() && j.born > earliest).map(|j| j.weighed_part(quota)).sum();
         // As much as such a node admits on its own: its share, with the margin.
         let margin = u128::from(super::DEGRADED_MARGIN);
         let held = (quota * cut.saturating_sub(taken) * (margin + 1) / margin) >> 10;
