@@ -779,21 +779,22 @@ pub fn outage_model(policy: Fallback, windows: u32, seed: u64) -> (f64, f64, f64
     let mut rng = Rng(seed | 1);
     let (mut requests, mut false_denials, mut over, mut worst) = (0u64, 0u64, 0u64, 0u64);
     for _ in 0..windows {
-        let caps: Vec<u64> = match policy {
-            Fallback::Caps { margin, measured } => {
-                let measured_shares: Vec<f64> = if measured {
-                    let mut seen = vec![0u64; nodes];
-                    for _ in 0..limit as u64 {
-                        seen[weighted(&mut rng, &shares, 1.0)] += 1;
-                    }
-                    seen.iter().map(|n| *n as f64 / limit).collect()
-                } else {
-                    shares.clone()
-                };
-                measured_shares.iter().map(|s| ((margin * s * limit).round() as u64).max(1)).collect()
-            }
-            _ => Vec::new(),
+        // Each node's cap, for the policies that have one.
+        let (margin, measured) = match policy {
+            Fallback::Caps { margin, measured } => (margin, measured),
+            Fallback::CapsOrEstimate { cap, .. } => (cap, false),
+            Fallback::Clock(_) => (0.0, false),
         };
+        let capped_shares: Vec<f64> = if measured {
+            let mut seen = vec![0u64; nodes];
+            for _ in 0..limit as u64 {
+                seen[weighted(&mut rng, &shares, 1.0)] += 1;
+            }
+            seen.iter().map(|n| *n as f64 / limit).collect()
+        } else {
+            shares.clone()
+        };
+        let caps: Vec<u64> = capped_shares.iter().map(|s| ((margin * s * limit).round() as u64).max(1)).collect();
         let (mut used, mut seen, mut global, mut window_over) = (vec![0u64; nodes], vec![0u64; nodes], 0u64, 0u64);
         let mut t = rng.wait(offered / SECOND as f64);
         while t < SECOND {
@@ -801,15 +802,15 @@ pub fn outage_model(policy: Fallback, windows: u32, seed: u64) -> (f64, f64, f64
             seen[i] += 1;
             requests += 1;
             let clock = offered * t as f64 / SECOND as f64;
-            let cap = |margin: f64| used[i] < ((margin * shares[i] * limit).round() as u64).max(1);
+            let within_cap = caps.get(i).is_some_and(|c| used[i] < *c);
             let admit = match policy {
-                Fallback::Caps { .. } => caps.get(i).is_some_and(|c| used[i] < *c),
+                Fallback::Caps { .. } => within_cap,
                 Fallback::Clock(margin) => clock < margin * limit,
-                Fallback::CapsOrEstimate { cap: margin, est, k } => {
+                Fallback::CapsOrEstimate { est, k, .. } => {
                     let expected = clock * shares[i];
                     let weight = expected / (expected + k);
                     let estimate = weight * seen[i] as f64 / shares[i] + (1.0 - weight) * clock;
-                    cap(margin) || estimate < est * limit
+                    within_cap || estimate < est * limit
                 }
             };
             if admit {
