@@ -219,7 +219,12 @@ impl<K: Kv> Rls<K> {
         result
     }
 
-    fn counter_key(&self, domain: &str, entries: &[(String, String)], matched: Option<&Matched>) -> String {
+    /// The Redis key of a descriptor's counter under `limit`: its domain, its entries (a shared
+    /// wildcard's by its pattern) and the limit's algorithm and window, so that two limits on
+    /// the same entries (an override beside the configured limit, or two overrides of other
+    /// units) count apart, as envoyproxy/ratelimit's keys (which carry the window's start) do.
+    /// A limit changed to another number of requests per window keeps its count.
+    fn counter_key(&self, domain: &str, entries: &[(String, String)], matched: Option<&Matched>, limit: Limit) -> String {
         // Length-prefixed, so no two descriptors share a name; a part over MAX_TEXT bytes is
         // its keyed hash behind a length no shorter part has.
         let mut name = Vec::with_capacity(64);
@@ -239,6 +244,8 @@ impl<K: Kv> Rls<K> {
             let shared = matched.and_then(|m| m.shared.get(i)).and_then(Option::as_deref);
             push(shared.unwrap_or(v));
         }
+        push(limit.algorithm().as_str());
+        push(&limit.per().to_string());
         let tag = sign(&self.secret, &name);
         redis_key(tag.get(..16).unwrap_or(&tag))
     }
@@ -332,8 +339,8 @@ impl<K: Kv> Rls<K> {
                 continue;
             }
             match rule.limit {
-                Some(_) => {
-                    let rkey = self.counter_key(&call.domain, &d.entries, matched.as_ref());
+                Some(limit) => {
+                    let rkey = self.counter_key(&call.domain, &d.entries, matched.as_ref(), limit);
                     checks.push(Check { index: i, rule, hits, rkey });
                 }
                 None => {

@@ -144,6 +144,31 @@ async fn an_override_replaces_the_configured_limit() {
 }
 
 #[tokio::test]
+async fn limits_of_other_windows_on_the_same_entries_count_apart() {
+    let r = rls();
+    // 3 a minute and 100 a day on one tenant, in one call: the minute's limit holds.
+    let mut two = call(&[&[("tenant", "t1")], &[("tenant", "t1")]]);
+    two.descriptors[0].limit = Some((3, Unit::Minute.proto()));
+    two.descriptors[1].limit = Some((100, Unit::Day.proto()));
+    for left in [(2, 99), (1, 98), (0, 97)] {
+        let a = r.should_rate_limit(&two).await.unwrap();
+        assert_eq!(a.overall_code, Code::Ok);
+        assert_eq!(remaining(&a), [left.0, left.1]);
+    }
+    let a = r.should_rate_limit(&two).await.unwrap();
+    assert_eq!(a.overall_code, Code::OverLimit);
+    assert_eq!(codes(&a), [Code::OverLimit, Code::Ok]);
+    // The configured 3 an hour beside an override of 100 a day on the same user: each counts
+    // every admitted call, and the hour's limit holds.
+    let mut beside = call(&[&[("user", "dave")], &[("user", "dave")]]);
+    beside.descriptors[1].limit = Some((100, Unit::Day.proto()));
+    for left in [(2, 99), (1, 98), (0, 97)] {
+        assert_eq!(remaining(&r.should_rate_limit(&beside).await.unwrap()), [left.0, left.1]);
+    }
+    assert_eq!(r.should_rate_limit(&beside).await.unwrap().overall_code, Code::OverLimit);
+}
+
+#[tokio::test]
 async fn headers_are_the_filters_fields() {
     let r = rls();
     let a = r.should_rate_limit(&call(&[&[("ip", "a")], &[("user", "b")]])).await.unwrap();
