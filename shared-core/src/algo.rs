@@ -140,6 +140,9 @@ pub enum LimitError {
     Burst(&'static str),
     /// `delay` is above `burst`, or given for another algorithm than the leaky bucket.
     Delay(&'static str),
+    /// A bucket's `requests` per `per` above one unit per nanosecond, the finest step its
+    /// emission interval has.
+    Rate,
 }
 
 impl core::fmt::Display for LimitError {
@@ -149,6 +152,7 @@ impl core::fmt::Display for LimitError {
             LimitError::Per(p) => write!(f, "the period must be above 0 ns and at most {MAX_PER} ns, not {p}"),
             LimitError::Burst(why) => write!(f, "bad burst: {why}"),
             LimitError::Delay(why) => write!(f, "bad delay: {why}"),
+            LimitError::Rate => f.write_str("a bucket earns or drains at most one unit per nanosecond"),
         }
     }
 }
@@ -198,6 +202,9 @@ impl Limit {
             (_, None) => requests,
             (_, Some(_)) => return Err(LimitError::Burst("applies only to token_bucket and leaky_bucket")),
         };
+        if matches!(algorithm, Algorithm::TokenBucket | Algorithm::LeakyBucket) && requests > per {
+            return Err(LimitError::Rate);
+        }
         let interval = per.div_ceil(requests);
         if capacity.saturating_mul(interval) > MAX_BUCKET_SPAN {
             return Err(LimitError::Burst("makes the bucket take over 100 years to refill"));

@@ -838,6 +838,10 @@ fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Li
         LimitError::Per(_) => err(&per_path, "must be between 1ms and 366d"),
         LimitError::Burst(why) => err(&join(path, "burst"), why.to_string()),
         LimitError::Delay(why) => err(&join(path, "delay"), why.to_string()),
+        LimitError::Rate => err(
+            &join(path, "requests"),
+            format!("{requests} is over one per nanosecond of `per`, the finest rate a bucket keeps"),
+        ),
     })
 }
 
@@ -879,6 +883,14 @@ mod tests {
             limit(r#"{"requests":5,"per":"1s","delay":1}"#),
             Err("rules[0].limit.delay: applies only to leaky_bucket".into())
         );
+        // A bucket steps in whole nanoseconds: a faster rate would be kept at one per ns.
+        assert_eq!(
+            limit(r#"{"requests":4294967295,"per":"1ms","burst":4,"algorithm":"leaky_bucket"}"#),
+            Err("rules[0].limit.requests: 4294967295 is over one per nanosecond of `per`, the finest rate a bucket keeps"
+                .into())
+        );
+        assert!(limit(r#"{"requests":1000000,"per":"1ms","burst":4,"algorithm":"leaky_bucket"}"#).is_ok());
+        assert!(limit(r#"{"requests":4294967295,"per":"1ms"}"#).is_ok(), "a window counts any rate");
         assert_eq!(
             limit(r#"{"requests":5,"per":"1s","burst":0}"#),
             Err("rules[0].limit.burst: must be at least 1".into()),
