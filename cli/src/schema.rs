@@ -211,7 +211,7 @@ pub fn schema() -> Value {
                 "additionalProperties": false,
                 "required": ["name", "key", "limit"],
                 "properties": {
-                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$", "description": "Unique; names the policy in RateLimit headers and metrics."},
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$", "description": "Unique, compared in lowercase with - and . as _ (as metrics show it); names the policy in RateLimit headers and metrics."},
                     "description": {"type": "string", "description": "Free text for people."},
                     "match": {
                         "type": "object",

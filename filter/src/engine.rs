@@ -238,9 +238,7 @@ fn leaky(r: &ratewall_core::rules::Rule) -> bool {
 
 /// Metric-safe form of a rule name: `[a-z0-9_]`.
 fn metric_name(rule: &str, what: &str) -> String {
-    let clean: String =
-        rule.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
-    format!("ratewall_rule_{clean}_{what}")
+    format!("ratewall_rule_{}_{what}", ratewall_core::rules::metric_form(rule))
 }
 
 impl Engine {

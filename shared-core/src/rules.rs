@@ -33,8 +33,60 @@ impl core::fmt::Display for ConfigError {
 
 impl core::error::Error for ConfigError {}
 
+/// A value of the document as a message shows it: in quotes, control characters, quotes and
+/// backslashes escaped (a message is one line a terminal shows as it is), and cut after 64
+/// characters.
+fn quoted(s: &str) -> String {
+    let mut out = String::with_capacity(s.len().min(80) + 2);
+    out.push('"');
+    for (i, c) in s.chars().enumerate() {
+        if i == 64 {
+            out.push('…');
+            break;
+        }
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if c.is_control() => out.extend(c.escape_unicode()),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Why a rule's name is refused beside another's.
+const USED: &str = "is used by another rule (names are compared in lowercase, with - and . as _, as metrics show them)";
+
+/// A rule's name as metrics show it: `[a-z0-9_]`, every other character `_`.
+pub fn metric_form(name: &str) -> String {
+    name.chars().map(metric_char).collect()
+}
+
+fn same_metric_name(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.chars().zip(b.chars()).all(|(x, y)| metric_char(x) == metric_char(y))
+}
+
+fn metric_char(c: char) -> char {
+    if c.is_ascii_alphanumeric() {
+        c.to_ascii_lowercase()
+    } else {
+        '_'
+    }
+}
+
 fn err<T>(path: &str, reason: impl Into<String>) -> Result<T, ConfigError> {
-    Err(ConfigError { path: path.to_owned(), reason: reason.into() })
+    // A path names the document's own keys (an unknown field, a plan): shown as `quoted` shows
+    // values, without the quotes, when it has a character a terminal would act on.
+    let path = if path.chars().any(char::is_control) || path.len() > 256 {
+        let q = quoted(path);
+        q.trim_matches('"').to_owned()
+    } else {
+        path.to_owned()
+    };
+    Err(ConfigError { path, reason: reason.into() })
 }
 
 /// A whole validated rules document.
@@ -260,8 +312,8 @@ fn duration_field(v: &Value, path: &str, min: Nanos, max: Nanos) -> Result<Nanos
     let s = string(v, path)?;
     match parse_duration(s) {
         Some(d) if (min..=max).contains(&d) => Ok(d),
-        Some(_) => err(path, format!("\"{s}\" is out of range")),
-        None => err(path, format!("\"{s}\" is not a duration (like 50ms, 1s)")),
+        Some(_) => err(path, format!("{} is out of range", quoted(s))),
+        None => err(path, format!("{} is not a duration (like 50ms, 1s)", quoted(s))),
     }
 }
 
@@ -402,16 +454,18 @@ impl Config {
             let path = format!("rules[{i}]");
             let rule = parse_rule(r, &path, &identity)?;
             // A scan while there are few rules; past that, one sorted check below.
-            if rules.len() < 16 && rules.iter().any(|o| o.name == rule.name) {
-                return err(&format!("{path}.name"), format!("\"{}\" is used by another rule", rule.name));
+            // Names are told apart as metrics name them (`x-y` and `X_y` are one name).
+            if rules.len() < 16 && rules.iter().any(|o| same_metric_name(&o.name, &rule.name)) {
+                return err(&format!("{path}.name"), format!("{} {USED}", quoted(&rule.name)));
             }
             rules.push(rule);
         }
-        let names: Vec<&str> =
-            if rules.len() > 16 { rules.iter().map(|r| r.name.as_str()).collect() } else { Vec::new() };
+        let forms: Vec<String> =
+            if rules.len() > 16 { rules.iter().map(|r| metric_form(&r.name)).collect() } else { Vec::new() };
+        let names: Vec<&str> = forms.iter().map(String::as_str).collect();
         if let Some(i) = crate::json::first_repeat(&names) {
             let name = rules.get(i).map_or("", |r| r.name.as_str());
-            return err(&format!("rules[{i}].name"), format!("\"{name}\" is used by another rule"));
+            return err(&format!("rules[{i}].name"), format!("{} {USED}", quoted(name)));
         }
         let mut response = ResponseOptions::default();
         if let Some(v) = top.get("response") {
@@ -601,7 +655,7 @@ fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
             None => return err(&format!("{path}.header"), "is required"),
         };
         if header.is_empty() || !header.bytes().all(is_token_char) {
-            return err(&format!("{path}.header"), format!("\"{header}\" is not a valid header name"));
+            return err(&format!("{path}.header"), format!("{} is not a valid header name", quoted(header)));
         }
         headers.push((dim.clone(), header.to_ascii_lowercase()));
     }
@@ -628,7 +682,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
         None => return err(&join(path, "name"), "is required"),
     };
     if !valid_name(name) {
-        return err(&join(path, "name"), format!("\"{name}\" must be 1 to 64 of A-Z a-z 0-9 _ . -"));
+        return err(&join(path, "name"), format!("{} must be 1 to 64 of A-Z a-z 0-9 _ . -", quoted(name)));
     }
     let matcher = match m.get("match") {
         None => Matcher::default(),
@@ -646,11 +700,11 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
                 } else {
                     match identity.header_index(d) {
                         Some(i) => Dimension::Header(i),
-                        None => return err(&p, format!("\"{d}\" is not a dimension defined under identity")),
+                        None => return err(&p, format!("{} is not a dimension defined under identity", quoted(d))),
                     }
                 };
                 if key.contains(&dim) {
-                    return err(&p, format!("\"{d}\" appears twice"));
+                    return err(&p, format!("{} appears twice", quoted(d)));
                 }
                 key.push(dim);
             }
@@ -702,7 +756,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
         Some(v) => match string(v, &join(path, "mode"))? {
             "enforce" => Mode::Enforce,
             "shadow" => Mode::Shadow,
-            s => return err(&join(path, "mode"), format!("\"{s}\" is not \"enforce\" or \"shadow\"")),
+            s => return err(&join(path, "mode"), format!("{} is not \"enforce\" or \"shadow\"", quoted(s))),
         },
     };
     let on_store_failure = match m.get("on_store_failure") {
@@ -710,7 +764,7 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
         Some(v) => match string(v, &join(path, "on_store_failure"))? {
             "open" => FailurePolicy::Open,
             "closed" => FailurePolicy::Closed,
-            s => return err(&join(path, "on_store_failure"), format!("\"{s}\" is not \"open\" or \"closed\"")),
+            s => return err(&join(path, "on_store_failure"), format!("{} is not \"open\" or \"closed\"", quoted(s))),
         },
     };
     let exact = match m.get("exact") {
@@ -734,7 +788,7 @@ fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
             let s = string(p, &pp)?;
             match PathPattern::parse(s) {
                 Ok(p) => Some(p),
-                Err(why) => return err(&pp, format!("\"{s}\" {why}")),
+                Err(why) => return err(&pp, format!("{} {why}", quoted(s))),
             }
         }
     };
@@ -757,7 +811,7 @@ fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
 
 fn method(s: &str, path: &str) -> Result<String, ConfigError> {
     if s.is_empty() || !s.bytes().all(|b| b.is_ascii_alphabetic()) {
-        return err(path, format!("\"{s}\" is not an HTTP method"));
+        return err(path, format!("{} is not an HTTP method", quoted(s)));
     }
     Ok(s.to_ascii_uppercase())
 }
@@ -767,7 +821,7 @@ fn parse_algorithm(v: &Value, path: &str) -> Result<Algorithm, ConfigError> {
     let s = string(v, path)?;
     Algorithm::from_name(s).filter(|a| *a != Algorithm::Concurrent).ok_or_else(|| ConfigError {
         path: path.into(),
-        reason: format!("\"{s}\" is not one of {}", crate::algo::ALGORITHM_NAMES),
+        reason: format!("{} is not one of {}", quoted(s), crate::algo::ALGORITHM_NAMES),
     })
 }
 
@@ -807,8 +861,10 @@ fn parse_limit(v: &Value, path: &str, algorithm: Option<Algorithm>) -> Result<Li
     let per = match m.get("per") {
         Some(Value::String(s)) => match parse_duration(s) {
             Some(d) if d > 0 && d <= MAX_PER => d,
-            Some(_) => return err(&per_path, format!("\"{s}\" must be between 1ms and 366d")),
-            None => return err(&per_path, format!("\"{s}\" is not a duration (like 500ms, 1s, 60s, 1m, 1h, 1d)")),
+            Some(_) => return err(&per_path, format!("{} must be between 1ms and 366d", quoted(s))),
+            None => {
+                return err(&per_path, format!("{} is not a duration (like 500ms, 1s, 60s, 1m, 1h, 1d)", quoted(s)))
+            }
         },
         Some(other) => return err(&per_path, format!("must be a duration string like \"60s\", not {}", kind(other))),
         None => return err(&per_path, "is required"),
@@ -968,6 +1024,31 @@ mod tests {
             .starts_with("rules[0].limit.burts: unknown field"));
         assert!(error_of("{").starts_with("not valid JSON"));
         assert_eq!(error_of("[]"), "must be an object, not an array");
+        // Two names metrics would show as one.
+        let two = |a: &str, b: &str| {
+            format!(
+                r#"{{"rules":[{{"name":"{a}","key":["ip"],"limit":{{"requests":1,"per":"1s"}}}},
+                {{"name":"{b}","key":["ip"],"limit":{{"requests":1,"per":"1s"}}}}]}}"#
+            )
+        };
+        assert!(error_of(&two("x-y", "X_y")).starts_with(r#"rules[1].name: "X_y" is used by another rule"#));
+        assert!(Config::parse(two("x-y", "x-z").as_bytes()).is_ok());
+        let many: Vec<String> = (0..20)
+            .map(|i| format!(r#"{{"name":"r.{i}","key":["ip"],"limit":{{"requests":1,"per":"1s"}}}}"#))
+            .chain(core::iter::once(r#"{"name":"R_7","key":["ip"],"limit":{"requests":1,"per":"1s"}}"#.into()))
+            .collect();
+        let doc = format!(r#"{{"rules":[{}]}}"#, many.join(","));
+        assert!(error_of(&doc).contains("is used by another rule"), "{}", error_of(&doc));
+        // A message is one line, whatever the document holds.
+        let odd = r#"{"rules":[{"name":"a\u001b[31m\nb\"c","key":["ip"],"limit":{"requests":1,"per":"1s"}}]}"#;
+        assert_eq!(error_of(odd), r#"rules[0].name: "a\u{1b}[31m\u{a}b\"c" must be 1 to 64 of A-Z a-z 0-9 _ . -"#);
+        let long = format!(
+            r#"{{"rules":[{{"name":"{}","key":["ip"],"limit":{{"requests":1,"per":"1s"}}}}]}}"#,
+            "n".repeat(5000)
+        );
+        assert!(error_of(&long).len() < 200, "{}", error_of(&long));
+        let key = r#"{"rules":[{"name":"a","key":["ip"],"limit":{"requests":1,"per":"1s","\u0007":1}}]}"#;
+        assert!(error_of(key).starts_with(r#"rules[0].limit.\u{7}: unknown field"#), "{}", error_of(key));
     }
 
     #[test]
