@@ -193,9 +193,10 @@ impl Leases {
         if hits == 0 || hits > share {
             return None;
         }
-        let reset_after = if fixed { per - now % per } else { per };
-        let until = lease_end(limit, now, ratewall_core::sync::MAX_LEASE, reset_after);
-        let remaining = quota.saturating_sub(hits);
+        // The counter as far as this process knows: fresh, and its hits taken.
+        let (before, _) = limit.decide(&ratewall_core::State::Fresh, now, 0);
+        let (decision, _) = limit.decide(&ratewall_core::State::Fresh, now, hits);
+        let until = lease_end(limit, now, ratewall_core::sync::MAX_LEASE, before.reset_after.max(decision.reset_after));
         held.insert(
             rkey.to_owned(),
             Held {
@@ -204,7 +205,7 @@ impl Leases {
                 until,
                 spent: hits,
                 pending: None,
-                view: (quota, reset_after, now),
+                view: (before.remaining, before.reset_after, now),
                 used: now,
                 denied_until: 0,
                 denied_hits: 0,
@@ -213,7 +214,7 @@ impl Leases {
             },
         );
         self.cold.fetch_add(1, Ordering::Relaxed);
-        Some(Decision { allowed: true, limit: quota, remaining, reset_after, retry_after: None })
+        Some(Decision { allowed: true, limit: quota, retry_after: None, ..decision })
     }
 
     /// A new ask number (never 0).
@@ -230,7 +231,7 @@ impl Leases {
             return None;
         }
         h.used = now;
-        let (remaining, reset_after) = estimate(h, now);
+        let (_, reset_after) = estimate(h, now);
         if hits > 0 && hits >= h.denied_hits && now < h.denied_until {
             self.local.fetch_add(1, Ordering::Relaxed);
             // The refused call's own retry time, not the end of its stay in memory.
@@ -252,7 +253,7 @@ impl Leases {
         h.grant -= hits;
         h.spent = h.spent.saturating_add(hits);
         self.local.fetch_add(1, Ordering::Relaxed);
-        let remaining = remaining.saturating_sub(hits);
+        let (remaining, reset_after) = estimate(h, now);
         Some(Decision { allowed: true, limit: limit.quota(), remaining, reset_after, retry_after: None })
     }
 
@@ -270,8 +271,8 @@ impl Leases {
         self.asked.fetch_add(1, Ordering::Relaxed);
         self.saw_nodes(a.nodes, now);
         let allowed = hits == 0 || a.grant >= hits;
-        // Units this process admitted that Redis has not counted yet: not in its `remaining`.
-        let mut unreported = 0;
+        // What Redis answered, less the units this process admitted that it has not counted yet.
+        let mut known = (a.remaining, a.reset_after);
         if let Ok(mut held) = self.held.lock() {
             if held.len() >= MAX_HELD && !held.contains_key(rkey) {
                 held.retain(|_, h| h.pending.is_some() || h.spent > 0 || now < h.until);
@@ -298,7 +299,7 @@ impl Leases {
                 h.used = now;
                 h.answered = true;
                 h.view = (a.remaining, a.reset_after, now);
-                unreported = h.spent.saturating_add(h.pending.map_or(0, |(_, u, _)| u));
+                known = estimate(h, now);
                 if allowed {
                     h.grant = a.grant - hits;
                     h.until = lease_end(limit, now, a.lease, a.reset_after);
@@ -313,8 +314,8 @@ impl Leases {
         Decision {
             allowed,
             limit: limit.quota(),
-            remaining: if allowed { a.remaining.saturating_sub(unreported) } else { 0 },
-            reset_after: a.reset_after,
+            remaining: if allowed { known.0 } else { 0 },
+            reset_after: known.1,
             retry_after: if allowed { None } else { retry },
         }
     }
@@ -353,6 +354,21 @@ impl Leases {
                 true
             }
             _ => false,
+        }
+    }
+
+    /// Notes `hits` given back at Redis (reported already, so not in this process's grant):
+    /// the view of the counter gains them, as Redis's count did.
+    pub fn refunded(&self, rkey: &str, hits: u64) {
+        let Ok(mut held) = self.held.lock() else { return };
+        if let Some(h) = held.get_mut(rkey) {
+            let (remaining, reset_after, at) = h.view;
+            let reset_after = if h.limit.algorithm() == Algorithm::TokenBucket {
+                reset_after.saturating_sub(hits.saturating_mul(h.limit.interval()))
+            } else {
+                reset_after
+            };
+            h.view = (remaining.saturating_add(hits).min(h.limit.quota()), reset_after, at);
         }
     }
 
@@ -420,7 +436,9 @@ impl Leases {
         // the answer's remaining yet.
         h.grant = a.grant.saturating_sub(h.spent);
         h.until = lease_end(h.limit, now, a.lease, a.reset_after);
-        h.view = (a.remaining.saturating_sub(h.spent), a.reset_after, now);
+        // The units spent since the batch was cut are not in the answer: `estimate` takes them
+        // off.
+        h.view = (a.remaining, a.reset_after, now);
     }
 
     /// Counters held.
@@ -442,6 +460,14 @@ fn estimate(h: &Held, now: Nanos) -> (u64, Nanos) {
     let (remaining, reset_after, at) = h.view;
     let elapsed = now.saturating_sub(at);
     let unreported = h.spent.saturating_add(h.pending.map_or(0, |(_, u, _)| u));
+    if h.limit.algorithm() == Algorithm::TokenBucket {
+        // A bucket is full `reset_after` from when it was seen, later by one interval per unit
+        // spent since; a token back per interval.
+        let t = h.limit.interval().max(1);
+        let span = h.limit.capacity().saturating_mul(t);
+        let used = reset_after.saturating_sub(elapsed).saturating_add(unreported.saturating_mul(t)).min(span);
+        return ((span - used) / t, used);
+    }
     if elapsed >= reset_after {
         // The window turned (or the bucket filled) since: a fresh quota less what was spent.
         let per = h.limit.per().max(1);
@@ -632,6 +658,41 @@ mod tests {
         assert!(l.cold("k", bucket, 1, s).unwrap().allowed);
         let taken = (0..60).take_while(|_| l.take("k", bucket, 1, s).is_some_and(|d| d.allowed)).count();
         assert_eq!(taken + 1, 50);
+    }
+
+    #[test]
+    fn answers_show_remaining_and_reset_as_the_counter_stands_after_the_call() {
+        let s = ratewall_core::SECOND;
+        // 3 a minute: a token every 20 s; `reset_after` is when the bucket is full again.
+        let bucket = Limit::new(Algorithm::TokenBucket, 3, 60 * s, None).unwrap();
+        let l = answered();
+        let d = l.cold("b", bucket, 1, s).unwrap();
+        assert_eq!((d.remaining, d.reset_after), (2, 20 * s), "a fresh bucket less one token");
+        let d = l.take("b", bucket, 1, s).unwrap();
+        assert_eq!((d.remaining, d.reset_after), (1, 40 * s), "this call's token counted");
+        // Redis counts the batch of both; the answer shows them, and nothing is taken twice.
+        assert_eq!(l.due(2 * s), vec![("b".to_owned(), bucket, 1, 2)]);
+        let a = Applied { remaining: 1, grant: 1, reset_after: 39 * s, lease: 10 * s, nodes: 1, counted: true };
+        l.synced("b", 1, &a, 2 * s);
+        let d = l.take("b", bucket, 0, 2 * s).unwrap();
+        assert_eq!((d.remaining, d.reset_after), (1, 39 * s), "a look after the batch");
+        let d = l.take("b", bucket, 1, 3 * s).unwrap();
+        assert_eq!((d.remaining, d.reset_after), (0, 58 * s));
+        // Given back at Redis once reported: the view gains it back.
+        assert_eq!(l.due(4 * s), vec![("b".to_owned(), bucket, 2, 1)]);
+        l.synced("b", 2, &Applied { remaining: 0, reset_after: 56 * s, grant: 0, ..a }, 4 * s);
+        l.refunded("b", 1);
+        let d = l.take("b", bucket, 0, 4 * s).unwrap();
+        assert_eq!((d.remaining, d.reset_after), (1, 36 * s));
+        // A window's: what Redis answered, less what was spent since the batch was cut.
+        let l = answered();
+        let ms = s / 1000;
+        l.asked("w", limit(), 1, &applied(10, 90), None, s);
+        assert!(l.take("w", limit(), 1, s).is_some());
+        assert_eq!(l.due(s + 100 * ms), vec![("w".to_owned(), limit(), 1, 1)]);
+        assert!(l.take("w", limit(), 1, s + 200 * ms).is_some());
+        l.synced("w", 1, &applied(10, 89), s + 300 * ms);
+        assert_eq!(l.take("w", limit(), 0, s + 300 * ms).unwrap().remaining, 88, "the unit after the cut, once");
     }
 
     #[test]

@@ -224,7 +224,13 @@ impl<K: Kv> Rls<K> {
     /// the same entries (an override beside the configured limit, or two overrides of other
     /// units) count apart, as envoyproxy/ratelimit's keys (which carry the window's start) do.
     /// A limit changed to another number of requests per window keeps its count.
-    fn counter_key(&self, domain: &str, entries: &[(String, String)], matched: Option<&Matched>, limit: Limit) -> String {
+    fn counter_key(
+        &self,
+        domain: &str,
+        entries: &[(String, String)],
+        matched: Option<&Matched>,
+        limit: Limit,
+    ) -> String {
         // Length-prefixed, so no two descriptors share a name; a part over MAX_TEXT bytes is
         // its keyed hash behind a length no shorter part has.
         let mut name = Vec::with_capacity(64);
@@ -380,8 +386,12 @@ impl<K: Kv> Rls<K> {
                 futures_util::future::join_all(charged.iter().map(|(c, at, from)| self.give_back(c, *at, *from))).await;
             for ((c, _, _), g) in charged.iter().zip(gone) {
                 if g.is_ok() {
-                    if let Some(Some((_, d))) = decisions.get_mut(c.index) {
+                    if let Some(Some((rule, d))) = decisions.get_mut(c.index) {
                         d.remaining = d.remaining.saturating_add(c.hits).min(d.limit);
+                        // A bucket given its hits back is full that much sooner.
+                        if let Some(l) = rule.limit.filter(|l| l.algorithm() == ratewall_core::Algorithm::TokenBucket) {
+                            d.reset_after = d.reset_after.saturating_sub(c.hits.saturating_mul(l.interval()));
+                        }
                     }
                 }
             }
@@ -558,7 +568,9 @@ impl<K: Kv> Rls<K> {
             counter.refund(limit, now, at, hits);
             ((), true)
         })
-        .await
+        .await?;
+        self.leases.refunded(&c.rkey, hits);
+        Ok(())
     }
 
     /// One counter's compare-and-swap loop: the value (the one this process last wrote, else
