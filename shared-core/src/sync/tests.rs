@@ -205,6 +205,23 @@ fn a_signed_body_that_is_no_batch_is_malformed_not_of_another_version() {
 }
 
 #[test]
+fn a_batch_that_names_a_counter_twice_is_malformed_and_counts_nothing() {
+    let d = |key: &[u8], units| Delta { key: key.to_vec(), limit: limit(), units };
+    let r = SyncRequest { deltas: vec![d(b"k", 2), d(b"j", 1), d(b"k", 3)], ..req(1, 1, 0) };
+    let (body, tag) = signed(&r);
+    let mut s = Store::new(100, 2 * SECOND);
+    let refused = s.handle_signed(NOW, b"secret", &body, &tag);
+    assert_eq!(
+        refused,
+        Err(SyncError::Malformed(crate::encoding::DecodeError::Invalid("batch: a counter is named twice")))
+    );
+    assert_eq!(refused.unwrap_err().status(), 400);
+    assert!(s.is_empty());
+    let once = SyncRequest { deltas: vec![d(b"k", 2), d(b"j", 1)], ..req(1, 1, 0) };
+    assert_eq!(SyncRequest::decode(&once.encode()), Ok(once));
+}
+
+#[test]
 fn a_delta_for_a_concurrency_limit_is_malformed() {
     let concurrent = Limit::new(Algorithm::Concurrent, 2, 60 * SECOND, None).unwrap();
     let r = SyncRequest { deltas: vec![Delta { key: b"k".to_vec(), limit: concurrent, units: 1 }], ..req(1, 1, 0) };

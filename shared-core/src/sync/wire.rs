@@ -267,6 +267,13 @@ impl SyncRequest {
         for _ in 0..n {
             deltas.push(Delta { key: read_bytes(&mut r, MAX_KEY)?, limit: read_limit(&mut r)?, units: r.varint()? });
         }
+        // One seq per node and counter: a counter named twice would have its second delta
+        // taken for a repeat of the first, and its units lost.
+        let mut keys: Vec<&[u8]> = deltas.iter().map(|d| d.key.as_slice()).collect();
+        keys.sort_unstable();
+        if keys.windows(2).any(|w| w.first() == w.get(1)) {
+            return Err(DecodeError::Invalid("batch: a counter is named twice"));
+        }
         Ok((SyncRequest { node, seq, sent, deltas, ask }, r.pos))
     }
 
