@@ -2,9 +2,11 @@
 //! request goes through the built filter (`dist/ratewall_filter.wasm`) in the wasmtime
 //! proxy-wasm host — several worker VMs sharing one node's counters, as in Envoy — and, when
 //! admitted, to a small built-in demo origin (a request a leaky bucket queues is forwarded
-//! when the filter resumes it in its turn, while its worker serves others). The rules file is watched and pushed to the
-//! VMs when it changes, as an xDS config push would be; a bad file is rejected and the last
-//! good rules stay.
+//! when the filter resumes it in its turn, while its worker serves others). Each connection's
+//! request is read on a thread of its own, and the worker VMs take only complete requests, so
+//! a slow or idle client holds up no worker. The rules file is watched and pushed to the VMs
+//! when it changes, as an xDS config push would be; a bad file is rejected and the last good
+//! rules stay.
 //!
 //! `ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]...` (default
 //! port 8080, or a free one when 8080 is taken; `--port 0` always picks a free one). With
@@ -13,11 +15,11 @@
 //! to the stores (the next one when one fails), as Envoy sends them to the sync cluster.
 
 use ratewall_host::{FilterResult, HttpRequest, Node, Plugin, Started, Vm};
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 struct Args {
@@ -83,62 +85,18 @@ fn serve() -> Result<(), String> {
     };
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
 
-    let (tx, rx) = mpsc::channel::<TcpStream>();
-    let rx = Arc::new(Mutex::new(rx));
+    // Each connection's request is read and parsed on a thread of its own, so a slow or idle
+    // client holds only that thread; the worker VMs take complete requests from the queue
+    // and keep ticking meanwhile.
+    let queue = Arc::new(Queue::default());
     for w in 0..args.workers.max(1) {
         let doc = rules.document.lock().map_err(|e| e.to_string())?.clone();
         let mut vm = Vm::start(&plugin, &node, &doc).map_err(|e| format!("worker {w}: {e}"))?;
-        let (rx, rules, node, stores) = (Arc::clone(&rx), Arc::clone(&rules), node.clone(), args.stores.clone());
-        std::thread::spawn(move || {
-            let mut seen = 0;
-            // Requests paused until their turn (a leaky bucket's queue): answered when the
-            // filter resumes them from its tick, as Envoy forwards them then.
-            let mut waiting: Vec<Waiting> = Vec::new();
-            let mut last_tick = Instant::now();
-            loop {
-                // With a tick period (sync on, or rules that shape), wait for a connection at
-                // most until the next tick is due, then tick and make the sync calls the tick
-                // dispatched.
-                let period = Duration::from_millis(u64::from(vm.tick_period_ms()));
-                let wait = if period.is_zero() {
-                    // No tick: nothing resumes a paused request, but it is looked at again.
-                    (!waiting.is_empty()).then_some(IDLE_RECHECK)
-                } else {
-                    Some(period.saturating_sub(last_tick.elapsed()))
-                };
-                let next = rx.lock().map(|r| match wait {
-                    None => r.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-                    Some(wait) => r.recv_timeout(wait),
-                });
-                match next {
-                    Ok(Ok(stream)) => {
-                        let generation = rules.generation.load(Ordering::SeqCst);
-                        if generation != seen {
-                            seen = generation;
-                            if let Ok(doc) = rules.document.lock().map(|d| d.clone()) {
-                                let _ = vm.configure(&doc);
-                            }
-                        }
-                        node.set_time(wall_clock());
-                        match handle(&mut vm, stream, &stores) {
-                            Ok(Some(w)) => waiting.push(w),
-                            Ok(None) => {}
-                            Err(e) => log(&format!("worker {w}: {e}")),
-                        }
-                    }
-                    Ok(Err(mpsc::RecvTimeoutError::Timeout)) => {}
-                    _ => return,
-                }
-                if !period.is_zero() && last_tick.elapsed() >= period {
-                    last_tick = Instant::now();
-                    node.set_time(wall_clock());
-                    if let Err(e) = vm.tick().and_then(|_| exchange(&mut vm, &stores)) {
-                        log(&format!("worker {w}: tick: {e}"));
-                    }
-                }
-                waiting = resume(&mut vm, waiting, w);
-            }
-        });
+        let (queue, rules, node, stores) = (Arc::clone(&queue), Arc::clone(&rules), node.clone(), args.stores.clone());
+        std::thread::Builder::new()
+            .name(format!("worker-{w}"))
+            .spawn(move || work(w, &mut vm, &queue, &rules, &node, &stores))
+            .map_err(|e| format!("worker {w}: {e}"))?;
     }
     watch(args.rules.clone(), Arc::clone(&rules));
 
@@ -154,12 +112,125 @@ fn serve() -> Result<(), String> {
     );
     let mut out = std::io::stdout();
     let _ = out.write_all(banner.as_bytes()).and_then(|_| out.flush());
+    let reading = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming().flatten() {
-        if tx.send(stream).is_err() {
-            break;
-        }
+        accept(stream, &queue, &node, &reading);
     }
     Ok(())
+}
+
+/// One worker VM's loop: runs the requests it takes from the queue through the filter, ticks
+/// at the filter's period, and answers the waiting requests the filter resumed.
+fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores: &[String]) {
+    let mut seen = 0;
+    // Requests paused until their turn (a leaky bucket's queue): answered when the filter
+    // resumes them from its tick, as Envoy forwards them then.
+    let mut waiting: Vec<Waiting> = Vec::new();
+    let mut last_tick = Instant::now();
+    loop {
+        let generation = rules.generation.load(Ordering::SeqCst);
+        if generation != seen {
+            seen = generation;
+            if let Ok(doc) = rules.document.lock().map(|d| d.clone()) {
+                let _ = vm.configure(&doc);
+            }
+        }
+        // With a tick period (sync on, or rules that shape), wait for a request at most until
+        // the next tick is due; with requests waiting, at most until they are looked at again.
+        let period = Duration::from_millis(u64::from(vm.tick_period_ms()));
+        let mut wait = (!period.is_zero()).then(|| period.saturating_sub(last_tick.elapsed()));
+        if !waiting.is_empty() {
+            wait = Some(wait.map_or(RECHECK, |d| d.min(RECHECK)));
+        }
+        if let Some(request) = queue.pop(wait) {
+            node.set_time(wall_clock());
+            match handle(vm, request, stores) {
+                Ok(Some(paused)) => waiting.push(paused),
+                Ok(None) => {}
+                Err(e) => log(&format!("worker {w}: {e}")),
+            }
+        }
+        if !period.is_zero() && last_tick.elapsed() >= period {
+            last_tick = Instant::now();
+            node.set_time(wall_clock());
+            if let Err(e) = vm.tick().and_then(|_| exchange(vm, stores)) {
+                log(&format!("worker {w}: tick: {e}"));
+            }
+        }
+        waiting = resume(vm, waiting, w);
+    }
+}
+
+/// Requests read and parsed, waiting for a worker VM: any worker takes the next one.
+#[derive(Default)]
+struct Queue {
+    requests: Mutex<VecDeque<Request>>,
+    ready: Condvar,
+}
+
+impl Queue {
+    fn push(&self, request: Request) {
+        self.requests.lock().unwrap_or_else(PoisonError::into_inner).push_back(request);
+        self.ready.notify_one();
+    }
+
+    /// The next request, waiting for one at most `wait` (`None`: as long as it takes).
+    fn pop(&self, wait: Option<Duration>) -> Option<Request> {
+        let deadline = wait.and_then(|w| Instant::now().checked_add(w));
+        let mut requests = self.requests.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if let Some(request) = requests.pop_front() {
+                return Some(request);
+            }
+            requests = match (wait, deadline) {
+                (None, _) => self.ready.wait(requests).unwrap_or_else(PoisonError::into_inner),
+                (Some(_), Some(deadline)) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    self.ready.wait_timeout(requests, left).unwrap_or_else(PoisonError::into_inner).0
+                }
+                (Some(_), None) => return None,
+            };
+        }
+    }
+}
+
+/// At most this many connections are read at once; beyond, a connection gets a 503.
+const MAX_READING: usize = 1024;
+
+/// Starts reading a new connection's request on a thread of its own, which hands it to the
+/// queue once complete (or answers it itself: a malformed request, the metrics).
+fn accept(mut stream: TcpStream, queue: &Arc<Queue>, node: &Node, reading: &Arc<AtomicUsize>) {
+    if reading.fetch_add(1, Ordering::SeqCst) >= MAX_READING {
+        reading.fetch_sub(1, Ordering::SeqCst);
+        let _ = respond(&mut stream, 503, &[], b"too many connections\n");
+        return;
+    }
+    let (queue, node, count) = (Arc::clone(queue), node.clone(), Arc::clone(reading));
+    let spawned = std::thread::Builder::new().name("reader".into()).spawn(move || {
+        let head = read_request(stream);
+        count.fetch_sub(1, Ordering::SeqCst);
+        match head {
+            Head::Request(mut r) if r.path.split('?').next() == Some("/_ratewall/metrics") => {
+                let mut text = String::new();
+                for m in node.metrics() {
+                    text.push_str(&format!("{} {}\n", m.name, m.value));
+                }
+                let _ = respond(&mut r.stream, 200, &[("content-type".into(), "text/plain".into())], text.as_bytes());
+            }
+            Head::Request(r) => queue.push(r),
+            Head::Refused(mut stream, status, body) => {
+                let _ = respond(&mut stream, status, &[], body.as_bytes());
+            }
+            Head::Gone => {}
+        }
+    });
+    if let Err(e) = spawned {
+        reading.fetch_sub(1, Ordering::SeqCst);
+        log(&format!("reading a connection: {e}"));
+    }
 }
 
 /// Polls the rules file and publishes a new generation when it changes and parses.
@@ -218,15 +289,15 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
     Ok(())
 }
 
-/// How often a worker without a tick looks again at its paused requests.
-const IDLE_RECHECK: Duration = Duration::from_millis(5);
+/// How often a worker looks at its waiting requests.
+const RECHECK: Duration = Duration::from_millis(5);
 
 /// A request paused until its turn in a leaky bucket's queue, with its connection.
 struct Waiting {
     ctx: u32,
     stream: TcpStream,
     method: String,
-    target: String,
+    path: String,
 }
 
 /// Answers the waiting requests the filter resumed (forwarded) or replied to; returns the
@@ -236,7 +307,7 @@ fn resume(vm: &mut Vm, waiting: Vec<Waiting>, worker: usize) -> Vec<Waiting> {
     for mut w in waiting {
         match vm.finish(w.ctx) {
             Ok(Some(result)) => {
-                if let Err(e) = answer(&mut w.stream, &result, &w.method, &w.target) {
+                if let Err(e) = answer(&mut w.stream, &result, &w.method, &w.path) {
                     log(&format!("worker {worker}: {e}"));
                 }
             }
@@ -247,27 +318,77 @@ fn resume(vm: &mut Vm, waiting: Vec<Waiting>, worker: usize) -> Vec<Waiting> {
     still
 }
 
-/// Reads one request and runs it through the filter: answered now, or (`Some`) paused until
-/// its turn, answered by [`resume`].
-fn handle(vm: &mut Vm, mut stream: TcpStream, stores: &[String]) -> Result<Option<Waiting>, String> {
-    stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
-    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-    let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
+/// A request read off its connection, as the filter is handed it.
+struct Request {
+    stream: TcpStream,
+    method: String,
+    /// The target: the filter's `:path`.
+    path: String,
+    req: HttpRequest,
+}
+
+/// What reading a connection gave.
+enum Head {
+    /// A complete request.
+    Request(Request),
+    /// A request refused before the filter: its status and body.
+    Refused(TcpStream, u16, &'static str),
+    /// Nothing to answer: the client sent nothing, or went away.
+    Gone,
+}
+
+/// The most of a request's header section that is read.
+const MAX_HEAD: usize = 64 * 1024;
+
+/// How long a client has to send its request's head and body.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection read until a deadline: each read waits at most for what is left of it.
+struct Deadline {
+    stream: TcpStream,
+    until: Instant,
+}
+
+impl Read for Deadline {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+/// Reads and parses one request off a new connection: its request line, header section
+/// (at most [`MAX_HEAD`] bytes in all, the rest dropped) and body, within [`READ_TIMEOUT`].
+fn read_request(stream: TcpStream) -> Head {
+    let Ok(read_half) = stream.try_clone() else {
+        return Head::Gone;
+    };
+    let _ = stream.set_write_timeout(Some(READ_TIMEOUT));
+    let until = Instant::now().checked_add(READ_TIMEOUT).unwrap_or_else(Instant::now);
+    let mut reader = BufReader::new(Deadline { stream: read_half, until });
     let mut line = String::new();
-    reader.read_line(&mut line).map_err(|e| e.to_string())?;
+    if reader.read_line(&mut line).is_err() {
+        return Head::Gone;
+    }
     let mut parts = line.split_whitespace();
     let (Some(method), Some(target)) = (parts.next(), parts.next()) else {
-        return respond(&mut stream, 400, &[], b"bad request\n").map(|()| None);
+        return Head::Refused(stream, 400, "bad request\n");
     };
+    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let mut req = HttpRequest::new(method, target).from_addr(&peer);
     req.headers.retain(|(k, _)| k != ":authority");
     let mut content_length = 0usize;
     let mut total = 0usize;
     loop {
         let mut h = Vec::new();
-        let n = reader.read_until(b'\n', &mut h).map_err(|e| e.to_string())?;
+        let Ok(n) = reader.read_until(b'\n', &mut h) else {
+            return Head::Gone;
+        };
         total += n;
-        if n == 0 || h == b"\r\n" || h == b"\n" || total > 64 * 1024 {
+        if n == 0 || h == b"\r\n" || h == b"\n" || total > MAX_HEAD {
             break;
         }
         let h = h.strip_suffix(b"\r\n").or_else(|| h.strip_suffix(b"\n")).unwrap_or(&h);
@@ -283,15 +404,13 @@ fn handle(vm: &mut Vm, mut stream: TcpStream, stores: &[String]) -> Result<Optio
     }
     let mut body = vec![0u8; content_length.min(1 << 20)];
     let _ = reader.read_exact(&mut body);
+    Head::Request(Request { stream, method: method.to_owned(), path: target.to_owned(), req })
+}
 
-    if target == "/_ratewall/metrics" {
-        let mut text = String::new();
-        for m in vm.node().metrics() {
-            text.push_str(&format!("{} {}\n", m.name, m.value));
-        }
-        return respond(&mut stream, 200, &[("content-type".into(), "text/plain".into())], text.as_bytes())
-            .map(|()| None);
-    }
+/// Runs a request through the filter: answered now, or (`Some`) paused until its turn,
+/// answered by [`resume`].
+fn handle(vm: &mut Vm, request: Request, stores: &[String]) -> Result<Option<Waiting>, String> {
+    let Request { mut stream, method, path, req } = request;
     // A request the filter pauses waits for its ask to the store, as in Envoy, or for its
     // turn in a leaky bucket's queue (the filter resumes it from a later tick).
     let result = match vm.begin(&req).map_err(|e| e.to_string())? {
@@ -300,14 +419,11 @@ fn handle(vm: &mut Vm, mut stream: TcpStream, stores: &[String]) -> Result<Optio
             exchange(vm, stores).map_err(|e| e.to_string())?;
             match vm.finish(ctx).map_err(|e| e.to_string())? {
                 Some(r) => r,
-                None => {
-                    let (method, target) = (method.to_owned(), target.to_owned());
-                    return Ok(Some(Waiting { ctx, stream, method, target }));
-                }
+                None => return Ok(Some(Waiting { ctx, stream, method, path })),
             }
         }
     };
-    answer(&mut stream, &result, method, target).map(|()| None)
+    answer(&mut stream, &result, &method, &path).map(|()| None)
 }
 
 /// What the filter decided for a request: its local reply, or the demo origin's answer.

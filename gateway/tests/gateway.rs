@@ -129,3 +129,53 @@ fn the_dev_gateway_forwards_a_leaky_buckets_waiting_requests_in_their_turn() {
     assert!(answers[5].1 >= Duration::from_millis(1400), "{answers:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Writes `doc` as a rules file in a directory of its own, for one test.
+fn rules_file(test: &str, doc: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("ratewall-gateway-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rules = dir.join("rules.json");
+    std::fs::write(&rules, doc).unwrap();
+    rules
+}
+
+/// Connections that are opened and send nothing: more than the gateway has worker VMs.
+fn idle(addr: &str) -> Vec<std::net::TcpStream> {
+    (0..4).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect()
+}
+
+/// 2 per second with a queue of 5: the first request goes at once, the next ones wait their
+/// turns, one every 500 ms.
+const SHAPED: &str = r#"{"identity": {"user": {"header": "x-user-id"}},
+    "rules": [{"name": "shape", "key": ["user"],
+               "limit": {"requests": 2, "per": "1s", "burst": 5, "algorithm": "leaky_bucket"}}]}"#;
+
+#[test]
+fn idle_connections_hold_up_no_other_request() {
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/rules.json");
+    let (_gateway, addr) = start(&rules);
+    let _idle = idle(&addr);
+    let started = std::time::Instant::now();
+    let (status, _, body) = http(&addr, "GET", "/v1/things", &[("x-api-key", "demo")]);
+    assert_eq!(status, 200, "{body}");
+    assert!(started.elapsed() < Duration::from_secs(3), "answered after {:?}", started.elapsed());
+}
+
+#[test]
+fn a_waiting_request_goes_in_its_turn_while_connections_idle() {
+    let rules = rules_file("idle-turn", SHAPED);
+    let (_gateway, addr) = start(&rules);
+    assert_eq!(http(&addr, "GET", "/q", &[("x-user-id", "idle")]).0, 200);
+    let started = std::time::Instant::now();
+    let queued = {
+        let addr = addr.clone();
+        std::thread::spawn(move || (http(&addr, "GET", "/q", &[("x-user-id", "idle")]).0, started.elapsed()))
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    let _idle = idle(&addr);
+    let (status, took) = queued.join().unwrap();
+    assert_eq!(status, 200);
+    // Its turn is 500 ms after the first one's.
+    assert!(took >= Duration::from_millis(350) && took < Duration::from_millis(1500), "forwarded after {took:?}");
+    let _ = std::fs::remove_dir_all(rules.parent().unwrap());
+}
