@@ -120,7 +120,8 @@ fn serve() -> Result<(), String> {
 }
 
 /// One worker VM's loop: runs the requests it takes from the queue through the filter, ticks
-/// at the filter's period, and answers the waiting requests the filter resumed.
+/// at the filter's period, gives back the turns of waiting requests whose client went away,
+/// and answers the waiting requests the filter resumed.
 fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores: &[String]) {
     let mut seen = 0;
     // Requests paused until their turn (a leaky bucket's queue): answered when the filter
@@ -136,7 +137,8 @@ fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores
             }
         }
         // With a tick period (sync on, or rules that shape), wait for a request at most until
-        // the next tick is due; with requests waiting, at most until they are looked at again.
+        // the next tick is due; with requests waiting, at most until their connections are
+        // looked at again.
         let period = Duration::from_millis(u64::from(vm.tick_period_ms()));
         let mut wait = (!period.is_zero()).then(|| period.saturating_sub(last_tick.elapsed()));
         if !waiting.is_empty() {
@@ -157,6 +159,7 @@ fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores
                 log(&format!("worker {w}: tick: {e}"));
             }
         }
+        waiting = leave(vm, waiting, w);
         waiting = resume(vm, waiting, w);
     }
 }
@@ -289,15 +292,39 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
     Ok(())
 }
 
-/// How often a worker looks at its waiting requests.
+/// How often a worker looks at its waiting requests' connections (and, without a tick, at
+/// the requests themselves).
 const RECHECK: Duration = Duration::from_millis(5);
 
-/// A request paused until its turn in a leaky bucket's queue, with its connection.
+/// A request paused until its turn in a leaky bucket's queue, with its connection (made
+/// non-blocking, to look whether the client went away).
 struct Waiting {
     ctx: u32,
     stream: TcpStream,
     method: String,
     path: String,
+}
+
+/// Whether the client of a waiting request went away: its connection was closed or reset.
+/// Bytes sent ahead (a pipelined request) do not count as leaving.
+fn gone(stream: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    match stream.peek(&mut byte) {
+        Ok(n) => n == 0,
+        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted),
+    }
+}
+
+/// Ends the streams of the waiting requests whose client went away, as a proxy resets them,
+/// so the filter gives their turns back; returns the others.
+fn leave(vm: &mut Vm, waiting: Vec<Waiting>, worker: usize) -> Vec<Waiting> {
+    let (left, still): (Vec<Waiting>, Vec<Waiting>) = waiting.into_iter().partition(|w| gone(&w.stream));
+    for w in left {
+        if let Err(e) = vm.abort(w.ctx) {
+            log(&format!("worker {worker}: {e}"));
+        }
+    }
+    still
 }
 
 /// Answers the waiting requests the filter resumed (forwarded) or replied to; returns the
@@ -307,7 +334,12 @@ fn resume(vm: &mut Vm, waiting: Vec<Waiting>, worker: usize) -> Vec<Waiting> {
     for mut w in waiting {
         match vm.finish(w.ctx) {
             Ok(Some(result)) => {
-                if let Err(e) = answer(&mut w.stream, &result, &w.method, &w.path) {
+                let answered = w
+                    .stream
+                    .set_nonblocking(false)
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| answer(&mut w.stream, &result, &w.method, &w.path));
+                if let Err(e) = answered {
                     log(&format!("worker {worker}: {e}"));
                 }
             }
@@ -419,7 +451,14 @@ fn handle(vm: &mut Vm, request: Request, stores: &[String]) -> Result<Option<Wai
             exchange(vm, stores).map_err(|e| e.to_string())?;
             match vm.finish(ctx).map_err(|e| e.to_string())? {
                 Some(r) => r,
-                None => return Ok(Some(Waiting { ctx, stream, method, path })),
+                None => {
+                    if let Err(e) = stream.set_nonblocking(true) {
+                        // Not able to watch the connection: the request gives its turn back.
+                        vm.abort(ctx).map_err(|e| e.to_string())?;
+                        return Err(e.to_string());
+                    }
+                    return Ok(Some(Waiting { ctx, stream, method, path }));
+                }
             }
         }
     };

@@ -179,3 +179,33 @@ fn a_waiting_request_goes_in_its_turn_while_connections_idle() {
     assert!(took >= Duration::from_millis(350) && took < Duration::from_millis(1500), "forwarded after {took:?}");
     let _ = std::fs::remove_dir_all(rules.parent().unwrap());
 }
+
+#[test]
+fn a_waiting_client_that_goes_away_gives_its_turn_back() {
+    let rules = rules_file("gone", SHAPED);
+    let (_gateway, addr) = start(&rules);
+    let started = std::time::Instant::now();
+    let get = |addr: &str| {
+        let addr = addr.to_owned();
+        std::thread::spawn(move || (http(&addr, "GET", "/q", &[("x-user-id", "leaves")]).0, started.elapsed()))
+    };
+    // #0 goes at once, #1 waits for 500 ms.
+    let first = get(&addr);
+    std::thread::sleep(Duration::from_millis(50));
+    let second = get(&addr);
+    std::thread::sleep(Duration::from_millis(50));
+    // #2 waits for 1 s, but its client goes away at once.
+    {
+        use std::io::Write;
+        let mut leaving = std::net::TcpStream::connect(&addr).unwrap();
+        leaving.write_all(b"GET /q HTTP/1.1\r\nhost: x\r\nx-user-id: leaves\r\n\r\n").unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(150));
+    // #3 then takes #2's turn, at 1 s, rather than waiting for 1.5 s.
+    let fourth = get(&addr);
+    let answers = [first.join().unwrap(), second.join().unwrap(), fourth.join().unwrap()];
+    assert!(answers.iter().all(|(status, _)| *status == 200), "{answers:?}");
+    let took = answers[2].1;
+    assert!(took >= Duration::from_millis(850) && took < Duration::from_millis(1350), "{answers:?}");
+    let _ = std::fs::remove_dir_all(rules.parent().unwrap());
+}
