@@ -260,9 +260,7 @@ impl Template {
                         }
                         (Field::Path, None) => return Err(bad("path", raw)),
                         (Field::Peer, None) => {}
-                        (Field::Peer, Some(v)) => {
-                            e.peer = peer(v).ok_or_else(|| bad("client address", raw))?.map(Cow::Borrowed);
-                        }
+                        (Field::Peer, Some(v)) => e.peer = Some(Cow::Borrowed(peer(v)?)),
                         (Field::Header(XFF), v) => e.xff = v.map(|v| self.unescape(v)),
                         (Field::Header(h), v) => {
                             if let Some(slot) = e.headers.get_mut(*h) {
@@ -362,22 +360,23 @@ fn request_line(v: &[u8]) -> Option<(Cow<'_, str>, &[u8])> {
 }
 
 /// A method as a log writes it: letters only (`GET`, `post`).
-fn method(v: &[u8]) -> Option<&str> {
+pub fn method(v: &[u8]) -> Option<&str> {
     if v.is_empty() || !v.iter().all(u8::is_ascii_alphabetic) {
         return None;
     }
     std::str::from_utf8(v).ok()
 }
 
-/// The client address of a peer field, its port dropped: `Some(None)` for a Unix socket's
-/// peer (NGINX writes `unix:`, Envoy the socket's path), which has no address; `None` when
-/// the value is no address at all.
-fn peer(v: &[u8]) -> Option<Option<&str>> {
+/// The client address of a peer field, its port dropped. `Err` when the value is no
+/// address, a Unix socket's peer among them (NGINX writes `unix:`, Envoy the socket's path):
+/// the request cannot be keyed as the proxy keyed it.
+fn peer(v: &[u8]) -> Result<&str, String> {
     if v.starts_with(b"unix:") || v.starts_with(b"/") || v.starts_with(b"@") {
-        return Some(None);
+        return Err(format!("the client address {:?} is a Unix socket's, no address", String::from_utf8_lossy(v)));
     }
-    let a = without_port(v)?;
-    ratewall_core::key::parse_ip(a.as_bytes()).map(|_| Some(a))
+    without_port(v)
+        .filter(|a| ratewall_core::key::parse_ip(a.as_bytes()).is_some())
+        .ok_or_else(|| bad("client address", v))
 }
 
 /// An address without the port a proxy may write after it (`192.0.2.1:443`,
@@ -662,6 +661,13 @@ fn read_json<'a>(wanted: &Wanted, line: &'a [u8]) -> Result<Entry<'a>, String> {
     de.end().map_err(|e| e.to_string())?;
     let ts = l.ts.and_then(|raw| json_time(raw.get())).ok_or("no \"ts\"")?;
     let path = l.path.ok_or("no \"path\"")?;
+    // What the `Value` reading refuses, this one does too (its message is that reading's).
+    if l.method.as_deref().is_some_and(|m| method(m.as_bytes()).is_none()) {
+        return Err("cannot read the method".to_owned());
+    }
+    if l.ip.as_deref().is_some_and(|ip| ratewall_core::key::parse_ip(ip.as_bytes()).is_none()) {
+        return Err("cannot read the client address".to_owned());
+    }
     let bytes = |c: Cow<'a, str>| match c {
         Cow::Borrowed(s) => Cow::Borrowed(s.as_bytes()),
         Cow::Owned(s) => Cow::Owned(s.into_bytes()),
@@ -772,7 +778,8 @@ impl<'de> Visitor<'de> for LineSeed<'_> {
 }
 
 /// The `headers` field: an object of name → value (a string, or a list of strings for a
-/// field sent several times), or a list of `[name, value]` pairs; other values are ignored.
+/// field sent several times), or a list of `[name, value]` pairs; `null` for no headers, or
+/// for a header's value, is absent. Anything else is an error: the line is not a request.
 struct HeadersSeed<'w, 'l, 'de> {
     wanted: &'w Wanted,
     line: &'l mut JsonLine<'de>,
@@ -800,41 +807,27 @@ impl<'de> DeserializeSeed<'de> for HeadersSeed<'_, '_, 'de> {
 impl<'de> Visitor<'de> for HeadersSeed<'_, '_, 'de> {
     type Value = ();
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("headers")
+        f.write_str("an object of headers or a list of [name, value] pairs")
     }
     fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
         while let Some(name) = map.next_key::<CowStr<'de>>()? {
-            let Some(index) = self.wanted.index(&name.0) else {
-                map.next_value::<IgnoredAny>()?;
-                continue;
-            };
-            for v in map.next_value::<Strings<'de>>()?.0 {
-                self.put(index, v);
+            // Every value is checked, a header the rules do not key on too: a line of another
+            // shape is not a request.
+            let values = map.next_value::<Strings<'de>>()?.0;
+            if let Some(index) = self.wanted.index(&name.0) {
+                for v in values {
+                    self.put(index, v);
+                }
             }
         }
         Ok(())
     }
     fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
-        while let Some(Pair(pair)) = seq.next_element::<Pair<'de>>()? {
-            if let Some((index, value)) = pair.and_then(|(name, value)| Some((self.wanted.index(&name)?, value))) {
+        while let Some(Pair(name, value)) = seq.next_element::<Pair<'de>>()? {
+            if let (Some(index), Some(value)) = (self.wanted.index(&name), value) {
                 self.put(index, value);
             }
         }
-        Ok(())
-    }
-    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<(), E> {
         Ok(())
     }
     fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
@@ -842,7 +835,8 @@ impl<'de> Visitor<'de> for HeadersSeed<'_, '_, 'de> {
     }
 }
 
-/// A string, or the strings of a list (other values skipped, as are other types).
+/// A header's value: a string, or the strings of a list (`null`: none). Other values are
+/// errors (the visitor's defaults).
 struct Strings<'a>(Vec<Cow<'a, str>>);
 
 impl<'de> serde::Deserialize<'de> for Strings<'de> {
@@ -866,85 +860,22 @@ impl<'de> Visitor<'de> for StringsVisitor {
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut out = Vec::new();
-        while let Some(v) = seq.next_element::<AnyStr<'de>>()? {
-            out.extend(v.0);
+        while let Some(v) = seq.next_element::<CowStr<'de>>()? {
+            out.push(v.0);
         }
         Ok(Strings(out))
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(Strings(Vec::new()))
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(Strings(Vec::new()))
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(Strings(Vec::new()))
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(Strings(Vec::new()))
-    }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(Strings(Vec::new()))
-    }
     fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
         Ok(Strings(Vec::new()))
     }
 }
 
-/// One list element: a string, or nothing for a value of another type.
-struct AnyStr<'a>(Option<Cow<'a, str>>);
-
-impl<'de> serde::Deserialize<'de> for AnyStr<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(AnyStrVisitor)
-    }
-}
-
-struct AnyStrVisitor;
-
-impl<'de> Visitor<'de> for AnyStrVisitor {
-    type Value = AnyStr<'de>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("any value")
-    }
-    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(AnyStr(Some(Cow::Borrowed(v))))
-    }
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(AnyStr(Some(Cow::Owned(v.to_owned()))))
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(AnyStr(None))
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(AnyStr(None))
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(AnyStr(None))
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(AnyStr(None))
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(AnyStr(None))
-    }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(AnyStr(None))
-    }
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
-        Ok(AnyStr(None))
-    }
-}
-
-/// One `[name, value]` pair of a headers list (`None`: an element of another shape).
-struct Pair<'a>(Option<(Cow<'a, str>, Cow<'a, str>)>);
+/// One `[name, value]` pair of a headers list: two strings (the value may be `null`: absent).
+struct Pair<'a>(Cow<'a, str>, Option<Cow<'a, str>>);
 
 impl<'de> serde::Deserialize<'de> for Pair<'de> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(PairVisitor)
+        d.deserialize_seq(PairVisitor)
     }
 }
 
@@ -953,35 +884,16 @@ struct PairVisitor;
 impl<'de> Visitor<'de> for PairVisitor {
     type Value = Pair<'de>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a [name, value] pair")
+        f.write_str("a [name, value] pair of strings")
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let name = seq.next_element::<AnyStr<'de>>()?.and_then(|a| a.0);
-        let value = seq.next_element::<AnyStr<'de>>()?.and_then(|a| a.0);
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(Pair(name.zip(value)))
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(Pair(None))
-    }
-    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(Pair(None))
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(Pair(None))
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(Pair(None))
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(Pair(None))
-    }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(Pair(None))
-    }
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
-        Ok(Pair(None))
+        use serde::de::Error as _;
+        let name = seq.next_element::<CowStr<'de>>()?.ok_or_else(|| A::Error::invalid_length(0, &self))?;
+        let value = seq.next_element::<OptStr<'de>>()?.ok_or_else(|| A::Error::invalid_length(1, &self))?;
+        if seq.next_element::<IgnoredAny>()?.is_some() {
+            return Err(A::Error::invalid_length(3, &self));
+        }
+        Ok(Pair(name.0, value.0))
     }
 }
 
@@ -1097,9 +1009,17 @@ mod tests {
         let f = Template::compile("m", "$msec $request_method $request_uri", Syntax::Nginx, &w).unwrap().whole_lines();
         assert!(f.read(&w, b"1796119200.5 GET /a").is_ok());
         assert!(f.read(&w, b"1796119200.5 G3T /a").err().unwrap().contains("method"));
-        // A Unix socket's peer has no address; the line is read.
+        // A Unix socket's peer has no address: the line cannot be keyed as the proxy keyed it.
         let f = Template::compile("u", "$remote_addr $msec $request_uri", Syntax::Nginx, &w).unwrap();
-        assert_eq!(f.read(&w, b"unix: 1796119200.5 /a").unwrap().peer, None);
+        assert!(f.read(&w, b"unix: 1796119200.5 /a").err().unwrap().contains("Unix socket"));
+        assert_eq!(f.read(&w, b"- 1796119200.5 /a").unwrap().peer, None, "`-` is absent");
+        let f =
+            Template::compile("u", "%DOWNSTREAM_REMOTE_ADDRESS% %START_TIME% %REQ(:PATH)%", Syntax::Envoy, &w).unwrap();
+        for unix in ["/run/envoy.sock", "@envoy", "unix:/run/envoy.sock"] {
+            let line = format!("{unix} 2026-12-01T10:00:00Z /a");
+            assert!(f.read(&w, line.as_bytes()).err().unwrap().contains("Unix socket"), "{unix}");
+        }
+        assert_eq!(f.read(&w, b"192.0.2.1:5123 2026-12-01T10:00:00Z /a").unwrap().peer.as_deref(), Some("192.0.2.1"));
         // The predefined formats leave what a log appends after their fields.
         let combined = Template::compile("c", NGINX_COMBINED, Syntax::Nginx, &w).unwrap();
         assert!(combined

@@ -316,21 +316,45 @@ fn json_value_entry<'a>(config: &Config, text: &[u8]) -> Result<Entry<'a>, Strin
     let (Some(ts), Some(path)) = (timestamp(&value["ts"]), value["path"].as_str()) else {
         return Err("needs \"ts\" (RFC 3339 or epoch seconds) and \"path\"".to_owned());
     };
-    let hs = headers(&value["headers"]);
+    let method = match &value["method"] {
+        Value::Null => None,
+        Value::String(m) if logformat::method(m.as_bytes()).is_some() => Some(Cow::Owned(m.clone())),
+        Value::String(m) => return Err(format!("cannot read the method {m:?}")),
+        other => return Err(format!("\"method\" is {}, not a string", kind(other))),
+    };
+    let peer = match &value["ip"] {
+        Value::Null => None,
+        Value::String(ip) if parse_ip(ip.as_bytes()).is_some() => Some(Cow::Owned(ip.clone())),
+        Value::String(ip) => return Err(format!("cannot read the client address {ip:?}")),
+        other => return Err(format!("\"ip\" is {}, not a string", kind(other))),
+    };
+    let hs = headers(&value["headers"])?;
     let first =
         |h: &str| hs.iter().find(|(n, v)| n == h && !v.is_empty()).map(|(_, v)| Cow::Owned(v.as_bytes().to_vec()));
     let xff: Vec<&str> = hs.iter().filter(|(n, _)| n == "x-forwarded-for").map(|(_, v)| v.as_str()).collect();
     Ok(Entry {
         ts,
-        method: value["method"].as_str().map(|m| Cow::Owned(m.to_owned())),
+        method,
         path: Cow::Owned(path.as_bytes().to_vec()),
         headers: config.identity.headers.iter().map(|(_, h)| first(h)).collect(),
         xff: (!xff.is_empty()).then(|| Cow::Owned(xff.join(", ").into_bytes())),
-        peer: value["ip"].as_str().map(|p| Cow::Owned(p.to_owned())),
+        peer,
     })
 }
 
-/// A log line's time as a JSON value: RFC 3339 (`2026-12-01T10:00:00.250Z`), or seconds since
+/// What a JSON value is, for a message (never the value: a header's may be a secret).
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A line's time as a JSON value: RFC 3339 (`2026-12-01T10:00:00.250Z`), or seconds since
 /// the epoch (fractions allowed), a number or a string.
 pub fn timestamp(v: &Value) -> Option<Nanos> {
     match v {
@@ -341,28 +365,41 @@ pub fn timestamp(v: &Value) -> Option<Nanos> {
 }
 
 /// A line's headers as a JSON value: an object of name → value (a string, or a list of
-/// strings for a field sent several times), or a list of `[name, value]` pairs.
-fn headers(v: &Value) -> Vec<(String, String)> {
+/// strings for a field sent several times), or a list of `[name, value]` pairs of strings;
+/// `null` (for the headers or a value) is absent. `Err`: the value is of another shape (the
+/// message names the header, never its value).
+fn headers(v: &Value) -> Result<Vec<(String, String)>, String> {
     let mut out = Vec::new();
-    if let Some(pairs) = v.as_array() {
-        for p in pairs {
-            if let (Some(n), Some(val)) = (p[0].as_str(), p[1].as_str()) {
-                out.push((n.to_ascii_lowercase(), val.to_owned()));
-            }
-        }
-    }
-    if let Some(o) = v.as_object() {
-        for (name, value) in o {
-            match value {
-                Value::String(s) => out.push((name.to_ascii_lowercase(), s.clone())),
-                Value::Array(a) => {
-                    out.extend(a.iter().filter_map(Value::as_str).map(|s| (name.to_ascii_lowercase(), s.to_owned())))
+    match v {
+        Value::Null => {}
+        Value::Array(pairs) => {
+            for p in pairs {
+                match p.as_array().map(Vec::as_slice) {
+                    Some([Value::String(n), Value::String(val)]) => out.push((n.to_ascii_lowercase(), val.clone())),
+                    Some([Value::String(_), Value::Null]) => {}
+                    _ => return Err(format!("\"headers\" has {}, not a [name, value] pair of strings", kind(p))),
                 }
-                _ => {}
             }
         }
+        Value::Object(o) => {
+            for (name, value) in o {
+                let bad = |what: &Value| format!("\"headers\": {name:?} is {}, not a string", kind(what));
+                match value {
+                    Value::String(s) => out.push((name.to_ascii_lowercase(), s.clone())),
+                    Value::Null => {}
+                    Value::Array(a) => {
+                        for s in a {
+                            let s = s.as_str().ok_or_else(|| bad(s))?;
+                            out.push((name.to_ascii_lowercase(), s.to_owned()));
+                        }
+                    }
+                    other => return Err(bad(other)),
+                }
+            }
+        }
+        other => return Err(format!("\"headers\" is {}, not an object or a list of [name, value] pairs", kind(other))),
     }
-    out
+    Ok(out)
 }
 
 /// Reads the next line into `buf` without its line end: `None` at the end of the input,
@@ -717,11 +754,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn headers_are_an_object_or_a_list_of_pairs() {
+    fn headers_are_an_object_or_a_list_of_pairs_of_strings() {
         let want = vec![("x-a".to_owned(), "1".to_owned()), ("x-a".to_owned(), "2".to_owned())];
-        assert_eq!(headers(&json!({"X-A": ["1", "2"]})), want);
-        assert_eq!(headers(&json!([["X-A", "1"], ["x-a", "2"], ["bad"], 7])), want);
-        assert!(headers(&json!("x")).is_empty());
+        assert_eq!(headers(&json!({"X-A": ["1", "2"], "x-b": null})).unwrap(), want);
+        assert_eq!(headers(&json!([["X-A", "1"], ["x-a", "2"], ["x-b", null]])).unwrap(), want);
+        assert_eq!(headers(&json!(null)).unwrap(), vec![]);
+        for bad in [
+            json!("x-api-key: secret"),
+            json!(7),
+            json!({"x-api-key": 5}),
+            json!({"x-api-key": ["a", 5]}),
+            json!({"x-api-key": {"v": "secret"}}),
+            json!([["x-a", "1"], ["bad"]]),
+            json!([["x-a", "1", "2"]]),
+            json!([7]),
+            json!([["x-a", 5]]),
+        ] {
+            let e = headers(&bad).err().unwrap_or_else(|| panic!("{bad}"));
+            assert!(!e.contains("secret"), "a header's value is never shown: {e}");
+        }
     }
 
     #[test]
@@ -759,10 +810,11 @@ mod tests {
             r#"{"ts": "1796119200", "path": "/a"}"#,
             r#"{"ts": "1796119200.123", "path": "/a"}"#,
             r#"{"ts": "1796119200.123\u0034", "path": "/a"}"#,
-            r#"{"ts": 1796119200, "path": "/a", "headers": [["X-User-Id", "u"], ["x-user-id", "v"], ["bad"], 7]}"#,
+            r#"{"ts": 1796119200, "path": "/a", "headers": [["X-User-Id", "u"], ["x-user-id", "v"], ["x-n", null]]}"#,
             r#"{"ts": 1796119200, "path": "/a", "headers": {"x-user-id": "", "X-USER-ID": "w", "x-forwarded-for": ["1.2.3.4", "5.6.7.8"]}}"#,
-            r#"{"ts": 1796119200, "path": "/a", "headers": {"x-n": 5, "x-user-id": ["a", 3]}, "extra": {"x": [1]}}"#,
-            r#"{"ts": 1796119200, "path": "/a", "headers": "x"}"#,
+            r#"{"ts": 1796119200, "path": "/a", "headers": {"x-n": null, "x-user-id": ["a"]}, "extra": {"x": [1]}}"#,
+            r#"{"ts": 1796119200, "path": "/a", "headers": null, "method": null, "ip": null}"#,
+            r#"{"ts": 1796119200, "path": "/a", "ip": "2001:db8::1"}"#,
         ] {
             let fast = LogFormat::Jsonl.read(&wanted, line.as_bytes()).unwrap();
             let slow = json_value_entry(&config, line.as_bytes()).unwrap();
@@ -781,6 +833,33 @@ mod tests {
         assert_eq!(e.ts, 1_796_119_200_123_000_000);
         // A field of another type is for the `Value` reading.
         assert!(LogFormat::Jsonl.read(&wanted, br#"{"ts": 1, "path": 5}"#).is_err());
+    }
+
+    /// A JSON line with a field of the wrong type or value is no request to either reading.
+    #[test]
+    fn a_json_line_with_a_field_that_is_no_such_thing_is_unreadable_to_both_readings() {
+        let config = config();
+        let wanted = Wanted::new(config.identity.headers.iter().map(|(_, h)| h.clone()).collect());
+        for (field, why) in [
+            (r#""ip": "not-an-ip""#, "client address"),
+            (r#""ip": """#, "client address"),
+            (r#""ip": 5"#, "\"ip\" is a number"),
+            (r#""ip": "unix:""#, "client address"),
+            (r#""method": "SEC RET""#, "method"),
+            (r#""method": """#, "method"),
+            (r#""method": 5"#, "\"method\" is a number"),
+            (r#""headers": "x-api-key: K""#, "\"headers\" is a string"),
+            (r#""headers": {"x-api-key": 5}"#, "\"x-api-key\" is a number"),
+            (r#""headers": {"x-other": true}"#, "\"x-other\" is a boolean"),
+            (r#""headers": {"x-user-id": ["u", 5]}"#, "\"x-user-id\" is a number"),
+            (r#""headers": [["x-user-id"]]"#, "pair"),
+            (r#""headers": [7]"#, "pair"),
+        ] {
+            let line = format!(r#"{{"ts": 1796119200, "path": "/a", {field}}}"#);
+            assert!(LogFormat::Jsonl.read(&wanted, line.as_bytes()).is_err(), "{line}");
+            let e = json_value_entry(&config, line.as_bytes()).err().unwrap_or_else(|| panic!("{line}"));
+            assert!(e.contains(why), "{line}: {e}");
+        }
     }
 
     #[test]

@@ -368,3 +368,43 @@ fn a_line_logged_out_of_order_does_not_make_a_counter_forget() {
         );
     }
 }
+
+/// JSON lines whose fields are not what the format says, and text lines whose client is a
+/// Unix socket's peer, are unreadable: counted and shown with their numbers, never replayed.
+#[test]
+fn json_fields_of_the_wrong_kind_and_unix_socket_peers_make_lines_unreadable() {
+    let rules = root("examples/rules.json");
+    let good = r#"{"ts": 1796119200, "path": "/v1/items", "headers": {"x-api-key": "k1"}, "ip": "192.0.2.1"}"#;
+    let bad = [
+        r#""ip": "not-an-ip""#,
+        r#""ip": """#,
+        r#""ip": 5"#,
+        r#""method": "SEC RET""#,
+        r#""method": """#,
+        r#""method": 5"#,
+        r#""headers": "x-api-key: sk_live_0123""#,
+        r#""headers": {"x-api-key": 5}"#,
+    ];
+    let mut log = String::new();
+    for field in bad {
+        writeln!(log, "{good}").unwrap();
+        writeln!(log, r#"{{"ts": 1796119201, "path": "/v1/items", {field}}}"#).unwrap();
+    }
+    let o = ratewall(&["replay", "--json", &rules, &temp("fields.jsonl", &log)]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let got: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((got["requests"].clone(), got["invalid_lines"].clone()), (json!(8), json!(8)), "{got}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    for n in (2..=16).step_by(2) {
+        assert!(err.contains(&format!("fields.jsonl:{n}: ")), "line {n} not named:\n{err}");
+    }
+    assert!(!err.contains("sk_live"), "a header's value is never shown\n{err}");
+    // NGINX writes `unix:` for a Unix socket's peer: no address to key it by.
+    let line =
+        |peer: &str| format!(r#"{peer} - - [01/Dec/2026:10:00:00 +0000] "GET /v1/items HTTP/1.1" 200 0 "-" "-""#);
+    let log = [line("192.0.2.1"), line("unix:"), line("-"), line("192.0.2.1")].join("\n");
+    let o = ratewall(&["replay", "--json", "--format", "nginx", &rules, &temp("unix.nginx", &log)]);
+    let got: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((got["requests"].clone(), got["invalid_lines"].clone()), (json!(3), json!(1)), "{got}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unix.nginx:2: "), "{}", String::from_utf8_lossy(&o.stderr));
+}
