@@ -225,7 +225,9 @@ fn accept(mut stream: TcpStream, queue: &Arc<Queue>, node: &Node, reading: &Arc<
             }
             Head::Request(r) => queue.push(r),
             Head::Refused(mut stream, status, body) => {
-                let _ = respond(&mut stream, status, &[], body.as_bytes());
+                if respond(&mut stream, status, &[], body.as_bytes()).is_ok() {
+                    linger(stream);
+                }
             }
             Head::Gone => {}
         }
@@ -354,7 +356,7 @@ fn resume(vm: &mut Vm, waiting: Vec<Waiting>, worker: usize) -> Vec<Waiting> {
 struct Request {
     stream: TcpStream,
     method: String,
-    /// The target: the filter's `:path`.
+    /// The target in origin form (`/path?query`): the filter's `:path`.
     path: String,
     req: HttpRequest,
 }
@@ -369,7 +371,7 @@ enum Head {
     Gone,
 }
 
-/// The most of a request's header section that is read.
+/// The most a request's head (request line and header section) may take.
 const MAX_HEAD: usize = 64 * 1024;
 
 /// How long a client has to send its request's head and body.
@@ -392,8 +394,54 @@ impl Read for Deadline {
     }
 }
 
+/// Reads up to and including the next `\n` into `line`, taking at most `budget` bytes (less
+/// what it takes): false when the budget ran out, or the stream ended, first.
+fn read_line(reader: &mut impl BufRead, line: &mut Vec<u8>, budget: &mut usize) -> std::io::Result<bool> {
+    loop {
+        let available = reader.fill_buf()?;
+        if available.is_empty() {
+            return Ok(false);
+        }
+        let end = available.iter().position(|&b| b == b'\n').map(|i| i + 1);
+        let n = end.unwrap_or(available.len()).min(*budget);
+        line.extend_from_slice(available.get(..n).unwrap_or_default());
+        reader.consume(n);
+        *budget -= n;
+        if end == Some(n) {
+            return Ok(true);
+        }
+        if *budget == 0 {
+            return Ok(false);
+        }
+    }
+}
+
+/// The path and query of a request target in origin form (`/path?q`), and the authority an
+/// absolute-form target (`http://host/path?q`, as sent to a proxy) names; `None` for a
+/// target of neither form (`*` stays as it is).
+fn origin_form(target: &str) -> Option<(String, Option<String>)> {
+    if target.starts_with('/') || target == "*" {
+        return Some((target.to_owned(), None));
+    }
+    let (scheme, rest) = target.split_once("://")?;
+    let mut chars = scheme.chars();
+    let scheme_ok = chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    if !scheme_ok {
+        return None;
+    }
+    let rest = rest.split('#').next().unwrap_or_default();
+    let (authority, path) = rest.find(['/', '?']).map_or((rest, ""), |i| rest.split_at(i));
+    let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    if host.is_empty() {
+        return None;
+    }
+    let path = if path.starts_with('/') { path.to_owned() } else { format!("/{path}") };
+    Some((path, Some(host.to_owned())))
+}
+
 /// Reads and parses one request off a new connection: its request line, header section
-/// (at most [`MAX_HEAD`] bytes in all, the rest dropped) and body, within [`READ_TIMEOUT`].
+/// (at most [`MAX_HEAD`] bytes in all) and body, within [`READ_TIMEOUT`].
 fn read_request(stream: TcpStream) -> Head {
     let Ok(read_half) = stream.try_clone() else {
         return Head::Gone;
@@ -401,26 +449,50 @@ fn read_request(stream: TcpStream) -> Head {
     let _ = stream.set_write_timeout(Some(READ_TIMEOUT));
     let until = Instant::now().checked_add(READ_TIMEOUT).unwrap_or_else(Instant::now);
     let mut reader = BufReader::new(Deadline { stream: read_half, until });
-    let mut line = String::new();
-    if reader.read_line(&mut line).is_err() {
-        return Head::Gone;
+    let mut budget = MAX_HEAD;
+    let mut line = Vec::new();
+    match read_line(&mut reader, &mut line, &mut budget) {
+        Ok(true) => {}
+        Ok(false) if budget == 0 => return Head::Refused(stream, 414, "request line too long\n"),
+        Ok(false) if line.is_empty() => return Head::Gone,
+        Ok(false) => return Head::Refused(stream, 400, "bad request\n"),
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut || e.kind() == std::io::ErrorKind::WouldBlock => {
+            return Head::Refused(stream, 408, "request timeout\n");
+        }
+        Err(_) => return Head::Gone,
     }
+    let Ok(line) = std::str::from_utf8(&line) else {
+        return Head::Refused(stream, 400, "bad request: the request line is not UTF-8\n");
+    };
     let mut parts = line.split_whitespace();
     let (Some(method), Some(target)) = (parts.next(), parts.next()) else {
         return Head::Refused(stream, 400, "bad request\n");
     };
+    let Some((path, authority)) = origin_form(target) else {
+        return Head::Refused(stream, 400, "bad request: the target is neither a path nor an absolute URI\n");
+    };
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-    let mut req = HttpRequest::new(method, target).from_addr(&peer);
+    let mut req = HttpRequest::new(method, &path).from_addr(&peer);
     req.headers.retain(|(k, _)| k != ":authority");
+    // The authority of an absolute-form target replaces the Host field (RFC 9112, 3.2.2).
+    if let Some(authority) = &authority {
+        req.headers.push((":authority".into(), authority.as_bytes().to_vec()));
+    }
     let mut content_length = 0usize;
-    let mut total = 0usize;
     loop {
         let mut h = Vec::new();
-        let Ok(n) = reader.read_until(b'\n', &mut h) else {
-            return Head::Gone;
-        };
-        total += n;
-        if n == 0 || h == b"\r\n" || h == b"\n" || total > MAX_HEAD {
+        match read_line(&mut reader, &mut h, &mut budget) {
+            Ok(true) => {}
+            Ok(false) if budget == 0 => {
+                return Head::Refused(stream, 431, "request header fields too large\n");
+            }
+            Ok(false) => return Head::Refused(stream, 400, "bad request: the header section is cut short\n"),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut || e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Head::Refused(stream, 408, "request timeout\n");
+            }
+            Err(_) => return Head::Gone,
+        }
+        if h == b"\r\n" || h == b"\n" {
             break;
         }
         let h = h.strip_suffix(b"\r\n").or_else(|| h.strip_suffix(b"\n")).unwrap_or(&h);
@@ -430,13 +502,29 @@ fn read_request(stream: TcpStream) -> Head {
             if name == "content-length" {
                 content_length = String::from_utf8_lossy(&value).parse().unwrap_or(0);
             }
-            let name = if name == "host" { ":authority".to_owned() } else { name };
+            if name == "host" {
+                if authority.is_none() {
+                    req.headers.push((":authority".into(), value));
+                }
+                continue;
+            }
             req.headers.push((name, value));
         }
     }
     let mut body = vec![0u8; content_length.min(1 << 20)];
     let _ = reader.read_exact(&mut body);
-    Head::Request(Request { stream, method: method.to_owned(), path: target.to_owned(), req })
+    Head::Request(Request { stream, method: method.to_owned(), path, req })
+}
+
+/// Closes a connection answered before its request was read to the end, as NGINX's lingering
+/// close does: the rest the client sends is read and dropped for a while first, since closing
+/// with bytes unread resets the connection, and the reset can destroy the answer before the
+/// client reads it.
+fn linger(stream: TcpStream) {
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let until = Instant::now().checked_add(Duration::from_secs(2)).unwrap_or_else(Instant::now);
+    let mut rest = Deadline { stream, until }.take(1 << 20);
+    let _ = std::io::copy(&mut rest, &mut std::io::sink());
 }
 
 /// Runs a request through the filter: answered now, or (`Some`) paused until its turn,
@@ -481,6 +569,9 @@ fn respond(stream: &mut TcpStream, status: u16, headers: &[(String, String)], bo
     let reason = match status {
         200 => "OK",
         400 => "Bad Request",
+        408 => "Request Timeout",
+        414 => "URI Too Long",
+        431 => "Request Header Fields Too Large",
         429 => "Too Many Requests",
         503 => "Service Unavailable",
         _ => "",

@@ -139,6 +139,17 @@ fn rules_file(test: &str, doc: &str) -> std::path::PathBuf {
     rules
 }
 
+/// Sends `bytes` as they are and reads the answer until the gateway closes the connection.
+fn raw(addr: &str, bytes: &[u8]) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// Connections that are opened and send nothing: more than the gateway has worker VMs.
 fn idle(addr: &str) -> Vec<std::net::TcpStream> {
     (0..4).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect()
@@ -208,4 +219,44 @@ fn a_waiting_client_that_goes_away_gives_its_turn_back() {
     let took = answers[2].1;
     assert!(took >= Duration::from_millis(850) && took < Duration::from_millis(1350), "{answers:?}");
     let _ = std::fs::remove_dir_all(rules.parent().unwrap());
+}
+
+#[test]
+fn a_request_line_that_is_not_utf8_gets_a_400() {
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/rules.json");
+    let (_gateway, addr) = start(&rules);
+    let answer = raw(&addr, b"GET /v1/\xff HTTP/1.1\r\nhost: x\r\n\r\n");
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer:?}");
+}
+
+#[test]
+fn an_absolute_form_target_is_matched_on_its_path() {
+    let rules = rules_file(
+        "absolute",
+        r#"{"identity": {"user": {"header": "x-user-id"}},
+            "rules": [{"name": "once", "match": {"path": "/limited"}, "key": ["user"],
+                       "limit": {"requests": 1, "per": "1h"}}]}"#,
+    );
+    let (_gateway, addr) = start(&rules);
+    let request =
+        b"GET http://api.example.com/limited?page=2 HTTP/1.1\r\nhost: api.example.com\r\nx-user-id: abs\r\n\r\n";
+    let first = raw(&addr, request);
+    assert!(first.starts_with("HTTP/1.1 200 "), "{first:?}");
+    assert!(first.contains(r#""path":"/limited?page=2""#), "{first:?}");
+    let second = raw(&addr, request);
+    assert!(second.starts_with("HTTP/1.1 429 "), "{second:?}");
+    let _ = std::fs::remove_dir_all(rules.parent().unwrap());
+}
+
+#[test]
+fn a_header_section_over_the_limit_gets_a_431() {
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/rules.json");
+    let (_gateway, addr) = start(&rules);
+    let mut request = b"GET /v1/things HTTP/1.1\r\nhost: x\r\n".to_vec();
+    for i in 0..1000 {
+        request.extend_from_slice(format!("x-filler-{i}: {}\r\n", "a".repeat(100)).as_bytes());
+    }
+    request.extend_from_slice(b"x-api-key: demo\r\n\r\n");
+    let answer = raw(&addr, &request);
+    assert!(answer.starts_with("HTTP/1.1 431 Request Header Fields Too Large"), "{}", &answer[..answer.len().min(200)]);
 }
