@@ -457,7 +457,10 @@ impl<K: Kv> Store<K> {
             Err(_) => Answer::error(503, "Redis did not answer within the deadline; retry the batch with the same seq"),
         };
         if !req.ask {
-            self.top.heard(req.node, req.seq, answer.status == 200, started.elapsed(), section.as_ref());
+            // A 409 (an older batch, which the node drops) is no failure of the node's; only a
+            // counted batch's section is counted.
+            let section = section.as_ref().filter(|_| answer.status == 200);
+            self.top.heard(req.node, req.seq, matches!(answer.status, 200 | 409), started.elapsed(), section);
         }
         answer
     }

@@ -46,18 +46,32 @@ fn parse_args() -> Result<Args, String> {
     let (mut listen, mut redis, mut cluster, mut deadline_ms) = (None, Vec::new(), false, 50u64);
     let (mut rls, mut rls_config) = (None, None);
     let mut admin = None;
+    // An option given twice is an error, not the last one silently.
+    fn once<T>(slot: &mut Option<T>, flag: &str, value: Option<T>, what: &str) -> Result<(), String> {
+        if slot.is_some() {
+            return Err(format!("{flag} is given twice"));
+        }
+        *slot = Some(value.ok_or(format!("{flag} needs {what}"))?);
+        Ok(())
+    }
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--listen" => listen = Some(args.next().ok_or("--listen needs an address")?),
+            "--listen" => once(&mut listen, "--listen", args.next(), "an address")?,
             "--redis" => redis.push(args.next().ok_or("--redis needs a URL")?),
             "--cluster" => cluster = true,
-            "--admin" => admin = Some(args.next().ok_or("--admin needs an address")?),
+            "--admin" => once(&mut admin, "--admin", args.next(), "an address")?,
             "--deadline-ms" => {
                 let v = args.next().ok_or("--deadline-ms needs a number")?;
-                deadline_ms = v.parse().map_err(|_| format!("--deadline-ms: {v:?} is not a number of milliseconds"))?;
+                deadline_ms = v
+                    .parse()
+                    .ok()
+                    .filter(|ms| *ms > 0)
+                    .ok_or_else(|| format!("--deadline-ms: {v:?} is not a number of milliseconds above 0"))?;
             }
-            "--rls" => rls = Some(args.next().ok_or("--rls needs an address")?),
-            "--rls-config" => rls_config = Some(args.next().ok_or("--rls-config needs a file or directory")?.into()),
+            "--rls" => once(&mut rls, "--rls", args.next(), "an address")?,
+            "--rls-config" => {
+                once(&mut rls_config, "--rls-config", args.next().map(Into::into), "a file or directory")?;
+            }
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
@@ -65,10 +79,17 @@ fn parse_args() -> Result<Args, String> {
     if redis.is_empty() {
         return Err(format!("--redis is required\n{USAGE}"));
     }
+    if redis.len() > 1 && !cluster {
+        return Err(format!("several --redis URLs are the nodes of a Cluster: add --cluster, or give one\n{USAGE}"));
+    }
+    for url in &redis {
+        redis::IntoConnectionInfo::into_connection_info(url.as_str())
+            .map_err(|e| format!("--redis {}: not a Redis URL ({e})", redacted(url)))?;
+    }
     if rls.is_some() && rls_config.is_none() {
         return Err(format!("--rls needs --rls-config\n{USAGE}"));
     }
-    Ok(Args { listen, redis, cluster, deadline: Duration::from_millis(deadline_ms.max(1)), rls, rls_config, admin })
+    Ok(Args { listen, redis, cluster, deadline: Duration::from_millis(deadline_ms), rls, rls_config, admin })
 }
 
 /// A Redis URL as it may be logged: without its password.
@@ -232,13 +253,6 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let kv = LazyKv { urls: args.redis.clone(), cluster: args.cluster, conn: OnceCell::new() };
     let store: Shared = Arc::new(Store::new(kv, secret.as_bytes(), args.deadline));
-    let redis: Vec<String> = args.redis.iter().map(|u| redacted(u)).collect();
-    let mode = if args.cluster { "Cluster" } else { "single server" };
-    println!(
-        "ratewall-store: listening on http://{addr} (POST /v1/sync, GET /healthz, GET /healthcheck, GET /metrics); Redis {} ({mode}); deadline {} ms",
-        redis.join(", "),
-        args.deadline.as_millis()
-    );
     let running = match &args.rls_config {
         Some(path) => Some(start_rls(&store, path, args.rls.as_deref(), secret.as_bytes()).await?),
         None => None,
@@ -253,11 +267,26 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
         Some(a) => {
             let l = tokio::net::TcpListener::bind(a).await.map_err(|e| format!("cannot listen on --admin {a}: {e}"))?;
             let at = l.local_addr().map_err(|e| e.to_string())?;
-            println!("ratewall-store: admin on http://{at}/ (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz, /healthcheck; no authentication)");
-            Some(l)
+            Some((l, at))
         }
         None => None,
     };
+    // Said once every listener is bound and the configuration read (a process that says it
+    // listens serves), and first: its address is the first a reader of the output finds.
+    let redis: Vec<String> = args.redis.iter().map(|u| redacted(u)).collect();
+    let mode = if args.cluster { "Cluster" } else { "single server" };
+    println!(
+        "ratewall-store: listening on http://{addr} (POST /v1/sync, GET /healthz, GET /healthcheck, GET /metrics); Redis {} ({mode}); deadline {} ms",
+        redis.join(", "),
+        args.deadline.as_millis()
+    );
+    for line in running.iter().flat_map(|r| &r.announce) {
+        println!("{line}");
+    }
+    let admin = admin.map(|(l, at)| {
+        println!("ratewall-store: admin on http://{at}/ (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz, /healthcheck; no authentication)");
+        l
+    });
     // Every process shares what its batches said; one with an admin listener also reads its
     // peers', so its /v1/top and /v1/fleet cover the whole fleet.
     let sharing = Arc::clone(&store);
@@ -307,6 +336,8 @@ async fn stop() {
 /// The rate limit service running: its leases' syncing and its gRPC listener.
 struct RlsRunning {
     rls: SharedRls,
+    /// What it says of itself, once the main listener has said where it listens.
+    announce: Vec<String>,
     flusher: tokio::task::JoinHandle<()>,
     grpc: Option<tokio::task::JoinHandle<()>>,
 }
@@ -343,13 +374,13 @@ async fn start_rls(
 ) -> Result<RlsRunning, String> {
     let config = RlsConfig::load(path).map_err(|e| format!("--rls-config: {e}"))?;
     let domains: Vec<&str> = config.domains().collect();
-    println!(
+    let mut announce = vec![format!(
         "ratewall-store: rate limit configuration {}: {} domain(s) ({}), {} limit(s)",
         path.display(),
         domains.len(),
         domains.join(", "),
         config.rules.len()
-    );
+    )];
     for w in &config.warnings {
         eprintln!("ratewall-store: rate limit configuration: {w}");
     }
@@ -361,9 +392,9 @@ async fn start_rls(
         let listener =
             tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr} (--rls): {e}"))?;
         let local = listener.local_addr().map_err(|e| e.to_string())?;
-        println!(
+        announce.push(format!(
             "ratewall-store: rate limit service on {local} (gRPC envoy.service.ratelimit.v3.RateLimitService, grpc.health.v1.Health)"
-        );
+        ));
         let rls = Arc::clone(&rls);
         grpc = Some(tokio::spawn(async move {
             if let Err(e) = ratewall_store::rls::grpc::serve(rls, listener, stop()).await {
@@ -371,5 +402,5 @@ async fn start_rls(
             }
         }));
     }
-    Ok(RlsRunning { rls, flusher, grpc })
+    Ok(RlsRunning { rls, announce, flusher, grpc })
 }
