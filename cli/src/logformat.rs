@@ -24,6 +24,8 @@ pub const ENVOY_DEFAULT: &str = concat!(
 pub struct Entry<'a> {
     /// When it started, in nanoseconds since the epoch.
     pub ts: Nanos,
+    /// How long it took, when the log says (`None`: it does not).
+    pub duration: Option<Nanos>,
     /// Its method as written (`None`: the log does not say; `GET` is assumed).
     pub method: Option<Cow<'a, str>>,
     /// Its path, with the query if the log has it.
@@ -140,10 +142,20 @@ enum Field {
     Method,
     /// The path (and query) alone.
     Path,
+    /// How long the request took: NGINX's `$request_time` (seconds), Envoy's `%DURATION%`
+    /// (milliseconds).
+    Duration(Unit),
     /// A request header, by [`Wanted`] index.
     Header(usize),
     /// Something a replay does not need.
     Other,
+}
+
+/// The unit a duration is written in.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Unit {
+    Seconds,
+    Millis,
 }
 
 #[derive(Debug)]
@@ -213,6 +225,7 @@ impl Template {
     fn read<'a>(&self, wanted: &Wanted, line: &'a [u8]) -> Result<Entry<'a>, String> {
         let mut e = Entry {
             ts: 0,
+            duration: None,
             method: None,
             path: Cow::Borrowed(&b""[..]),
             headers: vec![None; wanted.names.len()],
@@ -261,6 +274,10 @@ impl Template {
                         (Field::Path, None) => return Err(bad("path", raw)),
                         (Field::Peer, None) => {}
                         (Field::Peer, Some(v)) => e.peer = Some(Cow::Borrowed(peer(v)?)),
+                        (Field::Duration(_), None) => {}
+                        (Field::Duration(unit), Some(v)) => {
+                            e.duration = Some(duration(v, *unit).ok_or_else(|| bad("duration", raw))?);
+                        }
                         (Field::Header(XFF), v) => e.xff = v.map(|v| self.unescape(v)),
                         (Field::Header(h), v) => {
                             if let Some(slot) = e.headers.get_mut(*h) {
@@ -280,6 +297,11 @@ impl Template {
             }
         }
         e.ts = time.ok_or("no time")?;
+        if self.syntax == Syntax::Nginx {
+            // NGINX's times are those of the log write, when the request completed: it started
+            // `$request_time` before.
+            e.ts = e.ts.saturating_sub(e.duration.unwrap_or(0));
+        }
         if !path {
             return Err("no path".to_owned());
         }
@@ -422,6 +444,7 @@ fn nginx_tokens(format: &str, wanted: &Wanted) -> Result<Vec<Token>, String> {
             "request" => Field::Request,
             "request_method" => Field::Method,
             "request_uri" | "uri" | "document_uri" => Field::Path,
+            "request_time" => Field::Duration(Unit::Seconds),
             _ => match name.strip_prefix("http_").and_then(|h| wanted.index_nginx(h)) {
                 Some(h) => Field::Header(h),
                 None => Field::Other,
@@ -467,6 +490,7 @@ fn envoy_tokens(format: &str, wanted: &Wanted) -> Result<Vec<Token>, String> {
         tail = tail.strip_prefix('%').ok_or_else(|| format!("%{name} has no closing %"))?;
         let field = match name {
             "START_TIME" => Field::Time,
+            "DURATION" => Field::Duration(Unit::Millis),
             "DOWNSTREAM_REMOTE_ADDRESS"
             | "DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT"
             | "DOWNSTREAM_DIRECT_REMOTE_ADDRESS"
@@ -510,6 +534,27 @@ pub fn parse_time(v: &[u8]) -> Option<Nanos> {
         _ if v.get(4) == Some(&b'-') => rfc3339(v),
         _ => epoch_seconds(v),
     }
+}
+
+/// A duration written in decimal in `unit` (`0.004` seconds, `12` or `12.5` milliseconds),
+/// exact to the nanosecond.
+pub fn duration(text: &[u8], unit: Unit) -> Option<Nanos> {
+    let (whole, frac) = match memchr::memchr(b'.', text) {
+        Some(dot) => (text.get(..dot)?, text.get(dot + 1..).filter(|f| !f.is_empty())?),
+        None => (text, &b""[..]),
+    };
+    if whole.len() > 12 || !frac.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let (scale, places) = match unit {
+        Unit::Seconds => (1_000_000_000, 9),
+        Unit::Millis => (1_000_000, 6),
+    };
+    let mut part = 0u64;
+    for i in 0..places {
+        part = part * 10 + frac.get(i).map_or(0, |b| u64::from(b - b'0'));
+    }
+    digits(whole)?.checked_mul(scale)?.checked_add(part)
 }
 
 /// Seconds since the epoch written in decimal, exact to the nanosecond (read from the text,
@@ -643,6 +688,7 @@ pub fn rfc3339(v: &[u8]) -> Option<Nanos> {
 /// A JSON line's fields, borrowed from its text (a string with escapes is copied).
 struct JsonLine<'a> {
     ts: Option<&'a RawValue>,
+    duration_ms: Option<&'a RawValue>,
     method: Option<Cow<'a, str>>,
     path: Option<Cow<'a, str>>,
     headers: Vec<Option<Cow<'a, str>>>,
@@ -662,6 +708,10 @@ fn read_json<'a>(wanted: &Wanted, line: &'a [u8]) -> Result<Entry<'a>, String> {
     let ts = l.ts.and_then(|raw| json_time(raw.get())).ok_or("no \"ts\"")?;
     let path = l.path.ok_or("no \"path\"")?;
     // What the `Value` reading refuses, this one does too (its message is that reading's).
+    let duration = match l.duration_ms.map(RawValue::get) {
+        None | Some("null") => None,
+        Some(raw) => Some(json_duration(raw).ok_or("cannot read \"duration_ms\"")?),
+    };
     if l.method.as_deref().is_some_and(|m| method(m.as_bytes()).is_none()) {
         return Err("cannot read the method".to_owned());
     }
@@ -679,6 +729,7 @@ fn read_json<'a>(wanted: &Wanted, line: &'a [u8]) -> Result<Entry<'a>, String> {
     };
     Ok(Entry {
         ts,
+        duration,
         method: l.method,
         path: bytes(path),
         headers: l.headers.into_iter().map(|h| h.map(bytes)).collect(),
@@ -695,6 +746,15 @@ pub fn json_time(text: &str) -> Option<Nanos> {
         return time_string(&s);
     }
     epoch_seconds(text.as_bytes())
+}
+
+/// A JSON line's `duration_ms`: milliseconds, a number or a string (`12.5`, `"12.5"`).
+pub fn json_duration(text: &str) -> Option<Nanos> {
+    if text.starts_with('"') {
+        let s: Cow<'_, str> = serde_json::from_str::<CowStr<'_>>(text).ok()?.0;
+        return duration(s.as_bytes(), Unit::Millis);
+    }
+    duration(text.as_bytes(), Unit::Millis)
 }
 
 /// A time a JSON line writes as a string: RFC 3339, or seconds since the epoch.
@@ -755,6 +815,7 @@ impl<'de> Visitor<'de> for LineSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut line = JsonLine {
             ts: None,
+            duration_ms: None,
             method: None,
             path: None,
             headers: vec![None; self.0.names.len()],
@@ -764,6 +825,7 @@ impl<'de> Visitor<'de> for LineSeed<'_> {
         while let Some(key) = map.next_key::<CowStr<'de>>()? {
             match &*key.0 {
                 "ts" => line.ts = Some(map.next_value()?),
+                "duration_ms" => line.duration_ms = Some(map.next_value()?),
                 "method" => line.method = map.next_value::<OptStr<'de>>()?.0,
                 "path" => line.path = map.next_value::<OptStr<'de>>()?.0,
                 "ip" => line.ip = map.next_value::<OptStr<'de>>()?.0,
@@ -1051,6 +1113,32 @@ mod tests {
         // A format ending in a field reads it to the line's end, without the white space after.
         let f = Template::compile("u", "$msec $request_uri\n", Syntax::Nginx, &w).unwrap().whole_lines();
         assert_eq!(&*f.read(&w, b"1796119200.5 /a?b \r").unwrap().path, b"/a?b");
+    }
+
+    #[test]
+    fn durations_are_read_in_their_formats_units() {
+        let w = wanted();
+        assert_eq!(duration(b"0.004", Unit::Seconds), Some(4_000_000));
+        assert_eq!(duration(b"12", Unit::Millis), Some(12_000_000));
+        assert_eq!(duration(b"12.5", Unit::Millis), Some(12_500_000));
+        assert_eq!(duration(b"0", Unit::Millis), Some(0));
+        for bad in [&b""[..], b"-1", b"1.", b".5", b"1.2.3", b"5ms", b"1e3"] {
+            assert_eq!(duration(bad, Unit::Millis), None, "{}", String::from_utf8_lossy(bad));
+        }
+        // Envoy's default format: `%DURATION%` in milliseconds, after `%START_TIME%`, the start.
+        let f = Template::compile("e", ENVOY_DEFAULT, Syntax::Envoy, &w).unwrap();
+        let line = br#"[2026-12-01T10:00:00.250Z] "GET /x HTTP/2" 200 - 0 1 1500 1 "198.51.100.1" "ua" "id" "host" "10.0.0.2:80""#;
+        let e = f.read(&w, line).unwrap();
+        assert_eq!((e.ts, e.duration), (1_796_119_200_250_000_000, Some(1_500_000_000)));
+        let no = br#"[2026-12-01T10:00:00.250Z] "GET /x HTTP/2" 200 - 0 1 - 1 "198.51.100.1" "ua" "id" "host" "10.0.0.2:80""#;
+        assert_eq!(f.read(&w, no).unwrap().duration, None, "`-` is absent");
+        let junk = br#"[2026-12-01T10:00:00.250Z] "GET /x HTTP/2" 200 - 0 1 x1 1 "198.51.100.1" "ua" "id" "host" "10.0.0.2:80""#;
+        assert!(f.read(&w, junk).err().unwrap().contains("duration"));
+        // NGINX writes its times when a request completes: it started `$request_time` before.
+        let f = Template::compile("n", "$remote_addr $msec $request_time \"$request\"", Syntax::Nginx, &w).unwrap();
+        let e = f.read(&w, br#"192.0.2.1 1796119200.500 1.250 "GET /a HTTP/1.1""#).unwrap();
+        assert_eq!((e.ts, e.duration), (1_796_119_199_250_000_000, Some(1_250_000_000)));
+        assert!(f.read(&w, br#"192.0.2.1 1796119200.500 slow "GET /a HTTP/1.1""#).is_err());
     }
 
     #[test]

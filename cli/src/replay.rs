@@ -3,14 +3,14 @@
 use crate::explain::Parts;
 use crate::logformat::{self, Entry, LogFormat, Syntax, Template, Wanted};
 use crate::{load, Failure};
-use ratewall_core::eval::{evaluate, Check, Skip, Tally};
+use ratewall_core::eval::{evaluate, Check, CheckResult, Skip, Tally};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_key, parse_ip, IpSource};
 use ratewall_core::rules::Rule;
-use ratewall_core::{Config, Nanos};
+use ratewall_core::{Algorithm, Config, Nanos};
 use serde_json::{json, Value};
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{BinaryHeap, HashMap};
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write as _};
 use std::path::Path;
 use std::sync::mpsc::{Receiver, SyncSender};
@@ -57,21 +57,56 @@ const MAX_KEYS: usize = 1 << 16;
 /// line at most this much older than the clock is replayed at the clock (see [`clock`]).
 const REORDER_SLACK: Nanos = 60 * ratewall_core::algo::SECOND;
 
-/// The time a line is replayed at, and the replay's clock after it. A proxy's clock never
-/// goes back, but a log's lines can: Envoy writes a request's `START_TIME` when it completes,
-/// so a slow request is logged after later ones, and merged logs interleave. The core takes a
-/// time before a counter's own as a clock step back and moves the counter back with it, which
-/// forgets what it counted; so a line at most [`REORDER_SLACK`] older than the clock is
-/// replayed at the clock. A line further back starts the clock over from it, with fresh
-/// counters (logs joined out of order, `zcat access.log.*.gz`), rather than piling that
+/// The time a request that started at `ts` and ended at `end` is replayed at, and the
+/// replay's clock after it. A proxy's clock never goes back, but a log's lines can: Envoy
+/// writes a request's `START_TIME` when it completes (NGINX its end, which replay takes
+/// `$request_time` back), so a slow request is logged after later ones, and merged logs
+/// interleave. The core takes a time before a counter's own as a clock step back and moves the
+/// counter back with it, which forgets what it counted; so a request that started at most
+/// [`REORDER_SLACK`] before the clock, or ended no further back (a slow one, logged when it
+/// completed), is replayed at the clock. One further back starts the clock over from it, with
+/// fresh counters (logs joined out of order, `zcat access.log.*.gz`), rather than piling that
 /// stretch onto one instant; `None` then.
-fn clock(now: Nanos, ts: Nanos) -> Option<Nanos> {
+fn clock(now: Nanos, ts: Nanos, end: Nanos) -> Option<Nanos> {
     match now.checked_sub(ts) {
         None | Some(0) => Some(ts),
-        Some(back) if back <= REORDER_SLACK => Some(now),
+        Some(back) if back <= REORDER_SLACK || now.saturating_sub(end) <= REORDER_SLACK => Some(now),
         Some(_) => None,
     }
 }
+
+/// A concurrency slot a replayed request holds until it ends.
+struct Held {
+    /// When the request ended: the slot is given back once the clock reaches it.
+    end: Nanos,
+    /// When it was taken (the time the request was replayed at).
+    taken: Nanos,
+    cost: u64,
+    limit: ratewall_core::Limit,
+    key: Vec<u8>,
+}
+
+/// Ordered by end time, the earliest the greatest: a [`BinaryHeap`] of them gives the next
+/// slot to give back.
+impl Ord for Held {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other.end.cmp(&self.end)
+    }
+}
+
+impl PartialOrd for Held {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Held {
+    fn eq(&self, other: &Self) -> bool {
+        self.end == other.end
+    }
+}
+
+impl Eq for Held {}
 
 /// One rule's counts.
 #[derive(Default)]
@@ -133,6 +168,16 @@ impl ratewall_core::eval::Counters for Counters {
 }
 
 impl Counters {
+    /// Gives back a concurrency slot taken at `taken` under `key` (a request that ended). A
+    /// counter already forgotten holds nothing to give back.
+    fn release(&mut self, key: &[u8], limit: &ratewall_core::Limit, taken: Nanos, cost: u64) {
+        if let Some((state, idle)) = self.map.get_mut(key) {
+            let next = limit.refund(state, taken, cost);
+            *idle = limit.idle_at(&next);
+            *state = next;
+        }
+    }
+
     /// Forgets the counters idle since `before`, once the map has doubled since the last
     /// sweep: memory follows the keys active within their windows, not the log's length.
     fn sweep(&mut self, before: Nanos) {
@@ -190,6 +235,8 @@ enum Rec {
     Bad,
     Request {
         ts: Nanos,
+        /// How long it took (0: the log does not say).
+        duration: Nanos,
         checks: u32,
         skipped: u32,
     },
@@ -290,6 +337,7 @@ impl Reader<'_> {
         batch.span(ip.as_deref().map(str::as_bytes));
         batch.recs.push(Rec::Request {
             ts: e.ts,
+            duration: e.duration.unwrap_or(0),
             checks: u32::try_from(n_checks).unwrap_or(u32::MAX),
             skipped: u32::try_from(n_skipped).unwrap_or(u32::MAX),
         });
@@ -328,12 +376,22 @@ fn json_value_entry<'a>(config: &Config, text: &[u8]) -> Result<Entry<'a>, Strin
         Value::String(ip) => return Err(format!("cannot read the client address {ip:?}")),
         other => return Err(format!("\"ip\" is {}, not a string", kind(other))),
     };
+    let duration = match &value["duration_ms"] {
+        Value::Null => None,
+        v @ (Value::String(_) | Value::Number(_)) => {
+            let text = v.as_str().map_or_else(|| v.to_string(), str::to_owned);
+            let d = logformat::duration(text.as_bytes(), logformat::Unit::Millis);
+            Some(d.ok_or_else(|| format!("cannot read \"duration_ms\" {text:?} (milliseconds)"))?)
+        }
+        other => return Err(format!("\"duration_ms\" is {}, not a number", kind(other))),
+    };
     let hs = headers(&value["headers"])?;
     let first =
         |h: &str| hs.iter().find(|(n, v)| n == h && !v.is_empty()).map(|(_, v)| Cow::Owned(v.as_bytes().to_vec()));
     let xff: Vec<&str> = hs.iter().filter(|(n, _)| n == "x-forwarded-for").map(|(_, v)| v.as_str()).collect();
     Ok(Entry {
         ts,
+        duration,
         method,
         path: Cow::Owned(path.as_bytes().to_vec()),
         headers: config.identity.headers.iter().map(|(_, h)| first(h)).collect(),
@@ -564,6 +622,8 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
     let reader = Reader { config: &config, wanted };
     let mut counts: Vec<Counts> = config.rules.iter().map(|_| Counts::default()).collect();
     let mut counters = Counters::default();
+    // The concurrency slots of requests still in flight, the earliest to end first.
+    let mut held: BinaryHeap<Held> = BinaryHeap::new();
     let (mut lines, mut requests, mut rejected, mut invalid) = (0u64, 0u64, 0u64, 0u64);
     let mut shown = Vec::new();
     let progress = std::io::stderr().is_terminal();
@@ -603,23 +663,34 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
             let (mut c0, mut s0, mut v0) = (0usize, 0usize, 0usize);
             for rec in &batch.recs {
                 lines += 1;
-                let (ts, n_checks, n_skipped) = match *rec {
+                let (ts, duration, n_checks, n_skipped) = match *rec {
                     Rec::Blank => continue,
                     Rec::Bad => {
                         invalid += 1;
                         continue;
                     }
-                    Rec::Request { ts, checks, skipped } => (ts, checks as usize, skipped as usize),
+                    Rec::Request { ts, duration, checks, skipped } => (ts, duration, checks as usize, skipped as usize),
                 };
                 let checks = batch.checks.get(c0..c0 + n_checks).unwrap_or_default();
                 let skipped = batch.skipped.get(s0..s0 + n_skipped).unwrap_or_default();
                 let spans = batch.spans.get(v0..v0 + heads).unwrap_or_default();
                 (c0, s0, v0) = (c0 + n_checks, s0 + n_skipped, v0 + heads);
-                now = clock(now, ts).unwrap_or_else(|| {
+                let end = ts.saturating_add(duration);
+                now = clock(now, ts, end).unwrap_or_else(|| {
                     counters = Counters::default();
+                    held.clear();
                     ts
                 });
+                // The requests that ended by now give their slots back, in the order they ended.
+                while held.peek().is_some_and(|h| h.end <= now) {
+                    if let Some(h) = held.pop() {
+                        counters.release(&h.key, &h.limit, h.taken, h.cost);
+                    }
+                }
                 let outcome = evaluate(&config, checks, &mut counters, now);
+                if !outcome.rejected {
+                    hold(&mut held, &mut counters, checks, &outcome, now, end);
+                }
                 requests += 1;
                 rejected += u64::from(outcome.rejected);
                 for (rule, tally) in outcome.tally(skipped) {
@@ -681,6 +752,32 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
         }
     }
     Ok(())
+}
+
+/// Keeps the concurrency slots an admitted request took (replayed at `now`, ended at `end`)
+/// until it ends: given back at once when it has ended already (a log that gives no duration
+/// says nothing of how long a request held its slot, so it holds none past its own instant),
+/// kept for the clock to reach `end` else. A slot the core frees by itself before `end`
+/// (`hold_max` after it was taken) is not kept.
+fn hold(
+    held: &mut BinaryHeap<Held>,
+    counters: &mut Counters,
+    checks: &[Check],
+    outcome: &ratewall_core::eval::Outcome,
+    now: Nanos,
+    end: Nanos,
+) {
+    for (check, co) in checks.iter().zip(&outcome.checks) {
+        let taken = matches!(co.result, CheckResult::Decided(d) if d.allowed) && check.cost > 0;
+        if !taken || check.limit.algorithm() != Algorithm::Concurrent {
+            continue;
+        }
+        if end <= now {
+            counters.release(&check.key, &check.limit, now, check.cost);
+        } else if end - now < check.limit.per() {
+            held.push(Held { end, taken: now, cost: check.cost, limit: check.limit, key: check.key.clone() });
+        }
+    }
 }
 
 /// Drops the less rejected half of a rule's keys.
@@ -813,12 +910,14 @@ mod tests {
             r#"{"ts": 1796119200, "path": "/a", "headers": [["X-User-Id", "u"], ["x-user-id", "v"], ["x-n", null]]}"#,
             r#"{"ts": 1796119200, "path": "/a", "headers": {"x-user-id": "", "X-USER-ID": "w", "x-forwarded-for": ["1.2.3.4", "5.6.7.8"]}}"#,
             r#"{"ts": 1796119200, "path": "/a", "headers": {"x-n": null, "x-user-id": ["a"]}, "extra": {"x": [1]}}"#,
-            r#"{"ts": 1796119200, "path": "/a", "headers": null, "method": null, "ip": null}"#,
-            r#"{"ts": 1796119200, "path": "/a", "ip": "2001:db8::1"}"#,
+            r#"{"ts": 1796119200, "path": "/a", "headers": null, "method": null, "ip": null, "duration_ms": null}"#,
+            r#"{"ts": 1796119200, "path": "/a", "duration_ms": 12.5, "ip": "2001:db8::1"}"#,
+            r#"{"ts": 1796119200, "path": "/a", "duration_ms": "1500"}"#,
         ] {
             let fast = LogFormat::Jsonl.read(&wanted, line.as_bytes()).unwrap();
             let slow = json_value_entry(&config, line.as_bytes()).unwrap();
             assert_eq!(fast.ts, slow.ts, "{line}");
+            assert_eq!(fast.duration, slow.duration, "{line}");
             assert_eq!(fast.method, slow.method, "{line}");
             assert_eq!(fast.path, slow.path, "{line}");
             assert_eq!(fast.headers, slow.headers, "{line}");
@@ -833,6 +932,8 @@ mod tests {
         assert_eq!(e.ts, 1_796_119_200_123_000_000);
         // A field of another type is for the `Value` reading.
         assert!(LogFormat::Jsonl.read(&wanted, br#"{"ts": 1, "path": 5}"#).is_err());
+        let e = LogFormat::Jsonl.read(&wanted, br#"{"ts": 1, "path": "/", "duration_ms": 12.5}"#).unwrap();
+        assert_eq!(e.duration, Some(12_500_000));
     }
 
     /// A JSON line with a field of the wrong type or value is no request to either reading.
@@ -854,12 +955,26 @@ mod tests {
             (r#""headers": {"x-user-id": ["u", 5]}"#, "\"x-user-id\" is a number"),
             (r#""headers": [["x-user-id"]]"#, "pair"),
             (r#""headers": [7]"#, "pair"),
+            (r#""duration_ms": -5"#, "duration_ms"),
+            (r#""duration_ms": "soon""#, "duration_ms"),
+            (r#""duration_ms": [5]"#, "duration_ms"),
         ] {
             let line = format!(r#"{{"ts": 1796119200, "path": "/a", {field}}}"#);
             assert!(LogFormat::Jsonl.read(&wanted, line.as_bytes()).is_err(), "{line}");
             let e = json_value_entry(&config, line.as_bytes()).err().unwrap_or_else(|| panic!("{line}"));
             assert!(e.contains(why), "{line}: {e}");
         }
+    }
+
+    #[test]
+    fn a_request_that_ended_near_the_clock_is_replayed_at_it_however_long_it_took() {
+        let (s, now) = (ratewall_core::SECOND, 1_000_000 * ratewall_core::SECOND);
+        assert_eq!(clock(now, now + s, now + s), Some(now + s));
+        assert_eq!(clock(now, now - 30 * s, now - 30 * s), Some(now));
+        // Two minutes long, ended just now: late, not from another stretch of log.
+        assert_eq!(clock(now, now - 120 * s, now - s), Some(now));
+        assert_eq!(clock(now, now - 120 * s, now - 90 * s), None);
+        assert_eq!(clock(now, now - 120 * s, now - 120 * s), None);
     }
 
     #[test]

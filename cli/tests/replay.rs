@@ -369,6 +369,101 @@ fn a_line_logged_out_of_order_does_not_make_a_counter_forget() {
     }
 }
 
+/// Per rule by name: (allowed, rejected).
+fn allowed_rejected(v: &Value) -> Vec<(String, u64, u64)> {
+    v["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (r["name"].as_str().unwrap().to_owned(), r["allowed"].as_u64().unwrap(), r["rejected"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+/// A request holds its concurrency slot from when it is replayed until it ends, as the log's
+/// duration says (JSON lines' `duration_ms`, NGINX's `$request_time`, Envoy's `%DURATION%`), in
+/// every format alike; a log that gives no duration holds no slot past a request's instant.
+#[test]
+fn a_concurrency_slot_is_held_for_the_requests_logged_duration() {
+    let rules = temp(
+        "inflight.json",
+        &json!({"rules": [{"name": "one", "key": ["ip"], "limit": {"concurrent": 1}},
+                          {"name": "two", "key": ["ip"], "limit": {"concurrent": 2}}]})
+        .to_string(),
+    );
+    // 30 requests from one client, one every 5 s, each taking 7 s: never more than two in
+    // flight; one at a time admits every other one.
+    let (mut jsonl, mut bare, mut nginx, mut envoy) = (String::new(), String::new(), String::new(), String::new());
+    for i in 0..30u64 {
+        let start = 1_796_119_200 + 5 * i;
+        let (h, m, s) = clock(5 * i);
+        writeln!(jsonl, r#"{{"ts": {start}, "path": "/a", "ip": "203.0.113.7", "duration_ms": 7000}}"#).unwrap();
+        writeln!(bare, r#"{{"ts": {start}, "path": "/a", "ip": "203.0.113.7"}}"#).unwrap();
+        // NGINX writes the time the request completed.
+        writeln!(nginx, r#"203.0.113.7 {}.000 7.000 "GET /a HTTP/1.1""#, start + 7).unwrap();
+        writeln!(
+            envoy,
+            r#"[2026-12-01T{h:02}:{m:02}:{s:02}.000Z] "GET /a HTTP/1.1" 200 - 0 17 7000 2 "203.0.113.7" "curl/8.5.0" "id" "api.example.com" "10.0.0.9:8080""#
+        )
+        .unwrap();
+    }
+    let want = vec![("one".to_owned(), 15, 15), ("two".to_owned(), 30, 0)];
+    let got = replay_json(&[&rules, &temp("inflight.jsonl", &jsonl)]);
+    assert_eq!(allowed_rejected(&got), want, "{got}");
+    let got = replay_json(&[
+        "--log-format",
+        r#"$remote_addr $msec $request_time "$request""#,
+        &rules,
+        &temp("inflight.nginx", &nginx),
+    ]);
+    assert_eq!(allowed_rejected(&got), want, "{got}");
+    let got = replay_json(&["--format", "envoy", &rules, &temp("inflight.envoy", &envoy)]);
+    assert_eq!(allowed_rejected(&got), want, "{got}");
+    // Without durations, no request is in flight when the next one comes.
+    let got = replay_json(&[&rules, &temp("bare.jsonl", &bare)]);
+    assert_eq!(allowed_rejected(&got), vec![("one".to_owned(), 30, 0), ("two".to_owned(), 30, 0)], "{got}");
+}
+
+/// Slots are given back in the order the requests end, whatever order they started in; one
+/// held past `hold_max` is let go then, as the core lets it go.
+#[test]
+fn concurrency_slots_are_given_back_in_the_order_requests_end() {
+    let rules = |name: &str, limit: Value| {
+        temp(
+            name,
+            &json!({"identity": {"user": {"header": "x-user-id"}},
+                    "rules": [{"name": "c", "key": ["user"], "limit": limit}]})
+            .to_string(),
+        )
+    };
+    let line = |at: f64, ms: u64| {
+        format!(
+            r#"{{"ts": {}, "path": "/a", "headers": {{"x-user-id": "a"}}, "duration_ms": {ms}}}"#,
+            1_796_119_200.0 + at
+        )
+    };
+    let log = [
+        // Two in flight until 10 s and 11 s: the next two are refused; at 10 s one is free, at
+        // 10.5 s none, at 11 s one again.
+        line(0.0, 10_000),
+        line(1.0, 10_000),
+        line(2.0, 1_000),
+        line(5.0, 1_000),
+        line(10.0, 5_000),
+        line(10.5, 1_000),
+        line(11.0, 1_000),
+        line(20.0, 1_000),
+    ]
+    .join("\n");
+    let got = replay_json(&[&rules("c2.json", json!({"concurrent": 2})), &temp("ends.jsonl", &log)]);
+    assert_eq!(allowed_rejected(&got), vec![("c".to_owned(), 5, 3)], "{got}");
+    let log = [line(0.0, 60_000), line(5.0, 1_000), line(11.0, 1_000)].join("\n");
+    let got =
+        replay_json(&[&rules("c1.json", json!({"concurrent": 1, "hold_max": "10s"})), &temp("hold_max.jsonl", &log)]);
+    assert_eq!(allowed_rejected(&got), vec![("c".to_owned(), 2, 1)], "{got}");
+}
+
 /// JSON lines whose fields are not what the format says, and text lines whose client is a
 /// Unix socket's peer, are unreadable: counted and shown with their numbers, never replayed.
 #[test]
@@ -384,6 +479,7 @@ fn json_fields_of_the_wrong_kind_and_unix_socket_peers_make_lines_unreadable() {
         r#""method": 5"#,
         r#""headers": "x-api-key: sk_live_0123""#,
         r#""headers": {"x-api-key": 5}"#,
+        r#""duration_ms": "a while""#,
     ];
     let mut log = String::new();
     for field in bad {
@@ -393,9 +489,9 @@ fn json_fields_of_the_wrong_kind_and_unix_socket_peers_make_lines_unreadable() {
     let o = ratewall(&["replay", "--json", &rules, &temp("fields.jsonl", &log)]);
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
     let got: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!((got["requests"].clone(), got["invalid_lines"].clone()), (json!(8), json!(8)), "{got}");
+    assert_eq!((got["requests"].clone(), got["invalid_lines"].clone()), (json!(9), json!(9)), "{got}");
     let err = String::from_utf8_lossy(&o.stderr);
-    for n in (2..=16).step_by(2) {
+    for n in (2..=18).step_by(2) {
         assert!(err.contains(&format!("fields.jsonl:{n}: ")), "line {n} not named:\n{err}");
     }
     assert!(!err.contains("sk_live"), "a header's value is never shown\n{err}");
