@@ -168,18 +168,36 @@ async fn rls_json(State(rls): State<SharedRls>, body: Bytes) -> Response {
     out
 }
 
-async fn sync(
-    State(store): State<Shared>,
-    headers: HeaderMap,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
+/// Whether a body's error is its length limit.
+fn is_length_limit(mut e: &(dyn std::error::Error + 'static)) -> bool {
+    loop {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        match e.source() {
+            Some(next) => e = next,
+            None => return false,
+        }
+    }
+}
+
+async fn sync(State(store): State<Shared>, headers: HeaderMap, body: axum::body::Body) -> Response {
     let signature = headers.get("x-ratewall-signature").map(HeaderValue::as_bytes);
-    let a = match body {
-        Ok(body) => store.sync(&body, signature).await,
-        // Past the listener's body limit (`MAX_BODY` + 1): refused as the store refuses any
-        // body over `MAX_BODY`, and counted.
-        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => store.sync_too_large(),
-        Err(e) => return e.into_response(),
+    // A body declared over `MAX_BODY` is refused before it is read, as the store refuses any
+    // body over it, and counted.
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let a = if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        store.sync_too_large()
+    } else {
+        match axum::body::to_bytes(body, MAX_BODY + 1).await {
+            Ok(body) => store.sync(&body, signature).await,
+            // Past `MAX_BODY` + 1 bytes read: cut off there.
+            Err(e) if is_length_limit(&e) => store.sync_too_large(),
+            Err(_) => return (StatusCode::BAD_REQUEST, "the body could not be read").into_response(),
+        }
     };
     let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut out = (status, a.body).into_response();
