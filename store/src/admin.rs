@@ -21,7 +21,13 @@ pub const PAGE: &str = include_str!("../../dashboard/index.html");
 pub fn router<K: Kv + Send + Sync + 'static>(store: Arc<Store<K>>, rls: Option<Arc<Rls<K>>>) -> Router {
     Router::new()
         .route("/", get(page))
-        .route("/v1/top", get(top::<K>))
+        .route(
+            "/v1/top",
+            get({
+                let rls = rls.clone();
+                move |State(store): State<Arc<Store<K>>>, uri: Uri| async move { top(&store, rls.as_deref(), &uri) }
+            }),
+        )
         .route("/v1/series", get(series::<K>))
         .route("/v1/fleet", get(fleet::<K>))
         .route(
@@ -90,12 +96,37 @@ async fn page() -> Response {
     out
 }
 
-async fn top<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response {
-    let window = match Window::parse(param(&uri, "window").as_deref()) {
+fn top<K: Kv>(store: &Store<K>, rls: Option<&Rls<K>>, uri: &Uri) -> Response {
+    let window = match Window::parse(param(uri, "window").as_deref()) {
         Ok(w) => w,
         Err(why) => return json_response(StatusCode::BAD_REQUEST, &json!({"error": why})),
     };
-    json_response(StatusCode::OK, &store.top.top(param(&uri, "rule").as_deref(), window))
+    let rule = param(uri, "rule");
+    let mut out = store.top.top(rule.as_deref(), window);
+    if let (Some(rls), Some(Value::Array(rules))) = (rls, out.get_mut("rules")) {
+        in_configuration_order(rules, &rls.config(), rule.as_deref());
+    }
+    json_response(StatusCode::OK, &out)
+}
+
+/// The rate limit service's rules in its configuration's order, each (or only `only`) listed
+/// even when no call was heard for it, after the filters' rules and the overrides, which keep
+/// the order they were first heard in.
+fn in_configuration_order(rules: &mut Vec<Value>, config: &crate::rls::config::RlsConfig, only: Option<&str>) {
+    let mut order: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for r in config.rules.iter().filter(|r| !r.unlimited) {
+        order.entry(r.top_name.as_str()).or_insert(r.order);
+    }
+    let heard: std::collections::HashSet<String> =
+        rules.iter().filter_map(|r| r["rule"].as_str().map(str::to_owned)).collect();
+    for r in config.rules.iter().filter(|r| !r.unlimited && r.order != usize::MAX) {
+        let name = r.top_name.as_str();
+        if !heard.contains(name) && only.is_none_or(|o| o == name) && order.get(name) == Some(&r.order) {
+            rules.push(json!({"rule": name, "allowed": 0, "denied": 0, "shadow_denied": 0, "top": []}));
+        }
+    }
+    // Stable: the filters' rules keep the order they were first heard in.
+    rules.sort_by_key(|r| r["rule"].as_str().and_then(|n| order.get(n)).map_or((0, 0), |o| (1, *o)));
 }
 
 async fn series<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response {
@@ -112,5 +143,39 @@ async fn healthz<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {
         (StatusCode::OK, "ok\n").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "Redis does not answer\n").into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rate_limit_services_rules_are_listed_in_configuration_order_heard_or_not() {
+        let config = crate::rls::config::RlsConfig::parse(
+            "t.yaml",
+            "domain: api
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: apikey
+    rate_limit: {unit: minute, requests_per_unit: 2, name: apikey-limit}
+  - key: free
+    rate_limit: {unlimited: true}
+  - key: tenant
+    rate_limit: {unit: hour, requests_per_unit: 10}
+",
+        )
+        .unwrap();
+        let heard = |name: &str| json!({"rule": name, "allowed": 1, "denied": 1, "shadow_denied": 0, "top": []});
+        let mut rules = vec![heard("api.tenant"), heard("login"), heard("apikey-limit")];
+        in_configuration_order(&mut rules, &config, None);
+        let names: Vec<&str> = rules.iter().filter_map(|r| r["rule"].as_str()).collect();
+        assert_eq!(names, ["login", "api.user", "apikey-limit", "api.tenant"], "a filter's rule, then the file's");
+        assert_eq!(rules[1]["denied"], 0, "a rule no call was heard for, with nothing counted");
+        let mut one = vec![];
+        in_configuration_order(&mut one, &config, Some("apikey-limit"));
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0]["rule"], "apikey-limit");
     }
 }
