@@ -62,7 +62,7 @@ fn main() {
         "identity": {"api_key": {"header": "x-api-key"}, "ip": {"trusted_hops": 1}},
         "rules": [
             {"name": "per-key", "match": {"path": "/v1/*"}, "key": ["api_key"], "limit": {"requests": 4_000_000_000u64, "per": "60s"}},
-            {"name": "per-ip", "match": {"path": "/v1/*"}, "key": ["ip"], "limit": {"requests": 4_000_000_000u64, "per": "1s", "burst": 4_000_000_000u64}},
+            {"name": "per-ip", "match": {"path": "/v1/*"}, "key": ["ip"], "limit": {"requests": 1_000_000_000u64, "per": "1s", "burst": 4_000_000_000u64}},
             {"name": "admin", "match": {"path": "/admin/*"}, "key": ["ip"], "limit": {"requests": 1, "per": "1h"}},
             {"name": "tight", "match": {"path": "/v1/tight"}, "key": ["api_key"], "limit": {"requests": 1, "per": "1h"}}
         ]
