@@ -795,7 +795,13 @@ pub struct RateLimitCounter {
     object: RefCell<Object>,
     /// For the object named [`ADMIN_OBJECT`]: the isolates' reports, merged.
     top: RefCell<Aggregate>,
+    /// For the admin object: an alarm is set to keep it in memory.
+    kept_alive: std::cell::Cell<bool>,
 }
+
+/// How often the admin object wakes while its windows show anything: it keeps them in memory
+/// only, and an object nothing calls for a few seconds is evicted (10 s in local workerd).
+const ADMIN_KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 impl RateLimitCounter {
     /// Reads the stored counter into the object once (`limit`: the caller's; `None` from an
@@ -831,14 +837,24 @@ impl RateLimitCounter {
 
 impl DurableObject for RateLimitCounter {
     fn new(state: worker::State, _env: Env) -> Self {
-        RateLimitCounter { state, object: RefCell::new(Object::default()), top: RefCell::new(Aggregate::default()) }
+        RateLimitCounter {
+            state,
+            object: RefCell::new(Object::default()),
+            top: RefCell::new(Aggregate::default()),
+            kept_alive: std::cell::Cell::new(false),
+        }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
         let body = req.text().await?;
         let Some(call) = Call::decode(&body) else {
             if let Some(call) = TopCall::decode(&body) {
-                return Response::ok(self.top.borrow_mut().handle(call, now() / SECOND));
+                let answer = self.top.borrow_mut().handle(call, now() / SECOND);
+                if !self.kept_alive.get() && self.top.borrow().holds(now() / SECOND) {
+                    self.state.storage().set_alarm(ADMIN_KEEP_ALIVE).await?;
+                    self.kept_alive.set(true);
+                }
+                return Response::ok(answer);
             }
             return Response::error("not a counter call", 400);
         };
@@ -859,6 +875,16 @@ impl DurableObject for RateLimitCounter {
     }
 
     async fn alarm(&self) -> Result<Response> {
+        // The admin object, while its windows show anything: woken again before it would be
+        // evicted with them. It has no counter.
+        if self.kept_alive.get() {
+            if self.top.borrow().holds(now() / SECOND) {
+                self.state.storage().set_alarm(ADMIN_KEEP_ALIVE).await?;
+            } else {
+                self.kept_alive.set(false);
+            }
+            return Response::ok("");
+        }
         // After a restart the alarm may come first: load, so that idleness is judged on the
         // stored counter (an unloaded one is not "no counter": deleting it would reset it).
         if let Err(e) = self.load(None).await {

@@ -111,6 +111,11 @@ fn top_lists_the_heavy_client_with_the_denials_its_isolate_answered_from_cache()
     assert_eq!(s["rules"][0]["allowed"].as_array().unwrap().len(), 900);
 
     assert!(w.metric("ratewall_top_reports ") >= 1);
+    // The admin object keeps the windows in memory: a quiet spell longer than local workerd
+    // keeps an object nothing calls (10 s) does not empty them.
+    std::thread::sleep(Duration::from_secs(15));
+    let later = top(&w, "?rule=per-key&window=1h");
+    assert_eq!(later["rules"][0]["denied"], 30, "after a quiet spell: {later}");
     let log = w.log();
     assert!(!log.contains(TOKEN) && !log.contains("sk_live"), "the log names a secret:\n{log}");
 }

@@ -347,6 +347,11 @@ impl Default for Aggregate {
 }
 
 impl Aggregate {
+    /// Whether the windows still show anything at `unix` (a rule heard of within the hour).
+    pub fn holds(&self, unix: u64) -> bool {
+        self.windows.holds(unix)
+    }
+
     /// Merges `report`, received at `unix` (seconds).
     pub fn add(&mut self, unix: u64, report: &Report) {
         if report.seq > 0 {

@@ -388,8 +388,11 @@ fn a_rule_not_heard_of_for_an_hour_makes_room_for_a_new_one_when_the_windows_are
             .map_or_else(Vec::new, |r| r.iter().map(|x| x["rule"].as_str().unwrap_or("").into()).collect())
     };
     let mut w = super::windows::Windows::new(2, 4);
+    assert!(!w.holds(10_000), "nothing heard of");
     w.add(10_000, &section("old"), &[]);
     w.add(10_000, &section("kept"), &[]);
+    assert!(w.holds(10_000 + 3_599), "heard of within the hour");
+    assert!(!w.holds(10_000 + 3_600), "an hour on, the windows show nothing");
     // Full, and both were heard within the hour: a third is not tracked.
     w.add(12_000, &section("kept"), &[]);
     w.add(13_000, &section("new"), &[]);

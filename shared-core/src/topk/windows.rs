@@ -115,6 +115,13 @@ impl Windows {
         Windows { rules: Vec::new(), max_rules, kept, now: 0 }
     }
 
+    /// Whether a rule was heard of within the hour before `unix`: the windows still show
+    /// something.
+    pub fn holds(&self, unix: u64) -> bool {
+        let since = unix.max(self.now).saturating_sub(HOUR.0 * HOUR.1 as u64);
+        self.rules.iter().any(|r| r.heard > since)
+    }
+
     /// Notes the time `unix` (seconds) and answers the clamped time.
     pub fn clock(&mut self, unix: u64) -> u64 {
         self.now = self.now.max(unix);
