@@ -231,6 +231,18 @@ fn a_delta_for_a_concurrency_limit_is_malformed() {
     assert_eq!(refused, Err(SyncError::Malformed(crate::encoding::DecodeError::Invalid("limit algorithm"))));
     assert_eq!(refused.unwrap_err().status(), 400);
     assert!(s.is_empty());
+    // A window whose capacity is not its requests is no limit a node applies.
+    let sliding = Limit::new(Algorithm::SlidingWindow, 5, 60 * SECOND, None).unwrap();
+    let good = SyncRequest { deltas: vec![Delta { key: b"k".to_vec(), limit: sliding, units: 1 }], ..req(1, 1, NOW) };
+    let mut odd = good.encode();
+    let at = odd.len() - 2;
+    assert_eq!(odd.get(at), Some(&5), "the capacity, before the units");
+    odd[at] = 7;
+    assert_eq!(
+        SyncRequest::decode(&odd),
+        Err(crate::encoding::DecodeError::Invalid("limit (a window's capacity is its requests)"))
+    );
+    assert_eq!(SyncRequest::decode(&good.encode()), Ok(good));
     // The codes 0-4 decode.
     for a in Algorithm::ALL.iter().filter(|a| **a != Algorithm::Concurrent) {
         let l = Limit::new(*a, 2, 60 * SECOND, None).unwrap();

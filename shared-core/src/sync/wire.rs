@@ -189,6 +189,10 @@ pub(super) fn read_limit(r: &mut Reader<'_>) -> Result<Limit, DecodeError> {
         .filter(|a| *a != Algorithm::Concurrent)
         .ok_or(DecodeError::Invalid("limit algorithm"))?;
     let (requests, per, capacity) = (r.varint()?, r.varint()?, r.varint()?);
+    // A window's capacity is its `requests`: any other is no limit a node applies.
+    if !matches!(algorithm, Algorithm::TokenBucket | Algorithm::LeakyBucket) && capacity != requests {
+        return Err(DecodeError::Invalid("limit (a window's capacity is its requests)"));
+    }
     // A leaky bucket's `delay` does not travel: the store never says how long a request
     // waits.
     Limit::from_capacity(algorithm, requests, per, capacity)
