@@ -22,6 +22,13 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+const USAGE: &str = "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]...
+  --rules FILE       the rules document, watched and pushed on change (default examples/rules.json)
+  --port N           the port on 127.0.0.1 (default 8080, or a free one when taken; 0: a free one)
+  --workers N        worker VMs sharing the node's counters (default 2)
+  --store HOST:PORT  a ratewall-store, or the Worker's sync endpoint, this node syncs to (with a
+                     `sync` section in the rules); several: the next when one fails";
+
 struct Args {
     rules: String,
     port: Option<u16>,
@@ -39,7 +46,7 @@ fn parse_args() -> Result<Args, String> {
             "--port" => a.port = Some(value()?.parse().map_err(|e| format!("--port: {e}"))?),
             "--workers" => a.workers = value()?.parse().map_err(|e| format!("--workers: {e}"))?,
             "--store" => a.stores.push(value()?),
-            other => return Err(format!("unknown argument {other}")),
+            other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
     Ok(a)
@@ -61,6 +68,10 @@ struct Rules {
 }
 
 fn main() {
+    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return;
+    }
     if let Err(e) = serve() {
         log(&e);
         std::process::exit(1);
@@ -161,6 +172,22 @@ fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores
         }
         waiting = leave(vm, waiting, w);
         waiting = resume(vm, waiting, w);
+        // What the filter logs, as a proxy writes its log: the VMs share the node's.
+        for (level, line) in node.take_logs() {
+            log(&format!("filter ({}): {line}", level_name(level)));
+        }
+    }
+}
+
+/// A proxy-wasm log level's name.
+fn level_name(level: i32) -> &'static str {
+    match level {
+        0 => "trace",
+        1 => "debug",
+        2 => "info",
+        3 => "warn",
+        4 => "error",
+        _ => "critical",
     }
 }
 

@@ -260,3 +260,33 @@ fn a_header_section_over_the_limit_gets_a_431() {
     let answer = raw(&addr, &request);
     assert!(answer.starts_with("HTTP/1.1 431 Request Header Fields Too Large"), "{}", &answer[..answer.len().min(200)]);
 }
+
+#[test]
+fn the_filters_own_log_lines_are_written_to_stderr() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let err = std::env::temp_dir().join(format!("ratewall-gateway-log-{}.txt", std::process::id()));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall-gateway"))
+        .current_dir(&root)
+        .args(["--port", "0", "--rules", "examples/rules.json"])
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let _gateway = Gateway(child, out);
+    let addr = line.split_whitespace().find_map(|w| w.strip_prefix("http://")).unwrap().to_owned();
+    // The workers write what the filter logged on their next pass.
+    http(&addr, "GET", "/v1/things", &[("x-api-key", "demo")]);
+    let start = std::time::Instant::now();
+    let text = loop {
+        let text = std::fs::read_to_string(&err).unwrap();
+        if text.contains("ratewall: loaded") || start.elapsed() > Duration::from_secs(10) {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = std::fs::remove_file(&err);
+    assert!(text.contains("filter (info): ratewall: loaded"), "{text}");
+}

@@ -90,7 +90,7 @@ fn context(linker: &mut Linker<VmState>) -> Result<()> {
         "proxy_log",
         |mut c: Caller<'_, VmState>, level: i32, ptr: i32, len: i32| -> Result<i32> {
             let msg = read_str(&mut c, ptr, len)?;
-            lock(&c.data().node.state.logs).push((level, msg));
+            c.data().node.state.log(level, msg);
             Ok(status::OK)
         },
     )?;
@@ -226,7 +226,7 @@ fn context(linker: &mut Linker<VmState>) -> Result<()> {
             if nginx && c.data().is_root(c.data().current) && parts.len() > 1 {
                 // ngx_proxy_wasm_properties_get: a dotted path needs a request.
                 let line = "[wasm] cannot get scoped properties outside of a request".to_owned();
-                lock(&c.data().node.state.logs).push((4, line));
+                c.data().node.state.log(4, line);
                 return Ok(status::INTERNAL_FAILURE);
             }
             let value = match parts.as_slice() {
@@ -361,7 +361,7 @@ fn calls(linker: &mut Linker<VmState>) -> Result<()> {
             let upstream = read_str(&mut c, up, ul)?;
             if nginx(&c) && !nginx_upstream(&upstream) {
                 let line = format!("[wasm] dispatch failed: invalid host \"{upstream}\" (expected host:port)");
-                lock(&c.data().node.state.logs).push((4, line));
+                c.data().node.state.log(4, line);
                 return Ok(status::INTERNAL_FAILURE);
             }
             let headers = deserialize_map(&read(&mut c, hp, hl)?)?;

@@ -158,6 +158,21 @@ pub struct Callout {
     pub timeout_ms: u32,
 }
 
+/// Most log lines a node keeps: past them the oldest half goes, so a node whose lines
+/// nothing takes stays bounded.
+pub const MAX_LOGS: usize = 10_000;
+
+impl NodeState {
+    /// Keeps a log line, within [`MAX_LOGS`].
+    pub(crate) fn log(&self, level: i32, message: String) {
+        let mut logs = lock(&self.logs);
+        if logs.len() >= MAX_LOGS {
+            logs.drain(..MAX_LOGS / 2);
+        }
+        logs.push((level, message));
+    }
+}
+
 /// One proxy process: shared data, metrics, clock and logs shared by its [`Vm`]s.
 #[derive(Clone, Default)]
 pub struct Node {
@@ -227,9 +242,13 @@ impl Node {
     pub fn metrics(&self) -> Vec<Metric> {
         lock(&self.state.metrics).clone()
     }
-    /// Log lines `(level, message)`.
+    /// Log lines `(level, message)` kept (the last [`MAX_LOGS`] at most).
     pub fn logs(&self) -> Vec<(i32, String)> {
         lock(&self.state.logs).clone()
+    }
+    /// Log lines `(level, message)` kept, taken: a proxy writes them out as they come.
+    pub fn take_logs(&self) -> Vec<(i32, String)> {
+        std::mem::take(&mut *lock(&self.state.logs))
     }
     /// Number of shared-data keys and total bytes of keys and values.
     pub fn shared_data_size(&self) -> (usize, usize) {

@@ -444,3 +444,16 @@ fn envoy_refuses_a_push_its_canary_refuses_and_the_running_root_context_serves_o
     let mut nginx = push_vm(&Node::with_profile(1, crate::Profile::NGINX), b"{}").unwrap();
     assert!(nginx.configure(b"{\"v\":2}").is_err(), "ngx_wasm_module configures a VM once");
 }
+
+#[test]
+fn a_nodes_log_lines_stay_bounded_and_are_taken_once() {
+    let node = Node::new(0);
+    for i in 0..(crate::node::MAX_LOGS + 10) {
+        node.state.log(2, format!("line {i}"));
+    }
+    let kept = node.logs();
+    assert!(kept.len() <= crate::node::MAX_LOGS, "{} lines kept", kept.len());
+    assert_eq!(kept.last().map(|(_, l)| l.clone()), Some(format!("line {}", crate::node::MAX_LOGS + 9)));
+    assert_eq!(node.take_logs().len(), kept.len());
+    assert!(node.take_logs().is_empty(), "taken once");
+}

@@ -1,7 +1,6 @@
 //! WASI shims for wasm32-wasip1 builds.
 
 use crate::memory::*;
-use crate::node::*;
 use crate::vm::*;
 use wasmtime::{bail, Caller, Linker, Result, Val};
 
@@ -26,7 +25,7 @@ pub(crate) fn define_wasi(linker: &mut Linker<VmState>, m: &str, n: &str, ty: wa
                         text.extend(read(&mut c, p as i32, l as i32)?);
                         total += l;
                     }
-                    lock(&c.data().node.state.logs).push((2, String::from_utf8_lossy(&text).into_owned()));
+                    c.data().node.state.log(2, String::from_utf8_lossy(&text).into_owned());
                     write_u32(&mut c, ret, total)?;
                     Ok(0)
                 },
