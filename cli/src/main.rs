@@ -1,4 +1,4 @@
-//! `ratewall`: the operator tool for rules documents (`../shared/DESIGN.md`, "Operator tools").
+//! `ratewall`: the operator tool for rules documents (docs/rules.md; docs/cli.md).
 //!
 //! - `ratewall check RULES.json`: validate; each rule's match, key, algorithm, limits, plans.
 //!   `ratewall check FILE.yaml` (or a directory of them) validates envoyproxy/ratelimit's

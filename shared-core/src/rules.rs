@@ -1,4 +1,4 @@
-//! The rules document (DESIGN.md's JSON) parsed and validated once into typed rules.
+//! The rules document (docs/rules.md) parsed and validated once into typed rules.
 //!
 //! Parsing is total: any input yields a [`Config`] or a [`ConfigError`] naming the field path
 //! and the reason (`rules[2].limit.per: "6O s" is not a duration`), never a panic.

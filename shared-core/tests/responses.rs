@@ -1,4 +1,4 @@
-//! The client contract, end to end through the core: evaluate the DESIGN.md example rules,
+//! The client contract, end to end through the core: evaluate the example rules (examples/rules.json),
 //! render, and read the fields back with an independent Structured Fields parser.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
