@@ -244,11 +244,18 @@ fn accept(mut stream: TcpStream, queue: &Arc<Queue>, node: &Node, reading: &Arc<
         count.fetch_sub(1, Ordering::SeqCst);
         match head {
             Head::Request(mut r) if r.path.split('?').next() == Some("/_ratewall/metrics") => {
+                // Prometheus text, each metric typed as the filter defined it.
                 let mut text = String::new();
                 for m in node.metrics() {
-                    text.push_str(&format!("{} {}\n", m.name, m.value));
+                    let kind = match m.kind {
+                        0 => "counter",
+                        1 => "gauge",
+                        _ => "untyped",
+                    };
+                    text.push_str(&format!("# TYPE {} {kind}\n{} {}\n", m.name, m.name, m.value));
                 }
-                let _ = respond(&mut r.stream, 200, &[("content-type".into(), "text/plain".into())], text.as_bytes());
+                let content_type = "text/plain; version=0.0.4; charset=utf-8";
+                let _ = respond(&mut r.stream, 200, &[("content-type".into(), content_type.into())], text.as_bytes());
             }
             Head::Request(r) => queue.push(r),
             Head::Refused(mut stream, status, body) => {

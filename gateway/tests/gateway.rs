@@ -65,6 +65,12 @@ fn the_dev_gateway_serves_the_example_rules_over_http() {
     assert_eq!(header(&headers, "content-type"), Some("application/problem+json"));
     let problem: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(problem["violated-policies"], serde_json::json!(["login-per-ip"]));
+    // The filter's metrics, in Prometheus text with their types.
+    let (status, _, metrics) = http(&addr, "GET", "/_ratewall/metrics", &[]);
+    assert_eq!(status, 200);
+    assert!(metrics.contains("# TYPE ratewall_rule_login_per_ip_rejected counter\n"), "{metrics}");
+    assert!(metrics.contains("ratewall_rule_login_per_ip_rejected 2\n"), "{metrics}");
+    assert!(metrics.contains("# TYPE ratewall_rule_login_per_ip_limited_keys gauge\n"), "{metrics}");
 }
 
 #[test]
