@@ -107,7 +107,17 @@ pub(crate) fn gateway(args: &[String]) -> Result<()> {
     if !args.iter().any(|a| a == "--rules") {
         cmd.args(["--rules", "examples/rules.json"]);
     }
-    run(cmd.args(args))
+    cmd.args(args);
+    eprintln!("+ {cmd:?}");
+    let mut child = cmd.spawn().map_err(|e| format!("could not start the gateway: {e}"))?;
+    // `cargo run` execs the gateway in its own process: a signal to xtask reaches it too.
+    forward_signals_to(&child);
+    let status = child.wait().map_err(|e| e.to_string())?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("the gateway exited with {status}"))
+    }
 }
 
 /// Children of `fleet`, stopped when xtask is stopped by a signal.
