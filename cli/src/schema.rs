@@ -223,7 +223,7 @@ pub fn schema() -> Value {
                                 "description": "An HTTP method or a list of them (default: any).",
                                 "oneOf": [
                                     {"type": "string", "pattern": "^[A-Za-z]+$"},
-                                    {"type": "array", "maxItems": 32, "items": {"type": "string", "pattern": "^[A-Za-z]+$"}}
+                                    {"type": "array", "minItems": 1, "maxItems": 32, "items": {"type": "string", "pattern": "^[A-Za-z]+$"}}
                                 ]
                             }
                         }

@@ -798,6 +798,8 @@ fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
         None => {}
         Some(Value::String(s)) => methods.push(method(s, &mp)?),
         Some(Value::Array(a)) if a.len() > MAX_METHODS => return too_many(&mp, a.len(), "methods", MAX_METHODS),
+        // An empty list would read as "any method", the opposite of what it says.
+        Some(Value::Array(a)) if a.is_empty() => return err(&mp, "must name at least one method (omit it for any)"),
         Some(Value::Array(a)) => {
             for (i, s) in a.iter().enumerate() {
                 let p = format!("{mp}[{i}]");
@@ -1024,6 +1026,12 @@ mod tests {
             .starts_with("rules[0].limit.burts: unknown field"));
         assert!(error_of("{").starts_with("not valid JSON"));
         assert_eq!(error_of("[]"), "must be an object, not an array");
+        assert_eq!(
+            error_of(
+                r#"{"rules":[{"name":"a","key":["ip"],"match":{"method":[]},"limit":{"requests":1,"per":"1s"}}]}"#
+            ),
+            "rules[0].match.method: must name at least one method (omit it for any)"
+        );
         // Two names metrics would show as one.
         let two = |a: &str, b: &str| {
             format!(
