@@ -132,6 +132,31 @@ fn refuses_to_start_without_a_secret_or_a_port() {
     assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).contains("--rls-config"), "{help:?}");
     let bogus = Command::new(env!("CARGO_BIN_EXE_ratewall-store")).arg("--bogus").output().unwrap();
     assert_eq!(bogus.status.code(), Some(2));
+    // Flags that would start a store that never serves, or serve otherwise than asked.
+    let url = redis.url();
+    for (args, why) in [
+        (vec!["--listen", "127.0.0.1:0", "--redis", "http://x"], "not a Redis URL"),
+        (vec!["--listen", "127.0.0.1:0", "--listen", "127.0.0.1:0", "--redis", url.as_str()], "is given twice"),
+        (vec!["--listen", "127.0.0.1:0", "--redis", url.as_str(), "--redis", url.as_str()], "add --cluster"),
+        (vec!["--listen", "127.0.0.1:0", "--redis", url.as_str(), "--deadline-ms", "0"], "above 0"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
+            .env("RATEWALL_SYNC_SECRET", SECRET)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(why), "{args:?}: {out:?}");
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("listening"), "{args:?}: {out:?}");
+    }
+    // A listener that cannot be bound after the main one: no "listening" said first.
+    let out = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
+        .env("RATEWALL_SYNC_SECRET", SECRET)
+        .args(["--listen", "127.0.0.1:0", "--redis", &url, "--admin", &format!("127.0.0.1:{port}")])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("listening"), "{out:?}");
 }
 
 #[test]
@@ -281,6 +306,14 @@ fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
     let r = post(&store.addr, &huge, Some(&hex(&sign(SECRET.as_bytes(), &huge))));
     assert_eq!(r.status, 413, "over 1 MiB");
     assert!(r.text().contains("a body is at most 1048576 bytes"), "{}", r.text());
+    // Declared over it: refused at once, before any of the body is sent.
+    let mut raw = std::net::TcpStream::connect(&store.addr).unwrap();
+    raw.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+    std::io::Write::write_all(&mut raw, b"POST /v1/sync HTTP/1.1\r\nhost: s\r\ncontent-length: 99999999\r\n\r\n")
+        .unwrap();
+    let mut head = [0u8; 12];
+    std::io::Read::read_exact(&mut raw, &mut head).unwrap();
+    assert_eq!(&head, b"HTTP/1.1 413");
     let old = version_1_batch(1, 1, b"k", 1);
     let r = post(&store.addr, &old, Some(&hex(&sign(SECRET.as_bytes(), &old))));
     assert_eq!(r.status, 415, "the previous protocol version");
@@ -296,7 +329,7 @@ fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
     assert_eq!(post(&store.addr, &many, Some(&hex(&sign(SECRET.as_bytes(), &many)))).status, 413, "over 500 counters");
     // Every refusal is counted, the body cut off at the listener's limit included.
     let metrics = store.get("/metrics").text();
-    assert!(metrics.contains("ratewall_store_sync_failed_total{status=\"413\"} 2\n"), "{metrics}");
+    assert!(metrics.contains("ratewall_store_sync_failed_total{status=\"413\"} 3\n"), "{metrics}");
     // None of it counted anything, and the store still serves.
     assert_eq!(counted(&store.addr, b"k", 1), 0);
 }
