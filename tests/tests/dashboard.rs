@@ -18,14 +18,16 @@ type Seen = Arc<Mutex<Vec<(String, String)>>>;
 
 const TOKEN: &str = "t0ken-for-the-dashboard-test";
 
-/// The Worker's admin routes on loopback: the page, `top` behind the token, 404 otherwise.
-/// Returns the origin and the (method, path, authorization) of every request it got.
-fn worker_routes() -> (String, Seen) {
+/// The Worker's admin routes on loopback: the page, `top` behind the token (a 500 once it has
+/// answered `top_answers` times), 404 otherwise. Returns the origin and the (method, path,
+/// authorization) of every request it got.
+fn worker_routes(top_answers: usize) -> (String, Seen) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let origin = format!("http://{}", listener.local_addr().unwrap());
     let seen = Arc::new(Mutex::new(Vec::new()));
     let log = Arc::clone(&seen);
     let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../dashboard/index.html")).unwrap();
+    let mut tops = 0;
     std::thread::spawn(move || {
         for stream in listener.incoming() {
             let Ok(mut stream) = stream else { continue };
@@ -61,7 +63,13 @@ fn worker_routes() -> (String, Seen) {
                     ("200 OK", "text/html; charset=utf-8", page.clone())
                 }
                 "/_ratewall/" => ("401 Unauthorized", "text/plain", "unauthorized".to_owned()),
-                "/_ratewall/top" if auth == format!("Bearer {TOKEN}") => ("200 OK", "application/json", top),
+                "/_ratewall/top" if auth == format!("Bearer {TOKEN}") && tops >= top_answers => {
+                    ("500 Internal Server Error", "text/plain", "the admin object did not answer".to_owned())
+                }
+                "/_ratewall/top" if auth == format!("Bearer {TOKEN}") => {
+                    tops += 1;
+                    ("200 OK", "application/json", top)
+                }
                 "/_ratewall/top" => ("401 Unauthorized", "text/plain", "unauthorized".to_owned()),
                 _ => ("404 Not Found", "text/plain", "not found".to_owned()),
             };
@@ -80,7 +88,7 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
     if let Some(why) = unavailable() {
         panic!("the browser tests cannot run: {why}");
     }
-    let (origin, seen) = worker_routes();
+    let (origin, seen) = worker_routes(usize::MAX);
     let url = format!("{origin}/_ratewall/?token={TOKEN}");
     let v = visit(&Visit {
         url: &url,
@@ -165,4 +173,27 @@ fn the_worker_serves_the_page_for_its_token_and_the_page_names_the_heaviest_clie
     .unwrap();
     assert!(v.result.as_str().unwrap().contains("?token="), "{v:?}");
     assert!(v.requests.len() == 1, "nothing else is loaded: {:?}", v.requests);
+}
+
+#[test]
+fn numbers_the_endpoints_stop_answering_are_not_shown_as_fresh() {
+    if let Some(why) = unavailable() {
+        panic!("the browser tests cannot run: {why}");
+    }
+    let (origin, _) = worker_routes(1);
+    let v = visit(&Visit {
+        url: &format!("{origin}/_ratewall/?token={TOKEN}"),
+        until: "document.querySelector('section.rule[data-rule=\"api-key\"]') &&
+                !document.querySelector('section.rule[data-rule=\"api-key\"] table.top')",
+        timeout_ms: 15_000,
+        collect: "({ top: document.querySelector('section.rule[data-rule=\"api-key\"] .top-box').textContent,
+                    totals: document.querySelector('section.rule[data-rule=\"api-key\"] .totals').textContent,
+                    updated: document.getElementById('updated').textContent })",
+        screenshots: &[],
+    })
+    .unwrap();
+    let r = &v.result;
+    assert_eq!(r["top"], "no data", "the last answer's offenders are gone once top fails: {v:?}");
+    assert_eq!(r["totals"], "", "{v:?}");
+    assert!(r["updated"].as_str().unwrap().starts_with("no answer at"), "{v:?}");
 }
