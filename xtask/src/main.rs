@@ -41,6 +41,10 @@ fn main() -> ExitCode {
         Some("gateway") => build().and_then(|_| gateway(rest)),
         Some("fleet") => build().and_then(|_| fleet()),
         Some("bench") => build().and_then(|_| bench(rest)),
+        Some("-h" | "--help" | "help") => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
         _ => {
             eprintln!("{USAGE}");
             return ExitCode::from(2);
