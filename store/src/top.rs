@@ -74,6 +74,8 @@ struct Node {
     seen: Seen,
     /// The last seq whose section was counted (a retried batch is not counted again).
     counted_seq: u64,
+    /// The unix second that section was counted in (0: none yet).
+    counted_at: u64,
 }
 
 #[derive(Debug)]
@@ -267,6 +269,20 @@ impl Inner {
     }
 }
 
+/// Each rule's counts in `section` spread evenly over the unix seconds `from..=to` (the
+/// remainder in the last ones), as [`Windows::add`] takes them.
+fn spread(section: &TopSection, from: u64, to: u64) -> Vec<Vec<ratewall_core::topk::windows::Second>> {
+    // At most the per-second series' length: older seconds are not shown anyway.
+    let from = from.max(to.saturating_sub(ratewall_core::topk::windows::SERIES as u64 - 1));
+    let k = to - from + 1;
+    let part = |total: u64, i: u64| total / k + u64::from(i >= k - total % k);
+    section
+        .rules
+        .iter()
+        .map(|r| (0..k).map(|i| (from + i, part(r.allowed, i), part(r.denied, i), part(r.shadow_denied, i))).collect())
+        .collect()
+}
+
 impl Top {
     /// A batch from `node` answered (`ok`: 200) after `rtt`, with its top section if any.
     pub fn heard(&self, node: u64, seq: u64, ok: bool, rtt: Duration, section: Option<&TopSection>) {
@@ -297,21 +313,28 @@ impl Top {
                 }
             }
         }
-        let n = inner
-            .nodes
-            .entry(node)
-            .or_insert(Node { seen: Seen { last_seen: now, rate: 0.0, rtt, degraded: false }, counted_seq: 0 });
+        let n = inner.nodes.entry(node).or_insert(Node {
+            seen: Seen { last_seen: now, rate: 0.0, rtt, degraded: false },
+            counted_seq: 0,
+            counted_at: 0,
+        });
         let gap = now.saturating_duration_since(n.seen.last_seen).as_secs_f64();
         // An exponentially weighted rate over about 5 s.
         if gap > 0.0 {
             let w = (-gap / 5.0).exp();
             n.seen.rate = n.seen.rate * w + (1.0 - w) / gap;
         }
+        let was_failing = n.seen.degraded;
         (n.seen.last_seen, n.seen.rtt, n.seen.degraded) = (now, rtt, !ok);
         let Some(section) = section.filter(|_| ok && seq > n.counted_seq) else { return };
         n.counted_seq = seq;
         let t = inner.windows.clock(unix);
-        inner.windows.add(t, section, &[]);
+        // The first section after batches failed here (Redis down, say) holds what the node
+        // decided since its last one counted: spread over those seconds, not a spike in this one.
+        let since = std::mem::replace(&mut n.counted_at, t);
+        let seconds =
+            if was_failing && since > 0 && t > since + 1 { spread(section, since + 1, t) } else { Vec::new() };
+        inner.windows.add(t, section, &seconds);
         queue(&mut inner.outbox, t, section);
     }
 
@@ -544,6 +567,31 @@ mod tests {
         assert_eq!(denied.len(), SERIES);
         assert_eq!((denied[SERIES - 2].clone(), denied[SERIES - 1].clone()), (json!(96), json!(0)));
         assert_eq!(top.fleet().len(), 3);
+    }
+
+    #[test]
+    fn what_a_node_decided_while_its_batches_failed_is_spread_over_those_seconds() {
+        let top = Top::default();
+        let now = Instant::now();
+        let t = 1_800_000_000;
+        top.heard_at(t, now, 1, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 4)], 1)));
+        // Redis down for 19 s: the node's batches fail here, its section runs on.
+        for i in 1..20 {
+            top.heard_at(t + i, now, 1, 1 + i, false, Duration::ZERO, Some(&section("r", &[("user=a", 1)], 1)));
+        }
+        top.heard_at(t + 20, now, 1, 20, true, Duration::ZERO, Some(&section("r", &[("user=a", 40)], 1)));
+        let series = top.series_at(t + 21, None);
+        let denied: Vec<u64> =
+            series["rules"][0]["denied"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let last = &denied[SERIES - 22..];
+        assert_eq!(last[0], 4, "the first batch, in its second");
+        assert!(last[1..21].iter().all(|d| *d == 2), "40 over the 20 seconds since: {last:?}");
+        assert_eq!(denied.iter().sum::<u64>(), 44, "nothing counted twice or lost");
+        assert_eq!(top.top_at(t + 21, Some("r"), Window::Minute)["rules"][0]["denied"], 44);
+        // A node that was idle, not failing, sends what it decided just now: counted now.
+        top.heard_at(t + 100, now, 1, 21, true, Duration::ZERO, Some(&section("r", &[("user=a", 5)], 1)));
+        let series = top.series_at(t + 101, None);
+        assert_eq!(series["rules"][0]["denied"][SERIES - 2], 5);
     }
 
     #[test]
