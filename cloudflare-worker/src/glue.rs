@@ -754,6 +754,15 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
 #[event(fetch)]
 async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let path = req.path();
+    // ratewall's own routes, a trailing slash or not (but the page's, which has one); the
+    // rest of `/_ratewall/` is ratewall's too, never the origin's.
+    let path = match path.strip_suffix('/') {
+        Some(p) if p.starts_with(PAGE_PATH) => p.to_owned(),
+        _ => path,
+    };
+    if path.starts_with(PAGE_PATH) && ![METRICS_PATH, TOP_PATH, SERIES_PATH, PAGE_PATH].contains(&path.as_str()) {
+        return Response::error("not a ratewall route", 404);
+    }
     if path == METRICS_PATH {
         return Response::ok(with(|i| {
             i.metrics.grant_admissions = i.grants.local;

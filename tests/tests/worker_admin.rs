@@ -136,6 +136,10 @@ fn the_admin_routes_and_the_page_answer_only_the_token() {
         assert_eq!(w.request("GET", path, &[("authorization", &ok)], &[]).status, 200, "{path}");
     }
     assert_eq!(w.request("POST", "/_ratewall/top", &[("authorization", &ok)], &[]).status, 405);
+    // A trailing slash is the same route; the rest of /_ratewall/ is ratewall's, never the origin's.
+    assert_eq!(w.request("GET", "/_ratewall/top/", &[("authorization", &ok)], &[]).status, 200);
+    assert_eq!(w.request("GET", "/_ratewall/top/", &[], &[]).status, 401);
+    assert_eq!(w.request("GET", "/_ratewall/nothing", &[("authorization", &ok)], &[]).status, 404);
     assert_eq!(w.request("GET", &format!("/_ratewall/top?token={TOKEN}"), &[], &[]).status, 401, "JSON: Bearer only");
 
     // The page, for the token as a header or as the query parameter a browser can send.
