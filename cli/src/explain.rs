@@ -145,6 +145,10 @@ pub fn explain(
     if let Some(ip) = peer.filter(|ip| parse_ip(ip.as_bytes()).is_none()) {
         return Err(Failure::Usage(format!("--ip {ip:?}: not an IP address")));
     }
+    // As the rules write methods: letters only (a typo would explain a request no client sends).
+    if method.is_empty() || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
+        return Err(Failure::Usage(format!("--method {method:?}: not an HTTP method")));
+    }
     let method = method.to_ascii_uppercase();
     let parts = Parts::new(&config, path, &headers, peer);
     let matching = config.matching(&method, &parts.path);
