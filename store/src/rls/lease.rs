@@ -363,11 +363,7 @@ impl Leases {
         let Ok(mut held) = self.held.lock() else { return };
         if let Some(h) = held.get_mut(rkey) {
             let (remaining, reset_after, at) = h.view;
-            let reset_after = if h.limit.algorithm() == Algorithm::TokenBucket {
-                reset_after.saturating_sub(hits.saturating_mul(h.limit.interval()))
-            } else {
-                reset_after
-            };
+            let reset_after = reset_after_given_back(h.limit, reset_after, hits);
             h.view = (remaining.saturating_add(hits).min(h.limit.quota()), reset_after, at);
         }
     }
@@ -444,6 +440,16 @@ impl Leases {
     /// Counters held.
     pub fn held(&self) -> usize {
         self.held.lock().map_or(0, |h| h.len())
+    }
+}
+
+/// A counter's time to reset once `hits` taken are given back: a token bucket is full again
+/// sooner by one interval a hit; a window's end does not move.
+pub(crate) fn reset_after_given_back(limit: Limit, reset_after: Nanos, hits: u64) -> Nanos {
+    if limit.algorithm() == Algorithm::TokenBucket {
+        reset_after.saturating_sub(hits.saturating_mul(limit.interval()))
+    } else {
+        reset_after
     }
 }
 

@@ -388,9 +388,8 @@ impl<K: Kv> Rls<K> {
                 if g.is_ok() {
                     if let Some(Some((rule, d))) = decisions.get_mut(c.index) {
                         d.remaining = d.remaining.saturating_add(c.hits).min(d.limit);
-                        // A bucket given its hits back is full that much sooner.
-                        if let Some(l) = rule.limit.filter(|l| l.algorithm() == ratewall_core::Algorithm::TokenBucket) {
-                            d.reset_after = d.reset_after.saturating_sub(c.hits.saturating_mul(l.interval()));
+                        if let Some(l) = rule.limit {
+                            d.reset_after = lease::reset_after_given_back(l, d.reset_after, c.hits);
                         }
                     }
                 }
