@@ -23,6 +23,8 @@ pub const SERIES: usize = 900;
 const MINUTE: (u64, usize) = (5, 12);
 /// The hour's buckets.
 const HOUR: (u64, usize) = (300, 12);
+/// The seconds the hour's buckets span.
+const HOUR_SPAN: u64 = HOUR.0 * HOUR.1 as u64;
 
 /// One second of a rule's series: (unix second, allowed, denied, shadow denied).
 pub type Second = (u64, u64, u64, u64);
@@ -118,7 +120,7 @@ impl Windows {
     /// Whether a rule was heard of within the hour before `unix`: the windows still show
     /// something.
     pub fn holds(&self, unix: u64) -> bool {
-        let since = unix.max(self.now).saturating_sub(HOUR.0 * HOUR.1 as u64);
+        let since = unix.max(self.now).saturating_sub(HOUR_SPAN);
         self.rules.iter().any(|r| r.heard > since)
     }
 
@@ -140,8 +142,8 @@ impl Windows {
                     if self.rules.len() >= self.max_rules {
                         // Full: a rule not heard of for longer than every window shows (one
                         // renamed or removed since) makes room; else this one is not tracked.
-                        let span = HOUR.0 * HOUR.1 as u64;
-                        let idle = self.rules.iter().enumerate().filter(|(_, x)| x.heard.saturating_add(span) <= t);
+                        let idle =
+                            self.rules.iter().enumerate().filter(|(_, x)| x.heard.saturating_add(HOUR_SPAN) <= t);
                         let Some(oldest) = idle.min_by_key(|(_, x)| x.heard).map(|(i, _)| i) else { continue };
                         self.rules.remove(oldest);
                     }
