@@ -119,7 +119,7 @@ fn in_configuration_order(rules: &mut Vec<Value>, config: &crate::rls::config::R
     }
     let heard: std::collections::HashSet<String> =
         rules.iter().filter_map(|r| r["rule"].as_str().map(str::to_owned)).collect();
-    for r in config.rules.iter().filter(|r| !r.unlimited && r.order != usize::MAX) {
+    for r in config.rules.iter().filter(|r| !r.unlimited) {
         let name = r.top_name.as_str();
         if !heard.contains(name) && only.is_none_or(|o| o == name) && order.get(name) == Some(&r.order) {
             rules.push(json!({"rule": name, "allowed": 0, "denied": 0, "shadow_denied": 0, "top": []}));
