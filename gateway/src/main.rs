@@ -476,6 +476,16 @@ fn origin_form(target: &str) -> Option<(String, Option<String>)> {
 
 /// Reads and parses one request off a new connection: its request line, header section
 /// (at most [`MAX_HEAD`] bytes in all) and body, within [`READ_TIMEOUT`].
+/// A request whose head could not be read: a client too slow gets a 408, one gone nothing.
+fn unread(stream: TcpStream, e: &std::io::Error) -> Head {
+    match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+            Head::Refused(stream, 408, "request timeout\n")
+        }
+        _ => Head::Gone,
+    }
+}
+
 fn read_request(stream: TcpStream) -> Head {
     let Ok(read_half) = stream.try_clone() else {
         return Head::Gone;
@@ -490,10 +500,7 @@ fn read_request(stream: TcpStream) -> Head {
         Ok(false) if budget == 0 => return Head::Refused(stream, 414, "request line too long\n"),
         Ok(false) if line.is_empty() => return Head::Gone,
         Ok(false) => return Head::Refused(stream, 400, "bad request\n"),
-        Err(e) if e.kind() == std::io::ErrorKind::TimedOut || e.kind() == std::io::ErrorKind::WouldBlock => {
-            return Head::Refused(stream, 408, "request timeout\n");
-        }
-        Err(_) => return Head::Gone,
+        Err(e) => return unread(stream, &e),
     }
     let Ok(line) = std::str::from_utf8(&line) else {
         return Head::Refused(stream, 400, "bad request: the request line is not UTF-8\n");
@@ -521,10 +528,7 @@ fn read_request(stream: TcpStream) -> Head {
                 return Head::Refused(stream, 431, "request header fields too large\n");
             }
             Ok(false) => return Head::Refused(stream, 400, "bad request: the header section is cut short\n"),
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut || e.kind() == std::io::ErrorKind::WouldBlock => {
-                return Head::Refused(stream, 408, "request timeout\n");
-            }
-            Err(_) => return Head::Gone,
+            Err(e) => return unread(stream, &e),
         }
         if h == b"\r\n" || h == b"\n" {
             break;
