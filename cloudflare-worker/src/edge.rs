@@ -131,9 +131,71 @@ pub fn checks_for(
     config.checks(&Request { method, path: &path, headers: &headers, ip: ip.as_deref() })
 }
 
-/// The Durable Object that holds a counter: one per (rule, key), named by the key's hex.
-pub fn object_name(key: &[u8]) -> String {
+/// Counter objects a deployment spreads its counters over when `COUNTER_SHARDS` is not set.
+/// A counter object costs a read, an alarm, a write and a delete over its life, and an
+/// isolate sends one report per object per interval whatever the counters in it: per-IP rules
+/// (most keys cold) cost an object and a call per key without shards. A shard serializes its
+/// counters' calls, so an `exact` rule's checks (one call each) are bounded by a shard's
+/// request rate: `COUNTER_SHARDS = "0"` gives each counter its own object (README, "The
+/// Worker").
+pub const DEFAULT_SHARDS: u32 = 64;
+
+/// The Durable Object that holds `key`'s counter: shard `s:<n>` of `shards` (by the key's
+/// FNV-1a hash, so every isolate and every version of the Worker agrees), or, with `shards`
+/// 0, the counter's own object, named by the key's hex.
+pub fn object_name(key: &[u8], shards: u32) -> String {
+    if shards == 0 {
+        return format!("c:{}", hex(key));
+    }
+    // FNV-1a, written out: the shard of a key must never change between builds, which a
+    // std `Hasher` does not promise.
+    let hash = key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3));
+    format!("s:{}", hash % u64::from(shards))
+}
+
+/// The storage key of `key`'s counter inside its object.
+pub fn storage_key(key: &[u8]) -> String {
     format!("c:{}", hex(key))
+}
+
+/// Counter calls to one object, each on its counter's key: the message body (JSON).
+pub fn encode_batch(calls: &[(Vec<u8>, Call)]) -> String {
+    let calls: Vec<Value> = calls.iter().map(|(key, call)| json!({"key": hex(key), "call": call.value()})).collect();
+    json!({ "batch": calls }).to_string()
+}
+
+/// Parses [`encode_batch`]; `None` when it is not a batch of counter calls (a registry call
+/// in a batch is not one).
+pub fn decode_batch(body: &str) -> Option<Vec<(Vec<u8>, Call)>> {
+    let v: Value = serde_json::from_str(body).ok()?;
+    v.get("batch")?
+        .as_array()?
+        .iter()
+        .map(|c| {
+            let key = unhex(c.get("key")?.as_str()?.as_bytes())?;
+            let call = Call::from_value(c.get("call")?)?;
+            call.limit().is_some().then_some((key, call))
+        })
+        .collect()
+}
+
+/// An object's answers to a batch, in its order (`None`: that counter's call failed).
+pub fn encode_replies(replies: &[Option<String>]) -> String {
+    json!({ "replies": replies }).to_string()
+}
+
+/// Parses [`encode_replies`] for a batch of `n` calls.
+pub fn decode_replies(body: &str, n: usize) -> Option<Vec<Option<String>>> {
+    let v: Value = serde_json::from_str(body).ok()?;
+    let mut replies = Vec::with_capacity(n);
+    for r in v.get("replies")?.as_array()? {
+        replies.push(match r {
+            Value::Null => None,
+            Value::String(s) => Some(s.clone()),
+            _ => return None,
+        });
+    }
+    (replies.len() == n).then_some(replies)
 }
 
 /// The Durable Object that holds the sync store's [`ratewall_core::sync::Registry`]: the
@@ -202,6 +264,11 @@ fn u64_field(v: &Value, name: &str) -> Option<u64> {
 impl Call {
     /// The message body (JSON).
     pub fn encode(&self) -> String {
+        self.value().to_string()
+    }
+
+    /// The message as JSON.
+    fn value(&self) -> Value {
         match self {
             Call::Take { limit, cost } => json!({"op": "take", "limit": limit_json(limit), "cost": cost}),
             Call::Refund { limit, cost, at } => {
@@ -217,7 +284,6 @@ impl Call {
             Call::Spend { limit, node, seq, units, ask, cost } => json!({"op": "spend", "limit": limit_json(limit),
                 "node": node, "seq": seq, "units": units, "ask": ask, "cost": cost}),
         }
-        .to_string()
     }
 
     /// The limit a counter call applies (`None` for the registry's).
@@ -234,34 +300,37 @@ impl Call {
 
     /// Parses a message body; `None` when it is not a valid call.
     pub fn decode(body: &str) -> Option<Call> {
-        let v: Value = serde_json::from_str(body).ok()?;
+        Call::from_value(&serde_json::from_str(body).ok()?)
+    }
+
+    fn from_value(v: &Value) -> Option<Call> {
         if v.get("op")?.as_str()? == "heard" {
-            let (node, seq) = (u64_field(&v, "node")?, u64_field(&v, "seq")?);
+            let (node, seq) = (u64_field(v, "node")?, u64_field(v, "seq")?);
             return Some(Call::Heard { node, seq, ask: v.get("ask")?.as_bool()? });
         }
         let limit = limit_from(v.get("limit")?)?;
         match v.get("op")?.as_str()? {
-            "take" => Some(Call::Take { limit, cost: u64_field(&v, "cost")? }),
-            "refund" => Some(Call::Refund { limit, cost: u64_field(&v, "cost")?, at: u64_field(&v, "at")? }),
+            "take" => Some(Call::Take { limit, cost: u64_field(v, "cost")? }),
+            "refund" => Some(Call::Refund { limit, cost: u64_field(v, "cost")?, at: u64_field(v, "at")? }),
             "apply" => Some(Call::Apply {
                 limit,
-                node: u64_field(&v, "node")?,
-                seq: u64_field(&v, "seq")?,
-                units: u64_field(&v, "units")?,
+                node: u64_field(v, "node")?,
+                seq: u64_field(v, "seq")?,
+                units: u64_field(v, "units")?,
             }),
             "ask" => Some(Call::Ask {
                 limit,
-                node: u64_field(&v, "node")?,
-                ask: u64_field(&v, "ask")?,
-                units: u64_field(&v, "units")?,
+                node: u64_field(v, "node")?,
+                ask: u64_field(v, "ask")?,
+                units: u64_field(v, "units")?,
             }),
             "spend" => Some(Call::Spend {
                 limit,
-                node: u64_field(&v, "node")?,
-                seq: u64_field(&v, "seq")?,
-                units: u64_field(&v, "units")?,
-                ask: u64_field(&v, "ask")?,
-                cost: u64_field(&v, "cost")?,
+                node: u64_field(v, "node")?,
+                seq: u64_field(v, "seq")?,
+                units: u64_field(v, "units")?,
+                ask: u64_field(v, "ask")?,
+                cost: u64_field(v, "cost")?,
             }),
             _ => None,
         }
@@ -996,8 +1065,31 @@ mod tests {
     }
 
     #[test]
-    fn object_names_are_the_keys_hex() {
-        assert_eq!(object_name(&[0, 0xab, 7]), "c:00ab07");
+    fn counters_are_named_by_shard_or_by_the_keys_hex() {
+        assert_eq!(object_name(&[0, 0xab, 7], 0), "c:00ab07");
+        // FNV-1a: the empty key hashes to the offset basis, and a name never changes.
+        assert_eq!(object_name(b"", 64), format!("s:{}", 0xcbf2_9ce4_8422_2325u64 % 64));
+        assert_eq!(object_name(b"a", 1_000_000), format!("s:{}", 0xaf63_dc4c_8601_ec8cu64 % 1_000_000));
+        let used: std::collections::HashSet<String> =
+            (0..1000u32).map(|i| object_name(format!("ip:{i}").as_bytes(), 16)).collect();
+        assert_eq!(used.len(), 16, "keys spread over every shard");
+    }
+
+    #[test]
+    fn a_batch_and_its_replies_round_trip() {
+        let limit = Limit::new(Algorithm::FixedWindow, 5, 1_000, None).unwrap();
+        let calls = vec![
+            (b"k1".to_vec(), Call::Take { limit, cost: 1 }),
+            (vec![0, 255], Call::Spend { limit, node: 3, seq: 9, units: 2, ask: 0, cost: 0 }),
+        ];
+        assert_eq!(decode_batch(&encode_batch(&calls)), Some(calls));
+        let heard = r#"{"batch":[{"key":"00","call":{"op":"heard","node":1,"seq":1,"ask":false}}]}"#;
+        assert_eq!(decode_batch(heard), None, "the registry's calls are not counter calls");
+        assert_eq!(decode_batch(r#"{"batch":[{"key":"0","call":{}}]}"#), None);
+        let replies = vec![Some("{}".to_owned()), None];
+        assert_eq!(decode_replies(&encode_replies(&replies), 2), Some(replies));
+        assert_eq!(decode_replies(r#"{"replies":["{}"]}"#, 2), None, "one per call");
+        assert_eq!(decode_replies(r#"{"replies":[1]}"#, 1), None);
     }
 
     #[test]

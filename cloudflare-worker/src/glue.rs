@@ -3,11 +3,12 @@
 
 use crate::edge::admin::{self, Access};
 use crate::edge::grants::{Answer, Grants, Local, Schedule, REPORT_EVERY};
-use crate::edge::object::{AlarmPlan, Object};
+use crate::edge::object::{Object, Shard};
 use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
-    cached_denials, checks_for, decided_locally, decisions, in_flight, object_name, refund_calls, shadow_lines, store,
-    take_answer, wait_of, BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, MS, REGISTRY_OBJECT,
+    cached_denials, checks_for, decided_locally, decisions, decode_batch, decode_replies, encode_batch, encode_replies,
+    in_flight, object_name, refund_calls, shadow_lines, storage_key, store, take_answer, wait_of, BlockedCache, Call,
+    LocalFallback, Metrics, Offered, Rules, DEFAULT_SHARDS, MS, REGISTRY_OBJECT,
 };
 use futures_util::future::{join, join_all, select, Either};
 use ratewall_core::eval::{combine, Check, Outcome, Skip, StoreError};
@@ -211,9 +212,69 @@ async fn keep_last_good(env: &Env, kv: &worker::kv::KvStore, good: Option<String
     }
 }
 
-/// One call to a counter object, with a deadline.
+/// One call to the object holding `key`'s counter, with a deadline.
 async fn call_object(env: &Env, key: &[u8], call: Call, timeout: Duration) -> std::result::Result<String, StoreError> {
-    call_named(env, &object_name(key), call, timeout).await
+    let object = object_name(key, shards(env));
+    let mut replies = call_batch(env, &object, &[(key.to_vec(), call)], timeout).await;
+    replies.pop().unwrap_or(Err(StoreError::Unavailable))
+}
+
+/// Counter objects the deployment's counters are spread over (`COUNTER_SHARDS`; 0: one
+/// object per counter).
+fn shards(env: &Env) -> u32 {
+    u32::try_from(var_u64(env, "COUNTER_SHARDS", u64::from(DEFAULT_SHARDS))).unwrap_or(u32::MAX)
+}
+
+/// Counter calls to the one object `object` holding their counters, in one message: each
+/// call's answer, in order (a failed call fails them all; an object's refusal one).
+async fn call_batch(
+    env: &Env,
+    object: &str,
+    calls: &[(Vec<u8>, Call)],
+    timeout: Duration,
+) -> Vec<std::result::Result<String, StoreError>> {
+    let replies = call_body(env, object, encode_batch(calls), timeout).await.and_then(|body| {
+        decode_replies(&body, calls.len()).ok_or_else(|| {
+            console_error!("ratewall: counter object {object} answered a batch unreadably");
+            StoreError::Unavailable
+        })
+    });
+    match replies {
+        Ok(r) => r.into_iter().map(|r| r.ok_or(StoreError::Unavailable)).collect(),
+        Err(e) => calls.iter().map(|_| Err(e)).collect(),
+    }
+}
+
+/// Counter calls on any keys: one message per object, answers in the calls' order.
+async fn call_objects(
+    env: &Env,
+    calls: &[(Vec<u8>, Call)],
+    timeout: Duration,
+) -> Vec<std::result::Result<String, StoreError>> {
+    let n = shards(env);
+    let mut by_object: Vec<(String, Vec<usize>)> = Vec::new();
+    for (i, (key, _)) in calls.iter().enumerate() {
+        let object = object_name(key, n);
+        match by_object.iter_mut().find(|(o, _)| *o == object) {
+            Some((_, at)) => at.push(i),
+            None => by_object.push((object, vec![i])),
+        }
+    }
+    let sent = by_object.iter().map(|(object, at)| {
+        let batch: Vec<(Vec<u8>, Call)> = at.iter().filter_map(|&i| calls.get(i).cloned()).collect();
+        async move { call_batch(env, object, &batch, timeout).await }
+    });
+    let answered = join_all(sent).await;
+    let mut out: Vec<std::result::Result<String, StoreError>> =
+        calls.iter().map(|_| Err(StoreError::Unavailable)).collect();
+    for ((_, at), replies) in by_object.iter().zip(answered) {
+        for (&i, r) in at.iter().zip(replies) {
+            if let Some(slot) = out.get_mut(i) {
+                *slot = r;
+            }
+        }
+    }
+    out
 }
 
 /// One call to the object named `name`, with a deadline.
@@ -370,20 +431,26 @@ async fn answer(
     })
 }
 
-/// Starts the background reports of `key`'s grant units unless they run: one call per
-/// [`REPORT_EVERY`] while units wait, each bringing the next grant; or, while that task
-/// sleeps and the isolate needs a grant, one report at once.
+/// Starts the background reports of the object holding `key`'s counter unless they run:
+/// one call per [`REPORT_EVERY`] while any of its counters has units waiting, each bringing
+/// their next grants; or, while that task sleeps and the isolate needs a grant, one call at
+/// once.
 fn schedule_report(env: &Env, ctx: &Context, key: &[u8], timeout: Duration) {
-    let Some(schedule) = with(|i| i.grants.schedule(key, now())) else { return };
-    let (env, key) = (env.clone(), key.to_vec());
+    let Some((object, schedule)) = with(|i| {
+        i.grants.set_shards(shards(env));
+        i.grants.schedule(key, now())
+    }) else {
+        return;
+    };
+    let env = env.clone();
     ctx.wait_until(async move {
         let mut delay = match schedule {
             Schedule::Reports(first) => first,
             Schedule::Once => {
                 let sent = now();
-                if let Some(call) = with(|i| i.grants.report_once(&key, sent)) {
-                    let reply = call_object(&env, &key, call, timeout).await;
-                    with(|i| i.grants.answered(&key, &call, reply.as_deref().map_err(|e| *e), sent, now()));
+                let calls = with(|i| i.grants.report_once(&object, sent));
+                if !calls.is_empty() {
+                    report_to(&env, &object, &calls, sent, timeout).await;
                 }
                 return;
             }
@@ -393,10 +460,22 @@ fn schedule_report(env: &Env, ctx: &Context, key: &[u8], timeout: Duration) {
                 Delay::from(Duration::from_millis(delay / MS)).await;
             }
             let sent = now();
-            let Some(call) = with(|i| i.grants.report(&key, sent)) else { break };
-            let reply = call_object(&env, &key, call, timeout).await;
-            with(|i| i.grants.answered(&key, &call, reply.as_deref().map_err(|e| *e), sent, now()));
+            let calls = with(|i| i.grants.report(&object, sent));
+            if calls.is_empty() {
+                break;
+            }
+            report_to(&env, &object, &calls, sent, timeout).await;
             delay = REPORT_EVERY;
+        }
+    });
+}
+
+/// Sends the isolate's reports `calls` to `object`, and takes its answers.
+async fn report_to(env: &Env, object: &str, calls: &[(Vec<u8>, Call)], sent: Nanos, timeout: Duration) {
+    let replies = call_batch(env, object, calls, timeout).await;
+    with(|i| {
+        for ((key, call), reply) in calls.iter().zip(&replies) {
+            i.grants.answered(key, call, reply.as_deref().map_err(|e| *e), sent, now());
         }
     });
 }
@@ -653,7 +732,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
                     i.fallback.refund(c, now());
                 }
             });
-            join_all(slots.iter().map(|(key, call)| call_object(&env, key, *call, timeout))).await;
+            call_objects(&env, &slots, timeout).await;
         });
         response
     } else {
@@ -690,8 +769,7 @@ fn give_back(
     });
     let env = env.clone();
     async move {
-        let calls = refunding.iter().map(|(key, call)| call_object(&env, key, *call, timeout));
-        join_all(calls).await;
+        call_objects(&env, &refunding, timeout).await;
     }
 }
 
@@ -717,15 +795,16 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
     // The registry first, for a batch: an older seq is refused (409) before any counter sees
     // it. An ask (a paused request waits on it) asks the registry alongside its counters.
     let registry = call_named(&env, REGISTRY_OBJECT, store::heard_call(&batch), timeout);
-    let counters = store::counter_calls(&batch);
-    let calls = counters.iter().map(|(key, call)| call_object(&env, key, *call, timeout));
+    let counters: Vec<(Vec<u8>, Call)> =
+        store::counter_calls(&batch).into_iter().map(|(k, c)| (k.to_vec(), c)).collect();
+    let calls = call_objects(&env, &counters, timeout);
     let (replies, verdict) = if batch.ask {
-        let (replies, heard) = join(join_all(calls), registry).await;
+        let (replies, heard) = join(calls, registry).await;
         (replies, store::registry_verdict(&batch, heard.ok().as_deref()))
     } else {
         match store::registry_verdict(&batch, registry.await.ok().as_deref()) {
             Err(r) => return refused(r),
-            ok => (join_all(calls).await, ok),
+            ok => (calls.await, ok),
         }
     };
     // An ask's verdict is never a refusal (the registry only advises it).
@@ -790,22 +869,29 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
     limit(req, env, ctx).await
 }
 
-/// A Durable Object holding one counter (one rule, one key), or — the one named
-/// [`REGISTRY_OBJECT`] — the sync store's node registry. Single-threaded, so every check is
-/// atomic and global. State lives in memory and is loaded lazily from storage; what to
-/// answer, write and schedule is [`Object`]'s (cloudflare-worker/src/edge/object.rs): a change from the Worker's
-/// own traffic is written back by an alarm at most `FLUSH` later, a sync delta or ask is
-/// written before it is acknowledged, an idle counter is deleted, and a stored value that
-/// cannot be read is never replaced (the call fails, and the rule's `on_store_failure`
+/// A Durable Object holding counters — a shard of the deployment's (`s:<n>`), or one counter
+/// (`c:<key hex>`, with `COUNTER_SHARDS = "0"`) — or, the one named [`REGISTRY_OBJECT`], the
+/// sync store's node registry, or, the one named [`ADMIN_OBJECT`], the edge's top offenders.
+/// Single-threaded, so every check is atomic and global. A counter lives in memory and is
+/// read from storage (under [`storage_key`]) the first time a call names it; what to answer,
+/// write and schedule is [`Shard`]'s (cloudflare-worker/src/edge/object.rs): a change from
+/// the Worker's own traffic is written back by an alarm at most `FLUSH` later, a sync delta or
+/// ask is written before it is acknowledged, an idle counter is deleted, and a stored value
+/// that cannot be read is never replaced (its calls fail, and the rule's `on_store_failure`
 /// applies).
 #[durable_object]
 pub struct RateLimitCounter {
     state: worker::State,
-    object: RefCell<Object>,
+    shard: RefCell<Shard>,
+    /// For the object named [`REGISTRY_OBJECT`].
+    registry: RefCell<Object>,
+    /// Every stored counter has been read since the object started (its first alarm reads
+    /// them, so that idle ones are deleted even if no call names them again).
+    swept: Cell<bool>,
     /// For the object named [`ADMIN_OBJECT`]: the isolates' reports, merged.
     top: RefCell<Aggregate>,
     /// For the admin object: an alarm is set to keep it in memory.
-    kept_alive: std::cell::Cell<bool>,
+    kept_alive: Cell<bool>,
 }
 
 /// How often the admin object wakes while its windows show anything: it keeps them in memory
@@ -813,26 +899,44 @@ pub struct RateLimitCounter {
 const ADMIN_KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 impl RateLimitCounter {
-    /// Reads the stored counter into the object once (`limit`: the caller's; `None` from an
-    /// alarm). A read that fails fails the call: a counter is never reset because a read
-    /// failed.
-    async fn load(&self, limit: Option<ratewall_core::Limit>) -> Result<()> {
-        if self.object.borrow().loaded() {
+    /// Reads `key`'s stored counter once (`limit`: the caller's). A read that fails fails
+    /// the call: a counter is never reset because a read failed.
+    async fn load(&self, key: &[u8], limit: Option<ratewall_core::Limit>) -> Result<()> {
+        if self.shard.borrow().loaded(key) {
             return Ok(());
         }
-        let stored: Option<String> = self.state.storage().get("c").await.map_err(|e| {
+        let stored: Option<String> = self.state.storage().get(&storage_key(key)).await.map_err(|e| {
             console_error!("ratewall: counter storage read failed: {e}");
             e
         })?;
-        self.object.borrow_mut().load(stored.as_deref(), limit).map_err(|e| {
+        self.shard.borrow_mut().load(key, stored.as_deref(), limit).map_err(|e| {
             console_error!("ratewall: {e}; it is kept, and calls to it fail");
             worker::Error::RustError(e)
         })
     }
 
-    async fn write(&self, value: String) -> Result<()> {
-        self.state.storage().put("c", value).await?;
-        self.object.borrow_mut().flushed();
+    /// Reads every stored counter not in memory yet (after a restart, an alarm can come
+    /// before any call). One that cannot be read is kept as it is.
+    async fn load_stored(&self) -> Result<()> {
+        let listed = self.state.storage().list().await?;
+        let mut entries = Vec::new();
+        listed.for_each(&mut |value, key| entries.push((key.as_string(), value.as_string())));
+        for (name, value) in entries {
+            let (Some(name), Some(value)) = (name, value) else { continue };
+            let Some(key) = name.strip_prefix("c:").and_then(|h| crate::edge::unhex(h.as_bytes())) else { continue };
+            if self.shard.borrow().loaded(&key) {
+                continue;
+            }
+            if let Err(e) = self.shard.borrow_mut().load(&key, Some(&value), None) {
+                console_error!("ratewall: {e}; it is kept, and calls to it fail");
+            }
+        }
+        Ok(())
+    }
+
+    async fn write(&self, key: &[u8], value: String) -> Result<()> {
+        self.state.storage().put(&storage_key(key), value).await?;
+        self.shard.borrow_mut().flushed(key);
         Ok(())
     }
 
@@ -842,45 +946,80 @@ impl RateLimitCounter {
             None => Ok(()),
         }
     }
+
+    /// Counter calls, each on its key's counter: the answers in order (`None` for a call
+    /// that failed: its counter could not be read, or what it acknowledges not written).
+    async fn batch(&self, calls: Vec<(Vec<u8>, Call)>) -> Result<Response> {
+        let mut replies: Vec<Option<String>> = Vec::with_capacity(calls.len());
+        let mut writes: Vec<(usize, Vec<u8>, String)> = Vec::new();
+        let mut alarm_at: Option<Nanos> = None;
+        for (n, (key, call)) in calls.into_iter().enumerate() {
+            if self.load(&key, call.limit()).await.is_err() {
+                replies.push(None);
+                continue;
+            }
+            let handled = self.shard.borrow_mut().handle(&key, call, now());
+            let Some(handled) = handled else {
+                replies.push(None);
+                continue;
+            };
+            if let Some(w) = handled.write_now {
+                writes.retain(|(_, k, _)| *k != key);
+                writes.push((n, key, w));
+            }
+            alarm_at = match (alarm_at, handled.alarm_at) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            replies.push(Some(handled.reply));
+        }
+        // Before the answers: the units the nodes are told were counted are in storage. A
+        // write that fails fails the calls on that counter since its last write.
+        for (n, key, w) in writes {
+            if let Err(e) = self.write(&key, w).await {
+                console_error!("ratewall: counter storage write failed: {e}");
+                for slot in replies.iter_mut().skip(n) {
+                    *slot = None;
+                }
+            }
+        }
+        self.set_alarm(alarm_at).await?;
+        Response::ok(encode_replies(&replies))
+    }
 }
 
 impl DurableObject for RateLimitCounter {
     fn new(state: worker::State, _env: Env) -> Self {
         RateLimitCounter {
             state,
-            object: RefCell::new(Object::default()),
+            shard: RefCell::new(Shard::default()),
+            registry: RefCell::new(Object::default()),
+            swept: Cell::new(false),
             top: RefCell::new(Aggregate::default()),
-            kept_alive: std::cell::Cell::new(false),
+            kept_alive: Cell::new(false),
         }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
         let body = req.text().await?;
-        let Some(call) = Call::decode(&body) else {
-            if let Some(call) = TopCall::decode(&body) {
-                let answer = self.top.borrow_mut().handle(call, now() / SECOND);
-                if !self.kept_alive.get() && self.top.borrow().holds(now() / SECOND) {
-                    self.state.storage().set_alarm(ADMIN_KEEP_ALIVE).await?;
-                    self.kept_alive.set(true);
-                }
-                return Response::ok(answer);
-            }
-            return Response::error("not a counter call", 400);
-        };
-        if let Some(limit) = call.limit() {
-            if let Err(e) = self.load(Some(limit)).await {
-                return Response::error(format!("counter unavailable: {e}"), 503);
-            }
+        if let Some(calls) = decode_batch(&body) {
+            return self.batch(calls).await;
         }
-        let Some(handled) = self.object.borrow_mut().handle(call, now()) else {
-            return Response::error("counter unavailable", 503);
-        };
-        if let Some(w) = handled.write_now {
-            // Before the answer: the units the node is told were counted are in storage.
-            self.write(w).await?;
+        if let Some(call @ Call::Heard { .. }) = Call::decode(&body) {
+            return match self.registry.borrow_mut().handle(call, now()) {
+                Some(handled) => Response::ok(handled.reply),
+                None => Response::error("not a registry call", 400),
+            };
         }
-        self.set_alarm(handled.alarm_at).await?;
-        Response::ok(handled.reply)
+        if let Some(call) = TopCall::decode(&body) {
+            let answer = self.top.borrow_mut().handle(call, now() / SECOND);
+            if !self.kept_alive.get() && self.top.borrow().holds(now() / SECOND) {
+                self.state.storage().set_alarm(ADMIN_KEEP_ALIVE).await?;
+                self.kept_alive.set(true);
+            }
+            return Response::ok(answer);
+        }
+        Response::error("not a counter call", 400)
     }
 
     async fn alarm(&self) -> Result<Response> {
@@ -894,22 +1033,25 @@ impl DurableObject for RateLimitCounter {
             }
             return Response::ok("");
         }
-        // After a restart the alarm may come first: load, so that idleness is judged on the
-        // stored counter (an unloaded one is not "no counter": deleting it would reset it).
-        if let Err(e) = self.load(None).await {
-            console_error!("ratewall: alarm could not load its counter ({e}); it is kept");
-            return Response::ok("");
-        }
-        let plan = self.object.borrow_mut().alarm(now());
-        match plan {
-            AlarmPlan::Delete => self.state.storage().delete_all().await?,
-            AlarmPlan::Keep { write, alarm_at } => {
-                if let Some(w) = write {
-                    self.write(w).await?;
-                }
-                self.set_alarm(alarm_at).await?;
+        // After a restart the alarm may come first: read the stored counters, so that
+        // idleness is judged on them (an unread one is not "no counter": deleting it would
+        // reset it).
+        if !self.swept.get() {
+            if let Err(e) = self.load_stored().await {
+                console_error!("ratewall: alarm could not read the stored counters ({e}); they are kept");
+                return Response::ok("");
             }
+            self.swept.set(true);
         }
+        let plan = self.shard.borrow_mut().alarm(now());
+        if !plan.delete.is_empty() {
+            let names: Vec<String> = plan.delete.iter().map(|k| storage_key(k)).collect();
+            self.state.storage().delete_multiple(names).await?;
+        }
+        for (key, w) in plan.write {
+            self.write(&key, w).await?;
+        }
+        self.set_alarm(plan.alarm_at).await?;
         Response::ok("")
     }
 }

@@ -161,14 +161,16 @@ pub fn run(s: &Scenario) -> Report {
                 }
             }
             Event::Wake(i) => {
-                if let Some(call) = isolates[i].report(KEY, t) {
+                let object = isolates[i].object_of(KEY);
+                if let Some((_, call)) = isolates[i].report(&object, t).pop() {
                     calls += 1;
                     reports += 1;
                     w.push(t + half, Event::AtObject { isolate: i, call, sent: t, looping: true });
                 }
             }
             Event::Once(i) => {
-                if let Some(call) = isolates[i].report_once(KEY, t) {
+                let object = isolates[i].object_of(KEY);
+                if let Some((_, call)) = isolates[i].report_once(&object, t).pop() {
                     calls += 1;
                     reports += 1;
                     w.push(t + half, Event::AtObject { isolate: i, call, sent: t, looping: false });
@@ -205,8 +207,8 @@ pub fn run(s: &Scenario) -> Report {
 /// Starts isolate `i`'s background task when its grants say so.
 fn wake(g: &mut Grants, w: &mut World, i: usize, t: Nanos) {
     match g.schedule(KEY, t) {
-        Some(Schedule::Reports(d)) => w.push(t + d, Event::Wake(i)),
-        Some(Schedule::Once) => w.push(t, Event::Once(i)),
+        Some((_, Schedule::Reports(d))) => w.push(t + d, Event::Wake(i)),
+        Some((_, Schedule::Once)) => w.push(t, Event::Once(i)),
         None => {}
     }
 }

@@ -183,13 +183,9 @@ struct Held {
     /// Units admitted here and not yet reported.
     pending: u64,
     report: Option<Report>,
-    /// A report is scheduled (the glue's background task for this counter runs).
-    scheduled: bool,
     /// A report should go at once, with or without units: the grant does not cover the
     /// requests coming.
     urgent: bool,
-    /// A [`Schedule::Once`] was started and has not sent its report yet.
-    kicked: bool,
     /// The object's state at its last answer, with the units admitted here since (`None`:
     /// no answer yet).
     copy: Option<State>,
@@ -217,9 +213,7 @@ impl Held {
             granted: 0,
             pending: 0,
             report: None,
-            scheduled: false,
             urgent: false,
-            kicked: false,
             copy: None,
             held: 0,
             held_until: 0,
@@ -256,6 +250,17 @@ impl Held {
     }
 }
 
+/// The background reports to one counter object.
+#[derive(Debug, Default)]
+struct Task {
+    /// The glue's task for this object runs.
+    running: bool,
+    /// A [`Schedule::Once`] was started and has not sent its reports yet.
+    kicked: bool,
+    /// The counters of this object with a report due or on its way.
+    keys: Vec<Vec<u8>>,
+}
+
 /// The isolate's grants, bounded to `cap` counters.
 pub struct Grants {
     /// This isolate's node id at the objects (random per isolate).
@@ -265,6 +270,10 @@ pub struct Grants {
     seq: u64,
     held: HashMap<Vec<u8>, Held>,
     cap: usize,
+    /// The counter objects' shards ([`super::object_name`]).
+    shards: u32,
+    /// Background reports, by counter object.
+    tasks: HashMap<String, Task>,
     /// Checks admitted from a grant.
     pub local: u64,
     /// Checks admitted on an overdraft.
@@ -302,12 +311,25 @@ impl Grants {
             seq: 0,
             held: HashMap::new(),
             cap: cap.max(1),
+            shards: super::DEFAULT_SHARDS,
+            tasks: HashMap::new(),
             local: 0,
             overdrafts: 0,
             first: 0,
             short: 0,
             dropped: 0,
         }
+    }
+
+    /// Spreads counters over `shards` objects (0: one object per counter). Counters held
+    /// stay where they are reported.
+    pub fn set_shards(&mut self, shards: u32) {
+        self.shards = shards;
+    }
+
+    /// The object `key`'s counter lives in.
+    pub fn object_of(&self, key: &[u8]) -> String {
+        super::object_name(key, self.shards)
     }
 
     fn entry(&mut self, key: &[u8], limit: Limit, now: Nanos) -> &mut Held {
@@ -401,50 +423,95 @@ impl Grants {
         Some((next, units))
     }
 
-    /// What the glue should start for `key` now, if anything: its background task of
-    /// reports ([`Schedule::Reports`]: none runs, and units wait to be reported or a grant
-    /// is needed), first at once when it is urgent or the grant runs low (so the next one
-    /// arrives before it is spent), else after [`REPORT_EVERY`]; or, while that task sleeps
-    /// and the isolate needs a grant, one report at once ([`Schedule::Once`]).
-    pub fn schedule(&mut self, key: &[u8], now: Nanos) -> Option<Schedule> {
+    /// What the glue should start for `key`'s object now, if anything: its background task
+    /// of reports ([`Schedule::Reports`]: none runs, and units wait to be reported or a grant
+    /// is needed), first at once when the object has not answered for the counter yet, the
+    /// grant runs low (so the next one arrives before it is spent) or is spent, else after
+    /// [`REPORT_EVERY`]; or, while that task sleeps and the counter's grant runs low, one
+    /// report of the object's counters at once ([`Schedule::Once`]). Each sends every counter
+    /// of the object that has a report due: one call per object, whatever its counters.
+    pub fn schedule(&mut self, key: &[u8], now: Nanos) -> Option<(String, Schedule)> {
+        let object = self.object_of(key);
         let h = self.held.get_mut(key)?;
-        let low = h.urgent || h.left.saturating_mul(2) < h.granted || h.until.saturating_sub(now) < 2 * REPORT_EVERY;
-        if h.scheduled {
-            if low && (h.urgent || h.pending > 0) && h.report.is_none() && !h.kicked {
-                h.kicked = true;
-                return Some(Schedule::Once);
-            }
-            return None;
-        }
         if h.pending == 0 && h.report.is_none() && !h.urgent {
             return None;
         }
-        h.scheduled = true;
-        Some(Schedule::Reports(if low { 0 } else { REPORT_EVERY }))
+        let low = h.answered
+            && (h.urgent || h.left.saturating_mul(2) < h.granted || h.until.saturating_sub(now) < 2 * REPORT_EVERY);
+        let idle = h.report.is_none();
+        let task = self.tasks.entry(object.clone()).or_default();
+        if !task.keys.iter().any(|k| k == key) {
+            task.keys.push(key.to_vec());
+        }
+        if !task.running {
+            task.running = true;
+            let first = if low || !h.answered { 0 } else { REPORT_EVERY };
+            return Some((object, Schedule::Reports(first)));
+        }
+        if low && idle && !task.kicked {
+            task.kicked = true;
+            return Some((object, Schedule::Once));
+        }
+        None
     }
 
-    /// The report of a [`Schedule::Once`]: like [`Grants::report`], but `None` (nothing to
-    /// send) while a report is on its way, and it leaves the schedule as it is.
-    pub fn report_once(&mut self, key: &[u8], now: Nanos) -> Option<Call> {
-        let h = self.held.get_mut(key)?;
-        h.kicked = false;
-        let limit = h.limit;
-        let (seq, units) = self.next_report(key, now)?;
-        Some(Call::Spend { limit, node: self.node, seq, units, ask: 0, cost: 0 })
-    }
-
-    /// The background report of `key` (its retry, if the last one failed), or `None` when
-    /// nothing waits (the schedule ends).
-    pub fn report(&mut self, key: &[u8], now: Nanos) -> Option<Call> {
-        let h = self.held.get_mut(key)?;
-        let (limit, pending) = (h.limit, h.report.map(|r| (r.seq, r.units)));
-        let Some((seq, units)) = pending.or_else(|| self.next_report(key, now)) else {
-            if let Some(h) = self.held.get_mut(key) {
-                h.scheduled = false;
+    /// Starts a report of every counter of `object` with one due and none on its way.
+    fn due_reports(&mut self, object: &str, now: Nanos, retry: bool) -> Vec<(Vec<u8>, Call)> {
+        let keys: Vec<Vec<u8>> = self.tasks.get(object).map(|t| t.keys.clone()).unwrap_or_default();
+        let mut calls = Vec::new();
+        for key in keys {
+            let node = self.node;
+            let in_flight = match self.held.get(&key) {
+                Some(h) => h.report.map(|r| (h.limit, r.seq, r.units)),
+                None => {
+                    if let Some(t) = self.tasks.get_mut(object) {
+                        t.keys.retain(|k| *k != key);
+                    }
+                    continue;
+                }
+            };
+            let call = match in_flight {
+                Some((limit, seq, units)) => retry.then_some(Call::Spend { limit, node, seq, units, ask: 0, cost: 0 }),
+                None => self.next_report(&key, now).and_then(|(seq, units)| {
+                    let limit = self.held.get(&key)?.limit;
+                    Some(Call::Spend { limit, node, seq, units, ask: 0, cost: 0 })
+                }),
+            };
+            match call {
+                Some(call) => calls.push((key, call)),
+                None if in_flight.is_none() => {
+                    if let Some(t) = self.tasks.get_mut(object) {
+                        t.keys.retain(|k| *k != key);
+                    }
+                }
+                None => {}
             }
-            return None;
-        };
-        Some(Call::Spend { limit, node: self.node, seq, units, ask: 0, cost: 0 })
+        }
+        calls
+    }
+
+    /// The reports of a [`Schedule::Once`]: like [`Grants::report`], but only of counters
+    /// with no report on its way, and it leaves the schedule as it is.
+    pub fn report_once(&mut self, object: &str, now: Nanos) -> Vec<(Vec<u8>, Call)> {
+        if let Some(t) = self.tasks.get_mut(object) {
+            t.kicked = false;
+        }
+        self.due_reports(object, now, false)
+    }
+
+    /// The background reports to `object` (a report that failed is sent again with its
+    /// `seq`), or none when nothing waits (the task ends).
+    pub fn report(&mut self, object: &str, now: Nanos) -> Vec<(Vec<u8>, Call)> {
+        let calls = self.due_reports(object, now, true);
+        if calls.is_empty() {
+            if let Some(t) = self.tasks.get_mut(object) {
+                t.running = false;
+                if t.keys.is_empty() && !t.kicked {
+                    self.tasks.remove(object);
+                }
+            }
+        }
+        calls
     }
 
     /// Takes the object's answer (`Err`: the call failed) to the report `call` for `key`,
@@ -576,7 +643,7 @@ mod tests {
                 }
                 if let Some(d) = self.due.filter(|d| *d <= t) {
                     self.due = None;
-                    if let Some(call) = self.grants.report(KEY, d) {
+                    if let Some(call) = self.grants.report_key(d) {
                         self.send(call, d, true);
                     }
                     continue;
@@ -584,9 +651,10 @@ mod tests {
                 break;
             }
             match self.grants.schedule(KEY, t) {
-                Some(Schedule::Reports(d)) => self.due = Some(t + d),
-                Some(Schedule::Once) => {
-                    if let Some(call) = self.grants.report_once(KEY, t) {
+                Some((_, Schedule::Reports(d))) => self.due = Some(t + d),
+                Some((object, Schedule::Once)) => {
+                    for (key, call) in self.grants.report_once(&object, t) {
+                        assert_eq!(key, KEY);
                         self.send(call, t, false);
                     }
                 }
@@ -608,6 +676,20 @@ mod tests {
         fn object_remaining(&mut self, t: Nanos) -> u64 {
             let view = self.object.handle(Call::Take { limit: self.limit, cost: 0 }, t).unwrap().reply;
             Taken::decode(&view).unwrap().decision.remaining
+        }
+    }
+
+    impl Grants {
+        /// The task's report of [`KEY`] alone (as if it were due), at `t`.
+        fn report_key(&mut self, t: Nanos) -> Option<Call> {
+            let object = self.object_of(KEY);
+            self.tasks.entry(object.clone()).or_default().keys = vec![KEY.to_vec()];
+            let mut calls = self.report(&object, t);
+            assert!(calls.len() <= 1);
+            calls.pop().map(|(key, call)| {
+                assert_eq!(key, KEY);
+                call
+            })
         }
     }
 
@@ -759,13 +841,13 @@ mod tests {
         }
         p.due = None;
         p.flying.clear();
-        let call = p.grants.report(KEY, T + 20).unwrap();
+        let call = p.grants.report_key(T + 20).unwrap();
         let Call::Spend { units, .. } = call else { panic!() };
         assert!(units > 0);
         // The object applied it but its answer was lost.
         let _ = p.object.handle(call, T + 20);
         p.grants.answered(KEY, &call, Err(StoreError::Unavailable), T + 20, T + 30);
-        let again = p.grants.report(KEY, T + 40).unwrap();
+        let again = p.grants.report_key(T + 40).unwrap();
         assert_eq!(again, call, "the same seq and units");
         let reply = p.object.handle(again, T + 40).unwrap().reply;
         p.grants.answered(KEY, &again, Ok(&reply), T + 40, T + 40);
@@ -779,12 +861,12 @@ mod tests {
         for i in 0..3 {
             p.grants.check(KEY, p.limit, 1, T + i);
         }
-        let call = p.grants.report(KEY, T + 10).unwrap();
+        let call = p.grants.report_key(T + 10).unwrap();
         let Call::Spend { units, .. } = call else { panic!() };
         let late = T + 10 + RETRY_HORIZON + 1;
         p.grants.answered(KEY, &call, Err(StoreError::Unavailable), T + 10, late);
         assert_eq!(p.grants.dropped, units);
-        assert_ne!(p.grants.report(KEY, late), Some(call), "not retried again");
+        assert_ne!(p.grants.report_key(late), Some(call), "not retried again");
     }
 
     #[test]
@@ -794,14 +876,14 @@ mod tests {
         p.run(T + MS);
         // The object stops answering: the next report fails, the grant lapses.
         p.grants.check(KEY, p.limit, 1, T + 2 * MS);
-        let call = p.grants.report(KEY, T + 3 * MS).unwrap();
+        let call = p.grants.report_key(T + 3 * MS).unwrap();
         p.grants.answered(KEY, &call, Err(StoreError::Unavailable), T + 3 * MS, T + 4 * MS);
         let later = T + 10 * SECOND;
         let outcomes: Vec<Local> = (0..5).map(|i| p.grants.check(KEY, p.limit, 1, later + i)).collect();
         assert!(matches!(outcomes[0], Local::Overdraft(_)), "{outcomes:?}");
         assert!(outcomes[1..].iter().all(|o| matches!(o, Local::Unreachable(_))), "{outcomes:?}");
         // Once the object answers again, a spent grant is short again, not a failure.
-        let call = p.grants.report(KEY, later + 10).unwrap();
+        let call = p.grants.report_key(later + 10).unwrap();
         let reply = p.object.handle(call, later + 10).unwrap().reply;
         p.grants.answered(KEY, &call, Ok(&reply), later + 10, later + 11);
         assert!(!p.grants.failing(KEY));

@@ -7,6 +7,7 @@ use super::{encode_applied, encode_heard, parse_stored, stored_value, Call, Take
 use ratewall_core::algo::{Limit, Nanos};
 use ratewall_core::sync::{Counter, Registry};
 use ratewall_core::SECOND;
+use std::collections::HashMap;
 
 /// A node that has not synced a counter for this long no longer takes a share of it.
 pub const NODE_TTL: Nanos = 2 * SECOND;
@@ -171,6 +172,113 @@ impl Object {
     /// Whether a write is owed.
     pub fn dirty(&self) -> bool {
         self.dirty
+    }
+
+    /// An alarm at `at` unless an earlier one is set: the time to set it to, if it moves.
+    fn schedule(&mut self, at: Nanos) -> Option<Nanos> {
+        if self.alarm_at.is_some_and(|a| a <= at) {
+            return None;
+        }
+        self.alarm_at = Some(at);
+        Some(at)
+    }
+}
+
+fn earliest(a: Option<Nanos>, b: Option<Nanos>) -> Option<Nanos> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// What a shard's alarm does: each change to storage, then the next alarm.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardAlarm {
+    /// Idle counters to delete (their keys).
+    pub delete: Vec<Vec<u8>>,
+    /// Counters to write back: (key, stored value).
+    pub write: Vec<(Vec<u8>, String)>,
+    /// The next alarm (the object's clock), if one is due.
+    pub alarm_at: Option<Nanos>,
+}
+
+/// A counter object's counters: one per key its calls name (a shard of the deployment's, or
+/// one alone), each an [`Object`], read from storage the first time a call names it.
+#[derive(Debug, Default)]
+pub struct Shard {
+    counters: HashMap<Vec<u8>, Object>,
+    /// The alarm set, if any.
+    alarm_at: Option<Nanos>,
+}
+
+impl Shard {
+    /// Whether `key`'s stored counter has been read.
+    pub fn loaded(&self, key: &[u8]) -> bool {
+        self.counters.get(key).is_some_and(Object::loaded)
+    }
+
+    /// Takes what storage held for `key` ([`Object::load`]).
+    pub fn load(&mut self, key: &[u8], stored: Option<&str>, limit: Option<Limit>) -> Result<(), String> {
+        let o = self.counters.entry(key.to_vec()).or_default();
+        let loaded = o.load(stored, limit);
+        if loaded.is_err() {
+            self.counters.remove(key);
+        }
+        loaded
+    }
+
+    /// Handles a call on `key`'s counter at `t` ([`Object::handle`]); `None` before
+    /// [`Shard::load`]. The alarm it asks for is the shard's, set only when it moves earlier.
+    pub fn handle(&mut self, key: &[u8], call: Call, t: Nanos) -> Option<Handled> {
+        let mut handled = self.counters.get_mut(key)?.handle(call, t)?;
+        handled.alarm_at = handled.alarm_at.and_then(|at| self.schedule(at));
+        Some(handled)
+    }
+
+    /// A write of `key`'s counter reached storage.
+    pub fn flushed(&mut self, key: &[u8]) {
+        if let Some(o) = self.counters.get_mut(key) {
+            o.flushed();
+        }
+    }
+
+    /// The alarm at `t`: every counter whose own alarm is due writes back or is forgotten.
+    pub fn alarm(&mut self, t: Nanos) -> ShardAlarm {
+        self.alarm_at = None;
+        let mut plan = ShardAlarm::default();
+        let mut next: Option<Nanos> = None;
+        for (key, o) in &mut self.counters {
+            if o.alarm_at.is_some_and(|at| at > t) {
+                next = earliest(next, o.alarm_at);
+                continue;
+            }
+            match o.alarm(t) {
+                AlarmPlan::Delete => plan.delete.push(key.clone()),
+                AlarmPlan::Keep { write, alarm_at } => {
+                    if let Some(w) = write {
+                        plan.write.push((key.clone(), w));
+                    }
+                    // Judged again at its next alarm (or, with none, at the next call).
+                    let at = alarm_at.or(o.alarm_at);
+                    next = earliest(next, at);
+                }
+            }
+        }
+        for key in &plan.delete {
+            self.counters.remove(key);
+        }
+        plan.alarm_at = next.and_then(|at| self.schedule(at));
+        plan
+    }
+
+    /// Counters in memory.
+    pub fn len(&self) -> usize {
+        self.counters.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.counters.is_empty()
     }
 
     /// An alarm at `at` unless an earlier one is set: the time to set it to, if it moves.
