@@ -138,7 +138,7 @@ pub fn checks_for(
 /// counters' calls, so an `exact` rule's checks (one call each) are bounded by a shard's
 /// request rate: `COUNTER_SHARDS = "0"` gives each counter its own object (README, "The
 /// Worker").
-pub const DEFAULT_SHARDS: u32 = 64;
+pub const DEFAULT_SHARDS: u32 = 16;
 
 /// The Durable Object that holds `key`'s counter: shard `s:<n>` of `shards` (by the key's
 /// FNV-1a hash, so every isolate and every version of the Worker agrees), or, with `shards`

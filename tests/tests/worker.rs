@@ -235,6 +235,33 @@ fn counter_state_survives_a_runtime_restart_within_the_flush_bound() {
 }
 
 #[test]
+fn cold_keys_share_their_objects_reports_and_each_keeps_its_own_limit() {
+    let w = start(&[("COUNTER_SHARDS", "2")]);
+    ratewall_tests::clear_of_a_window_edge(Duration::from_secs(60), Duration::from_secs(10));
+    let before = w.metric("ratewall_object_calls");
+    let users: Vec<String> = (0..60).map(|i| format!("cold{i}")).collect();
+    let user = |i: usize| [("x-user-id", users[i].as_str())];
+    for i in 0..60 {
+        assert_eq!(statuses(&w, "GET", "/u/x", &user(i), 1), [200]);
+    }
+    // Their reports land: one call per object per interval, whatever the counters in it.
+    std::thread::sleep(Duration::from_millis(1500));
+    let calls = w.metric("ratewall_object_calls") - before;
+    assert!(calls < 30, "{calls} object calls for 60 cold counters on 2 objects");
+    // Each user's limit (3 a minute) is its own: two more each, then 429 (the rounds apart,
+    // so that each isolate's report is answered between them).
+    let mut seen = vec![Vec::new(); 5];
+    for _ in 0..4 {
+        for (i, s) in seen.iter_mut().enumerate() {
+            s.extend(statuses(&w, "GET", "/u/x", &user(i), 1));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert!(seen.iter().all(|s| s == &[200, 200, 429, 429]), "{seen:?}");
+    assert_eq!(statuses(&w, "GET", "/u/x", &user(59), 1), [200]);
+}
+
+#[test]
 fn unreachable_counter_objects_fail_open_to_a_local_limit_or_closed_with_503() {
     // A binding that does not exist: every Durable Object call fails.
     let w = start(&[("COUNTER_BINDING", "NO_SUCH_BINDING")]);

@@ -595,7 +595,7 @@ impl Grants {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::edge::object::Object;
+    use crate::edge::object::{Object, Shard};
     use crate::edge::Taken;
     use ratewall_core::SECOND;
 
@@ -831,6 +831,35 @@ mod tests {
         assert!(expected.is_some_and(|e| e > 30 * SECOND));
         let got = denied.retry_after.unwrap();
         assert!(got.abs_diff(expected.unwrap()) < 5 * MS, "Retry-After is the window's: {got} vs {expected:?}");
+    }
+
+    #[test]
+    fn an_isolate_reports_every_counter_of_an_object_in_one_call() {
+        let mut g = Grants::new(3, 100);
+        g.set_shards(1);
+        let limit = sliding(100);
+        // The first key starts the object's task at once (no answer yet); the others join it.
+        assert!(g.check(b"k0", limit, 1, T).decision().allowed);
+        assert_eq!(g.schedule(b"k0", T), Some(("s:0".to_owned(), Schedule::Reports(0))));
+        for k in 100..149u8 {
+            assert!(g.check(&[b'k', k], limit, 1, T + 1).decision().allowed);
+            assert_eq!(g.schedule(&[b'k', k], T + 1), None, "the running task reports it");
+        }
+        let calls = g.report("s:0", T + 2);
+        assert_eq!(calls.len(), 50, "one call for the fifty counters");
+        assert!(calls.iter().all(|(_, c)| matches!(c, Call::Spend { units: 1, .. })));
+        // Their answers come; with nothing more admitted, the task ends.
+        let mut object = Shard::default();
+        for (key, call) in &calls {
+            object.load(key, None, Some(limit)).unwrap();
+            let reply = object.handle(key, *call, T + 3).unwrap().reply;
+            g.answered(key, call, Ok(&reply), T + 2, T + 4);
+        }
+        assert!(g.report("s:0", T + REPORT_EVERY).is_empty());
+        // Per-counter objects: one task each.
+        g.set_shards(0);
+        assert!(g.check(b"solo", limit, 1, T + 5).decision().allowed);
+        assert_eq!(g.schedule(b"solo", T + 5), Some((super::super::object_name(b"solo", 0), Schedule::Reports(0))));
     }
 
     #[test]

@@ -427,6 +427,54 @@ mod tests {
     }
 
     #[test]
+    fn a_shard_keeps_each_keys_counter_apart_and_writes_and_forgets_each_on_its_own() {
+        let mut shard = Shard::default();
+        let take = Call::Take { limit: limit(), cost: 1 };
+        assert_eq!(shard.handle(b"a", take, T), None, "a counter not read from storage decides nothing");
+        shard.load(b"a", None, Some(limit())).unwrap();
+        let allowed = |h: Option<Handled>| Taken::decode(&h.unwrap().reply).unwrap().decision.allowed;
+        for _ in 0..3 {
+            assert!(allowed(shard.handle(b"a", take, T)));
+        }
+        assert!(!allowed(shard.handle(b"a", take, T)), "a's limit");
+        // a is written back within FLUSH of its change, at the shard's alarm.
+        let plan = shard.alarm(T + FLUSH);
+        assert_eq!(plan.write.iter().map(|(k, _)| k.as_slice()).collect::<Vec<_>>(), [b"a"]);
+        shard.flushed(b"a");
+        let a_idle = parse_stored(&plan.write[0].1, None).unwrap().idle_at();
+        assert_eq!(plan.alarm_at, Some(a_idle), "woken when a goes idle");
+        // b, a window later, counts apart, and moves the shard's alarm earlier for its write.
+        let b_at = T + 70 * SECOND;
+        shard.load(b"b", None, Some(limit())).unwrap();
+        let first = shard.handle(b"b", take, b_at).unwrap();
+        assert!(Taken::decode(&first.reply).unwrap().decision.allowed, "b counts apart");
+        assert_eq!(first.alarm_at, Some(b_at + FLUSH));
+        let plan = shard.alarm(b_at + FLUSH);
+        assert_eq!(plan.write.iter().map(|(k, _)| k.as_slice()).collect::<Vec<_>>(), [b"b"]);
+        assert!(plan.delete.is_empty());
+        shard.flushed(b"b");
+        assert_eq!(plan.alarm_at, Some(a_idle));
+        // a, idle first, is forgotten while b is kept.
+        let plan = shard.alarm(a_idle);
+        assert_eq!(plan.delete, vec![b"a".to_vec()]);
+        assert!(plan.write.is_empty());
+        assert!(plan.alarm_at.is_some_and(|at| at > a_idle), "woken again for b");
+        assert!(!shard.loaded(b"a") && shard.loaded(b"b"));
+        assert_eq!(shard.len(), 1);
+    }
+
+    #[test]
+    fn a_shard_refuses_only_the_counter_whose_stored_value_is_unreadable() {
+        let mut shard = Shard::default();
+        assert!(shard.load(b"bad", Some("not hex/[]"), Some(limit())).is_err());
+        shard.load(b"good", None, Some(limit())).unwrap();
+        let take = Call::Take { limit: limit(), cost: 1 };
+        assert_eq!(shard.handle(b"bad", take, T), None);
+        assert!(shard.handle(b"good", take, T).is_some());
+        assert!(!shard.loaded(b"bad"), "read again at its next call, never written over");
+    }
+
+    #[test]
     fn the_registry_object_answers_heard_calls_without_loading() {
         let mut o = Object::default();
         let h = o.handle(Call::Heard { node: 1, seq: 5, ask: false }, T).unwrap();
