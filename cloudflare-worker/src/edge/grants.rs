@@ -369,6 +369,17 @@ impl Grants {
             return Local::Denied(room);
         }
         h.urgent = true;
+        let quiet = h.answered && !h.failing && now >= h.until && h.pending == 0 && h.report.is_none() && h.over == 0;
+        let others = if now < h.held_until { h.held } else { 0 };
+        if quiet && room.remaining.saturating_add(cost).saturating_sub(others).saturating_mul(2) >= limit.quota() {
+            // Quiet since its grant lapsed, with nothing owed, and at least half the quota
+            // free in its copy: the object has let the isolate's units go, as for an isolate
+            // new to the counter. It is decided as one (below), on its copy, until the answer
+            // to the report this check sends: a client's burst after a pause is not cut at
+            // the overdraft's one unit. (Near the limit, where the copy may be stale, the
+            // overdraft stays the only way past a grant.)
+            h.answered = false;
+        }
         if !h.answered {
             // New to this isolate: until the object's first answer (a round trip), it is
             // decided as a fresh counter with this isolate's admissions — what one client
@@ -831,6 +842,23 @@ mod tests {
         assert!(expected.is_some_and(|e| e > 30 * SECOND));
         let got = denied.retry_after.unwrap();
         assert!(got.abs_diff(expected.unwrap()) < 5 * MS, "Retry-After is the window's: {got} vs {expected:?}");
+    }
+
+    #[test]
+    fn a_burst_after_a_pause_longer_than_the_lease_is_not_cut_at_the_overdraft() {
+        let mut p = Pair::new(sliding(3));
+        p.rtt = 2 * MS;
+        assert!(p.request(T).decision().allowed);
+        for i in 0..100 {
+            p.run(T + i * 20 * MS);
+        }
+        let h = &p.grants.held[KEY];
+        assert!(h.answered && h.until < T + 2 * SECOND, "answered, its grant lapsed by the burst");
+        // Three at once, before the report the first sends is answered: the limit's rest.
+        let burst: Vec<Local> = (0..3).map(|i| p.grants.check(KEY, p.limit, 1, T + 2 * SECOND + i)).collect();
+        let allowed: Vec<bool> = burst.iter().map(|l| l.decision().allowed).collect();
+        assert_eq!(allowed, [true, true, false], "{burst:?}");
+        assert!(matches!(burst[2], Local::Denied(_)), "the limit's own denial, not a short one: {burst:?}");
     }
 
     #[test]
