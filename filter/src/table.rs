@@ -193,6 +193,19 @@ impl Allowance {
         }
     }
 
+    /// Whether the lease ended while the node was quiet on the counter — nothing admitted
+    /// since the answer, none of its units found unreported then, no overdraft owed — and that
+    /// answer showed at least half of `quota` free: the grant and the overdraft it allowed,
+    /// which together never exceed what remained (`since` 0: the grant is as it was given).
+    pub fn lapsed_quietly(&self, now: Nanos, quota: u64) -> bool {
+        self.until_ms > 0
+            && now / MS >= self.until_ms
+            && self.since == 0
+            && self.carry == 0
+            && !self.overdrawn
+            && u64::from(self.units).saturating_add(u64::from(self.over)).saturating_mul(2) >= quota
+    }
+
     /// Writes the entry encoding: a varint, 0 for none, else
     /// `(units << 2 | more << 1 | leased) + 1`, then the lease end when leased, then (bucket
     /// version 4) the overdraft and the traffic share, then (version 6) the units admitted
@@ -732,7 +745,19 @@ impl Counters for TableCounters<'_> {
             let share = grant.map_or(0, |g| g.share);
             let kept = grant;
             let grant = if rolled { None } else { grant };
-            let held = grant.unwrap_or(Allowance { share, ..first });
+            // A grant that lapsed while the node was quiet on the counter, its last answer
+            // showing at least half the quota free: the counter is decided as one new to the
+            // node (on the node's own state and its initial share) until the next answer, so a
+            // client's burst after a pause longer than the lease is not cut at the overdraft
+            // (none at all where the grant took all that remained). Near the limit the answer
+            // may be stale, and the overdraft stays the only way past a grant.
+            let quiet = matches!(grants, Grants::On { .. })
+                && first.units > 0
+                && grant.is_some_and(|g| g.lapsed_quietly(now, limit.quota()));
+            let held = match grant {
+                Some(g) if !quiet => g,
+                _ => Allowance { share, ..first },
+            };
             let held = Allowance { units: held.units_at(now), ..held };
             let over = if no_wait && !out { u64::from(held.over) } else { 0 };
             let allowance = match (grants, refunding) {

@@ -1388,3 +1388,49 @@ fn a_denied_key_of_an_exact_rule_shows_the_units_its_asks_took_as_allowed() {
     }
     assert_eq!(entries, [(1, 2)], "ann: denied once, admitted twice through asks");
 }
+
+#[test]
+fn a_burst_after_a_pause_longer_than_the_lease_gets_the_limits_rest_not_short_denials() {
+    // 3 a minute (a sliding window), one node: one request, synced; a pause; then three at
+    // once before the next answer. Whether the grant was renewed through the pause (up to
+    // 5-6 s after the request) or lapsed (10 s, 30 s), the node answers as its limiter alone
+    // does: 200, 200, then the limit's own 429.
+    let ann = [("x-user-id", "ann")];
+    let alone = r#"{"identity": {"user": {"header": "x-user-id"}},
+  "rules": [{"name": "user", "match": {"path": "/u/*"}, "key": ["user"], "limit": {"requests": 3, "per": "60s"}}]}"#;
+    for pause in [1_500, 5_000, 10_000, 30_000] {
+        let h = FakeHost::new();
+        let e = engine(&h, &rules(3, 1));
+        let mut s = store();
+        assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 1), [200]);
+        for _ in 0..pause / 100 {
+            h.advance(100 * MS);
+            e.on_tick(&h);
+            for c in h.take_calls() {
+                let (status, tag, body) = answer(&mut s, h.now(), SECRET, &c);
+                assert_eq!(SyncResponse::decode(&body).unwrap().nodes, 1, "the store knows this node only");
+                e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+            }
+        }
+        let held = e.table().grant(&h, &key_of(&e, NO_WAIT, "ann")).expect("an answer");
+        assert_eq!(held.units_at(h.now()) == 0, pause >= 10_000, "{pause}: {held:?}");
+        let burst: Vec<Reply> = (0..3).map(|_| reply(&e, &h, "GET", NO_WAIT, &ann)).collect();
+        let got: Vec<u16> = burst.iter().map(|r| r.status).collect();
+        assert_eq!(got, [200, 200, 429], "{pause}: {held:?}");
+        let retry = burst[2].headers.iter().find(|(n, _)| *n == "Retry-After").map(|(_, v)| v.as_str());
+        assert!(retry.and_then(|v| v.parse::<u64>().ok()).is_some_and(|s| s > 1), "the limit's denial: {retry:?}");
+        assert!(h.take_calls().is_empty(), "no call on the request path");
+        // As the node's limiter alone decides.
+        let local = FakeHost::new();
+        let le = engine(&local, alone);
+        assert_eq!(statuses(&le, &local, "GET", NO_WAIT, &ann, 1), [200]);
+        local.advance(pause * MS);
+        assert_eq!(statuses(&le, &local, "GET", NO_WAIT, &ann, 3), got);
+        // The next answer counts them, and the limit holds.
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+        assert_eq!(counted(&s, &e, NO_WAIT, "ann", h.now()), 3);
+        assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 2), [429, 429]);
+    }
+}
