@@ -565,3 +565,63 @@ fn the_store_holds_the_part_of_a_node_cut_off_from_it() {
     assert!(r.overadmission_max_pct <= 10.0, "{r:?}");
     assert!(r.false_denial_pct <= 10.0, "{r:?}");
 }
+
+#[test]
+fn a_burst_after_the_grant_and_its_renewals_lapse_gets_the_limits_rest_and_then_the_windows_429() {
+    use ratewall_core::sync::{SyncRequest, MAX_LEASE};
+    use ratewall_core::Algorithm;
+    // 3 a minute, the default algorithm (a sliding window), not exact; one node.
+    let config = serde_json::json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "r", "key": ["user"], "limit": {"requests": 3, "per": "60s"}}],
+        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": "1s", "nodes": 1}
+    })
+    .to_string();
+    let (node, mut vm, mut store) = one_node(&config);
+    let user = HttpRequest::new("GET", "/").header("x-user-id", "ann");
+    let asks = node.metric("ratewall_sync_asks");
+    // Every request is decided at once: none pauses on a call to the store.
+    let unpaused = |vm: &mut Vm| match vm.begin(&user).unwrap() {
+        Started::Done(r) => r,
+        Started::Paused(_) => panic!("a request of a rule that is not exact paused"),
+    };
+    assert_eq!(unpaused(&mut vm).status, 200);
+    // 10 s of sync intervals with no request: the batch reports the request and the store
+    // grants; the node renews the grant for a few seconds, then stops, and the lease ends.
+    let (mut counter, mut last_named) = (None, 0);
+    for _ in 0..100 {
+        node.advance(100_000_000);
+        vm.tick().unwrap();
+        for c in vm.take_callouts() {
+            let sent = SyncRequest::decode(&c.body).unwrap();
+            assert!(!sent.ask, "no ask while idle");
+            if let Some(d) = sent.deltas.first() {
+                assert_eq!(d.limit.algorithm(), Algorithm::SlidingWindow);
+                counter = Some(d.key.clone());
+                last_named = node.now();
+            }
+            answer_from(&mut store, node.now(), &mut vm, &c).unwrap();
+        }
+    }
+    let counter = counter.expect("a batch reported the request");
+    assert!(node.now() - last_named > MAX_LEASE, "renewals stopped a lease before the burst");
+    let counted = |store: &Store, now| store.peek(&counter, now).map_or(0, |d| d.limit - d.remaining);
+    assert_eq!(counted(&store, node.now()), 1, "the store counted the first request");
+    // Three back to back, before the next answer: the limit's rest, then its own denial,
+    // which waits for the window, not a short retry.
+    let burst: Vec<_> = (0..3).map(|_| unpaused(&mut vm)).collect();
+    let statuses: Vec<u32> = burst.iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [200, 200, 429]);
+    let retry = burst[2].header("retry-after");
+    assert!(retry.and_then(|v| v.parse::<u64>().ok()).is_some_and(|s| s > 1), "the window's denial: {retry:?}");
+    assert!(vm.take_callouts().is_empty(), "no call on the request path");
+    assert_eq!(node.metric("ratewall_sync_asks"), asks, "no ask");
+    // The next answer counts them, and the limit holds.
+    synced_tick(&node, &mut vm, &mut store);
+    assert_eq!(counted(&store, node.now()), 3, "the store counted the burst's two");
+    for _ in 0..3 {
+        synced_tick(&node, &mut vm, &mut store);
+    }
+    assert_eq!(unpaused(&mut vm).status, 429, "the quota is spent");
+    assert_eq!(node.metric("ratewall_sync_degraded_requests"), 0, "the view stayed fresh throughout");
+}
