@@ -899,22 +899,6 @@ pub struct RateLimitCounter {
 const ADMIN_KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 impl RateLimitCounter {
-    /// Reads `key`'s stored counter once (`limit`: the caller's). A read that fails fails
-    /// the call: a counter is never reset because a read failed.
-    async fn load(&self, key: &[u8], limit: Option<ratewall_core::Limit>) -> Result<()> {
-        if self.shard.borrow().loaded(key) {
-            return Ok(());
-        }
-        let stored: Option<String> = self.state.storage().get(&storage_key(key)).await.map_err(|e| {
-            console_error!("ratewall: counter storage read failed: {e}");
-            e
-        })?;
-        self.shard.borrow_mut().load(key, stored.as_deref(), limit).map_err(|e| {
-            console_error!("ratewall: {e}; it is kept, and calls to it fail");
-            worker::Error::RustError(e)
-        })
-    }
-
     /// Reads every stored counter not in memory yet (after a restart, an alarm can come
     /// before any call). One that cannot be read is kept as it is.
     async fn load_stored(&self) -> Result<()> {
@@ -934,9 +918,57 @@ impl RateLimitCounter {
         Ok(())
     }
 
-    async fn write(&self, key: &[u8], value: String) -> Result<()> {
-        self.state.storage().put(&storage_key(key), value).await?;
-        self.shard.borrow_mut().flushed(key);
+    /// Reads, in one storage call, the stored counters `calls` name that are not in memory.
+    /// A counter whose read failed, or whose value cannot be read, stays unread (its calls
+    /// fail; it is never written over).
+    async fn load_many(&self, calls: &[(Vec<u8>, Call)]) {
+        let mut names: Vec<String> = Vec::new();
+        for (key, _) in calls {
+            let name = storage_key(key);
+            if !self.shard.borrow().loaded(key) && !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        if names.is_empty() {
+            return;
+        }
+        let stored = match self.state.storage().get_multiple(names).await {
+            Ok(m) => m,
+            Err(e) => {
+                console_error!("ratewall: counter storage read failed: {e}");
+                return;
+            }
+        };
+        for (key, call) in calls {
+            if self.shard.borrow().loaded(key) {
+                continue;
+            }
+            let value = stored.get(&JsValue::from_str(&storage_key(key)));
+            let value = match value.as_string() {
+                Some(v) => Some(v),
+                None if value.is_undefined() => None,
+                None => {
+                    console_error!("ratewall: a stored counter is not text; it is kept, and calls to it fail");
+                    continue;
+                }
+            };
+            if let Err(e) = self.shard.borrow_mut().load(key, value.as_deref(), call.limit()) {
+                console_error!("ratewall: {e}; it is kept, and calls to it fail");
+            }
+        }
+    }
+
+    /// Writes counters' values in one storage call.
+    async fn write_all(&self, values: Vec<(Vec<u8>, String)>) -> Result<()> {
+        let object = worker::js_sys::Object::new();
+        for (key, value) in &values {
+            worker::js_sys::Reflect::set(&object, &JsValue::from_str(&storage_key(key)), &JsValue::from_str(value))?;
+        }
+        self.state.storage().put_multiple_raw(object).await?;
+        let mut shard = self.shard.borrow_mut();
+        for (key, _) in &values {
+            shard.flushed(key);
+        }
         Ok(())
     }
 
@@ -953,8 +985,9 @@ impl RateLimitCounter {
         let mut replies: Vec<Option<String>> = Vec::with_capacity(calls.len());
         let mut writes: Vec<(usize, Vec<u8>, String)> = Vec::new();
         let mut alarm_at: Option<Nanos> = None;
+        self.load_many(&calls).await;
         for (n, (key, call)) in calls.into_iter().enumerate() {
-            if self.load(&key, call.limit()).await.is_err() {
+            if !self.shard.borrow().loaded(&key) {
                 replies.push(None);
                 continue;
             }
@@ -973,12 +1006,14 @@ impl RateLimitCounter {
             };
             replies.push(Some(handled.reply));
         }
-        // Before the answers: the units the nodes are told were counted are in storage. A
-        // write that fails fails the calls on that counter since its last write.
-        for (n, key, w) in writes {
-            if let Err(e) = self.write(&key, w).await {
+        // Before the answers: the units the nodes are told were counted are in storage, in
+        // one write. A write that fails fails every call from the first that wrote (their
+        // nodes send them again, with their `seq`).
+        if let Some(first) = writes.first().map(|(n, _, _)| *n) {
+            let values: Vec<(Vec<u8>, String)> = writes.into_iter().map(|(_, k, w)| (k, w)).collect();
+            if let Err(e) = self.write_all(values).await {
                 console_error!("ratewall: counter storage write failed: {e}");
-                for slot in replies.iter_mut().skip(n) {
+                for slot in replies.iter_mut().skip(first) {
                     *slot = None;
                 }
             }
@@ -1048,8 +1083,8 @@ impl DurableObject for RateLimitCounter {
             let names: Vec<String> = plan.delete.iter().map(|k| storage_key(k)).collect();
             self.state.storage().delete_multiple(names).await?;
         }
-        for (key, w) in plan.write {
-            self.write(&key, w).await?;
+        if !plan.write.is_empty() {
+            self.write_all(plan.write).await?;
         }
         self.set_alarm(plan.alarm_at).await?;
         Response::ok("")
