@@ -885,9 +885,6 @@ pub struct RateLimitCounter {
     shard: RefCell<Shard>,
     /// For the object named [`REGISTRY_OBJECT`].
     registry: RefCell<Object>,
-    /// Every stored counter has been read since the object started (its first alarm reads
-    /// them, so that idle ones are deleted even if no call names them again).
-    swept: Cell<bool>,
     /// For the object named [`ADMIN_OBJECT`]: the isolates' reports, merged.
     top: RefCell<Aggregate>,
     /// For the admin object: an alarm is set to keep it in memory.
@@ -899,21 +896,22 @@ pub struct RateLimitCounter {
 const ADMIN_KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 impl RateLimitCounter {
-    /// Reads every stored counter not in memory yet (after a restart, an alarm can come
-    /// before any call). One that cannot be read is kept as it is.
-    async fn load_stored(&self) -> Result<()> {
-        let listed = self.state.storage().list().await?;
-        let mut entries = Vec::new();
-        listed.for_each(&mut |value, key| entries.push((key.as_string(), value.as_string())));
-        for (name, value) in entries {
-            let (Some(name), Some(value)) = (name, value) else { continue };
-            let Some(key) = name.strip_prefix("c:").and_then(|h| crate::edge::unhex(h.as_bytes())) else { continue };
-            if self.shard.borrow().loaded(&key) {
-                continue;
+    /// One page of a sweep under way: the stored counters from where it stands, the idle ones
+    /// memory does not hold deleted.
+    async fn sweep(&self) -> Result<()> {
+        let Some(from) = self.shard.borrow().sweep_from().map(str::to_owned) else { return Ok(()) };
+        let options = worker::ListOptions::new().prefix("c:").start(&from).limit(crate::edge::object::SWEEP_PAGE);
+        let listed = self.state.storage().list_with_options(options).await?;
+        let mut page = Vec::new();
+        listed.for_each(&mut |value, key| {
+            if let (Some(k), Some(v)) = (key.as_string(), value.as_string()) {
+                page.push((k, v));
             }
-            if let Err(e) = self.shard.borrow_mut().load(&key, Some(&value), None) {
-                console_error!("ratewall: {e}; it is kept, and calls to it fail");
-            }
+        });
+        // In key order, as storage lists them.
+        let delete = self.shard.borrow_mut().swept(&page, now());
+        if !delete.is_empty() {
+            self.state.storage().delete_multiple(delete).await?;
         }
         Ok(())
     }
@@ -1029,7 +1027,6 @@ impl DurableObject for RateLimitCounter {
             state,
             shard: RefCell::new(Shard::default()),
             registry: RefCell::new(Object::default()),
-            swept: Cell::new(false),
             top: RefCell::new(Aggregate::default()),
             kept_alive: Cell::new(false),
         }
@@ -1068,15 +1065,10 @@ impl DurableObject for RateLimitCounter {
             }
             return Response::ok("");
         }
-        // After a restart the alarm may come first: read the stored counters, so that
-        // idleness is judged on them (an unread one is not "no counter": deleting it would
-        // reset it).
-        if !self.swept.get() {
-            if let Err(e) = self.load_stored().await {
-                console_error!("ratewall: alarm could not read the stored counters ({e}); they are kept");
-                return Response::ok("");
-            }
-            self.swept.set(true);
+        // Stored counters memory does not hold (after a restart, or dropped from memory):
+        // a page of them judged, the idle ones deleted. A counter is never deleted unread.
+        if let Err(e) = self.sweep().await {
+            console_error!("ratewall: sweeping the stored counters failed ({e}); they are kept");
         }
         let plan = self.shard.borrow_mut().alarm(now());
         if !plan.delete.is_empty() {

@@ -202,13 +202,43 @@ pub struct ShardAlarm {
     pub alarm_at: Option<Nanos>,
 }
 
+/// Counters a shard keeps in memory: past it, the least recently used of those written back
+/// are dropped from memory (read again from storage when a call names them).
+pub const SHARD_MEMORY: usize = 20_000;
+/// Stored counters a sweep reads per alarm.
+pub const SWEEP_PAGE: usize = 256;
+/// How soon the next alarm comes while a sweep is under way.
+pub const SWEEP_EVERY: Nanos = SECOND;
+
 /// A counter object's counters: one per key its calls name (a shard of the deployment's, or
-/// one alone), each an [`Object`], read from storage the first time a call names it.
-#[derive(Debug, Default)]
+/// one alone), each an [`Object`], read from storage the first time a call names it. Memory
+/// holds at most [`SHARD_MEMORY`] of them beside those owing a write; storage may hold more,
+/// and a *sweep* (a page per alarm, [`Shard::swept`]) deletes the idle ones memory does not
+/// hold — after a restart, and after counters were dropped from memory.
+#[derive(Debug)]
 pub struct Shard {
     counters: HashMap<Vec<u8>, Object>,
     /// The alarm set, if any.
     alarm_at: Option<Nanos>,
+    /// Counters kept in memory (beyond those owing a write).
+    memory: usize,
+    /// A sweep under way: the storage key it goes on from (inclusive; empty: the first).
+    sweep: Option<String>,
+    /// Counters were dropped from memory since the sweep under way started.
+    dropped: bool,
+}
+
+impl Default for Shard {
+    fn default() -> Shard {
+        // Storage may hold counters from before a restart: the first alarm starts a sweep.
+        Shard {
+            counters: HashMap::new(),
+            alarm_at: None,
+            memory: SHARD_MEMORY,
+            sweep: Some(String::new()),
+            dropped: false,
+        }
+    }
 }
 
 impl Shard {
@@ -232,7 +262,71 @@ impl Shard {
     pub fn handle(&mut self, key: &[u8], call: Call, t: Nanos) -> Option<Handled> {
         let mut handled = self.counters.get_mut(key)?.handle(call, t)?;
         handled.alarm_at = handled.alarm_at.and_then(|at| self.schedule(at));
+        if self.counters.len() > self.memory {
+            self.drop_clean();
+        }
         Some(handled)
+    }
+
+    /// Keeps at most `memory` counters in memory (for tests; [`SHARD_MEMORY`] otherwise).
+    pub fn with_memory(memory: usize) -> Shard {
+        Shard { memory: memory.max(1), ..Shard::default() }
+    }
+
+    /// Drops from memory the least recently used counters that owe no write, down to three
+    /// quarters of the memory bound: their stored values are as they are, and a sweep will
+    /// delete the idle ones.
+    fn drop_clean(&mut self) {
+        let keep = self.memory - self.memory / 4;
+        let last_used = |o: &Object| o.counter.as_ref().map_or(0, |c| c.last_seen);
+        // The oldest first, a quarter of the clean counters' span of last use at a time
+        // (no sort: a few passes over the map).
+        while self.counters.len() > keep {
+            let (mut oldest, mut newest) = (Nanos::MAX, 0);
+            for o in self.counters.values().filter(|o| !o.dirty) {
+                oldest = oldest.min(last_used(o));
+                newest = newest.max(last_used(o));
+            }
+            if oldest > newest {
+                break;
+            }
+            let cutoff = oldest + (newest - oldest) / 4;
+            self.counters.retain(|_, o| o.dirty || last_used(o) > cutoff);
+        }
+        self.dropped = true;
+        if self.sweep.is_none() {
+            self.sweep = Some(String::new());
+        }
+    }
+
+    /// The storage key a sweep's next page starts from (inclusive), while one is under way.
+    pub fn sweep_from(&self) -> Option<&str> {
+        self.sweep.as_deref()
+    }
+
+    /// A sweep's page at `t`: stored counters as (storage key, value), in key order, from
+    /// [`Shard::sweep_from`]. Returns the storage keys to delete: the idle counters memory
+    /// does not hold (one whose value cannot be read is kept). A page shorter than
+    /// [`SWEEP_PAGE`] ends the sweep, unless counters were dropped from memory meanwhile.
+    pub fn swept(&mut self, page: &[(String, String)], t: Nanos) -> Vec<String> {
+        let Some(from) = self.sweep.clone() else { return Vec::new() };
+        let mut delete = Vec::new();
+        for (name, value) in page.iter().filter(|(name, _)| *name != from) {
+            let held =
+                name.strip_prefix("c:").and_then(|h| super::unhex(h.as_bytes())).is_some_and(|k| self.loaded(&k));
+            if !held && parse_stored(value, None).is_ok_and(|c| c.idle_at() <= t) {
+                delete.push(name.clone());
+            }
+        }
+        self.sweep = match page.last() {
+            Some((last, _)) if page.len() >= SWEEP_PAGE => Some(last.clone()),
+            _ if self.dropped => Some(String::new()),
+            _ => None,
+        };
+        if self.sweep.as_deref() == Some("") {
+            self.dropped = false;
+        }
+        delete
     }
 
     /// A write of `key`'s counter reached storage.
@@ -266,6 +360,9 @@ impl Shard {
         }
         for key in &plan.delete {
             self.counters.remove(key);
+        }
+        if self.sweep.is_some() {
+            next = earliest(next, Some(t.saturating_add(SWEEP_EVERY)));
         }
         plan.alarm_at = next.and_then(|at| self.schedule(at));
         plan
@@ -429,6 +526,9 @@ mod tests {
     #[test]
     fn a_shard_keeps_each_keys_counter_apart_and_writes_and_forgets_each_on_its_own() {
         let mut shard = Shard::default();
+        assert_eq!(shard.sweep_from(), Some(""), "a new object sweeps what storage may hold");
+        assert!(shard.swept(&[], T).is_empty());
+        assert_eq!(shard.sweep_from(), None, "storage held nothing");
         let take = Call::Take { limit: limit(), cost: 1 };
         assert_eq!(shard.handle(b"a", take, T), None, "a counter not read from storage decides nothing");
         shard.load(b"a", None, Some(limit())).unwrap();
@@ -461,6 +561,44 @@ mod tests {
         assert!(plan.alarm_at.is_some_and(|at| at > a_idle), "woken again for b");
         assert!(!shard.loaded(b"a") && shard.loaded(b"b"));
         assert_eq!(shard.len(), 1);
+    }
+
+    #[test]
+    fn a_shards_memory_is_bounded_and_a_sweep_deletes_the_idle_counters_it_dropped() {
+        let mut shard = Shard::with_memory(8);
+        assert!(shard.swept(&[], T).is_empty());
+        let take = Call::Take { limit: limit(), cost: 1 };
+        let mut stored: Vec<(String, String)> = Vec::new();
+        for i in 0..40u8 {
+            let key = [b'k', i];
+            shard.load(&key, None, Some(limit())).unwrap();
+            assert!(shard.handle(&key, take, T + u64::from(i)).is_some());
+            // Each is written back at once (as an alarm would), so it can be dropped.
+            let value = stored_value(shard.counters[key.as_slice()].counter.as_ref().unwrap());
+            shard.flushed(&key);
+            stored.push((super::super::storage_key(&key), value));
+            assert!(shard.len() <= 8, "{} counters in memory", shard.len());
+        }
+        // The most recent stay; the oldest were dropped, and a sweep is under way.
+        assert!(shard.loaded(&[b'k', 39]) && !shard.loaded(&[b'k', 0]));
+        assert_eq!(shard.sweep_from(), Some(""));
+        let next = shard.alarm(T + FLUSH).alarm_at;
+        assert!(next.is_some_and(|at| at <= T + FLUSH + SWEEP_EVERY), "an alarm comes while it sweeps: {next:?}");
+        // Not idle yet: nothing is deleted, and the sweep goes on a page at a time.
+        stored.sort();
+        let page: Vec<(String, String)> = stored.iter().take(SWEEP_PAGE).cloned().collect();
+        assert!(shard.swept(&page, T + 2 * SECOND).is_empty(), "live counters are kept");
+        assert_eq!(shard.sweep_from(), Some(""), "counters were dropped during the pass: another");
+        // Idle: every stored counter memory does not hold is deleted; those it holds are its
+        // alarm's to judge.
+        let idle = T + 200 * SECOND;
+        let deleted = shard.swept(&page, idle);
+        assert_eq!(deleted.len(), 40 - shard.len(), "{deleted:?}");
+        assert!(deleted.iter().all(|name| !shard.loaded(&super::super::unhex(name[2..].as_bytes()).unwrap())));
+        assert_eq!(shard.sweep_from(), None, "the pass ended with nothing dropped meanwhile");
+        // An unreadable value is never deleted.
+        shard.sweep = Some(String::new());
+        assert!(shard.swept(&[("c:00".to_owned(), "not hex/[]".to_owned())], idle).is_empty());
     }
 
     #[test]
