@@ -3,7 +3,7 @@
 
 use crate::edge::admin::{self, Access};
 use crate::edge::grants::{Answer, Grants, Local, Schedule, REPORT_EVERY};
-use crate::edge::object::{Object, Shard};
+use crate::edge::object::{Object, Shard, STORAGE_KEYS};
 use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
     cached_denials, checks_for, decided_locally, decisions, decode_batch, decode_replies, encode_batch, encode_replies,
@@ -460,11 +460,10 @@ fn schedule_report(env: &Env, ctx: &Context, key: &[u8], timeout: Duration) {
                 Delay::from(Duration::from_millis(delay / MS)).await;
             }
             let sent = now();
-            let calls = with(|i| i.grants.report(&object, sent));
-            if calls.is_empty() {
-                break;
+            let Some(calls) = with(|i| i.grants.report(&object, sent)) else { break };
+            if !calls.is_empty() {
+                report_to(&env, &object, &calls, sent, timeout).await;
             }
-            report_to(&env, &object, &calls, sent, timeout).await;
             delay = REPORT_EVERY;
         }
     });
@@ -900,7 +899,8 @@ impl RateLimitCounter {
     /// memory does not hold deleted.
     async fn sweep(&self) -> Result<()> {
         let Some(from) = self.shard.borrow().sweep_from().map(str::to_owned) else { return Ok(()) };
-        let options = worker::ListOptions::new().prefix("c:").start(&from).limit(crate::edge::object::SWEEP_PAGE);
+        // "c": counters ("c:" and the key's hex), and the one value of versions before shards.
+        let options = worker::ListOptions::new().prefix("c").start(&from).limit(crate::edge::object::SWEEP_PAGE);
         let listed = self.state.storage().list_with_options(options).await?;
         let mut page = Vec::new();
         listed.for_each(&mut |value, key| {
@@ -910,8 +910,13 @@ impl RateLimitCounter {
         });
         // In key order, as storage lists them.
         let delete = self.shard.borrow_mut().swept(&page, now());
-        if !delete.is_empty() {
-            self.state.storage().delete_multiple(delete).await?;
+        self.delete_all(delete).await
+    }
+
+    /// Deletes stored values, at most [`STORAGE_KEYS`] per storage call.
+    async fn delete_all(&self, names: Vec<String>) -> Result<()> {
+        for chunk in names.chunks(STORAGE_KEYS) {
+            self.state.storage().delete_multiple(chunk.to_vec()).await?;
         }
         Ok(())
     }
@@ -930,18 +935,22 @@ impl RateLimitCounter {
         if names.is_empty() {
             return;
         }
-        let stored = match self.state.storage().get_multiple(names).await {
-            Ok(m) => m,
-            Err(e) => {
-                console_error!("ratewall: counter storage read failed: {e}");
-                return;
+        let mut stored = Vec::new();
+        for chunk in names.chunks(STORAGE_KEYS) {
+            match self.state.storage().get_multiple(chunk.to_vec()).await {
+                Ok(m) => stored.push(m),
+                Err(e) => {
+                    console_error!("ratewall: counter storage read failed: {e}");
+                    return;
+                }
             }
-        };
+        }
         for (key, call) in calls {
             if self.shard.borrow().loaded(key) {
                 continue;
             }
-            let value = stored.get(&JsValue::from_str(&storage_key(key)));
+            let name = JsValue::from_str(&storage_key(key));
+            let value = stored.iter().map(|m| m.get(&name)).find(|v| !v.is_undefined()).unwrap_or(JsValue::UNDEFINED);
             let value = match value.as_string() {
                 Some(v) => Some(v),
                 None if value.is_undefined() => None,
@@ -958,14 +967,20 @@ impl RateLimitCounter {
 
     /// Writes counters' values in one storage call.
     async fn write_all(&self, values: Vec<(Vec<u8>, String)>) -> Result<()> {
-        let object = worker::js_sys::Object::new();
-        for (key, value) in &values {
-            worker::js_sys::Reflect::set(&object, &JsValue::from_str(&storage_key(key)), &JsValue::from_str(value))?;
-        }
-        self.state.storage().put_multiple_raw(object).await?;
-        let mut shard = self.shard.borrow_mut();
-        for (key, _) in &values {
-            shard.flushed(key);
+        for chunk in values.chunks(STORAGE_KEYS) {
+            let object = worker::js_sys::Object::new();
+            for (key, value) in chunk {
+                worker::js_sys::Reflect::set(
+                    &object,
+                    &JsValue::from_str(&storage_key(key)),
+                    &JsValue::from_str(value),
+                )?;
+            }
+            self.state.storage().put_multiple_raw(object).await?;
+            let mut shard = self.shard.borrow_mut();
+            for (key, _) in chunk {
+                shard.flushed(key);
+            }
         }
         Ok(())
     }
@@ -983,6 +998,7 @@ impl RateLimitCounter {
         let mut replies: Vec<Option<String>> = Vec::with_capacity(calls.len());
         let mut writes: Vec<(usize, Vec<u8>, String)> = Vec::new();
         let mut alarm_at: Option<Nanos> = None;
+        let mut first_write: Option<usize> = None;
         self.load_many(&calls).await;
         for (n, (key, call)) in calls.into_iter().enumerate() {
             if !self.shard.borrow().loaded(&key) {
@@ -995,6 +1011,7 @@ impl RateLimitCounter {
                 continue;
             };
             if let Some(w) = handled.write_now {
+                first_write = Some(first_write.unwrap_or(n));
                 writes.retain(|(_, k, _)| *k != key);
                 writes.push((n, key, w));
             }
@@ -1007,7 +1024,7 @@ impl RateLimitCounter {
         // Before the answers: the units the nodes are told were counted are in storage, in
         // one write. A write that fails fails every call from the first that wrote (their
         // nodes send them again, with their `seq`).
-        if let Some(first) = writes.first().map(|(n, _, _)| *n) {
+        if let Some(first) = first_write {
             let values: Vec<(Vec<u8>, String)> = writes.into_iter().map(|(_, k, w)| (k, w)).collect();
             if let Err(e) = self.write_all(values).await {
                 console_error!("ratewall: counter storage write failed: {e}");
@@ -1016,7 +1033,11 @@ impl RateLimitCounter {
                 }
             }
         }
-        self.set_alarm(alarm_at).await?;
+        self.shard.borrow_mut().trim();
+        if let Err(e) = self.set_alarm(alarm_at).await {
+            console_error!("ratewall: the counter object's alarm could not be set ({e})");
+            self.shard.borrow_mut().alarm_unset();
+        }
         Response::ok(encode_replies(&replies))
     }
 }
@@ -1071,14 +1092,20 @@ impl DurableObject for RateLimitCounter {
             console_error!("ratewall: sweeping the stored counters failed ({e}); they are kept");
         }
         let plan = self.shard.borrow_mut().alarm(now());
-        if !plan.delete.is_empty() {
-            let names: Vec<String> = plan.delete.iter().map(|k| storage_key(k)).collect();
-            self.state.storage().delete_multiple(names).await?;
+        let deleted = self.delete_all(plan.delete.iter().map(|k| storage_key(k)).collect()).await;
+        let written = self.write_all(plan.write).await;
+        let alarm_at = match (deleted, written) {
+            (Ok(()), Ok(())) => plan.alarm_at,
+            (d, w) => {
+                let e = d.err().or(w.err()).map(|e| e.to_string()).unwrap_or_default();
+                console_error!("ratewall: counter storage write failed ({e}); tried again in a second");
+                Some(self.shard.borrow_mut().alarm_failed(now()))
+            }
+        };
+        if let Err(e) = self.set_alarm(alarm_at).await {
+            console_error!("ratewall: the counter object's alarm could not be set ({e})");
+            self.shard.borrow_mut().alarm_unset();
         }
-        if !plan.write.is_empty() {
-            self.write_all(plan.write).await?;
-        }
-        self.set_alarm(plan.alarm_at).await?;
         Response::ok("")
     }
 }

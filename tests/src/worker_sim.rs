@@ -162,10 +162,15 @@ pub fn run(s: &Scenario) -> Report {
             }
             Event::Wake(i) => {
                 let object = isolates[i].object_of(KEY);
-                if let Some((_, call)) = isolates[i].report(&object, t).pop() {
-                    calls += 1;
-                    reports += 1;
-                    w.push(t + half, Event::AtObject { isolate: i, call, sent: t, looping: true });
+                match isolates[i].report(&object, t).map(|mut c| c.pop()) {
+                    Some(Some((_, call))) => {
+                        calls += 1;
+                        reports += 1;
+                        w.push(t + half, Event::AtObject { isolate: i, call, sent: t, looping: true });
+                    }
+                    // A report on its way (a one-off's): the task sleeps, then looks again.
+                    Some(None) => w.push(t + REPORT_EVERY, Event::Wake(i)),
+                    None => {}
                 }
             }
             Event::Once(i) => {

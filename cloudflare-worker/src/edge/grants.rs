@@ -169,6 +169,8 @@ struct Report {
     seq: u64,
     units: u64,
     first_sent: Nanos,
+    /// Its last call failed: the task sends it again (else it is on its way).
+    failed: bool,
 }
 
 /// One counter as this isolate holds it.
@@ -198,8 +200,11 @@ struct Held {
     over: u64,
     /// When the last of them was admitted.
     over_at: Nanos,
-    /// An answer from the object has come.
+    /// An answer from the object has come (since the counter was last decided as new to
+    /// the isolate).
     answered: bool,
+    /// An answer from the object has ever come.
+    ever_answered: bool,
     /// The last report failed (no answer, or one that could not be read).
     failing: bool,
 }
@@ -221,6 +226,7 @@ impl Held {
             over: 0,
             over_at: 0,
             answered: false,
+            ever_answered: false,
             failing: false,
         }
     }
@@ -430,7 +436,7 @@ impl Grants {
         self.seq = next;
         h.urgent = false;
         let units = std::mem::take(&mut h.pending);
-        h.report = Some(Report { seq: next, units, first_sent: now });
+        h.report = Some(Report { seq: next, units, first_sent: now, failed: false });
         Some((next, units))
     }
 
@@ -467,13 +473,15 @@ impl Grants {
     }
 
     /// Starts a report of every counter of `object` with one due and none on its way.
-    fn due_reports(&mut self, object: &str, now: Nanos, retry: bool) -> Vec<(Vec<u8>, Call)> {
+    /// With `retry`, a report whose call failed goes again; a report on its way never does
+    /// (its answer would give an old grant). Also says whether any report is on its way.
+    fn due_reports(&mut self, object: &str, now: Nanos, retry: bool) -> (Vec<(Vec<u8>, Call)>, bool) {
         let keys: Vec<Vec<u8>> = self.tasks.get(object).map(|t| t.keys.clone()).unwrap_or_default();
-        let mut calls = Vec::new();
+        let (mut calls, mut waiting) = (Vec::new(), false);
         for key in keys {
             let node = self.node;
             let in_flight = match self.held.get(&key) {
-                Some(h) => h.report.map(|r| (h.limit, r.seq, r.units)),
+                Some(h) => h.report.map(|r| (h.limit, r.seq, r.units, r.failed)),
                 None => {
                     if let Some(t) = self.tasks.get_mut(object) {
                         t.keys.retain(|k| *k != key);
@@ -482,7 +490,10 @@ impl Grants {
                 }
             };
             let call = match in_flight {
-                Some((limit, seq, units)) => retry.then_some(Call::Spend { limit, node, seq, units, ask: 0, cost: 0 }),
+                Some((limit, seq, units, failed)) => {
+                    waiting |= !failed;
+                    (retry && failed).then_some(Call::Spend { limit, node, seq, units, ask: 0, cost: 0 })
+                }
                 None => self.next_report(&key, now).and_then(|(seq, units)| {
                     let limit = self.held.get(&key)?.limit;
                     Some(Call::Spend { limit, node, seq, units, ask: 0, cost: 0 })
@@ -498,7 +509,7 @@ impl Grants {
                 None => {}
             }
         }
-        calls
+        (calls, waiting)
     }
 
     /// The reports of a [`Schedule::Once`]: like [`Grants::report`], but only of counters
@@ -507,22 +518,24 @@ impl Grants {
         if let Some(t) = self.tasks.get_mut(object) {
             t.kicked = false;
         }
-        self.due_reports(object, now, false)
+        self.due_reports(object, now, false).0
     }
 
-    /// The background reports to `object` (a report that failed is sent again with its
-    /// `seq`), or none when nothing waits (the task ends).
-    pub fn report(&mut self, object: &str, now: Nanos) -> Vec<(Vec<u8>, Call)> {
-        let calls = self.due_reports(object, now, true);
-        if calls.is_empty() {
+    /// The background reports to `object` (a report whose call failed is sent again with
+    /// its `seq`): `None` when nothing waits (the task ends); none to send while a report is
+    /// on its way (the task sleeps, and sends it again if its call fails).
+    pub fn report(&mut self, object: &str, now: Nanos) -> Option<Vec<(Vec<u8>, Call)>> {
+        let (calls, waiting) = self.due_reports(object, now, true);
+        if calls.is_empty() && !waiting {
             if let Some(t) = self.tasks.get_mut(object) {
                 t.running = false;
                 if t.keys.is_empty() && !t.kicked {
                     self.tasks.remove(object);
                 }
             }
+            return None;
         }
-        calls
+        Some(calls)
     }
 
     /// Takes the object's answer (`Err`: the call failed) to the report `call` for `key`,
@@ -533,11 +546,18 @@ impl Grants {
         let Some(h) = self.held.get_mut(key) else { return };
         h.failing = spent.is_none();
         let Some(s) = spent else {
+            if let Some(r) = h.report.as_mut().filter(|r| r.seq == seq) {
+                r.failed = true;
+            }
             if h.report.is_some_and(|r| r.seq == seq && now.saturating_sub(r.first_sent) > RETRY_HORIZON) {
                 // Given up: a store that has forgotten the seq could count a later retry twice.
                 self.dropped = self.dropped.saturating_add(h.report.map_or(0, |r| r.units));
                 h.report = None;
             }
+            // A counter decided as new to the isolate again after a quiet spell: the object
+            // is failing, so it is decided as any counter whose object fails (past its grant,
+            // its overdraft, then the rule's failure policy), not on its copy for ever.
+            h.answered |= h.ever_answered;
             return;
         };
         if h.report.is_some_and(|r| r.seq == seq) {
@@ -546,6 +566,7 @@ impl Grants {
         // Past the first answer the isolate admits beyond its grants only on its overdraft
         // (an object that sends no state leaves the copy as this isolate's own count).
         h.answered = true;
+        h.ever_answered = true;
         if let Some((grant, lease)) = s.grant {
             // The new grant replaces the old one; what was spent while the report was on
             // its way is spent from the new one. A grant finds room for the isolate: its
@@ -695,7 +716,7 @@ mod tests {
         fn report_key(&mut self, t: Nanos) -> Option<Call> {
             let object = self.object_of(KEY);
             self.tasks.entry(object.clone()).or_default().keys = vec![KEY.to_vec()];
-            let mut calls = self.report(&object, t);
+            let mut calls = self.report(&object, t).unwrap_or_default();
             assert!(calls.len() <= 1);
             calls.pop().map(|(key, call)| {
                 assert_eq!(key, KEY);
@@ -862,6 +883,26 @@ mod tests {
     }
 
     #[test]
+    fn a_quiet_counter_whose_object_fails_is_decided_by_the_failure_policy_not_its_copy() {
+        let mut p = Pair::new(sliding(10));
+        p.rtt = 2 * MS;
+        assert!(p.request(T).decision().allowed);
+        for i in 0..100 {
+            p.run(T + i * 20 * MS);
+        }
+        let t = T + 2 * SECOND;
+        // Quiet past its lease: decided as new (admitted on its copy), its report fails.
+        assert!(matches!(p.grants.check(KEY, p.limit, 1, t), Local::Overdraft(_)));
+        let call = p.grants.report_key(t).unwrap();
+        p.grants.answered(KEY, &call, Err(StoreError::Unavailable), t, t + MS);
+        // Then as any counter whose object fails: its overdraft's one unit, then the rule's
+        // failure policy (with room in the copy).
+        let next: Vec<Local> = (2..5).map(|i| p.grants.check(KEY, p.limit, 1, t + i * MS)).collect();
+        assert!(matches!(next[0], Local::Overdraft(_)), "{next:?}");
+        assert!(next[1..].iter().all(|l| matches!(l, Local::Unreachable(_))), "{next:?}");
+    }
+
+    #[test]
     fn an_isolate_reports_every_counter_of_an_object_in_one_call() {
         let mut g = Grants::new(3, 100);
         g.set_shards(1);
@@ -873,7 +914,7 @@ mod tests {
             assert!(g.check(&[b'k', k], limit, 1, T + 1).decision().allowed);
             assert_eq!(g.schedule(&[b'k', k], T + 1), None, "the running task reports it");
         }
-        let calls = g.report("s:0", T + 2);
+        let calls = g.report("s:0", T + 2).unwrap();
         assert_eq!(calls.len(), 50, "one call for the fifty counters");
         assert!(calls.iter().all(|(_, c)| matches!(c, Call::Spend { units: 1, .. })));
         // Their answers come; with nothing more admitted, the task ends.
@@ -883,11 +924,26 @@ mod tests {
             let reply = object.handle(key, *call, T + 3).unwrap().reply;
             g.answered(key, call, Ok(&reply), T + 2, T + 4);
         }
-        assert!(g.report("s:0", T + REPORT_EVERY).is_empty());
+        assert_eq!(g.report("s:0", T + REPORT_EVERY), None, "the task ends");
         // Per-counter objects: one task each.
         g.set_shards(0);
         assert!(g.check(b"solo", limit, 1, T + 5).decision().allowed);
         assert_eq!(g.schedule(b"solo", T + 5), Some((super::super::object_name(b"solo", 0), Schedule::Reports(0))));
+    }
+
+    #[test]
+    fn a_report_on_its_way_is_not_sent_again_and_one_whose_call_failed_is() {
+        let mut g = Grants::new(3, 100);
+        let limit = sliding(100);
+        assert!(g.check(b"k", limit, 1, T).decision().allowed);
+        let Some((object, Schedule::Reports(0))) = g.schedule(b"k", T) else { panic!("the task starts") };
+        let sent = g.report(&object, T).unwrap();
+        assert_eq!(sent.len(), 1);
+        // While it is on its way the task sends nothing, and does not end.
+        assert_eq!(g.report(&object, T + REPORT_EVERY), Some(Vec::new()));
+        // Its call fails: the task sends it again, with its seq.
+        g.answered(b"k", &sent[0].1, Err(StoreError::Unavailable), T, T + MS);
+        assert_eq!(g.report(&object, T + 2 * REPORT_EVERY), Some(sent));
     }
 
     #[test]

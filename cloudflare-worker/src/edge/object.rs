@@ -205,8 +205,10 @@ pub struct ShardAlarm {
 /// Counters a shard keeps in memory: past it, the least recently used of those written back
 /// are dropped from memory (read again from storage when a call names them).
 pub const SHARD_MEMORY: usize = 20_000;
+/// Keys one storage call may name (Durable Objects' `get`, `put` and `delete` of many).
+pub const STORAGE_KEYS: usize = 128;
 /// Stored counters a sweep reads per alarm.
-pub const SWEEP_PAGE: usize = 256;
+pub const SWEEP_PAGE: usize = STORAGE_KEYS;
 /// How soon the next alarm comes while a sweep is under way.
 pub const SWEEP_EVERY: Nanos = SECOND;
 
@@ -260,12 +262,41 @@ impl Shard {
     /// Handles a call on `key`'s counter at `t` ([`Object::handle`]); `None` before
     /// [`Shard::load`]. The alarm it asks for is the shard's, set only when it moves earlier.
     pub fn handle(&mut self, key: &[u8], call: Call, t: Nanos) -> Option<Handled> {
-        let mut handled = self.counters.get_mut(key)?.handle(call, t)?;
-        handled.alarm_at = handled.alarm_at.and_then(|at| self.schedule(at));
+        let o = self.counters.get_mut(key)?;
+        let mut handled = o.handle(call, t)?;
+        // A counter owing a write needs an alarm; one set for the past has been lost (its set
+        // failed, or its runs did), so it is set again.
+        let owed = handled.alarm_at.or(o.dirty.then_some(t.saturating_add(FLUSH)));
+        if self.alarm_at.is_some_and(|a| a < t) {
+            self.alarm_at = None;
+        }
+        handled.alarm_at = owed.and_then(|at| self.schedule(at));
+        Some(handled)
+    }
+
+    /// Setting the alarm failed: the next call or alarm sets one again.
+    pub fn alarm_unset(&mut self) {
+        self.alarm_at = None;
+    }
+
+    /// An alarm's writes or deletes failed at `t`: the counters owing a write are written at
+    /// the next alarm (at `t + FLUSH`, returned to set), and the deleted ones are left to a
+    /// sweep.
+    pub fn alarm_failed(&mut self, t: Nanos) -> Nanos {
+        self.dropped = true;
+        if self.sweep.is_none() {
+            self.sweep = Some(String::new());
+        }
+        let at = t.saturating_add(FLUSH);
+        self.alarm_at = Some(at);
+        at
+    }
+
+    /// Trims memory to its bound after a call ([`SHARD_MEMORY`]).
+    pub fn trim(&mut self) {
         if self.counters.len() > self.memory {
             self.drop_clean();
         }
-        Some(handled)
     }
 
     /// Keeps at most `memory` counters in memory (for tests; [`SHARD_MEMORY`] otherwise).
@@ -312,6 +343,11 @@ impl Shard {
         let Some(from) = self.sweep.clone() else { return Vec::new() };
         let mut delete = Vec::new();
         for (name, value) in page.iter().filter(|(name, _)| *name != from) {
+            if name == "c" {
+                // An object's one counter as versions before shards stored it: never read.
+                delete.push(name.clone());
+                continue;
+            }
             let held =
                 name.strip_prefix("c:").and_then(|h| super::unhex(h.as_bytes())).is_some_and(|k| self.loaded(&k));
             if !held && parse_stored(value, None).is_ok_and(|c| c.idle_at() <= t) {
@@ -342,7 +378,8 @@ impl Shard {
         let mut plan = ShardAlarm::default();
         let mut next: Option<Nanos> = None;
         for (key, o) in &mut self.counters {
-            if o.alarm_at.is_some_and(|at| at > t) {
+            // A counter owing a write is written at every alarm until a write succeeds.
+            if !o.dirty && o.alarm_at.is_some_and(|at| at > t) {
                 next = earliest(next, o.alarm_at);
                 continue;
             }
@@ -573,6 +610,7 @@ mod tests {
             let key = [b'k', i];
             shard.load(&key, None, Some(limit())).unwrap();
             assert!(shard.handle(&key, take, T + u64::from(i)).is_some());
+            shard.trim();
             // Each is written back at once (as an alarm would), so it can be dropped.
             let value = stored_value(shard.counters[key.as_slice()].counter.as_ref().unwrap());
             shard.flushed(&key);
@@ -594,11 +632,34 @@ mod tests {
         let idle = T + 200 * SECOND;
         let deleted = shard.swept(&page, idle);
         assert_eq!(deleted.len(), 40 - shard.len(), "{deleted:?}");
-        assert!(deleted.iter().all(|name| !shard.loaded(&super::super::unhex(name[2..].as_bytes()).unwrap())));
+        assert!(deleted.iter().all(|name| !shard.loaded(&super::super::unhex(&name.as_bytes()[2..]).unwrap())));
         assert_eq!(shard.sweep_from(), None, "the pass ended with nothing dropped meanwhile");
         // An unreadable value is never deleted.
         shard.sweep = Some(String::new());
         assert!(shard.swept(&[("c:00".to_owned(), "not hex/[]".to_owned())], idle).is_empty());
+    }
+
+    #[test]
+    fn a_shards_write_that_failed_is_made_at_the_next_alarm_and_a_lost_alarm_is_set_again() {
+        let mut shard = Shard::default();
+        assert!(shard.swept(&[], T).is_empty());
+        let take = Call::Take { limit: limit(), cost: 1 };
+        shard.load(b"a", None, Some(limit())).unwrap();
+        assert_eq!(shard.handle(b"a", take, T).unwrap().alarm_at, Some(T + FLUSH));
+        let plan = shard.alarm(T + FLUSH);
+        assert_eq!(plan.write.len(), 1);
+        // The write failed: the next alarm, a second later, writes it again.
+        assert_eq!(shard.alarm_failed(T + FLUSH), T + 2 * FLUSH);
+        let plan = shard.alarm(T + 2 * FLUSH);
+        assert_eq!(plan.write.len(), 1, "still owed");
+        shard.flushed(b"a");
+        assert!(shard.alarm(T + 3 * FLUSH).write.is_empty());
+        // An alarm that never ran (its set failed): the next change sets one again.
+        let mut shard = Shard::default();
+        assert!(shard.swept(&[], T).is_empty());
+        shard.load(b"b", None, Some(limit())).unwrap();
+        assert_eq!(shard.handle(b"b", take, T).unwrap().alarm_at, Some(T + FLUSH));
+        assert_eq!(shard.handle(b"b", take, T + 10 * SECOND).unwrap().alarm_at, Some(T + 10 * SECOND + FLUSH));
     }
 
     #[test]
