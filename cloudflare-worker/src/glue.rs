@@ -42,6 +42,8 @@ const PEER_LIMITER: &str = "RATEWALL_PEER_LIMITER";
 struct Isolate {
     rules: Rules,
     var_loaded: bool,
+    /// `COUNTER_SHARDS`, once read.
+    shards: Option<u32>,
     kv_next: Nanos,
     /// The rules in force came from KV (its `rules` key, or [`LAST_GOOD_KEY`]).
     kv_in_force: bool,
@@ -72,6 +74,7 @@ thread_local! {
         Isolate {
             rules: Rules::default(),
             var_loaded: false,
+            shards: None,
             kv_next: 0,
             kv_in_force: false,
             last_good: None,
@@ -220,9 +223,17 @@ async fn call_object(env: &Env, key: &[u8], call: Call, timeout: Duration) -> st
 }
 
 /// Counter objects the deployment's counters are spread over (`COUNTER_SHARDS`; 0: one
-/// object per counter).
+/// object per counter), read once per isolate (a deployment's vars do not change under it).
 fn shards(env: &Env) -> u32 {
-    u32::try_from(var_u64(env, "COUNTER_SHARDS", u64::from(DEFAULT_SHARDS))).unwrap_or(u32::MAX)
+    if let Some(n) = with(|i| i.shards) {
+        return n;
+    }
+    let n = u32::try_from(var_u64(env, "COUNTER_SHARDS", u64::from(DEFAULT_SHARDS))).unwrap_or(u32::MAX);
+    with(|i| {
+        i.shards = Some(n);
+        i.grants.set_shards(n);
+    });
+    n
 }
 
 /// Counter calls to the one object `object` holding their counters, in one message: each
@@ -436,10 +447,8 @@ async fn answer(
 /// their next grants; or, while that task sleeps and the isolate needs a grant, one call at
 /// once.
 fn schedule_report(env: &Env, ctx: &Context, key: &[u8], timeout: Duration) {
-    let Some((object, schedule)) = with(|i| {
-        i.grants.set_shards(shards(env));
-        i.grants.schedule(key, now())
-    }) else {
+    shards(env);
+    let Some((object, schedule)) = with(|i| i.grants.schedule(key, now())) else {
         return;
     };
     let env = env.clone();
