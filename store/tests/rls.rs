@@ -1081,3 +1081,84 @@ async fn denied_calls_show_in_the_admin_listeners_top_offenders_by_hashed_keys()
     let per_second = series["rules"][0]["denied"].as_array().unwrap();
     assert_eq!(per_second.iter().map(|n| n.as_u64().unwrap()).sum::<u64>(), 4, "{series}");
 }
+
+/// Limits of 3 a minute whose counters a process decides on an initial share at any time.
+const THREE_A_MINUTE_SHARED: &str = "domain: api
+descriptors:
+  - key: sliding
+    rate_limit: {unit: minute, requests_per_unit: 3, algorithm: sliding_window}
+  - key: bucket
+    rate_limit: {unit: minute, requests_per_unit: 3, algorithm: token_bucket}
+";
+
+fn hits(entry: (&str, &str), hits: u64) -> RateLimitRequest {
+    let mut d = descriptor(&[entry]);
+    d.hits_addend = Some(UInt64Value { value: hits });
+    request("api", vec![d])
+}
+
+/// One call, `pause`, then three calls (one after another, or all at once), or one of 2 hits,
+/// and one call more: the codes.
+async fn burst_after(
+    c: RateLimitServiceClient<Channel>,
+    entry: (&'static str, String),
+    pause: Duration,
+    at_once: Option<bool>,
+) -> Vec<i32> {
+    let entry = (entry.0, entry.1.as_str());
+    let mut one = c.clone();
+    let mut got = vec![ask(&mut one, hits(entry, 1)).await.overall_code];
+    tokio::time::sleep(pause).await;
+    match at_once {
+        Some(false) => {
+            for _ in 0..3 {
+                got.push(ask(&mut one, hits(entry, 1)).await.overall_code);
+            }
+        }
+        Some(true) => {
+            let calls = (0..3).map(|_| {
+                let mut c = c.clone();
+                async move { ask(&mut c, hits(entry, 1)).await.overall_code }
+            });
+            let mut codes = futures_util::future::join_all(calls).await;
+            codes.sort_unstable();
+            got.extend(codes);
+        }
+        None => got.push(ask(&mut one, hits(entry, 2)).await.overall_code),
+    }
+    got.push(ask(&mut one, hits(entry, 1)).await.overall_code);
+    got
+}
+
+/// 3 a minute: one call, a pause, then a burst answers as one exact limiter does — OK, OK,
+/// then OVER_LIMIT (a call of 2 hits: OK, then OVER_LIMIT) — whether the process's grant was
+/// renewed through the pause (1.5 s) or lapsed (6.5 s: renewals stop 4 s after the last call,
+/// and the last lease is at most 2 s). (After a lapse, the burst's first ask made the grant
+/// Redis still held on the process's share count again: OK, OVER_LIMIT, OVER_LIMIT.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_after_a_pause_longer_than_the_lease_answers_as_an_exact_limiter() {
+    let redis = Redis::start(false).unwrap();
+    let path = dir("burst-after-pause").join("limits.yaml");
+    std::fs::write(&path, THREE_A_MINUTE_SHARED).unwrap();
+    let store = RlsProcess::start(&redis.url(), &path);
+    let c = store.client().await;
+    // Redis has answered this process, which has noted itself present: new counters are
+    // decided on an initial share, as in a process serving traffic.
+    ask(&mut c.clone(), hits(("sliding", "warm"), 0)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut runs = Vec::new();
+    for key in ["sliding", "bucket"] {
+        for pause in [1_500, 6_500] {
+            for at_once in [Some(false), Some(true), None] {
+                let what = format!("{key}, {pause} ms, {at_once:?}");
+                let entry = (key, what.clone());
+                let run = burst_after(c.clone(), entry, Duration::from_millis(pause), at_once);
+                runs.push(async move { (what, at_once, run.await) });
+            }
+        }
+    }
+    for (what, at_once, got) in futures_util::future::join_all(runs).await {
+        let exact = if at_once.is_some() { vec![OK, OK, OK, OVER, OVER] } else { vec![OK, OK, OVER] };
+        assert_eq!(got, exact, "{what}");
+    }
+}

@@ -705,8 +705,16 @@ impl Counter {
                 Some(i) => i,
                 None => self.new_share(node, now),
             };
-            let (reported, horizon) = (self.reported, self.limit.requests());
+            let (reported, horizon, exact) = (self.reported, self.limit.requests(), self.exact);
             if let Some(s) = self.shares.get_mut(idx) {
+                if held_until(s, exact) <= now {
+                    // Its lease ran out: what it held then is free, and extending the lease
+                    // for this ask must not hold it again (a burst after a pause had its
+                    // second call refused for units the node no longer held).
+                    s.grant = 0;
+                    s.asked = 0;
+                    s.carried = 0;
+                }
                 if !sized {
                     s.counted(cost, reported, horizon);
                 }

@@ -404,6 +404,23 @@ fn a_quiet_nodes_grant_lapses_with_its_lease_and_frees_its_units() {
 }
 
 #[test]
+fn an_ask_after_a_nodes_grant_lapsed_does_not_hold_that_grant_again() {
+    // One node, 3 a minute: its batch reported 1 and was granted the other 2; it went quiet
+    // past the lease, then asks for 1 unit, then 1 more: both fit (3 in all), as the
+    // limit alone allows. Extending its lease for the first ask held the old grant again,
+    // and the second was refused.
+    let l = Limit::new(Algorithm::SlidingWindow, 3, 60 * SECOND, None).unwrap();
+    let ttl = 10 * SECOND;
+    let mut c = Counter::new(l);
+    let first = c.apply(l, NOW, 1, 1, 1, ttl);
+    assert_eq!(first.grant, 2, "{first:?}");
+    let later = NOW + first.lease + REPORT_GRACE + 6 * SECOND;
+    assert_eq!(c.ask(l, later, 1, 1, 1, ttl).grant, 1, "the first of the burst");
+    assert!(c.ask(l, later + 1, 1, 2, 1, ttl).grant >= 1, "the second: 2 of 3 counted");
+    assert_eq!(c.ask(l, later + 2, 1, 3, 1, ttl).grant, 0, "the fourth in all: over the limit");
+}
+
+#[test]
 fn on_an_exact_rules_counter_a_lapsed_grant_stays_held_until_its_nodes_report_can_arrive() {
     let l = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
     let ttl = 10 * SECOND;
