@@ -865,14 +865,21 @@ mod tests {
         assert!(got.abs_diff(expected.unwrap()) < 5 * MS, "Retry-After is the window's: {got} vs {expected:?}");
     }
 
-    #[test]
-    fn a_burst_after_a_pause_longer_than_the_lease_is_not_cut_at_the_overdraft() {
-        let mut p = Pair::new(sliding(3));
+    /// An isolate that admitted one request of a sliding window of `requests` a minute at
+    /// `T`, was answered, and was quiet for 2 s (past its grant's lease).
+    fn quiet_for_two_seconds(requests: u64) -> Pair {
+        let mut p = Pair::new(sliding(requests));
         p.rtt = 2 * MS;
         assert!(p.request(T).decision().allowed);
         for i in 0..100 {
             p.run(T + i * 20 * MS);
         }
+        p
+    }
+
+    #[test]
+    fn a_burst_after_a_pause_longer_than_the_lease_is_not_cut_at_the_overdraft() {
+        let mut p = quiet_for_two_seconds(3);
         let h = &p.grants.held[KEY];
         assert!(h.answered && h.until < T + 2 * SECOND, "answered, its grant lapsed by the burst");
         // Three at once, before the report the first sends is answered: the limit's rest.
@@ -884,12 +891,7 @@ mod tests {
 
     #[test]
     fn a_quiet_counter_whose_object_fails_is_decided_by_the_failure_policy_not_its_copy() {
-        let mut p = Pair::new(sliding(10));
-        p.rtt = 2 * MS;
-        assert!(p.request(T).decision().allowed);
-        for i in 0..100 {
-            p.run(T + i * 20 * MS);
-        }
+        let mut p = quiet_for_two_seconds(10);
         let t = T + 2 * SECOND;
         // Quiet past its lease: decided as new (admitted on its copy), its report fails.
         assert!(matches!(p.grants.check(KEY, p.limit, 1, t), Local::Overdraft(_)));
