@@ -3,7 +3,7 @@
 
 use crate::edge::admin::{self, Access};
 use crate::edge::grants::{Answer, Grants, Local, Schedule, REPORT_EVERY};
-use crate::edge::object::{Object, Shard, STORAGE_KEYS};
+use crate::edge::object::{earliest, Object, Shard, STORAGE_KEYS};
 use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
     cached_denials, checks_for, decided_locally, decisions, decode_batch, decode_replies, encode_batch, encode_replies,
@@ -1005,7 +1005,7 @@ impl RateLimitCounter {
     /// that failed: its counter could not be read, or what it acknowledges not written).
     async fn batch(&self, calls: Vec<(Vec<u8>, Call)>) -> Result<Response> {
         let mut replies: Vec<Option<String>> = Vec::with_capacity(calls.len());
-        let mut writes: Vec<(usize, Vec<u8>, String)> = Vec::new();
+        let mut writes: Vec<(Vec<u8>, String)> = Vec::new();
         let mut alarm_at: Option<Nanos> = None;
         let mut first_write: Option<usize> = None;
         self.load_many(&calls).await;
@@ -1021,21 +1021,17 @@ impl RateLimitCounter {
             };
             if let Some(w) = handled.write_now {
                 first_write = Some(first_write.unwrap_or(n));
-                writes.retain(|(_, k, _)| *k != key);
-                writes.push((n, key, w));
+                writes.retain(|(k, _)| *k != key);
+                writes.push((key, w));
             }
-            alarm_at = match (alarm_at, handled.alarm_at) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            alarm_at = earliest(alarm_at, handled.alarm_at);
             replies.push(Some(handled.reply));
         }
         // Before the answers: the units the nodes are told were counted are in storage, in
         // one write. A write that fails fails every call from the first that wrote (their
         // nodes send them again, with their `seq`).
         if let Some(first) = first_write {
-            let values: Vec<(Vec<u8>, String)> = writes.into_iter().map(|(_, k, w)| (k, w)).collect();
-            if let Err(e) = self.write_all(values).await {
+            if let Err(e) = self.write_all(writes).await {
                 console_error!("ratewall: counter storage write failed: {e}");
                 for slot in replies.iter_mut().skip(first) {
                     *slot = None;

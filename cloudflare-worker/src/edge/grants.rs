@@ -477,37 +477,33 @@ impl Grants {
     /// (its answer would give an old grant). Also says whether any report is on its way.
     fn due_reports(&mut self, object: &str, now: Nanos, retry: bool) -> (Vec<(Vec<u8>, Call)>, bool) {
         let keys: Vec<Vec<u8>> = self.tasks.get(object).map(|t| t.keys.clone()).unwrap_or_default();
-        let (mut calls, mut waiting) = (Vec::new(), false);
+        let (mut calls, mut waiting, mut done) = (Vec::new(), false, Vec::new());
+        let node = self.node;
         for key in keys {
-            let node = self.node;
-            let in_flight = match self.held.get(&key) {
-                Some(h) => h.report.map(|r| (h.limit, r.seq, r.units, r.failed)),
-                None => {
-                    if let Some(t) = self.tasks.get_mut(object) {
-                        t.keys.retain(|k| *k != key);
-                    }
-                    continue;
-                }
+            // A counter no longer held, or with nothing due, leaves the task.
+            let Some((limit, report)) = self.held.get(&key).map(|h| (h.limit, h.report)) else {
+                done.push(key);
+                continue;
             };
-            let call = match in_flight {
-                Some((limit, seq, units, failed)) => {
-                    waiting |= !failed;
-                    (retry && failed).then_some(Call::Spend { limit, node, seq, units, ask: 0, cost: 0 })
+            let send = match report {
+                Some(r) => {
+                    waiting |= !r.failed;
+                    (retry && r.failed).then_some((r.seq, r.units))
                 }
-                None => self.next_report(&key, now).and_then(|(seq, units)| {
-                    let limit = self.held.get(&key)?.limit;
-                    Some(Call::Spend { limit, node, seq, units, ask: 0, cost: 0 })
-                }),
-            };
-            match call {
-                Some(call) => calls.push((key, call)),
-                None if in_flight.is_none() => {
-                    if let Some(t) = self.tasks.get_mut(object) {
-                        t.keys.retain(|k| *k != key);
+                None => match self.next_report(&key, now) {
+                    Some(next) => Some(next),
+                    None => {
+                        done.push(key);
+                        continue;
                     }
-                }
-                None => {}
+                },
+            };
+            if let Some((seq, units)) = send {
+                calls.push((key, Call::Spend { limit, node, seq, units, ask: 0, cost: 0 }));
             }
+        }
+        if let Some(t) = self.tasks.get_mut(object) {
+            t.keys.retain(|k| !done.contains(k));
         }
         (calls, waiting)
     }

@@ -176,15 +176,21 @@ impl Object {
 
     /// An alarm at `at` unless an earlier one is set: the time to set it to, if it moves.
     fn schedule(&mut self, at: Nanos) -> Option<Nanos> {
-        if self.alarm_at.is_some_and(|a| a <= at) {
-            return None;
-        }
-        self.alarm_at = Some(at);
-        Some(at)
+        move_earlier(&mut self.alarm_at, at)
     }
 }
 
-fn earliest(a: Option<Nanos>, b: Option<Nanos>) -> Option<Nanos> {
+/// Sets `alarm` to `at` unless it is set no later: the time to set it to, if it moves.
+fn move_earlier(alarm: &mut Option<Nanos>, at: Nanos) -> Option<Nanos> {
+    if alarm.is_some_and(|a| a <= at) {
+        return None;
+    }
+    *alarm = Some(at);
+    Some(at)
+}
+
+/// The earlier of two alarms, either of which may be unset.
+pub fn earliest(a: Option<Nanos>, b: Option<Nanos>) -> Option<Nanos> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
@@ -283,10 +289,7 @@ impl Shard {
     /// the next alarm (at `t + FLUSH`, returned to set), and the deleted ones are left to a
     /// sweep.
     pub fn alarm_failed(&mut self, t: Nanos) -> Nanos {
-        self.dropped = true;
-        if self.sweep.is_none() {
-            self.sweep = Some(String::new());
-        }
+        self.sweep_again();
         let at = t.saturating_add(FLUSH);
         self.alarm_at = Some(at);
         at
@@ -324,6 +327,12 @@ impl Shard {
             let cutoff = oldest + (newest - oldest) / 4;
             self.counters.retain(|_, o| o.dirty || last_used(o) > cutoff);
         }
+        self.sweep_again();
+    }
+
+    /// Storage may hold counters memory does not: another sweep after the one under way (or
+    /// one now).
+    fn sweep_again(&mut self) {
         self.dropped = true;
         if self.sweep.is_none() {
             self.sweep = Some(String::new());
@@ -417,11 +426,7 @@ impl Shard {
 
     /// An alarm at `at` unless an earlier one is set: the time to set it to, if it moves.
     fn schedule(&mut self, at: Nanos) -> Option<Nanos> {
-        if self.alarm_at.is_some_and(|a| a <= at) {
-            return None;
-        }
-        self.alarm_at = Some(at);
-        Some(at)
+        move_earlier(&mut self.alarm_at, at)
     }
 }
 
