@@ -1003,7 +1003,7 @@ impl RateLimitCounter {
 
     /// Counter calls, each on its key's counter: the answers in order (`None` for a call
     /// that failed: its counter could not be read, or what it acknowledges not written).
-    async fn batch(&self, calls: Vec<(Vec<u8>, Call)>) -> Result<Response> {
+    async fn batch(&self, calls: Vec<(Vec<u8>, Call)>) -> Vec<Option<String>> {
         let mut replies: Vec<Option<String>> = Vec::with_capacity(calls.len());
         let mut writes: Vec<(Vec<u8>, String)> = Vec::new();
         let mut alarm_at: Option<Nanos> = None;
@@ -1043,7 +1043,7 @@ impl RateLimitCounter {
             console_error!("ratewall: the counter object's alarm could not be set ({e})");
             self.shard.borrow_mut().alarm_unset();
         }
-        Response::ok(encode_replies(&replies))
+        replies
     }
 }
 
@@ -1061,9 +1061,20 @@ impl DurableObject for RateLimitCounter {
     async fn fetch(&self, mut req: Request) -> Result<Response> {
         let body = req.text().await?;
         if let Some(calls) = decode_batch(&body) {
-            return self.batch(calls).await;
+            return Response::ok(encode_replies(&self.batch(calls).await));
         }
-        if let Some(call @ Call::Heard { .. }) = Call::decode(&body) {
+        let call = Call::decode(&body);
+        if let Some(call) = call.filter(|c| c.limit().is_some()) {
+            // One counter call without a key: an isolate of a version before shard objects,
+            // still running while a deploy rolls out, calling its counter's own object. Its
+            // counter is the object's keyless one (a fresh count, as after any upgrade), so
+            // the rule keeps working instead of falling back to its failure policy.
+            return match self.batch(vec![(Vec::new(), call)]).await.pop().flatten() {
+                Some(reply) => Response::ok(reply),
+                None => Response::error("the counter could not be read or written", 503),
+            };
+        }
+        if let Some(call @ Call::Heard { .. }) = call {
             return match self.registry.borrow_mut().handle(call, now()) {
                 Some(handled) => Response::ok(handled.reply),
                 None => Response::error("not a registry call", 400),
