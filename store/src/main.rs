@@ -92,12 +92,15 @@ fn parse_args() -> Result<Args, String> {
     Ok(Args { listen, redis, cluster, deadline: Duration::from_millis(deadline_ms), rls, rls_config, admin })
 }
 
-/// A Redis URL as it may be logged: without its password.
+/// A Redis URL as it may be logged: without its password, whether in the user part
+/// (`redis://:pw@host`) or in the query (`redis+unix:///run/redis.sock?pass=pw`), so the query
+/// is not shown at all.
 fn redacted(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    let url = match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => format!("{}://…@{}", &url[..scheme], &url[at + 1..]),
         _ => url.to_owned(),
-    }
+    };
+    url.split_once('?').map_or(url.clone(), |(base, _)| format!("{base}?…"))
 }
 
 /// Redis, connected on first use (and retried until it answers), so the store starts — and
@@ -421,4 +424,26 @@ async fn start_rls(
         }));
     }
     Ok(RlsRunning { rls, announce, flusher, grpc })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redacted;
+
+    #[test]
+    fn a_redis_urls_password_is_never_shown() {
+        let cases = [
+            ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379"),
+            ("redis://:Pa55word@10.0.0.1:6379/0", "redis://…@10.0.0.1:6379/0"),
+            ("rediss://user:Pa55word@cache.internal:6380", "rediss://…@cache.internal:6380"),
+            ("redis+unix:///run/redis.sock?db=1&pass=Pa55word", "redis+unix:///run/redis.sock?…"),
+            ("unix:///run/redis.sock?pass=Pa55word", "unix:///run/redis.sock?…"),
+            ("redis://u:p@host/0?pass=Pa55word", "redis://…@host/0?…"),
+            ("redis://:Pa55?word@host", "redis://…@host"),
+        ];
+        for (url, shown) in cases {
+            assert_eq!(redacted(url), shown);
+            assert!(!redacted(url).contains("Pa55word"));
+        }
+    }
 }

@@ -100,13 +100,20 @@ fn list<'a>(v: &'a Value, what: &str) -> Result<&'a [Value], String> {
     }
 }
 
-/// A proto3 JSON unsigned integer: a number or a decimal string.
+/// A proto3 JSON unsigned integer: a number or a string holding one, in any form proto3's
+/// JSON mapping accepts (`2`, `"2"`, `2.0`, `2e0`, `"2e0"`), as long as its value is a whole
+/// number.
 fn uint(v: &Value, what: &str) -> Result<u64, String> {
+    let not = || format!("{what} is not an unsigned integer");
+    let whole = |f: f64| {
+        // Up to 2^53: every such whole number is exact in an f64.
+        (f.is_finite() && f >= 0.0 && f.fract() == 0.0 && f <= 9_007_199_254_740_992.0).then_some(f as u64)
+    };
     match v {
-        Value::Number(n) => n.as_u64().ok_or_else(|| format!("{what} is not an unsigned integer")),
-        Value::String(s) => s.parse().map_err(|_| format!("{what} is not an unsigned integer")),
+        Value::Number(n) => n.as_u64().or_else(|| n.as_f64().and_then(whole)).ok_or_else(not),
+        Value::String(s) => s.parse().ok().or_else(|| s.parse().ok().and_then(whole)).ok_or_else(not),
         Value::Null => Ok(0),
-        _ => Err(format!("{what} is not an unsigned integer")),
+        _ => Err(not()),
     }
 }
 
@@ -219,6 +226,25 @@ mod tests {
         // An element of a list is a value, not a field: null there is not a message.
         assert!(call_of(br#"{"domain":"d","descriptors":[null]}"#).is_err());
         assert!(call_of(br#"{"domain":"d","descriptors":[{"entries":[null]}]}"#).is_err());
+    }
+
+    #[test]
+    fn integers_read_in_every_form_proto3_json_accepts() {
+        for n in ["2", "\"2\"", "2.0", "2e0", "\"2e0\"", "\"2.0\"", "0.2e1"] {
+            let body = format!(
+                r#"{{"domain":"d","hitsAddend":{n},"descriptors":[{{"hitsAddend":{n},"limit":{{"requestsPerUnit":{n},"unit":"SECOND"}}}}]}}"#
+            );
+            let c = call_of(body.as_bytes()).unwrap_or_else(|e| panic!("{n}: {e}"));
+            assert_eq!(
+                (c.hits_addend, c.descriptors[0].hits_addend, c.descriptors[0].limit),
+                (2, Some(2), Some((2, 1))),
+                "{n}"
+            );
+        }
+        for n in ["2.5", "-1", "\"-1\"", "1e300", "\"NaN\"", "\"inf\"", "\"two\"", "true", "[]"] {
+            let body = format!(r#"{{"domain":"d","hitsAddend":{n}}}"#);
+            assert!(call_of(body.as_bytes()).unwrap_err().contains("hitsAddend"), "{n}");
+        }
     }
 
     #[test]
