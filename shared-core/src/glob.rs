@@ -32,7 +32,7 @@ impl PathPattern {
             return Err("must start with /");
         }
         if pattern.len() > 1024 {
-            return Err("is longer than 1024 characters");
+            return Err("is longer than 1024 bytes");
         }
         if pattern.contains(['?', '#']) {
             return Err("must not contain a query or fragment");

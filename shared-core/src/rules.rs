@@ -377,7 +377,8 @@ fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
         reason: "is required: the upstream that reaches the store".into(),
     })?;
     check_cluster(&cluster).map_err(|reason| ConfigError { path: "sync.cluster".into(), reason })?;
-    let secret = text("secret")?.filter(|c| c.len() >= 16).ok_or_else(|| ConfigError {
+    // Counted in characters, as the message and the schema's `minLength` count.
+    let secret = text("secret")?.filter(|c| c.chars().count() >= 16).ok_or_else(|| ConfigError {
         path: "sync.secret".into(),
         reason: "is required and must be at least 16 characters".into(),
     })?;
@@ -390,9 +391,13 @@ fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
     let nodes = o.get("nodes").map(|v| bounded(v, "sync.nodes", 1, 100_000)).transpose()?;
     let max_wait = o.get("max_wait").map(|v| duration_field(v, "sync.max_wait", MS, 10_000 * MS)).transpose()?;
     let timeout = timeout.unwrap_or(50 * MS);
+    let path = text("path")?.unwrap_or_else(|| "/v1/sync".into());
+    if !path.starts_with('/') {
+        return err("sync.path", format!("{} must start with /", quoted(&path)));
+    }
     Ok(SyncOptions {
         authority: text("authority")?.unwrap_or_else(|| cluster.clone()),
-        path: text("path")?.unwrap_or_else(|| "/v1/sync".into()),
+        path,
         cluster,
         secret,
         interval,
@@ -621,7 +626,8 @@ fn parse_identity(v: Option<&Value>) -> Result<Identity, ConfigError> {
         if dim == "hash_key" {
             // Never a dimension: a `hash_key` of another type is a mistake, not a header source.
             let k = string(src, &path)?;
-            if k.len() < MIN_HASH_KEY {
+            // Counted in characters, as the message and the schema's `minLength` count.
+            if k.chars().count() < MIN_HASH_KEY {
                 return err(&path, format!("must be at least {MIN_HASH_KEY} characters"));
             }
             hash_key = crate::key::HashKey::derive(k.as_bytes());
@@ -1165,6 +1171,42 @@ mod tests {
         assert_eq!((s.timeout, s.max_wait), (80_000_000, 5_000_000));
         let e = Config::parse(doc(r#"{"cluster":"s","secret":"0123456789abcdef","max_wait":"soon"}"#).as_bytes());
         assert_eq!(e.unwrap_err().path, "sync.max_wait");
+    }
+
+    #[test]
+    fn a_sync_path_starts_with_a_slash() {
+        let doc = |path: &str| {
+            format!(r#"{{"rules":[],"sync":{{"cluster":"s","secret":"0123456789abcdef","path":{path:?}}}}}"#)
+        };
+        for bad in ["", "v1/sync", "http://store/v1/sync"] {
+            assert_eq!(error_of(&doc(bad)), format!("sync.path: {} must start with /", quoted(bad)), "{bad:?}");
+        }
+        let c = Config::parse(doc("/ratewall/sync").as_bytes()).unwrap();
+        assert_eq!(c.sync.unwrap().path, "/ratewall/sync");
+    }
+
+    /// The secrets' minimums are characters, as their messages and the schema's `minLength`
+    /// say; a match path's maximum is bytes, as its message says.
+    #[test]
+    fn secrets_are_measured_in_characters_and_a_match_path_in_bytes() {
+        let rule = r#""rules":[{"name":"r","key":["ip"],"limit":{"requests":1,"per":"1s"}}]"#;
+        let hash_key = |k: &str| format!(r#"{{"identity":{{"hash_key":"{k}"}},{rule}}}"#);
+        // Eight two-byte characters: 16 bytes, 8 characters.
+        let (eight, sixteen) = ("é".repeat(8), "é".repeat(16));
+        assert_eq!(error_of(&hash_key(&eight)), "identity.hash_key: must be at least 16 characters");
+        assert!(Config::parse(hash_key(&sixteen).as_bytes()).is_ok());
+        let sync = |secret: &str| format!(r#"{{"rules":[],"sync":{{"cluster":"s","secret":"{secret}"}}}}"#);
+        assert_eq!(error_of(&sync(&eight)), "sync.secret: is required and must be at least 16 characters");
+        assert!(Config::parse(sync(&sixteen).as_bytes()).is_ok());
+        let path = |p: &str| {
+            format!(
+                r#"{{"rules":[{{"name":"r","key":["ip"],"match":{{"path":"{p}"}},"limit":{{"requests":1,"per":"1s"}}}}]}}"#
+            )
+        };
+        assert!(Config::parse(path(&format!("/{}", "é".repeat(511))).as_bytes()).is_ok(), "1,023 bytes");
+        // 513 characters, 1,025 bytes.
+        let long = format!("/{}", "é".repeat(512));
+        assert_eq!(error_of(&path(&long)), format!("rules[0].match.path: {} is longer than 1024 bytes", quoted(&long)));
     }
 
     #[test]
