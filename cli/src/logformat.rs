@@ -136,6 +136,9 @@ enum Field {
     Peer,
     /// A time: RFC 3339 / ISO 8601, NGINX's `$time_local`, or epoch seconds.
     Time,
+    /// A time written as a `%START_TIME(…)%` format says, by its index in [`Template`]'s
+    /// `times`: the field spans what the format reads, spaces included.
+    TimeAs(usize),
     /// `METHOD URI PROTOCOL`.
     Request,
     /// The method alone.
@@ -168,6 +171,8 @@ enum Token {
 pub struct Template {
     name: String,
     tokens: Vec<Token>,
+    /// The time formats of the format's `%START_TIME(…)%` fields ([`Field::TimeAs`]).
+    times: Vec<TimeFormat>,
     /// The index of the last token a replay needs: reading stops after it.
     last_needed: usize,
     syntax: Syntax,
@@ -182,9 +187,10 @@ impl Template {
     /// Compiles `format` (`name`: what the report calls it). `Err`: why it cannot be read by.
     pub fn compile(name: &str, format: &str, syntax: Syntax, wanted: &Wanted) -> Result<Template, String> {
         let format = without_line_end(format);
+        let mut times = Vec::new();
         let mut tokens = match syntax {
             Syntax::Nginx => nginx_tokens(format, wanted)?,
-            Syntax::Envoy => envoy_tokens(format, wanted)?,
+            Syntax::Envoy => envoy_tokens(format, wanted, &mut times)?,
         };
         // Lines are read without their line end, and white space at a line's end is not
         // required: what ends the format ends with the last text that is not white space.
@@ -195,7 +201,7 @@ impl Template {
             }
         }
         let has = |f: Field| tokens.iter().any(|t| matches!(t, Token::Field(x) if *x == f));
-        if !has(Field::Time) {
+        if !tokens.iter().any(|t| matches!(t, Token::Field(Field::Time | Field::TimeAs(_)))) {
             return Err("the format has no time ($time_local, $time_iso8601, $msec or %START_TIME%)".to_owned());
         }
         if !has(Field::Request) && !has(Field::Path) {
@@ -211,7 +217,15 @@ impl Template {
                 }
             }
         }
-        Ok(Template { name: name.to_owned(), last_needed, syntax, has_peer: has(Field::Peer), tokens, whole: false })
+        Ok(Template {
+            name: name.to_owned(),
+            last_needed,
+            syntax,
+            has_peer: has(Field::Peer),
+            tokens,
+            times,
+            whole: false,
+        })
     }
 
     /// This format, read only from lines that match all of it, to their end: a format the
@@ -243,6 +257,16 @@ impl Template {
                     }
                     at += lit.len();
                 }
+                Token::Field(Field::TimeAs(k)) => {
+                    // The format says where the time ends, so a time written with spaces (or
+                    // with the next literal text inside it) is read whole.
+                    let format = self.times.get(*k).ok_or("no time format")?;
+                    let (ts, len) = format.read(rest).ok_or_else(|| {
+                        format!("cannot read the time at column {} as {} writes it", at + 1, format.text)
+                    })?;
+                    time = Some(ts);
+                    at += len;
+                }
                 Token::Field(field) => {
                     let len = match self.tokens.get(i + 1) {
                         Some(Token::Literal(next)) => find(rest, next).ok_or_else(|| {
@@ -252,31 +276,38 @@ impl Template {
                         _ => rest.trim_ascii_end().len(),
                     };
                     let raw = rest.get(..len).unwrap_or_default();
+                    // Where the field starts, for messages: they name the field and say where it
+                    // is and how long, never what it holds (a header's value may have run into
+                    // it, past a space).
+                    let start = at;
                     at += len;
                     let value = (raw != b"-" && !raw.is_empty()).then_some(raw);
                     match (field, value) {
-                        (Field::Other, _) => {}
-                        (Field::Time, v) => time = Some(v.and_then(parse_time).ok_or_else(|| bad("time", raw))?),
+                        (Field::Other | Field::TimeAs(_), _) => {}
+                        (Field::Time, v) => {
+                            time = Some(v.and_then(parse_time).ok_or_else(|| bad("time", raw, start))?);
+                        }
                         (Field::Request, v) => {
-                            let (method, uri) = v.and_then(request_line).ok_or_else(|| bad("request line", raw))?;
+                            let (method, uri) =
+                                v.and_then(request_line).ok_or_else(|| bad("request line", raw, start))?;
                             e.method = Some(method);
                             e.path = self.unescape(uri);
                             path = true;
                         }
                         (Field::Method, None) => {}
                         (Field::Method, Some(m)) => {
-                            e.method = Some(method(m).map(Cow::Borrowed).ok_or_else(|| bad("method", raw))?);
+                            e.method = Some(method(m).map(Cow::Borrowed).ok_or_else(|| bad("method", raw, start))?);
                         }
                         (Field::Path, Some(v)) => {
                             e.path = self.unescape(v);
                             path = true;
                         }
-                        (Field::Path, None) => return Err(bad("path", raw)),
+                        (Field::Path, None) => return Err(bad("path", raw, start)),
                         (Field::Peer, None) => {}
-                        (Field::Peer, Some(v)) => e.peer = Some(Cow::Borrowed(peer(v)?)),
+                        (Field::Peer, Some(v)) => e.peer = Some(Cow::Borrowed(peer(v, start)?)),
                         (Field::Duration(_), None) => {}
                         (Field::Duration(unit), Some(v)) => {
-                            e.duration = Some(duration(v, *unit).ok_or_else(|| bad("duration", raw))?);
+                            e.duration = Some(duration(v, *unit).ok_or_else(|| bad("duration", raw, start))?);
                         }
                         (Field::Header(XFF), v) => e.xff = v.map(|v| self.unescape(v)),
                         (Field::Header(h), v) => {
@@ -353,8 +384,15 @@ fn without_line_end(format: &str) -> &str {
     format
 }
 
-fn bad(what: &str, raw: &[u8]) -> String {
-    format!("cannot read the {what} {:?}", String::from_utf8_lossy(raw))
+/// Why a field that starts at byte `at` of a line cannot be read: the field's name, where it
+/// is and how long, never its text (a header's value may have run into it, past a space).
+fn bad(what: &str, raw: &[u8], at: usize) -> String {
+    format!("cannot read the {what} at column {} ({})", at + 1, bytes(raw.len()))
+}
+
+/// `1 byte`, `26 bytes`.
+pub fn bytes(n: usize) -> String {
+    format!("{n} byte{}", if n == 1 { "" } else { "s" })
 }
 
 /// Where `needle` first occurs in `hay`.
@@ -389,16 +427,20 @@ pub fn method(v: &[u8]) -> Option<&str> {
     std::str::from_utf8(v).ok()
 }
 
-/// The client address of a peer field, its port dropped. `Err` when the value is no
-/// address, a Unix socket's peer among them (NGINX writes `unix:`, Envoy the socket's path):
-/// the request cannot be keyed as the proxy keyed it.
-fn peer(v: &[u8]) -> Result<&str, String> {
+/// The client address of a peer field (at byte `at` of its line), its port dropped. `Err`
+/// when the value is no address, a Unix socket's peer among them (NGINX writes `unix:`, Envoy
+/// the socket's path): the request cannot be keyed as the proxy keyed it.
+fn peer(v: &[u8], at: usize) -> Result<&str, String> {
     if v.starts_with(b"unix:") || v.starts_with(b"/") || v.starts_with(b"@") {
-        return Err(format!("the client address {:?} is a Unix socket's, no address", String::from_utf8_lossy(v)));
+        return Err(format!(
+            "the client address at column {} ({}) is a Unix socket's, no address",
+            at + 1,
+            bytes(v.len())
+        ));
     }
     without_port(v)
         .filter(|a| ratewall_core::key::parse_ip(a.as_bytes()).is_some())
-        .ok_or_else(|| bad("client address", v))
+        .ok_or_else(|| bad("client address", v, at))
 }
 
 /// An address without the port a proxy may write after it (`192.0.2.1:443`,
@@ -462,7 +504,9 @@ fn nginx_tokens(format: &str, wanted: &Wanted) -> Result<Vec<Token>, String> {
     Ok(tokens)
 }
 
-fn envoy_tokens(format: &str, wanted: &Wanted) -> Result<Vec<Token>, String> {
+/// An Envoy format string's tokens; the time formats its `%START_TIME(…)%` fields give are
+/// pushed onto `times`.
+fn envoy_tokens(format: &str, wanted: &Wanted, times: &mut Vec<TimeFormat>) -> Result<Vec<Token>, String> {
     let mut tokens = Vec::new();
     let mut lit = Vec::new();
     let mut rest = format;
@@ -489,7 +533,11 @@ fn envoy_tokens(format: &str, wanted: &Wanted) -> Result<Vec<Token>, String> {
         }
         tail = tail.strip_prefix('%').ok_or_else(|| format!("%{name} has no closing %"))?;
         let field = match name {
-            "START_TIME" => Field::Time,
+            "START_TIME" if arg.is_empty() => Field::Time,
+            "START_TIME" => {
+                times.push(TimeFormat::compile(arg).map_err(|why| format!("%START_TIME({arg})%: {why}"))?);
+                Field::TimeAs(times.len() - 1)
+            }
             "DURATION" => Field::Duration(Unit::Millis),
             "DOWNSTREAM_REMOTE_ADDRESS"
             | "DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT"
@@ -524,6 +572,137 @@ fn envoy_tokens(format: &str, wanted: &Wanted) -> Result<Vec<Token>, String> {
 }
 
 // ---- times ----
+
+/// A `%START_TIME(…)%` format: Envoy's strftime-like time format, compiled to be read back.
+/// It reads `%Y %m %d %e %j %H %M %S %T %F %z %b %B %a %A %s %%`, Envoy's fractions of a
+/// second `%f` (9 digits) and `%1f` to `%9f` (that many), and literal text; a time without
+/// `%z` (or `%s`) is UTC, as Envoy writes `%START_TIME%`.
+pub struct TimeFormat {
+    /// The format as written, for messages.
+    text: String,
+    pieces: Vec<TimePiece>,
+}
+
+/// A stretch of a [`TimeFormat`]: what chrono reads, or Envoy's fraction of a second of so
+/// many digits (chrono's `%f` reads a count of nanoseconds, and its fractions without a dot
+/// only 3, 6 or 9 digits).
+enum TimePiece {
+    Chrono(Vec<chrono::format::Item<'static>>),
+    Fraction(u32),
+}
+
+impl TimeFormat {
+    /// Compiles a `%START_TIME(…)%` argument. `Err`: a specifier it cannot read, or a format
+    /// that gives no instant (no `%s`, and no date or no hour and minute).
+    pub fn compile(format: &str) -> Result<TimeFormat, String> {
+        use chrono::format::{Fixed, Item, Numeric, Pad};
+        const READS: &str = "%Y %m %d %e %j %H %M %S %T %F %z %b %B %a %A %s %f %1f to %9f, %%";
+        let mut pieces = Vec::new();
+        let mut items: Vec<Item<'static>> = Vec::new();
+        let mut lit = String::new();
+        // The parts of an instant the specifiers give (`Y`, `m`, `d`, `j`, `H`, `M`, `S`, `s`).
+        let mut gave = String::new();
+        let mut chars = format.chars();
+        while let Some(c) = chars.next() {
+            if c != '%' {
+                lit.push(c);
+                continue;
+            }
+            let spec = chars.next().ok_or("a % at the end of the format names no specifier")?;
+            if spec == '%' {
+                lit.push('%');
+                continue;
+            }
+            if !lit.is_empty() {
+                items.push(Item::OwnedLiteral(std::mem::take(&mut lit).into_boxed_str()));
+            }
+            let fraction = match spec.to_digit(10) {
+                _ if spec == 'f' => Some(9),
+                Some(n @ 1..=9) if chars.as_str().starts_with('f') => {
+                    chars.next();
+                    Some(n)
+                }
+                _ => None,
+            };
+            if let Some(n) = fraction {
+                pieces.push(TimePiece::Chrono(std::mem::take(&mut items)));
+                pieces.push(TimePiece::Fraction(n));
+                continue;
+            }
+            let num = |n: Numeric| Item::Numeric(n, Pad::Zero);
+            let (hour, minute, second) = (num(Numeric::Hour), num(Numeric::Minute), num(Numeric::Second));
+            let (year, month, day) = (num(Numeric::Year), num(Numeric::Month), num(Numeric::Day));
+            // What each reads, and which parts of an instant it gives.
+            let (read, gives): (Vec<Item<'static>>, &str) = match spec {
+                'Y' => (vec![year], "Y"),
+                'm' => (vec![month], "m"),
+                'd' => (vec![day], "d"),
+                'e' => (vec![Item::Numeric(Numeric::Day, Pad::Space)], "d"),
+                'j' => (vec![num(Numeric::Ordinal)], "j"),
+                'H' => (vec![hour], "H"),
+                'M' => (vec![minute], "M"),
+                'S' => (vec![second], "S"),
+                'T' => (vec![hour, Item::Literal(":"), minute, Item::Literal(":"), second], "HMS"),
+                'F' => (vec![year, Item::Literal("-"), month, Item::Literal("-"), day], "Ymd"),
+                'z' => (vec![Item::Fixed(Fixed::TimezoneOffset)], ""),
+                'b' => (vec![Item::Fixed(Fixed::ShortMonthName)], "m"),
+                'B' => (vec![Item::Fixed(Fixed::LongMonthName)], "m"),
+                'a' => (vec![Item::Fixed(Fixed::ShortWeekdayName)], ""),
+                'A' => (vec![Item::Fixed(Fixed::LongWeekdayName)], ""),
+                's' => (vec![Item::Numeric(Numeric::Timestamp, Pad::None)], "s"),
+                other => return Err(format!("%{other} is not a time specifier replay reads (it reads {READS})")),
+            };
+            items.extend(read);
+            gave.push_str(gives);
+        }
+        if !lit.is_empty() {
+            items.push(Item::OwnedLiteral(lit.into_boxed_str()));
+        }
+        if !items.is_empty() {
+            pieces.push(TimePiece::Chrono(items));
+        }
+        let has = |c: char| gave.contains(c);
+        let date = has('Y') && (has('m') && has('d') || has('j'));
+        let instant = has('s') || date && has('H') && has('M');
+        if !instant {
+            return Err("gives no instant: it needs %s, or a date (%Y with %m or %b and %d, or with %j) and %H and %M"
+                .to_owned());
+        }
+        Ok(TimeFormat { text: format.to_owned(), pieces })
+    }
+
+    /// Reads the time this format writes from the start of `text`: nanoseconds since the epoch
+    /// and how many bytes the time spans. `None`: `text` does not start with such a time (or
+    /// with one before the epoch).
+    pub fn read(&self, text: &[u8]) -> Option<(Nanos, usize)> {
+        let s = match std::str::from_utf8(text) {
+            Ok(s) => s,
+            // What follows the time may be in any encoding: the time is what is read.
+            Err(e) => std::str::from_utf8(text.get(..e.valid_up_to())?).ok()?,
+        };
+        let mut parsed = chrono::format::Parsed::new();
+        let mut rest = s;
+        for piece in &self.pieces {
+            match piece {
+                TimePiece::Chrono(items) => {
+                    rest = chrono::format::parse_and_remainder(&mut parsed, rest, items.iter()).ok()?;
+                }
+                TimePiece::Fraction(n) => {
+                    // Exactly `n` digits of a fraction: `%3f` writes 7 ms as `007`.
+                    let len = *n as usize;
+                    let nanos = digits(rest.as_bytes().get(..len)?)?.checked_mul(10u64.pow(9 - n))?;
+                    parsed.set_nanosecond(i64::try_from(nanos).ok()?).ok()?;
+                    rest = rest.get(len..)?;
+                }
+            }
+        }
+        if parsed.offset().is_none() {
+            parsed.set_offset(0).ok()?;
+        }
+        let t = parsed.to_datetime().ok()?;
+        Some((u64::try_from(t.timestamp_nanos_opt()?).ok()?, s.len() - rest.len()))
+    }
+}
 
 /// A time as the formats write it: RFC 3339 / ISO 8601 (`2026-12-01T10:00:00.250Z`,
 /// `2026-12-01T11:00:00+01:00`), NGINX's `$time_local` (`01/Dec/2026:10:00:00 +0000`), or
@@ -1139,6 +1318,106 @@ mod tests {
         let e = f.read(&w, br#"192.0.2.1 1796119200.500 1.250 "GET /a HTTP/1.1""#).unwrap();
         assert_eq!((e.ts, e.duration), (1_796_119_199_250_000_000, Some(1_250_000_000)));
         assert!(f.read(&w, br#"192.0.2.1 1796119200.500 slow "GET /a HTTP/1.1""#).is_err());
+    }
+
+    /// A message about a line names the field, where it starts and how long it is, never
+    /// what the line holds there: with a space in a header's value, the value runs into the
+    /// fields after it.
+    #[test]
+    fn no_message_about_a_line_quotes_it() {
+        let w = wanted();
+        let nginx =
+            Template::compile("n", r#"$remote_addr $msec $request_method "$request" $request_time"#, Syntax::Nginx, &w)
+                .unwrap()
+                .whole_lines();
+        for (line, says) in [
+            (
+                r#"sk_SECRET 1796119200.5 GET "GET /a HTTP/1.1" 0.1"#,
+                "cannot read the client address at column 1 (9 bytes)",
+            ),
+            (
+                r#"/sk_SECRET 1796119200.5 GET "GET /a HTTP/1.1" 0.1"#,
+                "client address at column 1 (10 bytes) is a Unix socket's",
+            ),
+            (r#"192.0.2.1 sk_SECRET GET "GET /a HTTP/1.1" 0.1"#, "cannot read the time at column 11 (9 bytes)"),
+            (
+                r#"192.0.2.1 1796119200.5 sk_SECRET "GET /a HTTP/1.1" 0.1"#,
+                "cannot read the method at column 24 (9 bytes)",
+            ),
+            (r#"192.0.2.1 1796119200.5 GET "sk_SECRET" 0.1"#, "cannot read the request line at column 29 (9 bytes)"),
+            (
+                r#"192.0.2.1 1796119200.5 GET "GET /a HTTP/1.1" Bearer sk_SECRET"#,
+                "cannot read the duration at column 46 (16 bytes)",
+            ),
+        ] {
+            let e = nginx.read(&w, line.as_bytes()).err().unwrap_or_else(|| panic!("{line}"));
+            assert!(e.contains(says) && !e.contains("SECRET"), "{line}: {e}");
+        }
+        let envoy = Template::compile("e", "%START_TIME(%s)% %REQ(:PATH)% %DURATION%", Syntax::Envoy, &w).unwrap();
+        for (line, says) in [
+            ("sk_SECRET /a 1", "cannot read the time at column 1 as %s writes it"),
+            ("1796119200 - 1", "cannot read the path at column 12 (1 byte)"),
+        ] {
+            let e = envoy.read(&w, line.as_bytes()).err().unwrap_or_else(|| panic!("{line}"));
+            assert!(e.contains(says) && !e.contains("SECRET"), "{line}: {e}");
+        }
+    }
+
+    /// `%START_TIME(…)%` reads a line's time by its format, which says where the time ends:
+    /// spaces and all.
+    #[test]
+    fn start_time_formats_read_the_time_as_they_write_it() {
+        let w = wanted();
+        // 2026-12-01T10:00:00Z, a Tuesday, the 335th day of the year.
+        let t = 1_796_119_200_000_000_000;
+        for (format, written, want) in [
+            ("%Y/%m/%dT%H:%M:%S%z", "2026/12/01T11:00:00+0100", t),
+            ("%d/%b/%Y:%H:%M:%S %z", "01/Dec/2026:05:00:00 -0500", t),
+            ("%Y-%m-%d %H:%M:%S", "2026-12-01 10:00:00", t),
+            ("%F %T.%f", "2026-12-01 10:00:00.250000000", t + 250_000_000),
+            ("%Y-%m-%dT%H:%M:%S.%3fZ", "2026-12-01T10:00:00.007Z", t + 7_000_000),
+            ("%s.%3f", "1796119200.250", t + 250_000_000),
+            ("%s.%6f", "1796119200.000250", t + 250_000),
+            ("%s.%9f", "1796119200.000000250", t + 250),
+            ("%s.%1f", "1796119200.2", t + 200_000_000),
+            ("%s", "1796119200", t),
+            ("%Y%j %H%M", "2026335 1000", t),
+            ("%a, %e %B %Y %H:%M:%S.%2f", "Tue,  1 December 2026 10:00:00.25", t + 250_000_000),
+            ("%Y-%m-%d %H:%M:%S 100%%", "2026-12-01 10:00:00 100%", t),
+        ] {
+            let text = format!("%START_TIME({format})% %REQ(:PATH)% %DOWNSTREAM_REMOTE_ADDRESS%");
+            let f = Template::compile("e", &text, Syntax::Envoy, &w).unwrap().whole_lines();
+            let line = format!("{written} /a 192.0.2.1:5123");
+            let e = f.read(&w, line.as_bytes()).unwrap_or_else(|e| panic!("{format}: {e}"));
+            assert_eq!((e.ts, &*e.path, e.peer.as_deref()), (want, &b"/a"[..], Some("192.0.2.1")), "{format}");
+        }
+        // A time not as its format writes it is unreadable.
+        for (format, written) in [
+            ("%d/%b/%Y:%H:%M:%S %z", "31/Feb/2026:10:00:00 +0000"),
+            ("%d/%b/%Y:%H:%M:%S %z", "01/Dec/2026:10:00:00"),
+            ("%s.%3f", "1796119200.25"),
+            ("%a %F %T", "Mon 2026-12-01 10:00:00"),
+            ("%F %T", "2026-12-01T10:00:00"),
+            ("%F %T", "1969-12-31 23:59:59"),
+        ] {
+            let text = format!("%START_TIME({format})% %REQ(:PATH)%");
+            let f = Template::compile("e", &text, Syntax::Envoy, &w).unwrap().whole_lines();
+            let e = f.read(&w, format!("{written} /a").as_bytes()).err().unwrap_or_else(|| panic!("{written}"));
+            assert!(e.contains("cannot read the time at column 1"), "{written}: {e}");
+        }
+        // A specifier it cannot read, or a format without an instant, is refused at once.
+        for (format, why) in [
+            ("%F %H:%M:%Q", "%Q is not a time specifier"),
+            ("%Ez", "%E is not a time specifier"),
+            ("%s %", "names no specifier"),
+            ("%H:%M:%S", "gives no instant"),
+            ("%F", "gives no instant"),
+            ("%m/%d %H:%M", "gives no instant"),
+        ] {
+            let text = format!("%START_TIME({format})% %REQ(:PATH)%");
+            let e = Template::compile("e", &text, Syntax::Envoy, &w).err().unwrap_or_else(|| panic!("{format}"));
+            assert!(e.starts_with(&format!("%START_TIME({format})%: ")) && e.contains(why), "{format}: {e}");
+        }
     }
 
     #[test]

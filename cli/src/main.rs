@@ -2,7 +2,8 @@
 //!
 //! - `ratewall check RULES.json`: validate; each rule's match, key, algorithm, limits, plans.
 //!   `ratewall check FILE.yaml` (or a directory of them) validates envoyproxy/ratelimit's
-//!   configuration for `ratewall-store --rls-config` instead: each domain's limits.
+//!   configuration for `ratewall-store --rls-config` instead: each domain's limits (a
+//!   `.yaml` file that holds a JSON object with `rules` is a rules document all the same).
 //! - `ratewall explain RULES.json --method M --path P [-H 'name: value']... [--ip A]`: which
 //!   rules match a request, the counter key each would use, the limit in force (and whose plan
 //!   it is), and why the others do not.
@@ -45,6 +46,7 @@ mod schema;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::{Parser, Subcommand};
+use ratewall_core::rules::MAX_DOCUMENT;
 use ratewall_core::Config;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -125,7 +127,7 @@ pub enum Failure {
 /// Reads and parses a rules document: its text (for what the parser does not keep, such as
 /// the patterns as written) and the validated rules.
 pub fn load(path: &Path) -> Result<(serde_json::Value, Config), Failure> {
-    let bytes = std::fs::read(path).map_err(|e| Failure::Usage(format!("cannot read {}: {e}", path.display())))?;
+    let bytes = read_document(path)?;
     let mut config = Config::parse(&bytes).map_err(|e| {
         let at = if e.path.is_empty() { "(document)".to_owned() } else { e.path.clone() };
         Failure::Invalid(vec![format!("{at}: {}", e.reason)])
@@ -134,6 +136,31 @@ pub fn load(path: &Path) -> Result<(serde_json::Value, Config), Failure> {
     // The core accepted it, so it is JSON.
     let doc = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
     Ok((doc, config))
+}
+
+/// Reads a rules document: at most the parser's limit ([`MAX_DOCUMENT`] bytes), never more
+/// of what `path` names, so a path to an endless file (`/dev/zero`, a pipe) ends in the same
+/// "too large" error as a large file rather than in memory growing without bound.
+fn read_document(path: &Path) -> Result<Vec<u8>, Failure> {
+    let cannot = |e: std::io::Error| Failure::Usage(format!("cannot read {}: {e}", path.display()));
+    let file = std::fs::File::open(path).map_err(cannot)?;
+    let bytes = read_at_most(&file, MAX_DOCUMENT).map_err(cannot)?;
+    if bytes.len() <= MAX_DOCUMENT {
+        return Ok(bytes);
+    }
+    // A file says its size; what does not (a device, a pipe) is at least one byte over.
+    let size = file.metadata().ok().filter(std::fs::Metadata::is_file).map(|m| m.len());
+    let has = size.map_or_else(|| format!("more than {MAX_DOCUMENT}"), |n| n.to_string());
+    Err(Failure::Invalid(vec![format!("(document): has {has} bytes; at most {MAX_DOCUMENT} are accepted")]))
+}
+
+/// The first `limit` bytes of `r`, and one more when there are more: never all of an endless
+/// input.
+fn read_at_most(r: impl std::io::Read, limit: usize) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    r.take(u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1)).read_to_end(&mut bytes)?;
+    Ok(bytes)
 }
 
 /// The secret a Worker deployment keys its hashes by when its rules set neither
@@ -147,11 +174,24 @@ fn deployment_secret() -> String {
         .unwrap_or_default()
 }
 
-/// Whether `path` is envoyproxy/ratelimit's YAML (a `.yaml` / `.yml` file or a directory)
-/// rather than a rules document.
+/// Whether `path` is envoyproxy/ratelimit's YAML (a directory, or a `.yaml` / `.yml` file)
+/// rather than a rules document. A `.yaml` file that holds a JSON object with `rules` is a
+/// rules document (JSON is YAML too): its content decides, not its name.
 fn is_rls_config(path: &Path) -> bool {
+    if path.is_dir() {
+        return true;
+    }
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-    path.is_dir() || ext.eq_ignore_ascii_case("yaml") || ext.eq_ignore_ascii_case("yml")
+    if !ext.eq_ignore_ascii_case("yaml") && !ext.eq_ignore_ascii_case("yml") {
+        return false;
+    }
+    !read_document(path).is_ok_and(|bytes| is_rules_document(&bytes))
+}
+
+/// Whether `bytes` are a JSON object with a `rules` member: a rules document, valid or not,
+/// never a rate limit service configuration (whose top level has `domain` and `descriptors`).
+fn is_rules_document(bytes: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(bytes).is_ok_and(|v| v.get("rules").is_some())
 }
 
 /// `ratewall check` of a rate limit service configuration: its limits, or `file:line:column:
@@ -283,5 +323,27 @@ fn main() -> ExitCode {
             eprintln!("ratewall: {why}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn an_endless_input_is_read_only_to_one_byte_past_the_limit() {
+        assert_eq!(read_at_most(std::io::repeat(b'x'), 1000).unwrap().len(), 1001);
+        assert_eq!(read_at_most(&b"short"[..], 1000).unwrap(), b"short");
+        assert_eq!(read_at_most(&[b'x'; 1000][..], 1000).unwrap().len(), 1000, "the limit itself is accepted");
+    }
+
+    #[test]
+    fn a_rules_document_is_told_from_a_rate_limit_service_configuration_by_its_content() {
+        assert!(is_rules_document(br#"{"$schema": "./rules.schema.json", "rules": []}"#));
+        assert!(is_rules_document(br#"{"rules": 5}"#), "a bad rules document is still one, for its errors");
+        assert!(!is_rules_document(br#"{"domain": "d", "descriptors": []}"#), "JSON is YAML too");
+        assert!(!is_rules_document(b"domain: d\ndescriptors: []\n"));
+        assert!(!is_rules_document(b"[]"));
     }
 }

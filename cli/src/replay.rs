@@ -367,13 +367,13 @@ fn json_value_entry<'a>(config: &Config, text: &[u8]) -> Result<Entry<'a>, Strin
     let method = match &value["method"] {
         Value::Null => None,
         Value::String(m) if logformat::method(m.as_bytes()).is_some() => Some(Cow::Owned(m.clone())),
-        Value::String(m) => return Err(format!("cannot read the method {m:?}")),
+        Value::String(m) => return Err(format!("cannot read the method ({})", logformat::bytes(m.len()))),
         other => return Err(format!("\"method\" is {}, not a string", kind(other))),
     };
     let peer = match &value["ip"] {
         Value::Null => None,
         Value::String(ip) if parse_ip(ip.as_bytes()).is_some() => Some(Cow::Owned(ip.clone())),
-        Value::String(ip) => return Err(format!("cannot read the client address {ip:?}")),
+        Value::String(ip) => return Err(format!("cannot read the client address ({})", logformat::bytes(ip.len()))),
         other => return Err(format!("\"ip\" is {}, not a string", kind(other))),
     };
     let duration = match &value["duration_ms"] {
@@ -381,7 +381,8 @@ fn json_value_entry<'a>(config: &Config, text: &[u8]) -> Result<Entry<'a>, Strin
         v @ (Value::String(_) | Value::Number(_)) => {
             let text = v.as_str().map_or_else(|| v.to_string(), str::to_owned);
             let d = logformat::duration(text.as_bytes(), logformat::Unit::Millis);
-            Some(d.ok_or_else(|| format!("cannot read \"duration_ms\" {text:?} (milliseconds)"))?)
+            let bad = || format!("cannot read \"duration_ms\" ({}; milliseconds)", logformat::bytes(text.len()));
+            Some(d.ok_or_else(bad)?)
         }
         other => return Err(format!("\"duration_ms\" is {}, not a number", kind(other))),
     };
@@ -398,6 +399,17 @@ fn json_value_entry<'a>(config: &Config, text: &[u8]) -> Result<Entry<'a>, Strin
         xff: (!xff.is_empty()).then(|| Cow::Owned(xff.join(", ").into_bytes())),
         peer,
     })
+}
+
+/// A header's name as a message shows it: as written when it is one (a token of at most 64
+/// bytes), else only its length; never a value.
+fn header_name(name: &str) -> String {
+    let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    if (1..=64).contains(&name.len()) && name.bytes().all(token) {
+        format!("{name:?}")
+    } else {
+        format!("a header name of {}", logformat::bytes(name.len()))
+    }
 }
 
 /// What a JSON value is, for a message (never the value: a header's may be a secret).
@@ -441,7 +453,7 @@ fn headers(v: &Value) -> Result<Vec<(String, String)>, String> {
         }
         Value::Object(o) => {
             for (name, value) in o {
-                let bad = |what: &Value| format!("\"headers\": {name:?} is {}, not a string", kind(what));
+                let bad = |what: &Value| format!("\"headers\": {} is {}, not a string", header_name(name), kind(what));
                 match value {
                     Value::String(s) => out.push((name.to_ascii_lowercase(), s.clone())),
                     Value::Null => {}
@@ -963,6 +975,19 @@ mod tests {
             assert!(LogFormat::Jsonl.read(&wanted, line.as_bytes()).is_err(), "{line}");
             let e = json_value_entry(&config, line.as_bytes()).err().unwrap_or_else(|| panic!("{line}"));
             assert!(e.contains(why), "{line}: {e}");
+            // The field and its length, never its text: a log's field may hold anything.
+            for text in ["not-an-ip", "unix:", "SEC RET", "soon", "x-api-key: K"] {
+                assert!(!e.contains(text), "{line}: {e}");
+            }
+        }
+        // A header is named when its name is one; anything else, only by its length.
+        for (headers, says) in [
+            (r#"{"x-api-key": 5}"#, r#""x-api-key" is a number"#),
+            (r#"{"Bearer sk_live_0123": 5}"#, "a header name of 19 bytes is a number"),
+        ] {
+            let line = format!(r#"{{"ts": 1796119200, "path": "/a", "headers": {headers}}}"#);
+            let e = json_value_entry(&config, line.as_bytes()).err().unwrap_or_else(|| panic!("{line}"));
+            assert!(e.contains(says), "{line}: {e}");
         }
     }
 

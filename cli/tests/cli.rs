@@ -84,6 +84,77 @@ fn check_rejects_a_sync_cluster_no_host_could_call() {
 }
 
 #[test]
+fn check_refuses_a_sync_path_without_a_slash_and_counts_secrets_in_characters() {
+    for (doc, says) in [
+        (
+            json!({"rules": [], "sync": {"cluster": "s", "secret": "0123456789abcdef", "path": "v1/sync"}}),
+            "sync.path: ",
+        ),
+        (json!({"rules": [], "sync": {"cluster": "s", "secret": "0123456789abcdef", "path": ""}}), "sync.path: "),
+        // Eight characters of two bytes each.
+        (
+            json!({"rules": [], "identity": {"hash_key": "éééééééé"}}),
+            "identity.hash_key: must be at least 16 characters",
+        ),
+        (json!({"rules": [], "sync": {"cluster": "s", "secret": "éééééééé"}}), "sync.secret: "),
+    ] {
+        let o = ratewall(&["check", &temp("lengths.json", &doc.to_string())]);
+        assert_eq!(o.status.code(), Some(1), "{doc}: {}", stdout(&o));
+        assert!(stderr(&o).starts_with(says), "{doc}: {}", stderr(&o));
+    }
+}
+
+/// A rules document is read to its limit and no further: a file over it is refused as too
+/// large, and so is a path that never ends, which is not read to its end.
+#[test]
+fn a_rules_document_is_read_no_further_than_its_limit() {
+    let limit = ratewall_core::rules::MAX_DOCUMENT;
+    let big = temp("big.json", &format!(r#"{{"rules": [], "x": "{}"}}"#, "a".repeat(limit)));
+    let size = std::fs::metadata(&big).unwrap().len();
+    let o = ratewall(&["check", &big]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(stderr(&o), format!("(document): has {size} bytes; at most {limit} are accepted\n"));
+    if !std::path::Path::new("/dev/zero").exists() {
+        return;
+    }
+    // Under a 4 GiB address space, so that reading without a bound fails fast.
+    let bounded = |args: &[&str]| {
+        let script = r#"ulimit -v 4194304 && exec "$0" "$@""#;
+        let o =
+            Command::new("sh").arg("-c").arg(script).arg(env!("CARGO_BIN_EXE_ratewall")).args(args).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        let too_large = format!("(document): has more than {limit} bytes; at most {limit} are accepted\n");
+        assert_eq!(stderr(&o), too_large, "{args:?}");
+    };
+    bounded(&["check", "/dev/zero"]);
+    bounded(&["explain", "/dev/zero", "--path", "/"]);
+    bounded(&["replay", "/dev/zero", &temp("zero.jsonl", "")]);
+}
+
+/// JSON is YAML too: a `.yaml` file that holds a JSON object with `rules` is a rules document,
+/// and one without is the rate limit service's.
+#[test]
+fn check_tells_a_rules_document_from_a_rate_limit_service_file_by_its_content() {
+    let rules = std::fs::read_to_string(root("examples/rules.json")).unwrap();
+    for name in ["rules.yaml", "rules.YML"] {
+        let o = ratewall(&["check", &temp(name, &rules)]);
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
+        assert!(stdout(&o).contains("valid, 3 rules"), "{name}: {}", stdout(&o));
+    }
+    let bad = temp("bad-rules.yaml", r#"{"rules": [{"name": "x"}]}"#);
+    let o = ratewall(&["check", &bad]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).starts_with("rules[0]."), "{}", stderr(&o));
+    let rls = temp(
+        "rls.yaml",
+        r#"{"domain": "d", "descriptors": [{"key": "k", "rate_limit": {"unit": "second", "requests_per_unit": 1}}]}"#,
+    );
+    let o = ratewall(&["check", &rls]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("valid rate limit service configuration, 1 domain (d)"), "{}", stdout(&o));
+}
+
+#[test]
 fn explain_shows_the_counter_key_the_core_uses_and_why_rules_do_not_apply() {
     let rules = root("examples/rules.json");
     let o = ratewall(&[
@@ -568,6 +639,9 @@ fn wrong_types_unknown_fields_and_bad_durations_are_rejected_by_both() {
         ("/sync/cluster", json!("store:70000")),
         ("/sync/cluster", json!("::1:8090")),
         ("/sync/cluster", json!("my store")),
+        // A path that is not one.
+        ("/sync/path", json!("v1/sync")),
+        ("/sync/path", json!("")),
     ] {
         let mut d = base.clone();
         set(&mut d, ptr, bad.clone());

@@ -209,7 +209,7 @@ fn unreadable_lines_are_counted_and_shown_with_their_numbers() {
     for n in [3, 7, 9, 20, 22] {
         assert!(err.contains(&format!("bad.log:{n}: ")), "line {n} not named:\n{err}");
     }
-    assert!(err.contains("bad.log:7: cannot read the time \"31/Feb/2026:10:00:00 +0000\""), "{err}");
+    assert!(err.contains("bad.log:7: cannot read the time at column 19 (26 bytes)\n"), "{err}");
     assert!(err.contains("14 log lines could not be read"), "{err}");
     // `auto` reads the log as NGINX all the same: most of its first lines are.
     let o = ratewall(&["replay", &rules, &path]);
@@ -252,6 +252,83 @@ fn a_line_that_does_not_match_the_log_format_given_is_unreadable_not_replayed() 
     }
     assert!(err.contains("3 log lines could not be read"), "{err}");
     assert!(!err.contains("sk_live"), "what follows the format is not echoed: it may be a secret\n{err}");
+}
+
+/// A header's value with a space runs, in a format string's line, into the fields after it:
+/// the message about the line names the field it ran into, never the text, so a secret
+/// header's value appears nowhere, in the report or in the messages.
+#[test]
+fn a_secret_header_value_that_runs_into_the_next_field_is_never_shown() {
+    let rules = temp(
+        "authorization.json",
+        &json!({"identity": {"auth": {"header": "authorization", "secret": true}},
+                "rules": [{"name": "per-auth", "key": ["auth"], "limit": {"requests": 1, "per": "1s"}}]})
+        .to_string(),
+    );
+    let token = "sk_live_4eC39HqLyjWDarjtT1zdp7dc";
+    let envoy = temp("authorization.envoy", &format!("[2026-12-01T10:00:00.000Z] GET /v1/x Bearer {token} 12\n"));
+    let nginx = temp(
+        "authorization.nginx",
+        &format!("192.0.2.1 [2026-12-01T10:00:00+00:00] \"GET /v1/x HTTP/1.1\" Bearer {token} 0.012\n"),
+    );
+    for (log, format) in [
+        (&envoy, "[%START_TIME%] %REQ(:METHOD)% %REQ(:PATH)% %REQ(AUTHORIZATION)% %DURATION%"),
+        (&nginx, r#"$remote_addr [$time_iso8601] "$request" $http_authorization $request_time"#),
+    ] {
+        for json in [false, true] {
+            let mut args = vec!["replay", &rules, log, "--log-format", format];
+            if json {
+                args.push("--json");
+            }
+            let o = ratewall(&args);
+            let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+            assert_eq!(o.status.code(), Some(0), "{format}: {err}");
+            assert!(err.contains(":1: cannot read the duration at column "), "{format}: {err}");
+            for part in [token, "4eC39HqLyjWDarjtT1zdp7dc", "sk_live"] {
+                assert!(!out.contains(part) && !err.contains(part), "{format}: a secret shown\n{out}\n{err}");
+            }
+        }
+    }
+}
+
+/// `%START_TIME(…)%` reads a line's time by its format, whose extent in the line is the
+/// format's, spaces included; a time without `%z` is UTC.
+#[test]
+fn a_start_time_is_read_by_its_format_spaces_and_all() {
+    let rules = root("examples/rules.json");
+    let one = temp("start-time.envoy", "2026/12/01T10:00:00+0000 /v1/x 1.2.3.4:5\n");
+    let got = replay_json(&[
+        &rules,
+        &one,
+        "--log-format",
+        "%START_TIME(%Y/%m/%dT%H:%M:%S%z)% %REQ(:PATH)% %DOWNSTREAM_REMOTE_ADDRESS%",
+    ]);
+    assert_eq!((got["requests"].clone(), got["invalid_lines"].clone()), (json!(1), json!(0)), "{got}");
+    // Twelve logins from one address, a second apart: login-per-ip (10 a minute) admits ten,
+    // whichever way the time is written.
+    for (i, (time, written)) in [
+        ("%Y/%m/%dT%H:%M:%S%z", "2026/12/01T11:00:{s}+0100"),
+        ("%d/%b/%Y:%H:%M:%S %z", "01/Dec/2026:10:00:{s} +0000"),
+        ("%Y-%m-%d %H:%M:%S", "2026-12-01 10:00:{s}"),
+        ("%F %T.%f", "2026-12-01 10:00:{s}.250000000"),
+        ("%s.%3f", "17961192{s}.250"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let log: String = (0..12)
+            .map(|s| format!("{} /v1/auth/login 198.51.100.4:5123\n", written.replace("{s}", &format!("{s:02}"))))
+            .collect();
+        let format = format!("%START_TIME({time})% %REQ(:PATH)% %DOWNSTREAM_REMOTE_ADDRESS%");
+        let got = replay_json(&[&rules, &temp(&format!("start-time-{i}.envoy"), &log), "--log-format", &format]);
+        assert_eq!((got["requests"].clone(), got["invalid_lines"].clone()), (json!(12), json!(0)), "{time}: {got}");
+        let login = got["rules"].as_array().unwrap().iter().find(|r| r["name"] == "login-per-ip").unwrap().clone();
+        assert_eq!((login["allowed"].clone(), login["rejected"].clone()), (json!(10), json!(2)), "{time}: {got}");
+    }
+    // A specifier replay cannot read is a usage error that names it.
+    let o = ratewall(&["replay", &rules, &one, "--log-format", "%START_TIME(%Y-%m-%d %k)% %REQ(:PATH)%"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("%k is not a time specifier"), "{o:?}");
 }
 
 /// Peak resident memory of a live process, in KiB.
