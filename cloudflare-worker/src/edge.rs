@@ -218,8 +218,10 @@ pub enum Call {
     /// An isolate's own traffic ([`grants`]): the `units` it admitted from its grant since
     /// its last report, as its batch `seq` (0: no report), then, when the grant that report
     /// brings does not cover it, its ask number `ask` for `cost` units for the request that
-    /// waits (0: no request). Answered with [`grants::Spent`].
-    Spend { limit: Limit, node: u64, seq: u64, units: u64, ask: u64, cost: u64 },
+    /// waits (0: no request). `at`: when the isolate cut the report (its clock; 0: not
+    /// known): a fixed window's units cut in a window that has ended are not counted in the
+    /// object's current one. Answered with [`grants::Spent`].
+    Spend { limit: Limit, node: u64, seq: u64, units: u64, ask: u64, cost: u64, at: Nanos },
 }
 
 /// A counter object's stored value: the counter's encoding in hex, then `/` and the limit it
@@ -281,8 +283,8 @@ impl Call {
                 json!({"op": "ask", "limit": limit_json(limit), "node": node, "ask": ask, "units": units})
             }
             Call::Heard { node, seq, ask } => json!({"op": "heard", "node": node, "seq": seq, "ask": ask}),
-            Call::Spend { limit, node, seq, units, ask, cost } => json!({"op": "spend", "limit": limit_json(limit),
-                "node": node, "seq": seq, "units": units, "ask": ask, "cost": cost}),
+            Call::Spend { limit, node, seq, units, ask, cost, at } => json!({"op": "spend",
+                "limit": limit_json(limit), "node": node, "seq": seq, "units": units, "ask": ask, "cost": cost, "at": at}),
         }
     }
 
@@ -331,6 +333,8 @@ impl Call {
                 units: u64_field(v, "units")?,
                 ask: u64_field(v, "ask")?,
                 cost: u64_field(v, "cost")?,
+                // Absent from an isolate of a version before it: counted as they come.
+                at: v.get("at").map_or(Some(0), Value::as_u64)?,
             }),
             _ => None,
         }
@@ -957,7 +961,7 @@ mod tests {
             Call::Refund { limit, cost: 2, at: u64::MAX - 1 },
             Call::Apply { limit, node: 1 << 60, seq: 9, units: 4 },
             Call::Ask { limit, node: 1 << 60, ask: 7, units: 1 },
-            Call::Spend { limit, node: 3, seq: 4, units: 5, ask: 6, cost: 7 },
+            Call::Spend { limit, node: 3, seq: 4, units: 5, ask: 6, cost: 7, at: 8 },
             Call::Take {
                 limit: Limit::new(Algorithm::LeakyBucket, 5, SECOND, Some(10)).unwrap().with_delay(3).unwrap(),
                 cost: 1,
@@ -1080,7 +1084,7 @@ mod tests {
         let limit = Limit::new(Algorithm::FixedWindow, 5, 1_000, None).unwrap();
         let calls = vec![
             (b"k1".to_vec(), Call::Take { limit, cost: 1 }),
-            (vec![0, 255], Call::Spend { limit, node: 3, seq: 9, units: 2, ask: 0, cost: 0 }),
+            (vec![0, 255], Call::Spend { limit, node: 3, seq: 9, units: 2, ask: 0, cost: 0, at: 0 }),
         ];
         assert_eq!(decode_batch(&encode_batch(&calls)), Some(calls));
         let heard = r#"{"batch":[{"key":"00","call":{"op":"heard","node":1,"seq":1,"ask":false}}]}"#;

@@ -31,7 +31,8 @@ const RULES: &str = r#"{
     {"name": "bucket", "match": {"path": "/tb/*"}, "key": ["user"], "limit": {"requests": 60, "per": "60s", "burst": 2}},
     {"name": "strict", "match": {"path": "/cl/*"}, "key": ["user"], "on_store_failure": "closed", "limit": {"requests": 3, "per": "60s"}},
     {"name": "shape", "match": {"path": "/q/*"}, "key": ["user"], "limit": {"requests": 5, "per": "1s", "burst": 5, "algorithm": "leaky_bucket"}},
-    {"name": "flight", "match": {"path": "/f/*"}, "key": ["user"], "limit": {"concurrent": 2, "hold_max": "30s"}}
+    {"name": "flight", "match": {"path": "/f/*"}, "key": ["user"], "limit": {"concurrent": 2, "hold_max": "30s"}},
+    {"name": "window", "match": {"path": "/fw/*"}, "key": ["user"], "algorithm": "fixed_window", "limit": {"requests": 3, "per": "2s"}}
   ]
 }"#;
 
@@ -254,6 +255,79 @@ fn cold_keys_share_their_objects_reports_and_each_keeps_its_own_limit() {
         assert_eq!(statuses(&w, "GET", "/u/x", &user(i), 3), [200, 200, 429], "cold{i}");
     }
     assert_eq!(statuses(&w, "GET", "/u/x", &user(59), 1), [200]);
+}
+
+/// Sleeps until `lead` before the next edge of `per`-long windows of the wall clock.
+fn before_a_window_edge(per: Duration, lead: Duration) {
+    let per = per.as_nanos();
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let left = per - since_epoch % per;
+    let lead = lead.as_nanos();
+    let wait = if left > lead { left - lead } else { left + per - lead };
+    std::thread::sleep(Duration::from_nanos(u64::try_from(wait).unwrap()));
+}
+
+#[test]
+fn requests_at_a_fixed_windows_end_are_not_counted_in_the_next_window() {
+    // One shard object, kept busy by other clients: its reports ride one task, every 250 ms,
+    // so units admitted at a window's end reach the object after the window ended.
+    let w = start(&[("COUNTER_SHARDS", "1")]);
+    let per = Duration::from_secs(2);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (mut checked, mut failed) = (0, Vec::new());
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for i in 0.. {
+                if done.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                w.request("GET", "/u/x", &[("x-user-id", &format!("busy{i}"))], &[]);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        for round in 0..3 {
+            // Ten clients, each sending in a window's last 150 ms until refused.
+            before_a_window_edge(per, Duration::from_millis(150));
+            let edge = wall_clock() / per.as_nanos() as u64 + 1;
+            let clients: Vec<_> = (0..10u64)
+                .map(|i| {
+                    let w = &w;
+                    s.spawn(move || {
+                        std::thread::sleep(Duration::from_millis(i * 5));
+                        let user = format!("edge{round}-{i}");
+                        let h = [("x-user-id", user.as_str())];
+                        let mut codes = Vec::new();
+                        while codes.len() < 5 {
+                            let r = w.request("GET", "/fw/x", &h, &[]);
+                            codes.push(r.status);
+                            if r.status == 429 {
+                                // Refused in the window it started in: the window's rest.
+                                if wall_clock() / per.as_nanos() as u64 >= edge {
+                                    return None;
+                                }
+                                let wait: u64 = r.header("retry-after").unwrap().parse().unwrap();
+                                std::thread::sleep(Duration::from_secs(wait));
+                                let next = statuses(w, "GET", "/fw/x", &h, 4);
+                                let bad = next != [200, 200, 200, 429];
+                                return Some(bad.then(|| format!("{user}: {codes:?} then {next:?}")));
+                            }
+                        }
+                        None
+                    })
+                })
+                .collect();
+            for c in clients {
+                if let Some(r) = c.join().unwrap() {
+                    checked += 1;
+                    failed.extend(r);
+                }
+            }
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    // A client that waits exactly Retry-After gets the next window's whole quota.
+    assert!(checked >= 15, "only {checked} clients were refused before their window's end");
+    assert!(failed.is_empty(), "{} of {checked}: {failed:?}", failed.len());
 }
 
 #[test]

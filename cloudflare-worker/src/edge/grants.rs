@@ -184,6 +184,8 @@ struct Held {
     granted: u64,
     /// Units admitted here and not yet reported.
     pending: u64,
+    /// A fixed window's: the window `pending` was admitted in.
+    pending_window: u64,
     report: Option<Report>,
     /// A report should go at once, with or without units: the grant does not cover the
     /// requests coming.
@@ -217,6 +219,7 @@ impl Held {
             until: 0,
             granted: 0,
             pending: 0,
+            pending_window: 0,
             report: None,
             urgent: false,
             copy: None,
@@ -236,6 +239,25 @@ impl Held {
         self.pending.saturating_add(self.report.map_or(0, |r| r.units))
     }
 
+    /// Of [`Held::unreported`], the units that still count at `now`: a fixed window's
+    /// admitted in an earlier window count in none (see [`Held::drop_ended`]).
+    fn unreported_at(&self, now: Nanos) -> u64 {
+        let current = |t: Nanos| window_of(&self.limit, t) == window_of(&self.limit, now);
+        let pending = if self.pending_window == window_of(&self.limit, now) { self.pending } else { 0 };
+        pending.saturating_add(self.report.filter(|r| current(r.first_sent)).map_or(0, |r| r.units))
+    }
+
+    /// Forgets the pending units of a fixed window that has ended by `now`: they counted in
+    /// their window, which is over, and reported now the object would count them in its
+    /// current one (a client's last requests of a window would take from its next).
+    fn drop_ended(&mut self, now: Nanos) {
+        let window = window_of(&self.limit, now);
+        if self.pending_window != window {
+            self.pending = 0;
+            self.pending_window = window;
+        }
+    }
+
     fn live(&self, now: Nanos) -> bool {
         self.until > now || self.pending > 0 || self.report.is_some()
     }
@@ -247,6 +269,7 @@ impl Held {
 
     /// Records `cost` units admitted at `now`: reported later, and counted in the copy.
     fn admit(&mut self, now: Nanos, cost: u64) -> Decision {
+        self.drop_ended(now);
         self.pending = self.pending.saturating_add(cost);
         let (d, next) = self.limit.decide(&self.state(), now, cost);
         let state = if d.allowed { next } else { self.limit.consume(&self.state(), now, cost) };
@@ -307,6 +330,16 @@ fn lease_end(limit: &Limit, sent: Nanos, lease: Nanos) -> Nanos {
 fn window_end(limit: &Limit, t: Nanos) -> Nanos {
     let per = limit.per().max(1);
     (t / per).saturating_add(1).saturating_mul(per)
+}
+
+/// The fixed window `t` lies in (0 for the other algorithms, whose units count whenever
+/// they are reported).
+pub fn window_of(limit: &Limit, t: Nanos) -> u64 {
+    if limit.algorithm() == Algorithm::FixedWindow {
+        t / limit.per().max(1)
+    } else {
+        0
+    }
 }
 
 impl Grants {
@@ -430,6 +463,7 @@ impl Grants {
     fn next_report(&mut self, key: &[u8], now: Nanos) -> Option<(u64, u64)> {
         let next = self.seq.wrapping_add(1).max(1);
         let h = self.held.get_mut(key)?;
+        h.drop_ended(now);
         if h.report.is_some() || (h.pending == 0 && !h.urgent) {
             return None;
         }
@@ -488,18 +522,18 @@ impl Grants {
             let send = match report {
                 Some(r) => {
                     waiting |= !r.failed;
-                    (retry && r.failed).then_some((r.seq, r.units))
+                    (retry && r.failed).then_some((r.seq, r.units, r.first_sent))
                 }
                 None => match self.next_report(&key, now) {
-                    Some(next) => Some(next),
+                    Some((seq, units)) => Some((seq, units, now)),
                     None => {
                         done.push(key);
                         continue;
                     }
                 },
             };
-            if let Some((seq, units)) = send {
-                calls.push((key, Call::Spend { limit, node, seq, units, ask: 0, cost: 0 }));
+            if let Some((seq, units, at)) = send {
+                calls.push((key, Call::Spend { limit, node, seq, units, ask: 0, cost: 0, at }));
             }
         }
         if let Some(t) = self.tasks.get_mut(object) {
@@ -576,7 +610,7 @@ impl Grants {
         }
         if let Some(state) = s.state {
             // The object's count, with what this isolate admitted since the report was cut.
-            h.copy = Some(limit.consume(&state, now, h.unreported()));
+            h.copy = Some(limit.consume(&state, now, h.unreported_at(now)));
             h.held = s.held;
             let until = sent.saturating_add(MAX_LEASE);
             h.held_until =
@@ -1040,6 +1074,29 @@ mod tests {
         while p.grants.check(KEY, l, 1, start + 3).decision().allowed {}
         // The next window: no grant yet, but a fresh overdraft.
         assert!(matches!(p.grants.check(KEY, l, 1, T + SECOND), Local::Overdraft(_)), "the next window");
+    }
+
+    /// A client's requests at the end of a fixed window are counted in that window, not in
+    /// the next one, however late their report reaches the object.
+    #[test]
+    fn units_admitted_at_a_windows_end_are_not_counted_in_the_next_window() {
+        let l = fixed(3, 5 * SECOND);
+        for (gap, rtt) in [(10 * MS, 0), (10 * MS, 20 * MS), (40 * MS, 60 * MS), (100 * MS, 20 * MS)] {
+            let mut p = Pair::new(l);
+            p.rtt = rtt;
+            let end = T + 5 * SECOND;
+            let first = end - 3 * gap - 5 * MS;
+            let passed: Vec<bool> = (0..4).map(|i| p.request(first + i * gap).decision().allowed).collect();
+            assert_eq!(passed, [true, true, true, false], "gap {gap}, rtt {rtt}");
+            // The next window: its quota whole, at the isolate and at the object.
+            for i in 0..3 {
+                let t = end + 500 * MS + i * 10 * MS;
+                assert!(p.request(t).decision().allowed, "gap {gap}, rtt {rtt}: request {i} of the next window");
+            }
+            assert!(!p.request(end + 600 * MS).decision().allowed, "gap {gap}, rtt {rtt}");
+            p.run(end + 2 * SECOND);
+            assert_eq!(p.object_remaining(end + 2 * SECOND), 0, "gap {gap}, rtt {rtt}: the next window's three");
+        }
     }
 
     #[test]
