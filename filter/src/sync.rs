@@ -20,9 +20,10 @@
 use crate::host::{Host, Level, SetError};
 use crate::table::{Allowance, Table};
 use ratewall_core::algo::{Limit, Nanos};
+use ratewall_core::encoding::{put_varint, Reader};
 use ratewall_core::rules::SyncOptions;
 use ratewall_core::sync::{
-    hex, sign, unhex, verify, Delta, SyncRequest, SyncResponse, MAX_REQUEST_SKEW, RETRY_HORIZON,
+    hex, sign, unhex, verify, window_of, Delta, SyncRequest, SyncResponse, MAX_REQUEST_SKEW, RETRY_HORIZON,
 };
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -30,6 +31,13 @@ use std::collections::HashMap;
 /// Deltas by counter key. A `HashMap` (its code is in the module already, for the SDK's
 /// contexts) rather than a `BTreeMap`, which added ~8 KB to the wasm for no use of order.
 type Pending = HashMap<Vec<u8>, (Limit, u64), KeyHasher>;
+
+/// Units admitted, by counter key: (limit, units, window) — `window`: a fixed window's the
+/// units were admitted in, on the store's clock ([`window_of`]; 0 for the other algorithms).
+/// A fixed window's units are sent only while their window lasts: reported after it, the
+/// store would count them in the next one (a client's last requests of a window would take
+/// from its next).
+type Units = HashMap<Vec<u8>, (Limit, u64, u64), KeyHasher>;
 
 /// SipHash-1-3 (the table's hash) with fixed keys for the pending maps. std's `RandomState`
 /// has no randomness to draw on wasm32-unknown-unknown either (its keys are constants there),
@@ -175,7 +183,11 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
             now,
             &weigh,
             &mut |st, held| {
-                let (since, carry) = held.map_or((0, 0), |h| (h.since, h.carry));
+                // Units admitted in a fixed window that has ended are not reported (see
+                // [`Units`]): none of them weighs on the current window's grant.
+                let per = d.limit.per().max(1);
+                let ended = matches!(st, ratewall_core::State::FixedWindow { window, .. } if *window < resp.now / per);
+                let (since, carry) = held.filter(|_| !ended).map_or((0, 0), |h| (h.since, h.carry));
                 // An ask's answer (exact rules, which count no units unreported) leaves them
                 // as they were.
                 let unreported = if ask { 0 } else { unreported(since, carry, d.units) };
@@ -205,7 +217,6 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                 // the old window's and dropped), and a fresh one (the node admitted nothing on
                 // the counter yet) takes that window, so that in the next window the grant is
                 // read as an old window's, not spent as a grant of that one.
-                let per = d.limit.per().max(1);
                 let before = match st {
                     ratewall_core::State::FixedWindow { window, .. } => *window < resp.now / per,
                     ratewall_core::State::Fresh => d.limit.algorithm() == ratewall_core::Algorithm::FixedWindow,
@@ -240,9 +251,9 @@ impl Syncing {
     /// Notes a counter a VM's deltas named at `now`.
     /// At most [`MAX_PENDING`] are kept, as in the other pending maps (through [`merge`]: a
     /// map insert of its own cost 800 B of wasm); the quiet ones go at the next batch.
-    fn touch(&mut self, d: &Delta, now: Nanos) {
-        merge(&mut self.recent, &d.key, d.limit, 0);
-        if let Some(r) = self.recent.get_mut(&d.key) {
+    fn touch(&mut self, key: &[u8], limit: Limit, now: Nanos) {
+        merge(&mut self.recent, key, limit, 0);
+        if let Some(r) = self.recent.get_mut(key) {
             r.1 = Recent(r.1).touched(now).0;
         }
     }
@@ -257,7 +268,7 @@ impl Syncing {
         self.recent.retain(|k, (limit, r)| {
             let (r, keep) = (Recent(*r), Recent(*r).recent(now));
             if keep && unsent.len() < MAX_BATCH && (1..=horizon).contains(&r.lease_end()) {
-                merge(unsent, k, *limit, 0);
+                add(unsent, k, *limit, 0, 0);
             }
             keep
         });
@@ -277,7 +288,10 @@ fn quoted(body: &[u8]) -> String {
 struct Keys {
     lease: String,
     view: String,
+    /// Outboxes with each delta's window (see [`encode_outbox`]).
     out: String,
+    /// Outboxes without, as VMs of earlier versions publish them (drained all the same).
+    out_plain: String,
 }
 
 impl Keys {
@@ -290,11 +304,20 @@ impl Keys {
         }
         // 32 bits of a keyed hash of the secret among the rest: the key names no secret.
         let ns = format!("rw1/sync/{:08x}", h.finish() as u32);
-        Keys { lease: format!("{ns}/lease"), view: format!("{ns}/view"), out: format!("{ns}/out/") }
+        Keys {
+            lease: format!("{ns}/lease"),
+            view: format!("{ns}/view"),
+            out: format!("{ns}/outw/"),
+            out_plain: format!("{ns}/out/"),
+        }
     }
 
     fn outbox(&self, i: u32) -> String {
         format!("{}{i}", self.out)
+    }
+
+    fn plain_outbox(&self, i: u32) -> String {
+        format!("{}{i}", self.out_plain)
     }
 }
 
@@ -404,7 +427,7 @@ impl Recent {
 #[derive(Debug, Default)]
 struct Syncing {
     seq: u64,
-    unsent: Pending,
+    unsent: Units,
     /// (call token, batch, sent at).
     inflight: Option<(u32, Batch, Nanos)>,
     retry: Option<Batch>,
@@ -446,7 +469,7 @@ pub struct Syncer {
     vm: u32,
     token: u64,
     started: Nanos,
-    local: RefCell<Pending>,
+    local: RefCell<Units>,
     syncing: RefCell<Syncing>,
     view: Cell<View>,
     /// Counters the store named out in its last answer.
@@ -460,6 +483,54 @@ pub struct Syncer {
     /// Whether this VM has logged that the store refuses its requests for their time (once,
     /// until a batch succeeds again).
     refusal_logged: Cell<bool>,
+}
+
+/// Adds `units` admitted in `window` to `key`'s: a later window's replace an earlier one's,
+/// which count in none, and an earlier window's count in none (a 0-unit renewal, of window
+/// 0, changes nothing). False when the map is full.
+fn add(into: &mut Units, key: &[u8], limit: Limit, units: u64, window: u64) -> bool {
+    if let Some(e) = into.get_mut(key) {
+        e.0 = limit;
+        if window > e.2 {
+            (e.1, e.2) = (units, window);
+        } else if window == e.2 || units == 0 {
+            e.1 = e.1.saturating_add(units);
+        }
+        return true;
+    }
+    if into.len() >= MAX_PENDING {
+        return false;
+    }
+    into.insert(key.to_vec(), (limit, units, window));
+    true
+}
+
+/// An outbox: its deltas as a batch's encoding (node, seq and time 0), then each delta's
+/// window, in order.
+fn encode_outbox(units: Units) -> Vec<u8> {
+    let (deltas, windows): (Vec<Delta>, Vec<u64>) =
+        units.into_iter().map(|(key, (limit, units, window))| (Delta { key, limit, units }, window)).unzip();
+    let mut out = SyncRequest::encode_parts(0, 0, 0, &deltas, false);
+    for window in windows {
+        put_varint(&mut out, window);
+    }
+    out
+}
+
+/// Reads [`encode_outbox`] into `into`; `plain` (an outbox of an earlier version, without
+/// windows): each delta's window is the current one at `store_now`. The units that did not
+/// fit. `None` when it cannot be read.
+fn read_outbox(bytes: &[u8], plain: bool, store_now: Nanos, into: &mut Units) -> Option<u64> {
+    let (req, end) = SyncRequest::decode_prefix(bytes).ok()?;
+    let mut windows = Reader { bytes, pos: end };
+    let mut dropped = 0u64;
+    for d in req.deltas {
+        let window = if plain { window_of(&d.limit, store_now) } else { windows.varint().ok()? };
+        if !add(into, &d.key, d.limit, d.units, window) {
+            dropped = dropped.saturating_add(d.units);
+        }
+    }
+    Some(dropped)
 }
 
 fn merge(into: &mut Pending, key: &[u8], limit: Limit, units: u64) -> bool {
@@ -609,7 +680,8 @@ impl Syncer {
 
     /// Records units this VM admitted on a counter.
     pub fn record(&self, host: &dyn Host, key: &[u8], limit: Limit, units: u64) {
-        if !merge(&mut self.local.borrow_mut(), key, limit, units) {
+        let window = window_of(&limit, self.store_now(host.now()));
+        if !add(&mut self.local.borrow_mut(), key, limit, units, window) {
             if let Some(m) = self.metrics.dropped {
                 host.increment(m, units);
             }
@@ -644,23 +716,20 @@ impl Syncer {
             return;
         }
         let key = self.keys.outbox(self.vm % OUTBOXES);
+        let store_now = self.store_now(host.now());
         for _ in 0..32 {
             let Ok((value, cas)) = host.shared_get(&key) else { break };
-            let mut merged = Pending::default();
-            if let Some(Ok(req)) = value.as_deref().filter(|v| !v.is_empty()).map(SyncRequest::decode) {
-                for d in req.deltas {
-                    merge(&mut merged, &d.key, d.limit, d.units);
-                }
+            let mut merged = Units::default();
+            if let Some(v) = value.as_deref().filter(|v| !v.is_empty()) {
+                read_outbox(v, false, store_now, &mut merged);
             }
             let mut dropped = 0;
-            for (k, (l, u)) in &local {
-                if !merge(&mut merged, k, *l, *u) {
+            for (k, (l, u, w)) in &local {
+                if !add(&mut merged, k, *l, *u, *w) {
                     dropped += u;
                 }
             }
-            let deltas: Vec<Delta> =
-                merged.into_iter().map(|(key, (limit, units))| Delta { key, limit, units }).collect();
-            let body = SyncRequest::encode_parts(0, 0, 0, &deltas, false);
+            let body = encode_outbox(merged);
             match host.shared_set(&key, &body, cas) {
                 Ok(()) => {
                     if let (Some(m), true) = (self.metrics.dropped, dropped > 0) {
@@ -674,8 +743,8 @@ impl Syncer {
         }
         // Could not publish now: keep the deltas for the next tick.
         let mut mine = self.local.borrow_mut();
-        for (k, (l, u)) in local {
-            merge(&mut mine, &k, l, u);
+        for (k, (l, u, w)) in local {
+            add(&mut mine, &k, l, u, w);
         }
     }
 
@@ -706,9 +775,10 @@ impl Syncer {
 
     fn drive(&self, host: &dyn Host, now: Nanos, section: &Section<'_>) {
         let mut s = self.syncing.borrow_mut();
-        // Drain the outboxes.
-        for i in 0..OUTBOXES {
-            let key = self.keys.outbox(i);
+        let store_now = self.store_now(now);
+        // Drain the outboxes (and those of VMs of an earlier version).
+        for (i, plain) in (0..OUTBOXES).flat_map(|i| [(i, false), (i, true)]) {
+            let key = if plain { self.keys.plain_outbox(i) } else { self.keys.outbox(i) };
             let Ok((Some(value), cas)) = host.shared_get(&key) else { continue };
             if value.is_empty() {
                 continue;
@@ -716,13 +786,13 @@ impl Syncer {
             if host.shared_set(&key, &[], cas).is_err() {
                 continue; // a VM is publishing: next tick
             }
-            if let Ok(req) = SyncRequest::decode(&value) {
-                for d in req.deltas {
-                    s.touch(&d, now);
-                    if !merge(&mut s.unsent, &d.key, d.limit, d.units) {
-                        if let Some(m) = self.metrics.dropped {
-                            host.increment(m, d.units);
-                        }
+            let mut drained = Units::default();
+            read_outbox(&value, plain, store_now, &mut drained);
+            for (k, (limit, units, window)) in drained {
+                s.touch(&k, limit, now);
+                if !add(&mut s.unsent, &k, limit, units, window) {
+                    if let Some(m) = self.metrics.dropped {
+                        host.increment(m, units);
                     }
                 }
             }
@@ -760,7 +830,7 @@ impl Syncer {
         let interval = self.opts.interval;
         let due = if s.unsent.is_empty() {
             (self.opts.stale_after / 3).max(interval)
-        } else if s.relaxed && s.unsent.values().all(|(_, units)| *units > 0) {
+        } else if s.relaxed && s.unsent.values().all(|(_, units, _)| *units > 0) {
             interval.saturating_add(interval / 2)
         } else {
             0
@@ -781,9 +851,17 @@ impl Syncer {
             Some(b) => b,
             None => {
                 let keys: Vec<Vec<u8>> = s.unsent.keys().take(MAX_BATCH).cloned().collect();
+                // A fixed window's units that would reach the store after their window ended
+                // (the batch's answer half a round trip away) count in none: the delta goes
+                // without them, as a renewal.
+                let arrives = store_now.saturating_add(self.view.get().rtt / 2);
                 let deltas: Vec<Delta> = keys
                     .into_iter()
-                    .filter_map(|k| s.unsent.remove(&k).map(|(limit, units)| Delta { key: k, limit, units }))
+                    .filter_map(|k| {
+                        let (limit, units, window) = s.unsent.remove(&k)?;
+                        let units = if window < window_of(&limit, arrives) { 0 } else { units };
+                        Some(Delta { key: k, limit, units })
+                    })
                     .collect();
                 s.seq += 1;
                 // Made now: its retries repeat this time, so a store accepts them for as long

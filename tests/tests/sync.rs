@@ -625,3 +625,60 @@ fn a_burst_after_the_grant_and_its_renewals_lapse_gets_the_limits_rest_and_then_
     assert_eq!(unpaused(&mut vm).status, 429, "the quota is spent");
     assert_eq!(node.metric("ratewall_sync_degraded_requests"), 0, "the view stayed fresh throughout");
 }
+
+#[test]
+fn requests_at_a_fixed_windows_end_are_not_counted_in_the_next_window() {
+    use ratewall_core::sync::SyncRequest;
+    for (lead, rtt_ticks) in [(50, 0), (150, 0), (150, 1), (20, 1)] {
+        let (node, mut vm, mut store) = one_node(&user_rules(30, "10s", "1s", 1));
+        let user = HttpRequest::new("GET", "/").header("x-user-id", "ann");
+        let mut counter = None;
+        // Sync intervals to `at` ms into the test, the store answering each batch
+        // `rtt_ticks` intervals after it left.
+        let (mut flying, mut ticks) = (Vec::new(), 0);
+        let mut run_to = |node: &Node, vm: &mut Vm, store: &mut Store, at: u64| {
+            while node.now() + 100_000_000 <= 1_800_000_000 * SECOND + at * 1_000_000 {
+                node.advance(100_000_000);
+                ticks += 1;
+                while flying.first().is_some_and(|(sent, _)| sent + rtt_ticks <= ticks) {
+                    let (_, c) = flying.remove(0);
+                    answer_from(store, node.now(), vm, &c).unwrap();
+                }
+                vm.tick().unwrap();
+                for c in vm.take_callouts() {
+                    if let Some(d) = SyncRequest::decode(&c.body).unwrap().deltas.first() {
+                        counter = Some(d.key.clone());
+                    }
+                    if rtt_ticks == 0 {
+                        answer_from(store, node.now(), vm, &c).unwrap();
+                    } else {
+                        flying.push((ticks, c));
+                    }
+                }
+            }
+        };
+        let admitted = |node: &Node, vm: &mut Vm, store: &mut Store| {
+            request_with(Some(store), node.now(), vm, &user).unwrap().passed
+        };
+        // A client busy all through a 10 s window, with three requests `lead` ms before its
+        // end; the batch that reports them leaves after the end, or its answer comes after it.
+        for k in 1..=19 {
+            run_to(&node, &mut vm, &mut store, k * 500);
+            assert!(admitted(&node, &mut vm, &mut store));
+        }
+        run_to(&node, &mut vm, &mut store, 10_000 - lead);
+        node.advance((10_000 - lead) % 100 * 1_000_000);
+        for _ in 0..3 {
+            assert!(admitted(&node, &mut vm, &mut store), "lead {lead} ms");
+        }
+        // The next window: the store counts the client's requests of this window only.
+        run_to(&node, &mut vm, &mut store, 11_000);
+        for _ in 0..2 {
+            assert!(admitted(&node, &mut vm, &mut store), "lead {lead} ms: the next window");
+        }
+        run_to(&node, &mut vm, &mut store, 12_000);
+        let key = counter.clone().unwrap();
+        let counted = store.peek(&key, node.now()).map_or(0, |d| d.limit - d.remaining);
+        assert_eq!(counted, 2, "lead {lead} ms, answers {rtt_ticks} intervals late: the next window's count");
+    }
+}

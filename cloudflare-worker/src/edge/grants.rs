@@ -12,7 +12,7 @@
 use super::{make_room, Call};
 use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos, State};
 use ratewall_core::eval::StoreError;
-use ratewall_core::sync::{hex, unhex, MAX_LEASE, OVERDRAFT_PART, RETRY_HORIZON};
+use ratewall_core::sync::{hex, unhex, window_of, MAX_LEASE, OVERDRAFT_PART, RETRY_HORIZON};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 
@@ -330,16 +330,6 @@ fn lease_end(limit: &Limit, sent: Nanos, lease: Nanos) -> Nanos {
 fn window_end(limit: &Limit, t: Nanos) -> Nanos {
     let per = limit.per().max(1);
     (t / per).saturating_add(1).saturating_mul(per)
-}
-
-/// The fixed window `t` lies in (0 for the other algorithms, whose units count whenever
-/// they are reported).
-pub fn window_of(limit: &Limit, t: Nanos) -> u64 {
-    if limit.algorithm() == Algorithm::FixedWindow {
-        t / limit.per().max(1)
-    } else {
-        0
-    }
 }
 
 impl Grants {

@@ -104,10 +104,8 @@ impl Object {
             }
             Call::Spend { limit, node, seq, units, ask, cost, at } => {
                 // The isolate's own traffic, like a take: written back by the alarm. A fixed
-                // window's units cut in a window that has ended here count in none: in this
-                // one they would take from the client's next window.
-                let ended = at > 0 && super::grants::window_of(&limit, at) < super::grants::window_of(&limit, t);
-                let units = if ended { 0 } else { units };
+                // window's units cut in a window that has ended here count in none.
+                let units = ratewall_core::sync::counted_units(&limit, at, t, units);
                 let report = (seq > 0).then(|| c.report(limit, t, node, seq, units, NODE_TTL));
                 if report.is_some_and(|a| a.counted) {
                     // The isolate holds only the grant answered: it counts what it spends

@@ -96,7 +96,7 @@ fn the_vms_of_a_node_take_their_own_outboxes_and_one_of_them_syncs() {
     eb.on_tick(&b);
     assert_eq!(a.take_calls().len(), 1, "the first VM to tick holds the lease");
     assert!(b.take_calls().is_empty());
-    assert!(synced(&a, "/out/1").is_some_and(|v| !v.is_empty()), "the second VM published to its outbox");
+    assert!(synced(&a, "/outw/1").is_some_and(|v| !v.is_empty()), "the second VM published to its outbox");
 }
 
 #[test]
@@ -1433,4 +1433,69 @@ fn a_burst_after_a_pause_longer_than_the_lease_gets_the_limits_rest_not_short_de
         assert_eq!(counted(&s, &e, NO_WAIT, "ann", h.now()), 3);
         assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 2), [429, 429]);
     }
+}
+
+/// A fixed window's units that the next batch would report only after their window ended
+/// are not reported: the store would count them in the next window.
+#[test]
+fn a_fixed_windows_units_are_reported_only_while_their_window_lasts() {
+    let doc = rules(100, 1).replacen(
+        r#""limit": {"requests": 100, "per": "60s"}"#,
+        r#""algorithm": "fixed_window", "limit": {"requests": 100, "per": "1s"}"#,
+        1,
+    );
+    assert!(doc.contains("fixed_window"));
+    let h = FakeHost::new();
+    let e = engine(&h, &doc);
+    let mut s = store();
+    // A request at the window's start, reported; two in its last 50 ms, whose batch goes
+    // after its end.
+    assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &[("x-user-id", "ann")], 1), [200]);
+    h.advance(100 * MS);
+    e.on_tick(&h);
+    serve(&mut s, &e, &h);
+    h.advance(850 * MS);
+    assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &[("x-user-id", "ann")], 2), [200; 2]);
+    h.advance(100 * MS);
+    e.on_tick(&h);
+    let calls = h.take_calls();
+    let units: Vec<u64> = batch(&calls[0]).deltas.iter().map(|d| d.units).collect();
+    assert_eq!(units, [0], "a renewal, without the ended window's units");
+    for c in &calls {
+        let (status, tag, body) = answer(&mut s, h.now(), SECRET, c);
+        e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+    }
+    // The new window's requests are reported, and the store counts only them.
+    assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &[("x-user-id", "ann")], 2), [200; 2]);
+    for _ in 0..2 {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+    }
+    assert_eq!(counted(&s, &e, NO_WAIT, "ann", h.now()), 2);
+}
+
+/// The outboxes of VMs of an earlier version (without windows) are drained too.
+#[test]
+fn units_in_an_outbox_of_an_earlier_version_are_reported() {
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let (ea, eb) = (engine(&a, &rules(100, 1)), engine(&b, &rules(100, 1)));
+    let mut s = store();
+    assert_eq!(statuses(&eb, &b, "GET", NO_WAIT, &[("x-user-id", "ann")], 1), [200]);
+    eb.on_tick(&b);
+    serve(&mut s, &eb, &b);
+    let outbox = a.shared_keys().into_iter().find(|k| k.contains("/outw/")).unwrap();
+    let plain = outbox.replace("/outw/", "/out/");
+    let limit =
+        ratewall_core::Limit::new(ratewall_core::Algorithm::SlidingWindow, 100, 60 * ratewall_core::SECOND, None)
+            .unwrap();
+    let old = SyncRequest::encode_parts(0, 0, 0, &[Delta { key: key_of(&ea, NO_WAIT, "ann"), limit, units: 4 }], false);
+    a.shared_set(&plain, &old, None).unwrap();
+    a.advance(200 * MS);
+    b.advance(200 * MS);
+    eb.on_tick(&b);
+    serve(&mut s, &eb, &b);
+    assert_eq!(counted(&s, &ea, NO_WAIT, "ann", a.now()), 5, "the request and the old outbox's four");
+    assert!(a.shared_value(&plain).is_some_and(|v| v.is_empty()), "drained");
 }

@@ -42,6 +42,29 @@ pub const OVERDRAFT_PART: u64 = 100;
 /// `1 + 1 / DEGRADED_MARGIN` of its limit (docs/sync-protocol.md, "Degraded mode"); the store
 /// holds as much for a node it takes as cut off.
 pub const DEGRADED_MARGIN: u64 = 20;
+/// The fixed window `t` lies in, for `limit` (0 for the other algorithms, whose units count
+/// whenever they are reported).
+pub fn window_of(limit: &crate::algo::Limit, t: crate::algo::Nanos) -> u64 {
+    if limit.algorithm() == crate::algo::Algorithm::FixedWindow {
+        t / limit.per().max(1)
+    } else {
+        0
+    }
+}
+
+/// Of `units` a report made at `sent` (on the clock of `now`; 0: not known), those that count
+/// at `now`: a fixed window's units reported from a window that has ended count in none.
+/// Counted now, they would take from the window after theirs — a client's last requests of
+/// a window from its next one. (A filter node's batch carries its own clock, not the store's:
+/// a node drops such units itself before it sends them.)
+pub fn counted_units(limit: &crate::algo::Limit, sent: crate::algo::Nanos, now: crate::algo::Nanos, units: u64) -> u64 {
+    if sent > 0 && window_of(limit, sent) < window_of(limit, now) {
+        0
+    } else {
+        units
+    }
+}
+
 pub use counter::{
     Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, REPORT_GRACE, RETRY_HORIZON, ROOM_UNIT_FREE, SEQ_MEMORY,
 };

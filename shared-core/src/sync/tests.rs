@@ -847,3 +847,19 @@ fn once_one_node_is_taken_as_cut_off_the_other_silent_ones_are_taken_at_fewer_un
     c.apply(limit, at, 1, 21, 0, 2 * SECOND);
     assert_eq!(c.cut_off(at + 100 * MS_, None), 0);
 }
+
+#[test]
+fn a_fixed_windows_units_reported_from_an_ended_window_count_in_none() {
+    let fixed = Limit::new(Algorithm::FixedWindow, 10, 10 * SECOND, None).unwrap();
+    let sliding = Limit::new(Algorithm::SlidingWindow, 10, 10 * SECOND, None).unwrap();
+    let start = NOW - NOW % (10 * SECOND);
+    assert_eq!(super::window_of(&fixed, start), super::window_of(&fixed, start + 10 * SECOND - 1));
+    assert_eq!(super::window_of(&fixed, start) + 1, super::window_of(&fixed, start + 10 * SECOND));
+    assert_eq!(super::window_of(&sliding, start), 0);
+    let end = start + 10 * SECOND;
+    assert_eq!(super::counted_units(&fixed, end - 1, end - 1, 3), 3, "in its window");
+    assert_eq!(super::counted_units(&fixed, end - 1, end, 3), 0, "reported from an ended window");
+    assert_eq!(super::counted_units(&fixed, end + 1, end, 3), 3, "a clock a little ahead");
+    assert_eq!(super::counted_units(&fixed, 0, end, 3), 3, "made when not known");
+    assert_eq!(super::counted_units(&sliding, end - 1, end + SECOND, 3), 3, "other algorithms count them");
+}

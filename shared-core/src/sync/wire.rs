@@ -261,8 +261,9 @@ impl SyncRequest {
         SyncRequest::decode_with_top(bytes).map(|(req, _)| req)
     }
 
-    /// The request's parts and where they end.
-    fn decode_parts(bytes: &[u8]) -> Result<(SyncRequest, usize), DecodeError> {
+    /// Decodes a request at the start of `bytes`: the request and where it ends (what
+    /// follows is the caller's).
+    pub fn decode_prefix(bytes: &[u8]) -> Result<(SyncRequest, usize), DecodeError> {
         let mut r = Reader { bytes, pos: 0 };
         let ask = read_header(&mut r, &[KIND_REQUEST, KIND_ASK])? == KIND_ASK;
         let (node, seq, sent) = (r.varint()?, r.varint()?, r.varint()?);
@@ -284,7 +285,7 @@ impl SyncRequest {
     /// Decodes a request and its optional trailing [`TopSection`]; any other trailing bytes
     /// are an error.
     pub fn decode_with_top(bytes: &[u8]) -> Result<(SyncRequest, Option<TopSection>), DecodeError> {
-        let (req, end) = SyncRequest::decode_parts(bytes)?;
+        let (req, end) = SyncRequest::decode_prefix(bytes)?;
         match bytes.get(end..) {
             None | Some([]) => Ok((req, None)),
             Some(rest) => Ok((req, Some(TopSection::decode(rest)?))),
