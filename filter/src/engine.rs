@@ -807,6 +807,20 @@ impl Engine {
                 }
             }
         }
+        if let (Some(s), Grants::On { .. }) = (self.sync(), grants) {
+            // A counter the store named out of quota is denied until a unit is free there
+            // again (a fixed window's end), not for the short wait of a spent grant: a client
+            // that waits its `Retry-After` is then not refused again.
+            for (c, o) in checks.iter().zip(outcome.checks.iter_mut()) {
+                if let CheckResult::Decided(d) = &mut o.result {
+                    if !d.allowed && d.retry_after == Some(ratewall_core::eval::ALLOWANCE_RETRY) {
+                        if let Some(free) = s.out_until(ratewall_core::key::fnv1a(&c.key), now) {
+                            d.retry_after = Some(free.saturating_sub(now).max(ratewall_core::eval::ALLOWANCE_RETRY));
+                        }
+                    }
+                }
+            }
+        }
         if let Some(s) = self.sync() {
             // Deltas name each counter's real limit, not a degraded share of it. A denied
             // counter is named with 0 units: the next batch asks the store for a new grant

@@ -649,6 +649,14 @@ impl Syncer {
         self.named.borrow().iter().filter(|(_, until)| store_now / MS < *until).map(|(h, _)| *h).collect()
     }
 
+    /// Until when (the store's clock) the store's last answer named the counter of `hash` out
+    /// of quota, if it is still out at `store_now`.
+    pub fn out_until(&self, hash: u64, store_now: Nanos) -> Option<Nanos> {
+        let named = self.named.borrow();
+        let until = named.iter().find(|(h, _)| *h == hash)?.1.saturating_mul(MS);
+        (store_now < until).then_some(until)
+    }
+
     /// The store's clock, from ours.
     pub fn store_now(&self, local: Nanos) -> Nanos {
         local.saturating_add_signed(self.view.get().offset)
@@ -1088,12 +1096,15 @@ impl Syncer {
         write_grants(host, table, &batch.deltas, &resp, sent, false);
         let offset = i64::try_from(resp.now).unwrap_or(i64::MAX).saturating_sub(i64::try_from(now).unwrap_or(0));
         let view = View { ok_at: now, nodes: resp.nodes.max(1), offset, rtt: now.saturating_sub(sent) };
-        // The grants past the deltas' name the counters the store found out of quota.
-        let named: Named = resp
-            .grants
-            .get(batch.deltas.len()..)
-            .unwrap_or_default()
-            .iter()
+        // The grants past the deltas' name the counters the store found out of quota; so does
+        // the grant of a fixed window's delta that leaves nothing (until the window ends,
+        // when a unit is free again: the `Retry-After` of the denials meanwhile).
+        let spent = batch.deltas.iter().zip(&resp.grants).filter(|(d, g)| {
+            d.limit.algorithm() == ratewall_core::Algorithm::FixedWindow && g.remaining == 0 && g.grant == 0
+        });
+        let named: Named = spent
+            .map(|(_, g)| g)
+            .chain(resp.grants.get(batch.deltas.len()..).unwrap_or_default())
             .take(ratewall_core::sync::MAX_OUT)
             .map(|g| (ratewall_core::key::fnv1a(&g.key), resp.now.saturating_add(g.reset_after) / MS))
             .collect();

@@ -17,7 +17,7 @@ const RULES: &str = r#"{
   ]
 }"#;
 
-fn header<'a>(r: &'a Reply, name: &str) -> Option<&'a str> {
+pub(super) fn header<'a>(r: &'a Reply, name: &str) -> Option<&'a str> {
     r.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
 }
 

@@ -1499,3 +1499,59 @@ fn units_in_an_outbox_of_an_earlier_version_are_reported() {
     assert_eq!(counted(&s, &ea, NO_WAIT, "ann", a.now()), 5, "the request and the old outbox's four");
     assert!(a.shared_value(&plain).is_some_and(|v| v.is_empty()), "drained");
 }
+
+/// A counter the store named out of quota is denied until the store has a unit again (here
+/// the fixed window's end), not for a spent grant's second: a client that waits its
+/// `Retry-After` is admitted.
+#[test]
+fn a_counter_named_out_is_denied_until_its_window_ends() {
+    let doc = rules(10, 2).replacen(
+        r#""limit": {"requests": 10, "per": "60s"}"#,
+        r#""algorithm": "fixed_window", "limit": {"requests": 10, "per": "60s"}"#,
+        1,
+    );
+    let h = FakeHost::new();
+    let e = engine(&h, &doc);
+    let mut s = store();
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 1), [200]);
+    h.advance(100 * MS);
+    e.on_tick(&h);
+    serve(&mut s, &e, &h);
+    // Another node spends the rest of the window's quota.
+    let limit =
+        ratewall_core::Limit::new(ratewall_core::Algorithm::FixedWindow, 10, 60 * ratewall_core::SECOND, None).unwrap();
+    let other = SyncRequest {
+        node: 99,
+        seq: 1,
+        sent: h.now(),
+        deltas: vec![Delta { key: key_of(&e, NO_WAIT, "ann"), limit, units: 9 }],
+        ask: false,
+    };
+    s.handle(h.now(), &other).unwrap();
+    // Within a few intervals the node's answers say so (each VM reads the counters named out
+    // on its tick), and its denials wait for the window's end.
+    let mut denied = None;
+    for _ in 0..20 {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+        let r = reply(&e, &h, "GET", NO_WAIT, &ann);
+        if r.status == 429 && super::engine::header(&r, "retry-after") != Some("1") {
+            denied = Some(r);
+            break;
+        }
+    }
+    let r = denied.expect("a denial with the window's Retry-After");
+    let retry: u64 = super::engine::header(&r, "retry-after").unwrap().parse().unwrap();
+    let window_left =
+        (60 * ratewall_core::SECOND - h.now() % (60 * ratewall_core::SECOND)).div_ceil(ratewall_core::SECOND);
+    assert_eq!(retry, window_left, "the window's rest, not a second");
+    // Waiting exactly that long is enough.
+    for _ in 0..retry * 10 {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+    }
+    assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 1), [200]);
+}
