@@ -176,6 +176,16 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
     let sent_store = resp.now.saturating_sub(now.saturating_sub(sent));
     for (d, g) in deltas.iter().zip(&resp.grants) {
         let until_ms = (sent_store.saturating_add(g.lease) / MS).max(1);
+        // An ask answered after its lease ended (a store further away than the lease): the
+        // units it asked for were counted at the store for the request waiting on them, which
+        // is decided now, so they are held for it — only they, the rest of the grant having
+        // lapsed. Else the request was refused with its units counted all the same.
+        let late_ask = ask && g.grant >= d.units && until_ms.saturating_mul(MS) <= resp.now;
+        let (g_grant, until_ms) = if late_ask {
+            (d.units, (resp.now.saturating_add(ratewall_core::sync::ASK_LEASE) / MS).max(1))
+        } else {
+            (g.grant, until_ms)
+        };
         let weigh = |st: &ratewall_core::State| (d.limit.idle_at(st), d.limit.usage(st, now));
         let _ = table.update(
             host,
@@ -193,7 +203,7 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                 let unreported = if ask { 0 } else { unreported(since, carry, d.units) };
                 // A grant the store found room for stays at least 1: it repays the node.
                 let (remaining, grant) =
-                    (g.remaining.saturating_sub(unreported), g.grant.saturating_sub(unreported).max(g.grant.min(1)));
+                    (g.remaining.saturating_sub(unreported), g_grant.saturating_sub(unreported).max(g_grant.min(1)));
                 // Whether the store had quota beyond this grant: a request it leaves short may ask.
                 // An ask's `remaining` is counted after its asked units, which its grant holds.
                 let more = if ask { grant > 0 && remaining > grant.saturating_sub(d.units) } else { remaining > grant };

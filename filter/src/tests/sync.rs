@@ -720,6 +720,27 @@ fn a_spent_grant_with_quota_left_at_the_store_asks_and_the_answer_admits() {
     assert!(counted(&s, &e, EXACT, "ann", h.now()) > before, "the store took the request's unit");
 }
 
+/// An ask whose answer comes after its lease (a store further than a second away) still
+/// admits the request it took units for: they were counted for it.
+#[test]
+fn an_ask_answered_after_its_lease_admits_the_request_it_was_counted_for() {
+    let h = FakeHost::new();
+    // The view stays fresh while the ask waits (a `stale_after` past its round trip).
+    let (e, mut s) = spent_grant_with(
+        &h,
+        &rules_with(1_000, 1, r#""max_wait": "5s", "#)
+            .replace(r#""timeout": "50ms", "stale_after": "1s""#, r#""timeout": "5s", "stale_after": "20s""#),
+    );
+    let asking = burst_until_ask(&e, &h).expect("the node asked");
+    let calls = h.take_calls();
+    let before = counted(&s, &e, EXACT, "ann", h.now());
+    h.advance(1_500 * MS);
+    let (status, tag, body) = answer(&mut s, h.now(), SECRET, &calls[0]);
+    let r = e.on_ask_response(&h, asking, status, tag.as_deref(), &body).into_reply();
+    assert_eq!(counted(&s, &e, EXACT, "ann", h.now()), before + 1, "the store took the request's unit");
+    assert_eq!(r.status, 200, "and the request has it");
+}
+
 #[test]
 fn a_failed_ask_decides_the_request_on_what_the_node_holds() {
     let h = FakeHost::new();
