@@ -218,9 +218,11 @@ pub enum Call {
     /// An isolate's own traffic ([`grants`]): the `units` it admitted from its grant since
     /// its last report, as its batch `seq` (0: no report), then, when the grant that report
     /// brings does not cover it, its ask number `ask` for `cost` units for the request that
-    /// waits (0: no request). `at`: when the isolate cut the report (its clock; 0: not
-    /// known): a fixed window's units cut in a window that has ended are not counted in the
-    /// object's current one. Answered with [`grants::Spent`].
+    /// waits (0: no request). `at`: when the first of the units was admitted (the isolate's
+    /// clock; 0: not known): the object counts them as of then, as the isolate's copy of the
+    /// counter did (a token bucket counted later is behind the `Retry-After` the isolate gave),
+    /// and a fixed window's units of a window that has ended in none. Answered with
+    /// [`grants::Spent`].
     Spend { limit: Limit, node: u64, seq: u64, units: u64, ask: u64, cost: u64, at: Nanos },
 }
 

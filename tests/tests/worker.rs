@@ -32,7 +32,8 @@ const RULES: &str = r#"{
     {"name": "strict", "match": {"path": "/cl/*"}, "key": ["user"], "on_store_failure": "closed", "limit": {"requests": 3, "per": "60s"}},
     {"name": "shape", "match": {"path": "/q/*"}, "key": ["user"], "limit": {"requests": 5, "per": "1s", "burst": 5, "algorithm": "leaky_bucket"}},
     {"name": "flight", "match": {"path": "/f/*"}, "key": ["user"], "limit": {"concurrent": 2, "hold_max": "30s"}},
-    {"name": "window", "match": {"path": "/fw/*"}, "key": ["user"], "algorithm": "fixed_window", "limit": {"requests": 3, "per": "2s"}}
+    {"name": "window", "match": {"path": "/fw/*"}, "key": ["user"], "algorithm": "fixed_window", "limit": {"requests": 3, "per": "2s"}},
+    {"name": "refill", "match": {"path": "/tb3/*"}, "key": ["user"], "limit": {"requests": 1, "per": "3s", "burst": 3}}
   ]
 }"#;
 
@@ -328,6 +329,39 @@ fn requests_at_a_fixed_windows_end_are_not_counted_in_the_next_window() {
     // A client that waits exactly Retry-After gets the next window's whole quota.
     assert!(checked >= 15, "only {checked} clients were refused before their window's end");
     assert!(failed.is_empty(), "{} of {checked}: {failed:?}", failed.len());
+}
+
+#[test]
+fn a_client_that_spends_a_token_bucket_and_waits_its_retry_after_is_admitted() {
+    let w = start(&[]);
+    // Thirty clients at once, each spending its burst of three until refused, then waiting
+    // exactly the Retry-After it got (the time one token takes to come back).
+    let failed: Vec<String> = std::thread::scope(|s| {
+        let clients: Vec<_> = (0..30u64)
+            .map(|i| {
+                let w = &w;
+                s.spawn(move || {
+                    let user = format!("refill{i}");
+                    let h = [("x-user-id", user.as_str())];
+                    let mut codes = Vec::new();
+                    let refused = loop {
+                        let r = w.request("GET", "/tb3/x", &h, &[]);
+                        codes.push(r.status);
+                        if r.status != 200 || codes.len() > 4 {
+                            break r;
+                        }
+                    };
+                    let wait: u64 = refused.header("retry-after").map_or(0, |v| v.parse().unwrap());
+                    std::thread::sleep(Duration::from_secs(wait));
+                    let again = w.request("GET", "/tb3/x", &h, &[]);
+                    let fine = codes == [200, 200, 200, 429] && wait == 3 && again.status == 200;
+                    (!fine).then(|| format!("{user}: {codes:?}, Retry-After {wait}, then {}", again.status))
+                })
+            })
+            .collect();
+        clients.into_iter().filter_map(|c| c.join().unwrap()).collect()
+    });
+    assert!(failed.is_empty(), "{} of 30: {failed:?}", failed.len());
 }
 
 #[test]

@@ -168,6 +168,8 @@ pub enum Schedule {
 struct Report {
     seq: u64,
     units: u64,
+    /// When the first of its units was admitted.
+    since: Nanos,
     first_sent: Nanos,
     /// Its last call failed: the task sends it again (else it is on its way).
     failed: bool,
@@ -186,6 +188,8 @@ struct Held {
     pending: u64,
     /// A fixed window's: the window `pending` was admitted in.
     pending_window: u64,
+    /// When the first of `pending` was admitted.
+    pending_since: Nanos,
     report: Option<Report>,
     /// A report should go at once, with or without units: the grant does not cover the
     /// requests coming.
@@ -220,6 +224,7 @@ impl Held {
             granted: 0,
             pending: 0,
             pending_window: 0,
+            pending_since: 0,
             report: None,
             urgent: false,
             copy: None,
@@ -244,7 +249,7 @@ impl Held {
     fn unreported_at(&self, now: Nanos) -> u64 {
         let current = |t: Nanos| window_of(&self.limit, t) == window_of(&self.limit, now);
         let pending = if self.pending_window == window_of(&self.limit, now) { self.pending } else { 0 };
-        pending.saturating_add(self.report.filter(|r| current(r.first_sent)).map_or(0, |r| r.units))
+        pending.saturating_add(self.report.filter(|r| current(r.since)).map_or(0, |r| r.units))
     }
 
     /// Forgets the pending units of a fixed window that has ended by `now`: they counted in
@@ -270,6 +275,9 @@ impl Held {
     /// Records `cost` units admitted at `now`: reported later, and counted in the copy.
     fn admit(&mut self, now: Nanos, cost: u64) -> Decision {
         self.drop_ended(now);
+        if self.pending == 0 {
+            self.pending_since = now;
+        }
         self.pending = self.pending.saturating_add(cost);
         let (d, next) = self.limit.decide(&self.state(), now, cost);
         let state = if d.allowed { next } else { self.limit.consume(&self.state(), now, cost) };
@@ -450,7 +458,7 @@ impl Grants {
 
     /// Starts a report of `key`'s pending units (none, for an urgent one, which only brings
     /// a grant), unless one is on its way: its `seq` and units.
-    fn next_report(&mut self, key: &[u8], now: Nanos) -> Option<(u64, u64)> {
+    fn next_report(&mut self, key: &[u8], now: Nanos) -> Option<(u64, u64, Nanos)> {
         let next = self.seq.wrapping_add(1).max(1);
         let h = self.held.get_mut(key)?;
         h.drop_ended(now);
@@ -460,8 +468,9 @@ impl Grants {
         self.seq = next;
         h.urgent = false;
         let units = std::mem::take(&mut h.pending);
-        h.report = Some(Report { seq: next, units, first_sent: now, failed: false });
-        Some((next, units))
+        let since = if units > 0 { h.pending_since } else { now };
+        h.report = Some(Report { seq: next, units, since, first_sent: now, failed: false });
+        Some((next, units, since))
     }
 
     /// What the glue should start for `key`'s object now, if anything: its background task
@@ -512,10 +521,10 @@ impl Grants {
             let send = match report {
                 Some(r) => {
                     waiting |= !r.failed;
-                    (retry && r.failed).then_some((r.seq, r.units, r.first_sent))
+                    (retry && r.failed).then_some((r.seq, r.units, r.since))
                 }
                 None => match self.next_report(&key, now) {
-                    Some((seq, units)) => Some((seq, units, now)),
+                    Some(next) => Some(next),
                     None => {
                         done.push(key);
                         continue;
@@ -1086,6 +1095,34 @@ mod tests {
             assert!(!p.request(end + 600 * MS).decision().allowed, "gap {gap}, rtt {rtt}");
             p.run(end + 2 * SECOND);
             assert_eq!(p.object_remaining(end + 2 * SECOND), 0, "gap {gap}, rtt {rtt}: the next window's three");
+        }
+    }
+
+    /// A client of a token bucket that spends its burst, is refused, and waits exactly the
+    /// `Retry-After` it was given, is admitted.
+    #[test]
+    fn a_client_that_waits_its_retry_after_is_admitted() {
+        let bucket = Limit::new(Algorithm::TokenBucket, 1, 3 * SECOND, Some(3)).unwrap();
+        for rtt in [0, 2 * MS, 20 * MS] {
+            for gap in [0, MS, 10 * MS] {
+                let mut p = Pair::new(bucket);
+                p.rtt = rtt;
+                let t0 = T + 100 * MS;
+                let mut t = t0;
+                let mut first = Vec::new();
+                let refusal = loop {
+                    let local = p.request(t);
+                    first.push(local.decision().allowed);
+                    if !local.decision().allowed {
+                        break local.decision();
+                    }
+                    t += gap;
+                };
+                assert_eq!(first, [true, true, true, false], "rtt {rtt}, gap {gap}");
+                let wait = refusal.retry_after.unwrap().div_ceil(SECOND) * SECOND;
+                let again = p.request(t + wait).decision();
+                assert!(again.allowed, "rtt {rtt}, gap {gap}: after Retry-After {wait}: {again:?}");
+            }
         }
     }
 

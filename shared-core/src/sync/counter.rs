@@ -311,24 +311,41 @@ impl Counter {
     /// rounds to 0 while at least [`ROOM_UNIT_FREE`] are free, is granted 1 — see
     /// [`Counter::report`] for the answer without it.
     pub fn apply(&mut self, limit: Limit, now: Nanos, node: u64, seq: u64, units: u64, node_ttl: Nanos) -> Applied {
-        self.apply_with(limit, now, (node, seq, units), node_ttl, true)
+        self.apply_with(limit, now, (node, seq, units, now), node_ttl, true)
     }
 
     /// [`Counter::apply`] with no unit of room: for the Worker's isolates and ratewall-store's
     /// RLS front, whose overdrafts are repaid by their own rules (given it, the isolates'
     /// simulation over-admitted 1.47 % instead of 0.85 %).
     pub fn report(&mut self, limit: Limit, now: Nanos, node: u64, seq: u64, units: u64, node_ttl: Nanos) -> Applied {
-        self.apply_with(limit, now, (node, seq, units), node_ttl, false)
+        self.apply_with(limit, now, (node, seq, units, now), node_ttl, false)
+    }
+
+    /// [`Counter::report`] of units the node admitted from `since` on (its clock, at most
+    /// `now`): they are counted as of then, as the node counted them when it decided, so a
+    /// token bucket's or a sliding window's state is not behind by the report's delay (a
+    /// client that waited the `Retry-After` the node gave it was refused again by what the
+    /// store then answered). Never before the counter's previous report.
+    pub fn report_since(
+        &mut self,
+        limit: Limit,
+        now: Nanos,
+        since: Nanos,
+        (node, seq, units): (u64, u64, u64),
+        node_ttl: Nanos,
+    ) -> Applied {
+        self.apply_with(limit, now, (node, seq, units, since), node_ttl, false)
     }
 
     fn apply_with(
         &mut self,
         limit: Limit,
         now: Nanos,
-        (node, seq, units): (u64, u64, u64),
+        (node, seq, units, since): (u64, u64, u64, Nanos),
         node_ttl: Nanos,
         room_unit: bool,
     ) -> Applied {
+        let before = self.last_seen;
         let now = self.clock(limit, now);
         self.forget_quiet(node, now);
         let nodes = |c: &Counter| u32::try_from(c.active(now, node_ttl).count()).unwrap_or(u32::MAX);
@@ -339,7 +356,7 @@ impl Counter {
             let (remaining, reset_after) = (view.remaining, view.reset_after);
             return Applied { remaining, grant, reset_after, lease, nodes: nodes(self), counted: false };
         }
-        self.state = self.limit.consume(&self.state, now, units);
+        self.state = self.limit.consume(&self.state, since.clamp(before.min(now), now), units);
         self.note_rate(now, units);
         self.reported = self.reported.saturating_add(units);
         let idx = match prior {

@@ -863,3 +863,25 @@ fn a_fixed_windows_units_reported_from_an_ended_window_count_in_none() {
     assert_eq!(super::counted_units(&fixed, 0, end, 3), 3, "made when not known");
     assert_eq!(super::counted_units(&sliding, end - 1, end + SECOND, 3), 3, "other algorithms count them");
 }
+
+#[test]
+fn units_reported_late_are_counted_as_of_when_they_were_admitted() {
+    // A token bucket of 3, one back every 3 s: three units admitted at NOW, reported 250 ms
+    // later, leave the bucket as a limiter that took them at NOW would: one unit back at
+    // NOW + 3 s, not 250 ms after.
+    let l = Limit::new(Algorithm::TokenBucket, 1, 3 * SECOND, Some(3)).unwrap();
+    let mut c = Counter::new(l);
+    c.report_since(l, NOW + SECOND / 4, NOW, (1, 1, 3), 10 * SECOND);
+    let (d, _) = l.decide(&c.state, NOW + 3 * SECOND, 1);
+    assert!(d.allowed, "{d:?}");
+    let mut late = Counter::new(l);
+    late.report(l, NOW + SECOND / 4, 1, 1, 3, 10 * SECOND);
+    assert!(!l.decide(&late.state, NOW + 3 * SECOND, 1).0.allowed, "counted at the report, it is behind");
+    // Never before what the counter has seen: a later report from another node came first.
+    let mut c = Counter::new(l);
+    c.report(l, NOW + SECOND, 2, 1, 1, 10 * SECOND);
+    c.report_since(l, NOW + 2 * SECOND, NOW, (1, 1, 2), 10 * SECOND);
+    let mut same = Counter::new(l);
+    same.report(l, NOW + SECOND, 2, 1, 3, 10 * SECOND);
+    assert_eq!(c.state, same.state);
+}
