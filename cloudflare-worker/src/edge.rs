@@ -34,7 +34,7 @@ pub struct Rules {
     config: Option<Rc<Config>>,
     source: String,
     /// The last document rejected (each is reported once).
-    last_rejected: String,
+    last_rejected: Option<String>,
     /// The deployment's secret secret identity values are hashed under when the document
     /// sets no `identity.hash_key` (see [`Rules::keyed_by`]).
     deployment_secret: String,
@@ -84,14 +84,14 @@ impl Rules {
         match self.load(doc) {
             Ok(true) => {
                 metrics.rules_loaded += 1;
-                self.last_rejected.clear();
+                self.last_rejected = None;
                 Offered::Loaded(format!("ratewall: rules loaded from {origin}"))
             }
             Ok(false) => Offered::Unchanged,
-            Err(_) if self.last_rejected == doc => Offered::Unchanged,
+            Err(_) if self.last_rejected.as_deref() == Some(doc) => Offered::Unchanged,
             Err(e) => {
                 metrics.rules_rejected += 1;
-                self.last_rejected = doc.to_owned();
+                self.last_rejected = Some(doc.to_owned());
                 let kept = if self.config.is_some() { "the previous rules stay in force" } else { "no rules" };
                 Offered::Rejected(format!("ratewall: rules from {origin} rejected: {e}; {kept}"))
             }
@@ -106,6 +106,12 @@ impl Rules {
     /// The rules in force, if a good document was ever loaded.
     pub fn current(&self) -> Option<Rc<Config>> {
         self.config.clone()
+    }
+
+    /// Whether a document was rejected and none was ever loaded: requests pass without limits
+    /// (counted in `ratewall_config_rejected`).
+    pub fn rejected_without_rules(&self) -> bool {
+        self.config.is_none() && self.last_rejected.is_some()
     }
 }
 
@@ -560,7 +566,8 @@ pub fn decided_locally<'a>(
 pub struct RuleCounts {
     /// Checks that allowed.
     pub allowed: u64,
-    /// Checks that denied (enforcing rules).
+    /// Checks that denied (enforcing rules): every denial a client was sent, the cached ones
+    /// included.
     pub rejected: u64,
     /// Checks of shadow rules that would have denied.
     pub shadow_rejected: u64,
@@ -568,7 +575,7 @@ pub struct RuleCounts {
     pub unkeyed: u64,
     /// Checks whose Durable Object failed (the failure policy applied).
     pub store_failed: u64,
-    /// Denials answered from the blocked-key cache.
+    /// Of the denials, those answered from the blocked-key cache.
     pub cached_denials: u64,
     /// Leaky-bucket rules: requests that waited their turn, and rejections by a full queue.
     pub delayed: u64,
@@ -593,6 +600,9 @@ pub struct Metrics {
     pub rules_loaded: u64,
     /// Rules documents rejected (the previous rules stayed).
     pub rules_rejected: u64,
+    /// Requests passed without limits because a rules document was rejected and none was ever
+    /// loaded (the filter's metric of that name).
+    pub config_rejected: u64,
     /// `/v1/sync` batches applied.
     pub sync_ok: u64,
     /// `/v1/sync` batches refused (authentication, format) or failed.
@@ -623,13 +633,13 @@ pub struct Metrics {
 
 impl Metrics {
     /// Counts a request's outcome per rule (`cached`: its denials came from the
-    /// [`BlockedCache`]).
+    /// [`BlockedCache`]; they count as the rule's denials, and as its cached ones).
     pub fn count(&mut self, config: &Config, outcome: &Outcome, skipped: &[(usize, Skip)], cached: bool) {
         for c in &outcome.checks {
             let (Some(r), CheckResult::Decided(d)) = (config.rules.get(c.rule), c.result) else { continue };
             let m = self.rule(&r.name);
             match c.limit.algorithm() {
-                Algorithm::LeakyBucket if !d.allowed && !cached => m.queue_full += 1,
+                Algorithm::LeakyBucket if !d.allowed => m.queue_full += 1,
                 Algorithm::LeakyBucket if !outcome.rejected && c.limit.wait(&d, r.cost) > 0 => m.delayed += 1,
                 Algorithm::Concurrent => m.in_flight = c.limit.requests().saturating_sub(d.remaining),
                 _ => {}
@@ -640,8 +650,10 @@ impl Metrics {
             let m = self.rule(&r.name);
             match tally {
                 Tally::Allowed => m.allowed += 1,
-                Tally::Rejected if cached => m.cached_denials += 1,
-                Tally::Rejected => m.rejected += 1,
+                Tally::Rejected => {
+                    m.rejected += 1;
+                    m.cached_denials += u64::from(cached);
+                }
                 Tally::ShadowRejected => m.shadow_rejected += 1,
                 Tally::Unkeyed => m.unkeyed += 1,
                 Tally::Failed(_) => m.store_failed += 1,
@@ -664,15 +676,23 @@ impl Metrics {
         const C: &str = "counter";
         let per_rule: [Family; 9] = [
             ("allowed", "Checks that allowed, per rule.", C, |c| c.allowed),
-            ("rejected", "Checks of enforcing rules that denied, per rule.", C, |c| c.rejected),
+            (
+                "rejected",
+                "Checks of enforcing rules that denied (every denial sent, cached ones included), per rule.",
+                C,
+                |c| c.rejected,
+            ),
             ("shadow_rejected", "Checks of shadow rules that would have denied, per rule.", C, |c| c.shadow_rejected),
             ("unkeyed", "Requests a rule matched but could not key, per rule.", C, |c| c.unkeyed),
             ("store_failed", "Checks whose counter object failed (the failure policy applied), per rule.", C, |c| {
                 c.store_failed
             }),
-            ("cached_denials", "Denials answered from the isolate's blocked-key cache, per rule.", C, |c| {
-                c.cached_denials
-            }),
+            (
+                "cached_denials",
+                "Of the rejected checks, those answered from the isolate's blocked-key cache, per rule.",
+                C,
+                |c| c.cached_denials,
+            ),
             ("delayed", "Requests a leaky-bucket rule queued for their turn, per rule.", C, |c| c.delayed),
             ("queue_full", "Requests a leaky-bucket rule rejected with its queue full, per rule.", C, |c| c.queue_full),
             ("in_flight", "Requests in flight of the key a concurrency rule last checked, per rule.", "gauge", |c| {
@@ -692,6 +712,11 @@ impl Metrics {
             ("object_failures", "Calls to counter objects that failed or timed out.", self.object_failures),
             ("rules_loaded", "Rules documents loaded.", self.rules_loaded),
             ("rules_rejected", "Rules documents rejected (the previous rules stayed).", self.rules_rejected),
+            (
+                "config_rejected",
+                "Requests passed without limits: a rules document was rejected and no good one was ever loaded.",
+                self.config_rejected,
+            ),
             ("sync_ok", "POST /v1/sync calls answered.", self.sync_ok),
             ("sync_failed", "POST /v1/sync calls refused or failed.", self.sync_failed),
             (
@@ -890,10 +915,13 @@ mod tests {
     fn offered_rules_are_counted_and_each_rejection_reported_once() {
         let (mut r, mut m) = (Rules::default(), Metrics::default());
         let bad = r#"{"rules":[{"name":"x","key":["nobody"],"limit":{"requests":1,"per":"1s"}}]}"#;
+        assert!(!r.rejected_without_rules(), "nothing offered yet");
         let Offered::Rejected(msg) = r.offer(bad, "KV", &mut m) else { panic!() };
         assert!(msg.contains("rules[0].key") && msg.ends_with("no rules"), "{msg}");
+        assert!(r.rejected_without_rules());
         assert_eq!(r.offer(bad, "KV", &mut m), Offered::Unchanged, "reported once");
         assert!(matches!(r.offer(RULES, "var", &mut m), Offered::Loaded(_)));
+        assert!(!r.rejected_without_rules());
         assert_eq!(r.offer(RULES, "var", &mut m), Offered::Unchanged);
         let Offered::Rejected(msg) = r.offer(bad, "KV", &mut m) else { panic!("reported again after a good one") };
         assert!(msg.ends_with("the previous rules stay in force"), "{msg}");
@@ -1199,7 +1227,7 @@ mod tests {
     }
 
     #[test]
-    fn cached_denials_answer_for_enforcing_rules_only_and_are_counted_apart() {
+    fn cached_denials_answer_for_enforcing_rules_only_and_count_as_the_rules_denials() {
         let (c, checks, skipped) = two();
         let mut cache = BlockedCache::new(10);
         let denied = Decision {
@@ -1220,7 +1248,7 @@ mod tests {
         assert_eq!(d.retry_after, Some(29 * SECOND), "the wait counts down");
         let mut m = Metrics::default();
         m.count(&c, &o, &skipped, true);
-        assert_eq!((m.rule("closed").cached_denials, m.rule("closed").rejected), (1, 0));
+        assert_eq!((m.rule("closed").cached_denials, m.rule("closed").rejected), (1, 1), "a denial, from the cache");
         assert!(!cached_denials(&c, &checks, 31 * SECOND, &mut cache).rejected, "expired");
     }
 }

@@ -42,6 +42,9 @@ const PEER_LIMITER: &str = "RATEWALL_PEER_LIMITER";
 struct Isolate {
     rules: Rules,
     var_loaded: bool,
+    /// The `RATEWALL_RULES` var was rejected (it is read once: a deployment's vars do not
+    /// change under it).
+    var_rejected: bool,
     /// `COUNTER_SHARDS`, once read.
     shards: Option<u32>,
     kv_next: Nanos,
@@ -74,6 +77,7 @@ thread_local! {
         Isolate {
             rules: Rules::default(),
             var_loaded: false,
+            var_rejected: false,
             shards: None,
             kv_next: 0,
             kv_in_force: false,
@@ -119,7 +123,9 @@ fn load_rules(doc: &str, origin: &str) {
 /// The rules in force: the `RATEWALL_RULES` var, overridden by the `rules` key of the
 /// `RATEWALL_KV` namespace when it is set. KV is read again every `RULES_REFRESH_SECONDS`
 /// (default 10) per isolate, so a change is in force within that interval plus KV's own
-/// propagation (up to 60 s across Cloudflare's edge; immediate locally).
+/// propagation (up to 60 s across Cloudflare's edge; immediate locally). With a namespace
+/// bound, the rules that load are kept in it ([`LAST_GOOD_KEY`]), and an isolate whose own
+/// document is bad (the `rules` key's, or the var's while that key is unset) takes them.
 async fn rules(env: &Env) -> Option<Rc<Config>> {
     let t = now();
     let (load_var, read_kv) = with(|i| {
@@ -140,7 +146,10 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
             .unwrap_or_default();
         with(|i| i.rules.set_deployment_secret(&secret));
         match &from_var {
-            Some(doc) => load_rules(doc, "var RATEWALL_RULES"),
+            Some(doc) => {
+                load_rules(doc, "var RATEWALL_RULES");
+                with(|i| i.var_rejected = !i.rules.in_force(doc));
+            }
             None => console_error!("ratewall: no RATEWALL_RULES var; waiting for rules in KV"),
         }
     }
@@ -156,22 +165,29 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
                         keep_last_good(env, &kv, Some(doc)).await;
                     } else if !with(|i| i.kv_in_force) {
                         // A bad document, and this isolate never had KV's rules in force (it
-                        // started since): the last document of `rules` that loaded, if any.
-                        if let Some(Ok(Some(good))) = within(object_timeout(env), kv.get(LAST_GOOD_KEY).text()).await {
-                            load_rules(&good, "KV RATEWALL_KV/rules.last_good");
-                            if with(|i| i.rules.in_force(&good)) {
-                                with(|i| i.kv_in_force = true);
-                            }
-                        }
+                        // started since): the last rules that loaded, if any.
+                        take_last_good(env, &kv, "KV RATEWALL_KV/rules was rejected").await;
                     }
                 }
-                // The key was removed: the deploy-time var is in force again.
+                // No `rules` key (or it was removed): the deploy-time var is in force, and a
+                // good one is the deployment's last good rules. A bad one leaves the rules in
+                // force, or, in an isolate that has none, the last good ones.
                 Some(Ok(None)) => {
-                    if let Some(doc) = &from_var {
-                        load_rules(doc, "var RATEWALL_RULES");
-                    }
                     with(|i| i.kv_in_force = false);
-                    keep_last_good(env, &kv, None).await;
+                    match &from_var {
+                        Some(doc) if !with(|i| i.var_rejected) => {
+                            load_rules(doc, "var RATEWALL_RULES");
+                            if with(|i| i.rules.in_force(doc)) {
+                                keep_last_good(env, &kv, Some(doc.clone())).await;
+                            }
+                        }
+                        Some(_) => {
+                            if with(|i| i.rules.current().is_none()) {
+                                take_last_good(env, &kv, "var RATEWALL_RULES was rejected").await;
+                            }
+                        }
+                        None => keep_last_good(env, &kv, None).await,
+                    }
                 }
                 Some(Err(e)) => {
                     console_error!("ratewall: reading rules from KV failed ({e}); the rules in force stay")
@@ -183,9 +199,21 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
     with(|i| i.rules.current())
 }
 
-/// The `RATEWALL_KV` key holding the last document of `rules` that loaded, so that an isolate
-/// starting while `rules` holds a bad document keeps the last good rules, not the var's.
+/// The `RATEWALL_KV` key holding the last rules document that loaded (the `rules` key's, or
+/// the var's while that key is unset), so that an isolate starting while its own document is
+/// bad keeps the deployment's last good rules: not the var's while `rules` holds a bad
+/// document, and not none while the var is bad.
 const LAST_GOOD_KEY: &str = "rules.last_good";
+
+/// Loads the rules kept under [`LAST_GOOD_KEY`], if any, saying `why` in the log.
+async fn take_last_good(env: &Env, kv: &worker::kv::KvStore, why: &str) {
+    if let Some(Ok(Some(good))) = within(object_timeout(env), kv.get(LAST_GOOD_KEY).text()).await {
+        load_rules(&good, &format!("KV RATEWALL_KV/{LAST_GOOD_KEY}, the last good rules ({why})"));
+        if with(|i| i.rules.in_force(&good)) {
+            with(|i| i.kv_in_force = true);
+        }
+    }
+}
 
 /// `op` within `deadline` (`None`: it took longer).
 async fn within<T>(deadline: Duration, op: impl std::future::Future<Output = T>) -> Option<T> {
@@ -195,8 +223,9 @@ async fn within<T>(deadline: Duration, op: impl std::future::Future<Output = T>)
     }
 }
 
-/// Makes sure [`LAST_GOOD_KEY`] holds `good` (`None`: the `rules` key is gone, and so goes
-/// the last good copy): read, and written only when it differs, once per change per isolate.
+/// Makes sure [`LAST_GOOD_KEY`] holds `good` (`None`: neither the `rules` key nor the var
+/// gives rules, and the last good copy goes too): read, and written only when it differs,
+/// once per change per isolate.
 async fn keep_last_good(env: &Env, kv: &worker::kv::KvStore, good: Option<String>) {
     if with(|i| i.last_good.as_ref() == Some(&good)) {
         return;
@@ -623,7 +652,9 @@ async fn admin_route(req: Request, env: Env, path: &str) -> Result<Response> {
 
 async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let Some(config) = rules(&env).await else {
-        // Never a good rules document: serve unlimited and say so in the logs (above).
+        // Never a good rules document: serve unlimited and say so in the logs (above), and,
+        // when one was rejected, in the metrics.
+        with(|i| i.metrics.config_rejected += u64::from(i.rules.rejected_without_rules()));
         return forward(req, &env, &[]).await.or_else(|e| bad_gateway(&e));
     };
     let method = req.method().to_string();
