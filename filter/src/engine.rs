@@ -704,8 +704,9 @@ impl Engine {
         let refuse = !outcome.rejected && checks.iter().zip(&outcome.checks).any(|(c, o)| waits(c, o) > 0);
         for (c, o) in checks.iter().zip(outcome.checks.iter_mut()).filter(|(c, _)| leaky(c)) {
             if let CheckResult::Decided(d) = &mut o.result {
-                // The policy of a token bucket of `delay + 1` at the bucket's rate (`wait`
-                // reads neither field).
+                // A token bucket of `delay + 1` at the bucket's rate: `remaining` counts what
+                // goes at once, and `limit` is what the policy's window drains (`wait` reads
+                // neither field).
                 let queue = c.limit.burst().unwrap_or(0).saturating_sub(c.limit.delay());
                 d.remaining = d.remaining.saturating_sub(queue);
                 d.limit = c.limit.requests().max(c.limit.delay().saturating_add(1));

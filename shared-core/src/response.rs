@@ -8,7 +8,7 @@
 //!   first (the legacy fields are its).
 //! - A `closed` rule whose store failed: `503` with `Retry-After: 1` and a problem body.
 
-use crate::algo::{Decision, Limit};
+use crate::algo::{Algorithm, Decision, Limit, SECOND};
 use crate::eval::{CheckResult, Outcome};
 pub use crate::field::{ceil_secs, policy_item, push_state_item};
 use crate::field::{push_policy_item, window_secs};
@@ -144,8 +144,10 @@ fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: 
             policy.push_str(", ");
             state.push_str(", ");
         }
-        // Under the rule's default limit the item was rendered when the rules were loaded.
-        if **limit == rule.limit && d.limit == limit.quota() {
+        if limit.algorithm() == Algorithm::LeakyBucket {
+            push_leaky_item(&mut policy, name, d.limit, limit);
+        } else if **limit == rule.limit && d.limit == limit.quota() {
+            // Under the rule's default limit the item was rendered when the rules were loaded.
             policy.push_str(&rule.policy_item);
         } else {
             push_policy_item(&mut policy, name, d.limit, limit);
@@ -163,10 +165,87 @@ fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: 
     }
 }
 
+/// A leaky bucket's `RateLimit-Policy` quota and window in whole seconds, `(q, w)`: the rate
+/// it drains at, `requests` per `per`, over the fewest whole `per`s that make whole seconds
+/// and drain the `held` units it takes at once (its queue and the request served; on a host
+/// where requests cannot wait, `delay + 1`), at least `requests`. So `q / w` is the rate, and
+/// `RateLimit`'s `r`, which counts places in the bucket, is never above `q`:
+/// `{"requests": 2, "per": "1s", "burst": 12}` is `q=14;w=7`.
+fn leaky_policy(limit: &Limit, held: u64) -> (u64, u64) {
+    let (requests, per, second) =
+        (u128::from(limit.requests().max(1)), u128::from(limit.per().max(1)), u128::from(SECOND));
+    // `k` times `per` is whole seconds when `k` is a multiple of `step`.
+    let (mut a, mut b) = (per, second);
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    let step = second / a;
+    let k = u128::from(held.max(1)).div_ceil(requests).div_ceil(step).saturating_mul(step);
+    let whole = |v: u128| u64::try_from(v).unwrap_or(u64::MAX);
+    (whole(k.saturating_mul(requests)), whole(k.saturating_mul(per) / second))
+}
+
+/// Appends a leaky bucket's `RateLimit-Policy` item ([`leaky_policy`]).
+fn push_leaky_item(out: &mut String, name: &str, held: u64, limit: &Limit) {
+    let (q, w) = leaky_policy(limit, held);
+    // Rule names are validated to [A-Za-z0-9_.-], so they need no escaping in sf-string.
+    out.push('"');
+    out.push_str(name);
+    out.push_str("\";q=");
+    push_decimal(out, q);
+    out.push_str(";w=");
+    push_decimal(out, w);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::eval::{evaluate, MemoryCounters, Request};
     use alloc::format;
+
+    /// The `RateLimit-Policy` and `RateLimit` fields of `n` requests at one instant to a fresh
+    /// key of a rule with `limit`.
+    fn fields_of(limit: &str, n: usize) -> Vec<(u16, String, String)> {
+        let doc = format!(
+            r#"{{"identity":{{"user":{{"header":"x-user-id"}}}},"rules":[{{"name":"l","key":["user"],"limit":{limit}}}]}}"#
+        );
+        let config = Config::parse(doc.as_bytes()).unwrap();
+        let mut counters = MemoryCounters::default();
+        let headers = [Some(&b"ann"[..])];
+        let req = Request { method: "GET", path: "/", headers: &headers, ip: None };
+        (0..n)
+            .map(|_| {
+                let (checks, _) = config.checks(&req);
+                let reply = render(&config, &evaluate(&config, &checks, &mut counters, 1_700_000_000 * SECOND));
+                let field = |name: &str| reply.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone());
+                (reply.status, field("RateLimit-Policy").unwrap_or_default(), field("RateLimit").unwrap_or_default())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_leaky_buckets_policy_is_its_drain_rate_over_a_window_its_queue_fits_in() {
+        for (limit, policy) in [
+            (r#"{"requests":2,"per":"1s","burst":12,"algorithm":"leaky_bucket"}"#, r#""l";q=14;w=7"#),
+            (r#"{"requests":1,"per":"1s","burst":12,"delay":8,"algorithm":"leaky_bucket"}"#, r#""l";q=13;w=13"#),
+            (r#"{"requests":5,"per":"1s","burst":5,"algorithm":"leaky_bucket"}"#, r#""l";q=10;w=2"#),
+            (r#"{"requests":5,"per":"1s","burst":10,"delay":3,"algorithm":"leaky_bucket"}"#, r#""l";q=15;w=3"#),
+            // A queue within `requests`: the rule's own window, as a sliding window's.
+            (r#"{"requests":60,"per":"60s","burst":2,"algorithm":"leaky_bucket"}"#, r#""l";q=60;w=60"#),
+            // Whole `per`s that are whole seconds: 10 a second, 2 a second.
+            (r#"{"requests":5,"per":"500ms","algorithm":"leaky_bucket"}"#, r#""l";q=10;w=1"#),
+            (r#"{"requests":3,"per":"1500ms","burst":4,"algorithm":"leaky_bucket"}"#, r#""l";q=6;w=3"#),
+        ] {
+            let seen = fields_of(limit, 20);
+            assert!(seen.iter().any(|(status, _, _)| *status == 429), "{limit}: the queue fills");
+            let q: u64 = policy.split(";q=").nth(1).and_then(|s| s.split(';').next()?.parse().ok()).unwrap();
+            for (status, p, state) in &seen {
+                assert_eq!(p, policy, "{limit}, status {status}");
+                let r: u64 = state.split(";r=").nth(1).and_then(|s| s.split(';').next()?.parse().ok()).unwrap();
+                assert!(r <= q, "{limit}: r={r} above q={q}");
+            }
+        }
+    }
 
     #[test]
     fn digits_match_core_fmt_at_every_width() {

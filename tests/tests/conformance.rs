@@ -129,3 +129,37 @@ fn the_worker_counts_every_acknowledged_unit_once_under_concurrent_senders() {
         assert_eq!(counted, acknowledged, "{}", String::from_utf8_lossy(k));
     }
 }
+
+/// A leaky bucket's fields, the same from the filter (in the wasmtime host) and the Worker (in
+/// workerd): `RateLimit-Policy` states the rate the bucket drains at (`q / w` is `requests /
+/// per`) over a window its whole queue fits in, so `RateLimit`'s `r` never exceeds `q`.
+#[test]
+fn a_leaky_buckets_policy_is_its_drain_rate_alike_in_the_filter_and_the_worker() {
+    use ratewall_tests::host::{HttpRequest, Node, Plugin, Vm};
+    let doc = serde_json::json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [
+            {"name": "drain", "match": {"path": "/d/*"}, "key": ["user"],
+             "limit": {"requests": 2, "per": "1s", "burst": 12, "algorithm": "leaky_bucket"}},
+            {"name": "slow", "match": {"path": "/s/*"}, "key": ["user"],
+             "limit": {"requests": 1, "per": "1s", "burst": 12, "delay": 8, "algorithm": "leaky_bucket"}}
+        ]
+    })
+    .to_string();
+    let node = Node::new(1_700_000_000 * SECOND);
+    let mut vm = Vm::start(&Plugin::filter().unwrap(), &node, doc.as_bytes()).unwrap();
+    let w = Workerd::start(&[("RATEWALL_RULES", doc.as_str())]).unwrap();
+    // The requests that go at once: the first of "drain", the first `delay + 1` of "slow".
+    for (path, n, policy) in [("/d/x", 1, r#""drain";q=14;w=7"#), ("/s/x", 9, r#""slow";q=13;w=13"#)] {
+        for i in 0..n {
+            let f = vm.request(&HttpRequest::new("GET", path).header("x-user-id", "lee")).unwrap();
+            let r = w.request("GET", path, &[("x-user-id", "lee")], &[]);
+            assert!(f.passed && r.status == 200, "{path} request {i}: {} / {}", f.status, r.text());
+            let filter = (f.header("ratelimit-policy"), f.header("ratelimit"));
+            assert_eq!(filter, (r.header("ratelimit-policy"), r.header("ratelimit")), "{path} request {i}");
+            assert_eq!(filter.0, Some(policy), "{path} request {i}");
+            let remaining: u64 = filter.1.and_then(|s| s.split(";r=").nth(1)?.split(';').next()?.parse().ok()).unwrap();
+            assert_eq!(remaining, 12 - i, "{path} request {i}: the queue's places left, at most q");
+        }
+    }
+}

@@ -697,3 +697,20 @@ mod concurrency {
         assert!(open(&mut vms[1], "ann").is_ok());
     }
 }
+
+/// On NGINX a leaky bucket is a token bucket of `delay + 1` at its drain rate, and its
+/// `RateLimit-Policy` says so: 1 a second over a window of 9 s holds the 9 that go at once.
+#[test]
+fn on_nginx_a_leaky_buckets_policy_is_its_drain_rate_over_what_goes_at_once() {
+    let doc = rules(json!([{"name": "slow", "key": ["user"],
+        "limit": {"requests": 1, "per": "1s", "burst": 12, "delay": 8, "algorithm": "leaky_bucket"}}]));
+    let (_, mut vms) = node(Profile::NGINX, &doc, 1);
+    let req = user("lee");
+    for i in 0..10u64 {
+        let r = vms[0].request(&req).unwrap();
+        assert_eq!(r.passed, i < 9, "request {i}");
+        assert_eq!(r.header("ratelimit-policy"), Some(r#""slow";q=9;w=9"#), "request {i}");
+        let remaining = r.header("ratelimit").and_then(|s| s.split(";r=").nth(1)?.split(';').next()?.parse().ok());
+        assert_eq!(remaining, Some(8u64.saturating_sub(i)), "request {i}");
+    }
+}
