@@ -382,9 +382,11 @@ impl Counter {
         let exact = self.exact;
         let unspent =
             self.shares.get(idx).filter(|s| held_until(s, exact) > now).map_or(0, |s| s.grant.saturating_sub(units));
+        let ended = self.shares.get(idx).is_some_and(|s| self.window_ended(s.seen, now));
         if let Some(s) = self.shares.get_mut(idx) {
             s.units = s.spent(now, units);
-            let carried = s.asked;
+            // Units given to its asks in a fixed window that has ended are held in none.
+            let carried = if ended { 0 } else { s.asked };
             let until = now.saturating_add(lease);
             *s = Share {
                 node,
@@ -543,6 +545,15 @@ impl Counter {
             born: now,
         });
         self.shares.len() - 1
+    }
+
+    /// Whether `seen` is in a fixed window that has ended by `now` (never, for the other
+    /// algorithms): what a node was given then — a grant, units beside an ask — holds nothing
+    /// in the current window, as [`Counter::outstanding`] counts it. Held on, units an ask
+    /// gave a node at a window's end took from the next window's quota (the node's first
+    /// calls there were refused).
+    fn window_ended(&self, seen: Nanos, now: Nanos) -> bool {
+        super::window_of(&self.limit, seen) < super::window_of(&self.limit, now)
     }
 
     /// Units held by the nodes' grants still on lease (all nodes but `except`). A fixed
@@ -723,11 +734,13 @@ impl Counter {
                 None => self.new_share(node, now),
             };
             let (reported, horizon, exact) = (self.reported, self.limit.requests(), self.exact);
+            let ended = self.shares.get(idx).is_some_and(|s| self.window_ended(s.seen, now));
             if let Some(s) = self.shares.get_mut(idx) {
-                if held_until(s, exact) <= now {
-                    // Its lease ran out: what it held then is free, and extending the lease
-                    // for this ask must not hold it again (a burst after a pause had its
-                    // second call refused for units the node no longer held).
+                if held_until(s, exact) <= now || ended {
+                    // Its lease ran out, or its fixed window ended: what it held then is free,
+                    // and extending the lease for this ask must not hold it again (a burst
+                    // after a pause had its second call refused for units the node no longer
+                    // held).
                     s.grant = 0;
                     s.asked = 0;
                     s.carried = 0;
