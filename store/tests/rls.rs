@@ -1142,6 +1142,12 @@ async fn a_burst_after_a_pause_longer_than_the_lease_answers_as_an_exact_limiter
     std::fs::write(&path, THREE_A_MINUTE_SHARED).unwrap();
     let store = RlsProcess::start(&redis.url(), &path);
     let c = store.client().await;
+    // The calls and pauses take about 8 s: all in one minute, so that a minute's turn does not
+    // move the sliding window's count between them (the exact answers below are a minute's).
+    let into = unix_secs() % 60.0;
+    if into > 48.0 {
+        sleep_until_unix(unix_secs() - into + 60.2).await;
+    }
     // Redis has answered this process, which has noted itself present: new counters are
     // decided on an initial share, as in a process serving traffic.
     ask(&mut c.clone(), hits(("sliding", "warm"), 0)).await;
@@ -1161,4 +1167,126 @@ async fn a_burst_after_a_pause_longer_than_the_lease_answers_as_an_exact_limiter
         let exact = if at_once.is_some() { vec![OK, OK, OK, OVER, OVER] } else { vec![OK, OK, OVER] };
         assert_eq!(got, exact, "{what}");
     }
+}
+
+/// A fixed window of 3 a second, and a token bucket of 1 a second (a token back every
+/// second, at most one at once).
+const PER_SECOND: &str = "domain: api
+descriptors:
+  - key: fixed
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: bucket
+    rate_limit: {unit: second, requests_per_unit: 1, algorithm: token_bucket}
+";
+
+/// Sends `signal` (`STOP`, `CONT`) to the process.
+fn signal(store: &RlsProcess, signal: &str) {
+    let pid = store.child.id().to_string();
+    assert!(Command::new("kill").args([&format!("-{signal}"), &pid]).status().unwrap().success());
+}
+
+/// Sleeps until `t` (seconds since the Unix epoch), if it is ahead.
+async fn sleep_until_unix(t: f64) {
+    let left = t - unix_secs();
+    if left > 0.0 {
+        tokio::time::sleep(Duration::from_secs_f64(left)).await;
+    }
+}
+
+/// A client that makes its last calls of a fixed window (3 a second) in the window's last
+/// quarter, is refused the one past the limit, and waits the `Retry-After` it is given (the
+/// window's rest, rounded up to a second) gets the next window's whole quota. The process is
+/// paused (SIGSTOP) across the window's end, so that its report of those calls reaches Redis
+/// after it, as a report of calls in a window's last 100 ms does. Resumed 100 ms into the next
+/// window, it reports at once and renews its grant there 800 ms in (in the grant's last
+/// 200 ms): the client's calls there, 750 ms in, meet the counter as that first report left
+/// it. (Counted in the window Redis was in when the report came, the calls took from the
+/// next one: OK, then OVER_LIMIT. And the units Redis had given beside the window's first
+/// call, an ask, stayed held for the process in the next window: its first grant there was 1
+/// and its next ask was refused.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_windows_last_calls_reported_after_its_end_take_nothing_from_the_next() {
+    let redis = Redis::start(false).unwrap();
+    let path = dir("window-end").join("limits.yaml");
+    std::fs::write(&path, PER_SECOND).unwrap();
+    let store = RlsProcess::start(&redis.url(), &path);
+    let mut c = store.client().await;
+    // Redis has answered this process, which has noted itself present, as a process serving
+    // traffic has.
+    ask(&mut c, hits(("fixed", "warm"), 0)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for attempt in 0..5 {
+        // 250 ms before a second's end.
+        let end = (unix_secs() + 0.3).ceil();
+        sleep_until_unix(end - 0.25).await;
+        let value = format!("edge-{attempt}");
+        let call = || request("api", vec![descriptor(&[("fixed", &value)])]);
+        let mut codes = Vec::new();
+        for _ in 0..3 {
+            codes.push(ask(&mut c, call()).await.overall_code);
+        }
+        let refused = ask(&mut c, call()).await;
+        let answered = unix_secs();
+        signal(&store, "STOP");
+        sleep_until_unix(end + 0.1).await;
+        signal(&store, "CONT");
+        if answered >= end - 0.01 {
+            // Too slow to fit in the window's end (a loaded machine): again, a second later.
+            continue;
+        }
+        assert_eq!((codes, refused.overall_code), (vec![OK, OK, OK], OVER), "attempt {attempt}");
+        let wait = retry_after(&refused);
+        assert_eq!(wait, 1, "attempt {attempt}: the window's rest, rounded up");
+        sleep_until_unix(answered + wait as f64).await;
+        let mut next = Vec::new();
+        for _ in 0..4 {
+            next.push(ask(&mut c, call()).await.overall_code);
+        }
+        assert!(unix_secs() < end + 1.0, "attempt {attempt}: the calls after the wait left the next window");
+        assert_eq!(next, vec![OK, OK, OK, OVER], "attempt {attempt}: the next window's quota, whole");
+        return;
+    }
+    panic!("no attempt fitted its calls in a window's last 250 ms");
+}
+
+/// A client of a token bucket (1 a second) that spends it, is refused with `Retry-After: 1`,
+/// and calls again a second after that answer, is admitted — whenever the process's report
+/// of the spent unit reaches Redis. The process holds a grant of the counter (a look at it
+/// first, then its renewals), so the refused call is answered while that unit is unreported;
+/// the runs start at several points of the grant's lease, and at least one is refused for
+/// the token alone (`Retry-After: 1`; near a lease's start the lease is what it waits for).
+/// (Counted when the report came, up to 100 ms after the refusal, the token came back that
+/// much later than the `Retry-After` said: the call was refused once more.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_waits_its_retry_after_on_a_token_bucket_is_admitted() {
+    let redis = Redis::start(false).unwrap();
+    let path = dir("bucket-retry").join("limits.yaml");
+    std::fs::write(&path, PER_SECOND).unwrap();
+    let store = RlsProcess::start(&redis.url(), &path);
+    let c = store.client().await;
+    ask(&mut c.clone(), hits(("bucket", "warm"), 0)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let runs = [2_100, 2_300, 2_500].map(|start| {
+        let mut c = c.clone();
+        async move {
+            let value = format!("retry-{start}");
+            ask(&mut c, hits(("bucket", &value), 0)).await;
+            tokio::time::sleep(Duration::from_millis(start)).await;
+            let mut got = vec![ask(&mut c, hits(("bucket", &value), 1)).await.overall_code];
+            let refused = ask(&mut c, hits(("bucket", &value), 1)).await;
+            let answered = Instant::now();
+            got.push(refused.overall_code);
+            let wait = header(&refused, "Retry-After").map_or(0, |r| r.parse::<u64>().unwrap());
+            tokio::time::sleep_until((answered + Duration::from_secs(wait)).into()).await;
+            got.push(ask(&mut c, hits(("bucket", &value), 1)).await.overall_code);
+            (start, wait, got)
+        }
+    });
+    let mut tight = 0;
+    for (start, wait, got) in futures_util::future::join_all(runs).await {
+        eprintln!("{start} ms after the look: Retry-After {wait}, {got:?}");
+        assert_eq!(got, vec![OK, OVER, OK], "{start} ms after the look: Retry-After {wait}");
+        tight += usize::from(wait == 1);
+    }
+    assert!(tight > 0, "no run was refused for the token alone");
 }

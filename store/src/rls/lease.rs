@@ -11,19 +11,27 @@
 //! ([`Leases::cold`]); past a fixed window's first quarter it asks instead, as a proxy new to
 //! a counter does. Every [`FLUSH`] the process notes itself as present in Redis
 //! ([`Kv::present`]) and the spent units go to Redis in one batch per counter
-//! ([`Counter::report`](ratewall_core::sync::Counter::report), with this node's id and a
-//! sequence number, so a retried batch is never counted twice), the answer being the next
-//! grant; a process that stops sends what it has not reported ([`flush_all`]). These are the
-//! transitions the sync endpoint runs for the filter's proxies, so the overshoot bound of
-//! docs/sync-protocol.md holds for the service too, with every process a node.
+//! ([`Counter::report_since`], with this node's id and a sequence number, so a retried batch
+//! is never counted twice), the answer being the next grant; a process that stops sends what
+//! it has not reported ([`flush_all`]). These are the transitions the sync endpoint runs for
+//! the filter's proxies, so the overshoot bound of docs/sync-protocol.md holds for the
+//! service too, with every process a node.
+//!
+//! A batch's units are counted at Redis as of when the first of them was admitted, as this
+//! process counted them when it decided (a token bucket counted when the batch came was
+//! behind the `Retry-After` the process had given: a client that waited it was refused once
+//! more), and a fixed window's units of a window that has ended count in none: reported
+//! after its end, they would take from the client's next window. Those times are on the
+//! counter's clock — Redis's `TIME` on the key's primary, not this process's — converted by
+//! the difference between the two measured at the counter's last answer ([`skew`]).
 
 use super::Rls;
 use crate::Kv;
-use ratewall_core::sync::{Applied, RETRY_HORIZON};
+use ratewall_core::sync::{counted_units, window_of, Applied, Counter, RETRY_HORIZON};
 use ratewall_core::{Algorithm, Decision, Limit, Nanos};
 use std::collections::HashMap;
 use std::hash::BuildHasher as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -50,8 +58,13 @@ struct Held {
     until: Nanos,
     /// Units admitted since the last batch was cut.
     spent: u64,
-    /// A batch sent and not yet acknowledged: its seq, its units, when first sent.
-    pending: Option<(u64, u64, Nanos)>,
+    /// When the first of `spent` was admitted (the counter's clock): a fixed window's are
+    /// all of that one window (see [`Held::drop_ended`]).
+    spent_since: Nanos,
+    /// A batch sent and not yet acknowledged.
+    pending: Option<InFlight>,
+    /// The counter's clock less ours, as measured at its last answer ([`skew`]).
+    skew: i64,
     /// The global view last answered: remaining, time to reset, when (our clock).
     view: (u64, Nanos, Nanos),
     /// Last call.
@@ -66,6 +79,97 @@ struct Held {
     /// not, until its first batch is answered: an ask meanwhile would be answered from a
     /// count that lacks those units).
     answered: bool,
+}
+
+/// A batch sent and not yet acknowledged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct InFlight {
+    seq: u64,
+    units: u64,
+    /// When it was first sent (our clock).
+    sent: Nanos,
+    /// When the first of its units was admitted (the counter's clock; 0: none).
+    since: Nanos,
+}
+
+/// One counter's batch: what a process admitted on it since its last batch, to report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    /// The counter's Redis key.
+    pub rkey: String,
+    /// Its limit.
+    pub limit: Limit,
+    /// The batch's sequence number (a retry keeps it).
+    pub seq: u64,
+    /// Units admitted.
+    pub units: u64,
+    /// When the first of `units` was admitted, on the counter's clock (0: no units).
+    pub since: Nanos,
+}
+
+/// The counter's clock less ours: `counter_now` read from the counter, `ours` our clock
+/// then. The counter's time is Redis's, read at most a round trip before the transition that
+/// sees it runs (a read's or a compare-and-set's answer, or the last value written, its
+/// clock advanced by our monotonic clock since): a time converted with it is early by at most
+/// that round trip (within the deadline; well under a millisecond on one network).
+pub fn skew(counter_now: Nanos, ours: Nanos) -> i64 {
+    let d = i128::from(counter_now) - i128::from(ours);
+    i64::try_from(d).unwrap_or(if d > 0 { i64::MAX } else { i64::MIN })
+}
+
+/// Reports batch `b` of this node on `counter` at `now` (the counter's clock): its units as
+/// of when the first was admitted, none of them if that was in a fixed window that has
+/// ended.
+pub(crate) fn report(counter: &mut Counter, now: Nanos, node: u64, b: (Limit, u64, u64, Nanos)) -> Applied {
+    let (limit, seq, units, since) = b;
+    let units = counted_units(&limit, since, now, units);
+    let since = if since == 0 { now } else { since };
+    counter.report_since(limit, now, since, (node, seq, units), crate::NODE_TTL)
+}
+
+impl Held {
+    /// `now` (our clock) on the counter's clock.
+    fn on_counter(&self, now: Nanos) -> Nanos {
+        now.saturating_add_signed(self.skew)
+    }
+
+    /// Forgets the spent units of a fixed window that has ended by `now` (our clock): they
+    /// counted in their window, which is over, and reported now Redis would count them in its
+    /// current one (a client's last calls of a window would take from its next). Nor do they
+    /// weigh on a grant of the new window.
+    fn drop_ended(&mut self, now: Nanos) {
+        if self.spent > 0 && window_of(&self.limit, self.spent_since) < window_of(&self.limit, self.on_counter(now)) {
+            self.spent = 0;
+        }
+    }
+
+    /// Records `hits` admitted at `now` (our clock), to report with the next batch.
+    fn admit(&mut self, hits: u64, now: Nanos) {
+        self.drop_ended(now);
+        if self.spent == 0 {
+            self.spent_since = self.on_counter(now);
+        }
+        self.spent = self.spent.saturating_add(hits);
+    }
+
+    /// Units admitted here that Redis may not have counted yet and that still count at `now`
+    /// (our clock): a fixed window's admitted in an earlier window count in none.
+    fn unreported_at(&self, now: Nanos) -> u64 {
+        let window = window_of(&self.limit, self.on_counter(now));
+        let current = |since: Nanos| window_of(&self.limit, since) >= window;
+        let spent = if current(self.spent_since) { self.spent } else { 0 };
+        let pending = self.pending.filter(|p| p.since == 0 || current(p.since)).map_or(0, |p| p.units);
+        spent.saturating_add(pending)
+    }
+
+    /// Cuts a batch at `now` (our clock) of what was spent: its seq `seq`, units and since.
+    fn cut(&mut self, seq: u64, now: Nanos) -> InFlight {
+        self.drop_ended(now);
+        let since = if self.spent > 0 { self.spent_since } else { 0 };
+        let batch = InFlight { seq, units: std::mem::take(&mut self.spent), sent: now, since };
+        self.pending = Some(batch);
+        batch
+    }
 }
 
 /// Where a call's hits were taken.
@@ -107,6 +211,8 @@ pub struct Leases {
     /// until one is): until then the others may not count it, and it does not know how many
     /// they are, so no call is decided on an initial share.
     registered: std::sync::atomic::AtomicBool,
+    /// The last [`skew`] measured on any counter: a counter's until its own is.
+    skew: AtomicI64,
 }
 
 impl Default for Leases {
@@ -132,7 +238,24 @@ impl Leases {
             redis_ok: std::sync::atomic::AtomicBool::new(false),
             fleet: Mutex::new((0, 1, 1)),
             registered: std::sync::atomic::AtomicBool::new(false),
+            skew: AtomicI64::new(0),
         }
+    }
+
+    /// Notes the [`skew`] measured at an answer from counter `rkey`.
+    pub fn observed(&self, rkey: &str, skew: i64) {
+        self.skew.store(skew, Ordering::Relaxed);
+        if let Ok(mut held) = self.held.lock() {
+            if let Some(h) = held.get_mut(rkey) {
+                h.skew = skew;
+            }
+        }
+    }
+
+    /// `now` (our clock) on counter `rkey`'s clock, as far as this process knows it.
+    pub fn on_counter(&self, rkey: &str, now: Nanos) -> Nanos {
+        let skew = self.held.lock().ok().and_then(|held| held.get(rkey).map(|h| h.skew));
+        now.saturating_add_signed(skew.unwrap_or_else(|| self.skew.load(Ordering::Relaxed)))
     }
 
     /// Notes whether a call to Redis was answered.
@@ -180,7 +303,9 @@ impl Leases {
         }
         let (quota, per) = (limit.quota(), limit.per().max(1));
         let fixed = limit.algorithm() == Algorithm::FixedWindow;
-        if fixed && now % per >= per / 4 {
+        // The window's quarter on the counter's clock, which its windows run on.
+        let skew = self.skew.load(Ordering::Relaxed);
+        if fixed && now.saturating_add_signed(skew) % per >= per / 4 {
             return None;
         }
         let nodes = self.fleet();
@@ -204,7 +329,9 @@ impl Leases {
                 grant: share - hits,
                 until,
                 spent: hits,
+                spent_since: now.saturating_add_signed(skew),
                 pending: None,
+                skew,
                 view: (before.remaining, before.reset_after, now),
                 used: now,
                 denied_until: 0,
@@ -231,6 +358,7 @@ impl Leases {
             return None;
         }
         h.used = now;
+        h.drop_ended(now);
         let (_, reset_after) = estimate(h, now);
         if hits > 0 && hits >= h.denied_hits && now < h.denied_until {
             self.local.fetch_add(1, Ordering::Relaxed);
@@ -251,7 +379,7 @@ impl Leases {
             return None;
         }
         h.grant -= hits;
-        h.spent = h.spent.saturating_add(hits);
+        h.admit(hits, now);
         self.local.fetch_add(1, Ordering::Relaxed);
         let (remaining, reset_after) = estimate(h, now);
         Some(Decision { allowed: true, limit: limit.quota(), remaining, reset_after, retry_after: None })
@@ -278,12 +406,15 @@ impl Leases {
                 held.retain(|_, h| h.pending.is_some() || h.spent > 0 || now < h.until);
             }
             if held.len() < MAX_HELD || held.contains_key(rkey) {
+                let skew = self.skew.load(Ordering::Relaxed);
                 let h = held.entry(rkey.to_owned()).or_insert_with(|| Held {
                     limit,
                     grant: 0,
                     until: 0,
                     spent: 0,
+                    spent_since: 0,
                     pending: None,
+                    skew,
                     view: (0, 0, now),
                     used: now,
                     denied_until: 0,
@@ -298,6 +429,7 @@ impl Leases {
                 }
                 h.used = now;
                 h.answered = true;
+                h.drop_ended(now);
                 h.view = (a.remaining, a.reset_after, now);
                 known = estimate(h, now);
                 if allowed {
@@ -321,26 +453,25 @@ impl Leases {
     }
 
     /// The batch of a counter spent on an initial share that Redis has not answered for yet
-    /// (its seq and units: the one in flight, if any, else one cut now), for a call its
-    /// share cannot pay: the call sends it first, so that what it then asks for is answered
-    /// from a count that has those units. None for any other counter.
-    pub fn unanswered(&self, rkey: &str, now: Nanos) -> Option<(u64, u64)> {
+    /// (the one in flight, if any, else one cut now), for a call its share cannot pay: the
+    /// call sends it first, so that what it then asks for is answered from a count that has
+    /// those units. None for any other counter.
+    pub fn unanswered(&self, rkey: &str, now: Nanos) -> Option<Batch> {
         let mut held = self.held.lock().ok()?;
         let h = held.get_mut(rkey).filter(|h| !h.answered)?;
-        if let Some((seq, units, _)) = h.pending {
-            return Some((seq, units));
-        }
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        h.pending = Some((seq, h.spent, now));
-        let units = std::mem::take(&mut h.spent);
-        Some((seq, units))
+        let b = match h.pending {
+            Some(b) => b,
+            None => h.cut(self.seq.fetch_add(1, Ordering::Relaxed) + 1, now),
+        };
+        Some(Batch { rkey: rkey.to_owned(), limit: h.limit, seq: b.seq, units: b.units, since: b.since })
     }
 
     /// Units of counter `rkey` this process admitted that Redis may not have counted yet
-    /// (spent since the last batch, and the batch in flight).
-    pub fn unreported(&self, rkey: &str) -> u64 {
+    /// (spent since the last batch, and the batch in flight), of those that still count at
+    /// `now` (a fixed window's of an ended window do not).
+    pub fn unreported(&self, rkey: &str, now: Nanos) -> u64 {
         let Ok(held) = self.held.lock() else { return 0 };
-        held.get(rkey).map_or(0, |h| h.spent.saturating_add(h.pending.map_or(0, |(_, u, _)| u)))
+        held.get(rkey).map_or(0, |h| h.unreported_at(now))
     }
 
     /// Gives back `hits` taken from the grant: false when they were reported already (then
@@ -368,9 +499,10 @@ impl Leases {
         }
     }
 
-    /// The batches due at `now`: per counter, its key, limit, seq and units (a retry keeps
-    /// its seq). A grant still in use is renewed before it ends even when nothing was spent.
-    fn due(&self, now: Nanos) -> Vec<(String, Limit, u64, u64)> {
+    /// The batches due at `now`, one per counter (a retry keeps its seq). A grant still in
+    /// use is renewed before it ends even when nothing was spent. A fixed window's units
+    /// admitted in a window that has ended are not reported.
+    fn due(&self, now: Nanos) -> Vec<Batch> {
         self.batches(now, false)
     }
 
@@ -380,32 +512,34 @@ impl Leases {
     /// Redis has acknowledged everything (a counter whose batch in flight is answered and
     /// that spent nothing since). A counter that spent while its batch was on its way needs
     /// two rounds: the batch, then the units after it.
-    fn unreported_batches(&self, now: Nanos) -> Vec<(String, Limit, u64, u64)> {
+    fn unreported_batches(&self, now: Nanos) -> Vec<Batch> {
         self.batches(now, true)
     }
 
-    fn batches(&self, now: Nanos, stopping: bool) -> Vec<(String, Limit, u64, u64)> {
+    fn batches(&self, now: Nanos, stopping: bool) -> Vec<Batch> {
         let Ok(mut held) = self.held.lock() else { return Vec::new() };
         let mut out = Vec::new();
         let renew = 2 * u64::try_from(FLUSH.as_nanos()).unwrap_or(u64::MAX);
         held.retain(|rkey, h| {
-            if let Some((seq, units, first)) = h.pending {
-                if now.saturating_sub(first) > RETRY_HORIZON {
+            let limit = h.limit;
+            let batch = |b: InFlight| Batch { rkey: rkey.clone(), limit, seq: b.seq, units: b.units, since: b.since };
+            if let Some(b) = h.pending {
+                if now.saturating_sub(b.sent) > RETRY_HORIZON {
                     // Past the horizon a store may have forgotten the seq: dropped, never
                     // counted twice.
-                    self.dropped.fetch_add(units, Ordering::Relaxed);
+                    self.dropped.fetch_add(b.units, Ordering::Relaxed);
                     h.pending = None;
                 } else {
-                    out.push((rkey.clone(), h.limit, seq, units));
+                    // Sent again as it was: Redis counts none of it if its window has ended.
+                    out.push(batch(b));
                     return true;
                 }
             }
+            h.drop_ended(now);
             let in_use = now.saturating_sub(h.used) < 2 * ratewall_core::sync::MAX_LEASE;
             if h.spent > 0 || (!stopping && in_use && h.until.saturating_sub(now) < renew) {
-                let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-                h.pending = Some((seq, h.spent, now));
-                out.push((rkey.clone(), h.limit, seq, h.spent));
-                h.spent = 0;
+                let b = h.cut(self.seq.fetch_add(1, Ordering::Relaxed) + 1, now);
+                out.push(batch(b));
                 return true;
             }
             // Forgotten once idle, its grant over, nothing to report and its quota restored as
@@ -424,12 +558,13 @@ impl Leases {
         self.saw_nodes(a.nodes, now);
         let Ok(mut held) = self.held.lock() else { return };
         let Some(h) = held.get_mut(rkey) else { return };
-        if h.pending.is_some_and(|(s, _, _)| s == seq) {
+        if h.pending.is_some_and(|b| b.seq == seq) {
             h.pending = None;
         }
         h.answered = true;
         // What was spent while the batch travelled came from the old grant, and is not in
-        // the answer's remaining yet.
+        // the answer's remaining yet (a fixed window's of an ended window: in none).
+        h.drop_ended(now);
         h.grant = a.grant.saturating_sub(h.spent);
         h.until = lease_end(h.limit, now, a.lease, a.reset_after);
         // The units spent since the batch was cut are not in the answer: `estimate` takes them
@@ -465,7 +600,7 @@ fn lease_end(limit: Limit, now: Nanos, lease: Nanos, reset_after: Nanos) -> Nano
 fn estimate(h: &Held, now: Nanos) -> (u64, Nanos) {
     let (remaining, reset_after, at) = h.view;
     let elapsed = now.saturating_sub(at);
-    let unreported = h.spent.saturating_add(h.pending.map_or(0, |(_, u, _)| u));
+    let unreported = h.unreported_at(now);
     if h.limit.algorithm() == Algorithm::TokenBucket {
         // A bucket is full `reset_after` from when it was seen, later by one interval per unit
         // spent since; a token back per interval.
@@ -477,7 +612,7 @@ fn estimate(h: &Held, now: Nanos) -> (u64, Nanos) {
     if elapsed >= reset_after {
         // The window turned (or the bucket filled) since: a fresh quota less what was spent.
         let per = h.limit.per().max(1);
-        return (h.limit.quota().saturating_sub(h.spent), per - now % per);
+        return (h.limit.quota().saturating_sub(unreported), per - h.on_counter(now) % per);
     }
     (remaining.saturating_sub(unreported), reset_after - elapsed)
 }
@@ -517,7 +652,7 @@ pub async fn flush_all<K: Kv>(rls: &Rls<K>, budget: Duration) -> u64 {
     let started = tokio::time::Instant::now();
     loop {
         let batches = rls.leases.unreported_batches(super::wall_clock());
-        let left: u64 = batches.iter().map(|(_, _, _, units)| *units).fold(0, u64::saturating_add);
+        let left: u64 = batches.iter().map(|b| b.units).fold(0, u64::saturating_add);
         if batches.is_empty() || started.elapsed() >= budget {
             return left;
         }
@@ -530,22 +665,23 @@ pub async fn flush_all<K: Kv>(rls: &Rls<K>, budget: Duration) -> u64 {
 }
 
 /// Sends `batches` and records the answers; how many were acknowledged.
-async fn send<K: Kv>(rls: &Rls<K>, batches: &[(String, Limit, u64, u64)]) -> usize {
+async fn send<K: Kv>(rls: &Rls<K>, batches: &[Batch]) -> usize {
     let leases = &rls.leases;
     let node = leases.node;
     let mut acked = 0;
     for chunk in batches.chunks(BATCH) {
-        let sends = chunk.iter().map(|(rkey, limit, seq, units)| {
-            let (limit, seq, units) = (*limit, *seq, *units);
-            let send = rls.update(rkey, limit, move |counter, now| {
-                let a = counter.report(limit, now, node, seq, units, crate::NODE_TTL);
-                (a, a.counted)
+        let sends = chunk.iter().map(|b| {
+            let batch = (b.limit, b.seq, b.units, b.since);
+            let send = rls.update(&b.rkey, b.limit, move |counter, now| {
+                let a = report(counter, now, node, batch);
+                ((a, skew(now, super::wall_clock())), a.counted)
             });
-            async move { (rkey, seq, tokio::time::timeout(rls.store().deadline * 4, send).await) }
+            async move { (b, tokio::time::timeout(rls.store().deadline * 4, send).await) }
         });
-        for (rkey, seq, r) in futures_util::future::join_all(sends).await {
-            if let Ok(Ok(a)) = r {
-                leases.synced(rkey, seq, &a, super::wall_clock());
+        for (b, r) in futures_util::future::join_all(sends).await {
+            if let Ok(Ok((a, skew))) = r {
+                leases.synced(&b.rkey, b.seq, &a, super::wall_clock());
+                leases.observed(&b.rkey, skew);
                 acked += 1;
             }
         }
@@ -556,6 +692,11 @@ async fn send<K: Kv>(rls: &Rls<K>, batches: &[(String, Limit, u64, u64)]) -> usi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Batches as (key, limit, seq, units).
+    fn cut(batches: Vec<Batch>) -> Vec<(String, Limit, u64, u64)> {
+        batches.into_iter().map(|b| (b.rkey, b.limit, b.seq, b.units)).collect()
+    }
 
     fn limit() -> Limit {
         Limit::new(Algorithm::FixedWindow, 100, 60 * ratewall_core::SECOND, None).unwrap()
@@ -605,8 +746,7 @@ mod tests {
             assert!(l.take("k", limit(), 1, 20).unwrap().allowed);
         }
         assert!(l.take("k", limit(), 1, 20).is_none(), "spent");
-        let due = l.due(30);
-        assert_eq!(due, vec![("k".to_owned(), limit(), 1, 3)]);
+        assert_eq!(cut(l.due(30)), vec![("k".to_owned(), limit(), 1, 3)]);
         l.synced("k", 1, &applied(10, 93), 40);
         assert_eq!(l.take("k", limit(), 1, 50).unwrap().remaining, 92);
         assert!(l.take("k", limit(), 1, 40 + ratewall_core::SECOND).is_none(), "the lease ended");
@@ -620,9 +760,9 @@ mod tests {
         let first = l.due(2);
         l.take("k", limit(), 1, 3).unwrap();
         assert_eq!(l.due(4), first, "the same seq and units, the new hit waits");
-        l.synced("k", first[0].2, &applied(5, 90), 5);
+        l.synced("k", first[0].seq, &applied(5, 90), 5);
         let next = l.due(6);
-        assert_eq!((next[0].2, next[0].3), (first[0].2 + 1, 1));
+        assert_eq!((next[0].seq, next[0].units), (first[0].seq + 1, 1));
     }
 
     #[test]
@@ -631,7 +771,7 @@ mod tests {
         l.asked("k", limit(), 1, &applied(5, 99), None, 0);
         l.take("k", limit(), 2, 1).unwrap();
         assert_eq!(l.due(2).len(), 1);
-        assert!(l.due(3 + RETRY_HORIZON).iter().all(|(_, _, _, u)| *u == 0));
+        assert!(l.due(3 + RETRY_HORIZON).iter().all(|b| b.units == 0));
         assert_eq!(l.dropped.load(Ordering::Relaxed), 2);
     }
 
@@ -677,7 +817,7 @@ mod tests {
         let d = l.take("b", bucket, 1, s).unwrap();
         assert_eq!((d.remaining, d.reset_after), (1, 40 * s), "this call's token counted");
         // Redis counts the batch of both; the answer shows them, and nothing is taken twice.
-        assert_eq!(l.due(2 * s), vec![("b".to_owned(), bucket, 1, 2)]);
+        assert_eq!(cut(l.due(2 * s)), vec![("b".to_owned(), bucket, 1, 2)]);
         let a = Applied { remaining: 1, grant: 1, reset_after: 39 * s, lease: 10 * s, nodes: 1, counted: true };
         l.synced("b", 1, &a, 2 * s);
         let d = l.take("b", bucket, 0, 2 * s).unwrap();
@@ -685,7 +825,7 @@ mod tests {
         let d = l.take("b", bucket, 1, 3 * s).unwrap();
         assert_eq!((d.remaining, d.reset_after), (0, 58 * s));
         // Given back at Redis once reported: the view gains it back.
-        assert_eq!(l.due(4 * s), vec![("b".to_owned(), bucket, 2, 1)]);
+        assert_eq!(cut(l.due(4 * s)), vec![("b".to_owned(), bucket, 2, 1)]);
         l.synced("b", 2, &Applied { remaining: 0, reset_after: 56 * s, grant: 0, ..a }, 4 * s);
         l.refunded("b", 1);
         let d = l.take("b", bucket, 0, 4 * s).unwrap();
@@ -695,7 +835,7 @@ mod tests {
         let ms = s / 1000;
         l.asked("w", limit(), 1, &applied(10, 90), None, s);
         assert!(l.take("w", limit(), 1, s).is_some());
-        assert_eq!(l.due(s + 100 * ms), vec![("w".to_owned(), limit(), 1, 1)]);
+        assert_eq!(cut(l.due(s + 100 * ms)), vec![("w".to_owned(), limit(), 1, 1)]);
         assert!(l.take("w", limit(), 1, s + 200 * ms).is_some());
         l.synced("w", 1, &applied(10, 89), s + 300 * ms);
         assert_eq!(l.take("w", limit(), 0, s + 300 * ms).unwrap().remaining, 88, "the unit after the cut, once");
@@ -714,19 +854,20 @@ mod tests {
             assert!(l.take("k", limit(), 1, 2 * s).unwrap().allowed);
         }
         assert!(l.take("k", limit(), 1, 2 * s).is_none(), "100 / 4 spent: the next call asks");
-        assert_eq!(l.due(3 * s), vec![("k".to_owned(), limit(), 1, 25)], "reported with the next batch");
+        assert_eq!(cut(l.due(3 * s)), vec![("k".to_owned(), limit(), 1, 25)], "reported with the next batch");
         // Past the first quarter of a fixed window, nothing is admitted blind: the call asks.
         let late = answered();
         assert!(late.cold("late", limit(), 1, 15 * s).is_none());
         assert!(late.cold("late", limit(), 1, 59 * s).is_none());
         assert_eq!(late.unanswered("late", 20 * s), None, "nothing to send first");
         assert!(late.cold("late", limit(), 1, 60 * s).is_some(), "a new window's first quarter");
-        assert_eq!(late.unanswered("late", 61 * s), Some((1, 1)), "the call sends the batch first");
-        assert_eq!(late.unanswered("late", 61 * s), Some((1, 1)), "the same one while unanswered");
-        assert_eq!(l.unanswered("k", 3 * s), Some((1, 25)), "the batch in flight");
+        let unanswered = |l: &Leases, k: &str, now: Nanos| l.unanswered(k, now).map(|b| (b.seq, b.units));
+        assert_eq!(unanswered(&late, "late", 61 * s), Some((1, 1)), "the call sends the batch first");
+        assert_eq!(unanswered(&late, "late", 61 * s), Some((1, 1)), "the same one while unanswered");
+        assert_eq!(unanswered(&l, "k", 3 * s), Some((1, 25)), "the batch in flight");
         // A counter its batch showed spent is kept, idle, until its window ends.
         l.synced("k", 1, &applied(0, 0), 4 * s);
-        assert_eq!(l.due(10 * s), vec![]);
+        assert_eq!(cut(l.due(10 * s)), vec![]);
         assert!(l.cold("k", limit(), 1, 10 * s).is_none(), "not spent again on a share");
         l.due(4 * s + 30 * s);
         assert!(l.cold("k", limit(), 1, 35 * s).is_none(), "past the first quarter: it asks");
@@ -773,21 +914,21 @@ mod tests {
         l.take("b", limit(), 1, 1).unwrap();
         // A batch of `a` on its way, and a unit spent after it was cut.
         let first = l.due(2);
-        assert_eq!(first.iter().map(|b| b.3).sum::<u64>(), 3);
+        assert_eq!(first.iter().map(|b| b.units).sum::<u64>(), 3);
         l.take("a", limit(), 1, 3).unwrap();
         let round = l.unreported_batches(4);
-        let mut units: Vec<_> = round.iter().map(|(k, _, seq, u)| (k.as_str(), *seq, *u)).collect();
+        let mut units: Vec<_> = round.iter().map(|b| (b.rkey.as_str(), b.seq, b.units)).collect();
         units.sort_unstable();
-        let seq = |k: &str| first.iter().find(|b| b.0 == k).unwrap().2;
+        let seq = |k: &str| first.iter().find(|b| b.rkey == k).unwrap().seq;
         assert_eq!(units, vec![("a", seq("a"), 2), ("b", seq("b"), 1)], "the batches in flight, with their seqs");
-        for (k, _, seq, _) in &round {
-            l.synced(k, *seq, &applied(5, 90), 5);
+        for b in &round {
+            l.synced(&b.rkey, b.seq, &applied(5, 90), 5);
         }
         let round = l.unreported_batches(6);
-        assert_eq!(round.iter().map(|(k, _, _, u)| (k.as_str(), *u)).collect::<Vec<_>>(), vec![("a", 1)]);
+        assert_eq!(round.iter().map(|b| (b.rkey.as_str(), b.units)).collect::<Vec<_>>(), vec![("a", 1)]);
         // No renewal (the `idle` grant is about to end), nothing forgotten.
-        assert!(l.unreported_batches(s).iter().all(|(k, _, _, _)| k == "a"));
-        l.synced("a", round[0].2, &applied(5, 89), 7);
+        assert!(l.unreported_batches(s).iter().all(|b| b.rkey == "a"));
+        l.synced("a", round[0].seq, &applied(5, 89), 7);
         assert_eq!(l.unreported_batches(8), vec![], "all of it acknowledged");
         assert_eq!(l.held(), 3);
     }
@@ -800,5 +941,233 @@ mod tests {
         assert!(l.give_back("k", 1));
         assert!(l.take("k", limit(), 1, 2).is_some());
         assert!(!l.give_back("k", 5));
+    }
+
+    const MS: Nanos = 1_000_000;
+    /// A time on a second's edge.
+    const T: Nanos = 1_700_000_000 * ratewall_core::SECOND;
+
+    /// This process's leases and one counter as Redis holds it, on a virtual clock, the
+    /// counter's `skew` from ours: calls decided as [`Rls::take`](super::super::Rls) decides
+    /// them, batches sent as [`flush`] sends them.
+    struct Pair {
+        l: Leases,
+        c: Counter,
+        limit: Limit,
+        skew: i64,
+        /// The process's next flush (our clock).
+        tick: Nanos,
+    }
+
+    impl Pair {
+        fn new(limit: Limit, skew: i64, tick: Nanos) -> Pair {
+            Pair { l: answered(), c: Counter::new(limit), limit, skew, tick }
+        }
+
+        /// A transition at Redis at `t` (our clock), kept if it writes (as `Rls::update` does).
+        fn update<R>(&mut self, t: Nanos, f: impl FnOnce(&mut Counter, Nanos) -> (R, bool)) -> R {
+            let now = t.saturating_add_signed(self.skew);
+            let mut c = self.c.clone();
+            let (r, write) = f(&mut c, now);
+            if write {
+                self.c = c;
+            }
+            self.l.observed("k", skew(now, t));
+            r
+        }
+
+        fn report(&mut self, b: &Batch, t: Nanos) {
+            let (node, batch) = (self.l.node, (b.limit, b.seq, b.units, b.since));
+            let a = self.update(t, |c, now| {
+                let a = report(c, now, node, batch);
+                (a, a.counted)
+            });
+            self.l.synced(&b.rkey, b.seq, &a, t);
+        }
+
+        /// A call of `hits` at `t` (our clock), after the flushes due before it.
+        fn call(&mut self, hits: u64, t: Nanos) -> Decision {
+            self.run(t);
+            let limit = self.limit;
+            if let Some(d) = self.l.take("k", limit, hits, t).or_else(|| self.l.cold("k", limit, hits, t)) {
+                return d;
+            }
+            if let Some(b) = self.l.unanswered("k", t) {
+                self.report(&b, t);
+                if let Some(d) = self.l.take("k", limit, hits, t) {
+                    return d;
+                }
+            }
+            let (node, ask, unreported) = (self.l.node, self.l.next_ask(), self.l.unreported("k", t));
+            let (a, retry) = self.update(t, |c, now| {
+                let a = c.ask(limit, now, node, ask, hits, crate::NODE_TTL);
+                let retry =
+                    if a.counted || hits == 0 { None } else { super::super::retry_after(c, now, hits, unreported) };
+                ((a, retry), a.counted)
+            });
+            self.l.asked("k", limit, hits, &a, retry, t)
+        }
+
+        /// The flushes every [`FLUSH`] before `t`.
+        fn run(&mut self, t: Nanos) {
+            while self.tick < t {
+                for b in self.l.due(self.tick) {
+                    self.report(&b, self.tick);
+                }
+                self.tick += u64::try_from(FLUSH.as_nanos()).unwrap();
+            }
+        }
+    }
+
+    /// The `Retry-After` of a refusal: whole seconds, rounded up.
+    fn retry_after(d: &Decision) -> Nanos {
+        d.retry_after.unwrap().div_ceil(ratewall_core::SECOND) * ratewall_core::SECOND
+    }
+
+    #[test]
+    fn a_batch_carries_when_its_first_unit_was_admitted_on_the_counters_clock() {
+        let s = ratewall_core::SECOND;
+        let bucket = Limit::new(Algorithm::TokenBucket, 10, 10 * s, None).unwrap();
+        let l = answered();
+        // The counter's clock 5 s behind ours.
+        l.observed("k", -5 * 1_000_000_000);
+        l.asked("k", bucket, 1, &applied(5, 9), None, T);
+        l.take("k", bucket, 1, T + 10 * MS).unwrap();
+        l.take("k", bucket, 2, T + 20 * MS).unwrap();
+        let b = l.due(T + 50 * MS);
+        assert_eq!((b[0].units, b[0].since), (3, T - 5 * s + 10 * MS), "since the first of them");
+        assert_eq!(l.due(T + 60 * MS), b, "a retry carries the same");
+        l.synced("k", b[0].seq, &applied(5, 6), T + 70 * MS);
+        let renewal = l.due(T + 3 * s);
+        assert_eq!((renewal[0].units, renewal[0].since), (0, 0), "a renewal carries no time");
+        // Redis counts them as of then, not when the batch came.
+        let mut at_redis = Counter::new(bucket);
+        let a = report(&mut at_redis, T - 5 * s + 900 * MS, 7, (bucket, 1, 3, T - 5 * s + 10 * MS));
+        assert_eq!((a.remaining, a.reset_after), (7, 3 * s - 890 * MS), "full again 3 s after the first");
+        // A fixed window's first quarter is the counter's too (here 10 s ahead of ours): 10 s
+        // into our minute is 20 s into the counter's, 52 s is 2 s into its next one.
+        let l = answered();
+        l.observed("other", 10 * 1_000_000_000);
+        assert!(l.cold("w", limit(), 1, 10 * s).is_none());
+        assert!(l.cold("w", limit(), 1, 52 * s).is_some());
+    }
+
+    #[test]
+    fn a_fixed_windows_units_are_reported_only_while_their_window_lasts() {
+        let s = ratewall_core::SECOND;
+        let three = Limit::new(Algorithm::FixedWindow, 3, s, None).unwrap();
+        let end = T + s;
+        // An ask late in the window: 1 taken at Redis, 2 more granted until the window's end.
+        let l = answered();
+        let a = Applied { remaining: 2, grant: 3, reset_after: 100 * MS, lease: s, nodes: 1, counted: true };
+        assert!(l.asked("k", three, 1, &a, None, end - 100 * MS).allowed);
+        l.take("k", three, 1, end - 90 * MS).unwrap();
+        l.take("k", three, 1, end - 80 * MS).unwrap();
+        assert_eq!(l.unreported("k", end - 50 * MS), 2);
+        assert_eq!(l.unreported("k", end), 0, "the window ended: they count in none");
+        // Past the end they are not reported: the batch only renews the grant.
+        assert_eq!(cut(l.due(end + 20 * MS)), vec![("k".to_owned(), three, 1, 0)]);
+        // An answer in the new window is not weighed by them.
+        l.synced("k", 1, &Applied { remaining: 3, grant: 3, reset_after: 980 * MS, ..a }, end + 30 * MS);
+        for _ in 0..3 {
+            assert!(l.take("k", three, 1, end + 40 * MS).unwrap().allowed);
+        }
+        // A batch cut before the end that reaches Redis after it counts in neither window.
+        let l = answered();
+        l.asked("k", three, 1, &a, None, end - 100 * MS);
+        l.take("k", three, 2, end - 90 * MS).unwrap();
+        let b = l.due(end - 10 * MS);
+        assert_eq!((b[0].units, b[0].since), (2, end - 90 * MS));
+        let mut at_redis = Counter::new(three);
+        at_redis.ask(three, end - 100 * MS, l.node, 1, 1, crate::NODE_TTL);
+        // Another process's batch has moved the counter into the new window first.
+        at_redis.report(three, end + MS, l.node + 1, 1, 0, crate::NODE_TTL);
+        let a = report(&mut at_redis, end + 5 * MS, l.node, (three, b[0].seq, b[0].units, b[0].since));
+        assert_eq!(a.remaining, 3, "the new window's quota, whole");
+        assert_eq!(l.unreported("k", end + 5 * MS), 0);
+    }
+
+    /// A client that spends a token bucket (1 a second) on this process's grant, is refused,
+    /// and calls again after the `Retry-After` it was given, is admitted: the process's batch
+    /// is counted as of when the unit was admitted, whenever it reaches Redis (counted when it
+    /// came, up to a flush later, the token came back that much after the `Retry-After`),
+    /// whatever the counter's clock is to ours.
+    #[test]
+    fn a_client_that_waits_the_retry_after_of_a_spent_bucket_is_admitted() {
+        let s = ratewall_core::SECOND;
+        let bucket = Limit::new(Algorithm::TokenBucket, 1, s, None).unwrap();
+        let mut tight = 0;
+        for skew in [0, 7_000_000_000, -7_000_000_000] {
+            for phase in [0, 30 * MS, 70 * MS] {
+                for start in [2_100 * MS, 2_300 * MS, 2_500 * MS] {
+                    let what = format!("skew {skew}, phase {phase}, start {start}");
+                    let mut p = Pair::new(bucket, skew, T + phase);
+                    // A look, then the grant's renewals hold the whole bucket for the process.
+                    assert!(p.call(0, T).allowed);
+                    let t1 = T + start;
+                    assert!(p.call(1, t1).allowed, "{what}");
+                    let refused = p.call(1, t1 + MS);
+                    assert!(!refused.allowed, "{what}");
+                    let wait = retry_after(&refused);
+                    tight += usize::from(wait == s);
+                    let again = p.call(1, t1 + MS + wait);
+                    assert!(again.allowed, "{what}: after Retry-After {wait}: {again:?}");
+                }
+            }
+        }
+        assert!(tight > 0, "no refusal waited for the token alone");
+    }
+
+    /// A client that makes its last calls of a fixed window (3 a second) in its last 100 ms,
+    /// is refused the one past the limit and waits the `Retry-After` it was given (the
+    /// window's rest, rounded up) gets the next window's whole quota — whether the process's
+    /// report of those calls reaches Redis before the window's end or after it (the next
+    /// flush, or a pause), whatever the counter's clock is to ours.
+    #[test]
+    fn a_windows_last_calls_take_nothing_from_the_next_window() {
+        let s = ratewall_core::SECOND;
+        let three = Limit::new(Algorithm::FixedWindow, 3, s, None).unwrap();
+        for skew in [0, 300_000_000, -300_000_000] {
+            for (phase, paused) in [(0, false), (20 * MS, false), (50 * MS, false), (80 * MS, false), (0, true)] {
+                let what = format!("skew {skew}, phase {phase}, paused {paused}");
+                // The window ends at `end` on the counter's clock.
+                let end = T + s;
+                let ours = |t: Nanos| t.saturating_add_signed(-skew);
+                let mut p = Pair::new(three, skew, ours(T) + phase);
+                let first = ours(end - 60 * MS);
+                let codes: Vec<bool> = (0..3).map(|i| p.call(1, first + i * MS).allowed).collect();
+                assert_eq!(codes, [true; 3], "{what}");
+                let refused = p.call(1, first + 3 * MS);
+                assert!(!refused.allowed, "{what}");
+                let wait = retry_after(&refused);
+                assert_eq!(wait, s, "{what}: the window's rest, rounded up");
+                if paused {
+                    // No flush until 100 ms into the next window.
+                    p.tick = ours(end + 100 * MS);
+                }
+                let next: Vec<bool> = (0..4).map(|i| p.call(1, first + 3 * MS + wait + i * MS).allowed).collect();
+                assert_eq!(next, [true, true, true, false], "{what}: the next window's quota, whole");
+            }
+        }
+    }
+
+    /// A fixed window's units given beside an ask hold nothing once the window has ended:
+    /// neither the process's first answer there (a batch) nor its asks are short of them.
+    #[test]
+    fn units_an_ask_gave_in_an_ended_window_are_held_in_none() {
+        let s = ratewall_core::SECOND;
+        let three = Limit::new(Algorithm::FixedWindow, 3, s, None).unwrap();
+        let end = T + s;
+        let mut c = Counter::new(three);
+        let a = c.ask(three, end - 150 * MS, 7, 1, 1, crate::NODE_TTL);
+        assert_eq!((a.grant, a.remaining), (3, 2), "1 taken, 2 beside it");
+        let renewal = c.report(three, end + 50 * MS, 7, 1, 0, crate::NODE_TTL);
+        assert_eq!((renewal.grant, renewal.remaining), (3, 3), "the next window's answer");
+        // The next window's first ask: what the node holds there is what it was given there.
+        let mut c = Counter::new(three);
+        c.ask(three, end - 150 * MS, 7, 1, 1, crate::NODE_TTL);
+        let a = c.ask(three, end + 50 * MS, 7, 2, 1, crate::NODE_TTL);
+        assert!(a.counted, "{a:?}");
+        assert_eq!(c.held_by_others(end + 60 * MS, 8), a.grant - 1, "{a:?}");
     }
 }

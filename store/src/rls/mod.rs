@@ -506,7 +506,8 @@ impl<K: Kv> Rls<K> {
     }
 
     /// Takes a check's hits (exact: at Redis; else from this process's grant, or by an ask
-    /// at Redis). Returns the decision, the counter's clock then and where they were taken.
+    /// at Redis). Returns the decision, the time then (taken at Redis: the counter's clock;
+    /// from a grant: ours) and where they were taken.
     async fn take(&self, c: &Check) -> Result<(Decision, Nanos, lease::Source), Refusal> {
         let Some(limit) = c.rule.limit else {
             return Err(Refusal::Invalid("no limit".into()));
@@ -528,31 +529,34 @@ impl<K: Kv> Rls<K> {
             return Ok((d, now, lease::Source::Grant));
         }
         let node = self.leases.node;
-        if let Some((seq, units)) = self.leases.unanswered(&c.rkey, now) {
+        if let Some(b) = self.leases.unanswered(&c.rkey, now) {
             // Spent on an initial share that Redis has not counted yet: counted first (its
             // answer is this process's grant), so that nothing is asked for twice.
-            let a = self
+            let batch = (limit, b.seq, b.units, b.since);
+            let (a, skew) = self
                 .update(&c.rkey, limit, move |counter, now| {
-                    let a = counter.report(limit, now, node, seq, units, crate::NODE_TTL);
-                    (a, a.counted)
+                    let a = lease::report(counter, now, node, batch);
+                    ((a, lease::skew(now, wall_clock())), a.counted)
                 })
                 .await?;
             let now = wall_clock();
-            self.leases.synced(&c.rkey, seq, &a, now);
+            self.leases.synced(&c.rkey, b.seq, &a, now);
+            self.leases.observed(&c.rkey, skew);
             if let Some(d) = self.leases.take(&c.rkey, limit, hits, now) {
                 return Ok((d, now, lease::Source::Grant));
             }
         }
         let ask = self.leases.next_ask();
-        let unreported = self.leases.unreported(&c.rkey);
-        let (a, at, retry) = self
+        let unreported = self.leases.unreported(&c.rkey, now);
+        let (a, at, retry, skew) = self
             .update(&c.rkey, limit, move |counter, now| {
                 let a = counter.ask(limit, now, node, ask, hits, crate::NODE_TTL);
                 let retry = if a.counted || hits == 0 { None } else { retry_after(counter, now, hits, unreported) };
-                ((a, now, retry), a.counted)
+                ((a, now, retry, lease::skew(now, wall_clock())), a.counted)
             })
             .await?;
         let d = self.leases.asked(&c.rkey, limit, hits, &a, retry, wall_clock());
+        self.leases.observed(&c.rkey, skew);
         Ok((d, at, lease::Source::Redis))
     }
 
@@ -562,6 +566,8 @@ impl<K: Kv> Rls<K> {
         if from == lease::Source::Grant && self.leases.give_back(&c.rkey, c.hits) {
             return Ok(());
         }
+        // Reported already: given back at Redis, as of when they were taken on its clock.
+        let at = if from == lease::Source::Grant { self.leases.on_counter(&c.rkey, at) } else { at };
         let hits = c.hits;
         self.update(&c.rkey, limit, move |counter, now| {
             counter.refund(limit, now, at, hits);
