@@ -812,12 +812,22 @@ impl Engine {
             // A counter the store named out of quota is denied until a unit is free there
             // again (a fixed window's end), not for the short wait of a spent grant: a client
             // that waits its `Retry-After` is then not refused again.
+            //
+            // A token bucket's denial by the limit itself waits also for the store: it counts
+            // this node's units when their batch arrives
+            // (up to an interval and half a round trip after they were admitted), and the
+            // node's grant for the unit that comes back arrives with the answer to a renewal
+            // sent once it is back (the next tick, and its round trip). Told only
+            // the limit's own wait, a client that waited it was refused once more.
+            let lag = s.options().interval.saturating_mul(3).saturating_add(s.view().rtt.saturating_mul(2));
             for (c, o) in checks.iter().zip(outcome.checks.iter_mut()) {
                 if let CheckResult::Decided(d) = &mut o.result {
                     if !d.allowed && d.retry_after == Some(ratewall_core::eval::ALLOWANCE_RETRY) {
                         if let Some(free) = s.out_until(ratewall_core::key::fnv1a(&c.key), now) {
                             d.retry_after = Some(free.saturating_sub(now).max(ratewall_core::eval::ALLOWANCE_RETRY));
                         }
+                    } else if !d.allowed && c.limit.algorithm() == ratewall_core::Algorithm::TokenBucket {
+                        d.retry_after = d.retry_after.map(|r| r.saturating_add(lag));
                     }
                 }
             }

@@ -1135,9 +1135,20 @@ impl Syncer {
             let mut s = self.syncing.borrow_mut();
             s.failures = 0;
             s.open_until = 0;
+            // A spent token bucket is renewed when the store has a token back (the lease's end
+            // is that far past it: the time the bucket takes to fill, less all but one of its
+            // units), so that the node holds a grant by the time a client it refused comes
+            // back. (Renewing sliding windows so, when a unit is back by the limit's pace,
+            // over-admitted: `zipf100_rtt20_sliding`'s worst window 3.0 % → 6.5 %.)
+            let renewed_after = self.opts.interval.saturating_mul(2).saturating_add(now.saturating_sub(sent));
             for (d, g) in batch.deltas.iter().zip(&resp.grants) {
                 if let Some(r) = s.recent.get_mut(&d.key) {
+                    let comes_back = d.limit.algorithm() == ratewall_core::Algorithm::TokenBucket;
                     let end = match (g.remaining, g.grant) {
+                        (0, _) if comes_back => {
+                            let rest = d.limit.quota().saturating_sub(1).saturating_mul(d.limit.interval());
+                            sent.saturating_add(g.reset_after.saturating_sub(rest)).saturating_add(renewed_after)
+                        }
                         (0, _) => 0,
                         (_, 0) => sent.max(1),
                         _ => sent.saturating_add(g.lease),

@@ -682,3 +682,46 @@ fn requests_at_a_fixed_windows_end_are_not_counted_in_the_next_window() {
         assert_eq!(counted, 2, "lead {lead} ms, answers {rtt_ticks} intervals late: the next window's count");
     }
 }
+
+#[test]
+fn a_client_that_spends_a_token_bucket_and_waits_its_retry_after_is_admitted() {
+    let config = serde_json::json!({
+        "identity": {"user": {"header": "x-user-id"}},
+        "rules": [{"name": "r", "key": ["user"], "limit": {"requests": 1, "per": "3s", "burst": 3}}],
+        "sync": {"cluster": "store", "secret": SECRET, "interval": "100ms", "stale_after": "1s", "nodes": 1}
+    })
+    .to_string();
+    for (offset, gap) in [(0, 0), (30, 0), (70, 10), (50, 40), (99, 300)] {
+        let (node, mut vm, mut store) = one_node(&config);
+        let user = HttpRequest::new("GET", "/").header("x-user-id", "ann");
+        for _ in 0..3 {
+            synced_tick(&node, &mut vm, &mut store);
+        }
+        // A burst of three (the bucket), then a refusal; the batch reporting them goes at the
+        // next interval, and the store counts them then.
+        node.advance(offset * 1_000_000);
+        let mut codes = Vec::new();
+        let refused = loop {
+            let r = request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap();
+            codes.push(r.status);
+            if r.status != 200 || codes.len() > 4 {
+                break r;
+            }
+            node.advance(gap * 1_000_000);
+            if gap >= 100 {
+                synced_tick(&node, &mut vm, &mut store);
+            }
+        };
+        assert_eq!(codes, [200, 200, 200, 429], "offset {offset}, gap {gap}");
+        let wait: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+        // Sync intervals meanwhile, then a call exactly `Retry-After` after the refusal.
+        let start = node.now();
+        while node.now() + 100_000_000 <= start + wait * SECOND {
+            synced_tick(&node, &mut vm, &mut store);
+        }
+        node.advance(start + wait * SECOND - node.now());
+        let again = request_with(Some(&mut store), node.now(), &mut vm, &user).unwrap();
+        assert_eq!(again.status, 200, "offset {offset}, gap {gap}: after Retry-After {wait}");
+        assert!(wait <= 4, "offset {offset}, gap {gap}: Retry-After {wait}: the token's 3 s and the store's part");
+    }
+}
