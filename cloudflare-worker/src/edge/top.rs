@@ -40,6 +40,9 @@ pub const PENDING_SECONDS: usize = 64;
 pub const MAX_RULES: usize = 64;
 /// Filter nodes whose latest batch `seq` the admin object remembers.
 pub const MAX_NODES: usize = 10_000;
+/// Keys per rule whose admitted units an isolate keeps until they are denied in the same
+/// report interval (past it, a new key's are not kept).
+pub const ADMITTED_KEYS: usize = 16;
 
 /// One rule's counts in an isolate since its last report.
 #[derive(Clone, Debug, Default)]
@@ -49,6 +52,10 @@ struct Pending {
     shadow: u64,
     /// Denied (and shadow-denied) counter keys.
     top: Option<Summary>,
+    /// Units admitted on keys not listed in `top` (at most [`ADMITTED_KEYS`]): a key's
+    /// entry, once it is denied, counts those admitted before in the interval too, as the
+    /// filter's and the store's do.
+    admitted: Vec<(Vec<u8>, u64)>,
     series: Vec<Second>,
 }
 
@@ -154,9 +161,21 @@ impl IsolateTop {
             let denied = match tally {
                 Tally::Allowed => {
                     p.allowed = p.allowed.saturating_add(1);
-                    if let (Some(top), Some(c)) = (p.top.as_mut(), check) {
-                        // Admitted units of a key already listed (side information).
-                        top.add(&c.key, 0, c.cost, 0);
+                    if let Some(c) = check {
+                        // Admitted units of a key already listed (side information); of one
+                        // not listed yet, kept until it is.
+                        match p.top.as_mut().filter(|t| t.count(&c.key) > 0) {
+                            Some(top) => top.add(&c.key, 0, c.cost, 0),
+                            None => match p.admitted.iter().position(|(k, _)| *k == c.key) {
+                                Some(i) => {
+                                    if let Some(a) = p.admitted.get_mut(i) {
+                                        a.1 = a.1.saturating_add(c.cost);
+                                    }
+                                }
+                                None if p.admitted.len() < ADMITTED_KEYS => p.admitted.push((c.key.clone(), c.cost)),
+                                None => {}
+                            },
+                        }
                     }
                     if let Some(s) = p.second(sec) {
                         s.1 = s.1.saturating_add(1);
@@ -180,7 +199,11 @@ impl IsolateTop {
                 Tally::Unkeyed | Tally::Failed(_) => continue,
             };
             if let (true, Some(c)) = (denied, check) {
-                p.top.get_or_insert_with(|| Summary::new(CAPACITY)).add(&c.key, 1, 0, 0);
+                let before = match p.admitted.iter().position(|(k, _)| *k == c.key) {
+                    Some(i) => p.admitted.swap_remove(i).1,
+                    None => 0,
+                };
+                p.top.get_or_insert_with(|| Summary::new(CAPACITY)).add(&c.key, 1, before, 0);
             }
             self.any = true;
         }
@@ -404,9 +427,10 @@ impl Aggregate {
 
 /// The admin object's answer with its rules in `config`'s document order (`rule`: only that
 /// one), then the rules heard of that the document does not name, as they were heard: a
-/// filter fleet's that syncs here, or a rule renamed within the window. With `zeros`, a rule
-/// of the document the object has not heard of is listed with nothing counted (a `top`
-/// answer); else it is left out (a `series` answer).
+/// filter fleet's that syncs here, or a rule renamed within the window. A rule of the
+/// document the object has not heard of is listed with nothing counted: with `zeros`, as a
+/// `top` answer lists it; else as a `series` answer does, each second 0 (as the store's
+/// `/v1/series` lists an idle rule, so the dashboard draws it rather than "no data").
 pub fn in_document_order(config: Option<&Config>, rule: Option<&str>, mut answer: Value, zeros: bool) -> Value {
     let Some(config) = config else { return answer };
     let mut heard: Vec<Value> = match answer.get_mut("rules").map(Value::take) {
@@ -421,7 +445,10 @@ pub fn in_document_order(config: Option<&Config>, rule: Option<&str>, mut answer
             None if zeros => {
                 rules.push(json!({"rule": r.name, "allowed": 0, "denied": 0, "shadow_denied": 0, "top": []}));
             }
-            None => {}
+            None => {
+                let none = vec![0u8; ratewall_core::topk::windows::SERIES];
+                rules.push(json!({"rule": r.name, "allowed": none, "denied": none, "shadow_denied": none}));
+            }
         }
     }
     rules.append(&mut heard);

@@ -73,6 +73,7 @@ fn denials_count_whoever_answered_them_and_secrets_show_only_as_their_hash() {
     let shown = String::from_utf8(listed[0].key.clone()).unwrap();
     assert!(shown.starts_with("api_key=#") && shown.len() == "api_key=#".len() + 8, "{shown}");
     assert_eq!((listed[0].denied, listed[1].denied), (8, 1));
+    assert_eq!((listed[0].allowed, listed[1].allowed), (2, 0), "units admitted before a key's first denial count");
     assert_eq!(listed[0].nodes, ratewall_core::topk::node_bit(7));
     let watch = &r.section.rules[1];
     assert_eq!((watch.allowed, watch.shadow_denied), (3, 1), "a shadow rule is not served from the cache");
@@ -185,7 +186,11 @@ fn answers_list_the_documents_rules_in_order_then_the_fleets() {
     assert_eq!(v["rules"][2]["rule"], "fleet-only", "a rule only a syncing fleet reports comes after the document's");
     assert_eq!(v["rules"].as_array().unwrap().len(), 3);
     assert_eq!(in_document_order(Some(&c), Some("watch"), answer.clone(), false)["rules"].as_array().unwrap().len(), 1);
-    assert_eq!(in_document_order(Some(&c), None, answer.clone(), false)["rules"].as_array().unwrap().len(), 2);
+    let series = in_document_order(Some(&c), None, answer.clone(), false);
+    assert_eq!(series["rules"].as_array().unwrap().len(), 3, "an idle rule's series too");
+    assert_eq!(series["rules"][0]["rule"], "per-key");
+    assert_eq!(series["rules"][0]["denied"].as_array().map(Vec::len), Some(ratewall_core::topk::windows::SERIES));
+    assert!(series["rules"][0]["denied"].as_array().unwrap().iter().all(|v| v == 0));
     assert_eq!(in_document_order(Some(&c), Some("fleet-only"), answer.clone(), true)["rules"][0]["denied"], 1);
     assert_eq!(in_document_order(Some(&c), Some("nope"), answer.clone(), true)["rules"], json!([]));
     assert_eq!(in_document_order(None, None, answer.clone(), true), answer);
