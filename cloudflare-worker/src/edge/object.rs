@@ -106,9 +106,7 @@ impl Object {
                 // The isolate's own traffic, like a take: written back by the alarm, counted as
                 // of when the isolate admitted it; a fixed window's units of a window that has
                 // ended here count in none.
-                let units = ratewall_core::sync::counted_units(&limit, at, t, units);
-                let since = if at > 0 { at } else { t };
-                let report = (seq > 0).then(|| c.report_since(limit, t, since, (node, seq, units), NODE_TTL));
+                let report = (seq > 0).then(|| c.report_since(limit, t, at, (node, seq, units), NODE_TTL));
                 if report.is_some_and(|a| a.counted) {
                     // The isolate holds only the grant answered: it counts what it spends
                     // while the report is out against that grant, and spends nothing more of

@@ -322,10 +322,12 @@ impl Counter {
     }
 
     /// [`Counter::report`] of units the node admitted from `since` on (its clock, at most
-    /// `now`): they are counted as of then, as the node counted them when it decided, so a
-    /// token bucket's or a sliding window's state is not behind by the report's delay (a
-    /// client that waited the `Retry-After` the node gave it was refused again by what the
-    /// store then answered). Never before the counter's previous report.
+    /// `now`; 0: not known, taken as `now`): they are counted as of then, as the node counted
+    /// them when it decided, so a token bucket's or a sliding window's state is not behind by
+    /// the report's delay (a client that waited the `Retry-After` the node gave it was
+    /// refused again by what the store then answered). Never before the counter's previous
+    /// report; and a fixed window's units admitted in a window that has ended count in none
+    /// ([`super::counted_units`]).
     pub fn report_since(
         &mut self,
         limit: Limit,
@@ -334,6 +336,8 @@ impl Counter {
         (node, seq, units): (u64, u64, u64),
         node_ttl: Nanos,
     ) -> Applied {
+        let units = super::counted_units(&limit, since, now, units);
+        let since = if since == 0 { now } else { since };
         self.apply_with(limit, now, (node, seq, units, since), node_ttl, false)
     }
 

@@ -57,7 +57,12 @@ pub fn window_of(limit: &crate::algo::Limit, t: crate::algo::Nanos) -> u64 {
 /// Counted now, they would take from the window after theirs — a client's last requests of
 /// a window from its next one. (A filter node's batch carries its own clock, not the store's:
 /// a node drops such units itself before it sends them.)
-pub fn counted_units(limit: &crate::algo::Limit, sent: crate::algo::Nanos, now: crate::algo::Nanos, units: u64) -> u64 {
+pub(crate) fn counted_units(
+    limit: &crate::algo::Limit,
+    sent: crate::algo::Nanos,
+    now: crate::algo::Nanos,
+    units: u64,
+) -> u64 {
     if sent > 0 && window_of(limit, sent) < window_of(limit, now) {
         0
     } else {

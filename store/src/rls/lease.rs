@@ -27,7 +27,7 @@
 
 use super::Rls;
 use crate::Kv;
-use ratewall_core::sync::{counted_units, window_of, Applied, Counter, RETRY_HORIZON};
+use ratewall_core::sync::{window_of, Applied, Counter, RETRY_HORIZON};
 use ratewall_core::{Algorithm, Decision, Limit, Nanos};
 use std::collections::HashMap;
 use std::hash::BuildHasher as _;
@@ -122,8 +122,6 @@ pub fn skew(counter_now: Nanos, ours: Nanos) -> i64 {
 /// ended.
 pub(crate) fn report(counter: &mut Counter, now: Nanos, node: u64, b: (Limit, u64, u64, Nanos)) -> Applied {
     let (limit, seq, units, since) = b;
-    let units = counted_units(&limit, since, now, units);
-    let since = if since == 0 { now } else { since };
     counter.report_since(limit, now, since, (node, seq, units), crate::NODE_TTL)
 }
 
