@@ -186,9 +186,8 @@ struct Held {
     granted: u64,
     /// Units admitted here and not yet reported.
     pending: u64,
-    /// A fixed window's: the window `pending` was admitted in.
-    pending_window: u64,
-    /// When the first of `pending` was admitted.
+    /// When the first of `pending` was admitted (a fixed window's are all of that one
+    /// window: see [`Held::drop_ended`]).
     pending_since: Nanos,
     report: Option<Report>,
     /// A report should go at once, with or without units: the grant does not cover the
@@ -223,7 +222,6 @@ impl Held {
             until: 0,
             granted: 0,
             pending: 0,
-            pending_window: 0,
             pending_since: 0,
             report: None,
             urgent: false,
@@ -248,7 +246,7 @@ impl Held {
     /// admitted in an earlier window count in none (see [`Held::drop_ended`]).
     fn unreported_at(&self, now: Nanos) -> u64 {
         let current = |t: Nanos| window_of(&self.limit, t) == window_of(&self.limit, now);
-        let pending = if self.pending_window == window_of(&self.limit, now) { self.pending } else { 0 };
+        let pending = if current(self.pending_since) { self.pending } else { 0 };
         pending.saturating_add(self.report.filter(|r| current(r.since)).map_or(0, |r| r.units))
     }
 
@@ -256,10 +254,8 @@ impl Held {
     /// their window, which is over, and reported now the object would count them in its
     /// current one (a client's last requests of a window would take from its next).
     fn drop_ended(&mut self, now: Nanos) {
-        let window = window_of(&self.limit, now);
-        if self.pending_window != window {
+        if window_of(&self.limit, self.pending_since) != window_of(&self.limit, now) {
             self.pending = 0;
-            self.pending_window = window;
         }
     }
 
