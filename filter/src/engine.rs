@@ -814,11 +814,11 @@ impl Engine {
             // that waits its `Retry-After` is then not refused again.
             //
             // A token bucket's denial by the limit itself waits also for the store: it counts
-            // this node's units when their batch arrives
-            // (up to an interval and half a round trip after they were admitted), and the
-            // node's grant for the unit that comes back arrives with the answer to a renewal
-            // sent once it is back (the next tick, and its round trip). Told only
-            // the limit's own wait, a client that waited it was refused once more.
+            // this node's units when their batch arrives (up to an interval and half a round
+            // trip after they were admitted), and the node's grant for the unit that comes
+            // back arrives with the answer to a renewal sent once it is back (the next tick,
+            // and its round trip). Told only the limit's own wait, a client that waited it
+            // was refused once more.
             let lag = s.options().interval.saturating_mul(3).saturating_add(s.view().rtt.saturating_mul(2));
             for (c, o) in checks.iter().zip(outcome.checks.iter_mut()) {
                 if let CheckResult::Decided(d) = &mut o.result {

@@ -227,11 +227,9 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                 // the old window's and dropped), and a fresh one (the node admitted nothing on
                 // the counter yet) takes that window, so that in the next window the grant is
                 // read as an old window's, not spent as a grant of that one.
-                let before = match st {
-                    ratewall_core::State::FixedWindow { window, .. } => *window < resp.now / per,
-                    ratewall_core::State::Fresh => d.limit.algorithm() == ratewall_core::Algorithm::FixedWindow,
-                    _ => false,
-                };
+                let fresh_fixed = matches!(st, ratewall_core::State::Fresh)
+                    && d.limit.algorithm() == ratewall_core::Algorithm::FixedWindow;
+                let before = ended || fresh_fixed;
                 let st = if before {
                     ratewall_core::State::FixedWindow { window: resp.now / per, count: 0 }
                 } else {
@@ -1143,9 +1141,9 @@ impl Syncer {
             let renewed_after = self.opts.interval.saturating_mul(2).saturating_add(now.saturating_sub(sent));
             for (d, g) in batch.deltas.iter().zip(&resp.grants) {
                 if let Some(r) = s.recent.get_mut(&d.key) {
-                    let comes_back = d.limit.algorithm() == ratewall_core::Algorithm::TokenBucket;
+                    let bucket = d.limit.algorithm() == ratewall_core::Algorithm::TokenBucket;
                     let end = match (g.remaining, g.grant) {
-                        (0, _) if comes_back => {
+                        (0, _) if bucket => {
                             let rest = d.limit.quota().saturating_sub(1).saturating_mul(d.limit.interval());
                             sent.saturating_add(g.reset_after.saturating_sub(rest)).saturating_add(renewed_after)
                         }
