@@ -1102,8 +1102,15 @@ impl Syncer {
             return;
         };
         write_grants(host, table, &batch.deltas, &resp, sent, false);
-        let offset = i64::try_from(resp.now).unwrap_or(i64::MAX).saturating_sub(i64::try_from(now).unwrap_or(0));
-        let view = View { ok_at: now, nodes: resp.nodes.max(1), offset, rtt: now.saturating_sub(sent) };
+        // The store read its clock about half way through the call, not when its answer
+        // arrived: taken as of the arrival, the store's clock read half a round trip behind,
+        // so for that long after a fixed window turned the node took the old window to run
+        // on (a counter named out in it was denied with `Retry-After: 1`, and units admitted
+        // then were dropped as the old window's, reported in none).
+        let rtt = now.saturating_sub(sent);
+        let midway = i64::try_from(sent.saturating_add(rtt / 2)).unwrap_or(i64::MAX);
+        let offset = i64::try_from(resp.now).unwrap_or(i64::MAX).saturating_sub(midway);
+        let view = View { ok_at: now, nodes: resp.nodes.max(1), offset, rtt };
         // The grants past the deltas' name the counters the store found out of quota; so does
         // the grant of a fixed window's delta that leaves nothing (until the window ends,
         // when a unit is free again: the `Retry-After` of the denials meanwhile).

@@ -1576,3 +1576,55 @@ fn a_counter_named_out_is_denied_until_its_window_ends() {
     }
     assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 1), [200]);
 }
+
+/// Answers every call the host dispatched from `store` over a round trip of `rtt`: the store
+/// reads its clock half way, the answers arrive at the end.
+fn serve_over(store: &mut Store, e: &Engine, h: &FakeHost, rtt: Nanos) {
+    let calls = h.take_calls();
+    h.advance(rtt / 2);
+    let answers: Vec<_> = calls.iter().map(|c| (c.token, answer(store, h.now(), SECRET, c))).collect();
+    h.advance(rtt - rtt / 2);
+    for (token, (status, tag, body)) in answers {
+        e.on_sync_response(h, token, status, tag.as_deref(), &body);
+    }
+}
+
+#[test]
+fn a_fixed_window_turns_for_the_node_when_it_turns_at_the_store() {
+    let doc = rules(10, 2).replacen(
+        r#""limit": {"requests": 10, "per": "60s"}"#,
+        r#""algorithm": "fixed_window", "limit": {"requests": 10, "per": "60s"}"#,
+        1,
+    );
+    let (window, rtt) = (60 * ratewall_core::SECOND, 40 * MS);
+    let h = FakeHost::new();
+    // Two seconds before a window's end, a store 40 ms away.
+    h.advance(window - h.now() % window - 2 * ratewall_core::SECOND);
+    let e = engine(&h, &doc);
+    let mut s = store();
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 1), [200]);
+    e.on_tick(&h);
+    serve_over(&mut s, &e, &h, rtt);
+    // Another node spends the rest of the window's quota; the node's answers say so.
+    let limit = ratewall_core::Limit::new(ratewall_core::Algorithm::FixedWindow, 10, window, None).unwrap();
+    let other = SyncRequest {
+        node: 99,
+        seq: 1,
+        sent: h.now(),
+        deltas: vec![Delta { key: key_of(&e, NO_WAIT, "ann"), limit, units: 9 }],
+        ask: false,
+    };
+    s.handle(h.now(), &other).unwrap();
+    while h.now() % window < window - 200 * MS {
+        h.advance(100 * MS - rtt);
+        e.on_tick(&h);
+        serve_over(&mut s, &e, &h, rtt);
+    }
+    assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 1), [429], "the window is spent");
+    // 10 ms into the next window (at the store's clock as at the node's) the counter has its
+    // quota back: the node's view of the store's clock is not half a round trip behind.
+    h.advance(window - h.now() % window + 10 * MS);
+    let r = reply(&e, &h, "GET", NO_WAIT, &ann);
+    assert_eq!(r.status, 200, "{:?}", r.headers);
+}
