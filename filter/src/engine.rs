@@ -850,6 +850,9 @@ impl Engine {
                     }
                 }
             }
+            if counters.overdrawn && !outcome.rejected {
+                s.overdrawn(host);
+            }
         }
         // A leaky bucket's admitted request waits its turn (the longest of its queues'); a
         // concurrency rule's holds its slot until it ends.

@@ -446,6 +446,9 @@ struct Syncing {
     /// Whether the last answer left every counter far from its limit (each grant leased for
     /// at least [`RELAXED_LEASE`]).
     relaxed: bool,
+    /// Whether a VM admitted a request past its grant since the last batch (see
+    /// [`Syncer::overdrawn`]): the next batch goes at once, relaxed or not.
+    urgent: bool,
     /// Counters with recent requests, whose grants the next batch renews before they lapse
     /// (the value: [`Recent`]).
     recent: Pending,
@@ -491,6 +494,8 @@ pub struct Syncer {
     /// Whether this VM has logged that the store refuses its requests for their time (once,
     /// until a batch succeeds again).
     refusal_logged: Cell<bool>,
+    /// Whether this VM admitted a request past its grant since it last published.
+    overdrawn: Cell<bool>,
 }
 
 /// Adds `units` admitted in `window` to `key`'s: a later window's replace an earlier one's,
@@ -514,31 +519,33 @@ fn add(into: &mut Units, key: &[u8], limit: Limit, units: u64, window: u64) -> b
 }
 
 /// An outbox: its deltas as a batch's encoding (node, seq and time 0), then each delta's
-/// window, in order.
-fn encode_outbox(units: Units) -> Vec<u8> {
+/// window, in order, then a 1 when a VM admitted a request in it past its grant (nothing
+/// otherwise, so that an outbox without the flag reads as one with it unset).
+fn encode_outbox(units: Units, overdrawn: bool) -> Vec<u8> {
     let (deltas, windows): (Vec<Delta>, Vec<u64>) =
         units.into_iter().map(|(key, (limit, units, window))| (Delta { key, limit, units }, window)).unzip();
     let mut out = SyncRequest::encode_parts(0, 0, 0, &deltas, false);
     for window in windows {
         put_varint(&mut out, window);
     }
+    if overdrawn {
+        put_varint(&mut out, 1);
+    }
     out
 }
 
 /// Reads [`encode_outbox`] into `into`; `plain` (an outbox of an earlier version, without
-/// windows): each delta's window is the current one at `store_now`. The units that did not
-/// fit. `None` when it cannot be read.
-fn read_outbox(bytes: &[u8], plain: bool, store_now: Nanos, into: &mut Units) -> Option<u64> {
+/// windows): each delta's window is the current one at `store_now`. Whether a VM admitted
+/// past its grant. `None` when it cannot be read.
+fn read_outbox(bytes: &[u8], plain: bool, store_now: Nanos, into: &mut Units) -> Option<bool> {
     let (req, end) = SyncRequest::decode_prefix(bytes).ok()?;
     let mut windows = Reader { bytes, pos: end };
-    let mut dropped = 0u64;
     for d in req.deltas {
         let window = if plain { window_of(&d.limit, store_now) } else { windows.varint().ok()? };
-        if !add(into, &d.key, d.limit, d.units, window) {
-            dropped = dropped.saturating_add(d.units);
-        }
+        // Units that do not fit are dropped (counted when the VM published them).
+        add(into, &d.key, d.limit, d.units, window);
     }
-    Some(dropped)
+    Some(!plain && windows.varint().is_ok_and(|f| f == 1))
 }
 
 fn merge(into: &mut Pending, key: &[u8], limit: Limit, units: u64) -> bool {
@@ -613,6 +620,7 @@ impl Syncer {
             asks: Cell::new((0, 0)),
             ask_backoff: Cell::new((0, 0)),
             refusal_logged: Cell::new(false),
+            overdrawn: Cell::new(false),
         }
     }
 
@@ -638,6 +646,7 @@ impl Syncer {
             asks: Cell::new(previous.asks.get()),
             ask_backoff: Cell::new(previous.ask_backoff.get()),
             refusal_logged: Cell::new(previous.refusal_logged.get()),
+            overdrawn: Cell::new(previous.overdrawn.take()),
         }
     }
 
@@ -696,12 +705,29 @@ impl Syncer {
 
     /// Records units this VM admitted on a counter.
     pub fn record(&self, host: &dyn Host, key: &[u8], limit: Limit, units: u64) {
-        let window = window_of(&limit, self.store_now(host.now()));
+        // The node's view of the store's clock is within half a round trip of it (the call's
+        // legs may differ): units admitted within that of a fixed window's start may be of
+        // the window before, and are taken to be (reported in none, as units that reach the
+        // store after their window ended). Taken for the new window's, one that was not took
+        // a unit of its quota, and where the window ran out, every request after was refused
+        // with that unit free (`zipf20_rtt20` at one seed: 106 false denials).
+        let window = window_of(&limit, self.store_now(host.now()).saturating_sub(self.view.get().rtt / 2));
         if !add(&mut self.local.borrow_mut(), key, limit, units, window) {
             if let Some(m) = self.metrics.dropped {
                 host.increment(m, units);
             }
         }
+    }
+
+    /// Notes that this VM admitted a request past its grant (on its overdraft): the node's
+    /// next batch goes at the next tick even while every counter is far from its limit, so
+    /// that its answer brings a grant before more requests come (a node new to a counter past
+    /// a fixed window's first quarter, or whose grant lapsed, has an overdraft of one unit;
+    /// waiting an interval more for the answer, its next requests were denied with most of
+    /// the quota left).
+    pub fn overdrawn(&self, host: &dyn Host) {
+        self.overdrawn.set(true);
+        self.publish(host);
     }
 
     /// Every VM, every interval: publish deltas, read the view; the lease holder syncs. A new
@@ -728,7 +754,8 @@ impl Syncer {
 
     fn publish(&self, host: &dyn Host) {
         let local = std::mem::take(&mut *self.local.borrow_mut());
-        if local.is_empty() {
+        let overdrawn = self.overdrawn.take();
+        if local.is_empty() && !overdrawn {
             return;
         }
         let key = self.keys.outbox(self.vm % OUTBOXES);
@@ -736,8 +763,9 @@ impl Syncer {
         for _ in 0..32 {
             let Ok((value, cas)) = host.shared_get(&key) else { break };
             let mut merged = Units::default();
+            let mut flagged = overdrawn;
             if let Some(v) = value.as_deref().filter(|v| !v.is_empty()) {
-                read_outbox(v, false, store_now, &mut merged);
+                flagged |= read_outbox(v, false, store_now, &mut merged).unwrap_or(false);
             }
             let mut dropped = 0;
             for (k, (l, u, w)) in &local {
@@ -745,7 +773,7 @@ impl Syncer {
                     dropped += u;
                 }
             }
-            let body = encode_outbox(merged);
+            let body = encode_outbox(merged, flagged);
             match host.shared_set(&key, &body, cas) {
                 Ok(()) => {
                     if let (Some(m), true) = (self.metrics.dropped, dropped > 0) {
@@ -758,6 +786,7 @@ impl Syncer {
             }
         }
         // Could not publish now: keep the deltas for the next tick.
+        self.overdrawn.set(self.overdrawn.get() || overdrawn);
         let mut mine = self.local.borrow_mut();
         for (k, (l, u, w)) in local {
             add(&mut mine, &k, l, u, w);
@@ -803,7 +832,7 @@ impl Syncer {
                 continue; // a VM is publishing: next tick
             }
             let mut drained = Units::default();
-            read_outbox(&value, plain, store_now, &mut drained);
+            s.urgent |= read_outbox(&value, plain, store_now, &mut drained).unwrap_or(false);
             for (k, (limit, units, window)) in drained {
                 s.touch(&k, limit, now);
                 if !add(&mut s.unsent, &k, limit, units, window) {
@@ -842,11 +871,12 @@ impl Syncer {
         // - while every counter is far from its limit, deltas wait for every other tick (half
         //   an interval's margin for a host's tick jitter): the grants they were spent from
         //   stay on lease far longer, so the store counts them as held meanwhile;
-        // - otherwise, and for a denied counter (0 units) that wants its fresh grant, at once.
+        // - otherwise, for a denied counter (0 units) that wants its fresh grant, and after a
+        //   request admitted past its grant ([`Syncer::overdrawn`]), at once.
         let interval = self.opts.interval;
         let due = if s.unsent.is_empty() {
             (self.opts.stale_after / 3).max(interval)
-        } else if s.relaxed && s.unsent.values().all(|(_, units, _)| *units > 0) {
+        } else if s.relaxed && !s.urgent && s.unsent.values().all(|(_, units, _)| *units > 0) {
             interval.saturating_add(interval / 2)
         } else {
             0
@@ -880,6 +910,7 @@ impl Syncer {
                     })
                     .collect();
                 s.seq += 1;
+                s.urgent = false;
                 // Made now: its retries repeat this time, so a store accepts them for as long
                 // as it would accept a replay it still recognizes.
                 let mut body = SyncRequest::encode_parts(self.token, s.seq, now, &deltas, false);

@@ -647,6 +647,8 @@ pub struct TableCounters<'a> {
     /// Set while a refund is a waiter leaving its turn: (its turn as given, the count when it
     /// was, how far those behind move up, the oldest departure still worth remembering).
     pub leaving: Option<(Nanos, u32, Nanos, Nanos)>,
+    /// Whether a check admitted units past its grant (on its overdraft).
+    pub overdrawn: bool,
     refunding: bool,
 }
 
@@ -664,6 +666,7 @@ impl<'a> TableCounters<'a> {
             named_out: Vec::new(),
             seqs: Vec::new(),
             leaving: None,
+            overdrawn: false,
             refunding: false,
         }
     }
@@ -736,6 +739,7 @@ impl Counters for TableCounters<'_> {
             carry: 0,
         };
         let mut askable = false;
+        let mut past_grant = false;
         let mut g = |state: &State, grant: Option<Allowance>| {
             // A fixed window's grant is a share of that window's quota: once the window has
             // rolled over, the node starts the new one on its initial share rather than on an
@@ -770,6 +774,7 @@ impl Counters for TableCounters<'_> {
             let charged = u32::try_from(charged).unwrap_or(u32::MAX);
             // The grant is spent first, then the overdraft.
             let from_grant = charged.min(held.units);
+            past_grant = matches!((grants, refunding), (Grants::On { .. }, false)) && charged > from_grant;
             // A rule that is not exact counts what it admits until the store's answer (see
             // `sync::write_grants`); an exact rule's asked units are counted at the store.
             let since = if no_wait { held.since.saturating_add(charged) } else { held.since };
@@ -814,6 +819,7 @@ impl Counters for TableCounters<'_> {
         if askable {
             self.askable.push(check.key.clone());
         }
+        self.overdrawn |= past_grant && r.is_ok();
         r
     }
 

@@ -1628,3 +1628,108 @@ fn a_fixed_window_turns_for_the_node_when_it_turns_at_the_store() {
     let r = reply(&e, &h, "GET", NO_WAIT, &ann);
     assert_eq!(r.status, 200, "{:?}", r.headers);
 }
+
+/// The fixed-window rules of [`rules`] (the rule of [`NO_WAIT`] counts fixed windows).
+fn fixed_rules(limit: u64, nodes: u32) -> String {
+    rules(limit, nodes).replacen(
+        &format!(r#""limit": {{"requests": {limit}, "per": "60s"}}"#),
+        &format!(r#""algorithm": "fixed_window", "limit": {{"requests": {limit}, "per": "60s"}}"#),
+        1,
+    )
+}
+
+#[test]
+fn a_request_admitted_past_its_grant_sends_the_next_batch_at_once() {
+    let h = FakeHost::new();
+    // Half a minute into a window: a counter new to the node is past the window's first
+    // quarter, so its first request is admitted on an overdraft (no initial share).
+    h.advance(60 * ratewall_core::SECOND - h.now() % (60 * ratewall_core::SECOND) + 30 * ratewall_core::SECOND);
+    let e = engine(&h, &fixed_rules(100_000, 1));
+    let mut s = store();
+    let ann = [("x-user-id", "ann")];
+    // Far from the limit, ann's deltas go every other interval.
+    for _ in 0..12 {
+        assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 1), [200]);
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+        h.advance(100 * MS);
+    }
+    let mut sent = false;
+    for _ in 0..3 {
+        let _ = reply(&e, &h, "GET", NO_WAIT, &ann);
+        e.on_tick(&h);
+        sent = serve(&mut s, &e, &h) == 1;
+        h.advance(100 * MS);
+        if sent {
+            break;
+        }
+    }
+    assert!(sent, "a batch every other interval");
+    let _ = reply(&e, &h, "GET", NO_WAIT, &ann);
+    e.on_tick(&h);
+    assert!(h.take_calls().is_empty(), "the interval after a batch, ann's units wait");
+    h.advance(100 * MS);
+    let _ = reply(&e, &h, "GET", NO_WAIT, &ann);
+    e.on_tick(&h);
+    assert_eq!(serve(&mut s, &e, &h), 1);
+    // Bob's first request is admitted past any grant: the next tick sends it.
+    assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &[("x-user-id", "bob")], 1), [200]);
+    h.advance(100 * MS);
+    e.on_tick(&h);
+    let calls = h.take_calls();
+    assert_eq!(calls.len(), 1, "a batch at once");
+    assert!(batch(&calls[0]).deltas.iter().any(|d| d.key == key_of(&e, NO_WAIT, "bob") && d.units == 1));
+}
+
+#[test]
+fn a_vm_that_admits_past_its_grant_hands_the_unit_over_at_once() {
+    let a = FakeHost::new();
+    a.advance(60 * ratewall_core::SECOND - a.now() % (60 * ratewall_core::SECOND) + 30 * ratewall_core::SECOND);
+    let b = FakeHost::joining(a.shared.clone());
+    b.advance(a.now() - b.now());
+    let (ea, eb) = (engine(&a, &fixed_rules(100, 1)), engine(&b, &fixed_rules(100, 1)));
+    let mut s = store();
+    ea.on_tick(&a); // a holds the lease
+    serve(&mut s, &ea, &a);
+    // b admits bob's first request on its overdraft and does not tick: a's next batch
+    // carries the unit all the same.
+    assert_eq!(statuses(&eb, &b, "GET", NO_WAIT, &[("x-user-id", "bob")], 1), [200]);
+    a.advance(100 * MS);
+    ea.on_tick(&a);
+    serve(&mut s, &ea, &a);
+    assert_eq!(counted(&s, &ea, NO_WAIT, "bob", a.now()), 1);
+}
+
+#[test]
+fn a_unit_admitted_at_a_windows_end_is_not_counted_in_the_next_window_by_a_clock_read_early() {
+    let (window, rtt) = (60 * ratewall_core::SECOND, 40 * MS);
+    let h = FakeHost::new();
+    h.advance(window - h.now() % window - 2 * ratewall_core::SECOND);
+    let e = engine(&h, &fixed_rules(1_000, 1));
+    let mut s = store();
+    let ann = [("x-user-id", "ann")];
+    // The way to the store takes 28 ms and the way back 12: the node's view of the store's
+    // clock is 8 ms ahead of it.
+    let serve_slow_out = |s: &mut Store| {
+        let calls = h.take_calls();
+        h.advance(28 * MS);
+        let answers: Vec<_> = calls.iter().map(|c| (c.token, answer(s, h.now(), SECRET, c))).collect();
+        h.advance(rtt - 28 * MS);
+        for (token, (status, tag, body)) in answers {
+            e.on_sync_response(&h, token, status, tag.as_deref(), &body);
+        }
+    };
+    while h.now() % window < window - 150 * MS {
+        assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 1), [200]);
+        e.on_tick(&h);
+        serve_slow_out(&mut s);
+        h.advance(100 * MS - rtt);
+    }
+    // 5 ms before the window's end at the store, 3 ms after it at the node.
+    h.advance(window - h.now() % window - 5 * MS);
+    assert_eq!(statuses(&e, &h, "GET", NO_WAIT, &ann, 1), [200]);
+    h.advance(20 * MS);
+    e.on_tick(&h);
+    serve_slow_out(&mut s);
+    assert_eq!(counted(&s, &e, NO_WAIT, "ann", h.now()), 0, "the last window's unit takes nothing from this one");
+}
