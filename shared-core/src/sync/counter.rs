@@ -457,7 +457,9 @@ impl Counter {
         let mine = self.shares.iter().find(|s| s.node == node).map_or(1, weight);
         let total: u128 = self.active(now, node_ttl).filter(|s| s.node != node).map(weight).sum::<u128>() + mine;
         // In 1,024ths of a unit, rounded below by chance (see the end).
-        let fair = (u128::from(available) << 10) * mine / total.max(mine);
+        // (Saturating: a limit of billions per nanosecond and a node's units near `u64::MAX`
+        // overflow even `u128`; the share is then wrong but still at most `available`.)
+        let fair = u128::from(available).saturating_mul(1 << 10).saturating_mul(mine) / total.max(mine);
         // The fleet's rate, no lower than the limit's own (`requests` per `per`): just after a
         // quota ran out nothing was reported for a while, and a new window's grants sized on
         // that would be 0 for every node (measured: 1 in 5 of `zipf20_rtt20`'s asks was a
@@ -465,8 +467,9 @@ impl Counter {
         let per = u128::from(self.limit.per().max(1));
         let own = u128::from(self.limit.requests()) * u128::from(crate::algo::SECOND) / per;
         let rate = u128::from(self.rate.1.max(self.rate.2)).max(own).max(1);
-        let use_in_lease =
-            ((rate * u128::from(lease)) << 10) * mine / total.max(mine) / u128::from(crate::algo::SECOND);
+        let use_in_lease = rate.saturating_mul(u128::from(lease)).saturating_mul(1 << 10).saturating_mul(mine)
+            / total.max(mine)
+            / u128::from(crate::algo::SECOND);
         // A fraction of a unit is a whole one with that chance (drawn from the node and the
         // instant): rounded down, a node whose share is under one unit — most nodes of a
         // fleet of 20 near a limit — was given nothing, and asked for every request.

@@ -885,3 +885,15 @@ fn units_reported_late_are_counted_as_of_when_they_were_admitted() {
     same.report(l, NOW + SECOND, 2, 1, 3, 10 * SECOND);
     assert_eq!(c.state, same.state);
 }
+
+#[test]
+fn a_grant_for_an_extreme_limit_and_delta_is_bounded_not_an_overflow() {
+    // A limit no rules document gives (billions per nanosecond) but the wire carries, and a
+    // delta of 2^31 units: the share's arithmetic saturates.
+    let limit = Limit::new(Algorithm::FixedWindow, 4_294_967_292, 1, None).unwrap();
+    let mut c = Counter::new(limit);
+    let a = c.apply(limit, 35_209 * MS_, 1, 1, 1 << 31, 2_000 * MS_);
+    assert!(a.grant <= a.remaining, "{a:?}");
+    let a = c.apply(limit, 35_209 * MS_, 2, 1, 1 << 31, 2_000 * MS_);
+    assert!(a.grant <= a.remaining, "{a:?}");
+}
