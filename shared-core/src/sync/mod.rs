@@ -71,7 +71,8 @@ pub(crate) fn counted_units(
 }
 
 pub use counter::{
-    Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, REPORT_GRACE, RETRY_HORIZON, ROOM_UNIT_FREE, SEQ_MEMORY,
+    Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, REPORT_GRACE, RETRY_HORIZON, ROOM_UNIT_FREE,
+    ROOM_UNIT_FREE_EXACT, SEQ_MEMORY,
 };
 pub use out::{Out, MAX_OUT};
 pub use registry::{Registry, MAX_NODES};
