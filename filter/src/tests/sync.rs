@@ -1524,13 +1524,24 @@ fn units_in_an_outbox_of_an_earlier_version_are_reported() {
 /// A counter the store named out of quota is denied until the store has a unit again (here
 /// the fixed window's end), not for a spent grant's second: a client that waits its
 /// `Retry-After` is admitted.
+/// Another node (99) reports `units` on ann's counter of the fixed window of 10 a minute
+/// ([`fixed_rules`]).
+fn another_node_spends(s: &mut Store, e: &Engine, h: &FakeHost, units: u64) {
+    let limit =
+        ratewall_core::Limit::new(ratewall_core::Algorithm::FixedWindow, 10, 60 * ratewall_core::SECOND, None).unwrap();
+    let other = SyncRequest {
+        node: 99,
+        seq: 1,
+        sent: h.now(),
+        deltas: vec![Delta { key: key_of(e, NO_WAIT, "ann"), limit, units }],
+        ask: false,
+    };
+    s.handle(h.now(), &other).unwrap();
+}
+
 #[test]
 fn a_counter_named_out_is_denied_until_its_window_ends() {
-    let doc = rules(10, 2).replacen(
-        r#""limit": {"requests": 10, "per": "60s"}"#,
-        r#""algorithm": "fixed_window", "limit": {"requests": 10, "per": "60s"}"#,
-        1,
-    );
+    let doc = fixed_rules(10, 2);
     let h = FakeHost::new();
     let e = engine(&h, &doc);
     let mut s = store();
@@ -1540,16 +1551,7 @@ fn a_counter_named_out_is_denied_until_its_window_ends() {
     e.on_tick(&h);
     serve(&mut s, &e, &h);
     // Another node spends the rest of the window's quota.
-    let limit =
-        ratewall_core::Limit::new(ratewall_core::Algorithm::FixedWindow, 10, 60 * ratewall_core::SECOND, None).unwrap();
-    let other = SyncRequest {
-        node: 99,
-        seq: 1,
-        sent: h.now(),
-        deltas: vec![Delta { key: key_of(&e, NO_WAIT, "ann"), limit, units: 9 }],
-        ask: false,
-    };
-    s.handle(h.now(), &other).unwrap();
+    another_node_spends(&mut s, &e, &h, 9);
     // Within a few intervals the node's answers say so (each VM reads the counters named out
     // on its tick), and its denials wait for the window's end.
     let mut denied = None;
@@ -1591,11 +1593,7 @@ fn serve_over(store: &mut Store, e: &Engine, h: &FakeHost, rtt: Nanos) {
 
 #[test]
 fn a_fixed_window_turns_for_the_node_when_it_turns_at_the_store() {
-    let doc = rules(10, 2).replacen(
-        r#""limit": {"requests": 10, "per": "60s"}"#,
-        r#""algorithm": "fixed_window", "limit": {"requests": 10, "per": "60s"}"#,
-        1,
-    );
+    let doc = fixed_rules(10, 2);
     let (window, rtt) = (60 * ratewall_core::SECOND, 40 * MS);
     let h = FakeHost::new();
     // Two seconds before a window's end, a store 40 ms away.
@@ -1607,15 +1605,7 @@ fn a_fixed_window_turns_for_the_node_when_it_turns_at_the_store() {
     e.on_tick(&h);
     serve_over(&mut s, &e, &h, rtt);
     // Another node spends the rest of the window's quota; the node's answers say so.
-    let limit = ratewall_core::Limit::new(ratewall_core::Algorithm::FixedWindow, 10, window, None).unwrap();
-    let other = SyncRequest {
-        node: 99,
-        seq: 1,
-        sent: h.now(),
-        deltas: vec![Delta { key: key_of(&e, NO_WAIT, "ann"), limit, units: 9 }],
-        ask: false,
-    };
-    s.handle(h.now(), &other).unwrap();
+    another_node_spends(&mut s, &e, &h, 9);
     while h.now() % window < window - 200 * MS {
         h.advance(100 * MS - rtt);
         e.on_tick(&h);
