@@ -496,6 +496,9 @@ pub struct Syncer {
     refusal_logged: Cell<bool>,
     /// Whether this VM admitted a request past its grant since it last published.
     overdrawn: Cell<bool>,
+    /// Whether this VM has published on a request's path since its last tick (once per tick
+    /// at most: each publish rewrites its whole outbox).
+    handed: Cell<bool>,
 }
 
 /// Adds `units` admitted in `window` to `key`'s: a later window's replace an earlier one's,
@@ -621,6 +624,7 @@ impl Syncer {
             ask_backoff: Cell::new((0, 0)),
             refusal_logged: Cell::new(false),
             overdrawn: Cell::new(false),
+            handed: Cell::new(false),
         }
     }
 
@@ -647,6 +651,7 @@ impl Syncer {
             ask_backoff: Cell::new(previous.ask_backoff.get()),
             refusal_logged: Cell::new(previous.refusal_logged.get()),
             overdrawn: Cell::new(previous.overdrawn.take()),
+            handed: Cell::new(previous.handed.get()),
         }
     }
 
@@ -724,10 +729,14 @@ impl Syncer {
     /// that its answer brings a grant before more requests come (a node new to a counter past
     /// a fixed window's first quarter, or whose grant lapsed, has an overdraft of one unit;
     /// waiting an interval more for the answer, its next requests were denied with most of
-    /// the quota left).
+    /// the quota left). The VM hands its units over at once the first time between two of its
+    /// ticks; later ones go with its tick (where every request is a counter's first, past a
+    /// fixed window's first quarter, each would otherwise rewrite the outbox).
     pub fn overdrawn(&self, host: &dyn Host) {
         self.overdrawn.set(true);
-        self.publish(host);
+        if !self.handed.replace(true) {
+            self.publish(host);
+        }
     }
 
     /// Every VM, every interval: publish deltas, read the view; the lease holder syncs. A new
@@ -735,6 +744,7 @@ impl Syncer {
     /// top-offenders section).
     pub fn on_tick(&self, host: &dyn Host, section: &Section<'_>) {
         let now = host.now();
+        self.handed.set(false);
         self.publish(host);
         if let Ok((Some(v), _)) = host.shared_get(&self.keys.view) {
             if let Some(view) = View::decode(&v) {
