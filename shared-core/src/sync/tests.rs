@@ -897,3 +897,19 @@ fn a_grant_for_an_extreme_limit_and_delta_is_bounded_not_an_overflow() {
     let a = c.apply(limit, 35_209 * MS_, 2, 1, 1 << 31, 2_000 * MS_);
     assert!(a.grant <= a.remaining, "{a:?}");
 }
+
+#[test]
+fn an_isolate_first_to_report_after_a_quota_ran_out_gets_its_share_not_the_fleets() {
+    // Twenty isolates spend a fixed window's quota, then fall quiet (they report only what
+    // they admit); the next window's first report comes 4 s later, past `node_ttl`.
+    let l = Limit::new(Algorithm::FixedWindow, 1000, 10 * SECOND, None).unwrap();
+    let ttl = 2 * SECOND;
+    let start = NOW / (10 * SECOND) * (10 * SECOND);
+    let mut c = Counter::new(l);
+    for node in 1..=20 {
+        c.report(l, start + 6 * SECOND + node * MS_, node, 1, 49, ttl);
+    }
+    let next = start + 10 * SECOND;
+    let isolate = c.report(l, next, 1, 2, 1, ttl);
+    assert!(isolate.grant > 0 && isolate.grant <= 100, "about a twentieth of 1,000: {isolate:?}");
+}
