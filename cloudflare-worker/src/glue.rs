@@ -472,9 +472,9 @@ async fn answer(
 }
 
 /// Starts the background reports of the object holding `key`'s counter unless they run:
-/// one call per [`REPORT_EVERY`] while any of its counters has units waiting, each bringing
-/// their next grants; or, while that task sleeps and the isolate needs a grant, one call at
-/// once.
+/// a look every [`REPORT_EVERY`] while any of its counters has units waiting, and one call
+/// when a report is due, bringing their next grants; or, while that task sleeps and the
+/// isolate needs a grant, one call at once.
 fn schedule_report(env: &Env, ctx: &Context, key: &[u8], timeout: Duration) {
     shards(env);
     let Some((object, schedule)) = with(|i| i.grants.schedule(key, now())) else {

@@ -92,6 +92,26 @@ fn main() {
     figure(&format!("worker_overadmission_pct_{}", s.name), r.overadmission_pct, "%");
     figure(&format!("worker_false_denial_pct_{}", s.name), r.false_denial_pct, "%");
     figure(&format!("worker_do_calls_per_1000_admitted_{}", s.name), r.calls_per_1000_admitted, "calls");
+    // The same over seeds 1-8 of 20 windows each, at a 20 and an 80 ms round trip: means,
+    // and the worst seed's.
+    for rtt_ms in [20, 80] {
+        let runs: Vec<_> = (1..=8)
+            .map(|seed| {
+                let s =
+                    ratewall_tests::worker_sim::Scenario { seed, windows: 20, rtt: rtt_ms * 1_000_000, ..s.clone() };
+                ratewall_tests::worker_sim::run(&s)
+            })
+            .collect();
+        let mean =
+            |f: fn(&ratewall_tests::worker_sim::Report) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;
+        let worst = |f: fn(&ratewall_tests::worker_sim::Report) -> f64| runs.iter().map(f).fold(0.0, f64::max);
+        let name = format!("{}_rtt{rtt_ms}_seeds", s.name);
+        figure(&format!("worker_overadmission_pct_{name}"), mean(|r| r.overadmission_pct), "%");
+        figure(&format!("worker_overadmission_worst_pct_{name}"), worst(|r| r.overadmission_pct), "%");
+        figure(&format!("worker_false_denial_pct_{name}"), mean(|r| r.false_denial_pct), "%");
+        figure(&format!("worker_false_denial_worst_pct_{name}"), worst(|r| r.false_denial_pct), "%");
+        figure(&format!("worker_do_calls_per_1000_admitted_{name}"), mean(|r| r.calls_per_1000_admitted), "calls");
+    }
 
     let rules = serde_json::from_str::<serde_json::Value>(RULES).unwrap().to_string();
     let w = Workerd::start_with(&[("RATEWALL_RULES", &rules)], PEER).unwrap();

@@ -168,7 +168,8 @@ pub fn run(s: &Scenario) -> Report {
                         reports += 1;
                         w.push(t + half, Event::AtObject { isolate: i, call, sent: t, looping: true });
                     }
-                    // A report on its way (a one-off's): the task sleeps, then looks again.
+                    // A report on its way (a one-off's), or units that wait for one to be due:
+                    // the task sleeps, then looks again.
                     Some(None) => w.push(t + REPORT_EVERY, Event::Wake(i)),
                     None => {}
                 }
