@@ -117,6 +117,65 @@ impl Value {
             _ => None,
         }
     }
+
+    /// The value as a non-negative integer, also when written with a fraction or an exponent
+    /// that leave it whole (`5.0`, `1e3`, `2.50e1`): JSON Schema's `"type": "integer"` takes
+    /// those. Worked out on the digits, not through a float, so `5.0000000000000001` is not
+    /// taken for 5.
+    pub fn as_whole(&self) -> Option<u64> {
+        match self {
+            Value::Number(Number::Unsigned(n)) => Some(*n),
+            Value::Number(Number::Other(text)) => whole(text),
+            _ => None,
+        }
+    }
+}
+
+/// The non-negative whole number `text` (a valid JSON number) is, if it is one that fits.
+fn whole(text: &str) -> Option<u64> {
+    let (mantissa, exponent) = match text.find(['e', 'E']) {
+        Some(at) => (text.get(..at)?, text.get(at + 1..)?.parse::<i64>().ok()?),
+        None => (text, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if int.starts_with('-') {
+        // Only -0 and the like would be whole, and a count is never written so.
+        return None;
+    }
+    // The digits, with the point `frac.len()` places from the end, times 10^exponent.
+    let digits = int.bytes().chain(frac.bytes());
+    let mut scale = exponent.checked_sub(i64::try_from(frac.len()).ok()?)?;
+    let mut trailing_zeros = 0i64;
+    let mut n: u64 = 0;
+    for d in digits {
+        let d = u64::from(d.checked_sub(b'0')?);
+        if d == 0 && n == 0 {
+            continue;
+        }
+        if d == 0 {
+            trailing_zeros += 1;
+            continue;
+        }
+        // A digit after zeros: they were not trailing.
+        for _ in 0..trailing_zeros {
+            n = n.checked_mul(10)?;
+        }
+        trailing_zeros = 0;
+        n = n.checked_mul(10)?.checked_add(d)?;
+    }
+    if n == 0 {
+        return Some(0);
+    }
+    scale = scale.checked_add(trailing_zeros)?;
+    if scale < 0 {
+        // Digits left after the point that are not zeros: not whole.
+        return None;
+    }
+    let mut out = n;
+    for _ in 0..scale {
+        out = out.checked_mul(10)?;
+    }
+    Some(out)
 }
 
 /// Why a document is not JSON, and where (1-based line and column, in bytes).
@@ -466,6 +525,23 @@ mod tests {
         assert_eq!(parse(br#"{"k": 1, "k": 2}"#).unwrap_err().reason, "duplicate key");
         assert_eq!(parse(b"18446744073709551615").unwrap().as_u64(), Some(u64::MAX));
         assert_eq!(parse(b"5.0").unwrap().as_u64(), None);
+        let whole = |d: &str| parse(d.as_bytes()).unwrap().as_whole();
+        for (d, n) in [("5.0", 5), ("5", 5), ("1e3", 1000), ("2.50e1", 25), ("100e-2", 1), ("0.0", 0), ("0e5", 0)] {
+            assert_eq!(whole(d), Some(n), "{d}");
+        }
+        assert_eq!(whole("18446744073709551615.0"), Some(u64::MAX));
+        for d in [
+            "5.5",
+            "5.0000000000000001",
+            "1e-1",
+            "-1.0",
+            "18446744073709551616.0",
+            "1e20",
+            "\"5\"",
+            "1e99999999999999999999",
+        ] {
+            assert_eq!(whole(d), None, "{d}");
+        }
         assert_eq!(parse(b"-1").unwrap().as_u64(), None);
         // serde_json reads -0 as a float, so it is no whole number for either reader.
         assert_eq!(parse(b"-0").unwrap().as_u64(), None);

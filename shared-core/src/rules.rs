@@ -562,7 +562,8 @@ fn boolean(v: &Value, path: &str) -> Result<bool, ConfigError> {
 }
 
 fn bounded(v: &Value, path: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
-    match v.as_u64() {
+    // `5.0` and `1e3` are whole numbers, as the schema's `"type": "integer"` takes them.
+    match v.as_whole() {
         Some(n) if (min..=max).contains(&n) => Ok(n),
         Some(n) => err(path, format!("{n} is out of range ({min} to {max})")),
         None => err(path, format!("must be a whole number from {min} to {max}, not {v}")),
