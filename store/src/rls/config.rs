@@ -10,7 +10,9 @@
 //! so they change nothing), `metadata` (read, not returned). ratewall's additions are
 //! opt-in: `algorithm` in a `rate_limit` (`fixed_window`, the default and envoyproxy/
 //! ratelimit's, `sliding_window` or `token_bucket`) and `exact` (in a `rate_limit` or on its
-//! descriptor: decided at Redis on every call instead of from this process's grant).
+//! descriptor: decided at Redis on every call instead of from this process's grant), and
+//! `secret` on a descriptor (its values are shown among the top offenders only as keyed
+//! hashes; [`secret_by_default`] says which keys are without it).
 //!
 //! The file is read as envoyproxy/ratelimit's YAML library (yaml.v2) reads it: its first
 //! document only; a scalar as written (`+15551234567` stays that text); merge keys
@@ -266,6 +268,8 @@ struct Entry {
     children: Level,
     /// `share_threshold`: the wildcard value every match counts under.
     shared: Option<String>,
+    /// Its values are secret: shown only as keyed hashes.
+    secret: bool,
 }
 
 /// What a request descriptor matched.
@@ -276,6 +280,31 @@ pub struct Matched {
     /// Per entry of the descriptor, the value its counter is keyed by when not its own (a
     /// `share_threshold` wildcard's pattern).
     pub shared: Vec<Option<String>>,
+    /// Per entry of the descriptor, whether its value is secret (`secret` on the descriptor
+    /// it matched, else [`secret_by_default`]).
+    pub secret: Vec<bool>,
+}
+
+/// Whether a descriptor key's values are secret when its descriptor does not say: `api_key`,
+/// as for the filter's identity dimensions, and the other names credentials go by
+/// (`x-api-key`, `apikey`, `authorization`, `token`, ...), in any case, `-` or `_`.
+pub fn secret_by_default(key: &str) -> bool {
+    let key = key.to_ascii_lowercase().replace('-', "_");
+    let key = key.strip_prefix("x_").unwrap_or(&key);
+    matches!(
+        key,
+        "api_key"
+            | "apikey"
+            | "authorization"
+            | "proxy_authorization"
+            | "token"
+            | "access_token"
+            | "auth_token"
+            | "password"
+            | "secret"
+            | "cookie"
+            | "session"
+    )
 }
 
 /// A validated configuration: its domains.
@@ -429,6 +458,7 @@ impl RlsConfig {
     pub fn find(&self, domain: &str, entries: &[(&str, &str)]) -> Option<Matched> {
         let mut level = self.domains.get(domain)?;
         let mut shared = vec![None; entries.len()];
+        let mut secret: Vec<bool> = entries.iter().map(|(k, _)| secret_by_default(k)).collect();
         for (i, (key, value)) in entries.iter().enumerate() {
             let composite = format!("{key}_{value}");
             let mut found = level.entries.get(&composite);
@@ -448,8 +478,11 @@ impl RlsConfig {
                     *slot = Some(pattern.clone());
                 }
             }
+            if let Some(slot) = secret.get_mut(i) {
+                *slot = entry.secret;
+            }
             if i + 1 == entries.len() {
-                return entry.rule.as_ref().map(|r| Matched { rule: Arc::clone(r), shared });
+                return entry.rule.as_ref().map(|r| Matched { rule: Arc::clone(r), shared, secret });
             }
             if entry.children.entries.is_empty() {
                 return None;
@@ -554,7 +587,8 @@ fn build(
         }
         let mut children = Level::default();
         build(&mut children, domain, &format!("{full_key}."), d.descriptors.unwrap_or_default(), rules, unread)?;
-        level.entries.insert(composite, Entry { rule, children, shared });
+        let secret = d.secret.unwrap_or_else(|| secret_by_default(&key));
+        level.entries.insert(composite, Entry { rule, children, shared, secret });
     }
     Ok(())
 }
@@ -599,7 +633,7 @@ pub fn stamp(path: &Path) -> Vec<(PathBuf, Option<std::time::SystemTime>, u64)> 
 
 /// Every key a value not read may hold: envoyproxy/ratelimit's (its `validKeys`, the first
 /// [`KNOWN`] of them), then ratewall's additions.
-const ANY_KEY: [&str; 18] = [
+const ANY_KEY: [&str; 19] = [
     "domain",
     "key",
     "value",
@@ -618,6 +652,7 @@ const ANY_KEY: [&str; 18] = [
     "metadata",
     "algorithm",
     "exact",
+    "secret",
 ];
 
 /// How many of [`ANY_KEY`] envoyproxy/ratelimit knows.
@@ -921,6 +956,7 @@ struct RawDescriptor {
     quota_mode: Option<bool>,
     share_threshold: Option<bool>,
     exact: Option<bool>,
+    secret: Option<bool>,
     unread: Vec<String>,
     /// The `rate_limit`, validated.
     limit: Option<RawRateLimit>,
@@ -939,6 +975,7 @@ impl Fields for RawDescriptor {
         "share_threshold",
         "metadata",
         "exact",
+        "secret",
     ];
     fn read<'de, A: MapAccess<'de>>(&mut self, key: &'static str, map: &mut A) -> Result<(), A::Error> {
         match key {
@@ -952,6 +989,7 @@ impl Fields for RawDescriptor {
             "shadow_mode" => self.shadow_mode = map.next_value()?,
             "share_threshold" => self.share_threshold = map.next_value()?,
             "exact" => self.exact = map.next_value()?,
+            "secret" => self.secret = map.next_value()?,
             "quota_mode" => self.quota_mode = map.next_value()?,
             // Metric naming and metadata only: read, they change nothing here.
             "metadata" => {
@@ -975,6 +1013,7 @@ impl Fields for RawDescriptor {
         take(&mut self.quota_mode, o.quota_mode);
         take(&mut self.share_threshold, o.share_threshold);
         take(&mut self.exact, o.exact);
+        take(&mut self.secret, o.secret);
         self.unread.extend(o.unread);
     }
     fn unread(&mut self) -> &mut Vec<String> {
@@ -1311,6 +1350,20 @@ mod tests {
         assert!(c.warnings[0].reason.contains("only the first YAML document"), "{:?}", c.warnings);
         let c = parse("---\ndomain: d\n---\ndomain: e\n");
         assert_eq!((c.domains().collect::<Vec<_>>(), c.warnings[0].line), (vec!["d"], Some(3)));
+    }
+
+    #[test]
+    fn a_descriptors_values_are_secret_when_it_says_or_by_its_keys_name() {
+        let c = parse(
+            "domain: d\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: hour, requests_per_unit: 1}\n  - key: partner\n    secret: true\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 1}\n  - key: Authorization\n    secret: false\n    rate_limit: {unit: hour, requests_per_unit: 1}\n",
+        );
+        assert_eq!(c.find("d", &[("api_key", "k")]).unwrap().secret, [true]);
+        assert_eq!(c.find("d", &[("partner", "p"), ("user", "u")]).unwrap().secret, [true, false]);
+        assert_eq!(c.find("d", &[("Authorization", "a")]).unwrap().secret, [false], "said not");
+        for (key, secret) in [("X-API-KEY", true), ("x_api_key", true), ("token", true), ("user", false), ("ip", false)]
+        {
+            assert_eq!(secret_by_default(key), secret, "{key}");
+        }
     }
 
     #[test]

@@ -488,9 +488,10 @@ impl<K: Kv> Rls<K> {
     }
 
     /// The client's key among the top offenders: the descriptor's entries as `key=value`,
-    /// joined by `,` in order, each value shown only as `#` and 8 hex digits of its keyed hash
-    /// (a value may be a secret, an API key), a shared wildcard's value as its pattern (the
-    /// counter it counts in); cut, with a hash of the whole, past 160 bytes.
+    /// joined by `,` in order, a shared wildcard's value as its pattern (the counter it counts
+    /// in), a secret one (`secret: true` on its descriptor, or a key secret by default: an API
+    /// key) only as `#` and 8 hex digits of its keyed hash; cut, with a hash of the whole, past
+    /// 160 bytes.
     fn shown_key(&self, entries: &[(String, String)], matched: Option<&Matched>) -> String {
         let mut out = String::with_capacity(16 * entries.len());
         for (i, (k, v)) in entries.iter().enumerate() {
@@ -499,8 +500,16 @@ impl<K: Kv> Rls<K> {
             }
             ratewall_core::key::push_value(&mut out, k.as_bytes());
             out.push('=');
-            let shared = matched.and_then(|m| m.shared.get(i)).and_then(Option::as_deref);
-            ratewall_core::key::push_hashed(&mut out, self.hash_key.hash(shared.unwrap_or(v).as_bytes()));
+            let shown = matched.and_then(|m| m.shared.get(i)).and_then(Option::as_deref).unwrap_or(v);
+            let secret = match matched {
+                Some(m) => m.secret.get(i).copied().unwrap_or(true),
+                None => config::secret_by_default(k),
+            };
+            if secret {
+                ratewall_core::key::push_hashed(&mut out, self.hash_key.hash(shown.as_bytes()));
+            } else {
+                ratewall_core::key::push_value(&mut out, shown.as_bytes());
+            }
         }
         ratewall_core::topk::bounded_key(out, &self.hash_key)
     }

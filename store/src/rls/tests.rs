@@ -21,6 +21,11 @@ descriptors:
     rate_limit: {unlimited: true}
   - key: plain
     rate_limit: {unit: hour, requests_per_unit: 10, algorithm: sliding_window}
+  - key: X-Api-Key
+    rate_limit: {unit: hour, requests_per_unit: 0}
+  - key: buyer
+    secret: true
+    rate_limit: {unit: hour, requests_per_unit: 0}
 ";
 
 fn rls() -> Rls<FakeKv> {
@@ -348,10 +353,10 @@ async fn a_quota_over_its_limit_says_so_and_denies_only_with_every_other_quota_o
 }
 
 #[tokio::test]
-async fn denied_calls_are_heard_among_the_top_offenders_by_hashed_keys() {
+async fn denied_calls_are_heard_among_the_top_offenders_by_readable_keys_and_secrets_by_hash() {
     use crate::top::Window;
     let r = rls();
-    let alice = call(&[&[("ip", "10.0.0.1")], &[("user", "alice-secret-key")]]);
+    let alice = call(&[&[("ip", "10.0.0.1")], &[("user", "alice")]]);
     for _ in 0..3 {
         assert_eq!(r.should_rate_limit(&alice).await.unwrap().overall_code, Code::Ok);
     }
@@ -363,12 +368,19 @@ async fn denied_calls_are_heard_among_the_top_offenders_by_hashed_keys() {
         r.should_rate_limit(&call(&[&[("shadow", "s")]])).await.unwrap();
     }
     r.should_rate_limit(&call(&[&[("banned", "x")]])).await.unwrap();
+    // Secret values: an API key's (secret by its name) and one marked `secret: true`.
+    r.should_rate_limit(&call(&[&[("X-Api-Key", "k-123456")]])).await.unwrap();
+    r.should_rate_limit(&call(&[&[("buyer", "b-654321")]])).await.unwrap();
     let v = r.store.top.top(None, Window::Minute);
     let text = v.to_string();
-    assert!(!text.contains("alice") && !text.contains("10.0.0.1"), "{text}");
+    assert!(!text.contains("k-123456") && !text.contains("b-654321"), "{text}");
     let rules = v["rules"].as_array().unwrap();
     let names: Vec<&str> = rules.iter().map(|r| r["rule"].as_str().unwrap()).collect();
-    assert_eq!(names, ["d.user", "per-ip", "d.shadow", "d.banned"], "in the configuration's order");
+    assert_eq!(
+        names,
+        ["d.user", "per-ip", "d.shadow", "d.banned", "d.X-Api-Key", "d.buyer"],
+        "in the configuration's order"
+    );
     let hashed = |v: &str| {
         let mut s = String::new();
         ratewall_core::key::push_hashed(&mut s, r.hash_key.hash(v.as_bytes()));
@@ -376,17 +388,16 @@ async fn denied_calls_are_heard_among_the_top_offenders_by_hashed_keys() {
     };
     let user = &rules[0];
     assert_eq!((user["allowed"].clone(), user["denied"].clone()), (json!(3), json!(2)));
-    assert_eq!(
-        user["top"][0],
-        json!({"key": format!("user={}", hashed("alice-secret-key")), "denied": 2, "allowed": 0, "nodes": 1})
-    );
+    assert_eq!(user["top"][0], json!({"key": "user=alice", "denied": 2, "allowed": 0, "nodes": 1}));
     // The address's limit had room: it admitted 3 and denied nothing (the 2 denied calls were
     // given back to it).
     assert_eq!((rules[1]["allowed"].clone(), rules[1]["denied"].clone()), (json!(3), json!(0)));
     assert_eq!(rules[1]["top"], json!([]));
     assert_eq!((rules[2]["allowed"].clone(), rules[2]["shadow_denied"].clone()), (json!(1), json!(1)));
-    assert_eq!(rules[2]["top"][0]["key"], json!(format!("shadow={}", hashed("s"))));
-    assert_eq!(rules[3]["denied"], json!(1));
+    assert_eq!(rules[2]["top"][0]["key"], json!("shadow=s"));
+    assert_eq!(rules[3]["top"][0]["key"], json!("banned=x"));
+    assert_eq!(rules[4]["top"][0]["key"], json!(format!("X-Api-Key={}", hashed("k-123456"))));
+    assert_eq!(rules[5]["top"][0]["key"], json!(format!("buyer={}", hashed("b-654321"))));
     // The same counts per second, for the dashboard.
     let series = r.store.top.series(Some("d.user"));
     assert_eq!(series["rules"][0]["denied"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).sum::<u64>(), 2);
