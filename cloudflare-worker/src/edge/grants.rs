@@ -541,7 +541,9 @@ impl Grants {
         let (mut calls, mut waiting, mut done) = (Vec::new(), false, Vec::new());
         let node = self.node;
         // One call per object: once any of its counters is due, all of them with units go.
-        let ride = keys.iter().any(|k| self.held.get(k).is_some_and(|h| h.report.is_none() && h.due(now)));
+        let ride = keys
+            .iter()
+            .any(|k| self.held.get(k).is_some_and(|h| h.report.is_none() && (h.pending > 0 || h.urgent) && h.due(now)));
         for key in keys {
             // A counter no longer held, or with nothing due, leaves the task.
             let Some((limit, report)) = self.held.get(&key).map(|h| (h.limit, h.report)) else {
@@ -1045,6 +1047,38 @@ mod tests {
         assert!(!h.low(T + 100 * MS));
         assert!(h.low(T + 250 * MS));
         assert!(h.due(T + 100 * MS));
+    }
+
+    #[test]
+    fn units_that_wait_ride_with_another_counters_report_to_the_same_object() {
+        let mut g = Grants::new(3, 100);
+        g.set_shards(1);
+        let limit = sliding(1000);
+        let mut object = Shard::default();
+        for key in [b"k0", b"k1"] {
+            object.load(key, None, Some(limit)).unwrap();
+            assert!(g.check(key, limit, 1, T).decision().allowed);
+            g.schedule(key, T);
+        }
+        for (key, call) in g.report("s:0", T).unwrap() {
+            let reply = object.handle(&key, call, T + 1).unwrap().reply;
+            g.answered(&key, &call, Ok(&reply), T, T + 2);
+        }
+        let granted = g.held[&b"k0"[..]].granted;
+        assert!(granted >= 4, "{granted}");
+        // A unit from each grant: neither runs low, so the task waits, sending nothing.
+        let t = T + SECOND / 2;
+        for key in [b"k0", b"k1"] {
+            assert!(matches!(g.check(key, limit, 1, t), Local::Admitted(_)));
+        }
+        assert_eq!(g.report("s:0", t), Some(Vec::new()), "units wait");
+        // `k0`'s grant runs low: its report goes, and `k1`'s unit with it, in the one call.
+        for i in 0..granted {
+            g.check(b"k0", limit, 1, t + 1 + i);
+        }
+        let calls = g.report("s:0", t + SECOND / 4).unwrap();
+        let keys: Vec<&[u8]> = calls.iter().map(|(k, _)| k.as_slice()).collect();
+        assert_eq!(keys, [&b"k0"[..], &b"k1"[..]]);
     }
 
     #[test]
