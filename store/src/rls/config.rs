@@ -289,22 +289,33 @@ pub struct Matched {
 /// as for the filter's identity dimensions, and the other names credentials go by
 /// (`x-api-key`, `apikey`, `authorization`, `token`, ...), in any case, `-` or `_`.
 pub fn secret_by_default(key: &str) -> bool {
-    let key = key.to_ascii_lowercase().replace('-', "_");
-    let key = key.strip_prefix("x_").unwrap_or(&key);
-    matches!(
-        key,
-        "api_key"
-            | "apikey"
-            | "authorization"
-            | "proxy_authorization"
-            | "token"
-            | "access_token"
-            | "auth_token"
-            | "password"
-            | "secret"
-            | "cookie"
-            | "session"
-    )
+    const NAMES: [&str; 11] = [
+        "api_key",
+        "apikey",
+        "authorization",
+        "proxy_authorization",
+        "token",
+        "access_token",
+        "auth_token",
+        "password",
+        "secret",
+        "cookie",
+        "session",
+    ];
+    // Compared byte by byte (no allocation: it runs for every entry of every call).
+    let same = |a: &[u8], b: &[u8]| {
+        a.len() == b.len()
+            && a.iter().zip(b).all(|(x, y)| {
+                let x = if *x == b'-' { b'_' } else { x.to_ascii_lowercase() };
+                x == *y
+            })
+    };
+    let key = key.as_bytes();
+    let bare = match key {
+        [b'x' | b'X', b'-' | b'_', rest @ ..] => rest,
+        _ => key,
+    };
+    NAMES.iter().any(|n| same(bare, n.as_bytes()))
 }
 
 /// A validated configuration: its domains.
@@ -458,7 +469,7 @@ impl RlsConfig {
     pub fn find(&self, domain: &str, entries: &[(&str, &str)]) -> Option<Matched> {
         let mut level = self.domains.get(domain)?;
         let mut shared = vec![None; entries.len()];
-        let mut secret: Vec<bool> = entries.iter().map(|(k, _)| secret_by_default(k)).collect();
+        let mut secret = vec![false; entries.len()];
         for (i, (key, value)) in entries.iter().enumerate() {
             let composite = format!("{key}_{value}");
             let mut found = level.entries.get(&composite);
