@@ -202,7 +202,7 @@ pub(crate) fn share(limit: Limit, share: u16, nodes: u32) -> Limit {
         if share == 0 {
             (units / u64::from(nodes.max(1))).max(1)
         } else {
-            // With a margin of 1/13th: a node's measured share is an estimate, and a node held
+            // With a margin of 1/20th: a node's measured share is an estimate, and a node held
             // below its traffic leaves the others short too (the fleet then never reaches the
             // limit, and every denial is one the limit allowed).
             let scaled = u128::from(units) * u128::from(share) * u128::from(ratewall_core::sync::DEGRADED_MARGIN + 1)
