@@ -432,7 +432,16 @@ impl Grants {
             return Local::Denied(room);
         }
         h.urgent = true;
-        let quiet = h.answered && !h.failing && now >= h.until && h.pending == 0 && h.report.is_none() && h.over == 0;
+        // Nothing owed: no unit unreported and no overdraft. A fixed window's units and
+        // overdraft of a window that has ended are owed in none.
+        let fixed = limit.algorithm() == Algorithm::FixedWindow;
+        let owed = if fixed {
+            let over = if window_end(&limit, h.over_at) == window_end(&limit, now) { h.over } else { 0 };
+            h.unreported_at(now).saturating_add(over)
+        } else {
+            h.unreported().saturating_add(h.over)
+        };
+        let quiet = h.answered && !h.failing && now >= h.until && owed == 0;
         let others = if now < h.held_until { h.held } else { 0 };
         if quiet && room.remaining.saturating_add(cost).saturating_sub(others).saturating_mul(2) >= limit.quota() {
             // Quiet since its grant lapsed, with nothing owed, and at least half the quota
@@ -1079,6 +1088,26 @@ mod tests {
         let calls = g.report("s:0", t + SECOND / 4).unwrap();
         let keys: Vec<&[u8]> = calls.iter().map(|(k, _)| k.as_slice()).collect();
         assert_eq!(keys, [&b"k0"[..], &b"k1"[..]]);
+    }
+
+    #[test]
+    fn a_fixed_windows_first_requests_are_not_cut_at_the_overdraft_by_a_report_of_the_last() {
+        let mut p = Pair::new(fixed(100, 10 * SECOND));
+        p.rtt = 40 * MS;
+        let w = (T / (10 * SECOND) + 1) * 10 * SECOND;
+        assert!(p.request(w + 9 * SECOND).decision().allowed);
+        p.run(w + 9 * SECOND + 500 * MS);
+        // Units spent at the window's end, reported as it ends: the report is on its way
+        // when the next window starts.
+        for i in 0..3 {
+            assert!(matches!(p.grants.check(KEY, p.limit, 1, w + 10 * SECOND - 30 * MS + i), Local::Admitted(_)));
+        }
+        assert!(p.grants.report_key(w + 10 * SECOND - 20 * MS).is_some());
+        // They counted in a window that has ended: nothing is owed in the new one, whose first
+        // requests are decided on the copy (a fresh window) until the next answer, not cut
+        // at the overdraft's one unit.
+        let burst: Vec<Local> = (0..3).map(|i| p.grants.check(KEY, p.limit, 1, w + 10 * SECOND + 1 + i)).collect();
+        assert!(burst.iter().all(|l| l.decision().allowed), "{burst:?}");
     }
 
     #[test]
