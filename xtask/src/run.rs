@@ -57,6 +57,21 @@ pub(crate) fn dev(args: &[String]) -> Result<()> {
         bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
     };
     let (secret, admin) = (random(), random());
+    // Kept in files only the user can read, and named in the output by their paths: a secret
+    // is never printed.
+    let state = root().join("target/dev-state");
+    let keep = |name: &str, value: &str| -> Result<String> {
+        std::fs::create_dir_all(&state).map_err(|e| format!("{}: {e}", state.display()))?;
+        let path = state.join(name);
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+        let mut f = options.open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        std::io::Write::write_all(&mut f, value.as_bytes()).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(format!("target/dev-state/{name}"))
+    };
+    let (secret_file, admin_file) = (keep("sync-secret", &secret)?, keep("admin-token", &admin)?);
     let mut child = Command::new(root().join("node_modules/.bin/wrangler"))
         .current_dir(root())
         .args(["dev", "--local", "--ip", "127.0.0.1", "--port", &port.to_string(), "--persist-to", "target/dev-state"])
@@ -86,10 +101,11 @@ pub(crate) fn dev(args: &[String]) -> Result<()> {
     curl -si -H 'cf-connecting-ip: 203.0.113.7' {url}/v1/auth/login
   metrics of this isolate:
     curl -s {url}/_ratewall/metrics
-  the dashboard (who is being limited, for the whole edge), and its JSON:
-    {url}/_ratewall/?token={admin}
-    curl -s -H 'authorization: Bearer {admin}' {url}/_ratewall/top
-  sync secret for filter fleets (POST {url}/v1/sync): {secret}
+  the dashboard (who is being limited, for the whole edge; the admin token is in
+  {admin_file}), its address, and its JSON:
+    echo \"{url}/_ratewall/?token=$(cat {admin_file})\"
+    curl -s -H \"authorization: Bearer $(cat {admin_file})\" {url}/_ratewall/top
+  filter fleets sync to POST {url}/v1/sync with the secret in {secret_file}
 
 Ctrl-C stops it.\n"
     );
