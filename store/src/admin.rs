@@ -110,7 +110,7 @@ fn top<K: Kv>(store: &Store<K>, rls: Option<&Rls<K>>, uri: &Uri) -> Response {
 }
 
 /// The rate limit service's rules in its configuration's order, each (or only `only`) listed
-/// even when no call was heard for it, after the filters' rules and the overrides, which keep
+/// even when no call was heard for it, then the filters' rules and the overrides, which keep
 /// the order they were first heard in.
 fn in_configuration_order(rules: &mut Vec<Value>, config: &crate::rls::config::RlsConfig, only: Option<&str>) {
     let mut order: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
@@ -125,8 +125,8 @@ fn in_configuration_order(rules: &mut Vec<Value>, config: &crate::rls::config::R
             rules.push(json!({"rule": name, "allowed": 0, "denied": 0, "shadow_denied": 0, "top": []}));
         }
     }
-    // Stable: the filters' rules keep the order they were first heard in.
-    rules.sort_by_key(|r| r["rule"].as_str().and_then(|n| order.get(n)).map_or((0, 0), |o| (1, *o)));
+    // Stable: the filters' rules and the overrides keep the order they were first heard in.
+    rules.sort_by_key(|r| r["rule"].as_str().and_then(|n| order.get(n)).map_or((1, 0), |o| (0, *o)));
 }
 
 async fn series<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response {
@@ -171,8 +171,8 @@ descriptors:
         let mut rules = vec![heard("api.tenant"), heard("login"), heard("apikey-limit")];
         in_configuration_order(&mut rules, &config, None);
         let names: Vec<&str> = rules.iter().filter_map(|r| r["rule"].as_str()).collect();
-        assert_eq!(names, ["login", "api.user", "apikey-limit", "api.tenant"], "a filter's rule, then the file's");
-        assert_eq!(rules[1]["denied"], 0, "a rule no call was heard for, with nothing counted");
+        assert_eq!(names, ["api.user", "apikey-limit", "api.tenant", "login"], "the file's rules, then a filter's");
+        assert_eq!(rules[0]["denied"], 0, "a rule no call was heard for, with nothing counted");
         let mut one = vec![];
         in_configuration_order(&mut one, &config, Some("apikey-limit"));
         assert_eq!(one.len(), 1);
