@@ -270,9 +270,11 @@ impl Held {
     /// lease under 500 ms, as near a quota's end, was low at once: each admission sent a
     /// report.)
     fn low(&self, now: Nanos) -> bool {
+        // A grant of 0 is low at once: units spent from the last grant while its report was
+        // on its way are held by no grant at the object, so they must reach it now.
         self.answered
             && (self.urgent
-                || self.left.saturating_mul(2) < self.granted
+                || self.left.saturating_mul(2) < self.granted.max(1)
                 || self.until.saturating_sub(now) < (2 * REPORT_EVERY).min(self.lease / 2))
     }
 
@@ -549,7 +551,13 @@ impl Grants {
         let keys: Vec<Vec<u8>> = self.tasks.get(object).map(|t| t.keys.clone()).unwrap_or_default();
         let (mut calls, mut waiting, mut done) = (Vec::new(), false, Vec::new());
         let node = self.node;
-        // One call per object: once any of its counters is due, all of them with units go.
+        // One call per object: once any of its counters is due, all of them with units go
+        // (a fixed window's units of a window that has ended go in none, so not counting).
+        for key in &keys {
+            if let Some(h) = self.held.get_mut(key) {
+                h.drop_ended(now);
+            }
+        }
         let ride = keys
             .iter()
             .any(|k| self.held.get(k).is_some_and(|h| h.report.is_none() && (h.pending > 0 || h.urgent) && h.due(now)));
@@ -1050,6 +1058,11 @@ mod tests {
         assert!(h.due(T + SECOND), "under half the grant left");
         h.left = 10;
         assert!(h.due(T + MAX_LEASE - 400 * MS), "the lease ends within two intervals");
+        // An answer of no grant, on a full lease, to a report while a unit was spent from the
+        // grant before: that unit is held by no grant, and goes at once.
+        (h.granted, h.left, h.pending) = (0, 0, 1);
+        assert!(h.due(T + SECOND));
+        (h.granted, h.left, h.pending) = (10, 10, 0);
         // Near the quota's end the object leases for less: the grant runs low past half of
         // its lease (not at once), and until then units go every interval.
         (h.lease, h.until) = (400 * MS, T + 400 * MS);
@@ -1108,6 +1121,30 @@ mod tests {
         // at the overdraft's one unit.
         let burst: Vec<Local> = (0..3).map(|i| p.grants.check(KEY, p.limit, 1, w + 10 * SECOND + 1 + i)).collect();
         assert!(burst.iter().all(|l| l.decision().allowed), "{burst:?}");
+    }
+
+    #[test]
+    fn a_fixed_windows_units_of_an_ended_window_do_not_make_the_others_waiting_units_go() {
+        let mut g = Grants::new(3, 100);
+        g.set_shards(1);
+        let (fixed, slow) = (fixed(100, 10 * SECOND), sliding(1000));
+        let mut object = Shard::default();
+        let w = (T / (10 * SECOND) + 1) * 10 * SECOND;
+        for (key, limit) in [(&b"f"[..], fixed), (&b"s"[..], slow)] {
+            object.load(key, None, Some(limit)).unwrap();
+            assert!(g.check(key, limit, 1, w + 9 * SECOND).decision().allowed);
+            g.schedule(key, w + 9 * SECOND);
+        }
+        for (key, call) in g.report("s:0", w + 9 * SECOND).unwrap() {
+            let reply = object.handle(&key, call, w + 9 * SECOND + 1).unwrap().reply;
+            g.answered(&key, &call, Ok(&reply), w + 9 * SECOND, w + 9 * SECOND + 2);
+        }
+        // A unit of each from its grant at the window's end; the fixed window's is due (its
+        // lease ends with the window), but the window ends before the task looks.
+        assert!(matches!(g.check(b"f", fixed, 1, w + 10 * SECOND - 1), Local::Admitted(_)));
+        assert!(matches!(g.check(b"s", slow, 1, w + 10 * SECOND - 1), Local::Admitted(_)));
+        // The fixed window's unit counts in none now, so nothing is due: the other waits.
+        assert_eq!(g.report("s:0", w + 10 * SECOND + 1), Some(Vec::new()));
     }
 
     #[test]
