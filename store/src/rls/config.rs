@@ -285,37 +285,21 @@ pub struct Matched {
     pub secret: Vec<bool>,
 }
 
-/// Whether a descriptor key's values are secret when its descriptor does not say: `api_key`,
-/// as for the filter's identity dimensions, and the other names credentials go by
-/// (`x-api-key`, `apikey`, `authorization`, `token`, ...), in any case, `-` or `_`.
+/// Whether a descriptor key's values are secret when its descriptor does not say: a key
+/// whose name, in any case, contains what credentials are named by — `key` (`api_key`,
+/// `x-api-key`, `access-key`; but not Envoy's `generic_key`, whose value is the route's
+/// constant), `token`, `secret`, `auth`, `session`, `passw`, `cookie`, `jwt` or `credential`.
+/// Shown as a hash, a value that is not secret only loses readability; shown as it is, a
+/// secret is out.
 pub fn secret_by_default(key: &str) -> bool {
-    const NAMES: [&str; 11] = [
-        "api_key",
-        "apikey",
-        "authorization",
-        "proxy_authorization",
-        "token",
-        "access_token",
-        "auth_token",
-        "password",
-        "secret",
-        "cookie",
-        "session",
-    ];
-    // Compared byte by byte (no allocation: it runs for every entry of every call).
-    let same = |a: &[u8], b: &[u8]| {
-        a.len() == b.len()
-            && a.iter().zip(b).all(|(x, y)| {
-                let x = if *x == b'-' { b'_' } else { x.to_ascii_lowercase() };
-                x == *y
-            })
-    };
+    const PARTS: [&[u8]; 9] =
+        [b"key", b"token", b"secret", b"auth", b"session", b"passw", b"cookie", b"jwt", b"credential"];
     let key = key.as_bytes();
-    let bare = match key {
-        [b'x' | b'X', b'-' | b'_', rest @ ..] => rest,
-        _ => key,
-    };
-    NAMES.iter().any(|n| same(bare, n.as_bytes()))
+    if key.eq_ignore_ascii_case(b"generic_key") {
+        return false;
+    }
+    // Compared byte by byte (no allocation: it runs for every entry of a call no rule matched).
+    PARTS.iter().any(|p| key.windows(p.len()).any(|w| w.eq_ignore_ascii_case(p)))
 }
 
 /// A validated configuration: its domains.
@@ -1371,8 +1355,19 @@ mod tests {
         assert_eq!(c.find("d", &[("api_key", "k")]).unwrap().secret, [true]);
         assert_eq!(c.find("d", &[("partner", "p"), ("user", "u")]).unwrap().secret, [true, false]);
         assert_eq!(c.find("d", &[("Authorization", "a")]).unwrap().secret, [false], "said not");
-        for (key, secret) in [("X-API-KEY", true), ("x_api_key", true), ("token", true), ("user", false), ("ip", false)]
-        {
+        for (key, secret) in [
+            ("X-API-KEY", true),
+            ("x_api_key", true),
+            ("token", true),
+            ("refresh_token", true),
+            ("client_secret", true),
+            ("Private-Token", true),
+            ("session_id", true),
+            ("user", false),
+            ("ip", false),
+            ("remote_address", false),
+            ("generic_key", false),
+        ] {
             assert_eq!(secret_by_default(key), secret, "{key}");
         }
     }
