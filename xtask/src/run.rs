@@ -68,8 +68,12 @@ pub(crate) fn dev(args: &[String]) -> Result<()> {
         #[cfg(unix)]
         std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
         let mut f = options.open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        // A file left by an earlier run keeps its mode through `open`: set it again.
+        #[cfg(unix)]
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
         std::io::Write::write_all(&mut f, value.as_bytes()).map_err(|e| format!("{}: {e}", path.display()))?;
-        Ok(format!("target/dev-state/{name}"))
+        Ok(path.display().to_string())
     };
     let (secret_file, admin_file) = (keep("sync-secret", &secret)?, keep("admin-token", &admin)?);
     let mut child = Command::new(root().join("node_modules/.bin/wrangler"))
@@ -103,8 +107,8 @@ pub(crate) fn dev(args: &[String]) -> Result<()> {
     curl -s {url}/_ratewall/metrics
   the dashboard (who is being limited, for the whole edge; the admin token is in
   {admin_file}), its address, and its JSON:
-    echo \"{url}/_ratewall/?token=$(cat {admin_file})\"
-    curl -s -H \"authorization: Bearer $(cat {admin_file})\" {url}/_ratewall/top
+    echo \"{url}/_ratewall/?token=$(cat '{admin_file}')\"
+    curl -s -H \"authorization: Bearer $(cat '{admin_file}')\" {url}/_ratewall/top
   filter fleets sync to POST {url}/v1/sync with the secret in {secret_file}
 
 Ctrl-C stops it.\n"
