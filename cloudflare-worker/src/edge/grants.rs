@@ -434,16 +434,13 @@ impl Grants {
             return Local::Denied(room);
         }
         h.urgent = true;
-        // Nothing owed: no unit unreported and no overdraft. A fixed window's units and
-        // overdraft of a window that has ended are owed in none.
-        let fixed = limit.algorithm() == Algorithm::FixedWindow;
-        let owed = if fixed {
-            let over = if window_end(&limit, h.over_at) == window_end(&limit, now) { h.over } else { 0 };
-            h.unreported_at(now).saturating_add(over)
-        } else {
-            h.unreported().saturating_add(h.over)
-        };
-        let quiet = h.answered && !h.failing && now >= h.until && owed == 0;
+        // A fixed window's overdraft is of its window: the next one starts with none.
+        if limit.algorithm() == Algorithm::FixedWindow && window_end(&limit, h.over_at) != window_end(&limit, now) {
+            h.over = 0;
+        }
+        // Nothing owed: no unit unreported and no overdraft (a fixed window's units of a
+        // window that has ended are owed in none).
+        let quiet = h.answered && !h.failing && now >= h.until && h.unreported_at(now) == 0 && h.over == 0;
         let others = if now < h.held_until { h.held } else { 0 };
         if quiet && room.remaining.saturating_add(cost).saturating_sub(others).saturating_mul(2) >= limit.quota() {
             // Quiet since its grant lapsed, with nothing owed, and at least half the quota
@@ -472,11 +469,7 @@ impl Grants {
         let own = if now < h.until { h.left } else { 0 };
         let free = view.remaining.saturating_sub(others).saturating_sub(own);
         // One unrepaid overdraft at a time: up to the cap, or one request's cost when that
-        // is more (a request is never refused for costing more than the cap alone). A fixed
-        // window's overdraft is of its window: the next one starts with none.
-        if limit.algorithm() == Algorithm::FixedWindow && window_end(&limit, h.over_at) != window_end(&limit, now) {
-            h.over = 0;
-        }
+        // is more (a request is never refused for costing more than the cap alone).
         let cap = overdraft_cap(limit.quota(), h.nodes);
         if cost <= free && (h.over == 0 || h.over.saturating_add(cost) <= cap) {
             h.over = h.over.saturating_add(cost);
@@ -496,11 +489,11 @@ impl Grants {
     /// Starts a report of `key`'s pending units (none, for an urgent one, which only brings
     /// a grant), unless one is on its way: its `seq` and units.
     /// Units not yet due wait, unless `ride`: another counter's report goes to the same
-    /// object now, and they go in the same call.
+    /// object now, and they go in the same call. (Its caller, [`Grants::due_reports`], has
+    /// dropped a fixed window's units of a window that has ended.)
     fn next_report(&mut self, key: &[u8], now: Nanos, ride: bool) -> Option<(u64, u64, Nanos)> {
         let next = self.seq.wrapping_add(1).max(1);
         let h = self.held.get_mut(key)?;
-        h.drop_ended(now);
         if h.report.is_some() || (h.pending == 0 && !h.urgent) || !(ride || h.due(now)) {
             return None;
         }
