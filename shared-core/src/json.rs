@@ -142,40 +142,18 @@ fn whole(text: &str) -> Option<u64> {
         // Only -0 and the like would be whole, and a count is never written so.
         return None;
     }
-    // The digits, with the point `frac.len()` places from the end, times 10^exponent.
-    let digits = int.bytes().chain(frac.bytes());
-    let mut scale = exponent.checked_sub(i64::try_from(frac.len()).ok()?)?;
-    let mut trailing_zeros = 0i64;
-    let mut n: u64 = 0;
-    for d in digits {
-        let d = u64::from(d.checked_sub(b'0')?);
-        if d == 0 && n == 0 {
-            continue;
-        }
-        if d == 0 {
-            trailing_zeros += 1;
-            continue;
-        }
-        // A digit after zeros: they were not trailing.
-        for _ in 0..trailing_zeros {
-            n = n.checked_mul(10)?;
-        }
-        trailing_zeros = 0;
-        n = n.checked_mul(10)?.checked_add(d)?;
-    }
-    if n == 0 {
+    // The digits, with the point `frac.len()` places from the end, times 10^exponent: their
+    // trailing zeros move into the exponent.
+    let digits = [int, frac].concat();
+    let significant = digits.trim_start_matches('0').trim_end_matches('0');
+    if significant.is_empty() {
         return Some(0);
     }
-    scale = scale.checked_add(trailing_zeros)?;
-    if scale < 0 {
-        // Digits left after the point that are not zeros: not whole.
-        return None;
-    }
-    let mut out = n;
-    for _ in 0..scale {
-        out = out.checked_mul(10)?;
-    }
-    Some(out)
+    let trailing = digits.len() - digits.trim_end_matches('0').len();
+    let scale = exponent.checked_sub(i64::try_from(frac.len()).ok()?)?.checked_add(i64::try_from(trailing).ok()?)?;
+    // Digits left after the point that are not zeros: not whole.
+    let scale = u32::try_from(scale).ok()?;
+    significant.parse::<u64>().ok()?.checked_mul(10u64.checked_pow(scale)?)
 }
 
 /// Why a document is not JSON, and where (1-based line and column, in bytes).
