@@ -76,11 +76,13 @@ pub(crate) fn dev(args: &[String]) -> Result<()> {
         Ok(path.display().to_string())
     };
     let (secret_file, admin_file) = (keep("sync-secret", &secret)?, keep("admin-token", &admin)?);
+    // wrangler reads them from a file too: on its command line (`--var`) any local user could
+    // read them with `ps`.
+    let env_file = keep("worker.env", &format!("RATEWALL_SYNC_SECRET={secret}\nRATEWALL_ADMIN_TOKEN={admin}\n"))?;
     let mut child = Command::new(root().join("node_modules/.bin/wrangler"))
         .current_dir(root())
         .args(["dev", "--local", "--ip", "127.0.0.1", "--port", &port.to_string(), "--persist-to", "target/dev-state"])
-        .args(["--var", &format!("RATEWALL_SYNC_SECRET:{secret}")])
-        .args(["--var", &format!("RATEWALL_ADMIN_TOKEN:{admin}")])
+        .args(["--env-file", &env_file])
         .env("WRANGLER_SEND_METRICS", "false")
         .env("WRANGLER_HIDE_BANNER", "true")
         .env("CLOUDFLARE_CF_FETCH_ENABLED", "false")
