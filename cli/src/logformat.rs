@@ -154,6 +154,15 @@ enum Field {
     Other,
 }
 
+impl Field {
+    /// Whether its value is free text, taken as it is: a header's, a path, a field a replay
+    /// skips. The others are read by a syntax of their own (an address, a time, a method, a
+    /// number, a request line), which a value cut at the wrong place does not pass.
+    fn free_text(self) -> bool {
+        matches!(self, Field::Header(_) | Field::Path | Field::Other)
+    }
+}
+
 /// The unit a duration is written in.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Unit {
@@ -280,6 +289,9 @@ impl Template {
                     // is and how long, never what it holds (a header's value may have run into
                     // it, past a space).
                     let start = at;
+                    if field.free_text() {
+                        self.split_surely(i, raw, start, wanted)?;
+                    }
                     at += len;
                     let value = (raw != b"-" && !raw.is_empty()).then_some(raw);
                     match (field, value) {
@@ -346,6 +358,54 @@ impl Template {
                 .and_then(|last| std::str::from_utf8(last.trim_ascii()).ok().map(|s| Cow::Owned(s.to_owned())));
         }
         Ok(e)
+    }
+
+    /// `Ok` when the free-text field at token `i`, read as `raw` from byte `at` of its line, was
+    /// surely cut where the line puts its end; `Err` why not, with the field's place and length,
+    /// never its text.
+    ///
+    /// A value ends where the text after it in the format first occurs, so a value that holds
+    /// that text (a header's `Bearer eyJ…` before a space) is cut short, and its rest runs into
+    /// the fields after it. What ran on shows in a field of free text: it holds the text that
+    /// separates it from the free-text field before it, or, last on the line after a space, a
+    /// space (the line has more space-separated fields than the format). Either way the line
+    /// cannot be split with certainty, so it is unreadable rather than read at a guess: a token
+    /// cut at its space would key the request wrongly, and the token's rest would show in
+    /// another dimension's key. A quoted value (`"$http_authorization"`) is read whole: NGINX
+    /// writes a `"` inside a value as `\x22`.
+    fn split_surely(&self, i: usize, raw: &[u8], at: usize, wanted: &Wanted) -> Result<(), String> {
+        let token = |back: usize| i.checked_sub(back).and_then(|j| self.tokens.get(j));
+        let Some(Token::Literal(sep)) = token(1) else { return Ok(()) };
+        // Named only once it is refused: this runs for every free-text field of every line.
+        let place = || {
+            let name = match self.tokens.get(i) {
+                Some(Token::Field(Field::Header(XFF))) => "x-forwarded-for header".to_owned(),
+                Some(Token::Field(Field::Header(h))) => {
+                    format!("{} header", wanted.names.get(*h).map_or("identity", String::as_str))
+                }
+                Some(Token::Field(Field::Path)) => "path".to_owned(),
+                _ => "field".to_owned(),
+            };
+            format!("the {name} at column {} ({})", at + 1, bytes(raw.len()))
+        };
+        let after_free_text = matches!(token(2), Some(Token::Field(f)) if f.free_text());
+        if after_free_text && find(raw, sep).is_some() {
+            return Err(format!(
+                "{} holds the text that separates it from the field before it: the line has more \
+                 fields than the format (quote the variables whose values may hold it)",
+                place()
+            ));
+        }
+        let last = !matches!(self.tokens.get(i + 1), Some(Token::Literal(_)));
+        let spaced = |b: &u8| *b == b' ' || *b == b'\t';
+        if last && sep.last().is_some_and(spaced) && raw.iter().any(spaced) {
+            return Err(format!(
+                "{} holds a space, last on the line after a space: the line has more fields than \
+                 the format (quote the variables whose values may hold spaces)",
+                place()
+            ));
+        }
+        Ok(())
     }
 
     /// NGINX writes `"`, `\` and bytes outside printable ASCII as `\xHH`; Envoy writes bytes as
@@ -1361,6 +1421,79 @@ mod tests {
             let e = envoy.read(&w, line.as_bytes()).err().unwrap_or_else(|| panic!("{line}"));
             assert!(e.contains(says) && !e.contains("SECRET"), "{line}: {e}");
         }
+    }
+
+    /// A value with a space, unquoted in the format, cannot be told from a line with more
+    /// fields than the format: such a line is unreadable, never split at the space (a token
+    /// cut there keys the request wrongly, and its rest would show as another dimension's).
+    #[test]
+    fn a_line_an_unquoted_value_may_have_run_into_is_unreadable() {
+        let w = Wanted::new(vec!["x-user-id".to_owned(), "authorization".to_owned()]);
+        let nginx = r#"203.0.113.1 [01/Dec/2026:10:00:00 +0000] "GET /v1/a HTTP/1.1" Bearer eyJhbGciOiJTOPSECRET"#;
+        let envoy = r#"[2026-12-01T10:00:00.000Z] 1.2.3.4:1 "GET /v1/a HTTP/1.1" Bearer eyJhbGciOiJTOPSECRET"#;
+        let envoy_format = r#"[%START_TIME%] %DOWNSTREAM_REMOTE_ADDRESS% "%REQ(:METHOD)% %REQ(:PATH)% %PROTOCOL%""#;
+        for (format, syntax, line, says) in [
+            (
+                r#"$remote_addr [$time_local] "$request" $http_authorization $http_x_user_id"#.to_owned(),
+                Syntax::Nginx,
+                format!("{nginx} alice"),
+                "the x-user-id header at column 70 (26 bytes) holds the text that separates it from the field before it",
+            ),
+            (
+                r#"$remote_addr [$time_local] "$request" $http_authorization $http_x_user_id;"#.to_owned(),
+                Syntax::Nginx,
+                format!("{nginx} alice;"),
+                "the x-user-id header at column 70 (26 bytes) holds the text that separates",
+            ),
+            (
+                r#"$remote_addr [$time_local] "$request" $http_authorization"#.to_owned(),
+                Syntax::Nginx,
+                nginx.to_owned(),
+                "the authorization header at column 63 (27 bytes) holds a space, last on the line after a space",
+            ),
+            (
+                format!("{envoy_format} %REQ(AUTHORIZATION)% %REQ(X-USER-ID)%"),
+                Syntax::Envoy,
+                format!("{envoy} alice"),
+                "the x-user-id header at column 66 (26 bytes) holds the text that separates",
+            ),
+        ] {
+            let f = Template::compile("f", &format, syntax, &w).unwrap();
+            for f in [Template::compile("f", &format, syntax, &w).unwrap().whole_lines(), f] {
+                let e = f.read(&w, line.as_bytes()).err().unwrap_or_else(|| panic!("{format}"));
+                assert!(e.contains(says) && !e.contains("SECRET"), "{format}: {e}");
+            }
+        }
+        // A format of one's own reads its fields to the end of the line, skipped ones too.
+        let f = Template::compile(
+            "s",
+            r#"$remote_addr [$time_local] "$request" $http_authorization $status "$http_user_agent""#,
+            Syntax::Nginx,
+            &w,
+        )
+        .unwrap()
+        .whole_lines();
+        let e = f.read(&w, format!(r#"{nginx} 200 "ua""#).as_bytes()).err().unwrap();
+        assert!(e.contains("the field at column 70 (24 bytes) holds the text that separates"), "{e}");
+        // Quoted, the same values are read whole; unquoted values without a space read as ever.
+        let f = Template::compile(
+            "q",
+            r#"$remote_addr [$time_local] "$request" "$http_authorization" $http_x_user_id"#,
+            Syntax::Nginx,
+            &w,
+        )
+        .unwrap()
+        .whole_lines();
+        let line = r#"203.0.113.1 [01/Dec/2026:10:00:00 +0000] "GET /v1/a HTTP/1.1" "Bearer eyJ" alice"#;
+        let e = f.read(&w, line.as_bytes()).unwrap();
+        assert_eq!((e.headers[0].as_deref(), e.headers[1].as_deref()), (Some(&b"alice"[..]), Some(&b"Bearer eyJ"[..])));
+        let f =
+            Template::compile("u", &format!("{envoy_format} %REQ(AUTHORIZATION)% %REQ(X-USER-ID)%"), Syntax::Envoy, &w)
+                .unwrap()
+                .whole_lines();
+        let line = r#"[2026-12-01T10:00:00.000Z] 1.2.3.4:1 "GET /v1/a HTTP/1.1" tok alice"#;
+        let e = f.read(&w, line.as_bytes()).unwrap();
+        assert_eq!((e.headers[0].as_deref(), e.headers[1].as_deref()), (Some(&b"alice"[..]), Some(&b"tok"[..])));
     }
 
     /// `%START_TIME(…)%` reads a line's time by its format, which says where the time ends:

@@ -361,8 +361,22 @@ fn client<'a>(src: &IpSource, peer: Option<&'a str>, xff: Option<&'a [u8]>) -> O
 /// A JSON line read as a `Value`: slower, and it says what is wrong.
 fn json_value_entry<'a>(config: &Config, text: &[u8]) -> Result<Entry<'a>, String> {
     let value: Value = serde_json::from_slice(text).map_err(|e| format!("not JSON: {e}"))?;
-    let (Some(ts), Some(path)) = (timestamp(&value["ts"]), value["path"].as_str()) else {
-        return Err("needs \"ts\" (RFC 3339 or epoch seconds) and \"path\"".to_owned());
+    let needs = || "needs \"ts\" (RFC 3339 or epoch seconds) and \"path\"".to_owned();
+    // A field that is there but cannot be read is named, with its kind or length (not its text).
+    let ts = match &value["ts"] {
+        Value::Null => return Err(needs()),
+        v => timestamp(v).ok_or_else(|| match v {
+            Value::String(s) => {
+                format!("cannot read \"ts\" ({}; RFC 3339 or epoch seconds)", logformat::bytes(s.len()))
+            }
+            Value::Number(_) => "cannot read \"ts\" (a number; epoch seconds from 1970)".to_owned(),
+            other => format!("\"ts\" is {}, not a time (RFC 3339 or epoch seconds)", kind(other)),
+        })?,
+    };
+    let path = match &value["path"] {
+        Value::String(p) => p,
+        Value::Null => return Err(needs()),
+        other => return Err(format!("\"path\" is {}, not a string", kind(other))),
     };
     let method = match &value["method"] {
         Value::Null => None,
@@ -988,6 +1002,25 @@ mod tests {
             let line = format!(r#"{{"ts": 1796119200, "path": "/a", "headers": {headers}}}"#);
             let e = json_value_entry(&config, line.as_bytes()).err().unwrap_or_else(|| panic!("{line}"));
             assert!(e.contains(says), "{line}: {e}");
+        }
+    }
+
+    /// A `ts` or `path` that is there but cannot be read is named as such, not as missing.
+    #[test]
+    fn a_json_line_says_which_of_ts_and_path_it_cannot_read() {
+        let config = config();
+        for (fields, says) in [
+            (r#""ts": "yesterday", "path": "/a""#, r#"cannot read "ts" (9 bytes; RFC 3339 or epoch seconds)"#),
+            (r#""ts": -5, "path": "/a""#, r#"cannot read "ts" (a number; epoch seconds from 1970)"#),
+            (r#""ts": [1], "path": "/a""#, r#""ts" is a list, not a time"#),
+            (r#""ts": 1796119200, "path": 5"#, r#""path" is a number, not a string"#),
+            (r#""path": "/a""#, r#"needs "ts""#),
+            (r#""ts": null, "path": "/a""#, r#"needs "ts""#),
+            (r#""ts": 1796119200"#, r#"needs "ts""#),
+        ] {
+            let line = format!("{{{fields}}}");
+            let e = json_value_entry(&config, line.as_bytes()).err().unwrap_or_else(|| panic!("{line}"));
+            assert!(e.contains(says) && !e.contains("yesterday"), "{line}: {e}");
         }
     }
 

@@ -154,6 +154,31 @@ fn check_tells_a_rules_document_from_a_rate_limit_service_file_by_its_content() 
     assert!(stdout(&o).contains("valid rate limit service configuration, 1 domain (d)"), "{}", stdout(&o));
 }
 
+/// A directory without a `.yaml` / `.yml` file holds no rate limit service configuration: not
+/// a valid one of no domains. A rules document in it is named, to be checked as one.
+#[test]
+fn check_of_a_directory_without_a_configuration_fails() {
+    let json = temp("no-yaml/rules.json", r#"{"rules": [{"name": "x"}]}"#);
+    let dir = json.trim_end_matches("/rules.json").to_owned();
+    let o = ratewall(&["check", &dir]);
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+    assert_eq!(
+        stderr(&o).trim_end(),
+        format!("{dir}: no rate limit service configuration in it (no .yaml or .yml file); to check the rules document in it: ratewall check {json}")
+    );
+    let o = ratewall(&["check", "--json", &dir]);
+    assert_eq!(o.status.code(), Some(1));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((v["valid"].as_bool(), v["errors"][0]["file"].as_str()), (Some(false), Some(dir.as_str())));
+    std::fs::remove_file(&json).unwrap();
+    let o = ratewall(&["check", &dir]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr(&o).trim_end(),
+        format!("{dir}: no rate limit service configuration in it (no .yaml or .yml file)")
+    );
+}
+
 #[test]
 fn explain_shows_the_counter_key_the_core_uses_and_why_rules_do_not_apply() {
     let rules = root("examples/rules.json");

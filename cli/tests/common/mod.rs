@@ -22,11 +22,14 @@ pub fn root(path: &str) -> String {
     format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Writes `text` to `name` in this test process's temporary directory; its path.
+/// Writes `text` to `name` (`sub/name` in a directory of its own) in this test process's
+/// temporary directory; its path.
 pub fn temp(name: &str, text: &str) -> String {
     let dir = std::env::temp_dir().join(format!("ratewall-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let p = dir.join(name);
+    // `name` may be in a directory of its own (`sub/rules.json`).
+    std::fs::create_dir_all(p.parent().unwrap_or(&dir)).unwrap();
     std::fs::write(&p, text).unwrap();
     p.to_string_lossy().into_owned()
 }
