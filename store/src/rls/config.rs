@@ -320,11 +320,11 @@ impl RlsConfig {
         let mut config = RlsConfig::default();
         for file in files(path)? {
             let name = file.display().to_string();
-            let text = std::fs::read_to_string(&file).map_err(|e| ConfigError {
+            let text = read_at_most(&file).map_err(|reason| ConfigError {
                 file: name.clone(),
                 line: None,
                 column: None,
-                reason: e.to_string(),
+                reason,
             })?;
             config.add(&name, &text)?;
         }
@@ -408,18 +408,24 @@ impl RlsConfig {
             return Err(whole(format!("duplicate domain '{domain}' (each domain is in one file)")));
         }
         // Which descriptor, found in the text (serde keeps no positions past parsing): the
-        // `nth` line naming `key`.
+        // `nth` line naming `key`. The lines naming each key are found in one pass over the
+        // text, when a first error or warning asks (not once for each: a file may warn of
+        // every descriptor).
+        let named_at: std::cell::OnceCell<HashMap<&str, Vec<usize>>> = std::cell::OnceCell::new();
         let line_of = |key: &str, nth: usize| {
-            text.lines()
-                .enumerate()
-                .filter(|(_, l)| {
+            let named_at = named_at.get_or_init(|| {
+                let mut at: HashMap<&str, Vec<usize>> = HashMap::new();
+                for (i, l) in text.lines().enumerate() {
                     let l = l.trim_start().trim_start_matches("- ").trim();
-                    let named = l.strip_prefix("key:").map(|v| v.trim().trim_matches(|c| c == '"' || c == '\''));
-                    named == Some(key)
-                })
-                .nth(nth)
-                .map(|(i, _)| i + 1)
-                .or(domain_line)
+                    if let Some(named) =
+                        l.strip_prefix("key:").map(|v| v.trim().trim_matches(|c| c == '"' || c == '\''))
+                    {
+                        at.entry(named).or_default().push(i + 1);
+                    }
+                }
+                at
+            });
+            named_at.get(key).and_then(|lines| lines.get(nth)).copied().or(domain_line)
         };
         let mut level = Level::default();
         // The rules of the files before this one first: a rule's place is its index.
@@ -520,13 +526,18 @@ fn build(
     rules: &mut Vec<Arc<Rule>>,
     unread: &mut Vec<BuildError>,
 ) -> Result<(), BuildError> {
+    let composites = descriptors.iter().map(|d| {
+        let (key, value) = (d.key.as_ref().map_or("", |k| k.0.as_str()), d.value.as_ref().map_or("", |v| v.0.as_str()));
+        composite_key(key, value)
+    });
+    let mut met = Met::new(composites.collect());
     for d in descriptors {
         let key = d.key.map(|k| k.0).unwrap_or_default();
         let value = d.value.map(|v| v.0).unwrap_or_default();
         // Descriptors of this key met so far, in file order (an approximation for nested
         // trees: enough to point at the right line in the common case).
-        let seen = level.entries.keys().filter(|k| *k == &key || k.starts_with(&format!("{key}_"))).count();
-        let composite = if value.is_empty() { key.clone() } else { format!("{key}_{value}") };
+        let seen = met.count(&key);
+        let composite = composite_key(&key, &value);
         let full_key = format!("{parent}{composite}");
         if level.entries.contains_key(&composite) {
             return Err((format!("duplicate descriptor composite key '{full_key}'"), key, seen));
@@ -583,9 +594,97 @@ fn build(
         let mut children = Level::default();
         build(&mut children, domain, &format!("{full_key}."), d.descriptors.unwrap_or_default(), rules, unread)?;
         let secret = d.secret.unwrap_or_else(|| secret_by_default(&key));
+        met.add(&composite);
         level.entries.insert(composite, Entry { rule, children, shared, secret });
     }
     Ok(())
+}
+
+/// envoyproxy/ratelimit's composite key of a descriptor: `key`, or `key_value`.
+fn composite_key(key: &str, value: &str) -> String {
+    if value.is_empty() {
+        key.to_owned()
+    } else {
+        format!("{key}_{value}")
+    }
+}
+
+/// The composite keys of one level's descriptors met so far, to count those of a key (the
+/// key itself, or one that starts with `key_`) in log n: a Fenwick tree of counts over the
+/// level's composite keys in sorted order, where those that start with `key_` are one run
+/// (from `key_` up to `key` and the byte after `_`, a backquote). A level of n descriptors
+/// takes n·log n, not the n² of scanning those met for each.
+struct Met {
+    /// Every composite key of the level, sorted, once each.
+    sorted: Vec<String>,
+    /// The Fenwick tree: `tree[i - 1]` counts those met among `sorted[i - (i & -i)..i]`.
+    tree: Vec<usize>,
+}
+
+impl Met {
+    fn new(mut composites: Vec<String>) -> Met {
+        composites.sort_unstable();
+        composites.dedup();
+        let tree = vec![0; composites.len()];
+        Met { sorted: composites, tree }
+    }
+
+    /// Counts one more met of `composite` (one of the level's).
+    fn add(&mut self, composite: &str) {
+        let Ok(at) = self.sorted.binary_search_by(|s| s.as_str().cmp(composite)) else { return };
+        let mut i = at + 1;
+        while let Some(n) = self.tree.get_mut(i - 1) {
+            *n += 1;
+            i += i & i.wrapping_neg();
+        }
+    }
+
+    /// How many met are among the first `end` in sorted order.
+    fn before(&self, end: usize) -> usize {
+        let (mut i, mut sum) = (end, 0);
+        while i > 0 {
+            sum += self.tree.get(i - 1).copied().unwrap_or(0);
+            i -= i & i.wrapping_neg();
+        }
+        sum
+    }
+
+    /// How many met are `key` or start with `key_`.
+    fn count(&self, key: &str) -> usize {
+        let rank = |bound: &str| self.sorted.partition_point(|s| s.as_str() < bound);
+        let exact = match self.sorted.binary_search_by(|s| s.as_str().cmp(key)) {
+            Ok(at) => self.before(at + 1) - self.before(at),
+            Err(_) => 0,
+        };
+        let (from, to) = (rank(&format!("{key}_")), rank(&format!("{key}`")));
+        exact + self.before(to) - self.before(from)
+    }
+}
+
+/// The most bytes one configuration file may hold: far past a real one (40,000 descriptors
+/// take under 3 MiB), and a bound on what a path to an endless file (`/dev/zero`, a pipe) or a
+/// mistaken one makes the service and `ratewall check` read.
+pub const MAX_FILE: usize = 16 << 20;
+
+/// A file's text, read to at most [`MAX_FILE`] bytes and one more (never all of an endless
+/// input): `Err` the reason when it cannot be read, holds more or is not UTF-8.
+fn read_at_most(file: &Path) -> Result<String, String> {
+    use std::io::Read as _;
+    let f = std::fs::File::open(file).map_err(|e| e.to_string())?;
+    let mut bytes = Vec::new();
+    let limit = u64::try_from(MAX_FILE).unwrap_or(u64::MAX).saturating_add(1);
+    f.take(limit).read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+    if bytes.len() > MAX_FILE {
+        // A file says its size; what does not (a device, a pipe) is at least one byte over.
+        let size = std::fs::metadata(file).ok().filter(std::fs::Metadata::is_file).map(|m| m.len());
+        let has = size.map_or_else(|| format!("more than {MAX_FILE}"), |n| n.to_string());
+        return Err(format!(
+            "has {has} bytes; at most {MAX_FILE} ({} MiB) are read from a configuration file",
+            MAX_FILE >> 20
+        ));
+    }
+    // As `read_to_string` says it.
+    String::from_utf8(bytes).map_err(|_| "stream did not contain valid UTF-8".to_owned())
 }
 
 /// The YAML files `path` names.
@@ -1436,6 +1535,57 @@ mod tests {
             assert!(e.reason.contains(why), "{text}: {e}");
             assert_eq!(e.line, Some(line).filter(|l| *l > 0), "{text}: {e}");
         }
+    }
+
+    /// The count of a key's descriptors met that points an error at its line is the one a
+    /// scan of those met gives: the key itself, or a composite key that starts with `key_`.
+    #[test]
+    fn descriptors_met_are_counted_as_a_scan_counts_them() {
+        let mut met: Vec<(&str, String)> = [
+            ("user", "a"),
+            ("user", ""),
+            ("user_a_b", ""),
+            ("user", "b_c"),
+            ("users", "x"),
+            ("user`", ""),
+            ("use", "r_z"),
+            ("", "q"),
+            ("_", ""),
+            ("user", "*"),
+            ("a", "\u{e9}"),
+            ("a_", ""),
+        ]
+        .map(|(k, v)| (k, v.to_owned()))
+        .into();
+        // And enough more (none twice, as a level has none), for a tree of some depth.
+        let more = ["user", "user_a", "a", "b", "use", "_"];
+        met.extend((0..300u32).map(|i| (more[(i * 7 % 6) as usize], ((i * 37) % 101).to_string())));
+        let composites = met.iter().map(|(k, v)| composite_key(k, v)).collect();
+        let mut counted = Met::new(composites);
+        let keys = ["user", "user_a", "use", "users", "user`", "", "_", "a", "a_", "b"];
+        for (n, (k, v)) in met.iter().enumerate() {
+            for key in keys {
+                let scan = met[..n]
+                    .iter()
+                    .map(|(k, v)| composite_key(k, v))
+                    .filter(|c| c == key || c.starts_with(&format!("{key}_")))
+                    .count();
+                assert_eq!(counted.count(key), scan, "{key:?} after {n}");
+            }
+            counted.add(&composite_key(k, v));
+        }
+    }
+
+    /// A file is read to its limit and no further: a path to an endless one is refused, not
+    /// read until memory runs out.
+    #[cfg(unix)]
+    #[test]
+    fn a_file_past_the_limit_is_refused() {
+        let e = RlsConfig::load(Path::new("/dev/zero")).unwrap_err();
+        assert_eq!(
+            e.reason,
+            format!("has more than {MAX_FILE} bytes; at most {MAX_FILE} (16 MiB) are read from a configuration file")
+        );
     }
 
     #[test]
