@@ -105,7 +105,7 @@ pub fn schema() -> Value {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://github.com/ratewall/ratewall/rules.schema.json",
         "title": "ratewall rules",
-        "description": "Rate-limit rules for ratewall's proxy-wasm filter, Cloudflare Worker and CLI. Unknown fields are errors, and so is a key repeated in one object. ratewall also refuses what this schema cannot say: a key dimension that is neither ip nor one identity defines, two rules of one name, a leaky bucket's delay above its burst, a cost above a limit's capacity, a token bucket that takes over 100 years to refill, durations past their field's range (per at most 366d), a match path over 1,024 bytes, numbers written with a fraction or an exponent (1.0, 1e3), and a document over 1 MiB. Per-plan limits need a plan dimension under identity (the default identity has one).",
+        "description": "Rate-limit rules for ratewall's proxy-wasm filter, Cloudflare Worker and CLI. Unknown fields are errors, and so is a key repeated in one object. ratewall also refuses what this schema cannot say: a key dimension that is neither ip nor one identity defines, two rules of one name, a leaky bucket's delay above its burst, a cost above a limit's capacity, a token bucket that takes over 100 years to refill, durations past their field's range (per at most 366d), a match path over 1,024 bytes, numbers that are not whole as written (1.5, and 5.0000000000000001, which a float reads as 5; 5.0 and 1e3 are whole, and taken), and a document over 1 MiB. Per-plan limits need a plan dimension under identity (the default identity has one).",
         "type": "object",
         "additionalProperties": false,
         "required": ["rules"],
@@ -285,6 +285,25 @@ pub fn text() -> String {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
     use super::*;
+
+    /// What the description says of numbers is what the parser does: it refuses a number that
+    /// is not whole as written, and takes a whole one written with a fraction or an exponent.
+    #[test]
+    fn the_description_says_which_numbers_the_parser_refuses() {
+        let description = schema()["description"].as_str().unwrap().to_owned();
+        let doc = |n: &str| {
+            format!(r#"{{"rules": [{{"name": "a", "key": ["ip"], "limit": {{"requests": {n}, "per": "1s"}}}}]}}"#)
+        };
+        for refused in ["1.5", "5.0000000000000001"] {
+            assert!(description.contains(&format!("{refused},")), "{description}");
+            assert!(ratewall_core::Config::parse(doc(refused).as_bytes()).is_err(), "{refused}");
+        }
+        for whole in ["5.0", "1e3"] {
+            assert!(description.contains(&format!("{whole} ")), "{description}");
+            let config = ratewall_core::Config::parse(doc(whole).as_bytes()).unwrap();
+            assert_eq!(config.rules[0].limit.requests(), whole.parse::<f64>().unwrap() as u64, "{whole}");
+        }
+    }
 
     #[test]
     fn the_committed_schema_is_current() {

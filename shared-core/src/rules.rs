@@ -312,8 +312,19 @@ fn duration_field(v: &Value, path: &str, min: Nanos, max: Nanos) -> Result<Nanos
     let s = string(v, path)?;
     match parse_duration(s) {
         Some(d) if (min..=max).contains(&d) => Ok(d),
-        Some(_) => err(path, format!("{} is out of range", quoted(s))),
+        // The range, as `per`'s message states its own.
+        Some(_) => err(path, format!("{} must be between {} and {}", quoted(s), written(min), written(max))),
         None => err(path, format!("{} is not a duration (like 50ms, 1s)", quoted(s))),
+    }
+}
+
+/// A duration as a document writes it, in the largest unit that gives a whole number, as the
+/// schema states the ranges (minutes as seconds): `10ms`, `60s`, `1h`.
+fn written(d: Nanos) -> String {
+    let units = [("d", 86_400_000_000_000), ("h", 3_600_000_000_000), ("s", 1_000_000_000)];
+    match units.iter().find(|(_, scale)| d.is_multiple_of(*scale) && d >= *scale) {
+        Some((unit, scale)) => format!("{}{unit}", d / scale),
+        None => format!("{}ms", d / 1_000_000),
     }
 }
 
@@ -493,7 +504,14 @@ impl Config {
             if let Some(v) = o.get("hash_seed") {
                 filter.hash_seed = match v {
                     Value::String(s) => crate::hash::fnv1a(s.as_bytes()),
-                    Value::Number(_) => bounded(v, "filter.hash_seed", 0, u64::MAX)?,
+                    // A secret (docs/rules.md): its value is not shown, not even when refused.
+                    Value::Number(_) => v.as_whole().ok_or_else(|| ConfigError {
+                        path: "filter.hash_seed".into(),
+                        reason: format!(
+                            "must be a string or a whole number from 0 to {} (its value is not shown)",
+                            u64::MAX
+                        ),
+                    })?,
                     _ => return err("filter.hash_seed", "must be a string or an integer"),
                 };
             }
@@ -1172,6 +1190,36 @@ mod tests {
         assert_eq!((s.timeout, s.max_wait), (80_000_000, 5_000_000));
         let e = Config::parse(doc(r#"{"cluster":"s","secret":"0123456789abcdef","max_wait":"soon"}"#).as_bytes());
         assert_eq!(e.unwrap_err().path, "sync.max_wait");
+    }
+
+    /// A duration out of its field's range is refused with the range, as `per` states its own.
+    #[test]
+    fn a_duration_out_of_range_says_the_range() {
+        let sync = |field: &str| {
+            let doc = format!(r#"{{"rules":[],"sync":{{"cluster":"s","secret":"0123456789abcdef",{field}}}}}"#);
+            Config::parse(doc.as_bytes()).unwrap_err().to_string()
+        };
+        assert_eq!(sync(r#""interval":"61s""#), r#"sync.interval: "61s" must be between 10ms and 60s"#);
+        assert_eq!(sync(r#""timeout":"0ms""#), r#"sync.timeout: "0ms" must be between 1ms and 10s"#);
+        assert_eq!(sync(r#""stale_after":"5ms""#), r#"sync.stale_after: "5ms" must be between 10ms and 1h"#);
+        assert_eq!(sync(r#""max_wait":"11s""#), r#"sync.max_wait: "11s" must be between 1ms and 10s"#);
+        let doc = r#"{"rules":[{"name":"c","key":["ip"],"limit":{"concurrent":1,"hold_max":"2h"}}]}"#;
+        let e = Config::parse(doc.as_bytes()).unwrap_err().to_string();
+        assert_eq!(e, r#"rules[0].limit.hold_max: "2h" must be between 1ms and 1h"#);
+        assert_eq!((written(1_500_000_000), written(90 * 60 * 1_000_000_000)), ("1500ms".into(), "5400s".into()));
+    }
+
+    /// `filter.hash_seed` is a secret: a value refused is not shown in the error.
+    #[test]
+    fn a_refused_hash_seed_is_not_shown() {
+        for seed in ["12345678901234567.5", "-12345678901234567", "123456789012345678901"] {
+            let doc = format!(r#"{{"rules":[],"filter":{{"hash_seed":{seed}}}}}"#);
+            let e = Config::parse(doc.as_bytes()).unwrap_err();
+            assert_eq!(e.path, "filter.hash_seed");
+            assert!(!e.reason.contains("12345678901234567"), "{e}");
+        }
+        let doc = r#"{"rules":[],"filter":{"hash_seed":12345678901234567.0}}"#;
+        assert_eq!(Config::parse(doc.as_bytes()).unwrap().filter.hash_seed, 12_345_678_901_234_567);
     }
 
     #[test]
