@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::{Cas, Kv, Unheard, NODE_TTL};
-use ratewall_core::sync::{Registry, SyncError, MAX_REQUEST_SKEW};
+use ratewall_core::sync::{Registry, SyncError, CUT_OFF_SILENCE, MAX_REQUEST_SKEW};
 use ratewall_core::Nanos;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -54,15 +54,17 @@ impl Kv for FakeKv {
         values.insert(key.to_owned(), new.to_vec());
         Ok(Cas::Written(now))
     }
-    async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<u32, Unheard> {
+    async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<(u32, Vec<u64>), Unheard> {
         let now = self.now.load(Ordering::Relaxed);
         if sent.abs_diff(now) > MAX_REQUEST_SKEW {
             return Err(Unheard::Skewed(now));
         }
-        self.registry.lock().unwrap().heard(now, node, seq, !batch, NODE_TTL).map_err(|e| match e {
+        let mut registry = self.registry.lock().unwrap();
+        let nodes = registry.heard(now, node, seq, !batch, NODE_TTL).map_err(|e| match e {
             SyncError::Stale { last } => Unheard::Older(last),
             _ => Unheard::Failed,
-        })
+        })?;
+        Ok((nodes, registry.heard_within(now, CUT_OFF_SILENCE)))
     }
     async fn present(&self, node: u64) -> Result<u32, String> {
         let now = self.op()?;

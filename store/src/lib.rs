@@ -69,7 +69,9 @@ pub enum Cas {
 /// order is numeric order), `KEYS[2]` a sorted set node → last heard (ms of the key's
 /// clock). `ARGV`: node, seq, "1" for a batch (checked and moved) or "0" for an ask, the node
 /// TTL and the seq memory in ms, the request's time and the most it may be from the key's
-/// clock, in ms. Returns `{nodes heard within the TTL, ""}`, `{-1, latest seq}` for a batch
+/// clock, in ms, the silence after which a node counts as not heard lately and the most such
+/// nodes named, latest first. Returns `{nodes heard within the TTL, "", the nodes heard
+/// lately...}` (for [`Counter::heard_lately`]), `{-1, latest seq}` for a batch
 /// older than the node's latest, or `{-2, the clock in ms}` for a request made too far from
 /// it (nothing is changed then). The time is checked here, at the clock the registry's memory
 /// runs on, so that every request it accepts is one whose `seq` it remembers.
@@ -82,7 +84,9 @@ redis.call('ZADD', KEYS[2], now, ARGV[1]) \
 local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[5]), 'LIMIT', 0, 100) \
 for _, n in ipairs(gone) do redis.call('HDEL', KEYS[1], n) redis.call('ZREM', KEYS[2], n) end \
 redis.call('PEXPIRE', KEYS[1], ARGV[5]) redis.call('PEXPIRE', KEYS[2], ARGV[5]) \
-return {redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf'), ''}";
+local out = {redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf'), ''} \
+for _, n in ipairs(redis.call('ZREVRANGEBYSCORE', KEYS[2], '+inf', '(' .. (now - tonumber(ARGV[8])), 'LIMIT', 0, tonumber(ARGV[9]))) \
+do out[#out + 1] = n end return out";
 
 /// The rate limit service's processes: `KEYS[1]` a sorted set process → last heard (ms of the
 /// key's clock). `ARGV`: the process's node id and the time a process counts for after it was
@@ -123,9 +127,15 @@ pub trait Kv: Send + Sync {
         new: &[u8],
         ttl_ms: u64,
     ) -> impl Future<Output = Result<Cas, String>> + Send;
-    /// The registry, for a request made at `sent` (the node's clock): `Ok(nodes)`, or why not.
-    fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos)
-        -> impl Future<Output = Result<u32, Unheard>> + Send;
+    /// The registry, for a request made at `sent` (the node's clock): `Ok(nodes heard within
+    /// the TTL, the nodes heard lately)`, or why not.
+    fn heard(
+        &self,
+        node: u64,
+        seq: u64,
+        batch: bool,
+        sent: Nanos,
+    ) -> impl Future<Output = Result<(u32, Vec<u64>), Unheard>> + Send;
     /// Notes rate limit service process `node` as heard now ([`PRESENT`]): the processes
     /// heard within [`NODE_TTL`], this one included.
     fn present(&self, node: u64) -> impl Future<Output = Result<u32, String>> + Send;
@@ -468,7 +478,7 @@ impl<K: Kv> Store<K> {
     async fn apply(&self, req: &SyncRequest) -> Result<SyncResponse, Answer> {
         // The registry first: a request made too far from Redis's clock, and an older batch,
         // are refused before any counter sees them.
-        let nodes = match self.kv.heard(req.node, req.seq, !req.ask, req.sent).await {
+        let (nodes, lately) = match self.kv.heard(req.node, req.seq, !req.ask, req.sent).await {
             Ok(n) => n,
             Err(Unheard::Older(last)) => return Err(Answer::error(409, reason::older(req.seq, last))),
             Err(Unheard::Skewed(now)) => {
@@ -480,7 +490,7 @@ impl<K: Kv> Store<K> {
                 return Err(Answer::error(503, reason::REGISTRY_FAILED));
             }
         };
-        let updates = req.deltas.iter().map(|d| self.update(req, &d.key, d.limit, d.units));
+        let updates = req.deltas.iter().map(|d| self.update(req, &d.key, d.limit, d.units, &lately));
         let results = join_all(updates).await;
         let mut grants = Vec::with_capacity(results.len());
         let mut now = 0;
@@ -520,6 +530,7 @@ impl<K: Kv> Store<K> {
         key: &[u8],
         limit: Limit,
         units: u64,
+        lately: &[u64],
     ) -> Result<(ratewall_core::sync::Applied, Nanos, Option<Nanos>), Answer> {
         let rkey = redis_key(key);
         let turn: Option<Turn> =
@@ -528,7 +539,7 @@ impl<K: Kv> Store<K> {
             Some(t) => Some(t.lock().await),
             None => None,
         };
-        let result = self.update_locked(req, &rkey, limit, units).await;
+        let result = self.update_locked(req, &rkey, limit, units, lately).await;
         if let Ok(mut busy) = self.busy.lock() {
             // Forgotten once no other call waits for it (the map holds only counters in use).
             if busy.get(&rkey).is_some_and(|t| std::sync::Arc::strong_count(t) <= 2) {
@@ -544,6 +555,7 @@ impl<K: Kv> Store<K> {
         rkey: &str,
         limit: Limit,
         units: u64,
+        lately: &[u64],
     ) -> Result<(ratewall_core::sync::Applied, Nanos, Option<Nanos>), Answer> {
         let unavailable = |m: &Metrics| {
             m.redis_errors.fetch_add(1, Ordering::Relaxed);
@@ -577,6 +589,7 @@ impl<K: Kv> Store<K> {
                     }
                 },
             };
+            counter.heard_lately(lately);
             let a = if req.ask {
                 counter.ask(limit, now, req.node, req.seq, units, NODE_TTL)
             } else {

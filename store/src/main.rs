@@ -135,7 +135,13 @@ impl Kv for LazyKv {
     async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<ratewall_store::Cas, String> {
         self.get().await.ok_or("Redis unreachable")?.cas(key, old, new, ttl_ms).await
     }
-    async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<u32, ratewall_store::Unheard> {
+    async fn heard(
+        &self,
+        node: u64,
+        seq: u64,
+        batch: bool,
+        sent: Nanos,
+    ) -> Result<(u32, Vec<u64>), ratewall_store::Unheard> {
         self.get().await.ok_or(ratewall_store::Unheard::Failed)?.heard(node, seq, batch, sent).await
     }
     async fn present(&self, node: u64) -> Result<u32, String> {

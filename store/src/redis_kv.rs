@@ -3,7 +3,7 @@
 //! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
 
 use crate::{Cas, Kv, Unheard, APPEND, CAS, NODE_TTL, PRESENT, PRESENT_KEY, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS};
-use ratewall_core::sync::{MAX_REQUEST_SKEW, SEQ_MEMORY};
+use ratewall_core::sync::{CUT_OFF_SILENCE, MAX_HEARD_LATELY, MAX_REQUEST_SKEW, SEQ_MEMORY};
 use ratewall_core::Nanos;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
@@ -130,7 +130,7 @@ impl Kv for RedisKv {
         }
     }
 
-    async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<u32, Unheard> {
+    async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<(u32, Vec<u64>), Unheard> {
         let args = [
             node.to_string().into_bytes(),
             format!("{seq:020}").into_bytes(),
@@ -139,6 +139,8 @@ impl Kv for RedisKv {
             (SEQ_MEMORY / 1_000_000).to_string().into_bytes(),
             (sent / 1_000_000).to_string().into_bytes(),
             (MAX_REQUEST_SKEW / 1_000_000).to_string().into_bytes(),
+            (CUT_OFF_SILENCE / 1_000_000).to_string().into_bytes(),
+            MAX_HEARD_LATELY.to_string().into_bytes(),
         ];
         let Ok(Value::Array(parts)) = self.run(&self.registry, &REGISTRY_KEYS, &args).await else {
             return Err(Unheard::Failed);
@@ -155,7 +157,18 @@ impl Kv for RedisKv {
                 let now_ms = parts.get(1).and_then(int).and_then(|ms| u64::try_from(ms).ok());
                 Err(now_ms.map_or(Unheard::Failed, |ms| Unheard::Skewed(ms.saturating_mul(1_000_000))))
             }
-            Some(n) => Ok(u32::try_from(n).unwrap_or(u32::MAX)),
+            Some(n) => {
+                // Ids a node could not have sent are skipped: the list only spares nodes.
+                let lately = parts
+                    .iter()
+                    .skip(2)
+                    .filter_map(|v| match v {
+                        Value::BulkString(b) => std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()),
+                        _ => None,
+                    })
+                    .collect();
+                Ok((u32::try_from(n).unwrap_or(u32::MAX), lately))
+            }
             None => Err(Unheard::Failed),
         }
     }

@@ -62,6 +62,9 @@ fn main() {
         Scenario { name: "even20_rtt20", spread: Spread::Even, rtt: 20 * MS, ..base.clone() },
         Scenario { name: "even20_rtt80", spread: Spread::Even, rtt: 80 * MS, ..base.clone() },
         Scenario { name: "zipf100_rtt20", nodes: 100, rtt: 20 * MS, ..base.clone() },
+        // Each client on one node at a time, moving on after 5 s on average (keep-alive
+        // connections through a load balancer).
+        Scenario { name: "sticky5s20_rtt20", spread: Spread::Sticky(5 * SECOND), rtt: 20 * MS, ..base.clone() },
         // The rules' default algorithms (sliding window; token bucket when `burst` is given),
         // and every rule exact.
         Scenario { name: "zipf20_rtt20_sliding", rtt: 20 * MS, algorithm: "sliding_window", ..base.clone() },

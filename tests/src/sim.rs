@@ -43,6 +43,10 @@ pub enum Spread {
     Even,
     /// All on node 0.
     OneNode,
+    /// Each counter's client on one node at a time, as a client's keep-alive connection is
+    /// through a load balancer: it moves to another node (drawn alike) after a stay of this
+    /// many ns on average (exponentially distributed).
+    Sticky(u64),
 }
 
 /// One scenario.
@@ -290,6 +294,13 @@ pub fn cut_off(name: &'static str) -> Scenario {
     }
 }
 
+/// [`past_the_quota`]'s fleet offered 1.5× the limit over 4 windows by one client whose
+/// connection moves from node to node (every 1.5 s on average), as a keep-alive connection
+/// through a load balancer does: every node stays in reach of the store.
+pub fn moving_client(name: &'static str) -> Scenario {
+    Scenario { load: 1.5, windows: 4, spread: Spread::Sticky(1_500 * MS), seed: 11, ..past_the_quota(name) }
+}
+
 /// Runs a scenario against the reference store.
 pub fn run(s: &Scenario) -> wasmtime::Result<Report> {
     run_with(s, &Backend::Reference)
@@ -336,12 +347,14 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
     let weights: Vec<f64> = (0..s.nodes)
         .map(|i| match s.spread {
             Spread::Zipf => 1.0 / (i as f64 + 1.0),
-            Spread::Even => 1.0,
+            Spread::Even | Spread::Sticky(_) => 1.0,
             Spread::OneNode => f64::from(u8::from(i == 0)),
         })
         .collect();
     let total_w: f64 = weights.iter().sum();
     let pick_node = |rng: &mut Rng| weighted(rng, &weights, total_w);
+    // For a sticky spread: each counter's node and until when it stays there.
+    let mut stays: Vec<(usize, u64)> = vec![(0, 0); s.keys];
     let interval = 100 * MS;
     let per_window = (s.limit as f64 * s.load).round() as u64;
     let total_requests = per_window * s.keys as u64 * s.windows;
@@ -396,7 +409,15 @@ pub fn run_with(s: &Scenario, backend: &Backend<'_>) -> wasmtime::Result<Report>
             next_tick += interval;
         }
         let key = (i % s.keys as u64) as usize;
-        let n = pick_node(&mut w.rng);
+        let n = match s.spread {
+            Spread::Sticky(stay) => {
+                if stays[key].1 <= t {
+                    stays[key] = (pick_node(&mut w.rng), t + w.rng.wait(1.0 / stay as f64));
+                }
+                stays[key].0
+            }
+            _ => pick_node(&mut w.rng),
+        };
         let v = w.rng.below(s.vms as u64) as usize;
         let (node, vms, skew) = &mut w.fleet[n];
         node.set_time(t.saturating_add_signed(*skew));

@@ -7,7 +7,7 @@ use ratewall_core::sync::Store;
 use ratewall_core::SECOND;
 use ratewall_tests::host::{HttpRequest, Node, Plugin, Started, Vm};
 use ratewall_tests::sim::{
-    answer_from, bound_pct, cut_off, past_the_quota, request_with, run, Faults, Scenario, Spread, SECRET,
+    answer_from, bound_pct, cut_off, moving_client, past_the_quota, request_with, run, Faults, Scenario, Spread, SECRET,
 };
 
 fn small(name: &'static str) -> Scenario {
@@ -564,6 +564,16 @@ fn the_store_holds_the_part_of_a_node_cut_off_from_it() {
     assert!(r.overadmission_pct <= 6.0, "{r:?}");
     assert!(r.overadmission_max_pct <= 10.0, "{r:?}");
     assert!(r.false_denial_pct <= 10.0, "{r:?}");
+}
+
+#[test]
+fn a_client_that_moves_between_nodes_keeps_its_limit() {
+    let r = run(&moving_client("moving_client")).unwrap();
+    println!("{r:?}");
+    // The node it left falls silent on its counter, as one cut off from the store does, but
+    // the store hears it on its heartbeats: nothing is held for it.
+    assert!(r.admitted >= 4 * 57, "about the limit in each window: {r:?}");
+    assert!(r.overadmission_max_pct <= bound_pct(&moving_client("")), "{r:?}");
 }
 
 #[test]

@@ -254,6 +254,10 @@ pub struct Counter {
     pub(super) exact: bool,
     /// Units counted from nodes' batches, asks and takes, all told (see [`Counter::cut_off`]).
     reported: u64,
+    /// The nodes the store heard from on any counter within [`CUT_OFF_SILENCE`], sorted, as
+    /// its registry says for the call at hand ([`Counter::heard_lately`]); `None` when it
+    /// cannot say. Not stored: it is the registry's, not the counter's.
+    heard: Option<Vec<u64>>,
 }
 
 impl Counter {
@@ -267,7 +271,19 @@ impl Counter {
             rate: (0, 0, 0),
             exact: false,
             reported: 0,
+            heard: None,
         }
+    }
+
+    /// Tells the counter, for the call at hand, which filter nodes the store heard from on
+    /// any counter within [`CUT_OFF_SILENCE`] (its registry; a list cut short names no node
+    /// wrongly, it only names fewer). A node among them is not out of reach of the store,
+    /// however silent on this counter: its client moved to another node, or went quiet, and
+    /// nothing is held for it ([`Counter::cut_off`]).
+    pub fn heard_lately(&mut self, nodes: &[u64]) {
+        let mut nodes = nodes.to_vec();
+        nodes.sort_unstable();
+        self.heard = Some(nodes);
     }
 
     fn clock(&mut self, limit: Limit, now: Nanos) -> Nanos {
@@ -614,7 +630,8 @@ impl Counter {
     /// (without: 8.1 % / 16.5 % at a hold of the bare part).
     ///
     /// A node is taken as cut off when it has been silent on the counter for
-    /// [`CUT_OFF_SILENCE`], its lease is over, and the units the others reported meanwhile
+    /// [`CUT_OFF_SILENCE`], its lease is over, the store has heard nothing from it on any
+    /// counter for as long (where the store can say: [`Counter::heard_lately`]), and the units the others reported meanwhile
     /// say it would have had at least [`CUT_OFF_EXPECTED`] to report at its part of the
     /// counter's traffic ([`Share::part`]); once one is, the others at
     /// [`CUT_OFF_EXPECTED_BESIDE`]. Its part of the quota is held until it reports
@@ -643,6 +660,7 @@ impl Counter {
                 .iter()
                 .filter(|s| Some(s.node) != except && s.until <= now)
                 .filter(|s| now.saturating_sub(s.seen) >= CUT_OFF_SILENCE)
+                .filter(|s| self.heard.as_ref().is_none_or(|heard| heard.binary_search(&s.node).is_err()))
                 .filter_map(|s| {
                     // Its part of the counter's units as of its last batch.
                     let mine = s.weighed_part(quota);
@@ -942,6 +960,6 @@ impl Counter {
         if r.pos != bytes.len() {
             return Err(DecodeError::Truncated);
         }
-        Ok(Counter { limit, state, shares, last_seen, rate, exact, reported })
+        Ok(Counter { limit, state, shares, last_seen, rate, exact, reported, heard: None })
     }
 }

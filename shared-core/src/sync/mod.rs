@@ -71,11 +71,11 @@ pub(crate) fn counted_units(
 }
 
 pub use counter::{
-    Applied, Counter, ASK_LEASE, MAX_LEASE, MAX_SHARES, REPORT_GRACE, RETRY_HORIZON, ROOM_UNIT_FREE,
+    Applied, Counter, ASK_LEASE, CUT_OFF_SILENCE, MAX_LEASE, MAX_SHARES, REPORT_GRACE, RETRY_HORIZON, ROOM_UNIT_FREE,
     ROOM_UNIT_FREE_EXACT, SEQ_MEMORY,
 };
 pub use out::{Out, MAX_OUT};
-pub use registry::{Registry, MAX_NODES};
+pub use registry::{Registry, MAX_HEARD_LATELY, MAX_NODES};
 pub use store::Store;
 pub use wire::{
     Delta, Grant, RuleTop, SyncError, SyncRequest, SyncResponse, TopSection, MAX_ENTRIES, MAX_KEY, MAX_REASON,

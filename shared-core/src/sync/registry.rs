@@ -4,6 +4,7 @@ use super::counter::SEQ_MEMORY;
 use super::wire::SyncError;
 use crate::algo::Nanos;
 use alloc::collections::BTreeMap;
+use alloc::vec::Vec;
 
 /// The nodes a store has heard from: the `nodes` it answers, and each node's latest batch
 /// `seq`, by which it refuses an older one. Every store keeps one (the reference store in
@@ -17,6 +18,10 @@ pub struct Registry {
 
 /// Most nodes a [`Registry`] keeps (the least recently heard from go first).
 pub const MAX_NODES: usize = 10_000;
+/// Most nodes a store names to a counter as heard from lately
+/// ([`Counter::heard_lately`](super::Counter::heard_lately)); beyond, a counter tells the
+/// others' silence by its own traffic alone.
+pub const MAX_HEARD_LATELY: usize = 1_000;
 
 impl Registry {
     /// Notes that `node` sent a batch (`ask` false: its `seq` must not be older than its
@@ -40,5 +45,18 @@ impl Registry {
         self.nodes.retain(|_, (_, seen)| now.saturating_sub(*seen) <= SEQ_MEMORY);
         let active = self.nodes.values().filter(|(_, seen)| now.saturating_sub(*seen) <= node_ttl).count();
         Ok(u32::try_from(active).unwrap_or(u32::MAX))
+    }
+
+    /// The nodes heard from within `within` of `now` (at most [`MAX_HEARD_LATELY`], the latest
+    /// first).
+    pub fn heard_within(&self, now: Nanos, within: Nanos) -> Vec<u64> {
+        let mut recent: Vec<(Nanos, u64)> = self
+            .nodes
+            .iter()
+            .filter(|(_, (_, seen))| now.saturating_sub(*seen) < within)
+            .map(|(node, (_, seen))| (*seen, *node))
+            .collect();
+        recent.sort_unstable_by(|a, b| b.cmp(a));
+        recent.into_iter().take(MAX_HEARD_LATELY).map(|(_, node)| node).collect()
     }
 }

@@ -70,12 +70,14 @@ impl Store {
     pub fn handle(&mut self, now: Nanos, req: &SyncRequest) -> Result<SyncResponse, SyncError> {
         let ttl = self.node_ttl;
         let nodes = self.registry.heard(now, req.node, req.seq, req.ask, ttl)?;
+        let heard = self.registry.heard_within(now, super::CUT_OFF_SILENCE);
         let mut grants = Vec::with_capacity(req.deltas.len());
         for d in &req.deltas {
             if !self.counters.contains_key(&d.key) && self.counters.len() >= self.max_counters {
                 self.evict_oldest();
             }
             let c = self.counters.entry(d.key.clone()).or_insert_with(|| Counter::new(d.limit));
+            c.heard_lately(&heard);
             let a = if req.ask {
                 c.ask(d.limit, now, req.node, req.seq, d.units, ttl)
             } else {

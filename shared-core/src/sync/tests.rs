@@ -801,6 +801,28 @@ fn a_filter_node_that_stops_reporting_while_the_others_go_on_has_its_share_held(
 }
 
 #[test]
+fn a_node_silent_on_a_counter_but_heard_on_others_is_not_held_for() {
+    // Node 1's client moves to node 2: node 1 falls silent on this counter, node 2 reports
+    // its traffic too, and the store still hears node 1 on other counters.
+    let (mut c, limit, t) = cut_off_fleet();
+    for i in 1..=10u64 {
+        let at = t + i * 300 * MS_;
+        c.heard_lately(&[3, 2, 1]);
+        c.apply(limit, at, 2, 25 + i, 3, 2 * SECOND);
+        c.apply(limit, at, 3, 25 + i, 1, 2 * SECOND);
+    }
+    let at = t + 3_100 * MS_;
+    assert_eq!(c.cut_off(at, None), 0, "node 1 is heard: nothing held");
+    let a = c.apply(limit, at, 2, 36, 0, 2 * SECOND);
+    assert_eq!(a.remaining, 60, "all that remains is there to grant: {a:?}");
+    // Where the store has not heard node 1 lately, or cannot say, its part is held.
+    c.heard_lately(&[2, 3]);
+    assert!(c.cut_off(at, None) >= 45, "held {}", c.cut_off(at, None));
+    let unknown = Counter::decode(limit, &c.encode()).unwrap();
+    assert_eq!(unknown.cut_off(at, None), c.cut_off(at, None), "what the store heard is not stored");
+}
+
+#[test]
 fn a_silent_node_is_not_held_for_when_the_others_report_too_little_or_a_node_takes_its_traffic() {
     let (mut c, limit, t) = cut_off_fleet();
     // The others report 2 units in 3 s: node 1 would have had 2, too few to tell.
