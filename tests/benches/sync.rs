@@ -65,6 +65,14 @@ fn main() {
         // Each client on one node at a time, moving on after 5 s on average (keep-alive
         // connections through a load balancer).
         Scenario { name: "sticky5s20_rtt20", spread: Spread::Sticky(5 * SECOND), rtt: 20 * MS, ..base.clone() },
+        Scenario {
+            name: "sticky5s20_rtt20_under",
+            spread: Spread::Sticky(5 * SECOND),
+            rtt: 20 * MS,
+            load: 0.8,
+            ..base.clone()
+        },
+        Scenario { name: "zipf20_rtt20_under", rtt: 20 * MS, load: 0.8, ..base.clone() },
         // The rules' default algorithms (sliding window; token bucket when `burst` is given),
         // and every rule exact.
         Scenario { name: "zipf20_rtt20_sliding", rtt: 20 * MS, algorithm: "sliding_window", ..base.clone() },
