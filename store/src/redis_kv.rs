@@ -28,7 +28,15 @@ pub struct RedisKv {
     present: Script,
     append: Script,
     read_after: Script,
+    /// The nodes the registry last named as heard lately, and when: named again at most every
+    /// [`LATELY_EVERY`], for they are up to [`MAX_HEARD_LATELY`] ids per call.
+    lately: std::sync::Arc<std::sync::Mutex<(Option<std::time::Instant>, std::sync::Arc<Vec<u64>>)>>,
 }
+
+/// How long the nodes heard lately are reused for the batches after them: each call naming
+/// them all would cost a fleet's store calls its size in ids; reused a quarter of a second, a
+/// node is taken as heard lately up to [`CUT_OFF_SILENCE`] and that long more.
+const LATELY_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
 impl RedisKv {
     /// Connects: to `urls[0]`, or with `cluster` to the Cluster those nodes belong to.
@@ -53,6 +61,7 @@ impl RedisKv {
             present: Script::new(PRESENT),
             append: Script::new(APPEND),
             read_after: Script::new(READ_AFTER),
+            lately: Default::default(),
         })
     }
 
@@ -131,6 +140,10 @@ impl Kv for RedisKv {
     }
 
     async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<(u32, Vec<u64>), Unheard> {
+        let cached = self.lately.lock().ok().and_then(|l| match l.0 {
+            Some(at) if at.elapsed() < LATELY_EVERY => Some(std::sync::Arc::clone(&l.1)),
+            _ => None,
+        });
         let args = [
             node.to_string().into_bytes(),
             format!("{seq:020}").into_bytes(),
@@ -140,7 +153,7 @@ impl Kv for RedisKv {
             (sent / 1_000_000).to_string().into_bytes(),
             (MAX_REQUEST_SKEW / 1_000_000).to_string().into_bytes(),
             (CUT_OFF_SILENCE / 1_000_000).to_string().into_bytes(),
-            MAX_HEARD_LATELY.to_string().into_bytes(),
+            (if cached.is_some() { 0 } else { MAX_HEARD_LATELY }).to_string().into_bytes(),
         ];
         let Ok(Value::Array(parts)) = self.run(&self.registry, &REGISTRY_KEYS, &args).await else {
             return Err(Unheard::Failed);
@@ -159,7 +172,7 @@ impl Kv for RedisKv {
             }
             Some(n) => {
                 // Ids a node could not have sent are skipped: the list only spares nodes.
-                let lately = parts
+                let lately: Vec<u64> = parts
                     .iter()
                     .skip(2)
                     .filter_map(|v| match v {
@@ -167,6 +180,15 @@ impl Kv for RedisKv {
                         _ => None,
                     })
                     .collect();
+                let lately = match cached {
+                    Some(list) => list.to_vec(),
+                    None => {
+                        if let Ok(mut l) = self.lately.lock() {
+                            *l = (Some(std::time::Instant::now()), std::sync::Arc::new(lately.clone()));
+                        }
+                        lately
+                    }
+                };
                 Ok((u32::try_from(n).unwrap_or(u32::MAX), lately))
             }
             None => Err(Unheard::Failed),
