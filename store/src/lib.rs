@@ -570,9 +570,6 @@ impl<K: Kv> Store<K> {
             })
         });
         for attempt in 0..CAS_ATTEMPTS {
-            if attempt > 0 {
-                self.metrics.cas_conflicts.fetch_add(1, Ordering::Relaxed);
-            }
             let cached = current.is_some() && attempt == 0;
             let (stored, now) = match current.take() {
                 Some(c) => c,
@@ -622,13 +619,21 @@ impl<K: Kv> Store<K> {
                         self.metrics.cut_off_answers.fetch_add(1, Ordering::Relaxed);
                     }
                     if a.counted {
-                        self.metrics
+                        let n = if req.ask { a.grant.min(units) } else { units };
+                        // Saturating: a counter exported to Prometheus never goes back.
+                        let _ = self
+                            .metrics
                             .units_counted
-                            .fetch_add(if req.ask { a.grant.min(units) } else { units }, Ordering::Relaxed);
+                            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_add(n)));
                     }
                     return Ok((a, counter.last_seen, counter.out_for(counter.last_seen)));
                 }
-                Ok(Cas::Changed(value, at)) => current = Some((value, at)),
+                Ok(Cas::Changed(value, at)) => {
+                    // Counted here, not per attempt: a repeat judged on the cached value runs
+                    // again with no compare-and-swap lost.
+                    self.metrics.cas_conflicts.fetch_add(1, Ordering::Relaxed);
+                    current = Some((value, at));
+                }
                 Err(_) => {
                     // Unknown whether it was written: forget the value, read it next time.
                     if let Ok(mut known) = self.known.lock() {

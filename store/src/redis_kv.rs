@@ -30,8 +30,11 @@ pub struct RedisKv {
     read_after: Script,
     /// The nodes the registry last named as heard lately, and when: named again at most every
     /// [`LATELY_EVERY`], for they are up to [`MAX_HEARD_LATELY`] ids per call.
-    lately: std::sync::Arc<std::sync::Mutex<(Option<std::time::Instant>, std::sync::Arc<Vec<u64>>)>>,
+    lately: std::sync::Arc<std::sync::Mutex<Lately>>,
 }
+
+/// When the nodes heard lately were last named, and the nodes.
+type Lately = (Option<std::time::Instant>, std::sync::Arc<Vec<u64>>);
 
 /// How long the nodes heard lately are reused for the batches after them: each call naming
 /// them all would cost a fleet's store calls its size in ids; reused a quarter of a second, a
