@@ -11,7 +11,7 @@
 //! `--rls`, and `POST /json` on `--listen`.
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -109,6 +109,33 @@ struct LazyKv {
     urls: Vec<String>,
     cluster: bool,
     conn: OnceCell<RedisKv>,
+    /// Why Redis cannot be reached is said at most once per [`Quiet::EVERY`].
+    unreachable: Quiet,
+}
+
+/// A log line said at most once per [`Quiet::EVERY`] however often it happens (while Redis
+/// refuses the store, every request would say it), with how many times it was held back.
+#[derive(Default)]
+struct Quiet(std::sync::Mutex<(Option<std::time::Instant>, u64)>);
+
+impl Quiet {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    /// Whether to say it at `now`: `Some(n)` with the `n` times it was held back since it was
+    /// last said, `None` to hold it back.
+    fn say(&self, now: std::time::Instant) -> Option<u64> {
+        let Ok(mut s) = self.0.lock() else { return Some(0) };
+        match s.0 {
+            Some(last) if now.saturating_duration_since(last) < Quiet::EVERY => {
+                s.1 = s.1.saturating_add(1);
+                None
+            }
+            _ => {
+                s.0 = Some(now);
+                Some(std::mem::take(&mut s.1))
+            }
+        }
+    }
 }
 
 impl LazyKv {
@@ -120,7 +147,13 @@ impl LazyKv {
         match tokio::time::timeout(Duration::from_millis(500), connect).await {
             Ok(Ok(kv)) => Some(self.conn.get_or_init(|| async { kv }).await),
             Ok(Err(e)) => {
-                eprintln!("ratewall-store: cannot reach Redis yet: {e}");
+                if let Some(held) = self.unreachable.say(std::time::Instant::now()) {
+                    let more = match held {
+                        0 => String::new(),
+                        n => format!(" ({n} more failed attempt(s) since the last line)"),
+                    };
+                    eprintln!("ratewall-store: cannot reach Redis yet: {e}{more}");
+                }
                 None
             }
             Err(_) => None,
@@ -164,13 +197,67 @@ impl Kv for LazyKv {
 type Shared = Arc<Store<LazyKv>>;
 type SharedRls = Arc<Rls<LazyKv>>;
 
-/// `POST /json`: envoyproxy/ratelimit's JSON twin of `ShouldRateLimit`.
-async fn rls_json(State(rls): State<SharedRls>, body: Bytes) -> Response {
-    let result = match ratewall_store::rls::json::call_of(&body) {
-        Ok(call) => rls.should_rate_limit(&call).await,
-        Err(why) => Err(ratewall_store::rls::Refusal::Invalid(why)),
+/// A request's declared length (`Content-Length`), if any.
+fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(axum::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
+}
+
+/// Why a request's body was not read whole.
+#[derive(Debug, PartialEq, Eq)]
+enum Unread {
+    /// Past the limit (read up to it, no further).
+    TooLarge,
+    /// Not all of it arrived within [`conn::BODY`].
+    Slow,
+    /// The connection failed, or the body was malformed (a bad chunk).
+    Broken,
+}
+
+/// A request's body, read whole within [`conn::BODY`] and at most `limit` bytes.
+async fn read_body(body: axum::body::Body, limit: usize) -> Result<Bytes, Unread> {
+    match tokio::time::timeout(conn::BODY, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) if is_length_limit(&e) => Err(Unread::TooLarge),
+        Ok(Err(_)) => Err(Unread::Broken),
+        Err(_) => Err(Unread::Slow),
+    }
+}
+
+/// 408 for a body that did not arrive in time, in `content_type`; the connection is closed.
+fn too_slow(content_type: &'static str, body: String) -> Response {
+    let mut out = (StatusCode::REQUEST_TIMEOUT, body).into_response();
+    out.headers_mut().insert("content-type", HeaderValue::from_static(content_type));
+    out.headers_mut().insert("connection", HeaderValue::from_static("close"));
+    out
+}
+
+/// The reason given for a body that did not arrive in time.
+fn slow_reason() -> String {
+    format!("the request body did not arrive within {} s", conn::BODY.as_secs())
+}
+
+/// `POST /json`: envoyproxy/ratelimit's JSON twin of `ShouldRateLimit`. Every refusal is a
+/// JSON `{"error": …}`: 400 for a malformed call (one over [`json::MAX_BODY`] included), 408
+/// for one whose body did not arrive in time.
+async fn rls_json(State(rls): State<SharedRls>, headers: HeaderMap, body: axum::body::Body) -> Response {
+    use ratewall_store::rls::{json, Refusal};
+    let too_large = || Refusal::Invalid(format!("a call is at most {} bytes", json::MAX_BODY));
+    let result = if declared_length(&headers).is_some_and(|n| n > json::MAX_BODY as u64) {
+        Err(too_large())
+    } else {
+        match read_body(body, json::MAX_BODY).await {
+            Ok(body) => match json::call_of(&body) {
+                Ok(call) => rls.should_rate_limit(&call).await,
+                Err(why) => Err(Refusal::Invalid(why)),
+            },
+            Err(Unread::TooLarge) => Err(too_large()),
+            Err(Unread::Broken) => Err(Refusal::Invalid("the body could not be read".into())),
+            Err(Unread::Slow) => {
+                return too_slow("application/json", serde_json::json!({"error": slow_reason()}).to_string())
+            }
+        }
     };
-    let (status, body) = ratewall_store::rls::json::http(&result);
+    let (status, body) = json::http(&result);
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut out = (status, body).into_response();
     out.headers_mut().insert("content-type", HeaderValue::from_static("application/json"));
@@ -194,18 +281,15 @@ async fn sync(State(store): State<Shared>, headers: HeaderMap, body: axum::body:
     let signature = headers.get("x-ratewall-signature").map(HeaderValue::as_bytes);
     // A body declared over `MAX_BODY` is refused before it is read, as the store refuses any
     // body over it, and counted.
-    let declared = headers
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    let a = if declared.is_some_and(|n| n > MAX_BODY as u64) {
+    let a = if declared_length(&headers).is_some_and(|n| n > MAX_BODY as u64) {
         store.sync_too_large()
     } else {
-        match axum::body::to_bytes(body, MAX_BODY + 1).await {
+        match read_body(body, MAX_BODY + 1).await {
             Ok(body) => store.sync(&body, signature).await,
             // Past `MAX_BODY` + 1 bytes read: cut off there.
-            Err(e) if is_length_limit(&e) => store.sync_too_large(),
-            Err(_) => return (StatusCode::BAD_REQUEST, "the body could not be read").into_response(),
+            Err(Unread::TooLarge) => store.sync_too_large(),
+            Err(Unread::Slow) => return too_slow("text/plain; charset=utf-8", slow_reason()),
+            Err(Unread::Broken) => return (StatusCode::BAD_REQUEST, "the body could not be read").into_response(),
         }
     };
     let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -278,10 +362,16 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let kv = LazyKv { urls: args.redis.clone(), cluster: args.cluster, conn: OnceCell::new() };
+    let kv = LazyKv {
+        urls: args.redis.clone(),
+        cluster: args.cluster,
+        conn: OnceCell::new(),
+        unreachable: Quiet::default(),
+    };
     let store: Shared = Arc::new(Store::new(kv, secret.as_bytes(), args.deadline));
+    let stopping = Stopping::on_signal();
     let running = match &args.rls_config {
-        Some(path) => Some(start_rls(&store, path, args.rls.as_deref(), secret.as_bytes()).await?),
+        Some(path) => Some(start_rls(&store, path, args.rls.as_deref(), secret.as_bytes(), &stopping).await?),
         None => None,
     };
     let rls = running.as_ref().map(|r| Arc::clone(&r.rls));
@@ -319,15 +409,12 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     let sharing = Arc::clone(&store);
     let reads = admin.is_some();
     tokio::spawn(async move { sharing.share_top_forever(reads, joined).await });
-    if let Some(l) = admin {
+    let limits = conn::Limits { head: conn::HEAD, idle: conn::IDLE };
+    let admin = admin.map(|l| {
         let router = ratewall_store::admin::router(Arc::clone(&store), rls.clone())
             .merge(Router::new().route("/healthcheck", get(healthcheck)).with_state(Arc::clone(&store)));
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(l, router).await {
-                eprintln!("ratewall-store: the admin listener stopped: {e}");
-            }
-        });
-    }
+        tokio::spawn(serve_http(conn::Listener::new(l, limits), router, "admin listener", stopping.clone()))
+    });
     let for_metrics = rls.clone();
     let mut app = Router::new()
         .route("/v1/sync", post(sync))
@@ -339,16 +426,66 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
                 ratewall_store::admin::metrics(&store, for_metrics.as_deref())
             }),
         )
-        .layer(DefaultBodyLimit::max(MAX_BODY + 1))
         .with_state(store);
     if let Some(rls) = rls {
         app = app.merge(Router::new().route("/json", post(rls_json)).with_state(rls));
     }
-    let served = axum::serve(listener, app).with_graceful_shutdown(stop()).await.map_err(|e| e.to_string());
+    serve_http(conn::Listener::new(listener, limits), app, "listener", stopping).await;
+    if let Some(admin) = admin {
+        let _ = admin.await;
+    }
     if let Some(r) = running {
         r.stop(args.deadline).await;
     }
-    served
+    Ok(())
+}
+
+/// Serves `app` on `listener` until the process is stopping, then lets the connections open
+/// finish for at most [`conn::DRAIN`] (a request in flight is answered; an idle connection
+/// is closed at once) and stops waiting for those still open: they close as the process ends.
+async fn serve_http(listener: conn::Listener, app: Router, name: &'static str, stopping: Stopping) {
+    let open = Arc::clone(&listener.open);
+    let app = app.layer(axum::middleware::from_fn(conn::mark)).into_make_service_with_connect_info::<conn::Conn>();
+    let served = axum::serve(listener, app).with_graceful_shutdown(stopping.clone().wait());
+    let drained = async {
+        stopping.wait().await;
+        tokio::time::sleep(conn::DRAIN).await;
+    };
+    tokio::select! {
+        r = std::future::IntoFuture::into_future(served) => {
+            if let Err(e) = r {
+                eprintln!("ratewall-store: the {name} stopped: {e}");
+            }
+        }
+        () = drained => {
+            let n = open.load(std::sync::atomic::Ordering::Relaxed);
+            eprintln!(
+                "ratewall-store: stopping: {n} connection(s) to the {name} still open after {} s are dropped",
+                conn::DRAIN.as_secs()
+            );
+        }
+    }
+}
+
+/// Whether the process is stopping (SIGINT or SIGTERM received), for every listener.
+#[derive(Clone)]
+struct Stopping(tokio::sync::watch::Receiver<bool>);
+
+impl Stopping {
+    /// Listens for the signals.
+    fn on_signal() -> Stopping {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            stop().await;
+            let _ = tx.send(true);
+        });
+        Stopping(rx)
+    }
+
+    /// Once the process is stopping.
+    async fn wait(mut self) {
+        let _ = self.0.wait_for(|stopping| *stopping).await;
+    }
 }
 
 /// SIGINT or SIGTERM.
@@ -398,6 +535,7 @@ async fn start_rls(
     path: &std::path::Path,
     addr: Option<&str>,
     secret: &[u8],
+    stopping: &Stopping,
 ) -> Result<RlsRunning, String> {
     let config = RlsConfig::load(path).map_err(|e| format!("--rls-config: {e}"))?;
     let domains: Vec<&str> = config.domains().collect();
@@ -423,8 +561,10 @@ async fn start_rls(
             "ratewall-store: rate limit service on {local} (gRPC envoy.service.ratelimit.v3.RateLimitService, grpc.health.v1.Health)"
         ));
         let rls = Arc::clone(&rls);
+        let incoming = conn::h2_incoming(listener, conn::Limits { head: conn::HEAD, idle: conn::IDLE });
+        let stopping = stopping.clone().wait();
         grpc = Some(tokio::spawn(async move {
-            if let Err(e) = ratewall_store::rls::grpc::serve(rls, listener, stop()).await {
+            if let Err(e) = ratewall_store::rls::grpc::serve(rls, incoming, stopping).await {
                 eprintln!("ratewall-store: the rate limit service stopped: {e}");
             }
         }));
@@ -432,9 +572,397 @@ async fn start_rls(
     Ok(RlsRunning { rls, announce, flusher, grpc })
 }
 
+/// How long the listeners wait for a client: each connection's reads run under a deadline
+/// while the process waits for a request's head (or, on the gRPC listener, the connection's
+/// preface), so a client that connects and sends a request slowly, or part of one, is closed
+/// rather than held; a request's body is read within its own deadline by the handler that
+/// reads it.
+mod conn {
+    use std::future::Future;
+    use std::io;
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::task::{Context, Poll};
+    use std::time::Duration;
+    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+    use tokio::time::{Instant, Sleep};
+
+    /// A request's head must have arrived this long after the connection was accepted, or
+    /// after the first byte of a later request on it was read.
+    pub const HEAD: Duration = Duration::from_secs(5);
+    /// A request's body must have arrived this long after its head.
+    pub const BODY: Duration = Duration::from_secs(10);
+    /// A keep-alive connection with no next request for this long is closed.
+    pub const IDLE: Duration = Duration::from_secs(60);
+    /// How long a stopping process lets the connections open on its HTTP listeners finish.
+    pub const DRAIN: Duration = Duration::from_secs(10);
+    /// The bytes an HTTP/2 client sends first: its preface (24 bytes) and a frame's header.
+    const H2_OPENING: usize = 24 + 9;
+
+    /// The deadlines a connection runs under.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Limits {
+        /// For a request's head (HTTP/1), or the connection's opening (HTTP/2).
+        pub head: Duration,
+        /// Between requests (HTTP/1).
+        pub idle: Duration,
+    }
+
+    /// What the connection waits for.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Phase {
+        /// A request's head, or (HTTP/2) the opening's bytes still to come.
+        Head { opening: usize },
+        /// A request is being answered: its handler bounds its body's read.
+        Serving,
+        /// The next request's first byte (HTTP/1 keep-alive).
+        Idle,
+        /// Nothing: an HTTP/2 connection past its opening, whose pings find dead peers.
+        Open,
+    }
+
+    #[derive(Debug)]
+    struct State {
+        phase: Phase,
+        deadline: Option<Instant>,
+    }
+
+    /// One connection's deadline, shared by its reads and the requests it carries.
+    #[derive(Clone, Debug)]
+    pub struct Conn {
+        state: Arc<Mutex<State>>,
+        limits: Limits,
+    }
+
+    impl Conn {
+        /// An HTTP/1 connection just accepted: its first request's head is due.
+        pub fn http1(limits: Limits) -> Conn {
+            Conn::new(Phase::Head { opening: 0 }, limits)
+        }
+
+        /// An HTTP/2 connection just accepted: its opening is due.
+        pub fn h2(limits: Limits) -> Conn {
+            Conn::new(Phase::Head { opening: H2_OPENING }, limits)
+        }
+
+        fn new(phase: Phase, limits: Limits) -> Conn {
+            let deadline = Some(Instant::now() + limits.head);
+            Conn { state: Arc::new(Mutex::new(State { phase, deadline })), limits }
+        }
+
+        fn set(&self, phase: Phase, deadline: Option<Duration>) {
+            if let Ok(mut s) = self.state.lock() {
+                *s = State { phase, deadline: deadline.map(|d| Instant::now() + d) };
+            }
+        }
+
+        /// A request's head was read: its handler runs (and bounds its body's read).
+        pub fn serving(&self) {
+            self.set(Phase::Serving, None);
+        }
+
+        /// The request is answered: the connection waits for the next one, for
+        /// [`Limits::idle`].
+        pub fn answered(&self) {
+            self.set(Phase::Idle, Some(self.limits.idle));
+        }
+
+        fn deadline(&self) -> Option<Instant> {
+            self.state.lock().ok().and_then(|s| s.deadline)
+        }
+
+        /// `n` bytes were read.
+        fn read(&self, n: usize) {
+            let Ok(mut s) = self.state.lock() else { return };
+            match s.phase {
+                // A next request begins: its head is due.
+                Phase::Idle => {
+                    *s = State { phase: Phase::Head { opening: 0 }, deadline: Some(Instant::now() + self.limits.head) }
+                }
+                Phase::Head { opening } if opening > 0 => {
+                    let opening = opening.saturating_sub(n);
+                    *s = if opening == 0 {
+                        State { phase: Phase::Open, deadline: None }
+                    } else {
+                        State { phase: Phase::Head { opening }, ..*s }
+                    };
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// A connection whose reads fail once its deadline has passed (its server then closes
+    /// it).
+    pub struct Timed<S> {
+        inner: S,
+        /// Its deadline.
+        pub conn: Conn,
+        sleep: Pin<Box<Sleep>>,
+        open: Option<Arc<AtomicUsize>>,
+    }
+
+    impl<S> Timed<S> {
+        /// `inner` under `conn`'s deadline, counted in `open` while it lives.
+        pub fn new(inner: S, conn: Conn, open: Option<Arc<AtomicUsize>>) -> Timed<S> {
+            if let Some(o) = &open {
+                o.fetch_add(1, Ordering::Relaxed);
+            }
+            let at = conn.deadline().unwrap_or_else(Instant::now);
+            Timed { inner, conn, sleep: Box::pin(tokio::time::sleep_until(at)), open }
+        }
+    }
+
+    impl<S> Drop for Timed<S> {
+        fn drop(&mut self) {
+            if let Some(o) = &self.open {
+                o.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    impl<S: AsyncRead + Unpin> AsyncRead for Timed<S> {
+        fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+            let this = &mut *self;
+            if let Some(at) = this.conn.deadline() {
+                if this.sleep.deadline() != at {
+                    this.sleep.as_mut().reset(at);
+                }
+                if this.sleep.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the client did not send its request in time",
+                    )));
+                }
+            }
+            let before = buf.filled().len();
+            let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+            let n = buf.filled().len().saturating_sub(before);
+            if n > 0 {
+                this.conn.read(n);
+            }
+            polled
+        }
+    }
+
+    impl<S: AsyncWrite + Unpin> AsyncWrite for Timed<S> {
+        fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            Pin::new(&mut self.inner).poll_write(cx, buf)
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_flush(cx)
+        }
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_shutdown(cx)
+        }
+        fn poll_write_vectored(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            bufs: &[io::IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        }
+        fn is_write_vectored(&self) -> bool {
+            self.inner.is_write_vectored()
+        }
+    }
+
+    impl tonic::transport::server::Connected for Timed<tokio::net::TcpStream> {
+        type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+        fn connect_info(&self) -> Self::ConnectInfo {
+            self.inner.connect_info()
+        }
+    }
+
+    /// An HTTP/1 listener whose connections run under [`Limits`], counting those open.
+    pub struct Listener {
+        inner: tokio::net::TcpListener,
+        limits: Limits,
+        /// Connections open.
+        pub open: Arc<AtomicUsize>,
+    }
+
+    impl Listener {
+        /// `inner`'s connections under `limits`.
+        pub fn new(inner: tokio::net::TcpListener, limits: Limits) -> Listener {
+            Listener { inner, limits, open: Arc::default() }
+        }
+    }
+
+    impl axum::serve::Listener for Listener {
+        type Io = Timed<tokio::net::TcpStream>;
+        type Addr = std::net::SocketAddr;
+
+        async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+            let (stream, addr) = axum::serve::Listener::accept(&mut self.inner).await;
+            (Timed::new(stream, Conn::http1(self.limits), Some(Arc::clone(&self.open))), addr)
+        }
+
+        fn local_addr(&self) -> io::Result<Self::Addr> {
+            self.inner.local_addr()
+        }
+    }
+
+    impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Listener>> for Conn {
+        fn connect_info(stream: axum::serve::IncomingStream<'_, Listener>) -> Conn {
+            stream.io().conn.clone()
+        }
+    }
+
+    /// Middleware: a request's head has been read when it reaches the router; once answered,
+    /// its connection waits for the next.
+    pub async fn mark(req: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+        let conn = req.extensions().get::<axum::extract::ConnectInfo<Conn>>().map(|c| c.0.clone());
+        if let Some(c) = &conn {
+            c.serving();
+        }
+        let out = next.run(req).await;
+        if let Some(c) = &conn {
+            c.answered();
+        }
+        out
+    }
+
+    /// The gRPC listener's connections under `limits` (their opening due within
+    /// [`Limits::head`]); a failed accept (out of file descriptors, say) is retried after a
+    /// pause rather than at once.
+    pub fn h2_incoming(
+        listener: tokio::net::TcpListener,
+        limits: Limits,
+    ) -> impl futures_util::Stream<Item = io::Result<Timed<tokio::net::TcpStream>>> {
+        futures_util::stream::unfold(listener, move |l| async move {
+            loop {
+                match l.accept().await {
+                    Ok((stream, _)) => {
+                        let _ = stream.set_nodelay(true);
+                        return Some((Ok(Timed::new(stream, Conn::h2(limits), None)), l));
+                    }
+                    Err(e) if is_connection_error(&e) => {}
+                    Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
+                }
+            }
+        })
+    }
+
+    /// An accept error of the connection alone (the listener is fine).
+    fn is_connection_error(e: &io::Error) -> bool {
+        matches!(
+            e.kind(),
+            io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
+        )
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+        use super::*;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        const MS: Duration = Duration::from_millis(1);
+
+        fn limits() -> Limits {
+            Limits { head: 200 * MS, idle: 600 * MS }
+        }
+
+        /// Reads what is sent until the deadline fails the read; how long that took.
+        async fn read_until_cut(io: &mut Timed<tokio::io::DuplexStream>) -> Duration {
+            let start = Instant::now();
+            let mut buf = [0u8; 64];
+            loop {
+                match io.read(&mut buf).await {
+                    Ok(0) => panic!("closed, not cut"),
+                    Ok(_) => {}
+                    Err(e) => {
+                        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+                        return start.elapsed();
+                    }
+                }
+            }
+        }
+
+        #[tokio::test]
+        async fn a_head_sent_in_part_is_cut_at_its_deadline() {
+            let (mut client, server) = tokio::io::duplex(1024);
+            let mut io = Timed::new(server, Conn::http1(limits()), None);
+            client.write_all(b"POST /v1/sync HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+            let took = read_until_cut(&mut io).await;
+            assert!(took >= 150 * MS && took < 500 * MS, "{took:?}");
+        }
+
+        #[tokio::test]
+        async fn a_request_being_answered_has_no_deadline_and_the_next_waits_idle_then_head() {
+            let (mut client, server) = tokio::io::duplex(1024);
+            let mut io = Timed::new(server, Conn::http1(limits()), None);
+            let conn = io.conn.clone();
+            client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+            let mut buf = [0u8; 64];
+            assert!(io.read(&mut buf).await.unwrap() > 0);
+            conn.serving();
+            // Past the head's deadline while answering: a read waits, not fails.
+            let waited = tokio::time::timeout(400 * MS, io.read(&mut buf)).await;
+            assert!(waited.is_err(), "{waited:?}");
+            conn.answered();
+            // Idle: the next request may take longer than a head to begin...
+            tokio::time::sleep(300 * MS).await;
+            client.write_all(b"GET / HT").await.unwrap();
+            // ...but once begun, its head is due within the head's deadline.
+            let took = read_until_cut(&mut io).await;
+            assert!(took >= 150 * MS && took < 500 * MS, "{took:?}");
+        }
+
+        #[tokio::test]
+        async fn an_idle_connection_is_cut_after_the_idle_deadline() {
+            let (_client, server) = tokio::io::duplex(1024);
+            let mut io = Timed::new(server, Conn::http1(limits()), None);
+            io.conn.answered();
+            let took = read_until_cut(&mut io).await;
+            assert!(took >= 550 * MS && took < 1000 * MS, "{took:?}");
+        }
+
+        #[tokio::test]
+        async fn an_http2_connection_needs_its_opening_in_time_and_then_no_deadline() {
+            let (mut client, server) = tokio::io::duplex(1024);
+            let mut io = Timed::new(server, Conn::h2(limits()), None);
+            client.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+            read_until_cut(&mut io).await;
+
+            let (mut client, server) = tokio::io::duplex(1024);
+            let mut io = Timed::new(server, Conn::h2(limits()), None);
+            client.write_all(&[0u8; H2_OPENING]).await.unwrap();
+            let mut buf = [0u8; 64];
+            assert_eq!(io.read(&mut buf).await.unwrap(), H2_OPENING);
+            assert!(tokio::time::timeout(400 * MS, io.read(&mut buf)).await.is_err(), "open: no deadline");
+        }
+
+        #[tokio::test]
+        async fn open_connections_are_counted_while_they_live() {
+            let open = Arc::new(AtomicUsize::new(0));
+            let (_c, s) = tokio::io::duplex(16);
+            let io = Timed::new(s, Conn::http1(limits()), Some(Arc::clone(&open)));
+            assert_eq!(open.load(Ordering::Relaxed), 1);
+            drop(io);
+            assert_eq!(open.load(Ordering::Relaxed), 0);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::redacted;
+    use super::{redacted, Quiet};
+
+    #[test]
+    fn a_quiet_line_is_said_once_per_interval_with_the_count_held_back() {
+        let q = Quiet::default();
+        let t = std::time::Instant::now();
+        assert_eq!(q.say(t), Some(0));
+        for i in 1..=5 {
+            assert_eq!(q.say(t + std::time::Duration::from_secs(i)), None);
+        }
+        assert_eq!(q.say(t + Quiet::EVERY), Some(5));
+        assert_eq!(q.say(t + Quiet::EVERY), None);
+        assert_eq!(q.say(t + 2 * Quiet::EVERY), Some(1));
+    }
 
     #[test]
     fn a_redis_urls_password_is_never_shown() {

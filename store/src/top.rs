@@ -13,7 +13,9 @@
 //! The process's own decisions — the rate limit service's ([`crate::rls`]) — are heard the same
 //! way: [`Top::decided`] adds each call's outcome to a section of the current second, which is
 //! merged like a batch's (and shared with the peers) once that second is over, or when the
-//! views are read.
+//! views are read. That section lists every rule of the process's configuration
+//! ([`Top::configured`]) in its order, as a proxy's lists its document's, so that every
+//! process that merges it lists them in that order.
 //!
 //! Memory is bounded whatever the traffic: at most [`MAX_RULES`] rules, each with a fixed
 //! number of buckets holding a summary of at most [`KEPT`] keys
@@ -93,6 +95,11 @@ struct Inner {
     /// The process's own decisions of one unix second: the second, and per rule its place in
     /// the configuration and its counts.
     own: Option<(u64, Vec<(usize, RuleTop)>)>,
+    /// The names of the rules the process decides by ([`Top::configured`]), in their
+    /// configuration's order: each second's own section lists them all, idle ones with nothing
+    /// counted, so every process that merges it (a peer without the configuration included)
+    /// lists them in that order.
+    roster: Vec<String>,
 }
 
 /// What one of the process's own decisions (a rate limit service call) did under one rule.
@@ -142,6 +149,7 @@ impl Default for Top {
                 shared_at: None,
                 remote: HashMap::new(),
                 own: None,
+                roster: Vec::new(),
             }),
             process: process.max(1),
         }
@@ -256,14 +264,34 @@ fn unix_now() -> u64 {
 
 impl Inner {
     /// Merges the process's own decisions of a second before `unix` (all of them with `all`),
-    /// as a batch's section heard then, in the configuration's order.
+    /// as a batch's section heard then: every rule of the roster in its order (as a proxy's
+    /// section lists every rule of its document), then the others decided (the overrides) in
+    /// their order.
     fn own_until(&mut self, unix: u64, all: bool) {
         if !self.own.as_ref().is_some_and(|(at, _)| all || *at < unix) {
             return;
         }
         let Some((at, mut rules)) = self.own.take() else { return };
         rules.sort_by_key(|(order, _)| *order);
-        let section = TopSection { rules: rules.into_iter().map(|(_, r)| r).collect() };
+        let mut decided: HashMap<String, RuleTop> = HashMap::with_capacity(rules.len());
+        let mut others = Vec::new();
+        let in_roster: std::collections::HashSet<&str> = self.roster.iter().map(String::as_str).collect();
+        for (_, r) in rules {
+            if in_roster.contains(r.rule.as_str()) {
+                decided.insert(r.rule.clone(), r);
+            } else {
+                others.push(r);
+            }
+        }
+        let idle = |name: &String| RuleTop {
+            rule: name.clone(),
+            allowed: 0,
+            denied: 0,
+            shadow_denied: 0,
+            top: Summary::new(KEPT),
+        };
+        let listed = self.roster.iter().map(|name| decided.remove(name).unwrap_or_else(|| idle(name)));
+        let section = TopSection { rules: listed.chain(others).take(MAX_RULES).collect() };
         self.windows.add(at, &section, &[]);
         queue(&mut self.outbox, at, &section);
     }
@@ -341,6 +369,26 @@ impl Top {
     /// This process's id on the shared stream.
     pub fn process(&self) -> u64 {
         self.process
+    }
+
+    /// The rules the process decides by ([`Top::decided`]), named, in their configuration's
+    /// order (a name met again keeps its first place; at most [`MAX_RULES`]): from the next
+    /// second it decides anything in on, its own section lists every one of them in that order,
+    /// so the peers that merge it list them so too.
+    pub fn configured<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        let mut roster: Vec<String> = Vec::new();
+        let mut met = std::collections::HashSet::new();
+        for name in names {
+            if roster.len() >= MAX_RULES {
+                break;
+            }
+            if met.insert(name) {
+                roster.push(name.to_owned());
+            }
+        }
+        if let Ok(mut inner) = self.inner.lock() {
+            inner.roster = roster;
+        }
     }
 
     /// The outcome of one of this process's own decisions (a rate limit service call), per
@@ -678,6 +726,35 @@ mod tests {
         top.decided_at(t + 2, &[d("a", 0, "k=#00000002", 0, Outcome::Denied)]);
         assert!(top.take_share_at(t + 2, now).is_none());
         assert_eq!(top.take_share_at(t + 3, now).unwrap().seconds.len(), 1);
+    }
+
+    #[test]
+    fn a_peer_lists_the_configured_rules_in_the_configurations_order_whatever_order_they_were_decided_in() {
+        let (rls, peer) = (Top::default(), Top::default());
+        rls.configured(["api.a", "api.b", "api.a", "api.c"]);
+        let now = Instant::now();
+        let t = 1_800_000_000;
+        let d = |rule: &'static str, order: usize| Decided {
+            rule,
+            order,
+            key: b"user=x",
+            allowed: 0,
+            outcome: Outcome::Denied,
+        };
+        // Decided last rule first, one a second, and an override.
+        rls.decided_at(t, &[d("api (override)", usize::MAX), d("api.c", 3)]);
+        rls.decided_at(t + 1, &[d("api.a", 0)]);
+        rls.decided_at(t + 2, &[d("api.b", 1)]);
+        let share = rls.take_share_at(t + 3, now).unwrap();
+        peer.merge_share_at(&share, t + 3, now);
+        for top in [&peer, &rls] {
+            let v = top.top_at(t + 3, None, Window::Minute);
+            let names: Vec<&str> = v["rules"].as_array().unwrap().iter().map(|r| r["rule"].as_str().unwrap()).collect();
+            assert_eq!(names, ["api.a", "api.b", "api.c", "api (override)"], "{v}");
+            let denied: Vec<u64> =
+                v["rules"].as_array().unwrap().iter().map(|r| r["denied"].as_u64().unwrap()).collect();
+            assert_eq!(denied, [1, 1, 1, 1], "idle rows add nothing");
+        }
     }
 
     #[test]

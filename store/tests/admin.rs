@@ -1,5 +1,7 @@
 //! The admin listener of the built `ratewall-store` over a real Redis: off unless asked for,
-//! and serving the fleet's top offenders, series, nodes, the page, metrics and health.
+//! and serving the fleet's top offenders, series, nodes, the page, metrics and health; and
+//! how the HTTP listeners (the main one and the admin one) treat clients that send slowly or
+//! hold connections open, and the process's log while Redis refuses it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -12,6 +14,7 @@ use ratewall_tests::redis::Redis;
 use serde_json::Value;
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 struct Store {
     child: Child,
@@ -27,12 +30,17 @@ impl Drop for Store {
 }
 
 fn start(redis: &Redis, admin: bool) -> Store {
+    start_at(&redis.url(), admin, Stdio::null())
+}
+
+/// A store on the Redis at `url`, its standard error to `stderr`.
+fn start_at(url: &str, admin: bool, stderr: Stdio) -> Store {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratewall-store"));
-    cmd.env("RATEWALL_SYNC_SECRET", SECRET).args(["--listen", "127.0.0.1:0", "--redis", &redis.url()]);
+    cmd.env("RATEWALL_SYNC_SECRET", SECRET).args(["--listen", "127.0.0.1:0", "--redis", url]);
     if admin {
         cmd.args(["--admin", "127.0.0.1:0"]);
     }
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let mut child = cmd.stdout(Stdio::piped()).stderr(stderr).spawn().unwrap();
     let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
     let addr_of =
         |line: &str| line.split("http://").nth(1).and_then(|s| s.split(['/', ' ']).next()).unwrap().to_owned();
@@ -348,4 +356,116 @@ fn an_admin_listener_counts_what_its_peers_heard_from_when_it_announced_itself()
     };
     assert_eq!(top["rules"][0]["denied"].as_u64(), Some(31), "{top}");
     assert_eq!(json(&admin, "/v1/fleet")["nodes"].as_array().unwrap().len(), 1);
+}
+
+/// Opens a connection to `addr` and sends `bytes`, then nothing more.
+fn send_part(addr: &str, bytes: &[u8]) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(bytes).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s
+}
+
+/// Reads what the server sends until it closes the connection: that, and how long it took.
+fn until_closed(mut s: std::net::TcpStream) -> (String, Duration) {
+    use std::io::Read;
+    let start = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("still open after {:?}: {e}", start.elapsed()),
+        }
+    }
+    (String::from_utf8_lossy(&got).into_owned(), start.elapsed())
+}
+
+#[test]
+fn a_request_whose_head_does_not_arrive_is_closed_within_five_seconds_on_either_listener() {
+    let redis = Redis::start(false).unwrap();
+    let store = start(&redis, true);
+    let admin = store.admin.clone().unwrap();
+    let held: Vec<_> = [&store.addr, &admin]
+        .into_iter()
+        .flat_map(|addr| {
+            [
+                send_part(addr, b"POST /v1/sync HTTP/1.1\r\nHost: x\r\n"),
+                send_part(addr, b"GET /healthz HT"),
+                send_part(addr, b""),
+            ]
+        })
+        .collect();
+    for s in held {
+        let (said, took) = until_closed(s);
+        assert!(took < Duration::from_secs(8), "closed after {took:?}");
+        assert!(said.is_empty(), "{said}");
+    }
+    // The listeners serve on.
+    assert_eq!(get(&store.addr, "/healthz").0, 200);
+    assert_eq!(get(&admin, "/healthz").0, 200);
+}
+
+#[test]
+fn a_body_that_does_not_arrive_is_answered_408_within_ten_seconds() {
+    let redis = Redis::start(false).unwrap();
+    let store = start(&redis, false);
+    let s = send_part(
+        &store.addr,
+        b"POST /v1/sync HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\nx-ratewall-signature: 00\r\n\r\nabc",
+    );
+    let (said, took) = until_closed(s);
+    assert!(took > Duration::from_secs(8) && took < Duration::from_secs(13), "answered after {took:?}");
+    assert!(said.starts_with("HTTP/1.1 408"), "{said}");
+    assert!(said.contains("did not arrive within 10 s"), "{said}");
+}
+
+#[test]
+fn a_stopped_store_ends_within_its_drain_whatever_its_clients_hold_open() {
+    use std::io::Write;
+    let redis = Redis::start(false).unwrap();
+    let mut store = start(&redis, true);
+    let admin = store.admin.clone().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(send_part(&store.addr, b"POST /v1/sync HTTP/1.1\r\nHost: x\r\n"));
+        held.push(send_part(&store.addr, b"POST /v1/sync HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nabc"));
+    }
+    // A client that asks for the page again and again and reads none of it: the answers fill
+    // the connection and the store waits to write.
+    let mut stuck = std::net::TcpStream::connect(&admin).unwrap();
+    let ask = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".repeat(200);
+    let _ = stuck.write_all(&ask);
+    std::thread::sleep(Duration::from_millis(500));
+    let _ = Command::new("kill").args(["-TERM", &store.child.id().to_string()]).status();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = store.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(16), "still running {:?} after SIGTERM", start.elapsed());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+    drop((held, stuck));
+}
+
+#[test]
+fn while_redis_refuses_the_store_it_says_so_once_in_a_while_not_per_request() {
+    let redis = Redis::start(false).unwrap();
+    let log = std::env::temp_dir().join(format!("ratewall-admin-refused-{}.log", std::process::id()));
+    let url = format!("redis://:wrong-password@127.0.0.1:{}", redis.port);
+    let store = start_at(&url, false, std::fs::File::create(&log).unwrap().into());
+    for _ in 0..30 {
+        assert_eq!(get(&store.addr, "/healthz").0, 503);
+        assert_eq!(post(&store.addr, &batch(1, 1, None)), 503);
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_file(&log);
+    let said = text.lines().filter(|l| l.contains("cannot reach Redis yet")).count();
+    assert!((1..=2).contains(&said), "{said} lines for 60 requests:\n{text}");
+    assert!(!text.contains("wrong-password"), "{text}");
 }

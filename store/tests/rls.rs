@@ -1279,3 +1279,157 @@ async fn a_client_that_waits_its_retry_after_on_a_token_bucket_is_admitted() {
     }
     assert!(tight > 0, "no run was refused for the token alone");
 }
+
+/// Sends `head` then `body` to `addr` (from another thread, so that a server answering before it
+/// has read the whole body is heard) and reads the answer until the server closes.
+fn raw_exchange(addr: &str, head: &[u8], body: Vec<u8>) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(head).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        let _ = w.write_all(&body);
+    });
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(_) if !got.is_empty() => break,
+            Err(e) => panic!("{e}"),
+        }
+        let text = String::from_utf8_lossy(&got);
+        // The whole answer: its head and as many bytes as its length says.
+        if let Some((head, rest)) = text.split_once("\r\n\r\n") {
+            let len = head
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length: ").map(str::to_owned))
+                .and_then(|n| n.trim().parse::<usize>().ok());
+            if len.is_some_and(|n| rest.len() >= n) {
+                break;
+            }
+        }
+    }
+    drop(s);
+    let _ = writer.join();
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_call_over_2_mib_is_refused_as_malformed_in_json() {
+    let redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start(&redis.url(), &limits("json-too-large"));
+    let over = 2 * 1024 * 1024 + 1;
+    // Declared too large, and found too large as it is read (chunked: no length declared).
+    let declared =
+        format!("POST /json HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {over}\r\n\r\n");
+    let mut chunked = format!("{over:x}\r\n").into_bytes();
+    chunked.extend(std::iter::repeat_n(b' ', over));
+    chunked.extend_from_slice(b"\r\n0\r\n\r\n");
+    for (head, body) in [
+        (declared.into_bytes(), vec![b' '; over]),
+        (b"POST /json HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec(), chunked),
+    ] {
+        let answer = raw_exchange(&store.http, &head, body);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        assert!(answer.to_ascii_lowercase().contains("content-type: application/json"), "{answer}");
+        let body = answer.split_once("\r\n\r\n").unwrap().1;
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert!(v["error"].as_str().unwrap().contains("at most 2097152 bytes"), "{v}");
+    }
+    // At the limit it is read, and judged as JSON.
+    let at = http::request(&store.http, "POST", "/json", &[], &vec![b' '; over - 1]).unwrap();
+    assert_eq!(at.status, 400);
+    assert!(at.text().contains("not JSON"), "{}", at.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grpc_listener_closes_a_connection_that_does_not_open_within_five_seconds() {
+    use std::io::{Read, Write};
+    let redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start(&redis.url(), &limits("grpc-opening"));
+    let held: Vec<_> = [&b"PRI * HTTP/2.0\r\n"[..], b""]
+        .into_iter()
+        .map(|part| {
+            let mut s = std::net::TcpStream::connect(&store.grpc).unwrap();
+            s.write_all(part).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            s
+        })
+        .collect();
+    let start = Instant::now();
+    for mut s in held {
+        let mut buf = [0u8; 256];
+        while s.read(&mut buf).is_ok_and(|n| n > 0) {}
+        assert!(start.elapsed() < Duration::from_secs(8), "closed after {:?}", start.elapsed());
+    }
+    // A client that opens its connection is served, past that time too.
+    let mut c = store.client().await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(ask(&mut c, request("api", vec![descriptor(&[("user", "u")])])).await.overall_code, OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_admin_listener_lists_the_services_rules_in_the_configurations_order() {
+    let redis = Redis::start(false).unwrap();
+    // A store process without the configuration, with an admin listener, on the same Redis.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut peer = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
+        .env("RATEWALL_SYNC_SECRET", SECRET)
+        .args(["--listen", "127.0.0.1:0", "--redis", &redis.url(), "--admin", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(peer.stdout.take().unwrap());
+    let _peer = Killed(peer);
+    let admin = loop {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the peer ended");
+        if let Some(rest) = line.split("admin on http://").nth(1) {
+            break rest.split('/').next().unwrap().to_owned();
+        }
+    };
+    let path = dir("peer-order").join("limits.yaml");
+    std::fs::write(
+        &path,
+        "domain: order
+descriptors:
+  - key: a
+    rate_limit: {unit: minute, requests_per_unit: 0}
+  - key: b
+    rate_limit: {unit: minute, requests_per_unit: 0}
+  - key: c
+    rate_limit: {unit: minute, requests_per_unit: 0}
+",
+    )
+    .unwrap();
+    let store = RlsProcess::start(&redis.url(), &path);
+    let mut c = store.client().await;
+    // Called last rule first, in seconds of their own.
+    for key in ["c", "b", "a"] {
+        assert_eq!(ask(&mut c, request("order", vec![descriptor(&[(key, "x")])])).await.overall_code, OVER);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    let start = Instant::now();
+    let v = loop {
+        let top = http::request(&admin, "GET", "/v1/top", &[], &[]).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&top.text()).unwrap();
+        let denied: u64 = v["rules"].as_array().unwrap().iter().filter_map(|r| r["denied"].as_u64()).sum();
+        if denied == 3 {
+            break v;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{v}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let names: Vec<&str> = v["rules"].as_array().unwrap().iter().filter_map(|r| r["rule"].as_str()).collect();
+    assert_eq!(names, ["order.a", "order.b", "order.c"], "{v}");
+}

@@ -125,12 +125,25 @@ async fn watch_health<K: Kv>(rls: Arc<Rls<K>>, reporter: tonic_health::server::H
     }
 }
 
-/// Serves the service and the health service on `listener` (h2c) until `stop`.
-pub async fn serve<K: Kv + 'static>(
-    rls: Arc<Rls<K>>,
-    listener: tokio::net::TcpListener,
-    stop: impl Future<Output = ()>,
-) -> Result<(), String> {
+/// Longest a call may take once its head has arrived, its request's body read included (a
+/// call is answered within the store's deadline; this bounds a client that sends its message
+/// slowly, or part of it). A health `Watch` stream, once answered, is not bounded by it.
+pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How often the server pings a connection's client (HTTP/2 keep-alive), and how long it waits
+/// for the answer before it closes the connection: a client gone without closing it is found.
+pub const KEEPALIVE: (std::time::Duration, std::time::Duration) =
+    (std::time::Duration::from_secs(30), std::time::Duration::from_secs(10));
+
+/// Serves the service and the health service (h2c) on the connections `incoming` accepts until
+/// `stop`; then each connection is asked to end once its calls in flight are answered.
+pub async fn serve<K, I, IO, IE>(rls: Arc<Rls<K>>, incoming: I, stop: impl Future<Output = ()>) -> Result<(), String>
+where
+    K: Kv + 'static,
+    I: futures_util::Stream<Item = Result<IO, IE>>,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + tonic::transport::server::Connected + Unpin + Send + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let (reporter, health) = tonic_health::server::health_reporter();
     // NOT_SERVING until Redis has answered.
     report(&reporter, false).await;
@@ -140,9 +153,11 @@ pub async fn serve<K: Kv + 'static>(
         watcher.abort();
         report(&reporter, false).await;
     };
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let service = RateLimitServiceServer::new(Service(rls)).max_decoding_message_size(MAX_MESSAGE);
     tonic::transport::Server::builder()
+        .timeout(CALL_TIMEOUT)
+        .http2_keepalive_interval(Some(KEEPALIVE.0))
+        .http2_keepalive_timeout(Some(KEEPALIVE.1))
         .add_service(health)
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, stopping)

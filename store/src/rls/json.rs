@@ -9,6 +9,9 @@ use super::config::Unit;
 use super::{Answer, Call, Code, Descriptor, Refusal};
 use serde_json::{json, Map, Value};
 
+/// Largest `POST /json` body, bytes (2 MiB): a larger one is refused as malformed (400).
+pub const MAX_BODY: usize = 2 << 20;
+
 /// Reads a proto3 JSON `RateLimitRequest`.
 pub fn call_of(body: &[u8]) -> Result<Call, String> {
     let v: Value = serde_json::from_slice(body).map_err(|e| format!("not JSON: {e}"))?;

@@ -112,16 +112,16 @@ impl RlsMetrics {
             .cloned();
         drop(rules);
         let Some(c) = counts else { return };
-        c.total.fetch_add(hits, Ordering::Relaxed);
+        add(&c.total, hits);
         match outcome {
-            Outcome::OverLimit => c.over_limit.fetch_add(hits, Ordering::Relaxed),
-            Outcome::Shadow => c.shadow.fetch_add(hits, Ordering::Relaxed),
+            Outcome::OverLimit => add(&c.over_limit, hits),
+            Outcome::Shadow => add(&c.shadow, hits),
             Outcome::NearLimit => {
-                c.near_limit.fetch_add(hits, Ordering::Relaxed);
-                c.within_limit.fetch_add(hits, Ordering::Relaxed)
+                add(&c.near_limit, hits);
+                add(&c.within_limit, hits);
             }
-            Outcome::Ok | Outcome::Unlimited => c.within_limit.fetch_add(hits, Ordering::Relaxed),
-        };
+            Outcome::Ok | Outcome::Unlimited => add(&c.within_limit, hits),
+        }
     }
 
     /// Counts a call of `domain` ("" for one not configured) and its latency.
@@ -139,7 +139,7 @@ impl RlsMetrics {
         if let Some(b) = d.latency.get(bucket) {
             b.fetch_add(1, Ordering::Relaxed);
         }
-        d.latency_sum_us.fetch_add(u64::try_from(took.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+        add(&d.latency_sum_us, u64::try_from(took.as_micros()).unwrap_or(u64::MAX));
     }
 
     /// Prometheus text exposition.
@@ -210,7 +210,42 @@ impl RlsMetrics {
     }
 }
 
+/// Adds `n` to a counter, stopping at `u64::MAX`: a call's hits are up to 2^64 - 1 (its
+/// `hits_addend`), and a counter must never go down by wrapping.
+fn add(counter: &AtomicU64, n: u64) {
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_add(n)));
+}
+
 /// A Prometheus label value, escaped.
 fn label(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn hit_counts_stop_at_their_largest_and_never_wrap() {
+        let config = RlsConfig::parse(
+            "t.yaml",
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+        )
+        .unwrap();
+        let m = RlsMetrics::new(&config);
+        let rule = &config.rules[0];
+        for _ in 0..2 {
+            m.count(rule, u64::MAX - 1, Outcome::OverLimit);
+        }
+        m.count(rule, 1, Outcome::Ok);
+        let text = m.render();
+        let value = |name: &str| {
+            let series = format!("{name}{{domain=\"d\",rule=\"{}\"}} ", rule.full_key);
+            text.lines().find(|l| l.starts_with(&series)).and_then(|l| l.rsplit(' ').next()).unwrap().to_owned()
+        };
+        assert_eq!(value("ratewall_rls_hits_total"), u64::MAX.to_string());
+        assert_eq!(value("ratewall_rls_over_limit_total"), u64::MAX.to_string());
+        assert_eq!(value("ratewall_rls_within_limit_total"), "1");
+    }
 }

@@ -129,6 +129,32 @@ struct Check {
     rkey: String,
 }
 
+/// The time from `now` until `limit` is fully restored after decision `d` (its
+/// `duration_until_reset`). A fixed window's end and a token bucket's time to be full are the
+/// decision's `reset_after`; a sliding window's units count on through the next window,
+/// weighed down as it passes, so it is restored once what it counts weighs nothing: the
+/// window's end plus the part of the next window over which the units spent (taken as all
+/// spent in this window: the latest that can be) fade to none — 0 when it counts none.
+fn until_restored(limit: Limit, d: &Decision, now: Nanos) -> Nanos {
+    if limit.algorithm() != ratewall_core::Algorithm::SlidingWindow {
+        return d.reset_after;
+    }
+    let spent = d.limit.saturating_sub(d.remaining);
+    if spent == 0 {
+        return 0;
+    }
+    let w = limit.per().max(1);
+    // The least time `e` into the next window at which floor(spent * (w - e) / w) is 0.
+    let fade = w - (w - 1) / spent;
+    (w - now % w).saturating_add(fade).max(d.reset_after)
+}
+
+/// The names `config`'s rules are listed under among the top offenders, in its order: every
+/// rule that limits (an `unlimited` one is counted in the metrics only).
+fn listed(config: &RlsConfig) -> impl Iterator<Item = &str> {
+    config.rules.iter().filter(|r| !r.unlimited).map(|r| r.top_name.as_str())
+}
+
 /// The rate limit service over a store's Redis.
 pub struct Rls<K> {
     store: Arc<Store<K>>,
@@ -157,6 +183,7 @@ impl<K: Kv> Rls<K> {
     /// by [`Rls::reload`]); counter names are keyed by `secret`.
     pub fn new(store: Arc<Store<K>>, config: RlsConfig, path: Option<PathBuf>, secret: &[u8]) -> Rls<K> {
         let stamp = path.as_deref().map(config::stamp).unwrap_or_default();
+        store.top.configured(listed(&config));
         Rls {
             store,
             metrics: metrics::RlsMetrics::new(&config),
@@ -194,6 +221,7 @@ impl<K: Kv> Rls<K> {
         match RlsConfig::load(path) {
             Ok(c) => {
                 self.metrics.set_rules(&c);
+                self.store.top.configured(listed(&c));
                 if let Ok(mut slot) = self.config.write() {
                     *slot = Arc::new(c);
                 }
@@ -366,11 +394,16 @@ impl<K: Kv> Rls<K> {
         let taken = futures_util::future::join_all(checks.iter().map(|c| self.take(c))).await;
         let mut failed = None;
         let mut charged = Vec::new();
+        // When each descriptor was decided (on the clock it was decided by).
+        let mut decided_at: Vec<Nanos> = vec![0; call.descriptors.len()];
         for (c, t) in checks.iter().zip(taken) {
             match t {
                 Ok((d, at, from)) => {
                     if d.allowed && c.hits > 0 {
                         charged.push((c, at, from));
+                    }
+                    if let Some(slot) = decided_at.get_mut(c.index) {
+                        *slot = at;
                     }
                     if let Some(slot) = decisions.get_mut(c.index) {
                         *slot = Some((Arc::clone(&c.rule), d));
@@ -427,7 +460,9 @@ impl<K: Kv> Rls<K> {
                 });
                 s.limit_remaining = u32::try_from(d.remaining).unwrap_or(u32::MAX);
                 // Whole seconds, rounded up, as envoyproxy/ratelimit answers (and as `t=`).
-                s.duration_until_reset = Some(ceil_secs(d.reset_after).saturating_mul(ratewall_core::SECOND));
+                let at = decided_at.get(i).copied().unwrap_or(0);
+                let restored = rule.limit.map_or(d.reset_after, |l| until_restored(l, d, at));
+                s.duration_until_reset = Some(ceil_secs(restored).saturating_mul(ratewall_core::SECOND));
             }
             // Who is being limited: this rule's count of the call, under the client's key.
             let top = match (over, verdict.denies(rule)) {

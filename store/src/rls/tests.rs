@@ -280,6 +280,47 @@ async fn duration_until_reset_is_whole_seconds_rounded_up() {
     assert!((1..=3600).contains(&(banned / ratewall_core::SECOND)), "{banned}");
 }
 
+#[tokio::test]
+async fn a_sliding_windows_duration_until_reset_is_when_it_is_fully_restored() {
+    let config = "domain: s
+descriptors:
+  - key: slide
+    rate_limit: {unit: minute, requests_per_unit: 2, algorithm: sliding_window, exact: true}
+";
+    let store = rls().store;
+    // A process fresh for each call: it reads the counter at the clock set (not its own last
+    // write moved on by the time since).
+    let process =
+        || Rls::new(Arc::clone(&store), RlsConfig::parse("s.yaml", config).unwrap(), None, b"unit-test-secret-0123");
+    let s = ratewall_core::SECOND;
+    let minute = 1_000 * 3600 * s;
+    let hit = Call {
+        domain: "s".into(),
+        descriptors: vec![Descriptor { entries: vec![("slide".into(), "x".into())], ..Default::default() }],
+        hits_addend: 0,
+    };
+    let mut look = hit.clone();
+    look.descriptors[0].hits_addend = Some(0);
+    let at = |t: u64| store.kv.now.store(minute + t, Ordering::Relaxed);
+    let ask = |c: &Call| {
+        let c = c.clone();
+        let r = process();
+        async move {
+            let a = r.should_rate_limit(&c).await.unwrap();
+            (a.statuses[0].limit_remaining, a.statuses[0].duration_until_reset.unwrap() / s)
+        }
+    };
+    // Two hits at :50.5 of a minute: they weigh on the next minute until past its half.
+    let ms = s / 1000;
+    at(50 * s + 500 * ms);
+    assert_eq!(ask(&hit).await, (1, 10), "one unit: gone just after the window's end");
+    assert_eq!(ask(&hit).await, (0, 40));
+    at(89 * s + 500 * ms);
+    assert_eq!(ask(&look).await.0, 1, "not restored 39 s later");
+    at(90 * s + 500 * ms);
+    assert_eq!(ask(&look).await, (2, 0), "restored 40 s later, as said");
+}
+
 /// Two quotas (one of them shadow) beside an enforced limit, decided at Redis.
 const QUOTAS: &str = "domain: q
 descriptors:
@@ -378,8 +419,8 @@ async fn denied_calls_are_heard_among_the_top_offenders_by_readable_keys_and_sec
     let names: Vec<&str> = rules.iter().map(|r| r["rule"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        ["d.user", "per-ip", "d.shadow", "d.banned", "d.X-Api-Key", "d.buyer"],
-        "in the configuration's order"
+        ["d.user", "per-ip", "d.shadow", "d.banned", "d.plain", "d.X-Api-Key", "d.buyer"],
+        "in the configuration's order, every rule that limits (one no call was heard for with nothing counted)"
     );
     let hashed = |v: &str| {
         let mut s = String::new();
@@ -396,8 +437,12 @@ async fn denied_calls_are_heard_among_the_top_offenders_by_readable_keys_and_sec
     assert_eq!((rules[2]["allowed"].clone(), rules[2]["shadow_denied"].clone()), (json!(1), json!(1)));
     assert_eq!(rules[2]["top"][0]["key"], json!("shadow=s"));
     assert_eq!(rules[3]["top"][0]["key"], json!("banned=x"));
-    assert_eq!(rules[4]["top"][0]["key"], json!(format!("X-Api-Key={}", hashed("k-123456"))));
-    assert_eq!(rules[5]["top"][0]["key"], json!(format!("buyer={}", hashed("b-654321"))));
+    assert_eq!(
+        (rules[4]["allowed"].clone(), rules[4]["denied"].clone(), rules[4]["top"].clone()),
+        (json!(0), json!(0), json!([]))
+    );
+    assert_eq!(rules[5]["top"][0]["key"], json!(format!("X-Api-Key={}", hashed("k-123456"))));
+    assert_eq!(rules[6]["top"][0]["key"], json!(format!("buyer={}", hashed("b-654321"))));
     // The same counts per second, for the dashboard.
     let series = r.store.top.series(Some("d.user"));
     assert_eq!(series["rules"][0]["denied"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).sum::<u64>(), 2);
@@ -412,7 +457,10 @@ async fn overrides_are_one_top_rule_per_domain() {
         assert_eq!(r.should_rate_limit(&c).await.unwrap().overall_code, Code::OverLimit);
     }
     let v = r.store.top.top(None, crate::top::Window::Minute);
-    assert_eq!(v["rules"][0]["rule"], "d (override)");
-    assert_eq!(v["rules"][0]["denied"], 2);
-    assert_eq!(v["rules"][0]["top"].as_array().unwrap().len(), 2);
+    let rules = v["rules"].as_array().unwrap();
+    let o = rules.last().unwrap();
+    assert_eq!(o["rule"], "d (override)", "after the configured rules: {v}");
+    assert_eq!(o["denied"], 2);
+    assert_eq!(o["top"].as_array().unwrap().len(), 2);
+    assert!(rules[..rules.len() - 1].iter().all(|r| r["denied"] == 0 && r["allowed"] == 0), "{v}");
 }
