@@ -227,9 +227,21 @@ pub enum Call {
     /// waits (0: no request). `at`: when the first of the units was admitted (the isolate's
     /// clock; 0: not known): the object counts them as of then, as the isolate's copy of the
     /// counter did (a token bucket counted later is behind the `Retry-After` the isolate gave),
-    /// and a fixed window's units of a window that has ended in none. Answered with
-    /// [`grants::Spent`].
-    Spend { limit: Limit, node: u64, seq: u64, units: u64, ask: u64, cost: u64, at: Nanos },
+    /// and a fixed window's units of a window that has ended in none. `refund`: units of the
+    /// isolate's earlier reports to give back (another rule rejected their requests), counted
+    /// from `refund_at`; given back once, with the report (a repeat of it gives nothing).
+    /// Answered with [`grants::Spent`].
+    Spend {
+        limit: Limit,
+        node: u64,
+        seq: u64,
+        units: u64,
+        ask: u64,
+        cost: u64,
+        at: Nanos,
+        refund: u64,
+        refund_at: Nanos,
+    },
 }
 
 /// A counter object's stored value: the counter's encoding in hex, then `/` and the limit it
@@ -291,8 +303,9 @@ impl Call {
                 json!({"op": "ask", "limit": limit_json(limit), "node": node, "ask": ask, "units": units})
             }
             Call::Heard { node, seq, ask } => json!({"op": "heard", "node": node, "seq": seq, "ask": ask}),
-            Call::Spend { limit, node, seq, units, ask, cost, at } => json!({"op": "spend",
-                "limit": limit_json(limit), "node": node, "seq": seq, "units": units, "ask": ask, "cost": cost, "at": at}),
+            Call::Spend { limit, node, seq, units, ask, cost, at, refund, refund_at } => json!({"op": "spend",
+                "limit": limit_json(limit), "node": node, "seq": seq, "units": units, "ask": ask, "cost": cost, "at": at,
+                "refund": refund, "refund_at": refund_at}),
         }
     }
 
@@ -343,6 +356,9 @@ impl Call {
                 cost: u64_field(v, "cost")?,
                 // Absent from an isolate of a version before it: counted as they come.
                 at: v.get("at").map_or(Some(0), Value::as_u64)?,
+                // Absent from an isolate of a version before it: nothing to give back.
+                refund: v.get("refund").map_or(Some(0), Value::as_u64)?,
+                refund_at: v.get("refund_at").map_or(Some(0), Value::as_u64)?,
             }),
             _ => None,
         }
@@ -612,11 +628,11 @@ pub struct Metrics {
     pub sync_refused_stale: u64,
     /// Checks admitted from the isolate's grants, with no object call.
     pub grant_admissions: u64,
-    /// Checks admitted past the isolate's grant: on its overdraft, or on a counter new to it
-    /// before the object's first answer.
+    /// Checks admitted past the isolate's grant: on its share, its copy or its overdraft, or
+    /// on a counter new to it before the object's first answer.
     pub overdraft_admissions: u64,
-    /// Checks denied in isolate memory while its copy of the counter had room (grant and
-    /// overdraft spent until the next answer).
+    /// Checks denied in isolate memory while its copy of the counter had room (grant, share
+    /// and overdraft spent until the next answer).
     pub short_denials: u64,
     /// Units admitted from grants whose report was given up.
     pub units_dropped: u64,
@@ -731,12 +747,12 @@ impl Metrics {
             ),
             (
                 "overdraft_admissions",
-                "Checks admitted past the isolate's grant (its overdraft, or a counter new to it before the first answer), with no object call.",
+                "Checks admitted past the isolate's grant (its share, its copy, its overdraft, or a counter new to it before the first answer), with no object call.",
                 self.overdraft_admissions,
             ),
             (
                 "short_denials",
-                "Checks denied by the isolate while its copy of the counter had room (grant and overdraft spent).",
+                "Checks denied by the isolate while its copy of the counter had room (grant, share and overdraft spent).",
                 self.short_denials,
             ),
             ("units_dropped", "Units admitted from grants whose report was given up.", self.units_dropped),
@@ -857,6 +873,23 @@ pub fn shadow_lines(
         .collect()
 }
 
+/// Whether an origin's answer of `status` can be passed on to the client: a final status the
+/// runtime can build a response with (200 to 599), or 101 (a WebSocket's upgrade, which the
+/// runtime's `fetch` gives only with its socket). An interim status (`100 Continue`, which an
+/// origin sends for a request with `Expect: 100-continue`), or one out of range, is answered
+/// with the Worker's own 502.
+pub fn passable_status(status: u16) -> bool {
+    status == 101 || (200..=599).contains(&status)
+}
+
+/// Whether a client's request header goes on to an `ORIGIN_URL` origin: all but `Expect`. The
+/// Worker sends the origin the whole body it has, so it asks no leave to: forwarded, a
+/// client's `Expect: 100-continue` (curl's for a body over 1 MB) had the origin answer
+/// `100 Continue`, which the runtime's `fetch` gives as the final answer.
+pub fn forwarded_header(name: &str) -> bool {
+    !name.eq_ignore_ascii_case("expect")
+}
+
 /// Units to give back to the isolate's grant of a counter: (key, cost).
 pub type GrantRefund = (Vec<u8>, u64);
 
@@ -893,6 +926,24 @@ mod tests {
         {"name": "per-user", "key": ["user"], "limit": {"requests": 2, "per": "60s"}},
         {"name": "per-ip", "match": {"path": "/login"}, "key": ["ip"], "limit": {"requests": 2, "per": "60s"}}
       ]}"#;
+
+    /// An origin's interim or out-of-range status is not passed on (the runtime cannot
+    /// build a response with it: workers-rs panicked, and the isolate started over).
+    #[test]
+    fn a_clients_expect_is_not_forwarded_to_the_origin() {
+        assert!(!forwarded_header("Expect") && !forwarded_header("expect"));
+        assert!(forwarded_header("content-length") && forwarded_header("x-user-id"));
+    }
+
+    #[test]
+    fn only_a_final_status_or_a_websockets_upgrade_is_passed_on() {
+        for status in [101, 200, 204, 302, 404, 429, 503, 599] {
+            assert!(passable_status(status), "{status}");
+        }
+        for status in [0, 100, 102, 103, 199, 600, 999] {
+            assert!(!passable_status(status), "{status}");
+        }
+    }
 
     #[test]
     fn a_shadow_rule_that_would_reject_is_logged_as_the_filter_logs_it() {
@@ -991,7 +1042,7 @@ mod tests {
             Call::Refund { limit, cost: 2, at: u64::MAX - 1 },
             Call::Apply { limit, node: 1 << 60, seq: 9, units: 4 },
             Call::Ask { limit, node: 1 << 60, ask: 7, units: 1 },
-            Call::Spend { limit, node: 3, seq: 4, units: 5, ask: 6, cost: 7, at: 8 },
+            Call::Spend { limit, node: 3, seq: 4, units: 5, ask: 6, cost: 7, at: 8, refund: 9, refund_at: 10 },
             Call::Take {
                 limit: Limit::new(Algorithm::LeakyBucket, 5, SECOND, Some(10)).unwrap().with_delay(3).unwrap(),
                 cost: 1,
@@ -1114,7 +1165,10 @@ mod tests {
         let limit = Limit::new(Algorithm::FixedWindow, 5, 1_000, None).unwrap();
         let calls = vec![
             (b"k1".to_vec(), Call::Take { limit, cost: 1 }),
-            (vec![0, 255], Call::Spend { limit, node: 3, seq: 9, units: 2, ask: 0, cost: 0, at: 0 }),
+            (
+                vec![0, 255],
+                Call::Spend { limit, node: 3, seq: 9, units: 2, ask: 0, cost: 0, at: 0, refund: 0, refund_at: 0 },
+            ),
         ];
         assert_eq!(decode_batch(&encode_batch(&calls)), Some(calls));
         let heard = r#"{"batch":[{"key":"00","call":{"op":"heard","node":1,"seq":1,"ask":false}}]}"#;

@@ -7,8 +7,9 @@ use crate::edge::object::{earliest, Object, Shard, STORAGE_KEYS};
 use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
     cached_denials, checks_for, decided_locally, decisions, decode_batch, decode_replies, encode_batch, encode_replies,
-    in_flight, object_name, refund_calls, shadow_lines, storage_key, store, take_answer, wait_of, BlockedCache, Call,
-    LocalFallback, Metrics, Offered, Rules, DEFAULT_SHARDS, MS, REGISTRY_OBJECT,
+    forwarded_header, in_flight, object_name, passable_status, refund_calls, shadow_lines, storage_key, store,
+    take_answer, wait_of, BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, DEFAULT_SHARDS, MS,
+    REGISTRY_OBJECT,
 };
 use futures_util::future::{join, join_all, select, Either};
 use ratewall_core::eval::{combine, Check, Outcome, Skip, StoreError};
@@ -388,7 +389,7 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
             url.query().map(|q| format!("?{q}")).unwrap_or_default()
         );
         let headers = Headers::new();
-        for (k, v) in req.headers().entries() {
+        for (k, v) in req.headers().entries().filter(|(k, _)| forwarded_header(k)) {
             headers.append(&k, &v)?;
         }
         let mut init = RequestInit::new();
@@ -402,6 +403,12 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
     } else {
         demo_origin(&req)?
     };
+    // The runtime builds a response only with a status it can send as a final one: an
+    // interim `100 Continue` passed on made workers-rs panic, and the isolate started over.
+    if !passable_status(resp.status_code()) {
+        console_error!("ratewall: the origin answered with status {}, which cannot be passed on", resp.status_code());
+        return problem_502("the origin answered with a status that cannot be passed on");
+    }
     if fields.is_empty() {
         return Ok(resp);
     }
@@ -441,8 +448,13 @@ fn until_sent(response: Response) -> (Response, Option<worker::js_sys::Promise>)
 /// log (never in the answer).
 fn bad_gateway(e: &worker::Error) -> Result<Response> {
     console_error!("ratewall: the origin could not be reached: {e}");
-    let body =
-        r#"{"type":"about:blank","title":"Bad Gateway","status":502,"detail":"the origin could not be reached"}"#;
+    problem_502("the origin could not be reached")
+}
+
+/// 502 with an RFC 9457 body saying `detail`.
+fn problem_502(detail: &str) -> Result<Response> {
+    let body = serde_json::json!({"type": "about:blank", "title": "Bad Gateway", "status": 502, "detail": detail});
+    let body = body.to_string();
     let headers = Headers::new();
     headers.set("content-type", "application/problem+json")?;
     Ok(Response::from_bytes(body.as_bytes().to_vec())?.with_status(502).with_headers(headers))
@@ -476,12 +488,18 @@ async fn answer(
 /// when a report is due, bringing their next grants; or, while that task sleeps and the
 /// isolate needs a grant, one call at once.
 fn schedule_report(env: &Env, ctx: &Context, key: &[u8], timeout: Duration) {
+    if let Some(task) = report_task(env, key, timeout) {
+        ctx.wait_until(task);
+    }
+}
+
+/// The task [`schedule_report`] starts, if one is to start, for the caller to run in the
+/// background.
+fn report_task(env: &Env, key: &[u8], timeout: Duration) -> Option<impl std::future::Future<Output = ()> + 'static> {
     shards(env);
-    let Some((object, schedule)) = with(|i| i.grants.schedule(key, now())) else {
-        return;
-    };
+    let (object, schedule) = with(|i| i.grants.schedule(key, now()))?;
     let env = env.clone();
-    ctx.wait_until(async move {
+    Some(async move {
         let mut delay = match schedule {
             Schedule::Reports(first) => first,
             Schedule::Once => {
@@ -504,7 +522,7 @@ fn schedule_report(env: &Env, ctx: &Context, key: &[u8], timeout: Duration) {
             }
             delay = REPORT_EVERY;
         }
-    });
+    })
 }
 
 /// Sends the isolate's reports `calls` to `object`, and takes its answers.
@@ -806,9 +824,12 @@ fn give_back(
             i.cache.forget(&c.key);
         }
     });
+    // Units already reported go back with the counter's next report: started now unless
+    // the counter's task runs.
+    let reports: Vec<_> = grant_refunds.iter().filter_map(|(key, _)| report_task(env, key, timeout)).collect();
     let env = env.clone();
     async move {
-        call_objects(&env, &refunding, timeout).await;
+        join(call_objects(&env, &refunding, timeout), join_all(reports)).await;
     }
 }
 
@@ -884,7 +905,7 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
     if path == METRICS_PATH {
         return Response::ok(with(|i| {
             i.metrics.grant_admissions = i.grants.local;
-            i.metrics.overdraft_admissions = i.grants.overdrafts + i.grants.first;
+            i.metrics.overdraft_admissions = i.grants.overdrafts + i.grants.first + i.grants.shared;
             i.metrics.short_denials = i.grants.short;
             i.metrics.units_dropped = i.grants.dropped;
             i.metrics.render()

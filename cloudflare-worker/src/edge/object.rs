@@ -102,16 +102,22 @@ impl Object {
                 let a = c.ask(limit, t, node, ask, units, NODE_TTL);
                 (encode_applied(&a, c.out_for(t)), a.grant > 0, true)
             }
-            Call::Spend { limit, node, seq, units, ask, cost, at } => {
+            Call::Spend { limit, node, seq, units, ask, cost, at, refund, refund_at } => {
                 // The isolate's own traffic, like a take: written back by the alarm, counted as
                 // of when the isolate admitted it; a fixed window's units of a window that has
                 // ended here count in none.
                 let report = (seq > 0).then(|| c.report_since(limit, t, at, (node, seq, units), NODE_TTL));
-                if report.is_some_and(|a| a.counted) {
+                let counted = report.is_some_and(|a| a.counted);
+                if counted {
                     // The isolate holds only the grant answered: it counts what it spends
                     // while the report is out against that grant, and spends nothing more of
                     // the old one or of earlier asks.
                     c.settle(node);
+                    // Units of its earlier reports whose requests another rule rejected: given
+                    // back once (a repeat of the report is not counted, nor is its refund).
+                    if refund > 0 {
+                        c.refund(limit, t, refund_at, refund);
+                    }
                 }
                 let grant = report.map(|a| (a.grant, a.lease));
                 let covered = grant.is_some_and(|(g, _)| g >= cost);
@@ -135,7 +141,7 @@ impl Object {
                     nodes: report.map_or(0, |a| a.nodes),
                     held: c.held_by_others(t, node),
                 };
-                (s.encode(), report.is_some_and(|a| a.counted) || asked > 0, false)
+                (s.encode(), counted || asked > 0, false)
             }
             Call::Heard { .. } => return None,
         };
@@ -565,6 +571,29 @@ mod tests {
         assert_eq!(h.reply, "{}");
         assert!(o.dirty());
         assert!(take(&mut o, T + 6).0, "the refunded unit is free again");
+    }
+
+    /// An isolate's report may give back units of its earlier reports (another rule
+    /// rejected their requests): once, and not again when the report is sent again.
+    #[test]
+    fn a_report_gives_back_the_units_it_names_once() {
+        let mut o = loaded();
+        let spend = |seq, units, refund| Call::Spend {
+            limit: limit(),
+            node: 7,
+            seq,
+            units,
+            ask: 0,
+            cost: 0,
+            at: T,
+            refund,
+            refund_at: T,
+        };
+        let remaining = |h: Handled| Spent::decode(&h.reply).unwrap().remaining;
+        assert_eq!(remaining(o.handle(spend(1, 2, 0), T).unwrap()), 1);
+        assert_eq!(remaining(o.handle(spend(2, 0, 1), T + 1).unwrap()), 2, "one unit back");
+        assert_eq!(remaining(o.handle(spend(2, 0, 1), T + 2).unwrap()), 2, "a repeat gives nothing");
+        assert!(take(&mut o, T + 3).0 && take(&mut o, T + 3).0 && !take(&mut o, T + 3).0);
     }
 
     #[test]
