@@ -117,6 +117,13 @@ fn main() {
         figure(&format!("worker_do_calls_per_1000_admitted_{name}"), mean(|r| r.calls_per_1000_admitted), "calls");
     }
 
+    // One client under its limit whose requests stay on one isolate at a time.
+    let s = ratewall_tests::worker_sim::sticky5s();
+    let r = ratewall_tests::worker_sim::run(&s);
+    figure(&format!("worker_overadmission_pct_{}", s.name), r.overadmission_pct, "%");
+    figure(&format!("worker_false_denial_pct_{}", s.name), r.false_denial_pct, "%");
+    figure(&format!("worker_do_calls_per_1000_admitted_{}", s.name), r.calls_per_1000_admitted, "calls");
+
     let rules = serde_json::from_str::<serde_json::Value>(RULES).unwrap().to_string();
     let w = Workerd::start_with(&[("RATEWALL_RULES", &rules)], PEER).unwrap();
     // Warm up: isolate, objects, connections.

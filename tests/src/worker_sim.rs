@@ -37,6 +37,9 @@ pub struct Scenario {
     pub rtt: Nanos,
     /// The RNG seed.
     pub seed: u64,
+    /// Requests stay on one isolate (drawn by share) for this long on average, then move on
+    /// (`None`: each request's isolate drawn on its own).
+    pub sticky: Option<Nanos>,
 }
 
 /// What a scenario measured.
@@ -71,7 +74,15 @@ pub fn bursts() -> Scenario {
         windows: 5,
         rtt: 2 * 1_000_000,
         seed: 7,
+        sticky: None,
     }
+}
+
+/// One client at 0.8 × a limit of 1,000 per 10 s (fixed window) whose requests stay on one
+/// of 20 isolates (drawn by the Zipf shares) for 5 s on average, then move on, as a
+/// keep-alive connection's do.
+pub fn sticky5s() -> Scenario {
+    Scenario { name: "sticky5s_under", load: 0.8, windows: 12, sticky: Some(5 * SECOND), ..zipf20() }
 }
 
 /// The 20-isolate Zipf scenario of the figures.
@@ -87,6 +98,7 @@ pub fn zipf20() -> Scenario {
         windows: 6,
         rtt: 20 * 1_000_000,
         seed: 7,
+        sticky: None,
     }
 }
 
@@ -172,17 +184,33 @@ pub fn run(s: &Scenario) -> Report {
     let total: f64 = weights.iter().sum();
     let requests = (s.load * s.limit as f64 * s.windows as f64) as u64;
     let span = s.window * s.windows;
-    for _ in 0..requests / s.burst.max(1) {
-        let at = start + next() % span;
+    let draw = |next: &mut dyn FnMut() -> u64| {
         let mut pick = (next() % 1_000_000) as f64 / 1_000_000.0 * total;
-        let mut isolate = s.isolates - 1;
         for (i, wt) in weights.iter().enumerate() {
             if pick < *wt {
-                isolate = i;
-                break;
+                return i;
             }
             pick -= wt;
         }
+        s.isolates - 1
+    };
+    let mut arrivals: Vec<(Nanos, usize)> =
+        (0..requests / s.burst.max(1)).map(|_| (start + next() % span, draw(&mut next))).collect();
+    if let Some(stay) = s.sticky {
+        // One client: its requests go to one isolate until it moves on.
+        arrivals.sort_unstable();
+        let mut moves_at = start;
+        let mut isolate = 0;
+        for a in arrivals.iter_mut() {
+            if a.0 >= moves_at {
+                isolate = a.1;
+                let u = (next() % 1_000_000 + 1) as f64 / 1_000_001.0;
+                moves_at = a.0 + (-u.ln() * stay as f64) as Nanos;
+            }
+            a.1 = isolate;
+        }
+    }
+    for (at, isolate) in arrivals {
         for i in 0..s.burst.max(1) {
             w.push(at + i * 1_000_000, Event::Arrive(isolate));
         }

@@ -81,3 +81,19 @@ fn a_clients_bursts_are_not_cut_at_the_grant_the_object_sized() {
         over_seeds(&Scenario { algorithm, ..bursts() });
     }
 }
+
+/// A client under its limit whose requests stay on one isolate at a time: the isolate it
+/// leaves holds its last grant (most of what remains, the only busy node's share) until the
+/// grant's lease runs out or its next report, and the isolate it moves to is held to its own
+/// small grant, its one overdraft unit and short denials meanwhile.
+#[test]
+fn a_client_that_moves_between_isolates_is_denied_only_while_the_old_grant_is_held() {
+    let r = run(&ratewall_tests::worker_sim::sticky5s());
+    println!("{r:?}");
+    assert_eq!(r.overadmission_pct, 0.0, "{r:?}");
+    // Measured 3.34 % (seed 7): about 13 denials per move at 80 requests a second.
+    assert!(r.false_denial_pct <= 4.0, "{r:?}");
+    // The same client on every isolate at once is never denied.
+    let spread = run(&ratewall_tests::worker_sim::Scenario { sticky: None, ..ratewall_tests::worker_sim::sticky5s() });
+    assert_eq!(spread.false_denial_pct, 0.0, "{spread:?}");
+}
