@@ -48,7 +48,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::{Parser, Subcommand};
 use ratewall_core::rules::MAX_DOCUMENT;
 use ratewall_core::Config;
-use ratewall_store::rls::config::{ConfigError, RlsConfig};
+use ratewall_store::rls::config::RlsConfig;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -201,7 +201,7 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
     if !path.exists() {
         return Err(Failure::Usage(format!("cannot read {}: no such file or directory", path.display())));
     }
-    let config = match RlsConfig::load(path).and_then(|c| some_domain(path, c)) {
+    let config = match RlsConfig::load(path) {
         Ok(c) => c,
         Err(e) => {
             if as_json {
@@ -282,29 +282,6 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
         say!("- {}{name}: {text}{flags}", r.full_key);
     }
     Ok(())
-}
-
-/// `config` read from `path`, when it has a domain. A file always does, once it loads; a
-/// directory without a `.yaml` / `.yml` file loads as none, which `ratewall-store` would
-/// start on with no limit at all: an error, not a valid configuration.
-fn some_domain(path: &Path, config: RlsConfig) -> Result<RlsConfig, ConfigError> {
-    if config.domains().next().is_some() {
-        return Ok(config);
-    }
-    let mut reason = "no rate limit service configuration in it (no .yaml or .yml file)".to_owned();
-    // A rules document there is most likely what was meant.
-    let json = std::fs::read_dir(path).ok().and_then(|entries| {
-        let mut json: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_file() && p.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")))
-            .collect();
-        json.sort();
-        json.into_iter().next()
-    });
-    if let Some(json) = json {
-        reason.push_str(&format!("; to check the rules document in it: ratewall check {}", json.display()));
-    }
-    Err(ConfigError { file: path.display().to_string(), line: None, column: None, reason })
 }
 
 fn main() -> ExitCode {

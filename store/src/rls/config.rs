@@ -306,6 +306,8 @@ pub fn secret_by_default(key: &str) -> bool {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RlsConfig {
     domains: BTreeMap<String, Level>,
+    /// The file each domain is in.
+    files: BTreeMap<String, String>,
     /// Every rule, in file order (for `ratewall check` and the metrics).
     pub rules: Vec<Arc<Rule>>,
     /// What the files say that is not read, as envoyproxy/ratelimit does not read it either: a
@@ -316,9 +318,17 @@ pub struct RlsConfig {
 impl RlsConfig {
     /// Reads `path`: one YAML file, or every `*.yaml` / `*.yml` file in a directory (dotfiles
     /// skipped, in name order; a domain may appear in one file only).
+    ///
+    /// A directory without such a file is an error, not a configuration of no limit: a service
+    /// started on it would answer every call OK, and a reload of it (files being replaced)
+    /// keeps the last good configuration.
     pub fn load(path: &Path) -> Result<RlsConfig, ConfigError> {
         let mut config = RlsConfig::default();
-        for file in files(path)? {
+        let files = files(path)?;
+        if files.is_empty() {
+            return Err(no_yaml(path));
+        }
+        for file in files {
             let name = file.display().to_string();
             let text = read_at_most(&file).map_err(|reason| ConfigError {
                 file: name.clone(),
@@ -404,8 +414,8 @@ impl RlsConfig {
         if domain.is_empty() {
             return Err(whole("config file cannot have empty domain".into()));
         }
-        if self.domains.contains_key(&domain) {
-            return Err(whole(format!("duplicate domain '{domain}' (each domain is in one file)")));
+        if let Some(other) = self.files.get(&domain) {
+            return Err(whole(format!("duplicate domain '{domain}': {other} has it too (each domain is in one file)")));
         }
         // Which descriptor, found in the text (serde keeps no positions past parsing): the
         // `nth` line naming `key`. The lines naming each key are found in one pass over the
@@ -447,6 +457,7 @@ impl RlsConfig {
         for (reason, key, nth) in unread {
             self.warnings.push(warn(line_of(&key, nth), reason));
         }
+        self.files.insert(domain.clone(), file.to_owned());
         self.domains.insert(domain, level);
         Ok(())
     }
@@ -685,6 +696,24 @@ fn read_at_most(file: &Path) -> Result<String, String> {
     }
     // As `read_to_string` says it.
     String::from_utf8(bytes).map_err(|_| "stream did not contain valid UTF-8".to_owned())
+}
+
+/// The error for a directory without a `.yaml` / `.yml` file, pointing at a rules document
+/// there, which is most likely what was meant.
+fn no_yaml(path: &Path) -> ConfigError {
+    let mut reason = "no rate limit service configuration in it (no .yaml or .yml file)".to_owned();
+    let json = std::fs::read_dir(path).ok().and_then(|entries| {
+        let mut json: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file() && p.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")))
+            .collect();
+        json.sort();
+        json.into_iter().next()
+    });
+    if let Some(json) = json {
+        reason.push_str(&format!("; to check the rules document in it: ratewall check {}", json.display()));
+    }
+    ConfigError { file: path.display().to_string(), line: None, column: None, reason }
 }
 
 /// The YAML files `path` names.
@@ -1589,12 +1618,25 @@ mod tests {
     }
 
     #[test]
+    fn a_directory_without_a_yaml_file_is_no_configuration() {
+        let d = std::env::temp_dir().join(format!("ratewall-rls-empty-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("notes.txt"), "domain: d\n").unwrap();
+        let e = RlsConfig::load(&d).unwrap_err();
+        assert_eq!(e.reason, "no rate limit service configuration in it (no .yaml or .yml file)");
+        std::fs::write(d.join("d.yml"), "domain: d\n").unwrap();
+        assert_eq!(RlsConfig::load(&d).unwrap().domains().collect::<Vec<_>>(), ["d"]);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
     fn a_domain_lives_in_one_file() {
         let mut c = RlsConfig::default();
         c.add("a.yaml", "domain: d\n").unwrap();
         let e = c.add("b.yaml", "domain: d\n").unwrap_err();
         assert_eq!(e.file, "b.yaml");
-        assert!(e.reason.contains("duplicate domain 'd'"), "{e}");
+        assert_eq!(e.reason, "duplicate domain 'd': a.yaml has it too (each domain is in one file)");
     }
 
     #[test]
