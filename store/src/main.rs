@@ -111,6 +111,9 @@ struct LazyKv {
     conn: OnceCell<RedisKv>,
     /// Why Redis cannot be reached is said at most once per [`Quiet::EVERY`].
     unreachable: Quiet,
+    /// Why a command failed once connected (Redis stopped, restarted, out of memory), as
+    /// often.
+    failing: Quiet,
 }
 
 /// A log line said at most once per [`Quiet::EVERY`] however often it happens (while Redis
@@ -161,12 +164,34 @@ impl LazyKv {
     }
 }
 
+impl LazyKv {
+    /// `r`, its failure said (at most once per [`Quiet::EVERY`]).
+    fn noted<T>(&self, r: Result<T, String>) -> Result<T, String> {
+        if let Err(e) = &r {
+            self.failed(e);
+        }
+        r
+    }
+
+    fn failed(&self, why: &str) {
+        if let Some(held) = self.failing.say(std::time::Instant::now()) {
+            let more = match held {
+                0 => String::new(),
+                n => format!(" ({n} more failed command(s) since the last line)"),
+            };
+            eprintln!("ratewall-store: a Redis command failed: {why}{more}");
+        }
+    }
+}
+
 impl Kv for LazyKv {
     async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
-        self.get().await.ok_or("Redis unreachable")?.read(key).await
+        let Some(kv) = self.get().await else { return Err("Redis unreachable".into()) };
+        self.noted(kv.read(key).await)
     }
     async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<ratewall_store::Cas, String> {
-        self.get().await.ok_or("Redis unreachable")?.cas(key, old, new, ttl_ms).await
+        let Some(kv) = self.get().await else { return Err("Redis unreachable".into()) };
+        self.noted(kv.cas(key, old, new, ttl_ms).await)
     }
     async fn heard(
         &self,
@@ -175,22 +200,35 @@ impl Kv for LazyKv {
         batch: bool,
         sent: Nanos,
     ) -> Result<(u32, Vec<u64>), ratewall_store::Unheard> {
-        self.get().await.ok_or(ratewall_store::Unheard::Failed)?.heard(node, seq, batch, sent).await
+        let heard = self.get().await.ok_or(ratewall_store::Unheard::Failed)?.heard(node, seq, batch, sent).await;
+        if matches!(heard, Err(ratewall_store::Unheard::Failed)) {
+            self.failed("the node registry could not be read or written");
+        }
+        heard
     }
     async fn present(&self, node: u64) -> Result<u32, String> {
-        self.get().await.ok_or("Redis unreachable")?.present(node).await
+        let Some(kv) = self.get().await else { return Err("Redis unreachable".into()) };
+        self.noted(kv.present(node).await)
     }
     async fn ping(&self) -> bool {
         match self.get().await {
-            Some(kv) => tokio::time::timeout(Duration::from_millis(500), kv.ping()).await.unwrap_or(false),
+            Some(kv) => {
+                let answered = tokio::time::timeout(Duration::from_millis(500), kv.ping()).await.unwrap_or(false);
+                if !answered {
+                    self.failed("no answer to PING within 500 ms");
+                }
+                answered
+            }
             None => false,
         }
     }
     async fn append(&self, key: &str, payload: &[u8], len: u64, ttl_ms: u64) -> Result<(), String> {
-        self.get().await.ok_or("Redis unreachable")?.append(key, payload, len, ttl_ms).await
+        let Some(kv) = self.get().await else { return Err("Redis unreachable".into()) };
+        self.noted(kv.append(key, payload, len, ttl_ms).await)
     }
     async fn read_after(&self, key: &str, after: Option<&str>, count: usize) -> Result<(String, Vec<Vec<u8>>), String> {
-        self.get().await.ok_or("Redis unreachable")?.read_after(key, after, count).await
+        let Some(kv) = self.get().await else { return Err("Redis unreachable".into()) };
+        self.noted(kv.read_after(key, after, count).await)
     }
 }
 
@@ -367,6 +405,7 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
         cluster: args.cluster,
         conn: OnceCell::new(),
         unreachable: Quiet::default(),
+        failing: Quiet::default(),
     };
     let store: Shared = Arc::new(Store::new(kv, secret.as_bytes(), args.deadline));
     let stopping = Stopping::on_signal();

@@ -576,6 +576,14 @@ async fn redis_stopped_is_unavailable_within_the_deadline_and_answers_resume() {
         assert_eq!(e.code(), tonic::Code::Unavailable, "{key}={value}: {e}");
         assert!(took < Duration::from_millis(DEADLINE_MS + 300), "{key}={value}: {took:?}");
     }
+    // Said in the log, once for the three calls (at most once per 10 s).
+    let said = |log: String| log.lines().filter(|l| l.contains("a Redis command failed")).count();
+    let start = Instant::now();
+    while said(store.log()) == 0 {
+        assert!(start.elapsed() < Duration::from_secs(5), "Redis's failure was not logged: {}", store.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(said(store.log()), 1, "{}", store.log());
     redis.restart().unwrap();
     answered_within_15_s(&mut c, ("exact_user", "y")).await;
 }
