@@ -409,7 +409,19 @@ impl RlsConfig {
             ));
         }
         let domain_line = text.lines().position(|l| l.trim_start().starts_with("domain")).map(|i| i + 1);
-        let whole = |reason: String| ConfigError { file: file.to_owned(), line: domain_line, column: None, reason };
+        // The column of `token` on `line` (else of the line's first character), counted in
+        // characters from 1.
+        let column_of = |line: Option<usize>, token: &str| {
+            let l = text.lines().nth(line?.checked_sub(1)?)?;
+            let at = l.find(token).or_else(|| l.find(|c: char| !c.is_whitespace()))?;
+            Some(l.get(..at)?.chars().count() + 1)
+        };
+        let whole = |reason: String| ConfigError {
+            file: file.to_owned(),
+            line: domain_line,
+            column: column_of(domain_line, "domain"),
+            reason,
+        };
         let domain = raw.domain.map(|d| d.0).unwrap_or_default();
         if domain.is_empty() {
             return Err(whole("config file cannot have empty domain".into()));
@@ -448,11 +460,9 @@ impl RlsConfig {
             rules.truncate(before);
         }
         self.rules = rules;
-        built.map_err(|(reason, key, nth)| ConfigError {
-            file: file.to_owned(),
-            line: line_of(&key, nth),
-            column: None,
-            reason,
+        built.map_err(|(reason, key, nth)| {
+            let line = line_of(&key, nth);
+            ConfigError { file: file.to_owned(), line, column: column_of(line, "key"), reason }
         })?;
         for (reason, key, nth) in unread {
             self.warnings.push(warn(line_of(&key, nth), reason));
@@ -1563,7 +1573,11 @@ mod tests {
             let e = error(text);
             assert!(e.reason.contains(why), "{text}: {e}");
             assert_eq!(e.line, Some(line).filter(|l| *l > 0), "{text}: {e}");
+            // Where there is a line there is a column.
+            assert_eq!(e.column.is_some(), line > 0, "{text}: {e}");
         }
+        let e = error("domain: d\ndescriptors:\n  - key: a\n  - key: a\n");
+        assert_eq!((e.line, e.column), (Some(4), Some(5)), "{e}");
     }
 
     /// The count of a key's descriptors met that points an error at its line is the one a
@@ -1636,6 +1650,7 @@ mod tests {
         c.add("a.yaml", "domain: d\n").unwrap();
         let e = c.add("b.yaml", "domain: d\n").unwrap_err();
         assert_eq!(e.file, "b.yaml");
+        assert_eq!((e.line, e.column), (Some(1), Some(1)));
         assert_eq!(e.reason, "duplicate domain 'd': a.yaml has it too (each domain is in one file)");
     }
 
