@@ -12,11 +12,88 @@ use serde_json::{json, Map, Value};
 /// Largest `POST /json` body, bytes (2 MiB): a larger one is refused as malformed (400).
 pub const MAX_BODY: usize = 2 << 20;
 
+/// A JSON value whose objects name each field once: proto3 JSON parsers refuse a field given
+/// twice (`serde_json::Value` keeps the last, so a call could be read differently from what
+/// any other service would read).
+struct Strict(Value);
+
+impl<'de> serde::Deserialize<'de> for Strict {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Strict, D::Error> {
+        d.deserialize_any(StrictVisitor)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Strict;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, b: bool) -> Result<Strict, E> {
+        Ok(Strict(Value::Bool(b)))
+    }
+    fn visit_i64<E>(self, n: i64) -> Result<Strict, E> {
+        Ok(Strict(Value::from(n)))
+    }
+    fn visit_u64<E>(self, n: u64) -> Result<Strict, E> {
+        Ok(Strict(Value::from(n)))
+    }
+    fn visit_f64<E>(self, n: f64) -> Result<Strict, E> {
+        Ok(Strict(serde_json::Number::from_f64(n).map_or(Value::Null, Value::Number)))
+    }
+    fn visit_str<E>(self, s: &str) -> Result<Strict, E> {
+        Ok(Strict(Value::String(s.to_owned())))
+    }
+    fn visit_string<E>(self, s: String) -> Result<Strict, E> {
+        Ok(Strict(Value::String(s)))
+    }
+    fn visit_unit<E>(self) -> Result<Strict, E> {
+        Ok(Strict(Value::Null))
+    }
+    fn visit_none<E>(self) -> Result<Strict, E> {
+        Ok(Strict(Value::Null))
+    }
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Strict, D::Error> {
+        serde::Deserialize::deserialize(d)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Strict, A::Error> {
+        let mut out = Vec::new();
+        while let Some(Strict(v)) = seq.next_element()? {
+            out.push(v);
+        }
+        Ok(Strict(Value::Array(out)))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Strict, A::Error> {
+        let mut out = Map::new();
+        while let Some(k) = map.next_key::<String>()? {
+            if out.contains_key(&k) {
+                return Err(serde::de::Error::custom(format!("field '{k}' given twice")));
+            }
+            let Strict(v) = map.next_value()?;
+            out.insert(k, v);
+        }
+        Ok(Strict(Value::Object(out)))
+    }
+}
+
+/// Notes a field read under its `name` (either of its spellings): `Err` when it was already.
+fn once(seen: &mut Vec<&'static str>, name: &'static str) -> Result<(), String> {
+    if seen.contains(&name) {
+        return Err(format!("field '{name}' given twice (as lowerCamelCase and as in the .proto)"));
+    }
+    seen.push(name);
+    Ok(())
+}
+
 /// Reads a proto3 JSON `RateLimitRequest`.
 pub fn call_of(body: &[u8]) -> Result<Call, String> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| format!("not JSON: {e}"))?;
+    let Strict(v) =
+        serde_json::from_slice(body).map_err(|e| if e.is_data() { e.to_string() } else { format!("not JSON: {e}") })?;
     let obj = v.as_object().ok_or("a RateLimitRequest is a JSON object")?;
     let mut call = Call::default();
+    let mut seen = Vec::new();
     for (k, v) in obj {
         match k.as_str() {
             "domain" => call.domain = string(v, "domain")?,
@@ -26,6 +103,7 @@ pub fn call_of(body: &[u8]) -> Result<Call, String> {
                 }
             }
             "hitsAddend" | "hits_addend" => {
+                once(&mut seen, "hitsAddend")?;
                 call.hits_addend = u32::try_from(uint(v, "hitsAddend")?).map_err(|_| "hitsAddend is over 2^32")?
             }
             other => return Err(format!("unknown field '{other}' in RateLimitRequest")),
@@ -37,6 +115,7 @@ pub fn call_of(body: &[u8]) -> Result<Call, String> {
 fn descriptor(v: &Value) -> Result<Descriptor, String> {
     let obj = v.as_object().ok_or("a descriptor is an object")?;
     let mut d = Descriptor::default();
+    let mut seen = Vec::new();
     for (k, v) in obj {
         match k.as_str() {
             "entries" => {
@@ -58,9 +137,11 @@ fn descriptor(v: &Value) -> Result<Descriptor, String> {
             "limit" => {
                 let l = v.as_object().ok_or("limit is not an object")?;
                 let (mut rpu, mut unit) = (0u32, 0i32);
+                let mut seen = Vec::new();
                 for (f, x) in l {
                     match f.as_str() {
                         "requestsPerUnit" | "requests_per_unit" => {
+                            once(&mut seen, "requestsPerUnit")?;
                             rpu = u32::try_from(uint(x, "requestsPerUnit")?)
                                 .map_err(|_| "requestsPerUnit is over 2^32")?
                         }
@@ -71,12 +152,14 @@ fn descriptor(v: &Value) -> Result<Descriptor, String> {
                 d.limit = Some((rpu, unit));
             }
             "hitsAddend" | "hits_addend" => {
+                once(&mut seen, "hitsAddend")?;
                 // A UInt64Value: the number itself (or null: not set).
                 if !v.is_null() {
                     d.hits_addend = Some(uint(v, "hitsAddend")?);
                 }
             }
             "isNegativeHits" | "is_negative_hits" => {
+                once(&mut seen, "isNegativeHits")?;
                 if v.as_bool() == Some(true) {
                     return Err("isNegativeHits is not supported".into());
                 }
@@ -254,6 +337,24 @@ mod tests {
     fn unknown_fields_are_refused() {
         assert!(call_of(br#"{"domain":"d","extra":1}"#).unwrap_err().contains("extra"));
         assert!(call_of(br#"{"descriptors":[{"entries":[{"key":"k","val":"v"}]}]}"#).unwrap_err().contains("val"));
+    }
+
+    #[test]
+    fn a_field_given_twice_is_refused() {
+        for (body, field) in [
+            (&br#"{"domain":"zz","descriptors":[],"domain":"t"}"#[..], "'domain' given twice"),
+            (br#"{"descriptors":[{"entries":[],"entries":[{"key":"k"}]}]}"#, "'entries' given twice"),
+            (br#"{"descriptors":[{"entries":[{"key":"a","key":"b"}]}]}"#, "'key' given twice"),
+            (br#"{"hitsAddend":1,"hits_addend":2}"#, "'hitsAddend' given twice"),
+            (
+                br#"{"descriptors":[{"limit":{"requestsPerUnit":1,"requests_per_unit":2}}]}"#,
+                "'requestsPerUnit' given twice",
+            ),
+        ] {
+            let e = call_of(body).unwrap_err();
+            assert!(e.contains(field) && !e.starts_with("not JSON"), "{e}");
+        }
+        assert!(call_of(b"{\"domain\":").unwrap_err().starts_with("not JSON"));
     }
 
     #[test]
