@@ -758,11 +758,26 @@ pub fn wall_clock() -> Nanos {
 
 /// `RateLimit-Policy` and `RateLimit` (and `Retry-After`, whole seconds, when given) for
 /// `policies`, as the core renders them for the filter: `"name";q=Q;w=W` and `"name";r=R;t=T`.
+/// A policy named twice (one rule matched by two descriptors of the call, on one counter or
+/// two) is listed once, where it first comes, with its most restrictive decision: two items
+/// of one name would say two different things of one policy.
 fn fields(retry: Option<u64>, policies: &[(&Rule, Decision)]) -> Vec<(&'static str, String)> {
     let mut headers = Vec::with_capacity(3);
     if policies.is_empty() {
         return headers;
     }
+    let mut once: Vec<(&Rule, Decision)> = Vec::with_capacity(policies.len());
+    for (rule, d) in policies {
+        match once.iter_mut().find(|(r, _)| r.policy == rule.policy) {
+            Some((_, kept)) => {
+                if ratewall_core::response::most_restrictive_first(d, kept) == std::cmp::Ordering::Less {
+                    *kept = *d;
+                }
+            }
+            None => once.push((rule, *d)),
+        }
+    }
+    let policies = once.as_slice();
     if let Some(retry) = retry {
         let mut v = String::new();
         push_decimal(&mut v, retry);

@@ -190,6 +190,18 @@ async fn headers_are_the_filters_fields() {
     let a = r.should_rate_limit(&c).await.unwrap();
     assert_eq!(a.headers[0], ("Retry-After", "3600".to_owned()));
     assert_eq!(a.headers[1], ("RateLimit-Policy", "\"per-ip\";q=10;w=3600".to_owned()));
+    // One rule matched twice (one counter, two; both count): named once, at its tightest.
+    for entries in [[("user", "twice"), ("user", "twice")], [("user", "one"), ("user", "other")]] {
+        let a = r.should_rate_limit(&call(&[&entries[..1], &entries[1..]])).await.unwrap();
+        assert_eq!(
+            a.headers,
+            vec![
+                ("RateLimit-Policy", "\"d.user\";q=3;w=3600".to_owned()),
+                ("RateLimit", format!("\"d.user\";r={};t=3600", if entries[0] == entries[1] { 1 } else { 2 })),
+            ],
+            "{entries:?}"
+        );
+    }
 }
 
 #[tokio::test]
