@@ -230,7 +230,9 @@ pub enum Call {
     /// and a fixed window's units of a window that has ended in none. `refund`: units of the
     /// isolate's earlier reports to give back (another rule rejected their requests), counted
     /// from `refund_at`; given back once, with the report (a repeat of it gives nothing).
-    /// Answered with [`grants::Spent`].
+    /// `idle`: the isolate has stopped seeing requests on the counter and gives its grant
+    /// back (the report, once counted, brings none, and its traffic stops weighing in the
+    /// others' shares). Answered with [`grants::Spent`].
     Spend {
         limit: Limit,
         node: u64,
@@ -241,6 +243,7 @@ pub enum Call {
         at: Nanos,
         refund: u64,
         refund_at: Nanos,
+        idle: bool,
     },
 }
 
@@ -303,9 +306,9 @@ impl Call {
                 json!({"op": "ask", "limit": limit_json(limit), "node": node, "ask": ask, "units": units})
             }
             Call::Heard { node, seq, ask } => json!({"op": "heard", "node": node, "seq": seq, "ask": ask}),
-            Call::Spend { limit, node, seq, units, ask, cost, at, refund, refund_at } => json!({"op": "spend",
+            Call::Spend { limit, node, seq, units, ask, cost, at, refund, refund_at, idle } => json!({"op": "spend",
                 "limit": limit_json(limit), "node": node, "seq": seq, "units": units, "ask": ask, "cost": cost, "at": at,
-                "refund": refund, "refund_at": refund_at}),
+                "refund": refund, "refund_at": refund_at, "idle": idle}),
         }
     }
 
@@ -359,6 +362,8 @@ impl Call {
                 // Absent from an isolate of a version before it: nothing to give back.
                 refund: v.get("refund").map_or(Some(0), Value::as_u64)?,
                 refund_at: v.get("refund_at").map_or(Some(0), Value::as_u64)?,
+                // Absent from an isolate of a version before it: it keeps its grant.
+                idle: v.get("idle").map_or(Some(false), Value::as_bool)?,
             }),
             _ => None,
         }
@@ -1042,7 +1047,18 @@ mod tests {
             Call::Refund { limit, cost: 2, at: u64::MAX - 1 },
             Call::Apply { limit, node: 1 << 60, seq: 9, units: 4 },
             Call::Ask { limit, node: 1 << 60, ask: 7, units: 1 },
-            Call::Spend { limit, node: 3, seq: 4, units: 5, ask: 6, cost: 7, at: 8, refund: 9, refund_at: 10 },
+            Call::Spend {
+                limit,
+                node: 3,
+                seq: 4,
+                units: 5,
+                ask: 6,
+                cost: 7,
+                at: 8,
+                refund: 9,
+                refund_at: 10,
+                idle: true,
+            },
             Call::Take {
                 limit: Limit::new(Algorithm::LeakyBucket, 5, SECOND, Some(10)).unwrap().with_delay(3).unwrap(),
                 cost: 1,
@@ -1167,7 +1183,18 @@ mod tests {
             (b"k1".to_vec(), Call::Take { limit, cost: 1 }),
             (
                 vec![0, 255],
-                Call::Spend { limit, node: 3, seq: 9, units: 2, ask: 0, cost: 0, at: 0, refund: 0, refund_at: 0 },
+                Call::Spend {
+                    limit,
+                    node: 3,
+                    seq: 9,
+                    units: 2,
+                    ask: 0,
+                    cost: 0,
+                    at: 0,
+                    refund: 0,
+                    refund_at: 0,
+                    idle: false,
+                },
             ),
         ];
         assert_eq!(decode_batch(&encode_batch(&calls)), Some(calls));

@@ -13,13 +13,13 @@ fn twenty_isolates_share_one_hot_key_within_the_stated_bounds() {
     // No request waits: past its grant an isolate admits on its overdraft (one unrepaid,
     // at most `overdraft_cap` units) while its copy of the counter shows units no grant
     // holds. Over-admission comes from those and from units spent while a report is out
-    // (goal: ≤ 1 %; measured 0.87 % for this seed).
+    // (goal: ≤ 1 %; measured 0.85 % for this seed).
     assert!(r.overadmission_pct <= 1.0, "{r:?}");
     // Denials while the counter had room: an isolate whose grant and overdraft are spent
-    // until its report's answer, near the limit (goal: ≤ 1 %; measured 0.86 %).
+    // until its report's answer, near the limit (goal: ≤ 1 %; measured 0.96 %).
     assert!(r.false_denial_pct <= 1.0, "{r:?}");
     // Reports go when a grant runs low, and every interval per isolate near the quota's
-    // end (measured 313; 447 with a report every interval throughout).
+    // end (measured 316; 447 with a report every interval throughout).
     assert!(r.calls_per_1000_admitted < 350.0, "{r:?}");
 }
 
@@ -83,17 +83,19 @@ fn a_clients_bursts_are_not_cut_at_the_grant_the_object_sized() {
 }
 
 /// A client under its limit whose requests stay on one isolate at a time: the isolate it
-/// leaves holds its last grant (most of what remains, the only busy node's share) until the
-/// grant's lease runs out or its next report, and the isolate it moves to is held to its own
-/// small grant, its one overdraft unit and short denials meanwhile.
+/// leaves gives its grant back once idle (it held most of what remained, the only busy
+/// node's share, for its lease, and was granted as much again at its next report), and the
+/// isolate it moves to is held to its own grant, its one overdraft unit and short denials
+/// until then.
 #[test]
-fn a_client_that_moves_between_isolates_is_denied_only_while_the_old_grant_is_held() {
+fn a_client_that_moves_between_isolates_keeps_its_limit() {
     let r = run(&ratewall_tests::worker_sim::sticky5s());
     println!("{r:?}");
     assert_eq!(r.overadmission_pct, 0.0, "{r:?}");
-    // Measured 3.34 % (seed 7): about 13 denials per move at 80 requests a second.
-    assert!(r.false_denial_pct <= 4.0, "{r:?}");
-    // The same client on every isolate at once is never denied.
+    // Measured 1.40 % (seed 7), 3.34 % before an isolate gave an idle grant back (about 13
+    // denials per move at 80 requests a second).
+    assert!(r.false_denial_pct <= 2.0, "{r:?}");
+    // The same client on every isolate at once is denied once (0.01 %).
     let spread = run(&ratewall_tests::worker_sim::Scenario { sticky: None, ..ratewall_tests::worker_sim::sticky5s() });
-    assert_eq!(spread.false_denial_pct, 0.0, "{spread:?}");
+    assert!(spread.false_denial_pct <= 0.05, "{spread:?}");
 }

@@ -102,7 +102,7 @@ impl Object {
                 let a = c.ask(limit, t, node, ask, units, NODE_TTL);
                 (encode_applied(&a, c.out_for(t)), a.grant > 0, true)
             }
-            Call::Spend { limit, node, seq, units, ask, cost, at, refund, refund_at } => {
+            Call::Spend { limit, node, seq, units, ask, cost, at, refund, refund_at, idle } => {
                 // The isolate's own traffic, like a take: written back by the alarm, counted as
                 // of when the isolate admitted it; a fixed window's units of a window that has
                 // ended here count in none.
@@ -118,8 +118,13 @@ impl Object {
                     if refund > 0 {
                         c.refund(limit, t, refund_at, refund);
                     }
+                    // An isolate gone idle on the counter gives its grant back: what it held
+                    // is free for the others, and it is given nothing more.
+                    if idle {
+                        c.release(node);
+                    }
                 }
-                let grant = report.map(|a| (a.grant, a.lease));
+                let grant = report.map(|a| if counted && idle { (0, 0) } else { (a.grant, a.lease) });
                 let covered = grant.is_some_and(|(g, _)| g >= cost);
                 let (asked, ask_lease) = if cost > 0 && !covered {
                     let a = c.ask_sized(limit, t, node, ask, cost, NODE_TTL);
@@ -588,6 +593,7 @@ mod tests {
             at: T,
             refund,
             refund_at: T,
+            idle: false,
         };
         let remaining = |h: Handled| Spent::decode(&h.reply).unwrap().remaining;
         assert_eq!(remaining(o.handle(spend(1, 2, 0), T).unwrap()), 1);

@@ -809,6 +809,22 @@ impl Counter {
         Applied { remaining, grant: given, reset_after: view.reset_after, lease, nodes, counted: given > 0 }
     }
 
+    /// `node` has stopped spending on this counter (a Worker isolate whose client moved to
+    /// another): what it held is free for the others at once, and its recent traffic no
+    /// longer weighs against theirs in the shares of what remains. Without it, the isolate a
+    /// client left held most of what remained for its lease, and was given as much again at
+    /// its last report, while the isolate the client had moved to denied.
+    pub fn release(&mut self, node: u64) {
+        if let Some(s) = self.shares.iter_mut().find(|s| s.node == node) {
+            s.grant = 0;
+            s.asked = 0;
+            s.carried = 0;
+            s.flight = 0;
+            s.units = 0;
+            s.until = s.until.min(s.seen);
+        }
+    }
+
     /// Releases what `node` holds beyond its grant (the units given to its asks, which
     /// [`Counter::apply`] keeps outstanding until the batch after): for a node that spent
     /// nothing while its batch was on its way, so the batch reported all it spent. The
