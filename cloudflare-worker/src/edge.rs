@@ -220,7 +220,7 @@ pub enum Call {
     /// Answer a filter node's ask (number `ask`) for `units` now (`POST /v1/sync`, an ask).
     Ask { limit: Limit, node: u64, ask: u64, units: u64 },
     /// To the registry object: a node's batch `seq` (or an ask) was heard.
-    Heard { node: u64, seq: u64, ask: bool },
+    Heard { node: u64, seq: u64, ask: bool, sent: Nanos },
     /// An isolate's own traffic ([`grants`]): the `units` it admitted from its grant since
     /// its last report, as its batch `seq` (0: no report), then, when the grant that report
     /// brings does not cover it, its ask number `ask` for `cost` units for the request that
@@ -305,7 +305,9 @@ impl Call {
             Call::Ask { limit, node, ask, units } => {
                 json!({"op": "ask", "limit": limit_json(limit), "node": node, "ask": ask, "units": units})
             }
-            Call::Heard { node, seq, ask } => json!({"op": "heard", "node": node, "seq": seq, "ask": ask}),
+            Call::Heard { node, seq, ask, sent } => {
+                json!({"op": "heard", "node": node, "seq": seq, "ask": ask, "sent": sent})
+            }
             Call::Spend { limit, node, seq, units, ask, cost, at, refund, refund_at, idle } => json!({"op": "spend",
                 "limit": limit_json(limit), "node": node, "seq": seq, "units": units, "ask": ask, "cost": cost, "at": at,
                 "refund": refund, "refund_at": refund_at, "idle": idle}),
@@ -332,7 +334,9 @@ impl Call {
     fn from_value(v: &Value) -> Option<Call> {
         if v.get("op")?.as_str()? == "heard" {
             let (node, seq) = (u64_field(v, "node")?, u64_field(v, "seq")?);
-            return Some(Call::Heard { node, seq, ask: v.get("ask")?.as_bool()? });
+            // `sent` absent (a Worker of a version before it): the ask is not checked.
+            let sent = v.get("sent").map_or(Some(0), Value::as_u64)?;
+            return Some(Call::Heard { node, seq, ask: v.get("ask")?.as_bool()?, sent });
         }
         let limit = limit_from(v.get("limit")?)?;
         match v.get("op")?.as_str()? {
@@ -402,23 +406,30 @@ impl Taken {
     }
 }
 
-/// The registry's answer to [`Call::Heard`]: the nodes heard from, or the node's latest
-/// `seq` when the batch is older than it.
+/// The registry's answer to [`Call::Heard`]: the nodes heard from, the node's latest `seq`
+/// when the batch is older than it, or the number of an ask already answered.
 pub fn encode_heard(r: Result<u32, ratewall_core::sync::SyncError>) -> String {
     match r {
         Ok(nodes) => json!({"nodes": nodes}),
         Err(ratewall_core::sync::SyncError::Stale { last }) => json!({"stale": last}),
+        Err(ratewall_core::sync::SyncError::Repeated { ask }) => json!({"repeated": ask}),
         Err(_) => json!({}),
     }
     .to_string()
 }
 
-/// Parses [`encode_heard`]: `Ok(nodes)`, or `Err(last seq)` for a stale batch.
-pub fn decode_heard(body: &str) -> Option<Result<u32, u64>> {
+/// Parses [`encode_heard`]: `Ok(nodes)`, or the refusal ([`SyncError::Stale`] for an older
+/// batch, [`SyncError::Repeated`] for an ask already answered).
+///
+/// [`SyncError::Stale`]: ratewall_core::sync::SyncError::Stale
+/// [`SyncError::Repeated`]: ratewall_core::sync::SyncError::Repeated
+pub fn decode_heard(body: &str) -> Option<Result<u32, ratewall_core::sync::SyncError>> {
+    use ratewall_core::sync::SyncError;
     let v: Value = serde_json::from_str(body).ok()?;
-    match (u64_field(&v, "nodes"), u64_field(&v, "stale")) {
-        (Some(n), _) => Some(Ok(u32::try_from(n).unwrap_or(u32::MAX))),
-        (None, Some(last)) => Some(Err(last)),
+    match (u64_field(&v, "nodes"), u64_field(&v, "stale"), u64_field(&v, "repeated")) {
+        (Some(n), _, _) => Some(Ok(u32::try_from(n).unwrap_or(u32::MAX))),
+        (None, Some(last), _) => Some(Err(SyncError::Stale { last })),
+        (None, None, Some(ask)) => Some(Err(SyncError::Repeated { ask })),
         _ => None,
     }
 }
@@ -1156,12 +1167,20 @@ mod tests {
 
     #[test]
     fn registry_calls_and_answers_round_trip() {
-        let c = Call::Heard { node: 7, seq: u64::MAX, ask: true };
+        let c = Call::Heard { node: 7, seq: u64::MAX, ask: true, sent: 5 };
         assert_eq!(Call::decode(&c.encode()), Some(c));
         assert_eq!(c.limit(), None);
         assert_eq!(decode_heard(&encode_heard(Ok(3))), Some(Ok(3)));
-        let stale = Err(ratewall_core::sync::SyncError::Stale { last: 9 });
-        assert_eq!(decode_heard(&encode_heard(stale)), Some(Err(9)));
+        for refused in
+            [ratewall_core::sync::SyncError::Stale { last: 9 }, ratewall_core::sync::SyncError::Repeated { ask: 4 }]
+        {
+            assert_eq!(decode_heard(&encode_heard(Err(refused.clone()))), Some(Err(refused)));
+        }
+        // From a Worker of a version before the time: not checked.
+        assert_eq!(
+            Call::decode(r#"{"op":"heard","node":1,"seq":2,"ask":true}"#),
+            Some(Call::Heard { node: 1, seq: 2, ask: true, sent: 0 })
+        );
         assert_eq!(decode_heard("{}"), None);
     }
 

@@ -852,23 +852,16 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
         Err(r) => return refused(r),
     };
     let timeout = Duration::from_millis(var_u64(&env, "OBJECT_TIMEOUT_MS", 1000));
-    // The registry first, for a batch: an older seq is refused (409) before any counter sees
-    // it. An ask (a paused request waits on it) asks the registry alongside its counters.
+    // The registry first: an older batch seq, and an ask already answered (a replay of a
+    // captured one), are refused (409) before any counter sees them.
     let registry = call_named(&env, REGISTRY_OBJECT, store::heard_call(&batch), timeout);
     let counters: Vec<(Vec<u8>, Call)> =
         store::counter_calls(&batch).into_iter().map(|(k, c)| (k.to_vec(), c)).collect();
-    let calls = call_objects(&env, &counters, timeout);
-    let (replies, verdict) = if batch.ask {
-        let (replies, heard) = join(calls, registry).await;
-        (replies, store::registry_verdict(&batch, heard.ok().as_deref()))
-    } else {
-        match store::registry_verdict(&batch, registry.await.ok().as_deref()) {
-            Err(r) => return refused(r),
-            ok => (calls.await, ok),
-        }
+    let nodes = match store::registry_verdict(&batch, registry.await.ok().as_deref()) {
+        Err(r) => return refused(r),
+        Ok(n) => n,
     };
-    // An ask's verdict is never a refusal (the registry only advises it).
-    let nodes = verdict.ok().flatten();
+    let replies = call_objects(&env, &counters, timeout).await;
     let replies: Vec<Option<String>> = replies.into_iter().map(|r| r.ok()).collect();
     let answered = with(|i| store::answer(&secret, &batch, &replies, nodes, now(), &mut i.out));
     let (out, signature) = match answered {

@@ -60,8 +60,9 @@ impl Kv for FakeKv {
             return Err(Unheard::Skewed(now));
         }
         let mut registry = self.registry.lock().unwrap();
-        let nodes = registry.heard(now, node, seq, !batch, NODE_TTL).map_err(|e| match e {
+        let nodes = registry.heard(now, node, (seq, !batch, sent), NODE_TTL).map_err(|e| match e {
             SyncError::Stale { last } => Unheard::Older(last),
+            SyncError::Repeated { .. } => Unheard::Repeated,
             _ => Unheard::Failed,
         })?;
         Ok((nodes, registry.heard_within(now, CUT_OFF_SILENCE)))

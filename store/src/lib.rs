@@ -70,13 +70,25 @@ pub enum Cas {
 /// clock). `ARGV`: node, seq, "1" for a batch (checked and moved) or "0" for an ask, the node
 /// TTL and the seq memory in ms, the request's time and the most it may be from the key's
 /// clock, in ms, the silence after which a node counts as not heard lately and the most such
-/// nodes named, latest first. Returns `{nodes heard within the TTL, "", the nodes heard
-/// lately...}` (for [`Counter::heard_lately`]), `{-1, latest seq}` for a batch
-/// older than the node's latest, or `{-2, the clock in ms}` for a request made too far from
-/// it (nothing is changed then). The time is checked here, at the clock the registry's memory
-/// runs on, so that every request it accepts is one whose `seq` it remembers.
+/// nodes named, latest first, and the most asks remembered. `KEYS[3]`: a sorted set of the
+/// asks answered, `node:seq` → the ask's time (ms of the node's clock), kept while a copy
+/// would be accepted (the skew); `KEYS[4]`: the time at or before which asks are refused,
+/// raised when the earliest are dropped for room. Returns `{nodes heard within the TTL, "",
+/// the nodes heard lately...}` (for [`Counter::heard_lately`]), `{-1, latest seq}` for a batch
+/// older than the node's latest, `{-2, the clock in ms}` for a request made too far from it,
+/// or `{-3}` for an ask already answered, a replay (nothing is changed then). The time is
+/// checked here, at the clock the registry's memory runs on, so that every request it accepts
+/// is one whose `seq` it remembers.
 pub const REGISTRY: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) \
 if math.abs(now - tonumber(ARGV[6])) > tonumber(ARGV[7]) then return {-2, now} end \
+if ARGV[3] == '0' then local skew = tonumber(ARGV[7]) local sent = tonumber(ARGV[6]) \
+local floor = tonumber(redis.call('GET', KEYS[4]) or '-1') \
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - skew)) \
+if sent <= floor or redis.call('ZADD', KEYS[3], 'NX', sent, ARGV[1] .. ':' .. ARGV[2]) == 0 then return {-3} end \
+if redis.call('ZCARD', KEYS[3]) > tonumber(ARGV[10]) then \
+local old = redis.call('ZRANGE', KEYS[3], 0, 99, 'WITHSCORES') redis.call('ZREMRANGEBYRANK', KEYS[3], 0, 99) \
+redis.call('SET', KEYS[4], old[#old], 'PX', 2 * skew) end \
+redis.call('PEXPIRE', KEYS[3], 2 * skew) end \
 if ARGV[3] == '1' then local last = redis.call('HGET', KEYS[1], ARGV[1]) \
 if last and ARGV[2] < last then return {-1, last} end \
 if (not last) or ARGV[2] > last then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end end \
@@ -107,7 +119,8 @@ pub const PRESENT_KEY: &str = "rw:{rls-processes}";
 pub const CLOCK_KEY: &str = "rw:{registry}:clock";
 
 /// The registry's keys, in one slot (a Cluster needs a script's keys together).
-pub const REGISTRY_KEYS: [&str; 2] = ["rw:{registry}:seq", "rw:{registry}:seen"];
+pub const REGISTRY_KEYS: [&str; 4] =
+    ["rw:{registry}:seq", "rw:{registry}:seen", "rw:{registry}:asks", "rw:{registry}:ask-floor"];
 
 /// The Redis key of a counter: its key in hex inside a hash tag, so each counter has a slot of
 /// its own (no hot slot per rule).
@@ -182,6 +195,8 @@ pub enum Unheard {
     /// A request made further than [`MAX_REQUEST_SKEW`](ratewall_core::sync::MAX_REQUEST_SKEW)
     /// from the registry's clock (this).
     Skewed(Nanos),
+    /// An ask already answered: a replay of a captured one.
+    Repeated,
     /// Redis failed.
     Failed,
 }
@@ -481,6 +496,7 @@ impl<K: Kv> Store<K> {
         let (nodes, lately) = match self.kv.heard(req.node, req.seq, !req.ask, req.sent).await {
             Ok(n) => n,
             Err(Unheard::Older(last)) => return Err(Answer::error(409, reason::older(req.seq, last))),
+            Err(Unheard::Repeated) => return Err(Answer::error(409, SyncError::Repeated { ask: req.seq }.to_string())),
             Err(Unheard::Skewed(now)) => {
                 let e = SyncError::Skewed { sent: req.sent, now };
                 return Err(Answer::error(e.status(), e.to_string()));

@@ -3,7 +3,7 @@
 //! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
 
 use crate::{Cas, Kv, Unheard, APPEND, CAS, NODE_TTL, PRESENT, PRESENT_KEY, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS};
-use ratewall_core::sync::{CUT_OFF_SILENCE, MAX_HEARD_LATELY, MAX_REQUEST_SKEW, SEQ_MEMORY};
+use ratewall_core::sync::{CUT_OFF_SILENCE, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_REQUEST_SKEW, SEQ_MEMORY};
 use ratewall_core::Nanos;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
@@ -157,6 +157,7 @@ impl Kv for RedisKv {
             (MAX_REQUEST_SKEW / 1_000_000).to_string().into_bytes(),
             (CUT_OFF_SILENCE / 1_000_000).to_string().into_bytes(),
             (if cached.is_some() { 0 } else { MAX_HEARD_LATELY }).to_string().into_bytes(),
+            MAX_ASKS_REMEMBERED.to_string().into_bytes(),
         ];
         let Ok(Value::Array(parts)) = self.run(&self.registry, &REGISTRY_KEYS, &args).await else {
             return Err(Unheard::Failed);
@@ -169,6 +170,7 @@ impl Kv for RedisKv {
                 };
                 Err(Unheard::Older(last.unwrap_or(0)))
             }
+            Some(-3) => Err(Unheard::Repeated),
             Some(-2) => {
                 let now_ms = parts.get(1).and_then(int).and_then(|ms| u64::try_from(ms).ok());
                 Err(now_ms.map_or(Unheard::Failed, |ms| Unheard::Skewed(ms.saturating_mul(1_000_000))))

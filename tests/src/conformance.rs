@@ -204,26 +204,6 @@ pub fn sequences(run: &str, store: &mut dyn SyncStore) -> Vec<(&'static str, Vec
         vec![(0, batch(401, 1, &[(&rep, 3)])), (0, batch(401, 1, &[(&rep, 3)])), (0, batch(401, 2, &[(&rep, 0)]))],
         store,
     );
-    // An ask takes its units at once; its `remaining` is after them (the Worker reported it
-    // before); a repeat of the ask takes nothing more.
-    let ask = |n: u64| SyncRequest {
-        node: 501,
-        seq: n,
-        sent: 0,
-        deltas: vec![Delta { key: asked.clone(), limit: limit(), units: 4 }],
-        ask: true,
-    };
-    go(
-        "ask",
-        // The ask comes once node 502's grant (which holds the last units) is off lease.
-        vec![
-            (0, batch(502, 1, &[(&asked, 90)])),
-            (2 * SECOND + SECOND / 4, ask(1)),
-            (0, ask(1)),
-            (0, batch(502, 2, &[(&asked, 0)])),
-        ],
-        store,
-    );
     // More nodes on one counter than the Worker used to remember (64), then a repeat from
     // the first: counted once.
     let mut steps = vec![(0, batch(600, 1, &[(&many, 1)]))];
@@ -231,6 +211,32 @@ pub fn sequences(run: &str, store: &mut dyn SyncStore) -> Vec<(&'static str, Vec
     steps.push((0, batch(600, 1, &[(&many, 1)])));
     steps.push((0, batch(600, 2, &[(&many, 0)])));
     go("many nodes", steps, store);
+    // An ask takes its units at once; its `remaining` is after them (the Worker reported it
+    // before). A node asks under each number once: a copy of an ask answered — a captured one
+    // sent again, after the node's next ask or not — is refused (409) and takes nothing.
+    let ask = |n: u64| SyncRequest {
+        node: 501,
+        seq: n,
+        sent: 0,
+        deltas: vec![Delta { key: asked.clone(), limit: limit(), units: 4 }],
+        ask: true,
+    };
+    out.push((
+        "ask",
+        // The ask comes once node 502's grant (which holds the last units) is off lease.
+        run_steps(
+            vec![
+                (0, Step::Now(batch(502, 1, &[(&asked, 90)]))),
+                (2 * SECOND + SECOND / 4, Step::Now(ask(1))),
+                (0, Step::Replay(1)),
+                (0, Step::Now(ask(2))),
+                (0, Step::Replay(1)),
+                (0, Step::Now(ask(1))),
+                (0, Step::Now(batch(502, 2, &[(&asked, 0)]))),
+            ],
+            store,
+        ),
+    ));
     // A node whose clock is within 25 s of the store's is served, one further is refused
     // (422) and counts nothing — batches, heartbeats and asks alike.
     let ask_of = |node: u64, units: u64| SyncRequest {

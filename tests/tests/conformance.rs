@@ -26,10 +26,15 @@ fn the_reference_store_answers_as_the_protocol_says() {
     assert_eq!(older[2].remaining, [98]);
     // Repeat: counted once.
     assert_eq!(find("repeat")[2].remaining, [97]);
-    // Ask: granted, remaining after its 4 units, a repeat takes nothing.
+    // Ask: granted, remaining after its 4 units; a copy of an answered ask (before the
+    // node's next ask or after it, or under the same number made anew) refused, taking
+    // nothing: 8 units taken by the two asks.
     let ask = find("ask");
     assert_eq!((ask[1].asked.as_slice(), ask[1].remaining.as_slice()), (&[true][..], &[6][..]));
-    assert_eq!(ask[3].remaining, [6]);
+    let statuses: Vec<u16> = ask.iter().map(|s| s.status).collect();
+    assert_eq!(statuses, [200, 200, 409, 200, 409, 409, 200]);
+    assert_eq!(ask[3].asked, [true], "{ask:?}");
+    assert_eq!(ask[6].remaining, [2], "{ask:?}");
     // Many nodes: the first node's repeat counted once.
     assert_eq!(find("many nodes").last().unwrap().remaining, [99]);
     // Skewed clocks: 20 s either way served, 30 s refused (a batch, a heartbeat, an ask),

@@ -77,8 +77,8 @@ impl Object {
     /// first; before it, it is refused with `None` (never decided on a fresh counter).
     pub fn handle(&mut self, call: Call, t: Nanos) -> Option<Handled> {
         let Some(limit) = call.limit() else {
-            let Call::Heard { node, seq, ask } = call else { return None };
-            let heard = self.registry.heard(t, node, seq, ask, NODE_TTL);
+            let Call::Heard { node, seq, ask, sent } = call else { return None };
+            let heard = self.registry.heard(t, node, (seq, ask, sent), NODE_TTL);
             return Some(Handled { reply: encode_heard(heard), write_now: None, alarm_at: None });
         };
         if !self.loaded {
@@ -448,6 +448,7 @@ mod tests {
     use super::*;
     use crate::edge::{decode_applied, decode_heard};
     use ratewall_core::algo::Algorithm;
+    use ratewall_core::sync::SyncError;
 
     const T: Nanos = 1_700_000_000 * SECOND;
 
@@ -718,11 +719,16 @@ mod tests {
     #[test]
     fn the_registry_object_answers_heard_calls_without_loading() {
         let mut o = Object::default();
-        let h = o.handle(Call::Heard { node: 1, seq: 5, ask: false }, T).unwrap();
+        let h = o.handle(Call::Heard { node: 1, seq: 5, ask: false, sent: T }, T).unwrap();
         assert_eq!(decode_heard(&h.reply), Some(Ok(1)));
-        let h = o.handle(Call::Heard { node: 2, seq: 1, ask: false }, T).unwrap();
+        let h = o.handle(Call::Heard { node: 2, seq: 1, ask: false, sent: T }, T).unwrap();
         assert_eq!(decode_heard(&h.reply), Some(Ok(2)));
-        let h = o.handle(Call::Heard { node: 1, seq: 4, ask: false }, T).unwrap();
-        assert_eq!(decode_heard(&h.reply), Some(Err(5)), "an older batch is stale");
+        let h = o.handle(Call::Heard { node: 1, seq: 4, ask: false, sent: T }, T).unwrap();
+        assert_eq!(decode_heard(&h.reply), Some(Err(SyncError::Stale { last: 5 })), "an older batch is stale");
+        // An ask is answered once: a copy of it is a replay.
+        let ask = Call::Heard { node: 1, seq: (1 << 40) | 3, ask: true, sent: T };
+        assert_eq!(decode_heard(&o.handle(ask, T).unwrap().reply), Some(Ok(2)));
+        let again = decode_heard(&o.handle(ask, T + SECOND).unwrap().reply);
+        assert_eq!(again, Some(Err(SyncError::Repeated { ask: (1 << 40) | 3 })));
     }
 }

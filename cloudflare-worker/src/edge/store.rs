@@ -62,7 +62,7 @@ pub fn check(secret: &str, tag: Option<&str>, body: &[u8], now: Nanos) -> Result
 /// The registry call a batch or ask makes (a batch's first: an older `seq` is refused before
 /// any counter sees it; an ask's alongside its counters).
 pub fn heard_call(batch: &SyncRequest) -> Call {
-    Call::Heard { node: batch.node, seq: batch.seq, ask: batch.ask }
+    Call::Heard { node: batch.node, seq: batch.seq, ask: batch.ask, sent: batch.sent }
 }
 
 /// The counter calls of a batch or ask: (counter key, call), one per delta.
@@ -81,16 +81,17 @@ pub fn counter_calls(batch: &SyncRequest) -> Vec<(&[u8], Call)> {
         .collect()
 }
 
-/// What the registry's answer means for a batch (`answer`: its body, `None` when the call
-/// failed): the nodes heard from, or the refusal — 409 for a `seq` older than the node's
-/// latest, 503 when the registry could not say (the node retries with the same `seq`). For
-/// an ask the registry is advisory: `Ok(None)` when it failed.
+/// What the registry's answer means for a batch or ask (`answer`: its body, `None` when the
+/// call failed): the nodes heard from, or the refusal — 409 for a batch `seq` older than the
+/// node's latest or an ask already answered (a replay), 503 when the registry could not say
+/// (a batch is retried with the same `seq`; an ask's request is decided on what its node
+/// holds).
 pub fn registry_verdict(batch: &SyncRequest, answer: Option<&str>) -> Result<Option<u32>, Refusal> {
-    match (answer.and_then(decode_heard), batch.ask) {
-        (Some(Ok(n)), _) => Ok(Some(n)),
-        (_, true) => Ok(None),
-        (Some(Err(last)), false) => Err(refuse(409, reason::older(batch.seq, last))),
-        (None, false) => Err(refuse(503, reason::REGISTRY_FAILED)),
+    match answer.and_then(decode_heard) {
+        Some(Ok(n)) => Ok(Some(n)),
+        Some(Err(SyncError::Stale { last })) => Err(refuse(409, reason::older(batch.seq, last))),
+        Some(Err(e @ SyncError::Repeated { .. })) => Err(refuse(409, e.to_string())),
+        _ => Err(refuse(503, reason::REGISTRY_FAILED)),
     }
 }
 
@@ -218,14 +219,14 @@ mod tests {
     #[test]
     fn a_batch_applies_and_an_ask_asks() {
         let b = batch(3, false);
-        assert_eq!(heard_call(&b), Call::Heard { node: 9, seq: 3, ask: false });
+        assert_eq!(heard_call(&b), Call::Heard { node: 9, seq: 3, ask: false, sent: b.sent });
         assert!(matches!(counter_calls(&b)[0], (b"k1", Call::Apply { node: 9, seq: 3, units: 5, .. })));
         let a = batch(4, true);
         assert!(matches!(counter_calls(&a)[0], (b"k1", Call::Ask { node: 9, ask: 4, units: 5, .. })));
     }
 
     #[test]
-    fn the_registry_refuses_an_old_batch_but_only_advises_an_ask() {
+    fn the_registry_refuses_an_old_batch_and_a_repeated_ask() {
         let mut registry = Object::default();
         let heard = |o: &mut Object, b: &SyncRequest| o.handle(heard_call(b), T).map(|h| h.reply);
         let b5 = batch(5, false);
@@ -234,7 +235,14 @@ mod tests {
         let r = registry_verdict(&b4, heard(&mut registry, &b4).as_deref()).unwrap_err();
         assert_eq!(r.status, 409);
         assert_eq!(registry_verdict(&b5, None).unwrap_err().status, 503, "a failed registry fails a batch");
-        assert_eq!(registry_verdict(&batch(1, true), None), Ok(None), "but not an ask");
+        assert_eq!(registry_verdict(&batch(1, true), None).unwrap_err().status, 503, "and an ask");
+        // Asks of the node numbered 1 and 2, then a copy of the first: a replay.
+        let (a1, a2) = (batch(1, true), batch(2, true));
+        assert_eq!(registry_verdict(&a1, heard(&mut registry, &a1).as_deref()), Ok(Some(1)));
+        assert_eq!(registry_verdict(&a2, heard(&mut registry, &a2).as_deref()), Ok(Some(1)));
+        let r = registry_verdict(&a1, heard(&mut registry, &a1).as_deref()).unwrap_err();
+        assert_eq!(r.status, 409);
+        assert!(r.message.contains("ask 1 of this node was already answered"), "{}", r.message);
     }
 
     #[test]

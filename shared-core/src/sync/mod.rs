@@ -75,7 +75,7 @@ pub use counter::{
     ROOM_UNIT_FREE_EXACT, SEQ_MEMORY,
 };
 pub use out::{Out, MAX_OUT};
-pub use registry::{Registry, MAX_HEARD_LATELY, MAX_NODES};
+pub use registry::{Registry, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_NODES};
 pub use store::Store;
 pub use wire::{
     Delta, Grant, RuleTop, SyncError, SyncRequest, SyncResponse, TopSection, MAX_ENTRIES, MAX_KEY, MAX_REASON,

@@ -69,7 +69,7 @@ impl Store {
     /// answer names, after its deltas' grants, the counters found out of quota ([`Out`]).
     pub fn handle(&mut self, now: Nanos, req: &SyncRequest) -> Result<SyncResponse, SyncError> {
         let ttl = self.node_ttl;
-        let nodes = self.registry.heard(now, req.node, req.seq, req.ask, ttl)?;
+        let nodes = self.registry.heard(now, req.node, (req.seq, req.ask, req.sent), ttl)?;
         let heard = self.registry.heard_within(now, super::CUT_OFF_SILENCE);
         let mut grants = Vec::with_capacity(req.deltas.len());
         for d in &req.deltas {

@@ -119,6 +119,12 @@ pub enum SyncError {
     /// Signed, but in an earlier protocol version, which this store no longer speaks
     /// (version 1: requests without a time). Any other first byte is [`SyncError::Malformed`].
     Version(u8),
+    /// An ask the store has already answered (a node numbers each ask once: a copy is a
+    /// replay of a captured one). Nothing of it is applied.
+    Repeated {
+        /// The ask's number.
+        ask: u64,
+    },
 }
 
 impl SyncError {
@@ -130,6 +136,7 @@ impl SyncError {
             SyncError::Unauthorized => 401,
             SyncError::Skewed { .. } => 422,
             SyncError::Version(_) => 415,
+            SyncError::Repeated { .. } => 409,
         }
     }
 }
@@ -169,6 +176,11 @@ impl core::fmt::Display for SyncError {
             SyncError::Version(v) => {
                 write!(f, "sync protocol version {v} is not spoken here: this store speaks version {VERSION}")
             }
+            SyncError::Repeated { ask } => write!(
+                f,
+                "ask {ask} of this node was already answered (a node asks under each number once): a replay; \
+                 nothing was applied"
+            ),
         }
     }
 }
