@@ -1033,6 +1033,26 @@ impl Syncer {
         let taken: Vec<bool> =
             wants.iter().zip(&resp.grants).map(|(d, g)| g.grant >= d.units && g.key == d.key).collect();
         write_grants(host, table, wants, &resp, asked_at, true);
+        // A fixed window's counter the ask found spent is out until the window ends, as a
+        // batch's answer would name it: the request's denial (and this VM's next ones, until
+        // the view names it) says that wait, not a spent grant's second, so a client that
+        // waits its `Retry-After` is not refused again.
+        let out = wants.iter().zip(&resp.grants).filter(|(d, g)| {
+            g.key == d.key
+                && d.limit.algorithm() == ratewall_core::Algorithm::FixedWindow
+                && g.grant < d.units
+                && g.remaining < d.units
+        });
+        {
+            let mut named = self.named.borrow_mut();
+            for (_, g) in out {
+                let hash = ratewall_core::key::fnv1a(&g.key);
+                named.retain(|(h, _)| *h != hash);
+                if named.len() < ratewall_core::sync::MAX_OUT {
+                    named.push((hash, resp.now.saturating_add(g.reset_after) / MS));
+                }
+            }
+        }
         if let (Some(m), true) = (self.metrics.asks_granted, !taken.is_empty() && taken.iter().all(|t| *t)) {
             host.increment(m, 1);
         }

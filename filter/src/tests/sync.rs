@@ -741,6 +741,40 @@ fn an_ask_answered_after_its_lease_admits_the_request_it_was_counted_for() {
     assert_eq!(r.status, 200, "and the request has it");
 }
 
+/// An exact fixed window spent by other nodes: the ask is refused, and the denial says the
+/// wait until the window ends (a client that waits it is admitted), not a spent grant's
+/// second after which it was refused again.
+#[test]
+fn an_ask_refused_for_a_spent_fixed_window_says_the_wait_until_its_end() {
+    let h = FakeHost::new();
+    // 10 s into a minute's window.
+    let second = ratewall_core::SECOND;
+    h.advance(60 * second - h.now() % (60 * second) + 10 * second);
+    let e = engine(&h, &rules(5, 2).replace(r#""exact": true,"#, r#""exact": true, "algorithm": "fixed_window","#));
+    let mut s = store();
+    let headers = [Some(&b"ann"[..])];
+    let (checks, _) = e.config().checks(&Request { method: "GET", path: EXACT, headers: &headers, ip: None });
+    let spend = SyncRequest {
+        node: 77,
+        seq: 1,
+        sent: h.now(),
+        deltas: vec![Delta { key: checks[0].key.clone(), limit: checks[0].limit, units: 5 }],
+        ask: false,
+    };
+    s.handle(h.now(), &spend).unwrap();
+    let asking = burst_until_ask(&e, &h).expect("the first request asks");
+    let calls = h.take_calls();
+    let (status, tag, body) = answer(&mut s, h.now(), SECRET, &calls[0]);
+    let r = e.on_ask_response(&h, asking, status, tag.as_deref(), &body).into_reply();
+    assert_eq!(r.status, 429);
+    assert_eq!(super::engine::header(&r, "retry-after"), Some("50"), "{:?}", r.headers);
+    // The next one, a second later, without asking: 49.
+    h.advance(second);
+    h.request("GET", EXACT, &[("x-user-id", "ann")]);
+    let r = e.on_request(&h).into_reply();
+    assert_eq!((r.status, super::engine::header(&r, "retry-after")), (429, Some("49")));
+}
+
 #[test]
 fn a_failed_ask_decides_the_request_on_what_the_node_holds() {
     let h = FakeHost::new();
