@@ -768,8 +768,15 @@ impl Counters for TableCounters<'_> {
                 (Grants::On { .. }, false) => u64::from(held.units) + over,
                 _ => u64::MAX,
             };
-            askable =
-                !no_wait && allowance < u64::from(cost) && held.more && limit.decide(state, now, check.cost).0.allowed;
+            // An exact rule asks past its grant when the last answer showed quota beyond it, or
+            // when that answer is over a second old (a unit may be back since: a client that
+            // waited its `Retry-After` was refused for the lack of a newer answer), while the
+            // node's own count has room. At most one such ask a second per counter, then.
+            let stale = held.until_ms > 0 && now / MS >= held.until_ms.saturating_add(1_000);
+            askable = !no_wait
+                && allowance < u64::from(cost)
+                && (held.more || stale)
+                && limit.decide(state, now, check.cost).0.allowed;
             let (next, charged) = f(state, allowance)?;
             let charged = u32::try_from(charged).unwrap_or(u32::MAX);
             // The grant is spent first, then the overdraft.

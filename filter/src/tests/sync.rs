@@ -775,6 +775,36 @@ fn an_ask_refused_for_a_spent_fixed_window_says_the_wait_until_its_end() {
     assert_eq!((r.status, super::engine::header(&r, "retry-after")), (429, Some("49")));
 }
 
+/// An exact sliding window of 5 a minute, one client on one proxy: the sixth request's
+/// `Retry-After` covers the store's lag (it counts units spent from a grant when their batch
+/// arrives), so a client that waits exactly that long is admitted (it was refused once more
+/// with `Retry-After: 1`).
+#[test]
+fn a_client_that_waits_an_exact_sliding_windows_retry_after_is_admitted() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(5, 1));
+    let mut s = store();
+    for i in 0..5 {
+        assert!(exact_request(&e, &h, &mut s).0, "request {i}");
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+    }
+    h.request("GET", EXACT, &[("x-user-id", "ann")]);
+    let r = e.on_request(&h).into_reply();
+    assert_eq!(r.status, 429);
+    let wait: u64 = super::engine::header(&r, "retry-after").unwrap().parse().unwrap();
+    // The proxy syncs meanwhile, as it would.
+    let until = h.now() + wait * ratewall_core::SECOND;
+    while h.now() + 100 * MS <= until {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+    }
+    h.advance(until - h.now());
+    assert_eq!(exact_request(&e, &h, &mut s), (true, true), "admitted on an ask after waiting {wait} s");
+}
+
 #[test]
 fn a_failed_ask_decides_the_request_on_what_the_node_holds() {
     let h = FakeHost::new();
