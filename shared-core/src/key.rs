@@ -336,8 +336,9 @@ pub fn push_hashed(out: &mut String, hash: u64) {
     }
 }
 
-/// How a (non-secret) identity value is shown: printable ASCII as is, every other byte and
-/// `%`, `,`, `=` as `%XX`, so a shown key is one line and splits back into its pairs.
+/// How a (non-secret) identity value is shown: printable ASCII but the space as is, every
+/// other byte and `%`, `,`, `=` as `%XX`, so a shown key is one word and splits back into its
+/// pairs.
 pub fn push_value(out: &mut String, value: &[u8]) {
     for &b in value {
         if (0x21..0x7f).contains(&b) && !b"%,=".contains(&b) {

@@ -226,7 +226,7 @@ pub struct Metrics {
     pub cas_conflicts: AtomicU64,
     /// Counters whose compare-and-swap attempts ran out.
     pub cas_exhausted: AtomicU64,
-    /// Redis commands that failed.
+    /// Redis commands that failed, and calls Redis did not answer within the deadline.
     pub redis_errors: AtomicU64,
     /// Stored counters that did not decode (kept, never overwritten).
     pub unreadable: AtomicU64,
@@ -265,7 +265,11 @@ impl Metrics {
             "Counters whose compare-and-swap attempts ran out.",
             &self.cas_exhausted,
         );
-        counter("ratewall_store_redis_errors_total", "Redis commands that failed.", &self.redis_errors);
+        counter(
+            "ratewall_store_redis_errors_total",
+            "Redis commands that failed, and calls Redis did not answer within the deadline.",
+            &self.redis_errors,
+        );
         counter("ratewall_store_unreadable_counters_total", "Stored counters that did not decode.", &self.unreadable);
         counter(
             "ratewall_store_top_shared_total",
@@ -479,7 +483,10 @@ impl<K: Kv> Store<K> {
                 Answer { status: 200, signature: Some(hex(&sign(&self.secret, &out))), body: out }
             }
             Ok(Err(a)) => a,
-            Err(_) => Answer::error(503, "Redis did not answer within the deadline; retry the batch with the same seq"),
+            Err(_) => {
+                self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
+                Answer::error(503, "Redis did not answer within the deadline; retry the batch with the same seq")
+            }
         };
         if !req.ask {
             // A 409 (an older batch, which the node drops) is no failure of the node's; only a

@@ -588,6 +588,30 @@ async fn redis_stopped_is_unavailable_within_the_deadline_and_answers_resume() {
     answered_within_15_s(&mut c, ("exact_user", "y")).await;
 }
 
+/// Redis paused (SIGSTOP: connected, answering nothing): calls are UNAVAILABLE at the
+/// deadline, and each such call counts as a Redis error in the metrics (they stayed at 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_paused_is_unavailable_at_the_deadline_and_counted_as_an_error() {
+    let redis = Redis::start(false).unwrap();
+    let store = RlsProcess::start(&redis.url(), &limits("paused"));
+    let mut c = store.client().await;
+    assert_eq!(ask(&mut c, request("api", vec![descriptor(&[("exact_user", "p")])])).await.overall_code, OK);
+    let errors = |m: String| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("ratewall_store_redis_errors_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let before = errors(store.metrics());
+    let pid = redis.pid().unwrap().to_string();
+    assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let e = c.should_rate_limit(request("api", vec![descriptor(&[("exact_user", "q")])])).await.unwrap_err();
+    let after = errors(store.metrics());
+    assert!(Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+    assert!(after > before, "{before} -> {after}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_started_while_redis_is_down_answers_unavailable_until_it_is_up() {
     let mut redis = Redis::start(false).unwrap();

@@ -70,6 +70,12 @@ impl Redis {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// The server's process id, while it runs (to pause it with SIGSTOP: a server that no
+    /// longer answers but keeps its connections).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Stops the server (SIGKILL: nothing is saved, as in a crash).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {

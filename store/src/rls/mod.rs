@@ -240,7 +240,10 @@ impl<K: Kv> Rls<K> {
         let started = std::time::Instant::now();
         let result = match tokio::time::timeout(self.store.deadline, self.decide(call)).await {
             Ok(r) => r,
-            Err(_) => Err(Refusal::Unavailable("Redis did not answer within the deadline".into())),
+            Err(_) => {
+                self.store.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
+                Err(Refusal::Unavailable("Redis did not answer within the deadline".into()))
+            }
         };
         let known = self.config().has_domain(&call.domain);
         self.metrics.observe(if known { &call.domain } else { "" }, started.elapsed(), &result);
