@@ -1174,7 +1174,7 @@ mod tests {
         for refused in
             [ratewall_core::sync::SyncError::Stale { last: 9 }, ratewall_core::sync::SyncError::Repeated { ask: 4 }]
         {
-            assert_eq!(decode_heard(&encode_heard(Err(refused.clone()))), Some(Err(refused)));
+            assert_eq!(decode_heard(&encode_heard(Err(refused))), Some(Err(refused)));
         }
         // From a Worker of a version before the time: not checked.
         assert_eq!(
