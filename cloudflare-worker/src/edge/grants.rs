@@ -947,7 +947,7 @@ mod tests {
 
         /// Another node (node 99) reports `units` spent at `t`: the object counts two nodes on
         /// the counter for a while (`NODE_TTL`), and holds the grant it answers for it.
-        fn other_node(&mut self, t: Nanos, units: u64) {
+        fn other_node(&mut self, t: Nanos, units: u64) -> Spent {
             self.other_seq += 1;
             let (limit, seq) = (self.limit, self.other_seq);
             let call = Call::Spend {
@@ -962,7 +962,7 @@ mod tests {
                 refund_at: 0,
                 idle: false,
             };
-            self.object.handle(call, t).unwrap();
+            Spent::decode(&self.object.handle(call, t).unwrap().reply).unwrap()
         }
 
         fn send(&mut self, call: Call, t: Nanos, task: bool) {
@@ -1453,28 +1453,13 @@ mod tests {
             assert!(p.request(t).decision().allowed);
             t += 12_500_000;
         }
-        let held_from_99 = |p: &mut Pair, t: Nanos, seq: u64| {
-            let call = Call::Spend {
-                limit: p.limit,
-                node: 99,
-                seq,
-                units: 0,
-                ask: 0,
-                cost: 0,
-                at: t,
-                refund: 0,
-                refund_at: 0,
-                idle: false,
-            };
-            Spent::decode(&p.object.handle(call, t).unwrap().reply).unwrap().held
-        };
-        let held = held_from_99(&mut p, t, 1);
+        let held = p.other_node(t, 0).held;
         assert!(held >= 10, "the client's isolate holds a grant: {held}");
         let calls = p.calls;
         p.run(t + 100 * MS);
         assert_eq!(p.calls, calls, "not idle yet");
         p.run(t + 800 * MS);
-        assert_eq!(held_from_99(&mut p, t + 800 * MS, 2), 0, "given back");
+        assert_eq!(p.other_node(t + 800 * MS, 0).held, 0, "given back");
         assert_eq!(p.calls, calls + 1, "one call gave it back");
         // Its copy stays: a request that comes back is decided on it, as for a counter new to
         // the isolate, and its next report brings a grant again.
