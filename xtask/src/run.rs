@@ -318,9 +318,18 @@ Ctrl-C stops it all.
 ",
         s1, s2, s1
     );
+    // Redis stopping is a failure to try, not the end of the fleet: the stores answer 503 and
+    // the gateways run on their degraded limits until it is back.
     let status = redis.wait().map_err(|e| e.to_string())?;
+    eprintln!(
+        "xtask: redis-server exited ({status}); the fleet runs on without it (the stores answer 503, the \
+         gateways decide on their own). To bring it back on the same port:\n  redis-server --port {redis_port} \
+         --bind 127.0.0.1 --save '' --appendonly no\nCtrl-C stops the fleet."
+    );
+    let mut first_exit = None;
     for mut c in children {
-        let _ = c.kill();
+        let status = c.wait().map_err(|e| e.to_string())?;
+        first_exit.get_or_insert(status);
     }
-    Err(format!("redis-server exited ({status})"))
+    Err(format!("the fleet's processes exited ({})", first_exit.map_or_else(String::new, |s| s.to_string())))
 }
