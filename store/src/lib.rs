@@ -141,7 +141,7 @@ pub trait Kv: Send + Sync {
         ttl_ms: u64,
     ) -> impl Future<Output = Result<Cas, String>> + Send;
     /// The registry, for a request made at `sent` (the node's clock): `Ok(nodes heard within
-    /// the TTL, the nodes heard lately)`, or why not.
+    /// the TTL, the nodes heard lately in id order)`, or why not.
     fn heard(
         &self,
         node: u64,

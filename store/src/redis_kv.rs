@@ -176,8 +176,9 @@ impl Kv for RedisKv {
                 Err(now_ms.map_or(Unheard::Failed, |ms| Unheard::Skewed(ms.saturating_mul(1_000_000))))
             }
             Some(n) => {
-                // Ids a node could not have sent are skipped: the list only spares nodes.
-                let lately: Vec<u64> = parts
+                // Ids a node could not have sent are skipped: the list only spares nodes. In id
+                // order, as counters read it (sorted here once, not by each counter).
+                let mut lately: Vec<u64> = parts
                     .iter()
                     .skip(2)
                     .filter_map(|v| match v {
@@ -185,6 +186,7 @@ impl Kv for RedisKv {
                         _ => None,
                     })
                     .collect();
+                lately.sort_unstable();
                 let lately = match cached {
                     Some(list) => list.to_vec(),
                     None => {

@@ -279,10 +279,13 @@ impl Counter {
     /// any counter within [`CUT_OFF_SILENCE`] (its registry; a list cut short names no node
     /// wrongly, it only names fewer). A node among them is not out of reach of the store,
     /// however silent on this counter: its client moved to another node, or went quiet, and
-    /// nothing is held for it ([`Counter::cut_off`]).
+    /// nothing is held for it ([`Counter::cut_off`]). The registries give the list in id
+    /// order, so that a batch's counters need not each sort it; any other order is sorted.
     pub fn heard_lately(&mut self, nodes: &[u64]) {
         let mut nodes = nodes.to_vec();
-        nodes.sort_unstable();
+        if !nodes.is_sorted() {
+            nodes.sort_unstable();
+        }
         self.heard = Some(nodes);
     }
 

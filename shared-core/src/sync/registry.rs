@@ -97,8 +97,8 @@ impl Registry {
         Ok(())
     }
 
-    /// The nodes heard from within `within` of `now` (at most [`MAX_HEARD_LATELY`], the latest
-    /// first).
+    /// The nodes heard from within `within` of `now` (the latest [`MAX_HEARD_LATELY`]), in id
+    /// order ([`Counter::heard_lately`](super::Counter::heard_lately)).
     pub fn heard_within(&self, now: Nanos, within: Nanos) -> Vec<u64> {
         let mut recent: Vec<(Nanos, u64)> = self
             .nodes
@@ -107,6 +107,8 @@ impl Registry {
             .map(|(node, (_, seen))| (*seen, *node))
             .collect();
         recent.sort_unstable_by(|a, b| b.cmp(a));
-        recent.into_iter().take(MAX_HEARD_LATELY).map(|(_, node)| node).collect()
+        let mut latest: Vec<u64> = recent.into_iter().take(MAX_HEARD_LATELY).map(|(_, node)| node).collect();
+        latest.sort_unstable();
+        latest
     }
 }
