@@ -124,6 +124,16 @@ struct Quiet(std::sync::Mutex<(Option<std::time::Instant>, u64)>);
 impl Quiet {
     const EVERY: Duration = Duration::from_secs(10);
 
+    /// Logs `line` unless held back, with how many `held` (what it counts: "failed
+    /// attempt(s)") were held back since the line before.
+    fn log(&self, line: &str, held: &str) {
+        match self.say(std::time::Instant::now()) {
+            Some(0) => eprintln!("ratewall-store: {line}"),
+            Some(n) => eprintln!("ratewall-store: {line} ({n} more {held} since the last line)"),
+            None => {}
+        }
+    }
+
     /// Whether to say it at `now`: `Some(n)` with the `n` times it was held back since it was
     /// last said, `None` to hold it back.
     fn say(&self, now: std::time::Instant) -> Option<u64> {
@@ -150,21 +160,18 @@ impl LazyKv {
         match tokio::time::timeout(Duration::from_millis(500), connect).await {
             Ok(Ok(kv)) => Some(self.conn.get_or_init(|| async { kv }).await),
             Ok(Err(e)) => {
-                if let Some(held) = self.unreachable.say(std::time::Instant::now()) {
-                    let more = match held {
-                        0 => String::new(),
-                        n => format!(" ({n} more failed attempt(s) since the last line)"),
-                    };
-                    eprintln!("ratewall-store: cannot reach Redis yet: {e}{more}");
-                }
+                self.unreachable.log(&format!("cannot reach Redis yet: {e}"), "failed attempt(s)");
                 None
             }
             Err(_) => None,
         }
     }
-}
 
-impl LazyKv {
+    /// Redis, connected, or why not.
+    async fn connected(&self) -> Result<&RedisKv, String> {
+        self.get().await.ok_or_else(|| "Redis unreachable".to_owned())
+    }
+
     /// `r`, its failure said (at most once per [`Quiet::EVERY`]).
     fn noted<T>(&self, r: Result<T, String>) -> Result<T, String> {
         if let Err(e) = &r {
@@ -174,24 +181,16 @@ impl LazyKv {
     }
 
     fn failed(&self, why: &str) {
-        if let Some(held) = self.failing.say(std::time::Instant::now()) {
-            let more = match held {
-                0 => String::new(),
-                n => format!(" ({n} more failed command(s) since the last line)"),
-            };
-            eprintln!("ratewall-store: a Redis command failed: {why}{more}");
-        }
+        self.failing.log(&format!("a Redis command failed: {why}"), "failed command(s)");
     }
 }
 
 impl Kv for LazyKv {
     async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
-        let Some(kv) = self.get().await else { return Err("Redis unreachable".into()) };
-        self.noted(kv.read(key).await)
+        self.noted(self.connected().await?.read(key).await)
     }
     async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<ratewall_store::Cas, String> {
-        let Some(kv) = self.get().await else { return Err("Redis unreachable".into()) };
-        self.noted(kv.cas(key, old, new, ttl_ms).await)
+        self.noted(self.connected().await?.cas(key, old, new, ttl_ms).await)
     }
     async fn heard(
         &self,
@@ -207,8 +206,7 @@ impl Kv for LazyKv {
         heard
     }
     async fn present(&self, node: u64) -> Result<u32, String> {
-        let Some(kv) = self.get().await else { return Err("Redis unreachable".into()) };
-        self.noted(kv.present(node).await)
+        self.noted(self.connected().await?.present(node).await)
     }
     async fn ping(&self) -> bool {
         match self.get().await {
@@ -223,12 +221,10 @@ impl Kv for LazyKv {
         }
     }
     async fn append(&self, key: &str, payload: &[u8], len: u64, ttl_ms: u64) -> Result<(), String> {
-        let Some(kv) = self.get().await else { return Err("Redis unreachable".into()) };
-        self.noted(kv.append(key, payload, len, ttl_ms).await)
+        self.noted(self.connected().await?.append(key, payload, len, ttl_ms).await)
     }
     async fn read_after(&self, key: &str, after: Option<&str>, count: usize) -> Result<(String, Vec<Vec<u8>>), String> {
-        let Some(kv) = self.get().await else { return Err("Redis unreachable".into()) };
-        self.noted(kv.read_after(key, after, count).await)
+        self.noted(self.connected().await?.read_after(key, after, count).await)
     }
 }
 
