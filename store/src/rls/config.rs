@@ -305,9 +305,8 @@ pub fn secret_by_default(key: &str) -> bool {
 /// A validated configuration: its domains.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RlsConfig {
-    domains: BTreeMap<String, Level>,
-    /// The file each domain is in.
-    files: BTreeMap<String, String>,
+    /// Each domain's descriptors, and the file it is in.
+    domains: BTreeMap<String, (Level, String)>,
     /// Every rule, in file order (for `ratewall check` and the metrics).
     pub rules: Vec<Arc<Rule>>,
     /// What the files say that is not read, as envoyproxy/ratelimit does not read it either: a
@@ -426,7 +425,7 @@ impl RlsConfig {
         if domain.is_empty() {
             return Err(whole("config file cannot have empty domain".into()));
         }
-        if let Some(other) = self.files.get(&domain) {
+        if let Some((_, other)) = self.domains.get(&domain) {
             return Err(whole(format!("duplicate domain '{domain}': {other} has it too (each domain is in one file)")));
         }
         // Which descriptor, found in the text (serde keeps no positions past parsing): the
@@ -467,8 +466,7 @@ impl RlsConfig {
         for (reason, key, nth) in unread {
             self.warnings.push(warn(line_of(&key, nth), reason));
         }
-        self.files.insert(domain.clone(), file.to_owned());
-        self.domains.insert(domain, level);
+        self.domains.insert(domain, (level, file.to_owned()));
         Ok(())
     }
 
@@ -478,7 +476,7 @@ impl RlsConfig {
     /// descriptor's last entry. None: no limit applies (unmatched, or a descriptor with
     /// neither limit nor children).
     pub fn find(&self, domain: &str, entries: &[(&str, &str)]) -> Option<Matched> {
-        let mut level = self.domains.get(domain)?;
+        let mut level = &self.domains.get(domain)?.0;
         let mut shared = vec![None; entries.len()];
         let mut secret = vec![false; entries.len()];
         for (i, (key, value)) in entries.iter().enumerate() {
