@@ -370,6 +370,12 @@ impl View {
 /// its shared value, so every VM reads them with it.
 type Named = Vec<(u64, u64)>;
 
+/// A counter's entry in [`Named`], from the grant of an answer made at the store's `now`:
+/// its key's hash, and until when (ms of the store's clock) it is out.
+fn out_entry(g: &ratewall_core::sync::Grant, now: Nanos) -> (u64, u64) {
+    (ratewall_core::key::fnv1a(&g.key), now.saturating_add(g.reset_after) / MS)
+}
+
 fn encode_named(named: &[(u64, u64)], out: &mut Vec<u8>) {
     for (hash, until_ms) in named {
         out.extend_from_slice(&hash.to_le_bytes());
@@ -1046,10 +1052,10 @@ impl Syncer {
         {
             let mut named = self.named.borrow_mut();
             for (_, g) in out {
-                let hash = ratewall_core::key::fnv1a(&g.key);
+                let (hash, until) = out_entry(g, resp.now);
                 named.retain(|(h, _)| *h != hash);
                 if named.len() < ratewall_core::sync::MAX_OUT {
-                    named.push((hash, resp.now.saturating_add(g.reset_after) / MS));
+                    named.push((hash, until));
                 }
             }
         }
@@ -1182,7 +1188,7 @@ impl Syncer {
             .map(|(_, g)| g)
             .chain(resp.grants.get(batch.deltas.len()..).unwrap_or_default())
             .take(ratewall_core::sync::MAX_OUT)
-            .map(|g| (ratewall_core::key::fnv1a(&g.key), resp.now.saturating_add(g.reset_after) / MS))
+            .map(|g| out_entry(g, resp.now))
             .collect();
         let mut shared = view.encode();
         encode_named(&named, &mut shared);
