@@ -185,6 +185,11 @@ pub fn decode_batch(body: &str) -> Option<Vec<(Vec<u8>, Call)>> {
         .collect()
 }
 
+/// An object's reply to a counter call it did not apply because the counter's stored value
+/// could not be read (it stays unloaded, and is kept): unlike a failed call (`None`), certain
+/// to have counted nothing, so a sync batch names that counter failed and answers the rest.
+pub const NOT_APPLIED: &str = r#"{"not_applied":true}"#;
+
 /// An object's answers to a batch, in its order (`None`: that counter's call failed).
 pub fn encode_replies(replies: &[Option<String>]) -> String {
     json!({ "replies": replies }).to_string()

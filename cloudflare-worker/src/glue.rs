@@ -8,7 +8,7 @@ use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADM
 use crate::edge::{
     cached_denials, checks_for, decided_locally, decisions, decode_batch, decode_replies, encode_batch, encode_replies,
     forwarded_header, in_flight, object_name, passable_status, refund_calls, shadow_lines, storage_key, store,
-    take_answer, wait_of, BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, DEFAULT_SHARDS, MS,
+    take_answer, wait_of, BlockedCache, Call, LocalFallback, Metrics, Offered, Rules, DEFAULT_SHARDS, MS, NOT_APPLIED,
     REGISTRY_OBJECT,
 };
 use futures_util::future::{join, join_all, select, Either};
@@ -1056,7 +1056,7 @@ impl RateLimitCounter {
         self.load_many(&calls).await;
         for (n, (key, call)) in calls.into_iter().enumerate() {
             if !self.shard.borrow().loaded(&key) {
-                replies.push(None);
+                replies.push(Some(NOT_APPLIED.to_owned()));
                 continue;
             }
             let handled = self.shard.borrow_mut().handle(&key, call, now());

@@ -458,6 +458,9 @@ struct Syncing {
     /// Counters with recent requests, whose grants the next batch renews before they lapse
     /// (the value: [`Recent`]).
     recent: Pending,
+    /// Counters a store answered as not applied (their stored value unreadable to it), with
+    /// when it first did: their units go out again for [`GIVE_UP_AFTER`], as a failed batch's.
+    unapplied: Pending,
 }
 
 /// Metric ids.
@@ -473,6 +476,7 @@ struct Metrics {
     asks: Option<u32>,
     asks_granted: Option<u32>,
     refused_stale: Option<u32>,
+    unapplied: Option<u32>,
 }
 
 /// What ends a new batch: given the node's id and the batch's deltas, appends to its body.
@@ -500,6 +504,9 @@ pub struct Syncer {
     /// Whether this VM has logged that the store refuses its requests for their time (once,
     /// until a batch succeeds again).
     refusal_logged: Cell<bool>,
+    /// When this VM last logged that a store could not apply counters of its batches (0:
+    /// never; once a minute at most).
+    unapplied_logged: Cell<Nanos>,
     /// Whether this VM admitted a request past its grant since it last published.
     overdrawn: Cell<bool>,
     /// Whether this VM has published on a request's path since its last tick (once per tick
@@ -601,6 +608,7 @@ impl Syncer {
             asks: counter("ratewall_sync_asks"),
             asks_granted: counter("ratewall_sync_asks_granted"),
             refused_stale: counter("ratewall_sync_refused_stale"),
+            unapplied: counter("ratewall_sync_unapplied_counters"),
         };
         // The node id on the wire and the lease token: unique per VM incarnation — the proxy's
         // node id (Envoy's --service-node), this VM's number and its start time, hashed.
@@ -629,6 +637,7 @@ impl Syncer {
             asks: Cell::new((0, 0)),
             ask_backoff: Cell::new((0, 0)),
             refusal_logged: Cell::new(false),
+            unapplied_logged: Cell::new(0),
             overdrawn: Cell::new(false),
             handed: Cell::new(false),
         }
@@ -656,6 +665,7 @@ impl Syncer {
             asks: Cell::new(previous.asks.get()),
             ask_backoff: Cell::new(previous.ask_backoff.get()),
             refusal_logged: Cell::new(previous.refusal_logged.get()),
+            unapplied_logged: Cell::new(previous.unapplied_logged.get()),
             overdrawn: Cell::new(previous.overdrawn.take()),
             handed: Cell::new(previous.handed.get()),
         }
@@ -1106,6 +1116,70 @@ impl Syncer {
         );
     }
 
+    /// The batch and its answer without the deltas the store could not apply (their counter's
+    /// stored value unreadable to it: nothing of them was counted). Their units go out again
+    /// in the next batch, for [`GIVE_UP_AFTER`] from the first such answer (then they are
+    /// dropped, as a failed batch's are); the node holds on to what it knew of those counters.
+    fn without_unapplied(
+        &self,
+        host: &dyn Host,
+        mut batch: Batch,
+        mut resp: SyncResponse,
+        now: Nanos,
+        sent: Nanos,
+    ) -> (Batch, SyncResponse) {
+        let mut s = self.syncing.borrow_mut();
+        if resp.failed.is_empty() {
+            for d in &batch.deltas {
+                s.unapplied.remove(&d.key);
+            }
+            return (batch, resp);
+        }
+        let failed = core::mem::take(&mut resp.failed);
+        let extra = resp.grants.split_off(batch.deltas.len().min(resp.grants.len()));
+        let window_then = self.store_now(sent);
+        let mut kept = (Vec::with_capacity(batch.deltas.len()), Vec::with_capacity(resp.grants.len()));
+        for (i, (d, g)) in core::mem::take(&mut batch.deltas).into_iter().zip(resp.grants.drain(..)).enumerate() {
+            if u32::try_from(i).map_or(true, |i| failed.binary_search(&i).is_err()) {
+                s.unapplied.remove(&d.key);
+                kept.0.push(d);
+                kept.1.push(g);
+                continue;
+            }
+            if let Some(m) = self.metrics.unapplied {
+                host.increment(m, 1);
+            }
+            if s.unapplied.len() >= MAX_PENDING && !s.unapplied.contains_key(&d.key) {
+                s.unapplied.clear();
+            }
+            let first = s.unapplied.entry(d.key.clone()).or_insert((d.limit, now)).1;
+            let resent = now.saturating_sub(first) <= GIVE_UP_AFTER
+                && add(&mut s.unsent, &d.key, d.limit, d.units, window_of(&d.limit, window_then));
+            if !resent {
+                if let Some(m) = self.metrics.dropped {
+                    host.increment(m, d.units);
+                }
+            }
+        }
+        let logged = self.unapplied_logged.get();
+        if logged == 0 || now.saturating_sub(logged) >= 60 * 1_000_000_000 || logged > now {
+            self.unapplied_logged.set(now.max(1));
+            host.log(
+                Level::Warn,
+                &format!(
+                    "ratewall: the store at {} could not apply {} counter(s) of a batch (their stored value is \
+                     unreadable to it: written by a newer store, or damaged); their units are sent again",
+                    self.opts.cluster,
+                    failed.len()
+                ),
+            );
+        }
+        batch.deltas = kept.0;
+        resp.grants = kept.1;
+        resp.grants.extend(extra);
+        (batch, resp)
+    }
+
     /// The longest valid answer to call `token` (0 when it is not the batch in flight): a
     /// longer body is refused before it is read.
     pub fn answer_cap(&self, token: u32) -> usize {
@@ -1168,6 +1242,7 @@ impl Syncer {
             self.failed(host, batch, now, &why);
             return;
         };
+        let (batch, resp) = self.without_unapplied(host, batch, resp, now, sent);
         write_grants(host, table, &batch.deltas, &resp, sent, false);
         // The store read its clock about half way through the call, not when its answer
         // arrived: taken as of the arrival, the store's clock read half a round trip behind,

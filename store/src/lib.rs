@@ -516,13 +516,27 @@ impl<K: Kv> Store<K> {
         let updates = req.deltas.iter().map(|d| self.update(req, &d.key, d.limit, d.units, &lately));
         let results = join_all(updates).await;
         let mut grants = Vec::with_capacity(results.len());
+        let mut failed = Vec::new();
         let mut now = 0;
         let mut noted = Vec::with_capacity(results.len());
-        for (d, r) in req.deltas.iter().zip(results) {
-            let (a, at, out_for) = r?;
-            now = now.max(at);
-            noted.push((d.key.as_slice(), out_for, at));
-            grants.push(Grant::from_applied(&d.key, &a));
+        for (i, (d, r)) in req.deltas.iter().zip(results).enumerate() {
+            match r? {
+                Update::Applied(a, at, out_for) => {
+                    now = now.max(at);
+                    noted.push((d.key.as_slice(), out_for, at));
+                    grants.push(Grant::from_applied(&d.key, &a));
+                }
+                // A batch's other counters are answered: this one's units are sent again in
+                // a later batch (nothing of them was counted), while one counter this store
+                // cannot read would otherwise hold back every counter of the node's batches.
+                Update::Unreadable(_) if !req.ask => {
+                    failed.push(u32::try_from(i).unwrap_or(u32::MAX));
+                    grants.push(Grant { key: d.key.clone(), remaining: 0, grant: 0, reset_after: 0, lease: 0 });
+                }
+                Update::Unreadable(e) => {
+                    return Err(Answer::error(503, format!("a stored counter is unreadable ({e}); it is kept")));
+                }
+            }
         }
         if now == 0 {
             // A heartbeat: Redis's clock, read through a key that is never written.
@@ -534,7 +548,7 @@ impl<K: Kv> Store<K> {
                 }
             }
         }
-        let mut resp = SyncResponse { seq: req.seq, now, nodes, grants };
+        let mut resp = SyncResponse { seq: req.seq, now, nodes, grants, failed };
         if let Ok(mut out) = self.out.lock() {
             for (key, out_for, at) in noted {
                 out.note(key, out_for, at);
@@ -545,8 +559,7 @@ impl<K: Kv> Store<K> {
     }
 
     /// One counter's compare-and-swap loop: read, run the core's transition, write if still
-    /// unchanged. Returns the answer, the key's clock, and how long the counter is out of
-    /// quota ([`Counter::out_for`]).
+    /// unchanged. An error when Redis failed (whether the call was applied is unknown).
     async fn update(
         &self,
         req: &SyncRequest,
@@ -554,7 +567,7 @@ impl<K: Kv> Store<K> {
         limit: Limit,
         units: u64,
         lately: &[u64],
-    ) -> Result<(ratewall_core::sync::Applied, Nanos, Option<Nanos>), Answer> {
+    ) -> Result<Update, Answer> {
         let rkey = redis_key(key);
         let turn: Option<Turn> =
             self.busy.lock().ok().map(|mut b| std::sync::Arc::clone(b.entry(rkey.clone()).or_default()));
@@ -579,7 +592,7 @@ impl<K: Kv> Store<K> {
         limit: Limit,
         units: u64,
         lately: &[u64],
-    ) -> Result<(ratewall_core::sync::Applied, Nanos, Option<Nanos>), Answer> {
+    ) -> Result<Update, Answer> {
         let unavailable = |m: &Metrics| {
             m.redis_errors.fetch_add(1, Ordering::Relaxed);
             Answer::error(503, "Redis failed; retry the batch with the same seq")
@@ -605,7 +618,7 @@ impl<K: Kv> Store<K> {
                     Err(e) => {
                         // Kept as it is: a counter is never reset because it could not be read.
                         self.metrics.unreadable.fetch_add(1, Ordering::Relaxed);
-                        return Err(Answer::error(503, format!("a stored counter is unreadable ({e}); it is kept")));
+                        return Ok(Update::Unreadable(e));
                     }
                 },
             };
@@ -622,7 +635,7 @@ impl<K: Kv> Store<K> {
                     continue;
                 }
                 // A repeat: nothing to write.
-                return Ok((a, counter.last_seen, counter.out_for(counter.last_seen)));
+                return Ok(Update::Applied(a, counter.last_seen, counter.out_for(counter.last_seen)));
             }
             // Kept while anything in it matters (the state, leases, remembered seqs), and a
             // retry horizon on top.
@@ -649,7 +662,7 @@ impl<K: Kv> Store<K> {
                             .units_counted
                             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_add(n)));
                     }
-                    return Ok((a, counter.last_seen, counter.out_for(counter.last_seen)));
+                    return Ok(Update::Applied(a, counter.last_seen, counter.out_for(counter.last_seen)));
                 }
                 Ok(Cas::Changed(value, at)) => {
                     // Counted here, not per attempt: a repeat judged on the cached value runs
@@ -669,6 +682,16 @@ impl<K: Kv> Store<K> {
         self.metrics.cas_exhausted.fetch_add(1, Ordering::Relaxed);
         Err(Answer::error(503, "a counter was too contended; retry the batch with the same seq"))
     }
+}
+
+/// What one counter's call did.
+enum Update {
+    /// Applied (or a repeat answered again): the answer, the key's clock, and how long the
+    /// counter is out of quota ([`Counter::out_for`]).
+    Applied(ratewall_core::sync::Applied, Nanos, Option<Nanos>),
+    /// Its stored value does not decode here (a newer store wrote it, or it is damaged):
+    /// nothing was applied, and the value is kept as it is.
+    Unreadable(ratewall_core::encoding::DecodeError),
 }
 
 #[cfg(test)]
@@ -840,12 +863,30 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_unreadable_counter_is_kept_and_the_call_fails() {
+    async fn an_unreadable_counter_is_kept_and_named_failed_while_the_rest_of_the_batch_counts() {
         let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
         store.kv.values.lock().unwrap().insert(redis_key(b"a"), b"\x09garbage".to_vec());
-        assert_eq!(call(&store, 1, 1, &[(b"a", 5)]).await.status, 503);
+        let answer = call(&store, 1, 1, &[(b"b", 2), (b"a", 5), (b"c", 3)]).await;
+        assert_eq!(answer.status, 200);
+        let resp = SyncResponse::decode(&answer.body).unwrap();
+        assert_eq!(resp.failed, vec![1]);
+        assert_eq!(resp.grants.iter().map(|g| (g.remaining, g.grant)).collect::<Vec<_>>()[1], (0, 0));
+        assert_eq!(remaining(&answer)[0], 98);
+        assert_eq!(remaining(&answer)[2], 97);
         assert_eq!(store.kv.values.lock().unwrap().get(&redis_key(b"a")).unwrap(), b"\x09garbage");
         assert_eq!(store.metrics.unreadable.load(Ordering::Relaxed), 1);
+        assert_eq!(store.metrics.units_counted.load(Ordering::Relaxed), 5, "b's and c's units, not a's");
+        // An ask carries no acknowledged units: it fails whole, and its request is decided on
+        // what the node holds.
+        let body = SyncRequest {
+            node: 1,
+            seq: 1,
+            sent: store.kv.now.load(Ordering::Relaxed),
+            deltas: deltas(&[(b"a", 1)]),
+            ask: true,
+        };
+        assert_eq!(call_at(&store, body).await.status, 503);
+        assert_eq!(store.kv.values.lock().unwrap().get(&redis_key(b"a")).unwrap(), b"\x09garbage");
     }
 
     #[test]

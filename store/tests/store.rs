@@ -280,6 +280,41 @@ fn redis_gone_answers_503_within_the_deadline_and_service_resumes_when_it_is_bac
 }
 
 #[test]
+fn a_counter_the_store_cannot_read_is_kept_and_named_failed_and_the_rest_of_the_batch_counts() {
+    let redis = Redis::start(false).unwrap();
+    let store = StoreProcess::start(&[redis.url()], false);
+    let run = format!("u{}", std::process::id());
+    let (good, bad) = (key(&run, "good"), key(&run, "bad"));
+    // As a newer store's counter reads to an older one, or a damaged value.
+    let bad_redis = format!("rw:{{{}}}", hex(&bad));
+    assert_eq!(cli(redis.port, &["set", &bad_redis, "written by a newer store"]).unwrap().trim(), "OK");
+    let batch = |seq: u64| SyncRequest {
+        node: 1,
+        seq,
+        sent: 0,
+        deltas: vec![
+            Delta { key: bad.clone(), limit: big(), units: 3 },
+            Delta { key: good.clone(), limit: big(), units: 4 },
+        ],
+        ask: false,
+    };
+    let (status, resp) = Http(&store.addr).call(&batch(1));
+    assert_eq!(status, 200, "one unreadable counter does not fail its batch");
+    let resp = resp.unwrap();
+    assert_eq!(resp.failed, vec![0]);
+    assert_eq!((resp.grants[0].remaining, resp.grants[0].grant, resp.grants[1].remaining), (0, 0, 1_000_000 - 4));
+    assert_eq!(cli(redis.port, &["get", &bad_redis]).unwrap().trim(), "written by a newer store", "kept as it was");
+    assert!(store.get("/metrics").text().contains("ratewall_store_unreadable_counters_total 1\n"));
+    // Once it is readable (here: gone, as when it expires), the node's next batch (a new seq)
+    // carries its units again, and they count once; the other counter's are not sent again.
+    cli(redis.port, &["del", &bad_redis]).unwrap();
+    let again = SyncRequest { deltas: vec![Delta { key: bad.clone(), limit: big(), units: 3 }], ..batch(2) };
+    let (status, resp) = Http(&store.addr).call(&again);
+    assert_eq!((status, resp.unwrap().failed), (200, vec![]));
+    assert_eq!((counted(&store.addr, &bad, 1), counted(&store.addr, &good, 2)), (3, 4));
+}
+
+#[test]
 fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
     let redis = Redis::start(false).unwrap();
     let store = StoreProcess::start(&[redis.url()], false);

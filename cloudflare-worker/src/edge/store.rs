@@ -2,7 +2,7 @@
 //! the calls it makes, and the signed answer assembled from the objects' replies
 //! (docs/sync-protocol.md). The glue only makes the calls.
 
-use super::{decode_applied, decode_heard, decode_out_for, hex, unhex, Call};
+use super::{decode_applied, decode_heard, decode_out_for, hex, unhex, Call, NOT_APPLIED};
 use ratewall_core::algo::Nanos;
 use ratewall_core::sync::{reason, sign, Grant, Out, SyncError, SyncRequest, SyncResponse};
 
@@ -98,6 +98,8 @@ pub fn registry_verdict(batch: &SyncRequest, answer: Option<&str>) -> Result<Opt
 /// The signed answer (body, signature header) from the counters' replies (`None`: that
 /// call failed), in delta order. Any failed counter fails the whole call with 503: counters
 /// apply each (node, seq) once, so the node's retry of the whole batch never counts twice.
+/// A counter whose object could not read it ([`NOT_APPLIED`]: certain to have counted
+/// nothing) is named in a batch's failed section instead, and the rest answered.
 /// `nodes` is the registry's count; only if it failed (an ask), the most any counter saw.
 /// A batch's answer also names the counters this isolate's sync calls found out of quota
 /// (`out`; see [`Out`]).
@@ -110,8 +112,14 @@ pub fn answer(
     out: &mut Out,
 ) -> Result<(Vec<u8>, String), Refusal> {
     let mut grants = Vec::with_capacity(replies.len());
+    let mut failed = Vec::new();
     let mut per_counter = 1;
-    for (d, reply) in batch.deltas.iter().zip(replies) {
+    for (i, (d, reply)) in batch.deltas.iter().zip(replies).enumerate() {
+        if !batch.ask && reply.as_deref() == Some(NOT_APPLIED) {
+            failed.push(u32::try_from(i).unwrap_or(u32::MAX));
+            grants.push(Grant { key: d.key.clone(), remaining: 0, grant: 0, reset_after: 0, lease: 0 });
+            continue;
+        }
         let Some(a) = reply.as_deref().and_then(decode_applied) else {
             return Err(refuse(503, "a counter object failed; retry the batch with the same seq"));
         };
@@ -121,10 +129,10 @@ pub fn answer(
     if grants.len() != batch.deltas.len() {
         return Err(refuse(503, "a counter object did not answer; retry the batch with the same seq"));
     }
-    for (d, reply) in batch.deltas.iter().zip(replies) {
+    for (d, reply) in batch.deltas.iter().zip(replies).filter(|(_, r)| r.as_deref() != Some(NOT_APPLIED)) {
         out.note(&d.key, reply.as_deref().and_then(decode_out_for), now);
     }
-    let mut resp = SyncResponse { seq: batch.seq, now, nodes: nodes.unwrap_or(per_counter), grants };
+    let mut resp = SyncResponse { seq: batch.seq, now, nodes: nodes.unwrap_or(per_counter), grants, failed };
     out.name(now, batch, &mut resp);
     let body = resp.encode();
     let tag = hex(&sign(secret.as_bytes(), &body));
@@ -265,8 +273,24 @@ mod tests {
             503,
             "a missing reply"
         );
-        let (body, _) = answer(SECRET, &b, &[reply], None, T, &mut Out::default()).unwrap();
+        let (body, _) = answer(SECRET, &b, std::slice::from_ref(&reply), None, T, &mut Out::default()).unwrap();
         assert_eq!(SyncResponse::decode(&body).unwrap().nodes, 1, "without the registry: what the counters saw");
+        // A counter its object could not read counted nothing: named failed, the rest answered.
+        let two = SyncRequest {
+            deltas: vec![b.deltas[0].clone(), Delta { key: b"k2".to_vec(), ..b.deltas[0].clone() }],
+            ..b.clone()
+        };
+        let (body, _) =
+            answer(SECRET, &two, &[reply.clone(), Some(NOT_APPLIED.into())], Some(3), T, &mut Out::default()).unwrap();
+        let resp = SyncResponse::decode(&body).unwrap();
+        assert_eq!(
+            (resp.failed.as_slice(), resp.grants[0].remaining, resp.grants[1].grant),
+            ([1u32].as_slice(), 95, 0)
+        );
+        // An ask holds no acknowledged units: it fails whole.
+        let ask = SyncRequest { ask: true, ..two };
+        let r = answer(SECRET, &ask, &[reply, Some(NOT_APPLIED.into())], Some(3), T, &mut Out::default());
+        assert_eq!(r.unwrap_err().status, 503);
     }
 
     #[test]

@@ -953,6 +953,78 @@ fn a_recent_counters_grant_is_renewed_before_it_lapses_and_a_quiet_ones_is_not()
     assert!(!later.is_empty() && later.iter().all(|(at, _)| *at <= 6_100), "{later:?}");
 }
 
+/// Answers every call the host dispatched from `store`, except that the counter `unreadable`
+/// is named in the answer's failed section (its stored value unreadable to the store), not
+/// applied; returns the units it refused.
+fn serve_unreadable(store: &mut Store, e: &Engine, h: &FakeHost, unreadable: &[u8]) -> u64 {
+    let mut refused = 0;
+    for c in h.take_calls() {
+        let mut req = batch(&c);
+        let at = req.deltas.iter().position(|d| d.key == unreadable);
+        let taken = at.map(|i| req.deltas.remove(i));
+        let mut resp = store.handle(h.now(), &req).unwrap();
+        if let (Some(i), Some(d)) = (at, taken) {
+            refused += d.units;
+            let zero = ratewall_core::sync::Grant { key: d.key, remaining: 0, grant: 0, reset_after: 0, lease: 0 };
+            resp.grants.insert(i, zero);
+            resp.failed = vec![i as u32];
+        }
+        let (status, tag, body) = signed(SECRET, &resp);
+        e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
+    }
+    refused
+}
+
+#[test]
+fn a_counter_the_store_could_not_apply_is_sent_again_and_the_rest_of_the_answer_is_taken() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 3), [200; 3]);
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "bob")], 4), [200; 4]);
+    let ann = key_of(&e, "/u/x", "ann");
+    e.on_tick(&h);
+    assert_eq!(serve_unreadable(&mut s, &e, &h, &ann), 3);
+    assert_eq!((counted(&s, &e, "/u/x", "ann", h.now()), counted(&s, &e, "/u/x", "bob", h.now())), (0, 4));
+    assert_eq!(h.metric("ratewall_sync_unapplied_counters"), 1);
+    assert_eq!(h.metric("ratewall_sync_failed"), 0, "the batch itself was answered");
+    assert!(h.logged("could not apply 1 counter(s)"));
+    // The next batch (a new seq) carries ann's units again, and only hers: bob's were counted.
+    let mut calls = Vec::new();
+    for _ in 0..20 {
+        if !calls.is_empty() {
+            break;
+        }
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        calls = h.take_calls();
+    }
+    let next = batch(&calls[0]);
+    assert_eq!(next.seq, 2);
+    assert_eq!(next.deltas.iter().find(|d| d.key == ann).map(|d| d.units), Some(3));
+    assert!(next.deltas.iter().all(|d| d.key == ann || d.units == 0), "{:?}", next.deltas);
+    for c in &calls {
+        let (status, tag, body) = answer(&mut s, h.now(), SECRET, c);
+        e.on_sync_response(&h, c.token, status, tag.as_deref(), &body);
+    }
+    assert_eq!((counted(&s, &e, "/u/x", "ann", h.now()), counted(&s, &e, "/u/x", "bob", h.now())), (3, 4));
+    // A counter no store can read: its units go out again for as long as a failed batch's
+    // would, then are dropped and counted so; never counted twice meanwhile.
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "cat")], 2), [200; 2]);
+    let cat = key_of(&e, "/u/x", "cat");
+    let start = h.now();
+    let mut refused = 0;
+    while h.now() - start <= 30_000 * MS {
+        e.on_tick(&h);
+        refused += serve_unreadable(&mut s, &e, &h, &cat);
+        h.advance(100 * MS);
+    }
+    assert!(refused >= 4, "sent again: {refused}");
+    assert_eq!(h.metric("ratewall_sync_dropped_units"), 2);
+    assert_eq!(counted(&s, &e, "/u/x", "cat", h.now()), 0);
+    assert_eq!(h.metric("ratewall_sync_failed"), 0);
+}
+
 #[test]
 fn a_counter_granted_nothing_while_quota_remains_is_renewed_at_the_next_batch() {
     for (grant, renewed_at) in [(0, Some(100)), (5, None)] {

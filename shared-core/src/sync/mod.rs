@@ -78,6 +78,6 @@ pub use out::{Out, MAX_OUT};
 pub use registry::{Registry, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_NODES};
 pub use store::Store;
 pub use wire::{
-    Delta, Grant, RuleTop, SyncError, SyncRequest, SyncResponse, TopSection, MAX_ENTRIES, MAX_KEY, MAX_REASON,
-    MAX_REQUEST_SKEW, MAX_TOP_SECTION, TOP_SECTION, TOP_SECTION_COUNTERS_ONLY, VERSION,
+    Delta, Grant, RuleTop, SyncError, SyncRequest, SyncResponse, TopSection, FAILED_SECTION, MAX_ENTRIES, MAX_KEY,
+    MAX_REASON, MAX_REQUEST_SKEW, MAX_TOP_SECTION, TOP_SECTION, TOP_SECTION_COUNTERS_ONLY, VERSION,
 };

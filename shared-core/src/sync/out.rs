@@ -88,7 +88,7 @@ mod tests {
         let req = SyncRequest { node: 1, seq: 1, sent: now, deltas, ask: false };
         let grants =
             asked.iter().map(|k| Grant { key: k.to_vec(), remaining: 5, grant: 1, reset_after: 9, lease: 9 }).collect();
-        let mut resp = SyncResponse { seq: 1, now, nodes: 1, grants };
+        let mut resp = SyncResponse { seq: 1, now, nodes: 1, grants, failed: Vec::new() };
         out.name(now, &req, &mut resp);
         let cap = SyncResponse::max_len(req.deltas.iter().map(|d| d.key.len()));
         assert!(resp.encode().len() <= cap, "within what a node accepts");

@@ -86,7 +86,7 @@ impl Store {
             self.out.note(&d.key, c.out_for(now), now);
             grants.push(Grant::from_applied(&d.key, &a));
         }
-        let mut resp = SyncResponse { seq: req.seq, now, nodes, grants };
+        let mut resp = SyncResponse { seq: req.seq, now, nodes, grants, failed: Vec::new() };
         self.out.name(now, req, &mut resp);
         Ok(resp)
     }

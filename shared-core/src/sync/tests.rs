@@ -21,9 +21,26 @@ const MS_: Nanos = 1_000_000;
 fn the_longest_answer_fits_its_bound() {
     let key = vec![7u8; MAX_KEY];
     let g = Grant { key: key.clone(), remaining: u64::MAX, grant: u64::MAX, reset_after: u64::MAX, lease: u64::MAX };
-    let resp = SyncResponse { seq: u64::MAX, now: u64::MAX, nodes: u32::MAX, grants: vec![g.clone(), g] };
+    let resp = SyncResponse {
+        seq: u64::MAX,
+        now: u64::MAX,
+        nodes: u32::MAX,
+        grants: vec![g.clone(), g.clone()],
+        failed: vec![],
+    };
     assert!(resp.encode().len() <= SyncResponse::max_len([MAX_KEY, MAX_KEY].into_iter()));
-    let empty = SyncResponse { seq: u64::MAX, now: u64::MAX, nodes: u32::MAX, grants: vec![] };
+    // A failed delta's grant holds zeros: the failed section fits in what it leaves, with any
+    // number of them among any number of deltas.
+    for n in [1usize, 2, 130, 500] {
+        for failing in [1, n / 2, n] {
+            let failed: Vec<u32> = (0..failing.max(1) as u32).map(|i| i * (n as u32 / failing.max(1) as u32)).collect();
+            let zero = Grant { remaining: 0, grant: 0, reset_after: 0, lease: 0, ..g.clone() };
+            let grants = (0..n as u32).map(|i| if failed.contains(&i) { zero.clone() } else { g.clone() }).collect();
+            let resp = SyncResponse { seq: u64::MAX, now: u64::MAX, nodes: u32::MAX, grants, failed };
+            assert!(resp.encode().len() <= SyncResponse::max_len(core::iter::repeat_n(MAX_KEY, n)), "{n} {failing}");
+        }
+    }
+    let empty = SyncResponse { seq: u64::MAX, now: u64::MAX, nodes: u32::MAX, grants: vec![], failed: vec![] };
     assert!(empty.encode().len() <= SyncResponse::max_len(core::iter::empty()));
 }
 
@@ -47,9 +64,38 @@ fn messages_round_trip_and_trailing_bytes_are_errors() {
         now: NOW,
         nodes: 3,
         grants: vec![Grant { key: b"k".to_vec(), remaining: 5, grant: 2, reset_after: 7, lease: 9 }],
+        failed: vec![],
     };
-    assert_eq!(SyncResponse::decode(&resp.encode()), Ok(resp));
+    assert_eq!(SyncResponse::decode(&resp.encode()), Ok(resp.clone()));
     assert!(SyncResponse::decode(&r.encode()).is_err(), "a request is not a response");
+}
+
+#[test]
+fn an_answer_lists_the_deltas_it_could_not_apply_and_refuses_a_bad_list() {
+    let g = |k: &[u8]| Grant { key: k.to_vec(), remaining: 0, grant: 0, reset_after: 0, lease: 0 };
+    let resp = SyncResponse { seq: 4, now: NOW, nodes: 2, grants: vec![g(b"a"), g(b"b"), g(b"c")], failed: vec![0, 2] };
+    let bytes = resp.encode();
+    assert_eq!(SyncResponse::decode(&bytes), Ok(resp.clone()));
+    // Without any, the answer is the one a store without the section gives.
+    let plain = SyncResponse { failed: vec![], ..resp.clone() };
+    assert_eq!(bytes.len(), plain.encode().len() + 4);
+    assert_eq!(bytes.get(..plain.encode().len()), Some(plain.encode().as_slice()));
+    let with = |list: &[u64]| {
+        let mut b = plain.encode();
+        b.push(FAILED_SECTION);
+        crate::encoding::put_varint(&mut b, list.len() as u64);
+        for i in list {
+            crate::encoding::put_varint(&mut b, *i);
+        }
+        SyncResponse::decode(&b)
+    };
+    assert!(with(&[0, 2]).is_ok());
+    assert!(with(&[3]).is_err(), "an index past the grants");
+    assert!(with(&[2, 0]).is_err(), "not ascending");
+    assert!(with(&[1, 1]).is_err(), "named twice");
+    let mut trailing = bytes;
+    trailing.push(0);
+    assert!(SyncResponse::decode(&trailing).is_err());
 }
 
 #[test]

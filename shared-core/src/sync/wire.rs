@@ -94,7 +94,17 @@ pub struct SyncResponse {
     pub nodes: u32,
     /// One grant per delta of the request, in order.
     pub grants: Vec<Grant>,
+    /// The deltas (their indices, ascending) the store could not apply because their
+    /// counter's stored value is unreadable to it (written by a newer store, or damaged):
+    /// nothing of them was counted, so their node sends their units again in a later batch.
+    /// Their grants hold zeros. Only a batch's answer lists any ([`FAILED_SECTION`]).
+    pub failed: Vec<u32>,
 }
+
+/// The marker of a batch answer's last, optional section: the deltas the store could not
+/// apply ([`SyncResponse::failed`]). An answer with none has no section, and reads the same
+/// to a node that predates it.
+pub const FAILED_SECTION: u8 = 0x46;
 
 /// Why a batch was not applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -449,6 +459,13 @@ impl SyncResponse {
             put_varint(&mut out, g.reset_after);
             put_varint(&mut out, g.lease);
         }
+        if !self.failed.is_empty() {
+            out.push(FAILED_SECTION);
+            put_varint(&mut out, self.failed.len() as u64);
+            for i in &self.failed {
+                put_varint(&mut out, u64::from(*i));
+            }
+        }
         out
     }
 
@@ -457,7 +474,10 @@ impl SyncResponse {
     /// refuses a longer one before reading (or authenticating) it.
     pub fn max_len(key_lens: impl Iterator<Item = usize>) -> usize {
         // version, kind, seq, now, nodes, count; then per grant its key (length varint and
-        // bytes) and four varints of at most 10 bytes each.
+        // bytes) and four varints of at most 10 bytes each. A failed section fits in it too:
+        // a failed delta's grant holds zeros, 36 bytes under the most a grant may take, more
+        // than the section's marker, count and index need (11 bytes for the first, 5 more for
+        // each other), so nodes of every version accept every answer of this length.
         key_lens.fold(2 + 10 + 10 + 5 + 10, |n: usize, k| n.saturating_add(k.saturating_add(3 + 40))).max(MAX_REASON)
     }
 
@@ -478,9 +498,22 @@ impl SyncResponse {
                 lease: r.varint()?,
             });
         }
+        let mut failed = Vec::new();
+        if bytes.get(r.pos) == Some(&FAILED_SECTION) {
+            r.pos += 1;
+            let m = read_count(&mut r)?;
+            for _ in 0..m {
+                let i = u32::try_from(r.varint()?).map_err(|_| DecodeError::Invalid("failed delta index"))?;
+                // Ascending, and naming a grant.
+                if failed.last().is_some_and(|l| *l >= i) || i as usize >= grants.len() {
+                    return Err(DecodeError::Invalid("failed delta index"));
+                }
+                failed.push(i);
+            }
+        }
         if r.pos != bytes.len() {
             return Err(DecodeError::Truncated);
         }
-        Ok(SyncResponse { seq, now, nodes, grants })
+        Ok(SyncResponse { seq, now, nodes, grants, failed })
     }
 }
