@@ -612,6 +612,12 @@ async fn start_rls(
 /// preface), so a client that connects and sends a request slowly, or part of one, is closed
 /// rather than held; a request's body is read within its own deadline by the handler that
 /// reads it.
+///
+/// Written here, around the accepted stream, rather than taken from hyper: its HTTP/1
+/// `header_read_timeout` is one duration for both a request's head and the wait for a
+/// keep-alive connection's next request (5 s and 60 s here), axum's `serve` exposes neither,
+/// and tonic's server has no deadline for a connection's HTTP/2 preface at all. One wrapper
+/// of the socket gives all three listeners (sync, admin, gRPC) the same deadlines.
 mod conn {
     use std::future::Future;
     use std::io;
