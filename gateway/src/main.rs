@@ -139,7 +139,9 @@ fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores
     // resumes them from its tick, as Envoy forwards them then.
     let mut waiting: Vec<Waiting> = Vec::new();
     let mut last_tick = Instant::now();
-    loop {
+    // The rules pushed since this VM was last configured, if any (as an xDS push reaches a
+    // proxy's VMs before the next request they handle).
+    let mut configure = |vm: &mut Vm| {
         let generation = rules.generation.load(Ordering::SeqCst);
         if generation != seen {
             seen = generation;
@@ -147,6 +149,9 @@ fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores
                 let _ = vm.configure(&doc);
             }
         }
+    };
+    loop {
+        configure(vm);
         // With a tick period (sync on, or rules that shape), wait for a request at most until
         // the next tick is due; with requests waiting, at most until their connections are
         // looked at again.
@@ -156,6 +161,8 @@ fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores
             wait = Some(wait.map_or(RECHECK, |d| d.min(RECHECK)));
         }
         if let Some(request) = queue.pop(wait) {
+            // A push made while this worker waited applies to the request that woke it.
+            configure(vm);
             node.set_time(wall_clock());
             match handle(vm, request, stores) {
                 Ok(Some(paused)) => waiting.push(paused),
@@ -272,16 +279,24 @@ fn accept(mut stream: TcpStream, queue: &Arc<Queue>, node: &Node, reading: &Arc<
     }
 }
 
+/// How often the rules file is read for changes.
+const WATCH_EVERY: Duration = Duration::from_millis(250);
+
 /// Polls the rules file and publishes a new generation when it changes and parses.
 fn watch(path: String, rules: Arc<Rules>) {
     std::thread::spawn(move || {
         let mut last = std::fs::read(&path).unwrap_or_default();
         loop {
-            std::thread::sleep(Duration::from_secs(1));
+            std::thread::sleep(WATCH_EVERY);
             let Ok(doc) = std::fs::read(&path) else {
                 continue;
             };
             if doc == last {
+                continue;
+            }
+            // Taken once it reads the same twice, not while an editor is still writing it.
+            std::thread::sleep(WATCH_EVERY / 5);
+            if std::fs::read(&path).ok().as_ref() != Some(&doc) {
                 continue;
             }
             last = doc.clone();

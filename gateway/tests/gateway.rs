@@ -18,15 +18,29 @@ impl Drop for Gateway {
 }
 
 fn start(rules: &std::path::Path) -> (Gateway, String) {
+    let (gateway, addr, _) = start_logged(rules, false);
+    (gateway, addr)
+}
+
+/// [`start`], with the gateway's log lines (stderr) sent to the receiver when `logged`.
+fn start_logged(rules: &std::path::Path, logged: bool) -> (Gateway, String, std::sync::mpsc::Receiver<String>) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall-gateway"))
         .current_dir(&root)
         .args(["--port", "0", "--rules"])
         .arg(rules)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(if logged { Stdio::piped() } else { Stdio::null() })
         .spawn()
         .unwrap();
+    let (send, lines) = std::sync::mpsc::channel();
+    if let Some(err) = child.stderr.take() {
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = send.send(line);
+            }
+        });
+    }
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
@@ -35,7 +49,7 @@ fn start(rules: &std::path::Path) -> (Gateway, String) {
         .find(|w| w.starts_with("http://127.0.0.1:"))
         .unwrap_or_else(|| panic!("no address in {line:?}"));
     let addr = url.trim_start_matches("http://").to_owned();
-    (Gateway(child, out), addr)
+    (Gateway(child, out), addr, lines)
 }
 
 /// One HTTP/1.1 request; returns (status, headers, body).
@@ -80,21 +94,25 @@ fn the_dev_gateway_reloads_changed_rules_and_keeps_them_when_broken() {
     let rules = dir.join("rules.json");
     let doc = |n: u32| format!(r#"{{"rules":[{{"name":"r","key":["user"],"limit":{{"requests":{n},"per":"1h"}}}}]}}"#);
     std::fs::write(&rules, doc(1)).unwrap();
-    let (_gateway, addr) = start(&rules);
+    let (_gateway, addr, log) = start_logged(&rules, true);
     let get = |user: &str| http(&addr, "GET", "/", &[("x-user-id", user)]).0;
     assert_eq!((get("a"), get("a")), (200, 429));
     std::fs::write(&rules, doc(3)).unwrap();
-    // The gateway polls once a second; wait (bounded, generously for a loaded machine) for
-    // the new limit of 3 to show.
-    let mut reloaded = false;
-    for _ in 0..150 {
-        std::thread::sleep(Duration::from_millis(100));
-        if get("probe") == 200 && get("probe") == 200 {
-            reloaded = true;
-            break;
-        }
-    }
-    assert!(reloaded, "the new rules never took effect");
+    // The gateway polls every 250 ms; wait (bounded, generously for a loaded machine) for it
+    // to say it reloaded.
+    let said =
+        std::iter::from_fn(|| log.recv_timeout(Duration::from_secs(15)).ok()).find(|l| l.contains("rules reloaded"));
+    assert!(said.is_some(), "the new rules were never loaded");
+    // From then on every worker VM takes the new rules before its next request (one waiting
+    // for a request when they came included): none answers on the old ones.
+    let policies: Vec<String> = (0..8)
+        .map(|i| {
+            let (_, headers, _) = http(&addr, "GET", "/", &[("x-user-id", &format!("p{i}"))]);
+            header(&headers, "ratelimit-policy").unwrap_or("").to_owned()
+        })
+        .collect();
+    assert!(policies.iter().all(|p| p == "\"r\";q=3;w=3600"), "{policies:?}");
+    assert_eq!((get("probe"), get("probe"), get("probe"), get("probe")), (200, 200, 200, 429));
     std::fs::write(&rules, "{ broken").unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     let fresh: Vec<u16> = (0..4).map(|_| get("b")).collect();
