@@ -155,8 +155,10 @@ enum Round<'a> {
     /// First: it may still ask.
     First,
     /// After its ask: it may not ask again; `paid` are the keys whose units the store took
-    /// (counted there, so not reported again).
-    AfterAsk { paid: &'a [&'a [u8]] },
+    /// (counted there, so not reported again); `failed`: the ask failed (or could not be
+    /// made, the store failing), so the request is decided as while the store is out of
+    /// reach: `open` rules on the node's local share, `closed` ones rejected (503).
+    AfterAsk { paid: &'a [&'a [u8]], failed: bool },
 }
 
 /// A configured filter: validated rules, the table, and metric ids.
@@ -605,9 +607,11 @@ impl Engine {
         };
         let paid: Vec<&[u8]> =
             asking.wants.iter().zip(&taken).filter(|(_, t)| **t).map(|(w, _)| w.key.as_slice()).collect();
+        // Each want answered, or the ask failed.
+        let failed = taken.len() != asking.wants.len();
         // The request's method and path are not kept while it waits: a shadow rule's log line
         // after an ask names the rule only.
-        let round = Round::AfterAsk { paid: &paid };
+        let round = Round::AfterAsk { paid: &paid, failed };
         match self.decide(host, host.now(), asking.checks, asking.skipped, ("(after an ask)", ""), round) {
             // `decide` only asks when told it may; a 429 all the same.
             Verdict::Ask(_) => Verdict::Reply(Reply { status: 429, headers: Vec::new(), body: String::new() }),
@@ -748,9 +752,9 @@ impl Engine {
         (method, path): (&str, &str),
         round: Round<'_>,
     ) -> Verdict {
-        let (may_ask, paid) = match round {
-            Round::First => (true, &[][..]),
-            Round::AfterAsk { paid } => (false, paid),
+        let (may_ask, paid, failed) = match round {
+            Round::First => (true, &[][..], false),
+            Round::AfterAsk { paid, failed } => (false, paid, failed),
         };
         let real_limits: Vec<Limit> =
             if self.sync().is_some() { checks.iter().map(|c| c.limit).collect() } else { Vec::new() };
@@ -759,7 +763,7 @@ impl Engine {
         let mut unavailable = Vec::new();
         let (grants, now) = match self.sync() {
             None => (Grants::Off, now),
-            Some(s) if s.fresh(now) => (Grants::On { nodes: s.nodes() }, s.store_now(now)),
+            Some(s) if s.fresh(now) && !failed => (Grants::On { nodes: s.nodes() }, s.store_now(now)),
             Some(s) => {
                 s.degraded(host);
                 unavailable = self.config.rules.iter().map(|r| r.on_store_failure == FailurePolicy::Closed).collect();
@@ -803,8 +807,15 @@ impl Engine {
                     .filter(|(c, _)| asks(c))
                     .map(|(c, l)| Delta { key: c.key.clone(), limit: *l, units: c.cost })
                     .collect();
-                if let Some(token) = s.ask(host, &wants) {
-                    return Verdict::Ask(Asking { token, checks, skipped, wants, asked_at: host.now() });
+                match s.ask(host, &wants) {
+                    Ok(token) => {
+                        return Verdict::Ask(Asking { token, checks, skipped, wants, asked_at: host.now() });
+                    }
+                    Err(crate::sync::AskRefused::Failing) => {
+                        let round = Round::AfterAsk { paid: &[], failed: true };
+                        return self.decide(host, host.now(), checks, skipped, (method, path), round);
+                    }
+                    Err(crate::sync::AskRefused::Busy) => {}
                 }
             }
         }

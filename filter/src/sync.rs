@@ -372,6 +372,18 @@ type Named = Vec<(u64, u64)>;
 
 /// A counter's entry in [`Named`], from the grant of an answer made at the store's `now`:
 /// its key's hash, and until when (ms of the store's clock) it is out.
+/// Whether the store's answer `g` leaves a counter of `limit` no room for `need` units until
+/// its `reset_after`: a fixed window's with fewer left (until the window ends), a sliding
+/// window's or log's with none (until one unit is free again, which is what the store answers
+/// then).
+fn spent(limit: &Limit, g: &ratewall_core::sync::Grant, need: u64) -> bool {
+    match limit.algorithm() {
+        ratewall_core::Algorithm::FixedWindow => g.remaining < need.max(1),
+        ratewall_core::Algorithm::SlidingWindow | ratewall_core::Algorithm::SlidingLog => g.remaining == 0,
+        _ => false,
+    }
+}
+
 fn out_entry(g: &ratewall_core::sync::Grant, now: Nanos) -> (u64, u64) {
     (ratewall_core::key::fnv1a(&g.key), now.saturating_add(g.reset_after) / MS)
 }
@@ -462,6 +474,21 @@ struct Syncing {
     /// when it first did: their units go out again for [`GIVE_UP_AFTER`], as a failed batch's.
     unapplied: Pending,
 }
+
+/// Why a VM does not ask the store now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AskRefused {
+    /// The store is failing (its breaker is open, this VM's asks failed lately, or it answers
+    /// slower than `max_wait`), or the call could not be made: the request is decided as the
+    /// store's failure policy says.
+    Failing,
+    /// As many asks are in flight as a VM allows: the request is decided on what the node
+    /// holds.
+    Busy,
+}
+
+/// An ask's deadline at least, where only its own answer can resume its request.
+pub const ASK_DEADLINE_UNRESUMED: Nanos = 1_000_000_000;
 
 /// Metric ids.
 #[derive(Clone, Copy, Debug, Default)]
@@ -976,15 +1003,17 @@ impl Syncer {
     /// [`Syncer::on_ask_response`]; and while the last batch's round trip is longer than
     /// `max_wait`, until one succeeds), or the call refused — means the request is decided on
     /// what the node holds.
-    pub fn ask(&self, host: &dyn Host, wants: &[Delta]) -> Option<u32> {
+    pub fn ask(&self, host: &dyn Host, wants: &[Delta]) -> Result<u32, AskRefused> {
         let (inflight, seq) = self.asks.get();
         let max_wait = self.opts.max_wait.min(self.opts.timeout);
-        if inflight >= MAX_ASKS
-            || host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until)
+        if host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until)
             || waiting(self.ask_backoff.get().1, host.now(), ASK_BACKOFF_MAX)
             || (self.view.get().rtt > max_wait && self.ask_backoff.get().0 > 0)
         {
-            return None;
+            return Err(AskRefused::Failing);
+        }
+        if inflight >= MAX_ASKS {
+            return Err(AskRefused::Busy);
         }
         // Asks are numbered per node id: VM number above, this VM's count below.
         let seq = seq.wrapping_add(1).max(1) & ((1 << 40) - 1);
@@ -994,12 +1023,16 @@ impl Syncer {
         let node = self.lease(host).map_or(0, |((holder, _), _)| holder);
         let node = if node == 0 { self.token } else { node };
         let body = SyncRequest::encode_parts(node, number, host.now(), wants, true);
-        let token = self.send(host, &body, max_wait)?;
+        // Where a paused request can be resumed only by the answer to its own call
+        // (ngx_wasm_module), the call's deadline is the wait: and a call that times out there
+        // ends its request with no response at all, so it is given a second at least.
+        let deadline = if host.resumes_waiters() { max_wait } else { max_wait.max(ASK_DEADLINE_UNRESUMED) };
+        let token = self.send(host, &body, deadline).ok_or(AskRefused::Failing)?;
         self.asks.set((inflight + 1, seq));
         if let Some(m) = self.metrics.asks {
             host.increment(m, 1);
         }
-        Some(token)
+        Ok(token)
     }
 
     /// An ask is no longer in flight.
@@ -1049,16 +1082,14 @@ impl Syncer {
         let taken: Vec<bool> =
             wants.iter().zip(&resp.grants).map(|(d, g)| g.grant >= d.units && g.key == d.key).collect();
         write_grants(host, table, wants, &resp, asked_at, true);
-        // A fixed window's counter the ask found spent is out until the window ends, as a
-        // batch's answer would name it: the request's denial (and this VM's next ones, until
-        // the view names it) says that wait, not a spent grant's second, so a client that
-        // waits its `Retry-After` is not refused again.
-        let out = wants.iter().zip(&resp.grants).filter(|(d, g)| {
-            g.key == d.key
-                && d.limit.algorithm() == ratewall_core::Algorithm::FixedWindow
-                && g.grant < d.units
-                && g.remaining < d.units
-        });
+        // A window's counter the ask found spent is out until a unit is free again (a fixed
+        // window's end), as a batch's answer would name it: the request's denial (and this
+        // VM's next ones, until the view names it) says that wait, not a spent grant's second,
+        // so a client that waits its `Retry-After` is not refused again.
+        let out = wants
+            .iter()
+            .zip(&resp.grants)
+            .filter(|(d, g)| g.key == d.key && g.grant < d.units && spent(&d.limit, g, d.units));
         {
             let mut named = self.named.borrow_mut();
             for (_, g) in out {
@@ -1254,12 +1285,13 @@ impl Syncer {
         let offset = i64::try_from(resp.now).unwrap_or(i64::MAX).saturating_sub(midway);
         let view = View { ok_at: now, nodes: resp.nodes.max(1), offset, rtt };
         // The grants past the deltas' name the counters the store found out of quota; so does
-        // the grant of a fixed window's delta that leaves nothing (until the window ends,
-        // when a unit is free again: the `Retry-After` of the denials meanwhile).
-        let spent = batch.deltas.iter().zip(&resp.grants).filter(|(d, g)| {
-            d.limit.algorithm() == ratewall_core::Algorithm::FixedWindow && g.remaining == 0 && g.grant == 0
-        });
-        let named: Named = spent
+        // the grant of a window's delta that leaves nothing (until a unit is free again: a
+        // fixed window's end; the `Retry-After` of the denials meanwhile).
+        let named: Named = batch
+            .deltas
+            .iter()
+            .zip(&resp.grants)
+            .filter(|(d, g)| g.grant == 0 && spent(&d.limit, g, 1))
             .map(|(_, g)| g)
             .chain(resp.grants.get(batch.deltas.len()..).unwrap_or_default())
             .take(ratewall_core::sync::MAX_OUT)

@@ -385,7 +385,7 @@ impl Counter {
         if let Some(s) = prior.and_then(|i| self.shares.get(i)).filter(|s| seq <= s.seq) {
             let (grant, lease) = if seq == s.seq { (s.grant, s.until.saturating_sub(now)) } else { (0, 0) };
             let (view, _) = self.limit.decide(&self.state, now, 0);
-            let (remaining, reset_after) = (view.remaining, view.reset_after);
+            let (remaining, reset_after) = (view.remaining, self.reset_of(&view, now));
             return Applied { remaining, grant, reset_after, lease, nodes: nodes(self), counted: false };
         }
         self.state = self.limit.consume(&self.state, since.clamp(before.min(now), now), units);
@@ -470,7 +470,7 @@ impl Counter {
         }
         // What nodes cut off are taken to admit is not there for this one to count on.
         let remaining = view.remaining.saturating_sub(self.cut_off(now, Some(node)));
-        Applied { remaining, grant, reset_after: view.reset_after, lease, nodes: nodes(self), counted: true }
+        Applied { remaining, grant, reset_after: self.reset_of(&view, now), lease, nodes: nodes(self), counted: true }
     }
 
     /// `node`'s part of `available` units for a lease of `lease`: its traffic share (weights
@@ -701,6 +701,18 @@ impl Counter {
         self.cut_off(now.max(self.last_seen), None)
     }
 
+    /// An answer's `reset_after`: the view's (the quota's reset: a fixed window's end, a
+    /// sliding one's current window's), except that while nothing remains of a sliding
+    /// window or log it is the time until one unit is free again, so that a node tells a
+    /// client the wait after which it is admitted.
+    fn reset_of(&self, view: &crate::algo::Decision, now: Nanos) -> Nanos {
+        let sliding = matches!(self.limit.algorithm(), Algorithm::SlidingWindow | Algorithm::SlidingLog);
+        match (sliding && view.remaining == 0).then(|| self.out_for(now)).flatten() {
+            Some(free) => free,
+            None => view.reset_after,
+        }
+    }
+
     /// How long until one unit is free again, if not one is at `now` (`None`: one is, or
     /// none ever will be): how long a store names the counter out ([`super::Out`]).
     pub fn out_for(&self, now: Nanos) -> Option<Nanos> {
@@ -754,7 +766,7 @@ impl Counter {
         self.forget_quiet(node, now);
         let (view, _) = self.limit.decide(&self.state, now, 0);
         let nodes = u32::try_from(self.active(now, node_ttl).count()).unwrap_or(u32::MAX);
-        let (remaining, reset_after) = (view.remaining, view.reset_after);
+        let (remaining, reset_after) = (view.remaining, self.reset_of(&view, now));
         if let Some(s) = self.shares.iter().find(|s| s.node == node && ask != 0 && s.last_ask.0 == ask) {
             let grant = s.last_ask.1;
             // A sized lease's repeat answers what is left of the hold, not a fresh second.
@@ -809,7 +821,7 @@ impl Counter {
         let (view, _) = self.limit.decide(&self.state, now, 0);
         let nodes = u32::try_from(self.active(now, node_ttl).count()).unwrap_or(nodes);
         let remaining = view.remaining.saturating_sub(self.cut_off(now, Some(node)));
-        Applied { remaining, grant: given, reset_after: view.reset_after, lease, nodes, counted: given > 0 }
+        Applied { remaining, grant: given, reset_after: self.reset_of(&view, now), lease, nodes, counted: given > 0 }
     }
 
     /// `node` has stopped spending on this counter (a Worker isolate whose client moved to
