@@ -895,12 +895,14 @@ pub fn shadow_lines(
 }
 
 /// Whether an origin's answer of `status` can be passed on to the client: a final status the
-/// runtime can build a response with (200 to 599), or 101 (a WebSocket's upgrade, which the
-/// runtime's `fetch` gives only with its socket). An interim status (`100 Continue`, which an
-/// origin sends for a request with `Expect: 100-continue`), or one out of range, is answered
-/// with the Worker's own 502.
-pub fn passable_status(status: u16) -> bool {
-    status == 101 || (200..=599).contains(&status)
+/// runtime can build a response with (200 to 599), or 101 to a request that asked to upgrade
+/// (`upgrade`: it had an `Upgrade` header; the runtime's `fetch` then gives the WebSocket with
+/// the 101). An interim status (`100 Continue`, which an origin sends for a request with
+/// `Expect: 100-continue`), a 101 nobody asked for (the runtime refuses to build a response
+/// with it, and the isolate started over), or one out of range, is answered with the Worker's
+/// own 502.
+pub fn passable_status(status: u16, upgrade: bool) -> bool {
+    (status == 101 && upgrade) || (200..=599).contains(&status)
 }
 
 /// Whether a client's request header goes on to an `ORIGIN_URL` origin: all but `Expect`. The
@@ -958,11 +960,13 @@ mod tests {
 
     #[test]
     fn only_a_final_status_or_a_websockets_upgrade_is_passed_on() {
-        for status in [101, 200, 204, 302, 404, 429, 503, 599] {
-            assert!(passable_status(status), "{status}");
+        for status in [200, 204, 302, 404, 429, 503, 599] {
+            assert!(passable_status(status, false) && passable_status(status, true), "{status}");
         }
+        assert!(passable_status(101, true), "the answer to an upgrade");
+        assert!(!passable_status(101, false), "a 101 nobody asked for");
         for status in [0, 100, 102, 103, 199, 600, 999] {
-            assert!(!passable_status(status), "{status}");
+            assert!(!passable_status(status, true), "{status}");
         }
     }
 

@@ -378,6 +378,7 @@ fn demo_origin(req: &Request) -> Result<Response> {
 
 /// Sends an admitted request upstream and adds the RateLimit fields to the answer.
 async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> Result<Response> {
+    let upgrade = req.headers().has("upgrade").unwrap_or(false);
     let resp = if let Ok(origin) = env.service("ORIGIN") {
         origin.fetch_request(req).await?
     } else if let Some(base) = var(env, "ORIGIN_URL") {
@@ -405,7 +406,7 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
     };
     // The runtime builds a response only with a status it can send as a final one: an
     // interim `100 Continue` passed on made workers-rs panic, and the isolate started over.
-    if !passable_status(resp.status_code()) {
+    if !passable_status(resp.status_code(), upgrade) {
         console_error!("ratewall: the origin answered with status {}, which cannot be passed on", resp.status_code());
         return problem_502("the origin answered with a status that cannot be passed on");
     }

@@ -998,20 +998,25 @@ fn a_clients_expect_100_continue_is_not_forwarded_to_the_origin() {
 }
 
 /// Whatever status an origin answers, the Worker does not panic: one it cannot pass on (an
-/// interim `100 Continue` here) is its own 502 with a problem body, and the isolate keeps
-/// its memory (its metrics count on).
+/// interim `100 Continue`, or a `101 Switching Protocols` to a request that asked for no
+/// upgrade) is its own 502 with a problem body, and the isolate keeps its memory (its
+/// metrics count on).
 #[test]
 fn an_origin_status_that_cannot_be_passed_on_is_a_502_and_the_isolate_lives_on() {
     const CONTINUE_THEN_OK: &[u8] =
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok";
-    let to = origin(CONTINUE_THEN_OK, 25, Duration::from_secs(2));
-    let w = start(&[("ORIGIN_URL", to.as_str())]);
-    for i in 1..=3 {
-        let r = w.request("GET", "/m/x", &[("x-user-id", "cont")], &[]);
-        assert_eq!(r.status, 502, "{}", r.text());
-        assert_eq!(r.header("content-type"), Some("application/problem+json"));
-        assert!(r.text().contains("\"status\":502"), "{}", r.text());
-        assert_eq!(w.metric("ratewall_rule_allowed{rule=\"roomy\"}"), i, "the isolate kept its memory");
+    const SWITCHING: &[u8] = b"HTTP/1.1 101 Switching Protocols\r\nconnection: close\r\n\r\n";
+    for (answer, at_once, status) in [(CONTINUE_THEN_OK, 25, 100), (SWITCHING, SWITCHING.len(), 101)] {
+        let to = origin(answer, at_once, Duration::from_secs(2));
+        let w = start(&[("ORIGIN_URL", to.as_str())]);
+        for i in 1..=3 {
+            let r = w.request("GET", "/m/x", &[("x-user-id", "cont")], &[]);
+            assert_eq!(r.status, 502, "{status}: {}", r.text());
+            assert_eq!(r.header("content-type"), Some("application/problem+json"));
+            assert!(r.text().contains("\"status\":502"), "{}", r.text());
+            assert_eq!(w.metric("ratewall_rule_allowed{rule=\"roomy\"}"), i, "the isolate kept its memory");
+        }
+        assert!(logged(&w, &format!("the origin answered with status {status}")), "{}", w.log());
+        assert!(!w.log().contains("panicked"), "{}", w.log());
     }
-    assert!(logged(&w, "the origin answered with status 100"), "{}", w.log());
 }
