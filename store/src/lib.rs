@@ -736,7 +736,7 @@ mod tests {
         summary.add(b"user=alice", denied, 0, 1);
         let rule = RuleTop { rule: "r".into(), allowed: 1, denied, shadow_denied: 0, top: summary };
         let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-        top::Share { process, seconds: vec![(unix, TopSection { rules: vec![rule] })], nodes: Vec::new() }
+        top::Share { process, seq: denied, seconds: vec![(unix, TopSection { rules: vec![rule] })], nodes: Vec::new() }
     }
 
     #[tokio::test]

@@ -47,7 +47,9 @@ pub const OUTBOX_SECONDS: usize = 30;
 /// Most shares read from the stream per interval.
 pub const READ_PER_INTERVAL: usize = 1024;
 /// The version byte of a share.
-const SHARE_VERSION: u8 = 1;
+const SHARE_VERSION: u8 = 2;
+/// Most peer processes whose latest share number a process remembers.
+const MAX_PEERS: usize = 1024;
 
 /// Most rules tracked (past it, a rule first heard later takes the place of one not heard of
 /// for an hour, or is not tracked).
@@ -92,6 +94,12 @@ struct Inner {
     shared_at: Option<Instant>,
     /// Peers' views of nodes, by (peer process, node).
     remote: HashMap<(u64, u64), Seen>,
+    /// A share whose write failed: written again, as it is, before any other.
+    pending: Option<Share>,
+    /// The number of the last share cut.
+    seq: u64,
+    /// Per peer process, the number of the latest share merged.
+    merged: HashMap<u64, u64>,
     /// The process's own decisions of one unix second: the second, and per rule its place in
     /// the configuration and its counts.
     own: Option<(u64, Vec<(usize, RuleTop)>)>,
@@ -148,6 +156,9 @@ impl Default for Top {
                 outbox: BTreeMap::new(),
                 shared_at: None,
                 remote: HashMap::new(),
+                pending: None,
+                seq: 0,
+                merged: HashMap::new(),
                 own: None,
                 roster: Vec::new(),
             }),
@@ -191,6 +202,10 @@ fn queue(outbox: &mut BTreeMap<u64, TopSection>, unix: u64, section: &TopSection
 pub struct Share {
     /// The process that heard it.
     pub process: u64,
+    /// Its number among the process's shares (from 1; 0: of a version without numbers). A
+    /// share whose write to Redis timed out is written again under its number, and a copy
+    /// that Redis ran all the same (after a pause) is merged once.
+    pub seq: u64,
     /// Sections, merged per unix second.
     pub seconds: Vec<(u64, TopSection)>,
     /// Nodes: id, last heard (unix ms), batches per second, last round trip, degraded.
@@ -198,11 +213,12 @@ pub struct Share {
 }
 
 impl Share {
-    /// `version | process | seconds: (unix | len | section) | nodes: (id | unix ms | rate ×
-    /// 1000 | rtt µs | degraded)`, varints.
+    /// `version | process | seq | seconds: (unix | len | section) | nodes: (id | unix ms |
+    /// rate × 1000 | rtt µs | degraded)`, varints (version 1 had no `seq`).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = vec![SHARE_VERSION];
         put_varint(&mut out, self.process);
+        put_varint(&mut out, self.seq);
         put_varint(&mut out, self.seconds.len() as u64);
         for (unix, section) in &self.seconds {
             let mut body = Vec::new();
@@ -227,10 +243,11 @@ impl Share {
         let bad = |e: ratewall_core::encoding::DecodeError| format!("share: {e:?}");
         let mut r = Reader { bytes, pos: 0 };
         let version = r.take(1).map_err(bad)?;
-        if version != [SHARE_VERSION] {
+        if version != [SHARE_VERSION] && version != [1] {
             return Err(format!("share: version {version:?}"));
         }
         let process = r.varint().map_err(bad)?;
+        let seq = if version == [1] { 0 } else { r.varint().map_err(bad)? };
         let n = r.varint().map_err(bad)?;
         let mut seconds = Vec::new();
         for _ in 0..n.min(OUTBOX_SECONDS as u64 + 1) {
@@ -254,7 +271,7 @@ impl Share {
         if r.pos != bytes.len() {
             return Err("share: trailing bytes".into());
         }
-        Ok(Share { process, seconds, nodes })
+        Ok(Share { process, seq, seconds, nodes })
     }
 }
 
@@ -454,6 +471,9 @@ impl Top {
         let Ok(mut inner) = self.inner.lock() else { return None };
         let inner = &mut *inner;
         inner.own_until(unix, false);
+        if let Some(pending) = inner.pending.take() {
+            return Some(pending);
+        }
         let since = inner.shared_at.replace(now);
         let nodes: Vec<_> = inner
             .nodes
@@ -467,16 +487,19 @@ impl Top {
             })
             .collect();
         let seconds: Vec<_> = std::mem::take(&mut inner.outbox).into_iter().collect();
-        (!seconds.is_empty() || !nodes.is_empty()).then_some(Share { process: self.process, seconds, nodes })
+        if seconds.is_empty() && nodes.is_empty() {
+            return None;
+        }
+        inner.seq += 1;
+        Some(Share { process: self.process, seq: inner.seq, seconds, nodes })
     }
 
-    /// Gives back a share [`Top::take_share`] took that could not be written: its sections
-    /// wait for the next (the nodes are heard again soon enough).
+    /// Gives back a share [`Top::take_share`] took whose write failed: the next share is this
+    /// one again, under its number, so that peers merge it once whether or not Redis ran the
+    /// write that failed (one that timed out may run later, when a paused Redis resumes).
     pub fn unshared(&self, share: Share) {
         let Ok(mut inner) = self.inner.lock() else { return };
-        for (unix, section) in &share.seconds {
-            queue(&mut inner.outbox, *unix, section);
-        }
+        inner.pending = Some(share);
     }
 
     /// Merges a peer's share read from the stream (this process's own are skipped: they are
@@ -492,6 +515,17 @@ impl Top {
         }
         let Ok(mut inner) = self.inner.lock() else { return };
         let inner = &mut *inner;
+        // A process writes its shares in order, each again until Redis takes it: one whose
+        // number is not past the latest merged is a copy.
+        if share.seq > 0 {
+            if inner.merged.get(&share.process).is_some_and(|last| share.seq <= *last) {
+                return;
+            }
+            if inner.merged.len() >= MAX_PEERS && !inner.merged.contains_key(&share.process) {
+                inner.merged.clear();
+            }
+            inner.merged.insert(share.process, share.seq);
+        }
         for (sec, section) in &share.seconds {
             inner.windows.add(*sec, section, &[]);
         }
@@ -662,6 +696,28 @@ mod tests {
     }
 
     #[test]
+    fn a_share_whose_write_failed_is_written_again_as_it_was_and_merged_once() {
+        let (a, b) = (Top::default(), Top::default());
+        let now = Instant::now();
+        let t = 1_800_000_000;
+        a.heard_at(t, now, 1, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 10)], 1)));
+        let first = a.take_share_at(t, now).unwrap();
+        let copy = Share::decode(&first.encode()).unwrap();
+        // The write timed out (Redis paused), and Redis ran it when it resumed: peers read it.
+        a.unshared(first);
+        b.merge_share_at(&copy, t, now);
+        // More is heard meanwhile; the next share is the failed one again, as it was.
+        a.heard_at(t + 1, now, 1, 2, true, Duration::ZERO, Some(&section("r", &[("user=a", 4)], 1)));
+        let again = a.take_share_at(t + 1, now).unwrap();
+        assert_eq!(again, copy);
+        b.merge_share_at(&again, t + 1, now);
+        let next = a.take_share_at(t + 2, now).unwrap();
+        assert_eq!(next.seq, copy.seq + 1);
+        b.merge_share_at(&next, t + 2, now);
+        assert_eq!(b.top_at(t + 2, None, Window::Minute)["rules"][0]["denied"], 14, "10 and 4, each once");
+    }
+
+    #[test]
     fn a_peers_share_adds_its_nodes_and_counts_and_a_processs_own_is_not_merged_again() {
         let (a, b) = (Top::default(), Top::default());
         let now = Instant::now();
@@ -676,8 +732,12 @@ mod tests {
         assert_eq!(v["rules"][0]["top"][0], json!({"key": "user=a", "denied": 15, "allowed": 2, "nodes": 2}));
         assert_eq!(b.fleet().len(), 2);
         // A node both processes hear is listed once.
-        let again =
-            Share { process: a.process(), seconds: Vec::new(), nodes: vec![(2, t * 1000, 3.0, Duration::ZERO, false)] };
+        let again = Share {
+            process: a.process(),
+            seq: 2,
+            seconds: Vec::new(),
+            nodes: vec![(2, t * 1000, 3.0, Duration::ZERO, false)],
+        };
         b.merge_share_at(&again, t, now);
         assert_eq!(b.fleet().len(), 2);
     }
