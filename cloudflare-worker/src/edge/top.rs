@@ -159,8 +159,12 @@ impl IsolateTop {
             let Some(p) = self.rules.get_mut(rule) else { continue };
             let check = checks.iter().find(|c| c.rule == rule);
             let denied = match tally {
+                // A request another rule rejected was admitted by none: its units were given
+                // back (as the filter's sections count only the units it reports).
+                Tally::Allowed if outcome.rejected => continue,
                 Tally::Allowed => {
-                    p.allowed = p.allowed.saturating_add(1);
+                    let units = check.map_or(1, |c| c.cost);
+                    p.allowed = p.allowed.saturating_add(units);
                     if let Some(c) = check {
                         // Admitted units of a key already listed (side information); of one
                         // not listed yet, kept until it is.
@@ -178,7 +182,7 @@ impl IsolateTop {
                         }
                     }
                     if let Some(s) = p.second(sec) {
-                        s.1 = s.1.saturating_add(1);
+                        s.1 = s.1.saturating_add(units);
                     }
                     false
                 }
@@ -415,13 +419,23 @@ impl Aggregate {
     /// Per rule (or only `rule`), its counts and top denied keys over the window: the JSON of
     /// ratewall-store's `GET /v1/top`.
     pub fn top(&self, unix: u64, rule: Option<&str>, window: Window) -> Value {
-        self.windows.top(unix, rule, window)
+        self.noting_full(self.windows.top(unix, rule, window))
     }
 
     /// Per rule (or only `rule`), per-second counts over the last 15 minutes, oldest first:
     /// the JSON of ratewall-store's `GET /v1/series`.
     pub fn series(&self, unix: u64, rule: Option<&str>) -> Value {
-        self.windows.series(unix, rule)
+        self.noting_full(self.windows.series(unix, rule))
+    }
+
+    /// `answer`, marked (`"full": true`) when the object tracks as many rules as it may, so
+    /// that [`in_document_order`] does not list a rule it has not heard of as one that
+    /// counted nothing.
+    fn noting_full(&self, mut answer: Value) -> Value {
+        if let (true, Some(obj)) = (self.windows.full(), answer.as_object_mut()) {
+            obj.insert("full".into(), Value::Bool(true));
+        }
+        answer
     }
 }
 
@@ -430,8 +444,11 @@ impl Aggregate {
 /// filter fleet's that syncs here, or a rule renamed within the window. A rule of the
 /// document the object has not heard of is listed with nothing counted: with `zeros`, as a
 /// `top` answer lists it; else as a `series` answer does, each second 0 (as the store's
-/// `/v1/series` lists an idle rule, so the dashboard draws it rather than "no data").
+/// `/v1/series` lists an idle rule, so the dashboard draws it rather than "no data") — unless
+/// the object tracks as many rules as it may ([`MAX_RULES`]): then it may have counted such a
+/// rule's traffic nowhere, and the rule is left out (not shown as counting nothing).
 pub fn in_document_order(config: Option<&Config>, rule: Option<&str>, mut answer: Value, zeros: bool) -> Value {
+    let full = answer.as_object_mut().and_then(|o| o.remove("full")).is_some_and(|f| f == Value::Bool(true));
     let Some(config) = config else { return answer };
     let mut heard: Vec<Value> = match answer.get_mut("rules").map(Value::take) {
         Some(Value::Array(a)) => a,
@@ -442,6 +459,7 @@ pub fn in_document_order(config: Option<&Config>, rule: Option<&str>, mut answer
     for r in config.rules.iter().filter(|r| rule.is_none_or(|n| n == r.name)) {
         match heard.iter().position(|h| h.get("rule").and_then(Value::as_str) == Some(r.name.as_str())) {
             Some(i) => rules.push(heard.remove(i)),
+            None if full => {}
             None if zeros => {
                 rules.push(json!({"rule": r.name, "allowed": 0, "denied": 0, "shadow_denied": 0, "top": []}));
             }

@@ -117,6 +117,11 @@ impl Windows {
         Windows { rules: Vec::new(), max_rules, kept, now: 0 }
     }
 
+    /// Whether as many rules are tracked as may be: a rule first heard now may not be.
+    pub fn full(&self) -> bool {
+        self.rules.len() >= self.max_rules
+    }
+
     /// Whether a rule was heard of within the hour before `unix`: the windows still show
     /// something.
     pub fn holds(&self, unix: u64) -> bool {
