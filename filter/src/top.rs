@@ -360,7 +360,15 @@ impl Top {
                 // back: it ends now.)
                 let rolled =
                     now.saturating_sub(s.minute_start) >= LOG_EVERY || s.minute_start > now.saturating_add(LOG_EVERY);
-                if rolled {
+                // A minute that ended a while ago (ticks, every second, roll a minute over as it
+                // ends) was left by a rule no tick saw since (taken out of the rules, and pushed
+                // again now): its denials are not the last minute's, nor are its counts still to
+                // report, so they are dropped unsaid.
+                let stale = rolled && now.saturating_sub(s.minute_start) >= LOG_EVERY + LOG_EVERY / 4;
+                if stale {
+                    s = Shared { name: rule.name.clone(), minute_start: now, ..Shared::default() };
+                }
+                if rolled && !stale {
                     if !self.synced && !s.minute.is_empty() {
                         line = Some(log_line(config, &rule.name, &s.minute));
                     }

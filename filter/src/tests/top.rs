@@ -68,6 +68,33 @@ fn a_proxy_without_a_store_logs_each_rules_top_denied_keys_once_a_minute() {
     assert_eq!(after, 2);
 }
 
+/// A rule taken out of the rules and pushed again later does not log its old denials as the
+/// last minute's: what it left in shared data is dropped, and it counts afresh.
+#[test]
+fn a_rule_pushed_again_after_a_while_logs_only_its_new_denials() {
+    let a = FakeHost::new();
+    let e = engine(&a, &rules(""));
+    statuses(&e, &a, "GET", "/", &[("x-api-key", "old")], 5);
+    e.on_tick(&a);
+    let without =
+        rules("").replace(r#"{"name": "api-key", "key": ["api_key"], "limit": {"requests": 2, "per": "60s"}},"#, "");
+    assert_ne!(without, rules(""));
+    let pushed = Engine::configure(&a, without.as_bytes(), Some(&e)).unwrap();
+    for _ in 0..85 {
+        a.advance(1_000 * MS);
+        pushed.on_tick(&a);
+    }
+    let back = Engine::configure(&a, rules("").as_bytes(), Some(&pushed)).unwrap();
+    back.on_tick(&a);
+    statuses(&back, &a, "GET", "/", &[("x-api-key", "new")], 4);
+    back.on_tick(&a);
+    a.advance(61_000 * MS);
+    back.on_tick(&a);
+    let lines: Vec<String> =
+        a.logs.borrow().iter().map(|(_, l)| l.clone()).filter(|l| l.contains("top denied [api-key]")).collect();
+    assert_eq!(lines, [format!("ratewall: top denied [api-key] {} 2", shown(&back, "new"))]);
+}
+
 /// Two VMs of one proxy with a `sync` section, and the store they sync to.
 fn two_vms_syncing() -> (FakeHost, FakeHost, Engine, Engine, Store) {
     let sync = r#", "sync": {"cluster": "store", "secret": "0123456789abcdef", "interval": "100ms"}"#;
