@@ -944,7 +944,13 @@ impl Syncer {
             if let Some(m) = self.metrics.dropped {
                 host.increment(m, units);
             }
-            host.log(Level::Warn, "ratewall: a sync batch failed for 25 s and was dropped (its units are not counted)");
+            // A batch of renewals and heartbeats only loses nothing: not worth a warning.
+            if units > 0 {
+                host.log(
+                    Level::Warn,
+                    &format!("ratewall: a sync batch failed for 25 s and was dropped ({units} admitted units not counted)"),
+                );
+            }
         }
         let batch = match s.retry.take() {
             Some(b) => b,
