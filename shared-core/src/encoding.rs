@@ -174,7 +174,7 @@ impl<'a> Reader<'a> {
                 return Ok(v);
             }
         }
-        Err(DecodeError::BadLog)
+        Err(DecodeError::Invalid("varint (over 10 bytes)"))
     }
 }
 
