@@ -194,6 +194,35 @@ pub struct Engine {
     successor: OnceCell<Rc<Engine>>,
     /// When the next periodic tick is due ([`Engine::tick_due`]).
     next_tick: Cell<Nanos>,
+    /// Shadow rules' "would reject" lines: the second (Unix) and how many were logged in it,
+    /// and how many were not ([`SHADOW_LINES_PER_SECOND`]).
+    shadow_lines: Cell<(u64, u32, u64)>,
+}
+
+/// Most "would reject" lines a VM logs a second: past them a shadow rule's denials are
+/// counted (its metric, its top keys) but not each logged, and the next line says how many
+/// were not, so that a shadow rule on busy traffic does not flood the proxy's log.
+pub const SHADOW_LINES_PER_SECOND: u32 = 10;
+
+impl Engine {
+    /// Logs that the shadow rule `rule` would reject `method path`, as the first
+    /// [`SHADOW_LINES_PER_SECOND`] of a second; past them counts the line as not logged.
+    fn shadow_line(&self, host: &dyn Host, rule: &str, method: &str, path: &str) {
+        let second = host.now() / ratewall_core::SECOND;
+        let (mut at, mut logged, mut held) = self.shadow_lines.get();
+        if second != at {
+            (at, logged) = (second, 0);
+        }
+        if logged >= SHADOW_LINES_PER_SECOND {
+            self.shadow_lines.set((at, logged, held.saturating_add(1)));
+            return;
+        }
+        let more =
+            if held > 0 { format!(" ({held} more such lines not logged before this one)") } else { String::new() };
+        host.log(Level::Info, &format!("ratewall: shadow rule \"{rule}\" would reject {method} {path}{more}"));
+        held = 0;
+        self.shadow_lines.set((at, logged + 1, held));
+    }
 }
 
 /// The local limit while the global store is unreachable: `limit` scaled by this node's share
@@ -317,6 +346,7 @@ impl Engine {
             retired: Cell::new(false),
             successor: OnceCell::new(),
             next_tick: Cell::new(0),
+            shadow_lines: Cell::new((0, 0, 0)),
         };
         if proven {
             engine.shared.set(Some(true));
@@ -910,10 +940,7 @@ impl Engine {
                     bump(m.shadow_rejected, 1);
                     self.top.denied_by(rule, &checks, true);
                     if let Some(rule) = self.config.rules.get(rule) {
-                        host.log(
-                            Level::Info,
-                            &format!("ratewall: shadow rule \"{}\" would reject {method} {path}", rule.name),
-                        );
+                        self.shadow_line(host, &rule.name, method, path);
                     }
                 }
             }

@@ -77,6 +77,16 @@ fn a_shadow_rule_never_rejects_but_counts_and_logs_what_it_would_have_rejected()
     assert_eq!(statuses(&e, &h, "GET", "/s/x", &[("x-user-id", "sam")], 3), [200; 3]);
     assert_eq!(h.metric("ratewall_rule_watch_shadow_rejected"), 2);
     assert!(h.logged("shadow rule \"watch\" would reject GET /s/x"));
+    // On busy traffic, at most 10 such lines a second; the next says how many were not logged.
+    let lines = |h: &FakeHost| h.logs.borrow().iter().filter(|(_, l)| l.contains("would reject")).count();
+    h.advance(1_000 * MS);
+    let before = lines(&h);
+    statuses(&e, &h, "GET", "/s/x", &[("x-user-id", "sam")], 30);
+    assert_eq!(h.metric("ratewall_rule_watch_shadow_rejected"), 32, "every one counted");
+    assert_eq!(lines(&h) - before, crate::engine::SHADOW_LINES_PER_SECOND as usize);
+    h.advance(1_000 * MS);
+    statuses(&e, &h, "GET", "/s/x", &[("x-user-id", "sam")], 1);
+    assert!(h.logged("would reject GET /s/x (20 more such lines not logged before this one)"));
 }
 
 #[test]
