@@ -297,6 +297,7 @@ impl Reader<'_> {
 
     /// Reads one line into `batch`; `Err`: why it is not a request.
     fn line(&self, format: &LogFormat, text: &[u8], whole: bool, batch: &mut Batch) -> Result<(), String> {
+        let text = unmarked(text);
         if !whole {
             return Err(format!("longer than {} MiB, skipped", MAX_LINE >> 20));
         }
@@ -605,6 +606,11 @@ fn key_chunks(
     }
 }
 
+/// A line without the UTF-8 byte order mark some tools write before a file's first line.
+fn unmarked(line: &[u8]) -> &[u8] {
+    line.strip_prefix(b"\xef\xbb\xbf").unwrap_or(line)
+}
+
 /// The format `auto` picks: the candidate that reads the most of the first lines (the earlier
 /// on a tie); with none reading any, the one the first line's look suggests, so its errors are
 /// in the right terms.
@@ -642,8 +648,11 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
     let name = o.log.display().to_string();
     let mut input = BufReader::with_capacity(1 << 20, input);
     let first = sniff(&mut input, &name)?;
-    let sample: Vec<&[u8]> =
-        first.lines.iter().map(|&(a, b, _)| first.text.get(a as usize..b as usize).unwrap_or_default()).collect();
+    let sample: Vec<&[u8]> = first
+        .lines
+        .iter()
+        .map(|&(a, b, _)| unmarked(first.text.get(a as usize..b as usize).unwrap_or_default()))
+        .collect();
     let format = pick(candidates, &wanted, &sample).ok_or_else(|| Failure::Usage("no log format".to_owned()))?;
     let reader = Reader { config: &config, wanted };
     let mut counts: Vec<Counts> = config.rules.iter().map(|_| Counts::default()).collect();

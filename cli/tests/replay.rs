@@ -112,6 +112,11 @@ fn nginx_combined_and_envoy_logs_of_the_same_traffic_count_as_the_json_lines_log
     }
     let auto = replay_json(&[&rules, &temp("auto.jsonl", &jsonl)]);
     assert_eq!(auto["format"], "jsonl");
+    // A log some tool wrote with a byte order mark first reads the same, its first line too.
+    for (name, log) in [("bom.jsonl", &jsonl), ("bom.nginx", &std::fs::read_to_string(&nginx).unwrap())] {
+        let got = replay_json(&[&rules, &temp(name, &format!("\u{feff}{log}"))]);
+        assert_eq!((got["requests"].clone(), per_rule(&got)), (want["requests"].clone(), per_rule(&want)), "{name}");
+    }
 }
 
 #[test]

@@ -165,11 +165,16 @@ pub struct Error {
     pub line: usize,
     /// Column.
     pub column: usize,
+    /// The key named twice, for a duplicate key.
+    pub key: Option<String>,
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} at line {} column {}", self.reason, self.line, self.column)
+        match &self.key {
+            Some(k) => write!(f, "{} {k:?} at line {} column {}", self.reason, self.line, self.column),
+            None => write!(f, "{} at line {} column {}", self.reason, self.line, self.column),
+        }
     }
 }
 
@@ -200,7 +205,11 @@ impl Parser<'_> {
         let before = self.s.get(..self.i).unwrap_or(self.s);
         let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
         let column = before.iter().rev().take_while(|&&b| b != b'\n').count() + 1;
-        Error { reason, line, column }
+        Error { reason, line, column, key: None }
+    }
+
+    fn duplicate(&self, key: &str) -> Error {
+        Error { key: Some(key.into()), ..self.error("duplicate key") }
     }
 
     fn peek(&self) -> Option<u8> {
@@ -285,7 +294,7 @@ impl Parser<'_> {
             // checked once, through a hash table, when it ends (a scan per member made a
             // 10,000-key object quadratic).
             if members.len() < SCAN_MEMBERS && members.iter().any(|(k, _)| *k == key) {
-                return Err(self.error("duplicate key"));
+                return Err(self.duplicate(&key));
             }
             let v = self.value(depth)?;
             members.push((key, v));
@@ -295,8 +304,8 @@ impl Parser<'_> {
                 Some(b'}') => {
                     if members.len() > SCAN_MEMBERS {
                         let names: Vec<&str> = members.iter().map(|(k, _)| k.as_str()).collect();
-                        if first_repeat(&names).is_some() {
-                            return Err(self.error("duplicate key"));
+                        if let Some(i) = first_repeat(&names) {
+                            return Err(self.duplicate(names.get(i).copied().unwrap_or_default()));
                         }
                     }
                     self.i += 1;

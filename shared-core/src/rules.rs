@@ -440,8 +440,12 @@ impl Config {
         if json.len() > MAX_DOCUMENT {
             return too_many("", json.len(), "bytes", MAX_DOCUMENT);
         }
+        // A UTF-8 byte order mark, as some editors write first, is no part of the document.
+        let json = json.strip_prefix(b"\xef\xbb\xbf").unwrap_or(json);
         let value = match crate::json::parse(json) {
             Ok(v) => v,
+            // Valid JSON, but a document that means two things to two readers.
+            Err(e) if e.key.is_some() => return err("", format!("{e} (a key may appear once in an object)")),
             Err(e) => return err("", format!("not valid JSON: {e}")),
         };
         Config::from_value(&value)
@@ -1103,7 +1107,10 @@ mod tests {
         let slots = r#"{"rules":[],"filter":{"slots":16777216}}"#;
         assert!(error_of(slots).starts_with("filter.slots"), "{}", error_of(slots));
         let twice = r#"{"rules":[],"rules":[]}"#;
-        assert!(error_of(twice).contains("duplicate key"), "{}", error_of(twice));
+        assert!(error_of(twice).contains("duplicate key \"rules\" at line 1"), "{}", error_of(twice));
+        assert!(!error_of(twice).contains("not valid JSON"), "{}", error_of(twice));
+        // A byte order mark before the document is no part of it.
+        assert!(Config::parse(b"\xef\xbb\xbf{\"rules\":[]}").is_ok());
     }
 
     #[test]
