@@ -948,7 +948,9 @@ impl Syncer {
             if units > 0 {
                 host.log(
                     Level::Warn,
-                    &format!("ratewall: a sync batch failed for 25 s and was dropped ({units} admitted units not counted)"),
+                    &format!(
+                        "ratewall: a sync batch failed for 25 s and was dropped ({units} admitted units not counted)"
+                    ),
                 );
             }
         }
