@@ -846,6 +846,43 @@ fn a_client_that_waits_an_exact_sliding_windows_retry_after_is_admitted() {
 /// decides it on the node's local share (a fresh client is not told it is over its limit), a
 /// `closed` one rejects it with 503; and while the VM backs off, its requests are decided so
 /// at once, without a call.
+/// An exact sliding window of 5 a minute spent on one node: the request on another node asks,
+/// is refused, and says the wait until a unit is free at the store (it said 1 s, and a client
+/// that waited it was refused again); a client that waits it is admitted there.
+#[test]
+fn an_ask_refused_for_a_spent_sliding_window_says_the_wait_until_a_unit_is_free() {
+    let (hosts, engines) = fleet(2, &rules(5, 2));
+    let mut s = store();
+    let tick = |s: &mut Store| {
+        for (h, e) in hosts.iter().zip(&engines) {
+            h.advance(100 * MS);
+            e.on_tick(h);
+            serve(s, e, h);
+        }
+    };
+    for i in 0..5 {
+        assert!(exact_request(&engines[0], &hosts[0], &mut s).0, "request {i}");
+        tick(&mut s);
+    }
+    let (b, hb) = (&engines[1], &hosts[1]);
+    hb.request("GET", EXACT, &[("x-user-id", "ann")]);
+    let Verdict::Ask(asking) = b.on_request(hb) else { panic!("the other node asks") };
+    let calls = hb.take_calls();
+    let (status, tag, body) = answer(&mut s, hb.now(), SECRET, &calls[0]);
+    let r = b.on_ask_response(hb, asking, status, tag.as_deref(), &body).into_reply();
+    assert_eq!(r.status, 429);
+    let wait: u64 = super::engine::header(&r, "retry-after").unwrap().parse().unwrap();
+    assert!(wait > 10, "a unit comes back at the store only tens of seconds on: {wait}");
+    let until = hb.now() + wait * ratewall_core::SECOND;
+    while hb.now() + 200 * MS <= until {
+        tick(&mut s);
+    }
+    for h in &hosts {
+        h.advance(until - hb.now());
+    }
+    assert_eq!(exact_request(b, hb, &mut s).0, true, "admitted after waiting {wait} s");
+}
+
 #[test]
 fn a_failed_ask_decides_the_request_as_the_rules_store_failure_policy_says() {
     for (path, status) in [(EXACT, 200), ("/cl/x", 503)] {
