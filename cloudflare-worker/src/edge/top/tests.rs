@@ -159,7 +159,6 @@ fn memory_stays_bounded_whatever_the_rules_and_the_seconds() {
     let names = |agg: &Aggregate, zeros: bool| -> Vec<String> {
         let v = if zeros { agg.top(1_800_000_000, None, Window::Hour) } else { agg.series(1_800_000_000, None) };
         let v = in_document_order(Some(&c), None, v, zeros);
-        assert!(v.get("full").is_none(), "the mark is the object's own");
         v["rules"].as_array().unwrap().iter().map(|r| r["rule"].as_str().unwrap().to_owned()).collect()
     };
     for zeros in [true, false] {
