@@ -476,6 +476,11 @@ async fn answer(
         return take_answer(call_object(env, &c.key, Call::Take { limit: c.limit, cost: c.cost }, timeout).await);
     }
     let local = with(|i| i.grants.check(&c.key, c.limit, c.cost, t));
+    if let Local::Full(_) = local {
+        // The isolate holds as many counters as it may, each owing its object units: this
+        // one is decided by its object, as an exact rule's, rather than let one of them go.
+        return take_answer(call_object(env, &c.key, Call::Take { limit: c.limit, cost: c.cost }, timeout).await);
+    }
     schedule_report(env, ctx, &c.key, timeout);
     Ok(match local {
         Local::Short(d) => Answer::Short(d),

@@ -13,7 +13,7 @@
 //! (repaid by an answer that grants it anything, or by any answer while it is the counter's
 //! only node).
 
-use super::{make_room, Call};
+use super::Call;
 use ratewall_core::algo::{Algorithm, Decision, Limit, Nanos, State};
 use ratewall_core::eval::StoreError;
 use ratewall_core::sync::{hex, unhex, window_of, MAX_LEASE, OVERDRAFT_PART, RETRY_HORIZON};
@@ -177,13 +177,22 @@ pub enum Local {
     /// last report, so no grant is coming — a store failure (the rule's `on_store_failure`
     /// decides: an `open` rule's local limit, a `closed` rule's 503), not a 429.
     Unreachable(Decision),
+    /// Not decided: the isolate holds as many counters as it may, each with units not yet
+    /// reported (a flood of new keys), so this one is not held; the object decides it, as an
+    /// exact rule's (the decision given is the limit's for a fresh counter, unused).
+    Full(Decision),
 }
 
 impl Local {
     /// The decision.
     pub fn decision(&self) -> Decision {
         match self {
-            Local::Admitted(d) | Local::Overdraft(d) | Local::Denied(d) | Local::Short(d) | Local::Unreachable(d) => *d,
+            Local::Admitted(d)
+            | Local::Overdraft(d)
+            | Local::Denied(d)
+            | Local::Short(d)
+            | Local::Unreachable(d)
+            | Local::Full(d) => *d,
         }
     }
 }
@@ -305,12 +314,7 @@ impl Held {
         }
     }
 
-    /// Units admitted here that the object's last answer does not count.
-    fn unreported(&self) -> u64 {
-        self.pending.saturating_add(self.report.map_or(0, |r| r.units))
-    }
-
-    /// Of [`Held::unreported`], the units that still count at `now`: a fixed window's
+    /// Of the units admitted here that the object's last answer does not count, the units that still count at `now`: a fixed window's
     /// admitted in an earlier window count in none (see [`Held::drop_ended`]).
     fn unreported_at(&self, now: Nanos) -> u64 {
         let current = |t: Nanos| window_of(&self.limit, t) == window_of(&self.limit, now);
@@ -398,7 +402,12 @@ impl Held {
     }
 
     fn live(&self, now: Nanos) -> bool {
-        self.until > now || self.pending > 0 || self.report.is_some() || !self.refunds.is_empty()
+        self.until > now || self.owes()
+    }
+
+    /// Whether it owes the object anything: units to report, a report in flight, refunds.
+    fn owes(&self) -> bool {
+        self.pending > 0 || self.report.is_some() || !self.refunds.is_empty()
     }
 
     /// The copy of the counter, or a fresh counter's state before any answer.
@@ -509,12 +518,20 @@ impl Grants {
         super::object_name(key, self.shards)
     }
 
-    fn entry(&mut self, key: &[u8], limit: Limit, now: Nanos) -> &mut Held {
+    /// `key`'s counter, held from now if it was not: `None` when the isolate holds as many as
+    /// it may and each owes the object something (units to report, a report in flight,
+    /// refunds). Counters that owe nothing make room first, those merely holding a grant too
+    /// (the object keeps it for its lease: it is not spent, only not free meanwhile); one that
+    /// owes is never let go, so no admitted unit goes unreported.
+    fn entry(&mut self, key: &[u8], limit: Limit, now: Nanos) -> Option<&mut Held> {
         if self.held.len() >= self.cap && !self.held.contains_key(key) {
-            let before: u64 = self.held.values().map(Held::unreported).sum();
-            make_room(&mut self.held, key, self.cap, |h| h.live(now));
-            let after: u64 = self.held.values().map(Held::unreported).sum();
-            self.dropped = self.dropped.saturating_add(before.saturating_sub(after));
+            self.held.retain(|_, h| h.live(now));
+            if self.held.len() >= self.cap {
+                self.held.retain(|_, h| h.owes());
+            }
+            if self.held.len() >= self.cap {
+                return None;
+            }
         }
         let h = self.held.entry(key.to_vec()).or_insert_with(|| Held::new(limit));
         if h.limit != limit {
@@ -525,7 +542,7 @@ impl Grants {
             h.left = 0;
             h.until = 0;
         }
-        h
+        Some(h)
     }
 
     /// Decides a check of `cost` units on `key` at once: from the grant; past it, on the units
@@ -534,7 +551,9 @@ impl Grants {
     /// free, else its overdraft); else denied. Past the grant, the counter's report goes at
     /// once (see [`Grants::schedule`]).
     pub fn check(&mut self, key: &[u8], limit: Limit, cost: u64, now: Nanos) -> Local {
-        let h = self.entry(key, limit, now);
+        let Some(h) = self.entry(key, limit, now) else {
+            return Local::Full(limit.decide(&State::default(), now, 0).0);
+        };
         if h.last_check > 0 {
             h.gap = (h.gap.saturating_mul(3).saturating_add(now.saturating_sub(h.last_check))) / 4;
         }
@@ -1682,10 +1701,15 @@ mod tests {
     #[test]
     fn grants_held_are_bounded_and_a_rules_change_spends_no_old_grant() {
         let mut g = Grants::new(1, 10);
+        let mut full = 0;
         for i in 0..1000u32 {
-            let _ = g.check(&i.to_le_bytes(), sliding(10), 1, T);
+            full += usize::from(matches!(g.check(&i.to_le_bytes(), sliding(10), 1, T), Local::Full(_)));
         }
         assert!(g.len() <= 10);
+        // Each of the ten held admitted a unit it has not reported: none is let go (its unit
+        // would go uncounted); the counters past them are decided by their objects.
+        assert_eq!((full, g.dropped), (990, 0));
+        assert!((0..10u32).all(|i| g.held.contains_key(&i.to_le_bytes()[..])));
         let mut p = Pair::new(sliding(100));
         p.request(T);
         p.run(T + MS);
