@@ -1066,15 +1066,21 @@ impl Syncer {
         // further than that) stops this VM asking for 1 s, doubling while they keep failing
         // (at most 32 s): requests are decided at once rather than wait for nothing, and the
         // store is not left holding units for answers nobody reads.
-        let (failures, _) = self.ask_backoff.get();
+        let (failures, until) = self.ask_backoff.get();
         if status == REFUSED_FOR_TIME {
             self.refused_for_time(host, body);
         }
         // An ask refused for its time would be refused again: it backs off as one that failed.
         if status == 0 || status == REFUSED_FOR_TIME {
-            let failures = failures.saturating_add(1);
-            let backoff = (1_000 * MS).saturating_mul(1 << (failures - 1).min(5));
-            self.ask_backoff.set((failures, host.now().saturating_add(backoff)));
+            // Asks that were on their way together fail together (a store that stalls a
+            // moment times out every ask in flight): one that was sent before the backoff in
+            // force began is the same failure, not one more. Counted one by one, 12 asks
+            // failing in one stall of 1 s kept a worker from asking for 30 s after it.
+            let began = until.saturating_sub(self.ask_backoff_len(failures));
+            if failures == 0 || asked_at >= began {
+                let failures = failures.saturating_add(1);
+                self.ask_backoff.set((failures, host.now().saturating_add(self.ask_backoff_len(failures))));
+            }
         } else {
             self.ask_backoff.set((0, 0));
         }
@@ -1217,6 +1223,12 @@ impl Syncer {
         resp.grants = kept.1;
         resp.grants.extend(extra);
         (batch, resp)
+    }
+
+    /// How long a VM whose asks failed `failures` times in a row does not ask: 1 s, doubling
+    /// up to 32 s.
+    fn ask_backoff_len(&self, failures: u32) -> Nanos {
+        (1_000 * MS).saturating_mul(1 << failures.saturating_sub(1).min(5))
     }
 
     /// The longest valid answer to call `token` (0 when it is not the batch in flight): a

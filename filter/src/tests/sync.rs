@@ -915,6 +915,54 @@ fn a_failed_ask_decides_the_request_as_the_rules_store_failure_policy_says() {
     }
 }
 
+/// Asks on their way together fail together when the store stalls: they are one failure
+/// (the VM stops asking for 1 s), not one each (12 in one stall of 1 s had kept a worker from
+/// asking for 30 s); an ask sent after the backoff still doubles it.
+#[test]
+fn asks_that_fail_together_back_off_as_one_failure() {
+    let h = FakeHost::new();
+    let (e, mut s) = spent_grant(&h);
+    // Time passes with the batches answered: the view stays fresh.
+    let pass = |s: &mut Store, ms: u64| {
+        for _ in 0..ms / 100 {
+            h.advance(100 * MS);
+            e.on_tick(&h);
+            serve(s, &e, &h);
+        }
+    };
+    let mut paused = vec![burst_until_ask(&e, &h).expect("the node asked")];
+    for _ in 0..5 {
+        h.request("GET", EXACT, &[("x-user-id", "ann")]);
+        if let Verdict::Ask(a) = e.on_request(&h) {
+            paused.push(a);
+        }
+    }
+    assert_eq!(paused.len(), 6, "six asks in flight");
+    let _ = h.take_calls();
+    h.advance(50 * MS);
+    for a in paused {
+        let _ = e.on_ask_response(&h, a, 0, None, &[]);
+    }
+    // Whether 20 requests make no ask.
+    let quiet = || {
+        let asks = h.metric("ratewall_sync_asks");
+        for _ in 0..20 {
+            h.request("GET", EXACT, &[("x-user-id", "ann")]);
+            let _ = e.on_request(&h);
+        }
+        h.metric("ratewall_sync_asks") == asks
+    };
+    assert!(quiet(), "backing off");
+    pass(&mut s, 1_000);
+    let asking = burst_until_ask(&e, &h).expect("asks again after 1 s, not 32");
+    let _ = h.take_calls();
+    let _ = e.on_ask_response(&h, asking, 0, None, &[]);
+    pass(&mut s, 1_500);
+    assert!(quiet(), "a failure after the backoff doubles it: 2 s");
+    pass(&mut s, 600);
+    assert!(burst_until_ask(&e, &h).is_some());
+}
+
 #[test]
 fn asks_in_flight_are_bounded_and_an_abandoned_one_frees_its_place() {
     let h = FakeHost::new();
