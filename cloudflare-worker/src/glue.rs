@@ -49,6 +49,8 @@ struct Isolate {
     /// `COUNTER_SHARDS`, once read.
     shards: Option<u32>,
     kv_next: Nanos,
+    /// Whether this isolate has read the rules in KV once (later reads go in the background).
+    kv_read: bool,
     /// The rules in force came from KV (its `rules` key, or [`LAST_GOOD_KEY`]).
     kv_in_force: bool,
     /// What this isolate made sure [`LAST_GOOD_KEY`] holds (`Some(None)`: nothing).
@@ -81,6 +83,7 @@ thread_local! {
             var_rejected: false,
             shards: None,
             kv_next: 0,
+            kv_read: false,
             kv_in_force: false,
             last_good: None,
             cache: BlockedCache::new(10_000),
@@ -127,7 +130,9 @@ fn load_rules(doc: &str, origin: &str) {
 /// propagation (up to 60 s across Cloudflare's edge; immediate locally). With a namespace
 /// bound, the rules that load are kept in it ([`LAST_GOOD_KEY`]), and an isolate whose own
 /// document is bad (the `rules` key's, or the var's while that key is unset) takes them.
-async fn rules(env: &Env) -> Option<Rc<Config>> {
+/// An isolate's first read is waited for (the rules in KV may not be the var's); later ones,
+/// while rules are in force, run in the background (`ctx`): no request waits for them.
+async fn rules(env: &Env, ctx: &Context) -> Option<Rc<Config>> {
     let t = now();
     let (load_var, read_kv) = with(|i| {
         let read_kv = t >= i.kv_next;
@@ -155,49 +160,62 @@ async fn rules(env: &Env) -> Option<Rc<Config>> {
         }
     }
     if read_kv {
-        if let Ok(kv) = env.kv("RATEWALL_KV") {
-            // Read on a request's path, so with a deadline: a KV read that hangs must not hold
-            // the request (the rules in force stay, and the next refresh reads again).
-            match within(object_timeout(env), kv.get("rules").text()).await {
-                Some(Ok(Some(doc))) => {
-                    load_rules(&doc, "KV RATEWALL_KV/rules");
-                    if with(|i| i.rules.in_force(&doc)) {
-                        with(|i| i.kv_in_force = true);
-                        keep_last_good(env, &kv, Some(doc)).await;
-                    } else if !with(|i| i.kv_in_force) {
-                        // A bad document, and this isolate never had KV's rules in force (it
-                        // started since): the last rules that loaded, if any.
-                        take_last_good(env, &kv, "KV RATEWALL_KV/rules was rejected").await;
-                    }
-                }
-                // No `rules` key (or it was removed): the deploy-time var is in force, and a
-                // good one is the deployment's last good rules. A bad one leaves the rules in
-                // force, or, in an isolate that has none, the last good ones.
-                Some(Ok(None)) => {
-                    with(|i| i.kv_in_force = false);
-                    match &from_var {
-                        Some(doc) if !with(|i| i.var_rejected) => {
-                            load_rules(doc, "var RATEWALL_RULES");
-                            if with(|i| i.rules.in_force(doc)) {
-                                keep_last_good(env, &kv, Some(doc.clone())).await;
-                            }
-                        }
-                        Some(_) => {
-                            if with(|i| i.rules.current().is_none()) {
-                                take_last_good(env, &kv, "var RATEWALL_RULES was rejected").await;
-                            }
-                        }
-                        None => keep_last_good(env, &kv, None).await,
-                    }
-                }
-                Some(Err(e)) => {
-                    console_error!("ratewall: reading rules from KV failed ({e}); the rules in force stay")
-                }
-                None => console_error!("ratewall: reading rules from KV took too long; the rules in force stay"),
-            }
+        if with(|i| i.kv_read && i.rules.current().is_some()) {
+            let env = env.clone();
+            ctx.wait_until(async move { refresh_rules(&env, from_var).await });
+        } else {
+            refresh_rules(env, from_var).await;
+            with(|i| i.kv_read = true);
         }
     }
     with(|i| i.rules.current())
+}
+
+/// Reads the rules in KV, if a namespace is bound, and puts them in force (see [`rules`];
+/// `from_var`: the `RATEWALL_RULES` var).
+async fn refresh_rules(env: &Env, from_var: Option<String>) {
+    if let Ok(kv) = env.kv("RATEWALL_KV") {
+        // With a deadline: a KV read that hangs must not hold the request that waits for
+        // it, nor the background task (the rules in force stay, and the next refresh reads
+        // again).
+        match within(object_timeout(env), kv.get("rules").text()).await {
+            Some(Ok(Some(doc))) => {
+                load_rules(&doc, "KV RATEWALL_KV/rules");
+                if with(|i| i.rules.in_force(&doc)) {
+                    with(|i| i.kv_in_force = true);
+                    keep_last_good(env, &kv, Some(doc)).await;
+                } else if !with(|i| i.kv_in_force) {
+                    // A bad document, and this isolate never had KV's rules in force (it
+                    // started since): the last rules that loaded, if any.
+                    take_last_good(env, &kv, "KV RATEWALL_KV/rules was rejected").await;
+                }
+            }
+            // No `rules` key (or it was removed): the deploy-time var is in force, and a
+            // good one is the deployment's last good rules. A bad one leaves the rules in
+            // force, or, in an isolate that has none, the last good ones.
+            Some(Ok(None)) => {
+                with(|i| i.kv_in_force = false);
+                match &from_var {
+                    Some(doc) if !with(|i| i.var_rejected) => {
+                        load_rules(doc, "var RATEWALL_RULES");
+                        if with(|i| i.rules.in_force(doc)) {
+                            keep_last_good(env, &kv, Some(doc.clone())).await;
+                        }
+                    }
+                    Some(_) => {
+                        if with(|i| i.rules.current().is_none()) {
+                            take_last_good(env, &kv, "var RATEWALL_RULES was rejected").await;
+                        }
+                    }
+                    None => keep_last_good(env, &kv, None).await,
+                }
+            }
+            Some(Err(e)) => {
+                console_error!("ratewall: reading rules from KV failed ({e}); the rules in force stay")
+            }
+            None => console_error!("ratewall: reading rules from KV took too long; the rules in force stay"),
+        }
+    }
 }
 
 /// The `RATEWALL_KV` key holding the last rules document that loaded (the `rules` key's, or
@@ -615,7 +633,7 @@ fn json_response(status: u16, body: &str) -> Result<Response> {
 /// `GET /_ratewall/top`, `GET /_ratewall/series` and the page at `GET /_ratewall/`, only for
 /// the admin token (edge::admin): the answers come from the admin object, which this
 /// isolate's own unreported counts reach first, with the rules in document order.
-async fn admin_route(req: Request, env: Env, path: &str) -> Result<Response> {
+async fn admin_route(req: Request, env: Env, ctx: &Context, path: &str) -> Result<Response> {
     let page = path == PAGE_PATH || path == "/_ratewall";
     let url = req.url()?;
     let query = |name: &str| url.query_pairs().find(|(k, _)| k == name).map(|(_, v)| v.into_owned());
@@ -649,7 +667,7 @@ async fn admin_route(req: Request, env: Env, path: &str) -> Result<Response> {
         Ok(w) => w,
         Err(why) => return json_response(400, &serde_json::json!({"error": why}).to_string()),
     };
-    let config = rules(&env).await;
+    let config = rules(&env, ctx).await;
     let report = with(|i| i.top.take(i.node, now()));
     let (call, zeros) = if path == TOP_PATH {
         (TopCall::Top { window, rule: rule.clone(), report: report.clone() }, true)
@@ -675,7 +693,7 @@ async fn admin_route(req: Request, env: Env, path: &str) -> Result<Response> {
 }
 
 async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
-    let Some(config) = rules(&env).await else {
+    let Some(config) = rules(&env, &ctx).await else {
         // Never a good rules document: serve unlimited and say so in the logs (above), and,
         // when one was rejected, in the metrics.
         with(|i| i.metrics.config_rejected += u64::from(i.rules.rejected_without_rules()));
@@ -911,7 +929,7 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
         }));
     }
     if path == TOP_PATH || path == SERIES_PATH || path == PAGE_PATH || path == "/_ratewall" {
-        return admin_route(req, env, &path).await;
+        return admin_route(req, env, &ctx, &path).await;
     }
     if path == SYNC_PATH && req.method() == Method::Post {
         return sync(req, env, ctx).await;
