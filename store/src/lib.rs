@@ -531,7 +531,7 @@ impl<K: Kv> Store<K> {
                 // cannot read would otherwise hold back every counter of the node's batches.
                 Update::Unreadable(_) if !req.ask => {
                     failed.push(u32::try_from(i).unwrap_or(u32::MAX));
-                    grants.push(Grant { key: d.key.clone(), remaining: 0, grant: 0, reset_after: 0, lease: 0 });
+                    grants.push(Grant::unapplied(&d.key));
                 }
                 Update::Unreadable(e) => {
                     return Err(Answer::error(503, format!("a stored counter is unreadable ({e}); it is kept")));

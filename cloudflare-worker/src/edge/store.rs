@@ -117,7 +117,7 @@ pub fn answer(
     for (i, (d, reply)) in batch.deltas.iter().zip(replies).enumerate() {
         if !batch.ask && reply.as_deref() == Some(NOT_APPLIED) {
             failed.push(u32::try_from(i).unwrap_or(u32::MAX));
-            grants.push(Grant { key: d.key.clone(), remaining: 0, grant: 0, reset_after: 0, lease: 0 });
+            grants.push(Grant::unapplied(&d.key));
             continue;
         }
         let Some(a) = reply.as_deref().and_then(decode_applied) else {

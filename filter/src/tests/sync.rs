@@ -1112,8 +1112,7 @@ fn serve_unreadable(store: &mut Store, e: &Engine, h: &FakeHost, unreadable: &[u
         let mut resp = store.handle(h.now(), &req).unwrap();
         if let (Some(i), Some(d)) = (at, taken) {
             refused += d.units;
-            let zero = ratewall_core::sync::Grant { key: d.key, remaining: 0, grant: 0, reset_after: 0, lease: 0 };
-            resp.grants.insert(i, zero);
+            resp.grants.insert(i, ratewall_core::sync::Grant::unapplied(&d.key));
             resp.failed = vec![i as u32];
         }
         let (status, tag, body) = signed(SECRET, &resp);

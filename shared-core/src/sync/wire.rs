@@ -81,6 +81,12 @@ impl Grant {
     pub fn from_applied(key: &[u8], a: &Applied) -> Grant {
         Grant { key: key.to_vec(), remaining: a.remaining, grant: a.grant, reset_after: a.reset_after, lease: a.lease }
     }
+
+    /// The grant answering `key`'s delta when the store could not apply it (listed in
+    /// [`SyncResponse::failed`]): zeros.
+    pub fn unapplied(key: &[u8]) -> Grant {
+        Grant { key: key.to_vec(), remaining: 0, grant: 0, reset_after: 0, lease: 0 }
+    }
 }
 
 /// The store's answer to a batch.
