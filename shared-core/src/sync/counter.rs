@@ -60,6 +60,14 @@ pub(super) struct Share {
 }
 
 impl Share {
+    /// Holds nothing beyond its grant: the units given to its asks, carried, or spent while
+    /// its batch was on its way.
+    fn settle(&mut self) {
+        self.asked = 0;
+        self.carried = 0;
+        self.flight = 0;
+    }
+
     /// A share read back from storage.
     fn decoded(
         [node, seq, units, grant, seen, until, asked, carried]: [u64; 8],
@@ -831,10 +839,8 @@ impl Counter {
     /// its last report, while the isolate the client had moved to denied.
     pub fn release(&mut self, node: u64) {
         if let Some(s) = self.shares.iter_mut().find(|s| s.node == node) {
+            s.settle();
             s.grant = 0;
-            s.asked = 0;
-            s.carried = 0;
-            s.flight = 0;
             s.units = 0;
             s.until = s.until.min(s.seen);
         }
@@ -846,9 +852,7 @@ impl Counter {
     /// Worker's isolates settle this way when a request waits on their report.
     pub fn settle(&mut self, node: u64) {
         if let Some(s) = self.shares.iter_mut().find(|s| s.node == node) {
-            s.asked = 0;
-            s.carried = 0;
-            s.flight = 0;
+            s.settle();
         }
     }
 
