@@ -209,7 +209,7 @@ impl Engine {
     /// [`SHADOW_LINES_PER_SECOND`] of a second; past them counts the line as not logged.
     fn shadow_line(&self, host: &dyn Host, rule: &str, method: &str, path: &str) {
         let second = host.now() / ratewall_core::SECOND;
-        let (mut at, mut logged, mut held) = self.shadow_lines.get();
+        let (mut at, mut logged, held) = self.shadow_lines.get();
         if second != at {
             (at, logged) = (second, 0);
         }
@@ -220,8 +220,7 @@ impl Engine {
         let more =
             if held > 0 { format!(" ({held} more such lines not logged before this one)") } else { String::new() };
         host.log(Level::Info, &format!("ratewall: shadow rule \"{rule}\" would reject {method} {path}{more}"));
-        held = 0;
-        self.shadow_lines.set((at, logged + 1, held));
+        self.shadow_lines.set((at, logged + 1, 0));
     }
 }
 

@@ -370,8 +370,6 @@ impl View {
 /// its shared value, so every VM reads them with it.
 type Named = Vec<(u64, u64)>;
 
-/// A counter's entry in [`Named`], from the grant of an answer made at the store's `now`:
-/// its key's hash, and until when (ms of the store's clock) it is out.
 /// Whether the store's answer `g` leaves a counter of `limit` no room for `need` units until
 /// its `reset_after`: a fixed window's with fewer left (until the window ends), a sliding
 /// window's or log's with none (until one unit is free again, which is what the store answers
@@ -384,8 +382,16 @@ fn spent(limit: &Limit, g: &ratewall_core::sync::Grant, need: u64) -> bool {
     }
 }
 
+/// A counter's entry in [`Named`], from the grant of an answer made at the store's `now`:
+/// its key's hash, and until when (ms of the store's clock) it is out.
 fn out_entry(g: &ratewall_core::sync::Grant, now: Nanos) -> (u64, u64) {
     (ratewall_core::key::fnv1a(&g.key), now.saturating_add(g.reset_after) / MS)
+}
+
+/// How long a VM whose asks failed `failures` times in a row does not ask: 1 s, doubling up
+/// to 32 s.
+fn ask_backoff_len(failures: u32) -> Nanos {
+    (1_000 * MS).saturating_mul(1 << failures.saturating_sub(1).min(5))
 }
 
 fn encode_named(named: &[(u64, u64)], out: &mut Vec<u8>) {
@@ -1076,10 +1082,10 @@ impl Syncer {
             // moment times out every ask in flight): one that was sent before the backoff in
             // force began is the same failure, not one more. Counted one by one, 12 asks
             // failing in one stall of 1 s kept a worker from asking for 30 s after it.
-            let began = until.saturating_sub(self.ask_backoff_len(failures));
+            let began = until.saturating_sub(ask_backoff_len(failures));
             if failures == 0 || asked_at >= began {
                 let failures = failures.saturating_add(1);
-                self.ask_backoff.set((failures, host.now().saturating_add(self.ask_backoff_len(failures))));
+                self.ask_backoff.set((failures, host.now().saturating_add(ask_backoff_len(failures))));
             }
         } else {
             self.ask_backoff.set((0, 0));
@@ -1175,8 +1181,12 @@ impl Syncer {
     ) -> (Batch, SyncResponse) {
         let mut s = self.syncing.borrow_mut();
         if resp.failed.is_empty() {
-            for d in &batch.deltas {
-                s.unapplied.remove(&d.key);
+            // Counters answered that had not been applied before are applied now (most
+            // batches meet none: no key is hashed then).
+            if !s.unapplied.is_empty() {
+                for d in &batch.deltas {
+                    s.unapplied.remove(&d.key);
+                }
             }
             return (batch, resp);
         }
@@ -1223,12 +1233,6 @@ impl Syncer {
         resp.grants = kept.1;
         resp.grants.extend(extra);
         (batch, resp)
-    }
-
-    /// How long a VM whose asks failed `failures` times in a row does not ask: 1 s, doubling
-    /// up to 32 s.
-    fn ask_backoff_len(&self, failures: u32) -> Nanos {
-        (1_000 * MS).saturating_mul(1 << failures.saturating_sub(1).min(5))
     }
 
     /// The longest valid answer to call `token` (0 when it is not the batch in flight): a
