@@ -427,8 +427,9 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
     // listens serves), and first: its address is the first a reader of the output finds.
     let redis: Vec<String> = args.redis.iter().map(|u| redacted(u)).collect();
     let mode = if args.cluster { "Cluster" } else { "single server" };
+    let json = if args.rls_config.is_some() { ", POST /json" } else { "" };
     println!(
-        "ratewall-store: listening on http://{addr} (POST /v1/sync, GET /healthz, GET /healthcheck, GET /metrics); Redis {} ({mode}); deadline {} ms",
+        "ratewall-store: listening on http://{addr} (POST /v1/sync{json}, GET /healthz, GET /healthcheck, GET /metrics); Redis {} ({mode}); deadline {} ms",
         redis.join(", "),
         args.deadline.as_millis()
     );

@@ -15,9 +15,10 @@
 //! hashes; [`secret_by_default`] says which keys are without it).
 //!
 //! The file is read as envoyproxy/ratelimit's YAML library (yaml.v2) reads it: its first
-//! document only; a scalar as written (`+15551234567` stays that text); merge keys
-//! (`<<: *anchor`) in document order; a `rate_limit` without `requests_per_unit` is 0 (every
-//! hit over the limit). A key it knows where that key is not read (`name` on a descriptor,
+//! document only; a scalar as written (`+15551234567` stays that text); booleans and counts as
+//! YAML 1.1 reads them (`shadow_mode: yes`, `off`; `requests_per_unit: 10_000`, `017`, octal);
+//! a float value (`value: 1.5` unquoted) an error; merge keys (`<<: *anchor`) in document
+//! order; a `rate_limit` without `requests_per_unit` is 0 (every hit over the limit). A key it knows where that key is not read (`name` on a descriptor,
 //! `shadow_mode` in a `rate_limit`) is skipped, as there, with a warning
 //! ([`RlsConfig::warnings`]). A key unknown anywhere is an error, reported with its file, line
 //! and reason; so are an empty key or domain, a duplicate descriptor or domain, an unknown
@@ -391,6 +392,31 @@ impl RlsConfig {
             });
         };
         let raw = RawFile::deserialize(first).map_err(at)?;
+        // envoyproxy/ratelimit takes only strings, integers (of 64 bits, signed) and booleans
+        // as values (its `validateYamlKeys`): a float, or an integer past `i64::MAX`, is an
+        // error there, though its text would read as a string here.
+        if let Some(document) = serde_norway::Deserializer::from_str(text).next() {
+            if let Some((key, number)) =
+                serde_norway::Value::deserialize(document).ok().as_ref().and_then(|v| leaf(v, ""))
+            {
+                let line = text.lines().position(|l| {
+                    l.trim_start()
+                        .trim_start_matches("- ")
+                        .strip_prefix(key.as_str())
+                        .and_then(|r| r.strip_prefix(':'))
+                        .is_some_and(|r| r.trim().parse::<f64>().ok() == number.as_f64())
+                });
+                let line = line.map(|i| i + 1);
+                return Err(ConfigError {
+                    file: file.to_owned(),
+                    line,
+                    column: column_of_line(text, line, &key),
+                    reason: format!(
+                        "`{key}: {number}` is neither a string, an integer nor a boolean, which envoyproxy/ratelimit refuses (quote it to make it a string)"
+                    ),
+                });
+            }
+        }
         let warn =
             |line: Option<usize>, reason: String| ConfigError { file: file.to_owned(), line, column: None, reason };
         if documents.next().is_some() {
@@ -568,7 +594,7 @@ fn build(
         let rule = match d.limit {
             None => None,
             Some(r) => {
-                let exact = r.exact || d.exact.unwrap_or(false);
+                let exact = r.exact || d.exact.is_some_and(|f| f.0);
                 let unit = r.unit;
                 let limit = match unit {
                     Some(u) if !r.unlimited => core_limit(r.algorithm, r.requests_per_unit, u)
@@ -586,8 +612,8 @@ fn build(
                     unit,
                     requests_per_unit: r.requests_per_unit,
                     unlimited: r.unlimited,
-                    shadow: d.shadow_mode.unwrap_or(false),
-                    quota: d.quota_mode.unwrap_or(false),
+                    shadow: d.shadow_mode.is_some_and(|f| f.0),
+                    quota: d.quota_mode.is_some_and(|f| f.0),
                     replaces: r.replaces,
                     limit,
                     exact,
@@ -596,7 +622,7 @@ fn build(
                 Some(rule)
             }
         };
-        let shared = if d.share_threshold.unwrap_or(false) {
+        let shared = if d.share_threshold.is_some_and(|f| f.0) {
             if !composite.contains('*') {
                 let why = format!(
                     "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
@@ -612,7 +638,7 @@ fn build(
         }
         let mut children = Level::default();
         build(&mut children, domain, &format!("{full_key}."), d.descriptors.unwrap_or_default(), rules, unread)?;
-        let secret = d.secret.unwrap_or_else(|| secret_by_default(&key));
+        let secret = d.secret.map_or_else(|| secret_by_default(&key), |f| f.0);
         met.add(&composite);
         level.entries.insert(composite, Entry { rule, children, shared, secret });
     }
@@ -706,6 +732,29 @@ fn read_at_most(file: &Path) -> Result<String, String> {
     String::from_utf8(bytes).map_err(|_| "stream did not contain valid UTF-8".to_owned())
 }
 
+/// The first value of `v` (under the key `key`) that is a float or an integer past
+/// `i64::MAX`, with its key; `metadata` holds anything.
+fn leaf(v: &serde_norway::Value, key: &str) -> Option<(String, serde_norway::Number)> {
+    use serde_norway::Value;
+    match v {
+        Value::Number(n) if n.is_f64() || (n.is_u64() && n.as_i64().is_none()) => Some((key.to_owned(), n.clone())),
+        Value::Mapping(m) => m.iter().find_map(|(k, v)| match k.as_str() {
+            Some("metadata") => None,
+            Some(k) => leaf(v, k),
+            None => leaf(v, key),
+        }),
+        Value::Sequence(items) => items.iter().find_map(|v| leaf(v, key)),
+        Value::Tagged(t) => leaf(&t.value, key),
+        _ => None,
+    }
+}
+
+/// The column of `token` on the 1-based `line` of `text`, counted in characters from 1.
+fn column_of_line(text: &str, line: Option<usize>, token: &str) -> Option<usize> {
+    let l = text.lines().nth(line?.checked_sub(1)?)?;
+    Some(l.get(..l.find(token)?)?.chars().count() + 1)
+}
+
 /// The error for a directory without a `.yaml` / `.yml` file, pointing at a rules document
 /// there, which is most likely what was meant.
 fn no_yaml(path: &Path) -> ConfigError {
@@ -745,19 +794,30 @@ fn files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     Ok(out)
 }
 
-/// The modification times and sizes of what `path` names, to see a change.
-pub fn stamp(path: &Path) -> Vec<(PathBuf, Option<std::time::SystemTime>, u64)> {
-    let mut out: Vec<_> = files(path)
+/// What [`stamp`] sees of each file `path` names: its name, the file it resolves to through
+/// symbolic links, its inode, modification time and size.
+pub type Stamp = Vec<(PathBuf, Option<PathBuf>, u64, Option<std::time::SystemTime>, u64)>;
+
+/// What `path` names, to see a change: a file edited, replaced by a rename, or swapped in by
+/// moving a symbolic link (a Kubernetes ConfigMap's `..data`), even with the same size and
+/// modification time as the one before.
+pub fn stamp(path: &Path) -> Stamp {
+    let mut out: Stamp = files(path)
         .unwrap_or_default()
         .into_iter()
         .map(|p| {
             let meta = std::fs::metadata(&p).ok();
+            #[cfg(unix)]
+            let inode = meta.as_ref().map_or(0, std::os::unix::fs::MetadataExt::ino);
+            #[cfg(not(unix))]
+            let inode = 0;
             let (m, len) = (meta.as_ref().and_then(|m| m.modified().ok()), meta.map_or(0, |m| m.len()));
-            (p, m, len)
+            let real = std::fs::canonicalize(&p).ok();
+            (p, real, inode, m, len)
         })
         .collect();
     if out.is_empty() {
-        out.push((path.to_path_buf(), None, 0));
+        out.push((path.to_path_buf(), None, 0, None, 0));
     }
     out
 }
@@ -830,6 +890,76 @@ impl<'de> Deserialize<'de> for Text {
             }
         }
         d.deserialize_option(OrNull)
+    }
+}
+
+/// A boolean as envoyproxy/ratelimit's YAML library (yaml.v2, YAML 1.1) reads one: `true` /
+/// `false` in any of their cases, and `yes` / `no`, `y` / `n`, `on` / `off` (as `Yes`, `YES`,
+/// …), which YAML 1.2 — and so serde_norway — takes for strings.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Flag(bool);
+
+impl<'de> Deserialize<'de> for Flag {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Flag, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Flag;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a boolean")
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Flag, E> {
+                Ok(Flag(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Flag, E> {
+                match v {
+                    "y" | "Y" | "yes" | "Yes" | "YES" | "true" | "True" | "TRUE" | "on" | "On" | "ON" => Ok(Flag(true)),
+                    "n" | "N" | "no" | "No" | "NO" | "false" | "False" | "FALSE" | "off" | "Off" | "OFF" => {
+                        Ok(Flag(false))
+                    }
+                    _ => Err(E::invalid_type(de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A count (`requests_per_unit`) as yaml.v2 reads an integer: underscores are ignored, and
+/// `0x`, `0o`, `0b` and a leading `0` (octal: `017` is 15) give its base; YAML 1.2 takes
+/// `10_000` and `017` for strings.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Count(u32);
+
+impl<'de> Deserialize<'de> for Count {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Count, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Count;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an integer from 0 to 4294967295")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Count, E> {
+                u32::try_from(v).map(Count).map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Count, E> {
+                u32::try_from(v).map(Count).map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Count, E> {
+                let digits: String = v.chars().filter(|c| *c != '_').collect();
+                let plain = digits.strip_prefix('+').unwrap_or(&digits);
+                let (radix, rest) = match plain.get(..2) {
+                    Some("0x" | "0X") => (16, plain.get(2..)),
+                    Some("0o" | "0O") => (8, plain.get(2..)),
+                    Some("0b" | "0B") => (2, plain.get(2..)),
+                    _ if plain.len() > 1 && plain.starts_with('0') => (8, plain.get(1..)),
+                    _ => (10, Some(plain)),
+                };
+                rest.filter(|r| !r.is_empty() && !r.starts_with(['+', '-']))
+                    .and_then(|r| u64::from_str_radix(r, radix).ok())
+                    .map_or(Err(E::invalid_type(de::Unexpected::Str(v), &self)), |n| self.visit_u64(n))
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -1083,11 +1213,11 @@ struct RawDescriptor {
     value: Option<Text>,
     rate_limit: Option<RawRateLimitFields>,
     descriptors: Option<Vec<RawDescriptor>>,
-    shadow_mode: Option<bool>,
-    quota_mode: Option<bool>,
-    share_threshold: Option<bool>,
-    exact: Option<bool>,
-    secret: Option<bool>,
+    shadow_mode: Option<Flag>,
+    quota_mode: Option<Flag>,
+    share_threshold: Option<Flag>,
+    exact: Option<Flag>,
+    secret: Option<Flag>,
     unread: Vec<String>,
     /// The `rate_limit`, validated.
     limit: Option<RawRateLimit>,
@@ -1186,12 +1316,12 @@ struct RawRateLimit {
 #[derive(Default)]
 struct RawRateLimitFields {
     unit: Option<Text>,
-    requests_per_unit: Option<u32>,
-    unlimited: Option<bool>,
+    requests_per_unit: Option<Count>,
+    unlimited: Option<Flag>,
     name: Option<Text>,
     replaces: Option<Vec<RawReplace>>,
     algorithm: Option<Text>,
-    exact: Option<bool>,
+    exact: Option<Flag>,
     unread: Vec<String>,
 }
 
@@ -1264,7 +1394,7 @@ impl TryFrom<RawRateLimitFields> for RawRateLimit {
     fn try_from(r: RawRateLimitFields) -> Result<RawRateLimit, String> {
         let unit_name = r.unit.map(|u| u.0).unwrap_or_default();
         let unit = Unit::from_name(&unit_name);
-        let unlimited = r.unlimited.unwrap_or(false);
+        let unlimited = r.unlimited.is_some_and(|f| f.0);
         if unlimited {
             if unit.is_some() {
                 return Err("should not specify rate limit unit when unlimited".into());
@@ -1300,12 +1430,12 @@ impl TryFrom<RawRateLimitFields> for RawRateLimit {
         Ok(RawRateLimit {
             unit: if unlimited { None } else { unit },
             // None: 0, as envoyproxy/ratelimit reads it — every hit is over the limit.
-            requests_per_unit: r.requests_per_unit.unwrap_or(0),
+            requests_per_unit: r.requests_per_unit.map_or(0, |c| c.0),
             unlimited,
             name,
             replaces,
             algorithm,
-            exact: r.exact.unwrap_or(false),
+            exact: r.exact.is_some_and(|f| f.0),
         })
     }
 }
@@ -1320,6 +1450,42 @@ mod tests {
 
     fn rpu(c: &RlsConfig, domain: &str, entries: &[(&str, &str)]) -> Option<u32> {
         c.find(domain, entries).map(|m| m.rule.requests_per_unit)
+    }
+
+    #[test]
+    fn booleans_and_integers_read_as_yaml_1_1_reads_them() {
+        let c = parse(
+            "domain: d\ndescriptors:\n  - key: a\n    shadow_mode: yes\n    rate_limit: {unit: second, requests_per_unit: 10_000}\n  - key: b\n    shadow_mode: Off\n    rate_limit: {unit: second, requests_per_unit: 017}\n  - key: c\n    quota_mode: ON\n    rate_limit: {unit: second, requests_per_unit: 0x1F}\n  - key: e\n    rate_limit: {unlimited: y}\n  - key: f\n    exact: n\n    rate_limit: {unit: second, requests_per_unit: 0b101}\n",
+        );
+        let rule = |k: &str| c.find("d", &[(k, "v")]).map(|m| m.rule).unwrap();
+        assert_eq!((rule("a").requests_per_unit, rule("a").shadow), (10_000, true));
+        assert_eq!((rule("b").requests_per_unit, rule("b").shadow), (15, false));
+        assert_eq!((rule("c").requests_per_unit, rule("c").quota), (31, true));
+        assert!(rule("e").unlimited);
+        assert_eq!((rule("f").requests_per_unit, rule("f").exact), (5, false));
+        for bad in [
+            "shadow_mode: maybe",
+            "shadow_mode: 1",
+            "rate_limit: {unit: second, requests_per_unit: 0x}",
+            "rate_limit: {unit: second, requests_per_unit: 09}",
+            "rate_limit: {unit: second, requests_per_unit: 4294967296}",
+            "rate_limit: {unit: second, requests_per_unit: -1}",
+        ] {
+            let text = format!("domain: d\ndescriptors:\n  - key: a\n    {bad}\n");
+            assert!(RlsConfig::parse("t.yaml", &text).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_float_value_is_refused_as_envoyproxy_ratelimit_refuses_it_and_a_quoted_one_is_text() {
+        let e = RlsConfig::parse("t.yaml", "domain: d\ndescriptors:\n  - key: version\n    value: 1.5\n    rate_limit: {unit: second, requests_per_unit: 1}\n").unwrap_err();
+        assert_eq!((e.line, e.column), (Some(4), Some(5)));
+        assert!(e.reason.contains("`value: 1.5` is neither a string"), "{}", e.reason);
+        let e = RlsConfig::parse("t.yaml", "domain: d\ndescriptors:\n  - key: n\n    value: 9223372036854775808\n")
+            .unwrap_err();
+        assert_eq!(e.line, Some(4));
+        let c = parse("domain: d\ndescriptors:\n  - key: version\n    value: '1.5'\n    metadata: {weight: 0.5}\n    rate_limit: {unit: second, requests_per_unit: 1}\n");
+        assert_eq!(rpu(&c, "d", &[("version", "1.5")]), Some(1));
     }
 
     #[test]
@@ -1627,6 +1793,35 @@ mod tests {
             e.reason,
             format!("has more than {MAX_FILE} bytes; at most {MAX_FILE} (16 MiB) are read from a configuration file")
         );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_configmap_swap_to_a_file_of_the_same_size_and_time_is_seen() {
+        let d = std::env::temp_dir().join(format!("ratewall-rls-swap-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        for v in ["..v1", "..v2"] {
+            std::fs::create_dir_all(d.join(v)).unwrap();
+        }
+        let limit = |n: u32| {
+            format!(
+                "domain: d\ndescriptors:\n  - key: user\n    rate_limit: {{unit: second, requests_per_unit: {n}}}\n"
+            )
+        };
+        std::fs::write(d.join("..v1/d.yaml"), limit(2)).unwrap();
+        std::fs::write(d.join("..v2/d.yaml"), limit(4)).unwrap();
+        let when = std::fs::metadata(d.join("..v1/d.yaml")).unwrap().modified().unwrap();
+        std::fs::File::options().write(true).open(d.join("..v2/d.yaml")).unwrap().set_modified(when).unwrap();
+        std::os::unix::fs::symlink("..v1", d.join("..data")).unwrap();
+        std::os::unix::fs::symlink("..data/d.yaml", d.join("d.yaml")).unwrap();
+        let before = stamp(&d);
+        assert_eq!(before, stamp(&d));
+        // As kubelet swaps it: a new link renamed over `..data`.
+        std::os::unix::fs::symlink("..v2", d.join("..data_tmp")).unwrap();
+        std::fs::rename(d.join("..data_tmp"), d.join("..data")).unwrap();
+        assert_ne!(before, stamp(&d));
+        assert_eq!(rpu(&RlsConfig::load(&d).unwrap(), "d", &[("user", "u")]), Some(4));
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]

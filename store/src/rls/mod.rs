@@ -161,7 +161,7 @@ pub struct Rls<K> {
     config: RwLock<Arc<RlsConfig>>,
     /// Where the configuration is read from (None: given in memory).
     path: Option<PathBuf>,
-    stamp: Mutex<Vec<(PathBuf, Option<std::time::SystemTime>, u64)>>,
+    stamp: Mutex<config::Stamp>,
     /// Keys counter names (descriptor values may be secrets: Redis sees only a keyed hash).
     secret: Vec<u8>,
     /// Keys the hash that ends a long `limit` override's policy name.
