@@ -580,9 +580,19 @@ impl Limit {
         };
         let used = weighted(prev, elapsed) + curr;
         let to_window_end = w - elapsed + lag;
+        // When the quota is whole again (`reset_after`: `r` back to `q`), what it counts
+        // weighing nothing: this window's units through the part of the next one over which
+        // they fade, else the previous window's as they fade in this one.
+        let whole_again = |prev: u64, curr: u64| -> Nanos {
+            if curr > 0 {
+                to_window_end + wait_for_weight(curr, w, 0)
+            } else {
+                wait_for_weight(prev, w, 0).saturating_sub(elapsed) + lag
+            }
+        };
         if cost <= limit && used + cost <= limit {
             let curr = curr + cost;
-            let d = Decision::allowed(limit, limit - used - cost, to_window_end);
+            let d = Decision::allowed(limit, limit - used - cost, whole_again(prev, curr));
             let s = State::SlidingWindow { window, prev: clamp_u32(prev), curr: clamp_u32(curr) };
             return (d, s);
         }
@@ -595,7 +605,7 @@ impl Limit {
             // In the next window, where `curr` becomes the previous window's count.
             Some(to_window_end + wait_for_weight(curr, w, limit - cost))
         };
-        let reset = max(to_window_end, retry.unwrap_or(0));
+        let reset = max(whole_again(prev, curr), retry.unwrap_or(0));
         let s = State::SlidingWindow { window, prev: clamp_u32(prev), curr: clamp_u32(curr) };
         (Decision::denied(limit, limit.saturating_sub(used), reset, retry), s)
     }
@@ -817,6 +827,36 @@ mod tests {
             let expect_retry = (retry >= 0).then(|| retry as u64 * MS);
             assert_eq!(d.retry_after, expect_retry, "step {i}");
         }
+    }
+
+    /// A sliding window's `reset_after` is when its quota is whole again (`r` back to `q`):
+    /// then, and not a nanosecond before, what it counts weighs nothing. (It was this
+    /// window's end, when units spent in it still count through part of the next.)
+    #[test]
+    fn a_sliding_windows_reset_is_when_its_quota_is_whole_again() {
+        let limit = Limit::new(Algorithm::SlidingWindow, 2, 3 * SECOND, None).unwrap();
+        let mut x: u64 = 0x5eed;
+        let mut next = |below: u64| {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (x >> 33) % below
+        };
+        let (mut s, mut now) = (State::Fresh, 1_000 * SECOND);
+        for i in 0..2_000 {
+            now += next(2_000) * MS;
+            let (d, n) = limit.decide(&s, now, 1);
+            s = n;
+            let whole = |at: Nanos| limit.decide(&s, at, 0).0.remaining == 2;
+            assert!(whole(now + d.reset_after), "step {i}: not whole {} ms on", d.reset_after / MS);
+            if d.reset_after > 0 {
+                assert!(!whole(now + d.reset_after - 1), "step {i}: whole before {} ms", d.reset_after / MS);
+            }
+        }
+        // 0.1 s into a window of 3 s, two admitted: whole again 4.4 s on (the two weigh 1
+        // until just past half the next window), where the window's end is 2.9 s away.
+        let start = 999 * SECOND + 100 * MS;
+        let (_, s1) = limit.decide(&State::Fresh, start, 1);
+        let (d, _) = limit.decide(&s1, start, 1);
+        assert_eq!(d.reset_after, 4_400 * MS + 1);
     }
 
     #[test]
