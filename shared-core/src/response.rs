@@ -60,7 +60,7 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
             decided().filter_map(|(c, d)| Some((config.rules.get(c.rule)?, &c.limit, d))).collect();
         policies.sort_by(|(_, _, a), (_, _, b)| most_restrictive_first(a, b));
         let mut headers = Vec::with_capacity(2);
-        fields(&mut headers, config, &policies);
+        fields(&mut headers, config, &policies, 0);
         return Reply { status: 200, headers, body: String::new() };
     }
     let violated: Vec<(&Rule, &Limit, Decision)> = decided()
@@ -89,10 +89,13 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
             alloc::vec![("Retry-After", String::from("1")), ("Content-Type", String::from("application/problem+json"))];
         return Reply { status: 503, headers, body };
     }
-    let retry =
-        violated.iter().map(|(_, l, d)| d.retry_after.map_or(window_secs(l), ceil_secs).max(1)).max().unwrap_or(1);
+    let wait = |(_, l, d): &(&Rule, &Limit, Decision)| d.retry_after.map_or(window_secs(l), ceil_secs).max(1);
+    let retry = violated.iter().map(wait).max().unwrap_or(1);
     let mut headers = alloc::vec![("Retry-After", decimal(retry))];
-    fields(&mut headers, config, &violated);
+    // The legacy fields are the policy's that sets `Retry-After` (the first of them): a client
+    // that retries at its `X-RateLimit-Reset` is not refused by another.
+    let legacy = violated.iter().position(|v| wait(v) == retry).unwrap_or(0);
+    fields(&mut headers, config, &violated, legacy);
     headers.push(("Content-Type", String::from("application/problem+json")));
     // Built by hand: rule names are validated to [A-Za-z0-9_.-], so nothing needs escaping,
     // and this is several times cheaper than building a serde_json::Value.
@@ -130,8 +133,14 @@ pub fn render(config: &Config, outcome: &Outcome) -> Reply {
     Reply { status: 429, headers, body }
 }
 
-/// Appends `RateLimit-Policy`, `RateLimit` and, when enabled, the legacy fields.
-fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: &[(&Rule, &Limit, Decision)]) {
+/// Appends `RateLimit-Policy`, `RateLimit` and, when enabled, the legacy fields of
+/// `policies[legacy]` (its `q` as `X-RateLimit-Limit`).
+fn fields(
+    headers: &mut Vec<(&'static str, String)>,
+    config: &Config,
+    policies: &[(&Rule, &Limit, Decision)],
+    legacy: usize,
+) {
     if policies.is_empty() {
         return;
     }
@@ -157,8 +166,9 @@ fn fields(headers: &mut Vec<(&'static str, String)>, config: &Config, policies: 
     headers.push(("RateLimit-Policy", policy));
     headers.push(("RateLimit", state));
     if config.response.legacy_headers {
-        if let Some((_, _, d)) = policies.first() {
-            headers.push(("X-RateLimit-Limit", decimal(d.limit)));
+        if let Some((_, limit, d)) = policies.get(legacy) {
+            let q = if limit.algorithm() == Algorithm::LeakyBucket { leaky_policy(limit, d.limit).0 } else { d.limit };
+            headers.push(("X-RateLimit-Limit", decimal(q)));
             headers.push(("X-RateLimit-Remaining", decimal(d.remaining)));
             headers.push(("X-RateLimit-Reset", decimal(ceil_secs(d.reset_after))));
         }
@@ -221,6 +231,37 @@ mod tests {
                 (reply.status, field("RateLimit-Policy").unwrap_or_default(), field("RateLimit").unwrap_or_default())
             })
             .collect()
+    }
+
+    /// The legacy fields agree with the standard ones: a leaky bucket's `X-RateLimit-Limit`
+    /// is its policy's `q`, and on a 429 that breaks two rules they are the rule's that sets
+    /// `Retry-After` (they were the first rule's, whose reset came 17 s before it).
+    #[test]
+    fn the_legacy_fields_are_those_of_the_policy_they_stand_for() {
+        let doc = r#"{"identity":{"user":{"header":"x-user-id"}},"response":{"legacy_headers":true},"rules":[
+            {"name":"lb","match":{"path":"/lb"},"key":["user"],"algorithm":"leaky_bucket","limit":{"requests":2,"per":"1s","burst":12}},
+            {"name":"a","match":{"path":"/two"},"key":["user"],"algorithm":"sliding_window","limit":{"requests":1,"per":"3s"}},
+            {"name":"b","match":{"path":"/two"},"key":["user"],"algorithm":"token_bucket","limit":{"requests":1,"per":"20s"}}]}"#;
+        let config = Config::parse(doc.as_bytes()).unwrap();
+        let mut counters = MemoryCounters::default();
+        let headers = [Some(&b"ann"[..])];
+        let mut send = |path: &str| {
+            let req = Request { method: "GET", path, headers: &headers, ip: None };
+            let (checks, _) = config.checks(&req);
+            render(&config, &evaluate(&config, &checks, &mut counters, 1_700_000_000 * SECOND))
+        };
+        let field = |r: &Reply, name: &str| r.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone());
+        let r = send("/lb");
+        assert_eq!(field(&r, "RateLimit-Policy").as_deref(), Some(r#""lb";q=14;w=7"#));
+        assert_eq!(field(&r, "X-RateLimit-Limit").as_deref(), Some("14"));
+        assert_eq!(send("/two").status, 200);
+        let r = send("/two");
+        assert_eq!(r.status, 429);
+        assert_eq!(field(&r, "Retry-After").as_deref(), Some("20"));
+        assert_eq!(
+            (field(&r, "X-RateLimit-Limit"), field(&r, "X-RateLimit-Reset")),
+            (Some("1".into()), Some("20".into()))
+        );
     }
 
     #[test]
