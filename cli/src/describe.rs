@@ -100,7 +100,10 @@ fn hash_key_source(config: &Config) -> Option<&'static str> {
     let secret = config.rules.iter().any(|r| r.key.iter().any(|d| config.identity.is_secret(*d)));
     secret.then_some(match config.identity.hash_key_source {
         HashKeySource::HashKey => "identity.hash_key",
-        HashKeySource::SyncSecret => "sync.secret",
+        HashKeySource::SyncSecret if config.sync.is_some() => "sync.secret",
+        // Without `sync`, the key is the deployment's, read from the environment as a Worker
+        // reads it (see `deployment_secret`).
+        HashKeySource::SyncSecret => "the environment's RATEWALL_SYNC_SECRET (else RATEWALL_ADMIN_TOKEN)",
         HashKeySource::BuiltIn => "built-in",
     })
 }

@@ -386,6 +386,12 @@ fn with_a_workers_secret_in_the_environment_the_cli_shows_that_deployments_hash(
     assert_eq!(run(&[("RATEWALL_ADMIN_TOKEN", secret)], &bare), filter);
     // The document's own key comes first, as in the Worker.
     assert_eq!(run(&[("RATEWALL_SYNC_SECRET", "another secret, 16+")], &synced), filter);
+    // `check` names where the key came from: the environment, not a `sync.secret` the
+    // document does not have.
+    let checked = |env: &[(&str, &str)], rules: &str| stdout(&ratewall_with(env, &["check", rules]));
+    let said = checked(&[("RATEWALL_SYNC_SECRET", secret)], &bare);
+    assert!(said.contains("keyed by the environment's RATEWALL_SYNC_SECRET") && !said.contains(secret), "{said}");
+    assert!(checked(&[], &synced).contains("keyed by sync.secret"));
 }
 
 #[test]
