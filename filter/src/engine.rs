@@ -808,6 +808,7 @@ impl Engine {
         counters.exact = &self.exact;
         if let (Some(s), Grants::On { .. }) = (self.sync(), grants) {
             counters.named_out = s.named_out(now);
+            counters.came_back = s.came_back(now);
         }
         let mut outcome = evaluate(&self.config, &checks, &mut counters, now);
         if self.refuse_wait(host, &checks, &mut outcome, &mut counters, now) {
@@ -851,7 +852,11 @@ impl Engine {
         if let (Some(s), Grants::On { .. }) = (self.sync(), grants) {
             // A counter the store named out of quota is denied until a unit is free there
             // again (a fixed window's end), not for the short wait of a spent grant: a client
-            // that waits its `Retry-After` is then not refused again.
+            // that waits its `Retry-After` is then not refused again. A sliding window's or
+            // log's unit comes back within the window, where the node holds no grant for it
+            // until an answer: for a rule that is not exact the wait is longer by
+            // [`Syncer::lag`], past which the node takes that unit on an overdraft of one
+            // (`Syncer::came_back`).
             //
             // A token bucket's denial by the limit itself waits also for the store: it counts
             // this node's units when their batch arrives (up to an interval and half a round
@@ -859,11 +864,17 @@ impl Engine {
             // back arrives with the answer to a renewal sent once it is back (the next tick,
             // and its round trip). Told only the limit's own wait, a client that waited it
             // was refused once more.
-            let lag = s.options().interval.saturating_mul(3).saturating_add(s.view().rtt.saturating_mul(2));
+            let lag = s.lag();
             for (c, o) in checks.iter().zip(outcome.checks.iter_mut()) {
                 if let CheckResult::Decided(d) = &mut o.result {
                     if !d.allowed && d.retry_after == Some(ratewall_core::eval::ALLOWANCE_RETRY) {
                         if let Some(free) = s.out_until(ratewall_core::key::fnv1a(&c.key), now) {
+                            let sliding = matches!(
+                                c.limit.algorithm(),
+                                ratewall_core::Algorithm::SlidingWindow | ratewall_core::Algorithm::SlidingLog
+                            );
+                            let no_wait = !self.exact.get(c.rule).copied().unwrap_or(false);
+                            let free = if sliding && no_wait { free.saturating_add(lag) } else { free };
                             d.retry_after = Some(free.saturating_sub(now).max(ratewall_core::eval::ALLOWANCE_RETRY));
                         }
                     } else if !d.allowed && c.limit.algorithm() == ratewall_core::Algorithm::TokenBucket {

@@ -70,6 +70,11 @@ pub const MAX_ASKS: u32 = 64;
 /// its grant fresh, rather than lapsed, when the next one comes. Counted in whole seconds,
 /// so 5 to 6 s.
 const RENEW_FOR: Nanos = 5_000 * MS;
+/// How long past the end of its wait (and [`Syncer::lag`]) a counter the store named out is
+/// remembered when no answer names it again: a client told to come back then (its
+/// `Retry-After`, rounded up to a whole second) finds the unit that came back (see
+/// [`Syncer::came_back`]).
+const BACK_FOR: Nanos = 1_500 * MS;
 /// A grant leased at least this long shows its counter far from its limit.
 const RELAXED_LEASE: Nanos = 1_000 * MS;
 /// The most the store's clock may differ from the node's: an answer further off is refused
@@ -720,6 +725,30 @@ impl Syncer {
         self.named.borrow().iter().filter(|(_, until)| store_now / MS < *until).map(|(h, _)| *h).collect()
     }
 
+    /// How long after a counter's unit came back at the store an answer about the counter
+    /// would have come if any VM had been denying on it: its denial's 0-unit delta goes with
+    /// a tick (up to two intervals, through the outbox), then its round trip; three intervals
+    /// and two round trips, for a tick's jitter.
+    pub fn lag(&self) -> Nanos {
+        self.opts.interval.saturating_mul(3).saturating_add(self.view.get().rtt.saturating_mul(2))
+    }
+
+    /// The hashes of the counters the store named out whose unit came back at least
+    /// [`Syncer::lag`] before `store_now` with no answer naming them since: the node was quiet
+    /// on them (a node still denying on one has it named again, or given a grant, by each
+    /// answer). A request there may take that unit on an overdraft of one (see
+    /// `TableCounters`), as a client that waited its `Retry-After` does.
+    pub fn came_back(&self, store_now: Nanos) -> Vec<u64> {
+        let lag = self.lag();
+        let named = self.named.borrow();
+        let back = |until_ms: u64| until_ms.saturating_mul(MS).saturating_add(lag);
+        named
+            .iter()
+            .filter(|(_, u)| (back(*u)..back(*u).saturating_add(BACK_FOR)).contains(&store_now))
+            .map(|(h, _)| *h)
+            .collect()
+    }
+
     /// Until when (the store's clock) the store's last answer named the counter of `hash` out
     /// of quota, if it is still out at `store_now`.
     pub fn out_until(&self, hash: u64, store_now: Nanos) -> Option<Nanos> {
@@ -1311,7 +1340,7 @@ impl Syncer {
         // The grants past the deltas' name the counters the store found out of quota; so does
         // the grant of a window's delta that leaves nothing (until a unit is free again: a
         // fixed window's end; the `Retry-After` of the denials meanwhile).
-        let named: Named = batch
+        let mut named: Named = batch
             .deltas
             .iter()
             .zip(&resp.grants)
@@ -1321,6 +1350,17 @@ impl Syncer {
             .take(ratewall_core::sync::MAX_OUT)
             .map(|g| out_entry(g, resp.now))
             .collect();
+        // Counters named before and not in this batch are remembered until a while after their
+        // unit came back (see `came_back`); those in it are as this answer says.
+        let lag = self.lag();
+        for old in self.named.borrow().iter() {
+            let answered = named.iter().any(|(h, _)| *h == old.0)
+                || batch.deltas.iter().any(|d| ratewall_core::key::fnv1a(&d.key) == old.0);
+            let remembered = old.1.saturating_mul(MS).saturating_add(lag).saturating_add(BACK_FOR) > resp.now;
+            if !answered && remembered && named.len() < ratewall_core::sync::MAX_OUT {
+                named.push(*old);
+            }
+        }
         let mut shared = view.encode();
         encode_named(&named, &mut shared);
         // With the value's CAS: ngx_wasm_module writes a CAS of 0 only to a key that is

@@ -641,6 +641,10 @@ pub struct TableCounters<'a> {
     /// The counters (FNV-1a hashes of their keys) the store's last answer named out of
     /// quota: a rule that is not exact spends no initial share or overdraft on them.
     pub named_out: Vec<u64>,
+    /// The counters the store named out whose unit came back with no answer since
+    /// (`Syncer::came_back`): a sliding window's or log's of a rule that is not exact, whose
+    /// grant and overdraft are spent, admits that one unit on an overdraft.
+    pub came_back: Vec<u64>,
     /// The departure count each leaky bucket's admission read (by counter key): the turn it
     /// was given is moved up by the departures after it.
     pub seqs: Vec<(Vec<u8>, u32)>,
@@ -664,6 +668,7 @@ impl<'a> TableCounters<'a> {
             askable: Vec::new(),
             exact: &[],
             named_out: Vec::new(),
+            came_back: Vec::new(),
             seqs: Vec::new(),
             leaving: None,
             overdrawn: false,
@@ -718,6 +723,14 @@ impl Counters for TableCounters<'_> {
         // rule's first request asks, as always: the store refuses it while the counter is out).
         let out =
             no_wait && !self.named_out.is_empty() && self.named_out.contains(&ratewall_core::key::fnv1a(&check.key));
+        let back = no_wait
+            && !out
+            && !self.came_back.is_empty()
+            && matches!(
+                limit.algorithm(),
+                ratewall_core::Algorithm::SlidingWindow | ratewall_core::Algorithm::SlidingLog
+            )
+            && self.came_back.contains(&ratewall_core::key::fnv1a(&check.key));
         let late_over = match grants {
             Grants::On { nodes } if no_wait && late && !out => {
                 crate::sync::overdraft(limit.quota(), nodes, u64::MAX, 1, false, 0)
@@ -763,7 +776,10 @@ impl Counters for TableCounters<'_> {
                 _ => Allowance { share, ..first },
             };
             let held = Allowance { units: held.units_at(now), ..held };
-            let over = if no_wait && !out { u64::from(held.over) } else { 0 };
+            // The unit the store named the counter out until is back, and the node was quiet on
+            // the counter since (nothing admitted, no overdraft owed): one unit on an overdraft.
+            let back = back && held.units == 0 && held.over == 0 && !held.overdrawn && held.since == 0;
+            let over = if no_wait && !out { u64::from(held.over).max(u64::from(back)) } else { 0 };
             let allowance = match (grants, refunding) {
                 (Grants::On { .. }, false) => u64::from(held.units) + over,
                 _ => u64::MAX,

@@ -54,8 +54,9 @@ fn a_passing_reply_carries_the_fields_of_the_most_restrictive_policy() {
     let e = engine(&h, RULES);
     let r = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")]);
     assert!(r.passes());
-    // The window is the clock's minute (T0 is 20 s into one).
-    assert_eq!(header(&r, "ratelimit"), Some("\"user\";r=2;t=40"));
+    // The window is the clock's minute (T0 is 20 s into one): the unit spent weighs on the
+    // sliding window until just past the minute's end, so the quota is whole in 41 s.
+    assert_eq!(header(&r, "ratelimit"), Some("\"user\";r=2;t=41"));
     assert!(r.body.is_empty());
 }
 

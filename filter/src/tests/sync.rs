@@ -842,10 +842,6 @@ fn a_client_that_waits_an_exact_sliding_windows_retry_after_is_admitted() {
     assert_eq!(exact_request(&e, &h, &mut s), (true, true), "admitted on an ask after waiting {wait} s");
 }
 
-/// An ask that fails (here: timed out) is a store failure for its request: an `open` rule
-/// decides it on the node's local share (a fresh client is not told it is over its limit), a
-/// `closed` one rejects it with 503; and while the VM backs off, its requests are decided so
-/// at once, without a call.
 /// An exact sliding window of 5 a minute spent over three nodes, a client's requests going
 /// to each in turn: the sixth is refused with the wait until a unit is free at the store (it
 /// said 1 s, and a client that waited it was refused again), and a client that waits it is
@@ -888,6 +884,65 @@ fn an_ask_refused_for_a_spent_sliding_window_says_the_wait_until_a_unit_is_free(
     assert!(exact_request(b, hb, &mut s).0, "admitted after waiting {wait} s");
 }
 
+/// A sliding window of 5 a minute (a rule that is not exact) spent by one client, on one
+/// proxy and over three in turn: the denial says the wait until a unit is free at the store,
+/// and a client that waits exactly that long is admitted at once — on the unit that came back,
+/// taken on an overdraft of one, with no answer to wait for (it was refused with
+/// `Retry-After: 1`: the node held no grant for the unit until its next answer).
+#[test]
+fn a_client_that_waits_a_spent_sliding_windows_retry_after_is_admitted_without_waiting() {
+    for n in [1, 3] {
+        let (hosts, engines) = fleet(n, &rules(5, n as u32));
+        let mut s = store();
+        let tick = |s: &mut Store| {
+            for (h, e) in hosts.iter().zip(&engines) {
+                h.advance(100 * MS);
+                e.on_tick(h);
+                serve(s, e, h);
+            }
+        };
+        let send = |i: usize| {
+            hosts[i % n].request("GET", NO_WAIT, &[("x-user-id", "ann")]);
+            engines[i % n].on_request(&hosts[i % n]).into_reply()
+        };
+        let mut i = 0;
+        let wait = loop {
+            let r = send(i);
+            i += 1;
+            tick(&mut s);
+            if r.status == 429 {
+                let wait: u64 = super::engine::header(&r, "retry-after").unwrap().parse().unwrap();
+                if wait > 1 {
+                    break wait;
+                }
+            }
+            assert!(i < 40, "{n} nodes: never told the real wait");
+        };
+        assert!(wait > 10, "{n} nodes: a unit comes back only tens of seconds on: {wait}");
+        let until = hosts[0].now() + wait * ratewall_core::SECOND;
+        while hosts[0].now() + 200 * MS <= until {
+            tick(&mut s);
+        }
+        for h in &hosts {
+            h.advance(until - h.now());
+        }
+        let calls = hosts.iter().map(|h| h.take_calls().len()).sum::<usize>();
+        let r = send(i);
+        assert_eq!(r.status, 200, "{n} nodes: admitted after waiting {wait} s: {:?}", r.headers);
+        // At once: on what the node holds, not on a call.
+        assert_eq!(hosts.iter().map(|h| h.take_calls().len()).sum::<usize>(), 0, "{calls}");
+        // The unit is counted at the store with the next batch, and the next request is
+        // refused (one unit came back, and it is taken).
+        tick(&mut s);
+        tick(&mut s);
+        assert_eq!(send(i + 1).status, 429, "{n} nodes");
+    }
+}
+
+/// An ask that fails (here: timed out) is a store failure for its request: an `open` rule
+/// decides it on the node's local share (a fresh client is not told it is over its limit), a
+/// `closed` one rejects it with 503; and while the VM backs off, its requests are decided so
+/// at once, without a call.
 #[test]
 fn a_failed_ask_decides_the_request_as_the_rules_store_failure_policy_says() {
     for (path, status) in [(EXACT, 200), ("/cl/x", 503)] {
