@@ -162,8 +162,12 @@ fn glob_matches(parts: &[String], mut s: &str) -> bool {
 }
 
 /// Normalizes a request path for matching: drops the query and fragment, decodes
-/// percent-encoded unreserved characters, collapses repeated `/`, resolves `.` and `..`, and
-/// drops a trailing `/`. Invalid UTF-8 is replaced, never trusted.
+/// percent-encoded unreserved characters and writes the other escapes' hex digits in upper
+/// case (RFC 3986 6.2.2: `%2f` is `%2F`), reads `\` as `/` and percent-encodes what a URL
+/// parser encodes in a path (non-ASCII bytes, controls, space, `"`, `<`, `>`, `{`, `}`, the
+/// backquote: `/é` is `/%C3%A9`), as a Worker's runtime hands its path over — so both
+/// spellings of a path are one — collapses repeated `/`, resolves `.` and `..`, and drops a
+/// trailing `/`. The result is ASCII, whatever bytes came in.
 pub fn normalize_path(raw: &[u8]) -> Cow<'_, str> {
     let end = raw.iter().position(|&b| b == b'?' || b == b'#').unwrap_or(raw.len());
     let raw = raw.get(..end).unwrap_or(raw);
@@ -193,7 +197,23 @@ pub fn normalize_path(raw: &[u8]) -> Cow<'_, str> {
                 continue;
             }
         }
-        decoded.push(b);
+        match b {
+            b'%' => {
+                // An escape kept: its hex digits in upper case.
+                decoded.push(b'%');
+                for d in raw.get(i + 1..i + 3).unwrap_or_default() {
+                    decoded.push(d.to_ascii_uppercase());
+                }
+                i += 3;
+                continue;
+            }
+            b'\\' => decoded.push(b'/'),
+            _ if encoded(b) => {
+                let digits = b"0123456789ABCDEF";
+                decoded.extend_from_slice(&[b'%', digits[usize::from(b >> 4)], digits[usize::from(b & 15)]]);
+            }
+            _ => decoded.push(b),
+        }
         i += 1;
     }
     let text = String::from_utf8_lossy(&decoded);
@@ -225,8 +245,13 @@ fn is_normal(raw: &[u8]) -> bool {
         return true;
     }
     raw.first() == Some(&b'/')
-        && !raw.contains(&b'%')
+        && !raw.iter().any(|&b| b == b'%' || b == b'\\' || encoded(b))
         && raw.get(1..).is_some_and(|rest| rest.split(|&b| b == b'/').all(|seg| !matches!(seg, b"" | b"." | b"..")))
+}
+
+/// Whether a URL parser percent-encodes `b` in a path (WHATWG's path percent-encode set).
+fn encoded(b: u8) -> bool {
+    !(0x21..0x7f).contains(&b) || b"\"<>`{}".contains(&b)
 }
 
 fn hex(b: &u8) -> Option<u8> {
@@ -335,6 +360,32 @@ mod tests {
         assert_eq!(normalize_path(b"/"), "/");
         assert_eq!(normalize_path(b"/v1/things?x"), "/v1/things");
         assert_eq!(normalize_path(b"/a/.b/..c"), "/a/.b/..c");
-        assert_eq!(normalize_path(b"/a/\xff"), "/a/\u{fffd}");
+        assert_eq!(normalize_path(b"/a/\xff"), "/a/%FF");
+    }
+
+    /// What a Worker's runtime does to a path before ratewall reads it (WHATWG URL parsing:
+    /// `\` is `/`, non-ASCII bytes and a few others percent-encoded) gives the same path as
+    /// the request line a proxy hands over; and an escape's hex digits in either case are one
+    /// (RFC 3986 6.2.2.1). Each spelling matched one side's rule and went past the other's.
+    #[test]
+    fn every_spelling_of_a_path_is_one() {
+        for (raw, normal) in [
+            (&b"/a\\b\\c"[..], "/a/b/c"),
+            (b"/x/..\\f", "/f"),
+            (b"/f\\", "/f"),
+            ("/é/y".as_bytes(), "/%C3%A9/y"),
+            (b"/%c3%a9/y", "/%C3%A9/y"),
+            (b"/%C3%A9/y", "/%C3%A9/y"),
+            (b"/s/%2f/x", "/s/%2F/x"),
+            (b"/a b/{c}", "/a%20b/%7Bc%7D"),
+            (b"/%7b", "/%7B"),
+        ] {
+            assert_eq!(normalize_path(raw), normal, "{raw:?}");
+        }
+        for (pattern, path) in
+            [("/é/*", "/%c3%a9/x"), ("/%C3%A9/*", "/é/x"), ("/s/%2F/x", "/s/%2f/x"), ("/a/*/c", "/a\\b\\c")]
+        {
+            assert!(m(pattern, path), "{pattern} {path}");
+        }
     }
 }
