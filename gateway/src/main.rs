@@ -608,17 +608,37 @@ fn handle(vm: &mut Vm, request: Request, stores: &[String]) -> Result<Option<Wai
 
 /// What the filter decided for a request: its local reply, or the demo origin's answer.
 fn answer(stream: &mut TcpStream, result: &FilterResult, method: &str, target: &str) -> Result<(), String> {
+    // A HEAD response carries its headers (the length a GET's body would have) and no body
+    // (RFC 9110 9.3.2).
+    let send = if method.eq_ignore_ascii_case("HEAD") { Body::LengthOnly } else { Body::Sent };
     if !result.passed {
-        return respond(stream, result.status as u16, &result.headers, &result.body);
+        return respond_with(stream, result.status as u16, &result.headers, &result.body, send);
     }
     // The demo origin.
     let origin = format!("{{\"ok\":true,\"method\":\"{method}\",\"path\":{:?}}}\n", target);
     let mut headers = result.headers.clone();
     headers.push(("content-type".into(), "application/json".into()));
-    respond(stream, 200, &headers, origin.as_bytes())
+    respond_with(stream, 200, &headers, origin.as_bytes(), send)
+}
+
+/// Whether a response's body is sent, or only its length (a HEAD request's).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Body {
+    Sent,
+    LengthOnly,
 }
 
 fn respond(stream: &mut TcpStream, status: u16, headers: &[(String, String)], body: &[u8]) -> Result<(), String> {
+    respond_with(stream, status, headers, body, Body::Sent)
+}
+
+fn respond_with(
+    stream: &mut TcpStream,
+    status: u16,
+    headers: &[(String, String)],
+    body: &[u8],
+    send: Body,
+) -> Result<(), String> {
     let reason = match status {
         200 => "OK",
         400 => "Bad Request",
@@ -637,5 +657,6 @@ fn respond(stream: &mut TcpStream, status: u16, headers: &[(String, String)], bo
         out.push_str(&format!("{k}: {v}\r\n"));
     }
     out.push_str(&format!("content-length: {}\r\nconnection: close\r\n\r\n", body.len()));
+    let body = if send == Body::Sent { body } else { &[] };
     stream.write_all(out.as_bytes()).and_then(|_| stream.write_all(body)).map_err(|e| e.to_string())
 }

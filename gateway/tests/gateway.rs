@@ -272,6 +272,26 @@ fn an_absolute_form_target_is_matched_on_its_path() {
     let _ = std::fs::remove_dir_all(rules.parent().unwrap());
 }
 
+/// A HEAD request's answer, passed or refused, has headers and no body (the gateway sent the
+/// demo origin's and the problem body after them).
+#[test]
+fn a_head_request_is_answered_without_a_body() {
+    let rules = rules_file(
+        "head",
+        r#"{"identity": {"user": {"header": "x-user-id"}},
+            "rules": [{"name": "once", "match": {"path": "/limited"}, "key": ["user"],
+                       "limit": {"requests": 1, "per": "1h"}}]}"#,
+    );
+    let (_gateway, addr) = start(&rules);
+    let request = b"HEAD /limited HTTP/1.1\r\nhost: x\r\nx-user-id: head\r\n\r\n";
+    for status in ["200", "429"] {
+        let answer = raw(&addr, request);
+        assert!(answer.starts_with(&format!("HTTP/1.1 {status} ")), "{answer:?}");
+        assert!(answer.ends_with("\r\n\r\n") && answer.contains("content-length: "), "{answer:?}");
+    }
+    let _ = std::fs::remove_dir_all(rules.parent().unwrap());
+}
+
 #[test]
 fn a_header_section_over_the_limit_gets_a_431() {
     let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/rules.json");
