@@ -865,18 +865,35 @@ impl Engine {
             // and its round trip). Told only the limit's own wait, a client that waited it
             // was refused once more.
             let lag = s.lag();
+            let mut fresh_view = false;
             for (c, o) in checks.iter().zip(outcome.checks.iter_mut()) {
                 if let CheckResult::Decided(d) = &mut o.result {
+                    let sliding = matches!(
+                        c.limit.algorithm(),
+                        ratewall_core::Algorithm::SlidingWindow | ratewall_core::Algorithm::SlidingLog
+                    );
+                    let lagging = sliding && !self.exact.get(c.rule).copied().unwrap_or(false);
                     if !d.allowed && d.retry_after == Some(ratewall_core::eval::ALLOWANCE_RETRY) {
                         if let Some(free) = s.out_until(ratewall_core::key::fnv1a(&c.key), now) {
-                            let sliding = matches!(
-                                c.limit.algorithm(),
-                                ratewall_core::Algorithm::SlidingWindow | ratewall_core::Algorithm::SlidingLog
-                            );
-                            let no_wait = !self.exact.get(c.rule).copied().unwrap_or(false);
-                            let free = if sliding && no_wait { free.saturating_add(lag) } else { free };
+                            let free = if lagging { free.saturating_add(lag) } else { free };
                             d.retry_after = Some(free.saturating_sub(now).max(ratewall_core::eval::ALLOWANCE_RETRY));
                         }
+                    } else if !d.allowed && lagging {
+                        // Denied by the limit itself (the node's own count is full): its unit
+                        // comes back as the store's does, and is taken the same way — once the
+                        // store has it too, as the view says now (another VM may have written it
+                        // since this one's tick). The store counted the node's units later, so
+                        // it may free them later: where it has not said when, a sliding log's
+                        // by up to one of its slots.
+                        if !fresh_view {
+                            s.read_view(host);
+                            fresh_view = true;
+                        }
+                        let store = s.out_until(ratewall_core::key::fnv1a(&c.key), now).map(|f| f - now);
+                        let log = c.limit.algorithm() == ratewall_core::Algorithm::SlidingLog;
+                        let later = if log && store.is_none() { crate::table::log_slot(&c.limit) } else { 0 };
+                        let store = store.unwrap_or(0);
+                        d.retry_after = d.retry_after.map(|r| r.max(store).saturating_add(later).saturating_add(lag));
                     } else if !d.allowed && c.limit.algorithm() == ratewall_core::Algorithm::TokenBucket {
                         d.retry_after = d.retry_after.map(|r| r.saturating_add(lag));
                     }

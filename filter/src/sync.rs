@@ -74,7 +74,11 @@ const RENEW_FOR: Nanos = 5_000 * MS;
 /// remembered when no answer names it again: a client told to come back then (its
 /// `Retry-After`, rounded up to a whole second) finds the unit that came back (see
 /// [`Syncer::came_back`]).
-const BACK_FOR: Nanos = 1_500 * MS;
+pub const BACK_FOR: Nanos = 1_500 * MS;
+/// How long past the end of its wait (and [`Syncer::lag`]) a counter named out is kept when no
+/// answer names it again: longer than [`BACK_FOR`] for a sliding log, whose unit the node's own
+/// count may free up to one of the log's slots sooner than the store's.
+const BACK_KEPT: Nanos = 10_000 * MS;
 /// A grant leased at least this long shows its counter far from its limit.
 const RELAXED_LEASE: Nanos = 1_000 * MS;
 /// The most the store's clock may differ from the node's: an answer further off is refused
@@ -738,14 +742,14 @@ impl Syncer {
     /// on them (a node still denying on one has it named again, or given a grant, by each
     /// answer). A request there may take that unit on an overdraft of one (see
     /// `TableCounters`), as a client that waited its `Retry-After` does.
-    pub fn came_back(&self, store_now: Nanos) -> Vec<u64> {
+    /// Each with how long ago that was.
+    pub fn came_back(&self, store_now: Nanos) -> Vec<(u64, Nanos)> {
         let lag = self.lag();
         let named = self.named.borrow();
-        let back = |until_ms: u64| until_ms.saturating_mul(MS).saturating_add(lag);
         named
             .iter()
-            .filter(|(_, u)| (back(*u)..back(*u).saturating_add(BACK_FOR)).contains(&store_now))
-            .map(|(h, _)| *h)
+            .filter_map(|(h, u)| Some((*h, store_now.checked_sub(u.saturating_mul(MS).saturating_add(lag))?)))
+            .filter(|(_, since)| *since < BACK_KEPT)
             .collect()
     }
 
@@ -824,12 +828,7 @@ impl Syncer {
         let now = host.now();
         self.handed.set(false);
         self.publish(host);
-        if let Ok((Some(v), _)) = host.shared_get(&self.keys.view) {
-            if let Some(view) = View::decode(&v) {
-                self.view.set(view);
-                *self.named.borrow_mut() = decode_named(v.get(VIEW_LEN..).unwrap_or_default());
-            }
-        }
+        self.read_view(host);
         let v = self.view.get();
         if let Some(m) = self.metrics.staleness_ms {
             let since = if v.ok_at > 0 { v.ok_at } else { self.started };
@@ -837,6 +836,16 @@ impl Syncer {
         }
         if self.hold_lease(host, now) {
             self.drive(host, now, section);
+        }
+    }
+
+    /// Reads the view the syncing VM last wrote, and the counters named out with it.
+    pub fn read_view(&self, host: &dyn Host) {
+        if let Ok((Some(v), _)) = host.shared_get(&self.keys.view) {
+            if let Some(view) = View::decode(&v) {
+                self.view.set(view);
+                *self.named.borrow_mut() = decode_named(v.get(VIEW_LEN..).unwrap_or_default());
+            }
         }
     }
 
@@ -1356,7 +1365,7 @@ impl Syncer {
         for old in self.named.borrow().iter() {
             let answered = named.iter().any(|(h, _)| *h == old.0)
                 || batch.deltas.iter().any(|d| ratewall_core::key::fnv1a(&d.key) == old.0);
-            let remembered = old.1.saturating_mul(MS).saturating_add(lag).saturating_add(BACK_FOR) > resp.now;
+            let remembered = old.1.saturating_mul(MS).saturating_add(lag).saturating_add(BACK_KEPT) > resp.now;
             if !answered && remembered && named.len() < ratewall_core::sync::MAX_OUT {
                 named.push(*old);
             }

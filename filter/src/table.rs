@@ -644,7 +644,7 @@ pub struct TableCounters<'a> {
     /// The counters the store named out whose unit came back with no answer since
     /// (`Syncer::came_back`): a sliding window's or log's of a rule that is not exact, whose
     /// grant and overdraft are spent, admits that one unit on an overdraft.
-    pub came_back: Vec<u64>,
+    pub came_back: Vec<(u64, Nanos)>,
     /// The departure count each leaky bucket's admission read (by counter key): the turn it
     /// was given is moved up by the departures after it.
     pub seqs: Vec<(Vec<u8>, u32)>,
@@ -675,6 +675,12 @@ impl<'a> TableCounters<'a> {
             refunding: false,
         }
     }
+}
+
+/// One slot of a sliding log of `limit`: what it counts, it counts for up to this long more
+/// than a log of every instant would.
+pub fn log_slot(limit: &ratewall_core::Limit) -> Nanos {
+    limit.per().div_ceil(ratewall_core::algo::LOG_QUANTA)
 }
 
 impl Counters for TableCounters<'_> {
@@ -723,14 +729,18 @@ impl Counters for TableCounters<'_> {
         // rule's first request asks, as always: the store refuses it while the counter is out).
         let out =
             no_wait && !self.named_out.is_empty() && self.named_out.contains(&ratewall_core::key::fnv1a(&check.key));
+        // For [`crate::sync::BACK_FOR`] (a sliding log: one of its slots more, as its denial's
+        // wait may be that much longer than the store's) once its unit came back.
+        let back_for = match limit.algorithm() {
+            ratewall_core::Algorithm::SlidingWindow => crate::sync::BACK_FOR,
+            ratewall_core::Algorithm::SlidingLog => crate::sync::BACK_FOR.saturating_add(log_slot(&limit)),
+            _ => 0,
+        };
         let back = no_wait
             && !out
+            && back_for > 0
             && !self.came_back.is_empty()
-            && matches!(
-                limit.algorithm(),
-                ratewall_core::Algorithm::SlidingWindow | ratewall_core::Algorithm::SlidingLog
-            )
-            && self.came_back.contains(&ratewall_core::key::fnv1a(&check.key));
+            && self.came_back.iter().any(|(h, since)| *h == ratewall_core::key::fnv1a(&check.key) && *since < back_for);
         let late_over = match grants {
             Grants::On { nodes } if no_wait && late && !out => {
                 crate::sync::overdraft(limit.quota(), nodes, u64::MAX, 1, false, 0)

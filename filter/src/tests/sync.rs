@@ -891,8 +891,17 @@ fn an_ask_refused_for_a_spent_sliding_window_says_the_wait_until_a_unit_is_free(
 /// `Retry-After: 1`: the node held no grant for the unit until its next answer).
 #[test]
 fn a_client_that_waits_a_spent_sliding_windows_retry_after_is_admitted_without_waiting() {
-    for n in [1, 3] {
-        let (hosts, engines) = fleet(n, &rules(5, n as u32));
+    // (nodes, limit, nodes the client's requests go to in turn). At 2 a minute the node's own
+    // count denies the third request, by the limit itself rather than by the store's answer.
+    // (Over two nodes in turn, the second spends its initial share blind, the fleet admits
+    // three, and the wait the third request was told was the store's for two: the overshoot
+    // of a rule that is not exact; an exact rule's is none.)
+    // With `quick`, the second request comes before the node's first answer (denied: the
+    // initial share is spent), as a client's burst does.
+    for (n, limit, to, quick) in
+        [(1, 5, 1, false), (3, 5, 3, false), (1, 2, 1, false), (2, 2, 1, false), (2, 2, 1, true)]
+    {
+        let (hosts, engines) = fleet(n, &rules(limit, n as u32));
         let mut s = store();
         let tick = |s: &mut Store| {
             for (h, e) in hosts.iter().zip(&engines) {
@@ -902,13 +911,19 @@ fn a_client_that_waits_a_spent_sliding_windows_retry_after_is_admitted_without_w
             }
         };
         let send = |i: usize| {
-            hosts[i % n].request("GET", NO_WAIT, &[("x-user-id", "ann")]);
-            engines[i % n].on_request(&hosts[i % n]).into_reply()
+            hosts[i % to].request("GET", NO_WAIT, &[("x-user-id", "ann")]);
+            engines[i % to].on_request(&hosts[i % to]).into_reply()
         };
         let mut i = 0;
         let wait = loop {
             let r = send(i);
             i += 1;
+            if quick && i == 1 {
+                for h in &hosts {
+                    h.advance(50 * MS);
+                }
+                continue;
+            }
             tick(&mut s);
             if r.status == 429 {
                 let wait: u64 = super::engine::header(&r, "retry-after").unwrap().parse().unwrap();
@@ -916,9 +931,9 @@ fn a_client_that_waits_a_spent_sliding_windows_retry_after_is_admitted_without_w
                     break wait;
                 }
             }
-            assert!(i < 40, "{n} nodes: never told the real wait");
+            assert!(i < 40, "{n} nodes, {to} in turn: never told the real wait");
         };
-        assert!(wait > 10, "{n} nodes: a unit comes back only tens of seconds on: {wait}");
+        assert!(wait > 10, "{n} nodes, {to} in turn: a unit comes back only tens of seconds on: {wait}");
         let until = hosts[0].now() + wait * ratewall_core::SECOND;
         while hosts[0].now() + 200 * MS <= until {
             tick(&mut s);
@@ -928,14 +943,14 @@ fn a_client_that_waits_a_spent_sliding_windows_retry_after_is_admitted_without_w
         }
         let calls = hosts.iter().map(|h| h.take_calls().len()).sum::<usize>();
         let r = send(i);
-        assert_eq!(r.status, 200, "{n} nodes: admitted after waiting {wait} s: {:?}", r.headers);
+        assert_eq!(r.status, 200, "{n} nodes, {to} in turn: admitted after waiting {wait} s: {:?}", r.headers);
         // At once: on what the node holds, not on a call.
         assert_eq!(hosts.iter().map(|h| h.take_calls().len()).sum::<usize>(), 0, "{calls}");
         // The unit is counted at the store with the next batch, and the next request is
         // refused (one unit came back, and it is taken).
         tick(&mut s);
         tick(&mut s);
-        assert_eq!(send(i + 1).status, 429, "{n} nodes");
+        assert_eq!(send(i + 1).status, 429, "{n} nodes, {to} in turn");
     }
 }
 
@@ -2059,4 +2074,70 @@ fn a_unit_admitted_at_a_windows_end_is_not_counted_in_the_next_window_by_a_clock
     e.on_tick(&h);
     serve_slow_out(&mut s);
     assert_eq!(counted(&s, &e, NO_WAIT, "ann", h.now()), 0, "the last window's unit takes nothing from this one");
+}
+
+/// A proxy of two workers (two VMs sharing data) beside another proxy, one client whose burst
+/// spends a sliding window or log of 2 per 10 s, at several points of the window: the third
+/// request is denied by the proxy's own count, before the store has counted the second, and
+/// a client that waits exactly the `Retry-After` it is told is admitted. (On a real NGINX of
+/// two workers it was refused with `Retry-After: 1`: that denial's wait was the proxy's own,
+/// without the lag of an answer, and a sliding log's store frees its units up to a slot later
+/// than the proxy's count.)
+#[test]
+fn a_client_that_waits_its_retry_after_on_a_proxy_of_two_workers_is_admitted() {
+    for algorithm in ["sliding_window", "sliding_log"] {
+        for offset in [0u64, 1_200, 3_300, 5_100, 6_600, 8_700, 9_900] {
+            let doc = rules(2, 2).replacen(
+                r#""limit": {"requests": 2, "per": "60s"}}"#,
+                &format!(r#""algorithm": "{algorithm}", "limit": {{"requests": 2, "per": "10s"}}}}"#),
+                1,
+            );
+            let (h, other) = (FakeHost::new(), FakeHost::new());
+            let both = |ns: u64| {
+                h.advance(ns);
+                other.advance(ns);
+            };
+            both(offset * MS);
+            let vms = [engine(&h, &doc), engine(&h, &doc)];
+            let e2 = engine(&other, &doc);
+            let mut s = store();
+            let tick = |s: &mut Store| {
+                both(100 * MS);
+                for e in &vms {
+                    e.on_tick(&h);
+                    serve(s, e, &h);
+                }
+                e2.on_tick(&other);
+                serve(s, &e2, &other);
+            };
+            let send = |i: usize| {
+                h.request("GET", NO_WAIT, &[("x-user-id", "ann")]);
+                vms[i % 2].on_request(&h).into_reply()
+            };
+            // Two requests 50 ms apart between the proxy's ticks.
+            let mut i = 0;
+            let wait = loop {
+                let r = send(i);
+                i += 1;
+                both(50 * MS);
+                if i % 2 == 0 {
+                    tick(&mut s);
+                }
+                if r.status == 429 {
+                    let wait: u64 = super::engine::header(&r, "retry-after").unwrap().parse().unwrap();
+                    if wait > 1 {
+                        break wait;
+                    }
+                }
+                assert!(i < 40, "{algorithm} at {offset} ms: never told the real wait");
+            };
+            let until = h.now() + wait * ratewall_core::SECOND;
+            while h.now() + 200 * MS <= until {
+                tick(&mut s);
+            }
+            both(until - h.now());
+            let r = send(i);
+            assert_eq!(r.status, 200, "{algorithm} at {offset} ms: admitted after waiting {wait} s: {:?}", r.headers);
+        }
+    }
 }
