@@ -871,8 +871,17 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
         out.headers_mut().set("content-type", "text/plain; charset=utf-8")?;
         Ok(out)
     };
-    let batch = match store::check(&secret, tag.as_deref(), &body, now()) {
-        Ok(b) => b,
+    // While the secret is rotated, a batch signed with the one going out is taken too, and
+    // answered signed with it (docs/operations.md).
+    let previous = env.secret("RATEWALL_SYNC_SECRET_PREVIOUS").map(|s| s.to_string()).unwrap_or_default();
+    let (secret, batch) = match store::check(&secret, tag.as_deref(), &body, now()) {
+        Ok(b) => (secret, b),
+        Err(r) if r.status == 401 && previous.chars().count() >= 16 => {
+            match store::check(&previous, tag.as_deref(), &body, now()) {
+                Ok(b) => (previous, b),
+                Err(_) => return refused(r),
+            }
+        }
         Err(r) => return refused(r),
     };
     let timeout = Duration::from_millis(var_u64(&env, "OBJECT_TIMEOUT_MS", 1000));

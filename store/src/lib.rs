@@ -326,6 +326,9 @@ pub struct Store<K> {
     /// Redis (or a fake).
     pub kv: K,
     secret: Vec<u8>,
+    /// A secret being rotated out (`RATEWALL_SYNC_SECRET_PREVIOUS`): a batch signed with it is
+    /// accepted too, and answered signed with it, so proxies move to the new secret one by one.
+    previous: Option<Vec<u8>>,
     /// How long a call may take before it is a 503.
     pub deadline: Duration,
     /// Its counters.
@@ -361,6 +364,7 @@ impl<K: Kv> Store<K> {
         Store {
             kv,
             secret: secret.to_vec(),
+            previous: None,
             deadline,
             metrics: Metrics::default(),
             top: top::Top::default(),
@@ -453,6 +457,13 @@ impl<K: Kv> Store<K> {
         self.counted(self.sync_checked(body, signature).await)
     }
 
+    /// Accepts batches signed with `previous` too (a secret being rotated out), and answers
+    /// each signed with the secret it came with.
+    pub fn with_previous_secret(mut self, previous: &[u8]) -> Store<K> {
+        self.previous = Some(previous.to_vec()).filter(|p| !p.is_empty() && *p != self.secret);
+        self
+    }
+
     /// `POST /v1/sync` with a body over [`MAX_BODY`] bytes, cut off before it was read whole
     /// (the listener reads no more): refused, and counted, as one read whole would be.
     pub fn sync_too_large(&self) -> Answer {
@@ -464,8 +475,15 @@ impl<K: Kv> Store<K> {
             return too_large();
         }
         let tag = signature.and_then(|s| unhex(s.trim_ascii())).unwrap_or_default();
-        // The time is checked by the registry, at Redis's clock.
-        let req = match SyncRequest::verified(&self.secret, body, &tag, None) {
+        // The time is checked by the registry, at Redis's clock. A batch the current secret does
+        // not sign may be signed with the one being rotated out.
+        let mut key = self.secret.as_slice();
+        let mut verified = SyncRequest::verified(key, body, &tag, None);
+        if let (Err(SyncError::Unauthorized), Some(previous)) = (&verified, &self.previous) {
+            key = previous;
+            verified = SyncRequest::verified(key, body, &tag, None);
+        }
+        let req = match verified {
             Ok(r) => r,
             Err(SyncError::Unauthorized) => return Answer::error(401, reason::UNSIGNED),
             Err(SyncError::Malformed(e)) => return Answer::error(400, reason::malformed(e)),
@@ -480,7 +498,7 @@ impl<K: Kv> Store<K> {
         let answer = match tokio::time::timeout(self.deadline, self.apply(&req)).await {
             Ok(Ok(resp)) => {
                 let out = resp.encode();
-                Answer { status: 200, signature: Some(hex(&sign(&self.secret, &out))), body: out }
+                Answer { status: 200, signature: Some(hex(&sign(key, &out))), body: out }
             }
             Ok(Err(a)) => a,
             Err(_) => {
@@ -737,6 +755,29 @@ mod tests {
         let rule = RuleTop { rule: "r".into(), allowed: 1, denied, shadow_denied: 0, top: summary };
         let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
         top::Share { process, seq: denied, seconds: vec![(unix, TopSection { rules: vec![rule] })], nodes: Vec::new() }
+    }
+
+    /// While the secret is rotated, a batch signed with the one going out is counted and
+    /// answered signed with it (the proxy that sent it checks the answer with it); one signed
+    /// with neither is refused.
+    #[tokio::test]
+    async fn a_batch_signed_with_the_secret_being_rotated_out_is_answered_with_it() {
+        const OLD: &[u8] = b"the secret going out, 16+";
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)).with_previous_secret(OLD);
+        let sent = store.kv.now.load(Ordering::Relaxed);
+        for (seq, key, status) in [(1, SECRET, 200), (2, OLD, 200), (3, b"neither of the two secrets", 401)] {
+            let body = SyncRequest { node: 1, seq, sent, deltas: deltas(&[(b"k", 1)]), ask: false }.encode();
+            let a = store.sync(&body, Some(hex(&sign(key, &body)).as_bytes())).await;
+            assert_eq!(a.status, status, "seq {seq}");
+            if status == 200 {
+                assert_eq!(a.signature, Some(hex(&sign(key, &a.body))), "seq {seq}");
+            }
+        }
+        assert_eq!(remaining(&call(&store, 2, 1, &[(b"k", 0)]).await), [98]);
+        // Without it, the old secret is refused.
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let body = SyncRequest { node: 1, seq: 1, sent, deltas: deltas(&[(b"k", 1)]), ask: false }.encode();
+        assert_eq!(store.sync(&body, Some(hex(&sign(OLD, &body)).as_bytes())).await.status, 401);
     }
 
     #[tokio::test]

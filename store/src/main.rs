@@ -25,8 +25,10 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::OnceCell;
 
-const USAGE: &str = "usage: RATEWALL_SYNC_SECRET=<at least 16 characters> ratewall-store --listen ADDR:PORT \
---redis URL [--redis URL ...] [--cluster] [--deadline-ms N] [--rls ADDR:PORT --rls-config FILE_OR_DIR] [--admin ADDR:PORT]";
+const USAGE: &str =
+    "usage: RATEWALL_SYNC_SECRET=<at least 16 characters> [RATEWALL_SYNC_SECRET_PREVIOUS=<the one being \
+rotated out>] ratewall-store --listen ADDR:PORT --redis URL [--redis URL ...] [--cluster] [--deadline-ms N] \
+[--rls ADDR:PORT --rls-config FILE_OR_DIR] [--admin ADDR:PORT]";
 
 struct Args {
     listen: String,
@@ -375,6 +377,12 @@ fn main() -> std::process::ExitCode {
         eprintln!("ratewall-store: set RATEWALL_SYNC_SECRET to the filters' sync secret (at least 16 characters)");
         return std::process::ExitCode::from(2);
     }
+    // While the secret is rotated, the one going out (docs/operations.md).
+    let previous = std::env::var("RATEWALL_SYNC_SECRET_PREVIOUS").unwrap_or_default();
+    if !previous.is_empty() && previous.chars().count() < 16 {
+        eprintln!("ratewall-store: RATEWALL_SYNC_SECRET_PREVIOUS, when set, is a secret of at least 16 characters");
+        return std::process::ExitCode::from(2);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -382,7 +390,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(args, secret)) {
+    match runtime.block_on(serve(args, secret, previous)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ratewall-store: {e}");
@@ -391,7 +399,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-async fn serve(args: Args, secret: String) -> Result<(), String> {
+async fn serve(args: Args, secret: String, previous: String) -> Result<(), String> {
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
@@ -403,7 +411,8 @@ async fn serve(args: Args, secret: String) -> Result<(), String> {
         unreachable: Quiet::default(),
         failing: Quiet::default(),
     };
-    let store: Shared = Arc::new(Store::new(kv, secret.as_bytes(), args.deadline));
+    let store: Shared =
+        Arc::new(Store::new(kv, secret.as_bytes(), args.deadline).with_previous_secret(previous.as_bytes()));
     let stopping = Stopping::on_signal();
     let running = match &args.rls_config {
         Some(path) => Some(start_rls(&store, path, args.rls.as_deref(), secret.as_bytes(), &stopping).await?),

@@ -438,6 +438,31 @@ fn post_sync(w: &Workerd, body: &[u8], tag: Option<String>) -> Response {
     w.request("POST", "/v1/sync", &headers, body)
 }
 
+/// While the sync secret is rotated (`RATEWALL_SYNC_SECRET_PREVIOUS`), a node still on the
+/// one going out is counted and answered signed with it; a node on neither is refused.
+#[test]
+fn a_node_still_on_the_secret_being_rotated_out_is_answered_with_it() {
+    const OLD: &str = "the sync secret going out";
+    let w = start(&[("RATEWALL_SYNC_SECRET_PREVIOUS", OLD)]);
+    let (key, limit) = key_of("/u/x", "rotating");
+    for (seq, secret, status) in [(1, SECRET, 200), (2, OLD, 200), (3, "a secret of neither kind", 401)] {
+        let batch = SyncRequest {
+            node: 78,
+            seq,
+            sent: wall_clock(),
+            deltas: vec![Delta { key: key.clone(), limit, units: 1 }],
+            ask: false,
+        };
+        let body = batch.encode();
+        let r = post_sync(&w, &body, Some(hex(&sign(secret.as_bytes(), &body))));
+        assert_eq!(r.status, status, "seq {seq}: {}", r.text());
+        if status == 200 {
+            let sig = unhex(r.header("x-ratewall-signature").unwrap().as_bytes()).unwrap();
+            assert!(verify(secret.as_bytes(), &r.body, &sig), "seq {seq}: answered with the secret it came with");
+        }
+    }
+}
+
 #[test]
 fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     let w = start(&[]);
