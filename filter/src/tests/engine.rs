@@ -342,6 +342,24 @@ fn a_leaky_bucket_queues_a_burst_in_turns_and_rejects_past_its_queue() {
     assert_eq!(header(&r, "retry-after"), Some("1"), "a place frees in 200 ms, rounded up");
 }
 
+/// A request that waits its turn goes with its `RateLimit` fields as of when it goes: `t`
+/// that much nearer (it said the bucket drained a wait later than it did).
+#[test]
+fn a_waiting_requests_fields_are_as_of_when_it_goes() {
+    let doc = LEAKY.replace(r#""requests": 5, "per": "1s", "burst": 5"#, r#""requests": 1, "per": "3s", "burst": 5"#);
+    let h = FakeHost::new();
+    let e = engine(&h, &doc);
+    let t = |r: &ratewall_core::Reply| header(r, "ratelimit").unwrap().split(";t=").nth(1).unwrap().to_owned();
+    h.request("GET", "/q/x", &[("x-user-id", "ann")]);
+    let first = current(&e, &h);
+    assert_eq!(t(&first), "3", "the bucket drains 3 s on");
+    h.request("GET", "/q/x", &[("x-user-id", "ann")]);
+    let Verdict::Wait(w) = e.on_request(&h) else { panic!("queued") };
+    assert_eq!(w.until - h.now(), 3 * SECOND);
+    // It goes 3 s on, when the bucket holds it alone: drained 3 s after that.
+    assert_eq!(t(&w.reply), "3", "{:?}", w.reply.headers);
+}
+
 #[test]
 fn a_waiter_that_goes_away_gives_its_turn_back_and_a_rejection_elsewhere_takes_no_turn() {
     let h = FakeHost::new();
