@@ -929,6 +929,21 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
         return Response::error("not a ratewall route", 404);
     }
     if path == METRICS_PATH {
+        // Open to scrapes by default; with `METRICS_NEED_TOKEN = "on"`, for the admin token
+        // only, as Prometheus sends it (`authorization: { credentials: … }`).
+        if var(&env, "METRICS_NEED_TOKEN").as_deref() == Some("on") {
+            let authorization = req.headers().get("authorization").ok().flatten();
+            let access = admin::access(admin_token(&env).as_deref(), authorization.as_deref(), None);
+            if access != Access::Granted {
+                let headers = Headers::new();
+                headers.set("cache-control", "no-store")?;
+                if access == Access::Refused {
+                    headers.set("www-authenticate", "Bearer realm=\"ratewall\"")?;
+                }
+                let body = admin::refusal(access, false).as_bytes().to_vec();
+                return Ok(Response::from_bytes(body)?.with_status(access.status()).with_headers(headers));
+            }
+        }
         return Response::ok(with(|i| {
             i.metrics.grant_admissions = i.grants.local;
             i.metrics.overdraft_admissions = i.grants.overdrafts + i.grants.first + i.grants.shared;

@@ -107,7 +107,10 @@ impl Workerd {
         self.addr = format!("127.0.0.1:{port}");
         let start = Instant::now();
         loop {
-            if http::request(&self.addr, "GET", "/_ratewall/metrics", &[], &[]).is_ok_and(|r| r.status == 200) {
+            // Up once ratewall answers (a metrics route that needs a token answers 401 or 404).
+            if http::request(&self.addr, "GET", "/_ratewall/metrics", &[], &[])
+                .is_ok_and(|r| matches!(r.status, 200 | 401 | 404))
+            {
                 return Ok(());
             }
             let exited = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());

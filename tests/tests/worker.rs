@@ -438,6 +438,26 @@ fn post_sync(w: &Workerd, body: &[u8], tag: Option<String>) -> Response {
     w.request("POST", "/v1/sync", &headers, body)
 }
 
+/// `METRICS_NEED_TOKEN = "on"`: the metrics route answers only the admin token (401 with
+/// another or none; 404 while no token is set), the admin routes' way.
+#[test]
+fn the_metrics_route_can_be_closed_to_all_but_the_admin_token() {
+    let token = "an admin token of 16+";
+    let w = start(&[("METRICS_NEED_TOKEN", "on"), ("RATEWALL_ADMIN_TOKEN", token)]);
+    let scrape = |auth: Option<&str>| {
+        let value = auth.map(|t| format!("Bearer {t}"));
+        let headers: Vec<(&str, &str)> = value.iter().map(|v| ("authorization", v.as_str())).collect();
+        w.request("GET", "/_ratewall/metrics", &headers, &[])
+    };
+    assert_eq!(scrape(None).status, 401);
+    assert_eq!(scrape(Some("not the token at all")).status, 401);
+    let r = scrape(Some(token));
+    assert_eq!(r.status, 200);
+    assert!(r.text().contains("ratewall_"), "{}", r.text());
+    let w = start(&[("METRICS_NEED_TOKEN", "on")]);
+    assert_eq!(w.request("GET", "/_ratewall/metrics", &[], &[]).status, 404);
+}
+
 /// While the sync secret is rotated (`RATEWALL_SYNC_SECRET_PREVIOUS`), a node still on the
 /// one going out is counted and answered signed with it; a node on neither is refused.
 #[test]
