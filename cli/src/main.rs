@@ -61,9 +61,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Validate a rules document and print its rules.
+    /// Validate a rules document (or a rate limit service configuration: a `.yaml` file or a
+    /// directory of them) and print its rules.
     Check {
-        /// The rules document.
+        /// The rules document, or the `.yaml` file or directory of a rate limit service
+        /// configuration.
         rules: PathBuf,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -92,7 +94,7 @@ enum Command {
     },
     /// Replay an access log through the rules on the log's own clock: NGINX (`combined` or a
     /// `log_format`), Envoy (its default format or a format string), or JSON lines
-    /// ({"ts", "method", "path", "headers", "ip"}).
+    /// ({"ts", "method", "path", "headers", "ip", "duration_ms"}).
     Replay {
         /// The rules document.
         rules: PathBuf,
