@@ -209,8 +209,8 @@ pub fn normalize_path(raw: &[u8]) -> Cow<'_, str> {
             }
             b'\\' => decoded.push(b'/'),
             _ if encoded(b) => {
-                let digits = b"0123456789ABCDEF";
-                decoded.extend_from_slice(&[b'%', digits[usize::from(b >> 4)], digits[usize::from(b & 15)]]);
+                let digit = |d: u8| if d < 10 { b'0' + d } else { b'A' + d - 10 };
+                decoded.extend_from_slice(&[b'%', digit(b >> 4), digit(b & 15)]);
             }
             _ => decoded.push(b),
         }
