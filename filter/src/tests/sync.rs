@@ -884,6 +884,12 @@ fn an_ask_refused_for_a_spent_sliding_window_says_the_wait_until_a_unit_is_free(
     assert!(exact_request(b, hb, &mut s).0, "admitted after waiting {wait} s");
 }
 
+/// The `Retry-After` of a 429 that says a real wait (more than a spent grant's 1 s), in s.
+fn real_wait(r: &ratewall_core::Reply) -> Option<u64> {
+    let wait: u64 = super::engine::header(r, "retry-after")?.parse().ok()?;
+    (r.status == 429 && wait > 1).then_some(wait)
+}
+
 /// A sliding window of 5 a minute (a rule that is not exact) spent by one client, on one
 /// proxy and over three in turn: the denial says the wait until a unit is free at the store,
 /// and a client that waits exactly that long is admitted at once — on the unit that came back,
@@ -925,11 +931,8 @@ fn a_client_that_waits_a_spent_sliding_windows_retry_after_is_admitted_without_w
                 continue;
             }
             tick(&mut s);
-            if r.status == 429 {
-                let wait: u64 = super::engine::header(&r, "retry-after").unwrap().parse().unwrap();
-                if wait > 1 {
-                    break wait;
-                }
+            if let Some(wait) = real_wait(&r) {
+                break wait;
             }
             assert!(i < 40, "{n} nodes, {to} in turn: never told the real wait");
         };
@@ -2123,11 +2126,8 @@ fn a_client_that_waits_its_retry_after_on_a_proxy_of_two_workers_is_admitted() {
                 if i % 2 == 0 {
                     tick(&mut s);
                 }
-                if r.status == 429 {
-                    let wait: u64 = super::engine::header(&r, "retry-after").unwrap().parse().unwrap();
-                    if wait > 1 {
-                        break wait;
-                    }
+                if let Some(wait) = real_wait(&r) {
+                    break wait;
                 }
                 assert!(i < 40, "{algorithm} at {offset} ms: never told the real wait");
             };
