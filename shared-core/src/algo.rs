@@ -664,9 +664,13 @@ fn wait_for_weight(count: u64, w: Nanos, allowed: u64) -> Nanos {
     if count <= allowed {
         return 0;
     }
-    // floor(count*(w-e)/w) <= allowed  <=>  count*(w-e) <= (allowed+1)*w - 1
-    let bound = (u128::from(allowed) + 1) * u128::from(w) - 1;
-    let span = (bound / u128::from(count)) as u64; // < w since count > allowed
+    // floor(count*(w-e)/w) <= allowed  <=>  count*(w-e) <= (allowed+1)*w - 1; in 64 bits
+    // whenever the product fits (a u128 division is a library call on wasm32, and this runs
+    // on every admission of a sliding window, for its reset).
+    let span = match (allowed + 1).checked_mul(w) {
+        Some(bound) => (bound - 1) / count,
+        None => (((u128::from(allowed) + 1) * u128::from(w) - 1) / u128::from(count)) as u64,
+    }; // < w since count > allowed
     w - span
 }
 
