@@ -850,13 +850,7 @@ fn a_client_that_waits_an_exact_sliding_windows_retry_after_is_admitted() {
 fn an_ask_refused_for_a_spent_sliding_window_says_the_wait_until_a_unit_is_free() {
     let (hosts, engines) = fleet(3, &rules(5, 3));
     let mut s = store();
-    let tick = |s: &mut Store| {
-        for (h, e) in hosts.iter().zip(&engines) {
-            h.advance(100 * MS);
-            e.on_tick(h);
-            serve(s, e, h);
-        }
-    };
+    let tick = |s: &mut Store| tick_fleet(&hosts, &engines, s);
     for i in 0..5 {
         assert!(exact_request(&engines[i % 3], &hosts[i % 3], &mut s).0, "request {i}");
         tick(&mut s);
@@ -884,6 +878,15 @@ fn an_ask_refused_for_a_spent_sliding_window_says_the_wait_until_a_unit_is_free(
     assert!(exact_request(b, hb, &mut s).0, "admitted after waiting {wait} s");
 }
 
+/// Every node of a fleet ticks 100 ms on, its calls answered by `store`.
+fn tick_fleet(hosts: &[FakeHost], engines: &[Engine], store: &mut Store) {
+    for (h, e) in hosts.iter().zip(engines) {
+        h.advance(100 * MS);
+        e.on_tick(h);
+        serve(store, e, h);
+    }
+}
+
 /// The `Retry-After` of a 429 that says a real wait (more than a spent grant's 1 s), in s.
 fn real_wait(r: &ratewall_core::Reply) -> Option<u64> {
     let wait: u64 = super::engine::header(r, "retry-after")?.parse().ok()?;
@@ -909,13 +912,7 @@ fn a_client_that_waits_a_spent_sliding_windows_retry_after_is_admitted_without_w
     {
         let (hosts, engines) = fleet(n, &rules(limit, n as u32));
         let mut s = store();
-        let tick = |s: &mut Store| {
-            for (h, e) in hosts.iter().zip(&engines) {
-                h.advance(100 * MS);
-                e.on_tick(h);
-                serve(s, e, h);
-            }
-        };
+        let tick = |s: &mut Store| tick_fleet(&hosts, &engines, s);
         let send = |i: usize| {
             hosts[i % to].request("GET", NO_WAIT, &[("x-user-id", "ann")]);
             engines[i % to].on_request(&hosts[i % to]).into_reply()
