@@ -42,8 +42,18 @@ impl Kv for FakeKv {
         let now = self.op()?;
         Ok((self.values.lock().unwrap().get(key).cloned(), now))
     }
-    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], _ttl_ms: u64) -> Result<Cas, String> {
+    async fn cas(
+        &self,
+        key: &str,
+        old: Option<&[u8]>,
+        new: &[u8],
+        _ttl_ms: u64,
+        deadline_ms: u64,
+    ) -> Result<Cas, String> {
         let now = self.op()?;
+        if deadline_ms > 0 && now / 1_000_000 > deadline_ms {
+            return Err("past its deadline".into());
+        }
         if self.fail_next_write_of.lock().unwrap().take_if(|k| k == key).is_some() {
             return Err("connection reset".into());
         }

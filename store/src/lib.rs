@@ -51,8 +51,12 @@ pub const READ: &str = "local t = redis.call('TIME') return {redis.call('GET', K
 /// Sets `KEYS[1]` to `ARGV[2]` (expiring in `ARGV[3]` ms) if it still holds `ARGV[1]`
 /// (`ARGV[4]` = "0": if it does not exist): `{1, false, s, µs}` when set, else
 /// `{0, value or false, s, µs}` — what it holds instead, so the caller can run its transition
-/// again without another read. (`s, µs`: the key's primary's clock.)
+/// again without another read. (`s, µs`: the key's primary's clock.) Past `ARGV[5]` ms of that
+/// clock (when not "0"), nothing is written: `{2, false, s, µs}` — a call Redis runs only after
+/// its caller gave up (Redis paused with it on the socket) counts nothing.
 pub const CAS: &str = "local v = redis.call('GET', KEYS[1]) local t = redis.call('TIME') \
+if ARGV[5] ~= '0' and tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[5]) then \
+return {2, false, t[1], t[2]} end \
 if (ARGV[4] == '0' and v == false) or (ARGV[4] == '1' and v == ARGV[1]) then \
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return {1, false, t[1], t[2]} end return {0, v, t[1], t[2]}";
 
@@ -133,12 +137,14 @@ pub trait Kv: Send + Sync {
     /// The value of `key` (None: absent) and the clock of its primary, ns.
     fn read(&self, key: &str) -> impl Future<Output = Result<(Option<Vec<u8>>, Nanos), String>> + Send;
     /// Sets `key` to `new` for `ttl_ms` if it still holds `old` (None: absent).
+    /// Not written past `deadline_ms` of the key's clock (0: no deadline): an error then.
     fn cas(
         &self,
         key: &str,
         old: Option<&[u8]>,
         new: &[u8],
         ttl_ms: u64,
+        deadline_ms: u64,
     ) -> impl Future<Output = Result<Cas, String>> + Send;
     /// The registry, for a request made at `sent` (the node's clock): `Ok(nodes heard within
     /// the TTL, the nodes heard lately in id order)`, or why not.
@@ -660,7 +666,9 @@ impl<K: Kv> Store<K> {
             let idle = counter.idle_at().saturating_sub(counter.last_seen).max(SEQ_MEMORY);
             let ttl_ms = (idle.saturating_add(RETRY_HORIZON) / 1_000_000).max(1);
             let new = counter.encode();
-            match self.kv.cas(rkey, stored.as_deref(), &new, ttl_ms).await {
+            // No deadline: a batch written late is one its node retries under the same seq,
+            // which counts it once.
+            match self.kv.cas(rkey, stored.as_deref(), &new, ttl_ms, 0).await {
                 Ok(Cas::Written(at)) => {
                     if let Ok(mut known) = self.known.lock() {
                         if known.len() >= KNOWN && !known.contains_key(rkey) {

@@ -191,8 +191,15 @@ impl Kv for LazyKv {
     async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
         self.noted(self.connected().await?.read(key).await)
     }
-    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<ratewall_store::Cas, String> {
-        self.noted(self.connected().await?.cas(key, old, new, ttl_ms).await)
+    async fn cas(
+        &self,
+        key: &str,
+        old: Option<&[u8]>,
+        new: &[u8],
+        ttl_ms: u64,
+        deadline_ms: u64,
+    ) -> Result<ratewall_store::Cas, String> {
+        self.noted(self.connected().await?.cas(key, old, new, ttl_ms, deadline_ms).await)
     }
     async fn heard(
         &self,

@@ -118,12 +118,20 @@ impl Kv for RedisKv {
         Ok((value, clock(parts.get(1), parts.get(2))?))
     }
 
-    async fn cas(&self, key: &str, old: Option<&[u8]>, new: &[u8], ttl_ms: u64) -> Result<Cas, String> {
+    async fn cas(
+        &self,
+        key: &str,
+        old: Option<&[u8]>,
+        new: &[u8],
+        ttl_ms: u64,
+        deadline_ms: u64,
+    ) -> Result<Cas, String> {
         let args = [
             old.unwrap_or_default().to_vec(),
             new.to_vec(),
             ttl_ms.to_string().into_bytes(),
             if old.is_some() { b"1".to_vec() } else { b"0".to_vec() },
+            deadline_ms.to_string().into_bytes(),
         ];
         let Value::Array(parts) = self.run(&self.cas, &[key], &args).await? else {
             return Err("unexpected reply to the compare-and-set script".into());
@@ -131,6 +139,7 @@ impl Kv for RedisKv {
         let now = clock(parts.get(2), parts.get(3))?;
         match parts.first().and_then(int) {
             Some(1) => Ok(Cas::Written(now)),
+            Some(2) => Err("the compare-and-set ran past its deadline: nothing written".into()),
             Some(0) => Ok(Cas::Changed(
                 match parts.get(1) {
                     Some(Value::BulkString(b)) => Some(b.clone()),

@@ -612,6 +612,47 @@ async fn redis_paused_is_unavailable_at_the_deadline_and_counted_as_an_error() {
     assert!(after > before, "{before} -> {after}");
 }
 
+/// A call answered `UNAVAILABLE` while Redis is paused takes nothing, though its
+/// compare-and-set is on Redis's socket and Redis runs it when it answers again: the script
+/// writes nothing past the call's deadline (the call was counted, 994 left here, while Envoy,
+/// failing closed, denied the request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_answered_unavailable_while_redis_is_paused_takes_nothing() {
+    let redis = Redis::start(false).unwrap();
+    let path = dir("late").join("limits.yaml");
+    let limits = "domain: api\ndescriptors:\n  - key: exact_user\n    exact: true\n    rate_limit: {unit: hour, requests_per_unit: 1000}\n";
+    std::fs::write(&path, limits).unwrap();
+    let store = RlsProcess::start(&redis.url(), &path);
+    let mut c = store.client().await;
+    let pid = redis.pid().unwrap().to_string();
+    // Decided at Redis on every call: the process knows the counter's value from its last
+    // write, so its compare-and-set goes out at once.
+    let hit = request("api", vec![descriptor(&[("exact_user", "late")])]);
+    let mut look = hit.clone();
+    look.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+    for _ in 0..5 {
+        assert_eq!(ask(&mut c, hit.clone()).await.overall_code, OK);
+    }
+    assert_eq!(ask(&mut c, look.clone()).await.statuses[0].limit_remaining, 995);
+    assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let e = c.should_rate_limit(hit.clone()).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
+    assert_eq!(e.map(|_| ()).unwrap_err().code(), tonic::Code::Unavailable);
+    // Redis has run it by the first look that is answered (a look takes nothing).
+    let start = Instant::now();
+    let left = loop {
+        match c.should_rate_limit(look.clone()).await {
+            Ok(r) => break r.into_inner().statuses[0].limit_remaining,
+            Err(e) => assert!(start.elapsed() < Duration::from_secs(10), "{e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(left, 995, "the call answered UNAVAILABLE was counted");
+    // And the counter serves on.
+    assert_eq!(ask(&mut c, hit).await.statuses[0].limit_remaining, 994);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_started_while_redis_is_down_answers_unavailable_until_it_is_up() {
     let mut redis = Redis::start(false).unwrap();

@@ -698,7 +698,12 @@ impl<K: Kv> Rls<K> {
             let idle = counter.idle_at().saturating_sub(counter.last_seen).max(SEQ_MEMORY);
             let ttl_ms = (idle.saturating_add(RETRY_HORIZON) / 1_000_000).max(1);
             let new = counter.encode();
-            match self.store.kv.cas(rkey, stored.as_deref(), &new, ttl_ms).await {
+            // Not written once the call has been answered UNAVAILABLE: Redis, paused with this
+            // on its socket, would run it when it answers again, and count a call that took
+            // nothing (Envoy failing closed denied it).
+            let deadline = u64::try_from(self.store.deadline.as_nanos()).unwrap_or(u64::MAX);
+            let deadline_ms = now.saturating_add(deadline) / 1_000_000;
+            match self.store.kv.cas(rkey, stored.as_deref(), &new, ttl_ms, deadline_ms).await {
                 Ok(Cas::Written(at)) => {
                     if let Ok(mut known) = self.known.lock() {
                         if known.len() >= KNOWN && !known.contains_key(rkey) {
