@@ -81,8 +81,16 @@ fn main() {
 fn serve() -> Result<(), String> {
     let args = parse_args()?;
     let document = std::fs::read(&args.rules).map_err(|e| format!("{}: {e}", args.rules))?;
-    if let Err(e) = ratewall_core::Config::parse(&document) {
-        return Err(format!("{}: {e}", args.rules));
+    match ratewall_core::Config::parse(&document) {
+        Err(e) => return Err(format!("{}: {e}", args.rules)),
+        // Rules that sync with no store to sync to: every call fails, and `closed` rules
+        // answer 503. Said, not refused: the gateway serves on (open rules on their share).
+        Ok(c) if c.sync.is_some() && args.stores.is_empty() => log(&format!(
+            "{}: the rules have a sync section but no --store was given: every sync fails, and \
+             closed rules answer 503 (give --store HOST:PORT, or drop the section)",
+            args.rules
+        )),
+        Ok(_) => {}
     }
     let plugin = Plugin::filter().map_err(|e| e.to_string())?;
     let node = Node::new(wall_clock());

@@ -272,6 +272,23 @@ fn an_absolute_form_target_is_matched_on_its_path() {
     let _ = std::fs::remove_dir_all(rules.parent().unwrap());
 }
 
+/// Rules that sync, given with no `--store`: the gateway says at start that every sync will
+/// fail (it started without a word, and its `closed` rules answered 503).
+#[test]
+fn rules_that_sync_with_no_store_given_are_said_at_start() {
+    let rules = rules_file(
+        "no-store",
+        r#"{"identity": {"user": {"header": "x-user-id"}},
+            "rules": [{"name": "r", "key": ["user"], "limit": {"requests": 5, "per": "1m"}}],
+            "sync": {"cluster": "store", "secret": "a sync secret of 16+"}}"#,
+    );
+    let (_gateway, _addr, log) = start_logged(&rules, true);
+    let said = std::iter::from_fn(|| log.recv_timeout(Duration::from_secs(10)).ok())
+        .find(|l| l.contains("no --store was given"));
+    assert!(said.is_some(), "not said");
+    let _ = std::fs::remove_dir_all(rules.parent().unwrap());
+}
+
 /// A HEAD request's answer, passed or refused, has headers and no body (the gateway sent the
 /// demo origin's and the problem body after them).
 #[test]
