@@ -889,9 +889,9 @@ impl Engine {
                             s.read_view(host);
                             fresh_view = true;
                         }
-                        let store = s.out_until(ratewall_core::key::fnv1a(&c.key), now).map(|f| f - now);
+                        let store = s.out_until(ratewall_core::key::fnv1a(&c.key), now).map(|f| f.saturating_sub(now));
                         let log = c.limit.algorithm() == ratewall_core::Algorithm::SlidingLog;
-                        let later = if log && store.is_none() { crate::table::log_slot(&c.limit) } else { 0 };
+                        let later = if log && store.is_none() { c.limit.quantum() } else { 0 };
                         let store = store.unwrap_or(0);
                         d.retry_after = d.retry_after.map(|r| r.max(store).saturating_add(later).saturating_add(lag));
                     } else if !d.allowed && c.limit.algorithm() == ratewall_core::Algorithm::TokenBucket {

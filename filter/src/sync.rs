@@ -70,10 +70,10 @@ pub const MAX_ASKS: u32 = 64;
 /// its grant fresh, rather than lapsed, when the next one comes. Counted in whole seconds,
 /// so 5 to 6 s.
 const RENEW_FOR: Nanos = 5_000 * MS;
-/// How long past the end of its wait (and [`Syncer::lag`]) a counter the store named out is
-/// remembered when no answer names it again: a client told to come back then (its
-/// `Retry-After`, rounded up to a whole second) finds the unit that came back (see
-/// [`Syncer::came_back`]).
+/// For how long past the end of its wait (and [`Syncer::lag`]) a quiet node takes the unit
+/// that came back to a counter the store named out (a sliding log: one of its slots more):
+/// a client told to come back then (its `Retry-After`, rounded up to a whole second) finds it
+/// (see [`Syncer::came_back`]).
 pub const BACK_FOR: Nanos = 1_500 * MS;
 /// How long past the end of its wait (and [`Syncer::lag`]) a counter named out is kept when no
 /// answer names it again: longer than [`BACK_FOR`] for a sliding log, whose unit the node's own
@@ -738,11 +738,11 @@ impl Syncer {
     }
 
     /// The hashes of the counters the store named out whose unit came back at least
-    /// [`Syncer::lag`] before `store_now` with no answer naming them since: the node was quiet
-    /// on them (a node still denying on one has it named again, or given a grant, by each
-    /// answer). A request there may take that unit on an overdraft of one (see
-    /// `TableCounters`), as a client that waited its `Retry-After` does.
-    /// Each with how long ago that was.
+    /// [`Syncer::lag`] before `store_now` with no answer naming them since, each with how long
+    /// past that lag `store_now` is: the node was quiet on them (a node still denying on one
+    /// has it named again, or given a grant, by each answer). A request there may take that
+    /// unit on an overdraft of one (see `TableCounters`), as a client that waited its
+    /// `Retry-After` does.
     pub fn came_back(&self, store_now: Nanos) -> Vec<(u64, Nanos)> {
         let lag = self.lag();
         let named = self.named.borrow();
@@ -1362,14 +1362,22 @@ impl Syncer {
         // Counters named before and not in this batch are remembered until a while after their
         // unit came back (see `came_back`); those in it are as this answer says.
         let lag = self.lag();
-        for old in self.named.borrow().iter() {
-            let answered = named.iter().any(|(h, _)| *h == old.0)
-                || batch.deltas.iter().any(|d| ratewall_core::key::fnv1a(&d.key) == old.0);
+        let old_named = self.named.borrow();
+        // Each delta's key hashed once, and only when there is anything to keep.
+        let in_batch: Vec<u64> = if old_named.is_empty() {
+            Vec::new()
+        } else {
+            batch.deltas.iter().map(|d| ratewall_core::key::fnv1a(&d.key)).collect()
+        };
+        for old in old_named.iter() {
+            let answered = named.iter().any(|(h, _)| *h == old.0) || in_batch.contains(&old.0);
             let remembered = old.1.saturating_mul(MS).saturating_add(lag).saturating_add(BACK_KEPT) > resp.now;
             if !answered && remembered && named.len() < ratewall_core::sync::MAX_OUT {
                 named.push(*old);
             }
         }
+        // Given up before the named counters are replaced below.
+        drop(old_named);
         let mut shared = view.encode();
         encode_named(&named, &mut shared);
         // With the value's CAS: ngx_wasm_module writes a CAS of 0 only to a key that is

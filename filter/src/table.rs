@@ -677,12 +677,6 @@ impl<'a> TableCounters<'a> {
     }
 }
 
-/// One slot of a sliding log of `limit`: what it counts, it counts for up to this long more
-/// than a log of every instant would.
-pub fn log_slot(limit: &ratewall_core::Limit) -> Nanos {
-    limit.per().div_ceil(ratewall_core::algo::LOG_QUANTA)
-}
-
 impl Counters for TableCounters<'_> {
     fn update(
         &mut self,
@@ -733,7 +727,7 @@ impl Counters for TableCounters<'_> {
         // wait may be that much longer than the store's) once its unit came back.
         let back_for = match limit.algorithm() {
             ratewall_core::Algorithm::SlidingWindow => crate::sync::BACK_FOR,
-            ratewall_core::Algorithm::SlidingLog => crate::sync::BACK_FOR.saturating_add(log_slot(&limit)),
+            ratewall_core::Algorithm::SlidingLog => crate::sync::BACK_FOR.saturating_add(limit.quantum()),
             _ => 0,
         };
         let back = no_wait

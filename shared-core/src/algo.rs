@@ -374,8 +374,9 @@ impl Limit {
         }
     }
 
-    /// The sliding log's slot length: `per / LOG_QUANTA`, rounded up.
-    fn quantum(&self) -> Nanos {
+    /// The sliding log's slot length: `per / LOG_QUANTA`, rounded up. What a slot counts, it
+    /// counts for up to this long more than a log of every instant would.
+    pub fn quantum(&self) -> Nanos {
         self.per.div_ceil(LOG_QUANTA).max(1)
     }
 
