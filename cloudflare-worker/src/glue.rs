@@ -630,6 +630,19 @@ fn json_response(status: u16, body: &str) -> Result<Response> {
     Ok(Response::from_bytes(body.as_bytes().to_vec())?.with_status(status).with_headers(headers))
 }
 
+/// The answer to a request for an admin route (`page`: the dashboard's) without the admin
+/// token: 401 asking for it, or 404 while none is set.
+fn refused_access(access: Access, page: bool) -> Result<Response> {
+    let headers = Headers::new();
+    headers.set("content-type", "text/plain; charset=utf-8")?;
+    headers.set("cache-control", "no-store")?;
+    if access == Access::Refused {
+        headers.set("www-authenticate", "Bearer realm=\"ratewall\"")?;
+    }
+    let body = admin::refusal(access, page).as_bytes().to_vec();
+    Ok(Response::from_bytes(body)?.with_status(access.status()).with_headers(headers))
+}
+
 /// `GET /_ratewall/top`, `GET /_ratewall/series` and the page at `GET /_ratewall/`, only for
 /// the admin token (edge::admin): the answers come from the admin object, which this
 /// isolate's own unreported counts reach first, with the rules in document order.
@@ -641,14 +654,7 @@ async fn admin_route(req: Request, env: Env, ctx: &Context, path: &str) -> Resul
     let query_token = if page { query("token") } else { None };
     let access = admin::access(admin_token(&env).as_deref(), authorization.as_deref(), query_token.as_deref());
     if access != Access::Granted {
-        let headers = Headers::new();
-        headers.set("content-type", "text/plain; charset=utf-8")?;
-        headers.set("cache-control", "no-store")?;
-        if access == Access::Refused {
-            headers.set("www-authenticate", "Bearer realm=\"ratewall\"")?;
-        }
-        let body = admin::refusal(access, page).as_bytes().to_vec();
-        return Ok(Response::from_bytes(body)?.with_status(access.status()).with_headers(headers));
+        return refused_access(access, page);
     }
     if req.method() != Method::Get {
         let headers = Headers::new();
@@ -935,13 +941,7 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
             let authorization = req.headers().get("authorization").ok().flatten();
             let access = admin::access(admin_token(&env).as_deref(), authorization.as_deref(), None);
             if access != Access::Granted {
-                let headers = Headers::new();
-                headers.set("cache-control", "no-store")?;
-                if access == Access::Refused {
-                    headers.set("www-authenticate", "Bearer realm=\"ratewall\"")?;
-                }
-                let body = admin::refusal(access, false).as_bytes().to_vec();
-                return Ok(Response::from_bytes(body)?.with_status(access.status()).with_headers(headers));
+                return refused_access(access, false);
             }
         }
         return Response::ok(with(|i| {
