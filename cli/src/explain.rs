@@ -44,7 +44,8 @@ impl Parts {
         let src = config.identity.ip;
         let ip = client_key(|| peer.and_then(|p| parse_ip(p.as_bytes())), xff.as_deref().map(str::as_bytes), &src)
             .map(|k| k.into_owned());
-        Parts { path: normalize_path(path.as_bytes()).into_owned(), values, ip }
+        let path = normalize_path(crate::logformat::origin_form(path.as_bytes())).into_owned();
+        Parts { path, values, ip }
     }
 
     /// The identity headers' values as the core takes them ([`Request::headers`]).
@@ -79,7 +80,8 @@ impl Parts {
 
     /// The rule's key as `dimension=value` pairs, shown as everywhere else
     /// ([`ratewall_core::topk::render`] of `Check::key`): secret and overlong values only as
-    /// their keyed hash.
+    /// their keyed hash, and a key longer than [`ratewall_core::topk::MAX_KEY`] cut as
+    /// [`ratewall_core::topk::bounded_key`] cuts it.
     pub fn key_text(&self, config: &Config, rule: &Rule) -> String {
         let identity = &config.identity;
         let mut out = String::new();
@@ -99,7 +101,7 @@ impl Parts {
                 ratewall_core::key::push_value(&mut out, v);
             }
         }
-        out
+        ratewall_core::topk::bounded_key(out, &identity.hash_key)
     }
 }
 

@@ -75,7 +75,7 @@ const XFF: usize = usize::MAX;
 
 /// How a log is written.
 pub enum LogFormat {
-    /// ratewall's JSON lines: `{"ts", "method", "path", "headers", "ip"}`.
+    /// ratewall's JSON lines: `{"ts", "method", "path", "headers", "ip", "duration_ms"}`.
     Jsonl,
     /// A text format: fields between literal text.
     Text(Template),
@@ -479,6 +479,23 @@ fn request_line(v: &[u8]) -> Option<(Cow<'_, str>, &[u8])> {
     Some((Cow::Borrowed(method), uri))
 }
 
+/// A request target in origin form: an absolute-form target (`http://host/v1/a`, as a client
+/// sends it to a forward proxy and NGINX's `$request` logs it) loses its scheme and authority,
+/// as the proxy's own path does (`/v1/a`; `/` when it names no path).
+pub fn origin_form(target: &[u8]) -> &[u8] {
+    let after_scheme = [&b"http://"[..], b"https://"].iter().find_map(|scheme| {
+        let head = target.get(..scheme.len())?;
+        head.eq_ignore_ascii_case(scheme).then(|| target.get(scheme.len()..)).flatten()
+    });
+    match after_scheme {
+        Some(rest) => match memchr::memchr2(b'/', b'?', rest) {
+            Some(i) if rest.get(i) == Some(&b'/') => rest.get(i..).unwrap_or(b"/"),
+            _ => b"/",
+        },
+        None => target,
+    }
+}
+
 /// A method as a log writes it: letters only (`GET`, `post`).
 pub fn method(v: &[u8]) -> Option<&str> {
     if v.is_empty() || !v.iter().all(u8::is_ascii_alphabetic) {
@@ -649,6 +666,9 @@ pub struct TimeFormat {
 enum TimePiece {
     Chrono(Vec<chrono::format::Item<'static>>),
     Fraction(u32),
+    /// `%s`: seconds since the epoch, of as many digits as there are, but for the `n` that a
+    /// fraction right after it takes (`%s%3f` writes `1796119200123`).
+    Epoch(u32),
 }
 
 impl TimeFormat {
@@ -685,8 +705,21 @@ impl TimeFormat {
                 _ => None,
             };
             if let Some(n) = fraction {
-                pieces.push(TimePiece::Chrono(std::mem::take(&mut items)));
+                if !items.is_empty() {
+                    pieces.push(TimePiece::Chrono(std::mem::take(&mut items)));
+                }
+                if let Some(TimePiece::Epoch(leaves)) = pieces.last_mut() {
+                    *leaves = n;
+                }
                 pieces.push(TimePiece::Fraction(n));
+                continue;
+            }
+            if spec == 's' {
+                if !items.is_empty() {
+                    pieces.push(TimePiece::Chrono(std::mem::take(&mut items)));
+                }
+                pieces.push(TimePiece::Epoch(0));
+                gave.push('s');
                 continue;
             }
             let num = |n: Numeric| Item::Numeric(n, Pad::Zero);
@@ -709,7 +742,6 @@ impl TimeFormat {
                 'B' => (vec![Item::Fixed(Fixed::LongMonthName)], "m"),
                 'a' => (vec![Item::Fixed(Fixed::ShortWeekdayName)], ""),
                 'A' => (vec![Item::Fixed(Fixed::LongWeekdayName)], ""),
-                's' => (vec![Item::Numeric(Numeric::Timestamp, Pad::None)], "s"),
                 other => return Err(format!("%{other} is not a time specifier replay reads (it reads {READS})")),
             };
             items.extend(read);
@@ -746,6 +778,12 @@ impl TimeFormat {
             match piece {
                 TimePiece::Chrono(items) => {
                     rest = chrono::format::parse_and_remainder(&mut parsed, rest, items.iter()).ok()?;
+                }
+                TimePiece::Epoch(leaves) => {
+                    let run = rest.bytes().take_while(u8::is_ascii_digit).count();
+                    let len = run.checked_sub(*leaves as usize).filter(|l| *l > 0)?;
+                    parsed.set_timestamp(i64::try_from(digits(rest.as_bytes().get(..len)?)?).ok()?).ok()?;
+                    rest = rest.get(len..)?;
                 }
                 TimePiece::Fraction(n) => {
                     // Exactly `n` digits of a fraction: `%3f` writes 7 ms as `007`.
@@ -1254,6 +1292,21 @@ mod tests {
     }
 
     #[test]
+    fn an_absolute_form_target_is_read_as_the_path_the_proxy_sees() {
+        for (target, path) in [
+            (&b"http://example.com/v1/abs?x=1"[..], &b"/v1/abs?x=1"[..]),
+            (b"HTTPS://example.com:8443/v1/a", b"/v1/a"),
+            (b"http://example.com", b"/"),
+            (b"http://example.com?q=/x", b"/"),
+            (b"/v1/a", b"/v1/a"),
+            (b"*", b"*"),
+            (b"httpx://h/a", b"httpx://h/a"),
+        ] {
+            assert_eq!(origin_form(target), path, "{}", String::from_utf8_lossy(target));
+        }
+    }
+
+    #[test]
     fn format_strings_name_the_headers_they_log() {
         let w = wanted();
         let f = Template::compile(
@@ -1514,6 +1567,8 @@ mod tests {
             ("%s.%9f", "1796119200.000000250", t + 250),
             ("%s.%1f", "1796119200.2", t + 200_000_000),
             ("%s", "1796119200", t),
+            ("%s%3f", "1796119200250", t + 250_000_000),
+            ("%s%6f", "1796119200000250", t + 250_000),
             ("%Y%j %H%M", "2026335 1000", t),
             ("%a, %e %B %Y %H:%M:%S.%2f", "Tue,  1 December 2026 10:00:00.25", t + 250_000_000),
             ("%Y-%m-%d %H:%M:%S 100%%", "2026-12-01 10:00:00 100%", t),
@@ -1529,6 +1584,7 @@ mod tests {
             ("%d/%b/%Y:%H:%M:%S %z", "31/Feb/2026:10:00:00 +0000"),
             ("%d/%b/%Y:%H:%M:%S %z", "01/Dec/2026:10:00:00"),
             ("%s.%3f", "1796119200.25"),
+            ("%s%3f", "250"),
             ("%a %F %T", "Mon 2026-12-01 10:00:00"),
             ("%F %T", "2026-12-01T10:00:00"),
             ("%F %T", "1969-12-31 23:59:59"),

@@ -15,21 +15,30 @@
 //!
 //! Human-readable output by default, `--json` for scripts. Exit codes: 0 done (a valid
 //! document; a replay that ran, its unreadable log lines reported on stderr), 1 a document
-//! that is not valid (`path: reason` lines on stderr), 2 a usage error or a file that cannot
-//! be read.
+//! that is not valid (`path: reason` lines on stderr), 2 a usage error, a file that cannot
+//! be read, or output that cannot be written.
 
 // `serde_json::Value` is read with `v["field"]`, which gives `Null` for a missing field (it
 // never panics); nothing else here indexes.
 #![allow(clippy::indexing_slicing)]
 
 /// `println!`, but it ends the program quietly once standard output is closed (`ratewall
-/// replay … | head`) instead of panicking.
+/// replay … | head`) instead of panicking, and with exit code 2 when the output cannot be
+/// written (a full disk): never a success with the output lost.
 macro_rules! say {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        if writeln!(std::io::stdout().lock(), $($t)*).is_err() {
-            std::process::exit(0);
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($t)*) {
+            $crate::unwritable(&e);
         }
+    }};
+}
+
+/// `eprintln!`, but a message that cannot be written is dropped rather than a panic.
+macro_rules! tell {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($t)*);
     }};
 }
 
@@ -218,7 +227,7 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
     // What the service would skip with a warning (a known key where it is not read, such as
     // `shadow_mode` inside a `rate_limit`) is what a check is for: shown, though not fatal.
     for w in &config.warnings {
-        eprintln!("warning: {w}");
+        tell!("warning: {w}");
     }
     let limit = |r: &ratewall_store::rls::config::Rule| -> (String, String) {
         let algorithm = r.limit.map_or("fixed_window", |l| l.algorithm().as_str()).to_owned();
@@ -286,6 +295,16 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Ends the program once standard output cannot be written: quietly (exit 0) when its reader
+/// has gone (`| head`), else with the reason and exit code 2.
+fn unwritable(e: &std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(0);
+    }
+    tell!("ratewall: cannot write the output: {e}");
+    std::process::exit(2);
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -317,12 +336,12 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Invalid(lines)) => {
             for l in lines {
-                eprintln!("{l}");
+                tell!("{l}");
             }
             ExitCode::from(1)
         }
         Err(Failure::Usage(why)) => {
-            eprintln!("ratewall: {why}");
+            tell!("ratewall: {why}");
             ExitCode::from(2)
         }
     }

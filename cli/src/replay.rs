@@ -29,7 +29,7 @@ pub enum FormatChoice {
     Nginx,
     /// Envoy: its default access-log format, or the `--log-format` given.
     Envoy,
-    /// JSON lines: `{"ts", "method", "path", "headers", "ip"}`.
+    /// JSON lines: `{"ts", "method", "path", "headers", "ip", "duration_ms"}`.
     Jsonl,
 }
 
@@ -324,7 +324,7 @@ impl Reader<'_> {
             Some(m) if m.bytes().any(|b| b.is_ascii_lowercase()) => Cow::Owned(m.to_ascii_uppercase()),
             Some(m) => Cow::Borrowed(m),
         };
-        let path = normalize_path(&e.path);
+        let path = normalize_path(crate::logformat::origin_form(&e.path));
         let values: Vec<Option<&[u8]>> = e.headers.iter().map(|v| v.as_deref().filter(|v| !v.is_empty())).collect();
         let ip = client(&config.identity.ip, e.peer.as_deref(), e.xff.as_deref());
         let req = ratewall_core::Request { method: &method, path: &path, headers: &values, ip: ip.as_deref() };
@@ -768,14 +768,18 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
             }
             counters.sweep(now.saturating_sub(REORDER_SLACK));
             if progress && lines / 100_000 != (lines - batch.recs.len() as u64) / 100_000 {
-                eprint!("\rreplayed {lines} lines in {:.1} s", started.elapsed().as_secs_f64());
+                let _ = write!(
+                    std::io::stderr().lock(),
+                    "\rreplayed {lines} lines in {:.1} s",
+                    started.elapsed().as_secs_f64()
+                );
             }
             let _ = back.try_send(batch);
         }
         Ok(())
     })?;
     if progress && lines >= 100_000 {
-        eprintln!();
+        tell!();
     }
     report(o, &config, &counts, (lines, requests, rejected, invalid), format.name());
     // Unreadable lines are a finding of the replay, reported, not a failure of it.

@@ -855,3 +855,52 @@ fn explain_text_says_a_rules_cost_and_shadow_mode() {
     assert!(out.contains("hourly: key user=u, limit 100 per 3600s (fixed_window)\n"), "{out}");
     assert!(out.contains("trial: key user=u, limit 1 per 1s (sliding_window) (shadow: never rejects)\n"), "{out}");
 }
+
+#[test]
+fn output_that_cannot_be_written_is_a_failure_and_never_a_panic() {
+    let full = || std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_ratewall")).arg("schema").stdout(full()).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "a schema lost to a full disk is no success: {}", stderr(&o));
+    assert!(stderr(&o).contains("cannot write the output"), "{}", stderr(&o));
+    let bad = temp(
+        "unwritable.json",
+        r#"{"rules": [{"name": "a", "key": ["ip"], "limit": {"requests": 5, "per": "6O s"}}]}"#,
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_ratewall")).args(["check", &bad]).stderr(full()).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "the document's verdict stands when its reasons cannot be written");
+}
+
+#[test]
+fn replay_reads_an_absolute_form_request_as_its_path_and_cuts_long_keys_as_the_proxy_shows_them() {
+    let rules = temp(
+        "absolute.json",
+        r#"{"identity": {"user": {"header": "x-user-id"}},
+            "rules": [{"name": "abs", "match": {"path": "/v1/abs"}, "key": ["ip"], "limit": {"requests": 1, "per": "1m"}},
+                      {"name": "long", "match": {"path": "/long"}, "key": ["user"], "limit": {"requests": 1, "per": "1m"}}]}"#,
+    );
+    // As NGINX's `$request` logs a request sent to a forward proxy.
+    let line = |target: &str| {
+        format!("192.0.2.1 - - [01/Dec/2026:10:00:00 +0000] \"GET {target} HTTP/1.1\" 200 3 \"-\" \"-\"\n")
+    };
+    let log = temp("absolute.log", &(line("http://example.com/v1/abs?x=1") + &line("HTTP://example.com:8080/v1/abs")));
+    let o = ratewall(&["replay", "--json", &rules, &log]);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((v["rules"][0]["allowed"].clone(), v["rules"][0]["rejected"].clone()), (json!(1), json!(1)), "{v}");
+    let o = ratewall(&["explain", "--json", &rules, "--path", "http://example.com/v1/abs", "--ip", "192.0.2.1"]);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["path"], "/v1/abs", "{v}");
+    // A shown key over 160 bytes ends in `…#hash`, in the replay's report and in explain.
+    let user = "u".repeat(200);
+    let log = temp(
+        "long.jsonl",
+        &format!("{{\"ts\": 1796119200, \"path\": \"/long\", \"headers\": {{\"x-user-id\": \"{user}\"}}}}\n").repeat(2),
+    );
+    let o = ratewall(&["replay", "--json", &rules, &log]);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let shown = v["rules"][1]["top_rejected_keys"][0]["key"].as_str().unwrap().to_owned();
+    assert!(shown.len() <= ratewall_core::topk::MAX_KEY && shown.starts_with("user=uuu"), "{shown}");
+    assert!(shown.contains("…#"), "{shown}");
+    let header = format!("x-user-id: {user}");
+    let o = ratewall(&["explain", &rules, "--path", "/long", "-H", &header]);
+    assert!(stdout(&o).contains(&shown), "explain shows the key as the replay does: {}", stdout(&o));
+}
