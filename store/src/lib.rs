@@ -13,6 +13,25 @@
 //!
 //! It is not a rate limiter of its own: proxies decide; this adds up what they admitted.
 
+/// `eprintln!` for a server: a line stderr cannot take is dropped rather than a panic (a log
+/// pipe that closed must not take the store down).
+#[macro_export]
+macro_rules! log_line {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($t)*);
+    }};
+}
+
+/// `println!` likewise, for the lines that say where the store listens.
+#[macro_export]
+macro_rules! out_line {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
 use ratewall_core::sync::{
     hex, reason, sign, unhex, Counter, Grant, Out, SyncError, SyncRequest, SyncResponse, RETRY_HORIZON, SEQ_MEMORY,
 };

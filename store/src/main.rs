@@ -130,8 +130,8 @@ impl Quiet {
     /// attempt(s)") were held back since the line before.
     fn log(&self, line: &str, held: &str) {
         match self.say(std::time::Instant::now()) {
-            Some(0) => eprintln!("ratewall-store: {line}"),
-            Some(n) => eprintln!("ratewall-store: {line} ({n} more {held} since the last line)"),
+            Some(0) => ratewall_store::log_line!("ratewall-store: {line}"),
+            Some(n) => ratewall_store::log_line!("ratewall-store: {line} ({n} more {held} since the last line)"),
             None => {}
         }
     }
@@ -369,38 +369,42 @@ async fn healthcheck(State(store): State<Shared>) -> Response {
 
 fn main() -> std::process::ExitCode {
     if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
-        println!("{USAGE}");
+        ratewall_store::out_line!("{USAGE}");
         return std::process::ExitCode::SUCCESS;
     }
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("ratewall-store: {e}");
+            ratewall_store::log_line!("ratewall-store: {e}");
             return std::process::ExitCode::from(2);
         }
     };
     let secret = std::env::var("RATEWALL_SYNC_SECRET").unwrap_or_default();
     if secret.chars().count() < 16 {
-        eprintln!("ratewall-store: set RATEWALL_SYNC_SECRET to the filters' sync secret (at least 16 characters)");
+        ratewall_store::log_line!(
+            "ratewall-store: set RATEWALL_SYNC_SECRET to the filters' sync secret (at least 16 characters)"
+        );
         return std::process::ExitCode::from(2);
     }
     // While the secret is rotated, the one going out (docs/operations.md).
     let previous = std::env::var("RATEWALL_SYNC_SECRET_PREVIOUS").unwrap_or_default();
     if !previous.is_empty() && previous.chars().count() < 16 {
-        eprintln!("ratewall-store: RATEWALL_SYNC_SECRET_PREVIOUS, when set, is a secret of at least 16 characters");
+        ratewall_store::log_line!(
+            "ratewall-store: RATEWALL_SYNC_SECRET_PREVIOUS, when set, is a secret of at least 16 characters"
+        );
         return std::process::ExitCode::from(2);
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("ratewall-store: {e}");
+            ratewall_store::log_line!("ratewall-store: {e}");
             return std::process::ExitCode::FAILURE;
         }
     };
     match runtime.block_on(serve(args, secret, previous)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ratewall-store: {e}");
+            ratewall_store::log_line!("ratewall-store: {e}");
             std::process::ExitCode::FAILURE
         }
     }
@@ -427,7 +431,7 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
     };
     let rls = running.as_ref().map(|r| Arc::clone(&r.rls));
     if !store.kv.ping().await {
-        eprintln!("ratewall-store: Redis does not answer yet; /v1/sync answers 503 until it does");
+        ratewall_store::log_line!("ratewall-store: Redis does not answer yet; /v1/sync answers 503 until it does");
     }
     // A process with an admin listener merges what its peers share from here on.
     let joined = if args.admin.is_some() { store.join_shares().await } else { None };
@@ -444,16 +448,16 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
     let redis: Vec<String> = args.redis.iter().map(|u| redacted(u)).collect();
     let mode = if args.cluster { "Cluster" } else { "single server" };
     let json = if args.rls_config.is_some() { ", POST /json" } else { "" };
-    println!(
+    ratewall_store::out_line!(
         "ratewall-store: listening on http://{addr} (POST /v1/sync{json}, GET /healthz, GET /healthcheck, GET /metrics); Redis {} ({mode}); deadline {} ms",
         redis.join(", "),
         args.deadline.as_millis()
     );
     for line in running.iter().flat_map(|r| &r.announce) {
-        println!("{line}");
+        ratewall_store::out_line!("{line}");
     }
     let admin = admin.map(|(l, at)| {
-        println!("ratewall-store: admin on http://{at}/ (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz, /healthcheck; no authentication)");
+        ratewall_store::out_line!("ratewall-store: admin on http://{at}/ (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz, /healthcheck; no authentication)");
         l
     });
     // Every process shares what its batches said; one with an admin listener also reads its
@@ -506,12 +510,12 @@ async fn serve_http(listener: conn::Listener, app: Router, name: &'static str, s
     tokio::select! {
         r = std::future::IntoFuture::into_future(served) => {
             if let Err(e) = r {
-                eprintln!("ratewall-store: the {name} stopped: {e}");
+                ratewall_store::log_line!("ratewall-store: the {name} stopped: {e}");
             }
         }
         () = drained => {
             let n = open.load(std::sync::atomic::Ordering::Relaxed);
-            eprintln!(
+            ratewall_store::log_line!(
                 "ratewall-store: stopping: {n} connection(s) to the {name} still open after {} s are dropped",
                 conn::DRAIN.as_secs()
             );
@@ -572,7 +576,7 @@ impl RlsRunning {
         let budget = ratewall_store::rls::lease::STOP_FLUSH;
         let left = ratewall_store::rls::lease::flush_all(&self.rls, budget).await;
         if left > 0 {
-            eprintln!(
+            ratewall_store::log_line!(
                 "ratewall-store: stopping: {left} admitted unit(s) could not be reported to Redis within {} s and are not counted",
                 budget.as_secs()
             );
@@ -599,7 +603,7 @@ async fn start_rls(
         config.rules.len()
     )];
     for w in &config.warnings {
-        eprintln!("ratewall-store: rate limit configuration: {w}");
+        ratewall_store::log_line!("ratewall-store: rate limit configuration: {w}");
     }
     let rls: SharedRls = Arc::new(Rls::new(Arc::clone(store), config, Some(path.to_path_buf()), secret));
     tokio::spawn(ratewall_store::rls::watch(Arc::clone(&rls), Duration::from_secs(1)));
@@ -617,7 +621,7 @@ async fn start_rls(
         let stopping = stopping.clone().wait();
         grpc = Some(tokio::spawn(async move {
             if let Err(e) = ratewall_store::rls::grpc::serve(rls, incoming, stopping).await {
-                eprintln!("ratewall-store: the rate limit service stopped: {e}");
+                ratewall_store::log_line!("ratewall-store: the rate limit service stopped: {e}");
             }
         }));
     }

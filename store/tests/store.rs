@@ -160,6 +160,35 @@ fn refuses_to_start_without_a_secret_or_a_port() {
 }
 
 #[test]
+fn a_store_whose_log_pipe_has_closed_keeps_serving() {
+    // Redis unreachable: the store says so on stderr at once, and again as calls fail.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
+        .env("RATEWALL_SYNC_SECRET", SECRET)
+        .args(["--listen", "127.0.0.1:0", "--deadline-ms", "50", "--redis", "redis://127.0.0.1:1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
+    let mut store = StoreProcess { child, addr };
+    let req = SyncRequest {
+        node: 1,
+        seq: 1,
+        sent: 0,
+        deltas: vec![Delta { key: b"k".to_vec(), limit: big(), units: 1 }],
+        ask: false,
+    };
+    for _ in 0..3 {
+        assert_eq!(Http(&store.addr).call(&req).0, 503);
+    }
+    assert_eq!(store.get("/healthz").status, 503);
+    assert!(store.child.try_wait().unwrap().is_none(), "the store is still up");
+}
+
+#[test]
 fn answers_every_sequence_as_the_reference_store_does() {
     let redis = Redis::start(false).unwrap();
     let store = StoreProcess::start(&[redis.url()], false);

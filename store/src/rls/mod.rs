@@ -861,13 +861,15 @@ pub async fn watch<K: Kv>(rls: Arc<Rls<K>>, every: Duration) {
         tick.tick().await;
         match rls.reload() {
             Ok(true) => {
-                eprintln!("ratewall-store: rate limit configuration reloaded");
+                crate::log_line!("ratewall-store: rate limit configuration reloaded");
                 for w in &rls.config().warnings {
-                    eprintln!("ratewall-store: rate limit configuration: {w}");
+                    crate::log_line!("ratewall-store: rate limit configuration: {w}");
                 }
             }
             Ok(false) => {}
-            Err(e) => eprintln!("ratewall-store: rate limit configuration refused, the last good one stays: {e}"),
+            Err(e) => {
+                crate::log_line!("ratewall-store: rate limit configuration refused, the last good one stays: {e}")
+            }
         }
     }
 }
