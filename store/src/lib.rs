@@ -79,6 +79,17 @@ return {2, false, t[1], t[2]} end \
 if (ARGV[4] == '0' and v == false) or (ARGV[4] == '1' and v == ARGV[1]) then \
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return {1, false, t[1], t[2]} end return {0, v, t[1], t[2]}";
 
+/// [`CAS`] for many keys at once, as one script call: `KEYS[i]` with `ARGV[4i-3..4i]` its
+/// expected value, new value, TTL in ms and "0"/"1" (must not exist / must hold the expected
+/// value). Returns `{s, µs, status, value or false, status, value or false, …}`: per key `1`
+/// when set, else `0` and what it holds instead (`s, µs`: the server's clock). For a single
+/// server only: a Cluster takes a script's keys in one slot, and each counter has its own.
+pub const CAS_MANY: &str = "local t = redis.call('TIME') local out = {t[1], t[2]} \
+for i = 1, #KEYS do local b = (i - 1) * 4 local v = redis.call('GET', KEYS[i]) \
+if (ARGV[b + 4] == '0' and v == false) or (ARGV[b + 4] == '1' and v == ARGV[b + 1]) then \
+redis.call('SET', KEYS[i], ARGV[b + 2], 'PX', ARGV[b + 3]) out[#out + 1] = 1 out[#out + 1] = false \
+else out[#out + 1] = 0 out[#out + 1] = v end end return out";
+
 /// What a compare-and-set found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Cas {

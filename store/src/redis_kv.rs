@@ -2,7 +2,9 @@
 //! that reconnects by itself, or a Cluster connection), the three scripts invoked by SHA and
 //! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
 
-use crate::{Cas, Kv, Unheard, APPEND, CAS, NODE_TTL, PRESENT, PRESENT_KEY, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS};
+use crate::{
+    Cas, Kv, Unheard, APPEND, CAS, CAS_MANY, NODE_TTL, PRESENT, PRESENT_KEY, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS,
+};
 use ratewall_core::sync::{CUT_OFF_SILENCE, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_REQUEST_SKEW, SEQ_MEMORY};
 use ratewall_core::Nanos;
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -28,10 +30,17 @@ pub struct RedisKv {
     present: Script,
     append: Script,
     read_after: Script,
+    cas_many: Script,
+    /// Compare-and-sets on their way to a single server, sent together ([`RedisKv::flush`]).
+    waiting: std::sync::Arc<std::sync::Mutex<Vec<Waiting>>>,
     /// The nodes the registry last named as heard lately, and when: named again at most every
     /// [`LATELY_EVERY`], for they are up to [`MAX_HEARD_LATELY`] ids per call.
     lately: std::sync::Arc<std::sync::Mutex<Lately>>,
 }
+
+/// A compare-and-set waiting for the next [`CAS_MANY`] call: the key, its four arguments and
+/// where its answer goes.
+type Waiting = (String, [Vec<u8>; 4], tokio::sync::oneshot::Sender<Result<Cas, String>>);
 
 /// When the nodes heard lately were last named, and the nodes.
 type Lately = (Option<std::time::Instant>, std::sync::Arc<Vec<u64>>);
@@ -64,8 +73,60 @@ impl RedisKv {
             present: Script::new(PRESENT),
             append: Script::new(APPEND),
             read_after: Script::new(READ_AFTER),
+            cas_many: Script::new(CAS_MANY),
+            waiting: Default::default(),
             lately: Default::default(),
         })
+    }
+
+    /// Sends every compare-and-set waiting as one [`CAS_MANY`] call and hands each its answer.
+    /// Run as a task of its own, spawned by the first to wait: it runs once the task that
+    /// spawned it yields, so a batch's counters, which reach their compare-and-set in one poll
+    /// of the batch, go in one call (a Redis round trip and command for the batch rather than
+    /// per counter), and no request that goes away can strand the others.
+    async fn flush(self) {
+        let waiting = match self.waiting.lock() {
+            Ok(mut w) => std::mem::take(&mut *w),
+            Err(_) => return,
+        };
+        if waiting.is_empty() {
+            return;
+        }
+        let mut inv = self.cas_many.prepare_invoke();
+        for (key, args, _) in &waiting {
+            inv.key(key.as_str());
+            for a in args {
+                inv.arg(a.as_slice());
+            }
+        }
+        let reply = match self.conn.clone() {
+            Conn::Single(mut c) => invoke(&inv, &mut c).await,
+            Conn::Cluster(mut c) => invoke(&inv, &mut c).await,
+        };
+        let parts = match reply {
+            Ok(Value::Array(parts)) => Ok(parts),
+            Ok(_) => Err("unexpected reply to the compare-and-set script".to_owned()),
+            Err(e) => Err(e),
+        };
+        let now = parts.as_ref().map_err(Clone::clone).and_then(|p| clock(p.first(), p.get(1)));
+        for (i, (_, _, answer)) in waiting.into_iter().enumerate() {
+            let result = match (&parts, &now) {
+                (Ok(p), Ok(now)) => match p.get(2 + 2 * i).and_then(int) {
+                    Some(1) => Ok(Cas::Written(*now)),
+                    Some(0) => Ok(Cas::Changed(
+                        match p.get(3 + 2 * i) {
+                            Some(Value::BulkString(b)) => Some(b.clone()),
+                            _ => None,
+                        },
+                        *now,
+                    )),
+                    _ => Err("unexpected reply to the compare-and-set script".to_owned()),
+                },
+                (Err(e), _) | (_, Err(e)) => Err(e.clone()),
+            };
+            // A caller that has gone (its request timed out) is retried under its seq.
+            let _ = answer.send(result);
+        }
     }
 
     async fn run(&self, script: &Script, keys: &[&str], args: &[Vec<u8>]) -> Result<Value, String> {
@@ -131,8 +192,24 @@ impl Kv for RedisKv {
             new.to_vec(),
             ttl_ms.to_string().into_bytes(),
             if old.is_some() { b"1".to_vec() } else { b"0".to_vec() },
-            deadline_ms.to_string().into_bytes(),
         ];
+        // Without a deadline, on a single server: with the others waiting, in one call.
+        if deadline_ms == 0 && matches!(self.conn, Conn::Single(_)) {
+            let (answer, answered) = tokio::sync::oneshot::channel();
+            let first = match self.waiting.lock() {
+                Ok(mut w) => {
+                    w.push((key.to_owned(), args, answer));
+                    w.len() == 1
+                }
+                Err(_) => return Err("the compare-and-set queue is unusable".into()),
+            };
+            if first {
+                tokio::spawn(self.clone().flush());
+            }
+            return answered.await.unwrap_or_else(|_| Err("the compare-and-set was not sent".into()));
+        }
+        let [a0, a1, a2, a3] = args;
+        let args = [a0, a1, a2, a3, deadline_ms.to_string().into_bytes()];
         let Value::Array(parts) = self.run(&self.cas, &[key], &args).await? else {
             return Err("unexpected reply to the compare-and-set script".into());
         };
