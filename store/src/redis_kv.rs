@@ -23,7 +23,11 @@ pub enum Conn {
 /// Redis as the store's [`Kv`].
 #[derive(Clone)]
 pub struct RedisKv {
-    conn: Conn,
+    conn: std::sync::Arc<std::sync::RwLock<Conn>>,
+    /// A Cluster's seed nodes (empty for a single server), to connect again from.
+    cluster: std::sync::Arc<Vec<String>>,
+    /// Since when every call has failed, and when the connection was last replaced.
+    failing: std::sync::Arc<std::sync::Mutex<Failing>>,
     read: Script,
     cas: Script,
     registry: Script,
@@ -42,6 +46,26 @@ pub struct RedisKv {
 /// where its answer goes.
 type Waiting = (String, [Vec<u8>; 4], tokio::sync::oneshot::Sender<Result<Cas, String>>);
 
+/// Since when calls have gone with none succeeding (`None`: the last one succeeded), and when
+/// a new Cluster connection was last asked for.
+type Failing = (Option<std::time::Instant>, Option<std::time::Instant>);
+
+/// How long every call on a Cluster connection fails before it is replaced by a new one from
+/// the seed nodes: a connection whose view of the Cluster went stale in a failover can stay
+/// so, answering nothing, while a new one finds the promoted replicas at once.
+const REPLACE_AFTER: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// A connection to a Cluster, each node's connect and each answer bounded as the single
+/// server's are (without, one node that stopped answering held up every call).
+async fn cluster_connection(urls: &[String]) -> Result<ClusterConnection, String> {
+    let client = redis::cluster::ClusterClientBuilder::new(urls.to_vec())
+        .connection_timeout(std::time::Duration::from_millis(500))
+        .response_timeout(std::time::Duration::from_millis(500))
+        .build()
+        .map_err(|e| e.to_string())?;
+    client.get_async_connection().await.map_err(|e| e.to_string())
+}
+
 /// When the nodes heard lately were last named, and the nodes.
 type Lately = (Option<std::time::Instant>, std::sync::Arc<Vec<u64>>);
 
@@ -54,8 +78,7 @@ impl RedisKv {
     /// Connects: to `urls[0]`, or with `cluster` to the Cluster those nodes belong to.
     pub async fn connect(urls: &[String], cluster: bool) -> Result<RedisKv, String> {
         let conn = if cluster {
-            let client = redis::cluster::ClusterClient::new(urls.to_vec()).map_err(|e| e.to_string())?;
-            Conn::Cluster(client.get_async_connection().await.map_err(|e| e.to_string())?)
+            Conn::Cluster(cluster_connection(urls).await?)
         } else {
             let url = urls.first().ok_or("no --redis URL")?;
             let client = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
@@ -66,7 +89,9 @@ impl RedisKv {
             Conn::Single(ConnectionManager::new_with_config(client, config).await.map_err(|e| e.to_string())?)
         };
         Ok(RedisKv {
-            conn,
+            conn: std::sync::Arc::new(std::sync::RwLock::new(conn)),
+            cluster: std::sync::Arc::new(if cluster { urls.to_vec() } else { Vec::new() }),
+            failing: Default::default(),
             read: Script::new(READ),
             cas: Script::new(CAS),
             registry: Script::new(REGISTRY),
@@ -77,6 +102,46 @@ impl RedisKv {
             waiting: Default::default(),
             lately: Default::default(),
         })
+    }
+
+    /// The connection calls go on now.
+    fn conn(&self) -> Result<Conn, String> {
+        self.conn.read().map(|c| c.clone()).map_err(|_| "the Redis connection is unusable".to_owned())
+    }
+
+    /// Notes a call about to go. On a Cluster, once no call has succeeded for [`REPLACE_AFTER`]
+    /// since one was first tried (calls that fail, or hang until their caller gives up), a new
+    /// connection is made in the background and takes the old one's place.
+    fn going(&self) {
+        let Ok(mut f) = self.failing.lock() else { return };
+        let now = std::time::Instant::now();
+        let since = *f.0.get_or_insert(now);
+        let asked_lately = f.1.is_some_and(|at| now.duration_since(at) < REPLACE_AFTER);
+        if self.cluster.is_empty() || now.duration_since(since) < REPLACE_AFTER || asked_lately {
+            return;
+        }
+        f.1 = Some(now);
+        let (urls, conn) = (std::sync::Arc::clone(&self.cluster), std::sync::Arc::clone(&self.conn));
+        tokio::spawn(async move {
+            match cluster_connection(&urls).await {
+                Ok(c) => {
+                    if let Ok(mut slot) = conn.write() {
+                        *slot = Conn::Cluster(c);
+                    }
+                    crate::log_line!("ratewall-store: no Redis Cluster call succeeded for 3 s: the connection is replaced by a new one");
+                }
+                Err(e) => crate::log_line!("ratewall-store: a new Redis Cluster connection failed: {e}"),
+            }
+        });
+    }
+
+    /// Notes how a call went: one that succeeded clears [`RedisKv::going`]'s watch.
+    fn went<T, E>(&self, result: &Result<T, E>) {
+        if result.is_ok() {
+            if let Ok(mut f) = self.failing.lock() {
+                f.0 = None;
+            }
+        }
     }
 
     /// Sends every compare-and-set waiting as one [`CAS_MANY`] call and hands each its answer.
@@ -99,10 +164,13 @@ impl RedisKv {
                 inv.arg(a.as_slice());
             }
         }
-        let reply = match self.conn.clone() {
-            Conn::Single(mut c) => invoke(&inv, &mut c).await,
-            Conn::Cluster(mut c) => invoke(&inv, &mut c).await,
+        self.going();
+        let reply = match self.conn() {
+            Ok(Conn::Single(mut c)) => invoke(&inv, &mut c).await,
+            Ok(Conn::Cluster(mut c)) => invoke(&inv, &mut c).await,
+            Err(e) => Err(e),
         };
+        self.went(&reply);
         let parts = match reply {
             Ok(Value::Array(parts)) => Ok(parts),
             Ok(_) => Err("unexpected reply to the compare-and-set script".to_owned()),
@@ -137,10 +205,13 @@ impl RedisKv {
         for a in args {
             inv.arg(a.as_slice());
         }
-        match self.conn.clone() {
+        self.going();
+        let reply = match self.conn()? {
             Conn::Single(mut c) => invoke(&inv, &mut c).await,
             Conn::Cluster(mut c) => invoke(&inv, &mut c).await,
-        }
+        };
+        self.went(&reply);
+        reply
     }
 }
 
@@ -194,7 +265,7 @@ impl Kv for RedisKv {
             if old.is_some() { b"1".to_vec() } else { b"0".to_vec() },
         ];
         // Without a deadline, on a single server: with the others waiting, in one call.
-        if deadline_ms == 0 && matches!(self.conn, Conn::Single(_)) {
+        if deadline_ms == 0 && self.cluster.is_empty() {
             let (answer, answered) = tokio::sync::oneshot::channel();
             let first = match self.waiting.lock() {
                 Ok(mut w) => {
@@ -297,10 +368,13 @@ impl Kv for RedisKv {
     async fn ping(&self) -> bool {
         let mut cmd = redis::cmd("PING");
         let cmd = &mut cmd;
-        let r: Result<String, _> = match self.conn.clone() {
-            Conn::Single(mut c) => cmd.query_async(&mut c).await,
-            Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
+        self.going();
+        let r: Result<String, String> = match self.conn() {
+            Ok(Conn::Single(mut c)) => cmd.query_async(&mut c).await.map_err(|e| e.to_string()),
+            Ok(Conn::Cluster(mut c)) => cmd.query_async(&mut c).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e),
         };
+        self.went(&r);
         r.is_ok()
     }
 
