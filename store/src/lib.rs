@@ -79,16 +79,19 @@ return {2, false, t[1], t[2]} end \
 if (ARGV[4] == '0' and v == false) or (ARGV[4] == '1' and v == ARGV[1]) then \
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return {1, false, t[1], t[2]} end return {0, v, t[1], t[2]}";
 
-/// [`CAS`] for many keys at once, as one script call: `KEYS[i]` with `ARGV[4i-3..4i]` its
-/// expected value, new value, TTL in ms and "0"/"1" (must not exist / must hold the expected
-/// value). Returns `{s, µs, status, value or false, status, value or false, …}`: per key `1`
-/// when set, else `0` and what it holds instead (`s, µs`: the server's clock). For a single
-/// server only: a Cluster takes a script's keys in one slot, and each counter has its own.
-pub const CAS_MANY: &str = "local t = redis.call('TIME') local out = {t[1], t[2]} \
-for i = 1, #KEYS do local b = (i - 1) * 4 local v = redis.call('GET', KEYS[i]) \
-if (ARGV[b + 4] == '0' and v == false) or (ARGV[b + 4] == '1' and v == ARGV[b + 1]) then \
-redis.call('SET', KEYS[i], ARGV[b + 2], 'PX', ARGV[b + 3]) out[#out + 1] = 1 out[#out + 1] = false \
-else out[#out + 1] = 0 out[#out + 1] = v end end return out";
+/// [`READ`]s and [`CAS`]es of many keys at once, as one script call: for each `KEYS[i]` in
+/// turn, from the next `ARGV`, `r` (a read), or `c` and the [`CAS`]'s expected value, new
+/// value, TTL in ms and "0"/"1" (must not exist / must hold the expected value). Returns `{s,
+/// µs, status, value or false, status, value or false, …}`, per key: a read `2` and the value;
+/// a compare-and-set `1` when set, else `0` and what the key holds instead (`s, µs`: the
+/// server's clock). For a single server only: a Cluster takes a script's keys in one slot,
+/// and each counter has its own.
+pub const MANY: &str = "local t = redis.call('TIME') local out = {t[1], t[2]} local a = 1 \
+for i = 1, #KEYS do local v = redis.call('GET', KEYS[i]) \
+if ARGV[a] == 'r' then out[#out + 1] = 2 out[#out + 1] = v a = a + 1 \
+elseif (ARGV[a + 4] == '0' and v == false) or (ARGV[a + 4] == '1' and v == ARGV[a + 1]) then \
+redis.call('SET', KEYS[i], ARGV[a + 2], 'PX', ARGV[a + 3]) out[#out + 1] = 1 out[#out + 1] = false a = a + 5 \
+else out[#out + 1] = 0 out[#out + 1] = v a = a + 5 end end return out";
 
 /// What a compare-and-set found.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 //! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
 
 use crate::{
-    Cas, Kv, Unheard, APPEND, CAS, CAS_MANY, NODE_TTL, PRESENT, PRESENT_KEY, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS,
+    Cas, Kv, Unheard, APPEND, CAS, MANY, NODE_TTL, PRESENT, PRESENT_KEY, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS,
 };
 use ratewall_core::sync::{CUT_OFF_SILENCE, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_REQUEST_SKEW, SEQ_MEMORY};
 use ratewall_core::Nanos;
@@ -34,17 +34,22 @@ pub struct RedisKv {
     present: Script,
     append: Script,
     read_after: Script,
-    cas_many: Script,
-    /// Compare-and-sets on their way to a single server, sent together ([`RedisKv::flush`]).
+    many: Script,
+    /// Reads and compare-and-sets on their way to a single server, sent together
+    /// ([`RedisKv::flush`]).
     waiting: std::sync::Arc<std::sync::Mutex<Vec<Waiting>>>,
     /// The nodes the registry last named as heard lately, and when: named again at most every
     /// [`LATELY_EVERY`], for they are up to [`MAX_HEARD_LATELY`] ids per call.
     lately: std::sync::Arc<std::sync::Mutex<Lately>>,
 }
 
-/// A compare-and-set waiting for the next [`CAS_MANY`] call: the key, its four arguments and
+/// A read or compare-and-set waiting for the next [`MANY`] call: the key, its arguments and
 /// where its answer goes.
-type Waiting = (String, [Vec<u8>; 4], tokio::sync::oneshot::Sender<Result<Cas, String>>);
+type Waiting = (String, Vec<Vec<u8>>, tokio::sync::oneshot::Sender<Result<Answered, String>>);
+
+/// A key's part of a [`MANY`] answer: its status, its value (or what it holds instead) and
+/// the server's clock.
+type Answered = (i64, Option<Vec<u8>>, Nanos);
 
 /// Since when calls have gone with none succeeding (`None`: the last one succeeded), and when
 /// a new Cluster connection was last asked for.
@@ -98,7 +103,7 @@ impl RedisKv {
             present: Script::new(PRESENT),
             append: Script::new(APPEND),
             read_after: Script::new(READ_AFTER),
-            cas_many: Script::new(CAS_MANY),
+            many: Script::new(MANY),
             waiting: Default::default(),
             lately: Default::default(),
         })
@@ -144,11 +149,12 @@ impl RedisKv {
         }
     }
 
-    /// Sends every compare-and-set waiting as one [`CAS_MANY`] call and hands each its answer.
-    /// Run as a task of its own, spawned by the first to wait: it runs once the task that
-    /// spawned it yields, so a batch's counters, which reach their compare-and-set in one poll
-    /// of the batch, go in one call (a Redis round trip and command for the batch rather than
-    /// per counter), and no request that goes away can strand the others.
+    /// Sends every read and compare-and-set waiting as one [`MANY`] call and hands each its
+    /// answer. Run as a task of its own, spawned by the first to wait: it runs once the task
+    /// that spawned it yields, so a batch's counters, which reach their read or
+    /// compare-and-set in one poll of the batch, go in one call (a Redis round trip and
+    /// command for the batch rather than one per counter), and no request that goes away can
+    /// strand the others.
     async fn flush(self) {
         let waiting = match self.waiting.lock() {
             Ok(mut w) => std::mem::take(&mut *w),
@@ -157,7 +163,7 @@ impl RedisKv {
         if waiting.is_empty() {
             return;
         }
-        let mut inv = self.cas_many.prepare_invoke();
+        let mut inv = self.many.prepare_invoke();
         for (key, args, _) in &waiting {
             inv.key(key.as_str());
             for a in args {
@@ -173,28 +179,45 @@ impl RedisKv {
         self.went(&reply);
         let parts = match reply {
             Ok(Value::Array(parts)) => Ok(parts),
-            Ok(_) => Err("unexpected reply to the compare-and-set script".to_owned()),
+            Ok(_) => Err("unexpected reply to the read and compare-and-set script".to_owned()),
             Err(e) => Err(e),
         };
         let now = parts.as_ref().map_err(Clone::clone).and_then(|p| clock(p.first(), p.get(1)));
         for (i, (_, _, answer)) in waiting.into_iter().enumerate() {
             let result = match (&parts, &now) {
                 (Ok(p), Ok(now)) => match p.get(2 + 2 * i).and_then(int) {
-                    Some(1) => Ok(Cas::Written(*now)),
-                    Some(0) => Ok(Cas::Changed(
+                    Some(status) => Ok((
+                        status,
                         match p.get(3 + 2 * i) {
                             Some(Value::BulkString(b)) => Some(b.clone()),
                             _ => None,
                         },
                         *now,
                     )),
-                    _ => Err("unexpected reply to the compare-and-set script".to_owned()),
+                    None => Err("unexpected reply to the read and compare-and-set script".to_owned()),
                 },
                 (Err(e), _) | (_, Err(e)) => Err(e.clone()),
             };
-            // A caller that has gone (its request timed out) is retried under its seq.
+            // A caller that has gone (its request timed out) retries under its seq.
             let _ = answer.send(result);
         }
+    }
+
+    /// Queues `args` on `key` for the next [`MANY`] call (spawning it when first) and waits
+    /// for its answer.
+    async fn along(&self, key: &str, args: Vec<Vec<u8>>) -> Result<Answered, String> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let first = match self.waiting.lock() {
+            Ok(mut w) => {
+                w.push((key.to_owned(), args, answer));
+                w.len() == 1
+            }
+            Err(_) => return Err("the Redis call queue is unusable".into()),
+        };
+        if first {
+            tokio::spawn(self.clone().flush());
+        }
+        answered.await.unwrap_or_else(|_| Err("the call was not sent".into()))
     }
 
     async fn run(&self, script: &Script, keys: &[&str], args: &[Vec<u8>]) -> Result<Value, String> {
@@ -240,6 +263,13 @@ fn clock(secs: Option<&Value>, micros: Option<&Value>) -> Result<Nanos, String> 
 
 impl Kv for RedisKv {
     async fn read(&self, key: &str) -> Result<(Option<Vec<u8>>, Nanos), String> {
+        // On a single server: with the others waiting, in one call.
+        if self.cluster.is_empty() {
+            return match self.along(key, vec![b"r".to_vec()]).await? {
+                (2, value, now) => Ok((value, now)),
+                _ => Err("unexpected reply to the read script".into()),
+            };
+        }
         let Value::Array(parts) = self.run(&self.read, &[key], &[]).await? else {
             return Err("unexpected reply to the read script".into());
         };
@@ -258,29 +288,17 @@ impl Kv for RedisKv {
         ttl_ms: u64,
         deadline_ms: u64,
     ) -> Result<Cas, String> {
-        let args = [
-            old.unwrap_or_default().to_vec(),
-            new.to_vec(),
-            ttl_ms.to_string().into_bytes(),
-            if old.is_some() { b"1".to_vec() } else { b"0".to_vec() },
-        ];
+        let has_old = if old.is_some() { b"1".to_vec() } else { b"0".to_vec() };
+        let (old, new, ttl) = (old.unwrap_or_default().to_vec(), new.to_vec(), ttl_ms.to_string().into_bytes());
         // Without a deadline, on a single server: with the others waiting, in one call.
         if deadline_ms == 0 && self.cluster.is_empty() {
-            let (answer, answered) = tokio::sync::oneshot::channel();
-            let first = match self.waiting.lock() {
-                Ok(mut w) => {
-                    w.push((key.to_owned(), args, answer));
-                    w.len() == 1
-                }
-                Err(_) => return Err("the compare-and-set queue is unusable".into()),
+            return match self.along(key, vec![b"c".to_vec(), old, new, ttl, has_old]).await? {
+                (1, _, now) => Ok(Cas::Written(now)),
+                (0, value, now) => Ok(Cas::Changed(value, now)),
+                _ => Err("unexpected reply to the compare-and-set script".into()),
             };
-            if first {
-                tokio::spawn(self.clone().flush());
-            }
-            return answered.await.unwrap_or_else(|_| Err("the compare-and-set was not sent".into()));
         }
-        let [a0, a1, a2, a3] = args;
-        let args = [a0, a1, a2, a3, deadline_ms.to_string().into_bytes()];
+        let args = [old, new, ttl, has_old, deadline_ms.to_string().into_bytes()];
         let Value::Array(parts) = self.run(&self.cas, &[key], &args).await? else {
             return Err("unexpected reply to the compare-and-set script".into());
         };
