@@ -107,7 +107,8 @@ pub enum Cas {
 /// clock). `ARGV`: node, seq, "1" for a batch (checked and moved) or "0" for an ask, the node
 /// TTL and the seq memory in ms, the request's time and the most it may be from the key's
 /// clock, in ms, the silence after which a node counts as not heard lately and the most such
-/// nodes named, latest first, and the most asks remembered. `KEYS[3]`: a sorted set of the
+/// nodes named, latest first, the most asks remembered, and the most nodes remembered (the
+/// longest unheard are forgotten past it). `KEYS[3]`: a sorted set of the
 /// asks answered, `node:seq` → the ask's time (ms of the node's clock), kept while a copy
 /// would be accepted (the skew); `KEYS[4]`: the time at or before which asks are refused,
 /// raised when the earliest are dropped for room. Returns `{nodes heard within the TTL, "",
@@ -132,6 +133,9 @@ if (not last) or ARGV[2] > last then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2
 redis.call('ZADD', KEYS[2], now, ARGV[1]) \
 local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[5]), 'LIMIT', 0, 100) \
 for _, n in ipairs(gone) do redis.call('HDEL', KEYS[1], n) redis.call('ZREM', KEYS[2], n) end \
+local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[11]) \
+if extra > 0 then for _, n in ipairs(redis.call('ZRANGE', KEYS[2], 0, extra - 1)) do \
+redis.call('HDEL', KEYS[1], n) redis.call('ZREM', KEYS[2], n) end end \
 redis.call('PEXPIRE', KEYS[1], ARGV[5]) redis.call('PEXPIRE', KEYS[2], ARGV[5]) \
 local out = {redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf'), ''} \
 for _, n in ipairs(redis.call('ZREVRANGEBYSCORE', KEYS[2], '+inf', '(' .. (now - tonumber(ARGV[8])), 'LIMIT', 0, tonumber(ARGV[9]))) \

@@ -5,7 +5,9 @@
 use crate::{
     Cas, Kv, Unheard, APPEND, CAS, MANY, NODE_TTL, PRESENT, PRESENT_KEY, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS,
 };
-use ratewall_core::sync::{CUT_OFF_SILENCE, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_REQUEST_SKEW, SEQ_MEMORY};
+use ratewall_core::sync::{
+    CUT_OFF_SILENCE, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_NODES, MAX_REQUEST_SKEW, SEQ_MEMORY,
+};
 use ratewall_core::Nanos;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
@@ -333,6 +335,7 @@ impl Kv for RedisKv {
             (CUT_OFF_SILENCE / 1_000_000).to_string().into_bytes(),
             (if cached.is_some() { 0 } else { MAX_HEARD_LATELY }).to_string().into_bytes(),
             MAX_ASKS_REMEMBERED.to_string().into_bytes(),
+            MAX_NODES.to_string().into_bytes(),
         ];
         let Ok(Value::Array(parts)) = self.run(&self.registry, &REGISTRY_KEYS, &args).await else {
             return Err(Unheard::Failed);

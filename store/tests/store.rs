@@ -483,3 +483,27 @@ fn filter_nodes_syncing_to_the_store_share_one_global_limit() {
     assert!(r.overadmission_max_pct <= 7.5, "at most 3 units over a limit of 40: {r:?}");
     assert!(r.calls_per_node_per_sec > 1.0, "the nodes synced: {r:?}");
 }
+
+#[test]
+fn the_node_registry_keeps_at_most_its_most_nodes_the_longest_unheard_forgotten() {
+    let redis = Redis::start(false).unwrap();
+    let now_ms = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis().to_string();
+    // The registry script as the store runs it, remembering at most 3 nodes.
+    let heard = |node: &str| {
+        let mut args = vec!["EVAL", ratewall_store::REGISTRY, "4"];
+        args.extend(ratewall_store::REGISTRY_KEYS);
+        let sent = now_ms();
+        args.extend([node, "00000000000000000001", "1", "2000", "60000", &sent, "25000", "1000", "0", "1000", "3"]);
+        cli(redis.port, &args).unwrap()
+    };
+    for node in ["1", "2", "3", "4", "5"] {
+        heard(node);
+        std::thread::sleep(Duration::from_millis(3));
+    }
+    let seen = cli(redis.port, &["ZRANGE", ratewall_store::REGISTRY_KEYS[1], "0", "-1"]).unwrap();
+    assert_eq!(seen.split_whitespace().collect::<Vec<_>>(), ["3", "4", "5"], "{seen}");
+    let seqs = cli(redis.port, &["HKEYS", ratewall_store::REGISTRY_KEYS[0]]).unwrap();
+    let mut seqs: Vec<&str> = seqs.split_whitespace().collect();
+    seqs.sort_unstable();
+    assert_eq!(seqs, ["3", "4", "5"]);
+}
