@@ -164,11 +164,15 @@ impl<'a> Reader<'a> {
     pub(crate) fn u64(&mut self) -> Result<u64, DecodeError> {
         Ok(u64::from_le_bytes(self.array()?))
     }
-    /// A LEB128 varint.
+    /// A LEB128 varint; one of more than 64 bits is malformed (never read as its low bits).
     pub fn varint(&mut self) -> Result<u64, DecodeError> {
         let mut v = 0u64;
         for shift in (0..64).step_by(7) {
             let b = self.u8()?;
+            // The tenth byte holds the 64th bit alone.
+            if shift == 63 && b > 1 {
+                return Err(DecodeError::Invalid("varint (over 64 bits)"));
+            }
             v |= u64::from(b & 0x7f) << shift;
             if b & 0x80 == 0 {
                 return Ok(v);
@@ -181,6 +185,17 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_varint_over_64_bits_is_malformed() {
+        let read = |b: &[u8]| Reader { bytes: b, pos: 0 }.varint();
+        assert_eq!(read(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01]), Ok(u64::MAX));
+        assert_eq!(read(&[0x85, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x00]), Ok(5));
+        // 5 + 2^64: it was read as 5.
+        assert!(read(&[0x85, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x02]).is_err());
+        assert!(read(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]).is_err());
+        assert!(read(&[0x80; 11]).is_err());
+    }
 
     #[test]
     fn window_states_fit_in_18_bytes() {

@@ -59,6 +59,14 @@ fn messages_round_trip_and_trailing_bytes_are_errors() {
     let mut long = r.encode();
     long.push(0);
     assert!(SyncRequest::decode(&long).is_err());
+    // A top section follows a batch, never an ask.
+    let mut with_top = r.encode();
+    TopSection { rules: vec![] }.encode_into(&mut with_top);
+    assert!(SyncRequest::decode_with_top(&with_top).is_ok_and(|(_, top)| top.is_some()));
+    let ask = SyncRequest { ask: true, ..r.clone() };
+    let mut ask_with_top = ask.encode();
+    TopSection { rules: vec![] }.encode_into(&mut ask_with_top);
+    assert!(SyncRequest::decode(&ask_with_top).is_err());
     let resp = SyncResponse {
         seq: 9,
         now: NOW,

@@ -310,12 +310,13 @@ impl SyncRequest {
         Ok((SyncRequest { node, seq, sent, deltas, ask }, r.pos))
     }
 
-    /// Decodes a request and its optional trailing [`TopSection`]; any other trailing bytes
-    /// are an error.
+    /// Decodes a request and its optional trailing [`TopSection`] (a batch's only: an ask
+    /// carries none); any other trailing bytes are an error.
     pub fn decode_with_top(bytes: &[u8]) -> Result<(SyncRequest, Option<TopSection>), DecodeError> {
         let (req, end) = SyncRequest::decode_prefix(bytes)?;
         match bytes.get(end..) {
             None | Some([]) => Ok((req, None)),
+            Some(_) if req.ask => Err(DecodeError::Invalid("ask: trailing bytes (an ask carries no top section)")),
             Some(rest) => Ok((req, Some(TopSection::decode(rest)?))),
         }
     }
