@@ -64,8 +64,18 @@ pub const NODE_TTL: Nanos = 2 * SECOND;
 /// retries with the same `seq`, counted once) and `ratewall_store_cas_exhausted` counts it.
 pub const CAS_ATTEMPTS: u32 = 16;
 
+/// The scripts' read of a key: its value, or for a key of another type (not a counter ever
+/// written here) a value no counter has, so it is named unreadable and kept like any damaged
+/// counter rather than failing the call and every other counter in it.
+macro_rules! get_or_unreadable {
+    () => {
+        "local function get(k) local v = redis.pcall('GET', k) \
+if type(v) == 'table' then return '\\0' .. tostring(v.err) end return v end "
+    };
+}
+
 /// Reads a key and its primary's clock: `{value or false, seconds, microseconds}`.
-pub const READ: &str = "local t = redis.call('TIME') return {redis.call('GET', KEYS[1]), t[1], t[2]}";
+pub const READ: &str = concat!(get_or_unreadable!(), "local t = redis.call('TIME') return {get(KEYS[1]), t[1], t[2]}");
 
 /// Sets `KEYS[1]` to `ARGV[2]` (expiring in `ARGV[3]` ms) if it still holds `ARGV[1]`
 /// (`ARGV[4]` = "0": if it does not exist): `{1, false, s, µs}` when set, else
@@ -73,11 +83,14 @@ pub const READ: &str = "local t = redis.call('TIME') return {redis.call('GET', K
 /// again without another read. (`s, µs`: the key's primary's clock.) Past `ARGV[5]` ms of that
 /// clock (when not "0"), nothing is written: `{2, false, s, µs}` — a call Redis runs only after
 /// its caller gave up (Redis paused with it on the socket) counts nothing.
-pub const CAS: &str = "local v = redis.call('GET', KEYS[1]) local t = redis.call('TIME') \
+pub const CAS: &str = concat!(
+    get_or_unreadable!(),
+    "local v = get(KEYS[1]) local t = redis.call('TIME') \
 if ARGV[5] ~= '0' and tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[5]) then \
 return {2, false, t[1], t[2]} end \
 if (ARGV[4] == '0' and v == false) or (ARGV[4] == '1' and v == ARGV[1]) then \
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return {1, false, t[1], t[2]} end return {0, v, t[1], t[2]}";
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return {1, false, t[1], t[2]} end return {0, v, t[1], t[2]}"
+);
 
 /// [`READ`]s and [`CAS`]es of many keys at once, as one script call: for each `KEYS[i]` in
 /// turn, from the next `ARGV`, `r` (a read), or `c` and the [`CAS`]'s expected value, new
@@ -86,12 +99,15 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return {1, false, t[1], t[2]}
 /// a compare-and-set `1` when set, else `0` and what the key holds instead (`s, µs`: the
 /// server's clock). For a single server only: a Cluster takes a script's keys in one slot,
 /// and each counter has its own.
-pub const MANY: &str = "local t = redis.call('TIME') local out = {t[1], t[2]} local a = 1 \
-for i = 1, #KEYS do local v = redis.call('GET', KEYS[i]) \
+pub const MANY: &str = concat!(
+    get_or_unreadable!(),
+    "local t = redis.call('TIME') local out = {t[1], t[2]} local a = 1 \
+for i = 1, #KEYS do local v = get(KEYS[i]) \
 if ARGV[a] == 'r' then out[#out + 1] = 2 out[#out + 1] = v a = a + 1 \
 elseif (ARGV[a + 4] == '0' and v == false) or (ARGV[a + 4] == '1' and v == ARGV[a + 1]) then \
 redis.call('SET', KEYS[i], ARGV[a + 2], 'PX', ARGV[a + 3]) out[#out + 1] = 1 out[#out + 1] = false a = a + 5 \
-else out[#out + 1] = 0 out[#out + 1] = v a = a + 5 end end return out";
+else out[#out + 1] = 0 out[#out + 1] = v a = a + 5 end end return out"
+);
 
 /// What a compare-and-set found.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -341,6 +341,36 @@ fn a_counter_the_store_cannot_read_is_kept_and_named_failed_and_the_rest_of_the_
     let (status, resp) = Http(&store.addr).call(&again);
     assert_eq!((status, resp.unwrap().failed), (200, vec![]));
     assert_eq!((counted(&store.addr, &bad, 1), counted(&store.addr, &good, 2)), (3, 4));
+    // A key of another type where a counter would be: as unreadable, on a single server and
+    // on a Cluster alike (where the one-call-per-batch path is not taken).
+    let cluster = Cluster::start().unwrap();
+    let on_cluster = StoreProcess::start(&cluster.urls(), true);
+    for (addr, port) in [(&store.addr, redis.port), (&on_cluster.addr, 0)] {
+        let other = key(&run, &format!("hash{port}"));
+        let other_redis = format!("rw:{{{}}}", hex(&other));
+        let hset = ["-c", "hset", &other_redis, "f", "v"];
+        match port {
+            0 => assert!(cluster.urls().iter().any(|u| {
+                let p: u16 = u.rsplit(':').next().unwrap().parse().unwrap();
+                cli(p, &hset).unwrap().trim() == "1"
+            })),
+            p => assert_eq!(cli(p, &hset[1..]).unwrap().trim(), "1"),
+        }
+        let fresh = key(&run, &format!("fresh{port}"));
+        let req = SyncRequest {
+            node: 2,
+            seq: 1 + u64::from(port),
+            sent: 0,
+            deltas: vec![
+                Delta { key: other, limit: big(), units: 3 },
+                Delta { key: fresh.clone(), limit: big(), units: 5 },
+            ],
+            ask: false,
+        };
+        let (status, resp) = Http(addr).call(&req);
+        assert_eq!((status, resp.map(|r| r.failed)), (200, Some(vec![0])), "{addr}");
+        assert_eq!(counted(addr, &fresh, 10 + u64::from(port)), 5);
+    }
 }
 
 #[test]
