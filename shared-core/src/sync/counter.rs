@@ -181,6 +181,10 @@ const WEIGHT_SCALE: u64 = 4;
 /// beside it is given only the units it asked for.
 pub const ASK_SCARCE: u64 = 2;
 
+/// An exact rule's counter of at most this many units at once (a window's quota, a bucket's
+/// burst) is taken by asks alone ([`Counter::asks_only`]): a share of it is most of it.
+pub const ASKS_ONLY_UP_TO: u64 = 10;
+
 /// How long past its lease a grant on an exact rule's counter stays held (or until the node's
 /// next batch replaces it): units a node spends just before its lease ends reach the store
 /// with its next batch, a sync interval and a round trip later (`sync.interval` and
@@ -528,13 +532,17 @@ impl Counter {
     }
 
     /// Whether every unit of this counter is taken by an ask: an exact rule's limit slower than
-    /// one unit per longest lease (5 a minute, 10 logins a minute). A grant or the units given
-    /// beside an ask would sit with one node, its lease longer than the limit's own pace,
-    /// while the others' asks are refused: at 3 nodes and a limit of 5 a minute, requests
-    /// taking turns over the nodes were refused with 3 units left. Asking costs each request
-    /// a round trip, which such a limit's traffic can afford.
+    /// one unit per longest lease (5 a minute, 10 logins a minute), or of at most
+    /// [`ASKS_ONLY_UP_TO`] units at once. A grant or the units given beside an ask would sit
+    /// with one node, its lease longer than the limit's own pace, while the others' asks are
+    /// refused: at 3 nodes and a limit of 5 a minute, requests taking turns over the nodes
+    /// were refused with 3 units left; at 2 NGINX and a token bucket of burst 3, the second
+    /// proxy's first request was refused with 2 tokens left, in the first proxy's grant.
+    /// Asking costs each request a round trip, which such a limit's traffic can afford.
     fn asks_only(&self) -> bool {
-        self.exact && u128::from(self.limit.requests()) * u128::from(MAX_LEASE) < u128::from(self.limit.per().max(1))
+        self.exact
+            && (self.limit.capacity() <= ASKS_ONLY_UP_TO
+                || u128::from(self.limit.requests()) * u128::from(MAX_LEASE) < u128::from(self.limit.per().max(1)))
     }
 
     /// Counts `units` reported at `now` into the per-second rate.

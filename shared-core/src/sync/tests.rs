@@ -534,6 +534,27 @@ fn a_slow_exact_limit_gives_only_the_asked_units() {
     assert_eq!(grants, [1, 1, 1, 1, 1, 0]);
 }
 
+/// So is a small one, whatever its pace: the first node to ask is given no tokens beside its
+/// own, and the second node's ask is not refused for them.
+#[test]
+fn a_small_exact_limit_gives_only_the_asked_units() {
+    for l in [
+        Limit::new(Algorithm::TokenBucket, 1, 2 * SECOND, Some(3)).unwrap(),
+        Limit::new(Algorithm::FixedWindow, 3, 5 * SECOND, None).unwrap(),
+        Limit::new(Algorithm::SlidingWindow, 10, SECOND, None).unwrap(),
+    ] {
+        let mut c = Counter::new(l);
+        let cap = l.capacity();
+        let grants: Vec<u64> = (1..=cap + 1).map(|node| c.ask(l, NOW, node % 2, node, 1, 10 * SECOND).grant).collect();
+        let mut want = vec![1; cap as usize];
+        want.push(0);
+        assert_eq!(grants, want, "{l:?}");
+    }
+    // Past it, the first asker is given units beside its own as before.
+    let l = Limit::new(Algorithm::FixedWindow, 11, 5 * SECOND, None).unwrap();
+    assert!(Counter::new(l).ask(l, NOW, 1, 1, 1, 10 * SECOND).grant > 1);
+}
+
 #[test]
 fn a_duplicated_ask_is_answered_again_and_takes_nothing_more() {
     let l = Limit::new(Algorithm::FixedWindow, 100, 60 * SECOND, None).unwrap();
