@@ -993,7 +993,7 @@ impl Syncer {
                 host.log(
                     Level::Warn,
                     &format!(
-                        "ratewall: a sync batch failed for 25 s and was dropped ({units} admitted units not counted)"
+                        "ratewall: a sync batch failed for 25 s and was dropped ({units} admitted units the store may not have counted)"
                     ),
                 );
             }

@@ -268,7 +268,7 @@ fn a_batch_failing_past_the_retry_horizon_is_dropped_and_its_units_counted() {
         h.advance(100 * MS);
     }
     assert_eq!(h.metric("ratewall_sync_dropped_units"), 7);
-    assert!(h.logged("failed for 25 s and was dropped (7 admitted units not counted)"));
+    assert!(h.logged("failed for 25 s and was dropped (7 admitted units the store may not have counted)"));
     // A heartbeat failing as long loses nothing, and is not worth the warning.
     let h = FakeHost::new();
     let e = engine(&h, &rules(100, 1));
