@@ -284,7 +284,10 @@ impl IsolateTop {
         let mut report = Report { node, ..Report::default() };
         for (rule, p) in config.rules.iter().zip(self.rules.iter_mut()) {
             let p = std::mem::take(p);
-            if p.allowed == 0 && p.denied == 0 && p.shadow == 0 {
+            // At most the rules the object tracks, the first that counted anything in the
+            // document's order: a report of more is one it refuses (and the reads that carry
+            // it, every one after).
+            if (p.allowed == 0 && p.denied == 0 && p.shadow == 0) || report.series.len() >= MAX_RULES {
                 continue;
             }
             let top = p.top.map_or_else(

@@ -180,6 +180,24 @@ fn memory_stays_bounded_whatever_the_rules_and_the_seconds() {
 }
 
 #[test]
+fn a_report_of_more_rules_than_the_object_tracks_is_one_it_takes() {
+    let rules: Vec<String> = (0..MAX_RULES + 1)
+        .map(|i| format!(r#"{{"name": "r{i:03}", "key": ["user"], "limit": {{"requests": 1, "per": "60s"}}}}"#))
+        .collect();
+    let c =
+        config(&format!(r#"{{"identity": {{"user": {{"header": "x-user-id"}}}}, "rules": [{}]}}"#, rules.join(",")));
+    let mut top = IsolateTop::default();
+    let k = checks(&c, "a", "wu");
+    let (o, _) = combine(&c, &k, &vec![decided(false); k.len()]);
+    top.count(&c, &k, &o, T);
+    let r = top.take(1, T).unwrap();
+    assert_eq!(r.series.len(), MAX_RULES);
+    assert_eq!(r.section.rules.first().map(|r| r.rule.as_str()), Some("r000"));
+    let call = TopCall::Report(r);
+    assert_eq!(TopCall::decode(&call.encode()), Some(call), "the object takes it");
+}
+
+#[test]
 fn counts_made_under_rules_since_replaced_are_reported_under_those() {
     let old = config(RULES);
     let mut top = IsolateTop::default();
