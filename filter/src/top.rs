@@ -49,14 +49,69 @@ fn add_paid(into: &mut Vec<(Vec<u8>, u64)>, key: &[u8], units: u64) {
     }
 }
 
-/// Shared keys a rule's summary may take: its name's hash picks one, so rules of several
-/// documents on one proxy (NGINX's `proxy_wasm` directives, filters sharing a `vm_id`) keep
-/// theirs apart, and the keys stay bounded whatever rules come and go (shared data has no
-/// delete). Two names on one key take turns (each finds the other's and starts afresh).
+/// Shared keys a rule's summary may take: its name's hash picks where it looks first, so rules
+/// of several documents on one proxy (NGINX's `proxy_wasm` directives, filters sharing a
+/// `vm_id`) keep theirs apart, and the keys stay bounded whatever rules come and go (shared
+/// data has no delete).
 const SHARED_KEYS: u64 = 1024;
+/// Keys a rule's summary looks at, from the one its name's hash picks: a name whose first key
+/// another rule holds takes the next free one (or one left by a rule no tick has seen for a
+/// while). Past them, two names on one key take turns (each finds the other's and starts
+/// afresh): with one key per name, 9 of 250 rules in one document shared a key with another
+/// and each such pair lost all but one's denials.
+const PROBES: u64 = 16;
 
-fn shared_key(name: &str) -> String {
-    format!("rw1/top/{}", ratewall_core::key::fnv1a(name.as_bytes()) % SHARED_KEYS)
+fn shared_key(name: &str, probe: u64) -> String {
+    let first = ratewall_core::key::fnv1a(name.as_bytes()) % SHARED_KEYS;
+    format!("rw1/top/{}", (first + probe) % SHARED_KEYS)
+}
+
+/// Where rule `name`'s shared state is: its key, value (`None`: none there yet, or another
+/// rule's that it takes over) and CAS. The key holding `name`; else the first of its
+/// [`PROBES`] keys that is empty or holds a state no tick has rolled for a while (`now`); else
+/// its first key.
+fn locate(host: &dyn Host, name: &str, now: Nanos) -> Option<(String, Option<Shared>, Option<u32>)> {
+    let mut free = None;
+    for probe in 0..PROBES {
+        let key = shared_key(name, probe);
+        let Ok((value, cas)) = host.shared_get(&key) else { return None };
+        let state = value.as_deref().and_then(Shared::decode);
+        match state {
+            Some(s) if s.name == name => return Some((key, Some(s), cas)),
+            Some(s) if now.saturating_sub(s.minute_start) < LOG_EVERY + LOG_EVERY / 4 => {}
+            // Nothing there, or a state left behind: free for this name.
+            other => {
+                let empty = other.is_none();
+                free = free.or(Some((key, cas)));
+                // No name past an empty key: states are only ever written into free keys.
+                if empty {
+                    break;
+                }
+            }
+        }
+    }
+    match free {
+        Some((key, cas)) => Some((key, None, cas)),
+        None => {
+            let key = shared_key(name, 0);
+            let (_, cas) = host.shared_get(&key).ok()?;
+            Some((key, None, cas))
+        }
+    }
+}
+
+/// Where rule `name`'s shared state is, when it has one: its key, state and CAS.
+fn find(host: &dyn Host, name: &str) -> Option<(String, Shared, Option<u32>)> {
+    for probe in 0..PROBES {
+        let key = shared_key(name, probe);
+        let (value, cas) = host.shared_get(&key).ok()?;
+        match value.as_deref().map(Shared::decode) {
+            None => return None,
+            Some(Some(s)) if s.name == name => return Some((key, s, cas)),
+            Some(_) => {}
+        }
+    }
+    None
 }
 
 /// A recent denial of one counter.
@@ -347,10 +402,8 @@ impl Top {
     fn roll(&self, host: &dyn Host, config: &Config, now: Nanos, mine: Option<&[LocalRule]>) {
         for (i, rule) in config.rules.iter().enumerate() {
             let add = mine.and_then(|m| m.get(i)).filter(|r| r.denied + r.shadow + r.paid > 0);
-            let key = shared_key(&rule.name);
             for _ in 0..16 {
-                let Ok((value, cas)) = host.shared_get(&key) else { break };
-                let found = value.as_deref().and_then(Shared::decode).filter(|s| s.name == rule.name);
+                let Some((key, found, cas)) = locate(host, &rule.name, now) else { break };
                 let fresh = found.is_none();
                 let mut s =
                     found.unwrap_or_else(|| Shared { name: rule.name.clone(), minute_start: now, ..Shared::default() });
@@ -446,13 +499,9 @@ impl Top {
             }
         }
         for (i, rule) in config.rules.iter().enumerate() {
-            let key = shared_key(&rule.name);
             let mut taken = None;
             for _ in 0..16 {
-                let Ok((value, cas)) = host.shared_get(&key) else { break };
-                let Some(mut s) = value.as_deref().and_then(Shared::decode).filter(|s| s.name == rule.name) else {
-                    break;
-                };
+                let Some((key, mut s, cas)) = find(host, &rule.name) else { break };
                 let gained = s.gained();
                 if gained.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 && s.pending_paid == 0 {
                     break;

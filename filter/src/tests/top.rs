@@ -214,3 +214,29 @@ fn two_documents_on_one_proxy_each_log_their_rules_top_denied_keys() {
     assert!(logged(&a, "api-key") || logged(&b, "api-key"), "{:?} {:?}", a.logs.borrow(), b.logs.borrow());
     assert!(logged(&a, "per-key") || logged(&b, "per-key"), "{:?} {:?}", a.logs.borrow(), b.logs.borrow());
 }
+
+#[test]
+fn rules_whose_names_pick_one_shared_key_each_keep_their_denials() {
+    // Nine rule names whose hashes pick one shared key, as "q016" … "q185" do.
+    let first = |n: &str| ratewall_core::key::fnv1a(n.as_bytes()) % 1024;
+    let target = first("q016");
+    let names: Vec<String> = (0..100_000).map(|i| format!("q{i:03}")).filter(|n| first(n) == target).take(9).collect();
+    assert_eq!(names.len(), 9);
+    let list: Vec<String> = names
+        .iter()
+        .map(|n| format!(r#"{{"name": "{n}", "match": {{"path": "/{n}"}}, "key": ["api_key"], "limit": {{"requests": 1, "per": "60s"}}}}"#))
+        .collect();
+    let doc = format!(r#"{{"identity": {{"api_key": {{"header": "x-api-key"}}}}, "rules": [{}]}}"#, list.join(","));
+    let h = FakeHost::new();
+    let e = engine(&h, &doc);
+    for n in &names {
+        statuses(&e, &h, "GET", &format!("/{n}"), &[("x-api-key", "slow")], 3);
+    }
+    for _ in 0..62 {
+        e.on_tick(&h);
+        h.advance(1_000 * MS);
+    }
+    for n in &names {
+        assert!(h.logged(&format!("ratewall: top denied [{n}] ")), "{n}: {:?}", h.logs.borrow());
+    }
+}
