@@ -63,6 +63,7 @@ struct RuleMetrics {
 struct NodeMetrics {
     evictions: Option<u32>,
     corrupt: Option<u32>,
+    lost: Option<u32>,
     cas_conflicts: Option<u32>,
     /// Requests passed without limits: no usable configuration (here: no shared data).
     fallback: Option<u32>,
@@ -179,6 +180,8 @@ pub struct Engine {
     probe_metrics: OnceCell<(Option<u32>, Option<u32>, Option<u32>)>,
     /// When the filter last said at error level that it serves without limits.
     fallback_logged: Cell<Option<Nanos>>,
+    /// When the filter last said at error level that the host dropped counters.
+    lost_logged: Cell<Option<Nanos>>,
     /// The request headers read, in the order [`Engine::on_request`] expects them: `:method`,
     /// `:path`, `x-forwarded-for` (empty when untrusted), then the identity headers.
     header_names: HeaderNames,
@@ -302,6 +305,7 @@ impl Engine {
         let node = NodeMetrics {
             evictions: host.define_counter("ratewall_table_evictions"),
             corrupt: host.define_counter("ratewall_table_corrupt"),
+            lost: host.define_counter("ratewall_table_lost"),
             cas_conflicts: host.define_counter("ratewall_table_cas_conflicts"),
             fallback: host.define_counter(FALLBACK_METRIC),
             waits_refused: host.define_counter("ratewall_waits_refused"),
@@ -340,6 +344,7 @@ impl Engine {
             shared: Cell::new(None),
             probe_metrics: OnceCell::new(),
             fallback_logged: Cell::new(None),
+            lost_logged: Cell::new(None),
             header_names,
             exact,
             retired: Cell::new(false),
@@ -463,6 +468,21 @@ impl Engine {
         if let (Some(opts), None) = (&self.sync_opts, self.sync.get()) {
             let _ = self.sync.set(Syncer::new(host, opts.clone()));
         }
+    }
+
+    /// Says at error level, at most once a minute, that the host dropped counters: its shared
+    /// data is too small for the table (or something else wrote over it).
+    fn say_lost(&self, host: &dyn Host, now: Nanos) {
+        if self.lost_logged.get().is_some_and(|at| now.saturating_sub(at) < 60 * ratewall_core::SECOND) {
+            return;
+        }
+        self.lost_logged.set(Some(now));
+        host.log(
+            Level::Error,
+            "ratewall: counters were dropped by the host (their counts start over, counted in ratewall_table_lost): \
+             its shared data is too small for the counter table; on NGINX give `shm_kv` about 48 bytes per \
+             `filter.slots` entry (16m for the default 65,536; 64m for 1,048,576)",
+        );
     }
 
     /// Says at error level, at most every [`FALLBACK_LOG_EVERY`], that requests pass
@@ -825,6 +845,10 @@ impl Engine {
         bump(self.node.evictions, stats.evictions);
         bump(self.node.corrupt, stats.corrupt);
         bump(self.node.cas_conflicts, stats.cas_conflicts);
+        if stats.lost > 0 {
+            bump(self.node.lost, stats.lost);
+            self.say_lost(host, now);
+        }
         if let (true, true, Some(s)) = (may_ask, outcome.rejected, self.sync()) {
             // Ask only when every rejection is a spent grant the store may still cover.
             let askable = &counters.askable;

@@ -143,6 +143,11 @@ impl FakeHost {
         u32::try_from(m.len() - 1).ok()
     }
 
+    /// Drops a shared-data key, as a host whose store is full evicts one (NGINX's `shm_kv`).
+    pub fn evict(&self, key: &str) {
+        self.shared.borrow_mut().map.remove(key);
+    }
+
     /// The shared-data keys.
     pub fn shared_keys(&self) -> Vec<String> {
         let mut keys: Vec<String> = self.shared.borrow().map.keys().cloned().collect();

@@ -361,6 +361,10 @@ pub struct TableStats {
     pub evictions: u64,
     /// Bucket values that did not decode and were reset.
     pub corrupt: u64,
+    /// Buckets found gone after the table was created: the host dropped them (NGINX's
+    /// `shm_kv` evicts its least recently used keys when the zone is full), their counts with
+    /// them.
+    pub lost: u64,
     /// CAS conflicts retried.
     pub cas_conflicts: u64,
 }
@@ -549,7 +553,10 @@ impl Table {
                     stats.corrupt += 1;
                     entries.clear();
                 }
-                None => entries.clear(),
+                None => {
+                    stats.lost += 1;
+                    entries.clear();
+                }
             }
             let pos = entries.iter().position(|e| e.fingerprint == slot.fingerprint);
             let (current, grant, mut queue) = pos.and_then(|i| entries.get(i)).map_or_else(

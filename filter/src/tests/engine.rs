@@ -217,6 +217,29 @@ fn a_corrupt_bucket_is_counted_and_replaced() {
 }
 
 #[test]
+fn counters_the_host_dropped_are_counted_and_said_once_a_minute() {
+    let h = FakeHost::new();
+    let e = engine(&h, RULES);
+    let ann = [("x-user-id", "ann")];
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 3), [200, 200, 200]);
+    assert_eq!(h.metric("ratewall_table_lost"), 0, "a table just created has lost nothing");
+    for key in h.shared_keys().iter().filter(|k| k.starts_with("rw1/")) {
+        h.evict(key);
+    }
+    // Its count is gone with its bucket (the client is under its limit again): said, not hidden.
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 1), [200]);
+    assert!(h.metric("ratewall_table_lost") >= 1);
+    let said =
+        |h: &FakeHost| h.logs.borrow().iter().filter(|(_, l)| l.contains("counters were dropped by the host")).count();
+    assert_eq!(said(&h), 1);
+    for key in h.shared_keys().iter().filter(|k| k.starts_with("rw1/")) {
+        h.evict(key);
+    }
+    let _ = statuses(&e, &h, "GET", "/u/x", &ann, 1);
+    assert_eq!(said(&h), 1, "once a minute");
+}
+
+#[test]
 fn a_bucket_a_newer_vm_wrote_is_left_as_it_is() {
     let h = FakeHost::new();
     let e = engine(&h, RULES);
