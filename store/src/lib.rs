@@ -6,8 +6,9 @@
 //! the value and the key's own clock (Redis `TIME` on the key's primary, so store processes
 //! with skewed clocks agree), run the core's pure transition — the same `Counter::apply` /
 //! `Counter::ask` the Worker's Durable Object runs — and write the result only if the value
-//! is still the one read, else run it again. The two small scripts ([`READ`], [`CAS`]) are
-//! those primitives and nothing else: no rate-limit logic lives in Lua. The node registry
+//! is still the one read, else run it again. The small scripts ([`READ`], [`CAS`], and
+//! [`MANY`], which runs them for many keys in one call on a single server) are those
+//! primitives and nothing else: no rate-limit logic lives in Lua. The node registry
 //! (the `nodes` every answer reports, and each node's latest batch `seq`) is a hash and a
 //! sorted set updated by one more script ([`REGISTRY`]).
 //!
