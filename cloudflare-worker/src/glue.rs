@@ -882,6 +882,14 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
     let previous = env.secret("RATEWALL_SYNC_SECRET_PREVIOUS").map(|s| s.to_string()).unwrap_or_default();
     let (secret, batch) = match store::check(&secret, tag.as_deref(), &body, now()) {
         Ok(b) => (secret, b),
+        // A previous secret too short to be one is said, as ratewall-store refuses to start
+        // on it, rather than dropped in silence (its batches would get 401 with no word why).
+        Err(r) if r.status == 401 && !previous.is_empty() && previous.chars().count() < 16 => {
+            return refused(store::Refusal {
+                status: 503,
+                message: "sync is disabled: RATEWALL_SYNC_SECRET_PREVIOUS is shorter than 16 characters".into(),
+            });
+        }
         Err(r) if r.status == 401 && previous.chars().count() >= 16 => {
             match store::check(&previous, tag.as_deref(), &body, now()) {
                 Ok(b) => (previous, b),
@@ -902,6 +910,10 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
     };
     let replies = call_objects(&env, &counters, timeout).await;
     let replies: Vec<Option<String>> = replies.into_iter().map(|r| r.ok()).collect();
+    let refunds = store::ask_refunds(&batch, &replies, now());
+    if !refunds.is_empty() {
+        let _ = call_objects(&env, &refunds, timeout).await;
+    }
     let answered = with(|i| store::answer(&secret, &batch, &replies, nodes, now(), &mut i.out));
     let (out, signature) = match answered {
         Ok(a) => a,

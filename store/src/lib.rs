@@ -591,6 +591,12 @@ impl<K: Kv> Store<K> {
                 return Err(Answer::error(503, reason::REGISTRY_FAILED));
             }
         };
+        // An ask that names a counter this store cannot read fails whole: checked first, so
+        // that its other counters take nothing for it.
+        if req.ask && !self.readable(req).await? {
+            self.metrics.unreadable.fetch_add(1, Ordering::Relaxed);
+            return Err(Answer::error(503, reason::UNREADABLE_ASK));
+        }
         let updates = req.deltas.iter().map(|d| self.update(req, &d.key, d.limit, d.units, &lately));
         let results = join_all(updates).await;
         let mut grants = Vec::with_capacity(results.len());
@@ -607,13 +613,13 @@ impl<K: Kv> Store<K> {
                 // A batch's other counters are answered: this one's units are sent again in
                 // a later batch (nothing of them was counted), while one counter this store
                 // cannot read would otherwise hold back every counter of the node's batches.
-                Update::Unreadable(_) if !req.ask => {
+                Update::Unreadable if !req.ask => {
                     failed.push(u32::try_from(i).unwrap_or(u32::MAX));
                     grants.push(Grant::unapplied(&d.key));
                 }
-                Update::Unreadable(e) => {
-                    return Err(Answer::error(503, format!("a stored counter is unreadable ({e}); it is kept")));
-                }
+                // Checked before any counter took a unit ([`Store::readable`]): one that
+                // became unreadable since takes nothing either.
+                Update::Unreadable => return Err(Answer::error(503, reason::UNREADABLE_ASK)),
             }
         }
         if now == 0 {
@@ -634,6 +640,26 @@ impl<K: Kv> Store<K> {
             out.name(now, req, &mut resp);
         }
         Ok(resp)
+    }
+
+    /// Whether every counter `req` names reads (absent counts as readable). An error when
+    /// Redis failed.
+    async fn readable(&self, req: &SyncRequest) -> Result<bool, Answer> {
+        let reads = req.deltas.iter().map(|d| async move {
+            let (stored, _) = self.kv.read(&redis_key(&d.key)).await?;
+            Ok::<bool, String>(stored.is_none_or(|b| Counter::decode(d.limit, &b).is_ok()))
+        });
+        let mut all = true;
+        for r in join_all(reads).await {
+            match r {
+                Ok(ok) => all &= ok,
+                Err(_) => {
+                    self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(Answer::error(503, "Redis failed; the ask takes nothing"));
+                }
+            }
+        }
+        Ok(all)
     }
 
     /// One counter's compare-and-swap loop: read, run the core's transition, write if still
@@ -693,10 +719,10 @@ impl<K: Kv> Store<K> {
                 None => Counter::new(limit),
                 Some(bytes) => match Counter::decode(limit, bytes) {
                     Ok(c) => c,
-                    Err(e) => {
+                    Err(_) => {
                         // Kept as it is: a counter is never reset because it could not be read.
                         self.metrics.unreadable.fetch_add(1, Ordering::Relaxed);
-                        return Ok(Update::Unreadable(e));
+                        return Ok(Update::Unreadable);
                     }
                 },
             };
@@ -771,7 +797,7 @@ enum Update {
     Applied(ratewall_core::sync::Applied, Nanos, Option<Nanos>),
     /// Its stored value does not decode here (a newer store wrote it, or it is damaged):
     /// nothing was applied, and the value is kept as it is.
-    Unreadable(ratewall_core::encoding::DecodeError),
+    Unreadable,
 }
 
 #[cfg(test)]

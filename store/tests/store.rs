@@ -334,13 +334,19 @@ fn a_counter_the_store_cannot_read_is_kept_and_named_failed_and_the_rest_of_the_
     assert_eq!((resp.grants[0].remaining, resp.grants[0].grant, resp.grants[1].remaining), (0, 0, 1_000_000 - 4));
     assert_eq!(cli(redis.port, &["get", &bad_redis]).unwrap().trim(), "written by a newer store", "kept as it was");
     assert!(store.get("/metrics").text().contains("ratewall_store_unreadable_counters_total 1\n"));
+    // An ask naming it fails whole, and its other counter takes nothing for it.
+    let sent = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let ask = SyncRequest { ask: true, node: 3, sent, ..batch(1) };
+    let answer = post(&store.addr, &ask.encode(), Some(&hex(&sign(SECRET.as_bytes(), &ask.encode()))));
+    assert_eq!((answer.status, answer.text()), (503, ratewall_core::sync::reason::UNREADABLE_ASK.to_owned()));
+    assert_eq!(counted(&store.addr, &good, 1), 4, "the ask took nothing");
     // Once it is readable (here: gone, as when it expires), the node's next batch (a new seq)
     // carries its units again, and they count once; the other counter's are not sent again.
     cli(redis.port, &["del", &bad_redis]).unwrap();
     let again = SyncRequest { deltas: vec![Delta { key: bad.clone(), limit: big(), units: 3 }], ..batch(2) };
     let (status, resp) = Http(&store.addr).call(&again);
     assert_eq!((status, resp.unwrap().failed), (200, vec![]));
-    assert_eq!((counted(&store.addr, &bad, 1), counted(&store.addr, &good, 2)), (3, 4));
+    assert_eq!((counted(&store.addr, &bad, 2), counted(&store.addr, &good, 3)), (3, 4));
     // A key of another type where a counter would be: as unreadable, on a single server and
     // on a Cluster alike (where the one-call-per-batch path is not taken).
     let cluster = Cluster::start().unwrap();

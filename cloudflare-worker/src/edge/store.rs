@@ -95,6 +95,23 @@ pub fn registry_verdict(batch: &SyncRequest, answer: Option<&str>) -> Result<Opt
     }
 }
 
+/// The calls that give back what an ask's counters took when the ask fails whole (one of its
+/// counters could not be read): the units each counter that answered took for it, as of
+/// `now`. A request whose ask failed is decided as a store failure, and those units would
+/// otherwise be counted for no request.
+pub fn ask_refunds(batch: &SyncRequest, replies: &[Option<String>], now: Nanos) -> Vec<(Vec<u8>, Call)> {
+    if !batch.ask || !replies.iter().any(|r| r.as_deref() == Some(NOT_APPLIED)) {
+        return Vec::new();
+    }
+    batch
+        .deltas
+        .iter()
+        .zip(replies)
+        .filter(|(_, r)| r.as_deref().and_then(decode_applied).is_some_and(|a| a.counted))
+        .map(|(d, _)| (d.key.clone(), Call::Refund { limit: d.limit, cost: d.units, at: now }))
+        .collect()
+}
+
 /// The signed answer (body, signature header) from the counters' replies (`None`: that
 /// call failed), in delta order. Any failed counter fails the whole call with 503: counters
 /// apply each (node, seq) once, so the node's retry of the whole batch never counts twice.
@@ -111,6 +128,10 @@ pub fn answer(
     now: Nanos,
     out: &mut Out,
 ) -> Result<(Vec<u8>, String), Refusal> {
+    if batch.ask && replies.iter().any(|r| r.as_deref() == Some(NOT_APPLIED)) {
+        // The units its other counters took go back ([`ask_refunds`]).
+        return Err(refuse(503, reason::UNREADABLE_ASK));
+    }
     let mut grants = Vec::with_capacity(replies.len());
     let mut failed = Vec::new();
     let mut per_counter = 1;
@@ -287,10 +308,26 @@ mod tests {
             (resp.failed.as_slice(), resp.grants[0].remaining, resp.grants[1].grant),
             ([1u32].as_slice(), 95, 0)
         );
-        // An ask holds no acknowledged units: it fails whole.
+        // An ask holds no acknowledged units: it fails whole, with ratewall-store's words, and
+        // what its other counters took goes back.
         let ask = SyncRequest { ask: true, ..two };
-        let r = answer(SECRET, &ask, &[reply, Some(NOT_APPLIED.into())], Some(3), T, &mut Out::default());
-        assert_eq!(r.unwrap_err().status, 503);
+        let mut first = Object::default();
+        let (_, ask_call) = counter_calls(&ask).remove(0);
+        first.load(None, ask_call.limit()).unwrap();
+        let took = first.handle(ask_call, T).map(|h| h.reply);
+        let replies = [took, Some(NOT_APPLIED.into())];
+        let r = answer(SECRET, &ask, &replies, Some(3), T, &mut Out::default()).unwrap_err();
+        assert_eq!((r.status, r.message.as_str()), (503, reason::UNREADABLE_ASK));
+        let refunds = ask_refunds(&ask, &replies, T);
+        assert_eq!(refunds.len(), 1);
+        let (key, refund) = refunds.into_iter().next().unwrap();
+        assert_eq!(key, b"k1");
+        first.handle(refund, T).unwrap();
+        let (_, peek) = counter_calls(&batch(3, false)).remove(0);
+        let Call::Apply { limit, .. } = peek else { panic!() };
+        let after = first.handle(Call::Apply { limit, node: 10, seq: 1, units: 0 }, T).map(|h| h.reply).unwrap();
+        assert_eq!(decode_applied(&after).unwrap().remaining, 100, "nothing of the ask stays taken");
+        assert!(ask_refunds(&b, &[None], T).is_empty(), "a batch is never refunded so");
     }
 
     #[test]

@@ -21,6 +21,10 @@ pub fn too_many(max: usize) -> String {
     format!("a batch names at most {max} counters")
 }
 
+/// 503: an ask naming a counter the store cannot read (a newer store's encoding, or a damaged
+/// value): nothing of the ask is counted, and the counter is kept as it is.
+pub const UNREADABLE_ASK: &str = "an ask names a stored counter that is unreadable; nothing is taken and it is kept";
+
 /// 400: a body that is not a batch.
 pub fn malformed(detail: impl core::fmt::Display) -> String {
     format!("malformed batch: {detail}")
