@@ -486,6 +486,17 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
     if let Some(rls) = rls {
         app = app.merge(Router::new().route("/json", post(rls_json)).with_state(rls));
     }
+    // Every answer has a plain-text reason, as the sync protocol's refusals do.
+    let app = app
+        .fallback(|| async {
+            plain(
+                axum::http::StatusCode::NOT_FOUND,
+                "not found: this listener serves POST /v1/sync, GET /healthz, GET /healthcheck and GET /metrics",
+            )
+        })
+        .method_not_allowed_fallback(|| async {
+            plain(axum::http::StatusCode::METHOD_NOT_ALLOWED, "method not allowed: POST /v1/sync, GET for the others")
+        });
     serve_http(conn::Listener::new(listener, limits), app, "listener", stopping).await;
     if let Some(admin) = admin {
         let _ = admin.await;
@@ -494,6 +505,11 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
         r.stop(args.deadline).await;
     }
     Ok(())
+}
+
+/// An answer of `status` with `why` as its plain-text body.
+fn plain(status: axum::http::StatusCode, why: &'static str) -> impl axum::response::IntoResponse {
+    (status, [(axum::http::header::CONTENT_TYPE, "text/plain; charset=utf-8")], why)
 }
 
 /// Serves `app` on `listener` until the process is stopping, then lets the connections open

@@ -393,6 +393,12 @@ fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
     let body = req.encode();
     assert_eq!(post(&store.addr, &body, None).status, 401, "unsigned");
     assert_eq!(post(&store.addr, &body, Some(&hex(&sign(b"another secret", &body)))).status, 401, "forged");
+    // Another method or path: a plain-text reason too.
+    for (method, path, status) in [("GET", "/v1/sync", 405), ("POST", "/v1/sync/", 404), ("GET", "/nothing", 404)] {
+        let r = http::request(&store.addr, method, path, &[], &[]).unwrap();
+        assert_eq!(r.status, status, "{method} {path}");
+        assert!(!r.text().is_empty(), "{method} {path}: a reason");
+    }
     assert_eq!(post(&store.addr, &body, Some(&"0".repeat(64))).status, 401, "a well-formed wrong signature");
     let garbage = b"\x02\x01garbage";
     assert_eq!(post(&store.addr, garbage, Some(&hex(&sign(SECRET.as_bytes(), garbage)))).status, 400, "signed garbage");
