@@ -275,20 +275,21 @@ impl Summary {
     }
 
     fn decode_form(r: &mut Reader<'_>, max_key: usize, taken: bool) -> Result<Summary, DecodeError> {
-        let capacity = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+        let capacity = usize::try_from(r.varint()?).map_err(|_| DecodeError::Invalid("summary capacity"))?;
         if !(1..=MAX_CAPACITY).contains(&capacity) {
-            return Err(DecodeError::Truncated);
+            return Err(DecodeError::Invalid("summary capacity"));
         }
         let (total, offset, evictions) = (r.varint()?, r.varint()?, r.varint()?);
-        let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+        let n =
+            usize::try_from(r.varint()?).map_err(|_| DecodeError::Invalid("summary entries (over its capacity)"))?;
         if n > capacity {
-            return Err(DecodeError::Truncated);
+            return Err(DecodeError::Invalid("summary entries (over its capacity)"));
         }
         let mut entries: Vec<Entry> = Vec::with_capacity(n);
         for _ in 0..n {
-            let len = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+            let len = usize::try_from(r.varint()?).map_err(|_| DecodeError::Invalid("summary key (too long)"))?;
             if len > max_key {
-                return Err(DecodeError::Truncated);
+                return Err(DecodeError::Invalid("summary key (too long)"));
             }
             let key = r.take(len)?.to_vec();
             let (denied, allowed) = (r.varint()?, r.varint()?);
@@ -297,9 +298,12 @@ impl Summary {
             let taken = if taken { r.varint()? } else { 0 };
             // Sorted and distinct, as encoded, with a counter above 0: anything else is not
             // this encoding.
-            let weight = denied.checked_sub(taken).filter(|w| *w > 0).ok_or(DecodeError::Truncated)?;
+            let weight = denied
+                .checked_sub(taken)
+                .filter(|w| *w > 0)
+                .ok_or(DecodeError::Invalid("summary entry (no count left)"))?;
             if entries.last().is_some_and(|l| l.key >= key) {
-                return Err(DecodeError::Truncated);
+                return Err(DecodeError::Invalid("summary entries (not in key order)"));
             }
             entries.push(Entry { key, denied, weight, allowed, nodes: u64::from_le_bytes(nodes) });
         }

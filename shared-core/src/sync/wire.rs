@@ -233,9 +233,9 @@ pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
 }
 
 pub(super) fn read_bytes(r: &mut Reader<'_>, max: usize) -> Result<Vec<u8>, DecodeError> {
-    let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+    let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Invalid("length (too long)"))?;
     if n > max {
-        return Err(DecodeError::Truncated);
+        return Err(DecodeError::Invalid("length (a key or name too long)"));
     }
     Ok(r.take(n)?.to_vec())
 }
@@ -254,9 +254,9 @@ pub(super) fn read_header(r: &mut Reader<'_>, kinds: &[u8]) -> Result<u8, Decode
 }
 
 pub(super) fn read_count(r: &mut Reader<'_>) -> Result<usize, DecodeError> {
-    let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Truncated)?;
+    let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Invalid("count (too many)"))?;
     if n > MAX_ENTRIES {
-        return Err(DecodeError::Truncated);
+        return Err(DecodeError::Invalid("count (too many)"));
     }
     Ok(n)
 }
@@ -391,7 +391,7 @@ impl TopSection {
     /// Reads [`TopSection::encode_into`]'s form (the whole of `bytes`).
     pub fn decode(bytes: &[u8]) -> Result<TopSection, DecodeError> {
         if bytes.len() > MAX_TOP_SECTION {
-            return Err(DecodeError::Truncated);
+            return Err(DecodeError::Invalid("top section (over 32 KiB)"));
         }
         let mut r = Reader { bytes, pos: 0 };
         let marker = r.u8()?;
@@ -404,7 +404,8 @@ impl TopSection {
         let mut rules = Vec::with_capacity(n.min(64));
         for _ in 0..n {
             let name = read_bytes(&mut r, MAX_RULE_NAME)?;
-            let rule = alloc::string::String::from_utf8(name).map_err(|_| DecodeError::Truncated)?;
+            let rule =
+                alloc::string::String::from_utf8(name).map_err(|_| DecodeError::Invalid("rule name (not UTF-8)"))?;
             let (allowed, denied, shadow_denied) = (r.varint()?, r.varint()?, r.varint()?);
             let top = if taken {
                 crate::topk::Summary::decode(&mut r, crate::topk::MAX_KEY)?
@@ -414,7 +415,7 @@ impl TopSection {
             rules.push(RuleTop { rule, allowed, denied, shadow_denied, top });
         }
         if r.pos != bytes.len() {
-            return Err(DecodeError::Truncated);
+            return Err(DecodeError::Invalid("top section (trailing bytes)"));
         }
         Ok(TopSection { rules })
     }
@@ -519,7 +520,7 @@ impl SyncResponse {
             }
         }
         if r.pos != bytes.len() {
-            return Err(DecodeError::Truncated);
+            return Err(DecodeError::Invalid("answer (trailing bytes)"));
         }
         Ok(SyncResponse { seq, now, nodes, grants, failed })
     }
