@@ -1154,17 +1154,18 @@ mod tests {
     #[test]
     fn units_an_ask_gave_in_an_ended_window_are_held_in_none() {
         let s = ratewall_core::SECOND;
-        let three = Limit::new(Algorithm::FixedWindow, 3, s, None).unwrap();
+        // Over `ASKS_ONLY_UP_TO`, so that an ask is given units beside the asked one.
+        let twelve = Limit::new(Algorithm::FixedWindow, 12, s, None).unwrap();
         let end = T + s;
-        let mut c = Counter::new(three);
-        let a = c.ask(three, end - 150 * MS, 7, 1, 1, crate::NODE_TTL);
-        assert_eq!((a.grant, a.remaining), (3, 2), "1 taken, 2 beside it");
-        let renewal = c.report(three, end + 50 * MS, 7, 1, 0, crate::NODE_TTL);
-        assert_eq!((renewal.grant, renewal.remaining), (3, 3), "the next window's answer");
+        let mut c = Counter::new(twelve);
+        let a = c.ask(twelve, end - 150 * MS, 7, 1, 1, crate::NODE_TTL);
+        assert_eq!((a.grant, a.remaining), (12, 11), "1 taken, 11 beside it");
+        let renewal = c.report(twelve, end + 50 * MS, 7, 1, 0, crate::NODE_TTL);
+        assert_eq!((renewal.grant, renewal.remaining), (12, 12), "the next window's answer");
         // The next window's first ask: what the node holds there is what it was given there.
-        let mut c = Counter::new(three);
-        c.ask(three, end - 150 * MS, 7, 1, 1, crate::NODE_TTL);
-        let a = c.ask(three, end + 50 * MS, 7, 2, 1, crate::NODE_TTL);
+        let mut c = Counter::new(twelve);
+        c.ask(twelve, end - 150 * MS, 7, 1, 1, crate::NODE_TTL);
+        let a = c.ask(twelve, end + 50 * MS, 7, 2, 1, crate::NODE_TTL);
         assert!(a.counted, "{a:?}");
         assert_eq!(c.held_by_others(end + 60 * MS, 8), a.grant - 1, "{a:?}");
     }
