@@ -1140,14 +1140,12 @@ impl Syncer {
         let taken: Vec<bool> =
             wants.iter().zip(&resp.grants).map(|(d, g)| g.grant >= d.units && g.key == d.key).collect();
         write_grants(host, table, wants, &resp, asked_at, true);
-        // A window's counter the ask found spent is out until a unit is free again (a fixed
-        // window's end), as a batch's answer would name it: the request's denial (and this
-        // VM's next ones, until the view names it) says that wait, not a spent grant's second,
-        // so a client that waits its `Retry-After` is not refused again.
-        let out = wants
-            .iter()
-            .zip(&resp.grants)
-            .filter(|(d, g)| g.key == d.key && g.grant < d.units && spent(&d.limit, g, d.units));
+        // A counter the ask was refused on is out until an ask of its units could be taken,
+        // as the store's answer says (for a window, until a unit is free again), as a batch's
+        // answer would name it: the request's denial (and this VM's next ones, until the view
+        // names it) says that wait, not a spent grant's second, so a client that waits its
+        // `Retry-After` is not refused again.
+        let out = wants.iter().zip(&resp.grants).filter(|(d, g)| g.key == d.key && g.grant < d.units);
         {
             let mut named = self.named.borrow_mut();
             for (_, g) in out {
@@ -1363,11 +1361,19 @@ impl Syncer {
         // unit came back (see `came_back`); those in it are as this answer says.
         let lag = self.lag();
         let old_named = self.named.borrow();
-        // Each delta's key hashed once, and only when there is anything to keep.
+        // Each delta's key hashed once, and only when there is anything to keep. A counter in
+        // the batch whose answer shows no room keeps its entry (a refused ask's wait, for a
+        // token bucket, which no batch answer names).
         let in_batch: Vec<u64> = if old_named.is_empty() {
             Vec::new()
         } else {
-            batch.deltas.iter().map(|d| ratewall_core::key::fnv1a(&d.key)).collect()
+            batch
+                .deltas
+                .iter()
+                .zip(&resp.grants)
+                .filter(|(_, g)| g.remaining > 0)
+                .map(|(d, _)| ratewall_core::key::fnv1a(&d.key))
+                .collect()
         };
         for old in old_named.iter() {
             let answered = named.iter().any(|(h, _)| *h == old.0) || in_batch.contains(&old.0);

@@ -737,6 +737,12 @@ impl Counters for TableCounters<'_> {
             ratewall_core::Algorithm::SlidingLog => crate::sync::BACK_FOR.saturating_add(limit.quantum()),
             _ => 0,
         };
+        // An exact limit taken by asks alone: each request asks, but while the store has named
+        // the counter out (a refused ask says until when: its `Retry-After`, after which a
+        // client's request is asked for, and admitted, at once).
+        let asks_alone = !no_wait
+            && ratewall_core::sync::asks_alone(&limit)
+            && !self.named_out.contains(&ratewall_core::key::fnv1a(&check.key));
         let back = no_wait
             && !out
             && back_for > 0
@@ -802,7 +808,7 @@ impl Counters for TableCounters<'_> {
             let stale = held.until_ms > 0 && now / MS >= held.until_ms.saturating_add(1_000);
             askable = !no_wait
                 && allowance < u64::from(cost)
-                && (held.more || stale)
+                && (held.more || stale || asks_alone)
                 && limit.decide(state, now, check.cost).0.allowed;
             let (next, charged) = f(state, allowance)?;
             let charged = u32::try_from(charged).unwrap_or(u32::MAX);

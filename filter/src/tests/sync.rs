@@ -2138,3 +2138,73 @@ fn a_client_that_waits_its_retry_after_on_a_proxy_of_two_workers_is_admitted() {
         }
     }
 }
+
+/// Exact limits of a few units, a client's requests over two proxies in turn: each is decided
+/// at the global count (three admitted, then refused), and a refused client that waits exactly
+/// its `Retry-After` is admitted, whichever proxy refused it.
+#[test]
+fn a_small_exact_limits_refusal_on_either_proxy_says_the_wait_a_client_is_then_admitted_after() {
+    for (algorithm, limit, per, burst) in [
+        ("token_bucket", 1, "2s", ", \"burst\": 3"),
+        ("sliding_window", 3, "5s", ""),
+        ("fixed_window", 3, "5s", ""),
+        ("sliding_log", 3, "5s", ""),
+    ] {
+        let doc = format!(
+            r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
+  "rules": [{{"name": "x", "key": ["user"], "exact": true, "algorithm": "{algorithm}",
+             "limit": {{"requests": {limit}, "per": "{per}"{burst}}}}}],
+  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": 2}}}}"#
+        );
+        for order in [[0, 1, 0, 1, 0, 1], [0, 1, 0, 0, 1, 1]] {
+            let (hosts, engines) = fleet(2, &doc);
+            let mut s = store();
+            let send = |s: &mut Store, i: usize| -> ratewall_core::Reply {
+                hosts[i].request("GET", "/a", &[("x-user-id", "ann")]);
+                match engines[i].on_request(&hosts[i]) {
+                    Verdict::Ask(asking) => {
+                        let calls = hosts[i].take_calls();
+                        let c = calls.last().expect("an ask call");
+                        let (status, tag, body) = answer(s, hosts[i].now(), SECRET, c);
+                        engines[i].on_ask_response(&hosts[i], asking, status, tag.as_deref(), &body).into_reply()
+                    }
+                    v => v.into_reply(),
+                }
+            };
+            let mut statuses = Vec::new();
+            let mut refused = None;
+            for &i in &order {
+                let r = send(&mut s, i);
+                statuses.push(r.status);
+                if r.status == 429 && refused.is_none() {
+                    let wait: u64 = super::engine::header(&r, "retry-after").unwrap().parse().unwrap();
+                    refused = Some((i, wait));
+                }
+                for (h, e) in hosts.iter().zip(&engines) {
+                    h.advance(10 * MS);
+                    e.on_tick(h);
+                    serve(&mut s, e, h);
+                }
+            }
+            assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 3, "{algorithm} {order:?}: {statuses:?}");
+            let (i, wait) = refused.unwrap();
+            let until = hosts[0].now() + wait * ratewall_core::SECOND;
+            while hosts[0].now() + 100 * MS <= until {
+                for (h, e) in hosts.iter().zip(&engines) {
+                    h.advance(100 * MS);
+                    e.on_tick(h);
+                    serve(&mut s, e, h);
+                }
+            }
+            for h in &hosts {
+                h.advance(until - h.now());
+            }
+            let r = send(&mut s, i);
+            assert_eq!(
+                r.status, 200,
+                "{algorithm} {order:?}: {statuses:?}, waited {wait} s on node {i}: {:?}",
+                r.headers
+            );
+        }
+    }
+}

@@ -185,6 +185,15 @@ pub const ASK_SCARCE: u64 = 2;
 /// burst) is taken by asks alone ([`Counter::asks_only`]): a share of it is most of it.
 pub const ASKS_ONLY_UP_TO: u64 = 10;
 
+/// Whether an exact rule's counter under `limit` is taken by asks alone, no unit granted
+/// beside an asked one: a limit of at most [`ASKS_ONLY_UP_TO`] units at once, or one slower
+/// than a unit per longest lease ([`Counter::asks_only`]). A filter node asks for each of its
+/// requests then, but while the store has named the counter out.
+pub fn asks_alone(limit: &Limit) -> bool {
+    limit.capacity() <= ASKS_ONLY_UP_TO
+        || u128::from(limit.requests()) * u128::from(MAX_LEASE) < u128::from(limit.per().max(1))
+}
+
 /// How long past its lease a grant on an exact rule's counter stays held (or until the node's
 /// next batch replaces it): units a node spends just before its lease ends reach the store
 /// with its next batch, a sync interval and a round trip later (`sync.interval` and
@@ -540,9 +549,7 @@ impl Counter {
     /// proxy's first request was refused with 2 tokens left, in the first proxy's grant.
     /// Asking costs each request a round trip, which such a limit's traffic can afford.
     fn asks_only(&self) -> bool {
-        self.exact
-            && (self.limit.capacity() <= ASKS_ONLY_UP_TO
-                || u128::from(self.limit.requests()) * u128::from(MAX_LEASE) < u128::from(self.limit.per().max(1)))
+        self.exact && asks_alone(&self.limit)
     }
 
     /// Counts `units` reported at `now` into the per-second rate.
@@ -837,7 +844,15 @@ impl Counter {
         let (view, _) = self.limit.decide(&self.state, now, 0);
         let nodes = u32::try_from(self.active(now, node_ttl).count()).unwrap_or(nodes);
         let remaining = view.remaining.saturating_sub(self.cut_off(now, Some(node)));
-        Applied { remaining, grant: given, reset_after: self.reset_of(&view, now), lease, nodes, counted: given > 0 }
+        // A filter node's refused ask is told how long until an ask of its units could be
+        // taken ([`Counter::retry_after`]): its request's `Retry-After`. (A token bucket's
+        // time to fill, or a spent grant's second, was short: a client that waited it was
+        // refused again.)
+        let reset_after = match (given, sized) {
+            (0, false) => self.retry_after(now, cost).unwrap_or_else(|| self.reset_of(&view, now)),
+            _ => self.reset_of(&view, now),
+        };
+        Applied { remaining, grant: given, reset_after, lease, nodes, counted: given > 0 }
     }
 
     /// `node` has stopped spending on this counter (a Worker isolate whose client moved to
