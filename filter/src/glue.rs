@@ -407,10 +407,14 @@ impl RootContext for Root {
             }
             Err(e) => match self.engine.clone().or_else(|| last_good().filter(|_| known_nginx() != Some(true))) {
                 Some(serving) => {
-                    ProxyHost.log(
-                        Level::Error,
-                        &format!("ratewall: configuration rejected: {e}; keeping the previous rules"),
-                    );
+                    // This context's own rules stay; the VM's last good ones stand in only where
+                    // the host is not ngx_wasm_module (not known yet at a first configure).
+                    let keeping = if self.engine.is_some() {
+                        "keeping the previous rules"
+                    } else {
+                        "keeping the previous rules (on NGINX none: a reloaded worker starts without rules)"
+                    };
+                    ProxyHost.log(Level::Error, &format!("ratewall: configuration rejected: {e}; {keeping}"));
                     tick_for(Some(&serving), &mut self.ticking);
                     if self.engine.is_none() {
                         // Said again should the host turn out to be ngx_wasm_module, whose
