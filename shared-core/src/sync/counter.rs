@@ -849,7 +849,7 @@ impl Counter {
         // time to fill, or a spent grant's second, was short: a client that waited it was
         // refused again.)
         let reset_after = match (given, sized) {
-            (0, false) => self.retry_after(now, cost).unwrap_or_else(|| self.reset_of(&view, now)),
+            (0, false) if cost > 0 => self.retry_after(now, cost).unwrap_or_else(|| self.reset_of(&view, now)),
             _ => self.reset_of(&view, now),
         };
         Applied { remaining, grant: given, reset_after, lease, nodes, counted: given > 0 }
