@@ -135,7 +135,17 @@ async fn series<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response
 
 async fn fleet<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {
     let ok = store.kv.ping().await;
-    json_response(StatusCode::OK, &json!({"nodes": store.top.fleet(), "redis": {"ok": ok}}))
+    let mut nodes = store.top.fleet();
+    if !ok {
+        // With Redis out of reach no store process can answer a batch: every node is degraded,
+        // those heard through a peer (whose shares stopped with Redis) too.
+        for n in &mut nodes {
+            if let Some(o) = n.as_object_mut() {
+                o.insert("degraded".into(), Value::Bool(true));
+            }
+        }
+    }
+    json_response(StatusCode::OK, &json!({"nodes": nodes, "redis": {"ok": ok}}))
 }
 
 async fn healthz<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {

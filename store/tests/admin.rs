@@ -133,6 +133,13 @@ fn the_admin_listener_lists_the_fleets_top_offenders_and_nodes() {
     assert_eq!(get(&admin, "/healthz").0, 200);
     assert!(get(&admin, "/metrics").1.contains("ratewall_store_sync_ok_total 6"));
     assert_eq!(get(&store.addr, "/v1/top").0, 404, "not on the main listener");
+    // Redis gone: no process can answer a batch, and every node shows degraded.
+    let mut redis = redis;
+    redis.stop();
+    let fleet = json(&admin, "/v1/fleet");
+    assert_eq!(fleet["redis"]["ok"], false);
+    let nodes = fleet["nodes"].as_array().unwrap();
+    assert!(!nodes.is_empty() && nodes.iter().all(|n| n["degraded"] == true), "{fleet}");
 }
 
 #[test]
