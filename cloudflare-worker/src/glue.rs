@@ -970,6 +970,14 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
     if path == SYNC_PATH && req.method() == Method::Post {
         return sync(req, env, ctx).await;
     }
+    if path == SYNC_PATH && env.secret("RATEWALL_SYNC_SECRET").is_ok() {
+        // A store's sync path takes a POST only, refused with a plain-text reason as
+        // ratewall-store refuses it (not passed on to the origin).
+        let mut out = Response::error("method not allowed: POST /v1/sync", 405)?;
+        out.headers_mut().set("content-type", "text/plain; charset=utf-8")?;
+        out.headers_mut().set("allow", "POST")?;
+        return Ok(out);
+    }
     if path.starts_with(PEER_PREFIX) {
         if let Ok(peer) = env.rate_limiter(PEER_LIMITER) {
             let key = req.headers().get("x-user-id").ok().flatten().unwrap_or_default();

@@ -521,6 +521,9 @@ fn sync_is_authenticated_idempotent_and_shares_the_edge_limit() {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(statuses(&w, "GET", "/u/x", &ivy, 2), [429, 429], "the edge counts the fleet's units");
     assert_eq!(w.request("POST", "/v1/sync", &[], b"garbage").status, 401);
+    let get = w.request("GET", "/v1/sync", &[], b"");
+    assert_eq!(get.status, 405, "the sync path is the store's: not passed on to the origin");
+    assert!(!get.text().is_empty() && !get.text().contains("origin"), "{}", get.text());
 
     // An ask (a paused request's units, taken at once) from another node on a fresh counter.
     ratewall_tests::clear_of_a_window_edge(Duration::from_secs(60), Duration::from_secs(5));
