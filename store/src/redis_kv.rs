@@ -172,14 +172,7 @@ impl RedisKv {
                 inv.arg(a.as_slice());
             }
         }
-        self.going();
-        let reply = match self.conn() {
-            Ok(Conn::Single(mut c)) => invoke(&inv, &mut c).await,
-            Ok(Conn::Cluster(mut c)) => invoke(&inv, &mut c).await,
-            Err(e) => Err(e),
-        };
-        self.went(&reply);
-        let parts = match reply {
+        let parts = match self.call(&inv).await {
             Ok(Value::Array(parts)) => Ok(parts),
             Ok(_) => Err("unexpected reply to the read and compare-and-set script".to_owned()),
             Err(e) => Err(e),
@@ -230,10 +223,15 @@ impl RedisKv {
         for a in args {
             inv.arg(a.as_slice());
         }
+        self.call(&inv).await
+    }
+
+    /// Runs `inv` on the connection in use, noting how it went ([`RedisKv::going`]).
+    async fn call(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Value, String> {
         self.going();
         let reply = match self.conn()? {
-            Conn::Single(mut c) => invoke(&inv, &mut c).await,
-            Conn::Cluster(mut c) => invoke(&inv, &mut c).await,
+            Conn::Single(mut c) => invoke(inv, &mut c).await,
+            Conn::Cluster(mut c) => invoke(inv, &mut c).await,
         };
         self.went(&reply);
         reply
@@ -387,16 +385,13 @@ impl Kv for RedisKv {
     }
 
     async fn ping(&self) -> bool {
-        let mut cmd = redis::cmd("PING");
-        let cmd = &mut cmd;
-        self.going();
-        let r: Result<String, String> = match self.conn() {
-            Ok(Conn::Single(mut c)) => cmd.query_async(&mut c).await.map_err(|e| e.to_string()),
+        let Ok(Conn::Single(mut c)) = self.conn() else {
             // On a Cluster a PING goes to any node: the registry's slot, which every batch
             // needs, is asked instead (its primary down, nothing can be answered).
-            Ok(Conn::Cluster(_)) => self.run(&self.read, &[crate::CLOCK_KEY], &[]).await.map(|_| String::new()),
-            Err(e) => Err(e),
+            return self.run(&self.read, &[crate::CLOCK_KEY], &[]).await.is_ok();
         };
+        self.going();
+        let r: Result<String, _> = redis::cmd("PING").query_async(&mut c).await;
         self.went(&r);
         r.is_ok()
     }
