@@ -34,7 +34,8 @@ macro_rules! out_line {
 }
 
 use ratewall_core::sync::{
-    hex, reason, sign, unhex, Counter, Grant, Out, SyncError, SyncRequest, SyncResponse, RETRY_HORIZON, SEQ_MEMORY,
+    hex, reason, sign, unhex, Counter, Delta, Grant, Out, SyncError, SyncRequest, SyncResponse, RETRY_HORIZON,
+    SEQ_MEMORY,
 };
 use ratewall_core::{Limit, Nanos, SECOND};
 
@@ -591,13 +592,23 @@ impl<K: Kv> Store<K> {
                 return Err(Answer::error(503, reason::REGISTRY_FAILED));
             }
         };
-        // An ask that names a counter this store cannot read fails whole: checked first, so
-        // that its other counters take nothing for it.
-        if req.ask && !self.readable(req).await? {
-            self.metrics.unreadable.fetch_add(1, Ordering::Relaxed);
-            return Err(Answer::error(503, reason::UNREADABLE_ASK));
-        }
-        let updates = req.deltas.iter().map(|d| self.update(req, &d.key, d.limit, d.units, &lately));
+        // An ask that names a counter this store cannot read fails whole: its counters are read
+        // first, so that its other counters take nothing for it (and each update starts from
+        // what was read).
+        let read: Vec<Option<Read>> = if req.ask {
+            let read = self.read_all(req).await?;
+            let unreadable = |(d, (stored, _)): (&Delta, &Read)| {
+                stored.as_deref().is_some_and(|b| Counter::decode(d.limit, b).is_err())
+            };
+            if req.deltas.iter().zip(&read).any(unreadable) {
+                self.metrics.unreadable.fetch_add(1, Ordering::Relaxed);
+                return Err(Answer::error(503, reason::UNREADABLE_ASK));
+            }
+            read.into_iter().map(Some).collect()
+        } else {
+            vec![None; req.deltas.len()]
+        };
+        let updates = req.deltas.iter().zip(read).map(|(d, r)| self.update(req, &d.key, d.limit, d.units, &lately, r));
         let results = join_all(updates).await;
         let mut grants = Vec::with_capacity(results.len());
         let mut failed = Vec::new();
@@ -642,24 +653,13 @@ impl<K: Kv> Store<K> {
         Ok(resp)
     }
 
-    /// Whether every counter `req` names reads (absent counts as readable). An error when
-    /// Redis failed.
-    async fn readable(&self, req: &SyncRequest) -> Result<bool, Answer> {
-        let reads = req.deltas.iter().map(|d| async move {
-            let (stored, _) = self.kv.read(&redis_key(&d.key)).await?;
-            Ok::<bool, String>(stored.is_none_or(|b| Counter::decode(d.limit, &b).is_ok()))
-        });
-        let mut all = true;
-        for r in join_all(reads).await {
-            match r {
-                Ok(ok) => all &= ok,
-                Err(_) => {
-                    self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
-                    return Err(Answer::error(503, "Redis failed; the ask takes nothing"));
-                }
-            }
-        }
-        Ok(all)
+    /// What every counter `req` names holds, and its key's clock. An error when Redis failed.
+    async fn read_all(&self, req: &SyncRequest) -> Result<Vec<Read>, Answer> {
+        let reads = req.deltas.iter().map(|d| async move { self.kv.read(&redis_key(&d.key)).await });
+        join_all(reads).await.into_iter().collect::<Result<_, _>>().map_err(|_| {
+            self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
+            Answer::error(503, "Redis failed; the ask takes nothing")
+        })
     }
 
     /// One counter's compare-and-swap loop: read, run the core's transition, write if still
@@ -671,6 +671,7 @@ impl<K: Kv> Store<K> {
         limit: Limit,
         units: u64,
         lately: &[u64],
+        read: Option<Read>,
     ) -> Result<Update, Answer> {
         let rkey = redis_key(key);
         let turn: Option<Turn> =
@@ -679,7 +680,7 @@ impl<K: Kv> Store<K> {
             Some(t) => Some(t.lock().await),
             None => None,
         };
-        let result = self.update_locked(req, &rkey, limit, units, lately).await;
+        let result = self.update_locked(req, &rkey, limit, units, lately, read).await;
         if let Ok(mut busy) = self.busy.lock() {
             // Forgotten once no other call waits for it (the map holds only counters in use).
             if busy.get(&rkey).is_some_and(|t| std::sync::Arc::strong_count(t) <= 2) {
@@ -696,6 +697,7 @@ impl<K: Kv> Store<K> {
         limit: Limit,
         units: u64,
         lately: &[u64],
+        read: Option<Read>,
     ) -> Result<Update, Answer> {
         let unavailable = |m: &Metrics| {
             m.redis_errors.fetch_add(1, Ordering::Relaxed);
@@ -703,10 +705,13 @@ impl<K: Kv> Store<K> {
         };
         // The value last written here, at the key's clock now (its clock then, plus the time
         // since on ours).
-        let mut current: Option<(Option<Vec<u8>>, Nanos)> = self.known.lock().ok().and_then(|k| {
-            k.get(rkey).map(|(v, t, at)| {
-                let since = u64::try_from(at.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                (Some(v.clone()), t.saturating_add(since))
+        // (An ask's: the value just read.)
+        let mut current: Option<Read> = read.or_else(|| {
+            self.known.lock().ok().and_then(|k| {
+                k.get(rkey).map(|(v, t, at)| {
+                    let since = u64::try_from(at.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    (Some(v.clone()), t.saturating_add(since))
+                })
             })
         });
         for attempt in 0..CAS_ATTEMPTS {
@@ -799,6 +804,9 @@ enum Update {
     /// nothing was applied, and the value is kept as it is.
     Unreadable,
 }
+
+/// A stored value (None: absent) and its key's clock when it was read.
+type Read = (Option<Vec<u8>>, Nanos);
 
 #[cfg(test)]
 mod tests {
