@@ -102,16 +102,9 @@ fn locate(host: &dyn Host, name: &str, now: Nanos) -> Option<(String, Option<Sha
 
 /// Where rule `name`'s shared state is, when it has one: its key, state and CAS.
 fn find(host: &dyn Host, name: &str) -> Option<(String, Shared, Option<u32>)> {
-    for probe in 0..PROBES {
-        let key = shared_key(name, probe);
-        let (value, cas) = host.shared_get(&key).ok()?;
-        match value.as_deref().map(Shared::decode) {
-            None => return None,
-            Some(Some(s)) if s.name == name => return Some((key, s, cas)),
-            Some(_) => {}
-        }
-    }
-    None
+    // (At time 0 no other rule's state is taken as left behind: only `name`'s is found.)
+    let (key, state, cas) = locate(host, name, 0)?;
+    Some((key, state?, cas))
 }
 
 /// A recent denial of one counter.
