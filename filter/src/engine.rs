@@ -260,6 +260,16 @@ pub(crate) fn share(limit: Limit, share: u16, nodes: u32) -> Limit {
 }
 
 /// Whether a rule counts requests in flight.
+/// Whether a line said at most every `every` is due at `now`, given when it was `last` said;
+/// if so, `now` is noted as the last time.
+pub fn due(last: &Cell<Option<Nanos>>, now: Nanos, every: Nanos) -> bool {
+    if last.get().is_some_and(|at| now.saturating_sub(at) < every) {
+        return false;
+    }
+    last.set(Some(now));
+    true
+}
+
 fn concurrent(r: &ratewall_core::rules::Rule) -> bool {
     r.limit.algorithm() == ratewall_core::Algorithm::Concurrent
 }
@@ -473,10 +483,9 @@ impl Engine {
     /// Says at error level, at most once a minute, that the host dropped counters: its shared
     /// data is too small for the table (or something else wrote over it).
     fn say_lost(&self, host: &dyn Host, now: Nanos) {
-        if self.lost_logged.get().is_some_and(|at| now.saturating_sub(at) < 60 * ratewall_core::SECOND) {
+        if !due(&self.lost_logged, now, 60 * ratewall_core::SECOND) {
             return;
         }
-        self.lost_logged.set(Some(now));
         host.log(
             Level::Error,
             "ratewall: counters were dropped by the host (their counts start over, counted in ratewall_table_lost): \
@@ -489,10 +498,9 @@ impl Engine {
     /// without limits because the host has no shared data.
     fn say_fallback(&self, host: &dyn Host) {
         let now = host.now();
-        if self.fallback_logged.get().is_some_and(|at| now.saturating_sub(at) < FALLBACK_LOG_EVERY) {
+        if !due(&self.fallback_logged, now, FALLBACK_LOG_EVERY) {
             return;
         }
-        self.fallback_logged.set(Some(now));
         host.log(
             Level::Error,
             "ratewall: the proxy has no shared data (on NGINX: add `shm_kv * 16m;` to the `wasm {}` block); \

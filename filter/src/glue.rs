@@ -45,10 +45,9 @@ impl Fallback {
     fn say(&self) {
         let Some(why) = self.why.borrow().clone() else { return };
         let now = ProxyHost.now();
-        if self.logged.get().is_some_and(|at| now.saturating_sub(at) < FALLBACK_LOG_EVERY) {
+        if !crate::engine::due(&self.logged, now, FALLBACK_LOG_EVERY) {
             return;
         }
-        self.logged.set(Some(now));
         let how = if VM.with(|vm| vm.closed.get()) {
             "every request is refused with 503 (without_rules: closed)"
         } else {
