@@ -880,22 +880,8 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
     // While the secret is rotated, a batch signed with the one going out is taken too, and
     // answered signed with it (docs/operations.md).
     let previous = env.secret("RATEWALL_SYNC_SECRET_PREVIOUS").map(|s| s.to_string()).unwrap_or_default();
-    let (secret, batch) = match store::check(&secret, tag.as_deref(), &body, now()) {
-        Ok(b) => (secret, b),
-        // A previous secret too short to be one is said, as ratewall-store refuses to start
-        // on it, rather than dropped in silence (its batches would get 401 with no word why).
-        Err(r) if r.status == 401 && !previous.is_empty() && previous.chars().count() < 16 => {
-            return refused(store::Refusal {
-                status: 503,
-                message: "sync is disabled: RATEWALL_SYNC_SECRET_PREVIOUS is shorter than 16 characters".into(),
-            });
-        }
-        Err(r) if r.status == 401 && previous.chars().count() >= 16 => {
-            match store::check(&previous, tag.as_deref(), &body, now()) {
-                Ok(b) => (previous, b),
-                Err(_) => return refused(r),
-            }
-        }
+    let (secret, batch) = match store::check_rotating(&secret, &previous, tag.as_deref(), &body, now()) {
+        Ok((s, b)) => (s.to_owned(), b),
         Err(r) => return refused(r),
     };
     let timeout = Duration::from_millis(var_u64(&env, "OBJECT_TIMEOUT_MS", 1000));

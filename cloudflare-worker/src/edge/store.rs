@@ -59,6 +59,39 @@ pub fn check(secret: &str, tag: Option<&str>, body: &[u8], now: Nanos) -> Result
     Ok(batch)
 }
 
+/// [`check`] under the secret in force or, while it is rotated, the one going out (`previous`,
+/// empty when unset, docs/operations.md): the batch and the secret it was signed with, which
+/// its answer is signed with too. A previous secret too short to be one is said (503) where it
+/// would be tried, as ratewall-store refuses to start on it, rather than dropped in silence
+/// (its batches would get 401 with no word why).
+pub fn check_rotating<'s>(
+    secret: &'s str,
+    previous: &'s str,
+    tag: Option<&str>,
+    body: &[u8],
+    now: Nanos,
+) -> Result<(&'s str, SyncRequest), Refusal> {
+    match check(secret, tag, body, now) {
+        Ok(b) => Ok((secret, b)),
+        Err(r) if r.status == 401 && !previous.is_empty() => {
+            if previous.chars().count() < MIN_SECRET {
+                return Err(refuse(
+                    503,
+                    "sync is disabled: RATEWALL_SYNC_SECRET_PREVIOUS is shorter than 16 characters",
+                ));
+            }
+            check(previous, tag, body, now).map(|b| (previous, b)).map_err(|_| r)
+        }
+        Err(r) => Err(r),
+    }
+}
+
+/// Whether `batch` is an ask one of whose counters could not be read ([`NOT_APPLIED`]): it
+/// fails whole.
+fn unreadable_ask(batch: &SyncRequest, replies: &[Option<String>]) -> bool {
+    batch.ask && replies.iter().any(|r| r.as_deref() == Some(NOT_APPLIED))
+}
+
 /// The registry call a batch or ask makes (a batch's first: an older `seq` is refused before
 /// any counter sees it; an ask's alongside its counters).
 pub fn heard_call(batch: &SyncRequest) -> Call {
@@ -100,7 +133,7 @@ pub fn registry_verdict(batch: &SyncRequest, answer: Option<&str>) -> Result<Opt
 /// `now`. A request whose ask failed is decided as a store failure, and those units would
 /// otherwise be counted for no request.
 pub fn ask_refunds(batch: &SyncRequest, replies: &[Option<String>], now: Nanos) -> Vec<(Vec<u8>, Call)> {
-    if !batch.ask || !replies.iter().any(|r| r.as_deref() == Some(NOT_APPLIED)) {
+    if !unreadable_ask(batch, replies) {
         return Vec::new();
     }
     batch
@@ -128,7 +161,7 @@ pub fn answer(
     now: Nanos,
     out: &mut Out,
 ) -> Result<(Vec<u8>, String), Refusal> {
-    if batch.ask && replies.iter().any(|r| r.as_deref() == Some(NOT_APPLIED)) {
+    if unreadable_ask(batch, replies) {
         // The units its other counters took go back ([`ask_refunds`]).
         return Err(refuse(503, reason::UNREADABLE_ASK));
     }
@@ -180,6 +213,21 @@ mod tests {
         let body = b.encode();
         let tag = hex(&sign(SECRET.as_bytes(), &body));
         (body, tag)
+    }
+
+    #[test]
+    fn while_the_secret_is_rotated_a_batch_signed_with_the_one_going_out_is_taken_with_it() {
+        let (body, tag) = signed(&batch(1, false));
+        let now = "the secret now in force";
+        let (used, b) = check_rotating(now, SECRET, Some(&tag), &body, T).unwrap();
+        assert_eq!((used, b.seq), (SECRET, 1));
+        assert_eq!(check_rotating(SECRET, "", Some(&tag), &body, T).unwrap().0, SECRET);
+        assert_eq!(check_rotating(now, "", Some(&tag), &body, T).unwrap_err().status, 401, "none set");
+        let r = check_rotating(now, "another one going out", Some(&tag), &body, T).unwrap_err();
+        assert_eq!(r.status, 401, "signed with neither");
+        let r = check_rotating(now, "tiny-pw", Some(&tag), &body, T).unwrap_err();
+        assert_eq!(r.status, 503, "a previous secret too short is said: {}", r.message);
+        assert!(r.message.contains("RATEWALL_SYNC_SECRET_PREVIOUS") && !r.message.contains("tiny-pw"));
     }
 
     #[test]
