@@ -156,7 +156,7 @@ fn the_dev_gateway_forwards_a_leaky_buckets_waiting_requests_in_their_turn() {
 
 /// Writes `doc` as a rules file in a directory of its own, for one test.
 fn rules_file(test: &str, doc: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("ratewall-gateway-{test}-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ratewall-gateway-{test}"));
     std::fs::create_dir_all(&dir).unwrap();
     let rules = dir.join("rules.json");
     std::fs::write(&rules, doc).unwrap();

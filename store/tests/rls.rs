@@ -112,12 +112,56 @@ impl Drop for RlsProcess {
     }
 }
 
-/// A fresh directory for a test's configuration files.
-fn dir(name: &str) -> PathBuf {
+/// A fresh directory for a test's configuration files, removed with what it holds when
+/// dropped.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn dir(name: &str) -> Scratch {
     let d = std::env::temp_dir().join(format!("ratewall-rls-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
+}
+
+/// A configuration file in a directory of its own, removed when dropped (declare it before
+/// the process that reads it, so that the process is stopped first).
+struct Config {
+    path: PathBuf,
+    _dir: Scratch,
+}
+
+impl std::ops::Deref for Config {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for Config {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// `text` written to `file` in a fresh directory `name`.
+fn config(name: &str, file: &str, text: &str) -> Config {
+    let dir = dir(name);
+    let path = dir.join(file);
+    std::fs::write(&path, text).unwrap();
+    Config { path, _dir: dir }
 }
 
 fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
@@ -308,7 +352,7 @@ descriptors:
     ),
 ];
 
-fn readme_examples() -> PathBuf {
+fn readme_examples() -> Scratch {
     let d = dir("readme");
     for (name, text) in README_EXAMPLES {
         std::fs::write(d.join(name), text).unwrap();
@@ -319,7 +363,8 @@ fn readme_examples() -> PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_readme_example_answers_as_the_readme_says() {
     let redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start(&redis.url(), &readme_examples());
+    let examples = readme_examples();
+    let store = RlsProcess::start(&redis.url(), &examples);
     let mut c = store.client().await;
 
     // Example 1: two values of one key, 500 per second each.
@@ -432,16 +477,15 @@ descriptors:
       algorithm: sliding_window
 ";
 
-fn limits(name: &str) -> PathBuf {
-    let p = dir(name).join("limits.yaml");
-    std::fs::write(&p, LIMITS).unwrap();
-    p
+fn limits(name: &str) -> Config {
+    config(name, "limits.yaml", LIMITS)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_addend_counts_per_call_and_per_descriptor() {
     let redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start(&redis.url(), &limits("hits"));
+    let config = limits("hits");
+    let store = RlsProcess::start(&redis.url(), &config);
     let mut c = store.client().await;
     for key in ["user", "exact_user"] {
         let mut r = request("api", vec![descriptor(&[(key, "h")])]);
@@ -462,7 +506,8 @@ async fn hits_addend_counts_per_call_and_per_descriptor() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_listener_serves_the_same_metrics_as_the_main_one() {
     let redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start_with(&redis.url(), &limits("admin-metrics"), true);
+    let config = limits("admin-metrics");
+    let store = RlsProcess::start_with(&redis.url(), &config, true);
     let mut c = store.client().await;
     let mut r = request("api", vec![descriptor(&[("user", "m")])]);
     r.hits_addend = 2;
@@ -488,7 +533,8 @@ async fn the_admin_listener_serves_the_same_metrics_as_the_main_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_limit_override_replaces_the_configured_limit() {
     let redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start(&redis.url(), &limits("override"));
+    let config = limits("override");
+    let store = RlsProcess::start(&redis.url(), &config);
     let mut c = store.client().await;
     let mut d = descriptor(&[("user", "o")]);
     d.limit = Some(RateLimitOverride { requests_per_unit: 2, unit: MINUTE });
@@ -509,7 +555,8 @@ async fn a_limit_override_replaces_the_configured_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn headers_carry_ratelimit_policy_and_retry_after() {
     let redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start(&redis.url(), &limits("headers"));
+    let config = limits("headers");
+    let store = RlsProcess::start(&redis.url(), &config);
     let mut c = store.client().await;
     let r = ask(&mut c, request("api", vec![descriptor(&[("exact_user", "hd")])])).await;
     assert_eq!(header(&r, "RateLimit-Policy"), Some("\"exact-user\";q=5;w=86400"));
@@ -563,7 +610,8 @@ async fn a_changed_file_is_reloaded_and_a_broken_one_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_stopped_is_unavailable_within_the_deadline_and_answers_resume() {
     let mut redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start(&redis.url(), &limits("down"));
+    let config = limits("down");
+    let store = RlsProcess::start(&redis.url(), &config);
     let mut c = store.client().await;
     assert_eq!(ask(&mut c, request("api", vec![descriptor(&[("exact_user", "x")])])).await.overall_code, OK);
     // A counter this process then holds a grant on.
@@ -593,7 +641,8 @@ async fn redis_stopped_is_unavailable_within_the_deadline_and_answers_resume() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_paused_is_unavailable_at_the_deadline_and_counted_as_an_error() {
     let redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start(&redis.url(), &limits("paused"));
+    let config = limits("paused");
+    let store = RlsProcess::start(&redis.url(), &config);
     let mut c = store.client().await;
     assert_eq!(ask(&mut c, request("api", vec![descriptor(&[("exact_user", "p")])])).await.overall_code, OK);
     let errors = |m: String| {
@@ -619,7 +668,8 @@ async fn redis_paused_is_unavailable_at_the_deadline_and_counted_as_an_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_answered_unavailable_while_redis_is_paused_takes_nothing() {
     let redis = Redis::start(false).unwrap();
-    let path = dir("late").join("limits.yaml");
+    let scratch = dir("late");
+    let path = scratch.join("limits.yaml");
     let limits = "domain: api\ndescriptors:\n  - key: exact_user\n    exact: true\n    rate_limit: {unit: hour, requests_per_unit: 1000}\n";
     std::fs::write(&path, limits).unwrap();
     let store = RlsProcess::start(&redis.url(), &path);
@@ -657,7 +707,8 @@ async fn a_call_answered_unavailable_while_redis_is_paused_takes_nothing() {
 async fn a_store_started_while_redis_is_down_answers_unavailable_until_it_is_up() {
     let mut redis = Redis::start(false).unwrap();
     redis.stop();
-    let store = RlsProcess::start(&redis.url(), &limits("down-at-start"));
+    let config = limits("down-at-start");
+    let store = RlsProcess::start(&redis.url(), &config);
     let mut c = store.client().await;
     let e = c.should_rate_limit(request("api", vec![descriptor(&[("user", "first")])])).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
@@ -680,7 +731,8 @@ async fn answered_within_15_s(c: &mut RateLimitServiceClient<Channel>, entry: (&
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn post_json_is_the_grpc_answer_in_proto3_json() {
     let redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start(&redis.url(), &limits("json"));
+    let config = limits("json");
+    let store = RlsProcess::start(&redis.url(), &config);
     let body = br#"{"domain":"api","descriptors":[{"entries":[{"key":"exact_user","value":"j"}]}],"hitsAddend":4}"#;
     let r = http::request(&store.http, "POST", "/json", &[("content-type", "application/json")], body).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
@@ -701,7 +753,8 @@ async fn post_json_is_the_grpc_answer_in_proto3_json() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_file_at_start_stops_the_store_with_its_line() {
-    let p = dir("broken").join("bad.yaml");
+    let scratch = dir("broken");
+    let p = scratch.join("bad.yaml");
     std::fs::write(&p, "domain: d\ndescriptors:\n  - key: a\n    ratelimit:\n      unit: second\n").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
         .env("RATEWALL_SYNC_SECRET", SECRET)
@@ -750,7 +803,8 @@ fn retry_after(r: &RateLimitResponse) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_is_the_end_of_a_spent_fixed_window() {
     let redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start(&redis.url(), &limits("retry"));
+    let config = limits("retry");
+    let store = RlsProcess::start(&redis.url(), &config);
     let mut c = store.client().await;
     let call = || request("api", vec![descriptor(&[("user", "retry")])]);
     while ask(&mut c, call()).await.overall_code == OK {}
@@ -775,7 +829,8 @@ async fn retry_after_is_the_end_of_a_spent_fixed_window() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unquoted_values_match_as_written() {
     let redis = Redis::start(false).unwrap();
-    let p = dir("literals").join("literals.yaml");
+    let scratch = dir("literals");
+    let p = scratch.join("literals.yaml");
     std::fs::write(
         &p,
         "domain: phones
@@ -813,7 +868,8 @@ descriptors:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn files_envoyproxy_ratelimit_accepts_are_accepted() {
     let redis = Redis::start(false).unwrap();
-    let p = dir("accepted").join("accepted.yaml");
+    let scratch = dir("accepted");
+    let p = scratch.join("accepted.yaml");
     std::fs::write(
         &p,
         "domain: lenient
@@ -883,7 +939,8 @@ async fn health_becomes(store: &RlsProcess, status: tonic_health::ServingStatus)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthcheck_and_grpc_health_follow_redis() {
     let mut redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start_with(&redis.url(), &limits("health"), true);
+    let config = limits("health");
+    let store = RlsProcess::start_with(&redis.url(), &config, true);
     let admin = store.admin.clone().unwrap();
     for at in [&store.http, &admin] {
         let r = http::request(at, "GET", "/healthcheck", &[], &[]).unwrap();
@@ -958,11 +1015,7 @@ async fn allowed(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_on_one_redis_admit_within_the_written_bound() {
     let redis = Redis::start(false).unwrap();
-    let configs = ["a", "b"].map(|p| {
-        let path = dir(&format!("two-processes-{p}")).join("limits.yaml");
-        std::fs::write(&path, THREE_A_MINUTE).unwrap();
-        path
-    });
+    let configs = ["a", "b"].map(|p| config(&format!("two-processes-{p}"), "limits.yaml", THREE_A_MINUTE));
     let stores = configs.each_ref().map(|c| RlsProcess::start(&redis.url(), c));
     let mut clients = [stores[0].client().await, stores[1].client().await];
     // Each has had an answer from Redis (a look at a counter of its own), as a process
@@ -1037,7 +1090,8 @@ descriptors:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_process_reports_what_it_admitted_from_memory() {
     let redis = Redis::start(false).unwrap();
-    let path = dir("stop").join("limits.yaml");
+    let scratch = dir("stop");
+    let path = scratch.join("limits.yaml");
     std::fs::write(&path, BUCKET).unwrap();
     let look = |value: &str| {
         let mut d = descriptor(&[("bucket", value)]);
@@ -1069,7 +1123,8 @@ async fn a_stopped_process_reports_what_it_admitted_from_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_shaped_as_envoyproxy_ratelimits_example_answers_with_its_quotas() {
     let redis = Redis::start(false).unwrap();
-    let p = dir("envoyproxy-shaped").join("config.yaml");
+    let scratch = dir("envoyproxy-shaped");
+    let p = scratch.join("config.yaml");
     std::fs::write(&p, include_str!("data/envoyproxy-shaped.yaml")).unwrap();
     let store = RlsProcess::start(&redis.url(), &p);
     let mut c = store.client().await;
@@ -1105,7 +1160,8 @@ async fn a_file_shaped_as_envoyproxy_ratelimits_example_answers_with_its_quotas(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn denied_calls_show_in_the_admin_listeners_top_offenders_by_their_descriptors_entries() {
     let redis = Redis::start(false).unwrap();
-    let p = dir("top").join("config.yaml");
+    let scratch = dir("top");
+    let p = scratch.join("config.yaml");
     std::fs::write(&p, include_str!("data/envoyproxy-shaped.yaml")).unwrap();
     let store = RlsProcess::start_with(&redis.url(), &p, true);
     let admin = store.admin.clone().unwrap();
@@ -1200,7 +1256,8 @@ async fn burst_after(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_after_a_pause_longer_than_the_lease_answers_as_an_exact_limiter() {
     let redis = Redis::start(false).unwrap();
-    let path = dir("burst-after-pause").join("limits.yaml");
+    let scratch = dir("burst-after-pause");
+    let path = scratch.join("limits.yaml");
     std::fs::write(&path, THREE_A_MINUTE_SHARED).unwrap();
     let store = RlsProcess::start(&redis.url(), &path);
     let c = store.client().await;
@@ -1269,7 +1326,8 @@ async fn sleep_until_unix(t: f64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_windows_last_calls_reported_after_its_end_take_nothing_from_the_next() {
     let redis = Redis::start(false).unwrap();
-    let path = dir("window-end").join("limits.yaml");
+    let scratch = dir("window-end");
+    let path = scratch.join("limits.yaml");
     std::fs::write(&path, PER_SECOND).unwrap();
     let store = RlsProcess::start(&redis.url(), &path);
     let mut c = store.client().await;
@@ -1322,7 +1380,8 @@ async fn a_windows_last_calls_reported_after_its_end_take_nothing_from_the_next(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_waits_its_retry_after_on_a_token_bucket_is_admitted() {
     let redis = Redis::start(false).unwrap();
-    let path = dir("bucket-retry").join("limits.yaml");
+    let scratch = dir("bucket-retry");
+    let path = scratch.join("limits.yaml");
     std::fs::write(&path, PER_SECOND).unwrap();
     let store = RlsProcess::start(&redis.url(), &path);
     let c = store.client().await;
@@ -1393,7 +1452,8 @@ fn raw_exchange(addr: &str, head: &[u8], body: Vec<u8>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_json_call_over_2_mib_is_refused_as_malformed_in_json() {
     let redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start(&redis.url(), &limits("json-too-large"));
+    let config = limits("json-too-large");
+    let store = RlsProcess::start(&redis.url(), &config);
     let over = 2 * 1024 * 1024 + 1;
     // Declared too large, and found too large as it is read (chunked: no length declared).
     let declared =
@@ -1422,7 +1482,8 @@ async fn a_json_call_over_2_mib_is_refused_as_malformed_in_json() {
 async fn the_grpc_listener_closes_a_connection_that_does_not_open_within_five_seconds() {
     use std::io::{Read, Write};
     let redis = Redis::start(false).unwrap();
-    let store = RlsProcess::start(&redis.url(), &limits("grpc-opening"));
+    let config = limits("grpc-opening");
+    let store = RlsProcess::start(&redis.url(), &config);
     let held: Vec<_> = [&b"PRI * HTTP/2.0\r\n"[..], b""]
         .into_iter()
         .map(|part| {
@@ -1471,7 +1532,8 @@ async fn a_peers_admin_listener_lists_the_services_rules_in_the_configurations_o
             break rest.split('/').next().unwrap().to_owned();
         }
     };
-    let path = dir("peer-order").join("limits.yaml");
+    let scratch = dir("peer-order");
+    let path = scratch.join("limits.yaml");
     std::fs::write(
         &path,
         "domain: order

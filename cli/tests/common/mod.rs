@@ -22,10 +22,11 @@ pub fn root(path: &str) -> String {
     format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Writes `text` to `name` (`sub/name` in a directory of its own) in this test process's
-/// temporary directory; its path.
+/// Writes `text` to `name` (`sub/name` in a directory of its own) in this test binary's
+/// scratch directory under `target/` (written over by the next run); its path.
 pub fn temp(name: &str, text: &str) -> String {
-    let dir = std::env::temp_dir().join(format!("ratewall-cli-{}", std::process::id()));
+    let dir =
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(concat!("ratewall-cli-", env!("CARGO_CRATE_NAME")));
     std::fs::create_dir_all(&dir).unwrap();
     let p = dir.join(name);
     // `name` may be in a directory of its own (`sub/rules.json`).
