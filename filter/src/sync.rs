@@ -392,9 +392,11 @@ fn spent(limit: &Limit, g: &ratewall_core::sync::Grant, need: u64) -> bool {
 }
 
 /// A counter's entry in [`Named`], from the grant of an answer made at the store's `now`:
-/// its key's hash, and until when (ms of the store's clock) it is out.
+/// its key's hash, and until when (ms of the store's clock) it is out: rounded up, as a
+/// sliding window's unit comes back a nanosecond into a window and a client told the whole
+/// second before it was refused again.
 fn out_entry(g: &ratewall_core::sync::Grant, now: Nanos) -> (u64, u64) {
-    (ratewall_core::key::fnv1a(&g.key), now.saturating_add(g.reset_after) / MS)
+    (ratewall_core::key::fnv1a(&g.key), now.saturating_add(g.reset_after).div_ceil(MS))
 }
 
 /// How long a VM whose asks failed `failures` times in a row does not ask: 1 s, doubling up
@@ -1147,13 +1149,20 @@ impl Syncer {
         // `Retry-After` is not refused again.
         let out = wants.iter().zip(&resp.grants).filter(|(d, g)| g.key == d.key && g.grant < d.units);
         {
+            // The newest refusal is named whatever the list holds: where it is full, in place
+            // of the counter that is free soonest (or was free first). Left out, its request
+            // would say a spent grant's second and its client be refused again after it.
             let mut named = self.named.borrow_mut();
             for (_, g) in out {
                 let (hash, until) = out_entry(g, resp.now);
                 named.retain(|(h, _)| *h != hash);
-                if named.len() < ratewall_core::sync::MAX_OUT {
-                    named.push((hash, until));
+                if named.len() >= ratewall_core::sync::MAX_OUT {
+                    let soonest = named.iter().enumerate().min_by_key(|(_, (_, u))| *u).map(|(i, _)| i);
+                    if let Some(i) = soonest {
+                        named.swap_remove(i);
+                    }
                 }
+                named.push((hash, until));
             }
         }
         if let (Some(m), true) = (self.metrics.asks_granted, !taken.is_empty() && taken.iter().all(|t| *t)) {

@@ -2139,6 +2139,68 @@ fn a_client_that_waits_its_retry_after_on_a_proxy_of_two_workers_is_admitted() {
     }
 }
 
+/// Many clients refused at once on small exact limits, more than a store's answer names out:
+/// each refusal says the wait the store gave its own ask, and each client that waits it is
+/// admitted. (A VM's list of counters named out was full of other clients' and the newest
+/// refusals were left out of it: their requests said a spent grant's `Retry-After: 1` and
+/// were refused again after waiting it.)
+#[test]
+fn more_refused_clients_than_an_answer_names_each_say_their_own_wait() {
+    for (algorithm, limit, per, burst) in [("token_bucket", 1, "2s", ", \"burst\": 3"), ("sliding_window", 3, "5s", "")]
+    {
+        let doc = format!(
+            r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
+  "rules": [{{"name": "x", "key": ["user"], "exact": true, "algorithm": "{algorithm}",
+             "limit": {{"requests": {limit}, "per": "{per}"{burst}}}}}],
+  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": 2}}}}"#
+        );
+        let (hosts, engines) = fleet(2, &doc);
+        let mut s = store();
+        let send = |s: &mut Store, i: usize, user: &str| -> ratewall_core::Reply {
+            hosts[i].request("GET", "/a", &[("x-user-id", user)]);
+            match engines[i].on_request(&hosts[i]) {
+                Verdict::Ask(asking) => {
+                    let calls = hosts[i].take_calls();
+                    let c = calls.last().expect("an ask call");
+                    let (status, tag, body) = answer(s, hosts[i].now(), SECRET, c);
+                    engines[i].on_ask_response(&hosts[i], asking, status, tag.as_deref(), &body).into_reply()
+                }
+                v => v.into_reply(),
+            }
+        };
+        let clients = 2 * ratewall_core::sync::MAX_OUT + 8;
+        let users: Vec<String> = (0..clients).map(|u| format!("user-{u}")).collect();
+        // Each client's four requests over both proxies, the clients one after another within
+        // one interval: three admitted, the fourth refused.
+        let mut waits = Vec::new();
+        for user in &users {
+            let statuses: Vec<ratewall_core::Reply> = (0..4).map(|n| send(&mut s, n % 2, user)).collect();
+            let refused = &statuses[3];
+            assert_eq!(refused.status, 429, "{algorithm} {user}: {:?}", refused.headers);
+            let wait: u64 = super::engine::header(refused, "retry-after").unwrap().parse().unwrap();
+            waits.push(wait);
+        }
+        let first = waits[0];
+        assert!(first > 1, "{algorithm}: {waits:?}");
+        assert!(waits.iter().all(|w| *w == first), "{algorithm}: every client's wait is the store's: {waits:?}");
+        let until = hosts[0].now() + first * ratewall_core::SECOND;
+        while hosts[0].now() + 100 * MS <= until {
+            for (h, e) in hosts.iter().zip(&engines) {
+                h.advance(100 * MS);
+                e.on_tick(h);
+                serve(&mut s, e, h);
+            }
+        }
+        for h in &hosts {
+            h.advance(until - h.now());
+        }
+        for (u, user) in users.iter().enumerate() {
+            let r = send(&mut s, u % 2, user);
+            assert_eq!(r.status, 200, "{algorithm} {user} waited {first} s: {:?}", r.headers);
+        }
+    }
+}
+
 /// Exact limits of a few units, a client's requests over two proxies in turn: each is decided
 /// at the global count (three admitted, then refused), and a refused client that waits exactly
 /// its `Retry-After` is admitted, whichever proxy refused it.
