@@ -386,7 +386,7 @@ fn reply_response(reply: &Reply) -> Result<Response> {
 fn demo_origin(req: &Request) -> Result<Response> {
     let body = serde_json::json!({
         "origin": "ratewall demo origin",
-        "method": req.method().to_string(),
+        "method": req.inner().method(),
         "path": req.path(),
     });
     let headers = Headers::new();
@@ -407,18 +407,26 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
             url.path(),
             url.query().map(|q| format!("?{q}")).unwrap_or_default()
         );
-        let headers = Headers::new();
-        for (k, v) in req.headers().entries().filter(|(k, _)| forwarded_header(k)) {
-            headers.append(&k, &v)?;
+        // The client's header values go on as the runtime holds them, never read into strings
+        // and back: a value that is not UTF-8 came out changed (and the runtime logged it,
+        // an API key included, as it was set again).
+        let headers = worker::web_sys::Headers::new_with_headers(req.inner().headers().as_ref())?;
+        for (name, _) in req.headers().entries().filter(|(k, _)| !forwarded_header(k)) {
+            headers.delete(&name)?;
         }
-        let mut init = RequestInit::new();
+        let init = worker::web_sys::RequestInit::new();
+        // The method as the client sent it: workers-rs's `Method` reads any method it does not
+        // name (PROPFIND, PURGE, QUERY) as GET, and a GET with a body is no request at all.
+        init.set_method(&req.inner().method());
+        init.set_headers(&headers);
+        if let Some(body) = req.inner().body() {
+            init.set_body(&body);
+        }
         // A redirect is the origin's answer to the client (a login's 302 and its cookie), not
         // one for the Worker to follow.
-        init.with_method(req.method())
-            .with_headers(headers)
-            .with_body(req.inner().body().map(JsValue::from))
-            .with_redirect(worker::RequestRedirect::Manual);
-        Fetch::Request(Request::new_with_init(&target, &init)?).send().await?
+        init.set_redirect(worker::web_sys::RequestRedirect::Manual);
+        let upstream = worker::web_sys::Request::new_with_str_and_init(&target, &init)?;
+        Fetch::Request(Request::from(upstream)).send().await?
     } else {
         demo_origin(&req)?
     };
@@ -656,7 +664,7 @@ async fn admin_route(req: Request, env: Env, ctx: &Context, path: &str) -> Resul
     if access != Access::Granted {
         return refused_access(access, page);
     }
-    if req.method() != Method::Get {
+    if req.inner().method() != "GET" {
         let headers = Headers::new();
         headers.set("allow", "GET")?;
         return Ok(Response::from_bytes(b"GET only\n".to_vec())?.with_status(405).with_headers(headers));
@@ -705,7 +713,9 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         with(|i| i.metrics.config_rejected += u64::from(i.rules.rejected_without_rules()));
         return forward(req, &env, &[]).await.or_else(|e| bad_gateway(&e));
     };
-    let method = req.method().to_string();
+    // As the client sent it (see [`forward`]): a rule on PURGE matches PURGE, and one on GET
+    // does not count it.
+    let method = req.inner().method();
     let path = req.path();
     let (checks, skipped) = checks_for(&config, &method, &path, &|h| req.headers().get(h).ok().flatten());
     let t = now();
