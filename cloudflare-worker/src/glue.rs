@@ -299,7 +299,15 @@ async fn call_batch(
         })
     });
     match replies {
-        Ok(r) => r.into_iter().map(|r| r.ok_or(StoreError::Unavailable)).collect(),
+        Ok(r) => {
+            // A call the object refused (its stored counter unreadable) failed as much as one
+            // whose message did.
+            let refused = r.iter().filter(|r| r.is_none()).count() as u64;
+            if refused > 0 {
+                with(|i| i.metrics.object_failures += refused);
+            }
+            r.into_iter().map(|r| r.ok_or(StoreError::Unavailable)).collect()
+        }
         Err(e) => calls.iter().map(|_| Err(e)).collect(),
     }
 }
@@ -877,7 +885,6 @@ fn give_back(
 async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
     let secret = env.secret("RATEWALL_SYNC_SECRET").map(|s| s.to_string()).unwrap_or_default();
     let tag = req.headers().get("x-ratewall-signature").ok().flatten();
-    let body = req.bytes().await?;
     let refused = |r: store::Refusal| {
         with(|i| {
             i.metrics.sync_failed += 1;
@@ -887,6 +894,11 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
         out.headers_mut().set("content-type", "text/plain; charset=utf-8")?;
         Ok(out)
     };
+    let declared = req.headers().get("content-length").ok().flatten();
+    if let Some(r) = store::declared_too_large(&secret, declared.as_deref()) {
+        return refused(r);
+    }
+    let body = req.bytes().await?;
     // While the secret is rotated, a batch signed with the one going out is taken too, and
     // answered signed with it (docs/operations.md).
     let previous = env.secret("RATEWALL_SYNC_SECRET_PREVIOUS").map(|s| s.to_string()).unwrap_or_default();
@@ -1006,6 +1018,9 @@ pub struct RateLimitCounter {
     top: RefCell<Aggregate>,
     /// For the admin object: an alarm is set to keep it in memory.
     kept_alive: Cell<bool>,
+    /// When (ms) this object last said a stored counter is unreadable: at most once a minute,
+    /// as every call to such a counter finds it so.
+    unreadable_said: Cell<Option<u64>>,
 }
 
 /// How often the admin object wakes while its windows show anything: it keeps them in memory
@@ -1073,14 +1088,28 @@ impl RateLimitCounter {
                 Some(v) => Some(v),
                 None if value.is_undefined() => None,
                 None => {
-                    console_error!("ratewall: a stored counter is not text; it is kept, and calls to it fail");
+                    if self.say_unreadable() {
+                        console_error!("ratewall: a stored counter is not text; it is kept, and calls to it fail");
+                    }
                     continue;
                 }
             };
             if let Err(e) = self.shard.borrow_mut().load(key, value.as_deref(), call.limit()) {
-                console_error!("ratewall: {e}; it is kept, and calls to it fail");
+                if self.say_unreadable() {
+                    console_error!("ratewall: {e}; it is kept, and calls to it fail (said at most once a minute)");
+                }
             }
         }
+    }
+
+    /// Whether an unreadable stored counter is to be said now (at most once a minute).
+    fn say_unreadable(&self) -> bool {
+        let now = Date::now().as_millis();
+        if self.unreadable_said.get().is_some_and(|at| now.saturating_sub(at) < 60_000) {
+            return false;
+        }
+        self.unreadable_said.set(Some(now));
+        true
     }
 
     /// Writes counters' values in one storage call.
@@ -1164,6 +1193,7 @@ impl DurableObject for RateLimitCounter {
             registry: RefCell::new(Object::default()),
             top: RefCell::new(Aggregate::default()),
             kept_alive: Cell::new(false),
+            unreadable_said: Cell::new(None),
         }
     }
 

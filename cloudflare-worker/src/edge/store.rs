@@ -86,6 +86,18 @@ pub fn check_rotating<'s>(
     }
 }
 
+/// The refusal of a batch whose declared length (`content-length`) is over the bound, before
+/// its body is read: 413, as for a body read whole (or sync's own 503 when disabled). Read
+/// first, a body declared at 100 GB held the call until the runtime gave up on it.
+pub fn declared_too_large(secret: &str, content_length: Option<&str>) -> Option<Refusal> {
+    let declared: u64 = content_length?.trim().parse().ok()?;
+    if declared <= MAX_SYNC_BODY as u64 {
+        return None;
+    }
+    let disabled = check(secret, None, &[], 0).err().filter(|r| r.status == 503);
+    Some(disabled.unwrap_or_else(|| refuse(413, reason::too_large(MAX_SYNC_BODY))))
+}
+
 /// Whether `batch` is an ask one of whose counters could not be read ([`NOT_APPLIED`]): it
 /// fails whole.
 fn unreadable_ask(batch: &SyncRequest, replies: &[Option<String>]) -> bool {
@@ -202,6 +214,16 @@ mod tests {
     use ratewall_core::SECOND;
 
     const SECRET: &str = "0123456789abcdef";
+
+    #[test]
+    fn a_batch_declared_over_the_bound_is_refused_before_its_body_is_read() {
+        let over = (MAX_SYNC_BODY + 1).to_string();
+        assert_eq!(declared_too_large(SECRET, Some(&over)).map(|r| r.status), Some(413));
+        assert_eq!(declared_too_large(SECRET, Some("99999999999999999999999")), None, "unreadable: left to the body");
+        assert_eq!(declared_too_large(SECRET, Some(&MAX_SYNC_BODY.to_string())), None);
+        assert_eq!(declared_too_large(SECRET, None), None);
+        assert_eq!(declared_too_large("", Some(&over)).map(|r| r.status), Some(503), "sync disabled says so first");
+    }
     const T: Nanos = 1_700_000_000 * SECOND;
 
     fn batch(seq: u64, ask: bool) -> SyncRequest {
