@@ -145,18 +145,31 @@ pub fn overdraft(quota: u64, nodes: u32, remaining: u64, grant: u64, overdrawn: 
     u32::try_from(beyond.min(cap)).unwrap_or(u32::MAX)
 }
 
+/// Fewest units a store must have counted on a counter for a node's part of them to be taken
+/// as its share of the traffic: of a limit of 10, two proxies' first units (one each, a
+/// batch apart) measured the first at 100 %, and in an outage right after the pair admitted
+/// 14 (shares summing to 1.36).
+const SHARE_SAMPLE_MIN: u64 = 8;
+
 /// This node's share of a counter's traffic, in 65,535ths, from the answer to a batch: what
-/// the node's own state has used of the limit, over what the store's has (`remaining` left),
-/// averaged with the share known before (`old`, 0: none) at a quarter's weight. Measured only
-/// once the store has counted 5 % of the quota (before that one request more or less moves
-/// the ratio by a lot); until then the old share stays.
-fn traffic_share(limit: Limit, local: &ratewall_core::State, now: Nanos, remaining: u64, old: u16) -> u16 {
+/// the node's own state has used of the limit less its units the store has not counted yet
+/// (`unreported`), over what the store's has (`remaining` left), averaged with the share
+/// known before (`old`, 0: none) at a quarter's weight. Measured only once the store has
+/// counted 5 % of the quota and [`SHARE_SAMPLE_MIN`] units (before that one request more or
+/// less moves the ratio by a lot); until then the old share stays.
+fn traffic_share(
+    limit: Limit,
+    local: &ratewall_core::State,
+    now: Nanos,
+    (remaining, unreported): (u64, u64),
+    old: u16,
+) -> u16 {
     let quota = limit.quota();
     let global = quota.saturating_sub(remaining);
-    if global == 0 || global < quota / 20 {
+    if global == 0 || global < quota / 20 || global < SHARE_SAMPLE_MIN {
         return old;
     }
-    let own = quota.saturating_sub(limit.decide(local, now, 0).0.remaining).min(global);
+    let own = quota.saturating_sub(limit.decide(local, now, 0).0.remaining).saturating_sub(unreported).min(global);
     let sample = u16::try_from(own.saturating_mul(u64::from(u16::MAX)) / global).unwrap_or(u16::MAX);
     if old == 0 {
         return sample.max(1);
@@ -244,7 +257,8 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                 } else {
                     st.clone()
                 };
-                let share = if ask { share } else { traffic_share(d.limit, &st, resp.now, g.remaining, share) };
+                let share =
+                    if ask { share } else { traffic_share(d.limit, &st, resp.now, (g.remaining, unreported), share) };
                 Some((
                     st,
                     Some(Allowance {

@@ -544,6 +544,53 @@ fn without_the_store_open_rules_limit_to_their_share_and_closed_rules_refuse() {
     assert!(h.metric("ratewall_sync_staleness_ms") >= 1_000);
 }
 
+/// Two proxies share a small limit evenly, a few units each, and the store goes away: in the
+/// outage the pair admits the limit, not more. (The first proxy's share was measured when the
+/// store had counted its first unit alone, 100 %, and the pair admitted 14 of 10.)
+#[test]
+fn two_proxies_that_lose_the_store_after_a_few_units_admit_the_limit_between_them() {
+    let (hosts, engines) = fleet(2, &rules(10, 2));
+    let mut s = store();
+    let ann = [("x-user-id", "ann")];
+    let mut admitted = 0;
+    let tick = |s: &mut Store| {
+        for (h, e) in hosts.iter().zip(&engines) {
+            h.advance(50 * MS);
+            e.on_tick(h);
+            serve(s, e, h);
+        }
+    };
+    for round in 0..4 {
+        let i = round % 2;
+        admitted += usize::from(reply(&engines[i], &hosts[i], "GET", NO_WAIT, &ann).status == 200);
+        for _ in 0..3 {
+            tick(&mut s);
+        }
+    }
+    assert_eq!(admitted, 4);
+    for _ in 0..4 {
+        tick(&mut s);
+    }
+    // The store is gone: calls fail until the view is stale.
+    for _ in 0..15 {
+        for (h, e) in hosts.iter().zip(&engines) {
+            h.advance(100 * MS);
+            e.on_tick(h);
+            fail(e, h);
+        }
+    }
+    for round in 0..20 {
+        let i = round % 2;
+        admitted += usize::from(reply(&engines[i], &hosts[i], "GET", NO_WAIT, &ann).status == 200);
+    }
+    assert_eq!(
+        hosts[0].metric("ratewall_sync_degraded_requests") + hosts[1].metric("ratewall_sync_degraded_requests"),
+        20
+    );
+    assert!(admitted <= 10, "{admitted} admitted of 10");
+    assert!(admitted >= 9, "{admitted} admitted of 10");
+}
+
 #[test]
 fn the_view_the_syncing_vm_writes_keeps_every_vm_fresh() {
     view_keeps_every_vm_fresh(false);
