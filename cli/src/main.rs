@@ -145,8 +145,8 @@ pub fn load(path: &Path) -> Result<(serde_json::Value, Config), Failure> {
         Failure::Invalid(vec![format!("{at}: {}", e.reason)])
     })?;
     config.identity.key_by_secret(&deployment_secret());
-    // The core accepted it, so it is JSON.
-    let doc = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    // The core accepted it, so it is JSON (after a byte order mark, which the core skips too).
+    let doc = serde_json::from_slice(without_bom(&bytes)).unwrap_or(serde_json::Value::Null);
     Ok((doc, config))
 }
 
@@ -203,7 +203,13 @@ fn is_rls_config(path: &Path) -> bool {
 /// Whether `bytes` are a JSON object with a `rules` member: a rules document, valid or not,
 /// never a rate limit service configuration (whose top level has `domain` and `descriptors`).
 fn is_rules_document(bytes: &[u8]) -> bool {
-    serde_json::from_slice::<serde_json::Value>(bytes).is_ok_and(|v| v.get("rules").is_some())
+    serde_json::from_slice::<serde_json::Value>(without_bom(bytes)).is_ok_and(|v| v.get("rules").is_some())
+}
+
+/// `bytes` past a UTF-8 byte order mark, if they begin with one (an editor's, on Windows):
+/// the core reads such a document, and so must what shows it (its patterns as written).
+fn without_bom(bytes: &[u8]) -> &[u8] {
+    bytes.strip_prefix(b"\xef\xbb\xbf").unwrap_or(bytes)
 }
 
 /// `ratewall check` of a rate limit service configuration: its limits, or `file:line:column:

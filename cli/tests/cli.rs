@@ -48,6 +48,12 @@ fn check_lists_the_rules_of_a_good_document() {
     assert_eq!(v["rules"][1]["plans"]["partner"]["per"], "60s");
     assert_eq!(v["rules"][1]["plans"]["internal"], "unlimited");
     assert_eq!(v["rules"][2]["key"], json!(["ip"]));
+    // The same document after a byte order mark (an editor's) reads and shows the same.
+    let text = std::fs::read_to_string(root("examples/rules.json")).unwrap();
+    let bom = temp("bom-rules.json", &format!("\u{feff}{text}"));
+    let o = ratewall(&["check", &bom]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o).replace(&bom, "X"), out.replace(&root("examples/rules.json"), "X"));
 }
 
 #[test]
