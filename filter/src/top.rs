@@ -272,6 +272,9 @@ pub struct Top {
     synced: bool,
     /// When a VM with no new denials next looks at the shared state (minutes to roll over).
     idle_until: std::cell::Cell<Nanos>,
+    /// Per rule, units the syncing VM's batches reported for keys not listed yet: a key's
+    /// first denial brings them, so that its entry counts what the client was admitted before.
+    admitted: RefCell<Vec<ratewall_core::topk::Admitted>>,
 }
 
 /// FNV-1a, 64-bit, with a final mix (its low bits pick the slot, its top bits the distinct
@@ -288,7 +291,14 @@ impl Top {
         let limited_keys = config.rules.iter().map(|r| host.define_gauge(&metric(&r.name, "limited_keys"))).collect();
         let metrics = Metrics { limited_keys, evictions: host.define_counter("ratewall_top_evictions") };
         let local = Local { slots: Vec::new(), rules: vec![LocalRule::default(); config.rules.len()], any: false };
-        Top { local: RefCell::new(local), metrics, synced: config.sync.is_some(), idle_until: Default::default() }
+        let admitted = RefCell::new(vec![ratewall_core::topk::Admitted::default(); config.rules.len()]);
+        Top {
+            local: RefCell::new(local),
+            metrics,
+            synced: config.sync.is_some(),
+            idle_until: Default::default(),
+            admitted,
+        }
     }
 
     /// A request denied (or, `shadow`, that a shadow rule would deny) by `rule`, one of
@@ -482,11 +492,17 @@ impl Top {
         let (mut rules, mut active) = (Vec::new(), false);
         let mut allowed = vec![0u64; config.rules.len()];
         let mut by_key: std::collections::HashMap<&[u8], u64> = std::collections::HashMap::new();
+        // Per rule, its keys' admitted units in this batch.
+        let mut units_of: Vec<Vec<(&[u8], u64)>> = vec![Vec::new(); config.rules.len()];
+        let now_s = host.now() / ratewall_core::SECOND;
         for d in deltas.iter().filter(|d| d.units > 0) {
             let name = d.key.get(2..2 + usize::from(*d.key.get(1)?)).unwrap_or_default();
             if let Some(i) = config.rules.iter().position(|r| r.name.as_bytes() == name) {
                 if let Some(a) = allowed.get_mut(i) {
                     *a = a.saturating_add(d.units);
+                }
+                if let Some(u) = units_of.get_mut(i) {
+                    u.push((&d.key, d.units));
                 }
                 by_key.insert(&d.key, d.units);
             }
@@ -531,14 +547,27 @@ impl Top {
                 let (_, shown) = render(config, k)?;
                 Some(bounded_key(shown, &config.identity.hash_key).into_bytes())
             });
-            // Admitted units per shown key, for the listed keys.
+            // Admitted units per shown key, for the listed keys: this batch's, and those of
+            // earlier ones kept for a key until its first denial.
             let mut top = top;
             let mut admitted: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
+            let mut waiting = self.admitted.borrow_mut();
+            let mut waiting = waiting.get_mut(i);
             for e in pending.entries() {
                 let asked = paid_keys.iter().find(|(k, _)| *k == e.key).map_or(0, |(_, n)| *n);
-                let u = by_key.get(e.key.as_slice()).copied().unwrap_or(0).saturating_add(asked);
+                let before = waiting.as_mut().map_or(0, |w| w.take(&e.key, now_s));
+                let u = by_key.get(e.key.as_slice()).copied().unwrap_or(0).saturating_add(asked).saturating_add(before);
                 if let (true, Some((_, shown))) = (u > 0, render(config, &e.key)) {
                     *admitted.entry(bounded_key(shown, &config.identity.hash_key).into_bytes()).or_default() += u;
+                }
+            }
+            if let Some(w) = waiting {
+                let listed = |k: &[u8]| pending.entries().iter().any(|e| e.key == k);
+                let batch = units_of.get(i).into_iter().flatten().copied();
+                for (k, u) in batch.chain(paid_keys.iter().map(|(k, u)| (k.as_slice(), *u))) {
+                    if !listed(k) {
+                        w.note(k, u, now_s);
+                    }
                 }
             }
             for (k, u) in admitted {

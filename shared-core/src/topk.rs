@@ -438,6 +438,71 @@ pub fn bounded_key(shown: String, hash: &crate::key::HashKey) -> String {
     out
 }
 
+/// Keys [`Admitted`] keeps per rule.
+pub const ADMITTED_KEYS: usize = 64;
+/// How long (s) units admitted for a key not listed yet are kept for it: a window of the
+/// store's shortest view (the last minute).
+pub const ADMITTED_FOR_S: u64 = 60;
+
+/// Units admitted for keys a rule's summary does not list yet, kept so that a key's first
+/// denial brings them with it: its entry's `allowed` then counts what the client was
+/// admitted before it was first denied, not only after. Bounded: at most
+/// [`ADMITTED_KEYS`] keys, a new one past them taking the place of the one with the fewest
+/// units (or the oldest) when it brings more; units older than [`ADMITTED_FOR_S`] are let go.
+#[derive(Clone, Debug, Default)]
+pub struct Admitted {
+    /// (key, units, unix second of the last units).
+    entries: alloc::collections::BTreeMap<Vec<u8>, (u64, u64)>,
+}
+
+impl Admitted {
+    /// Notes `units` admitted for `key` at unix second `now`.
+    pub fn note(&mut self, key: &[u8], units: u64, now: u64) {
+        if units == 0 {
+            return;
+        }
+        if let Some((u, at)) = self.entries.get_mut(key) {
+            *u = if now.saturating_sub(*at) > ADMITTED_FOR_S { units } else { u.saturating_add(units) };
+            *at = (*at).max(now);
+            return;
+        }
+        if self.entries.len() >= ADMITTED_KEYS {
+            // The one that weighs least: let go, or fewest units.
+            let least = self
+                .entries
+                .iter()
+                .min_by_key(|(_, (u, at))| if now.saturating_sub(*at) > ADMITTED_FOR_S { 0 } else { *u })
+                .map(|(k, (u, at))| (k.clone(), if now.saturating_sub(*at) > ADMITTED_FOR_S { 0 } else { *u }));
+            match least {
+                Some((k, u)) if u < units => {
+                    self.entries.remove(&k);
+                }
+                _ => return,
+            }
+        }
+        self.entries.insert(key.to_vec(), (units, now));
+    }
+
+    /// The units kept for `key` (those of the last [`ADMITTED_FOR_S`] at unix second `now`),
+    /// taken out.
+    pub fn take(&mut self, key: &[u8], now: u64) -> u64 {
+        match self.entries.remove(key) {
+            Some((u, at)) if now.saturating_sub(at) <= ADMITTED_FOR_S => u,
+            _ => 0,
+        }
+    }
+
+    /// Keys kept.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
 #[cfg(feature = "admin")]
 pub mod windows;
 

@@ -27,7 +27,7 @@ use ratewall_core::encoding::{put_varint, Reader};
 use ratewall_core::sync::{RuleTop, TopSection};
 use ratewall_core::topk::windows::Windows;
 pub use ratewall_core::topk::windows::{Window, SERIES};
-use ratewall_core::topk::Summary;
+use ratewall_core::topk::{Admitted, Summary};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -108,6 +108,9 @@ struct Inner {
     /// counted, so every process that merges it (a peer without the configuration included)
     /// lists them in that order.
     roster: Vec<String>,
+    /// Per rule (by name, at most [`MAX_RULES`]), units admitted for keys its summary of the
+    /// second did not list: a key's first denial brings them ([`Admitted`]).
+    admitted: HashMap<String, Admitted>,
 }
 
 /// What one of the process's own decisions (a rate limit service call) did under one rule.
@@ -161,6 +164,7 @@ impl Default for Top {
                 merged: HashMap::new(),
                 own: None,
                 roster: Vec::new(),
+                admitted: HashMap::new(),
             }),
             process: process.max(1),
         }
@@ -425,7 +429,8 @@ impl Top {
         let inner = &mut *inner;
         let t = inner.windows.clock(unix);
         inner.own_until(t, false);
-        let (_, rules) = inner.own.get_or_insert_with(|| (t, Vec::new()));
+        let Inner { own, admitted, .. } = inner;
+        let (_, rules) = own.get_or_insert_with(|| (t, Vec::new()));
         let bit = ratewall_core::topk::node_bit(self.process);
         for d in decisions {
             let i = match rules.iter().position(|(_, r)| r.rule == d.rule) {
@@ -456,7 +461,24 @@ impl Top {
                     1
                 }
             };
-            r.top.add(d.key, denied, d.allowed, bit);
+            // Admitted units of a key not listed wait for its first denial (at most
+            // `MAX_RULES` rules' worth: the rules' own list is bounded so too).
+            let listed = r.top.count(d.key) > 0;
+            let waiting = if admitted.len() < MAX_RULES || admitted.contains_key(d.rule) {
+                Some(admitted.entry(d.rule.to_owned()).or_default())
+            } else {
+                None
+            };
+            let allowed = match (denied, listed, waiting) {
+                (0, false, Some(w)) => {
+                    w.note(d.key, d.allowed, t);
+                    0
+                }
+                (0, _, _) => d.allowed,
+                (_, _, Some(w)) => d.allowed.saturating_add(w.take(d.key, t)),
+                (_, _, None) => d.allowed,
+            };
+            r.top.add(d.key, denied, allowed, bit);
         }
     }
 
@@ -786,6 +808,30 @@ mod tests {
         top.decided_at(t + 2, &[d("a", 0, "k=#00000002", 0, Outcome::Denied)]);
         assert!(top.take_share_at(t + 2, now).is_none());
         assert_eq!(top.take_share_at(t + 3, now).unwrap().seconds.len(), 1);
+    }
+
+    /// A client admitted for a while and then denied is listed with what it was admitted
+    /// before its first denial, in earlier seconds too (it was listed with 0).
+    #[test]
+    fn a_keys_admissions_before_its_first_denial_count_for_it() {
+        let top = Top::default();
+        let t = 1_800_000_000;
+        let d = |key: &'static str, allowed: u64, outcome: Outcome| Decided {
+            rule: "r",
+            order: 0,
+            key: key.as_bytes(),
+            allowed,
+            outcome,
+        };
+        for s in 0..10 {
+            top.decided_at(t + s, &[d("k=a", 1, Outcome::Within), d("k=b", 1, Outcome::Within)]);
+        }
+        top.decided_at(t + 10, &[d("k=a", 0, Outcome::Denied)]);
+        top.decided_at(t + 11, &[d("k=a", 0, Outcome::Denied)]);
+        let v = top.top_at(t + 12, Some("r"), Window::Minute);
+        let r = &v["rules"][0];
+        assert_eq!((r["allowed"].clone(), r["denied"].clone()), (json!(20), json!(2)), "{v}");
+        assert_eq!(r["top"], json!([{"key": "k=a", "denied": 2, "allowed": 10, "nodes": 1}]), "{v}");
     }
 
     #[test]

@@ -19,7 +19,7 @@ use ratewall_core::eval::{Check, Outcome, Tally};
 use ratewall_core::sync::{RuleTop, TopSection};
 use ratewall_core::topk::windows::Windows;
 pub use ratewall_core::topk::windows::{Second, Window, SERIES};
-use ratewall_core::topk::{bounded_key, node_bit, render, Summary, CAPACITY};
+use ratewall_core::topk::{bounded_key, node_bit, render, Admitted, Summary, CAPACITY};
 use ratewall_core::{Config, SECOND};
 use serde_json::{json, Value};
 use std::rc::Rc;
@@ -40,9 +40,6 @@ pub const PENDING_SECONDS: usize = 64;
 pub const MAX_RULES: usize = 64;
 /// Filter nodes whose latest batch `seq` the admin object remembers.
 pub const MAX_NODES: usize = 10_000;
-/// Keys per rule whose admitted units an isolate keeps until they are denied in the same
-/// report interval (past it, a new key's are not kept).
-pub const ADMITTED_KEYS: usize = 16;
 
 /// One rule's counts in an isolate since its last report.
 #[derive(Clone, Debug, Default)]
@@ -52,10 +49,6 @@ struct Pending {
     shadow: u64,
     /// Denied (and shadow-denied) counter keys.
     top: Option<Summary>,
-    /// Units admitted on keys not listed in `top` (at most [`ADMITTED_KEYS`]): a key's
-    /// entry, once it is denied, counts those admitted before in the interval too, as the
-    /// filter's and the store's do.
-    admitted: Vec<(Vec<u8>, u64)>,
     series: Vec<Second>,
 }
 
@@ -136,6 +129,10 @@ pub struct IsolateTop {
     /// A report whose call failed, sent again (as it was) before any newer one, for at most
     /// [`RETRY_FOR`] after it was first taken.
     unsent: Option<Report>,
+    /// Per rule, units admitted on keys not listed: a key's entry, once it is denied, counts
+    /// those admitted before too (in earlier reports' intervals included), as the filter's
+    /// and the store's do.
+    admitted: Vec<Admitted>,
 }
 
 impl IsolateTop {
@@ -152,6 +149,7 @@ impl IsolateTop {
                 carried.series.truncate(MAX_RULES);
             }
             self.rules = vec![Pending::default(); config.rules.len()];
+            self.admitted = vec![Admitted::default(); config.rules.len()];
             self.under = Some(Rc::clone(config));
         }
         let sec = t / SECOND;
@@ -170,15 +168,11 @@ impl IsolateTop {
                         // not listed yet, kept until it is.
                         match p.top.as_mut().filter(|t| t.count(&c.key) > 0) {
                             Some(top) => top.add(&c.key, 0, c.cost, 0),
-                            None => match p.admitted.iter().position(|(k, _)| *k == c.key) {
-                                Some(i) => {
-                                    if let Some(a) = p.admitted.get_mut(i) {
-                                        a.1 = a.1.saturating_add(c.cost);
-                                    }
+                            None => {
+                                if let Some(a) = self.admitted.get_mut(rule) {
+                                    a.note(&c.key, c.cost, sec);
                                 }
-                                None if p.admitted.len() < ADMITTED_KEYS => p.admitted.push((c.key.clone(), c.cost)),
-                                None => {}
-                            },
+                            }
                         }
                     }
                     if let Some(s) = p.second(sec) {
@@ -203,10 +197,7 @@ impl IsolateTop {
                 Tally::Unkeyed | Tally::Failed(_) => continue,
             };
             if let (true, Some(c)) = (denied, check) {
-                let before = match p.admitted.iter().position(|(k, _)| *k == c.key) {
-                    Some(i) => p.admitted.swap_remove(i).1,
-                    None => 0,
-                };
+                let before = self.admitted.get_mut(rule).map_or(0, |a| a.take(&c.key, sec));
                 p.top.get_or_insert_with(|| Summary::new(CAPACITY)).add(&c.key, 1, before, 0);
             }
             self.any = true;

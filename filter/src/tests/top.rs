@@ -240,3 +240,32 @@ fn rules_whose_names_pick_one_shared_key_each_keep_their_denials() {
         assert!(h.logged(&format!("ratewall: top denied [{n}] ")), "{n}: {:?}", h.logs.borrow());
     }
 }
+
+/// A client admitted in earlier batches and then denied is listed with what it was admitted
+/// before its first denial: the batch with its first denial carries them (before, only the
+/// units of that batch counted for it).
+#[test]
+fn a_keys_admissions_in_batches_before_its_first_denial_count_for_it() {
+    let (a, _b, ea, _eb, mut store) = two_vms_syncing();
+    let round = |store: &mut Store| -> Vec<ratewall_core::sync::TopSection> {
+        a.advance(200 * MS);
+        ea.on_tick(&a);
+        let mut sections = Vec::new();
+        for c in a.take_calls() {
+            sections.extend(SyncRequest::decode_with_top(&c.body).unwrap().1);
+            let (status, tag, body) = answer(store, a.now(), "0123456789abcdef", &c);
+            ea.on_sync_response(&a, c.token, status, tag.as_deref(), &body);
+        }
+        sections
+    };
+    round(&mut store);
+    for _ in 0..2 {
+        assert_eq!(statuses(&ea, &a, "GET", "/", &[("x-api-key", KEY)], 1), [200]);
+        round(&mut store);
+    }
+    assert_eq!(statuses(&ea, &a, "GET", "/", &[("x-api-key", KEY)], 2), [429, 429]);
+    let sections = round(&mut store);
+    let api = sections.iter().flat_map(|s| &s.rules).find(|r| r.rule == "api-key" && r.denied > 0).unwrap();
+    let entry = &api.top.entries()[0];
+    assert_eq!((entry.key.as_slice(), entry.denied, entry.allowed), (shown(&ea, KEY).as_bytes(), 2, 2), "{api:?}");
+}

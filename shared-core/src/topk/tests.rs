@@ -429,3 +429,33 @@ fn rules_are_listed_in_the_order_of_the_document_the_last_section_came_from() {
     w.add(10_000, &section(&["holds", "api-key", "login"]), &[]);
     assert_eq!(names(&w), ["holds", "api-key", "retired", "login"]);
 }
+
+#[test]
+fn admitted_units_wait_for_a_keys_first_denial_bounded_and_for_a_minute() {
+    let mut a = Admitted::default();
+    a.note(b"alice", 3, 100);
+    a.note(b"alice", 2, 130);
+    assert_eq!(a.take(b"alice", 150), 5);
+    assert_eq!(a.take(b"alice", 150), 0, "taken out");
+    a.note(b"bob", 4, 100);
+    assert_eq!(a.take(b"bob", 100 + ADMITTED_FOR_S + 1), 0, "let go after a minute");
+    // Full: a key bringing more takes the place of the one with the fewest units; one
+    // bringing fewer is not kept.
+    for i in 0..ADMITTED_KEYS {
+        a.note(format!("k{i}").as_bytes(), 2 + i as u64, 200);
+    }
+    assert_eq!(a.len(), ADMITTED_KEYS);
+    a.note(b"light", 1, 200);
+    assert_eq!(a.take(b"light", 200), 0);
+    a.note(b"heavy", 50, 200);
+    assert_eq!(a.len(), ADMITTED_KEYS);
+    assert_eq!(a.take(b"k0", 200), 0, "the fewest made room");
+    assert_eq!(a.take(b"heavy", 200), 50);
+    // Units let go weigh nothing: a new key takes their place.
+    let mut b = Admitted::default();
+    for i in 0..ADMITTED_KEYS {
+        b.note(format!("k{i}").as_bytes(), 100, 0);
+    }
+    b.note(b"new", 1, 1_000);
+    assert_eq!(b.take(b"new", 1_000), 1);
+}

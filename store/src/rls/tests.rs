@@ -441,7 +441,8 @@ async fn denied_calls_are_heard_among_the_top_offenders_by_readable_keys_and_sec
     };
     let user = &rules[0];
     assert_eq!((user["allowed"].clone(), user["denied"].clone()), (json!(3), json!(2)));
-    assert_eq!(user["top"][0], json!({"key": "user=alice", "denied": 2, "allowed": 0, "nodes": 1}));
+    // Her 3 admitted calls before her first denial count for her.
+    assert_eq!(user["top"][0], json!({"key": "user=alice", "denied": 2, "allowed": 3, "nodes": 1}));
     // The address's limit had room: it admitted 3 and denied nothing (the 2 denied calls were
     // given back to it).
     assert_eq!((rules[1]["allowed"].clone(), rules[1]["denied"].clone()), (json!(3), json!(0)));

@@ -276,3 +276,23 @@ fn a_report_whose_call_failed_goes_again_first_and_counts_once() {
     assert!(!top.failed(late, T + 11 * SECOND + RETRY_FOR));
     assert!(!top.pending());
 }
+
+/// A client admitted in one report's interval and denied in a later one is listed with what
+/// it was admitted before its first denial (each interval's report kept its own before).
+#[test]
+fn admissions_in_an_earlier_report_count_for_a_keys_first_denial() {
+    let c = config(RULES);
+    let mut top = IsolateTop::default();
+    let heavy = checks(&c, "sk_live_heavy", "ann");
+    for _ in 0..2 {
+        let (o, _) = combine(&c, &heavy, &[decided(true), decided(true)]);
+        top.count(&c, &heavy, &o, T);
+    }
+    let first = top.take(7, T + 5 * SECOND).unwrap();
+    assert_eq!(first.section.rules[0].top.entries().len(), 0, "not listed before a denial");
+    let (o, _) = combine(&c, &heavy, &[decided(false), decided(true)]);
+    top.count(&c, &heavy, &o, T + 6 * SECOND);
+    let second = top.take(7, T + 10 * SECOND).unwrap();
+    let listed = second.section.rules[0].top.top(1);
+    assert_eq!((listed[0].denied, listed[0].allowed), (1, 2));
+}
