@@ -140,14 +140,39 @@ pub enum Failure {
 /// the patterns as written) and the validated rules.
 pub fn load(path: &Path) -> Result<(serde_json::Value, Config), Failure> {
     let bytes = read_document(path)?;
-    let mut config = Config::parse(&bytes).map_err(|e| {
-        let at = if e.path.is_empty() { "(document)".to_owned() } else { e.path.clone() };
-        Failure::Invalid(vec![format!("{at}: {}", e.reason)])
-    })?;
+    let mut config = Config::parse(&bytes).map_err(|e| Failure::Invalid(problems(&bytes, e)))?;
     config.identity.key_by_secret(&deployment_secret());
     // The core accepted it, so it is JSON (after a byte order mark, which the core skips too).
     let doc = serde_json::from_slice(without_bom(&bytes)).unwrap_or(serde_json::Value::Null);
     Ok((doc, config))
+}
+
+/// A bad document's `path: reason` lines: the parser's first, then those of each other rule
+/// that is bad on its own (each checked in a copy of the document holding it alone), so that
+/// one run names every bad rule, not only the first.
+fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<String> {
+    let line = |e: &ratewall_core::rules::ConfigError| {
+        let at = if e.path.is_empty() { "(document)".to_owned() } else { e.path.clone() };
+        format!("{at}: {}", e.reason)
+    };
+    let mut lines = vec![line(&first)];
+    let Ok(serde_json::Value::Object(doc)) = serde_json::from_slice::<serde_json::Value>(without_bom(bytes)) else {
+        return lines;
+    };
+    let Some(serde_json::Value::Array(rules)) = doc.get("rules") else { return lines };
+    for (i, rule) in rules.iter().enumerate() {
+        let mut alone = doc.clone();
+        alone.insert("rules".to_owned(), serde_json::Value::Array(vec![rule.clone()]));
+        let Ok(text) = serde_json::to_vec(&alone) else { continue };
+        let Err(e) = Config::parse(&text) else { continue };
+        // Only what is this rule's own (the rest of the document is as in the first line).
+        let Some(rest) = e.path.strip_prefix("rules[0]") else { continue };
+        let found = line(&ratewall_core::rules::ConfigError { path: format!("rules[{i}]{rest}"), ..e });
+        if !lines.contains(&found) {
+            lines.push(found);
+        }
+    }
+    lines
 }
 
 /// Reads a rules document: at most the parser's limit ([`MAX_DOCUMENT`] bytes), never more

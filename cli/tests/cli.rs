@@ -66,6 +66,18 @@ fn check_names_the_field_of_a_bad_document_and_exits_1() {
     assert_eq!(o.status.code(), Some(1));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!((v["valid"].clone(), v["errors"][0]["path"].clone()), (json!(false), json!("rules[0].key[0]")));
+    // Every bad rule is named, each on its line, in one run.
+    let two = temp(
+        "two-bad.json",
+        r#"{"identity": {"user": {"header": "x-user-id"}}, "rules": [
+             {"name": "a", "key": ["user"], "limit": {"requests": 5, "per": "5 minutes"}},
+             {"name": "b", "key": ["user"], "limit": {"requests": 5, "per": "1m"}},
+             {"name": "c", "key": ["nobody"], "limit": {"requests": 5, "per": "1m"}}]}"#,
+    );
+    let o = ratewall(&["check", &two]);
+    assert_eq!(o.status.code(), Some(1));
+    let lines: Vec<String> = stderr(&o).lines().map(|l| l.split(':').next().unwrap_or("").to_owned()).collect();
+    assert_eq!(lines, ["rules[0].limit.per", "rules[2].key[0]"], "{}", stderr(&o));
     let o = ratewall(&["check", "/no/such/file.json"]);
     assert_eq!(o.status.code(), Some(2), "an unreadable file is a usage error");
     assert_eq!(ratewall(&["frobnicate"]).status.code(), Some(2));
