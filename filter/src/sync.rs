@@ -562,6 +562,9 @@ pub struct Syncer {
     /// Whether this VM has logged that the store refuses its requests for their time (once,
     /// until a batch succeeds again).
     refusal_logged: Cell<bool>,
+    /// When a failed ask was last said (at most once a minute): under NGINX the metrics are
+    /// not to be read, and a worker whose asks fail decides on the proxy's share meanwhile.
+    ask_failure_said: Cell<Option<Nanos>>,
     /// When this VM last logged that a store could not apply counters of its batches (0:
     /// never; once a minute at most).
     unapplied_logged: Cell<Nanos>,
@@ -695,6 +698,7 @@ impl Syncer {
             asks: Cell::new((0, 0)),
             ask_backoff: Cell::new((0, 0)),
             refusal_logged: Cell::new(false),
+            ask_failure_said: Cell::new(None),
             unapplied_logged: Cell::new(0),
             overdrawn: Cell::new(false),
             handed: Cell::new(false),
@@ -723,6 +727,7 @@ impl Syncer {
             asks: Cell::new(previous.asks.get()),
             ask_backoff: Cell::new(previous.ask_backoff.get()),
             refusal_logged: Cell::new(previous.refusal_logged.get()),
+            ask_failure_said: Cell::new(previous.ask_failure_said.get()),
             unapplied_logged: Cell::new(previous.unapplied_logged.get()),
             overdrawn: Cell::new(previous.overdrawn.take()),
             handed: Cell::new(previous.handed.get()),
@@ -1143,6 +1148,16 @@ impl Syncer {
             }
         } else {
             self.ask_backoff.set((0, 0));
+        }
+        if status != 200 && crate::engine::due(&self.ask_failure_said, host.now(), 60 * ratewall_core::SECOND) {
+            let why = if status == 0 { "no answer within its deadline".to_owned() } else { format!("status {status}") };
+            host.log(
+                Level::Warn,
+                &format!(
+                    "ratewall: an ask to {} failed ({why}); its request was decided on this proxy's share                      (said at most once a minute)",
+                    self.opts.cluster
+                ),
+            );
         }
         let verified = tag.and_then(unhex).is_some_and(|t| verify(self.opts.secret.as_bytes(), body, &t));
         let now = host.now();

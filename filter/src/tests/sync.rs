@@ -1024,6 +1024,9 @@ fn a_failed_ask_decides_the_request_as_the_rules_store_failure_policy_says() {
         let _ = h.take_calls();
         let r = e.on_ask_response(&h, asking, 0, None, &[]).into_reply();
         assert_eq!(r.status, status, "{path}");
+        // Said, once a minute at most (under NGINX the metrics are not to be read).
+        let said = |h: &FakeHost| h.logs.borrow().iter().filter(|(_, l)| l.contains("an ask to store failed")).count();
+        assert_eq!(said(&h), 1, "{:?}", h.logs.borrow());
         assert_eq!(h.metric("ratewall_sync_asks_granted"), granted);
         assert_eq!(h.metric("ratewall_sync_degraded_requests"), degraded + 1);
         h.request("GET", path, &[("x-user-id", "ann")]);
