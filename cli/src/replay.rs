@@ -661,6 +661,8 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
     let mut held: BinaryHeap<Held> = BinaryHeap::new();
     let (mut lines, mut requests, mut rejected, mut invalid) = (0u64, 0u64, 0u64, 0u64);
     let mut shown = Vec::new();
+    // The same lines' numbers and reasons, for `--json`.
+    let mut bad: Vec<(u64, String)> = Vec::new();
     let progress = std::io::stderr().is_terminal();
     let started = std::time::Instant::now();
     let heads = config.identity.headers.len() + 1;
@@ -692,7 +694,9 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
             let batch = item.map_err(Failure::Usage)?;
             for (i, why) in &batch.bad {
                 if shown.len() < SHOWN_BAD {
-                    shown.push(format!("{name}:{}: {why}", lines + *i as u64 + 1));
+                    let line = lines + *i as u64 + 1;
+                    shown.push(format!("{name}:{line}: {why}"));
+                    bad.push((line, why.to_string()));
                 }
             }
             let (mut c0, mut s0, mut v0) = (0usize, 0usize, 0usize);
@@ -781,7 +785,7 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
     if progress && lines >= 100_000 {
         tell!();
     }
-    report(o, &config, &counts, (lines, requests, rejected, invalid), format.name());
+    report(o, &config, &counts, (lines, requests, rejected, invalid), format.name(), &bad);
     // Unreadable lines are a finding of the replay, reported, not a failure of it.
     if invalid > 0 {
         shown.push(format!("{invalid} log line{} could not be read", if invalid == 1 { "" } else { "s" }));
@@ -840,7 +844,14 @@ fn top_of(c: &Counts, top: usize) -> Vec<(String, u64)> {
     keys.into_iter().take(top).map(|(k, n)| (k.to_owned(), n)).collect()
 }
 
-fn report(o: &Options<'_>, config: &Config, counts: &[Counts], totals: (u64, u64, u64, u64), format: &str) {
+fn report(
+    o: &Options<'_>,
+    config: &Config,
+    counts: &[Counts],
+    totals: (u64, u64, u64, u64),
+    format: &str,
+    bad: &[(u64, String)],
+) {
     let (lines, requests, rejected, invalid) = totals;
     if o.json {
         let rules: Vec<Value> = config
@@ -861,6 +872,7 @@ fn report(o: &Options<'_>, config: &Config, counts: &[Counts], totals: (u64, u64
         say!(
             "{}",
             json!({"lines": lines, "requests": requests, "rejected": rejected, "invalid_lines": invalid,
+                   "invalid": bad.iter().map(|(line, why)| json!({"line": line, "reason": why})).collect::<Vec<_>>(),
                    "format": format, "rules": rules})
         );
         return;

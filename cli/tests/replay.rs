@@ -250,6 +250,9 @@ fn a_line_that_does_not_match_the_log_format_given_is_unreadable_not_replayed() 
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
     let got: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!((got["requests"].clone(), got["invalid_lines"].clone()), (json!(7), json!(3)), "{got}");
+    let numbers: Vec<u64> = got["invalid"].as_array().unwrap().iter().map(|b| b["line"].as_u64().unwrap()).collect();
+    assert_eq!(numbers, [3, 5, 8], "the JSON names them too: {got}");
+    assert!(!got.to_string().contains("sk_live"), "{got}");
     assert_eq!(got["rules"][1]["allowed"], 7, "{got}");
     let err = String::from_utf8_lossy(&o.stderr);
     for n in [3, 5, 8] {
