@@ -810,6 +810,26 @@ mod tests {
         assert_eq!(top.take_share_at(t + 3, now).unwrap().seconds.len(), 1);
     }
 
+    /// `top` lists at most 20 keys, by denials, the most first.
+    #[test]
+    fn at_most_20_keys_are_listed_the_most_denied_first() {
+        let top = Top::default();
+        let t = 1_800_000_000;
+        let keys: Vec<String> = (0..25).map(|i| format!("k=#{i:08}")).collect();
+        for (i, k) in keys.iter().enumerate() {
+            for _ in 0..=i {
+                top.decided_at(
+                    t,
+                    &[Decided { rule: "r", order: 0, key: k.as_bytes(), allowed: 0, outcome: Outcome::Denied }],
+                );
+            }
+        }
+        let v = top.top_at(t + 1, Some("r"), Window::Minute);
+        let listed: Vec<u64> =
+            v["rules"][0]["top"].as_array().unwrap().iter().map(|e| e["denied"].as_u64().unwrap()).collect();
+        assert_eq!(listed, (6..=25).rev().collect::<Vec<u64>>(), "{v}");
+    }
+
     /// A client admitted for a while and then denied is listed with what it was admitted
     /// before its first denial, in earlier seconds too (it was listed with 0).
     #[test]

@@ -125,6 +125,13 @@ fn the_admin_listener_lists_the_fleets_top_offenders_and_nodes() {
     assert_eq!(fleet["redis"]["ok"], true);
     let nodes = fleet["nodes"].as_array().unwrap();
     assert!(nodes.iter().all(|n| n["degraded"] == false), "an older batch refused is no failure: {fleet}");
+    // Each node: its id, when last heard (seconds ago), batches a second, last round trip.
+    for n in nodes {
+        let fields: Vec<&str> = n.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(fields, ["batches_per_s", "degraded", "id", "last_seen_s", "rtt_ms"], "{n}");
+        assert!(n["id"].is_string() && n["last_seen_s"].is_number() && n["batches_per_s"].is_number(), "{n}");
+        assert!(n["rtt_ms"].is_number(), "{n}");
+    }
     let series = json(&admin, "/v1/series?rule=api-key");
     let denied: u64 = series["rules"][0]["denied"].as_array().unwrap().iter().filter_map(Value::as_u64).sum();
     assert_eq!((series["step_s"].as_u64(), denied), (Some(1), 96));
