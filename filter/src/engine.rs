@@ -909,6 +909,16 @@ impl Engine {
                         if let Some(free) = s.out_until(ratewall_core::key::fnv1a(&c.key), now) {
                             let free = if lagging { free.saturating_add(lag) } else { free };
                             d.retry_after = Some(free.saturating_sub(now).max(ratewall_core::eval::ALLOWANCE_RETRY));
+                        } else if c.limit.algorithm() == ratewall_core::Algorithm::FixedWindow
+                            && self.table.grant(host, &c.key).is_some_and(|g| !g.more)
+                        {
+                            // A fixed window whose last answer left no quota beyond the node's
+                            // grant, now spent: the window is out, until its end (the store's
+                            // clock), before any answer names it so. Told a spent grant's
+                            // second, a client was refused again after waiting it.
+                            let per = c.limit.per().max(1);
+                            let end = (now / per).saturating_add(1).saturating_mul(per);
+                            d.retry_after = Some(end.saturating_sub(now).max(ratewall_core::eval::ALLOWANCE_RETRY));
                         }
                     } else if !d.allowed && lagging {
                         // Denied by the limit itself (the node's own count is full): its unit

@@ -1001,6 +1001,66 @@ fn a_client_that_waits_a_spent_sliding_windows_retry_after_is_admitted_without_w
     }
 }
 
+/// A fixed window (a rule that is not exact) a client spent partly on one proxy and then on
+/// another alone: once the store's answer left no quota beyond that proxy's grant, its first
+/// denial says the wait to the window's end, and a client that waits it is admitted. (It said
+/// a spent grant's second, and the client that waited it was refused again, told then the
+/// 50-odd seconds left.)
+#[test]
+fn a_client_that_waits_a_spent_fixed_windows_first_retry_after_is_admitted() {
+    let doc = rules(6, 2).replacen(
+        r#""key": ["user"], "limit": {"requests": 6, "per": "60s"}}"#,
+        r#""key": ["user"], "algorithm": "fixed_window", "limit": {"requests": 6, "per": "60s"}}"#,
+        1,
+    );
+    assert!(doc.contains("fixed_window"));
+    let (hosts, engines) = fleet(2, &doc);
+    let mut s = store();
+    // Clear of a window's edge: 5 s into a minute.
+    let into = hosts[0].now() % (60 * ratewall_core::SECOND);
+    for h in &hosts {
+        h.advance((65 * ratewall_core::SECOND - into) % (60 * ratewall_core::SECOND));
+    }
+    tick_fleet(&hosts, &engines, &mut s);
+    let send = |i: usize| {
+        hosts[i].request("GET", NO_WAIT, &[("x-user-id", "ann")]);
+        engines[i].on_request(&hosts[i]).into_reply()
+    };
+    let mut admitted = 0;
+    for _ in 0..2 {
+        admitted += usize::from(send(1).status == 200);
+        tick_fleet(&hosts, &engines, &mut s);
+    }
+    // Then on the other proxy, requests 50 ms apart, the proxies syncing between every other.
+    let mut i = 0;
+    let refused = loop {
+        let r = send(0);
+        i += 1;
+        match r.status {
+            429 if admitted >= 6 => break r,
+            429 => {}
+            _ => admitted += 1,
+        }
+        for h in &hosts {
+            h.advance(50 * MS);
+        }
+        if i % 2 == 0 {
+            tick_fleet(&hosts, &engines, &mut s);
+        }
+        assert!(i < 40, "never refused");
+    };
+    let wait: u64 = super::engine::header(&refused, "retry-after").unwrap().parse().unwrap();
+    assert!(wait > 1, "the first denial says the window's end: {:?}", refused.headers);
+    let until = hosts[0].now() + wait * ratewall_core::SECOND;
+    while hosts[0].now() + 200 * MS <= until {
+        tick_fleet(&hosts, &engines, &mut s);
+    }
+    for h in &hosts {
+        h.advance(until - h.now());
+    }
+    assert_eq!(send(0).status, 200, "admitted after waiting {wait} s");
+}
+
 /// An ask that fails (here: timed out) is a store failure for its request: an `open` rule
 /// decides it on the node's local share (a fresh client is not told it is over its limit), a
 /// `closed` one rejects it with 503; and while the VM backs off, its requests are decided so
