@@ -451,8 +451,8 @@ pub const ADMITTED_FOR_S: u64 = 60;
 /// units (or the oldest) when it brings more; units older than [`ADMITTED_FOR_S`] are let go.
 #[derive(Clone, Debug, Default)]
 pub struct Admitted {
-    /// (key, units, unix second of the last units).
-    entries: alloc::collections::BTreeMap<Vec<u8>, (u64, u64)>,
+    /// (key, units, unix second of the last units); a list, as it is short.
+    entries: Vec<(Vec<u8>, u64, u64)>,
 }
 
 impl Admitted {
@@ -461,34 +461,34 @@ impl Admitted {
         if units == 0 {
             return;
         }
-        if let Some((u, at)) = self.entries.get_mut(key) {
-            *u = if now.saturating_sub(*at) > ADMITTED_FOR_S { units } else { u.saturating_add(units) };
+        // What an entry weighs at `now`: its units, none once let go.
+        let weight = |u: u64, at: u64| if now.saturating_sub(at) > ADMITTED_FOR_S { 0 } else { u };
+        if let Some((_, u, at)) = self.entries.iter_mut().find(|(k, _, _)| k.as_slice() == key) {
+            *u = weight(*u, *at).saturating_add(units);
             *at = (*at).max(now);
             return;
         }
         if self.entries.len() >= ADMITTED_KEYS {
-            // The one that weighs least: let go, or fewest units.
-            let least = self
-                .entries
-                .iter()
-                .min_by_key(|(_, (u, at))| if now.saturating_sub(*at) > ADMITTED_FOR_S { 0 } else { *u })
-                .map(|(k, (u, at))| (k.clone(), if now.saturating_sub(*at) > ADMITTED_FOR_S { 0 } else { *u }));
-            match least {
-                Some((k, u)) if u < units => {
-                    self.entries.remove(&k);
+            let least = self.entries.iter().enumerate().min_by_key(|(_, (_, u, at))| weight(*u, *at));
+            match least.map(|(i, (_, u, at))| (i, weight(*u, *at))) {
+                Some((i, w)) if w < units => {
+                    self.entries.swap_remove(i);
                 }
                 _ => return,
             }
         }
-        self.entries.insert(key.to_vec(), (units, now));
+        self.entries.push((key.to_vec(), units, now));
     }
 
     /// The units kept for `key` (those of the last [`ADMITTED_FOR_S`] at unix second `now`),
     /// taken out.
     pub fn take(&mut self, key: &[u8], now: u64) -> u64 {
-        match self.entries.remove(key) {
-            Some((u, at)) if now.saturating_sub(at) <= ADMITTED_FOR_S => u,
-            _ => 0,
+        let Some(i) = self.entries.iter().position(|(k, _, _)| k.as_slice() == key) else { return 0 };
+        let (_, u, at) = self.entries.swap_remove(i);
+        if now.saturating_sub(at) <= ADMITTED_FOR_S {
+            u
+        } else {
+            0
         }
     }
 
