@@ -934,6 +934,47 @@ fn tick_fleet(hosts: &[FakeHost], engines: &[Engine], store: &mut Store) {
     }
 }
 
+/// A rules document of one exact rule `x` keyed by user: `limit` per `per` of `algorithm`
+/// (`burst`: more limit fields, `, "burst": 3`), syncing to two nodes.
+fn small_exact(algorithm: &str, limit: u64, per: &str, burst: &str) -> String {
+    format!(
+        r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
+  "rules": [{{"name": "x", "key": ["user"], "exact": true, "algorithm": "{algorithm}",
+             "limit": {{"requests": {limit}, "per": "{per}"{burst}}}}}],
+  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": 2}}}}"#
+    )
+}
+
+/// A request of `user` to `/a` on the node of `h` and `e`, its ask (if it asks) answered at
+/// once from `store`.
+fn asked_at_once(store: &mut Store, h: &FakeHost, e: &Engine, user: &str) -> ratewall_core::Reply {
+    h.request("GET", "/a", &[("x-user-id", user)]);
+    match e.on_request(h) {
+        Verdict::Ask(asking) => {
+            let calls = h.take_calls();
+            let c = calls.last().expect("an ask call");
+            let (status, tag, body) = answer(store, h.now(), SECRET, c);
+            e.on_ask_response(h, asking, status, tag.as_deref(), &body).into_reply()
+        }
+        v => v.into_reply(),
+    }
+}
+
+/// Ticks every node every 100 ms, answered from `store`, up to `until`, and sets every clock
+/// at `until`.
+fn sync_until(hosts: &[FakeHost], engines: &[Engine], store: &mut Store, until: Nanos) {
+    while hosts[0].now() + 100 * MS <= until {
+        for (h, e) in hosts.iter().zip(engines) {
+            h.advance(100 * MS);
+            e.on_tick(h);
+            serve(store, e, h);
+        }
+    }
+    for h in hosts {
+        h.advance(until - h.now());
+    }
+}
+
 /// The `Retry-After` of a 429 that says a real wait (more than a spent grant's 1 s), in s.
 fn real_wait(r: &ratewall_core::Reply) -> Option<u64> {
     let wait: u64 = super::engine::header(r, "retry-after")?.parse().ok()?;
@@ -2258,26 +2299,10 @@ fn a_client_that_waits_its_retry_after_on_a_proxy_of_two_workers_is_admitted() {
 fn more_refused_clients_than_an_answer_names_each_say_their_own_wait() {
     for (algorithm, limit, per, burst) in [("token_bucket", 1, "2s", ", \"burst\": 3"), ("sliding_window", 3, "5s", "")]
     {
-        let doc = format!(
-            r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
-  "rules": [{{"name": "x", "key": ["user"], "exact": true, "algorithm": "{algorithm}",
-             "limit": {{"requests": {limit}, "per": "{per}"{burst}}}}}],
-  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": 2}}}}"#
-        );
+        let doc = small_exact(algorithm, limit, per, burst);
         let (hosts, engines) = fleet(2, &doc);
         let mut s = store();
-        let send = |s: &mut Store, i: usize, user: &str| -> ratewall_core::Reply {
-            hosts[i].request("GET", "/a", &[("x-user-id", user)]);
-            match engines[i].on_request(&hosts[i]) {
-                Verdict::Ask(asking) => {
-                    let calls = hosts[i].take_calls();
-                    let c = calls.last().expect("an ask call");
-                    let (status, tag, body) = answer(s, hosts[i].now(), SECRET, c);
-                    engines[i].on_ask_response(&hosts[i], asking, status, tag.as_deref(), &body).into_reply()
-                }
-                v => v.into_reply(),
-            }
-        };
+        let send = |s: &mut Store, i: usize, user: &str| asked_at_once(s, &hosts[i], &engines[i], user);
         let clients = 2 * ratewall_core::sync::MAX_OUT + 8;
         let users: Vec<String> = (0..clients).map(|u| format!("user-{u}")).collect();
         // Each client's four requests over both proxies, the clients one after another within
@@ -2293,17 +2318,7 @@ fn more_refused_clients_than_an_answer_names_each_say_their_own_wait() {
         let first = waits[0];
         assert!(first > 1, "{algorithm}: {waits:?}");
         assert!(waits.iter().all(|w| *w == first), "{algorithm}: every client's wait is the store's: {waits:?}");
-        let until = hosts[0].now() + first * ratewall_core::SECOND;
-        while hosts[0].now() + 100 * MS <= until {
-            for (h, e) in hosts.iter().zip(&engines) {
-                h.advance(100 * MS);
-                e.on_tick(h);
-                serve(&mut s, e, h);
-            }
-        }
-        for h in &hosts {
-            h.advance(until - h.now());
-        }
+        sync_until(&hosts, &engines, &mut s, hosts[0].now() + first * ratewall_core::SECOND);
         for (u, user) in users.iter().enumerate() {
             let r = send(&mut s, u % 2, user);
             assert_eq!(r.status, 200, "{algorithm} {user} waited {first} s: {:?}", r.headers);
@@ -2322,27 +2337,11 @@ fn a_small_exact_limits_refusal_on_either_proxy_says_the_wait_a_client_is_then_a
         ("fixed_window", 3, "5s", ""),
         ("sliding_log", 3, "5s", ""),
     ] {
-        let doc = format!(
-            r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
-  "rules": [{{"name": "x", "key": ["user"], "exact": true, "algorithm": "{algorithm}",
-             "limit": {{"requests": {limit}, "per": "{per}"{burst}}}}}],
-  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": 2}}}}"#
-        );
+        let doc = small_exact(algorithm, limit, per, burst);
         for order in [[0, 1, 0, 1, 0, 1], [0, 1, 0, 0, 1, 1]] {
             let (hosts, engines) = fleet(2, &doc);
             let mut s = store();
-            let send = |s: &mut Store, i: usize| -> ratewall_core::Reply {
-                hosts[i].request("GET", "/a", &[("x-user-id", "ann")]);
-                match engines[i].on_request(&hosts[i]) {
-                    Verdict::Ask(asking) => {
-                        let calls = hosts[i].take_calls();
-                        let c = calls.last().expect("an ask call");
-                        let (status, tag, body) = answer(s, hosts[i].now(), SECRET, c);
-                        engines[i].on_ask_response(&hosts[i], asking, status, tag.as_deref(), &body).into_reply()
-                    }
-                    v => v.into_reply(),
-                }
-            };
+            let send = |s: &mut Store, i: usize| asked_at_once(s, &hosts[i], &engines[i], "ann");
             let mut statuses = Vec::new();
             let mut refused = None;
             for &i in &order {
@@ -2360,17 +2359,7 @@ fn a_small_exact_limits_refusal_on_either_proxy_says_the_wait_a_client_is_then_a
             }
             assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 3, "{algorithm} {order:?}: {statuses:?}");
             let (i, wait) = refused.unwrap();
-            let until = hosts[0].now() + wait * ratewall_core::SECOND;
-            while hosts[0].now() + 100 * MS <= until {
-                for (h, e) in hosts.iter().zip(&engines) {
-                    h.advance(100 * MS);
-                    e.on_tick(h);
-                    serve(&mut s, e, h);
-                }
-            }
-            for h in &hosts {
-                h.advance(until - h.now());
-            }
+            sync_until(&hosts, &engines, &mut s, hosts[0].now() + wait * ratewall_core::SECOND);
             let r = send(&mut s, i);
             assert_eq!(
                 r.status, 200,
