@@ -411,6 +411,7 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn serve(args: Args, secret: String, previous: String) -> Result<(), String> {
+    let gate = conn::Gate::new();
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
@@ -426,7 +427,7 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
         Arc::new(Store::new(kv, secret.as_bytes(), args.deadline).with_previous_secret(previous.as_bytes()));
     let stopping = Stopping::on_signal();
     let running = match &args.rls_config {
-        Some(path) => Some(start_rls(&store, path, args.rls.as_deref(), secret.as_bytes(), &stopping).await?),
+        Some(path) => Some(start_rls(&store, path, args.rls.as_deref(), secret.as_bytes(), &stopping, &gate).await?),
         None => None,
     };
     let rls = running.as_ref().map(|r| Arc::clone(&r.rls));
@@ -469,7 +470,7 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
     let admin = admin.map(|l| {
         let router = ratewall_store::admin::router(Arc::clone(&store), rls.clone())
             .merge(Router::new().route("/healthcheck", get(healthcheck)).with_state(Arc::clone(&store)));
-        tokio::spawn(serve_http(conn::Listener::new(l, limits), router, "admin listener", stopping.clone()))
+        tokio::spawn(serve_http(conn::Listener::new(l, limits, &gate), router, "admin listener", stopping.clone()))
     });
     let for_metrics = rls.clone();
     let mut app = Router::new()
@@ -497,7 +498,7 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
         .method_not_allowed_fallback(|| async {
             plain(axum::http::StatusCode::METHOD_NOT_ALLOWED, "method not allowed: POST /v1/sync, GET for the others")
         });
-    serve_http(conn::Listener::new(listener, limits), app, "listener", stopping).await;
+    serve_http(conn::Listener::new(listener, limits, &gate), app, "listener", stopping).await;
     if let Some(admin) = admin {
         let _ = admin.await;
     }
@@ -608,6 +609,7 @@ async fn start_rls(
     addr: Option<&str>,
     secret: &[u8],
     stopping: &Stopping,
+    gate: &Arc<conn::Gate>,
 ) -> Result<RlsRunning, String> {
     let config = RlsConfig::load(path).map_err(|e| format!("--rls-config: {e}"))?;
     let domains: Vec<&str> = config.domains().collect();
@@ -633,7 +635,7 @@ async fn start_rls(
             "ratewall-store: rate limit service on {local} (gRPC envoy.service.ratelimit.v3.RateLimitService, grpc.health.v1.Health)"
         ));
         let rls = Arc::clone(&rls);
-        let incoming = conn::h2_incoming(listener, conn::Limits { head: conn::HEAD, idle: conn::IDLE });
+        let incoming = conn::h2_incoming(listener, conn::Limits { head: conn::HEAD, idle: conn::IDLE }, gate);
         let stopping = stopping.clone().wait();
         grpc = Some(tokio::spawn(async move {
             if let Err(e) = ratewall_store::rls::grpc::serve(rls, incoming, stopping).await {
@@ -853,18 +855,79 @@ mod conn {
         }
     }
 
-    /// An HTTP/1 listener whose connections run under [`Limits`], counting those open.
+    /// Most connections the store keeps open at once, every listener's together, whatever
+    /// the file descriptors allow.
+    pub const MAX_CONNECTIONS: usize = 16_384;
+    /// File descriptors kept for the rest (Redis's connections, the configuration's files).
+    const FDS_KEPT: u64 = 256;
+
+    /// The connections open on every listener, and how many may be: past them a new one is
+    /// closed at once, so that idle connections cannot take every file descriptor (20,000
+    /// held open stopped the store answering anyone until they closed).
+    pub struct Gate {
+        pub open: Arc<AtomicUsize>,
+        pub max: usize,
+        said: std::sync::Mutex<Option<Instant>>,
+    }
+
+    impl Gate {
+        /// The process's gate: its soft limit of file descriptors raised to its hard one, and
+        /// at most [`MAX_CONNECTIONS`] or that limit less [`FDS_KEPT`] (at least 64).
+        pub fn new() -> Arc<Gate> {
+            let fds = raise_fd_limit();
+            let max = usize::try_from(fds.saturating_sub(FDS_KEPT).max(64)).unwrap_or(usize::MAX).min(MAX_CONNECTIONS);
+            Arc::new(Gate { open: Arc::default(), max, said: std::sync::Mutex::new(None) })
+        }
+
+        /// Whether a new connection may be kept; if not, it is said, once a minute at most.
+        fn admits(&self) -> bool {
+            if self.open.load(Ordering::Relaxed) < self.max {
+                return true;
+            }
+            if let Ok(mut said) = self.said.lock() {
+                if said.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+                    *said = Some(Instant::now());
+                    ratewall_store::log_line!(
+                        "ratewall-store: {} connections open, the most it keeps: new ones are closed at once until some end",
+                        self.max
+                    );
+                }
+            }
+            false
+        }
+    }
+
+    /// The soft limit of open files, raised to the hard limit first (as servers do): the
+    /// limit in force.
+    fn raise_fd_limit() -> u64 {
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: `getrlimit` writes the limits into the struct it is given, which lives here.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+            return 1024;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+            // SAFETY: `setrlimit` reads the struct it is given, which lives here.
+            if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+                lim.rlim_cur = lim.rlim_max;
+            }
+        }
+        lim.rlim_cur
+    }
+
+    /// An HTTP/1 listener whose connections run under [`Limits`], counted in a [`Gate`].
     pub struct Listener {
         inner: tokio::net::TcpListener,
         limits: Limits,
-        /// Connections open.
+        gate: Arc<Gate>,
+        /// Connections open (every listener's).
         pub open: Arc<AtomicUsize>,
     }
 
     impl Listener {
-        /// `inner`'s connections under `limits`.
-        pub fn new(inner: tokio::net::TcpListener, limits: Limits) -> Listener {
-            Listener { inner, limits, open: Arc::default() }
+        /// `inner`'s connections under `limits`, through `gate`.
+        pub fn new(inner: tokio::net::TcpListener, limits: Limits, gate: &Arc<Gate>) -> Listener {
+            Listener { inner, limits, gate: Arc::clone(gate), open: Arc::clone(&gate.open) }
         }
     }
 
@@ -873,8 +936,13 @@ mod conn {
         type Addr = std::net::SocketAddr;
 
         async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-            let (stream, addr) = axum::serve::Listener::accept(&mut self.inner).await;
-            (Timed::new(stream, Conn::http1(self.limits), Some(Arc::clone(&self.open))), addr)
+            loop {
+                let (stream, addr) = axum::serve::Listener::accept(&mut self.inner).await;
+                if self.gate.admits() {
+                    return (Timed::new(stream, Conn::http1(self.limits), Some(Arc::clone(&self.open))), addr);
+                }
+                drop(stream);
+            }
         }
 
         fn local_addr(&self) -> io::Result<Self::Addr> {
@@ -908,16 +976,22 @@ mod conn {
     pub fn h2_incoming(
         listener: tokio::net::TcpListener,
         limits: Limits,
+        gate: &Arc<Gate>,
     ) -> impl futures_util::Stream<Item = io::Result<Timed<tokio::net::TcpStream>>> {
-        futures_util::stream::unfold(listener, move |l| async move {
-            loop {
-                match l.accept().await {
-                    Ok((stream, _)) => {
-                        let _ = stream.set_nodelay(true);
-                        return Some((Ok(Timed::new(stream, Conn::h2(limits), None)), l));
+        let gate = Arc::clone(gate);
+        futures_util::stream::unfold(listener, move |l| {
+            let gate = Arc::clone(&gate);
+            async move {
+                loop {
+                    match l.accept().await {
+                        Ok((stream, _)) if !gate.admits() => drop(stream),
+                        Ok((stream, _)) => {
+                            let _ = stream.set_nodelay(true);
+                            return Some((Ok(Timed::new(stream, Conn::h2(limits), Some(Arc::clone(&gate.open)))), l));
+                        }
+                        Err(e) if is_connection_error(&e) => {}
+                        Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
                     }
-                    Err(e) if is_connection_error(&e) => {}
-                    Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
                 }
             }
         })

@@ -188,6 +188,45 @@ fn a_store_whose_log_pipe_has_closed_keeps_serving() {
     assert!(store.child.try_wait().unwrap().is_none(), "the store is still up");
 }
 
+/// Connections held open past the most the store keeps (its file descriptors' limit less
+/// those kept for the rest) do not stop it: a new one past them is closed at once, and once
+/// some end the store answers again. (20,000 idle connections took every file descriptor,
+/// and the store answered no one until they closed.)
+#[test]
+fn idle_connections_past_its_limit_are_closed_at_once_and_the_store_serves_again() {
+    // 400 file descriptors: at most 144 connections.
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -Sn 400 && ulimit -Hn 400 && exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_ratewall-store"))
+        .env("RATEWALL_SYNC_SECRET", SECRET)
+        .args(["--listen", "127.0.0.1:0", "--deadline-ms", "50", "--redis", "redis://127.0.0.1:1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = child.stderr.take().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
+    let store = StoreProcess { child, addr };
+    let held: Vec<std::net::TcpStream> =
+        (0..200).filter_map(|_| std::net::TcpStream::connect(&store.addr).ok()).collect();
+    // The store has taken them in (or closed them) by the time one asks again.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let started = std::time::Instant::now();
+    let r = http::request(&store.addr, "GET", "/healthz", &[], &[]);
+    assert!(r.is_err(), "past the limit, closed: {r:?}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(2), "at once");
+    drop(held);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(store.get("/healthz").status, 503, "answered again (Redis unreachable)");
+    drop(store);
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut std::io::BufReader::new(err), &mut log).unwrap();
+    assert!(log.contains("144 connections open, the most it keeps"), "{log}");
+}
+
 #[test]
 fn answers_every_sequence_as_the_reference_store_does() {
     let redis = Redis::start(false).unwrap();
