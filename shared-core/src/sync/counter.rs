@@ -154,6 +154,13 @@ pub const ROOM_UNIT_FREE: u64 = 1;
 /// it beside the new grant ([`Counter::apply`]).
 pub const ROOM_UNIT_FREE_EXACT: u64 = 3;
 
+/// How far behind the latest instant a counter has seen a clock may be and still be a step
+/// back, which is clamped (time never goes backwards for a counter). Further behind, it was
+/// that instant that was wrong — a clock that jumped ahead and was put back — and the clock
+/// is taken: clamped, a Redis clock 5 minutes ahead for 3 s kept a client of 5 a minute
+/// refused for 5 minutes after it was put back.
+pub const CLOCK_CORRECTION: Nanos = 60 * crate::algo::SECOND;
+
 /// The longest lease a grant gets (far from the limit, or with no traffic to go by).
 pub const MAX_LEASE: Nanos = 2 * crate::algo::SECOND;
 /// The lease of units given to an ask (the longest, for [`Counter::ask_sized`]): they are
@@ -316,6 +323,21 @@ impl Counter {
             // as fresh. Whether the rule is exact is learnt again from its asks.
             self.limit = limit;
             self.exact = false;
+        }
+        if now.saturating_add(CLOCK_CORRECTION) < self.last_seen {
+            // The instants the counter holds from the clock that was ahead are brought back
+            // to now: its state's (moved to now's window with its counts when it is used),
+            // and its nodes' (a lease then ended, at the latest, as long after now as it can
+            // last).
+            for s in &mut self.shares {
+                s.seen = s.seen.min(now);
+                s.born = s.born.min(now);
+                s.until = s.until.min(now.saturating_add(MAX_LEASE));
+            }
+            if self.rate.0 > now / crate::algo::SECOND {
+                self.rate = (now / crate::algo::SECOND, 0, 0);
+            }
+            self.last_seen = now;
         }
         self.last_seen = self.last_seen.max(now);
         self.last_seen

@@ -636,6 +636,30 @@ fn a_counter_never_lets_time_run_backwards() {
     assert!(c.take(limit(), NOW, 1).allowed, "a refund gives the units back");
 }
 
+/// A clock that jumped ahead (further than [`CLOCK_CORRECTION`]) and was put back: the
+/// counter takes the clock back and keeps its counts, in now's window; the client is then
+/// limited as the window says, not until the clock catches up with the jump.
+#[test]
+fn a_clock_put_back_after_a_jump_ahead_is_taken_with_the_counts_kept() {
+    let l = Limit::new(Algorithm::FixedWindow, 5, 60 * SECOND, None).unwrap();
+    let start = NOW - NOW % (60 * SECOND) + 5 * SECOND;
+    let mut c = Counter::new(l);
+    for _ in 0..5 {
+        assert!(c.take(l, start + 300 * SECOND, 1).allowed, "while the clock is 5 minutes ahead");
+    }
+    // Put back: the 5 units count in now's window.
+    let d = c.take(l, start + 10 * SECOND, 1);
+    assert!(!d.allowed);
+    assert_eq!(c.last_seen, start + 10 * SECOND);
+    assert_eq!(d.retry_after, Some(45 * SECOND), "until now's window ends");
+    assert!(c.take(l, start + 60 * SECOND, 1).allowed, "the next window, not 5 minutes on");
+    // A step back within it stays clamped.
+    let mut c = Counter::new(l);
+    assert!(c.take(l, start + 30 * SECOND, 5).allowed);
+    assert!(!c.take(l, start + 30 * SECOND - CLOCK_CORRECTION, 1).allowed);
+    assert_eq!(c.last_seen, start + 30 * SECOND);
+}
+
 #[test]
 fn memory_is_bounded_by_max_counters() {
     let mut s = Store::new(10, 10 * SECOND);
