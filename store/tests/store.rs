@@ -159,21 +159,28 @@ fn refuses_to_start_without_a_secret_or_a_port() {
     assert!(!String::from_utf8_lossy(&out.stdout).contains("listening"), "{out:?}");
 }
 
-#[test]
-fn a_store_whose_log_pipe_has_closed_keeps_serving() {
-    // Redis unreachable: the store says so on stderr at once, and again as calls fail.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
+/// `cmd` (the store, or what runs it) started on a Redis that cannot be reached: the store
+/// once it listens, and its stderr.
+fn without_redis(mut cmd: Command) -> (StoreProcess, std::process::ChildStderr) {
+    let mut child = cmd
         .env("RATEWALL_SYNC_SECRET", SECRET)
         .args(["--listen", "127.0.0.1:0", "--deadline-ms", "50", "--redis", "redis://127.0.0.1:1"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    drop(child.stderr.take());
+    let err = child.stderr.take().unwrap();
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
-    let mut store = StoreProcess { child, addr };
+    (StoreProcess { child, addr }, err)
+}
+
+#[test]
+fn a_store_whose_log_pipe_has_closed_keeps_serving() {
+    // Redis unreachable: the store says so on stderr at once, and again as calls fail.
+    let (mut store, err) = without_redis(Command::new(env!("CARGO_BIN_EXE_ratewall-store")));
+    drop(err);
     let req = SyncRequest {
         node: 1,
         seq: 1,
@@ -195,21 +202,11 @@ fn a_store_whose_log_pipe_has_closed_keeps_serving() {
 #[test]
 fn idle_connections_past_its_limit_are_closed_at_once_and_the_store_serves_again() {
     // 400 file descriptors: at most 144 connections.
-    let mut child = Command::new("sh")
-        .arg("-c")
+    let mut sh = Command::new("sh");
+    sh.arg("-c")
         .arg("ulimit -Sn 400 && ulimit -Hn 400 && exec \"$0\" \"$@\"")
-        .arg(env!("CARGO_BIN_EXE_ratewall-store"))
-        .env("RATEWALL_SYNC_SECRET", SECRET)
-        .args(["--listen", "127.0.0.1:0", "--deadline-ms", "50", "--redis", "redis://127.0.0.1:1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let err = child.stderr.take().unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
-    let store = StoreProcess { child, addr };
+        .arg(env!("CARGO_BIN_EXE_ratewall-store"));
+    let (store, err) = without_redis(sh);
     let held: Vec<std::net::TcpStream> =
         (0..200).filter_map(|_| std::net::TcpStream::connect(&store.addr).ok()).collect();
     // The store has taken them in (or closed them) by the time one asks again.
