@@ -300,9 +300,9 @@ async fn call_batch(
     });
     match replies {
         Ok(r) => {
-            // A call the object refused (its stored counter unreadable) failed as much as one
-            // whose message did.
-            let refused = r.iter().filter(|r| r.is_none()).count() as u64;
+            // A call the object could not apply (its stored counter unreadable: `NOT_APPLIED`)
+            // or refused failed as much as one whose message did.
+            let refused = r.iter().filter(|r| r.as_deref().is_none_or(|r| r == NOT_APPLIED)).count() as u64;
             if refused > 0 {
                 with(|i| i.metrics.object_failures += refused);
             }
