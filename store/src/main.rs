@@ -411,7 +411,7 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn serve(args: Args, secret: String, previous: String) -> Result<(), String> {
-    let gate = conn::Gate::new();
+    let (gate, admin_gate) = conn::Gate::new();
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
@@ -470,7 +470,12 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
     let admin = admin.map(|l| {
         let router = ratewall_store::admin::router(Arc::clone(&store), rls.clone())
             .merge(Router::new().route("/healthcheck", get(healthcheck)).with_state(Arc::clone(&store)));
-        tokio::spawn(serve_http(conn::Listener::new(l, limits, &gate), router, "admin listener", stopping.clone()))
+        tokio::spawn(serve_http(
+            conn::Listener::new(l, limits, &admin_gate),
+            router,
+            "admin listener",
+            stopping.clone(),
+        ))
     });
     let for_metrics = rls.clone();
     let mut app = Router::new()
@@ -860,6 +865,9 @@ mod conn {
     pub const MAX_CONNECTIONS: usize = 16_384;
     /// File descriptors kept for the rest (Redis's connections, the configuration's files).
     const FDS_KEPT: u64 = 256;
+    /// Most connections the admin listener keeps open, apart from the others': idle
+    /// connections to it (it has no authentication) cannot take the proxies' places.
+    pub const ADMIN_CONNECTIONS: usize = 256;
 
     /// The connections open on every listener, and how many may be: past them a new one is
     /// closed at once, so that idle connections cannot take every file descriptor (20,000
@@ -871,12 +879,17 @@ mod conn {
     }
 
     impl Gate {
-        /// The process's gate: its soft limit of file descriptors raised to its hard one, and
-        /// at most [`MAX_CONNECTIONS`] or that limit less [`FDS_KEPT`] (at least 64).
-        pub fn new() -> Arc<Gate> {
+        /// The gates of the process's listeners: the sync and rate limit service listeners',
+        /// and the admin listener's. Its soft limit of file descriptors is raised to its hard
+        /// one first; the first keeps at most [`MAX_CONNECTIONS`], or that limit less
+        /// [`FDS_KEPT`] and [`ADMIN_CONNECTIONS`] (at least 64), the second
+        /// [`ADMIN_CONNECTIONS`].
+        pub fn new() -> (Arc<Gate>, Arc<Gate>) {
             let fds = raise_fd_limit();
-            let max = usize::try_from(fds.saturating_sub(FDS_KEPT).max(64)).unwrap_or(usize::MAX).min(MAX_CONNECTIONS);
-            Arc::new(Gate { open: Arc::default(), max, said: std::sync::Mutex::new(None) })
+            let kept = FDS_KEPT.saturating_add(ADMIN_CONNECTIONS as u64);
+            let max = usize::try_from(fds.saturating_sub(kept).max(64)).unwrap_or(usize::MAX).min(MAX_CONNECTIONS);
+            let gate = |max| Arc::new(Gate { open: Arc::default(), max, said: std::sync::Mutex::new(None) });
+            (gate(max), gate(ADMIN_CONNECTIONS))
         }
 
         /// Whether a new connection may be kept; if not, it is said, once a minute at most.
@@ -920,7 +933,7 @@ mod conn {
         inner: tokio::net::TcpListener,
         limits: Limits,
         gate: Arc<Gate>,
-        /// Connections open (every listener's).
+        /// Connections open (every listener's of its gate).
         pub open: Arc<AtomicUsize>,
     }
 
