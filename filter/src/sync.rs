@@ -1154,7 +1154,8 @@ impl Syncer {
             host.log(
                 Level::Warn,
                 &format!(
-                    "ratewall: an ask to {} failed ({why}); its request was decided on this proxy's share                      (said at most once a minute)",
+                    "ratewall: an ask to {} failed ({why}); its request was decided as with the store out of \
+                     reach (said at most once a minute)",
                     self.opts.cluster
                 ),
             );
