@@ -562,10 +562,9 @@ impl Top {
                 }
             }
             if let Some(w) = waiting {
-                let listed = |k: &[u8]| pending.entries().iter().any(|e| e.key == k);
                 let batch = units_of.get(i).into_iter().flatten().copied();
                 for (k, u) in batch.chain(paid_keys.iter().map(|(k, u)| (k.as_slice(), *u))) {
-                    if !listed(k) {
+                    if pending.count(k) == 0 {
                         w.note(k, u, now_s);
                     }
                 }

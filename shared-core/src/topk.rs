@@ -444,6 +444,16 @@ pub const ADMITTED_KEYS: usize = 64;
 /// store's shortest view (the last minute).
 pub const ADMITTED_FOR_S: u64 = 60;
 
+/// What `units` last added to at unix second `at` weigh at `now`: themselves, none once let
+/// go ([`ADMITTED_FOR_S`] later).
+fn kept(units: u64, at: u64, now: u64) -> u64 {
+    if now.saturating_sub(at) > ADMITTED_FOR_S {
+        0
+    } else {
+        units
+    }
+}
+
 /// Units admitted for keys a rule's summary does not list yet, kept so that a key's first
 /// denial brings them with it: its entry's `allowed` then counts what the client was
 /// admitted before it was first denied, not only after. Bounded: at most
@@ -461,8 +471,7 @@ impl Admitted {
         if units == 0 {
             return;
         }
-        // What an entry weighs at `now`: its units, none once let go.
-        let weight = |u: u64, at: u64| if now.saturating_sub(at) > ADMITTED_FOR_S { 0 } else { u };
+        let weight = |u: u64, at: u64| kept(u, at, now);
         if let Some((_, u, at)) = self.entries.iter_mut().find(|(k, _, _)| k.as_slice() == key) {
             *u = weight(*u, *at).saturating_add(units);
             *at = (*at).max(now);
@@ -485,11 +494,7 @@ impl Admitted {
     pub fn take(&mut self, key: &[u8], now: u64) -> u64 {
         let Some(i) = self.entries.iter().position(|(k, _, _)| k.as_slice() == key) else { return 0 };
         let (_, u, at) = self.entries.swap_remove(i);
-        if now.saturating_sub(at) <= ADMITTED_FOR_S {
-            u
-        } else {
-            0
-        }
+        kept(u, at, now)
     }
 
     /// Keys kept.

@@ -462,21 +462,19 @@ impl Top {
                 }
             };
             // Admitted units of a key not listed wait for its first denial (at most
-            // `MAX_RULES` rules' worth: the rules' own list is bounded so too).
-            let listed = r.top.count(d.key) > 0;
-            let waiting = if admitted.len() < MAX_RULES || admitted.contains_key(d.rule) {
-                Some(admitted.entry(d.rule.to_owned()).or_default())
+            // `MAX_RULES` rules' worth: the rules' own list is bounded so too). The rule's name
+            // is copied only for its first units kept, not on every call.
+            let allowed = if denied > 0 {
+                d.allowed.saturating_add(admitted.get_mut(d.rule).map_or(0, |w| w.take(d.key, t)))
+            } else if d.allowed == 0 || r.top.count(d.key) > 0 {
+                d.allowed
             } else {
-                None
-            };
-            let allowed = match (denied, listed, waiting) {
-                (0, false, Some(w)) => {
+                if let Some(w) = admitted.get_mut(d.rule) {
                     w.note(d.key, d.allowed, t);
-                    0
+                } else if admitted.len() < MAX_RULES {
+                    admitted.entry(d.rule.to_owned()).or_default().note(d.key, d.allowed, t);
                 }
-                (0, _, _) => d.allowed,
-                (_, _, Some(w)) => d.allowed.saturating_add(w.take(d.key, t)),
-                (_, _, None) => d.allowed,
+                0
             };
             r.top.add(d.key, denied, allowed, bit);
         }
