@@ -77,12 +77,12 @@ impl Kv for FakeKv {
         })?;
         Ok((nodes, registry.heard_within(now, CUT_OFF_SILENCE)))
     }
-    async fn present(&self, node: u64) -> Result<u32, String> {
+    async fn present(&self, node: u64) -> Result<(u32, Nanos), String> {
         let now = self.op()?;
         let mut present = self.present.lock().unwrap();
         present.insert(node, now);
         present.retain(|_, at| now.saturating_sub(*at) < NODE_TTL);
-        Ok(u32::try_from(present.len()).unwrap())
+        Ok((u32::try_from(present.len()).unwrap(), now))
     }
     async fn ping(&self) -> bool {
         true

@@ -169,7 +169,7 @@ pub const PRESENT: &str = "local t = redis.call('TIME') local now = t[1] * 1000 
 redis.call('ZADD', KEYS[1], now, ARGV[1]) \
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2])) \
 redis.call('PEXPIRE', KEYS[1], ARGV[2]) \
-return redis.call('ZCARD', KEYS[1])";
+return {redis.call('ZCARD', KEYS[1]), t[1], t[2]}";
 
 /// The key of the rate limit service's processes ([`PRESENT`]).
 pub const PRESENT_KEY: &str = "rw:{rls-processes}";
@@ -211,8 +211,8 @@ pub trait Kv: Send + Sync {
         sent: Nanos,
     ) -> impl Future<Output = Result<(u32, Vec<u64>), Unheard>> + Send;
     /// Notes rate limit service process `node` as heard now ([`PRESENT`]): the processes
-    /// heard within [`NODE_TTL`], this one included.
-    fn present(&self, node: u64) -> impl Future<Output = Result<u32, String>> + Send;
+    /// heard within [`NODE_TTL`], this one included, and Redis's clock then, ns.
+    fn present(&self, node: u64) -> impl Future<Output = Result<(u32, Nanos), String>> + Send;
     /// Whether Redis answers.
     fn ping(&self) -> impl Future<Output = bool> + Send;
     /// Appends `payload` to the stream `key` ([`APPEND`]).

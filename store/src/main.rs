@@ -214,7 +214,7 @@ impl Kv for LazyKv {
         }
         heard
     }
-    async fn present(&self, node: u64) -> Result<u32, String> {
+    async fn present(&self, node: u64) -> Result<(u32, Nanos), String> {
         self.noted(self.connected().await?.present(node).await)
     }
     async fn ping(&self) -> bool {

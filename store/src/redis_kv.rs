@@ -378,10 +378,14 @@ impl Kv for RedisKv {
         }
     }
 
-    async fn present(&self, node: u64) -> Result<u32, String> {
+    async fn present(&self, node: u64) -> Result<(u32, Nanos), String> {
         let args = [node.to_string().into_bytes(), (NODE_TTL / 1_000_000).to_string().into_bytes()];
-        let v = self.run(&self.present, &[PRESENT_KEY], &args).await?;
-        int(&v).and_then(|n| u32::try_from(n).ok()).ok_or_else(|| "unexpected reply to the presence script".into())
+        let unexpected = || "unexpected reply to the presence script".to_owned();
+        let Value::Array(parts) = self.run(&self.present, &[PRESENT_KEY], &args).await? else {
+            return Err(unexpected());
+        };
+        let n = parts.first().and_then(int).and_then(|n| u32::try_from(n).ok()).ok_or_else(unexpected)?;
+        Ok((n, clock(parts.get(1), parts.get(2))?))
     }
 
     async fn ping(&self) -> bool {

@@ -27,11 +27,11 @@
 
 use super::Rls;
 use crate::Kv;
-use ratewall_core::sync::{window_of, Applied, Counter, RETRY_HORIZON};
+use ratewall_core::sync::{window_of, Applied, Counter, CLOCK_CORRECTION, RETRY_HORIZON};
 use ratewall_core::{Algorithm, Decision, Limit, Nanos};
 use std::collections::HashMap;
 use std::hash::BuildHasher as _;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -63,8 +63,8 @@ struct Held {
     spent_since: Nanos,
     /// A batch sent and not yet acknowledged.
     pending: Option<InFlight>,
-    /// The counter's clock less ours, as measured at its last answer ([`skew`]).
-    skew: i64,
+    /// The counter's clock as this process knows it.
+    clock: Clock,
     /// The global view last answered: remaining, time to reset, when (our clock).
     view: (u64, Nanos, Nanos),
     /// Last call.
@@ -79,6 +79,42 @@ struct Held {
     /// not, until its first batch is answered: an ask meanwhile would be answered from a
     /// count that lacks those units).
     answered: bool,
+}
+
+/// A counter's clock as this process knows it: the counter's clock less ours, as measured at
+/// its last answer ([`skew`]), and the latest instant the counter is known to have seen. A
+/// step back of Redis's clock is taken as the counter takes it
+/// ([`Counter`]'s clock): held at that instant until the clock is past it again, unless the
+/// step is longer than [`CLOCK_CORRECTION`] (a clock that had been ahead, put back). Without
+/// the hold, units admitted after a step back across a window's edge were counted in the
+/// window before (or in none), and the client had a fresh quota when the clock came back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Clock {
+    skew: i64,
+    seen: Nanos,
+}
+
+impl Clock {
+    /// `now` (our clock) on the counter's clock.
+    fn at(&self, now: Nanos) -> Nanos {
+        now.saturating_add_signed(self.skew).max(self.seen)
+    }
+
+    /// The instant a transition read at Redis at `raw` (Redis's clock) runs at.
+    fn run_at(&self, raw: Nanos) -> Nanos {
+        if raw.saturating_add(CLOCK_CORRECTION) < self.seen {
+            raw
+        } else {
+            raw.max(self.seen)
+        }
+    }
+
+    /// Notes an answer: Redis's clock read `raw` when ours read `ours`, and the transition ran
+    /// at `ran` ([`Clock::run_at`], or later: the counter's own latest instant).
+    fn observe(&mut self, raw: Nanos, ours: Nanos, ran: Nanos) {
+        self.skew = skew(raw, ours);
+        self.seen = if ran.saturating_add(CLOCK_CORRECTION) < self.seen { ran } else { self.seen.max(ran) };
+    }
 }
 
 /// A batch sent and not yet acknowledged.
@@ -117,6 +153,16 @@ pub fn skew(counter_now: Nanos, ours: Nanos) -> i64 {
     i64::try_from(d).unwrap_or(if d > 0 { i64::MAX } else { i64::MIN })
 }
 
+/// The instant a transition run at `now` on `counter` ran at: the counter's own latest
+/// instant, when it holds a later one ([`Clock`]).
+pub(crate) fn ran(counter: &Counter, now: Nanos) -> Nanos {
+    if now.saturating_add(CLOCK_CORRECTION) < counter.last_seen {
+        now
+    } else {
+        now.max(counter.last_seen)
+    }
+}
+
 /// Reports batch `b` of this node on `counter` at `now` (the counter's clock): its units as
 /// of when the first was admitted, none of them if that was in a fixed window that has
 /// ended.
@@ -128,7 +174,7 @@ pub(crate) fn report(counter: &mut Counter, now: Nanos, node: u64, b: (Limit, u6
 impl Held {
     /// `now` (our clock) on the counter's clock.
     fn on_counter(&self, now: Nanos) -> Nanos {
-        now.saturating_add_signed(self.skew)
+        self.clock.at(now)
     }
 
     /// Forgets the spent units of a fixed window that has ended by `now` (our clock): they
@@ -209,8 +255,8 @@ pub struct Leases {
     /// until one is): until then the others may not count it, and it does not know how many
     /// they are, so no call is decided on an initial share.
     registered: std::sync::atomic::AtomicBool,
-    /// The last [`skew`] measured on any counter: a counter's until its own is.
-    skew: AtomicI64,
+    /// The clock of the counter last answered: a counter's until its own is.
+    clock: Mutex<Clock>,
 }
 
 impl Default for Leases {
@@ -236,24 +282,45 @@ impl Leases {
             redis_ok: std::sync::atomic::AtomicBool::new(false),
             fleet: Mutex::new((0, 1, 1)),
             registered: std::sync::atomic::AtomicBool::new(false),
-            skew: AtomicI64::new(0),
+            clock: Mutex::default(),
         }
     }
 
-    /// Notes the [`skew`] measured at an answer from counter `rkey`.
-    pub fn observed(&self, rkey: &str, skew: i64) {
-        self.skew.store(skew, Ordering::Relaxed);
+    /// Counter `rkey`'s clock as this process knows it.
+    fn clock_of(&self, rkey: &str) -> Clock {
+        let own = self.held.lock().ok().and_then(|held| held.get(rkey).map(|h| h.clock));
+        own.or_else(|| self.clock.lock().ok().map(|c| *c)).unwrap_or_default()
+    }
+
+    /// The instant a transition of counter `rkey` read at Redis at `raw` (Redis's clock) runs
+    /// at: not before an instant the counter is known to have seen ([`Clock`]).
+    pub fn run_at(&self, rkey: &str, raw: Nanos) -> Nanos {
+        self.clock_of(rkey).run_at(raw)
+    }
+
+    /// Notes an answer from counter `rkey`: Redis's clock read `raw` when ours read `ours`,
+    /// and the transition ran at `ran`.
+    pub fn observed(&self, rkey: &str, raw: Nanos, ours: Nanos, ran: Nanos) {
+        if let Ok(mut c) = self.clock.lock() {
+            c.observe(raw, ours, ran);
+        }
         if let Ok(mut held) = self.held.lock() {
             if let Some(h) = held.get_mut(rkey) {
-                h.skew = skew;
+                h.clock.observe(raw, ours, ran);
             }
+        }
+    }
+
+    /// Notes Redis's clock, read `raw` when ours read `ours`, outside any counter's answer.
+    pub fn observed_redis(&self, raw: Nanos, ours: Nanos) {
+        if let Ok(mut c) = self.clock.lock() {
+            c.observe(raw, ours, raw);
         }
     }
 
     /// `now` (our clock) on counter `rkey`'s clock, as far as this process knows it.
     pub fn on_counter(&self, rkey: &str, now: Nanos) -> Nanos {
-        let skew = self.held.lock().ok().and_then(|held| held.get(rkey).map(|h| h.skew));
-        now.saturating_add_signed(skew.unwrap_or_else(|| self.skew.load(Ordering::Relaxed)))
+        self.clock_of(rkey).at(now)
     }
 
     /// Notes whether a call to Redis was answered.
@@ -302,8 +369,8 @@ impl Leases {
         let (quota, per) = (limit.quota(), limit.per().max(1));
         let fixed = limit.algorithm() == Algorithm::FixedWindow;
         // The window's quarter on the counter's clock, which its windows run on.
-        let skew = self.skew.load(Ordering::Relaxed);
-        if fixed && now.saturating_add_signed(skew) % per >= per / 4 {
+        let clock = self.clock.lock().ok().map(|c| *c).unwrap_or_default();
+        if fixed && clock.at(now) % per >= per / 4 {
             return None;
         }
         let nodes = self.fleet();
@@ -327,9 +394,9 @@ impl Leases {
                 grant: share - hits,
                 until,
                 spent: hits,
-                spent_since: now.saturating_add_signed(skew),
+                spent_since: clock.at(now),
                 pending: None,
-                skew,
+                clock,
                 view: (before.remaining, before.reset_after, now),
                 used: now,
                 denied_until: 0,
@@ -397,14 +464,15 @@ impl Leases {
         self.asked.fetch_add(1, Ordering::Relaxed);
         self.saw_nodes(a.nodes, now);
         let allowed = hits == 0 || a.grant >= hits;
+        let reset_after = a.reset_after;
         // What Redis answered, less the units this process admitted that it has not counted yet.
-        let mut known = (a.remaining, a.reset_after);
+        let mut known = (a.remaining, reset_after);
         if let Ok(mut held) = self.held.lock() {
             if held.len() >= MAX_HELD && !held.contains_key(rkey) {
                 held.retain(|_, h| h.pending.is_some() || h.spent > 0 || now < h.until);
             }
             if held.len() < MAX_HELD || held.contains_key(rkey) {
-                let skew = self.skew.load(Ordering::Relaxed);
+                let clock = self.clock.lock().ok().map(|c| *c).unwrap_or_default();
                 let h = held.entry(rkey.to_owned()).or_insert_with(|| Held {
                     limit,
                     grant: 0,
@@ -412,7 +480,7 @@ impl Leases {
                     spent: 0,
                     spent_since: 0,
                     pending: None,
-                    skew,
+                    clock,
                     view: (0, 0, now),
                     used: now,
                     denied_until: 0,
@@ -428,7 +496,7 @@ impl Leases {
                 h.used = now;
                 h.answered = true;
                 h.drop_ended(now);
-                h.view = (a.remaining, a.reset_after, now);
+                h.view = (a.remaining, reset_after, now);
                 known = estimate(h, now);
                 if allowed {
                     h.grant = a.grant - hits;
@@ -631,11 +699,17 @@ pub async fn flush<K: Kv>(rls: &Rls<K>) {
     let leases = &rls.leases;
     let present = async {
         let r = tokio::time::timeout(rls.store().deadline * 4, rls.store().kv.present(leases.node)).await;
-        let processes = r.ok().and_then(Result::ok);
-        if processes.is_none() {
-            rls.store().metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
+        let answer = r.ok().and_then(Result::ok);
+        let ours = super::wall_clock();
+        match answer {
+            // Redis's clock for counters this process has not heard from yet (an initial
+            // share's first units are on it).
+            Some((_, redis)) => leases.observed_redis(redis, ours),
+            None => {
+                rls.store().metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
+            }
         }
-        leases.present(processes, super::wall_clock());
+        leases.present(answer.map(|(n, _)| n), ours);
     };
     let due = leases.due(super::wall_clock());
     futures_util::future::join(present, send(rls, &due)).await;
@@ -672,14 +746,13 @@ async fn send<K: Kv>(rls: &Rls<K>, batches: &[Batch]) -> usize {
             let batch = (b.limit, b.seq, b.units, b.since);
             let send = rls.update(&b.rkey, b.limit, move |counter, now| {
                 let a = report(counter, now, node, batch);
-                ((a, skew(now, super::wall_clock())), a.counted)
+                (a, a.counted)
             });
             async move { (b, tokio::time::timeout(rls.store().deadline * 4, send).await) }
         });
         for (b, r) in futures_util::future::join_all(sends).await {
-            if let Ok(Ok((a, skew))) = r {
+            if let Ok(Ok(a)) = r {
                 leases.synced(&b.rkey, b.seq, &a, super::wall_clock());
-                leases.observed(&b.rkey, skew);
                 acked += 1;
             }
         }
@@ -964,13 +1037,14 @@ mod tests {
 
         /// A transition at Redis at `t` (our clock), kept if it writes (as `Rls::update` does).
         fn update<R>(&mut self, t: Nanos, f: impl FnOnce(&mut Counter, Nanos) -> (R, bool)) -> R {
-            let now = t.saturating_add_signed(self.skew);
+            let raw = t.saturating_add_signed(self.skew);
+            let now = self.l.run_at("k", raw);
             let mut c = self.c.clone();
             let (r, write) = f(&mut c, now);
+            self.l.observed("k", raw, t, ran(&c, now));
             if write {
                 self.c = c;
             }
-            self.l.observed("k", skew(now, t));
             r
         }
 
@@ -1023,12 +1097,53 @@ mod tests {
     }
 
     #[test]
+    fn a_step_back_of_redis_clock_across_a_windows_edge_gives_no_fresh_quota() {
+        let s = ratewall_core::SECOND;
+        let five = Limit::new(Algorithm::FixedWindow, 5, 60 * s, None).unwrap();
+        let minute = (T / (60 * s) + 1) * 60 * s;
+        let back = -20 * i64::try_from(s).unwrap();
+        for reported_before_the_step in [true, false] {
+            let what = format!("reported before the step: {reported_before_the_step}");
+            let mut p = Pair::new(five, 0, minute + 3 * s + 50 * MS);
+            // The process's note of itself as present just before: Redis's clock.
+            let before = minute + 3 * s - 100 * MS;
+            p.l.observed_redis(before, before);
+            for _ in 0..3 {
+                assert!(p.call(1, minute + 3 * s).allowed, "{what}");
+            }
+            if reported_before_the_step {
+                p.run(minute + 3 * s + 200 * MS);
+            }
+            // Redis's clock 20 s back: 16.8 s before the window's end on it.
+            p.skew = back;
+            for _ in 0..2 {
+                assert!(p.call(1, minute + 3 * s + 300 * MS).allowed, "{what}");
+            }
+            let refused = p.call(1, minute + 3 * s + 400 * MS);
+            assert!(!refused.allowed, "{what}");
+            let wait = retry_after(&refused) / s;
+            assert!((56..=58).contains(&wait), "{what}: the window's end on the clock before the step, not {wait} s");
+            p.run(minute + 4 * s);
+            assert_eq!(
+                p.c.state,
+                ratewall_core::State::FixedWindow { window: minute / (60 * s), count: 5 },
+                "{what}: every unit counted in its window"
+            );
+            // The clock put right again: still the same window, spent.
+            p.skew = 0;
+            assert!(!p.call(1, minute + 5 * s).allowed, "{what}");
+            assert!(!p.call(1, minute + 59 * s).allowed, "{what}");
+            assert!(p.call(1, minute + 60 * s + 500 * MS).allowed, "{what}: the next window");
+        }
+    }
+
+    #[test]
     fn a_batch_carries_when_its_first_unit_was_admitted_on_the_counters_clock() {
         let s = ratewall_core::SECOND;
         let bucket = Limit::new(Algorithm::TokenBucket, 10, 10 * s, None).unwrap();
         let l = answered();
         // The counter's clock 5 s behind ours.
-        l.observed("k", -5 * 1_000_000_000);
+        l.observed("k", T - 5 * s, T, T - 5 * s);
         l.asked("k", bucket, 1, &applied(5, 9), None, T);
         l.take("k", bucket, 1, T + 10 * MS).unwrap();
         l.take("k", bucket, 2, T + 20 * MS).unwrap();
@@ -1045,7 +1160,7 @@ mod tests {
         // A fixed window's first quarter is the counter's too (here 10 s ahead of ours): 10 s
         // into our minute is 20 s into the counter's, 52 s is 2 s into its next one.
         let l = answered();
-        l.observed("other", 10 * 1_000_000_000);
+        l.observed("other", 10 * s, 0, 10 * s);
         assert!(l.cold("w", limit(), 1, 10 * s).is_none());
         assert!(l.cold("w", limit(), 1, 52 * s).is_some());
     }

@@ -580,30 +580,28 @@ impl<K: Kv> Rls<K> {
             // Spent on an initial share that Redis has not counted yet: counted first (its
             // answer is this process's grant), so that nothing is asked for twice.
             let batch = (limit, b.seq, b.units, b.since);
-            let (a, skew) = self
+            let a = self
                 .update(&c.rkey, limit, move |counter, now| {
                     let a = lease::report(counter, now, node, batch);
-                    ((a, lease::skew(now, wall_clock())), a.counted)
+                    (a, a.counted)
                 })
                 .await?;
             let now = wall_clock();
             self.leases.synced(&c.rkey, b.seq, &a, now);
-            self.leases.observed(&c.rkey, skew);
             if let Some(d) = self.leases.take(&c.rkey, limit, hits, now) {
                 return Ok((d, now, lease::Source::Grant));
             }
         }
         let ask = self.leases.next_ask();
         let unreported = self.leases.unreported(&c.rkey, now);
-        let (a, at, retry, skew) = self
+        let (a, at, retry) = self
             .update(&c.rkey, limit, move |counter, now| {
                 let a = counter.ask(limit, now, node, ask, hits, crate::NODE_TTL);
                 let retry = if a.counted || hits == 0 { None } else { retry_after(counter, now, hits, unreported) };
-                ((a, now, retry, lease::skew(now, wall_clock())), a.counted)
+                ((a, now, retry), a.counted)
             })
             .await?;
         let d = self.leases.asked(&c.rkey, limit, hits, &a, retry, wall_clock());
-        self.leases.observed(&c.rkey, skew);
         Ok((d, at, lease::Source::Redis))
     }
 
@@ -674,10 +672,11 @@ impl<K: Kv> Rls<K> {
             if attempt > 0 {
                 m.cas_conflicts.fetch_add(1, Ordering::Relaxed);
             }
-            let (stored, now) = match current.take() {
+            let (stored, raw) = match current.take() {
                 Some(c) => c,
                 None => self.store.kv.read(rkey).await.map_err(|_| unavailable())?,
             };
+            let now = self.leases.run_at(rkey, raw);
             let mut counter = match &stored {
                 None => Counter::new(limit),
                 Some(bytes) => match Counter::decode(limit, bytes) {
@@ -690,7 +689,9 @@ impl<K: Kv> Rls<K> {
                 },
             };
             let (r, write) = f(&mut counter, now);
+            let observed = || self.leases.observed(rkey, raw, wall_clock(), lease::ran(&counter, now));
             if !write {
+                observed();
                 return Ok(r);
             }
             // Kept while anything in it matters (the state, grants, remembered seqs), and a
@@ -702,9 +703,10 @@ impl<K: Kv> Rls<K> {
             // on its socket, would run it when it answers again, and count a call that took
             // nothing (Envoy failing closed denied it).
             let deadline = u64::try_from(self.store.deadline.as_nanos()).unwrap_or(u64::MAX);
-            let deadline_ms = now.saturating_add(deadline) / 1_000_000;
+            let deadline_ms = raw.saturating_add(deadline) / 1_000_000;
             match self.store.kv.cas(rkey, stored.as_deref(), &new, ttl_ms, deadline_ms).await {
                 Ok(Cas::Written(at)) => {
+                    observed();
                     if let Ok(mut known) = self.known.lock() {
                         if known.len() >= KNOWN && !known.contains_key(rkey) {
                             known.clear();
