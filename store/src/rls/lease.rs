@@ -464,7 +464,13 @@ impl Leases {
         self.asked.fetch_add(1, Ordering::Relaxed);
         self.saw_nodes(a.nodes, now);
         let allowed = hits == 0 || a.grant >= hits;
-        let reset_after = a.reset_after;
+        // A refused ask's answer says when an ask of its units could be taken, counting this
+        // process's grant as free once its lease ends, its unreported units spent or not: the
+        // quota is back no sooner than the call fits.
+        let reset_after = match retry {
+            Some(r) if !allowed => a.reset_after.max(r),
+            _ => a.reset_after,
+        };
         // What Redis answered, less the units this process admitted that it has not counted yet.
         let mut known = (a.remaining, reset_after);
         if let Ok(mut held) = self.held.lock() {

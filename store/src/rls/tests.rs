@@ -477,3 +477,44 @@ async fn overrides_are_one_top_rule_per_domain() {
     assert_eq!(o["top"].as_array().unwrap().len(), 2);
     assert!(rules[..rules.len() - 1].iter().all(|r| r["denied"] == 0 && r["allowed"] == 0), "{v}");
 }
+
+/// A call refused on a grant's spent fixed window is told the window's end both ways: its
+/// `Retry-After` and its quota's reset (`duration_until_reset`, `RateLimit`'s `t`), which
+/// Envoy hands on as `x-ratelimit-reset`: a client that read 1 s there was refused again.
+#[tokio::test]
+async fn a_refused_calls_reset_is_not_before_its_retry_after() {
+    let config = "domain: h
+descriptors:
+  - key: hold
+    rate_limit: {unit: minute, requests_per_unit: 5}
+";
+    let store = rls().store;
+    let r = Rls::new(Arc::clone(&store), RlsConfig::parse("h.yaml", config).unwrap(), None, b"unit-test-secret-0123");
+    let s = ratewall_core::SECOND;
+    store.kv.now.store(1_000 * 3600 * s + 3 * s, Ordering::Relaxed);
+    let hold = Call {
+        domain: "h".into(),
+        descriptors: vec![Descriptor { entries: vec![("hold".into(), "x".into())], ..Default::default() }],
+        hits_addend: 0,
+    };
+    let mut other = hold.clone();
+    other.descriptors[0].entries[0].1 = "y".into();
+    // Redis answered (a call) and the process is noted as present: a new counter is spent on
+    // an initial share, reported with the next flush.
+    assert_eq!(r.should_rate_limit(&other).await.unwrap().overall_code, Code::Ok);
+    lease::flush(&r).await;
+    for i in 0..5 {
+        assert_eq!(r.should_rate_limit(&hold).await.unwrap().overall_code, Code::Ok);
+        if i == 2 {
+            lease::flush(&r).await;
+        }
+    }
+    for _ in 0..2 {
+        let a = r.should_rate_limit(&hold).await.unwrap();
+        assert_eq!(a.overall_code, Code::OverLimit);
+        let header = |name: &str| a.headers.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone());
+        assert_eq!(header("Retry-After").as_deref(), Some("57"));
+        assert_eq!(a.statuses[0].duration_until_reset, Some(57 * s), "{:?}", a.headers);
+        assert!(header("RateLimit").is_some_and(|v| v.ends_with(";r=0;t=57")), "{:?}", a.headers);
+    }
+}
