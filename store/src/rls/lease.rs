@@ -126,7 +126,14 @@ struct InFlight {
     sent: Nanos,
     /// When the first of its units was admitted (the counter's clock; 0: none).
     since: Nanos,
+    /// Sends of it that failed in a row, and the [`Leases::acks`] when the last one did.
+    failures: (u32, u64),
+    /// Not sent again before then (our clock).
+    next: Nanos,
 }
+
+/// The longest a batch whose sends keep failing waits between two ([`Leases::failed`]).
+pub const MAX_BACKOFF: Nanos = 3_200_000_000;
 
 /// One counter's batch: what a process admitted on it since its last batch, to report.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -210,7 +217,8 @@ impl Held {
     fn cut(&mut self, seq: u64, now: Nanos) -> InFlight {
         self.drop_ended(now);
         let since = if self.spent > 0 { self.spent_since } else { 0 };
-        let batch = InFlight { seq, units: std::mem::take(&mut self.spent), sent: now, since };
+        let units = std::mem::take(&mut self.spent);
+        let batch = InFlight { seq, units, sent: now, since, failures: (0, 0), next: 0 };
         self.pending = Some(batch);
         batch
     }
@@ -241,6 +249,9 @@ pub struct Leases {
     pub synced: AtomicU64,
     /// Units of batches given up after [`RETRY_HORIZON`] (Redis unreachable that long).
     pub dropped: AtomicU64,
+    /// Batches acknowledged, as a generation: a batch that failed before the last one was
+    /// goes again at the next flush (Redis takes writes again).
+    acks: AtomicU64,
     /// Calls on a counter not held yet decided on an initial share, without waiting.
     pub cold: AtomicU64,
     /// Whether Redis answered the last call made to it (false until one has): while it does
@@ -278,6 +289,7 @@ impl Leases {
             asked: AtomicU64::new(0),
             synced: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
+            acks: AtomicU64::new(0),
             cold: AtomicU64::new(0),
             redis_ok: std::sync::atomic::AtomicBool::new(false),
             fleet: Mutex::new((0, 1, 1)),
@@ -603,7 +615,13 @@ impl Leases {
                     h.pending = None;
                 } else {
                     // Sent again as it was: Redis counts none of it if its window has ended.
-                    out.push(batch(b));
+                    // A batch whose sends keep failing waits longer each time, unless another
+                    // batch was acknowledged since (a Redis that refuses writes — out of
+                    // memory, read-only — was sent every counter's batch every flush).
+                    let acked_since = b.failures.1 < self.acks.load(Ordering::Relaxed);
+                    if stopping || now >= b.next || acked_since {
+                        out.push(batch(b));
+                    }
                     return true;
                 }
             }
@@ -624,9 +642,22 @@ impl Leases {
         out
     }
 
+    /// Records that batch `seq` of counter `rkey` sent at `now` (our clock) was not
+    /// acknowledged: it goes again after [`FLUSH`], then twice as long each time it fails
+    /// again, at most [`MAX_BACKOFF`].
+    pub fn failed(&self, rkey: &str, seq: u64, now: Nanos) {
+        let Ok(mut held) = self.held.lock() else { return };
+        let Some(b) = held.get_mut(rkey).and_then(|h| h.pending.as_mut()).filter(|b| b.seq == seq) else { return };
+        let flush = u64::try_from(FLUSH.as_nanos()).unwrap_or(u64::MAX);
+        let wait = flush.saturating_mul(1 << b.failures.0.min(5)).min(MAX_BACKOFF);
+        b.failures = (b.failures.0.saturating_add(1), self.acks.load(Ordering::Relaxed));
+        b.next = now.saturating_add(wait);
+    }
+
     /// Records a batch's answer at `now` (our clock).
     pub fn synced(&self, rkey: &str, seq: u64, a: &Applied, now: Nanos) {
         self.synced.fetch_add(1, Ordering::Relaxed);
+        self.acks.fetch_add(1, Ordering::Relaxed);
         self.saw_nodes(a.nodes, now);
         let Ok(mut held) = self.held.lock() else { return };
         let Some(h) = held.get_mut(rkey) else { return };
@@ -760,6 +791,8 @@ async fn send<K: Kv>(rls: &Rls<K>, batches: &[Batch]) -> usize {
             if let Ok(Ok(a)) = r {
                 leases.synced(&b.rkey, b.seq, &a, super::wall_clock());
                 acked += 1;
+            } else {
+                leases.failed(&b.rkey, b.seq, super::wall_clock());
             }
         }
     }
@@ -1100,6 +1133,39 @@ mod tests {
     /// The `Retry-After` of a refusal: whole seconds, rounded up.
     fn retry_after(d: &Decision) -> Nanos {
         d.retry_after.unwrap().div_ceil(ratewall_core::SECOND) * ratewall_core::SECOND
+    }
+
+    #[test]
+    fn a_batch_redis_keeps_refusing_is_sent_less_and_less_often_until_another_is_taken() {
+        let l = answered();
+        for k in ["k", "j"] {
+            assert!(l.asked(k, limit(), 1, &applied(4, 99), None, T).allowed);
+            l.take(k, limit(), 1, T + MS).unwrap();
+        }
+        let keys = |b: Vec<Batch>| b.into_iter().map(|b| b.rkey).collect::<Vec<_>>();
+        let mut t = T + 10 * MS;
+        let mut sent = l.due(t);
+        sent.sort_by(|a, b| a.rkey.cmp(&b.rkey));
+        assert_eq!(keys(sent.clone()), ["j", "k"]);
+        // Redis refuses both, again and again: each waits 100, 200, 400 ... ms, then 3.2 s.
+        let mut waits = Vec::new();
+        let mut last = t;
+        while t < T + 20 * ratewall_core::SECOND {
+            let due = l.due(t);
+            if !due.is_empty() {
+                waits.push((t - last) / MS);
+                last = t;
+                for b in &due {
+                    l.failed(&b.rkey, b.seq, t);
+                }
+            }
+            t += 10 * MS;
+        }
+        assert_eq!(waits[..8], [0, 100, 200, 400, 800, 1600, 3200, 3200], "{waits:?}");
+        // One of them taken: the other goes at the next flush.
+        let j = sent.remove(0);
+        l.synced(&j.rkey, j.seq, &applied(4, 99), t);
+        assert_eq!(keys(l.due(t + 10 * MS)), ["k"]);
     }
 
     #[test]
