@@ -20,6 +20,9 @@ use std::rc::Rc;
 /// (ngx_wasm_module without a `shm_kv` zone) this read traps, and the counters of
 /// [`Engine::ready`] let the next instance know.
 const PROBE_KEY: &str = "rw1/probe";
+/// Set (to any value) once a VM found that the host ran a request on while it waited for an
+/// ask's answer ([`Engine::pause_ignored`]): every VM of the proxy then decides at once.
+const PAUSE_IGNORED_KEY: &str = "rw1/pause-ignored";
 /// How long after a VM began its first shared-data call another VM still takes an unfinished
 /// probe for one in progress rather than for a trap.
 const PROBE_GRACE_MS: u64 = 1_000;
@@ -200,6 +203,9 @@ pub struct Engine {
     /// Shadow rules' "would reject" lines: the second (Unix) and how many were logged in it,
     /// and how many were not ([`SHADOW_LINES_PER_SECOND`]).
     shadow_lines: Cell<(u64, u32, u64)>,
+    /// Whether the host does not hold a paused request ([`Engine::pause_ignored`]): then no
+    /// request waits for an ask.
+    no_pause: Cell<bool>,
 }
 
 /// Most "would reject" lines a VM logs a second: past them a shadow rule's denials are
@@ -361,6 +367,7 @@ impl Engine {
             successor: OnceCell::new(),
             next_tick: Cell::new(0),
             shadow_lines: Cell::new((0, 0, 0)),
+            no_pause: Cell::new(false),
         };
         if proven {
             engine.shared.set(Some(true));
@@ -544,6 +551,9 @@ impl Engine {
         if !self.ready(host, true) {
             return;
         }
+        if !self.no_pause.get() && matches!(host.shared_get(PAUSE_IGNORED_KEY), Ok((Some(_), _))) {
+            self.no_pause.set(true);
+        }
         self.top.on_tick(host, &self.config);
         if let Some(s) = self.sync() {
             s.on_tick(host, &|node, deltas, body| {
@@ -552,6 +562,27 @@ impl Engine {
                 }
             });
         }
+    }
+
+    /// The host ran on a request that was paused for an ask (its response came while the ask
+    /// was out): ngx_wasm_module does so for a request on a kept-alive connection when the
+    /// filter runs in NGINX's rewrite phase, and its worker can then crash when the ask's
+    /// answer comes. From now on no request of the proxy waits for an ask (each is decided
+    /// as with the store out of reach, the rule's `on_store_failure` deciding), and it is
+    /// said at error level with the fix.
+    pub fn pause_ignored(&self, host: &dyn Host) {
+        if self.no_pause.replace(true) {
+            return;
+        }
+        let _ = host.shared_set(PAUSE_IGNORED_KEY, b"1", None);
+        host.log(
+            Level::Error,
+            "ratewall: the proxy ran a request on while it waited for the store's answer (NGINX runs \
+             a request on a kept-alive connection so when the filter is in its rewrite phase, and a \
+             worker can crash when the answer comes): add `proxy_wasm_request_headers_in_access on;` \
+             beside `proxy_wasm` (docs/nginx.md); until the proxy is reloaded, no request waits for \
+             the store (each is decided as with the store out of reach)",
+        );
     }
 
     /// The longest valid answer to sync call `token`: the glue reads no longer body.
@@ -869,7 +900,9 @@ impl Engine {
                     .filter(|(c, _)| asks(c))
                     .map(|(c, l)| Delta { key: c.key.clone(), limit: *l, units: c.cost })
                     .collect();
-                match s.ask(host, &wants) {
+                let asked =
+                    if self.no_pause.get() { Err(crate::sync::AskRefused::Failing) } else { s.ask(host, &wants) };
+                match asked {
                     Ok(token) => {
                         return Verdict::Ask(Asking { token, checks, skipped, wants, asked_at: host.now() });
                     }

@@ -565,6 +565,16 @@ impl HttpContext for Request {
         }
     }
 
+    fn on_log(&mut self) {
+        // Ended while it waited for an ask, with a response: the host ran it on rather than
+        // hold it (a client that went away leaves no response status).
+        if let (Some(engine), Some(_)) = (&self.engine, &self.asking) {
+            if hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status").ok().flatten().is_some() {
+                engine.pause_ignored(&ProxyHost);
+            }
+        }
+    }
+
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         for (name, value) in &self.response_headers {
             let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);

@@ -385,6 +385,20 @@ impl Vm {
         self.start_request(req, true)
     }
 
+    /// A request the filter paused that the host runs on all the same, as ngx_wasm_module
+    /// does with a request on a kept-alive connection paused in NGINX's rewrite phase: its
+    /// upstream's response goes to the client without the filter's `on_response_headers`
+    /// (the module takes the pause as still in force), then the request ends.
+    pub fn run_on(&mut self, ctx: u32) -> Result<()> {
+        let c = ctx as i32;
+        self.enter(ctx);
+        self.store.data_mut().response_headers = vec![(":status".into(), b"200".to_vec())];
+        self.guard(|s, e| e.done.call(s, c))?;
+        self.guard(|s, e| e.log.call(s, c))?;
+        self.guard(|s, e| e.delete.call(s, c))?;
+        self.ended(ctx)
+    }
+
     /// The upstream response of a request started with [`Vm::begin_in_flight`].
     pub fn finish_upstream(&mut self, ctx: u32) -> Result<FilterResult> {
         self.complete(ctx, None)

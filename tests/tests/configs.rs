@@ -54,6 +54,20 @@ fn example_for(host: &str) -> serde_json::Value {
     example
 }
 
+/// Every `proxy_wasm ratewall` of the shipped nginx.conf runs in the access phase: in the
+/// rewrite phase ngx_wasm_module does not hold a request on a kept-alive connection while it
+/// waits for the store (docs/nginx.md).
+#[test]
+fn the_shipped_nginx_conf_runs_the_filter_in_the_access_phase() {
+    let conf = read("envoy-config/nginx.conf");
+    let uses: Vec<&str> = conf.split("proxy_wasm ratewall '").collect();
+    assert!(uses.len() > 1);
+    for before in &uses[..uses.len() - 1] {
+        let location = before.rsplit("location").next().unwrap();
+        assert!(location.contains("proxy_wasm_request_headers_in_access on;"), "{location}");
+    }
+}
+
 #[test]
 fn shipped_configs_carry_the_example_rules_and_the_filter_accepts_them() {
     for (name, doc) in
