@@ -134,7 +134,7 @@ async fn series<K: Kv>(State(store): State<Arc<Store<K>>>, uri: Uri) -> Response
 }
 
 async fn fleet<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {
-    let ok = store.kv.ping().await;
+    let ok = store.kv.ping().await.is_ok();
     let mut nodes = store.top.fleet();
     if !ok {
         // With Redis out of reach no store process can answer a batch: every node is degraded,
@@ -149,10 +149,17 @@ async fn fleet<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {
 }
 
 async fn healthz<K: Kv>(State(store): State<Arc<Store<K>>>) -> Response {
-    if store.kv.ping().await {
-        (StatusCode::OK, "ok\n").into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "Redis does not answer\n").into_response()
+    health(&store).await
+}
+
+/// `GET /healthz`: 200 `ok` while Redis answers and takes the store's writes, else 503 and
+/// why (Redis's error: `OOM command not allowed…`, `READONLY…`, `NOPERM…`, or no answer).
+pub async fn health<K: Kv>(store: &Store<K>) -> Response {
+    match store.kv.ping().await {
+        Ok(()) => (StatusCode::OK, "ok\n").into_response(),
+        Err(e) => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("Redis does not take the store's writes: {e}\n")).into_response()
+        }
     }
 }
 

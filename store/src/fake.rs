@@ -84,8 +84,8 @@ impl Kv for FakeKv {
         present.retain(|_, at| now.saturating_sub(*at) < NODE_TTL);
         Ok((u32::try_from(present.len()).unwrap(), now))
     }
-    async fn ping(&self) -> bool {
-        true
+    async fn ping(&self) -> Result<(), String> {
+        self.op().map(|_| ())
     }
     async fn append(&self, key: &str, payload: &[u8], len: u64, _ttl_ms: u64) -> Result<(), String> {
         self.op()?;

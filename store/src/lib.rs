@@ -171,6 +171,15 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2])) \
 redis.call('PEXPIRE', KEYS[1], ARGV[2]) \
 return {redis.call('ZCARD', KEYS[1]), t[1], t[2]}";
 
+/// What the health checks run: Redis's clock and a write, through a script, as every command
+/// of the store needs them. A Redis that answers `PING` but refuses writes (out of memory
+/// under `noeviction`, a read-only replica, an ACL user without `EVALSHA` or `TIME`) serves
+/// no call: the store is not healthy then.
+pub const PROBE: &str = "redis.call('TIME') redis.call('SET', KEYS[1], '1', 'PX', 10000) return 1";
+
+/// The key [`PROBE`] writes (in the registry's slot).
+pub const PROBE_KEY: &str = "rw:{registry}:probe";
+
 /// The key of the rate limit service's processes ([`PRESENT`]).
 pub const PRESENT_KEY: &str = "rw:{rls-processes}";
 
@@ -185,6 +194,42 @@ pub const REGISTRY_KEYS: [&str; 4] =
 /// its own (no hot slot per rule).
 pub fn redis_key(key: &[u8]) -> String {
     format!("rw:{{{}}}", hex(key))
+}
+
+/// A log line said at most once per [`Quiet::EVERY`] however often it happens (while Redis
+/// refuses the store, every request would say it), with how many times it was held back.
+#[derive(Default)]
+pub struct Quiet(std::sync::Mutex<(Option<std::time::Instant>, u64)>);
+
+impl Quiet {
+    /// How often at most a line is said.
+    pub const EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+    /// Logs `line` unless held back, with how many `held` (what it counts: "failed
+    /// attempt(s)") were held back since the line before.
+    pub fn log(&self, line: &str, held: &str) {
+        match self.say(std::time::Instant::now()) {
+            Some(0) => log_line!("ratewall-store: {line}"),
+            Some(n) => log_line!("ratewall-store: {line} ({n} more {held} since the last line)"),
+            None => {}
+        }
+    }
+
+    /// Whether to say it at `now`: `Some(n)` with the `n` times it was held back since it was
+    /// last said, `None` to hold it back.
+    pub fn say(&self, now: std::time::Instant) -> Option<u64> {
+        let Ok(mut s) = self.0.lock() else { return Some(0) };
+        match s.0 {
+            Some(last) if now.saturating_duration_since(last) < Quiet::EVERY => {
+                s.1 = s.1.saturating_add(1);
+                None
+            }
+            _ => {
+                s.0 = Some(now);
+                Some(std::mem::take(&mut s.1))
+            }
+        }
+    }
 }
 
 /// What the store needs of Redis (a fake in the unit tests).
@@ -213,8 +258,8 @@ pub trait Kv: Send + Sync {
     /// Notes rate limit service process `node` as heard now ([`PRESENT`]): the processes
     /// heard within [`NODE_TTL`], this one included, and Redis's clock then, ns.
     fn present(&self, node: u64) -> impl Future<Output = Result<(u32, Nanos), String>> + Send;
-    /// Whether Redis answers.
-    fn ping(&self) -> impl Future<Output = bool> + Send;
+    /// Whether Redis answers and takes the store's writes ([`PROBE`]); why not.
+    fn ping(&self) -> impl Future<Output = Result<(), String>> + Send;
     /// Appends `payload` to the stream `key` ([`APPEND`]).
     fn append(
         &self,
@@ -408,6 +453,8 @@ pub struct Store<K> {
     /// Counters this process found out of quota, named to every node with each batch answer
     /// (`ratewall_core::sync::Out`; each process names those its own calls found).
     out: std::sync::Mutex<Out>,
+    /// Stored counters that do not decode, said at most once per [`Quiet::EVERY`].
+    unreadable: Quiet,
 }
 
 /// A counter's turn within the process.
@@ -420,6 +467,22 @@ type Known = (Vec<u8>, Nanos, std::time::Instant);
 pub const KNOWN: usize = 100_000;
 
 impl<K: Kv> Store<K> {
+    /// Counts a stored counter at Redis key `rkey` that does not decode (`why`), and says so
+    /// at most once per [`Quiet::EVERY`], naming the key (its first 100 characters: a
+    /// `redis-cli --scan --pattern` finds it) — hex of the counter's key, where secret values
+    /// are keyed hashes already.
+    pub fn said_unreadable(&self, rkey: &str, why: &str) {
+        self.metrics.unreadable.fetch_add(1, Ordering::Relaxed);
+        let shown = match rkey.char_indices().nth(100) {
+            Some((i, _)) => format!("{}…", &rkey[..i]),
+            None => rkey.to_owned(),
+        };
+        self.unreadable.log(
+            &format!("the counter at Redis key {shown} is unreadable ({why}): it is kept, and calls on it fail until it is deleted"),
+            "unreadable counter read(s)",
+        );
+    }
+
     /// A store over `kv` with the shared secret and a deadline per call.
     pub fn new(kv: K, secret: &[u8], deadline: Duration) -> Store<K> {
         Store {
@@ -432,6 +495,7 @@ impl<K: Kv> Store<K> {
             busy: Default::default(),
             known: Default::default(),
             out: Default::default(),
+            unreadable: Quiet::default(),
         }
     }
 
@@ -598,10 +662,11 @@ impl<K: Kv> Store<K> {
         let read: Vec<Option<Read>> = if req.ask {
             let read = self.read_all(req).await?;
             let unreadable = |(d, (stored, _)): (&Delta, &Read)| {
-                stored.as_deref().is_some_and(|b| Counter::decode(d.limit, b).is_err())
+                let e = Counter::decode(d.limit, stored.as_deref()?).err()?;
+                Some((redis_key(&d.key), e.to_string()))
             };
-            if req.deltas.iter().zip(&read).any(unreadable) {
-                self.metrics.unreadable.fetch_add(1, Ordering::Relaxed);
+            if let Some((rkey, why)) = req.deltas.iter().zip(&read).find_map(unreadable) {
+                self.said_unreadable(&rkey, &why);
                 return Err(Answer::error(503, reason::UNREADABLE_ASK));
             }
             read.into_iter().map(Some).collect()
@@ -724,9 +789,9 @@ impl<K: Kv> Store<K> {
                 None => Counter::new(limit),
                 Some(bytes) => match Counter::decode(limit, bytes) {
                     Ok(c) => c,
-                    Err(_) => {
+                    Err(e) => {
                         // Kept as it is: a counter is never reset because it could not be read.
-                        self.metrics.unreadable.fetch_add(1, Ordering::Relaxed);
+                        self.said_unreadable(rkey, &e.to_string());
                         return Ok(Update::Unreadable);
                     }
                 },

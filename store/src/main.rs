@@ -20,6 +20,7 @@ use ratewall_core::Nanos;
 use ratewall_store::redis_kv::RedisKv;
 use ratewall_store::rls::config::RlsConfig;
 use ratewall_store::rls::Rls;
+use ratewall_store::Quiet;
 use ratewall_store::{Kv, Store, MAX_BODY};
 use std::sync::Arc;
 use std::time::Duration;
@@ -118,41 +119,6 @@ struct LazyKv {
     failing: Quiet,
 }
 
-/// A log line said at most once per [`Quiet::EVERY`] however often it happens (while Redis
-/// refuses the store, every request would say it), with how many times it was held back.
-#[derive(Default)]
-struct Quiet(std::sync::Mutex<(Option<std::time::Instant>, u64)>);
-
-impl Quiet {
-    const EVERY: Duration = Duration::from_secs(10);
-
-    /// Logs `line` unless held back, with how many `held` (what it counts: "failed
-    /// attempt(s)") were held back since the line before.
-    fn log(&self, line: &str, held: &str) {
-        match self.say(std::time::Instant::now()) {
-            Some(0) => ratewall_store::log_line!("ratewall-store: {line}"),
-            Some(n) => ratewall_store::log_line!("ratewall-store: {line} ({n} more {held} since the last line)"),
-            None => {}
-        }
-    }
-
-    /// Whether to say it at `now`: `Some(n)` with the `n` times it was held back since it was
-    /// last said, `None` to hold it back.
-    fn say(&self, now: std::time::Instant) -> Option<u64> {
-        let Ok(mut s) = self.0.lock() else { return Some(0) };
-        match s.0 {
-            Some(last) if now.saturating_duration_since(last) < Quiet::EVERY => {
-                s.1 = s.1.saturating_add(1);
-                None
-            }
-            _ => {
-                s.0 = Some(now);
-                Some(std::mem::take(&mut s.1))
-            }
-        }
-    }
-}
-
 impl LazyKv {
     async fn get(&self) -> Option<&RedisKv> {
         if let Some(c) = self.conn.get() {
@@ -170,6 +136,11 @@ impl LazyKv {
     }
 
     /// Redis, connected, or why not.
+    /// Redis's `maxmemory-policy`, if it is reached and tells.
+    async fn eviction_policy(&self) -> Option<String> {
+        self.get().await?.eviction_policy().await
+    }
+
     async fn connected(&self) -> Result<&RedisKv, String> {
         self.get().await.ok_or_else(|| "Redis unreachable".to_owned())
     }
@@ -217,17 +188,14 @@ impl Kv for LazyKv {
     async fn present(&self, node: u64) -> Result<(u32, Nanos), String> {
         self.noted(self.connected().await?.present(node).await)
     }
-    async fn ping(&self) -> bool {
-        match self.get().await {
-            Some(kv) => {
-                let answered = tokio::time::timeout(Duration::from_millis(500), kv.ping()).await.unwrap_or(false);
-                if !answered {
-                    self.failed("no answer to PING within 500 ms");
-                }
-                answered
-            }
-            None => false,
+    async fn ping(&self) -> Result<(), String> {
+        let kv = self.connected().await?;
+        let answered = tokio::time::timeout(Duration::from_millis(500), kv.ping()).await;
+        let r = answered.unwrap_or_else(|_| Err("no answer within 500 ms".into()));
+        if let Err(e) = &r {
+            self.failed(&format!("the health check's write: {e}"));
         }
+        r
     }
     async fn append(&self, key: &str, payload: &[u8], len: u64, ttl_ms: u64) -> Result<(), String> {
         self.noted(self.connected().await?.append(key, payload, len, ttl_ms).await)
@@ -351,16 +319,12 @@ async fn sync(State(store): State<Shared>, headers: HeaderMap, body: axum::body:
 }
 
 async fn healthz(State(store): State<Shared>) -> Response {
-    if store.kv.ping().await {
-        (StatusCode::OK, "ok\n").into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "Redis does not answer\n").into_response()
-    }
+    ratewall_store::admin::health(&store).await
 }
 
 /// `GET /healthcheck`, envoyproxy/ratelimit's: 200 `OK` when Redis answers, else 500.
 async fn healthcheck(State(store): State<Shared>) -> Response {
-    if store.kv.ping().await {
+    if store.kv.ping().await.is_ok() {
         (StatusCode::OK, "OK").into_response()
     } else {
         StatusCode::INTERNAL_SERVER_ERROR.into_response()
@@ -431,8 +395,15 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
         None => None,
     };
     let rls = running.as_ref().map(|r| Arc::clone(&r.rls));
-    if !store.kv.ping().await {
-        ratewall_store::log_line!("ratewall-store: Redis does not answer yet; /v1/sync answers 503 until it does");
+    if let Err(e) = store.kv.ping().await {
+        ratewall_store::log_line!(
+            "ratewall-store: Redis does not take the store's writes yet ({e}); /v1/sync answers 503 until it does"
+        );
+    }
+    if let Some(policy) = store.kv.eviction_policy().await.filter(|p| p != "noeviction") {
+        ratewall_store::log_line!(
+            "ratewall-store: warning: Redis's maxmemory-policy is {policy}: when Redis is full it evicts counters (each a quota given again, unsaid); run it with noeviction (docs/deploy.md)"
+        );
     }
     // A process with an admin listener merges what its peers share from here on.
     let joined = if args.admin.is_some() { store.join_shares().await } else { None };

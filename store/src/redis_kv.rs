@@ -3,7 +3,8 @@
 //! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
 
 use crate::{
-    Cas, Kv, Unheard, APPEND, CAS, MANY, NODE_TTL, PRESENT, PRESENT_KEY, READ, READ_AFTER, REGISTRY, REGISTRY_KEYS,
+    Cas, Kv, Unheard, APPEND, CAS, MANY, NODE_TTL, PRESENT, PRESENT_KEY, PROBE, PROBE_KEY, READ, READ_AFTER, REGISTRY,
+    REGISTRY_KEYS,
 };
 use ratewall_core::sync::{
     CUT_OFF_SILENCE, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_NODES, MAX_REQUEST_SKEW, SEQ_MEMORY,
@@ -34,6 +35,7 @@ pub struct RedisKv {
     cas: Script,
     registry: Script,
     present: Script,
+    probe: Script,
     append: Script,
     read_after: Script,
     many: Script,
@@ -103,12 +105,25 @@ impl RedisKv {
             cas: Script::new(CAS),
             registry: Script::new(REGISTRY),
             present: Script::new(PRESENT),
+            probe: Script::new(PROBE),
             append: Script::new(APPEND),
             read_after: Script::new(READ_AFTER),
             many: Script::new(MANY),
             waiting: Default::default(),
             lately: Default::default(),
         })
+    }
+
+    /// Redis's `maxmemory-policy` (on a Cluster, one node's), if it tells: `CONFIG` may be
+    /// renamed or refused to the store's user.
+    pub async fn eviction_policy(&self) -> Option<String> {
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("maxmemory-policy");
+        let reply: Result<Vec<String>, _> = match self.conn().ok()? {
+            Conn::Single(mut c) => cmd.query_async(&mut c).await,
+            Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
+        };
+        reply.ok()?.into_iter().nth(1)
     }
 
     /// The connection calls go on now.
@@ -388,16 +403,10 @@ impl Kv for RedisKv {
         Ok((n, clock(parts.get(1), parts.get(2))?))
     }
 
-    async fn ping(&self) -> bool {
-        let Ok(Conn::Single(mut c)) = self.conn() else {
-            // On a Cluster a PING goes to any node: the registry's slot, which every batch
-            // needs, is asked instead (its primary down, nothing can be answered).
-            return self.run(&self.read, &[crate::CLOCK_KEY], &[]).await.is_ok();
-        };
-        self.going();
-        let r: Result<String, _> = redis::cmd("PING").query_async(&mut c).await;
-        self.went(&r);
-        r.is_ok()
+    async fn ping(&self) -> Result<(), String> {
+        // On a Cluster, at the registry's slot, which every batch needs (its primary down,
+        // nothing can be answered).
+        self.run(&self.probe, &[PROBE_KEY], &[]).await.map(|_| ())
     }
 
     async fn append(&self, key: &str, payload: &[u8], len: u64, ttl_ms: u64) -> Result<(), String> {

@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 struct StoreProcess {
     child: Child,
     addr: String,
+    /// Where its log (stderr) goes.
+    log: std::path::PathBuf,
 }
 
 impl StoreProcess {
@@ -35,12 +37,22 @@ impl StoreProcess {
         if cluster {
             cmd.arg("--cluster");
         }
-        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+        static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log =
+            std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("store-{}-{n}.log", std::process::id()));
+        let stderr = std::fs::File::create(&log).unwrap();
+        let mut child = cmd.stdout(Stdio::piped()).stderr(stderr).spawn().unwrap();
         let mut line = String::new();
         std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
         assert!(!line.contains(secret), "the secret is never logged: {line}");
-        StoreProcess { child, addr }
+        StoreProcess { child, addr, log }
+    }
+
+    /// What it has logged so far.
+    fn logged(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     fn get(&self, path: &str) -> http::Response {
@@ -56,6 +68,7 @@ impl StoreProcess {
 impl Drop for StoreProcess {
     fn drop(&mut self) {
         self.kill();
+        let _ = std::fs::remove_file(&self.log);
     }
 }
 
@@ -173,7 +186,7 @@ fn without_redis(mut cmd: Command) -> (StoreProcess, std::process::ChildStderr) 
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let addr = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()).unwrap().to_owned();
-    (StoreProcess { child, addr }, err)
+    (StoreProcess { child, addr, log: std::path::PathBuf::new() }, err)
 }
 
 #[test]
@@ -303,6 +316,32 @@ fn a_store_killed_mid_run_loses_no_acknowledged_unit() {
     }
 }
 
+/// A Redis that answers `PING` but refuses writes serves no batch: the store's health says
+/// so, with Redis's reason, until it takes writes again.
+#[test]
+fn a_redis_that_refuses_writes_is_unhealthy_with_its_reason() {
+    let redis = Redis::start(false).unwrap();
+    let store = StoreProcess::start(&[redis.url()], false);
+    assert_eq!(store.get("/healthz").status, 200);
+    let refusals: [(&[&str], &[&str], &str); 2] = [
+        (&["config", "set", "maxmemory", "1"], &["config", "set", "maxmemory", "0"], "oom"),
+        (&["replicaof", "127.0.0.1", "1"], &["replicaof", "no", "one"], "read only"),
+    ];
+    for (refuse, undo, reason) in refusals {
+        cli(redis.port, refuse).unwrap();
+        let r = store.get("/healthz");
+        assert_eq!(r.status, 503, "{reason}");
+        assert!(r.text().to_lowercase().contains(reason), "{reason}: {}", r.text());
+        cli(redis.port, undo).unwrap();
+        assert_eq!(store.get("/healthz").status, 200, "{reason} undone");
+    }
+    assert!(!store.logged().contains("maxmemory-policy"), "noeviction: no warning");
+    // A policy that evicts counters is warned of at start.
+    cli(redis.port, &["config", "set", "maxmemory-policy", "volatile-lru"]).unwrap();
+    let warned = StoreProcess::start(&[redis.url()], false);
+    assert!(warned.logged().contains("maxmemory-policy is volatile-lru"), "{}", warned.logged());
+}
+
 #[test]
 fn redis_gone_answers_503_within_the_deadline_and_service_resumes_when_it_is_back() {
     let mut redis = Redis::start(false).unwrap();
@@ -377,6 +416,10 @@ fn a_counter_the_store_cannot_read_is_kept_and_named_failed_and_the_rest_of_the_
     let answer = post(&store.addr, &ask.encode(), Some(&hex(&sign(SECRET.as_bytes(), &ask.encode()))));
     assert_eq!((answer.status, answer.text()), (503, ratewall_core::sync::reason::UNREADABLE_ASK.to_owned()));
     assert_eq!(counted(&store.addr, &good, 1), 4, "the ask took nothing");
+    // Said once for both reads, with the key to find it by.
+    let said: Vec<String> = store.logged().lines().filter(|l| l.contains("unreadable")).map(str::to_owned).collect();
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(said[0].contains(&bad_redis) && said[0].contains("deleted"), "{said:?}");
     // Once it is readable (here: gone, as when it expires), the node's next batch (a new seq)
     // carries its units again, and they count once; the other counter's are not sent again.
     cli(redis.port, &["del", &bad_redis]).unwrap();

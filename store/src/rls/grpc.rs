@@ -120,7 +120,7 @@ async fn watch_health<K: Kv>(rls: Arc<Rls<K>>, reporter: tonic_health::server::H
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let up = tokio::time::timeout(HEALTH_EVERY, rls.store().kv.ping()).await.unwrap_or(false);
+        let up = tokio::time::timeout(HEALTH_EVERY, rls.store().kv.ping()).await.is_ok_and(|r| r.is_ok());
         report(&reporter, up).await;
     }
 }

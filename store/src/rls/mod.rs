@@ -683,7 +683,7 @@ impl<K: Kv> Rls<K> {
                     Ok(c) => c,
                     Err(e) => {
                         // Kept as it is: a counter is never reset because it could not be read.
-                        m.unreadable.fetch_add(1, Ordering::Relaxed);
+                        self.store.said_unreadable(rkey, &e.to_string());
                         return Err(Refusal::Unavailable(format!("a stored counter is unreadable ({e}); it is kept")));
                     }
                 },
