@@ -335,10 +335,8 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
             .find(|(k, _)| k == ":path")
             .map_or("/v1/sync".into(), |(_, v)| String::from_utf8_lossy(v).into_owned());
         let headers = [("x-ratewall-signature", tag.as_str()), ("content-type", "application/octet-stream")];
-        let first = c.token as usize;
-        let answer = (0..stores.len()).find_map(|i| {
-            let addr = stores.get((first + i) % stores.len())?;
-            ratewall_host::http::request(addr, "POST", &path, &headers, &c.body).ok().filter(|r| r.status != 503)
+        let answer = answer_from(stores.len(), c.token as usize, |i| {
+            ratewall_host::http::request(stores.get(i)?, "POST", &path, &headers, &c.body).ok()
         });
         match answer {
             Some(r) => {
@@ -349,6 +347,30 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The answer a call gets from `count` stores tried in turn from `first` (`call(i)` asks store
+/// `i`; None: no answer, a connection failure or timeout): the first that is not a 503 (the
+/// next store is tried when one answers 503), or, when every store that answered said 503, the
+/// last such answer, delivered as Envoy delivers it. Only no answer from any store is delivered
+/// as none (a failed call): the filter takes that for a store out of reach and stops the whole
+/// VM asking for a while, whereas a 503 fails only its own call — as an ask naming a counter
+/// the store cannot read does (docs/sync-protocol.md). Delivered as none, that one counter's
+/// asks had every other counter's `closed` requests answered 503 for a second after each.
+fn answer_from(
+    count: usize,
+    first: usize,
+    mut call: impl FnMut(usize) -> Option<ratewall_host::http::Response>,
+) -> Option<ratewall_host::http::Response> {
+    let mut failed = None;
+    for i in 0..count {
+        match call((first + i) % count) {
+            Some(r) if r.status == 503 => failed = Some(r),
+            Some(r) => return Some(r),
+            None => {}
+        }
+    }
+    failed
 }
 
 /// How often a worker looks at its waiting requests' connections (and, without a tick, at
@@ -667,4 +689,46 @@ fn respond_with(
     out.push_str(&format!("content-length: {}\r\nconnection: close\r\n\r\n", body.len()));
     let body = if send == Body::Sent { body } else { &[] };
     stream.write_all(out.as_bytes()).and_then(|_| stream.write_all(body)).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::answer_from;
+    use ratewall_host::http::Response;
+
+    fn answered(status: u16, body: &str) -> Option<Response> {
+        Some(Response { status, headers: Vec::new(), body: body.as_bytes().to_vec() })
+    }
+
+    /// A store's 503 (an ask naming a counter it cannot read: "an ask names a stored counter
+    /// that is unreadable; nothing is taken and it is kept") reaches the filter as a 503, as
+    /// Envoy delivers it, not as no answer at all: the filter takes no answer for a store out
+    /// of reach, and stops the whole VM asking (every other counter's `closed` requests
+    /// answered 503) for a second.
+    #[test]
+    fn a_503_from_every_store_is_delivered_not_taken_for_no_answer() {
+        const UNREADABLE: &str = "an ask names a stored counter that is unreadable; nothing is taken and it is kept";
+        let one = answer_from(1, 7, |_| answered(503, UNREADABLE));
+        let one = one.map(|r| (r.status, r.text()));
+        assert_eq!(one, Some((503, UNREADABLE.to_owned())), "one store answering 503");
+        // Several stores: the next is tried on a 503 (and on no answer); the last 503 is
+        // delivered when none answered otherwise.
+        let mut tried = Vec::new();
+        let all = answer_from(3, 1, |i| {
+            tried.push(i);
+            if i == 0 {
+                None
+            } else {
+                answered(503, &format!("store {i}"))
+            }
+        });
+        assert_eq!(tried, [1, 2, 0]);
+        assert_eq!(all.map(|r| (r.status, r.text())), Some((503, "store 2".to_owned())));
+        // A store that answers otherwise is taken, past a 503 before it.
+        let ok = answer_from(2, 0, |i| if i == 0 { answered(503, "") } else { answered(200, "ok") });
+        assert_eq!(ok.map(|r| r.status), Some(200));
+        // No store answering at all is still no answer (the filter's "store out of reach").
+        assert!(answer_from(2, 0, |_| None).is_none());
+        assert!(answer_from(0, 0, |_| answered(200, "")).is_none());
+    }
 }

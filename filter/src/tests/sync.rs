@@ -1136,6 +1136,48 @@ fn a_failed_ask_decides_the_request_as_the_rules_store_failure_policy_says() {
     }
 }
 
+/// An ask the store answers 503 because the counter it names is unreadable to it ("an ask
+/// names a stored counter that is unreadable; nothing is taken and it is kept") fails its own
+/// request only: a `closed` rule answers it 503, and another client's next request on the same
+/// rule asks as before. No answer at all (a store out of reach) still stops the VM asking, its
+/// `closed` requests answered 503 at once.
+#[test]
+fn an_ask_refused_for_an_unreadable_counter_fails_only_its_own_request() {
+    const UNREADABLE: &[u8] = b"an ask names a stored counter that is unreadable; nothing is taken and it is kept";
+    let until_ask = |e: &Engine, h: &FakeHost, user: &str| {
+        for _ in 0..5_000 {
+            h.request("GET", "/cl/x", &[("x-user-id", user)]);
+            match e.on_request(h) {
+                Verdict::Ask(a) => return Ok(a),
+                v => {
+                    let r = v.into_reply();
+                    if r.status != 200 {
+                        return Err(r.status);
+                    }
+                }
+            }
+        }
+        Err(0)
+    };
+    for (status, body, bystander_asks) in [(503, UNREADABLE, true), (0, &b""[..], false)] {
+        let h = FakeHost::new();
+        let (e, _s) = spent_grant_with(&h, &rules(1_000, 1));
+        let victim = until_ask(&e, &h, "eve").expect("the victim's request asked");
+        let _ = h.take_calls();
+        h.advance(5 * MS);
+        let r = e.on_ask_response(&h, victim, status, None, body).into_reply();
+        assert_eq!(r.status, 503, "status {status}: the victim's request, as its closed rule says");
+        h.advance(100 * MS);
+        let bystander = until_ask(&e, &h, "ann");
+        let _ = h.take_calls();
+        if bystander_asks {
+            assert!(bystander.is_ok(), "status {status}: the other client asks, got {:?}", bystander.err());
+        } else {
+            assert_eq!(bystander.err(), Some(503), "status {status}: no answer, the store out of reach");
+        }
+    }
+}
+
 /// Asks on their way together fail together when the store stalls: they are one failure
 /// (the VM stops asking for 1 s), not one each (12 in one stall of 1 s had kept a worker from
 /// asking for 30 s); an ask sent after the backoff still doubles it.
