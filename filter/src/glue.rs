@@ -538,7 +538,14 @@ impl Context for Request {
             return;
         };
         let (status, tag, body) = call_response(num_headers, body_size, asking.answer_cap());
-        let verdict = engine.on_ask_response(&ProxyHost, asking, status, tag.as_deref(), &body);
+        let mut verdict = engine.on_ask_response(&ProxyHost, asking, status, tag.as_deref(), &body);
+        if let (0, Verdict::Reply(reply), true) = (status, &mut verdict, nginx_host()) {
+            // ngx_wasm_module gives a local response sent in the answer to a call that failed
+            // (timed out) a body buffer that the call's socket, closing, then empties: NGINX
+            // sends nothing at all ("zero size buf in writer"). Without a body the status and
+            // fields reach the client.
+            reply.body.clear();
+        }
         if self.verdict(verdict) {
             let _ = hostcalls::resume_http_request();
         }

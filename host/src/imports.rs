@@ -339,7 +339,16 @@ fn calls(linker: &mut Linker<VmState>) -> Result<()> {
                 .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
                 .collect();
             let ctx = c.data().effective_context;
-            c.data_mut().local_replies.insert(ctx, LocalReply { status: code as u32, headers, body });
+            // ngx_wasm_module gives a local response sent in the answer to a call that failed
+            // a body buffer the call's closing socket then empties: NGINX sends nothing at all
+            // ("zero size buf in writer"); the client sees the connection closed.
+            let failed_call = c.data().call_response.as_ref().is_some_and(|(h, _)| h.is_empty());
+            let reply = if nginx(&c) && failed_call && !body.is_empty() {
+                LocalReply { status: 0, headers: Vec::new(), body: Vec::new() }
+            } else {
+                LocalReply { status: code as u32, headers, body }
+            };
+            c.data_mut().local_replies.insert(ctx, reply);
             Ok(status::OK)
         },
     )?;

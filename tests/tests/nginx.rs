@@ -414,3 +414,23 @@ fn a_request_the_host_ran_on_while_it_asked_says_the_fix_and_no_request_waits_af
     assert_eq!(errors(&node).len(), 1, "said once");
     assert!(vms.iter().all(|vm| vm.trapped().is_none()));
 }
+
+/// An ask that fails late (no answer within its deadline) on a `closed` rule: the 503 reaches
+/// the client. ngx_wasm_module empties the body buffer of a local response sent in the answer
+/// to a failed call, and NGINX then sent nothing at all; the filter sends that one without a
+/// body.
+#[test]
+fn a_closed_rules_ask_that_fails_late_still_answers_503() {
+    let node = Node::with_profile(T0 + 10 * SECOND, Profile::NGINX);
+    let mut store = Store::new(1000, 10 * SECOND);
+    let doc = synced(3).replace(r#""key":["user"]"#, r#""on_store_failure":"closed","key":["user"]"#);
+    let mut vms = workers(&node, &doc, 1);
+    synced_tick(&node, &mut vms, &mut store);
+    let Started::Paused(ctx) = vms[0].begin(&user("a")).unwrap() else { panic!("a closed rule's request did not ask") };
+    let calls = vms[0].take_callouts();
+    assert_eq!(calls.len(), 1);
+    vms[0].deliver(&calls[0], None).unwrap();
+    let r = vms[0].finish(ctx).unwrap().unwrap();
+    assert_eq!(r.status, 503, "{r:?}");
+    assert!(r.header("retry-after").is_some(), "{r:?}");
+}
