@@ -88,6 +88,15 @@ pub const MAX_STORE_SKEW: Nanos = 300 * 1_000 * MS;
 const BREAKER_AFTER: u32 = 3;
 /// The longest the breaker stays open.
 const BREAKER_MAX: Nanos = 30_000 * MS;
+
+/// How long the breaker stays open after `failures` in a row (none below [`BREAKER_AFTER`]):
+/// 500 ms, doubling with each failure after, at most [`BREAKER_MAX`].
+fn breaker_backoff(failures: u32) -> Nanos {
+    if failures < BREAKER_AFTER {
+        return 0;
+    }
+    (500 * MS).saturating_mul(1 << (failures - BREAKER_AFTER).min(6)).min(BREAKER_MAX)
+}
 /// The longest a VM's failing asks back off.
 const ASK_BACKOFF_MAX: Nanos = 32_000 * MS;
 /// Whether a wait until `until` is still on at `now`: `until` is ahead, and by no more than
@@ -975,8 +984,10 @@ impl Syncer {
             }
         }
         // Times ahead of what they can be are from a clock that stepped back: clamped, so the
-        // breaker and the batches run on rather than wait for the clock to catch up.
-        s.open_until = s.open_until.min(now.saturating_add(BREAKER_MAX));
+        // breaker and the batches run on rather than wait for the clock to catch up (the
+        // breaker for no longer than its backoff now: a clock put back a minute had kept it
+        // open 30 s after the store answered again).
+        s.open_until = s.open_until.min(now.saturating_add(breaker_backoff(s.failures)));
         s.sent_at = s.sent_at.min(now);
         if now < s.open_until {
             return;
@@ -1004,7 +1015,12 @@ impl Syncer {
         }
         // A batch failing for as long as a store accepts its time is given up: the store
         // would refuse it from then on (and it remembers the seq no longer than that allows).
-        if let Some(old) = s.retry.take_if(|b| b.first_sent > 0 && now.saturating_sub(b.first_sent) > GIVE_UP_AFTER) {
+        // So is one made that much ahead of the clock now (a clock put back): its time, which
+        // its retries repeat, is one no store accepts.
+        let unacceptable = |b: &Batch| {
+            now.saturating_sub(b.first_sent) > GIVE_UP_AFTER || b.first_sent > now.saturating_add(GIVE_UP_AFTER)
+        };
+        if let Some(old) = s.retry.take_if(|b| b.first_sent > 0 && unacceptable(b)) {
             let units = old.deltas.iter().map(|d| d.units).fold(0, u64::saturating_add);
             if let Some(m) = self.metrics.dropped {
                 host.increment(m, units);
@@ -1014,7 +1030,8 @@ impl Syncer {
                 host.log(
                     Level::Warn,
                     &format!(
-                        "ratewall: a sync batch failed for 25 s and was dropped ({units} admitted units the store may not have counted)"
+                        "ratewall: a sync batch {} and was dropped ({units} admitted units the store may not have counted)",
+                        if old.first_sent > now { "made 25 s ahead of the clock now (a clock put back)" } else { "failed for 25 s" }
                     ),
                 );
             }
@@ -1206,8 +1223,7 @@ impl Syncer {
         s.retry = Some(batch);
         s.failures = s.failures.saturating_add(1);
         if s.failures >= BREAKER_AFTER {
-            let backoff = (500 * MS).saturating_mul(1 << (s.failures - BREAKER_AFTER).min(6)).min(BREAKER_MAX);
-            s.open_until = now.saturating_add(backoff);
+            s.open_until = now.saturating_add(breaker_backoff(s.failures));
             if let Some(m) = self.metrics.breaker_open {
                 host.set_gauge(m, 1);
             }

@@ -256,6 +256,29 @@ fn the_breaker_backs_off_longer_while_failures_go_on() {
     assert!(gaps.iter().any(|g| *g >= 4_000), "{gaps:?}");
 }
 
+/// A clock that stepped back (put right after running a minute ahead) while the breaker was
+/// open: the breaker stays open no longer than its backoff, not until the clock catches up
+/// with the instant it was opened at (it had stayed open 30 s after the store answered again).
+#[test]
+fn a_clock_put_back_keeps_the_breaker_open_no_longer_than_its_backoff() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    let mut s = store();
+    for _ in 0..4 {
+        e.on_tick(&h);
+        fail(&e, &h);
+        h.advance(100 * MS);
+    }
+    assert_eq!(h.metric("ratewall_sync_breaker_open"), 1);
+    h.now.set(h.now() - 60_000 * MS);
+    e.on_tick(&h);
+    assert!(h.take_calls().is_empty(), "still open: its backoff");
+    h.advance(1_000 * MS);
+    e.on_tick(&h);
+    assert_eq!(serve(&mut s, &e, &h), 1, "half-open after the backoff (1 s after 4 failures)");
+    assert_eq!(h.metric("ratewall_sync_breaker_open"), 0);
+}
+
 #[test]
 fn a_batch_failing_past_the_retry_horizon_is_dropped_and_its_units_counted() {
     let h = FakeHost::new();
