@@ -496,8 +496,8 @@ impl Engine {
         host.log(
             Level::Error,
             "ratewall: counters were dropped by the host (their counts start over, counted in ratewall_table_lost): \
-             its shared data is too small for the counter table; on NGINX give `shm_kv` about 48 bytes per \
-             `filter.slots` entry (16m for the default 65,536; 64m for 1,048,576)",
+             its shared data is too small for the counter table; on NGINX give `shm_kv` 128 bytes per \
+             `filter.slots` entry (8m for the default 65,536; 128m for 1,048,576)",
         );
     }
 
