@@ -238,7 +238,8 @@ impl<K: Kv> Rls<K> {
     /// Answers a call within the store's deadline.
     pub async fn should_rate_limit(&self, call: &Call) -> Result<Answer, Refusal> {
         let started = std::time::Instant::now();
-        let result = match tokio::time::timeout(self.store.deadline, self.decide(call)).await {
+        let deciding = CALL_STARTED.scope(started, self.decide(call));
+        let result = match tokio::time::timeout(self.store.deadline, deciding).await {
             Ok(r) => r,
             Err(_) => {
                 self.store.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
@@ -702,7 +703,15 @@ impl<K: Kv> Rls<K> {
             // Not written once the call has been answered UNAVAILABLE: Redis, paused with this
             // on its socket, would run it when it answers again, and count a call that took
             // nothing (Envoy failing closed denied it).
-            let deadline = u64::try_from(self.store.deadline.as_nanos()).unwrap_or(u64::MAX);
+            // What is left of the call's deadline once Redis's clock was read, less a margin for
+            // the answer's way back: on Redis's clock, no later than the call's own deadline
+            // (from `raw` plus the whole deadline, a compare-and-set run after a stall could
+            // take a unit for a call already answered UNAVAILABLE).
+            let left = CALL_STARTED
+                .try_with(|s| self.store.deadline.saturating_sub(s.elapsed()))
+                .unwrap_or(self.store.deadline)
+                .saturating_sub(ANSWER_MARGIN);
+            let deadline = u64::try_from(left.as_nanos()).unwrap_or(u64::MAX);
             let deadline_ms = raw.saturating_add(deadline) / 1_000_000;
             match self.store.kv.cas(rkey, stored.as_deref(), &new, ttl_ms, deadline_ms).await {
                 Ok(Cas::Written(at)) => {
@@ -739,6 +748,14 @@ impl<K: Kv> Rls<K> {
         hex(rkey.as_bytes()).chars().take(12).collect()
     }
 }
+
+tokio::task_local! {
+    /// When the call being decided began ([`Rls::should_rate_limit`]).
+    static CALL_STARTED: std::time::Instant;
+}
+
+/// Kept off a compare-and-set's deadline at Redis for its answer's way back ([`Rls::update`]).
+const ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// How long a call of `hits` refused by an ask at `now` waits until it would fit: until the
 /// counter's state, with the `unreported` units this process admitted from its grant counted,
