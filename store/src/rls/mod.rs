@@ -669,10 +669,10 @@ impl<K: Kv> Rls<K> {
                 (Some(v.clone()), t.saturating_add(since))
             })
         });
-        for attempt in 0..CAS_ATTEMPTS {
-            if attempt > 0 {
-                m.cas_conflicts.fetch_add(1, Ordering::Relaxed);
-            }
+        // Whether `current` is this process's last write rather than what Redis answered.
+        let mut remembered = current.is_some();
+        for _ in 0..CAS_ATTEMPTS {
+            let from_memory = std::mem::take(&mut remembered);
             let (stored, raw) = match current.take() {
                 Some(c) => c,
                 None => self.store.kv.read(rkey).await.map_err(|_| unavailable())?,
@@ -691,6 +691,13 @@ impl<K: Kv> Rls<K> {
             };
             let (r, write) = f(&mut counter, now);
             let observed = || self.leases.observed(rkey, raw, wall_clock(), lease::ran(&counter, now));
+            if !write && from_memory {
+                // No compare-and-set checks a decision that writes nothing (a refusal, a look
+                // with no hits): made on this process's last write, it could be stale (another
+                // process wrote since) or answered with Redis gone. Made again on what Redis
+                // holds.
+                continue;
+            }
             if !write {
                 observed();
                 return Ok(r);
@@ -725,7 +732,10 @@ impl<K: Kv> Rls<K> {
                     m.counter_writes.fetch_add(1, Ordering::Relaxed);
                     return Ok(r);
                 }
-                Ok(Cas::Changed(value, at)) => current = Some((value, at)),
+                Ok(Cas::Changed(value, at)) => {
+                    m.cas_conflicts.fetch_add(1, Ordering::Relaxed);
+                    current = Some((value, at));
+                }
                 Err(_) => {
                     if let Ok(mut known) = self.known.lock() {
                         known.remove(rkey);

@@ -215,6 +215,24 @@ async fn redis_down_is_unavailable_and_nothing_is_lost() {
     assert_eq!(remaining(&r.should_rate_limit(&c).await.unwrap()), [1]);
 }
 
+/// An exact descriptor's look (no hits) and refusal are decided at Redis, not on what this
+/// process last wrote: another process's hits since are seen, and with Redis down the look is
+/// unavailable (it answered from memory: OK, with a stale count).
+#[tokio::test]
+async fn an_exact_look_is_decided_at_redis_not_on_this_process_last_write() {
+    let r = rls();
+    let other =
+        Rls::new(Arc::clone(&r.store), RlsConfig::parse("t.yaml", CONFIG).unwrap(), None, b"unit-test-secret-0123");
+    let c = call(&[&[("user", "erin")]]);
+    let mut look = c.clone();
+    look.descriptors[0].hits_addend = Some(0);
+    assert_eq!(remaining(&r.should_rate_limit(&c).await.unwrap()), [2]);
+    assert_eq!(remaining(&other.should_rate_limit(&c).await.unwrap()), [1]);
+    assert_eq!(remaining(&r.should_rate_limit(&look).await.unwrap()), [1], "the other process's hit counts");
+    r.store.kv.down.store(true, Ordering::Relaxed);
+    assert!(matches!(r.should_rate_limit(&look).await, Err(Refusal::Unavailable(_))));
+}
+
 #[tokio::test]
 async fn malformed_calls_are_invalid() {
     let r = rls();
