@@ -104,6 +104,17 @@ pub fn limit() -> Limit {
     Limit::new(Algorithm::FixedWindow, 100, 3600 * SECOND, None).unwrap()
 }
 
+/// Waits, when `store`'s clock is less than `needed` before the end of [`limit`]'s fixed window,
+/// until the next window: a sequence run on a real clock must not see its window roll over
+/// (a run started a minute before the hour saw its counters' quota restored mid-sequence).
+pub fn clear_of_the_windows_end(store: &mut dyn SyncStore, needed: Nanos) {
+    let per = limit().per();
+    let left = per - store.now() % per;
+    if left < needed {
+        store.wait(left + SECOND);
+    }
+}
+
 /// A counter key unique per run (the Worker's objects outlive a sequence within one workerd).
 pub fn key(run: &str, name: &str) -> Vec<u8> {
     format!("{run}/{name}").into_bytes()
@@ -156,6 +167,8 @@ fn seen(req: Option<&SyncRequest>, status: u16, body: &[u8]) -> Seen {
 
 /// The sequences, each a list of (wait before, call); returns what each call saw.
 pub fn sequences(run: &str, store: &mut dyn SyncStore) -> Vec<(&'static str, Vec<Seen>)> {
+    // Against a real store they take about a minute of its clock.
+    clear_of_the_windows_end(store, 180 * SECOND);
     let late = key(run, "late");
     let hb = key(run, "heartbeat");
     let old = key(run, "older");
@@ -335,13 +348,7 @@ pub fn run_steps(steps: Vec<(Nanos, Step)>, store: &mut dyn SyncStore) -> Vec<Se
 /// waits out the memory on the real clock: 61 s.
 pub fn replay_after_the_seq_memory(run: &str, store: &mut dyn SyncStore) -> Vec<Seen> {
     let k = key(run, "replayed");
-    // The counter's fixed window must not roll over during the wait (a real clock may start
-    // a minute before the hour): it would restore the quota the sequence compares.
-    let per = limit().per();
-    let left = per - store.now() % per;
-    if left < SEQ_MEMORY + 10 * SECOND {
-        store.wait(left + SECOND);
-    }
+    clear_of_the_windows_end(store, SEQ_MEMORY + 10 * SECOND);
     run_steps(
         vec![
             (0, Step::Now(batch(1001, 1, &[(&k, 25)]))),
