@@ -89,6 +89,10 @@ const BREAKER_AFTER: u32 = 3;
 /// The longest the breaker stays open.
 const BREAKER_MAX: Nanos = 30_000 * MS;
 
+/// The longest a node whose batches the store refuses for their time waits before it tries
+/// again (its clock may have been put right meanwhile).
+const REFUSED_RETRY: Nanos = 2_000 * MS;
+
 /// How long the breaker stays open after `failures` in a row (none below [`BREAKER_AFTER`]):
 /// 500 ms, doubling with each failure after, at most [`BREAKER_MAX`].
 fn breaker_backoff(failures: u32) -> Nanos {
@@ -1375,6 +1379,11 @@ impl Syncer {
                 // Logged once by itself, not as each failed batch.
                 self.refused_for_time(host, body);
                 self.failed(host, batch, now, "");
+                // The store answers: it is this node's clock that is off. Tried again every
+                // [`REFUSED_RETRY`] at most (a signature check for the store), so that sync
+                // resumes within it once the clock is put right (the breaker's 32 s had held it).
+                let mut s = self.syncing.borrow_mut();
+                s.open_until = s.open_until.min(now.saturating_add(REFUSED_RETRY));
                 return;
             }
             let why = match (status, verified) {

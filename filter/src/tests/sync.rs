@@ -366,7 +366,8 @@ fn a_node_whose_clock_is_beyond_the_bound_is_refused_counts_it_logs_once_and_deg
     // The store's clock is 30 s ahead of this node's: every request is refused, 422.
     let skew = 30_000 * MS as i64;
     let mut refused = 0;
-    for _ in 0..30 {
+    // For 40 s: long enough for the breaker's backoff to have grown past 2 s.
+    for _ in 0..400 {
         let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "bob")]);
         e.on_tick(&h);
         let got = serve_skewed(&mut s, &e, &h, skew);
@@ -397,7 +398,9 @@ fn a_node_whose_clock_is_beyond_the_bound_is_refused_counts_it_logs_once_and_deg
     assert_eq!(statuses(&e, &h, "GET", "/u/x", &ann, 6), [200, 200, 200, 200, 200, 429], "10 / 2 nodes locally");
     assert_eq!(reply(&e, &h, "GET", "/cl/x", &ann).status, 503);
     assert!(h.metric("ratewall_sync_degraded_requests") >= 7);
-    // Once the clocks agree, the next batch is served, and a later refusal is logged again.
+    // Once the clocks agree, the next batch is served within 2 s (the store answered: the
+    // breaker's backoff does not hold it), and a later refusal is logged again.
+    let agreed = h.now();
     for _ in 0..400 {
         e.on_tick(&h);
         if serve_skewed(&mut s, &e, &h, 0).contains(&200) {
@@ -406,6 +409,7 @@ fn a_node_whose_clock_is_beyond_the_bound_is_refused_counts_it_logs_once_and_deg
         h.advance(100 * MS);
     }
     assert_eq!(h.metric("ratewall_sync_ok"), 1);
+    assert!(h.now() - agreed <= 2_000 * MS, "served {} ms after the clocks agreed", (h.now() - agreed) / MS);
     // Heartbeats carry the node's clock too.
     for _ in 0..10 {
         e.on_tick(&h);
