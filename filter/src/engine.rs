@@ -567,9 +567,9 @@ impl Engine {
     /// The host ran on a request that was paused for an ask (its response came while the ask
     /// was out): ngx_wasm_module does so for a request on a kept-alive connection when the
     /// filter runs in NGINX's rewrite phase, and its worker can then crash when the ask's
-    /// answer comes. From now on no request of the proxy waits for an ask: every rule is
-    /// decided as one that is not exact ([`Engine::exact_rules`]), and it is said at error
-    /// level with the fix.
+    /// answer comes. From now on no request of the proxy waits for an ask (each is decided
+    /// as with the store out of reach, the rule's `on_store_failure` deciding), and it is
+    /// said at error level with the fix.
     pub fn pause_ignored(&self, host: &dyn Host) {
         if self.no_pause.replace(true) {
             return;
@@ -581,19 +581,8 @@ impl Engine {
              a request on a kept-alive connection so when the filter is in its rewrite phase, and a \
              worker can crash when the answer comes): add `proxy_wasm_request_headers_in_access on;` \
              beside `proxy_wasm` (docs/nginx.md); until the proxy is reloaded, no request waits for \
-             the store (exact rules are decided as rules that are not exact)",
+             the store (each is decided as with the store out of reach)",
         );
-    }
-
-    /// Per rule, whether it is exact as the filter can apply it now: none is where the host
-    /// does not hold a paused request ([`Engine::pause_ignored`]), and each is then decided as
-    /// a rule that is not exact is — at once, on the node's grant, within the written bound.
-    fn exact_rules(&self) -> &[bool] {
-        if self.no_pause.get() {
-            &[]
-        } else {
-            &self.exact
-        }
     }
 
     /// The longest valid answer to sync call `token`: the glue reads no longer body.
@@ -875,7 +864,7 @@ impl Engine {
             }
         };
         let mut counters = TableCounters::new(&self.table, host, grants, &unavailable);
-        counters.exact = self.exact_rules();
+        counters.exact = &self.exact;
         if let (Some(s), Grants::On { .. }) = (self.sync(), grants) {
             counters.named_out = s.named_out(now);
             counters.came_back = s.came_back(now);
@@ -948,7 +937,7 @@ impl Engine {
                         c.limit.algorithm(),
                         ratewall_core::Algorithm::SlidingWindow | ratewall_core::Algorithm::SlidingLog
                     );
-                    let lagging = sliding && !self.exact_rules().get(c.rule).copied().unwrap_or(false);
+                    let lagging = sliding && !self.exact.get(c.rule).copied().unwrap_or(false);
                     if !d.allowed && d.retry_after == Some(ratewall_core::eval::ALLOWANCE_RETRY) {
                         if let Some(free) = s.out_until(ratewall_core::key::fnv1a(&c.key), now) {
                             let free = if lagging { free.saturating_add(lag) } else { free };
