@@ -503,6 +503,9 @@ struct Syncing {
     retry: Option<Batch>,
     failures: u32,
     open_until: Nanos,
+    /// Whether the last failure was the store refusing a batch for its time: the breaker
+    /// then waits at most [`REFUSED_RETRY`].
+    refused: bool,
     /// When the last batch was sent.
     sent_at: Nanos,
     /// Whether the last answer left every counter far from its limit (each grant leased for
@@ -991,7 +994,8 @@ impl Syncer {
         // breaker and the batches run on rather than wait for the clock to catch up (the
         // breaker for no longer than its backoff now: a clock put back a minute had kept it
         // open 30 s after the store answered again).
-        s.open_until = s.open_until.min(now.saturating_add(breaker_backoff(s.failures)));
+        let backoff = if s.refused { REFUSED_RETRY } else { breaker_backoff(s.failures) };
+        s.open_until = s.open_until.min(now.saturating_add(backoff));
         s.sent_at = s.sent_at.min(now);
         if now < s.open_until {
             return;
@@ -1225,6 +1229,7 @@ impl Syncer {
     fn failed(&self, host: &dyn Host, batch: Batch, now: Nanos, why: &str) {
         let mut s = self.syncing.borrow_mut();
         s.retry = Some(batch);
+        s.refused = false;
         s.failures = s.failures.saturating_add(1);
         if s.failures >= BREAKER_AFTER {
             s.open_until = now.saturating_add(breaker_backoff(s.failures));
@@ -1384,6 +1389,7 @@ impl Syncer {
                 // resumes within it once the clock is put right (the breaker's 32 s had held it).
                 let mut s = self.syncing.borrow_mut();
                 s.open_until = s.open_until.min(now.saturating_add(REFUSED_RETRY));
+                s.refused = true;
                 return;
             }
             let why = match (status, verified) {
@@ -1465,6 +1471,7 @@ impl Syncer {
             let mut s = self.syncing.borrow_mut();
             s.failures = 0;
             s.open_until = 0;
+            s.refused = false;
             // A spent token bucket is renewed when the store has a token back (the lease's end
             // is that far past it: the time the bucket takes to fill, less all but one of its
             // units), so that the node holds a grant by the time a client it refused comes

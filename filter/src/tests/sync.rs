@@ -399,7 +399,9 @@ fn a_node_whose_clock_is_beyond_the_bound_is_refused_counts_it_logs_once_and_deg
     assert_eq!(reply(&e, &h, "GET", "/cl/x", &ann).status, 503);
     assert!(h.metric("ratewall_sync_degraded_requests") >= 7);
     // Once the clocks agree, the next batch is served within 2 s (the store answered: the
-    // breaker's backoff does not hold it), and a later refusal is logged again.
+    // breaker's backoff does not hold it), and a later refusal is logged again. Here the
+    // node's clock was the one behind, and is put forward; a clock that was ahead and is put
+    // back: below.
     let agreed = h.now();
     for _ in 0..400 {
         e.on_tick(&h);
@@ -418,6 +420,35 @@ fn a_node_whose_clock_is_beyond_the_bound_is_refused_counts_it_logs_once_and_deg
     }
     let logged = h.logs.borrow().iter().filter(|(_, m)| m.contains("refuses this node's sync requests")).count();
     assert_eq!(logged, 2);
+}
+
+/// A node whose clock ran 60 s ahead for 40 s, its batches refused for their time, then put
+/// back: sync resumes within 2 s (it resumed when the breaker's grown backoff, 30 s, ran out).
+#[test]
+fn a_node_whose_clock_ahead_is_put_back_syncs_again_within_two_seconds() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(10, 2));
+    let mut s = store();
+    let ahead = 60_000 * MS;
+    h.now.set(h.now() + ahead);
+    for _ in 0..400 {
+        let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "bob")]);
+        e.on_tick(&h);
+        let got = serve_skewed(&mut s, &e, &h, -(ahead as i64));
+        assert!(got.iter().all(|st| *st == 422), "{got:?}");
+        h.advance(100 * MS);
+    }
+    h.now.set(h.now() - ahead);
+    let fixed = h.now();
+    for _ in 0..400 {
+        e.on_tick(&h);
+        if serve_skewed(&mut s, &e, &h, 0).contains(&200) {
+            break;
+        }
+        h.advance(100 * MS);
+    }
+    assert_eq!(h.metric("ratewall_sync_ok"), 1);
+    assert!(h.now() - fixed <= 2_000 * MS, "served {} ms after the clock was put back", (h.now() - fixed) / MS);
 }
 
 #[test]
