@@ -365,16 +365,8 @@ fn a_node_whose_clock_is_beyond_the_bound_is_refused_counts_it_logs_once_and_deg
     let mut s = store();
     // The store's clock is 30 s ahead of this node's: every request is refused, 422.
     let skew = 30_000 * MS as i64;
-    let mut refused = 0;
     // For 40 s: long enough for the breaker's backoff to have grown past 2 s.
-    for _ in 0..400 {
-        let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "bob")]);
-        e.on_tick(&h);
-        let got = serve_skewed(&mut s, &e, &h, skew);
-        assert!(got.iter().all(|st| *st == 422), "{got:?}");
-        refused += got.len() as u64;
-        h.advance(100 * MS);
-    }
+    let refused = refused_for_time(&mut s, &e, &h, skew, 400);
     assert!(refused >= 3);
     assert_eq!(h.metric("ratewall_sync_refused_stale"), refused, "every refusal is counted");
     assert_eq!(h.metric("ratewall_sync_ok"), 0);
@@ -402,16 +394,9 @@ fn a_node_whose_clock_is_beyond_the_bound_is_refused_counts_it_logs_once_and_deg
     // breaker's backoff does not hold it), and a later refusal is logged again. Here the
     // node's clock was the one behind, and is put forward; a clock that was ahead and is put
     // back: below.
-    let agreed = h.now();
-    for _ in 0..400 {
-        e.on_tick(&h);
-        if serve_skewed(&mut s, &e, &h, 0).contains(&200) {
-            break;
-        }
-        h.advance(100 * MS);
-    }
+    let took = until_served(&mut s, &e, &h);
     assert_eq!(h.metric("ratewall_sync_ok"), 1);
-    assert!(h.now() - agreed <= 2_000 * MS, "served {} ms after the clocks agreed", (h.now() - agreed) / MS);
+    assert!(took <= 2_000 * MS, "served {} ms after the clocks agreed", took / MS);
     // Heartbeats carry the node's clock too.
     for _ in 0..10 {
         e.on_tick(&h);
@@ -431,24 +416,39 @@ fn a_node_whose_clock_ahead_is_put_back_syncs_again_within_two_seconds() {
     let mut s = store();
     let ahead = 60_000 * MS;
     h.now.set(h.now() + ahead);
-    for _ in 0..400 {
-        let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "bob")]);
-        e.on_tick(&h);
-        let got = serve_skewed(&mut s, &e, &h, -(ahead as i64));
+    refused_for_time(&mut s, &e, &h, -(ahead as i64), 400);
+    h.now.set(h.now() - ahead);
+    let took = until_served(&mut s, &e, &h);
+    assert_eq!(h.metric("ratewall_sync_ok"), 1);
+    assert!(took <= 2_000 * MS, "served {} ms after the clock was put back", took / MS);
+}
+
+/// `ticks` rounds 100 ms apart of a request and a tick, every batch refused for its time by
+/// `s` (its clock `skew` from the node's); how many were refused.
+fn refused_for_time(s: &mut Store, e: &Engine, h: &FakeHost, skew: i64, ticks: usize) -> u64 {
+    let mut refused = 0;
+    for _ in 0..ticks {
+        let _ = reply(e, h, "GET", "/u/x", &[("x-user-id", "bob")]);
+        e.on_tick(h);
+        let got = serve_skewed(s, e, h, skew);
         assert!(got.iter().all(|st| *st == 422), "{got:?}");
+        refused += got.len() as u64;
         h.advance(100 * MS);
     }
-    h.now.set(h.now() - ahead);
-    let fixed = h.now();
+    refused
+}
+
+/// Ticks 100 ms apart until `s` (on the node's clock) serves a batch; how long that took.
+fn until_served(s: &mut Store, e: &Engine, h: &FakeHost) -> Nanos {
+    let from = h.now();
     for _ in 0..400 {
-        e.on_tick(&h);
-        if serve_skewed(&mut s, &e, &h, 0).contains(&200) {
+        e.on_tick(h);
+        if serve_skewed(s, e, h, 0).contains(&200) {
             break;
         }
         h.advance(100 * MS);
     }
-    assert_eq!(h.metric("ratewall_sync_ok"), 1);
-    assert!(h.now() - fixed <= 2_000 * MS, "served {} ms after the clock was put back", (h.now() - fixed) / MS);
+    h.now() - from
 }
 
 #[test]
