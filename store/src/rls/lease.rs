@@ -102,18 +102,24 @@ impl Clock {
 
     /// The instant a transition read at Redis at `raw` (Redis's clock) runs at.
     fn run_at(&self, raw: Nanos) -> Nanos {
-        if raw.saturating_add(CLOCK_CORRECTION) < self.seen {
-            raw
-        } else {
-            raw.max(self.seen)
-        }
+        held(raw, self.seen)
     }
 
     /// Notes an answer: Redis's clock read `raw` when ours read `ours`, and the transition ran
     /// at `ran` ([`Clock::run_at`], or later: the counter's own latest instant).
     fn observe(&mut self, raw: Nanos, ours: Nanos, ran: Nanos) {
         self.skew = skew(raw, ours);
-        self.seen = if ran.saturating_add(CLOCK_CORRECTION) < self.seen { ran } else { self.seen.max(ran) };
+        self.seen = held(ran, self.seen);
+    }
+}
+
+/// `at` as a counter that has seen `seen` takes it ([`Counter`]'s clock): no earlier than
+/// `seen`, unless more than [`CLOCK_CORRECTION`] before it (a clock put back: taken as it is).
+fn held(at: Nanos, seen: Nanos) -> Nanos {
+    if at.saturating_add(CLOCK_CORRECTION) < seen {
+        at
+    } else {
+        at.max(seen)
     }
 }
 
@@ -163,11 +169,7 @@ pub fn skew(counter_now: Nanos, ours: Nanos) -> i64 {
 /// The instant a transition run at `now` on `counter` ran at: the counter's own latest
 /// instant, when it holds a later one ([`Clock`]).
 pub(crate) fn ran(counter: &Counter, now: Nanos) -> Nanos {
-    if now.saturating_add(CLOCK_CORRECTION) < counter.last_seen {
-        now
-    } else {
-        now.max(counter.last_seen)
-    }
+    held(now, counter.last_seen)
 }
 
 /// Reports batch `b` of this node on `counter` at `now` (the counter's clock): its units as
@@ -301,7 +303,13 @@ impl Leases {
     /// Counter `rkey`'s clock as this process knows it.
     fn clock_of(&self, rkey: &str) -> Clock {
         let own = self.held.lock().ok().and_then(|held| held.get(rkey).map(|h| h.clock));
-        own.or_else(|| self.clock.lock().ok().map(|c| *c)).unwrap_or_default()
+        own.unwrap_or_else(|| self.process_clock())
+    }
+
+    /// The clock of the counter this process last heard from (or Redis's, at its last note of
+    /// itself as present): a counter's until its own is known.
+    fn process_clock(&self) -> Clock {
+        self.clock.lock().ok().map(|c| *c).unwrap_or_default()
     }
 
     /// The instant a transition of counter `rkey` read at Redis at `raw` (Redis's clock) runs
@@ -381,7 +389,7 @@ impl Leases {
         let (quota, per) = (limit.quota(), limit.per().max(1));
         let fixed = limit.algorithm() == Algorithm::FixedWindow;
         // The window's quarter on the counter's clock, which its windows run on.
-        let clock = self.clock.lock().ok().map(|c| *c).unwrap_or_default();
+        let clock = self.process_clock();
         if fixed && clock.at(now) % per >= per / 4 {
             return None;
         }
@@ -490,7 +498,7 @@ impl Leases {
                 held.retain(|_, h| h.pending.is_some() || h.spent > 0 || now < h.until);
             }
             if held.len() < MAX_HELD || held.contains_key(rkey) {
-                let clock = self.clock.lock().ok().map(|c| *c).unwrap_or_default();
+                let clock = self.process_clock();
                 let h = held.entry(rkey.to_owned()).or_insert_with(|| Held {
                     limit,
                     grant: 0,
