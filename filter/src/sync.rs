@@ -494,6 +494,21 @@ impl Recent {
     }
 }
 
+impl Syncing {
+    /// How long the breaker stays open after the failures so far: its backoff, at most
+    /// [`REFUSED_RETRY`] while the store refuses the node's batches for their time (the store
+    /// answers: it is the node's clock that is off, and it may be put right meanwhile — the
+    /// breaker's 32 s had held sync that long after).
+    fn backoff(&self) -> Nanos {
+        let backoff = breaker_backoff(self.failures);
+        if self.refused {
+            backoff.min(REFUSED_RETRY)
+        } else {
+            backoff
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Syncing {
     seq: u64,
@@ -994,8 +1009,7 @@ impl Syncer {
         // breaker and the batches run on rather than wait for the clock to catch up (the
         // breaker for no longer than its backoff now: a clock put back a minute had kept it
         // open 30 s after the store answered again).
-        let backoff = if s.refused { REFUSED_RETRY } else { breaker_backoff(s.failures) };
-        s.open_until = s.open_until.min(now.saturating_add(backoff));
+        s.open_until = s.open_until.min(now.saturating_add(s.backoff()));
         s.sent_at = s.sent_at.min(now);
         if now < s.open_until {
             return;
@@ -1227,12 +1241,18 @@ impl Syncer {
     }
 
     fn failed(&self, host: &dyn Host, batch: Batch, now: Nanos, why: &str) {
+        self.failed_as(host, batch, now, why, false);
+    }
+
+    /// A failed batch; `refused`: refused by the store for its time (the breaker then waits
+    /// at most [`REFUSED_RETRY`]).
+    fn failed_as(&self, host: &dyn Host, batch: Batch, now: Nanos, why: &str, refused: bool) {
         let mut s = self.syncing.borrow_mut();
         s.retry = Some(batch);
-        s.refused = false;
+        s.refused = refused;
         s.failures = s.failures.saturating_add(1);
         if s.failures >= BREAKER_AFTER {
-            s.open_until = now.saturating_add(breaker_backoff(s.failures));
+            s.open_until = now.saturating_add(s.backoff());
             if let Some(m) = self.metrics.breaker_open {
                 host.set_gauge(m, 1);
             }
@@ -1383,13 +1403,7 @@ impl Syncer {
             if status == REFUSED_FOR_TIME {
                 // Logged once by itself, not as each failed batch.
                 self.refused_for_time(host, body);
-                self.failed(host, batch, now, "");
-                // The store answers: it is this node's clock that is off. Tried again every
-                // [`REFUSED_RETRY`] at most (a signature check for the store), so that sync
-                // resumes within it once the clock is put right (the breaker's 32 s had held it).
-                let mut s = self.syncing.borrow_mut();
-                s.open_until = s.open_until.min(now.saturating_add(REFUSED_RETRY));
-                s.refused = true;
+                self.failed_as(host, batch, now, "", true);
                 return;
             }
             let why = match (status, verified) {
