@@ -390,13 +390,8 @@ impl Vm {
     /// upstream's response goes to the client without the filter's `on_response_headers`
     /// (the module takes the pause as still in force), then the request ends.
     pub fn run_on(&mut self, ctx: u32) -> Result<()> {
-        let c = ctx as i32;
-        self.enter(ctx);
         self.store.data_mut().response_headers = vec![(":status".into(), b"200".to_vec())];
-        self.guard(|s, e| e.done.call(s, c))?;
-        self.guard(|s, e| e.log.call(s, c))?;
-        self.guard(|s, e| e.delete.call(s, c))?;
-        self.ended(ctx)
+        self.end(ctx)
     }
 
     /// The upstream response of a request started with [`Vm::begin_in_flight`].
@@ -460,6 +455,11 @@ impl Vm {
     /// A paused request whose client went away (the stream was reset): the end of its
     /// stream without a response, as Envoy ends it.
     pub fn abort(&mut self, ctx: u32) -> Result<()> {
+        self.end(ctx)
+    }
+
+    /// The end of request `ctx`'s stream: its done, log and delete callbacks.
+    fn end(&mut self, ctx: u32) -> Result<()> {
         let c = ctx as i32;
         self.enter(ctx);
         self.guard(|s, e| e.done.call(s, c))?;
@@ -499,10 +499,7 @@ impl Vm {
                 .collect();
             FilterResult { status: 200, headers, body: Vec::new(), passed: true }
         };
-        self.guard(|s, e| e.done.call(s, c))?;
-        self.guard(|s, e| e.log.call(s, c))?;
-        self.guard(|s, e| e.delete.call(s, c))?;
-        self.ended(ctx)?;
+        self.end(ctx)?;
         Ok(result)
     }
 
