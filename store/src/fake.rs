@@ -73,7 +73,7 @@ impl Kv for FakeKv {
         let nodes = registry.heard(now, node, (seq, !batch, sent), NODE_TTL).map_err(|e| match e {
             SyncError::Stale { last } => Unheard::Older(last),
             SyncError::Repeated { .. } => Unheard::Repeated,
-            _ => Unheard::Failed,
+            e => Unheard::Failed(e.to_string()),
         })?;
         Ok((nodes, registry.heard_within(now, CUT_OFF_SILENCE)))
     }

@@ -174,11 +174,20 @@ return {redis.call('ZCARD', KEYS[1]), t[1], t[2]}";
 /// What the health checks run: Redis's clock and a write, through a script, as every command
 /// of the store needs them. A Redis that answers `PING` but refuses writes (out of memory
 /// under `noeviction`, a read-only replica, an ACL user without `EVALSHA` or `TIME`) serves
-/// no call: the store is not healthy then.
-pub const PROBE: &str = "redis.call('TIME') redis.call('SET', KEYS[1], '1', 'PX', 10000) return 1";
+/// no call: the store is not healthy then. Nor is it when a key of the registry
+/// ([`REGISTRY_KEYS`], `KEYS[2..]`) holds a value of another type than the registry writes
+/// there (`ARGV`: those types): every batch fails on it, and the error names the key.
+pub const PROBE: &str = "redis.call('TIME') \
+for i = 2, #KEYS do local t = redis.call('TYPE', KEYS[i]).ok \
+if t ~= 'none' and t ~= ARGV[i - 1] then return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' holds a ' .. t .. \
+' where the node registry keeps a ' .. ARGV[i - 1] .. ': every batch fails until it is deleted') end end \
+redis.call('SET', KEYS[1], '1', 'PX', 10000) return 1";
 
 /// The key [`PROBE`] writes (in the registry's slot).
 pub const PROBE_KEY: &str = "rw:{registry}:probe";
+
+/// The type of each of [`REGISTRY_KEYS`], as Redis's `TYPE` names it.
+pub const REGISTRY_TYPES: [&str; 4] = ["hash", "zset", "zset", "string"];
 
 /// The key of the rate limit service's processes ([`PRESENT`]).
 pub const PRESENT_KEY: &str = "rw:{rls-processes}";
@@ -294,7 +303,7 @@ pub const READ_AFTER: &str = "if ARGV[1] == '' then \
     for _, e in ipairs(es) do out[1] = e[1] out[#out + 1] = e[2][2] end return out";
 
 /// Why the registry refused a call, or could not say. Nothing is changed in either case.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Unheard {
     /// A batch older than the node's latest (this one).
     Older(u64),
@@ -303,8 +312,8 @@ pub enum Unheard {
     Skewed(Nanos),
     /// An ask already answered: a replay of a captured one.
     Repeated,
-    /// Redis failed.
-    Failed,
+    /// Redis failed: why.
+    Failed(String),
 }
 
 /// The store's counters, exported at `GET /metrics`.
@@ -651,7 +660,7 @@ impl<K: Kv> Store<K> {
                 let e = SyncError::Skewed { sent: req.sent, now };
                 return Err(Answer::error(e.status(), e.to_string()));
             }
-            Err(Unheard::Failed) => {
+            Err(Unheard::Failed(_)) => {
                 self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
                 return Err(Answer::error(503, reason::REGISTRY_FAILED));
             }

@@ -179,9 +179,10 @@ impl Kv for LazyKv {
         batch: bool,
         sent: Nanos,
     ) -> Result<(u32, Vec<u64>), ratewall_store::Unheard> {
-        let heard = self.get().await.ok_or(ratewall_store::Unheard::Failed)?.heard(node, seq, batch, sent).await;
-        if matches!(heard, Err(ratewall_store::Unheard::Failed)) {
-            self.failed("the node registry could not be read or written");
+        let kv = self.get().await.ok_or_else(|| ratewall_store::Unheard::Failed("no connection to Redis".into()))?;
+        let heard = kv.heard(node, seq, batch, sent).await;
+        if let Err(ratewall_store::Unheard::Failed(e)) = &heard {
+            self.failed(&format!("the node registry could not be read or written: {e}"));
         }
         heard
     }

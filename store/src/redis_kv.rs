@@ -4,7 +4,7 @@
 
 use crate::{
     Cas, Kv, Unheard, APPEND, CAS, MANY, NODE_TTL, PRESENT, PRESENT_KEY, PROBE, PROBE_KEY, READ, READ_AFTER, REGISTRY,
-    REGISTRY_KEYS,
+    REGISTRY_KEYS, REGISTRY_TYPES,
 };
 use ratewall_core::sync::{
     CUT_OFF_SILENCE, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_NODES, MAX_REQUEST_SKEW, SEQ_MEMORY,
@@ -350,8 +350,10 @@ impl Kv for RedisKv {
             MAX_ASKS_REMEMBERED.to_string().into_bytes(),
             MAX_NODES.to_string().into_bytes(),
         ];
-        let Ok(Value::Array(parts)) = self.run(&self.registry, &REGISTRY_KEYS, &args).await else {
-            return Err(Unheard::Failed);
+        let unexpected = || Unheard::Failed("unexpected reply to the registry script".into());
+        let Value::Array(parts) = self.run(&self.registry, &REGISTRY_KEYS, &args).await.map_err(Unheard::Failed)?
+        else {
+            return Err(unexpected());
         };
         match parts.first().and_then(int) {
             Some(-1) => {
@@ -364,7 +366,7 @@ impl Kv for RedisKv {
             Some(-3) => Err(Unheard::Repeated),
             Some(-2) => {
                 let now_ms = parts.get(1).and_then(int).and_then(|ms| u64::try_from(ms).ok());
-                Err(now_ms.map_or(Unheard::Failed, |ms| Unheard::Skewed(ms.saturating_mul(1_000_000))))
+                Err(now_ms.map_or_else(unexpected, |ms| Unheard::Skewed(ms.saturating_mul(1_000_000))))
             }
             Some(n) => {
                 // Ids a node could not have sent are skipped: the list only spares nodes. In id
@@ -389,7 +391,7 @@ impl Kv for RedisKv {
                 };
                 Ok((u32::try_from(n).unwrap_or(u32::MAX), lately))
             }
-            None => Err(Unheard::Failed),
+            None => Err(unexpected()),
         }
     }
 
@@ -406,7 +408,9 @@ impl Kv for RedisKv {
     async fn ping(&self) -> Result<(), String> {
         // On a Cluster, at the registry's slot, which every batch needs (its primary down,
         // nothing can be answered).
-        self.run(&self.probe, &[PROBE_KEY], &[]).await.map(|_| ())
+        let keys = [PROBE_KEY, REGISTRY_KEYS[0], REGISTRY_KEYS[1], REGISTRY_KEYS[2], REGISTRY_KEYS[3]];
+        let types = REGISTRY_TYPES.map(|t| t.as_bytes().to_vec());
+        self.run(&self.probe, &keys, &types).await.map(|_| ())
     }
 
     async fn append(&self, key: &str, payload: &[u8], len: u64, ttl_ms: u64) -> Result<(), String> {

@@ -335,6 +335,27 @@ fn a_redis_that_refuses_writes_is_unhealthy_with_its_reason() {
         cli(redis.port, undo).unwrap();
         assert_eq!(store.get("/healthz").status, 200, "{reason} undone");
     }
+    // A value of another type on a key of the node registry fails every batch: health names
+    // the key, and both come back once it is deleted.
+    let run = format!("j{}", std::process::id());
+    let batch = |seq: u64| SyncRequest {
+        node: 7,
+        seq,
+        sent: 0,
+        deltas: vec![Delta { key: key(&run, "k"), limit: big(), units: 1 }],
+        ask: false,
+    };
+    assert_eq!(Http(&store.addr).call(&batch(1)).0, 200);
+    cli(redis.port, &["del", "rw:{registry}:seen"]).unwrap();
+    cli(redis.port, &["set", "rw:{registry}:seen", "junk"]).unwrap();
+    assert_eq!(Http(&store.addr).call(&batch(2)).0, 503);
+    let r = store.get("/healthz");
+    assert_eq!(r.status, 503);
+    assert!(r.text().contains("rw:{registry}:seen holds a string"), "{}", r.text());
+    cli(redis.port, &["del", "rw:{registry}:seen"]).unwrap();
+    assert_eq!(store.get("/healthz").status, 200);
+    assert_eq!(Http(&store.addr).call(&batch(2)).0, 200);
+    assert_eq!(counted(&store.addr, &key(&run, "k"), 1), 2);
     assert!(!store.logged().contains("maxmemory-policy"), "noeviction: no warning");
     // A policy that evicts counters is warned of at start.
     cli(redis.port, &["config", "set", "maxmemory-policy", "volatile-lru"]).unwrap();
