@@ -214,9 +214,23 @@ fn declared_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(axum::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
 }
 
+/// KiB of request bodies the store holds at once, being read or read: a request holds its
+/// declared length (its limit, when it declares none) from before its body is read until it is
+/// answered, so that the connections it serves (up to 16,384) cannot each hold a body of the
+/// largest size. Past it a request waits up to [`BODY_WAIT`] for room, then is answered 503.
+const BODY_BUDGET_KIB: usize = 64 * 1024;
+
+/// How long a request waits for room in [`BODY_BUDGET_KIB`].
+const BODY_WAIT: Duration = Duration::from_millis(500);
+
+/// The room left in [`BODY_BUDGET_KIB`], in KiB.
+static BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(BODY_BUDGET_KIB);
+
 /// Why a request's body was not read whole.
 #[derive(Debug, PartialEq, Eq)]
 enum Unread {
+    /// The store holds [`BODY_BUDGET_KIB`] of bodies already.
+    Busy,
     /// Past the limit (read up to it, no further).
     TooLarge,
     /// Not all of it arrived within [`conn::BODY`].
@@ -225,10 +239,21 @@ enum Unread {
     Broken,
 }
 
-/// A request's body, read whole within [`conn::BODY`] and at most `limit` bytes.
-async fn read_body(body: axum::body::Body, limit: usize) -> Result<Bytes, Unread> {
+/// A request's body, read whole within [`conn::BODY`] and at most `limit` bytes (`declared`:
+/// its `Content-Length`), with its room in [`BODY_BUDGET_KIB`], held until it is dropped.
+async fn read_body(
+    body: axum::body::Body,
+    limit: usize,
+    declared: Option<u64>,
+) -> Result<(Bytes, tokio::sync::SemaphorePermit<'static>), Unread> {
+    let bytes = declared.map_or(limit, |n| usize::try_from(n).unwrap_or(limit).min(limit));
+    let kib = u32::try_from(bytes.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+    let room = match tokio::time::timeout(BODY_WAIT, BODIES.acquire_many(kib)).await {
+        Ok(Ok(room)) => room,
+        _ => return Err(Unread::Busy),
+    };
     match tokio::time::timeout(conn::BODY, axum::body::to_bytes(body, limit)).await {
-        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Ok(bytes)) => Ok((bytes, room)),
         Ok(Err(e)) if is_length_limit(&e) => Err(Unread::TooLarge),
         Ok(Err(_)) => Err(Unread::Broken),
         Err(_) => Err(Unread::Slow),
@@ -243,6 +268,11 @@ fn too_slow(content_type: &'static str, body: String) -> Response {
     out
 }
 
+/// The reason given for a request turned away for [`BODY_BUDGET_KIB`].
+fn busy_reason() -> String {
+    format!("the store holds {} MiB of request bodies already: try again", BODY_BUDGET_KIB / 1024)
+}
+
 /// The reason given for a body that did not arrive in time.
 fn slow_reason() -> String {
     format!("the request body did not arrive within {} s", conn::BODY.as_secs())
@@ -254,11 +284,12 @@ fn slow_reason() -> String {
 async fn rls_json(State(rls): State<SharedRls>, headers: HeaderMap, body: axum::body::Body) -> Response {
     use ratewall_store::rls::{json, Refusal};
     let too_large = || Refusal::Invalid(format!("a call is at most {} bytes", json::MAX_BODY));
-    let result = if declared_length(&headers).is_some_and(|n| n > json::MAX_BODY as u64) {
+    let declared = declared_length(&headers);
+    let result = if declared.is_some_and(|n| n > json::MAX_BODY as u64) {
         Err(too_large())
     } else {
-        match read_body(body, json::MAX_BODY).await {
-            Ok(body) => match json::call_of(&body) {
+        match read_body(body, json::MAX_BODY, declared).await {
+            Ok((body, _room)) => match json::call_of(&body) {
                 Ok(call) => rls.should_rate_limit(&call).await,
                 Err(why) => Err(Refusal::Invalid(why)),
             },
@@ -266,6 +297,10 @@ async fn rls_json(State(rls): State<SharedRls>, headers: HeaderMap, body: axum::
             Err(Unread::Broken) => Err(Refusal::Invalid("the body could not be read".into())),
             Err(Unread::Slow) => {
                 return too_slow("application/json", serde_json::json!({"error": slow_reason()}).to_string())
+            }
+            Err(Unread::Busy) => {
+                let body = serde_json::json!({"error": busy_reason()}).to_string();
+                return (StatusCode::SERVICE_UNAVAILABLE, [("content-type", "application/json")], body).into_response();
             }
         }
     };
@@ -293,15 +328,20 @@ async fn sync(State(store): State<Shared>, headers: HeaderMap, body: axum::body:
     let signature = headers.get("x-ratewall-signature").map(HeaderValue::as_bytes);
     // A body declared over `MAX_BODY` is refused before it is read, as the store refuses any
     // body over it, and counted.
-    let a = if declared_length(&headers).is_some_and(|n| n > MAX_BODY as u64) {
+    let declared = declared_length(&headers);
+    let a = if declared.is_some_and(|n| n > MAX_BODY as u64) {
         store.sync_too_large()
     } else {
-        match read_body(body, MAX_BODY + 1).await {
-            Ok(body) => store.sync(&body, signature).await,
+        match read_body(body, MAX_BODY + 1, declared).await {
+            Ok((body, _room)) => store.sync(&body, signature).await,
             // Past `MAX_BODY` + 1 bytes read: cut off there.
             Err(Unread::TooLarge) => store.sync_too_large(),
             Err(Unread::Slow) => return too_slow("text/plain; charset=utf-8", slow_reason()),
             Err(Unread::Broken) => return (StatusCode::BAD_REQUEST, "the body could not be read").into_response(),
+            Err(Unread::Busy) => {
+                let text = [("content-type", "text/plain; charset=utf-8")];
+                return (StatusCode::SERVICE_UNAVAILABLE, text, busy_reason()).into_response();
+            }
         }
     };
     let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

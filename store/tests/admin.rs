@@ -437,6 +437,36 @@ fn a_body_that_does_not_arrive_is_answered_408_within_ten_seconds() {
     assert!(said.contains("did not arrive within 10 s"), "{said}");
 }
 
+/// Bodies being read are held to 64 MiB in all: 64 clients each declaring a body of 1 MiB and
+/// sending a little of it leave no room, and the next request is answered 503 at once rather
+/// than read; room comes back as they go.
+#[test]
+fn request_bodies_held_at_once_are_bounded_and_a_request_past_them_is_answered_503() {
+    let redis = Redis::start(false).unwrap();
+    let store = start(&redis, false);
+    let head = format!("POST /v1/sync HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\nabc", 1 << 20);
+    let mut held: Vec<_> = (0..64).map(|_| send_part(&store.addr, head.as_bytes())).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let (said, took) = until_closed(send_part(
+        &store.addr,
+        b"POST /v1/sync HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc",
+    ));
+    assert!(said.starts_with("HTTP/1.1 503"), "{said}");
+    assert!(said.contains("64 MiB of request bodies"), "{said}");
+    assert!(took < Duration::from_secs(3), "answered after {took:?}");
+    // One client gone: its room is free again, and a small request is read (and refused for
+    // what it is).
+    drop(held.pop());
+    std::thread::sleep(Duration::from_millis(300));
+    let (said, _) = until_closed(send_part(
+        &store.addr,
+        b"POST /v1/sync HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc",
+    ));
+    assert!(said.starts_with("HTTP/1.1 401") || said.starts_with("HTTP/1.1 400"), "{said}");
+    drop(held);
+    assert_eq!(get(&store.addr, "/healthz").0, 200);
+}
+
 #[test]
 fn a_stopped_store_ends_within_its_drain_whatever_its_clients_hold_open() {
     use std::io::Write;
