@@ -156,13 +156,21 @@ fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<Strin
         format!("{at}: {}", e.reason)
     };
     let mut lines = vec![line(&first)];
-    let Ok(serde_json::Value::Object(doc)) = serde_json::from_slice::<serde_json::Value>(without_bom(bytes)) else {
+    // Each rule's own text, as written (through a `Value`, a number past 64 bits would be
+    // shown as a float), in the document without the other rules.
+    use serde_json::value::RawValue;
+    type Doc<'a> = std::collections::BTreeMap<String, &'a RawValue>;
+    let Ok(doc) = serde_json::from_slice::<Doc<'_>>(without_bom(bytes)) else { return lines };
+    let Some(Ok(rules)) = doc.get("rules").map(|r| serde_json::from_str::<Vec<&RawValue>>(r.get())) else {
         return lines;
     };
-    let Some(serde_json::Value::Array(rules)) = doc.get("rules") else { return lines };
-    for (i, rule) in rules.iter().enumerate() {
-        let mut alone = doc.clone();
-        alone.insert("rules".to_owned(), serde_json::Value::Array(vec![rule.clone()]));
+    // The first fault's rule is said already.
+    let said = first.path.strip_prefix("rules[").and_then(|r| r.split(']').next()).and_then(|i| i.parse().ok());
+    for (i, rule) in rules.iter().enumerate().filter(|(i, _)| Some(*i) != said) {
+        let Ok(one) = RawValue::from_string(format!("[{}]", rule.get())) else { continue };
+        let mut alone: std::collections::BTreeMap<&str, &RawValue> =
+            doc.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        alone.insert("rules", &one);
         let Ok(text) = serde_json::to_vec(&alone) else { continue };
         let Err(e) = Config::parse(&text) else { continue };
         // Only what is this rule's own (the rest of the document is as in the first line).

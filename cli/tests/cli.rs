@@ -78,6 +78,16 @@ fn check_names_the_field_of_a_bad_document_and_exits_1() {
     assert_eq!(o.status.code(), Some(1));
     let lines: Vec<String> = stderr(&o).lines().map(|l| l.split(':').next().unwrap_or("").to_owned()).collect();
     assert_eq!(lines, ["rules[0].limit.per", "rules[2].key[0]"], "{}", stderr(&o));
+    // A number past 64 bits is said once, as written, in the first rule and in any other.
+    let big = temp(
+        "big.json",
+        r#"{"rules": [{"name": "a", "key": ["user"], "limit": {"requests": 18446744073709551616, "per": "1s"}},
+                      {"name": "b", "key": ["user"], "limit": {"requests": 18446744073709551617, "per": "1s"}}]}"#,
+    );
+    let o = ratewall(&["check", &big]);
+    let text = stderr(&o);
+    let said: Vec<&str> = text.lines().map(|l| l.rsplit(' ').next().unwrap_or("")).collect();
+    assert_eq!(said, ["18446744073709551616", "18446744073709551617"], "{text}");
     let o = ratewall(&["check", "/no/such/file.json"]);
     assert_eq!(o.status.code(), Some(2), "an unreadable file is a usage error");
     assert_eq!(ratewall(&["frobnicate"]).status.code(), Some(2));
