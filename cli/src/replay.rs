@@ -823,12 +823,22 @@ fn hold(
     }
 }
 
-/// Drops the less rejected half of a rule's keys.
+/// Drops the less rejected half of a rule's keys: the more rejected half is kept, and of keys
+/// rejected as often as the last of it, as many as fill it (keeping only those above the
+/// median dropped every key when most were rejected as often as the most rejected).
 fn prune(c: &mut Counts) {
     let mut n: Vec<u64> = c.by_key.values().map(|(n, _)| *n).collect();
-    n.sort_unstable();
-    let cut = n.get(n.len() / 2).copied().unwrap_or(0);
-    c.by_key.retain(|_, (n, _)| *n > cut);
+    n.sort_unstable_by(|a, b| b.cmp(a));
+    let keep = n.len() / 2;
+    let cut = n.get(keep.saturating_sub(1)).copied().unwrap_or(0);
+    let mut at_cut = keep.saturating_sub(n.iter().take(keep).filter(|&&x| x > cut).count());
+    c.by_key.retain(|_, (n, _)| {
+        let kept = *n > cut || (*n == cut && at_cut > 0);
+        if *n == cut && kept {
+            at_cut -= 1;
+        }
+        kept
+    });
     c.pruned = true;
 }
 
@@ -900,6 +910,28 @@ fn report(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn pruning_keeps_the_more_rejected_half_of_the_keys_ties_included() {
+        let mut c = Counts::default();
+        for i in 0..10u64 {
+            c.by_key.insert(i.to_be_bytes().to_vec(), (1, format!("user={i}")));
+        }
+        c.by_key.insert(b"mallory".to_vec(), (4, "user=mallory".into()));
+        prune(&mut c);
+        assert_eq!(c.by_key.len(), 5);
+        assert_eq!(c.by_key.get(b"mallory".as_slice()).map(|v| v.0), Some(4));
+        assert!(c.pruned);
+        // Counts apart: the half above the cut.
+        let mut c = Counts::default();
+        for i in 0..8u64 {
+            c.by_key.insert(i.to_be_bytes().to_vec(), (i, format!("user={i}")));
+        }
+        prune(&mut c);
+        let mut kept: Vec<u64> = c.by_key.values().map(|v| v.0).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, [4, 5, 6, 7]);
+    }
 
     #[test]
     fn headers_are_an_object_or_a_list_of_pairs_of_strings() {
