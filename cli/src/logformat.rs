@@ -139,6 +139,9 @@ enum Field {
     /// A time written as a `%START_TIME(…)%` format says, by its index in [`Template`]'s
     /// `times`: the field spans what the format reads, spaces included.
     TimeAs(usize),
+    /// NGINX's `$time_local`, always 26 bytes with a space inside (`01/Dec/2026:10:00:11
+    /// +0000`): read whole, whatever text follows it in the format.
+    TimeLocal,
     /// `METHOD URI PROTOCOL`.
     Request,
     /// The method alone.
@@ -210,7 +213,7 @@ impl Template {
             }
         }
         let has = |f: Field| tokens.iter().any(|t| matches!(t, Token::Field(x) if *x == f));
-        if !tokens.iter().any(|t| matches!(t, Token::Field(Field::Time | Field::TimeAs(_)))) {
+        if !tokens.iter().any(|t| matches!(t, Token::Field(Field::Time | Field::TimeAs(_) | Field::TimeLocal))) {
             return Err("the format has no time ($time_local, $time_iso8601, $msec or %START_TIME%)".to_owned());
         }
         if !has(Field::Request) && !has(Field::Path) {
@@ -276,6 +279,16 @@ impl Template {
                     time = Some(ts);
                     at += len;
                 }
+                Token::Field(Field::TimeLocal) => {
+                    let ts = rest.get(..26).and_then(time_local).ok_or_else(|| {
+                        format!(
+                            "cannot read the time at column {} as $time_local writes it (01/Dec/2026:10:00:11 +0000)",
+                            at + 1
+                        )
+                    })?;
+                    time = Some(ts);
+                    at += 26;
+                }
                 Token::Field(field) => {
                     let len = match self.tokens.get(i + 1) {
                         Some(Token::Literal(next)) => find(rest, next).ok_or_else(|| {
@@ -295,7 +308,7 @@ impl Template {
                     at += len;
                     let value = (raw != b"-" && !raw.is_empty()).then_some(raw);
                     match (field, value) {
-                        (Field::Other | Field::TimeAs(_), _) => {}
+                        (Field::Other | Field::TimeAs(_) | Field::TimeLocal, _) => {}
                         (Field::Time, v) => {
                             time = Some(v.and_then(parse_time).ok_or_else(|| bad("time", raw, start))?);
                         }
@@ -559,7 +572,8 @@ fn nginx_tokens(format: &str, wanted: &Wanted) -> Result<Vec<Token>, String> {
         }
         let field = match name {
             "remote_addr" | "realip_remote_addr" => Field::Peer,
-            "time_local" | "time_iso8601" | "msec" => Field::Time,
+            "time_local" => Field::TimeLocal,
+            "time_iso8601" | "msec" => Field::Time,
             "request" => Field::Request,
             "request_method" => Field::Method,
             "request_uri" | "uri" | "document_uri" => Field::Path,
@@ -1341,6 +1355,16 @@ mod tests {
             assert!(e.contains(why), "{bad}: {e}");
         }
         assert!(Template::compile("b", "%START_TIME %REQ(:PATH)%", Syntax::Envoy, &w).is_err());
+    }
+
+    #[test]
+    fn time_local_is_read_whole_where_no_brackets_enclose_it() {
+        let w = wanted();
+        let f = Template::compile("n", "$remote_addr $time_local $request_method $uri", Syntax::Nginx, &w).unwrap();
+        let e = f.read(&w, b"10.0.0.1 01/Dec/2026:10:00:00 +0100 GET /v1/a").unwrap();
+        assert_eq!((e.ts, e.path.as_ref()), (1_796_115_600_000_000_000, &b"/v1/a"[..]));
+        let e = f.read(&w, b"10.0.0.1 01/Dec/2026:10:00 GET /v1/a").err().unwrap();
+        assert!(e.contains("as $time_local writes it"), "{e}");
     }
 
     #[test]
