@@ -442,7 +442,7 @@ async fn forward(req: Request, env: &Env, fields: &[(&'static str, String)]) -> 
     // interim `100 Continue` passed on made workers-rs panic, and the isolate started over.
     if !passable_status(resp.status_code(), upgrade) {
         console_error!("ratewall: the origin answered with status {}, which cannot be passed on", resp.status_code());
-        return problem_502("the origin answered with a status that cannot be passed on");
+        return problem_502("the origin answered with a status that cannot be passed on", fields);
     }
     if fields.is_empty() {
         return Ok(resp);
@@ -481,17 +481,21 @@ fn until_sent(response: Response) -> (Response, Option<worker::js_sys::Promise>)
 
 /// The answer when the origin could not be reached: 502, an RFC 9457 body, the cause in the
 /// log (never in the answer).
-fn bad_gateway(e: &worker::Error) -> Result<Response> {
+fn bad_gateway(e: &worker::Error, fields: &[(&'static str, String)]) -> Result<Response> {
     console_error!("ratewall: the origin could not be reached: {e}");
-    problem_502("the origin could not be reached")
+    problem_502("the origin could not be reached", fields)
 }
 
-/// 502 with an RFC 9457 body saying `detail`.
-fn problem_502(detail: &str) -> Result<Response> {
+/// 502 with an RFC 9457 body saying `detail`, and the admitted request's `fields` (its
+/// `RateLimit` fields: it was counted, and its client sees its budget as on any answer).
+fn problem_502(detail: &str, fields: &[(&'static str, String)]) -> Result<Response> {
     let body = serde_json::json!({"type": "about:blank", "title": "Bad Gateway", "status": 502, "detail": detail});
     let body = body.to_string();
     let headers = Headers::new();
     headers.set("content-type", "application/problem+json")?;
+    for (name, value) in fields {
+        headers.set(name, value)?;
+    }
     Ok(Response::from_bytes(body.as_bytes().to_vec())?.with_status(502).with_headers(headers))
 }
 
@@ -719,7 +723,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         // Never a good rules document: serve unlimited and say so in the logs (above), and,
         // when one was rejected, in the metrics.
         with(|i| i.metrics.config_rejected += u64::from(i.rules.rejected_without_rules()));
-        return forward(req, &env, &[]).await.or_else(|e| bad_gateway(&e));
+        return forward(req, &env, &[]).await.or_else(|e| bad_gateway(&e, &[]));
     };
     // As the client sent it (see [`forward`]): a rule on PURGE matches PURGE, and one on GET
     // does not count it.
@@ -810,7 +814,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
                 return Ok(Response::empty()?.with_status(499));
             }
         }
-        let response = forward(req, &env, &reply.headers).await.or_else(|e| bad_gateway(&e));
+        let response = forward(req, &env, &reply.headers).await.or_else(|e| bad_gateway(&e, &reply.headers));
         // Its concurrency slots are given back once its response has completed (its body
         // sent, or the client gone): to their objects, or to the isolate's fallback that
         // decided them.

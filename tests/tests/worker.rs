@@ -419,6 +419,9 @@ fn an_unreachable_origin_is_a_502_with_a_problem_body_and_the_slot_comes_back() 
         assert_eq!(r.status, 502, "{}", r.text());
         assert_eq!(r.header("content-type"), Some("application/problem+json"));
         assert!(r.text().contains("\"status\":502"), "{}", r.text());
+        // It was admitted and counted: its client sees its budget, as on any answer.
+        assert!(r.header("ratelimit-policy").is_some_and(|p| p.contains("\"flight\"")), "{:?}", r.headers);
+        assert!(r.header("ratelimit").is_some_and(|p| p.contains("\"flight\"")), "{:?}", r.headers);
     }
     // Its concurrency slot was given back each time (a limit of 2: the third still got
     // through to the origin, which failed).
