@@ -458,6 +458,28 @@ fn a_quiet_nodes_grant_lapses_with_its_lease_and_frees_its_units() {
 }
 
 #[test]
+fn a_node_that_says_what_it_holds_is_not_refused_for_its_own_units_it_cannot_spend() {
+    // One node, 50 a minute (it asks: the rule is exact). Its report was granted the rest;
+    // the grant's lease ended with 3 of it spent, which the node will report. Within the
+    // report's grace the store still holds the whole grant: an ask that says the node holds
+    // only those 3 fits beside them; a plain one is refused for the node's own units.
+    let l = Limit::new(Algorithm::FixedWindow, 50, 60 * SECOND, None).unwrap();
+    let ttl = 10 * SECOND;
+    let mut c = Counter::new(l);
+    assert!(c.ask(l, NOW, 1, 1, 1, ttl).grant >= 1);
+    let report = c.report_held(l, NOW + 10 * MS_, NOW, (1, 1, 9), ttl);
+    assert!(report.grant > 20 && report.lease > 0, "{report:?}");
+    let lapsed = NOW + 10 * MS_ + report.lease + REPORT_GRACE / 2;
+    let plain = c.clone().ask(l, lapsed, 1, 2, 1, ttl);
+    assert_eq!(plain.grant, 0, "{plain:?}");
+    let a = c.ask_holding(l, lapsed, (1, 2, 3), 1, ttl);
+    assert!(a.grant >= 1 && a.counted, "{a:?}");
+    // Another node's ask is still held off what the first may have spent.
+    let free = 50 - 10 - 3 - a.grant;
+    assert_eq!(c.ask(l, lapsed + MS_, 2, 1, free + 1, ttl).grant, 0);
+}
+
+#[test]
 fn an_ask_after_a_nodes_grant_lapsed_does_not_hold_that_grant_again() {
     // One node, 3 a minute: its batch reported 1 and was granted the other 2; it went quiet
     // past the lease, then asks for 1 unit, then 1 more: both fit (3 in all), as the

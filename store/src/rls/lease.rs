@@ -52,10 +52,21 @@ const BATCH: usize = 256;
 #[derive(Clone, Debug)]
 struct Held {
     limit: Limit,
-    /// Units it may still admit.
+    /// Units it may still admit, of the last batch's grant.
     grant: u64,
     /// When the grant ends (our clock).
     until: Nanos,
+    /// Units given beside the asked ones by asks answered since the last batch's answer:
+    /// Redis holds them for this process until the batch after the next one is counted, so
+    /// they are spent after the grant, until the next batch is cut.
+    extra: u64,
+    /// Those of asks answered before the last batch's answer: Redis holds them until the next
+    /// batch is counted, so they are spent only until it is cut. (Dropped with the grant at
+    /// each answer, as they were, they were held at Redis and spent by no call: a lone
+    /// process's calls were refused below the limit, told to retry when the hold lapsed.)
+    carried: u64,
+    /// When `extra` and `carried` end (our clock): the lease of the last ask that gave any.
+    extra_until: Nanos,
     /// Units admitted since the last batch was cut.
     spent: u64,
     /// When the first of `spent` was admitted (the counter's clock): a fixed window's are
@@ -177,7 +188,7 @@ pub(crate) fn ran(counter: &Counter, now: Nanos) -> Nanos {
 /// ended.
 pub(crate) fn report(counter: &mut Counter, now: Nanos, node: u64, b: (Limit, u64, u64, Nanos)) -> Applied {
     let (limit, seq, units, since) = b;
-    counter.report_since(limit, now, since, (node, seq, units), crate::NODE_TTL)
+    counter.report_held(limit, now, since, (node, seq, units), crate::NODE_TTL)
 }
 
 impl Held {
@@ -194,6 +205,30 @@ impl Held {
         if self.spent > 0 && window_of(&self.limit, self.spent_since) < window_of(&self.limit, self.on_counter(now)) {
             self.spent = 0;
         }
+    }
+
+    /// When the last of what this process holds ends (our clock).
+    fn held_until(&self) -> Nanos {
+        self.until.max(self.extra_until)
+    }
+
+    /// Takes `hits` from what this process holds at `now` (our clock): what Redis carries for
+    /// it first (it ends soonest), then the grant, then the units its asks were given beside.
+    /// None: they do not cover `hits` (nothing is taken).
+    fn spend(&mut self, hits: u64, now: Nanos) -> Option<()> {
+        let extras_on = now < self.extra_until;
+        let (carried, extra) = if extras_on { (self.carried, self.extra) } else { (0, 0) };
+        let grant = if now < self.until { self.grant } else { 0 };
+        if carried.saturating_add(grant).saturating_add(extra) < hits {
+            return None;
+        }
+        let from_carried = hits.min(carried);
+        let from_grant = (hits - from_carried).min(grant);
+        let from_extra = hits - from_carried - from_grant;
+        self.carried = carried - from_carried;
+        self.grant = grant - from_grant;
+        self.extra = extra - from_extra;
+        Some(())
     }
 
     /// Records `hits` admitted at `now` (our clock), to report with the next batch.
@@ -220,6 +255,8 @@ impl Held {
         self.drop_ended(now);
         let since = if self.spent > 0 { self.spent_since } else { 0 };
         let units = std::mem::take(&mut self.spent);
+        // Past this cut Redis may have counted the batch, and stopped holding what it carried.
+        self.carried = 0;
         let batch = InFlight { seq, units, sent: now, since, failures: (0, 0), next: 0 };
         self.pending = Some(batch);
         batch
@@ -413,6 +450,9 @@ impl Leases {
                 limit,
                 grant: share - hits,
                 until,
+                extra: 0,
+                carried: 0,
+                extra_until: 0,
                 spent: hits,
                 spent_since: clock.at(now),
                 pending: None,
@@ -460,18 +500,18 @@ impl Leases {
         // While Redis does not answer (or has not yet), a call is not decided on a grant: it
         // asks, and is answered `UNAVAILABLE` within the deadline, as Envoy's own service
         // answers (Envoy's `failure_mode_deny` then decides).
-        if now >= h.until || h.grant < hits || !self.redis_ok.load(Ordering::Relaxed) {
+        if !self.redis_ok.load(Ordering::Relaxed) {
             return None;
         }
-        h.grant -= hits;
+        h.spend(hits, now)?;
         h.admit(hits, now);
         self.local.fetch_add(1, Ordering::Relaxed);
         let (remaining, reset_after) = estimate(h, now);
         Some(Decision { allowed: true, limit: limit.quota(), remaining, reset_after, retry_after: None })
     }
 
-    /// Records an ask's answer at `now` (our clock) for a call of `hits`: the units beside
-    /// them become this process's grant. Returns the call's decision.
+    /// [`Leases::answered`]'s decision.
+    #[cfg(test)]
     pub fn asked(
         &self,
         rkey: &str,
@@ -481,6 +521,21 @@ impl Leases {
         retry: Option<Nanos>,
         now: Nanos,
     ) -> Decision {
+        self.answered(rkey, limit, hits, a, retry, now).0
+    }
+
+    /// Records an ask's answer at `now` (our clock) for a call of `hits`: the units beside
+    /// them become this process's grant. Returns the call's decision, and where its hits were
+    /// taken (a refused ask's call is admitted on a grant that came while it waited its turn).
+    pub fn answered(
+        &self,
+        rkey: &str,
+        limit: Limit,
+        hits: u64,
+        a: &Applied,
+        retry: Option<Nanos>,
+        now: Nanos,
+    ) -> (Decision, Source) {
         self.asked.fetch_add(1, Ordering::Relaxed);
         self.saw_nodes(a.nodes, now);
         let allowed = hits == 0 || a.grant >= hits;
@@ -493,9 +548,10 @@ impl Leases {
         };
         // What Redis answered, less the units this process admitted that it has not counted yet.
         let mut known = (a.remaining, reset_after);
+        let mut from = Source::Redis;
         if let Ok(mut held) = self.held.lock() {
             if held.len() >= MAX_HELD && !held.contains_key(rkey) {
-                held.retain(|_, h| h.pending.is_some() || h.spent > 0 || now < h.until);
+                held.retain(|_, h| h.pending.is_some() || h.spent > 0 || now < h.held_until());
             }
             if held.len() < MAX_HELD || held.contains_key(rkey) {
                 let clock = self.process_clock();
@@ -503,6 +559,9 @@ impl Leases {
                     limit,
                     grant: 0,
                     until: 0,
+                    extra: 0,
+                    carried: 0,
+                    extra_until: 0,
                     spent: 0,
                     spent_since: 0,
                     pending: None,
@@ -518,6 +577,8 @@ impl Leases {
                     // The rules changed: what was held under the old limit is not spent any more.
                     h.limit = limit;
                     h.grant = 0;
+                    h.extra = 0;
+                    h.carried = 0;
                 }
                 h.used = now;
                 h.answered = true;
@@ -525,8 +586,20 @@ impl Leases {
                 h.view = (a.remaining, reset_after, now);
                 known = estimate(h, now);
                 if allowed {
-                    h.grant = a.grant - hits;
-                    h.until = lease_end(limit, now, a.lease, a.reset_after);
+                    // Beside what the process holds: Redis holds both (an ask answered while
+                    // another was on its way had the units of the first dropped here).
+                    if now >= h.extra_until {
+                        (h.extra, h.carried) = (0, 0);
+                    }
+                    h.extra = h.extra.saturating_add(a.grant - hits);
+                    h.extra_until = h.extra_until.max(lease_end(limit, now, a.lease, a.reset_after));
+                    h.denied_until = 0;
+                } else if hits > 0 && h.spend(hits, now).is_some() {
+                    // A batch's answer gave a grant while the ask waited its turn: Redis held
+                    // it for this process, and refused the ask for it.
+                    h.admit(hits, now);
+                    known = estimate(h, now);
+                    from = Source::Grant;
                     h.denied_until = 0;
                 } else if hits > 0 {
                     h.denied_until = now.saturating_add(retry.unwrap_or(DENY_CACHE).min(DENY_CACHE));
@@ -535,13 +608,15 @@ impl Leases {
                 }
             }
         }
-        Decision {
+        let allowed = allowed || from == Source::Grant;
+        let d = Decision {
             allowed,
             limit: limit.quota(),
             remaining: if allowed { known.0 } else { 0 },
             reset_after: known.1,
             retry_after: if allowed { None } else { retry },
-        }
+        };
+        (d, from)
     }
 
     /// The batch of a counter spent on an initial share that Redis has not answered for yet
@@ -566,6 +641,19 @@ impl Leases {
         held.get(rkey).map_or(0, |h| h.unreported_at(now))
     }
 
+    /// What of counter `rkey` this process may still spend at `now` (our clock) or has spent
+    /// and Redis may not have counted: the most of its grants at Redis an ask of its must
+    /// leave held ([`Counter::ask_holding`]). Changed only by Redis's answers, which are
+    /// noted in turn: a call spends what it then no longer may spend.
+    pub fn holding(&self, rkey: &str, now: Nanos) -> u64 {
+        let Ok(held) = self.held.lock() else { return u64::MAX };
+        held.get(rkey).map_or(0, |h| {
+            let extras = if now < h.extra_until { h.extra.saturating_add(h.carried) } else { 0 };
+            let grant = if now < h.until { h.grant } else { 0 };
+            h.unreported_at(now).saturating_add(grant).saturating_add(extras)
+        })
+    }
+
     /// Gives back `hits` taken from the grant: false when they were reported already (then
     /// they are given back at Redis).
     pub fn give_back(&self, rkey: &str, hits: u64) -> bool {
@@ -573,7 +661,12 @@ impl Leases {
         match held.get_mut(rkey) {
             Some(h) if h.spent >= hits => {
                 h.spent -= hits;
-                h.grant = h.grant.saturating_add(hits);
+                // To what lasts longer of what it may have come from.
+                if h.extra_until > h.until {
+                    h.extra = h.extra.saturating_add(hits);
+                } else {
+                    h.grant = h.grant.saturating_add(hits);
+                }
                 true
             }
             _ => false,
@@ -635,7 +728,7 @@ impl Leases {
             }
             h.drop_ended(now);
             let in_use = now.saturating_sub(h.used) < 2 * ratewall_core::sync::MAX_LEASE;
-            if h.spent > 0 || (!stopping && in_use && h.until.saturating_sub(now) < renew) {
+            if h.spent > 0 || (!stopping && in_use && h.held_until().saturating_sub(now) < renew) {
                 let b = h.cut(self.seq.fetch_add(1, Ordering::Relaxed) + 1, now);
                 out.push(batch(b));
                 return true;
@@ -645,7 +738,7 @@ impl Leases {
             // share: see `cold`).
             let (remaining, reset_after, at) = h.view;
             let restored = remaining >= h.limit.quota() || now >= at.saturating_add(reset_after);
-            stopping || in_use || now < h.until || !restored
+            stopping || in_use || now < h.held_until() || !restored
         });
         out
     }
@@ -678,6 +771,12 @@ impl Leases {
         h.drop_ended(now);
         h.grant = a.grant.saturating_sub(h.spent);
         h.until = lease_end(h.limit, now, a.lease, a.reset_after);
+        // What its asks were given is carried by Redis through this batch, until the next.
+        (h.carried, h.extra) = (h.extra, 0);
+        // A grant answers calls again, whatever an ask was refused before it.
+        if h.grant > 0 {
+            h.denied_until = 0;
+        }
         // The units spent since the batch was cut are not in the answer: `estimate` takes them
         // off.
         h.view = (a.remaining, a.reset_after, now);
@@ -789,15 +888,19 @@ async fn send<K: Kv>(rls: &Rls<K>, batches: &[Batch]) -> usize {
     for chunk in batches.chunks(BATCH) {
         let sends = chunk.iter().map(|b| {
             let batch = (b.limit, b.seq, b.units, b.since);
-            let send = rls.update(&b.rkey, b.limit, move |counter, now| {
+            // Noted before another call of this process may change the counter, and its lease
+            // counted from when it was sent, so that it ends here before Redis's.
+            let sent = super::wall_clock();
+            let synced = move |a: Applied| leases.synced(&b.rkey, b.seq, &a, sent);
+            let report = move |counter: &mut Counter, now| {
                 let a = report(counter, now, node, batch);
                 (a, a.counted)
-            });
+            };
+            let send = rls.update_then(&b.rkey, b.limit, report, synced);
             async move { (b, tokio::time::timeout(rls.store().deadline * 4, send).await) }
         });
         for (b, r) in futures_util::future::join_all(sends).await {
-            if let Ok(Ok(a)) = r {
-                leases.synced(&b.rkey, b.seq, &a, super::wall_clock());
+            if let Ok(Ok(())) = r {
                 acked += 1;
             } else {
                 leases.failed(&b.rkey, b.seq, super::wall_clock());
@@ -1052,6 +1155,22 @@ mod tests {
     }
 
     #[test]
+    fn a_call_whose_ask_waited_while_a_grant_came_is_admitted_on_it() {
+        let l = answered();
+        assert!(l.asked("k", limit(), 1, &applied(1, 99), None, 0).allowed);
+        // Refused at Redis, which held the grant a batch's answer brought meanwhile.
+        l.synced("k", 1, &applied(5, 90), 1);
+        let (d, from) = l.answered("k", limit(), 1, &applied(0, 0), Some(ratewall_core::SECOND), 2);
+        assert!(d.allowed && from == Source::Grant, "{d:?}");
+        assert_eq!(l.unreported("k", 3), 1);
+        // A refusal is answered from memory only until a grant comes.
+        assert!(!l.answered("j", limit(), 1, &applied(0, 0), Some(ratewall_core::SECOND), 2).0.allowed);
+        assert!(!l.take("j", limit(), 1, 3).unwrap().allowed);
+        l.synced("j", 1, &applied(5, 90), 4);
+        assert!(l.take("j", limit(), 1, 5).unwrap().allowed);
+    }
+
+    #[test]
     fn given_back_hits_return_to_the_grant() {
         let l = answered();
         l.asked("k", limit(), 1, &applied(2, 99), None, 0);
@@ -1118,13 +1237,14 @@ mod tests {
                 }
             }
             let (node, ask, unreported) = (self.l.node, self.l.next_ask(), self.l.unreported("k", t));
+            let mine = self.l.holding("k", t);
             let (a, retry) = self.update(t, |c, now| {
-                let a = c.ask(limit, now, node, ask, hits, crate::NODE_TTL);
+                let a = c.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
                 let retry =
                     if a.counted || hits == 0 { None } else { super::super::retry_after(c, now, hits, unreported) };
                 ((a, retry), a.counted)
             });
-            self.l.asked("k", limit, hits, &a, retry, t)
+            self.l.answered("k", limit, hits, &a, retry, t).0
         }
 
         /// The flushes every [`FLUSH`] before `t`.
@@ -1174,6 +1294,29 @@ mod tests {
         let j = sent.remove(0);
         l.synced(&j.rkey, j.seq, &applied(4, 99), t);
         assert_eq!(keys(l.due(t + 10 * MS)), ["k"]);
+    }
+
+    #[test]
+    fn a_lone_process_admits_its_whole_limit_whatever_its_calls_pace() {
+        let s = ratewall_core::SECOND;
+        let fifty = Limit::new(Algorithm::FixedWindow, 50, 60 * s, None).unwrap();
+        let minute = (T / (60 * s) + 1) * 60 * s;
+        // Past the window's first quarter, so that its first call asks.
+        for gap in [MS / 2, 3 * MS, 7 * MS, 20 * MS, 45 * MS] {
+            let mut p = Pair::new(fifty, 0, minute + 20 * s);
+            let mut t = minute + 20 * s + MS;
+            let mut admitted = 0;
+            for call in 1..=60u64 {
+                let d = p.call(1, t);
+                if d.allowed {
+                    admitted += 1;
+                } else {
+                    assert_eq!(admitted, 50, "gap {gap}: call {call} refused with {admitted} admitted: {d:?}");
+                }
+                t += gap;
+            }
+            assert_eq!(admitted, 50, "gap {gap}");
+        }
     }
 
     #[test]

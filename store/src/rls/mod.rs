@@ -581,29 +581,44 @@ impl<K: Kv> Rls<K> {
             // Spent on an initial share that Redis has not counted yet: counted first (its
             // answer is this process's grant), so that nothing is asked for twice.
             let batch = (limit, b.seq, b.units, b.since);
-            let a = self
-                .update(&c.rkey, limit, move |counter, now| {
+            let synced = |a| self.leases.synced(&c.rkey, b.seq, &a, now);
+            self.update_then(
+                &c.rkey,
+                limit,
+                move |counter, now| {
                     let a = lease::report(counter, now, node, batch);
                     (a, a.counted)
-                })
-                .await?;
+                },
+                synced,
+            )
+            .await?;
             let now = wall_clock();
-            self.leases.synced(&c.rkey, b.seq, &a, now);
             if let Some(d) = self.leases.take(&c.rkey, limit, hits, now) {
                 return Ok((d, now, lease::Source::Grant));
             }
         }
         let ask = self.leases.next_ask();
         let unreported = self.leases.unreported(&c.rkey, now);
-        let (a, at, retry) = self
-            .update(&c.rkey, limit, move |counter, now| {
-                let a = counter.ask(limit, now, node, ask, hits, crate::NODE_TTL);
-                let retry = if a.counted || hits == 0 { None } else { retry_after(counter, now, hits, unreported) };
-                ((a, now, retry), a.counted)
-            })
+        // The ask's leases count from when it was sent, so that they end here before Redis's.
+        let asked = |(a, at, retry)| (self.leases.answered(&c.rkey, limit, hits, &a, retry, now), at);
+        let ((d, from), at) = self
+            .update_then(
+                &c.rkey,
+                limit,
+                move |counter, at| {
+                    // Read in turn (what changes it is noted in turn), as of the call's start.
+                    let mine = self.leases.holding(&c.rkey, now);
+                    let now = at;
+                    let a = counter.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
+                    let retry = if a.counted || hits == 0 { None } else { retry_after(counter, now, hits, unreported) };
+                    ((a, now, retry), a.counted)
+                },
+                asked,
+            )
             .await?;
-        let d = self.leases.asked(&c.rkey, limit, hits, &a, retry, wall_clock());
-        Ok((d, at, lease::Source::Redis))
+        // Taken from a grant: at our clock, as every call taken there.
+        let at = if from == lease::Source::Grant { now } else { at };
+        Ok((d, at, from))
     }
 
     /// Gives back hits taken at `at` where they were taken.
@@ -633,8 +648,21 @@ impl<K: Kv> Rls<K> {
         limit: Limit,
         f: impl Fn(&mut Counter, Nanos) -> (R, bool),
     ) -> Result<R, Refusal> {
+        self.update_then(rkey, limit, f, |r| r).await
+    }
+
+    /// [`Rls::update`], with `then` run on its result before another call of this process
+    /// may change the counter: what this process notes of Redis's answers (its grants, the
+    /// units given to its asks) it notes in the order Redis gave them.
+    pub(crate) async fn update_then<R, T>(
+        &self,
+        rkey: &str,
+        limit: Limit,
+        f: impl Fn(&mut Counter, Nanos) -> (R, bool),
+        then: impl FnOnce(R) -> T,
+    ) -> Result<T, Refusal> {
         let turn = self.busy.lock().ok().map(|mut b| Arc::clone(b.entry(rkey.to_owned()).or_default()));
-        let _turn = match &turn {
+        let in_turn = match &turn {
             Some(t) => Some(t.lock().await),
             None => None,
         };
@@ -644,6 +672,8 @@ impl<K: Kv> Rls<K> {
             Err(Refusal::Unavailable(_)) => self.leases.reached(false),
             Err(_) => {}
         }
+        let result = result.map(then);
+        drop(in_turn);
         if let Ok(mut busy) = self.busy.lock() {
             if busy.get(rkey).is_some_and(|t| Arc::strong_count(t) <= 2) {
                 busy.remove(rkey);
