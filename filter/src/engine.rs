@@ -802,6 +802,14 @@ impl Engine {
                 let queue = c.limit.burst().unwrap_or(0).saturating_sub(c.limit.delay());
                 d.remaining = d.remaining.saturating_sub(queue);
                 d.limit = c.limit.requests().max(c.limit.delay().saturating_add(1));
+                // A request refused for a full queue passes, here, only once it would go at
+                // once: when no more than `delay` turns are ahead of it (its `reset_after`, the
+                // queue ahead, drained to that), not once it would fit the queue (a request of
+                // 2 units that waited that was refused again).
+                if !d.allowed {
+                    let at_once = d.reset_after.saturating_sub(c.limit.delay().saturating_mul(c.limit.interval()));
+                    d.retry_after = d.retry_after.map(|r| r.max(at_once));
+                }
             }
         }
         if !refuse {

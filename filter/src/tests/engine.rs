@@ -517,6 +517,40 @@ fn where_the_host_cannot_resume_a_waiter_it_is_refused_with_its_turn_as_retry_af
 }
 
 #[test]
+fn where_the_host_cannot_resume_a_waiter_a_client_that_waits_its_retry_after_passes_whatever_its_cost() {
+    // Requests of 2 and 3 units: a full queue's 429 said when the request would fit the
+    // queue, where such a host passes only what goes at once; waiting it, the client was
+    // refused again.
+    for (cost, rule) in [(2, r#""requests": 1, "per": "1s", "burst": 3, "delay": 1"#), (3, r#""requests": 2, "per": "1s", "burst": 6, "delay": 2"#)] {
+        let doc = format!(
+            r#"{{"identity": {{"user": {{"header": "x-user-id"}}}}, "rules": [{{"name": "lb", "match": {{"path": "/q/*"}},
+                "key": ["user"], "cost": {cost}, "limit": {{{rule}, "algorithm": "leaky_bucket"}}}}]}}"#
+        );
+        let h = FakeHost::new();
+        h.no_root_resume.set(true);
+        let e = engine(&h, &doc);
+        let mut refused = 0;
+        for i in 0..40 {
+            h.request("GET", "/q/x", &[("x-user-id", "ann")]);
+            let r = current(&e, &h);
+            match header(&r, "retry-after") {
+                None => assert_eq!(r.status, 200, "cost {cost}, request {i}"),
+                Some(wait) => {
+                    assert_eq!(r.status, 429);
+                    refused += 1;
+                    h.advance(wait.parse::<u64>().unwrap() * 1_000_000_000);
+                    h.request("GET", "/q/x", &[("x-user-id", "ann")]);
+                    let again = current(&e, &h);
+                    assert_eq!(again.status, 200, "cost {cost}, request {i}: waited {wait} s");
+                }
+            }
+            h.advance(300 * MS);
+        }
+        assert!(refused > 5, "cost {cost}: {refused}");
+    }
+}
+
+#[test]
 fn without_shared_data_the_engine_serves_open_counts_it_and_says_so() {
     // An earlier instance's first shared-data call never came back (it trapped: NGINX
     // without shm_kv): the counters the host keeps across instances say so.
