@@ -773,7 +773,13 @@ fn no_yaml(path: &Path) -> ConfigError {
     ConfigError { file: path.display().to_string(), line: None, column: None, reason }
 }
 
-/// The YAML files `path` names.
+/// Directories below a configuration directory that are read (envoyproxy/ratelimit reads its
+/// runtime directory's whole tree); deeper ones are not.
+const MAX_DEPTH: usize = 8;
+
+/// The YAML files `path` names: the file, or those in the directory and the directories below
+/// it (to [`MAX_DEPTH`]), in path order, names starting with `.` left out (a Kubernetes
+/// ConfigMap's `..data` and its timestamped twin hold the same files again).
 fn files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     let name = path.display().to_string();
     let io = |e: std::io::Error| ConfigError { file: name.clone(), line: None, column: None, reason: e.to_string() };
@@ -782,12 +788,21 @@ fn files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
         return Ok(vec![path.to_path_buf()]);
     }
     let mut out = Vec::new();
-    for entry in std::fs::read_dir(path).map_err(io)? {
-        let p = entry.map_err(io)?.path();
-        let file = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        let yaml = file.ends_with(".yaml") || file.ends_with(".yml");
-        if yaml && !file.starts_with('.') && p.is_file() {
-            out.push(p);
+    let mut dirs = vec![(path.to_path_buf(), 0)];
+    while let Some((dir, depth)) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).map_err(io)? {
+            let p = entry.map_err(io)?.path();
+            let file = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if file.starts_with('.') {
+                continue;
+            }
+            if p.is_dir() {
+                if depth < MAX_DEPTH {
+                    dirs.push((p, depth + 1));
+                }
+            } else if (file.ends_with(".yaml") || file.ends_with(".yml")) && p.is_file() {
+                out.push(p);
+            }
         }
     }
     out.sort();
@@ -1834,6 +1849,12 @@ mod tests {
         assert_eq!(e.reason, "no rate limit service configuration in it (no .yaml or .yml file)");
         std::fs::write(d.join("d.yml"), "domain: d\n").unwrap();
         assert_eq!(RlsConfig::load(&d).unwrap().domains().collect::<Vec<_>>(), ["d"]);
+        // The directories below it too, as envoyproxy/ratelimit reads its runtime directory.
+        std::fs::create_dir_all(d.join("team/a")).unwrap();
+        std::fs::write(d.join("team/a/s.yaml"), "domain: s\n").unwrap();
+        let mut domains: Vec<_> = RlsConfig::load(&d).unwrap().domains().map(str::to_owned).collect();
+        domains.sort();
+        assert_eq!(domains, ["d", "s"]);
         let _ = std::fs::remove_dir_all(&d);
     }
 
