@@ -601,7 +601,22 @@ fn build(
                         .map_err(|e| (format!("{full_key}: rate_limit: {e}"), key.clone(), seen))?,
                     _ => None,
                 };
-                let policy = policy_name(if r.name.is_empty() { &full_key } else { &r.name });
+                // Another limit of the domain whose policy reads the same (one `name` given to
+                // two limits, or two names alike but for characters replaced) is told apart by
+                // `~2`, `~3`…: merged into one item, one of the limits was not in the fields.
+                let base = policy_name(if r.name.is_empty() { &full_key } else { &r.name });
+                let other = |o: &Rule, policy: &str| {
+                    o.domain == domain
+                        && o.policy == policy
+                        && (o.unit, o.requests_per_unit, o.limit) != (unit, r.requests_per_unit, limit)
+                };
+                let mut policy = base.clone();
+                for n in 2.. {
+                    if !rules.iter().any(|o| other(o, &policy)) {
+                        break;
+                    }
+                    policy = format!("{base}~{n}");
+                }
                 let rule = Arc::new(Rule {
                     domain: domain.to_owned(),
                     top_name: top_name(&policy),
@@ -1879,6 +1894,17 @@ mod tests {
         let c = parse("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: b\n    rate_limit: {unit: second, requests_per_unit: 1, name: named}\n");
         let names: Vec<(&str, usize)> = c.rules.iter().map(|r| (r.top_name.as_str(), r.order)).collect();
         assert_eq!(names, [("d.a", 0), ("named", 1)]);
+    }
+
+    #[test]
+    fn limits_whose_policies_read_alike_are_told_apart() {
+        let c = parse(
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {name: same, unit: minute, requests_per_unit: 5}\n  - key: b\n    rate_limit: {name: same, unit: hour, requests_per_unit: 2}\n  - key: c\n    rate_limit: {name: same, unit: minute, requests_per_unit: 5}\n  - key: e\n    rate_limit: {name: 'p\"q', unit: minute, requests_per_unit: 5}\n  - key: f\n    rate_limit: {name: p_q, unit: hour, requests_per_unit: 100}\n",
+        );
+        let policy = |k: &str| c.find("d", &[(k, "x")]).map(|m| m.rule.policy.clone()).unwrap();
+        // One name for the same limit is one policy; for another limit, another.
+        assert_eq!([policy("a"), policy("b"), policy("c")], ["same", "same~2", "same"]);
+        assert_eq!([policy("e"), policy("f")], ["p_q", "p_q~2"]);
     }
 
     #[test]

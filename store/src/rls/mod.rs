@@ -454,6 +454,8 @@ impl<K: Kv> Rls<K> {
                 _ => metrics::Outcome::Ok,
             };
             self.metrics.count(rule, hits, outcome);
+            let at = decided_at.get(i).copied().unwrap_or(0);
+            let restored = rule.limit.map_or(d.reset_after, |l| until_restored(l, d, at));
             if let Some(s) = statuses.get_mut(i) {
                 // A quota over its limit says so, whether or not the call is over.
                 s.code = if over && !rule.shadow { Code::OverLimit } else { Code::Ok };
@@ -464,8 +466,6 @@ impl<K: Kv> Rls<K> {
                 });
                 s.limit_remaining = u32::try_from(d.remaining).unwrap_or(u32::MAX);
                 // Whole seconds, rounded up, as envoyproxy/ratelimit answers (and as `t=`).
-                let at = decided_at.get(i).copied().unwrap_or(0);
-                let restored = rule.limit.map_or(d.reset_after, |l| until_restored(l, d, at));
                 s.duration_until_reset = Some(ceil_secs(restored).saturating_mul(ratewall_core::SECOND));
             }
             // Who is being limited: this rule's count of the call, under the client's key.
@@ -486,7 +486,9 @@ impl<K: Kv> Rls<K> {
                 continue;
             }
             if over {
-                let wait = d.retry_after.map_or(window(rule), ceil_secs).max(1);
+                // A call that never fits (more hits than the limit) is told the quota's reset,
+                // as its `duration_until_reset` and `t=` say, not a whole window.
+                let wait = ceil_secs(d.retry_after.unwrap_or(restored)).max(1);
                 let slot = if rule.quota { &mut quota_retry } else { &mut retry };
                 *slot = Some(match (*slot, rule.quota) {
                     (Some(w), true) => w.min(wait),

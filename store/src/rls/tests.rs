@@ -174,6 +174,19 @@ async fn limits_of_other_windows_on_the_same_entries_count_apart() {
 }
 
 #[tokio::test]
+async fn a_call_that_never_fits_is_told_its_quotas_reset_not_a_whole_window() {
+    let r = rls();
+    let kv = &r.store().kv;
+    kv.now.store(1_000 * 3600 * ratewall_core::SECOND + 1200 * ratewall_core::SECOND, Ordering::Relaxed);
+    let mut c = call(&[&[("ip", "far")]]);
+    c.hits_addend = 20;
+    let a = r.should_rate_limit(&c).await.unwrap();
+    let reset = a.statuses[0].duration_until_reset.unwrap() / ratewall_core::SECOND;
+    assert_eq!(reset, 2400);
+    assert_eq!(a.headers[0], ("Retry-After", "2400".to_owned()));
+}
+
+#[tokio::test]
 async fn headers_are_the_filters_fields() {
     let r = rls();
     let a = r.should_rate_limit(&call(&[&[("ip", "a")], &[("user", "b")]])).await.unwrap();
