@@ -80,7 +80,7 @@ fn check_names_the_field_of_a_bad_document_and_exits_1() {
     assert_eq!(lines, ["rules[0].limit.per", "rules[2].key[0]"], "{}", stderr(&o));
     // A number past 64 bits is said once, as written, in the first rule and in any other.
     let big = temp(
-        "big.json",
+        "numbers-past-64-bits.json",
         r#"{"rules": [{"name": "a", "key": ["user"], "limit": {"requests": 18446744073709551616, "per": "1s"}},
                       {"name": "b", "key": ["user"], "limit": {"requests": 18446744073709551617, "per": "1s"}}]}"#,
     );
