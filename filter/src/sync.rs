@@ -177,7 +177,10 @@ fn traffic_share(
     (remaining, unreported): (u64, u64),
     old: u16,
 ) -> u16 {
-    let quota = limit.quota();
+    // What `remaining` is counted against: a token bucket's burst (its quota, `requests`, may
+    // be larger: then even a full bucket read as mostly used, here and at the store, and
+    // every node's share as nearly all the traffic).
+    let quota = limit.capacity();
     let global = quota.saturating_sub(remaining);
     if global == 0 || global < quota / 20 || global < SHARE_SAMPLE_MIN {
         return old;

@@ -1897,6 +1897,60 @@ fn without_the_store_a_node_keeps_to_its_measured_share_window_after_window() {
 }
 
 #[test]
+fn without_the_store_a_node_keeps_a_token_bucket_to_its_measured_share() {
+    // A bucket of 20 refilled at 10 a second (its quota, 100 per 10 s, above its burst),
+    // spent at its rate by two nodes: this one 3 of every 10 units, another 7. Then the store
+    // goes away: this node admits its share of the bucket and of the rate, with its margin.
+    // (Measured against the quota rather than the burst, its share read as nearly all of the
+    // counter's traffic, and three gateways each admitted the whole rate in an outage.)
+    let doc = format!(
+        r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
+  "rules": [{{"name": "user", "key": ["user"], "limit": {{"requests": 100, "per": "10s", "burst": 20}}}}],
+  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": 2}}}}"#
+    );
+    let h = FakeHost::new();
+    let e = engine(&h, &doc);
+    let mut s = store();
+    let ann = [("x-user-id", "ann")];
+    let key = key_of(&e, "/", "ann");
+    let limit = e.config().rules[0].limit;
+    let mut seq = 0;
+    let mut admitted = 0;
+    // The bucket drained first, then 5 s at its rate (one unit every 100 ms).
+    for round in 0..60 {
+        let want: usize = if round < 2 { 10 } else { 1 };
+        let mine = (want * 3).div_ceil(10);
+        admitted += statuses(&e, &h, "GET", "/", &ann, mine).iter().filter(|s| **s == 200).count();
+        seq += 1;
+        let deltas = vec![Delta { key: key.clone(), limit, units: (want - mine) as u64 }];
+        s.handle(h.now(), &SyncRequest { node: 999, seq, sent: h.now(), deltas, ask: false }).unwrap();
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+        h.advance(100 * MS);
+    }
+    assert!(admitted > 15, "healthy: {admitted}");
+    h.refuse_calls.set(true);
+    for _ in 0..15 {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        let _ = fail(&e, &h);
+    }
+    // 10 s degraded, a request every 10 ms: at most about 30 % of 10 units a second and of
+    // the bucket (the share of a bucket spent at its rate reads low: its own refill hides
+    // what the node spends; 11 here).
+    let mut degraded = 0;
+    for _ in 0..1000 {
+        degraded += statuses(&e, &h, "GET", "/", &ann, 1).iter().filter(|s| **s == 200).count();
+        h.advance(10 * MS);
+        if h.now().is_multiple_of(100 * MS) {
+            e.on_tick(&h);
+            let _ = fail(&e, &h);
+        }
+    }
+    assert!((5..=3 * 10 * 21 / 20 + 7).contains(&degraded), "degraded: {degraded} in 10 s");
+}
+
+#[test]
 fn a_node_that_heard_a_counter_is_out_of_quota_denies_its_first_request_on_it() {
     // Two nodes, a limit of 2: the first spends ann's quota and reports it; the second's
     // heartbeat answer names ann's counter out, so its first request on it is denied rather
