@@ -695,8 +695,11 @@ impl Engine {
         };
         let paid: Vec<&[u8]> =
             asking.wants.iter().zip(&taken).filter(|(_, t)| **t).map(|(w, _)| w.key.as_slice()).collect();
-        // Each want answered, or the ask failed.
-        let failed = taken.len() != asking.wants.len();
+        // Each want answered, or the ask failed — but for a store that says it answered the
+        // ask already (409: a copy of it came through another store, or a replay): the
+        // request is decided on what the node holds, not as with the store out of reach (a
+        // `closed` rule's 503 with the store in reach).
+        let failed = taken.len() != asking.wants.len() && status != 409;
         // The request's method and path are not kept while it waits: a shadow rule's log line
         // after an ask names the rule only.
         let round = Round::AfterAsk { paid: &paid, failed };

@@ -335,8 +335,16 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
             .find(|(k, _)| k == ":path")
             .map_or("/v1/sync".into(), |(_, v)| String::from_utf8_lossy(v).into_owned());
         let headers = [("x-ratewall-signature", tag.as_str()), ("content-type", "application/octet-stream")];
-        let answer = answer_from(stores.len(), c.token as usize, |i| {
-            ratewall_host::http::request(stores.get(i)?, "POST", &path, &headers, &c.body).ok()
+        // An ask goes to one store, as Envoy's dispatch sends it: a store that answered 503 may
+        // have taken it all the same (its deadline passed at Redis after the write), and the
+        // next store refuses its number as answered already (409). A batch is tried on the
+        // next store: its `seq` makes a second send count nothing twice.
+        let ask = ratewall_core::sync::SyncRequest::decode_prefix(&c.body).is_ok_and(|(r, _)| r.ask);
+        let count = if ask { stores.len().min(1) } else { stores.len() };
+        let first = c.token as usize % stores.len().max(1);
+        let answer = answer_from(count, 0, |i| {
+            let store = stores.get((first + i) % stores.len().max(1))?;
+            ratewall_host::http::request(store, "POST", &path, &headers, &c.body).ok()
         });
         match answer {
             Some(r) => {

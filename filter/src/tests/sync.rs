@@ -1236,6 +1236,27 @@ fn an_ask_refused_for_an_unreadable_counter_fails_only_its_own_request() {
     }
 }
 
+/// An ask a store refuses as answered already (409: its copy went through another store) is
+/// decided on what the node holds: a `closed` rule's request is denied as over its grant (429),
+/// not answered 503 as with the store out of reach.
+#[test]
+fn an_ask_answered_already_is_decided_on_what_the_node_holds() {
+    let h = FakeHost::new();
+    let (e, _s) = spent_grant_with(&h, &rules(1_000, 1));
+    let asking = loop {
+        h.request("GET", "/cl/x", &[("x-user-id", "eve")]);
+        match e.on_request(&h) {
+            Verdict::Ask(a) => break a,
+            v => assert_eq!(v.into_reply().status, 200),
+        }
+    };
+    let _ = h.take_calls();
+    h.advance(5 * MS);
+    let r = e.on_ask_response(&h, asking, 409, None, b"ask 7 of node 1 was answered already").into_reply();
+    assert_eq!(r.status, 429, "{:?}", r.headers);
+    assert!(r.headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("retry-after")));
+}
+
 /// Asks on their way together fail together when the store stalls: they are one failure
 /// (the VM stops asking for 1 s), not one each (12 in one stall of 1 s had kept a worker from
 /// asking for 30 s); an ask sent after the backoff still doubles it.
