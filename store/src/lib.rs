@@ -567,14 +567,12 @@ impl<K: Kv> Store<K> {
     }
 
     /// Where a process with an admin listener starts reading its peers' shares: the shared
-    /// stream's end now (None when Redis does not answer: then from its first read). Taken
-    /// before the listener is announced, so a share a peer writes after that is merged.
+    /// stream's start, so that a process started (or restarted) later shows the hour its peers
+    /// (and the process it replaces, under another id) shared before it, as far as the stream
+    /// keeps it ([`top::SHARED_LEN`] shares), read [`top::READ_PER_INTERVAL`] a second. From
+    /// the stream's end, a restarted admin store's `window=1h` and series started empty.
     pub async fn join_shares(&self) -> Option<String> {
-        let read = self.kv.read_after(top::SHARED_STREAM, None, 0);
-        match tokio::time::timeout(self.deadline, read).await {
-            Ok(Ok((last, _))) => Some(last),
-            _ => None,
-        }
+        Some("0-0".to_owned())
     }
 
     /// [`Store::share_top`] every [`top::SHARE_EVERY`], for ever, reading peers' shares (with

@@ -372,6 +372,27 @@ fn an_admin_listener_counts_what_its_peers_heard_from_when_it_announced_itself()
     assert_eq!(json(&admin, "/v1/fleet")["nodes"].as_array().unwrap().len(), 1);
 }
 
+#[test]
+fn an_admin_listener_started_later_shows_what_its_peers_shared_before_it() {
+    let redis = Redis::start(false).unwrap();
+    // The peer hears a batch and shares it; the process with the admin listener (a restart of
+    // the one that served the dashboard) starts after that.
+    let peer = start(&redis, false);
+    assert_eq!(post(&peer.addr, &batch(1, 1, Some(&section(1, 30, 1)))), 200);
+    std::thread::sleep(ratewall_store::top::SHARE_EVERY * 3);
+    let with_admin = start(&redis, true);
+    let admin = with_admin.admin.clone().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let top = loop {
+        let top = json(&admin, "/v1/top?window=1h");
+        if top["rules"][0]["denied"].as_u64() == Some(31) || std::time::Instant::now() > deadline {
+            break top;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(top["rules"][0]["denied"].as_u64(), Some(31), "{top}");
+}
+
 /// Opens a connection to `addr` and sends `bytes`, then nothing more.
 fn send_part(addr: &str, bytes: &[u8]) -> std::net::TcpStream {
     use std::io::Write;
