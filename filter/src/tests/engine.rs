@@ -521,7 +521,10 @@ fn where_the_host_cannot_resume_a_waiter_a_client_that_waits_its_retry_after_pas
     // Requests of 2 and 3 units: a full queue's 429 said when the request would fit the
     // queue, where such a host passes only what goes at once; waiting it, the client was
     // refused again.
-    for (cost, rule) in [(2, r#""requests": 1, "per": "1s", "burst": 3, "delay": 1"#), (3, r#""requests": 2, "per": "1s", "burst": 6, "delay": 2"#)] {
+    for (cost, rule) in [
+        (2, r#""requests": 1, "per": "1s", "burst": 3, "delay": 1"#),
+        (3, r#""requests": 2, "per": "1s", "burst": 6, "delay": 2"#),
+    ] {
         let doc = format!(
             r#"{{"identity": {{"user": {{"header": "x-user-id"}}}}, "rules": [{{"name": "lb", "match": {{"path": "/q/*"}},
                 "key": ["user"], "cost": {cost}, "limit": {{{rule}, "algorithm": "leaky_bucket"}}}}]}}"#

@@ -539,13 +539,12 @@ impl Leases {
         self.asked.fetch_add(1, Ordering::Relaxed);
         self.saw_nodes(a.nodes, now);
         let allowed = hits == 0 || a.grant >= hits;
-        // A refused ask's answer says when an ask of its units could be taken, counting this
-        // process's grant as free once its lease ends, its unreported units spent or not: the
-        // quota is back no sooner than the call fits.
-        let reset_after = match retry {
-            Some(r) if !allowed => a.reset_after.max(r),
-            _ => a.reset_after,
-        };
+        // The counter's own reset (for a refused ask the caller gives it in `a`: the core's
+        // answer says when the ask could be taken, which read as the reset had a spent token
+        // bucket looked at as full again in a second). The refused call's reset is no sooner
+        // than it fits (`retry`).
+        let reset_after = a.reset_after;
+        let refused_reset = |reset: Nanos| if allowed { reset } else { reset.max(retry.unwrap_or(0)) };
         // What Redis answered, less the units this process admitted that it has not counted yet.
         let mut known = (a.remaining, reset_after);
         let mut from = Source::Redis;
@@ -608,12 +607,13 @@ impl Leases {
                 }
             }
         }
+        let reset_after = if from == Source::Grant { known.1 } else { refused_reset(known.1) };
         let allowed = allowed || from == Source::Grant;
         let d = Decision {
             allowed,
             limit: limit.quota(),
             remaining: if allowed { known.0 } else { 0 },
-            reset_after: known.1,
+            reset_after,
             retry_after: if allowed { None } else { retry },
         };
         (d, from)
@@ -736,8 +736,13 @@ impl Leases {
             // Forgotten once idle, its grant over, nothing to report and its quota restored as
             // far as it knows (a counter forgotten sooner would be spent again on an initial
             // share: see `cold`).
+            // And idle for as long as any state of its limit takes to be whole again: a spent
+            // sliding window's answer says when one unit is free, and a counter forgotten then
+            // was spent again on an initial share (50 more of 50 a minute at the next window's
+            // start, where 1 was free).
             let (remaining, reset_after, at) = h.view;
-            let restored = remaining >= h.limit.quota() || now >= at.saturating_add(reset_after);
+            let restored = (remaining >= h.limit.quota() || now >= at.saturating_add(reset_after))
+                && now >= whole_after(h.limit, h.on_counter(h.used));
             stopping || in_use || now < h.held_until() || !restored
         });
         out
@@ -795,6 +800,22 @@ pub(crate) fn reset_after_given_back(limit: Limit, reset_after: Nanos, hits: u64
         reset_after.saturating_sub(hits.saturating_mul(limit.interval()))
     } else {
         reset_after
+    }
+}
+
+/// When any state of `limit` whose last unit came at `last` is whole again: a fixed window's
+/// end, the end of a sliding window's next window (its units weigh on it), a sliding log's
+/// `per` and a slot later, a bucket's time to fill.
+fn whole_after(limit: Limit, last: Nanos) -> Nanos {
+    let per = limit.per().max(1);
+    let window_end = |windows: u64| (last / per).saturating_add(windows).saturating_mul(per);
+    match limit.algorithm() {
+        Algorithm::FixedWindow | Algorithm::Concurrent => window_end(1),
+        Algorithm::SlidingWindow => window_end(2),
+        Algorithm::SlidingLog => last.saturating_add(per).saturating_add(limit.quantum()),
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            last.saturating_add(limit.capacity().saturating_mul(limit.interval()))
+        }
     }
 }
 
@@ -1092,6 +1113,10 @@ mod tests {
         assert!(l.cold("k", limit(), 1, 10 * s).is_none(), "not spent again on a share");
         l.due(4 * s + 30 * s);
         assert!(l.cold("k", limit(), 1, 35 * s).is_none(), "past the first quarter: it asks");
+        l.due(59 * s);
+        assert_eq!(l.held(), 1, "its window not over: kept");
+        l.due(61 * s);
+        assert_eq!(l.held(), 0);
         assert!(l.cold("k", limit(), 1, 61 * s).is_some(), "forgotten once its quota is restored");
         l.reached(false);
         assert!(l.cold("other", limit(), 1, 36 * s).is_none(), "Redis not answering: it asks");
@@ -1294,6 +1319,22 @@ mod tests {
         let j = sent.remove(0);
         l.synced(&j.rkey, j.seq, &applied(4, 99), t);
         assert_eq!(keys(l.due(t + 10 * MS)), ["k"]);
+    }
+
+    #[test]
+    fn a_spent_sliding_window_left_idle_is_not_spent_again_at_the_next_windows_start() {
+        let s = ratewall_core::SECOND;
+        let fifty = Limit::new(Algorithm::SlidingWindow, 50, 60 * s, None).unwrap();
+        let minute = (T / (60 * s) + 1) * 60 * s;
+        let mut p = Pair::new(fifty, 0, minute + 30 * s);
+        let spent = (0..60).filter(|i| p.call(1, minute + 30 * s + i * MS).allowed).count();
+        assert_eq!(spent, 50);
+        // Idle to just past the next window's start: the 50 still weigh about 49.7.
+        let next = minute + 60 * s + 300 * MS;
+        let burst = (0..70).filter(|i| p.call(1, next + i * MS).allowed).count();
+        assert!(burst <= 1, "{burst} admitted at the next window's start");
+        // A look says so too.
+        assert!(p.call(0, next + 100 * MS).remaining <= 1);
     }
 
     #[test]

@@ -613,6 +613,10 @@ impl<K: Kv> Rls<K> {
                     let now = at;
                     let a = counter.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
                     let retry = if a.counted || hits == 0 { None } else { retry_after(counter, now, hits, unreported) };
+                    // A refusal's answer says when the ask could be taken: the counter's own
+                    // reset is what this process's view of it needs.
+                    let whole = limit.decide(&counter.state, now.max(counter.last_seen), 0).0.reset_after;
+                    let a = if a.counted { a } else { ratewall_core::sync::Applied { reset_after: whole, ..a } };
                     ((a, now, retry), a.counted)
                 },
                 asked,
