@@ -360,15 +360,7 @@ fn an_admin_listener_counts_what_its_peers_heard_from_when_it_announced_itself()
     let with_admin = start(&redis, true);
     let admin = with_admin.admin.clone().unwrap();
     assert_eq!(post(&peer.addr, &batch(1, 1, Some(&section(1, 30, 1)))), 200);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    let top = loop {
-        let top = json(&admin, "/v1/top");
-        if top["rules"][0]["denied"].as_u64() == Some(31) || std::time::Instant::now() > deadline {
-            break top;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    };
-    assert_eq!(top["rules"][0]["denied"].as_u64(), Some(31), "{top}");
+    denied_within(&admin, "/v1/top", 31);
     assert_eq!(json(&admin, "/v1/fleet")["nodes"].as_array().unwrap().len(), 1);
 }
 
@@ -382,15 +374,20 @@ fn an_admin_listener_started_later_shows_what_its_peers_shared_before_it() {
     std::thread::sleep(ratewall_store::top::SHARE_EVERY * 3);
     let with_admin = start(&redis, true);
     let admin = with_admin.admin.clone().unwrap();
+    denied_within(&admin, "/v1/top?window=1h", 31);
+}
+
+/// Waits up to 5 s for the admin listener's `path` to count `denied` for its first rule.
+fn denied_within(admin: &str, path: &str, denied: u64) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     let top = loop {
-        let top = json(&admin, "/v1/top?window=1h");
-        if top["rules"][0]["denied"].as_u64() == Some(31) || std::time::Instant::now() > deadline {
+        let top = json(admin, path);
+        if top["rules"][0]["denied"].as_u64() == Some(denied) || std::time::Instant::now() > deadline {
             break top;
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     };
-    assert_eq!(top["rules"][0]["denied"].as_u64(), Some(31), "{top}");
+    assert_eq!(top["rules"][0]["denied"].as_u64(), Some(denied), "{top}");
 }
 
 /// Opens a connection to `addr` and sends `bytes`, then nothing more.

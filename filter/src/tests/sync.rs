@@ -1875,19 +1875,26 @@ fn a_rule_that_is_not_exact_never_asks_and_an_exact_one_still_does() {
     assert!(burst_until_ask(&e, &h).is_some(), "the exact rule asks");
 }
 
-#[test]
-fn without_the_store_a_node_keeps_to_its_measured_share_window_after_window() {
+/// A node of two on one rule of `limit` (the rule's limit object, as JSON) keyed by user, its
+/// store, and ann's counter key and limit: for the degraded-share tests.
+fn share_node(limit: &str) -> (FakeHost, Engine, Store, Vec<u8>, ratewall_core::Limit) {
     let doc = format!(
         r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
-  "rules": [{{"name": "user", "key": ["user"], "algorithm": "fixed_window", "limit": {{"requests": 100, "per": "10s"}}}}],
+  "rules": [{{"name": "user", "key": ["user"], {limit}}}],
   "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": 2}}}}"#
     );
     let h = FakeHost::new();
     let e = engine(&h, &doc);
-    let mut s = store();
-    let ann = [("x-user-id", "ann")];
     let key = key_of(&e, "/", "ann");
     let limit = e.config().rules[0].limit;
+    (h, e, store(), key, limit)
+}
+
+#[test]
+fn without_the_store_a_node_keeps_to_its_measured_share_window_after_window() {
+    let (h, e, mut s, key, limit) =
+        share_node(r#""algorithm": "fixed_window", "limit": {"requests": 100, "per": "10s"}"#);
+    let ann = [("x-user-id", "ann")];
     while !h.now().is_multiple_of(10_000 * MS) {
         h.advance(100 * MS);
     }
@@ -1924,25 +1931,14 @@ fn without_the_store_a_node_keeps_a_token_bucket_to_its_measured_share() {
     // goes away: this node admits its share of the bucket and of the rate, with its margin.
     // (Measured against the quota rather than the burst, its share read as nearly all of the
     // counter's traffic, and three gateways each admitted the whole rate in an outage.)
-    let doc = format!(
-        r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
-  "rules": [{{"name": "user", "key": ["user"], "limit": {{"requests": 100, "per": "10s", "burst": 20}}}}],
-  "sync": {{"cluster": "store", "secret": "{SECRET}", "interval": "100ms", "timeout": "50ms", "stale_after": "1s", "nodes": 2}}}}"#
-    );
-    let h = FakeHost::new();
-    let e = engine(&h, &doc);
-    let mut s = store();
+    let (h, e, mut s, key, limit) = share_node(r#""limit": {"requests": 100, "per": "10s", "burst": 20}"#);
     let ann = [("x-user-id", "ann")];
-    let key = key_of(&e, "/", "ann");
-    let limit = e.config().rules[0].limit;
-    let mut seq = 0;
     let mut admitted = 0;
     // The bucket drained first, then 5 s at its rate (one unit every 100 ms).
-    for round in 0..60 {
-        let want: usize = if round < 2 { 10 } else { 1 };
+    for seq in 1..=60u64 {
+        let want: usize = if seq <= 2 { 10 } else { 1 };
         let mine = (want * 3).div_ceil(10);
         admitted += statuses(&e, &h, "GET", "/", &ann, mine).iter().filter(|s| **s == 200).count();
-        seq += 1;
         let deltas = vec![Delta { key: key.clone(), limit, units: (want - mine) as u64 }];
         s.handle(h.now(), &SyncRequest { node: 999, seq, sent: h.now(), deltas, ask: false }).unwrap();
         e.on_tick(&h);

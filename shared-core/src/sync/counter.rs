@@ -407,28 +407,27 @@ impl Counter {
         (node, seq, units): (u64, u64, u64),
         node_ttl: Nanos,
     ) -> Applied {
-        let units = super::counted_units(&limit, since, now, units);
-        let since = if since == 0 { now } else { since };
-        self.apply_with(limit, now, (node, seq, units, since), node_ttl, (false, false))
+        self.report_counted(limit, (now, since), (node, seq, units), node_ttl, false)
     }
 
-    /// [`Counter::report_since`] for a node that admits only on what it holds (its grant and
-    /// what its asks were given, never an overdraft: ratewall-store's RLS front), and spends
-    /// what its asks were given before this report only until it cut it: of those units,
-    /// only what the node could still spend (what it held, less what it reports) stays held
-    /// through the next report. Holding them all, a lone process whose asks had been given 32
-    /// units, 28 of them spent and reported, saw its next asks refused with 16 of 50 free.
-    pub fn report_held(
+    /// [`Counter::report_since`]; with `held_only`, for a node that admits only on what it
+    /// holds (its grant and what its asks were given, never an overdraft: ratewall-store's
+    /// RLS front), and spends what its asks were given before this report only until it cut
+    /// it: of those units, only what the node could still spend (what it held, less what it
+    /// reports) stays held through the next report. Holding them all, a lone process whose
+    /// asks had been given 32 units, 28 of them spent and reported, saw its next asks refused
+    /// with 16 of 50 free.
+    pub fn report_counted(
         &mut self,
         limit: Limit,
-        now: Nanos,
-        since: Nanos,
+        (now, since): (Nanos, Nanos),
         (node, seq, units): (u64, u64, u64),
         node_ttl: Nanos,
+        held_only: bool,
     ) -> Applied {
         let units = super::counted_units(&limit, since, now, units);
         let since = if since == 0 { now } else { since };
-        self.apply_with(limit, now, (node, seq, units, since), node_ttl, (false, true))
+        self.apply_with(limit, now, (node, seq, units, since), node_ttl, (false, held_only))
     }
 
     fn apply_with(

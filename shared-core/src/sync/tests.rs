@@ -467,7 +467,7 @@ fn a_node_that_says_what_it_holds_is_not_refused_for_its_own_units_it_cannot_spe
     let ttl = 10 * SECOND;
     let mut c = Counter::new(l);
     assert!(c.ask(l, NOW, 1, 1, 1, ttl).grant >= 1);
-    let report = c.report_held(l, NOW + 10 * MS_, NOW, (1, 1, 9), ttl);
+    let report = c.report_counted(l, (NOW + 10 * MS_, NOW), (1, 1, 9), ttl, true);
     assert!(report.grant > 20 && report.lease > 0, "{report:?}");
     let lapsed = NOW + 10 * MS_ + report.lease + REPORT_GRACE / 2;
     let plain = c.clone().ask(l, lapsed, 1, 2, 1, ttl);

@@ -188,7 +188,7 @@ pub(crate) fn ran(counter: &Counter, now: Nanos) -> Nanos {
 /// ended.
 pub(crate) fn report(counter: &mut Counter, now: Nanos, node: u64, b: (Limit, u64, u64, Nanos)) -> Applied {
     let (limit, seq, units, since) = b;
-    counter.report_held(limit, now, since, (node, seq, units), crate::NODE_TTL)
+    counter.report_counted(limit, (now, since), (node, seq, units), crate::NODE_TTL, true)
 }
 
 impl Held {
@@ -508,20 +508,6 @@ impl Leases {
         self.local.fetch_add(1, Ordering::Relaxed);
         let (remaining, reset_after) = estimate(h, now);
         Some(Decision { allowed: true, limit: limit.quota(), remaining, reset_after, retry_after: None })
-    }
-
-    /// [`Leases::answered`]'s decision.
-    #[cfg(test)]
-    pub fn asked(
-        &self,
-        rkey: &str,
-        limit: Limit,
-        hits: u64,
-        a: &Applied,
-        retry: Option<Nanos>,
-        now: Nanos,
-    ) -> Decision {
-        self.answered(rkey, limit, hits, a, retry, now).0
     }
 
     /// Records an ask's answer at `now` (our clock) for a call of `hits`: the units beside
@@ -958,7 +944,7 @@ mod tests {
         assert!(l.cold("k", limit(), 1, 10).is_none(), "Redis has not answered yet: it asks");
         l.present(Some(1), 0);
         l.reached(true);
-        assert!(l.asked("k", limit(), 1, &applied(4, 99), None, 10).allowed);
+        assert!(l.answered("k", limit(), 1, &applied(4, 99), None, 10).0.allowed);
         assert!(l.take("k", limit(), 1, 20).is_some());
         l.reached(false);
         assert!(l.take("k", limit(), 1, 20).is_none(), "a grant held waits for Redis too");
@@ -982,7 +968,7 @@ mod tests {
     fn a_grant_pays_for_calls_until_spent_or_over() {
         let l = answered();
         assert!(l.take("k", limit(), 1, 10).is_none(), "nothing held yet");
-        let d = l.asked("k", limit(), 1, &applied(4, 99), None, 10);
+        let d = l.answered("k", limit(), 1, &applied(4, 99), None, 10).0;
         assert!(d.allowed);
         for _ in 0..3 {
             assert!(l.take("k", limit(), 1, 20).unwrap().allowed);
@@ -997,7 +983,7 @@ mod tests {
     #[test]
     fn an_unacknowledged_batch_is_sent_again_with_its_seq() {
         let l = answered();
-        l.asked("k", limit(), 1, &applied(5, 99), None, 0);
+        l.answered("k", limit(), 1, &applied(5, 99), None, 0);
         l.take("k", limit(), 2, 1).unwrap();
         let first = l.due(2);
         l.take("k", limit(), 1, 3).unwrap();
@@ -1010,7 +996,7 @@ mod tests {
     #[test]
     fn a_batch_past_the_retry_horizon_is_dropped_not_resent() {
         let l = answered();
-        l.asked("k", limit(), 1, &applied(5, 99), None, 0);
+        l.answered("k", limit(), 1, &applied(5, 99), None, 0);
         l.take("k", limit(), 2, 1).unwrap();
         assert_eq!(l.due(2).len(), 1);
         assert!(l.due(3 + RETRY_HORIZON).iter().all(|b| b.units == 0));
@@ -1020,7 +1006,7 @@ mod tests {
     #[test]
     fn a_refused_ask_answers_from_memory_briefly() {
         let l = answered();
-        let d = l.asked("k", limit(), 1, &applied(0, 0), Some(10 * ratewall_core::SECOND), 0);
+        let d = l.answered("k", limit(), 1, &applied(0, 0), Some(10 * ratewall_core::SECOND), 0).0;
         assert!(!d.allowed);
         let cached = l.take("k", limit(), 1, DENY_CACHE - 1).unwrap();
         assert!(!cached.allowed);
@@ -1030,7 +1016,7 @@ mod tests {
             "the call's own retry time"
         );
         assert!(l.take("k", limit(), 1, DENY_CACHE).is_none());
-        l.asked("k", limit(), 3, &applied(0, 2), Some(ratewall_core::SECOND), 0);
+        l.answered("k", limit(), 3, &applied(0, 2), Some(ratewall_core::SECOND), 0);
         assert!(l.take("k", limit(), 2, 1).is_none(), "a smaller call may fit: it asks");
         assert!(!l.take("k", limit(), 3, 1).unwrap().allowed);
     }
@@ -1075,7 +1061,7 @@ mod tests {
         // A window's: what Redis answered, less what was spent since the batch was cut.
         let l = answered();
         let ms = s / 1000;
-        l.asked("w", limit(), 1, &applied(10, 90), None, s);
+        l.answered("w", limit(), 1, &applied(10, 90), None, s);
         assert!(l.take("w", limit(), 1, s).is_some());
         assert_eq!(cut(l.due(s + 100 * ms)), vec![("w".to_owned(), limit(), 1, 1)]);
         assert!(l.take("w", limit(), 1, s + 200 * ms).is_some());
@@ -1153,9 +1139,9 @@ mod tests {
     fn a_process_that_stops_reports_every_unit_not_acknowledged() {
         let s = ratewall_core::SECOND;
         let l = answered();
-        l.asked("a", limit(), 1, &applied(10, 99), None, 0);
-        l.asked("b", limit(), 1, &applied(10, 99), None, 0);
-        l.asked("idle", limit(), 1, &applied(10, 99), None, 0);
+        l.answered("a", limit(), 1, &applied(10, 99), None, 0);
+        l.answered("b", limit(), 1, &applied(10, 99), None, 0);
+        l.answered("idle", limit(), 1, &applied(10, 99), None, 0);
         l.take("a", limit(), 2, 1).unwrap();
         l.take("b", limit(), 1, 1).unwrap();
         // A batch of `a` on its way, and a unit spent after it was cut.
@@ -1182,7 +1168,7 @@ mod tests {
     #[test]
     fn a_call_whose_ask_waited_while_a_grant_came_is_admitted_on_it() {
         let l = answered();
-        assert!(l.asked("k", limit(), 1, &applied(1, 99), None, 0).allowed);
+        assert!(l.answered("k", limit(), 1, &applied(1, 99), None, 0).0.allowed);
         // Refused at Redis, which held the grant a batch's answer brought meanwhile.
         l.synced("k", 1, &applied(5, 90), 1);
         let (d, from) = l.answered("k", limit(), 1, &applied(0, 0), Some(ratewall_core::SECOND), 2);
@@ -1198,7 +1184,7 @@ mod tests {
     #[test]
     fn given_back_hits_return_to_the_grant() {
         let l = answered();
-        l.asked("k", limit(), 1, &applied(2, 99), None, 0);
+        l.answered("k", limit(), 1, &applied(2, 99), None, 0);
         l.take("k", limit(), 1, 1).unwrap();
         assert!(l.give_back("k", 1));
         assert!(l.take("k", limit(), 1, 2).is_some());
@@ -1292,7 +1278,7 @@ mod tests {
     fn a_batch_redis_keeps_refusing_is_sent_less_and_less_often_until_another_is_taken() {
         let l = answered();
         for k in ["k", "j"] {
-            assert!(l.asked(k, limit(), 1, &applied(4, 99), None, T).allowed);
+            assert!(l.answered(k, limit(), 1, &applied(4, 99), None, T).0.allowed);
             l.take(k, limit(), 1, T + MS).unwrap();
         }
         let keys = |b: Vec<Batch>| b.into_iter().map(|b| b.rkey).collect::<Vec<_>>();
@@ -1408,7 +1394,7 @@ mod tests {
         let l = answered();
         // The counter's clock 5 s behind ours.
         l.observed("k", T - 5 * s, T, T - 5 * s);
-        l.asked("k", bucket, 1, &applied(5, 9), None, T);
+        l.answered("k", bucket, 1, &applied(5, 9), None, T);
         l.take("k", bucket, 1, T + 10 * MS).unwrap();
         l.take("k", bucket, 2, T + 20 * MS).unwrap();
         let b = l.due(T + 50 * MS);
@@ -1437,7 +1423,7 @@ mod tests {
         // An ask late in the window: 1 taken at Redis, 2 more granted until the window's end.
         let l = answered();
         let a = Applied { remaining: 2, grant: 3, reset_after: 100 * MS, lease: s, nodes: 1, counted: true };
-        assert!(l.asked("k", three, 1, &a, None, end - 100 * MS).allowed);
+        assert!(l.answered("k", three, 1, &a, None, end - 100 * MS).0.allowed);
         l.take("k", three, 1, end - 90 * MS).unwrap();
         l.take("k", three, 1, end - 80 * MS).unwrap();
         assert_eq!(l.unreported("k", end - 50 * MS), 2);
@@ -1451,7 +1437,7 @@ mod tests {
         }
         // A batch cut before the end that reaches Redis after it counts in neither window.
         let l = answered();
-        l.asked("k", three, 1, &a, None, end - 100 * MS);
+        l.answered("k", three, 1, &a, None, end - 100 * MS);
         l.take("k", three, 2, end - 90 * MS).unwrap();
         let b = l.due(end - 10 * MS);
         assert_eq!((b[0].units, b[0].since), (2, end - 90 * MS));
