@@ -1251,8 +1251,11 @@ mod tests {
             let mine = self.l.holding("k", t);
             let (a, retry) = self.update(t, |c, now| {
                 let a = c.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
-                let retry =
-                    if a.counted || hits == 0 { None } else { super::super::retry_after(c, now, hits, unreported) };
+                let retry = if a.counted || hits == 0 {
+                    None
+                } else {
+                    super::super::retry_after(c, now, hits, (node, unreported))
+                };
                 ((a, retry), a.counted)
             });
             self.l.answered("k", limit, hits, &a, retry, t).0

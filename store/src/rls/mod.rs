@@ -612,7 +612,8 @@ impl<K: Kv> Rls<K> {
                     let mine = self.leases.holding(&c.rkey, now);
                     let now = at;
                     let a = counter.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
-                    let retry = if a.counted || hits == 0 { None } else { retry_after(counter, now, hits, unreported) };
+                    let retry =
+                        if a.counted || hits == 0 { None } else { retry_after(counter, now, hits, (node, unreported)) };
                     // A refusal's answer says when the ask could be taken: the counter's own
                     // reset is what this process's view of it needs.
                     let whole = limit.decide(&counter.state, now.max(counter.last_seen), 0).0.reset_after;
@@ -804,15 +805,18 @@ tokio::task_local! {
 const ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// How long a call of `hits` refused by an ask at `now` waits until it would fit: until the
-/// counter's state, with the `unreported` units this process admitted from its grant counted,
-/// has room for it (a fixed window whose quota is spent: the window's end), and no sooner than
-/// [`Counter::retry_after`] (the grants held lapse). That one alone counts this process's own
-/// grant as free once its lease ends, though its units were spent: it answered a second or two
-/// while the window had minutes left. None: the call never fits.
-fn retry_after(counter: &Counter, now: Nanos, hits: u64, unreported: u64) -> Option<Nanos> {
+/// counter's state, with the `unreported` units this process (`node`) admitted from its grant
+/// counted, and what the other processes' grants hold taken as spent (they may be, and
+/// reported only with their next batches), has room for it (a fixed window whose quota is
+/// spent: the window's end), and no sooner than [`Counter::retry_after`] (the grants held
+/// lapse). That one alone counts every grant as free once its lease ends, though its units
+/// were spent: it answered a second or two while the window had minutes left (with three
+/// processes, a client that waited it was refused again). None: the call never fits.
+fn retry_after(counter: &Counter, now: Nanos, hits: u64, (node, unreported): (u64, u64)) -> Option<Nanos> {
     let now = now.max(counter.last_seen);
     let limit = counter.limit;
-    let spent = limit.consume(&counter.state, now, unreported);
+    let others = counter.held_by_others(now, node);
+    let spent = limit.consume(&counter.state, now, unreported.saturating_add(others));
     let (alone, _) = limit.decide(&spent, now, hits);
     let held = counter.retry_after(now, hits);
     if alone.allowed {

@@ -549,3 +549,21 @@ descriptors:
         assert!(header("RateLimit").is_some_and(|v| v.ends_with(";r=0;t=57")), "{:?}", a.headers);
     }
 }
+
+/// A refused call's wait takes what the other processes' grants hold as spent: they may be, and
+/// reach Redis only with those processes' next batches. Counting those grants free once their
+/// leases end, a call refused with 20 s of the window left was told 1-2 s, and refused again.
+#[test]
+fn a_refused_calls_wait_counts_the_other_processes_grants_as_spent() {
+    let s = ratewall_core::SECOND;
+    let limit = Limit::new(ratewall_core::Algorithm::FixedWindow, 50, 60 * s, None).unwrap();
+    let start = 1_000 * 3600 * s + 40 * s;
+    let mut c = Counter::new(limit);
+    let a = c.report_counted(limit, (start, start), (1, 1, 40), 10 * s, true);
+    // Process 1 counted 40 and holds the other 10.
+    assert_eq!(a.grant, 10, "{a:?}");
+    let wait = super::retry_after(&c, start + 10_000_000, 1, (2, 0)).unwrap();
+    assert!(wait >= 19 * s, "{wait}: the window's end, 20 s on");
+    // The process holding the grant waits as before: its own are counted as what it spent.
+    assert!(super::retry_after(&c, start, 1, (1, 10)).unwrap() >= 19 * s);
+}
