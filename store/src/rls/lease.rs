@@ -212,13 +212,19 @@ impl Held {
         self.until.max(self.extra_until)
     }
 
+    /// What this process may still spend at `now` (our clock), on lease: what Redis carries
+    /// for it, its grant, and the units its asks were given beside.
+    fn spendable(&self, now: Nanos) -> (u64, u64, u64) {
+        let (carried, extra) = if now < self.extra_until { (self.carried, self.extra) } else { (0, 0) };
+        let grant = if now < self.until { self.grant } else { 0 };
+        (carried, grant, extra)
+    }
+
     /// Takes `hits` from what this process holds at `now` (our clock): what Redis carries for
     /// it first (it ends soonest), then the grant, then the units its asks were given beside.
     /// None: they do not cover `hits` (nothing is taken).
     fn spend(&mut self, hits: u64, now: Nanos) -> Option<()> {
-        let extras_on = now < self.extra_until;
-        let (carried, extra) = if extras_on { (self.carried, self.extra) } else { (0, 0) };
-        let grant = if now < self.until { self.grant } else { 0 };
+        let (carried, grant, extra) = self.spendable(now);
         if carried.saturating_add(grant).saturating_add(extra) < hits {
             return None;
         }
@@ -525,14 +531,11 @@ impl Leases {
         self.asked.fetch_add(1, Ordering::Relaxed);
         self.saw_nodes(a.nodes, now);
         let allowed = hits == 0 || a.grant >= hits;
-        // The counter's own reset (for a refused ask the caller gives it in `a`: the core's
-        // answer says when the ask could be taken, which read as the reset had a spent token
-        // bucket looked at as full again in a second). The refused call's reset is no sooner
-        // than it fits (`retry`).
-        let reset_after = a.reset_after;
-        let refused_reset = |reset: Nanos| if allowed { reset } else { reset.max(retry.unwrap_or(0)) };
+        // `a.reset_after` is the counter's own reset (for a refused ask [`super::ask_at`] gives
+        // it: the core's answer says when the ask could be taken, which read as the reset had a
+        // spent token bucket looked at as full again in a second).
         // What Redis answered, less the units this process admitted that it has not counted yet.
-        let mut known = (a.remaining, reset_after);
+        let mut known = (a.remaining, a.reset_after);
         let mut from = Source::Redis;
         if let Ok(mut held) = self.held.lock() {
             if held.len() >= MAX_HELD && !held.contains_key(rkey) {
@@ -568,7 +571,7 @@ impl Leases {
                 h.used = now;
                 h.answered = true;
                 h.drop_ended(now);
-                h.view = (a.remaining, reset_after, now);
+                h.view = (a.remaining, a.reset_after, now);
                 known = estimate(h, now);
                 if allowed {
                     // Beside what the process holds: Redis holds both (an ask answered while
@@ -593,8 +596,9 @@ impl Leases {
                 }
             }
         }
-        let reset_after = if from == Source::Grant { known.1 } else { refused_reset(known.1) };
         let allowed = allowed || from == Source::Grant;
+        // A refused call's reset is no sooner than it fits (`retry`).
+        let reset_after = if allowed { known.1 } else { known.1.max(retry.unwrap_or(0)) };
         let d = Decision {
             allowed,
             limit: limit.quota(),
@@ -634,9 +638,8 @@ impl Leases {
     pub fn holding(&self, rkey: &str, now: Nanos) -> u64 {
         let Ok(held) = self.held.lock() else { return u64::MAX };
         held.get(rkey).map_or(0, |h| {
-            let extras = if now < h.extra_until { h.extra.saturating_add(h.carried) } else { 0 };
-            let grant = if now < h.until { h.grant } else { 0 };
-            h.unreported_at(now).saturating_add(grant).saturating_add(extras)
+            let (carried, grant, extra) = h.spendable(now);
+            h.unreported_at(now).saturating_add(carried).saturating_add(grant).saturating_add(extra)
         })
     }
 
@@ -1250,12 +1253,7 @@ mod tests {
             let (node, ask, unreported) = (self.l.node, self.l.next_ask(), self.l.unreported("k", t));
             let mine = self.l.holding("k", t);
             let (a, retry) = self.update(t, |c, now| {
-                let a = c.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
-                let retry = if a.counted || hits == 0 {
-                    None
-                } else {
-                    super::super::retry_after(c, now, hits, (node, unreported))
-                };
+                let (a, retry) = super::super::ask_at(c, now, (node, ask, mine), hits, unreported);
                 ((a, retry), a.counted)
             });
             self.l.answered("k", limit, hits, &a, retry, t).0

@@ -610,15 +610,8 @@ impl<K: Kv> Rls<K> {
                 move |counter, at| {
                     // Read in turn (what changes it is noted in turn), as of the call's start.
                     let mine = self.leases.holding(&c.rkey, now);
-                    let now = at;
-                    let a = counter.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
-                    let retry =
-                        if a.counted || hits == 0 { None } else { retry_after(counter, now, hits, (node, unreported)) };
-                    // A refusal's answer says when the ask could be taken: the counter's own
-                    // reset is what this process's view of it needs.
-                    let whole = limit.decide(&counter.state, now.max(counter.last_seen), 0).0.reset_after;
-                    let a = if a.counted { a } else { ratewall_core::sync::Applied { reset_after: whole, ..a } };
-                    ((a, now, retry), a.counted)
+                    let (a, retry) = ask_at(counter, at, (node, ask, mine), hits, unreported);
+                    ((a, at, retry), a.counted)
                 },
                 asked,
             )
@@ -803,6 +796,27 @@ tokio::task_local! {
 
 /// Kept off a compare-and-set's deadline at Redis for its answer's way back ([`Rls::update`]).
 const ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// This process's (`node`'s) ask number `ask` for `hits` on `counter` at `now`, holding `mine`
+/// of its grants and `unreported` units: the answer, with the counter's own reset where it is
+/// refused (the core's says when the ask could be taken, which this process's view of the
+/// counter would read as its reset), and a refused call's wait ([`retry_after`]).
+pub(crate) fn ask_at(
+    counter: &mut Counter,
+    now: Nanos,
+    (node, ask, mine): (u64, u64, u64),
+    hits: u64,
+    unreported: u64,
+) -> (ratewall_core::sync::Applied, Option<Nanos>) {
+    let limit = counter.limit;
+    let a = counter.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
+    if a.counted {
+        return (a, None);
+    }
+    let retry = if hits == 0 { None } else { retry_after(counter, now, hits, (node, unreported)) };
+    let whole = limit.decide(&counter.state, now.max(counter.last_seen), 0).0.reset_after;
+    (ratewall_core::sync::Applied { reset_after: whole, ..a }, retry)
+}
 
 /// How long a call of `hits` refused by an ask at `now` waits until it would fit: until the
 /// counter's state, with the `unreported` units this process (`node`) admitted from its grant
