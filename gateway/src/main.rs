@@ -340,11 +340,9 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
         // next store refuses its number as answered already (409). A batch is tried on the
         // next store: its `seq` makes a second send count nothing twice.
         let ask = ratewall_core::sync::SyncRequest::decode_prefix(&c.body).is_ok_and(|(r, _)| r.ask);
-        let count = if ask { stores.len().min(1) } else { stores.len() };
-        let first = c.token as usize % stores.len().max(1);
-        let answer = answer_from(count, 0, |i| {
-            let store = stores.get((first + i) % stores.len().max(1))?;
-            ratewall_host::http::request(store, "POST", &path, &headers, &c.body).ok()
+        let tries = if ask { 1 } else { stores.len() };
+        let answer = answer_from((stores.len(), c.token as usize, tries), |i| {
+            ratewall_host::http::request(stores.get(i)?, "POST", &path, &headers, &c.body).ok()
         });
         match answer {
             Some(r) => {
@@ -357,8 +355,9 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
     Ok(())
 }
 
-/// The answer a call gets from `count` stores tried in turn from `first` (`call(i)` asks store
-/// `i`; None: no answer, a connection failure or timeout): the first that is not a 503 (the
+/// The answer a call gets from `count` stores, at most `tries` of them tried in turn from
+/// `first` (`call(i)` asks store `i`; None: no answer, a connection failure or timeout): the
+/// first that is not a 503 (the
 /// next store is tried when one answers 503), or, when every store that answered said 503, the
 /// last such answer, delivered as Envoy delivers it. Only no answer from any store is delivered
 /// as none (a failed call): the filter takes that for a store out of reach and stops the whole
@@ -366,12 +365,11 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
 /// the store cannot read does (docs/sync-protocol.md). Delivered as none, that one counter's
 /// asks had every other counter's `closed` requests answered 503 for a second after each.
 fn answer_from(
-    count: usize,
-    first: usize,
+    (count, first, tries): (usize, usize, usize),
     mut call: impl FnMut(usize) -> Option<ratewall_host::http::Response>,
 ) -> Option<ratewall_host::http::Response> {
     let mut failed = None;
-    for i in 0..count {
+    for i in 0..tries.min(count) {
         match call((first + i) % count) {
             Some(r) if r.status == 503 => failed = Some(r),
             Some(r) => return Some(r),
@@ -716,13 +714,13 @@ mod tests {
     #[test]
     fn a_503_from_every_store_is_delivered_not_taken_for_no_answer() {
         const UNREADABLE: &str = "an ask names a stored counter that is unreadable; nothing is taken and it is kept";
-        let one = answer_from(1, 7, |_| answered(503, UNREADABLE));
+        let one = answer_from((1, 7, 1), |_| answered(503, UNREADABLE));
         let one = one.map(|r| (r.status, r.text()));
         assert_eq!(one, Some((503, UNREADABLE.to_owned())), "one store answering 503");
         // Several stores: the next is tried on a 503 (and on no answer); the last 503 is
         // delivered when none answered otherwise.
         let mut tried = Vec::new();
-        let all = answer_from(3, 1, |i| {
+        let all = answer_from((3, 1, 3), |i| {
             tried.push(i);
             if i == 0 {
                 None
@@ -733,10 +731,17 @@ mod tests {
         assert_eq!(tried, [1, 2, 0]);
         assert_eq!(all.map(|r| (r.status, r.text())), Some((503, "store 2".to_owned())));
         // A store that answers otherwise is taken, past a 503 before it.
-        let ok = answer_from(2, 0, |i| if i == 0 { answered(503, "") } else { answered(200, "ok") });
+        let ok = answer_from((2, 0, 2), |i| if i == 0 { answered(503, "") } else { answered(200, "ok") });
         assert_eq!(ok.map(|r| r.status), Some(200));
         // No store answering at all is still no answer (the filter's "store out of reach").
-        assert!(answer_from(2, 0, |_| None).is_none());
-        assert!(answer_from(0, 0, |_| answered(200, "")).is_none());
+        assert!(answer_from((2, 0, 2), |_| None).is_none());
+        // One try (an ask): the store the call's token names, and no other after its 503.
+        let mut tried = Vec::new();
+        let one = answer_from((3, 4, 1), |i| {
+            tried.push(i);
+            answered(503, "")
+        });
+        assert_eq!((tried, one.map(|r| r.status)), (vec![1], Some(503)));
+        assert!(answer_from((0, 0, 0), |_| answered(200, "")).is_none());
     }
 }
