@@ -68,6 +68,18 @@ fn fail(e: &Engine, h: &FakeHost) -> usize {
     calls.len()
 }
 
+/// `n` rounds of a tick whose calls all fail, 100 ms apart: the calls each round made.
+fn failed_ticks(e: &Engine, h: &FakeHost, n: usize) -> Vec<usize> {
+    (0..n)
+        .map(|_| {
+            e.on_tick(h);
+            let calls = fail(e, h);
+            h.advance(100 * MS);
+            calls
+        })
+        .collect()
+}
+
 /// The value of the sync key ending in `suffix` (the keys of one store's sync share a prefix).
 fn synced(h: &FakeHost, suffix: &str) -> Option<Vec<u8>> {
     let key = h.shared_keys().into_iter().find(|k| k.starts_with("rw1/sync/") && k.ends_with(suffix))?;
@@ -219,11 +231,7 @@ fn three_failures_open_the_breaker_and_a_success_closes_it() {
     let h = FakeHost::new();
     let e = engine(&h, &rules(100, 1));
     let mut s = store();
-    for _ in 0..3 {
-        e.on_tick(&h);
-        assert_eq!(fail(&e, &h), 1);
-        h.advance(100 * MS);
-    }
+    assert_eq!(failed_ticks(&e, &h, 3), [1, 1, 1]);
     assert_eq!(h.metric("ratewall_sync_breaker_open"), 1);
     assert_eq!(h.metric("ratewall_sync_failed"), 3);
     e.on_tick(&h);
@@ -264,11 +272,7 @@ fn a_clock_put_back_keeps_the_breaker_open_no_longer_than_its_backoff() {
     let h = FakeHost::new();
     let e = engine(&h, &rules(100, 1));
     let mut s = store();
-    for _ in 0..4 {
-        e.on_tick(&h);
-        fail(&e, &h);
-        h.advance(100 * MS);
-    }
+    failed_ticks(&e, &h, 4);
     assert_eq!(h.metric("ratewall_sync_breaker_open"), 1);
     h.now.set(h.now() - 60_000 * MS);
     e.on_tick(&h);
