@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use crate::{Cas, Kv, Unheard, NODE_TTL};
+use crate::{Cas, Kv, Presence, Unheard, NODE_TTL};
 use ratewall_core::sync::{Registry, SyncError, CUT_OFF_SILENCE, MAX_REQUEST_SKEW};
 use ratewall_core::Nanos;
 use std::collections::HashMap;
@@ -25,6 +25,8 @@ pub(crate) struct FakeKv {
     pub streams: Mutex<HashMap<String, Stream>>,
     /// The rate limit service's processes: node → last heard.
     pub present: Mutex<HashMap<u64, Nanos>>,
+    /// The counters too low for an initial share, and their version.
+    pub low: Mutex<(u64, HashMap<String, Nanos>)>,
 }
 
 impl FakeKv {
@@ -77,12 +79,22 @@ impl Kv for FakeKv {
         })?;
         Ok((nodes, registry.heard_within(now, CUT_OFF_SILENCE)))
     }
-    async fn present(&self, node: u64) -> Result<(u32, Nanos), String> {
+    async fn present(&self, node: u64, low: &[(String, Nanos)], seen: &str) -> Result<Presence, String> {
         let now = self.op()?;
         let mut present = self.present.lock().unwrap();
         present.insert(node, now);
         present.retain(|_, at| now.saturating_sub(*at) < NODE_TTL);
-        Ok((u32::try_from(present.len()).unwrap(), now))
+        let (version, set) = &mut *self.low.lock().unwrap();
+        for (key, until) in low {
+            if set.get(key).is_none_or(|t| t < until) {
+                set.insert(key.clone(), *until);
+                *version += 1;
+            }
+        }
+        set.retain(|_, until| *until > now);
+        let low = (version.to_string() != seen)
+            .then(|| (version.to_string(), set.iter().map(|(k, t)| (k.clone(), *t)).collect()));
+        Ok(Presence { processes: u32::try_from(present.len()).unwrap(), now, low })
     }
     async fn ping(&self) -> Result<(), String> {
         self.op().map(|_| ())

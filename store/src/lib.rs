@@ -165,11 +165,52 @@ do out[#out + 1] = n end return out";
 /// long and returns how many it counts, the process included. Apart from the sync registry
 /// ([`REGISTRY`]): the service's counters are not the filters', so neither fleet shrinks the
 /// other's initial shares.
+///
+/// With it, the counters too low for an initial share ([`Presence::low`]): `KEYS[2]` a sorted
+/// set counter key → until when (ms), `KEYS[3]` its version, changed with every entry added
+/// or put later. `ARGV[3]`: the version the process last read; `ARGV[4..]`: pairs of a counter
+/// key and its time, which the set takes where later than what it has. Entries past their time
+/// are dropped, and past [`MAX_LOW`] the soonest to end. Returns `{processes, seconds,
+/// microseconds, version}`, and when the version is not the one read, every entry as a key
+/// and its time.
 pub const PRESENT: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) \
 redis.call('ZADD', KEYS[1], now, ARGV[1]) \
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2])) \
 redis.call('PEXPIRE', KEYS[1], ARGV[2]) \
-return {redis.call('ZCARD', KEYS[1]), t[1], t[2]}";
+local changed = false \
+for i = 4, #ARGV - 1, 2 do local old = redis.call('ZSCORE', KEYS[2], ARGV[i]) \
+if (not old) or tonumber(old) < tonumber(ARGV[i + 1]) then redis.call('ZADD', KEYS[2], ARGV[i + 1], ARGV[i]) changed = true end end \
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now) \
+if changed then redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -1025) redis.call('INCR', KEYS[3]) \
+local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES') \
+local ttl = math.max(1000, (tonumber(last[2]) or now) - now + 1000) \
+redis.call('PEXPIRE', KEYS[2], ttl) redis.call('PEXPIRE', KEYS[3], ttl) end \
+local version = redis.call('GET', KEYS[3]) or '0' \
+local out = {redis.call('ZCARD', KEYS[1]), t[1], t[2], version} \
+if version ~= ARGV[3] then for _, e in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')) do out[#out + 1] = e end end \
+return out";
+
+/// Most counters [`PRESENT`] keeps as too low for an initial share (the soonest to end go; the
+/// script's `-1025` is this less one).
+pub const MAX_LOW: usize = 1024;
+
+/// The answer to a rate limit service process's note of itself as present ([`Kv::present`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Presence {
+    /// The processes heard within [`NODE_TTL`], this one included.
+    pub processes: u32,
+    /// Redis's clock then, ns.
+    pub now: Nanos,
+    /// The counters on which a process new to them may not spend an initial share blind, as
+    /// some process found them (too little left beside what grants hold): each counter's key
+    /// and until when, ns of Redis's clock; with the list's version. None: unchanged since the
+    /// version the process read last.
+    pub low: Option<LowList>,
+}
+
+/// The counters too low for an initial share, each with its time, and the list's version
+/// ([`Presence::low`]).
+pub type LowList = (String, Vec<(String, Nanos)>);
 
 /// What the health checks run: Redis's clock and a write, through a script, as every command
 /// of the store needs them. A Redis that answers `PING` but refuses writes (out of memory
@@ -191,6 +232,10 @@ pub const REGISTRY_TYPES: [&str; 4] = ["hash", "zset", "zset", "string"];
 
 /// The key of the rate limit service's processes ([`PRESENT`]).
 pub const PRESENT_KEY: &str = "rw:{rls-processes}";
+
+/// The keys of the counters too low for an initial share and of their version ([`PRESENT`]),
+/// in the processes' slot.
+pub const LOW_KEYS: [&str; 2] = ["rw:{rls-processes}:low", "rw:{rls-processes}:low-version"];
 
 /// A key never written, read for Redis's clock when a call names no counter (a heartbeat).
 pub const CLOCK_KEY: &str = "rw:{registry}:clock";
@@ -264,9 +309,15 @@ pub trait Kv: Send + Sync {
         batch: bool,
         sent: Nanos,
     ) -> impl Future<Output = Result<(u32, Vec<u64>), Unheard>> + Send;
-    /// Notes rate limit service process `node` as heard now ([`PRESENT`]): the processes
-    /// heard within [`NODE_TTL`], this one included, and Redis's clock then, ns.
-    fn present(&self, node: u64) -> impl Future<Output = Result<(u32, Nanos), String>> + Send;
+    /// Notes rate limit service process `node` as heard now ([`PRESENT`]), and the counters it
+    /// found too low for an initial share (`low`: key, until when in ns of Redis's clock); the
+    /// list of those counters comes back when its version is not `seen`.
+    fn present(
+        &self,
+        node: u64,
+        low: &[(String, Nanos)],
+        seen: &str,
+    ) -> impl Future<Output = Result<Presence, String>> + Send;
     /// Whether Redis answers and takes the store's writes ([`PROBE`]); why not.
     fn ping(&self) -> impl Future<Output = Result<(), String>> + Send;
     /// Appends `payload` to the stream `key` ([`APPEND`]).

@@ -186,8 +186,13 @@ impl Kv for LazyKv {
         }
         heard
     }
-    async fn present(&self, node: u64) -> Result<(u32, Nanos), String> {
-        self.noted(self.connected().await?.present(node).await)
+    async fn present(
+        &self,
+        node: u64,
+        low: &[(String, Nanos)],
+        seen: &str,
+    ) -> Result<ratewall_store::Presence, String> {
+        self.noted(self.connected().await?.present(node, low, seen).await)
     }
     async fn ping(&self) -> Result<(), String> {
         let kv = self.connected().await?;

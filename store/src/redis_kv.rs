@@ -3,8 +3,8 @@
 //! reloaded on `NOSCRIPT` (a restart or a failover empties the script cache).
 
 use crate::{
-    Cas, Kv, Unheard, APPEND, CAS, MANY, NODE_TTL, PRESENT, PRESENT_KEY, PROBE, PROBE_KEY, READ, READ_AFTER, REGISTRY,
-    REGISTRY_KEYS, REGISTRY_TYPES,
+    Cas, Kv, Presence, Unheard, APPEND, CAS, LOW_KEYS, MANY, NODE_TTL, PRESENT, PRESENT_KEY, PROBE, PROBE_KEY, READ,
+    READ_AFTER, REGISTRY, REGISTRY_KEYS, REGISTRY_TYPES,
 };
 use ratewall_core::sync::{
     CUT_OFF_SILENCE, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_NODES, MAX_REQUEST_SKEW, SEQ_MEMORY,
@@ -266,6 +266,17 @@ fn int(v: &Value) -> Option<i64> {
     }
 }
 
+/// A reply's string (or integer, as text).
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        Value::Double(d) => Some(d.to_string()),
+        _ => None,
+    }
+}
+
 /// Redis `TIME` (seconds, microseconds) in ns.
 fn clock(secs: Option<&Value>, micros: Option<&Value>) -> Result<Nanos, String> {
     let secs = secs.and_then(int).ok_or("no TIME")?;
@@ -395,14 +406,37 @@ impl Kv for RedisKv {
         }
     }
 
-    async fn present(&self, node: u64) -> Result<(u32, Nanos), String> {
-        let args = [node.to_string().into_bytes(), (NODE_TTL / 1_000_000).to_string().into_bytes()];
+    async fn present(&self, node: u64, low: &[(String, Nanos)], seen: &str) -> Result<Presence, String> {
+        let mut args = vec![
+            node.to_string().into_bytes(),
+            (NODE_TTL / 1_000_000).to_string().into_bytes(),
+            seen.as_bytes().to_vec(),
+        ];
+        for (key, until) in low {
+            args.push(key.as_bytes().to_vec());
+            args.push(until.div_ceil(1_000_000).to_string().into_bytes());
+        }
         let unexpected = || "unexpected reply to the presence script".to_owned();
-        let Value::Array(parts) = self.run(&self.present, &[PRESENT_KEY], &args).await? else {
+        let keys = [PRESENT_KEY, LOW_KEYS[0], LOW_KEYS[1]];
+        let Value::Array(parts) = self.run(&self.present, &keys, &args).await? else {
             return Err(unexpected());
         };
-        let n = parts.first().and_then(int).and_then(|n| u32::try_from(n).ok()).ok_or_else(unexpected)?;
-        Ok((n, clock(parts.get(1), parts.get(2))?))
+        let processes = parts.first().and_then(int).and_then(|n| u32::try_from(n).ok()).ok_or_else(unexpected)?;
+        let now = clock(parts.get(1), parts.get(2))?;
+        let version = parts.get(3).and_then(text).ok_or_else(unexpected)?;
+        let low = if version == seen {
+            None
+        } else {
+            let entries = parts.get(4..).unwrap_or_default().chunks(2).filter_map(|pair| match pair {
+                [key, until] => {
+                    let ms = text(until)?.parse::<f64>().ok()?;
+                    Some((text(key)?, (ms.max(0.0) as u64).saturating_mul(1_000_000)))
+                }
+                _ => None,
+            });
+            Some((version, entries.collect()))
+        };
+        Ok(Presence { processes, now, low })
     }
 
     async fn ping(&self) -> Result<(), String> {

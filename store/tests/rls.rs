@@ -964,6 +964,8 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 3}
   - key: sliding
     rate_limit: {unit: minute, requests_per_unit: 3, algorithm: sliding_window}
+  - key: bucket
+    rate_limit: {unit: hour, requests_per_unit: 3, algorithm: token_bucket}
 ";
 
 /// Seconds since the Unix epoch.
@@ -1011,7 +1013,8 @@ async fn allowed(
 /// process new to a counter admits at most ⌊limit / N⌋ (here 1) before Redis counts it, and
 /// nothing past a fixed window's first quarter: at most 3 + 1 here, 3 for a fixed window past
 /// its first quarter. (Each process had counted itself alone and spent the whole quota blind:
-/// 6 of 3, and 4 of 3 past a fixed window's first quarter.)
+/// 6 of 3, and 4 of 3 past a fixed window's first quarter.) Nor on a counter another process
+/// found spent and said so at Redis: 3 where the client switches after 0.5 s (it was 4).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_on_one_redis_admit_within_the_written_bound() {
     let redis = Redis::start(false).unwrap();
@@ -1038,30 +1041,33 @@ async fn two_processes_on_one_redis_admit_within_the_written_bound() {
             failures.push(format!("{what}: {got} of 3 allowed, over the bound of {bound}"));
         }
     };
-    // Sliding windows: a process new to the counter spends its initial share (1 of 3).
-    for (name, order, pause, switch_pause) in [
-        ("switch after 0.5 s", &switch, no_pause, half_a_second),
-        ("turns", &turns, no_pause, no_pause),
-        ("turns, 150 ms apart", &turns, a_flush, no_pause),
+    // Sliding windows: a process new to the counter spends its initial share (1 of 3), but
+    // not once another process found the counter spent and said so at Redis (within two
+    // flushes): the switch after 0.5 s admits none on top.
+    for (name, order, pause, switch_pause, bound) in [
+        ("switch after 0.5 s", &switch, no_pause, half_a_second, 3),
+        ("turns", &turns, no_pause, no_pause, 4),
+        ("turns, 150 ms apart", &turns, a_flush, no_pause, 4),
     ] {
         // A minute turning mid-run would weigh the spent quota down (a sliding window's
         // previous minute counts less as the new one goes on): each run fits in one minute.
         part_of_the_minute_with_room(3.0).await;
         let value = format!("{name}-{run}");
         let got = allowed(&mut clients, order, ("sliding", &value), pause, switch_pause).await;
-        check(format!("sliding_window, {name}"), got, 4);
+        check(format!("sliding_window, {name}"), got, bound);
     }
     // Fixed windows: the same in a window's first quarter, none past it. A minute turning
     // mid-run would give a fresh quota: each run fits in one part of the minute.
     let mut first_quarter = part_of_the_minute_with_room(3.0).await;
     for round in 0..2 {
-        for (name, order, pause, switch_pause) in
-            [("switch after 0.5 s", &switch, no_pause, half_a_second), ("turns", &turns, no_pause, no_pause)]
-        {
+        for (name, order, pause, switch_pause, bound) in [
+            ("switch after 0.5 s", &switch, no_pause, half_a_second, 3),
+            ("turns", &turns, no_pause, no_pause, if first_quarter { 4 } else { 3 }),
+        ] {
             let part = if first_quarter { "first quarter" } else { "past the first quarter" };
             let value = format!("{name}-{run}-{round}");
             let got = allowed(&mut clients, order, ("fixed", &value), pause, switch_pause).await;
-            check(format!("fixed_window, {part}, {name}"), got, if first_quarter { 4 } else { 3 });
+            check(format!("fixed_window, {part}, {name}"), got, bound);
         }
         if !first_quarter {
             break;
@@ -1073,6 +1079,11 @@ async fn two_processes_on_one_redis_admit_within_the_written_bound() {
             first_quarter = part_of_the_minute_with_room(3.0).await;
         }
     }
+    // A token bucket (an hour's, so nothing comes back meanwhile): spent at one process, then
+    // called at the other, which has never held it. It admitted half the bucket again.
+    let value = format!("bucket-{run}");
+    let got = allowed(&mut clients, &switch, ("bucket", &value), no_pause, half_a_second).await;
+    check("token_bucket of 3 an hour, switch after 0.5 s".into(), got, 3);
     assert!(failures.is_empty(), "{failures:#?}");
 }
 

@@ -191,6 +191,38 @@ pub(crate) fn report(counter: &mut Counter, now: Nanos, node: u64, b: (Limit, u6
     counter.report_counted(limit, (now, since), (node, seq, units), crate::NODE_TTL, true)
 }
 
+/// A batch's transition at Redis ([`report`]) as [`Rls::update_then`](super::Rls::update_then)
+/// runs it: its answer, until when the counter is then too low for an initial share
+/// ([`low_until`]), and whether it changed.
+pub(crate) fn reported(
+    counter: &mut Counter,
+    now: Nanos,
+    node: u64,
+    b: (Limit, u64, u64, Nanos),
+) -> ((Applied, Option<Nanos>), bool) {
+    let a = report(counter, now, node, b);
+    ((a, low_until(counter, now)), a.counted)
+}
+
+/// Until when (the counter's clock) `counter` cannot pay a process new to it an initial share,
+/// if it cannot at `now`: half its capacity, the most share a process takes blind when there
+/// are others, does not fit beside what it counted and what every grant holds. A process that
+/// has not held the counter asks Redis there instead ([`Leases::cold`]): its share, spent
+/// blind, would come on top of what the others spent (two processes, a token bucket of 50 an
+/// hour spent at one of them: the other admitted 25 more).
+pub(crate) fn low_until(counter: &Counter, now: Nanos) -> Option<Nanos> {
+    let now = now.max(counter.last_seen);
+    let limit = counter.limit;
+    // Node 0 is no process's: every grant counts.
+    let taken = limit.consume(&counter.state, now, counter.held_by_others(now, 0));
+    let (share, _) = limit.decide(&taken, now, (limit.capacity() / 2).max(1));
+    if share.allowed {
+        return None;
+    }
+    let wait = share.retry_after.unwrap_or_else(|| limit.decide(&taken, now, 0).0.reset_after);
+    Some(now.saturating_add(wait))
+}
+
 impl Held {
     /// `now` (our clock) on the counter's clock.
     fn on_counter(&self, now: Nanos) -> Nanos {
@@ -313,7 +345,27 @@ pub struct Leases {
     registered: std::sync::atomic::AtomicBool,
     /// The clock of the counter last answered: a counter's until its own is.
     clock: Mutex<Clock>,
+    /// The counters too low for an initial share, as the processes found them.
+    low: Mutex<Low>,
 }
+
+/// Counters on which a process new to them asks Redis rather than spend an initial share
+/// blind ([`low_until`]), as every process on the Redis found them: each process tells Redis
+/// of those it finds with its note of itself as present, and reads the list back when it
+/// changed ([`Kv::present`]), so within two [`FLUSH`]es of one process finding a counter
+/// spent, the others know.
+#[derive(Debug, Default)]
+struct Low {
+    /// Each counter's key and until when (Redis's clock).
+    known: HashMap<String, Nanos>,
+    /// Those this process found and has not told Redis of yet.
+    untold: Vec<(String, Nanos)>,
+    /// The version of the list last read.
+    version: String,
+}
+
+/// Most counters found low that a process tells Redis of at once (more wait their turn).
+const MAX_UNTOLD: usize = 256;
 
 impl Default for Leases {
     fn default() -> Leases {
@@ -340,7 +392,65 @@ impl Leases {
             fleet: Mutex::new((0, 1, 1)),
             registered: std::sync::atomic::AtomicBool::new(false),
             clock: Mutex::default(),
+            low: Mutex::default(),
         }
+    }
+
+    /// Notes counter `rkey` as too low for an initial share until `until` (the counter's
+    /// clock; None: not low), to tell Redis of with the next note of presence.
+    pub fn note_low(&self, rkey: &str, until: Option<Nanos>) {
+        let (Some(until), Ok(mut low)) = (until, self.low.lock()) else { return };
+        // Put later by less than a flush: not worth a word to Redis.
+        let flush = u64::try_from(FLUSH.as_nanos()).unwrap_or(u64::MAX);
+        if low.known.get(rkey).is_some_and(|t| t.saturating_add(flush) >= until) {
+            return;
+        }
+        if low.known.len() >= crate::MAX_LOW * 2 {
+            low.known.retain(|_, t| *t > until.saturating_sub(flush));
+        }
+        if low.known.len() < crate::MAX_LOW * 2 {
+            low.known.insert(rkey.to_owned(), until);
+        }
+        let untold = &mut low.untold;
+        match untold.iter().position(|(k, _)| k == rkey) {
+            Some(i) => untold.get_mut(i).into_iter().for_each(|entry| entry.1 = until),
+            None if untold.len() < MAX_UNTOLD => untold.push((rkey.to_owned(), until)),
+            None => {}
+        }
+    }
+
+    /// What to tell Redis with the next note of presence: the counters found low, and the
+    /// version of the list last read.
+    fn to_tell(&self) -> (Vec<(String, Nanos)>, String) {
+        self.low.lock().map_or_else(
+            |_| (Vec::new(), String::new()),
+            |mut low| (std::mem::take(&mut low.untold), low.version.clone()),
+        )
+    }
+
+    /// Notes Redis's answer to a note of presence that told it `told`: the list of counters
+    /// low when it changed; `told` again with the next note when Redis did not answer.
+    fn heard_low(&self, answer: Option<&Option<crate::LowList>>, told: Vec<(String, Nanos)>) {
+        let Ok(mut low) = self.low.lock() else { return };
+        match answer {
+            Some(Some((version, entries))) => {
+                low.known = entries.iter().cloned().collect();
+                low.version.clone_from(version);
+            }
+            Some(None) => {}
+            None => {
+                for entry in told {
+                    if low.untold.len() < MAX_UNTOLD && !low.untold.iter().any(|(k, _)| *k == entry.0) {
+                        low.untold.push(entry);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether counter `rkey` is too low for an initial share at `at` (Redis's clock).
+    fn is_low(&self, rkey: &str, at: Nanos) -> bool {
+        self.low.lock().is_ok_and(|low| low.known.get(rkey).is_some_and(|until| *until > at))
     }
 
     /// Counter `rkey`'s clock as this process knows it.
@@ -434,6 +544,9 @@ impl Leases {
         // The window's quarter on the counter's clock, which its windows run on.
         let clock = self.process_clock();
         if fixed && clock.at(now) % per >= per / 4 {
+            return None;
+        }
+        if self.is_low(rkey, clock.at(now)) {
             return None;
         }
         let nodes = self.fleet();
@@ -852,18 +965,20 @@ pub async fn run<K: Kv>(rls: Arc<Rls<K>>) {
 pub async fn flush<K: Kv>(rls: &Rls<K>) {
     let leases = &rls.leases;
     let present = async {
-        let r = tokio::time::timeout(rls.store().deadline * 4, rls.store().kv.present(leases.node)).await;
+        let (told, seen) = leases.to_tell();
+        let r = tokio::time::timeout(rls.store().deadline * 4, rls.store().kv.present(leases.node, &told, &seen)).await;
         let answer = r.ok().and_then(Result::ok);
         let ours = super::wall_clock();
-        match answer {
+        match &answer {
             // Redis's clock for counters this process has not heard from yet (an initial
             // share's first units are on it).
-            Some((_, redis)) => leases.observed_redis(redis, ours),
+            Some(p) => leases.observed_redis(p.now, ours),
             None => {
                 rls.store().metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
             }
         }
-        leases.present(answer.map(|(n, _)| n), ours);
+        leases.heard_low(answer.as_ref().map(|p| &p.low), told);
+        leases.present(answer.map(|p| p.processes), ours);
     };
     let due = leases.due(super::wall_clock());
     futures_util::future::join(present, send(rls, &due)).await;
@@ -901,12 +1016,12 @@ async fn send<K: Kv>(rls: &Rls<K>, batches: &[Batch]) -> usize {
             // Noted before another call of this process may change the counter, and its lease
             // counted from when it was sent, so that it ends here before Redis's.
             let sent = super::wall_clock();
-            let synced = move |a: Applied| leases.synced(&b.rkey, b.seq, &a, sent);
-            let report = move |counter: &mut Counter, now| {
-                let a = report(counter, now, node, batch);
-                (a, a.counted)
+            let synced = move |(a, low): (Applied, Option<Nanos>)| {
+                leases.note_low(&b.rkey, low);
+                leases.synced(&b.rkey, b.seq, &a, sent);
             };
-            let send = rls.update_then(&b.rkey, b.limit, report, synced);
+            let send =
+                rls.update_then(&b.rkey, b.limit, move |counter, now| reported(counter, now, node, batch), synced);
             async move { (b, tokio::time::timeout(rls.store().deadline * 4, send).await) }
         });
         for (b, r) in futures_util::future::join_all(sends).await {
@@ -1230,10 +1345,8 @@ mod tests {
 
         fn report(&mut self, b: &Batch, t: Nanos) {
             let (node, batch) = (self.l.node, (b.limit, b.seq, b.units, b.since));
-            let a = self.update(t, |c, now| {
-                let a = report(c, now, node, batch);
-                (a, a.counted)
-            });
+            let (a, low) = self.update(t, |c, now| reported(c, now, node, batch));
+            self.l.note_low(&b.rkey, low);
             self.l.synced(&b.rkey, b.seq, &a, t);
         }
 
@@ -1252,10 +1365,11 @@ mod tests {
             }
             let (node, ask, unreported) = (self.l.node, self.l.next_ask(), self.l.unreported("k", t));
             let mine = self.l.holding("k", t);
-            let (a, retry) = self.update(t, |c, now| {
+            let (a, retry, low) = self.update(t, |c, now| {
                 let (a, retry) = super::super::ask_at(c, now, (node, ask, mine), hits, unreported);
-                ((a, retry), a.counted)
+                ((a, retry, low_until(c, now)), a.counted)
             });
+            self.l.note_low("k", low);
             self.l.answered("k", limit, hits, &a, retry, t).0
         }
 
@@ -1268,6 +1382,39 @@ mod tests {
                 self.tick += u64::try_from(FLUSH.as_nanos()).unwrap();
             }
         }
+    }
+
+    #[test]
+    fn a_counter_another_process_found_spent_is_asked_for_not_spent_on_an_initial_share() {
+        let s = ratewall_core::SECOND;
+        // An hour's token bucket of 50 (a token every 72 s): nothing comes back meanwhile.
+        let bucket = Limit::new(Algorithm::TokenBucket, 50, 3600 * s, None).unwrap();
+        let mut p = Pair::new(bucket, 0, T);
+        p.l.saw_nodes(2, T);
+        let admitted = (0..60).filter(|i| p.call(1, T + i * MS).allowed).count();
+        assert_eq!(admitted, 50);
+        // Found too low for a share (25 tokens) until 25 are back, and told Redis of.
+        let (told, _) = p.l.to_tell();
+        assert_eq!(told.len(), 1);
+        let until = told[0].1;
+        assert!((T + 25 * 72 * s..T + 25 * 72 * s + s).contains(&until), "{}", until - T);
+        // A process that has not heard of it yet spends a share blind (25 more on top of
+        // the 50); once it has, it asks Redis, which refuses.
+        let blind = answered();
+        blind.saw_nodes(2, T);
+        assert!(blind.cold("k", bucket, 1, T + s).is_some_and(|d| d.allowed));
+        let other = answered();
+        other.saw_nodes(2, T);
+        other.heard_low(Some(&Some(("1".into(), told.clone()))), Vec::new());
+        assert!(other.cold("k", bucket, 1, T + s).is_none(), "asks");
+        assert!(other.cold("j", bucket, 1, T + s).is_some(), "a counter no process found low");
+        assert!(other.cold("k", bucket, 1, until + 1).is_some(), "a share fits again");
+        // Told again with the next note when Redis did not answer; an unchanged list keeps
+        // what is known.
+        p.l.heard_low(None, told.clone());
+        assert_eq!(p.l.to_tell().0, told);
+        other.heard_low(Some(&None), Vec::new());
+        assert!(other.cold("k", bucket, 1, T + 2 * s).is_none());
     }
 
     /// The `Retry-After` of a refusal: whole seconds, rounded up.

@@ -583,17 +583,12 @@ impl<K: Kv> Rls<K> {
             // Spent on an initial share that Redis has not counted yet: counted first (its
             // answer is this process's grant), so that nothing is asked for twice.
             let batch = (limit, b.seq, b.units, b.since);
-            let synced = |a| self.leases.synced(&c.rkey, b.seq, &a, now);
-            self.update_then(
-                &c.rkey,
-                limit,
-                move |counter, now| {
-                    let a = lease::report(counter, now, node, batch);
-                    (a, a.counted)
-                },
-                synced,
-            )
-            .await?;
+            let synced = |(a, low)| {
+                self.leases.note_low(&c.rkey, low);
+                self.leases.synced(&c.rkey, b.seq, &a, now);
+            };
+            self.update_then(&c.rkey, limit, move |counter, now| lease::reported(counter, now, node, batch), synced)
+                .await?;
             let now = wall_clock();
             if let Some(d) = self.leases.take(&c.rkey, limit, hits, now) {
                 return Ok((d, now, lease::Source::Grant));
@@ -602,7 +597,10 @@ impl<K: Kv> Rls<K> {
         let ask = self.leases.next_ask();
         let unreported = self.leases.unreported(&c.rkey, now);
         // The ask's leases count from when it was sent, so that they end here before Redis's.
-        let asked = |(a, at, retry)| (self.leases.answered(&c.rkey, limit, hits, &a, retry, now), at);
+        let asked = |(a, at, retry, low)| {
+            self.leases.note_low(&c.rkey, low);
+            (self.leases.answered(&c.rkey, limit, hits, &a, retry, now), at)
+        };
         let ((d, from), at) = self
             .update_then(
                 &c.rkey,
@@ -611,7 +609,7 @@ impl<K: Kv> Rls<K> {
                     // Read in turn (what changes it is noted in turn), as of the call's start.
                     let mine = self.leases.holding(&c.rkey, now);
                     let (a, retry) = ask_at(counter, at, (node, ask, mine), hits, unreported);
-                    ((a, at, retry), a.counted)
+                    ((a, at, retry, lease::low_until(counter, at)), a.counted)
                 },
                 asked,
             )
