@@ -259,6 +259,15 @@ fn a_signed_body_that_is_no_batch_is_malformed_not_of_another_version() {
 }
 
 #[test]
+fn a_key_length_of_2_pow_40_is_refused_as_too_long_not_as_unreadable() {
+    // A batch whose one key claims 2^40 bytes: past a wasm32 `usize` (the Worker), which read
+    // it as another reason than a 64-bit store.
+    let body = [2u8, 1, 42, 1, 0, 1, 0x80, 0x80, 0x80, 0x80, 0x80, 0x20, b'a', b'b', b'c'];
+    let e = SyncRequest::decode(&body).unwrap_err();
+    assert_eq!(e, crate::encoding::DecodeError::Invalid("length (a key or name too long)"));
+}
+
+#[test]
 fn a_batch_that_names_a_counter_twice_is_malformed_and_counts_nothing() {
     let d = |key: &[u8], units| Delta { key: key.to_vec(), limit: limit(), units };
     let r = SyncRequest { deltas: vec![d(b"k", 2), d(b"j", 1), d(b"k", 3)], ..req(1, 1, 0) };

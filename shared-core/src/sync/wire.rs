@@ -233,10 +233,11 @@ pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
 }
 
 pub(super) fn read_bytes(r: &mut Reader<'_>, max: usize) -> Result<Vec<u8>, DecodeError> {
-    let n = usize::try_from(r.varint()?).map_err(|_| DecodeError::Invalid("length (too long)"))?;
-    if n > max {
-        return Err(DecodeError::Invalid("length (a key or name too long)"));
-    }
+    // Compared as read, so that a length past a 32-bit `usize` (the Worker's wasm32) is refused
+    // with the same reason as on a 64-bit store.
+    let n = r.varint()?;
+    let n = usize::try_from(n).ok().filter(|n| *n <= max);
+    let n = n.ok_or(DecodeError::Invalid("length (a key or name too long)"))?;
     Ok(r.take(n)?.to_vec())
 }
 
