@@ -245,24 +245,73 @@ enum Unread {
 }
 
 /// A request's body, read whole within [`conn::BODY`] and at most `limit` bytes (`declared`:
-/// its `Content-Length`), with its room in [`BODY_BUDGET_KIB`], held until it is dropped.
+/// its `Content-Length`), with its room in [`BODY_BUDGET_KIB`], held until it is dropped. A
+/// body past `limit` is read on and thrown away ([`drain`]) before it is refused.
 async fn read_body(
     body: axum::body::Body,
     limit: usize,
     declared: Option<u64>,
 ) -> Result<(Bytes, tokio::sync::SemaphorePermit<'static>), Unread> {
+    use http_body_util::BodyExt as _;
     let bytes = declared.map_or(limit, |n| usize::try_from(n).unwrap_or(limit).min(limit));
     let kib = u32::try_from(bytes.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
     let room = match tokio::time::timeout(BODY_WAIT, BODIES.acquire_many(kib)).await {
         Ok(Ok(room)) => room,
         _ => return Err(Unread::Busy),
     };
-    match tokio::time::timeout(conn::BODY, axum::body::to_bytes(body, limit)).await {
+    let mut body = body;
+    let read = async {
+        let mut whole = Vec::with_capacity(bytes);
+        while let Some(frame) = body.frame().await {
+            let Ok(data) = frame.map_err(|_| Unread::Broken)?.into_data() else { continue };
+            if whole.len().saturating_add(data.len()) > limit {
+                return Err(Unread::TooLarge);
+            }
+            whole.extend_from_slice(&data);
+        }
+        Ok(Bytes::from(whole))
+    };
+    match tokio::time::timeout(conn::BODY, read).await {
         Ok(Ok(bytes)) => Ok((bytes, room)),
-        Ok(Err(e)) if is_length_limit(&e) => Err(Unread::TooLarge),
-        Ok(Err(_)) => Err(Unread::Broken),
+        Ok(Err(Unread::TooLarge)) => {
+            drop(room);
+            drain(body).await;
+            Err(Unread::TooLarge)
+        }
+        Ok(Err(e)) => Err(e),
         Err(_) => Err(Unread::Slow),
     }
+}
+
+/// The most of a body refused as too large that is read and thrown away before the refusal
+/// is sent, and for how long at most.
+const DRAIN: (u64, Duration) = (8 << 20, Duration::from_secs(2));
+
+/// [`drain`] for a body refused on its declared length: not one declared past [`DRAIN`]'s
+/// most, which is refused at once.
+async fn drain_declared(body: axum::body::Body, declared: Option<u64>) {
+    if declared.is_some_and(|n| n <= DRAIN.0) {
+        drain(body).await;
+    }
+}
+
+/// Reads what is left of `body` and throws it away, up to [`DRAIN`]: a client still sending a
+/// body refused as too large then reads its 413. Answered with the body unread, the connection
+/// was closed under the client's writes, and the answer was lost with it (a client sending
+/// 1 MiB and a byte read no 413 in 11 of 20 tries).
+async fn drain(mut body: axum::body::Body) {
+    use http_body_util::BodyExt as _;
+    let (most, within) = DRAIN;
+    let _ = tokio::time::timeout(within, async {
+        let mut read = 0u64;
+        while read <= most {
+            match body.frame().await {
+                Some(Ok(frame)) => read = read.saturating_add(frame.data_ref().map_or(0, |d| d.len() as u64)),
+                _ => break,
+            }
+        }
+    })
+    .await;
 }
 
 /// 408 for a body that did not arrive in time, in `content_type`; the connection is closed.
@@ -291,6 +340,7 @@ async fn rls_json(State(rls): State<SharedRls>, headers: HeaderMap, body: axum::
     let too_large = || Refusal::Invalid(format!("a call is at most {} bytes", json::MAX_BODY));
     let declared = declared_length(&headers);
     let result = if declared.is_some_and(|n| n > json::MAX_BODY as u64) {
+        drain_declared(body, declared).await;
         Err(too_large())
     } else {
         match read_body(body, json::MAX_BODY, declared).await {
@@ -316,25 +366,18 @@ async fn rls_json(State(rls): State<SharedRls>, headers: HeaderMap, body: axum::
     out
 }
 
-/// Whether a body's error is its length limit.
-fn is_length_limit(mut e: &(dyn std::error::Error + 'static)) -> bool {
-    loop {
-        if e.is::<http_body_util::LengthLimitError>() {
-            return true;
-        }
-        match e.source() {
-            Some(next) => e = next,
-            None => return false,
-        }
-    }
-}
-
 async fn sync(State(store): State<Shared>, headers: HeaderMap, body: axum::body::Body) -> Response {
-    let signature = headers.get("x-ratewall-signature").map(HeaderValue::as_bytes);
-    // A body declared over `MAX_BODY` is refused before it is read, as the store refuses any
-    // body over it, and counted.
+    // Several signature fields read as one, their values joined as the Worker's runtime joins
+    // them (so never as a valid signature): the first alone had a good one beside a forged one
+    // accepted here and refused by the Worker.
+    let signatures: Vec<&[u8]> = headers.get_all("x-ratewall-signature").iter().map(HeaderValue::as_bytes).collect();
+    let joined = signatures.join(&b", "[..]);
+    let signature = (!signatures.is_empty()).then_some(joined.as_slice());
+    // A body declared over `MAX_BODY` is refused unread (thrown away as it comes), as the
+    // store refuses any body over it, and counted.
     let declared = declared_length(&headers);
     let a = if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        drain_declared(body, declared).await;
         store.sync_too_large()
     } else {
         match read_body(body, MAX_BODY + 1, declared).await {
@@ -496,7 +539,15 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
     });
     let for_metrics = rls.clone();
     let mut app = Router::new()
-        .route("/v1/sync", post(sync))
+        .route(
+            "/v1/sync",
+            post(sync).fallback(|| async {
+                let mut out =
+                    plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed: POST /v1/sync").into_response();
+                out.headers_mut().insert("allow", HeaderValue::from_static("POST"));
+                out
+            }),
+        )
         .route("/healthz", get(healthz))
         .route("/healthcheck", get(healthcheck))
         .route(

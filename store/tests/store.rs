@@ -501,6 +501,14 @@ fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
         assert!(!r.text().is_empty(), "{method} {path}: a reason");
     }
     assert_eq!(post(&store.addr, &body, Some(&"0".repeat(64))).status, 401, "a well-formed wrong signature");
+    // Two signature fields, a good one among them: refused, as the Worker refuses them.
+    let good = hex(&sign(SECRET.as_bytes(), &body));
+    let bad = "0".repeat(64);
+    for pair in [[good.as_str(), bad.as_str()], [bad.as_str(), good.as_str()], [good.as_str(), good.as_str()]] {
+        let headers = pair.map(|v| ("x-ratewall-signature", v));
+        let r = http::request(&store.addr, "POST", "/v1/sync", &headers, &body).unwrap();
+        assert_eq!(r.status, 401, "{pair:?}");
+    }
     let garbage = b"\x02\x01garbage";
     assert_eq!(post(&store.addr, garbage, Some(&hex(&sign(SECRET.as_bytes(), garbage)))).status, 400, "signed garbage");
     for other in [&b"hello"[..], b"{\"x\":1}"] {
@@ -513,7 +521,14 @@ fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
     let r = post(&store.addr, &huge, Some(&hex(&sign(SECRET.as_bytes(), &huge))));
     assert_eq!(r.status, 413, "over 1 MiB");
     assert!(r.text().contains("a body is at most 1048576 bytes"), "{}", r.text());
-    // Declared over it: refused at once, before any of the body is sent.
+    // A client that sends its whole body before it reads (as most do) reads the 413: the body
+    // is read on and thrown away. (Answered with it unread, the connection was closed under
+    // the client's writes and the answer lost.)
+    let four_mib = vec![0u8; 4 << 20];
+    for _ in 0..5 {
+        assert_eq!(post(&store.addr, &four_mib, Some("00")).status, 413);
+    }
+    // Declared past what is read on: refused at once, before any of the body is sent.
     let mut raw = std::net::TcpStream::connect(&store.addr).unwrap();
     raw.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
     std::io::Write::write_all(&mut raw, b"POST /v1/sync HTTP/1.1\r\nhost: s\r\ncontent-length: 99999999\r\n\r\n")
@@ -536,7 +551,7 @@ fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
     assert_eq!(post(&store.addr, &many, Some(&hex(&sign(SECRET.as_bytes(), &many)))).status, 413, "over 500 counters");
     // Every refusal is counted, the body cut off at the listener's limit included.
     let metrics = store.get("/metrics").text();
-    assert!(metrics.contains("ratewall_store_sync_failed_total{status=\"413\"} 3\n"), "{metrics}");
+    assert!(metrics.contains("ratewall_store_sync_failed_total{status=\"413\"} 8\n"), "{metrics}");
     // None of it counted anything, and the store still serves.
     assert_eq!(counted(&store.addr, b"k", 1), 0);
 }
