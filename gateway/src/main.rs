@@ -335,14 +335,18 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
             .find(|(k, _)| k == ":path")
             .map_or("/v1/sync".into(), |(_, v)| String::from_utf8_lossy(v).into_owned());
         let headers = [("x-ratewall-signature", tag.as_str()), ("content-type", "application/octet-stream")];
-        // An ask goes to one store, as Envoy's dispatch sends it: a store that answered 503 may
-        // have taken it all the same (its deadline passed at Redis after the write), and the
-        // next store refuses its number as answered already (409). A batch is tried on the
-        // next store: its `seq` makes a second send count nothing twice.
+        // An ask answered 503 is not sent to the next store: that store may have taken it all
+        // the same (its deadline passed at Redis after the write), and the next refuses its
+        // number as answered already (409). One that had no answer goes on, as an Envoy
+        // cluster's retry on a connection failure would: with one of two stores dead, half
+        // the asks failed, and a `closed` rule answered 503 to 9 requests in 10 with the
+        // other store healthy (should the dead store have taken it, the next store's 409 is
+        // decided on what the node holds). A batch is tried on the next store either way: its
+        // `seq` makes a second send count nothing twice.
         let ask = ratewall_core::sync::SyncRequest::decode_prefix(&c.body).is_ok_and(|(r, _)| r.ask);
-        let tries = if ask { 1 } else { stores.len() };
-        let answer = answer_from((stores.len(), c.token as usize, tries), |i| {
-            ratewall_host::http::request(stores.get(i)?, "POST", &path, &headers, &c.body).ok()
+        let answer = answer_from((stores.len(), c.token as usize, !ask), |i| {
+            let within = Duration::from_millis(u64::from(c.timeout_ms.max(1)));
+            ratewall_host::http::request_within(stores.get(i)?, ("POST", &path), &headers, &c.body, within).ok()
         });
         match answer {
             Some(r) => {
@@ -355,23 +359,23 @@ fn exchange(vm: &mut Vm, stores: &[String]) -> ratewall_host::Result<()> {
     Ok(())
 }
 
-/// The answer a call gets from `count` stores, at most `tries` of them tried in turn from
-/// `first` (`call(i)` asks store `i`; None: no answer, a connection failure or timeout): the
-/// first that is not a 503 (the
-/// next store is tried when one answers 503), or, when every store that answered said 503, the
-/// last such answer, delivered as Envoy delivers it. Only no answer from any store is delivered
-/// as none (a failed call): the filter takes that for a store out of reach and stops the whole
-/// VM asking for a while, whereas a 503 fails only its own call — as an ask naming a counter
-/// the store cannot read does (docs/sync-protocol.md). Delivered as none, that one counter's
-/// asks had every other counter's `closed` requests answered 503 for a second after each.
+/// The answer a call gets from `count` stores, tried in turn from `first` (`call(i)` asks
+/// store `i`; None: no answer, a connection failure or timeout), the next one tried when one
+/// gives no answer or, `past_503`, answers 503: the first other answer, or, when every store
+/// that answered said 503, the last such answer, delivered as Envoy delivers it. Only no
+/// answer from any store is delivered as none (a failed call): the filter takes that for a
+/// store out of reach and stops the whole VM asking for a while, whereas a 503 fails only its
+/// own call — as an ask naming a counter the store cannot read does (docs/sync-protocol.md).
+/// Delivered as none, that one counter's asks had every other counter's `closed` requests
+/// answered 503 for a second after each.
 fn answer_from(
-    (count, first, tries): (usize, usize, usize),
+    (count, first, past_503): (usize, usize, bool),
     mut call: impl FnMut(usize) -> Option<ratewall_host::http::Response>,
 ) -> Option<ratewall_host::http::Response> {
     let mut failed = None;
-    for i in 0..tries.min(count) {
+    for i in 0..count {
         match call((first + i) % count) {
-            Some(r) if r.status == 503 => failed = Some(r),
+            Some(r) if r.status == 503 && past_503 => failed = Some(r),
             Some(r) => return Some(r),
             None => {}
         }
@@ -714,13 +718,13 @@ mod tests {
     #[test]
     fn a_503_from_every_store_is_delivered_not_taken_for_no_answer() {
         const UNREADABLE: &str = "an ask names a stored counter that is unreadable; nothing is taken and it is kept";
-        let one = answer_from((1, 7, 1), |_| answered(503, UNREADABLE));
+        let one = answer_from((1, 7, true), |_| answered(503, UNREADABLE));
         let one = one.map(|r| (r.status, r.text()));
         assert_eq!(one, Some((503, UNREADABLE.to_owned())), "one store answering 503");
         // Several stores: the next is tried on a 503 (and on no answer); the last 503 is
         // delivered when none answered otherwise.
         let mut tried = Vec::new();
-        let all = answer_from((3, 1, 3), |i| {
+        let all = answer_from((3, 1, true), |i| {
             tried.push(i);
             if i == 0 {
                 None
@@ -731,17 +735,28 @@ mod tests {
         assert_eq!(tried, [1, 2, 0]);
         assert_eq!(all.map(|r| (r.status, r.text())), Some((503, "store 2".to_owned())));
         // A store that answers otherwise is taken, past a 503 before it.
-        let ok = answer_from((2, 0, 2), |i| if i == 0 { answered(503, "") } else { answered(200, "ok") });
+        let ok = answer_from((2, 0, true), |i| if i == 0 { answered(503, "") } else { answered(200, "ok") });
         assert_eq!(ok.map(|r| r.status), Some(200));
         // No store answering at all is still no answer (the filter's "store out of reach").
-        assert!(answer_from((2, 0, 2), |_| None).is_none());
-        // One try (an ask): the store the call's token names, and no other after its 503.
+        assert!(answer_from((2, 0, true), |_| None).is_none());
+        // An ask: its 503 is delivered, no other store tried after it; past a store that gave
+        // no answer (dead), the next.
         let mut tried = Vec::new();
-        let one = answer_from((3, 4, 1), |i| {
+        let one = answer_from((3, 4, false), |i| {
             tried.push(i);
             answered(503, "")
         });
         assert_eq!((tried, one.map(|r| r.status)), (vec![1], Some(503)));
-        assert!(answer_from((0, 0, 0), |_| answered(200, "")).is_none());
+        let mut tried = Vec::new();
+        let next = answer_from((3, 4, false), |i| {
+            tried.push(i);
+            if i == 1 {
+                None
+            } else {
+                answered(200, "ok")
+            }
+        });
+        assert_eq!((tried, next.map(|r| r.status)), (vec![1, 2], Some(200)));
+        assert!(answer_from((0, 0, true), |_| answered(200, "")).is_none());
     }
 }

@@ -43,7 +43,20 @@ fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
-/// Sends one request to `addr` (`host:port`) and reads the whole response.
+/// A connection to `addr` (`host:port`, each of its addresses in turn) within `within`.
+fn connect_within(addr: &str, within: Duration) -> std::io::Result<TcpStream> {
+    use std::net::ToSocketAddrs as _;
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, format!("{addr}: no address"));
+    for a in addr.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&a, within) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// Sends one request to `addr` (`host:port`) and reads the whole response, within 30 s.
 pub fn request(
     addr: &str,
     method: &str,
@@ -51,9 +64,31 @@ pub fn request(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> std::io::Result<Response> {
+    request_within(addr, (method, path), headers, body, Duration::from_secs(30))
+}
+
+/// [`request`], connected, sent and answered within `within` (an error past it), as a
+/// proxy's call out with a timeout is: a store that hangs fails the call at its timeout, as
+/// one that is down does at once.
+pub fn request_within(
+    addr: &str,
+    (method, path): (&str, &str),
+    headers: &[(&str, &str)],
+    body: &[u8],
+    within: Duration,
+) -> std::io::Result<Response> {
     let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let deadline = std::time::Instant::now() + within;
+    let left = || {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer within the call's timeout"))
+        } else {
+            Ok(left)
+        }
+    };
+    let mut s = connect_within(addr, left()?)?;
+    s.set_write_timeout(Some(left()?))?;
     let mut req = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n");
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
@@ -73,6 +108,7 @@ pub fn request(
         if let Some(p) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
             break p;
         }
+        s.set_read_timeout(Some(left()?))?;
         let n = s.read(&mut buf)?;
         if n == 0 {
             return Err(bad("connection closed before the end of the headers"));
@@ -104,6 +140,7 @@ pub fn request(
         }
     };
     while !complete(&rest) {
+        s.set_read_timeout(Some(left()?))?;
         let n = s.read(&mut buf)?;
         if n == 0 {
             break;
