@@ -8,7 +8,7 @@
 //!   first (the legacy fields are its).
 //! - A `closed` rule whose store failed: `503` with `Retry-After: 1` and a problem body.
 
-use crate::algo::{Algorithm, Decision, Limit, SECOND};
+use crate::algo::{Algorithm, Decision, Limit, Nanos, SECOND};
 use crate::eval::{CheckResult, Outcome};
 pub use crate::field::{ceil_secs, policy_item, push_state_item};
 use crate::field::{push_policy_item, window_secs};
@@ -161,7 +161,7 @@ fn fields(
         } else {
             push_policy_item(&mut policy, name, d.limit, limit);
         }
-        push_state_item(&mut state, name, d.remaining, d.reset_after);
+        push_state_item(&mut state, name, d.remaining, shown_reset(d));
     }
     headers.push(("RateLimit-Policy", policy));
     headers.push(("RateLimit", state));
@@ -170,8 +170,18 @@ fn fields(
             let q = if limit.algorithm() == Algorithm::LeakyBucket { leaky_policy(limit, d.limit).0 } else { d.limit };
             headers.push(("X-RateLimit-Limit", decimal(q)));
             headers.push(("X-RateLimit-Remaining", decimal(d.remaining)));
-            headers.push(("X-RateLimit-Reset", decimal(ceil_secs(d.reset_after))));
+            headers.push(("X-RateLimit-Reset", decimal(ceil_secs(shown_reset(d)))));
         }
+    }
+}
+
+/// The reset a decision's fields show: a denial's no sooner than its `Retry-After`, whose
+/// wait carries the lag of the store's view past the quota's own reset (a sliding log's 429
+/// said `Retry-After: 75` beside `t=67`).
+fn shown_reset(d: &Decision) -> Nanos {
+    match (d.allowed, d.retry_after) {
+        (false, Some(retry)) => d.reset_after.max(retry),
+        _ => d.reset_after,
     }
 }
 
@@ -231,6 +241,23 @@ mod tests {
                 (reply.status, field("RateLimit-Policy").unwrap_or_default(), field("RateLimit").unwrap_or_default())
             })
             .collect()
+    }
+
+    /// A denial's reset is shown no sooner than its `Retry-After` (a node's wait, longer by the
+    /// lag of its view of the store); an admission's, and a denial that never fits, as they are.
+    #[test]
+    fn a_denials_reset_is_shown_no_sooner_than_its_retry_after() {
+        let denied = Decision {
+            allowed: false,
+            limit: 5,
+            remaining: 0,
+            reset_after: 67 * SECOND,
+            retry_after: Some(75 * SECOND),
+        };
+        assert_eq!(shown_reset(&denied), 75 * SECOND);
+        assert_eq!(shown_reset(&Decision { retry_after: Some(SECOND), ..denied }), 67 * SECOND);
+        assert_eq!(shown_reset(&Decision { retry_after: None, ..denied }), 67 * SECOND);
+        assert_eq!(shown_reset(&Decision { allowed: true, remaining: 1, retry_after: None, ..denied }), 67 * SECOND);
     }
 
     /// The legacy fields agree with the standard ones: a leaky bucket's `X-RateLimit-Limit`
