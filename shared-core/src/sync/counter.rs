@@ -317,6 +317,16 @@ impl Counter {
         self.heard = Some(nodes);
     }
 
+    /// Tells the counter, for the call at hand, that none of its nodes is out of reach of the
+    /// store: nodes that admit nothing without it (ratewall-store's rate limit service
+    /// processes, which answer `UNAVAILABLE` while Redis does not), so a node silent on the
+    /// counter has stopped spending, and nothing is held for it ([`Counter::cut_off`]).
+    pub fn heard_all(&mut self) {
+        let mut nodes: Vec<u64> = self.shares.iter().map(|s| s.node).collect();
+        nodes.sort_unstable();
+        self.heard = Some(nodes);
+    }
+
     fn clock(&mut self, limit: Limit, now: Nanos) -> Nanos {
         if limit != self.limit {
             // The rules changed: the state carries over; a state of another algorithm reads

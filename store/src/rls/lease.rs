@@ -45,6 +45,15 @@ pub const DENY_CACHE: Nanos = 50_000_000;
 /// How long a process that stops keeps reporting what it admitted while Redis fails
 /// ([`flush_all`]).
 pub const STOP_FLUSH: Duration = Duration::from_secs(5);
+/// A counter on which this process holds units and has seen no call for this many of the
+/// recent gaps between its calls (and at least [`IDLE_MIN`]) is idle here: its client moved
+/// to another process, or paused, and what it holds goes back to Redis with the next batch
+/// ([`Counter::release`]), as a Worker isolate's grant does. Held on, renewed while in use,
+/// it was refused to the client at the other processes (30 of 50 spent here, the client
+/// moving on a second later was refused there with 20 free, told to wait 48 minutes).
+pub const IDLE_GAPS: u64 = 8;
+/// The least silence that makes a counter idle ([`IDLE_GAPS`]).
+pub const IDLE_MIN: Nanos = 250_000_000;
 /// Counters synced concurrently in one flush.
 const BATCH: usize = 256;
 
@@ -80,6 +89,8 @@ struct Held {
     view: (u64, Nanos, Nanos),
     /// Last call.
     used: Nanos,
+    /// The recent gap between calls (a moving average; 0 before the second).
+    gap: Nanos,
     /// Refused until then (our clock), for calls of at least this many hits.
     denied_until: Nanos,
     denied_hits: u64,
@@ -147,6 +158,8 @@ struct InFlight {
     failures: (u32, u64),
     /// Not sent again before then (our clock).
     next: Nanos,
+    /// It gives back what the process holds (the counter went idle here).
+    release: bool,
 }
 
 /// The longest a batch whose sends keep failing waits between two ([`Leases::failed`]).
@@ -165,6 +178,8 @@ pub struct Batch {
     pub units: u64,
     /// When the first of `units` was admitted, on the counter's clock (0: no units).
     pub since: Nanos,
+    /// It gives back what the process holds ([`IDLE_GAPS`]).
+    pub release: bool,
 }
 
 /// The counter's clock less ours: `counter_now` read from the counter, `ours` our clock
@@ -199,9 +214,15 @@ pub(crate) fn reported(
     now: Nanos,
     node: u64,
     b: (Limit, u64, u64, Nanos),
+    release: bool,
 ) -> ((Applied, Option<Nanos>), bool) {
-    let a = report(counter, now, node, b);
-    ((a, low_until(counter, now)), a.counted)
+    let mut a = report(counter, now, node, b);
+    if release {
+        // Counted, then what the process holds goes back ([`IDLE_GAPS`]).
+        counter.release(node);
+        a.grant = 0;
+    }
+    ((a, low_until(counter, now)), a.counted || release)
 }
 
 /// Until when (the counter's clock) `counter` cannot pay a process new to it an initial share,
@@ -269,6 +290,22 @@ impl Held {
         Some(())
     }
 
+    /// Notes a call at `now` (our clock).
+    fn called(&mut self, now: Nanos) {
+        let since = now.saturating_sub(self.used);
+        self.gap = if self.gap == 0 { since } else { self.gap.saturating_mul(3).saturating_add(since) / 4 };
+        self.used = now;
+    }
+
+    /// Whether the counter is idle here at `now` ([`IDLE_GAPS`]) while this process holds
+    /// units of it worth giving back (at least one, and a hundredth of the quota).
+    fn idle(&self, now: Nanos) -> bool {
+        let (carried, grant, extra) = self.spendable(now);
+        let holds = carried.saturating_add(grant).saturating_add(extra);
+        let quiet = self.gap.saturating_mul(IDLE_GAPS).max(IDLE_MIN);
+        holds >= (self.limit.quota() / 100).max(1) && now.saturating_sub(self.used) >= quiet
+    }
+
     /// Records `hits` admitted at `now` (our clock), to report with the next batch.
     fn admit(&mut self, hits: u64, now: Nanos) {
         self.drop_ended(now);
@@ -295,7 +332,7 @@ impl Held {
         let units = std::mem::take(&mut self.spent);
         // Past this cut Redis may have counted the batch, and stopped holding what it carried.
         self.carried = 0;
-        let batch = InFlight { seq, units, sent: now, since, failures: (0, 0), next: 0 };
+        let batch = InFlight { seq, units, sent: now, since, failures: (0, 0), next: 0, release: false };
         self.pending = Some(batch);
         batch
     }
@@ -426,6 +463,11 @@ impl Leases {
             |_| (Vec::new(), String::new()),
             |mut low| (std::mem::take(&mut low.untold), low.version.clone()),
         )
+    }
+
+    /// Whether some counter found too low is still to be told of.
+    fn has_untold(&self) -> bool {
+        self.low.lock().is_ok_and(|low| !low.untold.is_empty())
     }
 
     /// Notes Redis's answer to a note of presence that told it `told`: the list of counters
@@ -578,6 +620,7 @@ impl Leases {
                 clock,
                 view: (before.remaining, before.reset_after, now),
                 used: now,
+                gap: 0,
                 denied_until: 0,
                 denied_hits: 0,
                 retry_at: None,
@@ -601,7 +644,7 @@ impl Leases {
         if h.limit != limit {
             return None;
         }
-        h.used = now;
+        h.called(now);
         h.drop_ended(now);
         let (_, reset_after) = estimate(h, now);
         if hits > 0 && hits >= h.denied_hits && now < h.denied_until {
@@ -669,6 +712,7 @@ impl Leases {
                     clock,
                     view: (0, 0, now),
                     used: now,
+                    gap: 0,
                     denied_until: 0,
                     denied_hits: 0,
                     retry_at: None,
@@ -681,7 +725,7 @@ impl Leases {
                     h.extra = 0;
                     h.carried = 0;
                 }
-                h.used = now;
+                h.called(now);
                 h.answered = true;
                 h.drop_ended(now);
                 h.view = (a.remaining, a.reset_after, now);
@@ -733,7 +777,14 @@ impl Leases {
             Some(b) => b,
             None => h.cut(self.seq.fetch_add(1, Ordering::Relaxed) + 1, now),
         };
-        Some(Batch { rkey: rkey.to_owned(), limit: h.limit, seq: b.seq, units: b.units, since: b.since })
+        Some(Batch {
+            rkey: rkey.to_owned(),
+            limit: h.limit,
+            seq: b.seq,
+            units: b.units,
+            since: b.since,
+            release: b.release,
+        })
     }
 
     /// Units of counter `rkey` this process admitted that Redis may not have counted yet
@@ -809,7 +860,14 @@ impl Leases {
         let renew = 2 * u64::try_from(FLUSH.as_nanos()).unwrap_or(u64::MAX);
         held.retain(|rkey, h| {
             let limit = h.limit;
-            let batch = |b: InFlight| Batch { rkey: rkey.clone(), limit, seq: b.seq, units: b.units, since: b.since };
+            let batch = |b: InFlight| Batch {
+                rkey: rkey.clone(),
+                limit,
+                seq: b.seq,
+                units: b.units,
+                since: b.since,
+                release: b.release,
+            };
             if let Some(b) = h.pending {
                 if now.saturating_sub(b.sent) > RETRY_HORIZON {
                     // Past the horizon a store may have forgotten the seq: dropped, never
@@ -829,6 +887,15 @@ impl Leases {
                 }
             }
             h.drop_ended(now);
+            if !stopping && h.answered && h.idle(now) {
+                // What it holds goes back with this batch, and is spent no more here.
+                let mut b = h.cut(self.seq.fetch_add(1, Ordering::Relaxed) + 1, now);
+                b.release = true;
+                h.pending = Some(b);
+                (h.grant, h.extra, h.carried) = (0, 0, 0);
+                out.push(batch(b));
+                return true;
+            }
             let in_use = now.saturating_sub(h.used) < 2 * ratewall_core::sync::MAX_LEASE;
             if h.spent > 0 || (!stopping && in_use && h.held_until().saturating_sub(now) < renew) {
                 let b = h.cut(self.seq.fetch_add(1, Ordering::Relaxed) + 1, now);
@@ -869,6 +936,7 @@ impl Leases {
         self.saw_nodes(a.nodes, now);
         let Ok(mut held) = self.held.lock() else { return };
         let Some(h) = held.get_mut(rkey) else { return };
+        let released = h.pending.is_some_and(|b| b.seq == seq && b.release);
         if h.pending.is_some_and(|b| b.seq == seq) {
             h.pending = None;
         }
@@ -878,8 +946,10 @@ impl Leases {
         h.drop_ended(now);
         h.grant = a.grant.saturating_sub(h.spent);
         h.until = lease_end(h.limit, now, a.lease, a.reset_after);
-        // What its asks were given is carried by Redis through this batch, until the next.
-        (h.carried, h.extra) = (h.extra, 0);
+        // What its asks were given is carried by Redis through this batch, until the next —
+        // unless the batch gave back all the process held, those of asks Redis answered
+        // before it included.
+        (h.carried, h.extra) = if released { (0, 0) } else { (h.extra, 0) };
         // A grant answers calls again, whatever an ask was refused before it.
         if h.grant > 0 {
             h.denied_until = 0;
@@ -965,9 +1035,7 @@ pub async fn run<K: Kv>(rls: Arc<Rls<K>>) {
 pub async fn flush<K: Kv>(rls: &Rls<K>) {
     let leases = &rls.leases;
     let present = async {
-        let (told, seen) = leases.to_tell();
-        let r = tokio::time::timeout(rls.store().deadline * 4, rls.store().kv.present(leases.node, &told, &seen)).await;
-        let answer = r.ok().and_then(Result::ok);
+        let answer = note_present(rls, rls.store().deadline * 4).await;
         let ours = super::wall_clock();
         match &answer {
             // Redis's clock for counters this process has not heard from yet (an initial
@@ -977,7 +1045,6 @@ pub async fn flush<K: Kv>(rls: &Rls<K>) {
                 rls.store().metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
             }
         }
-        leases.heard_low(answer.as_ref().map(|p| &p.low), told);
         leases.present(answer.map(|p| p.processes), ours);
     };
     let due = leases.due(super::wall_clock());
@@ -995,6 +1062,11 @@ pub async fn flush_all<K: Kv>(rls: &Rls<K>, budget: Duration) -> u64 {
         let batches = rls.leases.unreported_batches(super::wall_clock());
         let left: u64 = batches.iter().map(|b| b.units).fold(0, u64::saturating_add);
         if batches.is_empty() || started.elapsed() >= budget {
+            // And the counters those answers found too low for an initial share: the other
+            // processes, new to them, would spend one blind (a client that moved on from a
+            // stopped process where it spent 30 of 50 was admitted 55 in all).
+            let within = budget.saturating_sub(started.elapsed()).max(rls.store().deadline * 4);
+            tell_low(rls, within).await;
             return left;
         }
         let sent = tokio::time::timeout(budget.saturating_sub(started.elapsed()), send(rls, &batches)).await;
@@ -1002,6 +1074,24 @@ pub async fn flush_all<K: Kv>(rls: &Rls<K>, budget: Duration) -> u64 {
             // Redis failed some: not again at once.
             tokio::time::sleep(FLUSH.min(budget.saturating_sub(started.elapsed()))).await;
         }
+    }
+}
+
+/// Notes this process as present in Redis within `within`, telling it of the counters found
+/// too low for an initial share since the last note, and reads the list back if it changed.
+async fn note_present<K: Kv>(rls: &Rls<K>, within: Duration) -> Option<crate::Presence> {
+    let leases = &rls.leases;
+    let (told, seen) = leases.to_tell();
+    let r = tokio::time::timeout(within, rls.store().kv.present(leases.node, &told, &seen)).await;
+    let answer = r.ok().and_then(Result::ok);
+    leases.heard_low(answer.as_ref().map(|p| &p.low), told);
+    answer
+}
+
+/// [`note_present`] for a process that stops, if it has counters found too low to tell of.
+async fn tell_low<K: Kv>(rls: &Rls<K>, within: Duration) {
+    if rls.leases.has_untold() {
+        note_present(rls, within).await;
     }
 }
 
@@ -1020,8 +1110,13 @@ async fn send<K: Kv>(rls: &Rls<K>, batches: &[Batch]) -> usize {
                 leases.note_low(&b.rkey, low);
                 leases.synced(&b.rkey, b.seq, &a, sent);
             };
-            let send =
-                rls.update_then(&b.rkey, b.limit, move |counter, now| reported(counter, now, node, batch), synced);
+            let release = b.release;
+            let send = rls.update_then(
+                &b.rkey,
+                b.limit,
+                move |counter, now| reported(counter, now, node, batch, release),
+                synced,
+            );
             async move { (b, tokio::time::timeout(rls.store().deadline * 4, send).await) }
         });
         for (b, r) in futures_util::future::join_all(sends).await {
@@ -1335,6 +1430,7 @@ mod tests {
             let raw = t.saturating_add_signed(self.skew);
             let now = self.l.run_at("k", raw);
             let mut c = self.c.clone();
+            c.heard_all();
             let (r, write) = f(&mut c, now);
             self.l.observed("k", raw, t, ran(&c, now));
             if write {
@@ -1345,7 +1441,7 @@ mod tests {
 
         fn report(&mut self, b: &Batch, t: Nanos) {
             let (node, batch) = (self.l.node, (b.limit, b.seq, b.units, b.since));
-            let (a, low) = self.update(t, |c, now| reported(c, now, node, batch));
+            let (a, low) = self.update(t, |c, now| reported(c, now, node, batch, b.release));
             self.l.note_low(&b.rkey, low);
             self.l.synced(&b.rkey, b.seq, &a, t);
         }
@@ -1382,6 +1478,44 @@ mod tests {
                 self.tick += u64::try_from(FLUSH.as_nanos()).unwrap();
             }
         }
+    }
+
+    #[test]
+    fn what_a_process_holds_on_a_counter_gone_idle_goes_back_for_the_others() {
+        let s = ratewall_core::SECOND;
+        let fifty = Limit::new(Algorithm::FixedWindow, 50, 3600 * s, None).unwrap();
+        let l = answered();
+        let grant = |grant, remaining| Applied {
+            remaining,
+            grant,
+            reset_after: 3000 * s,
+            lease: 2 * s,
+            nodes: 2,
+            counted: true,
+        };
+        // A burst of calls 3 ms apart, the grant renewed by the batch after it.
+        assert!(l.answered("k", fifty, 1, &grant(30, 49), None, T).0.allowed);
+        assert!((1..30).all(|i| l.take("k", fifty, 1, T + i * 3 * MS).is_some_and(|d| d.allowed)));
+        let b = l.due(T + 100 * MS);
+        assert_eq!((b.len(), b[0].units, b[0].release), (1, 29, false));
+        l.synced("k", b[0].seq, &grant(20, 20), T + 100 * MS);
+        assert_eq!(l.holding("k", T + 200 * MS), 20);
+        assert!(l.due(T + 200 * MS).is_empty(), "in use: held");
+        // Idle for eight of its gaps (at least 250 ms): the next batch gives it back, and it
+        // is spent no more here.
+        let b = l.due(T + 400 * MS);
+        assert_eq!((b.len(), b[0].units, b[0].release), (1, 0, true));
+        assert_eq!(l.holding("k", T + 400 * MS), 0);
+        assert!(l.take("k", fifty, 1, T + 450 * MS).is_none(), "asks");
+        l.synced("k", b[0].seq, &grant(0, 20), T + 500 * MS);
+        assert!(l.due(T + 600 * MS).is_empty());
+        // At Redis: counted, then nothing held for the process.
+        let mut c = Counter::new(fifty);
+        c.report_counted(fifty, (T, T), (l.node, 1, 30), crate::NODE_TTL, true);
+        assert!(c.held_by_others(T, 99) > 0);
+        let ((a, _), write) = reported(&mut c, T + MS, l.node, (fifty, 2, 0, 0), true);
+        assert!(write && a.grant == 0);
+        assert_eq!(c.held_by_others(T + MS, 99), 0);
     }
 
     #[test]
@@ -1449,10 +1583,13 @@ mod tests {
             t += 10 * MS;
         }
         assert_eq!(waits[..8], [0, 100, 200, 400, 800, 1600, 3200, 3200], "{waits:?}");
-        // One of them taken: the other goes at the next flush.
+        // One of them taken: the other goes at the next flush (beside the one taken, idle for
+        // seconds, giving back what it holds).
         let j = sent.remove(0);
         l.synced(&j.rkey, j.seq, &applied(4, 99), t);
-        assert_eq!(keys(l.due(t + 10 * MS)), ["k"]);
+        let next = l.due(t + 10 * MS);
+        assert_eq!(keys(next.iter().filter(|b| !b.release).cloned().collect()), ["k"]);
+        assert_eq!(keys(next.into_iter().filter(|b| b.release).collect()), ["j"]);
     }
 
     #[test]

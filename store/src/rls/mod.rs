@@ -587,8 +587,14 @@ impl<K: Kv> Rls<K> {
                 self.leases.note_low(&c.rkey, low);
                 self.leases.synced(&c.rkey, b.seq, &a, now);
             };
-            self.update_then(&c.rkey, limit, move |counter, now| lease::reported(counter, now, node, batch), synced)
-                .await?;
+            let release = b.release;
+            self.update_then(
+                &c.rkey,
+                limit,
+                move |counter, now| lease::reported(counter, now, node, batch, release),
+                synced,
+            )
+            .await?;
             let now = wall_clock();
             if let Some(d) = self.leases.take(&c.rkey, limit, hits, now) {
                 return Ok((d, now, lease::Source::Grant));
@@ -717,6 +723,11 @@ impl<K: Kv> Rls<K> {
                     }
                 },
             };
+            // A process admits nothing while Redis does not answer it: one silent on the
+            // counter has stopped spending there, and nothing is held for it as for a proxy
+            // cut off from its store (a client that moved from a process where it spent 30 of
+            // 50 was refused at the others with 20 free, for a minute).
+            counter.heard_all();
             let (r, write) = f(&mut counter, now);
             let observed = || self.leases.observed(rkey, raw, wall_clock(), lease::ran(&counter, now));
             if !write && from_memory {
