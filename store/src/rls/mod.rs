@@ -725,8 +725,7 @@ impl<K: Kv> Rls<K> {
             };
             // A process admits nothing while Redis does not answer it: one silent on the
             // counter has stopped spending there, and nothing is held for it as for a proxy
-            // cut off from its store (a client that moved from a process where it spent 30 of
-            // 50 was refused at the others with 20 free, for a minute).
+            // cut off from its store, which admits its part on its own.
             counter.heard_all();
             let (r, write) = f(&mut counter, now);
             let observed = || self.leases.observed(rkey, raw, wall_clock(), lease::ran(&counter, now));
