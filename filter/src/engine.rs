@@ -9,7 +9,7 @@ use ratewall_core::eval::{evaluate, Check, CheckResult, Request, Skip, StoreErro
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_key, parse_ip};
 use ratewall_core::rules::{Config, Dimension, FailurePolicy, SyncOptions};
-use ratewall_core::sync::Delta;
+use ratewall_core::sync::{Delta, TopSection};
 use ratewall_core::Nanos;
 use ratewall_core::{render, ConfigError, Reply};
 use std::borrow::Cow;
@@ -556,8 +556,16 @@ impl Engine {
         }
         self.top.on_tick(host, &self.config);
         if let Some(s) = self.sync() {
-            s.on_tick(host, &|node, deltas, body| {
-                if let Some(section) = self.top.section(host, &self.config, node, deltas) {
+            s.on_tick(host, &|node, deltas, given_up, body| {
+                let mut section = self.top.section(host, &self.config, node, deltas);
+                if let Some(given_up) = given_up {
+                    let s = section.get_or_insert_with(TopSection::default);
+                    s.absorb(given_up);
+                    // In the document's order, as the store lists them.
+                    let order = |name: &str| self.config.rules.iter().position(|r| r.name == name);
+                    s.rules.sort_by_key(|r| order(&r.rule).unwrap_or(usize::MAX));
+                }
+                if let Some(section) = section {
                     section.encode_into(body);
                 }
             });

@@ -23,7 +23,7 @@ use ratewall_core::algo::{Limit, Nanos};
 use ratewall_core::encoding::{put_varint, Reader};
 use ratewall_core::rules::SyncOptions;
 use ratewall_core::sync::{
-    hex, sign, unhex, verify, window_of, Delta, SyncRequest, SyncResponse, MAX_REQUEST_SKEW, RETRY_HORIZON,
+    hex, sign, unhex, verify, window_of, Delta, SyncRequest, SyncResponse, TopSection, MAX_REQUEST_SKEW, RETRY_HORIZON,
 };
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -519,6 +519,11 @@ struct Syncing {
     /// (call token, batch, sent at).
     inflight: Option<(u32, Batch, Nanos)>,
     retry: Option<Batch>,
+    /// The top-offenders sections of batches given up, for the next new batch: who was
+    /// limited while the store was out of reach for longer than a batch is retried is not
+    /// lost from its view (a Redis down for 25 s or more had its first seconds' denials
+    /// missing for good).
+    given_up: Option<TopSection>,
     failures: u32,
     open_until: Nanos,
     /// Whether the last failure was the store refusing a batch for its time: the breaker
@@ -571,8 +576,9 @@ struct Metrics {
     unapplied: Option<u32>,
 }
 
-/// What ends a new batch: given the node's id and the batch's deltas, appends to its body.
-pub type Section<'a> = dyn Fn(u64, &[Delta], &mut Vec<u8>) + 'a;
+/// What ends a new batch: given the node's id, the batch's deltas and the section of batches
+/// given up since the last one was made (to fold in), appends to its body.
+pub type Section<'a> = dyn Fn(u64, &[Delta], Option<&TopSection>, &mut Vec<u8>) + 'a;
 
 /// One VM's syncer.
 #[derive(Debug)]
@@ -1046,6 +1052,12 @@ impl Syncer {
             now.saturating_sub(b.first_sent) > GIVE_UP_AFTER || b.first_sent > now.saturating_add(GIVE_UP_AFTER)
         };
         if let Some(old) = s.retry.take_if(|b| b.first_sent > 0 && unacceptable(b)) {
+            if let Ok((_, Some(top))) = SyncRequest::decode_with_top(&old.body) {
+                match s.given_up.as_mut() {
+                    Some(given_up) => given_up.absorb(&top),
+                    None => s.given_up = Some(top),
+                }
+            }
             let units = old.deltas.iter().map(|d| d.units).fold(0, u64::saturating_add);
             if let Some(m) = self.metrics.dropped {
                 host.increment(m, units);
@@ -1082,7 +1094,8 @@ impl Syncer {
                 // Made now: its retries repeat this time, so a store accepts them for as long
                 // as it would accept a replay it still recognizes.
                 let mut body = SyncRequest::encode_parts(self.token, s.seq, now, &deltas, false);
-                section(self.token, &deltas, &mut body);
+                let given_up = s.given_up.take();
+                section(self.token, &deltas, given_up.as_ref(), &mut body);
                 Batch { seq: s.seq, deltas, body, first_sent: 0 }
             }
         };

@@ -269,3 +269,49 @@ fn a_keys_admissions_in_batches_before_its_first_denial_count_for_it() {
     let entry = &api.top.entries()[0];
     assert_eq!((entry.key.as_slice(), entry.denied, entry.allowed), (shown(&ea, KEY).as_bytes(), 2, 2), "{api:?}");
 }
+
+/// A batch given up after failing for as long as a store accepts its time (25 s) takes its
+/// top section with it no more: the next batch made carries it, so who was denied while the
+/// store was out of reach is in the store's view once it answers again. (A Redis down for
+/// 25 s or more had the denials of its first seconds missing for good.)
+#[test]
+fn the_top_counts_of_a_batch_given_up_go_with_the_next_batch() {
+    let (a, _b, ea, _eb, mut store) = two_vms_syncing();
+    ea.on_tick(&a);
+    for c in a.take_calls() {
+        let (status, tag, body) = answer(&mut store, a.now(), "0123456789abcdef", &c);
+        ea.on_sync_response(&a, c.token, status, tag.as_deref(), &body);
+    }
+    let denied_in = |calls: &[crate::fake::Call]| -> u64 {
+        calls
+            .iter()
+            .filter_map(|c| SyncRequest::decode_with_top(&c.body).unwrap().1)
+            .flat_map(|s| s.rules.into_iter().filter(|r| r.rule == "api-key").map(|r| r.denied))
+            .sum()
+    };
+    let denied = statuses(&ea, &a, "GET", "/", &[("x-api-key", KEY)], 8).iter().filter(|s| **s == 429).count();
+    assert!(denied >= 5, "{denied}");
+    // The store out of reach for 40 s: every call fails.
+    for _ in 0..400 {
+        a.advance(100 * MS);
+        ea.on_tick(&a);
+        for c in a.take_calls() {
+            ea.on_sync_response(&a, c.token, 0, None, &[]);
+        }
+    }
+    // Back (once the breaker lets a batch go): the batches it answers carry every denial once.
+    let mut heard = 0;
+    for _ in 0..600 {
+        a.advance(100 * MS);
+        ea.on_tick(&a);
+        let calls = a.take_calls();
+        for c in &calls {
+            let (status, tag, body) = answer(&mut store, a.now(), "0123456789abcdef", c);
+            if status == 200 {
+                heard += denied_in(std::slice::from_ref(c));
+            }
+            ea.on_sync_response(&a, c.token, status, tag.as_deref(), &body);
+        }
+    }
+    assert_eq!(heard, denied as u64);
+}

@@ -360,6 +360,22 @@ pub struct TopSection {
 const MAX_RULE_NAME: usize = 64;
 
 impl TopSection {
+    /// Adds `other`'s counts and keys, rule by rule (a rule not here goes last): the section
+    /// of both batches' time, for a node whose batch that carried `other` was given up.
+    pub fn absorb(&mut self, other: &TopSection) {
+        for o in &other.rules {
+            match self.rules.iter_mut().find(|r| r.rule == o.rule) {
+                Some(r) => {
+                    r.allowed = r.allowed.saturating_add(o.allowed);
+                    r.denied = r.denied.saturating_add(o.denied);
+                    r.shadow_denied = r.shadow_denied.saturating_add(o.shadow_denied);
+                    r.top.merge_keeping(&o.top);
+                }
+                None => self.rules.push(o.clone()),
+            }
+        }
+    }
+
     /// Appends `TOP_SECTION | count | per rule: name | allowed | denied | shadow_denied |
     /// summary`, at most [`MAX_TOP_SECTION`] bytes: a rule whose entries do not fit goes with
     /// its counts only, and rules past the bytes left are left out.
