@@ -459,6 +459,8 @@ struct Batch {
     seq: u64,
     deltas: Vec<Delta>,
     body: Vec<u8>,
+    /// Its top-offenders section, kept for the next batch should this one be given up.
+    top: Option<TopSection>,
     /// When it was first sent (0: not yet): it is retried for [`GIVE_UP_AFTER`] at most.
     first_sent: Nanos,
 }
@@ -577,8 +579,8 @@ struct Metrics {
 }
 
 /// What ends a new batch: given the node's id, the batch's deltas and the section of batches
-/// given up since the last one was made (to fold in), appends to its body.
-pub type Section<'a> = dyn Fn(u64, &[Delta], Option<&TopSection>, &mut Vec<u8>) + 'a;
+/// given up since the last one was made (to fold in), its top-offenders section.
+pub type Section<'a> = dyn Fn(u64, &[Delta], Option<&TopSection>) -> Option<TopSection> + 'a;
 
 /// One VM's syncer.
 #[derive(Debug)]
@@ -1052,10 +1054,10 @@ impl Syncer {
             now.saturating_sub(b.first_sent) > GIVE_UP_AFTER || b.first_sent > now.saturating_add(GIVE_UP_AFTER)
         };
         if let Some(old) = s.retry.take_if(|b| b.first_sent > 0 && unacceptable(b)) {
-            if let Ok((_, Some(top))) = SyncRequest::decode_with_top(&old.body) {
+            if let Some(top) = &old.top {
                 match s.given_up.as_mut() {
-                    Some(given_up) => given_up.absorb(&top),
-                    None => s.given_up = Some(top),
+                    Some(given_up) => given_up.absorb(top),
+                    None => s.given_up = Some(top.clone()),
                 }
             }
             let units = old.deltas.iter().map(|d| d.units).fold(0, u64::saturating_add);
@@ -1095,8 +1097,11 @@ impl Syncer {
                 // as it would accept a replay it still recognizes.
                 let mut body = SyncRequest::encode_parts(self.token, s.seq, now, &deltas, false);
                 let given_up = s.given_up.take();
-                section(self.token, &deltas, given_up.as_ref(), &mut body);
-                Batch { seq: s.seq, deltas, body, first_sent: 0 }
+                let top = section(self.token, &deltas, given_up.as_ref());
+                if let Some(top) = &top {
+                    top.encode_into(&mut body);
+                }
+                Batch { seq: s.seq, deltas, body, top, first_sent: 0 }
             }
         };
         let batch = Batch { first_sent: if batch.first_sent == 0 { now } else { batch.first_sent }, ..batch };
