@@ -560,7 +560,7 @@ impl Engine {
                 let mut section = self.top.section(host, &self.config, node, deltas);
                 if let Some(given_up) = given_up {
                     let s = section.get_or_insert_with(TopSection::default);
-                    s.absorb(given_up);
+                    s.absorb(given_up, (usize::MAX, None));
                     // In the document's order, as the store lists them (by hand: a sort's
                     // code cost the filter 10 KB).
                     let mut ordered = Vec::with_capacity(s.rules.len());

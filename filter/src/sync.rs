@@ -1056,7 +1056,7 @@ impl Syncer {
         if let Some(old) = s.retry.take_if(|b| b.first_sent > 0 && unacceptable(b)) {
             if let Some(top) = &old.top {
                 match s.given_up.as_mut() {
-                    Some(given_up) => given_up.absorb(top),
+                    Some(given_up) => given_up.absorb(top, (usize::MAX, None)),
                     None => s.given_up = Some(top.clone()),
                 }
             }

@@ -171,31 +171,10 @@ impl Default for Top {
     }
 }
 
-/// Adds `from` to `into`, rule by rule (counts summed, summaries merged within [`KEPT`]).
-fn merge_section(into: &mut TopSection, from: &TopSection) {
-    for r in &from.rules {
-        let full = into.rules.len() >= MAX_RULES;
-        match into.rules.iter_mut().find(|x| x.rule == r.rule) {
-            Some(x) => {
-                x.allowed = x.allowed.saturating_add(r.allowed);
-                x.denied = x.denied.saturating_add(r.denied);
-                x.shadow_denied = x.shadow_denied.saturating_add(r.shadow_denied);
-                x.top.merge_keeping(&r.top);
-            }
-            None if !full => {
-                let mut top = Summary::new(KEPT);
-                top.merge_keeping(&r.top);
-                into.rules.push(RuleTop { top, ..r.clone() });
-            }
-            None => {}
-        }
-    }
-}
-
 /// Queues `section`, heard at `unix`, to be shared: the oldest seconds go past
 /// [`OUTBOX_SECONDS`].
 fn queue(outbox: &mut BTreeMap<u64, TopSection>, unix: u64, section: &TopSection) {
-    merge_section(outbox.entry(unix).or_default(), section);
+    outbox.entry(unix).or_default().absorb(section, (MAX_RULES, Some(KEPT)));
     while outbox.len() > OUTBOX_SECONDS {
         outbox.pop_first();
     }

@@ -360,10 +360,13 @@ pub struct TopSection {
 const MAX_RULE_NAME: usize = 64;
 
 impl TopSection {
-    /// Adds `other`'s counts and keys, rule by rule (a rule not here goes last): the section
-    /// of both batches' time, for a node whose batch that carried `other` was given up.
-    pub fn absorb(&mut self, other: &TopSection) {
+    /// Adds `other`'s counts and keys, rule by rule, each summary keeping its capacity: the
+    /// section of both sections' time (a filter's batch that carried `other` was given up; a
+    /// store merges what it heard in one second). A rule not here goes last while there are
+    /// fewer than `max_rules`, its summary of at most `kept` keys (None: as it came).
+    pub fn absorb(&mut self, other: &TopSection, (max_rules, kept): (usize, Option<usize>)) {
         for o in &other.rules {
+            let full = self.rules.len() >= max_rules;
             match self.rules.iter_mut().find(|r| r.rule == o.rule) {
                 Some(r) => {
                     r.allowed = r.allowed.saturating_add(o.allowed);
@@ -371,7 +374,18 @@ impl TopSection {
                     r.shadow_denied = r.shadow_denied.saturating_add(o.shadow_denied);
                     r.top.merge_keeping(&o.top);
                 }
-                None => self.rules.push(o.clone()),
+                None if full => {}
+                None => {
+                    let top = match kept {
+                        Some(kept) => {
+                            let mut top = crate::topk::Summary::new(kept);
+                            top.merge_keeping(&o.top);
+                            top
+                        }
+                        None => o.top.clone(),
+                    };
+                    self.rules.push(RuleTop { top, ..o.clone() });
+                }
             }
         }
     }
