@@ -299,13 +299,18 @@ impl Held {
         self.used = now;
     }
 
-    /// Whether the counter is idle here at `now` ([`IDLE_GAPS`]) while this process holds
-    /// units of it worth giving back (at least one, and a hundredth of the quota).
+    /// Whether the counter is idle here at `now` ([`IDLE_GAPS`]) while Redis may hold units of
+    /// it for this process: a grant or units given to its asks still on lease, whether or not
+    /// this process may still spend them (Redis carries an ask's units until the batch after
+    /// the next, which an idle process does not send: the others were refused on them with
+    /// the process holding nothing it could spend).
     fn idle(&self, now: Nanos) -> bool {
-        let (carried, grant, extra) = self.spendable(now);
-        let holds = carried.saturating_add(grant).saturating_add(extra);
-        let quiet = self.gap.saturating_mul(IDLE_GAPS).max(IDLE_MIN);
-        holds >= (self.limit.quota() / 100).max(1) && now.saturating_sub(self.used) >= quiet
+        now < self.held_until() && now.saturating_sub(self.used) >= self.quiet()
+    }
+
+    /// How long without a call makes the counter idle here ([`IDLE_GAPS`]).
+    fn quiet(&self) -> Nanos {
+        self.gap.saturating_mul(IDLE_GAPS).max(IDLE_MIN)
     }
 
     /// Records `hits` admitted at `now` (our clock), to report with the next batch.
@@ -902,11 +907,14 @@ impl Leases {
                 b.release = true;
                 h.pending = Some(b);
                 (h.grant, h.extra, h.carried) = (0, 0, 0);
+                (h.until, h.extra_until) = (now, now);
                 out.push(batch(b));
                 return true;
             }
             let in_use = now.saturating_sub(h.used) < 2 * ratewall_core::sync::MAX_LEASE;
-            if h.spent > 0 || (!stopping && in_use && h.held_until().saturating_sub(now) < renew) {
+            // Renewed while calls come (not once the counter has gone idle here).
+            let calling = now.saturating_sub(h.used) < h.quiet();
+            if h.spent > 0 || (!stopping && calling && h.held_until().saturating_sub(now) < renew) {
                 let b = h.cut(self.seq.fetch_add(1, Ordering::Relaxed) + 1, now);
                 out.push(batch(b));
                 return true;
@@ -954,7 +962,8 @@ impl Leases {
         // the answer's remaining yet (a fixed window's of an ended window: in none).
         h.drop_ended(now);
         h.grant = a.grant.saturating_sub(h.spent);
-        h.until = lease_end(h.limit, now, a.lease, a.reset_after);
+        // A batch that gave everything back leaves nothing on lease.
+        h.until = if released { now } else { lease_end(h.limit, now, a.lease, a.reset_after) };
         // What its asks were given is carried by Redis through this batch, until the next —
         // unless the batch gave back all the process held, those of asks Redis answered
         // before it included.
@@ -1515,9 +1524,10 @@ mod tests {
         let b = l.due(T + 400 * MS);
         assert_eq!((b.len(), b[0].units, b[0].release), (1, 0, true));
         assert_eq!(l.holding("k", T + 400 * MS), 0);
-        assert!(l.take("k", fifty, 1, T + 450 * MS).is_none(), "asks");
         l.synced("k", b[0].seq, &grant(0, 20), T + 500 * MS);
         assert!(l.due(T + 600 * MS).is_empty());
+        assert!(l.due(T + 1200 * MS).is_empty(), "given back once, not renewed");
+        assert!(l.take("k", fifty, 1, T + 1300 * MS).is_none(), "a call asks");
         // At Redis: counted, then nothing held for the process.
         let mut c = Counter::new(fifty);
         c.report_counted(fifty, (T, T), (l.node, 1, 30), crate::NODE_TTL, true);
@@ -1712,8 +1722,8 @@ mod tests {
         assert_eq!((b[0].units, b[0].since), (3, T - 5 * s + 10 * MS), "since the first of them");
         assert_eq!(l.due(T + 60 * MS), b, "a retry carries the same");
         l.synced("k", b[0].seq, &applied(5, 6), T + 70 * MS);
-        let renewal = l.due(T + 3 * s);
-        assert_eq!((renewal[0].units, renewal[0].since), (0, 0), "a renewal carries no time");
+        let next = l.due(T + 900 * MS);
+        assert_eq!((next[0].units, next[0].since), (0, 0), "a batch of no units carries no time");
         // Redis counts them as of then, not when the batch came.
         let mut at_redis = Counter::new(bucket);
         let a = report(&mut at_redis, T - 5 * s + 900 * MS, 7, (bucket, 1, 3, T - 5 * s + 10 * MS));
