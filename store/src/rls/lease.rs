@@ -45,9 +45,10 @@ pub const DENY_CACHE: Nanos = 50_000_000;
 /// How long a process that stops keeps reporting what it admitted while Redis fails
 /// ([`flush_all`]).
 pub const STOP_FLUSH: Duration = Duration::from_secs(5);
-/// A counter on which this process holds units and has seen no call for this many of the
-/// recent gaps between its calls (and at least [`IDLE_MIN`]) is idle here: its client moved
-/// to another process, or paused, and what it holds goes back to Redis with the next batch
+/// A counter on which Redis may hold units for this process and that has seen no call for
+/// this many of the recent gaps between its calls (and at least [`IDLE_MIN`]) is idle here:
+/// its client moved to another process, or paused, and what it holds goes back to Redis with
+/// the next batch
 /// ([`Counter::release`]), as a Worker isolate's grant does. Held on, renewed while in use,
 /// it was refused to the client at the other processes (30 of 50 spent here, the client
 /// moving on a second later was refused there with 20 free, told to wait 48 minutes).
@@ -162,6 +163,14 @@ struct InFlight {
     next: Nanos,
     /// It gives back what the process holds (the counter went idle here).
     release: bool,
+}
+
+impl InFlight {
+    /// This batch of counter `rkey`, of `limit`, to send.
+    fn batch(&self, rkey: &str, limit: Limit) -> Batch {
+        let (seq, units, since, release) = (self.seq, self.units, self.since, self.release);
+        Batch { rkey: rkey.to_owned(), limit, seq, units, since, release }
+    }
 }
 
 /// The longest a batch whose sends keep failing waits between two ([`Leases::failed`]).
@@ -791,14 +800,7 @@ impl Leases {
             Some(b) => b,
             None => h.cut(self.seq.fetch_add(1, Ordering::Relaxed) + 1, now),
         };
-        Some(Batch {
-            rkey: rkey.to_owned(),
-            limit: h.limit,
-            seq: b.seq,
-            units: b.units,
-            since: b.since,
-            release: b.release,
-        })
+        Some(b.batch(rkey, h.limit))
     }
 
     /// Units of counter `rkey` this process admitted that Redis may not have counted yet
@@ -874,14 +876,7 @@ impl Leases {
         let renew = 2 * u64::try_from(FLUSH.as_nanos()).unwrap_or(u64::MAX);
         held.retain(|rkey, h| {
             let limit = h.limit;
-            let batch = |b: InFlight| Batch {
-                rkey: rkey.clone(),
-                limit,
-                seq: b.seq,
-                units: b.units,
-                since: b.since,
-                release: b.release,
-            };
+            let batch = |b: InFlight| b.batch(rkey, limit);
             if let Some(b) = h.pending {
                 if now.saturating_sub(b.sent) > RETRY_HORIZON {
                     // Past the horizon a store may have forgotten the seq: dropped, never
@@ -944,6 +939,13 @@ impl Leases {
         let wait = flush.saturating_mul(1 << b.failures.0.min(5)).min(MAX_BACKOFF);
         b.failures = (b.failures.0.saturating_add(1), self.acks.load(Ordering::Relaxed));
         b.next = now.saturating_add(wait);
+    }
+
+    /// Records a batch's transition at Redis ([`reported`]) at `now` (our clock): its answer,
+    /// and the counter as too low for an initial share if it is.
+    pub fn reported(&self, rkey: &str, seq: u64, (a, low): &(Applied, Option<Nanos>), now: Nanos) {
+        self.note_low(rkey, *low);
+        self.synced(rkey, seq, a, now);
     }
 
     /// Records a batch's answer at `now` (our clock).
@@ -1124,10 +1126,7 @@ async fn send<K: Kv>(rls: &Rls<K>, batches: &[Batch]) -> usize {
             // Noted before another call of this process may change the counter, and its lease
             // counted from when it was sent, so that it ends here before Redis's.
             let sent = super::wall_clock();
-            let synced = move |(a, low): (Applied, Option<Nanos>)| {
-                leases.note_low(&b.rkey, low);
-                leases.synced(&b.rkey, b.seq, &a, sent);
-            };
+            let synced = move |r: (Applied, Option<Nanos>)| leases.reported(&b.rkey, b.seq, &r, sent);
             let release = b.release;
             let send = rls.update_then(
                 &b.rkey,
@@ -1459,9 +1458,8 @@ mod tests {
 
         fn report(&mut self, b: &Batch, t: Nanos) {
             let (node, batch) = (self.l.node, (b.limit, b.seq, b.units, b.since));
-            let (a, low) = self.update(t, |c, now| reported(c, now, node, batch, b.release));
-            self.l.note_low(&b.rkey, low);
-            self.l.synced(&b.rkey, b.seq, &a, t);
+            let r = self.update(t, |c, now| reported(c, now, node, batch, b.release));
+            self.l.reported(&b.rkey, b.seq, &r, t);
         }
 
         /// A call of `hits` at `t` (our clock), after the flushes due before it.

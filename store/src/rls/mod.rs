@@ -583,10 +583,7 @@ impl<K: Kv> Rls<K> {
             // Spent on an initial share that Redis has not counted yet: counted first (its
             // answer is this process's grant), so that nothing is asked for twice.
             let batch = (limit, b.seq, b.units, b.since);
-            let synced = |(a, low)| {
-                self.leases.note_low(&c.rkey, low);
-                self.leases.synced(&c.rkey, b.seq, &a, now);
-            };
+            let synced = |r| self.leases.reported(&c.rkey, b.seq, &r, now);
             let release = b.release;
             self.update_then(
                 &c.rkey,
