@@ -231,15 +231,6 @@ pub const CUT_OFF_EXPECTED_BESIDE: u64 = 3;
 
 /// Until when `s`'s grant holds units: its lease, and on an `exact` rule's counter
 /// [`REPORT_GRACE`] more.
-/// What `s`'s grant and the units given to its asks hold at `now`, on lease.
-fn leased(s: &Share, now: Nanos, exact: bool) -> u64 {
-    if held_until(s, exact) > now {
-        s.grant.saturating_add(s.asked).saturating_add(s.carried)
-    } else {
-        0
-    }
-}
-
 fn held_until(s: &Share, exact: bool) -> Nanos {
     if exact {
         s.until.saturating_add(REPORT_GRACE)
@@ -703,7 +694,14 @@ impl Counter {
         self.shares
             .iter()
             .filter(|s| Some(s.node) != except && !(fixed && s.seen / per != now / per))
-            .map(|s| leased(s, now, exact).saturating_add(s.in_flight(now)))
+            .map(|s| {
+                let leased = if held_until(s, exact) > now {
+                    s.grant.saturating_add(s.asked).saturating_add(s.carried)
+                } else {
+                    0
+                };
+                leased.saturating_add(s.in_flight(now))
+            })
             .fold(self.cut_off(now, except), u64::saturating_add)
     }
 
@@ -951,54 +949,6 @@ impl Counter {
             s.units = 0;
             s.until = s.until.min(s.seen);
         }
-    }
-
-    /// Takes back from the other nodes' grants the units an ask of `cost` by `node` — which
-    /// may still spend `mine` of its own ([`Counter::ask_holding`]) — lacks, when the counter's
-    /// state has room for them: what is free beside every grant, and what the others' grants
-    /// hold on lease. Returns the units taken back (0: none were lacking, or the grants do not
-    /// hold enough); the ask that follows is then given them. For ratewall-store's RLS front,
-    /// whose processes hold grants of what remains sized on their parts of the traffic: a
-    /// client spread over three processes, calling back to back, was refused at one of them
-    /// at 23 to 48 of 50 with the rest held in the others' grants, and told the window's end.
-    /// A node whose grant shrank here learns it from its next batch's answer (a process
-    /// reports every 100 ms while it spends): what it spends of the units meanwhile comes on
-    /// top of the limit, at most its rate over an interval and a round trip, and never more
-    /// than was taken back.
-    pub fn take_back(&mut self, now: Nanos, (node, mine): (u64, u64), cost: u64) -> u64 {
-        let now = now.max(self.last_seen);
-        let (view, _) = self.limit.decide(&self.state, now, 0);
-        let others = self.outstanding(now, Some(node));
-        let own = self.outstanding(now, None).saturating_sub(others);
-        let free = view.remaining.saturating_sub(others.saturating_add(own.min(mine)));
-        let lacking = cost.saturating_sub(free);
-        let per = self.limit.per().max(1);
-        let fixed = self.limit.algorithm() == Algorithm::FixedWindow;
-        let exact = self.exact;
-        let lendable = |s: &Share| {
-            if s.node == node || (fixed && s.seen / per != now / per) {
-                0
-            } else {
-                leased(s, now, exact)
-            }
-        };
-        let held: u64 = self.shares.iter().map(lendable).fold(0, u64::saturating_add);
-        if lacking == 0 || lacking > held {
-            return 0;
-        }
-        let mut left = lacking;
-        while left > 0 {
-            // From the node that holds most.
-            let Some(s) = self.shares.iter_mut().filter(|s| lendable(s) > 0).max_by_key(|s| lendable(s)) else {
-                break;
-            };
-            for part in [&mut s.grant, &mut s.asked, &mut s.carried] {
-                let taken = (*part).min(left);
-                *part -= taken;
-                left -= taken;
-            }
-        }
-        lacking - left
     }
 
     /// Releases what `node` holds beyond its grant (the units given to its asks, which

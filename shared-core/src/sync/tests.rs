@@ -1065,31 +1065,3 @@ fn an_isolate_first_to_report_after_a_quota_ran_out_gets_its_share_not_the_fleet
     let isolate = c.report(l, next, 1, 2, 1, ttl);
     assert!(isolate.grant > 0 && isolate.grant <= 100, "about a twentieth of 1,000: {isolate:?}");
 }
-
-#[test]
-fn an_ask_takes_back_what_it_lacks_from_the_other_nodes_grants_when_the_state_has_room() {
-    // Two nodes on 50 a minute: node 1 reported 10 and was granted all the rest. Node 2 asks
-    // for 3: nothing is free beside node 1's grant, so the ask alone is refused; taken back
-    // from node 1's grant, the units are there, and counted once.
-    let l = Limit::new(Algorithm::FixedWindow, 50, 60 * SECOND, None).unwrap();
-    let ttl = 10 * SECOND;
-    let mut c = Counter::new(l);
-    let one = c.report_counted(l, (NOW, NOW), (1, 1, 10), ttl, true);
-    assert_eq!(one.grant, 40, "{one:?}");
-    let at = NOW + 2 * MS_;
-    let refused = c.clone().ask_holding(l, at, (2, 1, 0), 3, ttl);
-    assert_eq!(refused.grant, 0, "{refused:?}");
-    let mut taken = c.clone();
-    assert_eq!(taken.take_back(at, (2, 0), 3), 3);
-    let a = taken.ask_holding(l, at, (2, 1, 0), 3, ttl);
-    assert_eq!((a.grant, a.counted), (3, true), "{a:?}");
-    // Node 1 holds 3 fewer: its next batch is granted from what is left.
-    assert_eq!(taken.held_by_others(at, 2), 37);
-    assert_eq!(taken.clone().take_back(at, (2, 0), 38), 0, "37 held, 0 free");
-    // Nothing is taken back when nothing is lacking, nor when the grants cannot cover it.
-    assert_eq!(c.clone().take_back(at, (2, 0), 0), 0);
-    assert_eq!(c.clone().take_back(at, (2, 0), 41), 0);
-    // Nor from a grant whose lease has ended: its units are free already.
-    let lapsed = NOW + one.lease + REPORT_GRACE + 1;
-    assert_eq!(c.clone().take_back(lapsed, (2, 0), 1), 0);
-}

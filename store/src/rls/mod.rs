@@ -814,11 +814,7 @@ pub(crate) fn ask_at(
     unreported: u64,
 ) -> (ratewall_core::sync::Applied, Option<Nanos>) {
     let limit = counter.limit;
-    let mut a = counter.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
-    if !a.counted && hits > 0 && counter.take_back(now, (node, mine), hits) > 0 {
-        // The units were held in the other processes' grants: taken back for this call.
-        a = counter.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
-    }
+    let a = counter.ask_holding(limit, now, (node, ask, mine), hits, crate::NODE_TTL);
     if a.counted {
         return (a, None);
     }
