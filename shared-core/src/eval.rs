@@ -73,7 +73,11 @@ impl Config {
     pub fn checks_of(&self, req: &Request<'_>, matching: &[usize]) -> (Vec<Check>, Vec<(usize, Skip)>) {
         let mut checks = Vec::with_capacity(matching.len());
         let mut skipped = Vec::new();
-        let plan = self.identity.header_index("plan").and_then(|i| req.headers.get(i).copied().flatten());
+        // A value is read without the whitespace around it (HTTP's optional whitespace, which
+        // Envoy's codec strips and workerd passes on): `gold ` is the plan `gold`, and `alice `
+        // is `alice`, not a fresh counter of its own.
+        let header = |i: usize| req.headers.get(i).copied().flatten().map(<[u8]>::trim_ascii);
+        let plan = self.identity.header_index("plan").and_then(header);
         // A secret or long header value is hashed once per request, however many rules key on
         // it, and only when one does.
         let mut hashed: Vec<Option<u64>> = Vec::new();
@@ -96,7 +100,7 @@ impl Config {
             for dim in &rule.key {
                 let value = match dim {
                     Dimension::Ip => req.ip.map(str::as_bytes),
-                    Dimension::Header(h) => req.headers.get(*h).copied().flatten(),
+                    Dimension::Header(h) => header(*h),
                 };
                 match value {
                     Some(v) if !v.is_empty() => {
@@ -586,6 +590,22 @@ mod tests {
         let same = config(r#"{"name":"r","key":["user"],"limit":{"requests":2,"per":"60s"}}"#);
         assert_ne!(key_of(&pushed, b"u", None), key_of(&c, b"u", None));
         assert_eq!(key_of(&same, b"u", None), key_of(&c, b"u", None));
+    }
+
+    #[test]
+    fn whitespace_around_a_header_value_is_not_part_of_it() {
+        let c = config(
+            r#"{"name":"r","key":["user"],"limit":{"requests":2,"per":"1m"},
+                "plans":{"gold":{"requests":30,"per":"1s"}}}"#,
+        );
+        // One client's counter however its value is padded (the Worker's runtime passes the
+        // whitespace on: `alice ` had a fresh counter there), and its plan too.
+        let plain = key_of(&c, b"alice", Some(b"gold"));
+        assert_eq!(key_of(&c, b" alice \t", Some(b"gold\t")), plain);
+        assert_ne!(key_of(&c, b"alice", None), plain);
+        // Whitespace alone is no value: the rule does not count the request.
+        let mut m = MapCounters::default();
+        assert_eq!(run(&c, &mut m, b" \t ", 0).skipped, alloc::vec![(0, Skip::Unkeyed)]);
     }
 
     #[test]
