@@ -762,7 +762,7 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
         }
         (decided, charged)
     });
-    let (outcome, refunds) = combine(&config, &checks, &decisions);
+    let (mut outcome, refunds) = combine(&config, &checks, &decisions);
     // Units taken by rules that allowed a request another rule rejected go back. The client
     // gets its 429 without waiting for that.
     if !refunds.is_empty() {
@@ -782,10 +782,11 @@ async fn limit(req: Request, env: Env, ctx: Context) -> Result<Response> {
     for line in shadow_lines(&config, &outcome, &skipped, &method, &path) {
         console_log!("{line}");
     }
+    // A leaky bucket's queued request waits its turn, then goes, with its fields as of then.
+    let wait = if outcome.rejected { 0 } else { wait_of(&config, &checks, &decisions) };
+    outcome.waited(wait);
     let reply = render(&config, &outcome);
     if reply.passes() {
-        // A leaky bucket's queued request waits its turn, then goes.
-        let wait = wait_of(&config, &checks, &decisions);
         if wait > 0 {
             // While it waits, a task that outlives the request (the client may leave, ending
             // it) looks every CLIENT_POLL whether the client went away: if so the request

@@ -1071,15 +1071,9 @@ impl Engine {
                 }
             }
         }
-        if wait > 0 {
-            // A request that waits its turn is forwarded with its fields as of then: each
-            // reset that much nearer (the Worker's the same).
-            for c in outcome.checks.iter_mut() {
-                if let CheckResult::Decided(d) = &mut c.result {
-                    d.reset_after = d.reset_after.saturating_sub(wait);
-                }
-            }
-        }
+        // A request that waits its turn is forwarded with its fields as of then (the Worker's
+        // the same).
+        outcome.waited(wait);
         let reply = render(&self.config, &outcome);
         if wait == 0 {
             if slots.checks.is_empty() {

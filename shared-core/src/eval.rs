@@ -256,6 +256,17 @@ pub enum Tally {
 }
 
 impl Outcome {
+    /// The outcome as of `wait` later, for a request a leaky bucket holds that long before it
+    /// is forwarded: each decision's reset that much nearer, so its fields say when the
+    /// bucket drains from the moment the client gets them.
+    pub fn waited(&mut self, wait: Nanos) {
+        for c in &mut self.checks {
+            if let CheckResult::Decided(d) = &mut c.result {
+                d.reset_after = d.reset_after.saturating_sub(wait);
+            }
+        }
+    }
+
     /// Per rule (by index), what it did with the request: one event per decided or failed
     /// check, in rule order, then one per rule `skipped` as unkeyed. The one tally the filter
     /// and the Worker count their per-rule metrics from.

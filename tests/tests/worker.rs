@@ -672,16 +672,21 @@ fn a_leaky_bucket_forwards_a_burst_in_turns_and_rejects_past_its_queue() {
                 let w = &w;
                 s.spawn(move || {
                     let r = w.request("GET", "/q/x", &[("x-user-id", "queue")], &[]);
-                    (r.status, start.elapsed().as_millis())
+                    (r.status, start.elapsed().as_millis(), r.header("ratelimit").map(str::to_owned))
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    done.sort_by_key(|(status, at)| (*status, *at));
-    let statuses: Vec<u16> = done.iter().map(|(s, _)| *s).collect();
+    done.sort_by_key(|(status, at, _)| (*status, *at));
+    let statuses: Vec<u16> = done.iter().map(|(s, _, _)| *s).collect();
     assert_eq!(statuses, [[200; 6].as_slice(), [429; 6].as_slice()].concat(), "{done:?}");
-    let passed: Vec<u128> = done.iter().filter(|(s, _)| *s == 200).map(|(_, at)| *at).collect();
+    // Each is forwarded with its fields as of then: the bucket drains 200 ms after the last
+    // of them goes (`t=1`, rounded up), not 1.2 s after the last was queued (`t=2`).
+    for (_, at, field) in done.iter().filter(|(s, _, _)| *s == 200) {
+        assert_eq!(field.as_deref().and_then(|f| f.split(";t=").nth(1)), Some("1"), "went at {at} ms: {done:?}");
+    }
+    let passed: Vec<u128> = done.iter().filter(|(s, _, _)| *s == 200).map(|(_, at, _)| *at).collect();
     // The turns are the object's (200 ms from the first's decision); the first answer's own
     // latency is not theirs, so the first queued one is checked against it loosely and the
     // others against the first queued one, whose answer took the same path.
