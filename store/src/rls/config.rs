@@ -480,7 +480,9 @@ impl RlsConfig {
         let before = rules.len();
         let mut unread = Vec::new();
         let descriptors = raw.descriptors.unwrap_or_default();
-        let built = build(&mut level, &domain, &format!("{domain}."), descriptors, &mut rules, &mut unread);
+        let mut policies = HashMap::new();
+        let out = (&mut rules, &mut policies, &mut unread);
+        let built = build(&mut level, &domain, &format!("{domain}."), descriptors, out);
         if built.is_err() {
             rules.truncate(before);
         }
@@ -563,13 +565,16 @@ fn wildcard_match(parts: &[String], value: &str) -> bool {
 /// descriptors of that key come before it in the file (to find its line).
 type BuildError = (String, String, usize);
 
+/// What [`build`] adds to: the rules, by index, each domain's rules by policy name (the
+/// rules of one build are one domain's), and the fields not read.
+type Out<'a> = (&'a mut Vec<Arc<Rule>>, &'a mut HashMap<String, Vec<usize>>, &'a mut Vec<BuildError>);
+
 fn build(
     level: &mut Level,
     domain: &str,
     parent: &str,
     descriptors: Vec<RawDescriptor>,
-    rules: &mut Vec<Arc<Rule>>,
-    unread: &mut Vec<BuildError>,
+    (rules, policies, unread): Out<'_>,
 ) -> Result<(), BuildError> {
     let composites = descriptors.iter().map(|d| {
         let (key, value) = (d.key.as_ref().map_or("", |k| k.0.as_str()), d.value.as_ref().map_or("", |v| v.0.as_str()));
@@ -612,11 +617,13 @@ fn build(
                 };
                 let mut policy = base.clone();
                 for n in 2.. {
-                    if !rules.iter().any(|o| other(o, &policy)) {
+                    let named = policies.get(&policy).map_or(&[][..], Vec::as_slice);
+                    if !named.iter().filter_map(|&i| rules.get(i)).any(|o| other(o, &policy)) {
                         break;
                     }
                     policy = format!("{base}~{n}");
                 }
+                policies.entry(policy.clone()).or_default().push(rules.len());
                 let rule = Arc::new(Rule {
                     domain: domain.to_owned(),
                     top_name: top_name(&policy),
@@ -652,7 +659,8 @@ fn build(
             level.wildcards.push((composite.clone(), composite.split('*').map(str::to_owned).collect()));
         }
         let mut children = Level::default();
-        build(&mut children, domain, &format!("{full_key}."), d.descriptors.unwrap_or_default(), rules, unread)?;
+        let out = (&mut *rules, &mut *policies, &mut *unread);
+        build(&mut children, domain, &format!("{full_key}."), d.descriptors.unwrap_or_default(), out)?;
         let secret = d.secret.map_or_else(|| secret_by_default(&key), |f| f.0);
         met.add(&composite);
         level.entries.insert(composite, Entry { rule, children, shared, secret });
