@@ -139,6 +139,15 @@ pub enum Failure {
 /// Reads and parses a rules document: its text (for what the parser does not keep, such as
 /// the patterns as written) and the validated rules.
 pub fn load(path: &Path) -> Result<(serde_json::Value, Config), Failure> {
+    if is_rls_config(path) {
+        // Told "not valid JSON" at its first byte, a user could not see what was wrong.
+        return Err(Failure::Invalid(vec![format!(
+            "(document): {} reads as a rate limit service configuration (a directory, or YAML \
+             that is not a JSON rules document): `explain` and `replay` read a rules document; \
+             `ratewall check` validates a rate limit service configuration",
+            path.display()
+        )]));
+    }
     let bytes = read_document(path)?;
     let mut config = Config::parse(&bytes).map_err(|e| Failure::Invalid(problems(&bytes, e)))?;
     config.identity.key_by_secret(&deployment_secret());

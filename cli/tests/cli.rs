@@ -932,3 +932,17 @@ fn replay_reads_an_absolute_form_request_as_its_path_and_cuts_long_keys_as_the_p
     let o = ratewall(&["explain", &rules, "--path", "/long", "-H", &header]);
     assert!(stdout(&o).contains(&shown), "explain shows the key as the replay does: {}", stdout(&o));
 }
+
+/// `explain` and `replay` given a rate limit service configuration say what it is and which
+/// command reads it (they said "not valid JSON" at its first byte).
+#[test]
+fn explain_and_replay_name_a_rate_limit_service_configuration_as_such() {
+    let yaml = root("examples/ratelimit-config.yaml");
+    let log = temp("rls-named.log", "");
+    for args in [vec!["explain", &yaml, "--path", "/v1/x"], vec!["replay", &yaml, &log]] {
+        let o = ratewall(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = stderr(&o);
+        assert!(err.contains("reads as a rate limit service configuration") && err.contains("ratewall check"), "{err}");
+    }
+}

@@ -589,3 +589,45 @@ fn json_fields_of_the_wrong_kind_and_unix_socket_peers_make_lines_unreadable() {
     assert_eq!((got["requests"].clone(), got["invalid_lines"].clone()), (json!(3), json!(1)), "{got}");
     assert!(String::from_utf8_lossy(&o.stderr).contains("unix.nginx:2: "), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// A rotated log as logrotate leaves it, gzip-compressed (and two of them joined by `cat`),
+/// replays as the text does; another compression is named, with the tool to read it through
+/// (its bytes were each an unreadable line, the replay of nothing ending well).
+#[test]
+fn a_gzip_compressed_log_replays_as_its_text() {
+    use flate2::{write::GzEncoder, Compression};
+    let rules = temp(
+        "gz-rules.json",
+        r#"{"identity":{"ip":{"trusted_hops":0}},"rules":[{"name":"ip","key":["ip"],"algorithm":"fixed_window","limit":{"requests":2,"per":"60s"}}]}"#,
+    );
+    let mut text = String::new();
+    for s in 1..=5 {
+        writeln!(text, r#"203.0.113.7 - - [06/Dec/2026:10:00:0{s} +0000] "GET /a HTTP/1.1" 200 5 "-" "curl""#).unwrap();
+    }
+    let gzip = |t: &str| {
+        let mut e = GzEncoder::new(Vec::new(), Compression::default());
+        e.write_all(t.as_bytes()).unwrap();
+        e.finish().unwrap()
+    };
+    let dir = std::env::temp_dir().join(format!("ratewall-gz-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let one = dir.join("access.log.1.gz");
+    std::fs::write(&one, gzip(&text)).unwrap();
+    let two = dir.join("joined.gz");
+    std::fs::write(&two, [gzip(&text), gzip(&text)].concat()).unwrap();
+    let plain = replay_json(&[&rules, &temp("gz-plain.log", &text)]);
+    let rules_of = |v: &Value| v["rules"].clone();
+    assert_eq!(rules_of(&replay_json(&[&rules, one.to_str().unwrap()])), rules_of(&plain));
+    let joined = replay_json(&[&rules, two.to_str().unwrap()]);
+    assert_eq!(
+        (joined["rules"][0]["allowed"].as_u64(), joined["rules"][0]["rejected"].as_u64()),
+        (Some(2), Some(8)),
+        "{joined}"
+    );
+    let zstd = dir.join("access.log.zst");
+    std::fs::write(&zstd, b"\x28\xb5\x2f\xfd rest of a zstd frame").unwrap();
+    let o = ratewall(&["replay", &rules, zstd.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("zstd-compressed: read it through zstdcat"), "{o:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
