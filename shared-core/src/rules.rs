@@ -771,13 +771,18 @@ fn parse_rule(v: &Value, path: &str, identity: &Identity) -> Result<Rule, Config
         None => 1,
         Some(c) => bounded(c, &join(path, "cost"), 0, MAX_REQUESTS)?,
     };
-    let limits = core::iter::once(limit).chain(plans.iter().filter_map(|(_, l)| match l {
-        PlanLimit::Limited(l) => Some(*l),
+    // Each limit in force, named as the message says it: the rule's own, or a plan's.
+    let limits = core::iter::once((None, limit)).chain(plans.iter().filter_map(|(plan, l)| match l {
+        PlanLimit::Limited(l) => Some((Some(plan), *l)),
         PlanLimit::Unlimited => None,
     }));
-    for l in limits {
+    for (plan, l) in limits {
         if cost > l.capacity() {
-            return err(&join(path, "cost"), format!("{cost} exceeds a limit's capacity of {}", l.capacity()));
+            let whose = match plan {
+                None => String::from("the rule's limit"),
+                Some(p) => format!("plan {}'s limit", quoted(p)),
+            };
+            return err(&join(path, "cost"), format!("{cost} exceeds {whose}, of capacity {}", l.capacity()));
         }
     }
     let mode = match m.get("mode") {
@@ -949,6 +954,18 @@ mod tests {
         assert_eq!(c.rules[2].on_store_failure, FailurePolicy::Closed);
         assert!(c.rules[2].exact && !c.rules[0].exact, "exact by default only where the store failing closes");
         assert_eq!(c.identity.ip.trusted_hops, 1);
+    }
+
+    #[test]
+    fn a_cost_over_a_limits_capacity_names_that_limit() {
+        let parse = |rule: &str| {
+            let doc = format!(r#"{{"identity":{{"plan":{{"header":"x-plan"}}}},"rules":[{rule}]}}"#);
+            Config::parse(doc.as_bytes()).map(|_| ()).map_err(|e| e.to_string())
+        };
+        let plan = r#"{"name":"a","key":["ip"],"cost":7,"limit":{"requests":10,"per":"1m"},"plans":{"p":{"requests":5,"per":"1m"}}}"#;
+        assert_eq!(parse(plan), Err(r#"rules[0].cost: 7 exceeds plan "p"'s limit, of capacity 5"#.into()));
+        let own = r#"{"name":"a","key":["ip"],"cost":7,"limit":{"requests":5,"per":"1m"}}"#;
+        assert_eq!(parse(own), Err("rules[0].cost: 7 exceeds the rule's limit, of capacity 5".into()));
     }
 
     #[test]
