@@ -666,7 +666,7 @@ fn a_leaky_bucket_forwards_a_burst_in_turns_and_rejects_past_its_queue() {
     // Warm the isolate and the object's first load.
     assert_eq!(w.request("GET", "/q/x", &[("x-user-id", "warm")], &[]).status, 200);
     let start = std::time::Instant::now();
-    let mut done: Vec<(u16, u128)> = std::thread::scope(|s| {
+    let mut done: Vec<(u16, u128, Option<String>)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..12)
             .map(|_| {
                 let w = &w;
