@@ -260,7 +260,8 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
     if !path.exists() {
         return Err(Failure::Usage(format!("cannot read {}: no such file or directory", path.display())));
     }
-    let config = match RlsConfig::load(path) {
+    let shown_by = ratewall_core::key::HashKey::derive(deployment_secret().as_bytes());
+    let config = match RlsConfig::load_keyed(path, Some(shown_by)) {
         Ok(c) => c,
         Err(e) => {
             if as_json {

@@ -684,7 +684,8 @@ async fn start_rls(
     stopping: &Stopping,
     gate: &Arc<conn::Gate>,
 ) -> Result<RlsRunning, String> {
-    let config = RlsConfig::load(path).map_err(|e| format!("--rls-config: {e}"))?;
+    let shown_by = ratewall_core::key::HashKey::derive(secret);
+    let config = RlsConfig::load_keyed(path, Some(shown_by)).map_err(|e| format!("--rls-config: {e}"))?;
     let domains: Vec<&str> = config.domains().collect();
     let mut announce = vec![format!(
         "ratewall-store: rate limit configuration {}: {} domain(s) ({}), {} limit(s)",

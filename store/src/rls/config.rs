@@ -24,6 +24,7 @@
 //! and reason; so are an empty key or domain, a duplicate descriptor or domain, an unknown
 //! unit, a unit beside `unlimited: true`, and the other mistakes envoyproxy/ratelimit refuses.
 
+use ratewall_core::key::HashKey;
 use ratewall_core::{Algorithm, Limit, Nanos, SECOND};
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
@@ -313,6 +314,9 @@ pub struct RlsConfig {
     /// What the files say that is not read, as envoyproxy/ratelimit does not read it either: a
     /// known key where it does not belong, the documents after a file's first.
     pub warnings: Vec<ConfigError>,
+    /// The key a secret value written in the files is shown by in the rules' names: the
+    /// deployment's ([`RlsConfig::load_keyed`]); without one, a key of no secret.
+    shown_by: Option<HashKey>,
 }
 
 impl RlsConfig {
@@ -323,7 +327,15 @@ impl RlsConfig {
     /// started on it would answer every call OK, and a reload of it (files being replaced)
     /// keeps the last good configuration.
     pub fn load(path: &Path) -> Result<RlsConfig, ConfigError> {
-        let mut config = RlsConfig::default();
+        RlsConfig::load_keyed(path, None)
+    }
+
+    /// [`RlsConfig::load`], a secret value written in the files shown in the rules' names
+    /// (policy names, metrics, top offenders, errors) as `#` and 8 hex digits of its hash
+    /// under `key` (the deployment's): an `api_key` descriptor's `value` is as secret in the
+    /// configuration as in a call.
+    pub fn load_keyed(path: &Path, key: Option<HashKey>) -> Result<RlsConfig, ConfigError> {
+        let mut config = RlsConfig { shown_by: key, ..RlsConfig::default() };
         let files = files(path)?;
         if files.is_empty() {
             return Err(no_yaml(path));
@@ -343,7 +355,12 @@ impl RlsConfig {
 
     /// Parses one file's text (named `file` in errors) into a configuration.
     pub fn parse(file: &str, text: &str) -> Result<RlsConfig, ConfigError> {
-        let mut config = RlsConfig::default();
+        RlsConfig::parse_keyed(file, text, None)
+    }
+
+    /// [`RlsConfig::parse`] with secret values shown as [`RlsConfig::load_keyed`] shows them.
+    pub fn parse_keyed(file: &str, text: &str, key: Option<HashKey>) -> Result<RlsConfig, ConfigError> {
+        let mut config = RlsConfig { shown_by: key, ..RlsConfig::default() };
         config.add(file, text)?;
         Ok(config)
     }
@@ -481,7 +498,8 @@ impl RlsConfig {
         let mut unread = Vec::new();
         let descriptors = raw.descriptors.unwrap_or_default();
         let mut policies = HashMap::new();
-        let out = (&mut rules, &mut policies, &mut unread);
+        let shown_by = self.shown_by.unwrap_or_else(|| HashKey::derive(b""));
+        let out = (&mut rules, &mut policies, &mut unread, &shown_by);
         let built = build(&mut level, &domain, &format!("{domain}."), descriptors, out);
         if built.is_err() {
             rules.truncate(before);
@@ -566,15 +584,16 @@ fn wildcard_match(parts: &[String], value: &str) -> bool {
 type BuildError = (String, String, usize);
 
 /// What [`build`] adds to: the rules, by index, each domain's rules by policy name (the
-/// rules of one build are one domain's), and the fields not read.
-type Out<'a> = (&'a mut Vec<Arc<Rule>>, &'a mut HashMap<String, Vec<usize>>, &'a mut Vec<BuildError>);
+/// rules of one build are one domain's), and the fields not read; and the key secret values
+/// are shown by.
+type Out<'a> = (&'a mut Vec<Arc<Rule>>, &'a mut HashMap<String, Vec<usize>>, &'a mut Vec<BuildError>, &'a HashKey);
 
 fn build(
     level: &mut Level,
     domain: &str,
     parent: &str,
     descriptors: Vec<RawDescriptor>,
-    (rules, policies, unread): Out<'_>,
+    (rules, policies, unread, shown_by): Out<'_>,
 ) -> Result<(), BuildError> {
     let composites = descriptors.iter().map(|d| {
         let (key, value) = (d.key.as_ref().map_or("", |k| k.0.as_str()), d.value.as_ref().map_or("", |v| v.0.as_str()));
@@ -588,7 +607,15 @@ fn build(
         // trees: enough to point at the right line in the common case).
         let seen = met.count(&key);
         let composite = composite_key(&key, &value);
-        let full_key = format!("{parent}{composite}");
+        let secret = d.secret.map_or_else(|| secret_by_default(&key), |f| f.0);
+        // Named without a secret value: it would be in every name the rule is known by.
+        let full_key = if secret && !value.is_empty() {
+            let mut hashed = String::new();
+            ratewall_core::key::push_hashed(&mut hashed, shown_by.hash(value.as_bytes()));
+            format!("{parent}{}", composite_key(&key, &hashed))
+        } else {
+            format!("{parent}{composite}")
+        };
         if level.entries.contains_key(&composite) {
             return Err((format!("duplicate descriptor composite key '{full_key}'"), key, seen));
         }
@@ -659,9 +686,8 @@ fn build(
             level.wildcards.push((composite.clone(), composite.split('*').map(str::to_owned).collect()));
         }
         let mut children = Level::default();
-        let out = (&mut *rules, &mut *policies, &mut *unread);
+        let out = (&mut *rules, &mut *policies, &mut *unread, shown_by);
         build(&mut children, domain, &format!("{full_key}."), d.descriptors.unwrap_or_default(), out)?;
-        let secret = d.secret.map_or_else(|| secret_by_default(&key), |f| f.0);
         met.add(&composite);
         level.entries.insert(composite, Entry { rule, children, shared, secret });
     }
@@ -1918,5 +1944,49 @@ mod tests {
     #[test]
     fn policy_names_need_no_escapes() {
         assert_eq!(policy_name("d.key_va\"l\\ue\u{e9}"), "d.key_va_l_ue_");
+    }
+
+    #[test]
+    fn a_secret_value_written_in_the_file_is_named_by_its_keyed_hash() {
+        let text = "domain: api
+descriptors:
+  - key: api_key
+    value: sk_live_WRITTEN
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: tenant
+    secret: true
+    value: TENANT_WRITTEN
+    descriptors:
+      - key: user
+        rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: path
+    value: /public
+    rate_limit: {unit: minute, requests_per_unit: 1}
+";
+        let key = HashKey::derive(b"a deployment's secret");
+        let c = RlsConfig::parse_keyed("t.yaml", text, Some(key)).unwrap();
+        let shown = |value: &str| {
+            let mut s = String::new();
+            ratewall_core::key::push_hashed(&mut s, key.hash(value.as_bytes()));
+            s
+        };
+        let names: Vec<(&str, &str)> = c.rules.iter().map(|r| (r.full_key.as_str(), r.policy.as_str())).collect();
+        let api = format!("api.api_key_{}", shown("sk_live_WRITTEN"));
+        let tenant = format!("api.tenant_{}.user", shown("TENANT_WRITTEN"));
+        assert_eq!(
+            names,
+            [
+                (api.as_str(), api.as_str()),
+                (tenant.as_str(), tenant.as_str()),
+                ("api.path_/public", "api.path_/public")
+            ]
+        );
+        // Matched by their values all the same.
+        let matched = c.find("api", &[("api_key", "sk_live_WRITTEN")]);
+        assert_eq!(matched.map(|m| m.rule.full_key.clone()).as_deref(), Some(api.as_str()));
+        // And named so in a mistake's message.
+        let dup = format!("{text}  - key: api_key\n    value: sk_live_WRITTEN\n");
+        let e = RlsConfig::parse_keyed("t.yaml", &dup, Some(key)).unwrap_err();
+        assert!(!e.to_string().contains("WRITTEN") && e.to_string().contains(&api), "{e}");
     }
 }

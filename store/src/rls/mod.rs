@@ -218,7 +218,7 @@ impl<K: Kv> Rls<K> {
             }
             *last = now;
         }
-        match RlsConfig::load(path) {
+        match RlsConfig::load_keyed(path, Some(self.hash_key)) {
             Ok(c) => {
                 self.metrics.set_rules(&c);
                 self.store.top.configured(listed(&c));
