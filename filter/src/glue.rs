@@ -546,10 +546,44 @@ impl Context for Request {
             // fields reach the client.
             reply.body.clear();
         }
+        if nginx_host() && went_on() {
+            // ngx_wasm_module ran this request on while it waited (see `went_on`). It is neither
+            // answered (the upstream's response is on its way) nor resumed; what it holds is
+            // given back when it ends, and an admitted one's fields still reach a response whose
+            // headers are yet to come. From now on no request waits: ngx_wasm_module resumes a
+            // request after the answer by itself, and one it ran on whose upstream has not
+            // answered yet goes to the upstream a second time.
+            let reply = match verdict {
+                Verdict::Hold(reply, slots) => {
+                    self.slots = Some(slots);
+                    Some(reply)
+                }
+                Verdict::Reply(reply) => Some(reply),
+                _ => None,
+            };
+            if let Some(reply) = reply.filter(ratewall_core::Reply::passes) {
+                self.response_headers = reply.headers;
+            }
+            engine.pause_ignored(&ProxyHost);
+            return;
+        }
         if self.verdict(verdict) {
             let _ = hostcalls::resume_http_request();
         }
     }
+}
+
+/// Whether a request paused for an ask has gone on already, in the ask's answer: it has an
+/// upstream, or a response. ngx_wasm_module, running the filter in NGINX's rewrite phase
+/// (`proxy_wasm_request_headers_in_access` missing), runs a paused request on a kept-alive
+/// connection on; it does not call the filter's `on_http_response_headers` while the request
+/// is paused, so the answer is the first the filter sees of it (measured: the upstream was
+/// being sent the request, or had answered). A request it holds has neither.
+fn went_on() -> bool {
+    // NGINX's `$upstream_addr`, not `upstream.address`: ngx_wasm_module reads that one from
+    // an upstream that may not have connected yet (a null peer name).
+    let upstream = ProxyHost.property(&["ngx", "upstream_addr"]).is_some_and(|a| !a.is_empty());
+    upstream || hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status").ok().flatten().is_some()
 }
 
 impl HttpContext for Request {
@@ -583,6 +617,11 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        // A response while the request waits for an ask: the host ran it on (ngx_wasm_module
+        // does not call this while the request is paused, so there the ask's answer says so).
+        if let (Some(engine), Some(_)) = (&self.engine, &self.asking) {
+            engine.pause_ignored(&ProxyHost);
+        }
         for (name, value) in &self.response_headers {
             let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
         }
