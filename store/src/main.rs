@@ -10,6 +10,13 @@
 //! With `--rls-config` it also answers Envoy's rate limit service: gRPC `ShouldRateLimit` on
 //! `--rls`, and `POST /json` on `--listen`.
 
+/// mimalloc rather than the system allocator: a rate limit service call allocates and frees
+/// small buffers on tokio's worker threads (gRPC frames, descriptors, header fields), where
+/// glibc's malloc took about a sixth of the process's time (perf, the `rls` bench's hot
+/// descriptor); measured in `cargo bench -p ratewall-store --bench rls` (BENCHMARKS.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
