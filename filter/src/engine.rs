@@ -511,7 +511,9 @@ impl Engine {
         host.log(
             Level::Error,
             "ratewall: the proxy has no shared data (on NGINX: add `shm_kv * 16m;` to the `wasm {}` block); \
-             requests pass without limits, counted in ratewall_config_rejected",
+             requests pass without limits, counted in ratewall_config_rejected; a minute after the last \
+             attempt trapped the filter tries again (after a reload that added the zone, limits are back \
+             within that minute)",
         );
     }
 
