@@ -633,15 +633,17 @@ fn pick(candidates: Vec<LogFormat>, wanted: &Wanted, first: &[&[u8]]) -> Option<
     candidates.into_iter().nth(at)
 }
 
-/// `input` as text: a gzip stream (a log rotated by logrotate, `access.log.2.gz`; several
-/// members, as `cat a.gz b.gz` makes, read as one) decompressed; an error naming the tool to
-/// pipe it through for other compressions, whose bytes would otherwise each be an unreadable
-/// line.
-fn decompressed(input: Box<dyn Read + Send>, name: &str) -> Result<Box<dyn Read + Send>, Failure> {
-    let mut raw = BufReader::with_capacity(1 << 16, input);
+/// `input` as buffered text: a gzip stream (a log rotated by logrotate, `access.log.2.gz`;
+/// several members, as `cat a.gz b.gz` makes, read as one) decompressed; an error naming the
+/// tool to pipe it through for other compressions, whose bytes would otherwise each be an
+/// unreadable line. Plain text is read through the one buffer its first bytes were looked at
+/// in.
+fn decompressed(input: Box<dyn Read + Send>, name: &str) -> Result<Box<dyn BufRead + Send>, Failure> {
+    const BUFFER: usize = 1 << 20;
+    let mut raw = BufReader::with_capacity(BUFFER, input);
     let head = raw.fill_buf().map_err(|e| Failure::Usage(format!("cannot read {name}: {e}")))?;
     if head.starts_with(&[0x1f, 0x8b]) {
-        return Ok(Box::new(flate2::bufread::MultiGzDecoder::new(raw)));
+        return Ok(Box::new(BufReader::with_capacity(BUFFER, flate2::bufread::MultiGzDecoder::new(raw))));
     }
     let other =
         [(&b"\x28\xb5\x2f\xfd"[..], "zstd", "zstdcat"), (b"BZh", "bzip2", "bzcat"), (b"\xfd7zXZ\0", "xz", "xzcat")];
@@ -666,7 +668,7 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
         )
     };
     let name = o.log.display().to_string();
-    let mut input = BufReader::with_capacity(1 << 20, decompressed(input, &name)?);
+    let mut input = decompressed(input, &name)?;
     let first = sniff(&mut input, &name)?;
     let sample: Vec<&[u8]> = first
         .lines
