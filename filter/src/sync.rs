@@ -18,7 +18,7 @@
 //! recovery. A failing store trips a circuit breaker, so ticks stop paying timeouts.
 
 use crate::host::{Host, Level, SetError};
-use crate::table::{Allowance, Table};
+use crate::table::{Allowance, Flow, Table};
 use ratewall_core::algo::{Limit, Nanos};
 use ratewall_core::encoding::{put_varint, Reader};
 use ratewall_core::rules::SyncOptions;
@@ -177,9 +177,8 @@ fn traffic_share(
     (remaining, unreported): (u64, u64),
     old: u16,
 ) -> u16 {
-    // What `remaining` is counted against: a token bucket's burst (its quota, `requests`, may
-    // be larger: then even a full bucket read as mostly used, here and at the store, and
-    // every node's share as nearly all the traffic).
+    // What `remaining` is counted against (a window's `requests`; buckets are measured by
+    // `bucket_share`).
     let quota = limit.capacity();
     let global = quota.saturating_sub(remaining);
     if global == 0 || global < quota / 20 || global < SHARE_SAMPLE_MIN {
@@ -191,6 +190,59 @@ fn traffic_share(
         return sample.max(1);
     }
     u16::try_from((u32::from(old) * 3 + u32::from(sample)) / 4).unwrap_or(u16::MAX).max(1)
+}
+
+/// Shortest time a bucket's share is measured over: ended when the fleet had taken a given
+/// number of units, a measurement tended to end just after the node's own report of several
+/// (two proxies' shares summed to 1.1-1.25).
+const BUCKET_SAMPLE_MS: u64 = 5_000;
+
+/// A token or leaky bucket's share, from the answer to a batch that reported `reported` units
+/// of it at the store's `now`, its bucket `reset_after` short of full: the units the node
+/// reported over those the fleet took from the bucket meanwhile (how much further from full
+/// it is than at the last answer, plus the tokens that came back since), summed from answer
+/// to answer for [`BUCKET_SAMPLE_MS`] at least and until the fleet took [`SHARE_SAMPLE_MIN`]
+/// units and a twentieth of the burst, then averaged with the share known before (`old`) at
+/// a quarter's weight. Returns the flow to keep and the share. A bucket's own state cannot
+/// say it: a node's tokens come back at the whole rate, so at the limit a node that spent a
+/// third of them read as having spent none (two proxies sharing a bucket admitted 4 of 60 a
+/// minute while the store was down), or, just after a burst, all of them. Nor can the tokens
+/// left: a bucket the fleet overdrew shows none left however far it is overdrawn.
+pub(crate) fn bucket_share(
+    limit: Limit,
+    flow: Flow,
+    (now, reset_after, reported): (Nanos, Nanos, u64),
+    old: u16,
+) -> (Flow, u16) {
+    const ONE: u128 = Flow::ONE as u128;
+    let now_ms = (now / MS).max(1);
+    let per = u128::from(limit.per().max(1));
+    let part = |n: u128| u64::try_from(n).unwrap_or(u64::MAX);
+    // How far the bucket is from full, in [`Flow::ONE`]ths of a unit.
+    let short = u128::from(limit.requests()) * u128::from(reset_after) * ONE / per;
+    let fresh = Flow { at_ms: now_ms, from_ms: now_ms, short: part(short), own: 0, all: 0 };
+    let span = limit.capacity().saturating_mul(limit.per()) / limit.requests().max(1);
+    let elapsed = now_ms.saturating_sub(flow.at_ms).saturating_mul(MS);
+    // None before, a clock that went back, or a gap longer than the bucket takes to fill
+    // (what the fleet took meanwhile is unknown): measured from now on.
+    if flow.at_ms == 0 || now_ms < flow.at_ms || flow.from_ms > flow.at_ms || elapsed > span {
+        return (fresh, old);
+    }
+    let back = u128::from(limit.requests()) * u128::from(elapsed) * ONE / per;
+    let taken = short.saturating_sub(u128::from(flow.short).saturating_sub(back));
+    let own = u128::from(flow.own) + u128::from(reported);
+    let all = u128::from(flow.all) + taken;
+    let enough = u128::from(SHARE_SAMPLE_MIN.max(limit.capacity() / 20)) * ONE;
+    if now_ms.saturating_sub(flow.from_ms) < BUCKET_SAMPLE_MS || all < enough {
+        let own = u32::try_from(own).unwrap_or(u32::MAX);
+        return (Flow { from_ms: flow.from_ms, own, all: part(all), ..fresh }, old);
+    }
+    let sample = u16::try_from((own * ONE * u128::from(u16::MAX) / all).min(u128::from(u16::MAX))).unwrap_or(u16::MAX);
+    let share = match old {
+        0 => sample.max(1),
+        _ => u16::try_from((u32::from(old) * 3 + u32::from(sample)) / 4).unwrap_or(u16::MAX).max(1),
+    };
+    (fresh, share)
 }
 
 /// Units a node admitted on a counter that no batch the store has counted reported, when a
@@ -273,8 +325,21 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                 } else {
                     st.clone()
                 };
-                let share =
-                    if ask { share } else { traffic_share(d.limit, &st, resp.now, (g.remaining, unreported), share) };
+                let flow = held.map_or(Flow::default(), |h| h.flow);
+                let bucket = matches!(
+                    d.limit.algorithm(),
+                    ratewall_core::Algorithm::TokenBucket | ratewall_core::Algorithm::LeakyBucket
+                );
+                let (flow, share) = match (ask, bucket) {
+                    // An exact bucket's units taken by asks are the node's too.
+                    (true, true) if g.grant >= d.units => (
+                        Flow { own: flow.own.saturating_add(u32::try_from(d.units).unwrap_or(u32::MAX)), ..flow },
+                        share,
+                    ),
+                    (true, _) => (flow, share),
+                    (false, true) => bucket_share(d.limit, flow, (resp.now, g.reset_after, d.units), share),
+                    (false, false) => (flow, traffic_share(d.limit, &st, resp.now, (g.remaining, unreported), share)),
+                };
                 Some((
                     st,
                     Some(Allowance {
@@ -286,6 +351,7 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                         share,
                         since,
                         carry,
+                        flow,
                     }),
                 ))
             },

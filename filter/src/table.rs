@@ -48,9 +48,14 @@ const VERSION_UNREPORTED: u8 = 6;
 /// Entries carry a grant with its overdraft, traffic share and units not yet reported, and a
 /// leaky bucket's [`Departures`].
 const VERSION_UNREPORTED_QUEUE: u8 = 7;
+/// Entries carry a grant with its overdraft, traffic share, units not yet reported and the
+/// [`Flow`] a bucket's share is measured on.
+const VERSION_FLOW: u8 = 8;
+/// As [`VERSION_FLOW`], and a leaky bucket's [`Departures`].
+const VERSION_FLOW_QUEUE: u8 = 9;
 /// Versions kept for later encodings of a bucket: one of them is a newer VM's, which this
 /// one leaves as it is (any other that does not decode is reset).
-const NEWER_VERSIONS: core::ops::RangeInclusive<u8> = 8..=31;
+const NEWER_VERSIONS: core::ops::RangeInclusive<u8> = 10..=31;
 /// The most departures a leaky bucket's entry remembers: a waiter that leaves while the log
 /// is full leaves its turn empty rather than let later arrivals take turns already held.
 pub const DEPARTURES: usize = 4;
@@ -181,6 +186,33 @@ pub struct Allowance {
     /// Units the node had admitted that no batch had reported when that answer came (its
     /// estimate, see `sync::write_grants`).
     pub carry: u32,
+    /// What a token or leaky bucket's share is measured on (see `sync::bucket_share`).
+    pub flow: Flow,
+}
+
+/// The units a node reported on a bucket against those the fleet took from it, since the
+/// last measurement of the node's share: a bucket's state cannot say it (its tokens come back
+/// at the whole rate on every node).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flow {
+    /// When the store last answered a batch on the counter, in milliseconds of its clock (0:
+    /// never).
+    pub at_ms: u64,
+    /// When the measurement began, in milliseconds of the store's clock.
+    pub from_ms: u64,
+    /// How far the bucket was from full then, in [`Flow::ONE`]ths of a unit.
+    pub short: u64,
+    /// Units this node reported since the measurement began.
+    pub own: u32,
+    /// Units the fleet took since then, in [`Flow::ONE`]ths.
+    pub all: u64,
+}
+
+impl Flow {
+    /// A unit, in the fractions [`Flow::short`] and [`Flow::all`] count (a tenth of a second
+    /// of a bucket of 60 a minute is a tenth of a unit: counted in 16ths, it read as one
+    /// sixteenth, and the fleet's units taken as a ninth fewer than they were).
+    pub const ONE: u64 = 1 << 16;
 }
 
 impl Allowance {
@@ -224,6 +256,11 @@ impl Allowance {
         put_varint(out, u64::from(a.share));
         put_varint(out, u64::from(a.since));
         put_varint(out, u64::from(a.carry));
+        put_varint(out, a.flow.at_ms);
+        put_varint(out, a.flow.from_ms);
+        put_varint(out, a.flow.short);
+        put_varint(out, u64::from(a.flow.own));
+        put_varint(out, a.flow.all);
     }
 
     /// Reads [`Allowance::put`]; a bucket of an older version (an older VM's, during an
@@ -238,6 +275,17 @@ impl Allowance {
         };
         let (since, carry) = if version >= VERSION_UNREPORTED { (r.varint()?, r.varint()?) } else { (0, 0) };
         let small = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        let flow = if version >= VERSION_FLOW {
+            Flow {
+                at_ms: r.varint()?,
+                from_ms: r.varint()?,
+                short: r.varint()?,
+                own: small(r.varint()?),
+                all: r.varint()?,
+            }
+        } else {
+            Flow::default()
+        };
         Ok(Some(Allowance {
             units: u32::try_from(v >> 2).unwrap_or(u32::MAX),
             more: v & 2 == 2,
@@ -247,6 +295,7 @@ impl Allowance {
             share,
             since: small(since),
             carry: small(carry),
+            flow,
         }))
     }
 }
@@ -271,6 +320,8 @@ pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), 
             | VERSION_OVER_QUEUE
             | VERSION_UNREPORTED
             | VERSION_UNREPORTED_QUEUE
+            | VERSION_FLOW
+            | VERSION_FLOW_QUEUE
     ) {
         return Err(DecodeError::Version(version));
     }
@@ -288,7 +339,7 @@ pub fn decode_bucket_into(bytes: &[u8], entries: &mut Vec<Entry>) -> Result<(), 
         if version != VERSION {
             let mut r = Reader { bytes: rest, pos: 0 };
             grant = Allowance::read(&mut r, version)?;
-            if matches!(version, VERSION_QUEUE | VERSION_OVER_QUEUE | VERSION_UNREPORTED_QUEUE) {
+            if matches!(version, VERSION_QUEUE | VERSION_OVER_QUEUE | VERSION_UNREPORTED_QUEUE | VERSION_FLOW_QUEUE) {
                 queue = Departures::read(&mut r)?;
             }
             rest = rest.get(r.pos..).ok_or(DecodeError::Truncated)?;
@@ -318,8 +369,8 @@ pub fn encode_bucket_into(entries: &[Entry], out: &mut Vec<u8>) {
     let grants = entries.iter().take(WAYS).any(|e| e.grant.is_some());
     let queues = entries.iter().take(WAYS).any(|e| !e.queue.is_empty());
     out.push(match (grants, queues) {
-        (_, true) => VERSION_UNREPORTED_QUEUE,
-        (true, false) => VERSION_UNREPORTED,
+        (_, true) => VERSION_FLOW_QUEUE,
+        (true, false) => VERSION_FLOW,
         (false, false) => VERSION,
     });
     out.push(entries.len().min(WAYS) as u8);
@@ -767,6 +818,7 @@ impl Counters for TableCounters<'_> {
             share: 0,
             since: 0,
             carry: 0,
+            flow: Flow::default(),
         };
         let mut askable = false;
         let mut past_grant = false;
@@ -776,7 +828,7 @@ impl Counters for TableCounters<'_> {
             // exhausted old grant (which denied until the next sync answered).
             let rolled = matches!(state, State::FixedWindow { window, .. } if *window != now / limit.per().max(1));
             // The node's traffic share outlives the window (degraded mode reads it).
-            let share = grant.map_or(0, |g| g.share);
+            let (share, flow) = grant.map_or((0, Flow::default()), |g| (g.share, g.flow));
             let kept = grant;
             let grant = if rolled { None } else { grant };
             // A grant that lapsed while the node was quiet on the counter, its last answer
@@ -790,7 +842,7 @@ impl Counters for TableCounters<'_> {
                 && grant.is_some_and(|g| g.lapsed_quietly(now, limit.quota()));
             let held = match grant {
                 Some(g) if !quiet => g,
-                _ => Allowance { share, ..first },
+                _ => Allowance { share, flow, ..first },
             };
             let held = Allowance { units: held.units_at(now), ..held };
             // The unit the store named the counter out until is back, and the node was quiet on
@@ -898,7 +950,7 @@ mod tests {
         let bytes = encode_bucket(&entries);
         // At most 32 bytes per tracked key: 21 for a token bucket, 29 for a sliding window.
         assert_eq!(bytes.len(), 2 + 21 + 29);
-        // With a sync grant the bucket is version 6 and each entry carries it (1 byte here, 6
+        // With a sync grant the bucket is version 8 and each entry carries it (1 byte here, 6
         // for the end of a lease, 1 for the overdraft, and 2 for the units unreported).
         let mut granted = entries.clone();
         granted[0].grant = Some(Allowance {
@@ -910,6 +962,7 @@ mod tests {
             share: 0,
             since: 4,
             carry: 1,
+            flow: Flow::default(),
         });
         granted[1].grant = Some(Allowance {
             units: 1,
@@ -920,17 +973,27 @@ mod tests {
             share: 9_000,
             since: 0,
             carry: 0,
+            flow: Flow { at_ms: 1_800_000_000_100, from_ms: 1_800_000_000_000, short: 3, own: 2, all: 40 },
         });
         let bytes2 = encode_bucket(&granted);
-        // (1 byte for no share, 2 for one of 9,000.)
-        assert_eq!(bytes2.len(), bytes.len() + 2 + 6 + 2 + 3 + 2 * 2);
-        assert_eq!(bytes2[0], VERSION_UNREPORTED);
+        // (1 byte for no share, 2 for one of 9,000; then 5 for no flow, 15 for entry 1's.)
+        assert_eq!(bytes2.len(), bytes.len() + 2 + 6 + 2 + 3 + 2 * 2 + 5 + 15);
+        assert_eq!(bytes2[0], VERSION_FLOW);
         assert_eq!(decode_bucket(&bytes2).unwrap(), granted);
         assert_eq!(decode_bucket(&bytes).unwrap(), entries);
         // Older VMs' buckets: version 2 reads with no overdraft, version 4 with no units
         // unreported (entry 0's grant: 3 units, more; then the overdraft of 2, overdrawn).
-        let three =
-            Allowance { units: 3, more: true, until_ms: 0, over: 0, overdrawn: false, share: 0, since: 0, carry: 0 };
+        let three = Allowance {
+            units: 3,
+            more: true,
+            until_ms: 0,
+            over: 0,
+            overdrawn: false,
+            share: 0,
+            since: 0,
+            carry: 0,
+            flow: Flow::default(),
+        };
         for (version, tail, grant) in [
             (VERSION_GRANTS, &[((3 << 2) | 2) + 1][..], three),
             (VERSION_OVER, &[((3 << 2) | 2) + 1, (2 << 1) | 1, 0][..], Allowance { over: 2, overdrawn: true, ..three }),
@@ -943,11 +1006,11 @@ mod tests {
         assert!(decode_bucket(&bytes[..bytes.len() - 1]).is_err());
         assert!(decode_bucket(&[]).is_err());
         assert!(decode_bucket(&[1, 200]).is_err());
-        // A leaky bucket's departures make it version 7.
+        // A leaky bucket's departures make it version 9.
         let mut queued = entries.clone();
         queued[0].queue = Departures { seq: 7, gone: vec![(1_800_000_000_400_000_000, 200_000_000)] };
         let bytes3 = encode_bucket(&queued);
-        assert_eq!(bytes3[0], VERSION_UNREPORTED_QUEUE);
+        assert_eq!(bytes3[0], VERSION_FLOW_QUEUE);
         assert_eq!(decode_bucket(&bytes3).unwrap(), queued);
         for cut in 0..bytes3.len() {
             assert!(decode_bucket(&bytes3[..cut]).is_err(), "cut at {cut}");

@@ -35,6 +35,7 @@ fn main() {
         duration: None,
         rtt: 0,
         max_wait: None,
+        burst: None,
     };
     let f = Faults::default();
     let scenarios = [
@@ -43,6 +44,23 @@ fn main() {
         Scenario { name: "even20", spread: Spread::Even, ..base.clone() },
         Scenario { name: "one_node20", spread: Spread::OneNode, ..base.clone() },
         Scenario { name: "skew500ms_zipf20", skew: 500_000_000, ..base.clone() },
+        // Two proxies on one client far past a token bucket (60 a minute, burst 20), the
+        // store down from the second window: each admits on its share of the bucket.
+        Scenario {
+            name: "bucket_store_down2",
+            nodes: 2,
+            vms: 2,
+            keys: 1,
+            limit: 60,
+            window: 60 * SECOND,
+            load: 8.0,
+            windows: 4,
+            spread: Spread::Even,
+            algorithm: "token_bucket",
+            burst: Some(20),
+            faults: Faults { down: true, ..f },
+            ..base.clone()
+        },
         Scenario { name: "store_down_zipf20", faults: Faults { down: true, ..f }, ..base.clone() },
         Scenario { name: "slow_store_zipf20", faults: Faults { slow: true, ..f }, ..base.clone() },
         Scenario { name: "store_5xx_zipf20", faults: Faults { error_5xx: true, ..f }, ..base.clone() },

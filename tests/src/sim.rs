@@ -92,6 +92,8 @@ pub struct Scenario {
     pub rtt: u64,
     /// `sync.max_wait` (ns; `None`: its default, the call deadline).
     pub max_wait: Option<u64>,
+    /// A token bucket's `burst` (`None`: the limit).
+    pub burst: Option<u64>,
 }
 
 /// What a scenario measured. Over-admission and false denials are against one exact limiter
@@ -187,7 +189,7 @@ pub fn rules(s: &Scenario) -> String {
         "rules": [{"name": "per-user", "key": ["user"], "algorithm": s.algorithm,
                    "exact": s.exact,
                    "limit": if s.algorithm == "token_bucket" {
-                       serde_json::json!({"requests": s.limit, "per": format!("{}ms", s.window / MS), "burst": s.limit})
+                       serde_json::json!({"requests": s.limit, "per": format!("{}ms", s.window / MS), "burst": s.burst.unwrap_or(s.limit)})
                    } else {
                        serde_json::json!({"requests": s.limit, "per": format!("{}ms", s.window / MS)})
                    }}],
@@ -251,6 +253,7 @@ pub fn end_to_end(name: &'static str) -> Scenario {
         duration: Some(5 * SECOND),
         rtt: 0,
         max_wait: None,
+        burst: None,
     }
 }
 
@@ -277,6 +280,7 @@ pub fn past_the_quota(name: &'static str) -> Scenario {
         duration: None,
         rtt: 0,
         max_wait: None,
+        burst: None,
     }
 }
 
@@ -719,7 +723,7 @@ fn excess(limit: &ratewall_core::Limit, state: &ratewall_core::State, at: u64) -
 fn exact_limit(s: &Scenario) -> wasmtime::Result<ratewall_core::Limit> {
     let algorithm = ratewall_core::Algorithm::from_name(s.algorithm)
         .ok_or_else(|| wasmtime::format_err!("unknown algorithm {}", s.algorithm))?;
-    let burst = (algorithm == ratewall_core::Algorithm::TokenBucket).then_some(s.limit);
+    let burst = (algorithm == ratewall_core::Algorithm::TokenBucket).then_some(s.burst.unwrap_or(s.limit));
     ratewall_core::Limit::new(algorithm, s.limit, s.window, burst).map_err(|e| wasmtime::format_err!("{e:?}"))
 }
 

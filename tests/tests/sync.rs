@@ -30,6 +30,7 @@ fn small(name: &'static str) -> Scenario {
         duration: None,
         rtt: 0,
         max_wait: None,
+        burst: None,
     }
 }
 

@@ -245,7 +245,7 @@ fn a_bucket_a_newer_vm_wrote_is_left_as_it_is() {
     let e = engine(&h, RULES);
     let ann = [("x-user-id", "ann")];
     let _ = reply(&e, &h, "GET", "/u/x", &ann);
-    let newer = b"\x08 a later encoding".to_vec();
+    let newer = b"\x0a a later encoding".to_vec();
     for key in h.shared_keys() {
         h.shared_set(&key, &newer, None).unwrap();
     }
