@@ -168,6 +168,7 @@ fn main() {
         duration: None,
         rtt: 0,
         max_wait: None,
+        burst: None,
     };
     let c0 = commands(&redis);
     let r = run_with(&scenario, &Backend::Http(&addr)).unwrap();
