@@ -311,6 +311,10 @@ fn spread(section: &TopSection, from: u64, to: u64) -> Vec<Vec<ratewall_core::to
         .collect()
 }
 
+/// How far past this process's clock a peer's share may name its second (processes' clocks
+/// disagree by milliseconds, a stalled write by up to the seconds it is retried).
+const MAX_SHARE_AHEAD_S: u64 = 60;
+
 impl Top {
     /// A batch from `node` answered (`ok`: 200) after `rtt`, with its top section if any.
     pub fn heard(&self, node: u64, seq: u64, ok: bool, rtt: Duration, section: Option<&TopSection>) {
@@ -360,8 +364,11 @@ impl Top {
         // The first section after batches failed here (Redis down, say) holds what the node
         // decided since its last one counted: spread over those seconds, not a spike in this one.
         let since = std::mem::replace(&mut n.counted_at, t);
-        let seconds =
-            if was_failing && since > 0 && t > since + 1 { spread(section, since + 1, t) } else { Vec::new() };
+        let seconds = if was_failing && since > 0 && t > since.saturating_add(1) {
+            spread(section, since + 1, t)
+        } else {
+            Vec::new()
+        };
         inner.windows.add(t, section, &seconds);
         queue(&mut inner.outbox, t, section);
     }
@@ -525,7 +532,9 @@ impl Top {
             }
             inner.merged.insert(share.process, share.seq);
         }
-        for (sec, section) in &share.seconds {
+        // A second far past this process's clock (a share garbled in Redis, or a peer's clock
+        // years ahead) would move every window there, leaving the admin routes empty.
+        for (sec, section) in share.seconds.iter().filter(|(sec, _)| *sec <= unix.saturating_add(MAX_SHARE_AHEAD_S)) {
             inner.windows.add(*sec, section, &[]);
         }
         for &(id, seen_ms, rate, rtt, degraded) in &share.nodes {
@@ -714,6 +723,22 @@ mod tests {
         assert_eq!(next.seq, copy.seq + 1);
         b.merge_share_at(&next, t + 2, now);
         assert_eq!(b.top_at(t + 2, None, Window::Minute)["rules"][0]["denied"], 14, "10 and 4, each once");
+    }
+
+    #[test]
+    fn a_share_of_a_second_far_ahead_is_not_merged() {
+        let (a, b) = (Top::default(), Top::default());
+        let now = Instant::now();
+        let t = 1_800_000_000;
+        b.heard_at(t, now, 2, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 5)], 2)));
+        a.heard_at(t, now, 1, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 10)], 1)));
+        let mut share = a.take_share_at(t, now).unwrap();
+        for (sec, _) in &mut share.seconds {
+            *sec = u64::MAX;
+        }
+        b.merge_share_at(&share, t, now);
+        assert_eq!(b.top_at(t, None, Window::Minute)["rules"][0]["denied"], 5);
+        assert_eq!(b.series_at(t + 1, None)["rules"][0]["denied"][SERIES - 2], 5);
     }
 
     #[test]

@@ -346,6 +346,22 @@ fn a_small_summary_takes_in_a_larger_one_without_growing_and_halving_drops_no_ke
     assert!(heavy.weight < 50 / 2 + 1);
 }
 
+/// A second at the end of time (a share read back from Redis names the second it was of):
+/// `sec + SERIES` overflowed in `add`, then `end + 1` in `series`.
+#[cfg(feature = "admin")]
+#[test]
+fn windows_take_a_second_at_the_end_of_time() {
+    use crate::sync::{RuleTop, TopSection};
+    let section = TopSection {
+        rules: alloc::vec![RuleTop { rule: "r".into(), allowed: 1, denied: 0, shadow_denied: 0, top: Summary::new(4) }],
+    };
+    let mut w = super::windows::Windows::new(8, 8);
+    w.add(u64::MAX, &section, &[]);
+    assert_eq!(w.top(0, None, super::windows::Window::Minute)["rules"][0]["allowed"], 1);
+    let series = w.series(0, None);
+    assert_eq!(series["rules"][0]["allowed"].as_array().map(|a| a.iter().filter(|v| **v == 1).count()), Some(1));
+}
+
 #[cfg(feature = "admin")]
 #[test]
 fn the_windows_keep_their_bound_when_a_batch_brings_a_larger_summary() {

@@ -175,7 +175,8 @@ impl Windows {
             let spread = seconds.get(n).map(Vec::as_slice).filter(|s| !s.is_empty()).unwrap_or(&own);
             for &(sec, a, d, s) in spread {
                 let sec = sec.min(t);
-                if sec + (SERIES as u64) <= t {
+                // `sec <= t`: no overflow, whatever clock a peer's share set (`t` near u64::MAX).
+                if t - sec >= SERIES as u64 {
                     continue;
                 }
                 if let Some(e) = rule.series.get_mut((sec % SERIES as u64) as usize) {
@@ -260,7 +261,7 @@ impl Windows {
             .named(rule)
             .map(|r| {
                 let (mut a, mut d, mut s) = (Vec::new(), Vec::new(), Vec::new());
-                for sec in (end + 1).saturating_sub(SERIES as u64)..=end {
+                for sec in end.saturating_sub(SERIES as u64 - 1)..=end {
                     let e = r.series.get((sec % SERIES as u64) as usize).filter(|e| e.0 == sec);
                     let (x, y, z) = e.map_or((0, 0, 0), |e| (e.1, e.2, e.3));
                     a.push(x);
