@@ -398,6 +398,17 @@ impl RlsConfig {
                 reason: "the file is empty; it needs a domain".into(),
             });
         }
+        // libyaml's scanner takes time in the flow nesting for every token (quadratic: 40,000
+        // `[` took 17 s); nesting past the parser's recursion limit fails anyway, so it is
+        // refused before it is scanned.
+        if let Some(line) = too_deep(text) {
+            return Err(ConfigError {
+                file: file.to_owned(),
+                line: Some(line),
+                column: None,
+                reason: format!("flow collections ([ ] and {{ }}) nested deeper than {MAX_FLOW_DEPTH}"),
+            });
+        }
         // The first document, as envoyproxy/ratelimit reads it; the others are not read.
         let mut documents = serde_norway::Deserializer::from_str(text);
         let Some(first) = documents.next() else {
@@ -759,6 +770,70 @@ impl Met {
 /// take under 3 MiB), and a bound on what a path to an endless file (`/dev/zero`, a pipe) or a
 /// mistaken one makes the service and `ratewall check` read.
 pub const MAX_FILE: usize = 16 << 20;
+
+/// Deepest nesting of flow collections read (serde_norway refuses past 128 levels anyway).
+const MAX_FLOW_DEPTH: usize = 128;
+
+/// The line (1-based) where `text`'s flow collections nest deeper than [`MAX_FLOW_DEPTH`], in
+/// one linear pass. Brackets in comments and in quoted scalars (a quote that starts a token,
+/// closed on its line) are not counted; brackets in plain or block scalars may be, which only
+/// over-counts.
+fn too_deep(text: &str) -> Option<usize> {
+    let b = text.as_bytes();
+    let (mut depth, mut line, mut i, mut plain) = (0usize, 1usize, 0usize, false);
+    let space = |j: usize| b.get(j).is_none_or(|c| matches!(c, b' ' | b'\t' | b'\r' | b'\n'));
+    while let Some(&c) = b.get(i) {
+        match c {
+            b'\n' => {
+                line += 1;
+                // A block scalar's line may begin with a quote; in a flow a plain scalar goes on.
+                plain &= depth > 0;
+            }
+            b' ' | b'\t' | b'\r' => {}
+            b'#' if i == 0 || space(i - 1) => {
+                while b.get(i + 1).is_some_and(|c| *c != b'\n') {
+                    i += 1;
+                }
+                plain = false;
+            }
+            b'"' | b'\'' if !plain => {
+                // To its closing quote on this line; unclosed, it is read as text.
+                let mut j = i + 1;
+                let end = loop {
+                    match b.get(j) {
+                        None | Some(b'\n') => break None,
+                        Some(b'\\') if c == b'"' => j += 1,
+                        Some(b'\'') if c == b'\'' && b.get(j + 1) == Some(&b'\'') => j += 1,
+                        Some(&q) if q == c => break Some(j),
+                        _ => {}
+                    }
+                    j += 1;
+                };
+                if let Some(end) = end {
+                    i = end;
+                }
+            }
+            b'[' | b'{' => {
+                plain = false;
+                depth += 1;
+                if depth > MAX_FLOW_DEPTH {
+                    return Some(line);
+                }
+            }
+            b']' | b'}' | b',' => {
+                plain = false;
+                if c != b',' {
+                    depth = depth.saturating_sub(1);
+                }
+            }
+            b':' if space(i + 1) || (depth > 0 && b.get(i + 1).is_some_and(|c| b",[]{}".contains(c))) => plain = false,
+            b'-' | b'?' if !plain && space(i + 1) => {}
+            _ => plain = true,
+        }
+        i += 1;
+    }
+    None
+}
 
 /// A file's text, read to at most [`MAX_FILE`] bytes and one more (never all of an endless
 /// input): `Err` the reason when it cannot be read, holds more or is not UTF-8.
@@ -1550,6 +1625,21 @@ mod tests {
         assert_eq!(e.line, Some(4));
         let c = parse("domain: d\ndescriptors:\n  - key: version\n    value: '1.5'\n    metadata: {weight: 0.5}\n    rate_limit: {unit: second, requests_per_unit: 1}\n");
         assert_eq!(rpu(&c, "d", &[("version", "1.5")]), Some(1));
+    }
+
+    #[test]
+    fn flow_collections_nested_past_the_parsers_limit_are_refused_before_they_are_scanned() {
+        // 40,000 levels took libyaml's scanner 17 s (each token costs the depth it is at).
+        let deep = format!("domain: d\ndescriptors: {}{}\n", "[".repeat(40_000), "]".repeat(40_000));
+        let e = RlsConfig::parse("t.yaml", &deep).unwrap_err();
+        assert_eq!(e.line, Some(2));
+        assert!(e.reason.contains("nested deeper than 128"), "{}", e.reason);
+        // Brackets in quoted values and comments are text.
+        let c = parse(&format!(
+            "domain: d # {open}\ndescriptors:\n  - key: k\n    value: \"{open}\"\n    rate_limit: {{unit: second, requests_per_unit: 2}}\n",
+            open = "[".repeat(200)
+        ));
+        assert_eq!(rpu(&c, "d", &[("k", &"[".repeat(200))]), Some(2));
     }
 
     #[test]
