@@ -219,8 +219,9 @@ pub(crate) fn bucket_share(
     let per = u128::from(limit.per().max(1));
     let part = |n: u128| u64::try_from(n).unwrap_or(u64::MAX);
     // How far the bucket is from full, in [`Flow::ONE`]ths of a unit.
-    let short = u128::from(limit.requests()) * u128::from(reset_after) * ONE / per;
-    let fresh = Flow { at_ms: now_ms, from_ms: now_ms, short: part(short), own: 0, all: 0 };
+    let units_short = |ns: u64| u128::from(limit.requests()) * u128::from(ns) * ONE / per;
+    let short = units_short(reset_after);
+    let fresh = Flow { at_ms: now_ms, from_ms: now_ms, short_ns: reset_after, own: 0, all: 0 };
     let span = limit.capacity().saturating_mul(limit.per()) / limit.requests().max(1);
     let elapsed = now_ms.saturating_sub(flow.at_ms).saturating_mul(MS);
     // None before, a clock that went back, or a gap longer than the bucket takes to fill
@@ -229,7 +230,7 @@ pub(crate) fn bucket_share(
         return (fresh, old);
     }
     let back = u128::from(limit.requests()) * u128::from(elapsed) * ONE / per;
-    let taken = short.saturating_sub(u128::from(flow.short).saturating_sub(back));
+    let taken = short.saturating_sub(units_short(flow.short_ns).saturating_sub(back));
     let own = u128::from(flow.own) + u128::from(reported);
     let all = u128::from(flow.all) + taken;
     let enough = u128::from(SHARE_SAMPLE_MIN.max(limit.capacity() / 20)) * ONE;

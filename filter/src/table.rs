@@ -200,8 +200,8 @@ pub struct Flow {
     pub at_ms: u64,
     /// When the measurement began, in milliseconds of the store's clock.
     pub from_ms: u64,
-    /// How far the bucket was from full then, in [`Flow::ONE`]ths of a unit.
-    pub short: u64,
+    /// How long the store's bucket would take to be full again then (its `reset_after`).
+    pub short_ns: u64,
     /// Units this node reported since the measurement began.
     pub own: u32,
     /// Units the fleet took since then, in [`Flow::ONE`]ths.
@@ -209,7 +209,7 @@ pub struct Flow {
 }
 
 impl Flow {
-    /// A unit, in the fractions [`Flow::short`] and [`Flow::all`] count (a tenth of a second
+    /// A unit, in the fractions [`Flow::all`] counts (a tenth of a second
     /// of a bucket of 60 a minute is a tenth of a unit: counted in 16ths, it read as one
     /// sixteenth, and the fleet's units taken as a ninth fewer than they were).
     pub const ONE: u64 = 1 << 16;
@@ -258,7 +258,7 @@ impl Allowance {
         put_varint(out, u64::from(a.carry));
         put_varint(out, a.flow.at_ms);
         put_varint(out, a.flow.from_ms);
-        put_varint(out, a.flow.short);
+        put_varint(out, a.flow.short_ns);
         put_varint(out, u64::from(a.flow.own));
         put_varint(out, a.flow.all);
     }
@@ -279,7 +279,7 @@ impl Allowance {
             Flow {
                 at_ms: r.varint()?,
                 from_ms: r.varint()?,
-                short: r.varint()?,
+                short_ns: r.varint()?,
                 own: small(r.varint()?),
                 all: r.varint()?,
             }
@@ -823,6 +823,23 @@ impl Counters for TableCounters<'_> {
         let mut askable = false;
         let mut past_grant = false;
         let mut g = |state: &State, grant: Option<Allowance>| {
+            // Degraded, a token bucket is no fuller than the store's was at its last answer:
+            // the node's own state comes back at the whole rate, so it was about full when the
+            // store went away, and each node let its part of a whole burst through at once.
+            let mirrored = match (grants, state, grant) {
+                (Grants::Off, State::TokenBucket { .. } | State::Fresh, Some(a))
+                    if limit.algorithm() == ratewall_core::Algorithm::TokenBucket && a.flow.at_ms > 0 =>
+                {
+                    let full_at = a.flow.at_ms.saturating_mul(MS).saturating_add(a.flow.short_ns);
+                    let tat = match state {
+                        State::TokenBucket { tat } => (*tat).max(full_at),
+                        _ => full_at,
+                    };
+                    (tat > now).then_some(State::TokenBucket { tat })
+                }
+                _ => None,
+            };
+            let state = mirrored.as_ref().unwrap_or(state);
             // A fixed window's grant is a share of that window's quota: once the window has
             // rolled over, the node starts the new one on its initial share rather than on an
             // exhausted old grant (which denied until the next sync answered).
@@ -973,7 +990,7 @@ mod tests {
             share: 9_000,
             since: 0,
             carry: 0,
-            flow: Flow { at_ms: 1_800_000_000_100, from_ms: 1_800_000_000_000, short: 3, own: 2, all: 40 },
+            flow: Flow { at_ms: 1_800_000_000_100, from_ms: 1_800_000_000_000, short_ns: 3, own: 2, all: 40 },
         });
         let bytes2 = encode_bucket(&granted);
         // (1 byte for no share, 2 for one of 9,000; then 5 for no flow, 15 for entry 1's.)
