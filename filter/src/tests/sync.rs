@@ -2583,10 +2583,10 @@ fn two_proxies_past_a_token_bucket_admit_its_rate_between_them_while_the_store_i
         }
     }
     let outage: u64 = admitted.iter().sum();
-    // 60 s at 1 a second, each share with its margin of 1/20th, and each proxy's burst part
-    // of the bucket it found when the store went.
+    // 60 s at 1 a second, each share with its margin of 1/20th, from a bucket as nearly empty
+    // as the store's was (each proxy's own state was about full: 81 admitted then).
     assert!(outage >= 50, "{admitted:?} admitted in 60 s of outage, against 60 a minute");
-    assert!(outage <= 60 + 20 + 4, "{admitted:?} admitted in 60 s of outage, against 60 a minute");
+    assert!(outage <= 60 * 21 / 20 + 3, "{admitted:?} admitted in 60 s of outage, against 60 a minute");
     assert!(admitted[0] > admitted[1], "{admitted:?}: the first proxy had two thirds of the traffic");
 }
 
