@@ -725,13 +725,19 @@ mod tests {
         assert_eq!(b.top_at(t + 2, None, Window::Minute)["rules"][0]["denied"], 14, "10 and 4, each once");
     }
 
+    /// Two processes at `t`: `a` heard user=a denied 10 times from node 1, `b` 5 from node 2.
+    fn two_processes(t: u64, now: Instant) -> (Top, Top) {
+        let (a, b) = (Top::default(), Top::default());
+        a.heard_at(t, now, 1, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 10)], 1)));
+        b.heard_at(t, now, 2, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 5)], 2)));
+        (a, b)
+    }
+
     #[test]
     fn a_share_of_a_second_far_ahead_is_not_merged() {
-        let (a, b) = (Top::default(), Top::default());
         let now = Instant::now();
         let t = 1_800_000_000;
-        b.heard_at(t, now, 2, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 5)], 2)));
-        a.heard_at(t, now, 1, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 10)], 1)));
+        let (a, b) = two_processes(t, now);
         let mut share = a.take_share_at(t, now).unwrap();
         for (sec, _) in &mut share.seconds {
             *sec = u64::MAX;
@@ -743,11 +749,9 @@ mod tests {
 
     #[test]
     fn a_peers_share_adds_its_nodes_and_counts_and_a_processs_own_is_not_merged_again() {
-        let (a, b) = (Top::default(), Top::default());
         let now = Instant::now();
         let t = 1_800_000_000;
-        a.heard_at(t, now, 1, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 10)], 1)));
-        b.heard_at(t, now, 2, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 5)], 2)));
+        let (a, b) = two_processes(t, now);
         let share = a.take_share_at(t, now).unwrap();
         a.merge_share_at(&share, t, now);
         b.merge_share_at(&share, t, now);
