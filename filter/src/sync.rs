@@ -186,6 +186,12 @@ fn traffic_share(
     }
     let own = quota.saturating_sub(limit.decide(local, now, 0).0.remaining).saturating_sub(unreported).min(global);
     let sample = u16::try_from(own.saturating_mul(u64::from(u16::MAX)) / global).unwrap_or(u16::MAX);
+    averaged(old, sample)
+}
+
+/// A share measured as `sample` (65,535ths), averaged with the one known before (`old`, 0:
+/// none) at a quarter's weight; never 0, which reads as no share known.
+fn averaged(old: u16, sample: u16) -> u16 {
     if old == 0 {
         return sample.max(1);
     }
@@ -218,18 +224,19 @@ pub(crate) fn bucket_share(
     let now_ms = (now / MS).max(1);
     let per = u128::from(limit.per().max(1));
     let part = |n: u128| u64::try_from(n).unwrap_or(u64::MAX);
-    // How far the bucket is from full, in [`Flow::ONE`]ths of a unit.
+    // Units of a bucket's refill over `ns` (how far from full it is, when `ns` is its time to
+    // fill), in [`Flow::ONE`]ths.
     let units_short = |ns: u64| u128::from(limit.requests()) * u128::from(ns) * ONE / per;
     let short = units_short(reset_after);
     let fresh = Flow { at_ms: now_ms, from_ms: now_ms, short_ns: reset_after, own: 0, all: 0 };
-    let span = limit.capacity().saturating_mul(limit.per()) / limit.requests().max(1);
+    let span = limit.capacity().saturating_mul(limit.interval());
     let elapsed = now_ms.saturating_sub(flow.at_ms).saturating_mul(MS);
     // None before, a clock that went back, or a gap longer than the bucket takes to fill
     // (what the fleet took meanwhile is unknown): measured from now on.
     if flow.at_ms == 0 || now_ms < flow.at_ms || flow.from_ms > flow.at_ms || elapsed > span {
         return (fresh, old);
     }
-    let back = u128::from(limit.requests()) * u128::from(elapsed) * ONE / per;
+    let back = units_short(elapsed);
     let taken = short.saturating_sub(units_short(flow.short_ns).saturating_sub(back));
     let own = u128::from(flow.own) + u128::from(reported);
     let all = u128::from(flow.all) + taken;
@@ -239,11 +246,7 @@ pub(crate) fn bucket_share(
         return (Flow { from_ms: flow.from_ms, own, all: part(all), ..fresh }, old);
     }
     let sample = u16::try_from((own * ONE * u128::from(u16::MAX) / all).min(u128::from(u16::MAX))).unwrap_or(u16::MAX);
-    let share = match old {
-        0 => sample.max(1),
-        _ => u16::try_from((u32::from(old) * 3 + u32::from(sample)) / 4).unwrap_or(u16::MAX).max(1),
-    };
-    (fresh, share)
+    (fresh, averaged(old, sample))
 }
 
 /// Units a node admitted on a counter that no batch the store has counted reported, when a
