@@ -286,7 +286,7 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
             &d.key,
             now,
             &weigh,
-            &mut |st, held| {
+            &mut |st, held, flow| {
                 // Units admitted in a fixed window that has ended are not reported (see
                 // [`Units`]): none of them weighs on the current window's grant.
                 let per = d.limit.per().max(1);
@@ -329,21 +329,27 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                 } else {
                     st.clone()
                 };
-                let flow = held.map_or(Flow::default(), |h| h.flow);
+                let kept_flow = if held.is_some() { *flow } else { Flow::default() };
                 let bucket = matches!(
                     d.limit.algorithm(),
                     ratewall_core::Algorithm::TokenBucket | ratewall_core::Algorithm::LeakyBucket
                 );
-                let (flow, share) = match (ask, bucket) {
+                let (next_flow, share) = match (ask, bucket) {
                     // An exact bucket's units taken by asks are the node's too.
                     (true, true) if g.grant >= d.units => (
-                        Flow { own: flow.own.saturating_add(u32::try_from(d.units).unwrap_or(u32::MAX)), ..flow },
+                        Flow {
+                            own: kept_flow.own.saturating_add(u32::try_from(d.units).unwrap_or(u32::MAX)),
+                            ..kept_flow
+                        },
                         share,
                     ),
-                    (true, _) => (flow, share),
-                    (false, true) => bucket_share(d.limit, flow, (resp.now, g.reset_after, d.units), share),
-                    (false, false) => (flow, traffic_share(d.limit, &st, resp.now, (g.remaining, unreported), share)),
+                    (true, _) => (kept_flow, share),
+                    (false, true) => bucket_share(d.limit, kept_flow, (resp.now, g.reset_after, d.units), share),
+                    (false, false) => {
+                        (kept_flow, traffic_share(d.limit, &st, resp.now, (g.remaining, unreported), share))
+                    }
                 };
+                *flow = next_flow;
                 Some((
                     st,
                     Some(Allowance {
@@ -355,7 +361,6 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                         share,
                         since,
                         carry,
-                        flow,
                     }),
                 ))
             },
