@@ -810,7 +810,7 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
     report(o, &config, &counts, (lines, requests, rejected, invalid), format.name(), &bad);
     // Unreadable lines are a finding of the replay, reported, not a failure of it.
     if invalid > 0 {
-        shown.push(format!("{invalid} log line{} could not be read", if invalid == 1 { "" } else { "s" }));
+        shown.push(format!("{} could not be read", plural(invalid, "log line")));
         let mut err = std::io::stderr().lock();
         for line in shown {
             let _ = writeln!(err, "{line}");
@@ -909,7 +909,11 @@ fn report(
         );
         return;
     }
-    say!("{requests} requests replayed, {rejected} rejected ({lines} lines, {invalid} invalid; read as {format})");
+    say!(
+        "{} replayed, {rejected} rejected ({}, {invalid} invalid; read as {format})",
+        plural(requests, "request"),
+        plural(lines, "line")
+    );
     for (r, c) in config.rules.iter().zip(counts) {
         let shadow = if c.shadow_rejected > 0 {
             format!(", would reject {} (shadow)", c.shadow_rejected)
@@ -925,6 +929,16 @@ fn report(
         for (k, n) in top_of(c, o.top) {
             say!("    {n:>8}  {k}");
         }
+    }
+}
+
+
+/// `n` and a noun, in the plural unless `n` is 1.
+fn plural(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
     }
 }
 

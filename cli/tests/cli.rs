@@ -297,7 +297,7 @@ fn replay_counts_on_the_logs_own_clock() {
     assert_eq!(o.status.code(), Some(0), "unreadable lines are reported, never fatal");
     assert!(stderr(&o).contains("bad.jsonl:2: not JSON"), "{}", stderr(&o));
     assert!(stderr(&o).contains("bad.jsonl:3: needs \"ts\""), "{}", stderr(&o));
-    assert!(stdout(&o).contains("1 requests replayed"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("1 request replayed, 0 rejected (3 lines, 2 invalid;"), "{}", stdout(&o));
 }
 
 #[test]

@@ -7,6 +7,7 @@
 //! bounded in nesting depth, and keeps only what rule validation needs: numbers are exact
 //! integers or their original text.
 
+use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt;
@@ -167,6 +168,41 @@ pub struct Error {
     pub column: usize,
     /// The key named twice, for a duplicate key.
     pub key: Option<String>,
+    /// For a duplicate key, the object that names it twice, as a path from the document's
+    /// top (`rules[0].limit`; empty for the top object).
+    pub path: String,
+}
+
+impl Error {
+    /// The error as seen from the member `name` of an object (a duplicate key's path grows).
+    fn in_member(mut self, name: &str) -> Error {
+        if self.key.is_some() {
+            self.path = join(name, &self.path);
+        }
+        self
+    }
+
+    /// The error as seen from item `i` of an array.
+    fn in_item(mut self, i: usize) -> Error {
+        if self.key.is_some() {
+            self.path = join(&format!("[{i}]"), &self.path);
+        }
+        self
+    }
+
+    /// The duplicate key's own path (`rules[0].limit.per`).
+    pub fn key_path(&self) -> String {
+        self.key.as_deref().map_or_else(|| self.path.clone(), |k| join(&self.path, k))
+    }
+}
+
+/// `outer` then `inner` as one path: `a.b`, `a[0]`, `[0].b`.
+fn join(outer: &str, inner: &str) -> String {
+    match (outer.is_empty(), inner.is_empty() || inner.starts_with('[')) {
+        (true, _) => inner.into(),
+        (false, true) => format!("{outer}{inner}"),
+        (false, false) => format!("{outer}.{inner}"),
+    }
 }
 
 impl fmt::Display for Error {
@@ -205,7 +241,7 @@ impl Parser<'_> {
         let before = self.s.get(..self.i).unwrap_or(self.s);
         let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
         let column = before.iter().rev().take_while(|&&b| b != b'\n').count() + 1;
-        Error { reason, line, column, key: None }
+        Error { reason, line, column, key: None, path: String::new() }
     }
 
     fn duplicate(&self, key: &str) -> Error {
@@ -256,7 +292,8 @@ impl Parser<'_> {
             return Ok(Value::Array(items));
         }
         loop {
-            items.push(self.value(depth)?);
+            let item = self.value(depth).map_err(|e| e.in_item(items.len()))?;
+            items.push(item);
             self.skip_ws();
             match self.peek() {
                 Some(b',') => self.i += 1,
@@ -296,7 +333,7 @@ impl Parser<'_> {
             if members.len() < SCAN_MEMBERS && members.iter().any(|(k, _)| *k == key) {
                 return Err(self.duplicate(&key));
             }
-            let v = self.value(depth)?;
+            let v = self.value(depth).map_err(|e| e.in_member(&key))?;
             members.push((key, v));
             self.skip_ws();
             match self.peek() {

@@ -445,7 +445,9 @@ impl Config {
         let value = match crate::json::parse(json) {
             Ok(v) => v,
             // Valid JSON, but a document that means two things to two readers.
-            Err(e) if e.key.is_some() => return err("", format!("{e} (a key may appear once in an object)")),
+            Err(e) if e.key.is_some() => {
+                return err(&e.key_path(), format!("{e} (a key may appear once in an object)"));
+            }
             Err(e) => return err("", format!("not valid JSON: {e}")),
         };
         Config::from_value(&value)
@@ -1126,6 +1128,12 @@ mod tests {
         let twice = r#"{"rules":[],"rules":[]}"#;
         assert!(error_of(twice).contains("duplicate key \"rules\" at line 1"), "{}", error_of(twice));
         assert!(!error_of(twice).contains("not valid JSON"), "{}", error_of(twice));
+        assert!(error_of(twice).starts_with("rules: "), "{}", error_of(twice));
+        // A key named twice deeper in is named by its path, as any other field is.
+        let nested = r#"{"rules":[{"name":"a","key":["ip"],"limit":{"requests":5,"per":"60s","per":"1s"}}]}"#;
+        assert!(error_of(nested).starts_with("rules[0].limit.per: duplicate key \"per\""), "{}", error_of(nested));
+        let listed = r#"{"identity":{"ip":{"trusted_hops":1}},"rules":[{"name":"a","key":["ip"],"limit":{"requests":5,"per":"60s"}},{"name":"b","name":"c"}]}"#;
+        assert!(error_of(listed).starts_with("rules[1].name: "), "{}", error_of(listed));
         // A byte order mark before the document is no part of it.
         assert!(Config::parse(b"\xef\xbb\xbf{\"rules\":[]}").is_ok());
     }
