@@ -260,10 +260,22 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
     if !path.exists() {
         return Err(Failure::Usage(format!("cannot read {}: no such file or directory", path.display())));
     }
-    let shown_by = ratewall_core::key::HashKey::derive(deployment_secret().as_bytes());
+    let secret = deployment_secret();
+    let shown_by = ratewall_core::key::HashKey::derive(secret.as_bytes());
+    // A secret value written in the file is shown by its hash under the deployment's key: without
+    // it here, under the built-in one, which anyone can hash guesses with (as `check` says of a
+    // rules document's).
+    let built_in = |shown: &str| {
+        if secret.is_empty() && shown.contains('#') {
+            tell!(
+                "note: secret values are shown as #hash under ratewall's built-in key, which anyone can hash guesses with; set RATEWALL_SYNC_SECRET to the store's to see them as it names them"
+            );
+        }
+    };
     let config = match RlsConfig::load_keyed(path, Some(shown_by)) {
         Ok(c) => c,
         Err(e) => {
+            built_in(&e.reason);
             if as_json {
                 say!(
                     "{}",
@@ -341,6 +353,7 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
         let flags = if flags.is_empty() { String::new() } else { format!("; {}", flags.join("; ")) };
         say!("- {}{name}: {text}{flags}", r.full_key);
     }
+    built_in(&config.rules.iter().map(|r| r.full_key.as_str()).collect::<String>());
     Ok(())
 }
 

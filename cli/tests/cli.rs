@@ -422,6 +422,25 @@ fn with_a_workers_secret_in_the_environment_the_cli_shows_that_deployments_hash(
     assert!(checked(&[], &synced).contains("keyed by sync.secret"));
 }
 
+/// A rate limit service configuration's secret values are shown by their hash under the
+/// deployment's key; without it in the environment, `check` says the built-in key shows them.
+#[test]
+fn check_of_a_rate_limit_service_configuration_says_when_its_hashes_are_the_built_in_keys() {
+    let yaml = temp(
+        "secret-rls.yaml",
+        "domain: api\ndescriptors:\n  - key: api_key\n    value: sk_live_WRITTEN\n    rate_limit: {unit: minute, requests_per_unit: 3}\n",
+    );
+    let bare = ratewall(&["check", &yaml]);
+    assert_eq!(bare.status.code(), Some(0), "{}", stderr(&bare));
+    assert!(stderr(&bare).contains("built-in key"), "{}", stderr(&bare));
+    let keyed = ratewall_with(&[("RATEWALL_SYNC_SECRET", "the deployment's sync secret")], &["check", &yaml]);
+    assert!(!stderr(&keyed).contains("built-in key"), "{}", stderr(&keyed));
+    assert_ne!(stdout(&bare), stdout(&keyed));
+    for o in [&bare, &keyed] {
+        assert!(!stdout(o).contains("WRITTEN") && !stderr(o).contains("WRITTEN"));
+    }
+}
+
 #[test]
 fn replay_reads_a_log_on_standard_input() {
     let rules = root("examples/rules.json");

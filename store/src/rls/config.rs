@@ -619,14 +619,16 @@ fn build(
         let seen = met.count(&key);
         let composite = composite_key(&key, &value);
         let secret = d.secret.map_or_else(|| secret_by_default(&key), |f| f.0);
-        // Named without a secret value: it would be in every name the rule is known by.
-        let full_key = if secret && !value.is_empty() {
+        // Named without a secret value: it would be in every name the rule is known by, and
+        // in every message about the descriptor.
+        let shown = if secret && !value.is_empty() {
             let mut hashed = String::new();
             ratewall_core::key::push_hashed(&mut hashed, shown_by.hash(value.as_bytes()));
-            format!("{parent}{}", composite_key(&key, &hashed))
+            composite_key(&key, &hashed)
         } else {
-            format!("{parent}{composite}")
+            composite.clone()
         };
+        let full_key = format!("{parent}{shown}");
         if level.entries.contains_key(&composite) {
             return Err((format!("duplicate descriptor composite key '{full_key}'"), key, seen));
         }
@@ -685,7 +687,7 @@ fn build(
         let shared = if d.share_threshold.is_some_and(|f| f.0) {
             if !composite.contains('*') {
                 let why = format!(
-                    "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
+                    "share_threshold can only be used with wildcard values (containing '*'), but found key '{shown}'"
                 );
                 return Err((why, key, seen));
             }
@@ -2078,5 +2080,9 @@ descriptors:
         let dup = format!("{text}  - key: api_key\n    value: sk_live_WRITTEN\n");
         let e = RlsConfig::parse_keyed("t.yaml", &dup, Some(key)).unwrap_err();
         assert!(!e.to_string().contains("WRITTEN") && e.to_string().contains(&api), "{e}");
+        // Every mistake's message about such a descriptor.
+        let shared = "domain: api\ndescriptors:\n  - key: api_key\n    value: sk_live_WRITTEN\n    share_threshold: true\n";
+        let e = RlsConfig::parse_keyed("t.yaml", shared, Some(key)).unwrap_err();
+        assert!(!e.to_string().contains("WRITTEN") && e.to_string().contains(&shown("sk_live_WRITTEN")), "{e}");
     }
 }
