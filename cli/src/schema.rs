@@ -105,7 +105,7 @@ pub fn schema() -> Value {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://github.com/ratewall/ratewall/rules.schema.json",
         "title": "ratewall rules",
-        "description": "Rate-limit rules for ratewall's proxy-wasm filter, Cloudflare Worker and CLI. Unknown fields are errors, and so is a key repeated in one object. ratewall also refuses what this schema cannot say: a key dimension that is neither ip nor one identity defines, two rules of one name, a leaky bucket's delay above its burst, a cost above a limit's capacity, a token bucket that takes over 100 years to refill, durations past their field's range (per at most 366d), a match path over 1,024 bytes, numbers that are not whole as written (1.5, and 5.0000000000000001, which a float reads as 5; 5.0 and 1e3 are whole, and taken), and a document over 1 MiB. Per-plan limits need a plan dimension under identity (the default identity has one).",
+        "description": "Rate-limit rules for ratewall's proxy-wasm filter, Cloudflare Worker and CLI. Unknown fields are errors, and so is a key repeated in one object. ratewall also refuses what this schema cannot say: a key dimension that is neither ip nor one identity defines, two rules of one name, a leaky bucket's delay above its burst, a cost above a limit's capacity, a token bucket that takes over 100 years to refill, durations past their field's range (per at most 366d), a match path over 1,024 bytes or with more than 16 segments after a **, numbers that are not whole as written (1.5, and 5.0000000000000001, which a float reads as 5; 5.0 and 1e3 are whole, and taken), and a document over 1 MiB. Per-plan limits need a plan dimension under identity (the default identity has one).",
         "type": "object",
         "additionalProperties": false,
         "required": ["rules"],
@@ -218,7 +218,7 @@ pub fn schema() -> Value {
                         "description": "Which requests the rule applies to (default: all).",
                         "additionalProperties": false,
                         "properties": {
-                            "path": {"type": "string", "pattern": "^/[^?#]*$", "maxLength": 1024, "description": "A path pattern, without a query or fragment (at most 1,024 bytes): a * segment matches one segment (as the last one, one or more: /v1/* covers everything below /v1), ** any number of segments, a * inside a segment (*.json) part of one. Matching is on the normalized path."},
+                            "path": {"type": "string", "pattern": "^/[^?#]*$", "maxLength": 1024, "description": "A path pattern, without a query or fragment (at most 1,024 bytes): a * segment matches one segment (as the last one, one or more: /v1/* covers everything below /v1), ** any number of segments (at most 16 segments may follow a ** before the next one or the end), a * inside a segment (*.json) part of one. Matching is on the normalized path."},
                             "method": {
                                 "description": "An HTTP method or a list of them (default: any).",
                                 "oneOf": [
