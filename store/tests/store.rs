@@ -667,3 +667,44 @@ fn the_node_registry_keeps_at_most_its_most_nodes_the_longest_unheard_forgotten(
     seqs.sort_unstable();
     assert_eq!(seqs, ["3", "4", "5"]);
 }
+
+/// Batches that name one counter at once are applied together, one compare-and-swap for all
+/// that wait, and each is counted once: with a write each, 200 at once on one hot counter
+/// queued past the deadline and most were answered 503 with Redis healthy.
+#[test]
+fn many_batches_at_once_on_one_counter_are_written_together_and_counted_once() {
+    let redis = Redis::start(false).unwrap();
+    let store = StoreProcess::start(&[redis.url()], false);
+    let k = key(&format!("g{}", std::process::id()), "hot");
+    let writes = || -> u64 {
+        let m = store.get("/metrics").text();
+        m.lines().find_map(|l| l.strip_prefix("ratewall_store_state_writes_total ")).unwrap().parse().unwrap()
+    };
+    let before = writes();
+    let senders = 200u64;
+    let barrier = std::sync::Barrier::new(senders as usize);
+    let acked: u64 = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..senders)
+            .map(|sender| {
+                let (k, addr, barrier) = (&k, &store.addr, &barrier);
+                scope.spawn(move || {
+                    let req = SyncRequest {
+                        node: 20_000 + sender,
+                        seq: 1,
+                        sent: 0,
+                        deltas: vec![Delta { key: k.clone(), limit: big(), units: 1 + sender % 3 }],
+                        ask: false,
+                    };
+                    barrier.wait();
+                    let status = Http(addr).call(&req).0;
+                    assert_eq!(status, 200, "a healthy Redis answers every batch");
+                    1 + sender % 3
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum()
+    });
+    let written = writes() - before;
+    assert!(written < senders, "{written} writes for {senders} batches on one counter");
+    assert_eq!(counted(&store.addr, &k, 1), acked);
+}
