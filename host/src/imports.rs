@@ -408,16 +408,7 @@ fn metrics(linker: &mut Linker<VmState>) -> Result<()> {
         "proxy_define_metric",
         |mut c: Caller<'_, VmState>, kind: i32, np: i32, nl: i32, ret: i32| -> Result<i32> {
             let name = read_str(&mut c, np, nl)?;
-            let id = {
-                let mut metrics = lock(&c.data().node.state.metrics);
-                match metrics.iter().position(|m| m.name == name) {
-                    Some(i) => i,
-                    None => {
-                        metrics.push(Metric { name, kind, value: 0 });
-                        metrics.len() - 1
-                    }
-                }
-            };
+            let id = lock(&c.data().node.state.metrics).define(name, kind);
             write_u32(&mut c, ret, id as u32)?;
             Ok(status::OK)
         },

@@ -79,6 +79,35 @@ pub struct Metric {
     pub value: i64,
 }
 
+/// A proxy's metrics, found by name as a proxy finds them (a map: a search through the list
+/// made a document of 1,000 rules, 6,000 metrics, take half a second to configure, while
+/// every request that counted waited for the list).
+#[derive(Default)]
+pub(crate) struct Metrics {
+    list: Vec<Metric>,
+    by_name: FxHashMap<String, usize>,
+}
+
+impl Metrics {
+    /// The id of metric `name`, defined now if it is new.
+    pub(crate) fn define(&mut self, name: String, kind: i32) -> usize {
+        if let Some(&id) = self.by_name.get(&name) {
+            return id;
+        }
+        self.list.push(Metric { name: name.clone(), kind, value: 0 });
+        self.by_name.insert(name, self.list.len() - 1);
+        self.list.len() - 1
+    }
+
+    pub(crate) fn get(&self, id: usize) -> Option<&Metric> {
+        self.list.get(id)
+    }
+
+    pub(crate) fn get_mut(&mut self, id: usize) -> Option<&mut Metric> {
+        self.list.get_mut(id)
+    }
+}
+
 /// Which proxy a node behaves as, where proxies differ in what a filter can observe.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Profile {
@@ -122,7 +151,7 @@ pub struct NodeState {
     /// Keys hashed with FxHash, as a proxy's own maps use a fast hash (Envoy: absl's).
     pub(crate) shared: Mutex<FxHashMap<String, (Vec<u8>, u32)>>,
     pub(crate) next_cas: AtomicU32,
-    pub(crate) metrics: Mutex<Vec<Metric>>,
+    pub(crate) metrics: Mutex<Metrics>,
     pub(crate) clock: AtomicU64,
     pub(crate) logs: Mutex<Vec<(i32, String)>>,
     pub(crate) next_token: AtomicU32,
@@ -236,11 +265,12 @@ impl Node {
     }
     /// A metric's value by name (0 when undefined).
     pub fn metric(&self, name: &str) -> i64 {
-        lock(&self.state.metrics).iter().find(|m| m.name == name).map_or(0, |m| m.value)
+        let metrics = lock(&self.state.metrics);
+        metrics.by_name.get(name).and_then(|&id| metrics.get(id)).map_or(0, |m| m.value)
     }
     /// Every metric.
     pub fn metrics(&self) -> Vec<Metric> {
-        lock(&self.state.metrics).clone()
+        lock(&self.state.metrics).list.clone()
     }
     /// Log lines `(level, message)` kept (the last [`MAX_LOGS`] at most).
     pub fn logs(&self) -> Vec<(i32, String)> {
