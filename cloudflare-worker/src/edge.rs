@@ -32,9 +32,9 @@ pub const MS: Nanos = 1_000_000;
 #[derive(Default)]
 pub struct Rules {
     config: Option<Rc<Config>>,
-    source: String,
+    source: Vec<u8>,
     /// The last document rejected (each is reported once).
-    last_rejected: Option<String>,
+    last_rejected: Option<Vec<u8>>,
     /// The deployment's secret secret identity values are hashed under when the document
     /// sets no `identity.hash_key` (see [`Rules::keyed_by`]).
     deployment_secret: String,
@@ -53,12 +53,14 @@ pub enum Offered {
 
 impl Rules {
     /// Loads `doc` unless it is the text already in force. A bad document is rejected as a
-    /// whole and the rules in force stay. Returns whether the rules changed.
-    pub fn load(&mut self, doc: &str) -> Result<bool, ConfigError> {
+    /// whole and the rules in force stay. Returns whether the rules changed. Bytes, as read:
+    /// a document that is not UTF-8 is refused as the filter and `ratewall check` refuse it
+    /// (read as text, its bad bytes became U+FFFD and it went into force).
+    pub fn load(&mut self, doc: &[u8]) -> Result<bool, ConfigError> {
         if self.config.is_some() && doc == self.source {
             return Ok(false);
         }
-        let mut config = Config::parse(doc.as_bytes())?;
+        let mut config = Config::parse(doc)?;
         config.identity.key_by_secret(&self.deployment_secret);
         self.config = Some(Rc::new(config));
         self.source = doc.to_owned();
@@ -80,7 +82,7 @@ impl Rules {
     }
 
     /// Offers `doc`, read from `origin`, counting what happened in `metrics`.
-    pub fn offer(&mut self, doc: &str, origin: &str, metrics: &mut Metrics) -> Offered {
+    pub fn offer(&mut self, doc: &[u8], origin: &str, metrics: &mut Metrics) -> Offered {
         match self.load(doc) {
             Ok(true) => {
                 metrics.rules_loaded += 1;
@@ -99,7 +101,7 @@ impl Rules {
     }
 
     /// Whether `doc` is the text of the rules in force.
-    pub fn in_force(&self, doc: &str) -> bool {
+    pub fn in_force(&self, doc: &[u8]) -> bool {
         self.config.is_some() && self.source == doc
     }
 
@@ -992,25 +994,39 @@ mod tests {
         let (mut r, mut m) = (Rules::default(), Metrics::default());
         let bad = r#"{"rules":[{"name":"x","key":["nobody"],"limit":{"requests":1,"per":"1s"}}]}"#;
         assert!(!r.rejected_without_rules(), "nothing offered yet");
-        let Offered::Rejected(msg) = r.offer(bad, "KV", &mut m) else { panic!() };
+        let Offered::Rejected(msg) = r.offer(bad.as_bytes(), "KV", &mut m) else { panic!() };
         assert!(msg.contains("rules[0].key") && msg.ends_with("no rules"), "{msg}");
         assert!(r.rejected_without_rules());
-        assert_eq!(r.offer(bad, "KV", &mut m), Offered::Unchanged, "reported once");
-        assert!(matches!(r.offer(RULES, "var", &mut m), Offered::Loaded(_)));
+        assert_eq!(r.offer(bad.as_bytes(), "KV", &mut m), Offered::Unchanged, "reported once");
+        assert!(matches!(r.offer(RULES.as_bytes(), "var", &mut m), Offered::Loaded(_)));
         assert!(!r.rejected_without_rules());
-        assert_eq!(r.offer(RULES, "var", &mut m), Offered::Unchanged);
-        let Offered::Rejected(msg) = r.offer(bad, "KV", &mut m) else { panic!("reported again after a good one") };
+        assert_eq!(r.offer(RULES.as_bytes(), "var", &mut m), Offered::Unchanged);
+        let Offered::Rejected(msg) = r.offer(bad.as_bytes(), "KV", &mut m) else { panic!("reported again after a good one") };
         assert!(msg.ends_with("the previous rules stay in force"), "{msg}");
         assert_eq!((m.rules_loaded, m.rules_rejected), (1, 2));
         assert_eq!(r.current().map(|c| c.rules.len()), Some(2));
     }
 
+    /// A document that is not UTF-8 is refused as `ratewall check` and the filter refuse it,
+    /// not read with its bad bytes made U+FFFD.
+    #[test]
+    fn a_document_that_is_not_utf8_is_refused_where_its_bytes_are() {
+        let mut r = Rules::default();
+        let mut doc = RULES.replacen('{', r#"{"$schema": "x","#, 1).into_bytes();
+        let at = doc.iter().position(|b| *b == b'x').unwrap();
+        doc[at] = 0xff;
+        let err = r.load(&doc).unwrap_err();
+        assert_eq!(err.to_string(), Config::parse(&doc).unwrap_err().to_string());
+        assert!(err.to_string().contains("invalid UTF-8"), "{err}");
+        assert!(r.current().is_none());
+    }
+
     #[test]
     fn secret_values_hash_under_the_deployments_secret_unless_the_document_sets_a_key() {
         let mut builtin = Rules::default();
-        builtin.load(RULES).unwrap();
+        builtin.load(RULES.as_bytes()).unwrap();
         let mut keyed = Rules::keyed_by("the sync secret of this deployment");
-        keyed.load(RULES).unwrap();
+        keyed.load(RULES.as_bytes()).unwrap();
         let (b, k) = (builtin.current().unwrap(), keyed.current().unwrap());
         assert_eq!(b.identity.hash_key_source, HashKeySource::BuiltIn);
         assert_eq!(k.identity.hash_key_source, HashKeySource::SyncSecret);
@@ -1023,16 +1039,16 @@ mod tests {
         // A key the document sets wins.
         let doc = RULES.replacen(r#""identity": {"#, r#""identity": {"hash_key": "a key the operator chose","#, 1);
         let mut own = Rules::keyed_by("the sync secret of this deployment");
-        own.load(&doc).unwrap();
+        own.load(doc.as_bytes()).unwrap();
         assert_eq!(own.current().unwrap().identity.hash_key_source, HashKeySource::HashKey);
     }
 
     #[test]
     fn a_bad_document_keeps_the_rules_in_force() {
         let mut r = Rules::default();
-        assert_eq!(r.load(RULES), Ok(true));
-        assert_eq!(r.load(RULES), Ok(false), "the same text is not parsed again");
-        let err = r.load(r#"{"rules":[{"name":"x","key":["user"],"limit":{"requests":0,"per":"1s"}}]}"#);
+        assert_eq!(r.load(RULES.as_bytes()), Ok(true));
+        assert_eq!(r.load(RULES.as_bytes()), Ok(false), "the same text is not parsed again");
+        let err = r.load(r#"{"rules":[{"name":"x","key":["user"],"limit":{"requests":0,"per":"1s"}}]}"#.as_bytes());
         assert!(err.is_err());
         assert_eq!(r.current().map(|c| c.rules.len()), Some(2));
     }
@@ -1040,7 +1056,7 @@ mod tests {
     #[test]
     fn the_client_ip_is_cf_connecting_ip_and_ipv6_is_keyed_by_prefix() {
         let mut r = Rules::default();
-        r.load(RULES).unwrap();
+        r.load(RULES.as_bytes()).unwrap();
         let c = r.current().unwrap();
         let key_of = |cf: Option<&str>, xff: Option<&str>| {
             let (checks, skipped) = checks_for(&c, "GET", "/login", &|h: &str| match h {
@@ -1126,7 +1142,7 @@ mod tests {
     #[test]
     fn the_local_fallback_enforces_the_limit_in_bounded_memory() {
         let mut r = Rules::default();
-        r.load(RULES).unwrap();
+        r.load(RULES.as_bytes()).unwrap();
         let c = r.current().unwrap();
         let mut local = LocalFallback::new(10);
         let check = |user: &str| {
@@ -1270,7 +1286,7 @@ mod tests {
 
     fn two() -> (Rc<Config>, Vec<Check>, Vec<(usize, Skip)>) {
         let mut r = Rules::default();
-        r.load(TWO).unwrap();
+        r.load(TWO.as_bytes()).unwrap();
         let c = r.current().unwrap();
         let (checks, skipped) = checks_for(&c, "GET", "/x", &|h: &str| (h == "x-user-id").then(|| "ann".to_owned()));
         (c, checks, skipped)

@@ -116,7 +116,7 @@ fn var_u64(env: &Env, name: &str, default: u64) -> u64 {
     var(env, name).and_then(|v| v.trim().parse().ok()).unwrap_or(default)
 }
 
-fn load_rules(doc: &str, origin: &str) {
+fn load_rules(doc: &[u8], origin: &str) {
     match with(|i| i.rules.offer(doc, origin, &mut i.metrics)) {
         Offered::Loaded(m) => console_log!("{m}"),
         Offered::Rejected(m) => console_error!("{m}"),
@@ -153,8 +153,8 @@ async fn rules(env: &Env, ctx: &Context) -> Option<Rc<Config>> {
         with(|i| i.rules.set_deployment_secret(&secret));
         match &from_var {
             Some(doc) => {
-                load_rules(doc, "var RATEWALL_RULES");
-                with(|i| i.var_rejected = !i.rules.in_force(doc));
+                load_rules(doc.as_bytes(), "var RATEWALL_RULES");
+                with(|i| i.var_rejected = !i.rules.in_force(doc.as_bytes()));
             }
             None => console_error!("ratewall: no RATEWALL_RULES var; waiting for rules in KV"),
         }
@@ -178,12 +178,17 @@ async fn refresh_rules(env: &Env, from_var: Option<String>) {
         // With a deadline: a KV read that hangs must not hold the request that waits for
         // it, nor the background task (the rules in force stay, and the next refresh reads
         // again).
-        match within(object_timeout(env), kv.get("rules").text()).await {
+        // As bytes: read as text, bytes that are not UTF-8 would become U+FFFD, and a document
+        // the filter and `ratewall check` refuse would go into force here.
+        match within(object_timeout(env), kv.get("rules").bytes()).await {
             Some(Ok(Some(doc))) => {
                 load_rules(&doc, "KV RATEWALL_KV/rules");
                 if with(|i| i.rules.in_force(&doc)) {
                     with(|i| i.kv_in_force = true);
-                    keep_last_good(env, &kv, Some(doc)).await;
+                    // In force, so UTF-8.
+                    if let Ok(doc) = String::from_utf8(doc) {
+                        keep_last_good(env, &kv, Some(doc)).await;
+                    }
                 } else if !with(|i| i.kv_in_force) {
                     // A bad document, and this isolate never had KV's rules in force (it
                     // started since): the last rules that loaded, if any.
@@ -197,8 +202,8 @@ async fn refresh_rules(env: &Env, from_var: Option<String>) {
                 with(|i| i.kv_in_force = false);
                 match &from_var {
                     Some(doc) if !with(|i| i.var_rejected) => {
-                        load_rules(doc, "var RATEWALL_RULES");
-                        if with(|i| i.rules.in_force(doc)) {
+                        load_rules(doc.as_bytes(), "var RATEWALL_RULES");
+                        if with(|i| i.rules.in_force(doc.as_bytes())) {
                             keep_last_good(env, &kv, Some(doc.clone())).await;
                         }
                     }
@@ -227,8 +232,8 @@ const LAST_GOOD_KEY: &str = "rules.last_good";
 /// Loads the rules kept under [`LAST_GOOD_KEY`], if any, saying `why` in the log.
 async fn take_last_good(env: &Env, kv: &worker::kv::KvStore, why: &str) {
     if let Some(Ok(Some(good))) = within(object_timeout(env), kv.get(LAST_GOOD_KEY).text()).await {
-        load_rules(&good, &format!("KV RATEWALL_KV/{LAST_GOOD_KEY}, the last good rules ({why})"));
-        if with(|i| i.rules.in_force(&good)) {
+        load_rules(good.as_bytes(), &format!("KV RATEWALL_KV/{LAST_GOOD_KEY}, the last good rules ({why})"));
+        if with(|i| i.rules.in_force(good.as_bytes())) {
             with(|i| i.kv_in_force = true);
         }
     }

@@ -15,7 +15,7 @@ const T: Nanos = 1_800_000_000 * SECOND;
 
 fn config(doc: &str) -> Rc<Config> {
     let mut r = Rules::default();
-    r.load(doc).unwrap();
+    r.load(doc.as_bytes()).unwrap();
     r.current().unwrap()
 }
 
