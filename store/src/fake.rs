@@ -79,6 +79,11 @@ impl Kv for FakeKv {
         })?;
         Ok((nodes, registry.heard_within(now, CUT_OFF_SILENCE)))
     }
+    async fn close(&self, node: u64, seq: u64) -> Result<(), String> {
+        self.op()?;
+        self.registry.lock().unwrap().close(node, seq);
+        Ok(())
+    }
     async fn present(&self, node: u64, low: &[(String, Nanos)], seen: &str) -> Result<Presence, String> {
         let now = self.op()?;
         let mut present = self.present.lock().unwrap();

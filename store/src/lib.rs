@@ -159,6 +159,13 @@ local out = {redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[4]), '+inf'), ''}
 for _, n in ipairs(redis.call('ZREVRANGEBYSCORE', KEYS[2], '+inf', '(' .. (now - tonumber(ARGV[8])), 'LIMIT', 0, tonumber(ARGV[9]))) \
 do out[#out + 1] = n end return out";
 
+/// Closes a node's latest batch ([`Kv::close`]): `KEYS[1]` the registry's hash of each node's
+/// latest `seq`, `ARGV` the node and the batch's `seq` as [`REGISTRY`] writes it. The `seq`
+/// gets a `c` after it, which sorts after it and before the next one, so [`REGISTRY`] refuses
+/// a repeat of it as older and takes the next.
+pub const CLOSE: &str = "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then \
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. 'c') end return 1";
+
 /// The rate limit service's processes: `KEYS[1]` a sorted set process → last heard (ms of the
 /// key's clock). `ARGV`: the process's node id and the time a process counts for after it was
 /// last heard, in ms. Notes the process as heard now, forgets the others not heard for that
@@ -309,6 +316,9 @@ pub trait Kv: Send + Sync {
         batch: bool,
         sent: Nanos,
     ) -> impl Future<Output = Result<(u32, Vec<u64>), Unheard>> + Send;
+    /// Closes batch `seq` of `node`, answered with counters it could not apply
+    /// ([`ratewall_core::sync::Registry::close`]): a repeat of it is refused as an older batch.
+    fn close(&self, node: u64, seq: u64) -> impl Future<Output = Result<(), String>> + Send;
     /// Notes rate limit service process `node` as heard now ([`PRESENT`]), and the counters it
     /// found too low for an initial share (`low`: key, until when in ns of Redis's clock); the
     /// list of those counters comes back when its version is not `seen`.
@@ -785,6 +795,13 @@ impl<K: Kv> Store<K> {
                     return Err(Answer::error(503, "Redis failed; retry the batch with the same seq"));
                 }
             }
+        }
+        // Counters named failed send their units again under a later `seq`: a repeat of this
+        // one, applied once such a counter could be read, would count them twice. Closed before
+        // the answer, or not answered.
+        if !failed.is_empty() && self.kv.close(req.node, req.seq).await.is_err() {
+            self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
+            return Err(Answer::error(503, "Redis failed; retry the batch with the same seq"));
         }
         let mut resp = SyncResponse { seq: req.seq, now, nodes, grants, failed };
         if let Ok(mut out) = self.out.lock() {

@@ -193,6 +193,9 @@ impl Kv for LazyKv {
         }
         heard
     }
+    async fn close(&self, node: u64, seq: u64) -> Result<(), String> {
+        self.noted(self.connected().await?.close(node, seq).await)
+    }
     async fn present(
         &self,
         node: u64,

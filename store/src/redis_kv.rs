@@ -4,7 +4,7 @@
 
 use crate::{
     Cas, Kv, Presence, Unheard, APPEND, CAS, LOW_KEYS, MANY, NODE_TTL, PRESENT, PRESENT_KEY, PROBE, PROBE_KEY, READ,
-    READ_AFTER, REGISTRY, REGISTRY_KEYS, REGISTRY_TYPES,
+    READ_AFTER, REGISTRY, REGISTRY_KEYS, REGISTRY_TYPES, CLOSE,
 };
 use ratewall_core::sync::{
     CUT_OFF_SILENCE, MAX_ASKS_REMEMBERED, MAX_HEARD_LATELY, MAX_NODES, MAX_REQUEST_SKEW, SEQ_MEMORY,
@@ -34,6 +34,7 @@ pub struct RedisKv {
     read: Script,
     cas: Script,
     registry: Script,
+    close: Script,
     present: Script,
     probe: Script,
     append: Script,
@@ -104,6 +105,7 @@ impl RedisKv {
             read: Script::new(READ),
             cas: Script::new(CAS),
             registry: Script::new(REGISTRY),
+            close: Script::new(CLOSE),
             present: Script::new(PRESENT),
             probe: Script::new(PROBE),
             append: Script::new(APPEND),
@@ -368,8 +370,11 @@ impl Kv for RedisKv {
         };
         match parts.first().and_then(int) {
             Some(-1) => {
+                // A closed batch's `seq` has a `c` after it ([`CLOSE`]).
                 let last = match parts.get(1) {
-                    Some(Value::BulkString(b)) => std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()),
+                    Some(Value::BulkString(b)) => {
+                        std::str::from_utf8(b).ok().and_then(|s| s.trim_end_matches('c').parse().ok())
+                    }
                     _ => None,
                 };
                 Err(Unheard::Older(last.unwrap_or(0)))
@@ -404,6 +409,11 @@ impl Kv for RedisKv {
             }
             None => Err(unexpected()),
         }
+    }
+
+    async fn close(&self, node: u64, seq: u64) -> Result<(), String> {
+        let args = [node.to_string().into_bytes(), format!("{seq:020}").into_bytes()];
+        self.run(&self.close, &REGISTRY_KEYS[..1], &args).await.map(|_| ())
     }
 
     async fn present(&self, node: u64, low: &[(String, Nanos)], seen: &str) -> Result<Presence, String> {

@@ -444,6 +444,10 @@ fn a_counter_the_store_cannot_read_is_kept_and_named_failed_and_the_rest_of_the_
     // Once it is readable (here: gone, as when it expires), the node's next batch (a new seq)
     // carries its units again, and they count once; the other counter's are not sent again.
     cli(redis.port, &["del", &bad_redis]).unwrap();
+    // A copy of the batch that named it failed (a replay, or a duplicate on its way) counts
+    // nothing now that it could be read: its units are the node's to send again, once.
+    let (status, _) = Http(&store.addr).call(&batch(1));
+    assert_eq!(status, 409, "a batch answered with a failed counter is closed");
     let again = SyncRequest { deltas: vec![Delta { key: bad.clone(), limit: big(), units: 3 }], ..batch(2) };
     let (status, resp) = Http(&store.addr).call(&again);
     assert_eq!((status, resp.unwrap().failed), (200, vec![]));

@@ -14,6 +14,9 @@ use alloc::vec::Vec;
 pub struct Registry {
     /// node → (latest batch seq, last heard from)
     nodes: BTreeMap<u64, (u64, Nanos)>,
+    /// Nodes whose latest batch was answered with counters it could not apply
+    /// ([`Registry::close`]): a repeat of it is refused as an older batch.
+    closed: BTreeSet<u64>,
     /// The asks answered that could still be replayed (made within [`MAX_REQUEST_SKEW`]):
     /// (node, ask number).
     asks: BTreeSet<(u64, u64)>,
@@ -56,7 +59,7 @@ impl Registry {
         }
         let entry = self.nodes.get(&node).copied();
         if let (Some((last, _)), false) = (entry, ask) {
-            if seq < last {
+            if seq < last || (seq == last && self.closed.contains(&node)) {
                 return Err(SyncError::Stale { last });
             }
         }
@@ -67,8 +70,13 @@ impl Registry {
                 self.nodes.remove(&oldest);
             }
         }
+        if seq > last {
+            self.closed.remove(&node);
+        }
         self.nodes.insert(node, (seq, now));
         self.nodes.retain(|_, (_, seen)| now.saturating_sub(*seen) <= SEQ_MEMORY);
+        let nodes = &self.nodes;
+        self.closed.retain(|n| nodes.contains_key(n));
         let active = self.nodes.values().filter(|(_, seen)| now.saturating_sub(*seen) <= node_ttl).count();
         Ok(u32::try_from(active).unwrap_or(u32::MAX))
     }
@@ -95,6 +103,16 @@ impl Registry {
             }
         }
         Ok(())
+    }
+
+    /// Closes batch `seq` of `node`, answered with counters it could not apply: the node sends
+    /// their units again under a later `seq`, so a repeat of this one (a copy on its way, or a
+    /// replay) is refused as an older batch — applied again once the counter could be read, it
+    /// would count them twice. Nothing when the node's latest batch is another.
+    pub fn close(&mut self, node: u64, seq: u64) {
+        if self.nodes.get(&node).is_some_and(|(last, _)| *last == seq) {
+            self.closed.insert(node);
+        }
     }
 
     /// The nodes heard from within `within` of `now` (the latest [`MAX_HEARD_LATELY`]), in id

@@ -1065,3 +1065,19 @@ fn an_isolate_first_to_report_after_a_quota_ran_out_gets_its_share_not_the_fleet
     let isolate = c.report(l, next, 1, 2, 1, ttl);
     assert!(isolate.grant > 0 && isolate.grant <= 100, "about a twentieth of 1,000: {isolate:?}");
 }
+
+/// A batch closed once answered with counters it could not apply: a repeat of it is refused as
+/// older, and the node's next batch is taken.
+#[test]
+fn a_closed_batch_is_refused_again_and_the_next_one_taken() {
+    let mut r = Registry::default();
+    assert!(r.heard(NOW, 7, (4, false, NOW), SECOND).is_ok());
+    assert!(r.heard(NOW, 7, (4, false, NOW), SECOND).is_ok(), "a repeat of the latest is answered again");
+    r.close(7, 3);
+    assert!(r.heard(NOW, 7, (4, false, NOW), SECOND).is_ok(), "closing another seq closes nothing");
+    r.close(7, 4);
+    assert_eq!(r.heard(NOW, 7, (4, false, NOW), SECOND), Err(SyncError::Stale { last: 4 }));
+    assert!(r.heard(NOW, 8, (4, false, NOW), SECOND).is_ok(), "another node's seq 4 is its own");
+    assert!(r.heard(NOW, 7, (5, false, NOW), SECOND).is_ok());
+    assert!(r.heard(NOW, 7, (5, false, NOW), SECOND).is_ok(), "the next is open");
+}
