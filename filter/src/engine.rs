@@ -189,7 +189,9 @@ pub struct Engine {
     /// `:path`, `x-forwarded-for` (empty when untrusted), then the identity headers.
     header_names: HeaderNames,
     /// Per rule, whether it is exact: only those wait for the store (asks); the others decide
-    /// at once, on their grant and overdraft.
+    /// at once, on their grant and overdraft. A shadow rule never is: no request waits on it,
+    /// so an exact one, holding no grant before the store's answer, would say "would reject"
+    /// of a client's first requests the store would have let through.
     exact: Vec<bool>,
     /// Whether a later configuration took this engine's sync state over
     /// ([`Syncer::continuing`]).
@@ -348,7 +350,7 @@ impl Engine {
         )
         .reporting_repeats_of(XFF);
         let top = crate::top::Top::new(host, &config, metric_name);
-        let exact = config.rules.iter().map(|r| r.exact).collect();
+        let exact = config.rules.iter().map(|r| r.exact && r.mode == ratewall_core::rules::Mode::Enforce).collect();
         let engine = Engine {
             config,
             table,

@@ -2616,3 +2616,31 @@ fn a_buckets_share_is_what_the_node_reported_of_what_the_fleet_took() {
         assert_eq!((f.own, f.all, s), (0, 0, share));
     }
 }
+
+/// A shadow rule never holds a request for the store, so an exact one is decided as a rule
+/// that is not: a client's first requests, before the store's answer, are not "would reject"
+/// (every one was: an exact rule holds no grant before its first ask, and a shadow rule never
+/// asks).
+#[test]
+fn an_exact_shadow_rule_does_not_say_would_reject_of_requests_the_store_would_admit() {
+    let h = FakeHost::new();
+    let doc = rules(5, 2).replace(r#""exact": true,"#, r#""exact": true, "mode": "shadow","#);
+    let e = engine(&h, &doc);
+    let mut s = store();
+    for _ in 0..3 {
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+        h.advance(100 * MS);
+    }
+    assert_eq!(statuses(&e, &h, "GET", EXACT, &[("x-user-id", "dan")], 2), [200; 2]);
+    assert_eq!(h.metric("ratewall_rule_exact_shadow_rejected"), 0);
+    // Past the limit it says so, once the store has counted what the node admitted.
+    for _ in 0..3 {
+        e.on_tick(&h);
+        serve(&mut s, &e, &h);
+        h.advance(100 * MS);
+    }
+    assert_eq!(statuses(&e, &h, "GET", EXACT, &[("x-user-id", "dan")], 6), [200; 6]);
+    let said = h.metric("ratewall_rule_exact_shadow_rejected");
+    assert!((2..=4).contains(&said), "{said} of 8 would be rejected, 3 exactly");
+}
