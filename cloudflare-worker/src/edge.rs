@@ -228,6 +228,9 @@ pub enum Call {
     Ask { limit: Limit, node: u64, ask: u64, units: u64 },
     /// To the registry object: a node's batch `seq` (or an ask) was heard.
     Heard { node: u64, seq: u64, ask: bool, sent: Nanos },
+    /// To the registry object: a node's batch `seq` was answered with counters it could not
+    /// apply; a repeat of it is refused ([`ratewall_core::sync::Registry::close`]).
+    Close { node: u64, seq: u64 },
     /// An isolate's own traffic ([`grants`]): the `units` it admitted from its grant since
     /// its last report, as its batch `seq` (0: no report), then, when the grant that report
     /// brings does not cover it, its ask number `ask` for `cost` units for the request that
@@ -315,6 +318,7 @@ impl Call {
             Call::Heard { node, seq, ask, sent } => {
                 json!({"op": "heard", "node": node, "seq": seq, "ask": ask, "sent": sent})
             }
+            Call::Close { node, seq } => json!({"op": "close", "node": node, "seq": seq}),
             Call::Spend { limit, node, seq, units, ask, cost, at, refund, refund_at, idle } => json!({"op": "spend",
                 "limit": limit_json(limit), "node": node, "seq": seq, "units": units, "ask": ask, "cost": cost, "at": at,
                 "refund": refund, "refund_at": refund_at, "idle": idle}),
@@ -329,7 +333,7 @@ impl Call {
             | Call::Apply { limit, .. }
             | Call::Ask { limit, .. }
             | Call::Spend { limit, .. } => Some(*limit),
-            Call::Heard { .. } => None,
+            Call::Heard { .. } | Call::Close { .. } => None,
         }
     }
 
@@ -344,6 +348,9 @@ impl Call {
             // `sent` absent (a Worker of a version before it): the ask is not checked.
             let sent = v.get("sent").map_or(Some(0), Value::as_u64)?;
             return Some(Call::Heard { node, seq, ask: v.get("ask")?.as_bool()?, sent });
+        }
+        if v.get("op")?.as_str()? == "close" {
+            return Some(Call::Close { node: u64_field(v, "node")?, seq: u64_field(v, "seq")? });
         }
         let limit = limit_from(v.get("limit")?)?;
         match v.get("op")?.as_str()? {

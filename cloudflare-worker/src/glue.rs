@@ -937,6 +937,15 @@ async fn sync(mut req: Request, env: Env, ctx: Context) -> Result<Response> {
         Ok(a) => a,
         Err(r) => return refused(r),
     };
+    // Closed before the answer, or not answered.
+    if let Some(close) = store::close_call(&batch, &replies) {
+        if call_named(&env, REGISTRY_OBJECT, close, timeout).await.is_err() {
+            return refused(store::Refusal {
+                status: 503,
+                message: "the node registry could not be written; retry the batch with the same seq".into(),
+            });
+        }
+    }
     let headers = Headers::new();
     headers.set("content-type", "application/octet-stream")?;
     headers.set("x-ratewall-signature", &signature)?;
@@ -1223,7 +1232,7 @@ impl DurableObject for RateLimitCounter {
                 None => Response::error("the counter could not be read or written", 503),
             };
         }
-        if let Some(call @ Call::Heard { .. }) = call {
+        if let Some(call @ (Call::Heard { .. } | Call::Close { .. })) = call {
             return match self.registry.borrow_mut().handle(call, now()) {
                 Some(handled) => Response::ok(handled.reply),
                 None => Response::error("not a registry call", 400),

@@ -77,9 +77,17 @@ impl Object {
     /// first; before it, it is refused with `None` (never decided on a fresh counter).
     pub fn handle(&mut self, call: Call, t: Nanos) -> Option<Handled> {
         let Some(limit) = call.limit() else {
-            let Call::Heard { node, seq, ask, sent } = call else { return None };
-            let heard = self.registry.heard(t, node, (seq, ask, sent), NODE_TTL);
-            return Some(Handled { reply: encode_heard(heard), write_now: None, alarm_at: None });
+            return match call {
+                Call::Heard { node, seq, ask, sent } => {
+                    let heard = self.registry.heard(t, node, (seq, ask, sent), NODE_TTL);
+                    Some(Handled { reply: encode_heard(heard), write_now: None, alarm_at: None })
+                }
+                Call::Close { node, seq } => {
+                    self.registry.close(node, seq);
+                    Some(Handled { reply: String::from("{}"), write_now: None, alarm_at: None })
+                }
+                _ => None,
+            };
         };
         if !self.loaded {
             return None;
@@ -148,7 +156,7 @@ impl Object {
                 };
                 (s.encode(), counted || asked > 0, false)
             }
-            Call::Heard { .. } => return None,
+            Call::Heard { .. } | Call::Close { .. } => return None,
         };
         self.dirty |= changed;
         // A sync answer acknowledges units: whatever is unwritten goes to storage first (a

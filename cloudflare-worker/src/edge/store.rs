@@ -110,6 +110,14 @@ pub fn heard_call(batch: &SyncRequest) -> Call {
     Call::Heard { node: batch.node, seq: batch.seq, ask: batch.ask, sent: batch.sent }
 }
 
+/// The registry call that closes `batch` when its answer names counters it could not apply
+/// ([`Call::Close`]): a copy of it, applied once such a counter could be read, would count
+/// the units its node sends again under a later `seq`.
+pub fn close_call(batch: &SyncRequest, replies: &[Option<String>]) -> Option<Call> {
+    (!batch.ask && replies.iter().any(|r| r.as_deref() == Some(NOT_APPLIED)))
+        .then_some(Call::Close { node: batch.node, seq: batch.seq })
+}
+
 /// The counter calls of a batch or ask: (counter key, call), one per delta.
 pub fn counter_calls(batch: &SyncRequest) -> Vec<(&[u8], Call)> {
     batch
@@ -378,6 +386,16 @@ mod tests {
             (resp.failed.as_slice(), resp.grants[0].remaining, resp.grants[1].grant),
             ([1u32].as_slice(), 95, 0)
         );
+        // Such a batch is closed at the registry before it is answered: a copy of it, once the
+        // counter could be read, would count the units the node sends again.
+        let failed = [reply.clone(), Some(NOT_APPLIED.into())];
+        let mut registry = Object::default();
+        for c in [heard_call(&two), close_call(&two, &failed).unwrap()] {
+            registry.handle(c, T).unwrap();
+        }
+        let again = registry.handle(heard_call(&two), T).unwrap();
+        assert_eq!(decode_heard(&again.reply), Some(Err(ratewall_core::sync::SyncError::Stale { last: two.seq })));
+        assert_eq!(close_call(&two, &[reply.clone(), reply.clone()]), None, "nothing failed: nothing to close");
         // An ask holds no acknowledged units: it fails whole, with ratewall-store's words, and
         // what its other counters took goes back.
         let ask = SyncRequest { ask: true, ..two };
