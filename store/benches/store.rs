@@ -130,6 +130,26 @@ fn main() {
     figure("store_counter_updates_per_sec", per_sec * 20.0, "updates/s");
     figure("store_counter_updates_vs_redis_benchmark", per_sec * 20.0 / sets_per_sec, "ratio");
 
+    // One-counter batches from 64 senders at once, one store process: every sender its own
+    // counter, then every sender the same hot one (a fleet's global limit, in every proxy's
+    // batch), whose batches wait for one another's turn and are written together.
+    let one = |keys: &(dyn Fn(u64) -> Vec<u8> + Sync)| {
+        let writes0 = metric(&addr_a, "ratewall_store_state_writes_total");
+        let start = Instant::now();
+        let mut lat = drive(std::slice::from_ref(&addr_a), 64, 30, |s| vec![keys(s)]);
+        let per_sec = (64 * 30) as f64 / start.elapsed().as_secs_f64();
+        let writes = metric(&addr_a, "ratewall_store_state_writes_total") - writes0;
+        (per_sec, percentile(&mut lat, 0.99), writes as f64 / (64 * 30) as f64)
+    };
+    let (distinct, distinct_p99, _) = one(&|s| format!("one/{s}").into_bytes());
+    let (hot, hot_p99, hot_writes) = one(&|_| b"one-hot".to_vec());
+    figure("store_one_counter_batches_per_sec", distinct, "batches/s");
+    figure("store_hot_counter_batches_per_sec", hot, "batches/s");
+    figure("store_hot_counter_vs_distinct", hot / distinct, "ratio");
+    figure("store_hot_counter_p99_ms", hot_p99, "ms");
+    figure("store_one_counter_p99_ms", distinct_p99, "ms");
+    figure("store_hot_counter_writes_per_batch", hot_writes, "writes");
+
     // One hot counter, every sender, two store processes: compare-and-swap conflicts.
     let before =
         metric(&addr_a, "ratewall_store_cas_conflicts_total") + metric(&addr_b, "ratewall_store_cas_conflicts_total");
