@@ -333,8 +333,14 @@ fn written(d: Nanos) -> String {
 /// upstream — a `host:port` it can parse: a hostname or IPv4 address, or an IPv6 address in
 /// brackets, then a port from 1 to 65535. Anything else (`https://store`, `store:80x`) would
 /// fail ngx_wasm_module's URL parsing inside every sync call.
-pub fn check_cluster(cluster: &str) -> Result<(), String> {
+pub fn check_cluster(cluster_as_written: &str) -> Result<(), String> {
     const HOST_PORT: &str = "give an Envoy cluster name, or under NGINX the store's host:port";
+    // Checked as written, shown without what a URL's `user:password@` holds: a credential.
+    let cluster = without_userinfo(cluster_as_written);
+    let cluster = cluster.as_str();
+    if cluster != cluster_as_written {
+        return Err(format!("{cluster:?} is a URL with credentials: {HOST_PORT} (no scheme, no path)"));
+    }
     let Some((host, port)) = cluster.rsplit_once(':') else {
         if cluster.chars().any(|c| c.is_whitespace() || c.is_control()) {
             return Err(format!("{cluster:?} is no cluster name (it has white space or a control character)"));
@@ -371,6 +377,16 @@ pub fn check_cluster(cluster: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// `s` with a URL's user information (what comes before its host's `@`) shown as `…`.
+fn without_userinfo(s: &str) -> String {
+    let start = s.find("://").map_or(0, |i| i + 3);
+    let host_end = s.get(start..).and_then(|r| r.find(['/', '?', '#'])).map_or(s.len(), |i| start + i);
+    match s.get(start..host_end).and_then(|authority| authority.rfind('@')) {
+        Some(at) => format!("{}…{}", s.get(..start).unwrap_or(""), s.get(start + at..).unwrap_or("")),
+        None => s.to_owned(),
+    }
 }
 
 fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
@@ -1209,6 +1225,16 @@ mod tests {
         let c = Config::parse(doc(r#"{"cluster":"store","secret":"0123456789abcdef"}"#).as_bytes()).unwrap();
         let s = c.sync.unwrap();
         assert_eq!((s.authority.as_str(), s.path.as_str(), s.interval, s.nodes), ("store", "/v1/sync", 100_000_000, 1));
+        // A URL's credentials are not shown back.
+        let e =
+            Config::parse(doc(r#"{"cluster":"http://ops:hunter2hunter2@h:1","secret":"0123456789abcdef"}"#).as_bytes())
+                .unwrap_err();
+        assert!(
+            e.to_string().starts_with("sync.cluster: \"http://…@h:1\"") && !e.to_string().contains("hunter2"),
+            "{e}"
+        );
+        let e = Config::parse(doc(r#"{"cluster":"ops:pw@h:1","secret":"0123456789abcdef"}"#).as_bytes()).unwrap_err();
+        assert!(!e.to_string().contains("pw"), "{e}");
         let e = Config::parse(doc(r#"{"cluster":"store","secret":"short"}"#).as_bytes()).unwrap_err();
         assert_eq!(e.path, "sync.secret");
         let e = Config::parse(doc(r#"{"cluster":"s","secret":"0123456789abcdef","interval":"1ms"}"#).as_bytes());
