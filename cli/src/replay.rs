@@ -932,7 +932,6 @@ fn report(
     }
 }
 
-
 /// `n` and a noun, in the plural unless `n` is 1.
 fn plural(n: u64, noun: &str) -> String {
     if n == 1 {

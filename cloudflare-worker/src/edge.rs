@@ -1008,7 +1008,9 @@ mod tests {
         assert!(matches!(r.offer(RULES.as_bytes(), "var", &mut m), Offered::Loaded(_)));
         assert!(!r.rejected_without_rules());
         assert_eq!(r.offer(RULES.as_bytes(), "var", &mut m), Offered::Unchanged);
-        let Offered::Rejected(msg) = r.offer(bad.as_bytes(), "KV", &mut m) else { panic!("reported again after a good one") };
+        let Offered::Rejected(msg) = r.offer(bad.as_bytes(), "KV", &mut m) else {
+            panic!("reported again after a good one")
+        };
         assert!(msg.ends_with("the previous rules stay in force"), "{msg}");
         assert_eq!((m.rules_loaded, m.rules_rejected), (1, 2));
         assert_eq!(r.current().map(|c| c.rules.len()), Some(2));

@@ -867,7 +867,9 @@ impl<K: Kv> Store<K> {
             Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
                 let jobs = self.waiting.lock().ok().and_then(|mut w| w.remove(&rkey)).unwrap_or_default();
                 self.update_locked(&rkey, jobs).await;
-                answer.try_recv().unwrap_or_else(|_| Err(Answer::error(503, "Redis failed; retry the batch with the same seq")))
+                answer
+                    .try_recv()
+                    .unwrap_or_else(|_| Err(Answer::error(503, "Redis failed; retry the batch with the same seq")))
             }
         };
         drop(guard);
@@ -1005,7 +1007,9 @@ impl<K: Kv> Store<K> {
             }
         }
         self.metrics.cas_exhausted.fetch_add(1, Ordering::Relaxed);
-        answer(jobs, &mut |_| Err(Answer::error(503, "a counter was too contended; retry the batch with the same seq")));
+        answer(jobs, &mut |_| {
+            Err(Answer::error(503, "a counter was too contended; retry the batch with the same seq"))
+        });
     }
 }
 

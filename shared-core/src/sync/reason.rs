@@ -34,7 +34,9 @@ pub fn malformed(detail: impl core::fmt::Display) -> String {
 pub fn older(seq: u64, latest: u64) -> String {
     if seq == latest {
         // A batch closed once answered with counters it could not apply (`Registry::close`).
-        return format!("seq {seq} was answered with counters it could not apply, which the node sends again under a later seq");
+        return format!(
+            "seq {seq} was answered with counters it could not apply, which the node sends again under a later seq"
+        );
     }
     format!("seq {seq} is older than this node's latest batch ({latest})")
 }

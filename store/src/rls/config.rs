@@ -2081,7 +2081,8 @@ descriptors:
         let e = RlsConfig::parse_keyed("t.yaml", &dup, Some(key)).unwrap_err();
         assert!(!e.to_string().contains("WRITTEN") && e.to_string().contains(&api), "{e}");
         // Every mistake's message about such a descriptor.
-        let shared = "domain: api\ndescriptors:\n  - key: api_key\n    value: sk_live_WRITTEN\n    share_threshold: true\n";
+        let shared =
+            "domain: api\ndescriptors:\n  - key: api_key\n    value: sk_live_WRITTEN\n    share_threshold: true\n";
         let e = RlsConfig::parse_keyed("t.yaml", shared, Some(key)).unwrap_err();
         assert!(!e.to_string().contains("WRITTEN") && e.to_string().contains(&shown("sk_live_WRITTEN")), "{e}");
     }
