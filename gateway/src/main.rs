@@ -8,8 +8,10 @@
 //! when it changes, as an xDS config push would be; a bad file is rejected and the last good
 //! rules stay.
 //!
-//! `ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]...` (default
-//! port 8080, or a free one when 8080 is taken; `--port 0` always picks a free one). With
+//! `ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE]`
+//! (default port 8080, or a free one when 8080 is taken; `--port 0` always picks a free one;
+//! the filter from `--wasm`, else `dist/ratewall_filter.wasm` under the working directory, else
+//! the build tree's). With
 //! `--store` (a ratewall-store, or the Worker's sync endpoint) and a `sync` section in the
 //! rules, the gateway is one node of a fleet: its VMs tick, and their sync calls go over HTTP
 //! to the stores (the next one when one fails), as Envoy sends them to the sync cluster.
@@ -22,8 +24,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-const USAGE: &str = "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]...
+const USAGE: &str = "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE]
   --rules FILE       the rules document, watched and pushed on change (default examples/rules.json)
+  --wasm FILE        the built filter (default dist/ratewall_filter.wasm here, else the build tree's)
   --port N           the port on 127.0.0.1 (default 8080, or a free one when taken; 0: a free one)
   --workers N        worker VMs sharing the node's counters (default 2)
   --store HOST:PORT  a ratewall-store, or the Worker's sync endpoint, this node syncs to (with a
@@ -34,10 +37,11 @@ struct Args {
     port: Option<u16>,
     workers: usize,
     stores: Vec<String>,
+    wasm: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args { rules: "examples/rules.json".into(), port: None, workers: 2, stores: Vec::new() };
+    let mut a = Args { rules: "examples/rules.json".into(), port: None, workers: 2, stores: Vec::new(), wasm: None };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -46,6 +50,7 @@ fn parse_args() -> Result<Args, String> {
             "--port" => a.port = Some(value()?.parse().map_err(|e| format!("--port: {e}"))?),
             "--workers" => a.workers = value()?.parse().map_err(|e| format!("--workers: {e}"))?,
             "--store" => a.stores.push(value()?),
+            "--wasm" => a.wasm = Some(value()?),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
@@ -92,7 +97,7 @@ fn serve() -> Result<(), String> {
         )),
         Ok(_) => {}
     }
-    let plugin = Plugin::filter().map_err(|e| e.to_string())?;
+    let plugin = filter(args.wasm.as_deref())?;
     let node = Node::new(wall_clock());
     let rules = Arc::new(Rules { document: Mutex::new(document), generation: AtomicU64::new(0) });
     // The default port is 8080; when it is taken, any free port (the address is printed).
@@ -287,6 +292,19 @@ fn accept(mut stream: TcpStream, queue: &Arc<Queue>, node: &Node, reading: &Arc<
     }
 }
 
+/// The filter: `--wasm`'s file, else `dist/ratewall_filter.wasm` under the working directory
+/// (a copy of the binary and `dist/` run anywhere), else the build tree's.
+fn filter(wasm: Option<&str>) -> Result<Plugin, String> {
+    let here = std::path::Path::new("dist/ratewall_filter.wasm");
+    let path = match wasm {
+        Some(p) => std::path::PathBuf::from(p),
+        None if here.is_file() => here.to_path_buf(),
+        None => return Plugin::filter().map_err(|e| e.to_string()),
+    };
+    let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Plugin::from_bytes(&bytes).map_err(|e| format!("{}: {e:#}", path.display()))
+}
+
 /// How often the rules file is read for changes.
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
@@ -294,11 +312,23 @@ const WATCH_EVERY: Duration = Duration::from_millis(250);
 fn watch(path: String, rules: Arc<Rules>) {
     std::thread::spawn(move || {
         let mut last = std::fs::read(&path).unwrap_or_default();
+        // Said once while the file cannot be read (removed, or its rights taken away).
+        let mut unreadable = false;
         loop {
             std::thread::sleep(WATCH_EVERY);
-            let Ok(doc) = std::fs::read(&path) else {
-                continue;
+            let doc = match std::fs::read(&path) {
+                Ok(doc) => doc,
+                Err(e) => {
+                    if !unreadable {
+                        log(&format!("{path} cannot be read, keeping the previous rules: {e}"));
+                    }
+                    unreadable = true;
+                    continue;
+                }
             };
+            if std::mem::take(&mut unreadable) && doc == last {
+                log(&format!("{path} can be read again; its rules are the ones in force"));
+            }
             if doc == last {
                 continue;
             }
