@@ -11,7 +11,7 @@
 use crate::algo::{Algorithm, Decision, Limit, Nanos, SECOND};
 use crate::eval::{CheckResult, Outcome};
 pub use crate::field::{ceil_secs, policy_item, push_state_item};
-use crate::field::{push_policy_item, window_secs};
+use crate::field::{pers_in_whole_seconds, policy_quota, push_policy_item, window_secs};
 use crate::rules::{Config, Mode, Rule};
 use crate::text::decimal;
 pub use crate::text::{digits, push_decimal};
@@ -167,7 +167,13 @@ fn fields(
     headers.push(("RateLimit", state));
     if config.response.legacy_headers {
         if let Some((_, limit, d)) = policies.get(legacy) {
-            let q = if limit.algorithm() == Algorithm::LeakyBucket { leaky_policy(limit, d.limit).0 } else { d.limit };
+            let q = if limit.algorithm() == Algorithm::LeakyBucket {
+                leaky_policy(limit, d.limit).0
+            } else if limit.algorithm() == Algorithm::Concurrent {
+                d.limit
+            } else {
+                policy_quota(d.limit, limit).0
+            };
             headers.push(("X-RateLimit-Limit", decimal(q)));
             headers.push(("X-RateLimit-Remaining", decimal(d.remaining)));
             headers.push(("X-RateLimit-Reset", decimal(ceil_secs(shown_reset(d)))));
@@ -195,11 +201,7 @@ fn leaky_policy(limit: &Limit, held: u64) -> (u64, u64) {
     let (requests, per, second) =
         (u128::from(limit.requests().max(1)), u128::from(limit.per().max(1)), u128::from(SECOND));
     // `k` times `per` is whole seconds when `k` is a multiple of `step`.
-    let (mut a, mut b) = (per, second);
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    let step = second / a;
+    let step = u128::from(pers_in_whole_seconds(limit.per()));
     let k = u128::from(held.max(1)).div_ceil(requests).div_ceil(step).saturating_mul(step);
     let whole = |v: u128| u64::try_from(v).unwrap_or(u64::MAX);
     (whole(k.saturating_mul(requests)), whole(k.saturating_mul(per) / second))
@@ -311,6 +313,28 @@ mod tests {
                 assert_eq!(p, policy, "{limit}, status {status}");
                 let r: u64 = state.split(";r=").nth(1).and_then(|s| s.split(';').next()?.parse().ok()).unwrap();
                 assert!(r <= q, "{limit}: r={r} above q={q}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_counting_policy_of_a_per_that_is_not_whole_seconds_states_its_rate() {
+        for (limit, policy) in [
+            (r#"{"requests":5,"per":"500ms"}"#, r#""l";q=10;w=1"#),
+            (r#"{"requests":5,"per":"500ms","algorithm":"sliding_log"}"#, r#""l";q=10;w=1"#),
+            (r#"{"requests":5,"per":"1500ms","algorithm":"fixed_window"}"#, r#""l";q=10;w=3"#),
+            (r#"{"requests":5,"per":"250ms","algorithm":"token_bucket"}"#, r#""l";q=20;w=1"#),
+            // A burst above the rate over that window is still taken at once.
+            (r#"{"requests":5,"per":"500ms","burst":30}"#, r#""l";q=30;w=1"#),
+            // Whole seconds: as the rule says.
+            (r#"{"requests":5,"per":"2s","algorithm":"fixed_window"}"#, r#""l";q=5;w=2"#),
+        ] {
+            let seen = fields_of(limit, 40);
+            assert!(seen.iter().any(|(status, _, _)| *status == 429), "{limit}: the limit is reached");
+            for (status, p, state) in &seen {
+                assert_eq!(p, policy, "{limit}, status {status}");
+                let r: u64 = state.split(";r=").nth(1).and_then(|s| s.split(';').next()?.parse().ok()).unwrap();
+                assert!(r <= 30, "{limit}: r={r}");
             }
         }
     }
