@@ -38,8 +38,12 @@ pub(crate) fn build() -> Result<()> {
     // no-op), and without the exports wasm-opt drops the dispatch code behind them.
     let unused = |name: &str| unused_export(name);
     let trimmed = drop_exports(&built, unused)?;
-    std::fs::write(&filter, trimmed).map_err(|e| format!("{}: {e}", filter.display()))?;
-    optimize(&filter);
+    // Made beside it and renamed over it once optimized: a copy or deploy taken meanwhile
+    // gets the last whole filter, never an empty or unoptimized one.
+    let making = dist.join("ratewall_filter.wasm.new");
+    std::fs::write(&making, trimmed).map_err(|e| format!("{}: {e}", making.display()))?;
+    optimize(&making);
+    std::fs::rename(&making, &filter).map_err(|e| format!("{}: {e}", filter.display()))?;
     let probe = root().join("target/wasm/ratewall_core_probe.wasm");
     std::fs::copy(out.join("ratewall_core_probe.wasm"), &probe).map_err(|e| format!("copying the core probe: {e}"))?;
     let size = std::fs::metadata(&filter).map(|m| m.len()).unwrap_or(0);
@@ -187,11 +191,18 @@ pub(crate) fn build_worker(tc: &Toolchain) -> Result<()> {
         .env("CARGO_TARGET_DIR", root().join("target/wasm")))?;
     let dist = root().join("dist/worker");
     std::fs::create_dir_all(&dist).map_err(|e| format!("{}: {e}", dist.display()))?;
+    // Made beside the bundle and renamed into it once optimized (the wasm first, then the
+    // script that loads it): a copy or `wrangler deploy` taken meanwhile gets a whole bundle,
+    // never an empty wasm (wasm-opt writes its output from the start).
+    let making = |file: &str| dist.join(format!("{file}.new"));
     for file in ["index.js", "index_bg.wasm"] {
-        std::fs::copy(crate_dir.join("build").join(file), dist.join(file))
+        std::fs::copy(crate_dir.join("build").join(file), making(file))
             .map_err(|e| format!("copying the Worker's {file}: {e}"))?;
     }
-    optimize_with(&dist.join("index_bg.wasm"), WORKER_WASM_OPT_FLAGS);
+    optimize_with(&making("index_bg.wasm"), WORKER_WASM_OPT_FLAGS);
+    for file in ["index_bg.wasm", "index.js"] {
+        std::fs::rename(making(file), dist.join(file)).map_err(|e| format!("dist/worker/{file}: {e}"))?;
+    }
     let size = std::fs::metadata(dist.join("index_bg.wasm")).map(|m| m.len()).unwrap_or(0);
     eprintln!("xtask: built {} ({size} bytes of wasm)", dist.display());
     Ok(())
