@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-const USAGE: &str = "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE]
+const USAGE: &str =
+    "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE]
   --rules FILE       the rules document, watched and pushed on change (default examples/rules.json)
   --wasm FILE        the built filter (default dist/ratewall_filter.wasm here, else the build tree's)
   --port N           the port on 127.0.0.1 (default 8080, or a free one when taken; 0: a free one)
