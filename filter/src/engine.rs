@@ -560,8 +560,8 @@ impl Engine {
         }
         self.top.on_tick(host, &self.config);
         if let Some(s) = self.sync() {
-            s.on_tick(host, &|node, deltas, given_up| {
-                let mut section = self.top.section(host, &self.config, node, deltas);
+            s.on_tick(host, &|node, deltas, given_up, limited| {
+                let mut section = self.top.section(host, &self.config, node, deltas, limited);
                 if let Some(given_up) = given_up {
                     let s = section.get_or_insert_with(TopSection::default);
                     s.absorb(given_up, (usize::MAX, None));

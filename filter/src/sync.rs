@@ -265,8 +265,18 @@ pub(crate) fn unreported(since: u32, carry: u32, reported: u64) -> u64 {
 /// the node held; an ask's is added to it. Leases count from when the request was sent
 /// (`sent`, the node's clock: the answer's `now` less the round trip), so the node's lease
 /// always ends before the store's.
-fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncResponse, sent: Nanos, ask: bool) {
+/// Writes an answer's grants into the table; the counters (`fnv1a` of their keys) whose
+/// store had no quota beyond their grant: at their limit fleet-wide, or about to be.
+fn write_grants(
+    host: &dyn Host,
+    table: &Table,
+    deltas: &[Delta],
+    resp: &SyncResponse,
+    sent: Nanos,
+    ask: bool,
+) -> Vec<u64> {
     let now = host.now();
+    let mut limited = Vec::new();
     let sent_store = resp.now.saturating_sub(now.saturating_sub(sent));
     for (d, g) in deltas.iter().zip(&resp.grants) {
         let until_ms = (sent_store.saturating_add(g.lease) / MS).max(1);
@@ -281,6 +291,7 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
             (g.grant, until_ms)
         };
         let weigh = |st: &ratewall_core::State| (d.limit.idle_at(st), d.limit.usage(st, now));
+        let mut at_limit = false;
         let _ = table.update(
             host,
             &d.key,
@@ -301,6 +312,7 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
                 // Whether the store had quota beyond this grant: a request it leaves short may ask.
                 // An ask's `remaining` is counted after its asked units, which its grant holds.
                 let more = if ask { grant > 0 && remaining > grant.saturating_sub(d.units) } else { remaining > grant };
+                at_limit = !more;
                 let kept = if ask { held.map_or(0, |h| h.units_at(resp.now)) } else { 0 };
                 // An ask's answer leaves the overdraft as it was.
                 let over = if ask {
@@ -366,8 +378,17 @@ fn write_grants(host: &dyn Host, table: &Table, deltas: &[Delta], resp: &SyncRes
             },
             &mut Default::default(),
         );
+        if at_limit {
+            limited.push(ratewall_core::key::fnv1a(&d.key));
+        }
     }
+    limited
 }
+
+/// Counters a VM's answers found at their limit fleet-wide are remembered this long (the
+/// store's shortest top-offenders window), at most [`LIMITED_KEPT`] of them.
+const LIMITED_FOR: Nanos = 60 * ratewall_core::SECOND;
+const LIMITED_KEPT: usize = 256;
 
 impl Syncing {
     /// Notes a counter a VM's deltas named at `now`.
@@ -655,7 +676,9 @@ struct Metrics {
 
 /// What ends a new batch: given the node's id, the batch's deltas and the section of batches
 /// given up since the last one was made (to fold in), its top-offenders section.
-pub type Section<'a> = dyn Fn(u64, &[Delta], Option<&TopSection>) -> Option<TopSection> + 'a;
+/// The last argument: the counters (`fnv1a` of their keys) this VM's answers found at their
+/// limit fleet-wide in the last minute, sorted.
+pub type Section<'a> = dyn Fn(u64, &[Delta], Option<&TopSection>, &[u64]) -> Option<TopSection> + 'a;
 
 /// One VM's syncer.
 #[derive(Debug)]
@@ -690,6 +713,10 @@ pub struct Syncer {
     /// Whether this VM has published on a request's path since its last tick (once per tick
     /// at most: each publish rewrites its whole outbox).
     handed: Cell<bool>,
+    /// Counters (`fnv1a` of their keys) this VM's answers found at their limit fleet-wide,
+    /// and when: a batch's top section then carries what the node admitted on them though it
+    /// denied none (another node may have).
+    limited: RefCell<Vec<(u64, Nanos)>>,
 }
 
 /// Adds `units` admitted in `window` to `key`'s: a later window's replace an earlier one's,
@@ -819,6 +846,7 @@ impl Syncer {
             unapplied_logged: Cell::new(0),
             overdrawn: Cell::new(false),
             handed: Cell::new(false),
+            limited: RefCell::default(),
         }
     }
 
@@ -848,7 +876,31 @@ impl Syncer {
             unapplied_logged: Cell::new(previous.unapplied_logged.get()),
             overdrawn: Cell::new(previous.overdrawn.take()),
             handed: Cell::new(previous.handed.get()),
+            limited: RefCell::new(previous.limited.borrow().clone()),
         }
+    }
+
+    /// Notes counters an answer found at their limit at `now`.
+    fn note_limited(&self, hashes: &[u64], now: Nanos) {
+        let mut l = self.limited.borrow_mut();
+        l.retain(|(h, at)| now.saturating_sub(*at) < LIMITED_FOR && !hashes.contains(h));
+        l.extend(hashes.iter().map(|h| (*h, now)));
+        // The newest kept.
+        let over = l.len().saturating_sub(LIMITED_KEPT);
+        l.drain(..over);
+    }
+
+    /// The counters found at their limit in the last [`LIMITED_FOR`] before `now`, sorted.
+    fn limited_at(&self, now: Nanos) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .limited
+            .borrow()
+            .iter()
+            .filter(|(_, at)| now.saturating_sub(*at) < LIMITED_FOR)
+            .map(|(h, _)| *h)
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     /// The options in force.
@@ -1172,7 +1224,7 @@ impl Syncer {
                 // as it would accept a replay it still recognizes.
                 let mut body = SyncRequest::encode_parts(self.token, s.seq, now, &deltas, false);
                 let given_up = s.given_up.take();
-                let top = section(self.token, &deltas, given_up.as_ref());
+                let top = section(self.token, &deltas, given_up.as_ref(), &self.limited_at(now));
                 if let Some(top) = &top {
                     top.encode_into(&mut body);
                 }
@@ -1306,7 +1358,8 @@ impl Syncer {
         };
         let taken: Vec<bool> =
             wants.iter().zip(&resp.grants).map(|(d, g)| g.grant >= d.units && g.key == d.key).collect();
-        write_grants(host, table, wants, &resp, asked_at, true);
+        let limited = write_grants(host, table, wants, &resp, asked_at, true);
+        self.note_limited(&limited, now);
         // A counter the ask was refused on is out until an ask of its units could be taken,
         // as the store's answer says (for a window, until a unit is free again), as a batch's
         // answer would name it: the request's denial (and this VM's next ones, until the view
@@ -1514,7 +1567,8 @@ impl Syncer {
             return;
         };
         let (batch, resp) = self.without_unapplied(host, batch, resp, now, sent);
-        write_grants(host, table, &batch.deltas, &resp, sent, false);
+        let limited = write_grants(host, table, &batch.deltas, &resp, sent, false);
+        self.note_limited(&limited, now);
         // The store read its clock about half way through the call, not when its answer
         // arrived: taken as of the arrival, the store's clock read half a round trip behind,
         // so for that long after a fixed window turned the node took the old window to run

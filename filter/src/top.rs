@@ -487,8 +487,18 @@ impl Top {
 
     /// The section a new batch ends with: per rule, in the document's order, its counts and
     /// top denied keys since the last batch (taken from shared data, so each goes in one
-    /// batch), admitted units from the batch's `deltas`.
-    pub fn section(&self, host: &dyn Host, config: &Config, node: u64, deltas: &[Delta]) -> Option<TopSection> {
+    /// batch), admitted units from the batch's `deltas`. A key this node denied in its running
+    /// minute, or whose counter is in `limited` (`fnv1a` of counter keys the store's answers
+    /// found at their limit, sorted), has its admitted units sent though the node denied it
+    /// nothing since: another node may have, and the store's entry for the key counts them.
+    pub fn section(
+        &self,
+        host: &dyn Host,
+        config: &Config,
+        node: u64,
+        deltas: &[Delta],
+        limited: &[u64],
+    ) -> Option<TopSection> {
         let (mut rules, mut active) = (Vec::new(), false);
         let mut allowed = vec![0u64; config.rules.len()];
         let mut by_key: std::collections::HashMap<&[u8], u64> = std::collections::HashMap::new();
@@ -509,8 +519,11 @@ impl Top {
         }
         for (i, rule) in config.rules.iter().enumerate() {
             let mut taken = None;
+            // The keys this node denied in its running minute.
+            let mut denied_here = Summary::default();
             for _ in 0..16 {
                 let Some((key, mut s, cas)) = find(host, &rule.name) else { break };
+                denied_here = s.minute.clone();
                 let gained = s.gained();
                 if gained.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 && s.pending_paid == 0 {
                     break;
@@ -561,16 +574,37 @@ impl Top {
                     *admitted.entry(bounded_key(shown, &config.identity.hash_key).into_bytes()).or_default() += u;
                 }
             }
+            // Admitted units of keys not denied in this batch: sent now for a key the fleet
+            // may list (their entries carry no denial), else kept for the key's first denial.
+            let mut alone: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
+            let listable =
+                |k: &[u8]| denied_here.count(k) > 0 || limited.binary_search(&ratewall_core::key::fnv1a(k)).is_ok();
+            let mut send_alone = |k: &[u8], u: u64| {
+                if let Some((_, shown)) = render(config, k) {
+                    *alone.entry(bounded_key(shown, &config.identity.hash_key).into_bytes()).or_default() += u;
+                }
+            };
             if let Some(w) = waiting {
                 let batch = units_of.get(i).into_iter().flatten().copied();
                 for (k, u) in batch.chain(paid_keys.iter().map(|(k, u)| (k.as_slice(), *u))) {
-                    if pending.count(k) == 0 {
+                    if pending.count(k) > 0 {
+                        continue;
+                    }
+                    if listable(k) {
+                        send_alone(k, u.saturating_add(w.take(k, now_s)));
+                    } else {
                         w.note(k, u, now_s);
                     }
+                }
+                for (k, u) in w.take_where(now_s, |k| listable(k)) {
+                    send_alone(&k, u);
                 }
             }
             for (k, u) in admitted {
                 top.set_allowed(&k, u);
+            }
+            for (k, u) in alone {
+                top.add_admitted(&k, u, 0);
             }
             let keys: Vec<Vec<u8>> = top.entries().iter().map(|e| e.key.clone()).collect();
             for k in keys {

@@ -171,6 +171,25 @@ impl Summary {
         }
     }
 
+    /// Adds `allowed` admitted units of `key` seen by the nodes in `nodes`, for a key the
+    /// fleet may list though these nodes did not deny it: a listed key's entry takes them, and
+    /// a key not listed gets an entry of admitted units only (no denial, no count: it is never
+    /// listed on its own, and the first reduction drops it) while there is room.
+    pub fn add_admitted(&mut self, key: &[u8], allowed: u64, nodes: u64) {
+        match self.find(key) {
+            Ok(i) => {
+                if let Some(e) = self.entries.get_mut(i) {
+                    e.allowed = e.allowed.saturating_add(allowed);
+                    e.nodes |= nodes;
+                }
+            }
+            Err(i) if self.entries.len() < self.capacity && allowed > 0 => {
+                self.entries.insert(i, Entry { key: key.to_vec(), denied: 0, weight: 0, allowed, nodes });
+            }
+            Err(_) => {}
+        }
+    }
+
     /// Adds `other` (the summary of another part of the stream): the result is the summary
     /// of both parts, with an error of at most the sum of both plus what this adds.
     pub fn merge(&mut self, other: &Summary) {
@@ -228,7 +247,8 @@ impl Summary {
             Some(_) => *counts.select_nth_unstable_by(self.capacity, |x, y| y.cmp(x)).1,
             None => 0,
         };
-        let before = self.entries.len();
+        // Entries of admitted units only go too, and are no evictions: they listed no key.
+        let before = self.entries.iter().filter(|e| e.weight > 0).count();
         for e in &mut self.entries {
             e.weight = e.weight.saturating_sub(cut);
         }
@@ -237,9 +257,10 @@ impl Summary {
         self.evictions = self.evictions.saturating_add((before - self.entries.len()) as u64);
     }
 
-    /// The `n` most denied keys, most first (ties: by key).
+    /// The `n` most denied keys, most first (ties: by key); entries of admitted units only
+    /// are not among them.
     pub fn top(&self, n: usize) -> Vec<&Entry> {
-        let mut v: Vec<&Entry> = self.entries.iter().collect();
+        let mut v: Vec<&Entry> = self.entries.iter().filter(|e| e.denied > 0).collect();
         v.sort_by(|x, y| y.denied.cmp(&x.denied).then_with(|| x.key.cmp(&y.key)));
         v.truncate(n);
         v
@@ -259,7 +280,7 @@ impl Summary {
             put_varint(out, e.denied);
             put_varint(out, e.allowed);
             out.extend_from_slice(&e.nodes.to_le_bytes());
-            put_varint(out, e.denied - e.weight);
+            put_varint(out, e.denied.saturating_sub(e.weight));
         }
     }
 
@@ -296,12 +317,15 @@ impl Summary {
             let mut nodes = [0u8; 8];
             nodes.copy_from_slice(r.take(8)?);
             let taken = if taken { r.varint()? } else { 0 };
-            // Sorted and distinct, as encoded, with a counter above 0: anything else is not
-            // this encoding.
-            let weight = denied
-                .checked_sub(taken)
-                .filter(|w| *w > 0)
-                .ok_or(DecodeError::Invalid("summary entry (no count left)"))?;
+            // Sorted and distinct, as encoded, with a counter above 0, or an entry of admitted
+            // units only (no denial, nothing taken): anything else is not this encoding.
+            let weight = match (denied, taken) {
+                (0, 0) => 0,
+                _ => denied
+                    .checked_sub(taken)
+                    .filter(|w| *w > 0)
+                    .ok_or(DecodeError::Invalid("summary entry (no count left)"))?,
+            };
             if entries.last().is_some_and(|l| l.key >= key) {
                 return Err(DecodeError::Invalid("summary entries (not in key order)"));
             }
@@ -335,7 +359,7 @@ impl Summary {
     /// the listed counts: a summary that runs on across intervals lets keys that were heavy
     /// long ago give way to new ones twice as fast each interval.
     pub fn halve_weights(&mut self) {
-        for e in &mut self.entries {
+        for e in self.entries.iter_mut().filter(|e| e.weight > 0) {
             e.weight = (e.weight / 2).max(1);
         }
     }
@@ -495,6 +519,23 @@ impl Admitted {
         let Some(i) = self.entries.iter().position(|(k, _, _)| k.as_slice() == key) else { return 0 };
         let (_, u, at) = self.entries.swap_remove(i);
         kept(u, at, now)
+    }
+
+    /// The units kept (those of the last [`ADMITTED_FOR_S`] at unix second `now`) of every
+    /// key `pick` takes, taken out.
+    pub fn take_where(&mut self, now: u64, mut pick: impl FnMut(&[u8]) -> bool) -> Vec<(Vec<u8>, u64)> {
+        let mut taken = Vec::new();
+        self.entries.retain(|(k, u, at)| {
+            if !pick(k) {
+                return true;
+            }
+            let units = kept(*u, *at, now);
+            if units > 0 {
+                taken.push((k.clone(), units));
+            }
+            false
+        });
+        taken
     }
 
     /// Keys kept.

@@ -133,7 +133,15 @@ pub struct IsolateTop {
     /// those admitted before too (in earlier reports' intervals included), as the filter's
     /// and the store's do.
     admitted: Vec<Admitted>,
+    /// Per rule, the keys this isolate denied in the last minute (their `fnv1a`, and the
+    /// second of the last denial), at most [`CAPACITY`]: units admitted to
+    /// one of them later are reported at once, as its entry's, with or without a denial in
+    /// that report (else they waited for one that may never come).
+    denied_lately: Vec<Vec<(u64, u64)>>,
 }
+
+/// How long (s) a key an isolate denied has the units it is admitted reported at once.
+const DENIED_LATELY_S: u64 = 60;
 
 impl IsolateTop {
     /// Counts a request's `outcome` (its `checks`, at `t`) under `config`. A denial answered
@@ -150,6 +158,7 @@ impl IsolateTop {
             }
             self.rules = vec![Pending::default(); config.rules.len()];
             self.admitted = vec![Admitted::default(); config.rules.len()];
+            self.denied_lately = vec![Vec::new(); config.rules.len()];
             self.under = Some(Rc::clone(config));
         }
         let sec = t / SECOND;
@@ -166,8 +175,17 @@ impl IsolateTop {
                     if let Some(c) = check {
                         // Admitted units of a key already listed (side information); of one
                         // not listed yet, kept until it is.
+                        let lately = self.denied_lately.get(rule).is_some_and(|l| {
+                            let h = ratewall_core::key::fnv1a(&c.key);
+                            l.iter().any(|(k, at)| *k == h && sec.saturating_sub(*at) < DENIED_LATELY_S)
+                        });
                         match p.top.as_mut().filter(|t| t.count(&c.key) > 0) {
                             Some(top) => top.add(&c.key, 0, c.cost, 0),
+                            None if lately => {
+                                let before = self.admitted.get_mut(rule).map_or(0, |a| a.take(&c.key, sec));
+                                let top = p.top.get_or_insert_with(|| Summary::new(CAPACITY));
+                                top.add_admitted(&c.key, c.cost.saturating_add(before), 0);
+                            }
                             None => {
                                 if let Some(a) = self.admitted.get_mut(rule) {
                                     a.note(&c.key, c.cost, sec);
@@ -199,6 +217,14 @@ impl IsolateTop {
             if let (true, Some(c)) = (denied, check) {
                 let before = self.admitted.get_mut(rule).map_or(0, |a| a.take(&c.key, sec));
                 p.top.get_or_insert_with(|| Summary::new(CAPACITY)).add(&c.key, 1, before, 0);
+                if let Some(l) = self.denied_lately.get_mut(rule) {
+                    let h = ratewall_core::key::fnv1a(&c.key);
+                    l.retain(|(k, at)| *k != h && sec.saturating_sub(*at) < DENIED_LATELY_S);
+                    if l.len() >= CAPACITY {
+                        l.remove(0);
+                    }
+                    l.push((h, sec));
+                }
             }
             self.any = true;
         }

@@ -2644,3 +2644,81 @@ fn an_exact_shadow_rule_does_not_say_would_reject_of_requests_the_store_would_ad
     let said = h.metric("ratewall_rule_exact_shadow_rejected");
     assert!((2..=4).contains(&said), "{said} of 8 would be rejected, 3 exactly");
 }
+
+/// Answers every call from `store` and adds each batch's top-section entry of `key` (its
+/// allowed, denied and node bits) to `seen`.
+fn serve_seeing(store: &mut Store, e: &Engine, h: &FakeHost, key: &[u8], seen: &mut (u64, u64, u64)) {
+    for c in h.take_calls() {
+        if let Ok((_, Some(top))) = SyncRequest::decode_with_top(&c.body) {
+            for e in top.rules.iter().flat_map(|r| r.top.entries()).filter(|e| e.key == key) {
+                seen.0 += e.allowed;
+                seen.1 += e.denied;
+                seen.2 |= e.nodes;
+            }
+        }
+        let (status, tag, body) = answer(store, h.now(), SECRET, &c);
+        e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
+    }
+}
+
+#[test]
+fn a_node_that_admitted_a_client_another_denied_reports_what_it_admitted() {
+    // Five a minute: ann's five go through one node, which denies her nothing; then she goes
+    // to the other, which denies her. The key's entry counts the first node's five, and both
+    // nodes (the first's units had waited for a denial of its own that never came).
+    let (hosts, engines) = fleet(2, &rules(5, 2));
+    let mut s = store();
+    let mut seen = (0, 0, 0);
+    let (mut admitted, mut denied) = (0, 0);
+    for (i, n) in [(0, 5), (1, 3)] {
+        let (e, h) = (&engines[i], &hosts[i]);
+        for _ in 0..n {
+            match reply(e, h, "GET", NO_WAIT, &[("x-user-id", "ann")]).status {
+                200 => admitted += 1,
+                _ => denied += 1,
+            }
+            for (e, h) in engines.iter().zip(&hosts) {
+                h.advance(200 * MS);
+                e.on_tick(h);
+                serve_seeing(&mut s, e, h, b"user=ann", &mut seen);
+            }
+        }
+    }
+    for _ in 0..5 {
+        for (e, h) in engines.iter().zip(&hosts) {
+            h.advance(200 * MS);
+            e.on_tick(h);
+            serve_seeing(&mut s, e, h, b"user=ann", &mut seen);
+        }
+    }
+    assert_eq!((admitted, denied), (5, 3));
+    assert_eq!((seen.0, seen.1), (5, 3), "allowed and denied of the entry");
+    assert_eq!(ratewall_core::topk::node_count(seen.2), 2, "both nodes saw her");
+}
+
+#[test]
+fn units_admitted_to_a_client_after_its_denial_are_reported_without_another_denial() {
+    // Five a minute, six requests (one denied), then two more a window later: the entry counts
+    // all seven admitted, though no request of the later batches was denied.
+    let (hosts, engines) = fleet(1, &rules(5, 1));
+    let (e, h) = (&engines[0], &hosts[0]);
+    let mut s = store();
+    let mut seen = (0, 0, 0);
+    let mut statuses = Vec::new();
+    for (wait, n) in [(0, 6), (61_000 * MS, 2)] {
+        h.advance(wait);
+        for _ in 0..n {
+            statuses.push(reply(e, h, "GET", NO_WAIT, &[("x-user-id", "ann")]).status);
+            h.advance(200 * MS);
+            e.on_tick(h);
+            serve_seeing(&mut s, e, h, b"user=ann", &mut seen);
+        }
+        for _ in 0..5 {
+            h.advance(200 * MS);
+            e.on_tick(h);
+            serve_seeing(&mut s, e, h, b"user=ann", &mut seen);
+        }
+    }
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 429, 200, 200]);
+    assert_eq!((seen.0, seen.1), (7, 1), "allowed and denied of the entry");
+}

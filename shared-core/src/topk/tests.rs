@@ -475,3 +475,58 @@ fn admitted_units_wait_for_a_keys_first_denial_bounded_and_for_a_minute() {
     b.note(b"new", 1, 1_000);
     assert_eq!(b.take(b"new", 1_000), 1);
 }
+
+/// A node that admitted a client another node denied reports those units in an entry of
+/// admitted units only: it travels, adds to the key's entry where the fleet lists it, and
+/// lists no key on its own.
+#[cfg(feature = "admin")]
+#[test]
+fn an_entry_of_admitted_units_only_adds_to_a_listed_key_and_lists_none() {
+    use crate::sync::{RuleTop, TopSection};
+    let section = |top: Summary| TopSection {
+        rules: alloc::vec![RuleTop { rule: "r".into(), allowed: 5, denied: 0, shadow_denied: 0, top }],
+    };
+    let mut admitting = Summary::new(4);
+    admitting.add_admitted(b"user=a", 5, node_bit(1));
+    admitting.add_admitted(b"user=quiet", 2, node_bit(1));
+    admitting.add(b"user=b", 1, 0, node_bit(1));
+    let mut out = Vec::new();
+    section(admitting.clone()).encode_into(&mut out);
+    let back = TopSection::decode(&out).unwrap();
+    assert_eq!(back.rules[0].top, admitting, "it travels as it was");
+    assert_eq!(admitting.top(10).len(), 1, "only a denied key is listed");
+    // An entry whose count was taken whole is still no encoding.
+    let mut bad = Summary::new(4);
+    bad.add(b"user=c", 1, 0, 0);
+    let mut bytes = Vec::new();
+    bad.encode(&mut bytes);
+    *bytes.last_mut().unwrap() = 1;
+    assert!(Summary::decode(&mut Reader { bytes: &bytes, pos: 0 }, MAX_KEY).is_err());
+
+    let mut denying = Summary::new(4);
+    denying.add(b"user=a", 3, 0, node_bit(2));
+    let mut w = super::windows::Windows::new(8, 8);
+    w.add(1_000, &section(admitting), &[]);
+    w.add(1_001, &section(denying), &[]);
+    let top = w.top(1_001, None, super::windows::Window::Minute);
+    let listed = top["rules"][0]["top"].as_array().unwrap();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(listed[0]["key"], "user=a");
+    assert_eq!((listed[0]["denied"].as_u64(), listed[0]["allowed"].as_u64()), (Some(3), Some(5)));
+    assert_eq!(listed[0]["nodes"], 2, "the node that admitted it saw it too");
+    assert_eq!(listed[1]["key"], "user=b");
+    // A full summary keeps its denied keys: admitted units alone take no place from them.
+    let mut full = Summary::new(2);
+    full.add(b"x", 1, 0, 0);
+    full.add(b"y", 1, 0, 0);
+    full.add_admitted(b"z", 9, 0);
+    assert_eq!(full.entries().len(), 2);
+    let mut with_room = Summary::new(3);
+    with_room.add_admitted(b"z", 9, 0);
+    full.merge_keeping(&with_room);
+    assert_eq!(full.entries().iter().map(|e| e.key.as_slice()).collect::<Vec<_>>(), [&b"x"[..], b"y"]);
+    assert_eq!(full.evictions(), 0);
+    full.halve_weights();
+    with_room.halve_weights();
+    assert_eq!(with_room.entries()[0].weight, 0, "halving gives no count to admitted units");
+}

@@ -296,3 +296,32 @@ fn admissions_in_an_earlier_report_count_for_a_keys_first_denial() {
     let listed = second.section.rules[0].top.top(1);
     assert_eq!((listed[0].denied, listed[0].allowed), (1, 2));
 }
+
+#[test]
+fn units_admitted_to_a_key_after_its_denial_count_in_its_entry_without_another_denial() {
+    // Two a minute: two allowed and one denied, then two allowed a window later in a report
+    // with no denial. The key's entry counts the four.
+    let c = config(RULES);
+    let mut agg = Aggregate::default();
+    let mut top = IsolateTop::default();
+    let k = checks(&c, "sk_live_heavy", "ann");
+    for allowed in [true, true, false] {
+        let (o, _) = combine(&c, &k, &[decided(allowed), decided(true)]);
+        top.count(&c, &k, &o, T);
+    }
+    let first = top.take(1, T + SECOND).unwrap();
+    for _ in 0..2 {
+        let (o, _) = combine(&c, &k, &[decided(true), decided(true)]);
+        top.count(&c, &k, &o, T + 11 * SECOND);
+    }
+    let second = top.take(1, T + 12 * SECOND).unwrap();
+    assert_eq!(second.section.rules[0].top.top(5).len(), 0, "no denial, so nothing listed by it alone");
+    for (r, at) in [(first, T + SECOND), (second, T + 12 * SECOND)] {
+        let call = TopCall::decode(&TopCall::Report(r).encode()).unwrap();
+        agg.handle(call, at / SECOND);
+    }
+    let v = agg.top(T / SECOND + 12, Some("per-key"), Window::Minute);
+    let entry = &v["rules"][0]["top"][0];
+    assert_eq!((entry["denied"].as_u64(), entry["allowed"].as_u64()), (Some(1), Some(4)), "{v}");
+    assert_eq!(v["rules"][0]["allowed"], 4);
+}
