@@ -35,6 +35,14 @@ pub fn router<K: Kv + Send + Sync + 'static>(store: Arc<Store<K>>, rls: Option<A
             get(move |State(store): State<Arc<Store<K>>>| async move { metrics(&store, rls.as_deref()) }),
         )
         .route("/healthz", get(healthz::<K>))
+        .fallback(|uri: Uri| async move {
+            let why =
+                format!("no admin route {} (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz)", uri.path());
+            json_response(StatusCode::NOT_FOUND, &json!({"error": why}))
+        })
+        .method_not_allowed_fallback(|| async {
+            json_response(StatusCode::METHOD_NOT_ALLOWED, &json!({"error": "the admin routes answer GET only"}))
+        })
         .with_state(store)
 }
 

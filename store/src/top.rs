@@ -58,6 +58,9 @@ pub const MAX_RULES: usize = 256;
 pub const MAX_NODES: usize = 10_000;
 /// Nodes unheard this long are forgotten.
 pub const NODE_TTL: Duration = Duration::from_secs(600);
+/// A node unheard this long is silent: 0 batches a second (the dashboard's `SILENT_S`; a live
+/// node sends a heartbeat at least every few seconds).
+pub const SILENT: Duration = Duration::from_secs(10);
 /// Keys a bucket's summary keeps: four times a proxy's, since a bucket merges the whole
 /// fleet's batches and its error bound is a share of everything they denied.
 pub const KEPT: usize = 4 * ratewall_core::topk::CAPACITY;
@@ -583,9 +586,14 @@ impl Top {
     pub fn fleet(&self) -> Vec<Value> {
         let Ok(inner) = self.inner.lock() else { return Vec::new() };
         let now = Instant::now();
-        // A process's rate of a node it stopped hearing decays as the rate itself would.
+        // A process's rate of a node it stopped hearing decays as the rate itself would, to
+        // none once the node is silent (as the dashboard shows it: unheard for `SILENT`).
         let decayed = |rate: f64, last_seen: Instant| {
-            rate * (-now.saturating_duration_since(last_seen).as_secs_f64() / 5.0).exp()
+            let unheard = now.saturating_duration_since(last_seen);
+            if unheard >= SILENT {
+                return 0.0;
+            }
+            rate * (-unheard.as_secs_f64() / 5.0).exp()
         };
         let mut nodes: BTreeMap<u64, Seen> = BTreeMap::new();
         let own = inner.nodes.iter().map(|(id, n)| (*id, &n.seen));
@@ -657,6 +665,31 @@ mod tests {
         assert_eq!(denied.len(), SERIES);
         assert_eq!((denied[SERIES - 2].clone(), denied[SERIES - 1].clone()), (json!(96), json!(0)));
         assert_eq!(top.fleet().len(), 3);
+    }
+
+    #[test]
+    fn a_silent_node_sends_no_batches_a_second() {
+        let top = Top::default();
+        let now = Instant::now();
+        let (lately, long_ago) = (now - Duration::from_secs(1), now - SILENT - Duration::from_secs(1));
+        for (node, at) in [(1, lately), (2, long_ago)] {
+            // Ten batches a second, then nothing.
+            for i in 0..50u32 {
+                top.heard_at(
+                    1_000,
+                    at - Duration::from_millis(100) * (50 - i),
+                    node,
+                    u64::from(i),
+                    true,
+                    Duration::ZERO,
+                    None,
+                );
+            }
+        }
+        let fleet = top.fleet();
+        let rate = |i: usize| fleet[i]["batches_per_s"].as_f64().unwrap();
+        assert!(rate(0) > 1.0, "{fleet:?}");
+        assert_eq!(rate(1), 0.0, "{fleet:?}");
     }
 
     #[test]

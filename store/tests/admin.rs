@@ -140,6 +140,14 @@ fn the_admin_listener_lists_the_fleets_top_offenders_and_nodes() {
     assert_eq!(get(&admin, "/healthz").0, 200);
     assert!(get(&admin, "/metrics").1.contains("ratewall_store_sync_ok_total 6"));
     assert_eq!(get(&store.addr, "/v1/top").0, 404, "not on the main listener");
+    // Another path or method: a reason, not an empty body.
+    let (status, body) = get(&admin, "/v1/tops");
+    assert_eq!(status, 404);
+    assert!(body.contains("no admin route /v1/tops"), "{body}");
+    let r = http::request(&admin, "POST", "/v1/top", &[], b"").unwrap();
+    assert_eq!(r.status, 405);
+    assert!(String::from_utf8_lossy(&r.body).contains("GET only"));
+    assert!(r.headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("allow") && v.contains("GET")), "{:?}", r.headers);
     // Redis gone: no process can answer a batch, and every node shows degraded.
     let mut redis = redis;
     redis.stop();
