@@ -5,7 +5,7 @@ use crate::host::{headers, HeaderNames, Host, Level};
 use crate::sync::Syncer;
 use crate::table::{Grants, Table, TableCounters};
 use ratewall_core::algo::Limit;
-use ratewall_core::eval::{evaluate, Check, CheckResult, Request, Skip, StoreError, Tally};
+use ratewall_core::eval::{evaluate, Check, CheckResult, Outcome, Request, Skip, StoreError, Tally};
 use ratewall_core::glob::normalize_path;
 use ratewall_core::key::{client_key, parse_ip};
 use ratewall_core::rules::{Config, Dimension, FailurePolicy, SyncOptions};
@@ -117,6 +117,9 @@ pub struct Waiting {
     at: Nanos,
     /// Its concurrency slots, held while it waits and after.
     pub slots: Slots,
+    /// The verdict its reply was rendered from: [`Engine::reply_now`] renders it again with
+    /// its queues as they are when it goes.
+    outcome: Outcome,
 }
 
 /// A turn in one leaky bucket's queue: the check, the turn given (the host clock) and the
@@ -743,6 +746,26 @@ impl Engine {
         self.release(host, waiting.slots);
     }
 
+    /// The reply of a request that waited its turn, as of now (when it goes): each leaky
+    /// bucket's fields from its queue now, so that `r` counts the places left behind the
+    /// requests that joined the queue meanwhile (its reply when it was admitted said those
+    /// were free: a client trusting them found the queue full).
+    pub fn reply_now(&self, host: &dyn Host, waiting: &Waiting) -> Reply {
+        let host_now = host.now();
+        let now = self.sync().map_or(host_now, |s| s.store_now(host_now));
+        let mut outcome = waiting.outcome.clone();
+        for t in &waiting.turns {
+            let Some((state, _)) = self.table.queue(host, &t.check.key) else { continue };
+            let (peeked, _) = t.check.limit.decide(&state, now, 0);
+            for c in outcome.checks.iter_mut().filter(|c| c.rule == t.check.rule) {
+                if let CheckResult::Decided(d) = &mut c.result {
+                    (d.remaining, d.reset_after) = (peeked.remaining, peeked.reset_after);
+                }
+            }
+        }
+        render(&self.config, &outcome)
+    }
+
     /// When a waiter with `turns` goes now (the host clock): the latest of its turns, each
     /// moved up by the waiters ahead of it that left. `until`: when it was to go.
     pub fn turn(&self, host: &dyn Host, turns: &[Turn], until: Nanos) -> Nanos {
@@ -1090,6 +1113,6 @@ impl Engine {
                 bump(m.delayed, 1);
             }
         }
-        Verdict::Wait(Waiting { until: host_now.saturating_add(wait), reply, turns, at: now, slots })
+        Verdict::Wait(Waiting { until: host_now.saturating_add(wait), reply, turns, at: now, slots, outcome })
     }
 }

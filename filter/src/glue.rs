@@ -622,6 +622,10 @@ impl HttpContext for Request {
         if let (Some(engine), Some(_)) = (&self.engine, &self.asking) {
             engine.pause_ignored(&ProxyHost);
         }
+        // A request that waited its turn: its fields as of now, the queues as they are.
+        if let (Some(engine), Some(waiting)) = (&self.engine, &self.waiting) {
+            self.response_headers = engine.reply_now(&ProxyHost, waiting).headers;
+        }
         for (name, value) in &self.response_headers {
             let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
         }

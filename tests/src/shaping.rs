@@ -16,6 +16,8 @@ pub struct Burst {
     pub at_once: usize,
     /// Requests forwarded after waiting: when (ns after the burst), in order.
     pub forwarded: Vec<u64>,
+    /// Their `RateLimit` fields, in the same order.
+    pub forwarded_fields: Vec<Option<String>>,
     /// Requests rejected with 429, and their `Retry-After`.
     pub rejected: Vec<Option<String>>,
     /// The paused requests' contexts, per VM (those still waiting at the end).
@@ -80,7 +82,10 @@ pub fn burst(node: &Node, vms: &mut [Vm], n: usize, run_ms: u64, abort: &[usize]
         let mut still = Vec::new();
         for (v, ctx) in paused {
             match vms[v].finish(ctx)? {
-                Some(r) if r.passed => out.forwarded.push(now - start),
+                Some(r) if r.passed => {
+                    out.forwarded.push(now - start);
+                    out.forwarded_fields.push(r.header("ratelimit").map(str::to_owned));
+                }
                 Some(_) => out.rejected.push(None),
                 None => still.push((v, ctx)),
             }

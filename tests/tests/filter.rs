@@ -536,6 +536,21 @@ mod shaping {
     }
 
     #[test]
+    fn a_request_that_waited_its_turn_says_the_places_left_when_it_goes() {
+        // A queue of 5 at 5 a second, 12 requests at once: the k-th queued goes at k × 200 ms,
+        // when k places are free (those behind it still hold theirs). Its fields as of its
+        // admission said 5 - k were: a client trusting them found the queue full.
+        let (node, mut vms) = node(&plugin(), &rules(5, 0), 2, T0).unwrap();
+        let b = burst(&node, &mut vms, 12, 1500, &[]).unwrap();
+        assert_eq!(b.forwarded.len(), 5, "{b:?}");
+        let fields: Vec<&str> = b.forwarded_fields.iter().map(|f| f.as_deref().unwrap_or("")).collect();
+        assert_eq!(
+            fields,
+            ["\"shape\";r=1;t=1", "\"shape\";r=2;t=1", "\"shape\";r=3;t=1", "\"shape\";r=4;t=1", "\"shape\";r=5;t=1"]
+        );
+    }
+
+    #[test]
     fn delay_lets_part_of_the_queue_through_at_once() {
         // NGINX `burst=10 delay=3`: 3 of the queued go at once, 7 wait, 1 of 12 is rejected.
         let (node, mut vms) = node(&plugin(), &rules(10, 3), 2, T0).unwrap();
