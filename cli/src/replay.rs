@@ -257,10 +257,27 @@ fn candidates(choice: FormatChoice, log_format: Option<&str>, wanted: &Wanted) -
             None => (name.to_owned(), default),
         };
         Template::compile(&name, text, syntax, wanted)
-            // A format string of the operator's: a line matches all of it or is unreadable.
-            .map(|t| if log_format.is_some() { t.whole_lines() } else { t })
+            // A format string of the operator's: a line matches all of it or is unreadable. So
+            // does a line of Envoy's default format: Envoy writes header values as they came,
+            // so one with `" "` in it shifts the fields after it, and the line, read with what
+            // it appends left alone, keyed its request on an address its client chose.
+            .map(|t| if log_format.is_some() || syntax == Syntax::Envoy { t.whole_lines() } else { t })
             .map(LogFormat::Text)
-            .map_err(|e| Failure::Usage(format!("--log-format: {e}")))
+            .map_err(|e| {
+                // A format of the other syntax than `--format` names: say so, not only what
+                // the string lacks in this one's.
+                let named =
+                    |s: Syntax| if s == Syntax::Nginx { "nginx ($name variables)" } else { "envoy (%OPERATORS%)" };
+                match log_format.map(Syntax::guess).filter(|g| *g != syntax) {
+                    Some(other) => Failure::Usage(format!(
+                        "--log-format: {e}; it is written in the syntax of {}, and --format {} reads {}",
+                        named(other),
+                        if syntax == Syntax::Nginx { "nginx" } else { "envoy" },
+                        named(syntax)
+                    )),
+                    None => Failure::Usage(format!("--log-format: {e}")),
+                }
+            })
     };
     Ok(match (choice, log_format) {
         (FormatChoice::Jsonl, Some(_)) => {
@@ -648,9 +665,12 @@ fn decompressed(input: Box<dyn Read + Send>, name: &str) -> Result<Box<dyn BufRe
     let other =
         [(&b"\x28\xb5\x2f\xfd"[..], "zstd", "zstdcat"), (b"BZh", "bzip2", "bzcat"), (b"\xfd7zXZ\0", "xz", "xzcat")];
     if let Some((_, what, tool)) = other.iter().find(|(magic, _, _)| head.starts_with(magic)) {
-        return Err(Failure::Usage(format!(
-            "{name} is {what}-compressed: read it through {tool} (`{tool} {name} | ratewall replay RULES -`)"
-        )));
+        let how = if name == "-" {
+            format!("`… | {tool} | ratewall replay RULES -`")
+        } else {
+            format!("`{tool} {name} | ratewall replay RULES -`")
+        };
+        return Err(Failure::Usage(format!("{name} is {what}-compressed: read it through {tool} ({how})")));
     }
     Ok(Box::new(raw))
 }
@@ -893,12 +913,10 @@ fn report(
             .map(|(r, c)| {
                 let keys: Vec<Value> =
                     top_of(c, o.top).into_iter().map(|(k, n)| json!({"key": k, "rejected": n})).collect();
-                let mut v = json!({"name": r.name, "allowed": c.allowed, "unlimited": c.unlimited, "rejected": c.rejected,
-                                   "shadow_rejected": c.shadow_rejected, "unkeyed": c.unkeyed, "top_rejected_keys": keys});
-                if c.pruned {
-                    v["top_rejected_keys_approximate"] = json!(true);
-                }
-                v
+                // Every field always, so a script reads one shape.
+                json!({"name": r.name, "allowed": c.allowed, "unlimited": c.unlimited, "rejected": c.rejected,
+                       "shadow_rejected": c.shadow_rejected, "unkeyed": c.unkeyed, "top_rejected_keys": keys,
+                       "top_rejected_keys_approximate": c.pruned})
             })
             .collect();
         say!(

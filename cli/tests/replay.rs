@@ -110,6 +110,15 @@ fn nginx_combined_and_envoy_logs_of_the_same_traffic_count_as_the_json_lines_log
         assert_eq!(got["requests"], want["requests"], "{args:?}");
         assert_eq!(per_rule(&got), per_rule(&want), "{args:?}");
     }
+    // A client's X-Forwarded-For of its own making, written by Envoy as it came: the line is
+    // unreadable, not keyed on the address the client put first.
+    let forged = concat!(
+        r#"[2026-12-01T10:00:00.200Z] "POST /v1/auth/login HTTP/1.1" 200 - 0 42 3 2 "1.1.1.1" "2.2.2.2, 203.0.113.9" "#,
+        r#""curl" "id2" "api.example.com" "10.0.0.5:8080""#,
+        "\n"
+    );
+    let got = replay_json(&["--format", "envoy", &rules, &temp("forged.envoy", forged)]);
+    assert_eq!((got["requests"].as_u64(), got["invalid_lines"].as_u64()), (Some(0), Some(1)), "{got}");
     let auto = replay_json(&[&rules, &temp("auto.jsonl", &jsonl)]);
     assert_eq!(auto["format"], "jsonl");
     // A log some tool wrote with a byte order mark first reads the same, its first line too.
@@ -260,6 +269,16 @@ fn a_line_that_does_not_match_the_log_format_given_is_unreadable_not_replayed() 
     }
     assert!(err.contains("3 log lines could not be read"), "{err}");
     assert!(!err.contains("sk_live"), "what follows the format is not echoed: it may be a secret\n{err}");
+    // A format string of the other syntax than --format says: told so.
+    let log = temp("syntax.log", &format!("{}\n", good(1)));
+    for (given, other, says) in
+        [("envoy", format, "the syntax of nginx"), ("nginx", "%START_TIME% %REQ(:PATH)%", "the syntax of envoy")]
+    {
+        let o = ratewall(&["replay", "--format", given, "--log-format", other, &rules, &log]);
+        assert_eq!(o.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(says) && err.contains(&format!("--format {given} reads")), "{err}");
+    }
 }
 
 /// A header's value with a space runs, in a format string's line, into the fields after it:
