@@ -15,7 +15,7 @@
 
 use super::hex;
 use ratewall_core::algo::Nanos;
-use ratewall_core::eval::{Check, Outcome, Tally};
+use ratewall_core::eval::{Check, CheckResult, Outcome, Tally};
 use ratewall_core::sync::{RuleTop, TopSection};
 use ratewall_core::topk::windows::Windows;
 pub use ratewall_core::topk::windows::{Second, Window, SERIES};
@@ -133,15 +133,28 @@ pub struct IsolateTop {
     /// those admitted before too (in earlier reports' intervals included), as the filter's
     /// and the store's do.
     admitted: Vec<Admitted>,
-    /// Per rule, the keys this isolate denied in the last minute (their `fnv1a`, and the
-    /// second of the last denial), at most [`CAPACITY`]: units admitted to
-    /// one of them later are reported at once, as its entry's, with or without a denial in
-    /// that report (else they waited for one that may never come).
-    denied_lately: Vec<Vec<(u64, u64)>>,
+    /// Per rule, the keys this isolate denied, or admitted with nothing left, in the last
+    /// minute (their `fnv1a`, and the second it last did), at most [`CAPACITY`]: units admitted
+    /// to one of them are reported at once, as its entry's, with or without a denial in that
+    /// report (else they waited for a denial here that may never come: another isolate may be
+    /// the one denying the client).
+    limited_lately: Vec<Vec<(u64, u64)>>,
 }
 
-/// How long (s) a key an isolate denied has the units it is admitted reported at once.
-const DENIED_LATELY_S: u64 = 60;
+/// How long (s) a key an isolate found at its limit has the units it is admitted reported at
+/// once.
+const LIMITED_LATELY_S: u64 = 60;
+
+/// Notes `key` found at its limit at unix second `sec`.
+fn note_limited(lately: Option<&mut Vec<(u64, u64)>>, key: &[u8], sec: u64) {
+    let Some(l) = lately else { return };
+    let h = ratewall_core::key::fnv1a(key);
+    l.retain(|(k, at)| *k != h && sec.saturating_sub(*at) < LIMITED_LATELY_S);
+    if l.len() >= CAPACITY {
+        l.remove(0);
+    }
+    l.push((h, sec));
+}
 
 impl IsolateTop {
     /// Counts a request's `outcome` (its `checks`, at `t`) under `config`. A denial answered
@@ -158,7 +171,7 @@ impl IsolateTop {
             }
             self.rules = vec![Pending::default(); config.rules.len()];
             self.admitted = vec![Admitted::default(); config.rules.len()];
-            self.denied_lately = vec![Vec::new(); config.rules.len()];
+            self.limited_lately = vec![Vec::new(); config.rules.len()];
             self.under = Some(Rc::clone(config));
         }
         let sec = t / SECOND;
@@ -175,9 +188,18 @@ impl IsolateTop {
                     if let Some(c) = check {
                         // Admitted units of a key already listed (side information); of one
                         // not listed yet, kept until it is.
-                        let lately = self.denied_lately.get(rule).is_some_and(|l| {
+                        // Admitted with nothing left: the counter is at its limit, and another
+                        // isolate may deny the client next.
+                        let spent = outcome
+                            .checks
+                            .iter()
+                            .any(|x| x.rule == rule && matches!(x.result, CheckResult::Decided(d) if d.remaining == 0));
+                        if spent {
+                            note_limited(self.limited_lately.get_mut(rule), &c.key, sec);
+                        }
+                        let lately = self.limited_lately.get(rule).is_some_and(|l| {
                             let h = ratewall_core::key::fnv1a(&c.key);
-                            l.iter().any(|(k, at)| *k == h && sec.saturating_sub(*at) < DENIED_LATELY_S)
+                            l.iter().any(|(k, at)| *k == h && sec.saturating_sub(*at) < LIMITED_LATELY_S)
                         });
                         match p.top.as_mut().filter(|t| t.count(&c.key) > 0) {
                             Some(top) => top.add(&c.key, 0, c.cost, 0),
@@ -217,14 +239,7 @@ impl IsolateTop {
             if let (true, Some(c)) = (denied, check) {
                 let before = self.admitted.get_mut(rule).map_or(0, |a| a.take(&c.key, sec));
                 p.top.get_or_insert_with(|| Summary::new(CAPACITY)).add(&c.key, 1, before, 0);
-                if let Some(l) = self.denied_lately.get_mut(rule) {
-                    let h = ratewall_core::key::fnv1a(&c.key);
-                    l.retain(|(k, at)| *k != h && sec.saturating_sub(*at) < DENIED_LATELY_S);
-                    if l.len() >= CAPACITY {
-                        l.remove(0);
-                    }
-                    l.push((h, sec));
-                }
+                note_limited(self.limited_lately.get_mut(rule), &c.key, sec);
             }
             self.any = true;
         }

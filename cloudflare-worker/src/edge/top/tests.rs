@@ -285,7 +285,8 @@ fn admissions_in_an_earlier_report_count_for_a_keys_first_denial() {
     let mut top = IsolateTop::default();
     let heavy = checks(&c, "sk_live_heavy", "ann");
     for _ in 0..2 {
-        let (o, _) = combine(&c, &heavy, &[decided(true), decided(true)]);
+        // Admitted with quota left: nothing says the client is limited yet.
+        let (o, _) = combine(&c, &heavy, &[Ok(Decision { remaining: 1, ..decided(true).unwrap() }), decided(true)]);
         top.count(&c, &heavy, &o, T);
     }
     let first = top.take(7, T + 5 * SECOND).unwrap();
@@ -324,4 +325,34 @@ fn units_admitted_to_a_key_after_its_denial_count_in_its_entry_without_another_d
     let entry = &v["rules"][0]["top"][0];
     assert_eq!((entry["denied"].as_u64(), entry["allowed"].as_u64()), (Some(1), Some(4)), "{v}");
     assert_eq!(v["rules"][0]["allowed"], 4);
+}
+
+#[test]
+fn a_client_one_isolate_admitted_to_its_limit_and_another_denied_counts_both_isolates() {
+    // Two a minute: isolate 1 admits both (the second with nothing left), isolate 2 denies the
+    // third. The entry counts the two admitted, and both isolates.
+    let c = config(RULES);
+    let mut agg = Aggregate::default();
+    let k = checks(&c, "sk_live_heavy", "ann");
+    let with_left = |allowed: bool, remaining: u64| -> Result<Decision, StoreError> {
+        Ok(Decision { remaining, ..decided(allowed).unwrap() })
+    };
+    let mut first = IsolateTop::default();
+    for remaining in [1, 0] {
+        let (o, _) = combine(&c, &k, &[with_left(true, remaining), decided(true)]);
+        first.count(&c, &k, &o, T);
+    }
+    let mut second = IsolateTop::default();
+    let (o, _) = combine(&c, &k, &[decided(false), decided(true)]);
+    second.count(&c, &k, &o, T);
+    for r in [first.take(1, T + SECOND).unwrap(), second.take(2, T + SECOND).unwrap()] {
+        agg.handle(TopCall::decode(&TopCall::Report(r).encode()).unwrap(), T / SECOND + 1);
+    }
+    let v = agg.top(T / SECOND + 1, Some("per-key"), Window::Minute);
+    let entry = &v["rules"][0]["top"][0];
+    assert_eq!(
+        (entry["denied"].as_u64(), entry["allowed"].as_u64(), entry["nodes"].as_u64()),
+        (Some(1), Some(2), Some(2)),
+        "{v}"
+    );
 }
