@@ -25,6 +25,7 @@ use ratewall_core::rules::SyncOptions;
 use ratewall_core::sync::{
     hex, sign, unhex, verify, window_of, Delta, SyncRequest, SyncResponse, TopSection, MAX_REQUEST_SKEW, RETRY_HORIZON,
 };
+use ratewall_core::topk::Lately;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
@@ -716,7 +717,7 @@ pub struct Syncer {
     /// Counters (`fnv1a` of their keys) this VM's answers found at their limit fleet-wide,
     /// and when: a batch's top section then carries what the node admitted on them though it
     /// denied none (another node may have).
-    limited: RefCell<Vec<(u64, Nanos)>>,
+    limited: RefCell<Lately>,
 }
 
 /// Adds `units` admitted in `window` to `key`'s: a later window's replace an earlier one's,
@@ -846,7 +847,7 @@ impl Syncer {
             unapplied_logged: Cell::new(0),
             overdrawn: Cell::new(false),
             handed: Cell::new(false),
-            limited: RefCell::default(),
+            limited: RefCell::new(Lately::new(LIMITED_FOR, LIMITED_KEPT)),
         }
     }
 
@@ -878,29 +879,6 @@ impl Syncer {
             handed: Cell::new(previous.handed.get()),
             limited: RefCell::new(previous.limited.borrow().clone()),
         }
-    }
-
-    /// Notes counters an answer found at their limit at `now`.
-    fn note_limited(&self, hashes: &[u64], now: Nanos) {
-        let mut l = self.limited.borrow_mut();
-        l.retain(|(h, at)| now.saturating_sub(*at) < LIMITED_FOR && !hashes.contains(h));
-        l.extend(hashes.iter().map(|h| (*h, now)));
-        // The newest kept.
-        let over = l.len().saturating_sub(LIMITED_KEPT);
-        l.drain(..over);
-    }
-
-    /// The counters found at their limit in the last [`LIMITED_FOR`] before `now`, sorted.
-    fn limited_at(&self, now: Nanos) -> Vec<u64> {
-        let mut v: Vec<u64> = self
-            .limited
-            .borrow()
-            .iter()
-            .filter(|(_, at)| now.saturating_sub(*at) < LIMITED_FOR)
-            .map(|(h, _)| *h)
-            .collect();
-        v.sort_unstable();
-        v
     }
 
     /// The options in force.
@@ -1224,7 +1202,7 @@ impl Syncer {
                 // as it would accept a replay it still recognizes.
                 let mut body = SyncRequest::encode_parts(self.token, s.seq, now, &deltas, false);
                 let given_up = s.given_up.take();
-                let top = section(self.token, &deltas, given_up.as_ref(), &self.limited_at(now));
+                let top = section(self.token, &deltas, given_up.as_ref(), &self.limited.borrow().held(now));
                 if let Some(top) = &top {
                     top.encode_into(&mut body);
                 }
@@ -1359,7 +1337,7 @@ impl Syncer {
         let taken: Vec<bool> =
             wants.iter().zip(&resp.grants).map(|(d, g)| g.grant >= d.units && g.key == d.key).collect();
         let limited = write_grants(host, table, wants, &resp, asked_at, true);
-        self.note_limited(&limited, now);
+        self.limited.borrow_mut().note(&limited, now);
         // A counter the ask was refused on is out until an ask of its units could be taken,
         // as the store's answer says (for a window, until a unit is free again), as a batch's
         // answer would name it: the request's denial (and this VM's next ones, until the view
@@ -1568,7 +1546,7 @@ impl Syncer {
         };
         let (batch, resp) = self.without_unapplied(host, batch, resp, now, sent);
         let limited = write_grants(host, table, &batch.deltas, &resp, sent, false);
-        self.note_limited(&limited, now);
+        self.limited.borrow_mut().note(&limited, now);
         // The store read its clock about half way through the call, not when its answer
         // arrived: taken as of the arrival, the store's clock read half a round trip behind,
         // so for that long after a fixed window turned the node took the old window to run

@@ -556,10 +556,10 @@ impl Top {
                 continue;
             }
             let bit = node_bit(node);
-            let top = pending.map_keys(|k| {
-                let (_, shown) = render(config, k)?;
-                Some(bounded_key(shown, &config.identity.hash_key).into_bytes())
-            });
+            // A counter key's shown form, as the store lists it.
+            let shown =
+                |k: &[u8]| render(config, k).map(|(_, s)| bounded_key(s, &config.identity.hash_key).into_bytes());
+            let top = pending.map_keys(shown);
             // Admitted units per shown key, for the listed keys: this batch's, and those of
             // earlier ones kept for a key until its first denial.
             let mut top = top;
@@ -570,8 +570,8 @@ impl Top {
                 let asked = paid_keys.iter().find(|(k, _)| *k == e.key).map_or(0, |(_, n)| *n);
                 let before = waiting.as_mut().map_or(0, |w| w.take(&e.key, now_s));
                 let u = by_key.get(e.key.as_slice()).copied().unwrap_or(0).saturating_add(asked).saturating_add(before);
-                if let (true, Some((_, shown))) = (u > 0, render(config, &e.key)) {
-                    *admitted.entry(bounded_key(shown, &config.identity.hash_key).into_bytes()).or_default() += u;
+                if let (true, Some(k)) = (u > 0, shown(&e.key)) {
+                    *admitted.entry(k).or_default() += u;
                 }
             }
             // Admitted units of keys not denied in this batch: sent now for a key the fleet
@@ -580,8 +580,8 @@ impl Top {
             let listable =
                 |k: &[u8]| denied_here.count(k) > 0 || limited.binary_search(&ratewall_core::key::fnv1a(k)).is_ok();
             let mut send_alone = |k: &[u8], u: u64| {
-                if let Some((_, shown)) = render(config, k) {
-                    *alone.entry(bounded_key(shown, &config.identity.hash_key).into_bytes()).or_default() += u;
+                if let Some(k) = shown(k) {
+                    *alone.entry(k).or_default() += u;
                 }
             };
             if let Some(w) = waiting {

@@ -549,6 +549,48 @@ impl Admitted {
     }
 }
 
+/// Keys (their [`crate::key::fnv1a`]) noted lately, each with when it was last noted: one
+/// noted `span` or longer ago is no longer held, and past `cap` the oldest go. Time is in the
+/// caller's unit (`span`, `at` and `now` alike). A node notes the counters it found at their
+/// limit, whose admitted units its reports then carry at once (another node may be the one
+/// denying the client).
+#[derive(Clone, Debug)]
+pub struct Lately {
+    span: u64,
+    cap: usize,
+    /// (hash, when last noted), oldest first.
+    entries: Vec<(u64, u64)>,
+}
+
+impl Lately {
+    /// Empty, holding a key for `span` after it was noted, at most `cap` keys.
+    pub fn new(span: u64, cap: usize) -> Lately {
+        Lately { span, cap, entries: Vec::new() }
+    }
+
+    /// Notes `hashes` at `at`.
+    pub fn note(&mut self, hashes: &[u64], at: u64) {
+        let span = self.span;
+        self.entries.retain(|(h, t)| at.saturating_sub(*t) < span && !hashes.contains(h));
+        self.entries.extend(hashes.iter().map(|h| (*h, at)));
+        let over = self.entries.len().saturating_sub(self.cap);
+        self.entries.drain(..over);
+    }
+
+    /// Whether `hash` was noted within `span` before `now`.
+    pub fn holds(&self, hash: u64, now: u64) -> bool {
+        self.entries.iter().any(|(h, t)| *h == hash && now.saturating_sub(*t) < self.span)
+    }
+
+    /// The keys noted within `span` before `now`, sorted.
+    pub fn held(&self, now: u64) -> Vec<u64> {
+        let mut v: Vec<u64> =
+            self.entries.iter().filter(|(_, t)| now.saturating_sub(*t) < self.span).map(|(h, _)| *h).collect();
+        v.sort_unstable();
+        v
+    }
+}
+
 #[cfg(feature = "admin")]
 pub mod windows;
 

@@ -19,7 +19,7 @@ use ratewall_core::eval::{Check, CheckResult, Outcome, Tally};
 use ratewall_core::sync::{RuleTop, TopSection};
 use ratewall_core::topk::windows::Windows;
 pub use ratewall_core::topk::windows::{Second, Window, SERIES};
-use ratewall_core::topk::{bounded_key, node_bit, render, Admitted, Summary, CAPACITY};
+use ratewall_core::topk::{bounded_key, node_bit, render, Admitted, Lately, Summary, CAPACITY};
 use ratewall_core::{Config, SECOND};
 use serde_json::{json, Value};
 use std::rc::Rc;
@@ -138,7 +138,7 @@ pub struct IsolateTop {
     /// to one of them are reported at once, as its entry's, with or without a denial in that
     /// report (else they waited for a denial here that may never come: another isolate may be
     /// the one denying the client).
-    limited_lately: Vec<Vec<(u64, u64)>>,
+    limited_lately: Vec<Lately>,
 }
 
 /// How long (s) a key an isolate found at its limit has the units it is admitted reported at
@@ -146,14 +146,10 @@ pub struct IsolateTop {
 const LIMITED_LATELY_S: u64 = 60;
 
 /// Notes `key` found at its limit at unix second `sec`.
-fn note_limited(lately: Option<&mut Vec<(u64, u64)>>, key: &[u8], sec: u64) {
-    let Some(l) = lately else { return };
-    let h = ratewall_core::key::fnv1a(key);
-    l.retain(|(k, at)| *k != h && sec.saturating_sub(*at) < LIMITED_LATELY_S);
-    if l.len() >= CAPACITY {
-        l.remove(0);
+fn note_limited(lately: Option<&mut Lately>, key: &[u8], sec: u64) {
+    if let Some(l) = lately {
+        l.note(&[ratewall_core::key::fnv1a(key)], sec);
     }
-    l.push((h, sec));
 }
 
 impl IsolateTop {
@@ -171,7 +167,7 @@ impl IsolateTop {
             }
             self.rules = vec![Pending::default(); config.rules.len()];
             self.admitted = vec![Admitted::default(); config.rules.len()];
-            self.limited_lately = vec![Vec::new(); config.rules.len()];
+            self.limited_lately = vec![Lately::new(LIMITED_LATELY_S, CAPACITY); config.rules.len()];
             self.under = Some(Rc::clone(config));
         }
         let sec = t / SECOND;
@@ -186,8 +182,6 @@ impl IsolateTop {
                     let units = check.map_or(1, |c| c.cost);
                     p.allowed = p.allowed.saturating_add(units);
                     if let Some(c) = check {
-                        // Admitted units of a key already listed (side information); of one
-                        // not listed yet, kept until it is.
                         // Admitted with nothing left: the counter is at its limit, and another
                         // isolate may deny the client next.
                         let spent = outcome
@@ -197,13 +191,15 @@ impl IsolateTop {
                         if spent {
                             note_limited(self.limited_lately.get_mut(rule), &c.key, sec);
                         }
-                        let lately = self.limited_lately.get(rule).is_some_and(|l| {
+                        let lately = || {
                             let h = ratewall_core::key::fnv1a(&c.key);
-                            l.iter().any(|(k, at)| *k == h && sec.saturating_sub(*at) < LIMITED_LATELY_S)
-                        });
+                            self.limited_lately.get(rule).is_some_and(|l| l.holds(h, sec))
+                        };
+                        // Admitted units of a key already listed (side information), or found
+                        // at its limit lately; of one not listed yet, kept until it is.
                         match p.top.as_mut().filter(|t| t.count(&c.key) > 0) {
                             Some(top) => top.add(&c.key, 0, c.cost, 0),
-                            None if lately => {
+                            None if lately() => {
                                 let before = self.admitted.get_mut(rule).map_or(0, |a| a.take(&c.key, sec));
                                 let top = p.top.get_or_insert_with(|| Summary::new(CAPACITY));
                                 top.add_admitted(&c.key, c.cost.saturating_add(before), 0);

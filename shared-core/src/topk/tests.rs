@@ -530,3 +530,16 @@ fn an_entry_of_admitted_units_only_adds_to_a_listed_key_and_lists_none() {
     with_room.halve_weights();
     assert_eq!(with_room.entries()[0].weight, 0, "halving gives no count to admitted units");
 }
+
+#[test]
+fn lately_holds_a_key_for_its_span_and_at_most_its_cap_the_oldest_going_first() {
+    let mut l = Lately::new(60, 2);
+    l.note(&[1], 0);
+    l.note(&[2], 10);
+    assert!(l.holds(1, 59) && !l.holds(1, 60), "held for the span");
+    l.note(&[1], 20);
+    assert!(l.holds(1, 79), "noted again: held from then");
+    l.note(&[3], 30);
+    assert_eq!(l.held(30), [1, 3], "past the cap the oldest (2) went");
+    assert_eq!(l.held(85), [3]);
+}
