@@ -1,5 +1,5 @@
-//! The access-log formats `ratewall replay` reads: NGINX `log_format` strings (`combined` by
-//! default), Envoy format strings (its default access-log format by default) and ratewall's
+//! The access-log formats `ratewall replay` reads: NGINX `log_format` strings (`main` and
+//! `combined` by default), Envoy format strings (its default access-log format by default) and ratewall's
 //! JSON lines, each read into the same borrowed [`Entry`].
 
 use ratewall_core::Nanos;
@@ -10,6 +10,10 @@ use std::fmt;
 
 /// NGINX's predefined `combined` format.
 pub const NGINX_COMBINED: &str = r#"$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent "$http_referer" "$http_user_agent""#;
+
+/// The `main` format of the `nginx.conf` NGINX ships (and its packages and container image
+/// log with): `combined` and the `X-Forwarded-For` the request came with.
+pub const NGINX_MAIN: &str = r#"$remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent "$http_referer" "$http_user_agent" "$http_x_forwarded_for""#;
 
 /// Envoy's default access-log format (without its closing newline).
 pub const ENVOY_DEFAULT: &str = concat!(

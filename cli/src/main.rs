@@ -8,7 +8,7 @@
 //!   rules match a request, the counter key each would use, the limit in force (and whose plan
 //!   it is), and why the others do not.
 //! - `ratewall replay RULES.json LOG [--format nginx|envoy|jsonl|auto] [--log-format '…']`:
-//!   an access log (NGINX `combined` or any `log_format`, Envoy's default format or any format
+//!   an access log (NGINX `main`, `combined` or any `log_format`, Envoy's default format or any format
 //!   string, ratewall's JSON lines) through the core on its own clock (no sleeping): per rule
 //!   allowed / rejected / unkeyed, the top rejected keys. The offline twin of shadow mode.
 //! - `ratewall schema`: the rules document's JSON Schema (`rules.schema.json`).
@@ -101,8 +101,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Replay an access log through the rules on the log's own clock: NGINX (`combined` or a
-    /// `log_format`), Envoy (its default format or a format string), or JSON lines
+    /// Replay an access log through the rules on the log's own clock: NGINX (`main`, `combined`
+    /// or a `log_format`), Envoy (its default format or a format string), or JSON lines
     /// ({"ts", "method", "path", "headers", "ip", "duration_ms"}).
     Replay {
         /// The rules document.

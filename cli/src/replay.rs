@@ -260,8 +260,10 @@ fn candidates(choice: FormatChoice, log_format: Option<&str>, wanted: &Wanted) -
             // A format string of the operator's: a line matches all of it or is unreadable. So
             // does a line of Envoy's default format: Envoy writes header values as they came,
             // so one with `" "` in it shifts the fields after it, and the line, read with what
-            // it appends left alone, keyed its request on an address its client chose.
-            .map(|t| if log_format.is_some() || syntax == Syntax::Envoy { t.whole_lines() } else { t })
+            // it appends left alone, keyed its request on an address its client chose. And a
+            // line of NGINX's `main`, which is `combined` with one field more: only a line
+            // that has it is read as `main`.
+            .map(|t| if log_format.is_some() || text != logformat::NGINX_COMBINED { t.whole_lines() } else { t })
             .map(LogFormat::Text)
             .map_err(|e| {
                 // A format of the other syntax than `--format` names: say so, not only what
@@ -284,7 +286,12 @@ fn candidates(choice: FormatChoice, log_format: Option<&str>, wanted: &Wanted) -
             return Err(Failure::Usage("--log-format is for --format nginx or envoy, not jsonl".to_owned()))
         }
         (FormatChoice::Jsonl, None) => vec![LogFormat::Jsonl],
-        (FormatChoice::Nginx, _) => vec![template(Syntax::Nginx, logformat::NGINX_COMBINED, "nginx combined")?],
+        (FormatChoice::Nginx, Some(_)) => vec![template(Syntax::Nginx, "", "")?],
+        // `main` first: a log of it reads as `combined` too, with its client's address left out.
+        (FormatChoice::Nginx, None) => vec![
+            template(Syntax::Nginx, logformat::NGINX_MAIN, "nginx main")?,
+            template(Syntax::Nginx, logformat::NGINX_COMBINED, "nginx combined")?,
+        ],
         (FormatChoice::Envoy, _) => vec![template(Syntax::Envoy, logformat::ENVOY_DEFAULT, "envoy default")?],
         (FormatChoice::Auto, Some(f)) => {
             let syntax = Syntax::guess(f);
@@ -293,6 +300,7 @@ fn candidates(choice: FormatChoice, log_format: Option<&str>, wanted: &Wanted) -
         (FormatChoice::Auto, None) => vec![
             LogFormat::Jsonl,
             template(Syntax::Envoy, logformat::ENVOY_DEFAULT, "envoy default")?,
+            template(Syntax::Nginx, logformat::NGINX_MAIN, "nginx main")?,
             template(Syntax::Nginx, logformat::NGINX_COMBINED, "nginx combined")?,
         ],
     })

@@ -650,3 +650,33 @@ fn a_gzip_compressed_log_replays_as_its_text() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("zstd-compressed: read it through zstdcat"), "{o:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A log in the `main` format of the `nginx.conf` NGINX ships (its container image logs with it)
+/// is read as `main`, by `auto` and `--format nginx`: behind a load balancer its clients are the
+/// `X-Forwarded-For` it ends with, which `combined` leaves out (every request was the balancer's).
+/// A `combined` log is still read as `combined`.
+#[test]
+fn nginx_main_logs_are_keyed_on_the_forwarded_for_they_end_with() {
+    let rules = temp(
+        "main-rules.json",
+        r#"{"identity":{"ip":{"trusted_hops":1}},"rules":[{"name":"ip","key":["ip"],"algorithm":"fixed_window","limit":{"requests":2,"per":"60s"}}]}"#,
+    );
+    let mut main = String::new();
+    let mut combined = String::new();
+    for s in 0..6 {
+        let head = format!(r#"10.0.0.9 - - [06/Dec/2026:10:00:0{s} +0000] "GET /a HTTP/1.1" 200 5 "-" "curl/8""#);
+        writeln!(main, r#"{head} "203.0.113.{}""#, s % 3).unwrap();
+        writeln!(combined, "{head}").unwrap();
+    }
+    let (main, combined) = (temp("main.log", &main), temp("combined.log", &combined));
+    for args in [vec![&rules[..], &main[..]], vec!["--format", "nginx", &rules, &main]] {
+        let v = replay_json(&args);
+        assert_eq!(v["format"], "nginx main", "{v}");
+        let r = &v["rules"][0];
+        assert_eq!((r["allowed"].as_u64(), r["rejected"].as_u64()), (Some(6), Some(0)), "three clients, two each: {v}");
+    }
+    let v = replay_json(&[&rules, &combined]);
+    assert_eq!(v["format"], "nginx combined", "{v}");
+    let r = &v["rules"][0];
+    assert_eq!((r["allowed"].as_u64(), r["rejected"].as_u64()), (Some(2), Some(4)), "the balancer alone: {v}");
+}
