@@ -59,6 +59,10 @@ pub struct Seen {
     pub failed: Vec<String>,
     /// The value of [`Visit::collect`].
     pub result: serde_json::Value,
+    /// Per screenshot, its viewport width and the page's `.scroll` boxes whose content is wider
+    /// than they are (named by their card's `data-rule` or `id`): what a reader there scrolls
+    /// sideways to see.
+    pub scrolling: Vec<(u64, Vec<String>)>,
 }
 
 impl Seen {
@@ -75,7 +79,7 @@ const DRIVER: &str = r#"
 const { chromium } = require('playwright-core');
 const job = JSON.parse(process.env.RATEWALL_BROWSER_JOB);
 (async () => {
-  const out = { errors: [], requests: [], failed: [], result: null };
+  const out = { errors: [], requests: [], failed: [], result: null, scrolling: [] };
   const context = await chromium.launchPersistentContext(job.profile, {
     executablePath: job.chromium,
     headless: true,
@@ -103,6 +107,9 @@ const job = JSON.parse(process.env.RATEWALL_BROWSER_JOB);
       await page.setViewportSize({ width, height });
       await page.waitForTimeout(100);
       await page.screenshot({ path, fullPage: true });
+      out.scrolling.push([width, await page.evaluate(() => [...document.querySelectorAll('.scroll')]
+        .filter(e => e.scrollWidth > e.clientWidth + 1)
+        .map(e => { const c = e.closest('section'); return c ? (c.dataset.rule || c.id) : 'page'; }))]);
     }
   } finally {
     await context.close();
@@ -146,5 +153,16 @@ pub fn visit(v: &Visit<'_>) -> Result<Seen, String> {
         requests: strings("requests"),
         failed: strings("failed"),
         result: v["result"].clone(),
+        scrolling: v["scrolling"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|s| {
+                        let names = s[1].as_array().map(|n| n.iter().filter_map(|x| x.as_str().map(str::to_owned)));
+                        (s[0].as_u64().unwrap_or(0), names.map(Iterator::collect).unwrap_or_default())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
     })
 }
