@@ -567,16 +567,26 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
             }),
         )
         .with_state(store);
+    let json = rls.is_some();
     if let Some(rls) = rls {
-        app = app.merge(Router::new().route("/json", post(rls_json)).with_state(rls));
+        app = app.merge(
+            Router::new()
+                .route(
+                    "/json",
+                    post(rls_json).fallback(|| async {
+                        let mut out =
+                            plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed: POST /json").into_response();
+                        out.headers_mut().insert("allow", HeaderValue::from_static("POST"));
+                        out
+                    }),
+                )
+                .with_state(rls),
+        );
     }
     // Every answer has a plain-text reason, as the sync protocol's refusals do.
     let app = app
-        .fallback(|| async {
-            plain(
-                axum::http::StatusCode::NOT_FOUND,
-                "not found: this listener serves POST /v1/sync, GET /healthz, GET /healthcheck and GET /metrics",
-            )
+        .fallback(move || async move {
+            plain(axum::http::StatusCode::NOT_FOUND, if json { NOT_FOUND_JSON } else { NOT_FOUND })
         })
         .method_not_allowed_fallback(|| async {
             plain(axum::http::StatusCode::METHOD_NOT_ALLOWED, "method not allowed: POST /v1/sync, GET for the others")
@@ -592,6 +602,12 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
 }
 
 /// An answer of `status` with `why` as its plain-text body.
+/// The main listener's answer to a path it does not serve, without and with `--rls`.
+const NOT_FOUND: &str =
+    "not found: this listener serves POST /v1/sync, GET /healthz, GET /healthcheck and GET /metrics";
+const NOT_FOUND_JSON: &str =
+    "not found: this listener serves POST /v1/sync, POST /json, GET /healthz, GET /healthcheck and GET /metrics";
+
 fn plain(status: axum::http::StatusCode, why: &'static str) -> impl axum::response::IntoResponse {
     (status, [(axum::http::header::CONTENT_TYPE, "text/plain; charset=utf-8")], why)
 }

@@ -749,6 +749,11 @@ async fn post_json_is_the_grpc_answer_in_proto3_json() {
     assert!(v["responseHeadersToAdd"].as_array().unwrap().iter().any(|h| h["key"] == "Retry-After"));
     let r = http::request(&store.http, "POST", "/json", &[], b"{\"domain\":\"api\",\"bogus\":1}").unwrap();
     assert_eq!(r.status, 400);
+    // Another method names the one it takes; another path, every one the listener serves.
+    let r = http::request(&store.http, "GET", "/json", &[], &[]).unwrap();
+    assert_eq!((r.status, r.text()), (405, "method not allowed: POST /json".to_owned()));
+    let r = http::request(&store.http, "GET", "/jsn", &[], &[]).unwrap();
+    assert!(r.status == 404 && r.text().contains("POST /json"), "{}", r.text());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

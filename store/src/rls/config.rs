@@ -646,14 +646,18 @@ fn build(
                         .map_err(|e| (format!("{full_key}: rate_limit: {e}"), key.clone(), seen))?,
                     _ => None,
                 };
+                let (shadow, quota) = (d.shadow_mode.is_some_and(|f| f.0), d.quota_mode.is_some_and(|f| f.0));
                 // Another limit of the domain whose policy reads the same (one `name` given to
                 // two limits, or two names alike but for characters replaced) is told apart by
                 // `~2`, `~3`…: merged into one item, one of the limits was not in the fields.
+                // So is one that enforces otherwise (a `shadow_mode` limit beside an enforced
+                // one): one rule among the top offenders would mix what each denied.
                 let base = policy_name(if r.name.is_empty() { &full_key } else { &r.name });
                 let other = |o: &Rule, policy: &str| {
                     o.domain == domain
                         && o.policy == policy
-                        && (o.unit, o.requests_per_unit, o.limit) != (unit, r.requests_per_unit, limit)
+                        && (o.unit, o.requests_per_unit, o.limit, o.shadow, o.quota)
+                            != (unit, r.requests_per_unit, limit, shadow, quota)
                 };
                 let mut policy = base.clone();
                 for n in 2.. {
@@ -664,9 +668,15 @@ fn build(
                     policy = format!("{base}~{n}");
                 }
                 policies.entry(policy.clone()).or_default().push(rules.len());
+                // A name a limit of another domain (an earlier file's) is listed under already:
+                // this domain's is listed as `DOMAIN NAME`, as an override is.
+                let mut listed = top_name(&policy);
+                if rules.iter().any(|o| o.domain != domain && o.top_name == listed) {
+                    listed = top_name(&format!("{domain} {policy}"));
+                }
                 let rule = Arc::new(Rule {
                     domain: domain.to_owned(),
-                    top_name: top_name(&policy),
+                    top_name: listed,
                     order: rules.len(),
                     policy,
                     full_key: full_key.clone(),
@@ -674,8 +684,8 @@ fn build(
                     unit,
                     requests_per_unit: r.requests_per_unit,
                     unlimited: r.unlimited,
-                    shadow: d.shadow_mode.is_some_and(|f| f.0),
-                    quota: d.quota_mode.is_some_and(|f| f.0),
+                    shadow,
+                    quota,
                     replaces: r.replaces,
                     limit,
                     exact,
@@ -2031,6 +2041,20 @@ mod tests {
         // One name for the same limit is one policy; for another limit, another.
         assert_eq!([policy("a"), policy("b"), policy("c")], ["same", "same~2", "same"]);
         assert_eq!([policy("e"), policy("f")], ["p_q", "p_q~2"]);
+    }
+
+    #[test]
+    fn limits_listed_alike_among_the_top_offenders_are_told_apart() {
+        // A shadow limit named as an enforced one of the same quota: another policy, another rule.
+        let text = "domain: DOM\ndescriptors:\n  - key: a\n    rate_limit: {name: same, unit: minute, requests_per_unit: 3}\n  - key: b\n    shadow_mode: true\n    rate_limit: {name: same, unit: minute, requests_per_unit: 3}\n  - key: c\n    rate_limit: {name: same, unit: minute, requests_per_unit: 3}\n";
+        let mut c = RlsConfig::parse("one.yaml", &text.replace("DOM", "one")).unwrap();
+        let listed = |c: &RlsConfig| c.rules.iter().map(|r| r.top_name.clone()).collect::<Vec<_>>();
+        assert_eq!(listed(&c), ["same", "same~2", "same"]);
+        // One name in two domains: the later file's listed with its domain.
+        c.add("two.yaml", &text.replace("DOM", "two")).unwrap();
+        assert_eq!(listed(&c), ["same", "same~2", "same", "two same", "two same~2", "two same"]);
+        let policy = |k: &str| c.find("two", &[(k, "x")]).map(|m| m.rule.policy.clone()).unwrap();
+        assert_eq!([policy("a"), policy("b")], ["same", "same~2"], "policies are the domain's own");
     }
 
     #[test]

@@ -112,6 +112,10 @@ impl RlsMetrics {
             .cloned();
         drop(rules);
         let Some(c) = counts else { return };
+        // A descriptor's `hits_addend` may be any u64 (a request header can give it): counted
+        // as it is, one call would pin the counters at their most for good. At most a
+        // request's own (u32) addend, 2^32 calls each counting the most fill them.
+        let hits = hits.min(u64::from(u32::MAX));
         add(&c.total, hits);
         match outcome {
             Outcome::OverLimit => add(&c.over_limit, hits),
@@ -227,7 +231,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hit_counts_stop_at_their_largest_and_never_wrap() {
+    fn a_huge_hits_addend_leaves_the_counts_counting() {
         let config = RlsConfig::parse(
             "t.yaml",
             "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
@@ -235,17 +239,30 @@ mod tests {
         .unwrap();
         let m = RlsMetrics::new(&config);
         let rule = &config.rules[0];
+        let value = |m: &RlsMetrics, name: &str| {
+            let series = format!("{name}{{domain=\"d\",rule=\"{}\"}} ", rule.full_key);
+            let text = m.render();
+            text.lines()
+                .find(|l| l.starts_with(&series))
+                .and_then(|l| l.rsplit(' ').next())
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        };
         for _ in 0..2 {
             m.count(rule, u64::MAX - 1, Outcome::OverLimit);
         }
+        let most = 2 * u64::from(u32::MAX);
+        assert_eq!(value(&m, "ratewall_rls_over_limit_total"), most);
+        // Later hits still count.
+        m.count(rule, 1, Outcome::OverLimit);
         m.count(rule, 1, Outcome::Ok);
-        let text = m.render();
-        let value = |name: &str| {
-            let series = format!("{name}{{domain=\"d\",rule=\"{}\"}} ", rule.full_key);
-            text.lines().find(|l| l.starts_with(&series)).and_then(|l| l.rsplit(' ').next()).unwrap().to_owned()
-        };
-        assert_eq!(value("ratewall_rls_hits_total"), u64::MAX.to_string());
-        assert_eq!(value("ratewall_rls_over_limit_total"), u64::MAX.to_string());
-        assert_eq!(value("ratewall_rls_within_limit_total"), "1");
+        assert_eq!(value(&m, "ratewall_rls_hits_total"), most + 2);
+        assert_eq!(value(&m, "ratewall_rls_over_limit_total"), most + 1);
+        assert_eq!(value(&m, "ratewall_rls_within_limit_total"), 1);
+        // And a counter that did fill stops there, never wrapping to small.
+        let c = AtomicU64::new(u64::MAX - 1);
+        add(&c, 5);
+        assert_eq!(c.load(Ordering::Relaxed), u64::MAX);
     }
 }
