@@ -25,12 +25,53 @@ pub fn duration(ns: Nanos) -> String {
     format!("{ns}ns")
 }
 
+/// A plan's name as the terminal may be given it: quoted and escaped (as `explain` shows it)
+/// when it holds a control character, which could otherwise paint lines of its own.
+pub fn plan_shown(name: &str) -> std::borrow::Cow<'_, str> {
+    if name.chars().any(char::is_control) {
+        format!("{name:?}").into()
+    } else {
+        name.into()
+    }
+}
+
+/// A path pattern as the terminal may be given it: its control characters percent-encoded, as
+/// a URL parser writes them (the pattern means the same).
+pub fn pattern_shown(pattern: &str) -> std::borrow::Cow<'_, str> {
+    if !pattern.chars().any(char::is_control) {
+        return pattern.into();
+    }
+    let mut out = String::with_capacity(pattern.len() + 8);
+    for c in pattern.chars() {
+        if c.is_control() {
+            let mut buf = [0u8; 4];
+            for b in c.encode_utf8(&mut buf).bytes() {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out.into()
+}
+
+/// Whether the filter holds rule `r` exact: an enforced rule of a counted limit (a shadow rule
+/// never waits on a rule that never rejects; a concurrency count is the proxy's own).
+pub fn held_exact(r: &Rule) -> bool {
+    r.exact && r.mode == Mode::Enforce && r.limit.algorithm() != Algorithm::Concurrent
+}
+
 /// A limit's period (`per`, a concurrent limit's `hold_max`) as the document writes it
 /// (`60s` stays `60s`), from `written`, the limit's object in the document
 /// ([`limit_as_written`]); one it does not write in the largest unit that divides it.
 pub fn period(l: &Limit, written: &Value) -> String {
     let field = if l.algorithm() == Algorithm::Concurrent { "hold_max" } else { "per" };
-    written[field].as_str().map_or_else(|| duration(l.per()), str::to_owned)
+    match written[field].as_str() {
+        Some(w) => w.to_owned(),
+        // The default `hold_max`, as the documentation and the schema write it.
+        None if field == "hold_max" && l.per() == 60 * ratewall_core::SECOND => "60s".to_owned(),
+        None => duration(l.per()),
+    }
 }
 
 /// The object of the document that writes rule `i`'s limit for `plan` (`None`: its default
@@ -159,7 +200,7 @@ pub fn rule_json(doc: &Value, config: &Config, i: usize, r: &Rule) -> Value {
         "cost": r.cost,
         "mode": mode(r),
         "on_store_failure": failure(r),
-        "exact": r.exact,
+        "exact": held_exact(r),
     })
 }
 
@@ -194,7 +235,7 @@ pub fn check(path: &Path, as_json: bool) -> Result<(), Failure> {
         let (pattern, methods) = match_as_written(&doc, i);
         let methods = if methods.is_empty() { "any method".to_owned() } else { methods.join(",") };
         say!("- {}", r.name);
-        say!("    match: {methods} {}", pattern.as_deref().unwrap_or("any path"));
+        say!("    match: {methods} {}", pattern.as_deref().map_or("any path".into(), pattern_shown));
         say!("    key:   {}", key_names_marked(&config, r).join(" + "));
         say!(
             "    limit: {}{}",
@@ -204,16 +245,21 @@ pub fn check(path: &Path, as_json: bool) -> Result<(), Failure> {
         for (name, l) in &r.plans {
             match l {
                 PlanLimit::Limited(l) => {
-                    say!("    plan {name}: {}", limit_text(l, limit_as_written(&doc, i, Some(name))))
+                    say!("    plan {}: {}", plan_shown(name), limit_text(l, limit_as_written(&doc, i, Some(name))))
                 }
-                PlanLimit::Unlimited => say!("    plan {name}: unlimited"),
+                PlanLimit::Unlimited => say!("    plan {}: unlimited", plan_shown(name)),
             }
         }
         say!(
             "    mode:  {}, on store failure {}{}",
             mode(r),
             failure(r),
-            if r.exact { ", exact (admits only units the global counter granted; may wait for it)" } else { "" }
+            // Without `sync` there is no global counter to wait for.
+            if held_exact(r) && config.sync.is_some() {
+                ", exact (admits only units the global counter granted; may wait for it)"
+            } else {
+                ""
+            }
         );
     }
     if config.sync.is_some() {

@@ -126,7 +126,7 @@ fn mismatch(doc: &Value, i: usize, rule: &Rule, method: &str, path: &str) -> Opt
     let method_ok =
         rule.matcher.methods.is_empty() || rule.matcher.methods.iter().any(|m| m.eq_ignore_ascii_case(method));
     Some(if method_ok {
-        format!("the path does not match {}", pattern.unwrap_or_default())
+        format!("the path does not match {}", crate::describe::pattern_shown(&pattern.unwrap_or_default()))
     } else {
         format!("the method is not {}", methods.join(" or "))
     })

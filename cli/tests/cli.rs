@@ -182,6 +182,54 @@ fn check_tells_a_rules_document_from_a_rate_limit_service_file_by_its_content() 
     assert!(stdout(&o).contains("valid rate limit service configuration, 1 domain (d)"), "{}", stdout(&o));
 }
 
+/// What a rules document under review writes reaches the terminal only as text: a pattern's
+/// control characters percent-encoded, a plan name with one quoted and escaped, so a document
+/// cannot paint lines (a limit it does not have) or send the terminal escapes.
+#[test]
+fn check_and_explain_show_control_characters_of_a_document_escaped() {
+    let doc = json!({"identity": {"user": {"header": "x-user-id"}, "plan": {"header": "x-plan"}}, "rules": [{
+        "name": "a", "key": ["user"], "match": {"path": "/v1/\u{1b}[31mRED\n    limit: 999 per 1s"},
+        "limit": {"requests": 1, "per": "1s"},
+        "plans": {"gold\n    plan platinum: unlimited": {"requests": 2, "per": "1s"}}}]});
+    let rules = temp("controls.json", &doc.to_string());
+    let o = ratewall(&["check", &rules]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(!out.contains('\u{1b}'), "{out}");
+    assert!(out.contains("match: any method /v1/%1B[31mRED%0A    limit: 999 per 1s\n"), "{out}");
+    assert!(out.contains(r#"plan "gold\n    plan platinum: unlimited": 2 per 1s"#), "{out}");
+    assert_eq!(out.lines().filter(|l| l.trim_start().starts_with("limit:")).count(), 1, "one limit line: {out}");
+    assert_eq!(out.lines().filter(|l| l.trim_start().starts_with("plan ")).count(), 1, "one plan line: {out}");
+    let o = ratewall(&["explain", &rules, "--path", "/other", "-H", "x-user-id: u"]);
+    assert!(stdout(&o).contains("does not match /v1/%1B[31mRED%0A"), "{}", stdout(&o));
+    assert!(!stdout(&o).contains('\u{1b}'), "{}", stdout(&o));
+}
+
+/// `exact` is said of the rules the filter holds exact, and only with a store to wait for: not
+/// of a shadow rule (it never rejects) or a concurrency rule (counted by its proxy alone).
+#[test]
+fn check_says_exact_only_of_rules_that_wait_for_the_global_counter() {
+    let rules = |sync: bool| {
+        let mut doc = json!({"rules": [
+            {"name": "closed", "key": ["ip"], "on_store_failure": "closed", "limit": {"requests": 1, "per": "1s"}},
+            {"name": "shadow", "key": ["ip"], "mode": "shadow", "exact": true, "limit": {"requests": 1, "per": "1s"}},
+            {"name": "slots", "key": ["ip"], "on_store_failure": "closed", "limit": {"concurrent": 3}}]});
+        if sync {
+            doc["sync"] = json!({"cluster": "store", "secret": "0123456789abcdef"});
+        }
+        temp(if sync { "exact-sync.json" } else { "exact-local.json" }, &doc.to_string())
+    };
+    let o = ratewall(&["check", "--json", &rules(true)]);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let exact: Vec<_> = v["rules"].as_array().unwrap().iter().map(|r| r["exact"].as_bool()).collect();
+    assert_eq!(exact, [Some(true), Some(false), Some(false)], "{v}");
+    let out = stdout(&ratewall(&["check", &rules(true)]));
+    assert_eq!(out.matches("may wait for it").count(), 1, "{out}");
+    assert!(out.contains("3 in flight (held at most 60s)"), "the default hold_max as documented: {out}");
+    let out = stdout(&ratewall(&["check", &rules(false)]));
+    assert!(!out.contains("may wait"), "no store to wait for: {out}");
+}
+
 /// A directory without a `.yaml` / `.yml` file holds no rate limit service configuration: not
 /// a valid one of no domains. A rules document in it is named, to be checked as one.
 #[test]
