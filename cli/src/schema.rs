@@ -177,8 +177,8 @@ pub fn schema() -> Value {
                 "required": ["cluster", "secret"],
                 "properties": {
                     "cluster": {"type": "string", "minLength": 1, "pattern": CLUSTER, "description": "The upstream that reaches the store: an Envoy cluster name (no ':', no white space), or under NGINX (ngx_wasm_module) the store's host:port — a hostname the wasm{} block's resolver finds, an IPv4 address or an [IPv6] address, and a port from 1 to 65535; not a URL, not an upstream {} block."},
-                    "authority": {"type": "string", "description": "The :authority of sync calls (default: the cluster)."},
-                    "path": {"type": "string", "pattern": "^/", "description": "The store's path, starting with / (default /v1/sync)."},
+                    "authority": {"type": "string", "pattern": "^[!-~]+$", "description": "The :authority of sync calls (default: the cluster): visible ASCII, without spaces."},
+                    "path": {"type": "string", "pattern": "^/[!-~]*$", "description": "The store's path, starting with / (default /v1/sync): visible ASCII, without spaces."},
                     "secret": {"type": "string", "minLength": 16, "description": "The HMAC secret shared with the store (never logged)."},
                     "interval": duration("Time between batches (default 100ms; 10ms to 60s)."),
                     "timeout": duration("Deadline of one sync call (default 50ms; 1ms to 10s). Set it above the store's round trip."),

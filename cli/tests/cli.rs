@@ -946,7 +946,10 @@ fn explain_text_says_a_rules_cost_and_shadow_mode() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let out = stdout(&o);
     assert!(out.contains("heavy: key user=u, limit 10 per 1s (sliding_window), cost 5\n"), "{out}");
-    assert!(out.contains("slots: key user=u, limit 2 in flight (held at most 1m)\n"), "a default hold_max: {out}");
+    assert!(
+        out.contains("slots: key user=u, limit 2 in flight (held at most 60s)\n"),
+        "a default hold_max, as documented: {out}"
+    );
     assert!(out.contains("hourly: key user=u, limit 100 per 3600s (fixed_window)\n"), "{out}");
     assert!(out.contains("trial: key user=u, limit 1 per 1s (sliding_window) (shadow: never rejects)\n"), "{out}");
 }

@@ -126,6 +126,8 @@ impl Value {
     pub fn as_whole(&self) -> Option<u64> {
         match self {
             Value::Number(Number::Unsigned(n)) => Some(*n),
+            // `-0`.
+            Value::Number(Number::Negative(0)) => Some(0),
             Value::Number(Number::Other(text)) => whole(text),
             _ => None,
         }
@@ -139,9 +141,10 @@ fn whole(text: &str) -> Option<u64> {
         None => (text, 0),
     };
     let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    if int.starts_with('-') {
-        // Only -0 and the like would be whole, and a count is never written so.
-        return None;
+    if let Some(magnitude) = int.strip_prefix('-') {
+        // `-0` (`-0.0`, `-0e5`) is the whole number 0; any other negative number is none.
+        let zero = |d: &str| d.bytes().all(|b| b == b'0');
+        return (zero(magnitude) && zero(frac)).then_some(0);
     }
     // The digits, with the point `frac.len()` places from the end, times 10^exponent: their
     // trailing zeros move into the exponent.
@@ -550,7 +553,18 @@ mod tests {
         assert_eq!(parse(b"18446744073709551615").unwrap().as_u64(), Some(u64::MAX));
         assert_eq!(parse(b"5.0").unwrap().as_u64(), None);
         let whole = |d: &str| parse(d.as_bytes()).unwrap().as_whole();
-        for (d, n) in [("5.0", 5), ("5", 5), ("1e3", 1000), ("2.50e1", 25), ("100e-2", 1), ("0.0", 0), ("0e5", 0)] {
+        for (d, n) in [
+            ("5.0", 5),
+            ("5", 5),
+            ("1e3", 1000),
+            ("2.50e1", 25),
+            ("100e-2", 1),
+            ("0.0", 0),
+            ("0e5", 0),
+            ("-0", 0),
+            ("-0.0", 0),
+            ("-0e5", 0),
+        ] {
             assert_eq!(whole(d), Some(n), "{d}");
         }
         assert_eq!(whole("18446744073709551615.0"), Some(u64::MAX));
@@ -559,6 +573,8 @@ mod tests {
             "5.0000000000000001",
             "1e-1",
             "-1.0",
+            "-0.5",
+            "-1e-9",
             "18446744073709551616.0",
             "1e20",
             "\"5\"",

@@ -422,8 +422,18 @@ fn parse_sync(v: &Value) -> Result<SyncOptions, ConfigError> {
     if !path.starts_with('/') {
         return err("sync.path", format!("{} must start with /", quoted(&path)));
     }
+    // Both go into the sync requests' pseudo-headers as they are: visible ASCII only (a space,
+    // a line break or a control would make a request the proxy refuses, or another header).
+    let visible = |v: &str| !v.is_empty() && v.bytes().all(|b| b.is_ascii_graphic());
+    if !visible(&path) {
+        return err("sync.path", format!("{} must be visible ASCII, without spaces", quoted(&path)));
+    }
+    let authority = text("authority")?.unwrap_or_else(|| cluster.clone());
+    if !visible(&authority) {
+        return err("sync.authority", format!("{} must be a host (visible ASCII, without spaces)", quoted(&authority)));
+    }
     Ok(SyncOptions {
-        authority: text("authority")?.unwrap_or_else(|| cluster.clone()),
+        authority,
         path,
         cluster,
         secret,
@@ -606,15 +616,29 @@ fn bounded(v: &Value, path: &str, min: u64, max: u64) -> Result<u64, ConfigError
     match v.as_whole() {
         Some(n) if (min..=max).contains(&n) => Ok(n),
         Some(n) => err(path, format!("{n} is out of range ({min} to {max})")),
-        None => err(path, format!("must be a whole number from {min} to {max}, not {v}")),
+        None => err(path, format!("must be a whole number from {min} to {max}, not {}", shown(v))),
     }
 }
 
-/// Parses a duration string: a whole number and a unit of `ms`, `s`, `m`, `h` or `d`.
+/// A value as a message shows it: its JSON text, cut after 64 characters (a number of half a
+/// million digits is not copied into the line).
+fn shown(v: &Value) -> String {
+    let text = alloc::format!("{v}");
+    match text.char_indices().nth(64) {
+        Some((at, _)) => alloc::format!("{}…", text.get(..at).unwrap_or_default()),
+        None => text,
+    }
+}
+
+/// Parses a duration string: a whole number and a unit of `ms`, `s`, `m`, `h` or `d`. One
+/// written well but too long for nanoseconds reads as the longest (`u64::MAX`), so a range
+/// check says it is out of range rather than no duration.
 pub fn parse_duration(s: &str) -> Option<Nanos> {
     let digits = s.bytes().take_while(u8::is_ascii_digit).count();
     let (num, unit) = s.split_at(digits);
-    let n: u64 = num.parse().ok()?;
+    if num.is_empty() {
+        return None;
+    }
     let scale: u64 = match unit {
         "ms" => 1_000_000,
         "s" => 1_000_000_000,
@@ -623,7 +647,7 @@ pub fn parse_duration(s: &str) -> Option<Nanos> {
         "d" => 86_400_000_000_000,
         _ => return None,
     };
-    n.checked_mul(scale)
+    Some(num.parse::<u64>().unwrap_or(u64::MAX).saturating_mul(scale))
 }
 
 const DEFAULT_HEADERS: [(&str, &str); 4] =
@@ -1078,6 +1102,16 @@ mod tests {
             {"name":"b","key":["ip"],"limit":{"requests":1,"per":"1s"}},
             {"name":"c","key":["ip"],"limit":{"requests":5,"per":"6O s"}}]}"#;
         assert_eq!(error_of(doc), r#"rules[2].limit.per: "6O s" is not a duration (like 500ms, 1s, 60s, 1m, 1h, 1d)"#);
+        // A number too large for a count is shown cut, not copied whole into the line.
+        let huge = format!(
+            r#"{{"rules":[{{"name":"a","key":["ip"],"limit":{{"requests":{},"per":"1s"}}}}]}}"#,
+            "9".repeat(100_000)
+        );
+        let e = error_of(&huge);
+        assert!(
+            e.starts_with("rules[0].limit.requests: must be a whole number") && e.ends_with("9…") && e.len() < 200,
+            "{e}"
+        );
         assert_eq!(
             error_of(r#"{"rules":[{"name":"a","key":["ip"],"limit":{"requests":0,"per":"1s"}}]}"#),
             "rules[0].limit.requests: 0 is out of range (1 to 4294967295)"
@@ -1290,6 +1324,20 @@ mod tests {
         }
         let c = Config::parse(doc("/ratewall/sync").as_bytes()).unwrap();
         assert_eq!(c.sync.unwrap().path, "/ratewall/sync");
+        // Both go into a request's pseudo-headers as written: no line break may smuggle one in.
+        for bad in ["/v1/sync\r\nx: y", "/v1 sync"] {
+            assert!(error_of(&doc(bad)).starts_with("sync.path: "), "{bad:?}");
+        }
+        let with = |authority: &str| {
+            format!(r#"{{"rules":[],"sync":{{"cluster":"s","secret":"0123456789abcdef","authority":{authority:?}}}}}"#)
+        };
+        for bad in ["", "a\r\nx: y", "store host"] {
+            assert!(error_of(&with(bad)).starts_with("sync.authority: "), "{bad:?}");
+        }
+        assert_eq!(
+            Config::parse(with("store.internal:8090").as_bytes()).unwrap().sync.unwrap().authority,
+            "store.internal:8090"
+        );
     }
 
     /// The secrets' minimums are characters, as their messages and the schema's `minLength`
@@ -1373,8 +1421,10 @@ mod tests {
         ] {
             assert_eq!(parse_duration(s), Some(n), "{s}");
         }
-        for s in ["", "s", "1", "1.5s", "-1s", "1 s", "1S", "99999999999999999999s"] {
+        for s in ["", "s", "1", "1.5s", "-1s", "1 s", "1S", "99999999999999999999x"] {
             assert_eq!(parse_duration(s), None, "{s}");
         }
+        assert_eq!(parse_duration("99999999999999999999s"), Some(u64::MAX), "out of range, not malformed");
+        assert_eq!(parse_duration("18446744073710ms"), Some(u64::MAX));
     }
 }
