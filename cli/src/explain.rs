@@ -148,7 +148,7 @@ pub fn explain(
         return Err(Failure::Usage(format!("--ip {ip:?}: not an IP address")));
     }
     // As the rules write methods: letters only (a typo would explain a request no client sends).
-    if method.is_empty() || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
+    if !ratewall_core::rules::is_method(method.as_bytes()) {
         return Err(Failure::Usage(format!("--method {method:?}: not an HTTP method")));
     }
     let method = method.to_ascii_uppercase();

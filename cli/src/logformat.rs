@@ -509,9 +509,9 @@ pub fn origin_form(target: &[u8]) -> &[u8] {
     }
 }
 
-/// A method as a log writes it: letters only (`GET`, `post`).
+/// A method as a log writes it: a token (`GET`, `post`, `M-SEARCH`).
 pub fn method(v: &[u8]) -> Option<&str> {
-    if v.is_empty() || !v.iter().all(u8::is_ascii_alphabetic) {
+    if !ratewall_core::rules::is_method(v) {
         return None;
     }
     std::str::from_utf8(v).ok()
@@ -1386,7 +1386,8 @@ mod tests {
         // A method alone must be one.
         let f = Template::compile("m", "$msec $request_method $request_uri", Syntax::Nginx, &w).unwrap().whole_lines();
         assert!(f.read(&w, b"1796119200.5 GET /a").is_ok());
-        assert!(f.read(&w, b"1796119200.5 G3T /a").err().unwrap().contains("method"));
+        assert!(f.read(&w, b"1796119200.5 M-SEARCH /a").is_ok(), "a token");
+        assert!(f.read(&w, b"1796119200.5 G(T /a").err().unwrap().contains("method"));
         // A Unix socket's peer has no address: the line cannot be keyed as the proxy keyed it.
         let f = Template::compile("u", "$remote_addr $msec $request_uri", Syntax::Nginx, &w).unwrap();
         assert!(f.read(&w, b"unix: 1796119200.5 /a").err().unwrap().contains("Unix socket"));
@@ -1478,7 +1479,7 @@ mod tests {
             ),
             (r#"192.0.2.1 sk_SECRET GET "GET /a HTTP/1.1" 0.1"#, "cannot read the time at column 11 (9 bytes)"),
             (
-                r#"192.0.2.1 1796119200.5 sk_SECRET "GET /a HTTP/1.1" 0.1"#,
+                r#"192.0.2.1 1796119200.5 sk/SECRET "GET /a HTTP/1.1" 0.1"#,
                 "cannot read the method at column 24 (9 bytes)",
             ),
             (r#"192.0.2.1 1796119200.5 GET "sk_SECRET" 0.1"#, "cannot read the request line at column 29 (9 bytes)"),

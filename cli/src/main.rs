@@ -274,8 +274,18 @@ fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
     };
     let config = match RlsConfig::load_keyed(path, Some(shown_by)) {
         Ok(c) => c,
-        Err(e) => {
+        Err(mut e) => {
             built_in(&e.reason);
+            // A rules document among a directory's files: the service would refuse it as this
+            // says, and the operator meant it for the filter.
+            if path.is_dir() && read_document(Path::new(&e.file)).is_ok_and(|b| is_rules_document(&b)) {
+                e.reason.push_str(&format!(
+                    " ({} is a rules document, which `ratewall-store --rls-config` cannot read: move it out of {}, and check it on its own with `ratewall check {}`)",
+                    e.file,
+                    path.display(),
+                    e.file
+                ));
+            }
             if as_json {
                 say!(
                     "{}",

@@ -22,6 +22,9 @@ const CLUSTER: &str = concat!(
     r":(?:[1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))$"
 );
 
+/// An HTTP method as the parser takes it (`ratewall_core::rules::is_method`): an RFC 9110 token.
+const METHOD: &str = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$";
+
 fn duration(description: &str) -> Value {
     json!({"type": "string", "pattern": DURATION, "description": format!("{description} A whole number above 0 and a unit: ms, s, m, h or d (\"100ms\", \"60s\", \"1h\").")})
 }
@@ -222,8 +225,8 @@ pub fn schema() -> Value {
                             "method": {
                                 "description": "An HTTP method or a list of them (default: any).",
                                 "oneOf": [
-                                    {"type": "string", "pattern": "^[A-Za-z]+$"},
-                                    {"type": "array", "minItems": 1, "maxItems": 32, "items": {"type": "string", "pattern": "^[A-Za-z]+$"}}
+                                    {"type": "string", "pattern": METHOD},
+                                    {"type": "array", "minItems": 1, "maxItems": 32, "uniqueItems": true, "items": {"type": "string", "pattern": METHOD}}
                                 ]
                             }
                         }

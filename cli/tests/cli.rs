@@ -180,6 +180,11 @@ fn check_tells_a_rules_document_from_a_rate_limit_service_file_by_its_content() 
     let o = ratewall(&["check", &rls]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stdout(&o).contains("valid rate limit service configuration, 1 domain (d)"), "{}", stdout(&o));
+    // In a directory, such a file is one the service would read: refused, and named for what it is.
+    let yaml = temp("rules-in-dir/r.yaml", &rules);
+    let o = ratewall(&["check", yaml.trim_end_matches("/r.yaml")]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains(&format!("{yaml} is a rules document")), "{}", stderr(&o));
 }
 
 /// What a rules document under review writes reaches the terminal only as text: a pattern's
@@ -879,7 +884,7 @@ fn explain_refuses_an_ip_that_is_no_address_and_a_method_that_is_none() {
     // An IP that is no address, nor a method no client sends.
     let refused = [
         ("--ip", &["203.0.113.300", "localhost", "2001:db8::1::2"][..], "not an IP address"),
-        ("--method", &["G T", "", "GET1"][..], "not an HTTP method"),
+        ("--method", &["G T", "", "GET/1", "G(T"][..], "not an HTTP method"),
     ];
     for (flag, values, why) in refused {
         for value in values {

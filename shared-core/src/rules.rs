@@ -879,7 +879,12 @@ fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
         Some(Value::Array(a)) => {
             for (i, s) in a.iter().enumerate() {
                 let p = format!("{mp}[{i}]");
-                methods.push(method(string(s, &p)?, &p)?);
+                let m = method(string(s, &p)?, &p)?;
+                // Matched without regard to case: `["GET", "get"]` names one method twice.
+                if methods.contains(&m) {
+                    return err(&p, format!("{} appears twice", quoted(&m)));
+                }
+                methods.push(m);
             }
         }
         Some(other) => return err(&mp, format!("must be a method or a list of methods, not {}", kind(other))),
@@ -887,8 +892,14 @@ fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
     Ok(Matcher { path: pattern, methods })
 }
 
+/// Whether `m` is an HTTP method as RFC 9110 writes one: a token (letters, digits and
+/// ``!#$%&'*+-.^_`|~``; `M-SEARCH`, `BPROPFIND`).
+pub fn is_method(m: &[u8]) -> bool {
+    !m.is_empty() && m.iter().all(|&b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
 fn method(s: &str, path: &str) -> Result<String, ConfigError> {
-    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_alphabetic()) {
+    if !is_method(s.as_bytes()) {
         return err(path, format!("{} is not an HTTP method", quoted(s)));
     }
     Ok(s.to_ascii_uppercase())
@@ -1426,5 +1437,21 @@ mod tests {
         }
         assert_eq!(parse_duration("99999999999999999999s"), Some(u64::MAX), "out of range, not malformed");
         assert_eq!(parse_duration("18446744073710ms"), Some(u64::MAX));
+    }
+
+    #[test]
+    fn methods_are_tokens_named_once() {
+        let with = |m: &str| {
+            format!(
+                r#"{{"rules":[{{"name":"a","key":["ip"],"match":{{"method":{m}}},"limit":{{"requests":1,"per":"1s"}}}}]}}"#
+            )
+        };
+        let c = Config::parse(with(r#"["M-SEARCH","get","PROPFIND"]"#).as_bytes()).unwrap();
+        assert_eq!(c.rules[0].matcher.methods, ["M-SEARCH", "GET", "PROPFIND"]);
+        assert!(c.rules[0].matcher.matches("m-search", "/"));
+        assert_eq!(error_of(&with(r#"["GET","get"]"#)), r#"rules[0].match.method[1]: "GET" appears twice"#);
+        for bad in [r#""GET /""#, r#""G(ET""#, r#""""#, r#""GÉT""#] {
+            assert!(error_of(&with(bad)).ends_with("is not an HTTP method"), "{bad}");
+        }
     }
 }
