@@ -173,12 +173,31 @@ fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<Strin
     let Some(Ok(rules)) = doc.get("rules").map(|r| serde_json::from_str::<Vec<&RawValue>>(r.get())) else {
         return lines;
     };
+    // The document's other members without its rules: a fault of one of them (an unknown
+    // member, a bad `response` or `sync`) is said, and the member left out, so that the rules
+    // are each judged alone all the same. Not `identity`: a rule is judged by the dimensions
+    // it names, so with a bad identity none can be.
+    let mut base: std::collections::BTreeMap<&str, &RawValue> = doc.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    let Ok(none) = RawValue::from_string("[]".to_owned()) else { return lines };
+    for _ in 0..doc.len() {
+        let mut bare = base.clone();
+        bare.insert("rules", &none);
+        let Ok(text) = serde_json::to_vec(&bare) else { return lines };
+        let Err(e) = Config::parse(&text) else { break };
+        let member = e.path.split(['.', '[']).next().unwrap_or_default().to_owned();
+        let found = line(&e);
+        if !lines.contains(&found) {
+            lines.push(found);
+        }
+        if member.is_empty() || member == "identity" || member == "rules" || base.remove(member.as_str()).is_none() {
+            return lines;
+        }
+    }
     // The first fault's rule is said already.
     let said = first.path.strip_prefix("rules[").and_then(|r| r.split(']').next()).and_then(|i| i.parse().ok());
     for (i, rule) in rules.iter().enumerate().filter(|(i, _)| Some(*i) != said) {
         let Ok(one) = RawValue::from_string(format!("[{}]", rule.get())) else { continue };
-        let mut alone: std::collections::BTreeMap<&str, &RawValue> =
-            doc.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let mut alone = base.clone();
         alone.insert("rules", &one);
         let Ok(text) = serde_json::to_vec(&alone) else { continue };
         let Err(e) = Config::parse(&text) else { continue };

@@ -88,6 +88,17 @@ fn check_names_the_field_of_a_bad_document_and_exits_1() {
     let text = stderr(&o);
     let said: Vec<&str> = text.lines().map(|l| l.rsplit(' ').next().unwrap_or("")).collect();
     assert_eq!(said, ["18446744073709551616", "18446744073709551617"], "{text}");
+    // A fault beside the rules (an unknown member, a bad `response`) is said, and each bad rule
+    // all the same, whichever comes first in the file.
+    let beside = temp(
+        "beside.json",
+        r#"{"foo": 1, "rules": [{"name": "a", "key": ["ip"], "limit": {"requests": 0, "per": "1s"}},
+                                {"name": "b", "key": ["ip"], "limit": {"requests": 1, "per": "x"}}],
+            "response": {"legacy_headers": 1}}"#,
+    );
+    let text = stderr(&ratewall(&["check", &beside]));
+    let paths: Vec<&str> = text.lines().map(|l| l.split(':').next().unwrap_or("")).collect();
+    assert_eq!(paths, ["foo", "response.legacy_headers", "rules[0].limit.requests", "rules[1].limit.per"], "{text}");
     let o = ratewall(&["check", "/no/such/file.json"]);
     assert_eq!(o.status.code(), Some(2), "an unreadable file is a usage error");
     assert_eq!(ratewall(&["frobnicate"]).status.code(), Some(2));
