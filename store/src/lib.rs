@@ -429,7 +429,11 @@ impl Metrics {
         counter("ratewall_store_sync_ok_total", "Sync calls answered 200.", &self.sync_ok);
         // Not `…_counter_writes_total`: promtool's lint refuses a metric name with a type in it.
         counter("ratewall_store_state_writes_total", "Counter states written to Redis.", &self.counter_writes);
-        counter("ratewall_store_units_counted_total", "Units counted from batches and asks.", &self.units_counted);
+        counter(
+            "ratewall_store_units_counted_total",
+            "Units counted from batches and asks answered here (one written after its deadline, answered 503, is counted in Redis, not here).",
+            &self.units_counted,
+        );
         counter(
             "ratewall_store_cut_off_answers_total",
             "Counter answers given while part of the quota was held for proxies taken as cut off.",

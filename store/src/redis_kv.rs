@@ -73,7 +73,22 @@ async fn cluster_connection(urls: &[String]) -> Result<ClusterConnection, String
         .response_timeout(std::time::Duration::from_millis(500))
         .build()
         .map_err(|e| e.to_string())?;
-    client.get_async_connection().await.map_err(|e| e.to_string())
+    client.get_async_connection().await.map_err(|e| {
+        let e = e.to_string();
+        // A server that is no Cluster node says "cluster support disabled": say what to do.
+        if e.to_ascii_lowercase().contains("cluster support disabled") {
+            format!("{e}: this Redis is no Cluster node; start the store without --cluster")
+        } else {
+            e
+        }
+    })
+}
+
+/// Whether the server on `conn` is a Cluster node (`INFO cluster`), if it tells (`INFO` may be
+/// renamed or refused to the store's user).
+async fn cluster_enabled(conn: &mut ConnectionManager) -> Option<bool> {
+    let info: String = redis::cmd("INFO").arg("cluster").query_async(conn).await.ok()?;
+    info.lines().find_map(|l| l.trim().strip_prefix("cluster_enabled:")).map(|v| v.trim() == "1")
 }
 
 /// When the nodes heard lately were last named, and the nodes.
@@ -96,7 +111,14 @@ impl RedisKv {
                 .set_connection_timeout(Some(std::time::Duration::from_millis(500)))
                 .set_response_timeout(Some(std::time::Duration::from_millis(500)))
                 .set_number_of_retries(1);
-            Conn::Single(ConnectionManager::new_with_config(client, config).await.map_err(|e| e.to_string())?)
+            let mut single = ConnectionManager::new_with_config(client, config).await.map_err(|e| e.to_string())?;
+            // A Cluster node taken for a single server answers the keys of its own slots and
+            // refuses the others (MOVED): some batches would count and others fail, while the
+            // registry's slot may look healthy.
+            if cluster_enabled(&mut single).await == Some(true) {
+                return Err("this Redis is a Cluster node (cluster_enabled:1): start the store with --cluster, its nodes as --redis seeds".to_owned());
+            }
+            Conn::Single(single)
         };
         Ok(RedisKv {
             conn: std::sync::Arc::new(std::sync::RwLock::new(conn)),

@@ -575,6 +575,30 @@ fn a_three_primary_cluster_holds_counters_over_its_slots() {
         cluster.nodes.iter().map(|n| cli(n.port, &["dbsize"]).unwrap().trim().parse().unwrap()).collect();
     assert!(per_node.iter().all(|&n| n > 0), "{per_node:?}");
     assert_eq!(a.get("/healthz").status, 200);
+    // A Cluster node taken for a single server (no --cluster): unhealthy, and the log says why,
+    // rather than some batches counting and others failing on MOVED.
+    for url in cluster.urls() {
+        let single = StoreProcess::start(&[url], false);
+        assert_eq!(single.get("/healthz").status, 503);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !single.logged().contains("start the store with --cluster") && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(single.logged().contains("start the store with --cluster"), "{}", single.logged());
+    }
+}
+
+/// A single server taken for a Cluster (--cluster): the log says to start without it.
+#[test]
+fn a_single_server_taken_for_a_cluster_is_said_to_be_one() {
+    let redis = Redis::start(false).unwrap();
+    let store = StoreProcess::start(&[redis.url()], true);
+    assert_eq!(store.get("/healthz").status, 503);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !store.logged().contains("without --cluster") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(store.logged().contains("start the store without --cluster"), "{}", store.logged());
 }
 
 /// End to end, past the quota: three filter nodes on one counter, syncing over real HTTP to
