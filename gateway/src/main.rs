@@ -28,7 +28,8 @@ const USAGE: &str =
     "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE]
   --rules FILE       the rules document, watched and pushed on change (default examples/rules.json)
   --wasm FILE        the built filter (default dist/ratewall_filter.wasm here, else the build tree's)
-  --port N           the port on 127.0.0.1 (default 8080, or a free one when taken; 0: a free one)
+  --port N           the port on 127.0.0.1 (not given: 8080, or a free one when 8080 is taken; 0: a
+                     free one; a port given that is taken is an error)
   --workers N        worker VMs sharing the node's counters (default 2)
   --store HOST:PORT  a ratewall-store, or the Worker's sync endpoint, this node syncs to (with a
                      `sync` section in the rules); several: the next when one fails";

@@ -36,8 +36,10 @@ pub fn router<K: Kv + Send + Sync + 'static>(store: Arc<Store<K>>, rls: Option<A
         )
         .route("/healthz", get(healthz::<K>))
         .fallback(|uri: Uri| async move {
-            let why =
-                format!("no admin route {} (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz)", uri.path());
+            let why = format!(
+                "no admin route {} (GET /, /v1/top, /v1/series, /v1/fleet, /metrics, /healthz, /healthcheck)",
+                uri.path()
+            );
             json_response(StatusCode::NOT_FOUND, &json!({"error": why}))
         })
         .method_not_allowed_fallback(|| async {

@@ -574,8 +574,10 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
                 .route(
                     "/json",
                     post(rls_json).fallback(|| async {
-                        let mut out =
-                            plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed: POST /json").into_response();
+                        // Refused as every call of this path is: a JSON `{"error": …}`.
+                        let body = serde_json::json!({"error": "method not allowed: POST /json"}).to_string();
+                        let mut out = (StatusCode::METHOD_NOT_ALLOWED, body).into_response();
+                        out.headers_mut().insert("content-type", HeaderValue::from_static("application/json"));
                         out.headers_mut().insert("allow", HeaderValue::from_static("POST"));
                         out
                     }),
