@@ -1116,3 +1116,22 @@ impl Engine {
         Verdict::Wait(Waiting { until: host_now.saturating_add(wait), reply, turns, at: now, slots, outcome })
     }
 }
+
+/// The deployment's choice for a VM without valid rules, from its VM configuration:
+/// `Some(true)` (closed: 503) for `{"without_rules": "closed"}`, `Some(false)` (open: requests
+/// pass) for `{"without_rules": "open"}` or none (empty, white space); `None` for anything
+/// else. A deployment that wrote a configuration meant the one choice it can make, closed: the
+/// glue takes a typo in it (`"clsoed"`) as closed, said at error level, rather than let every
+/// request through with a warning.
+pub fn without_rules(config: &[u8]) -> Option<bool> {
+    use ratewall_core::json::Value;
+    if config.trim_ascii().is_empty() {
+        return Some(false);
+    }
+    let Ok(Value::Object(m)) = ratewall_core::json::parse(config) else { return None };
+    match (m.len(), m.get("without_rules")) {
+        (1, Some(Value::String(v))) if v == "closed" => Some(true),
+        (1, Some(Value::String(v))) if v == "open" => Some(false),
+        _ => None,
+    }
+}

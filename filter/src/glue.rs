@@ -357,18 +357,21 @@ impl RootContext for Root {
     }
 
     fn on_vm_start(&mut self, size: usize) -> bool {
-        // The deployment's choice for a VM without valid rules: `{"without_rules": "closed"}`
-        // refuses requests with 503; anything else (or nothing) serves them. Never false: on
-        // ngx_wasm_module a VM that fails to start takes its worker down.
+        // Never false: on ngx_wasm_module a VM that fails to start takes its worker down.
         let config = hostcalls::get_buffer(BufferType::VmConfiguration, 0, size).ok().flatten().unwrap_or_default();
-        let text = String::from_utf8_lossy(&config);
-        let closed = text.contains("\"without_rules\"") && text.contains("\"closed\"");
-        if !config.is_empty() && !closed && !text.contains("\"open\"") {
-            ProxyHost.log(
-                Level::Warn,
-                &format!("ratewall: VM configuration {text:?} not understood; without valid rules requests pass"),
-            );
-        }
+        let closed = match crate::engine::without_rules(&config) {
+            Some(closed) => closed,
+            None => {
+                ProxyHost.log(
+                    Level::Error,
+                    &format!(
+                        "ratewall: VM configuration {:?} not understood (expected {{\"without_rules\": \"open\"}} or {{\"without_rules\": \"closed\"}}); taken as closed: without valid rules every request is refused with 503",
+                        String::from_utf8_lossy(&config)
+                    ),
+                );
+                true
+            }
+        };
         VM.with(|vm| vm.closed.set(closed));
         true
     }

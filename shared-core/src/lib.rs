@@ -32,7 +32,7 @@ mod hash;
 pub mod algo;
 pub mod encoding;
 pub mod glob;
-mod json;
+pub mod json;
 pub mod field;
 pub mod key;
 pub mod rules;

@@ -72,6 +72,13 @@ fn a_deployment_that_wants_it_closed_gets_503_without_valid_rules() {
     assert_eq!((r.status, r.header("retry-after")), (503, Some("10")));
     assert_eq!(r.header("content-type"), Some("application/problem+json"));
     assert_eq!(node.metric("ratewall_config_rejected"), 1);
+    // A typo in that VM configuration is taken as closed, and said at error level: it let
+    // every request through with a warning.
+    let node = Node::with_profile(T0, Profile::NGINX);
+    let mut vm = Vm::start_with_vm_config(&plugin(), &node, br#"{"without_rules": "clsoed"}"#, BAD.as_bytes()).unwrap();
+    assert_eq!(vm.request(&user("a")).unwrap().status, 503);
+    let errs = errors(&node);
+    assert!(errs.iter().any(|m| m.contains("not understood") && m.contains("taken as closed")), "{errs:?}");
 }
 
 #[test]

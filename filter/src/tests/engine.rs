@@ -592,3 +592,23 @@ fn a_degraded_leaky_bucket_keeps_its_queue_scaled_with_its_rate() {
     let bucket = Limit::new(Algorithm::TokenBucket, 100, 60 * SECOND, Some(40)).unwrap();
     assert_eq!(crate::engine::share(bucket, 0, 4).burst(), Some(10));
 }
+
+#[test]
+fn a_vm_configuration_is_closed_open_or_not_understood() {
+    use crate::engine::without_rules;
+    assert_eq!(without_rules(br#"{"without_rules": "closed"}"#), Some(true));
+    assert_eq!(without_rules(br#" {"without_rules":"open"} "#), Some(false));
+    assert_eq!(without_rules(b""), Some(false), "none given: open, the default");
+    assert_eq!(without_rules(b"  \n"), Some(false));
+    // Not understood, and taken as closed by the glue: a typo never lets requests through unsaid.
+    for bad in [
+        &br#"{"without_rules": "clsoed"}"#[..],
+        br#"{"without_rule": "closed"}"#,
+        br#"{"without_rules": "closed", "x": 1}"#,
+        br#"{"without_rules": true}"#,
+        b"closed",
+        br#"{"without_rules": "open""#,
+    ] {
+        assert_eq!(without_rules(bad), None, "{}", String::from_utf8_lossy(bad));
+    }
+}
