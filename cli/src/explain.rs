@@ -111,7 +111,11 @@ pub fn parse_headers(args: &[String]) -> Result<Vec<(String, String)>, Failure> 
     args.iter()
         .enumerate()
         .map(|(i, h)| match h.split_once(':') {
-            Some((n, v)) if !n.trim().is_empty() => Ok((n.trim().to_ascii_lowercase(), v.trim().to_owned())),
+            // A name is a token, as a request's header names are (`x user` is none: no
+            // request could carry it).
+            Some((n, v)) if ratewall_core::rules::is_token(n.trim().as_bytes()) => {
+                Ok((n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            }
             _ => Err(Failure::Usage(format!("-H (header argument {}): expected 'name: value'", i + 1))),
         })
         .collect()
@@ -148,7 +152,7 @@ pub fn explain(
         return Err(Failure::Usage(format!("--ip {ip:?}: not an IP address")));
     }
     // As the rules write methods: letters only (a typo would explain a request no client sends).
-    if !ratewall_core::rules::is_method(method.as_bytes()) {
+    if !ratewall_core::rules::is_token(method.as_bytes()) {
         return Err(Failure::Usage(format!("--method {method:?}: not an HTTP method")));
     }
     let method = method.to_ascii_uppercase();

@@ -511,7 +511,7 @@ pub fn origin_form(target: &[u8]) -> &[u8] {
 
 /// A method as a log writes it: a token (`GET`, `post`, `M-SEARCH`).
 pub fn method(v: &[u8]) -> Option<&str> {
-    if !ratewall_core::rules::is_method(v) {
+    if !ratewall_core::rules::is_token(v) {
         return None;
     }
     std::str::from_utf8(v).ok()

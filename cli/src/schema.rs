@@ -22,7 +22,7 @@ const CLUSTER: &str = concat!(
     r":(?:[1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))$"
 );
 
-/// An HTTP method as the parser takes it (`ratewall_core::rules::is_method`): an RFC 9110 token.
+/// An HTTP method as the parser takes it (`ratewall_core::rules::is_token`): an RFC 9110 token.
 const METHOD: &str = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$";
 
 fn duration(description: &str) -> Value {

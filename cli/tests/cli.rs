@@ -904,6 +904,9 @@ fn explain_refuses_an_ip_that_is_no_address_and_a_method_that_is_none() {
             assert!(stderr(&o).contains(why), "{flag} {value:?}: {}", stderr(&o));
         }
     }
+    // A header no request could carry (a space in its name).
+    let o = ratewall(&["explain", &rules, "--path", "/v1/auth/login", "-H", "x user: v"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stdout(&o));
     let o = ratewall(&["explain", &rules, "--path", "/v1/auth/login", "--ip", "2001:db8::1"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stdout(&o).contains("key ip=2001:db8::/64"), "{}", stdout(&o));

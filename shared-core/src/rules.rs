@@ -892,14 +892,14 @@ fn parse_match(v: &Value, path: &str) -> Result<Matcher, ConfigError> {
     Ok(Matcher { path: pattern, methods })
 }
 
-/// Whether `m` is an HTTP method as RFC 9110 writes one: a token (letters, digits and
-/// ``!#$%&'*+-.^_`|~``; `M-SEARCH`, `BPROPFIND`).
-pub fn is_method(m: &[u8]) -> bool {
-    !m.is_empty() && m.iter().all(|&b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+/// Whether `t` is an RFC 9110 token (letters, digits and ``!#$%&'*+-.^_`|~``): what an HTTP
+/// method (`M-SEARCH`, `BPROPFIND`) and a header's name are.
+pub fn is_token(t: &[u8]) -> bool {
+    !t.is_empty() && t.iter().all(|&b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 fn method(s: &str, path: &str) -> Result<String, ConfigError> {
-    if !is_method(s.as_bytes()) {
+    if !is_token(s.as_bytes()) {
         return err(path, format!("{} is not an HTTP method", quoted(s)));
     }
     Ok(s.to_ascii_uppercase())
