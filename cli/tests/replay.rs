@@ -609,16 +609,24 @@ fn json_fields_of_the_wrong_kind_and_unix_socket_peers_make_lines_unreadable() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("unix.nginx:2: "), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// A rules file `name`: one rule, `ip`, 2 requests a minute per client address (a fixed
+/// window), the address found `trusted_hops` from the right of `X-Forwarded-For`.
+fn two_a_minute_per_ip(name: &str, trusted_hops: u8) -> String {
+    temp(
+        name,
+        &format!(
+            r#"{{"identity":{{"ip":{{"trusted_hops":{trusted_hops}}}}},"rules":[{{"name":"ip","key":["ip"],"algorithm":"fixed_window","limit":{{"requests":2,"per":"60s"}}}}]}}"#
+        ),
+    )
+}
+
 /// A rotated log as logrotate leaves it, gzip-compressed (and two of them joined by `cat`),
 /// replays as the text does; another compression is named, with the tool to read it through
 /// (its bytes were each an unreadable line, the replay of nothing ending well).
 #[test]
 fn a_gzip_compressed_log_replays_as_its_text() {
     use flate2::{write::GzEncoder, Compression};
-    let rules = temp(
-        "gz-rules.json",
-        r#"{"identity":{"ip":{"trusted_hops":0}},"rules":[{"name":"ip","key":["ip"],"algorithm":"fixed_window","limit":{"requests":2,"per":"60s"}}]}"#,
-    );
+    let rules = two_a_minute_per_ip("gz-rules.json", 0);
     let mut text = String::new();
     for s in 1..=5 {
         writeln!(text, r#"203.0.113.7 - - [06/Dec/2026:10:00:0{s} +0000] "GET /a HTTP/1.1" 200 5 "-" "curl""#).unwrap();
@@ -657,10 +665,7 @@ fn a_gzip_compressed_log_replays_as_its_text() {
 /// A `combined` log is still read as `combined`.
 #[test]
 fn nginx_main_logs_are_keyed_on_the_forwarded_for_they_end_with() {
-    let rules = temp(
-        "main-rules.json",
-        r#"{"identity":{"ip":{"trusted_hops":1}},"rules":[{"name":"ip","key":["ip"],"algorithm":"fixed_window","limit":{"requests":2,"per":"60s"}}]}"#,
-    );
+    let rules = two_a_minute_per_ip("main-rules.json", 1);
     let mut main = String::new();
     let mut combined = String::new();
     for s in 0..6 {

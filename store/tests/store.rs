@@ -55,6 +55,15 @@ impl StoreProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Its log once it says `what` (within 5 s; the log as it is then, if not).
+    fn logged_once_it_says(&self, what: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !self.logged().contains(what) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.logged()
+    }
+
     fn get(&self, path: &str) -> http::Response {
         http::request(&self.addr, "GET", path, &[], &[]).unwrap()
     }
@@ -578,13 +587,7 @@ fn a_three_primary_cluster_holds_counters_over_its_slots() {
     // A Cluster node taken for a single server (no --cluster): unhealthy, and the log says why,
     // rather than some batches counting and others failing on MOVED.
     for url in cluster.urls() {
-        let single = StoreProcess::start(&[url], false);
-        assert_eq!(single.get("/healthz").status, 503);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !single.logged().contains("start the store with --cluster") && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        assert!(single.logged().contains("start the store with --cluster"), "{}", single.logged());
+        unhealthy_saying(&[url], false, "start the store with --cluster");
     }
 }
 
@@ -592,13 +595,16 @@ fn a_three_primary_cluster_holds_counters_over_its_slots() {
 #[test]
 fn a_single_server_taken_for_a_cluster_is_said_to_be_one() {
     let redis = Redis::start(false).unwrap();
-    let store = StoreProcess::start(&[redis.url()], true);
+    unhealthy_saying(&[redis.url()], true, "start the store without --cluster");
+}
+
+/// A store started on `redis` (a Cluster's nodes with `cluster`) answers `/healthz` 503 and
+/// its log says `what`.
+fn unhealthy_saying(redis: &[String], cluster: bool, what: &str) {
+    let store = StoreProcess::start(redis, cluster);
     assert_eq!(store.get("/healthz").status, 503);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !store.logged().contains("without --cluster") && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert!(store.logged().contains("start the store without --cluster"), "{}", store.logged());
+    let log = store.logged_once_it_says(what);
+    assert!(log.contains(what), "{log}");
 }
 
 /// End to end, past the quota: three filter nodes on one counter, syncing over real HTTP to
