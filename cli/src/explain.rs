@@ -151,7 +151,7 @@ pub fn explain(
     if let Some(ip) = peer.filter(|ip| parse_ip(ip.as_bytes()).is_none()) {
         return Err(Failure::Usage(format!("--ip {ip:?}: not an IP address")));
     }
-    // As the rules write methods: letters only (a typo would explain a request no client sends).
+    // As the rules write methods: a token (a typo would explain a request no client sends).
     if !ratewall_core::rules::is_token(method.as_bytes()) {
         return Err(Failure::Usage(format!("--method {method:?}: not an HTTP method")));
     }

@@ -1,6 +1,6 @@
 //! The access-log formats `ratewall replay` reads: NGINX `log_format` strings (`main` and
-//! `combined` by default), Envoy format strings (its default access-log format by default) and ratewall's
-//! JSON lines, each read into the same borrowed [`Entry`].
+//! `combined` by default), Envoy format strings (its default access-log format by default)
+//! and ratewall's JSON lines, each read into the same borrowed [`Entry`].
 
 use ratewall_core::Nanos;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};

@@ -8,8 +8,8 @@
 //!   rules match a request, the counter key each would use, the limit in force (and whose plan
 //!   it is), and why the others do not.
 //! - `ratewall replay RULES.json LOG [--format nginx|envoy|jsonl|auto] [--log-format '…']`:
-//!   an access log (NGINX `main`, `combined` or any `log_format`, Envoy's default format or any format
-//!   string, ratewall's JSON lines) through the core on its own clock (no sleeping): per rule
+//!   an access log (NGINX `main`, `combined` or any `log_format`, Envoy's default format or
+//!   any format string, ratewall's JSON lines) through the core on its own clock (no sleeping): per rule
 //!   allowed / rejected / unkeyed, the top rejected keys. The offline twin of shadow mode.
 //! - `ratewall schema`: the rules document's JSON Schema (`rules.schema.json`).
 //!

@@ -265,9 +265,8 @@ pub(crate) fn unreported(since: u32, carry: u32, reported: u64) -> u64 {
 /// Writes an answer's grants into the counters' table entries. A batch's grant replaces what
 /// the node held; an ask's is added to it. Leases count from when the request was sent
 /// (`sent`, the node's clock: the answer's `now` less the round trip), so the node's lease
-/// always ends before the store's.
-/// Writes an answer's grants into the table; the counters (`fnv1a` of their keys) whose
-/// store had no quota beyond their grant: at their limit fleet-wide, or about to be.
+/// always ends before the store's. Returns the counters (`fnv1a` of their keys) whose store
+/// had no quota beyond their grant: at their limit fleet-wide, or about to be.
 fn write_grants(
     host: &dyn Host,
     table: &Table,

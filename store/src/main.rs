@@ -552,10 +552,7 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
         .route(
             "/v1/sync",
             post(sync).fallback(|| async {
-                let mut out =
-                    plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed: POST /v1/sync").into_response();
-                out.headers_mut().insert("allow", HeaderValue::from_static("POST"));
-                out
+                post_only(plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed: POST /v1/sync"))
             }),
         )
         .route("/healthz", get(healthz))
@@ -576,10 +573,7 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
                     post(rls_json).fallback(|| async {
                         // Refused as every call of this path is: a JSON `{"error": …}`.
                         let body = serde_json::json!({"error": "method not allowed: POST /json"}).to_string();
-                        let mut out = (StatusCode::METHOD_NOT_ALLOWED, body).into_response();
-                        out.headers_mut().insert("content-type", HeaderValue::from_static("application/json"));
-                        out.headers_mut().insert("allow", HeaderValue::from_static("POST"));
-                        out
+                        post_only((StatusCode::METHOD_NOT_ALLOWED, [("content-type", "application/json")], body))
                     }),
                 )
                 .with_state(rls),
@@ -609,6 +603,13 @@ const NOT_FOUND: &str =
     "not found: this listener serves POST /v1/sync, GET /healthz, GET /healthcheck and GET /metrics";
 const NOT_FOUND_JSON: &str =
     "not found: this listener serves POST /v1/sync, POST /json, GET /healthz, GET /healthcheck and GET /metrics";
+
+/// `refusal` (a 405) with `Allow: POST`.
+fn post_only(refusal: impl IntoResponse) -> Response {
+    let mut out = refusal.into_response();
+    out.headers_mut().insert("allow", HeaderValue::from_static("POST"));
+    out
+}
 
 fn plain(status: axum::http::StatusCode, why: &'static str) -> impl axum::response::IntoResponse {
     (status, [(axum::http::header::CONTENT_TYPE, "text/plain; charset=utf-8")], why)

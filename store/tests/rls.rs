@@ -754,6 +754,7 @@ async fn post_json_is_the_grpc_answer_in_proto3_json() {
     assert_eq!(r.status, 405);
     let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
     assert_eq!(v["error"], "method not allowed: POST /json");
+    assert!(r.headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("allow") && v == "POST"), "{:?}", r.headers);
     let r = http::request(&store.http, "GET", "/jsn", &[], &[]).unwrap();
     assert!(r.status == 404 && r.text().contains("POST /json"), "{}", r.text());
 }

@@ -512,6 +512,9 @@ fn unsigned_forged_malformed_and_oversized_calls_are_refused() {
         let r = http::request(&store.addr, method, path, &[], &[]).unwrap();
         assert_eq!(r.status, status, "{method} {path}");
         assert!(!r.text().is_empty(), "{method} {path}: a reason");
+        if status == 405 {
+            assert!(r.headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("allow") && v == "POST"), "{:?}", r.headers);
+        }
     }
     assert_eq!(post(&store.addr, &body, Some(&"0".repeat(64))).status, 401, "a well-formed wrong signature");
     // Two signature fields, a good one among them: refused, as the Worker refuses them.
