@@ -73,8 +73,8 @@ enum Command {
     /// Validate a rules document (or a rate limit service configuration: a `.yaml` file or a
     /// directory of them) and print its rules.
     Check {
-        /// The rules document, or the `.yaml` file or directory of a rate limit service
-        /// configuration.
+        /// The rules document ("-": standard input), or the `.yaml` file or directory of a
+        /// rate limit service configuration.
         rules: PathBuf,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -83,7 +83,7 @@ enum Command {
     /// Show which rules a request matches, the counter key and limit of each, and why the
     /// other rules do not apply.
     Explain {
-        /// The rules document.
+        /// The rules document ("-": standard input).
         rules: PathBuf,
         /// The request's method.
         #[arg(long, default_value = "GET")]
@@ -105,7 +105,7 @@ enum Command {
     /// or a `log_format`), Envoy (its default format or a format string), or JSON lines
     /// ({"ts", "method", "path", "headers", "ip", "duration_ms"}).
     Replay {
-        /// The rules document.
+        /// The rules document ("-": standard input, when the log is a file).
         rules: PathBuf,
         /// The log ("-": standard input).
         log: PathBuf,
@@ -214,15 +214,21 @@ fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<Strin
 /// Reads a rules document: at most the parser's limit ([`MAX_DOCUMENT`] bytes), never more
 /// of what `path` names, so a path to an endless file (`/dev/zero`, a pipe) ends in the same
 /// "too large" error as a large file rather than in memory growing without bound.
+/// `-` is standard input (`kubectl get configmap … | ratewall check -`).
 fn read_document(path: &Path) -> Result<Vec<u8>, Failure> {
-    let cannot = |e: std::io::Error| Failure::Usage(format!("cannot read {}: {e}", path.display()));
-    let file = std::fs::File::open(path).map_err(cannot)?;
-    let bytes = read_at_most(&file, MAX_DOCUMENT).map_err(cannot)?;
+    let name = if is_stdin(path) { "standard input".to_owned() } else { path.display().to_string() };
+    let cannot = |e: std::io::Error| Failure::Usage(format!("cannot read {name}: {e}"));
+    let (bytes, size) = if is_stdin(path) {
+        (read_at_most(std::io::stdin().lock(), MAX_DOCUMENT).map_err(cannot)?, None)
+    } else {
+        let file = std::fs::File::open(path).map_err(cannot)?;
+        let bytes = read_at_most(&file, MAX_DOCUMENT).map_err(cannot)?;
+        // A file says its size; what does not (a device, a pipe) is at least one byte over.
+        (bytes, file.metadata().ok().filter(std::fs::Metadata::is_file).map(|m| m.len()))
+    };
     if bytes.len() <= MAX_DOCUMENT {
         return Ok(bytes);
     }
-    // A file says its size; what does not (a device, a pipe) is at least one byte over.
-    let size = file.metadata().ok().filter(std::fs::Metadata::is_file).map(|m| m.len());
     let has = size.map_or_else(|| format!("more than {MAX_DOCUMENT}"), |n| n.to_string());
     Err(Failure::Invalid(vec![format!("(document): has {has} bytes; at most {MAX_DOCUMENT} are accepted")]))
 }
@@ -251,6 +257,10 @@ fn deployment_secret() -> String {
 /// rather than a rules document. A `.yaml` file that holds a JSON object with `rules` is a
 /// rules document (JSON is YAML too): its content decides, not its name.
 fn is_rls_config(path: &Path) -> bool {
+    // Standard input is read once, as a rules document.
+    if is_stdin(path) {
+        return false;
+    }
     if path.is_dir() {
         return true;
     }
@@ -259,6 +269,11 @@ fn is_rls_config(path: &Path) -> bool {
         return false;
     }
     !read_document(path).is_ok_and(|bytes| is_rules_document(&bytes))
+}
+
+/// Whether `path` names standard input (`-`).
+pub fn is_stdin(path: &Path) -> bool {
+    path.as_os_str() == "-"
 }
 
 /// Whether `bytes` are a JSON object with a `rules` member: a rules document, valid or not,

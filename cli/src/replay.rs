@@ -685,10 +685,13 @@ fn decompressed(input: Box<dyn Read + Send>, name: &str) -> Result<Box<dyn BufRe
 
 /// `ratewall replay`.
 pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
+    if crate::is_stdin(o.rules) && crate::is_stdin(o.log) {
+        return Err(Failure::Usage("the rules document and the log cannot both be standard input (\"-\")".to_owned()));
+    }
     let (_, config) = load(o.rules)?;
     let wanted = Wanted::new(config.identity.headers.iter().map(|(_, h)| h.clone()).collect());
     let candidates = candidates(o.format, o.log_format, &wanted)?;
-    let input: Box<dyn Read + Send> = if o.log.as_os_str() == "-" {
+    let input: Box<dyn Read + Send> = if crate::is_stdin(o.log) {
         Box::new(std::io::stdin())
     } else {
         Box::new(

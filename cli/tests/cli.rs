@@ -526,6 +526,38 @@ fn replay_reads_a_log_on_standard_input() {
     assert_eq!((login["allowed"].clone(), login["rejected"].clone()), (json!(10), json!(2)));
 }
 
+/// Runs `ratewall` with `input` on its standard input.
+fn ratewall_fed(args: &[&str], input: &[u8]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn check_and_explain_read_a_rules_document_on_standard_input() {
+    let rules = std::fs::read(root("examples/rules.json")).unwrap();
+    let from_file = ratewall(&["check", "--json", &root("examples/rules.json")]);
+    let piped = ratewall_fed(&["check", "--json", "-"], &rules);
+    assert_eq!(piped.status.code(), Some(0), "{}", stderr(&piped));
+    assert_eq!(stdout(&piped), stdout(&from_file));
+    let bad = ratewall_fed(&["check", "-"], br#"{"rules": [{"name": "x"}]}"#);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(stderr(&bad).contains("rules[0]"), "{}", stderr(&bad));
+    let explained = ratewall_fed(&["explain", "-", "--path", "/v1/auth/login", "--ip", "198.51.100.4"], &rules);
+    assert_eq!(explained.status.code(), Some(0), "{}", stderr(&explained));
+    assert!(stdout(&explained).contains("login-per-ip"), "{}", stdout(&explained));
+    // One standard input cannot be both.
+    let both = ratewall_fed(&["replay", "-", "-"], &rules);
+    assert_eq!(both.status.code(), Some(2));
+    assert!(stderr(&both).contains("both be standard input"), "{}", stderr(&both));
+}
+
 #[test]
 fn schema_prints_the_committed_schema() {
     let o = ratewall(&["schema"]);
