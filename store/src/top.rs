@@ -83,6 +83,10 @@ struct Node {
     counted_seq: u64,
     /// The unix second that section was counted in (0: none yet).
     counted_at: u64,
+    /// Whether a batch of the node's failed here since then: the next section counted holds
+    /// what it decided meanwhile (a heartbeat or a repeated batch answered in between does
+    /// not say otherwise).
+    failed_since: bool,
 }
 
 #[derive(Debug)]
@@ -295,7 +299,7 @@ impl Inner {
         };
         let listed = self.roster.iter().map(|name| decided.remove(name).unwrap_or_else(|| idle(name)));
         let section = TopSection { rules: listed.chain(others).take(MAX_RULES).collect() };
-        self.windows.add(at, &section, &[]);
+        self.windows.add_past(at, &section);
         queue(&mut self.outbox, at, &section);
     }
 }
@@ -352,6 +356,7 @@ impl Top {
             seen: Seen { last_seen: now, rate: 0.0, rtt, degraded: false },
             counted_seq: 0,
             counted_at: 0,
+            failed_since: false,
         });
         let gap = now.saturating_duration_since(n.seen.last_seen).as_secs_f64();
         // An exponentially weighted rate over about 5 s.
@@ -359,10 +364,11 @@ impl Top {
             let w = (-gap / 5.0).exp();
             n.seen.rate = n.seen.rate * w + (1.0 - w) / gap;
         }
-        let was_failing = n.seen.degraded;
         (n.seen.last_seen, n.seen.rtt, n.seen.degraded) = (now, rtt, !ok);
+        n.failed_since |= !ok;
         let Some(section) = section.filter(|_| ok && seq > n.counted_seq) else { return };
         n.counted_seq = seq;
+        let was_failing = std::mem::take(&mut n.failed_since);
         let t = inner.windows.clock(unix);
         // The first section after batches failed here (Redis down, say) holds what the node
         // decided since its last one counted: spread over those seconds, not a spike in this one.
@@ -538,7 +544,7 @@ impl Top {
         // A second far past this process's clock (a share garbled in Redis, or a peer's clock
         // years ahead) would move every window there, leaving the admin routes empty.
         for (sec, section) in share.seconds.iter().filter(|(sec, _)| *sec <= unix.saturating_add(MAX_SHARE_AHEAD_S)) {
-            inner.windows.add(*sec, section, &[]);
+            inner.windows.add_past(*sec, section);
         }
         for &(id, seen_ms, rate, rtt, degraded) in &share.nodes {
             let key = (share.process, id);
@@ -702,6 +708,10 @@ mod tests {
         for i in 1..20 {
             top.heard_at(t + i, now, 1, 1 + i, false, Duration::ZERO, Some(&section("r", &[("user=a", 1)], 1)));
         }
+        // Redis back: an idle VM's heartbeat, and a copy of a batch Redis took before it went
+        // away, are answered before the batch that holds what the node decided meanwhile.
+        top.heard_at(t + 20, now, 1, 18, true, Duration::ZERO, None);
+        top.heard_at(t + 20, now, 1, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 4)], 1)));
         top.heard_at(t + 20, now, 1, 20, true, Duration::ZERO, Some(&section("r", &[("user=a", 40)], 1)));
         let series = top.series_at(t + 21, None);
         let denied: Vec<u64> =
@@ -764,6 +774,24 @@ mod tests {
         a.heard_at(t, now, 1, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 10)], 1)));
         b.heard_at(t, now, 2, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 5)], 2)));
         (a, b)
+    }
+
+    #[test]
+    fn a_process_that_reads_old_shares_counts_them_in_their_seconds() {
+        let now = Instant::now();
+        let t = 1_800_000_000;
+        let (a, b) = (Top::default(), Top::default());
+        a.heard_at(t, now, 1, 1, true, Duration::ZERO, Some(&section("r", &[("user=a", 3)], 1)));
+        let old = a.take_share_at(t, now).unwrap();
+        // `b` starts 66 s later, hears a batch, then reads the stream from its start.
+        b.heard_at(t + 66, now, 2, 1, true, Duration::ZERO, Some(&section("r", &[("user=b", 1)], 2)));
+        b.merge_share_at(&old, t + 66, now);
+        let minute = b.top_at(t + 66, Some("r"), Window::Minute);
+        assert_eq!(minute["rules"][0]["denied"], 1, "only the last minute's: {minute}");
+        assert_eq!(b.top_at(t + 66, Some("r"), Window::Hour)["rules"][0]["denied"], 4);
+        let series = b.series_at(t + 66, Some("r"));
+        let denied = &series["rules"][0]["denied"];
+        assert_eq!((denied[SERIES - 67].clone(), denied[SERIES - 1].clone()), (json!(3), json!(1)), "{series}");
     }
 
     #[test]

@@ -543,3 +543,30 @@ fn lately_holds_a_key_for_its_span_and_at_most_its_cap_the_oldest_going_first() 
     assert_eq!(l.held(30), [1, 3], "past the cap the oldest (2) went");
     assert_eq!(l.held(85), [3]);
 }
+
+/// A second before the latest seen counts in its own buckets through `add_past` (and in none
+/// once they are gone), and in the latest through `add` (a clock that went backwards).
+#[cfg(feature = "admin")]
+#[test]
+fn a_past_second_counts_in_its_own_buckets_and_a_clock_gone_back_in_the_latest() {
+    use super::windows::{Window, Windows};
+    use crate::sync::{RuleTop, TopSection};
+    let section = |denied: u64| TopSection {
+        rules: alloc::vec![RuleTop { rule: "r".into(), allowed: 0, denied, shadow_denied: 0, top: Summary::new(4) }],
+    };
+    let denied = |w: &Windows, window: Window| w.top(10_000, None, window)["rules"][0]["denied"].clone();
+    let mut w = Windows::new(4, 4);
+    w.add(10_000, &section(1), &[]);
+    w.add_past(9_930, &section(10));
+    assert_eq!((denied(&w, Window::Minute), denied(&w, Window::Hour)), (1.into(), 11.into()));
+    w.add_past(10_000 - 3_600, &section(100));
+    assert_eq!(denied(&w, Window::Hour), 11, "older than the hour: counted nowhere");
+    w.add(9_990, &section(1000), &[]);
+    assert_eq!(denied(&w, Window::Minute), 1001, "a clock gone back counts now");
+    let series = w.series(10_000, None);
+    let d = &series["rules"][0]["denied"];
+    assert_eq!(
+        (d[super::windows::SERIES - 71].clone(), d[super::windows::SERIES - 1].clone()),
+        (10.into(), 1001.into())
+    );
+}

@@ -140,6 +140,21 @@ impl Windows {
     /// counts now; one older than the series, not); else they count in the second heard.
     pub fn add(&mut self, unix: u64, section: &TopSection, seconds: &[Vec<Second>]) {
         let t = self.clock(unix);
+        self.put(t, section, seconds);
+    }
+
+    /// Merges `section`, of the second `unix`, which may be before the latest seen (what a
+    /// peer heard then, read only now: a store process that starts reads the whole shared
+    /// stream): it counts in that second's buckets while the windows keep them, and in none
+    /// once they do not. [`Windows::add`] counts a second before the latest in the latest:
+    /// for sections heard now, on a clock that went backwards.
+    pub fn add_past(&mut self, unix: u64, section: &TopSection) {
+        self.clock(unix);
+        self.put(unix, section, &[]);
+    }
+
+    fn put(&mut self, at: u64, section: &TopSection, seconds: &[Vec<Second>]) {
+        let t = self.now;
         for (n, r) in section.rules.iter().enumerate() {
             let i = match self.rules.iter().position(|x| x.name == r.rule) {
                 Some(i) => i,
@@ -152,14 +167,18 @@ impl Windows {
                         let Some(oldest) = idle.min_by_key(|(_, x)| x.heard).map(|(i, _)| i) else { continue };
                         self.rules.remove(oldest);
                     }
-                    self.rules.push(Rule::new(&r.rule, t));
+                    self.rules.push(Rule::new(&r.rule, at));
                     self.rules.len() - 1
                 }
             };
             let Some(rule) = self.rules.get_mut(i) else { continue };
-            rule.heard = t;
+            rule.heard = rule.heard.max(at);
             for (buckets, (len, count)) in [(&mut rule.minute, MINUTE), (&mut rule.hour, HOUR)] {
-                let at = t / len;
+                // `at <= t`. A bucket older than those kept would take a newer one's place.
+                let (at, now) = (at / len, t / len);
+                if now - at >= count as u64 {
+                    continue;
+                }
                 let Some(b) = buckets.get_mut((at % count as u64) as usize) else { continue };
                 if b.at != at {
                     *b = Bucket { at, ..Bucket::default() };
@@ -171,7 +190,7 @@ impl Windows {
                     b.top.get_or_insert_with(|| Summary::new(self.kept)).merge_keeping(&r.top);
                 }
             }
-            let own = [(t, r.allowed, r.denied, r.shadow_denied)];
+            let own = [(at, r.allowed, r.denied, r.shadow_denied)];
             let spread = seconds.get(n).map(Vec::as_slice).filter(|s| !s.is_empty()).unwrap_or(&own);
             for &(sec, a, d, s) in spread {
                 let sec = sec.min(t);
