@@ -177,7 +177,8 @@ fn the_dashboard_shows_the_fleets_traffic_and_names_the_heaviest_client() {
     println!("screenshots: {} and {}", laptop.display(), phone.display());
 }
 
-/// A signed batch from `node` whose top section has one rule per name, each denying `user=a`.
+/// A signed batch from `node` whose top section has one rule per name, each denying `user=a`
+/// (a name starting `shadow`: would-deny, as a shadow rule counts).
 fn batch_with_rules(node: u64, names: &[&str]) -> Vec<u8> {
     use ratewall_core::sync::{Delta, RuleTop, SyncRequest, TopSection};
     use ratewall_core::topk::{node_bit, Summary};
@@ -190,7 +191,8 @@ fn batch_with_rules(node: u64, names: &[&str]) -> Vec<u8> {
         .map(|name| {
             let mut top = Summary::default();
             top.add(b"user=a", 3, 1, node_bit(node));
-            RuleTop { rule: (*name).to_owned(), allowed: 1, denied: 3, shadow_denied: 0, top }
+            let (denied, shadow_denied) = if name.starts_with("shadow") { (0, 3) } else { (3, 0) };
+            RuleTop { rule: (*name).to_owned(), allowed: 1, denied, shadow_denied, top }
         })
         .collect();
     TopSection { rules }.encode_into(&mut body);
@@ -205,7 +207,7 @@ fn rules_named_like_javascripts_object_members_each_get_their_card() {
     let redis = Redis::start(false).unwrap();
     let store = start_store(&redis);
     // Valid rule names (A-Z a-z 0-9 _ . -) that an object literal already has as members.
-    let names = ["constructor", "toString", "__proto__", "hasOwnProperty", "api-key"];
+    let names = ["constructor", "toString", "__proto__", "hasOwnProperty", "api-key", "shadow-ip"];
     let body = batch_with_rules(1, &names);
     let tag = ratewall_core::sync::hex(&ratewall_core::sync::sign(SECRET.as_bytes(), &body));
     let r = http::request(&store.addr, "POST", "/v1/sync", &[("x-ratewall-signature", &tag)], &body).unwrap();
@@ -214,10 +216,11 @@ fn rules_named_like_javascripts_object_members_each_get_their_card() {
     let v = visit(&Visit {
         url: &format!("{origin}/"),
         until:
-            "document.querySelectorAll('section.rule table.top').length >= 5 && document.querySelector('table.fleet')",
+            "document.querySelectorAll('section.rule table.top').length >= 6 && document.querySelector('table.fleet')",
         timeout_ms: 10_000,
         collect: "({ rules: [...document.querySelectorAll('section.rule')].map(s => [s.dataset.rule,
                      (s.querySelector('table.top td.key') || {}).textContent]),
+                    heads: [...document.querySelectorAll('section.rule table.top th:nth-child(2)')].map(e => e.textContent),
                     nodes: document.querySelectorAll('table.fleet tbody tr').length })",
         screenshots: &[],
     })
@@ -226,5 +229,8 @@ fn rules_named_like_javascripts_object_members_each_get_their_card() {
     let shown: Vec<(String, String)> = serde_json::from_value(v.result["rules"].clone()).unwrap();
     let want: Vec<(String, String)> = names.iter().map(|n| ((*n).to_owned(), "user=a".to_owned())).collect();
     assert_eq!(shown, want, "{v:?}");
+    // A shadow rule's clients are those it would have denied, and the table says so.
+    let heads: Vec<String> = serde_json::from_value(v.result["heads"].clone()).unwrap();
+    assert_eq!(heads, ["denied", "denied", "denied", "denied", "denied", "would deny"], "{v:?}");
     assert_eq!(v.result["nodes"], 1, "{v:?}");
 }
