@@ -127,29 +127,27 @@ struct LazyKv {
 }
 
 impl LazyKv {
-    async fn get(&self) -> Option<&RedisKv> {
+    /// Redis, connected, or why not (as Redis or the connection said it: a wrong password is
+    /// told apart from a Redis that is not there).
+    async fn connected(&self) -> Result<&RedisKv, String> {
         if let Some(c) = self.conn.get() {
-            return Some(c);
+            return Ok(c);
         }
+        const WAIT: Duration = Duration::from_millis(500);
         let connect = RedisKv::connect(&self.urls, self.cluster);
-        match tokio::time::timeout(Duration::from_millis(500), connect).await {
-            Ok(Ok(kv)) => Some(self.conn.get_or_init(|| async { kv }).await),
+        match tokio::time::timeout(WAIT, connect).await {
+            Ok(Ok(kv)) => Ok(self.conn.get_or_init(|| async { kv }).await),
             Ok(Err(e)) => {
                 self.unreachable.log(&format!("cannot reach Redis yet: {e}"), "failed attempt(s)");
-                None
+                Err(format!("Redis unreachable: {e}"))
             }
-            Err(_) => None,
+            Err(_) => Err(format!("Redis unreachable: no connection within {} ms", WAIT.as_millis())),
         }
     }
 
-    /// Redis, connected, or why not.
     /// Redis's `maxmemory-policy`, if it is reached and tells.
     async fn eviction_policy(&self) -> Option<String> {
-        self.get().await?.eviction_policy().await
-    }
-
-    async fn connected(&self) -> Result<&RedisKv, String> {
-        self.get().await.ok_or_else(|| "Redis unreachable".to_owned())
+        self.connected().await.ok()?.eviction_policy().await
     }
 
     /// `r`, its failure said (at most once per [`Quiet::EVERY`]).
@@ -186,7 +184,7 @@ impl Kv for LazyKv {
         batch: bool,
         sent: Nanos,
     ) -> Result<(u32, Vec<u64>), ratewall_store::Unheard> {
-        let kv = self.get().await.ok_or_else(|| ratewall_store::Unheard::Failed("no connection to Redis".into()))?;
+        let kv = self.connected().await.map_err(ratewall_store::Unheard::Failed)?;
         let heard = kv.heard(node, seq, batch, sent).await;
         if let Err(ratewall_store::Unheard::Failed(e)) = &heard {
             self.failed(&format!("the node registry could not be read or written: {e}"));

@@ -539,3 +539,19 @@ fn while_redis_refuses_the_store_it_says_so_once_in_a_while_not_per_request() {
     assert!((1..=2).contains(&said), "{said} lines for 60 requests:\n{text}");
     assert!(!text.contains("wrong-password"), "{text}");
 }
+
+/// A Redis that refuses the store's password is said as such on `/healthz`, not as a Redis
+/// that is not there (the operator would look at the network), and the password is not shown.
+#[test]
+fn healthz_says_redis_refused_the_password_without_showing_it() {
+    let redis = Redis::start(false).unwrap();
+    ratewall_tests::redis::cli(redis.port, &["CONFIG", "SET", "requirepass", "the-right-one"]).unwrap();
+    let url = format!("redis://:not-the-password@127.0.0.1:{}", redis.port);
+    let store = start_at(&url, true, Stdio::null());
+    for addr in [&store.addr, store.admin.as_ref().unwrap()] {
+        let (status, body) = get(addr, "/healthz");
+        assert_eq!(status, 503, "{body}");
+        assert!(body.to_lowercase().contains("password") || body.contains("WRONGPASS"), "{body}");
+        assert!(!body.contains("not-the-password") && !body.contains("the-right-one"), "{body}");
+    }
+}
