@@ -30,7 +30,7 @@ const USAGE: &str =
   --wasm FILE        the built filter (default dist/ratewall_filter.wasm here, else the build tree's)
   --port N           the port on 127.0.0.1 (not given: 8080, or a free one when 8080 is taken; 0: a
                      free one; a port given that is taken is an error)
-  --workers N        worker VMs sharing the node's counters (default 2)
+  --workers N        worker VMs sharing the node's counters, 1 to 64 (default 2)
   --store HOST:PORT  a ratewall-store, or the Worker's sync endpoint, this node syncs to (with a
                      `sync` section in the rules); several: the next when one fails";
 
@@ -42,6 +42,9 @@ struct Args {
     wasm: Option<String>,
 }
 
+/// Most worker VMs (each a wasm instance and a thread).
+const MAX_WORKERS: usize = 64;
+
 fn parse_args() -> Result<Args, String> {
     let mut a = Args { rules: "examples/rules.json".into(), port: None, workers: 2, stores: Vec::new(), wasm: None };
     let mut it = std::env::args().skip(1);
@@ -50,7 +53,13 @@ fn parse_args() -> Result<Args, String> {
         match flag.as_str() {
             "--rules" => a.rules = value()?,
             "--port" => a.port = Some(value()?.parse().map_err(|e| format!("--port: {e}"))?),
-            "--workers" => a.workers = value()?.parse().map_err(|e| format!("--workers: {e}"))?,
+            "--workers" => {
+                let v = value()?;
+                a.workers =
+                    v.parse().ok().filter(|n| (1..=MAX_WORKERS).contains(n)).ok_or_else(|| {
+                        format!("--workers: {v:?} is not a number of worker VMs from 1 to {MAX_WORKERS}")
+                    })?;
+            }
             "--store" => a.stores.push(value()?),
             "--wasm" => a.wasm = Some(value()?),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
@@ -115,7 +124,7 @@ fn serve() -> Result<(), String> {
     // client holds only that thread; the worker VMs take complete requests from the queue
     // and keep ticking meanwhile.
     let queue = Arc::new(Queue::default());
-    for w in 0..args.workers.max(1) {
+    for w in 0..args.workers {
         let doc = rules.document.lock().map_err(|e| e.to_string())?.clone();
         let mut vm = Vm::start(&plugin, &node, &doc).map_err(|e| format!("worker {w}: {e}"))?;
         let (queue, rules, node, stores) = (Arc::clone(&queue), Arc::clone(&rules), node.clone(), args.stores.clone());
@@ -128,13 +137,14 @@ fn serve() -> Result<(), String> {
 
     // Written with errors ignored: a closed stdout must not take the gateway down.
     let banner = format!(
-        "ratewall is running at http://{addr}  (rules: {}, {} worker VMs)\n\
+        "ratewall is running at http://{addr}  (rules: {}, {} worker VM{})\n\
          \x20 the RateLimit fields:  curl -si http://{addr}/v1/things -H 'x-api-key: demo'\n\
          \x20 a 429 after 10 logins: for i in $(seq 11); do curl -s -o /dev/null -w '%{{http_code}} ' -X POST http://{addr}/v1/auth/login; done; echo\n\
          \x20 metrics:               curl -s http://{addr}/_ratewall/metrics\n\
          Ctrl-C stops it.\n",
         args.rules,
-        args.workers.max(1)
+        args.workers,
+        if args.workers == 1 { "" } else { "s" }
     );
     let mut out = std::io::stdout();
     let _ = out.write_all(banner.as_bytes()).and_then(|_| out.flush());
@@ -310,10 +320,17 @@ fn filter(wasm: Option<&str>) -> Result<Plugin, String> {
 /// How often the rules file is read for changes.
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
+/// How long a rules file that does not parse must stay as it is before it is said to be
+/// rejected: a file being written reads as bad for a moment (`gen > rules.json` empties it
+/// first, then writes once the generator has run).
+const SETTLE: Duration = Duration::from_secs(1);
+
 /// Polls the rules file and publishes a new generation when it changes and parses.
 fn watch(path: String, rules: Arc<Rules>) {
     std::thread::spawn(move || {
         let mut last = std::fs::read(&path).unwrap_or_default();
+        // A content that did not parse, and since when the file has held it.
+        let mut bad: Option<(Vec<u8>, std::time::Instant)> = None;
         // Said once while the file cannot be read (removed, or its rights taken away).
         let mut unreadable = false;
         loop {
@@ -339,16 +356,24 @@ fn watch(path: String, rules: Arc<Rules>) {
             if std::fs::read(&path).ok().as_ref() != Some(&doc) {
                 continue;
             }
-            last = doc.clone();
             match ratewall_core::Config::parse(&doc) {
                 Ok(_) => {
+                    (last, bad) = (doc.clone(), None);
                     if let Ok(mut d) = rules.document.lock() {
                         *d = doc;
                     }
                     rules.generation.fetch_add(1, Ordering::SeqCst);
                     log(&format!("{path} changed; rules reloaded"));
                 }
-                Err(e) => log(&format!("{path} rejected, keeping the previous rules: {e}")),
+                Err(e) => match &bad {
+                    Some((held, since)) if *held == doc => {
+                        if since.elapsed() >= SETTLE {
+                            (last, bad) = (doc, None);
+                            log(&format!("{path} rejected, keeping the previous rules: {e}"));
+                        }
+                    }
+                    _ => bad = Some((doc, std::time::Instant::now())),
+                },
             }
         }
     });

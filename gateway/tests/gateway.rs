@@ -113,10 +113,20 @@ fn the_dev_gateway_reloads_changed_rules_and_keeps_them_when_broken() {
         .collect();
     assert!(policies.iter().all(|p| p == "\"r\";q=3;w=3600"), "{policies:?}");
     assert_eq!((get("probe"), get("probe"), get("probe"), get("probe")), (200, 200, 200, 429));
+    // Written as a shell's `>` does: emptied, then written a moment later. Not a rejection.
+    std::fs::write(&rules, "").unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    std::fs::write(&rules, doc(4)).unwrap();
+    let said: Vec<String> = std::iter::from_fn(|| log.recv_timeout(Duration::from_secs(15)).ok())
+        .take_while(|l| !l.contains("rules reloaded"))
+        .collect();
+    assert!(!said.iter().any(|l| l.contains("rejected")), "{said:?}");
+    assert_eq!(get("c"), 200);
     std::fs::write(&rules, "{ broken").unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
-    let fresh: Vec<u16> = (0..4).map(|_| get("b")).collect();
-    assert_eq!(fresh, [200, 200, 200, 429], "the last good rules (3 per hour) stay");
+    let said = std::iter::from_fn(|| log.recv_timeout(Duration::from_secs(15)).ok()).find(|l| l.contains("rejected"));
+    assert!(said.is_some_and(|l| l.contains("keeping the previous rules")), "a bad document is said");
+    let fresh: Vec<u16> = (0..5).map(|_| get("b")).collect();
+    assert_eq!(fresh, [200, 200, 200, 200, 429], "the last good rules (4 per hour) stay");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
