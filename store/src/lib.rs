@@ -388,6 +388,8 @@ pub struct Metrics {
     pub status_401: AtomicU64,
     /// An older seq.
     pub status_409: AtomicU64,
+    /// The body did not arrive in time.
+    pub status_408: AtomicU64,
     /// Too large.
     pub status_413: AtomicU64,
     /// Of a protocol version this store does not speak.
@@ -471,6 +473,7 @@ impl Metrics {
         for (status, v) in [
             (400, &self.status_400),
             (401, &self.status_401),
+            (408, &self.status_408),
             (409, &self.status_409),
             (413, &self.status_413),
             (415, &self.status_415),
@@ -534,6 +537,8 @@ pub struct Store<K> {
     out: std::sync::Mutex<Out>,
     /// Stored counters that do not decode, said at most once per [`Quiet::EVERY`].
     unreadable: Quiet,
+    /// Sync calls past the deadline, as often.
+    late: Quiet,
 }
 
 /// A counter's turn within the process.
@@ -589,6 +594,7 @@ impl<K: Kv> Store<K> {
             known: Default::default(),
             out: Default::default(),
             unreadable: Quiet::default(),
+            late: Quiet::default(),
         }
     }
 
@@ -600,6 +606,7 @@ impl<K: Kv> Store<K> {
             401 => &m.status_401,
             409 => &m.status_409,
             413 => &m.status_413,
+            408 => &m.status_408,
             415 => &m.status_415,
             422 => &m.status_422,
             503 => &m.status_503,
@@ -612,8 +619,11 @@ impl<K: Kv> Store<K> {
     /// Shares what this process heard with its peers on the same Redis
     /// ([`top`](crate::top)), and, with `read`, merges theirs from `cursor` on (None: from
     /// now). Once per [`top::SHARE_EVERY`], by [`Store::share_top_forever`].
-    pub async fn share_top(&self, read: bool, cursor: &mut Option<String>) {
-        if let Some(share) = self.top.take_share() {
+    /// Returns whether it called Redis.
+    pub async fn share_top(&self, read: bool, cursor: &mut Option<String>) -> bool {
+        let shared = self.top.take_share();
+        let called = read || shared.is_some();
+        if let Some(share) = shared {
             let payload = share.encode();
             let write = self.kv.append(top::SHARED_STREAM, &payload, top::SHARED_LEN, top::SHARED_TTL_MS);
             match tokio::time::timeout(self.deadline, write).await {
@@ -625,13 +635,13 @@ impl<K: Kv> Store<K> {
             };
         }
         if !read {
-            return;
+            return called;
         }
         let mut read_count = 0;
         while read_count < top::READ_PER_INTERVAL {
             let want = (top::READ_PER_INTERVAL - read_count).min(128);
             let read = self.kv.read_after(top::SHARED_STREAM, cursor.as_deref(), want);
-            let Ok(Ok((last, entries))) = tokio::time::timeout(self.deadline, read).await else { return };
+            let Ok(Ok((last, entries))) = tokio::time::timeout(self.deadline, read).await else { return called };
             let first = cursor.is_none();
             *cursor = Some(last);
             read_count += entries.len();
@@ -645,9 +655,10 @@ impl<K: Kv> Store<K> {
                 }
             }
             if first || entries.len() < want {
-                return;
+                return called;
             }
         }
+        called
     }
 
     /// Where a process with an admin listener starts reading its peers' shares: the shared
@@ -664,7 +675,12 @@ impl<K: Kv> Store<K> {
     pub async fn share_top_forever(&self, read: bool, mut cursor: Option<String>) {
         loop {
             tokio::time::sleep(top::SHARE_EVERY).await;
-            self.share_top(read, &mut cursor).await;
+            if !self.share_top(read, &mut cursor).await {
+                // An idle process still asks Redis the time once a second: a connection Redis
+                // dropped (a restart) is found dead and made again now, where otherwise the
+                // next batch, or `/healthz`, failed on it once Redis was back.
+                let _ = tokio::time::timeout(self.deadline, self.kv.read(CLOCK_KEY)).await;
+            }
         }
     }
 
@@ -678,6 +694,13 @@ impl<K: Kv> Store<K> {
     pub fn with_previous_secret(mut self, previous: &[u8]) -> Store<K> {
         self.previous = Some(previous.to_vec()).filter(|p| !p.is_empty() && *p != self.secret);
         self
+    }
+
+    /// A `POST /v1/sync` the listener turned away before its body was read whole (408: it
+    /// did not arrive in time; 400: it could not be read; 503: too many bodies held): counted
+    /// by its status, as every other refusal.
+    pub fn sync_refused(&self, status: u16) {
+        self.counted(Answer::error(status, String::new()));
     }
 
     /// `POST /v1/sync` with a body over [`MAX_BODY`] bytes, cut off before it was read whole
@@ -719,7 +742,21 @@ impl<K: Kv> Store<K> {
             Ok(Err(a)) => a,
             Err(_) => {
                 self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
-                Answer::error(503, "Redis did not answer within the deadline; retry the batch with the same seq")
+                let ms = self.deadline.as_millis();
+                self.late.log(
+                    &format!(
+                        "a sync call had no answer from Redis within the deadline ({ms} ms; --deadline-ms): Redis slow or \
+                         paused, or this process too loaded to wait on it; answered 503"
+                    ),
+                    "call(s) past the deadline",
+                );
+                Answer::error(
+                    503,
+                    format!(
+                        "no answer from Redis within the store's deadline ({ms} ms): Redis slow or paused, or the store \
+                         process loaded; retry the batch with the same seq"
+                    ),
+                )
             }
         };
         if !req.ask {
@@ -962,7 +999,10 @@ impl<K: Kv> Store<K> {
                     let (a, last_seen, out_for) = applied.next().ok_or_else(|| unavailable(&self.metrics))?;
                     if write && a.counted {
                         let n = if job.ask { a.grant.min(job.units) } else { job.units };
-                        // Saturating: a counter exported to Prometheus never goes back.
+                        // Saturating: a counter exported to Prometheus never goes back. A
+                        // delta counts at most 2^32 − 1 here (one of 2^64 − 1 units, which a
+                        // node could send, pinned the metric at its end for good).
+                        let n = n.min(u64::from(u32::MAX));
                         let _ = self
                             .metrics
                             .units_counted
@@ -1198,6 +1238,14 @@ mod tests {
         assert_eq!(call(&store, 1, 2, &[(b"a", 1)]).await.status, 200);
         assert_eq!(call(&store, 1, 1, &[(b"a", 5)]).await.status, 409);
         assert_eq!(remaining(&call(&store, 1, 3, &[(b"a", 0), (b"b", 0)]).await), [94, 93]);
+    }
+
+    #[tokio::test]
+    async fn units_counted_takes_a_delta_at_most_as_2_to_the_32_and_keeps_counting() {
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        assert_eq!(call(&store, 1, 1, &[(b"a", u64::MAX)]).await.status, 200);
+        assert_eq!(call(&store, 1, 2, &[(b"b", 5)]).await.status, 200);
+        assert_eq!(store.metrics.units_counted.load(Ordering::Relaxed), u64::from(u32::MAX) + 5);
     }
 
     #[tokio::test]

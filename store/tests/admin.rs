@@ -461,6 +461,9 @@ fn a_body_that_does_not_arrive_is_answered_408_within_ten_seconds() {
     assert!(took > Duration::from_secs(8) && took < Duration::from_secs(13), "answered after {took:?}");
     assert!(said.starts_with("HTTP/1.1 408"), "{said}");
     assert!(said.contains("did not arrive within 10 s"), "{said}");
+    // Counted with the other refusals.
+    let metrics = get(&store.addr, "/metrics").1;
+    assert!(metrics.contains("ratewall_store_sync_failed_total{status=\"408\"} 1\n"), "{metrics}");
 }
 
 /// Bodies being read are held to 64 MiB in all: 64 clients each declaring a body of 1 MiB and
@@ -554,4 +557,23 @@ fn healthz_says_redis_refused_the_password_without_showing_it() {
         assert!(body.to_lowercase().contains("password") || body.contains("WRONGPASS"), "{body}");
         assert!(!body.contains("not-the-password") && !body.contains("the-right-one"), "{body}");
     }
+}
+
+/// An idle store finds the connection a restarted Redis dropped before anyone asks: the first
+/// `/healthz` and the first batch after the restart are answered (each failed once, on the
+/// dead connection, when nothing had used it since the restart).
+#[test]
+fn after_redis_restarts_an_idle_stores_first_answers_are_good() {
+    let mut redis = Redis::start(false).unwrap();
+    let store = start(&redis, false);
+    assert_eq!(post(&store.addr, &batch(1, 1, None)), 200);
+    assert_eq!(get(&store.addr, "/healthz").0, 200);
+    // Idle: what the batch brought has been shared on the stream.
+    std::thread::sleep(Duration::from_millis(2500));
+    redis.restart().unwrap();
+    // Idle a few keepalive intervals, then ask.
+    std::thread::sleep(Duration::from_secs(3));
+    let (status, body) = get(&store.addr, "/healthz");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(post(&store.addr, &batch(1, 2, None)), 200);
 }
