@@ -72,11 +72,10 @@ fn parse_args() -> Result<Args, String> {
             "--admin" => once(&mut admin, "--admin", args.next(), "an address")?,
             "--deadline-ms" => {
                 let v = args.next().ok_or("--deadline-ms needs a number")?;
-                deadline_ms = v
-                    .parse()
-                    .ok()
-                    .filter(|ms| *ms > 0)
-                    .ok_or_else(|| format!("--deadline-ms: {v:?} is not a number of milliseconds above 0"))?;
+                deadline_ms =
+                    v.parse().ok().filter(|ms| (1..=60_000).contains(ms)).ok_or_else(|| {
+                        format!("--deadline-ms: {v:?} is not a number of milliseconds from 1 to 60000")
+                    })?;
             }
             "--rls" => once(&mut rls, "--rls", args.next(), "an address")?,
             "--rls-config" => {
@@ -392,9 +391,16 @@ async fn sync(State(store): State<Shared>, headers: HeaderMap, body: axum::body:
             Ok((body, _room)) => store.sync(&body, signature).await,
             // Past `MAX_BODY` + 1 bytes read: cut off there.
             Err(Unread::TooLarge) => store.sync_too_large(),
-            Err(Unread::Slow) => return too_slow("text/plain; charset=utf-8", slow_reason()),
-            Err(Unread::Broken) => return (StatusCode::BAD_REQUEST, "the body could not be read").into_response(),
+            Err(Unread::Slow) => {
+                store.sync_refused(408);
+                return too_slow("text/plain; charset=utf-8", slow_reason());
+            }
+            Err(Unread::Broken) => {
+                store.sync_refused(400);
+                return (StatusCode::BAD_REQUEST, "the body could not be read").into_response();
+            }
             Err(Unread::Busy) => {
+                store.sync_refused(503);
                 let text = [("content-type", "text/plain; charset=utf-8")];
                 return (StatusCode::SERVICE_UNAVAILABLE, text, busy_reason()).into_response();
             }

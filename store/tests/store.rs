@@ -160,7 +160,8 @@ fn refuses_to_start_without_a_secret_or_a_port() {
         (vec!["--listen", "127.0.0.1:0", "--redis", "http://x"], "not a Redis URL"),
         (vec!["--listen", "127.0.0.1:0", "--listen", "127.0.0.1:0", "--redis", url.as_str()], "is given twice"),
         (vec!["--listen", "127.0.0.1:0", "--redis", url.as_str(), "--redis", url.as_str()], "add --cluster"),
-        (vec!["--listen", "127.0.0.1:0", "--redis", url.as_str(), "--deadline-ms", "0"], "above 0"),
+        (vec!["--listen", "127.0.0.1:0", "--redis", url.as_str(), "--deadline-ms", "0"], "from 1 to 60000"),
+        (vec!["--listen", "127.0.0.1:0", "--redis", url.as_str(), "--deadline-ms", "18446744073709551615"], "from 1"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_ratewall-store"))
             .env("RATEWALL_SYNC_SECRET", SECRET)
