@@ -779,9 +779,11 @@ impl<K: Kv> Store<K> {
                 let e = SyncError::Skewed { sent: req.sent, now };
                 return Err(Answer::error(e.status(), e.to_string()));
             }
-            Err(Unheard::Failed(_)) => {
+            Err(Unheard::Failed(why)) => {
                 self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
-                return Err(Answer::error(503, reason::REGISTRY_FAILED));
+                // Redis's reason (a refused password, a refused connection), which names no
+                // secret: the node logs it.
+                return Err(Answer::error(503, format!("{} ({why})", reason::REGISTRY_FAILED)));
             }
         };
         // An ask that names a counter this store cannot read fails whole: its counters are read

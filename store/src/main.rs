@@ -115,33 +115,104 @@ fn redacted(url: &str) -> String {
 /// Redis, connected on first use (and retried until it answers), so the store starts — and
 /// answers 503 — while Redis is not there yet.
 struct LazyKv {
-    urls: Vec<String>,
+    urls: Arc<Vec<String>>,
     cluster: bool,
-    conn: OnceCell<RedisKv>,
+    conn: Arc<OnceCell<RedisKv>>,
+    /// The attempts to connect: one at a time, at most every [`LazyKv::RETRY`], each in a task
+    /// of its own (a call whose deadline passes leaves it running), and why the last failed.
+    /// Every call made while none is connected had tried one of its own: a fleet's batches
+    /// were as many connections a second, each cut off by its 50 ms deadline before a Redis
+    /// further than that could answer it.
+    attempt: Arc<std::sync::Mutex<Attempt>>,
+    /// Woken when an attempt ends.
+    ended: Arc<tokio::sync::Notify>,
     /// Why Redis cannot be reached is said at most once per [`Quiet::EVERY`].
-    unreachable: Quiet,
+    unreachable: Arc<Quiet>,
     /// Why a command failed once connected (Redis stopped, restarted, out of memory), as
     /// often.
     failing: Quiet,
 }
 
+/// Whether an attempt to connect runs, when the last ended, and why it failed.
+#[derive(Default)]
+struct Attempt {
+    running: bool,
+    ended: Option<std::time::Instant>,
+    why: Option<String>,
+}
+
 impl LazyKv {
+    /// How long an attempt to connect may take.
+    const WAIT: Duration = Duration::from_millis(500);
+    /// How long after a failed attempt the next may start.
+    const RETRY: Duration = Duration::from_millis(250);
+
+    fn new(urls: Vec<String>, cluster: bool) -> LazyKv {
+        LazyKv {
+            urls: Arc::new(urls),
+            cluster,
+            conn: Arc::new(OnceCell::new()),
+            attempt: Arc::default(),
+            ended: Arc::default(),
+            unreachable: Arc::default(),
+            failing: Quiet::default(),
+        }
+    }
+
     /// Redis, connected, or why not (as Redis or the connection said it: a wrong password is
-    /// told apart from a Redis that is not there).
+    /// told apart from a Redis that is not there). Waits for an attempt under way, or starts
+    /// one when the last ended [`LazyKv::RETRY`] ago or more; else answers at once.
     async fn connected(&self) -> Result<&RedisKv, String> {
         if let Some(c) = self.conn.get() {
             return Ok(c);
         }
-        const WAIT: Duration = Duration::from_millis(500);
-        let connect = RedisKv::connect(&self.urls, self.cluster);
-        match tokio::time::timeout(WAIT, connect).await {
-            Ok(Ok(kv)) => Ok(self.conn.get_or_init(|| async { kv }).await),
-            Ok(Err(e)) => {
-                self.unreachable.log(&format!("cannot reach Redis yet: {e}"), "failed attempt(s)");
-                Err(format!("Redis unreachable: {e}"))
+        let ended = self.ended.notified();
+        tokio::pin!(ended);
+        ended.as_mut().enable();
+        let wait = {
+            let Ok(mut a) = self.attempt.lock() else { return Err("Redis unreachable".to_owned()) };
+            if a.running {
+                true
+            } else if a.ended.is_some_and(|at| at.elapsed() < Self::RETRY) || self.conn.get().is_some() {
+                false
+            } else {
+                a.running = true;
+                self.attempt_now();
+                true
             }
-            Err(_) => Err(format!("Redis unreachable: no connection within {} ms", WAIT.as_millis())),
+        };
+        if wait {
+            let _ = tokio::time::timeout(Self::WAIT, ended).await;
         }
+        if let Some(c) = self.conn.get() {
+            return Ok(c);
+        }
+        let why = self.attempt.lock().ok().and_then(|a| a.why.clone());
+        Err(why.unwrap_or_else(|| "Redis unreachable: connecting".to_owned()))
+    }
+
+    /// Starts an attempt to connect, in a task of its own.
+    fn attempt_now(&self) {
+        let (urls, cluster, conn) = (Arc::clone(&self.urls), self.cluster, Arc::clone(&self.conn));
+        let (attempt, ended, unreachable) =
+            (Arc::clone(&self.attempt), Arc::clone(&self.ended), Arc::clone(&self.unreachable));
+        tokio::spawn(async move {
+            let why = match tokio::time::timeout(Self::WAIT, RedisKv::connect(&urls, cluster)).await {
+                Ok(Ok(kv)) => {
+                    let _ = conn.set(kv);
+                    None
+                }
+                Ok(Err(e)) => {
+                    unreachable.log(&format!("cannot reach Redis yet: {e}"), "failed attempt(s)");
+                    Some(format!("Redis unreachable: {e}"))
+                }
+                Err(_) => Some(format!("Redis unreachable: no connection within {} ms", Self::WAIT.as_millis())),
+            };
+            if let Ok(mut a) = attempt.lock() {
+                *a = Attempt { running: false, ended: Some(std::time::Instant::now()), why };
+            }
+            ended.notify_waiters();
+        });
     }
 
     /// Redis's `maxmemory-policy`, if it is reached and tells.
@@ -483,13 +554,7 @@ async fn serve(args: Args, secret: String, previous: String) -> Result<(), Strin
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let kv = LazyKv {
-        urls: args.redis.clone(),
-        cluster: args.cluster,
-        conn: OnceCell::new(),
-        unreachable: Quiet::default(),
-        failing: Quiet::default(),
-    };
+    let kv = LazyKv::new(args.redis.clone(), args.cluster);
     let store: Shared =
         Arc::new(Store::new(kv, secret.as_bytes(), args.deadline).with_previous_secret(previous.as_bytes()));
     let stopping = Stopping::on_signal();

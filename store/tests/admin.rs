@@ -557,6 +557,27 @@ fn healthz_says_redis_refused_the_password_without_showing_it() {
         assert!(body.to_lowercase().contains("password") || body.contains("WRONGPASS"), "{body}");
         assert!(!body.contains("not-the-password") && !body.contains("the-right-one"), "{body}");
     }
+    // Batches meanwhile are refused with the reason, and do not each try a connection of
+    // their own.
+    let connections = || {
+        let info =
+            ratewall_tests::redis::cli(redis.port, &["-a", "the-right-one", "--no-auth-warning", "INFO", "stats"])
+                .unwrap();
+        let line = info.lines().find_map(|l| l.strip_prefix("total_connections_received:")).unwrap().trim().to_owned();
+        line.parse::<u64>().unwrap()
+    };
+    let before = connections();
+    for seq in 1..=40 {
+        let body = batch(1, seq, None);
+        let tag = hex(&sign(SECRET.as_bytes(), &body));
+        let r = http::request(&store.addr, "POST", "/v1/sync", &[("x-ratewall-signature", &tag)], &body).unwrap();
+        let body = String::from_utf8_lossy(&r.body).into_owned();
+        assert_eq!(r.status, 503, "{body}");
+        assert!(!body.contains("not-the-password"), "{body}");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let made = connections() - before - 1;
+    assert!(made <= 12, "{made} connections tried for 40 batches in about a second");
 }
 
 /// An idle store finds the connection a restarted Redis dropped before anyone asks: the first
