@@ -962,6 +962,9 @@ mod tests {
         top.decided_at(1_800_000_000, &decided);
         let v = top.top_at(1_800_000_000, None, Window::Minute);
         assert_eq!(v["rules"].as_array().unwrap().len(), MAX_RULES);
+        // And say so: a rule heard of from now on may be counted nowhere.
+        assert_eq!((v["full"].clone(), top.series_at(1_800_000_000, None)["full"].clone()), (json!(true), json!(true)));
+        assert!(Top::default().top_at(1_800_000_000, None, Window::Minute).get("full").is_none());
     }
 
     #[test]

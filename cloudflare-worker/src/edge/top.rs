@@ -450,23 +450,13 @@ impl Aggregate {
     /// Per rule (or only `rule`), its counts and top denied keys over the window: the JSON of
     /// ratewall-store's `GET /v1/top`.
     pub fn top(&self, unix: u64, rule: Option<&str>, window: Window) -> Value {
-        self.noting_full(self.windows.top(unix, rule, window))
+        self.windows.top(unix, rule, window)
     }
 
     /// Per rule (or only `rule`), per-second counts over the last 15 minutes, oldest first:
     /// the JSON of ratewall-store's `GET /v1/series`.
     pub fn series(&self, unix: u64, rule: Option<&str>) -> Value {
-        self.noting_full(self.windows.series(unix, rule))
-    }
-
-    /// `answer`, marked (`"full": true`) when the object tracks as many rules as it may, so
-    /// that [`in_document_order`] does not list a rule it has not heard of as one that
-    /// counted nothing (and a reader of `/_ratewall/top` knows why).
-    fn noting_full(&self, mut answer: Value) -> Value {
-        if let (true, Some(obj)) = (self.windows.full(), answer.as_object_mut()) {
-            obj.insert("full".into(), Value::Bool(true));
-        }
-        answer
+        self.windows.series(unix, rule)
     }
 }
 

@@ -269,7 +269,16 @@ impl Windows {
                 json!({"rule": r.name, "allowed": allowed, "denied": denied, "shadow_denied": shadow, "top": entries})
             })
             .collect();
-        json!({"window_s": len * count as u64, "rules": rules})
+        self.noting_full(json!({"window_s": len * count as u64, "rules": rules}))
+    }
+
+    /// `answer`, marked `"full": true` when as many rules are tracked as may be: a rule first
+    /// heard now may be counted nowhere, and a reader knows why it is missing.
+    fn noting_full(&self, mut answer: Value) -> Value {
+        if let (true, Some(obj)) = (self.full(), answer.as_object_mut()) {
+            obj.insert("full".into(), Value::Bool(true));
+        }
+        answer
     }
 
     /// `GET /v1/series` at `unix`: per rule (or only `rule`), per-second counts over the last
@@ -290,6 +299,6 @@ impl Windows {
                 json!({"rule": r.name, "allowed": a, "denied": d, "shadow_denied": s})
             })
             .collect();
-        json!({"step_s": 1, "end_unix_s": end, "rules": rules})
+        self.noting_full(json!({"step_s": 1, "end_unix_s": end, "rules": rules}))
     }
 }
