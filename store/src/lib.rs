@@ -20,8 +20,19 @@
 macro_rules! log_line {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr().lock(), $($t)*);
+        let text = format!($($t)*);
+        let _ = writeln!(std::io::stderr().lock(), "{}", $crate::one_line(&text));
     }};
+}
+
+/// `text` as one log line: a line break or other control character in it (a reason quoted
+/// from Redis, or from a server that is not Redis) is escaped, so it cannot end the line or
+/// make one up.
+pub fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return text.into();
+    }
+    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
 
 /// `println!` likewise, for the lines that say where the store listens.
@@ -1240,6 +1251,15 @@ mod tests {
         assert_eq!(call(&store, 1, 2, &[(b"a", 1)]).await.status, 200);
         assert_eq!(call(&store, 1, 1, &[(b"a", 5)]).await.status, 409);
         assert_eq!(remaining(&call(&store, 1, 3, &[(b"a", 0), (b"b", 0)]).await), [94, 93]);
+    }
+
+    #[test]
+    fn a_log_line_keeps_to_one_line() {
+        assert_eq!(
+            super::one_line("Parse error: Unexpected \"\\r\\nHTTP/1.1\""),
+            "Parse error: Unexpected \"\\r\\nHTTP/1.1\""
+        );
+        assert_eq!(super::one_line("a\r\nb\x1b[31m"), "a\\r\\nb\\u{1b}[31m");
     }
 
     #[tokio::test]

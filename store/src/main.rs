@@ -513,7 +513,8 @@ fn main() -> std::process::ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            ratewall_store::log_line!("ratewall-store: {e}");
+            // Not `log_line!`: the usage after the reason is lines of its own.
+            let _ = std::io::Write::write_fmt(&mut std::io::stderr().lock(), format_args!("ratewall-store: {e}\n"));
             return std::process::ExitCode::from(2);
         }
     };
