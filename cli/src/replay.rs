@@ -53,6 +53,12 @@ const SNIFF_LINES: usize = 16;
 /// Rejected keys tracked per rule; past it the least rejected half is dropped (the report
 /// says so). Keeps a flood of distinct rejected clients from growing the replay.
 const MAX_KEYS: usize = 1 << 16;
+/// Rejected keys tracked over all the rules: each rule keeps at most its part of these (and
+/// at least [`MIN_KEYS`]), so a document of many rules does not multiply [`MAX_KEYS`] (50
+/// per-IP rules over 400,000 clients took 698 MB).
+const MAX_KEYS_IN_ALL: usize = 1 << 18;
+/// Rejected keys any rule may track.
+const MIN_KEYS: usize = 1 << 10;
 /// Counters idle (equivalent to fresh) this long before the replay's clock are forgotten; a
 /// line at most this much older than the clock is replayed at the clock (see [`clock`]).
 const REORDER_SLACK: Nanos = 60 * ratewall_core::algo::SECOND;
@@ -121,7 +127,8 @@ struct Counts {
     /// Rejections (or shadow "would reject"s) per counter key, with the key as the report
     /// shows it (rendered once per key, not per line).
     by_key: FastMap<Vec<u8>, (u64, String)>,
-    /// Whether less rejected keys were dropped to stay under [`MAX_KEYS`].
+    /// Whether less rejected keys were dropped to stay within the rule's part of
+    /// [`MAX_KEYS_IN_ALL`].
     pruned: bool,
 }
 
@@ -235,8 +242,8 @@ enum Rec {
     Bad,
     Request {
         ts: Nanos,
-        /// How long it took (0: the log does not say).
-        duration: Nanos,
+        /// How long it took, if the log says.
+        duration: Option<Nanos>,
         checks: u32,
         skipped: u32,
     },
@@ -363,7 +370,7 @@ impl Reader<'_> {
         batch.span(ip.as_deref().map(str::as_bytes));
         batch.recs.push(Rec::Request {
             ts: e.ts,
-            duration: e.duration.unwrap_or(0),
+            duration: e.duration,
             checks: u32::try_from(n_checks).unwrap_or(u32::MAX),
             skipped: u32::try_from(n_skipped).unwrap_or(u32::MAX),
         });
@@ -708,11 +715,8 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
         .collect();
     let format = pick(candidates, &wanted, &sample).ok_or_else(|| Failure::Usage("no log format".to_owned()))?;
     let reader = Reader { config: &config, wanted };
-    let mut counts: Vec<Counts> = config.rules.iter().map(|_| Counts::default()).collect();
-    let mut counters = Counters::default();
-    // The concurrency slots of requests still in flight, the earliest to end first.
-    let mut held: BinaryHeap<Held> = BinaryHeap::new();
-    let (mut lines, mut requests, mut rejected, mut invalid) = (0u64, 0u64, 0u64, 0u64);
+    let mut counting = Counting::new(&config);
+    let (mut lines, mut invalid) = (0u64, 0u64);
     let mut shown = Vec::new();
     // The same lines' numbers and reasons, for `--json`.
     let mut bad: Vec<(u64, String)> = Vec::new();
@@ -740,7 +744,6 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
         }
         let name = &name;
         scope.spawn(move || split(input, first, &chunks_tx, name));
-        let mut now: Nanos = 0;
         'batches: for turn in (0..workers).cycle() {
             let (Some(rx), Some(back)) = (batches_rx.get(turn), spares_tx.get(turn)) else { break };
             let Ok(item) = rx.recv() else { break 'batches };
@@ -767,63 +770,10 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
                 let skipped = batch.skipped.get(s0..s0 + n_skipped).unwrap_or_default();
                 let spans = batch.spans.get(v0..v0 + heads).unwrap_or_default();
                 (c0, s0, v0) = (c0 + n_checks, s0 + n_skipped, v0 + heads);
-                let end = ts.saturating_add(duration);
-                now = clock(now, ts, end).unwrap_or_else(|| {
-                    counters = Counters::default();
-                    held.clear();
-                    ts
-                });
-                // The requests that ended by now give their slots back, in the order they ended.
-                while held.peek().is_some_and(|h| h.end <= now) {
-                    if let Some(h) = held.pop() {
-                        counters.release(&h.key, &h.limit, h.taken, h.cost);
-                    }
-                }
-                let outcome = evaluate(&config, checks, &mut counters, now);
-                if !outcome.rejected {
-                    hold(&mut held, &mut counters, checks, &outcome, now, end);
-                }
-                requests += 1;
-                rejected += u64::from(outcome.rejected);
-                for (rule, tally) in outcome.tally(skipped) {
-                    let (Some(c), Some(r)) = (counts.get_mut(rule), config.rules.get(rule)) else { continue };
-                    match tally {
-                        Tally::Allowed => c.allowed += 1,
-                        Tally::Unkeyed => c.unkeyed += 1,
-                        Tally::Rejected | Tally::ShadowRejected => {
-                            if tally == Tally::Rejected {
-                                c.rejected += 1;
-                            } else {
-                                c.shadow_rejected += 1;
-                            }
-                            let Some(key) = checks.iter().find(|k| k.rule == rule).map(|k| &k.key) else { continue };
-                            if let Some(e) = c.by_key.get_mut(key.as_slice()) {
-                                e.0 += 1;
-                                continue;
-                            }
-                            let text = |s: &Option<(u32, u32)>| {
-                                s.and_then(|(a, b)| batch.text.get(a as usize..b as usize)).map(<[u8]>::to_vec)
-                            };
-                            let (values, ip) = spans.split_at(spans.len().saturating_sub(1));
-                            let ip = ip.first().and_then(text).map(|v| String::from_utf8_lossy(&v).into_owned());
-                            let shown = render_key(&config, r, values.iter().map(text).collect(), ip);
-                            c.by_key.insert(key.clone(), (1, shown));
-                            if c.by_key.len() > MAX_KEYS {
-                                prune(c);
-                            }
-                        }
-                        Tally::Failed(_) => {}
-                    }
-                }
-                // A plan the rule leaves unlimited: the rule lets the request through.
-                for (rule, _) in skipped.iter().filter(|(_, why)| *why == Skip::Unlimited) {
-                    if let Some(c) = counts.get_mut(*rule) {
-                        c.allowed += 1;
-                        c.unlimited += 1;
-                    }
-                }
+                let values = Values::Spans(spans, &batch.text);
+                counting.arrive(Arrival { ts, duration, checks, skipped, values });
             }
-            counters.sweep(now.saturating_sub(REORDER_SLACK));
+            counting.sweep();
             if progress && lines / 100_000 != (lines - batch.recs.len() as u64) / 100_000 {
                 let _ = write!(
                     std::io::stderr().lock(),
@@ -838,7 +788,9 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
     if progress && lines >= 100_000 {
         tell!();
     }
-    report(o, &config, &counts, (lines, requests, rejected, invalid), format.name(), &bad);
+    counting.finish();
+    let Counting { counts, requests, rejected, restarts, .. } = counting;
+    report(o, &config, &counts, (lines, requests, rejected, invalid), (format.name(), restarts), &bad);
     // Unreadable lines are a finding of the replay, reported, not a failure of it.
     if invalid > 0 {
         shown.push(format!("{} could not be read", plural(invalid, "log line")));
@@ -848,6 +800,237 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
         }
     }
     Ok(())
+}
+
+/// Where a request's identity values are: spans of a batch's text (a request counted as it
+/// arrives), or its own copies (one that waited its turn).
+enum Values<'a> {
+    Spans(&'a [Option<(u32, u32)>], &'a [u8]),
+    Owned(&'a [Option<Vec<u8>>]),
+}
+
+impl Values<'_> {
+    /// Each identity value, then the client address's key.
+    fn owned(&self) -> Vec<Option<Vec<u8>>> {
+        match self {
+            Values::Spans(spans, text) => spans
+                .iter()
+                .map(|s| s.and_then(|(a, b)| text.get(a as usize..b as usize)).map(<[u8]>::to_vec))
+                .collect(),
+            Values::Owned(v) => v.to_vec(),
+        }
+    }
+}
+
+/// A request as read: when it started, how long it took (if the log says), its checks, the
+/// rules that skipped it, and its identity values.
+struct Arrival<'a> {
+    ts: Nanos,
+    duration: Option<Nanos>,
+    checks: &'a [Check],
+    skipped: &'a [(usize, Skip)],
+    values: Values<'a>,
+}
+
+/// A request waiting for the requests that started before it, which the log may write after
+/// it: [`Counting`] counts them in the order they started.
+struct Waiting {
+    ts: Nanos,
+    /// Its place in the log, among requests that started at the same time.
+    seq: u64,
+    duration: Nanos,
+    checks: Vec<Check>,
+    skipped: Vec<(usize, Skip)>,
+    values: Vec<Option<Vec<u8>>>,
+}
+
+/// The earliest to start (then the first in the log) the greatest: a [`BinaryHeap`] of them
+/// gives the next to count.
+impl Ord for Waiting {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (other.ts, other.seq).cmp(&(self.ts, self.seq))
+    }
+}
+
+impl PartialOrd for Waiting {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Waiting {
+    fn eq(&self, other: &Self) -> bool {
+        (self.ts, self.seq) == (other.ts, other.seq)
+    }
+}
+
+impl Eq for Waiting {}
+
+/// Most requests held back for those that started before them; past it the earliest are
+/// counted (a later line that started before them is counted at the clock, as one that
+/// started further back than [`REORDER_SLACK`] is). A few hundred bytes each.
+const MAX_WAITING: usize = 1 << 18;
+
+/// The counting stage: requests through the counters on the log's own clock, in the order
+/// they started. A proxy writes a request's line when it completes (NGINX its end, with
+/// `$request_time`; Envoy its `START_TIME`), so a slow request's line comes after those of
+/// requests that started after it; counted as its line came, it was counted late (a request
+/// that started in the last window, counted in this one; a long export counted after the
+/// short requests it held a slot against). So where lines give durations, a request waits
+/// until the latest end read is [`REORDER_SLACK`] past its start (or [`MAX_WAITING`] wait):
+/// the lines still to come hold no request that started before it unless it took longer than
+/// that. (Waiting only as long as the longest duration read so far left the first slow
+/// request of a log, the one that matters, counted late.) A log without durations is counted
+/// as read.
+struct Counting<'a> {
+    config: &'a Config,
+    counts: Vec<Counts>,
+    counters: Counters,
+    /// The concurrency slots of requests still in flight, the earliest to end first.
+    held: BinaryHeap<Held>,
+    /// The replay's clock.
+    now: Nanos,
+    requests: u64,
+    rejected: u64,
+    /// Times the clock started over (a request further back than [`REORDER_SLACK`]).
+    restarts: u64,
+    waiting: BinaryHeap<Waiting>,
+    seq: u64,
+    /// The latest end read, and whether any line said how long its request took.
+    latest_end: Nanos,
+    durations: bool,
+}
+
+impl<'a> Counting<'a> {
+    fn new(config: &'a Config) -> Counting<'a> {
+        Counting {
+            config,
+            counts: config.rules.iter().map(|_| Counts::default()).collect(),
+            counters: Counters::default(),
+            held: BinaryHeap::new(),
+            now: 0,
+            requests: 0,
+            rejected: 0,
+            restarts: 0,
+            waiting: BinaryHeap::new(),
+            seq: 0,
+            latest_end: 0,
+            durations: false,
+        }
+    }
+
+    /// How far before the latest end read a request must have started to be counted.
+    fn lag(&self) -> Nanos {
+        if self.durations {
+            REORDER_SLACK
+        } else {
+            0
+        }
+    }
+
+    /// A request read: counted now, or when the requests that may have started before it
+    /// have been read.
+    fn arrive(&mut self, a: Arrival<'_>) {
+        let duration = a.duration.unwrap_or(0);
+        self.latest_end = self.latest_end.max(a.ts.saturating_add(duration));
+        self.durations |= a.duration.is_some();
+        let ready = |c: &Self, ts: Nanos| ts.saturating_add(c.lag()) <= c.latest_end;
+        if self.waiting.is_empty() && ready(self, a.ts) {
+            self.count(a.ts, duration, a.checks, a.skipped, &a.values);
+            return;
+        }
+        self.seq += 1;
+        self.waiting.push(Waiting {
+            ts: a.ts,
+            seq: self.seq,
+            duration,
+            checks: a.checks.to_vec(),
+            skipped: a.skipped.to_vec(),
+            values: a.values.owned(),
+        });
+        while self.waiting.peek().is_some_and(|w| ready(self, w.ts) || self.waiting.len() > MAX_WAITING) {
+            self.count_next();
+        }
+    }
+
+    /// Counts the earliest request waiting.
+    fn count_next(&mut self) {
+        if let Some(w) = self.waiting.pop() {
+            self.count(w.ts, w.duration, &w.checks, &w.skipped, &Values::Owned(&w.values));
+        }
+    }
+
+    /// The log has ended: every request waiting is counted.
+    fn finish(&mut self) {
+        while !self.waiting.is_empty() {
+            self.count_next();
+        }
+    }
+
+    /// Forgets the counters idle since a while before the clock.
+    fn sweep(&mut self) {
+        self.counters.sweep(self.now.saturating_sub(REORDER_SLACK));
+    }
+
+    /// Runs a request that started at `ts` through the counters.
+    fn count(&mut self, ts: Nanos, duration: Nanos, checks: &[Check], skipped: &[(usize, Skip)], values: &Values<'_>) {
+        let config = self.config;
+        let end = ts.saturating_add(duration);
+        self.now = clock(self.now, ts, end).unwrap_or_else(|| {
+            self.counters = Counters::default();
+            self.held.clear();
+            self.restarts += 1;
+            ts
+        });
+        let now = self.now;
+        // The requests that ended by now give their slots back, in the order they ended.
+        while self.held.peek().is_some_and(|h| h.end <= now) {
+            if let Some(h) = self.held.pop() {
+                self.counters.release(&h.key, &h.limit, h.taken, h.cost);
+            }
+        }
+        let outcome = evaluate(config, checks, &mut self.counters, now);
+        if !outcome.rejected {
+            hold(&mut self.held, &mut self.counters, checks, &outcome, now, end);
+        }
+        self.requests += 1;
+        self.rejected += u64::from(outcome.rejected);
+        let keys_kept = (MAX_KEYS_IN_ALL / config.rules.len().max(1)).clamp(MIN_KEYS, MAX_KEYS);
+        for (rule, tally) in outcome.tally(skipped) {
+            let (Some(c), Some(r)) = (self.counts.get_mut(rule), config.rules.get(rule)) else { continue };
+            match tally {
+                Tally::Allowed => c.allowed += 1,
+                Tally::Unkeyed => c.unkeyed += 1,
+                Tally::Rejected | Tally::ShadowRejected => {
+                    if tally == Tally::Rejected {
+                        c.rejected += 1;
+                    } else {
+                        c.shadow_rejected += 1;
+                    }
+                    let Some(key) = checks.iter().find(|k| k.rule == rule).map(|k| &k.key) else { continue };
+                    if let Some(e) = c.by_key.get_mut(key.as_slice()) {
+                        e.0 += 1;
+                        continue;
+                    }
+                    let mut values = values.owned();
+                    let ip = values.pop().flatten().map(|v| String::from_utf8_lossy(&v).into_owned());
+                    let shown = render_key(config, r, values, ip);
+                    c.by_key.insert(key.clone(), (1, shown));
+                    if c.by_key.len() > keys_kept {
+                        prune(c);
+                    }
+                }
+                Tally::Failed(_) => {}
+            }
+        }
+        // A plan the rule leaves unlimited: the rule lets the request through.
+        for (rule, _) in skipped.iter().filter(|(_, why)| *why == Skip::Unlimited) {
+            if let Some(c) = self.counts.get_mut(*rule) {
+                c.allowed += 1;
+                c.unlimited += 1;
+            }
+        }
+    }
 }
 
 /// Keeps the concurrency slots an admitted request took (replayed at `now`, ended at `end`)
@@ -912,7 +1095,7 @@ fn report(
     config: &Config,
     counts: &[Counts],
     totals: (u64, u64, u64, u64),
-    format: &str,
+    (format, restarts): (&str, u64),
     bad: &[(u64, String)],
 ) {
     let (lines, requests, rejected, invalid) = totals;
@@ -934,7 +1117,7 @@ fn report(
             "{}",
             json!({"lines": lines, "requests": requests, "rejected": rejected, "invalid_lines": invalid,
                    "invalid": bad.iter().map(|(line, why)| json!({"line": line, "reason": why})).collect::<Vec<_>>(),
-                   "format": format, "rules": rules})
+                   "format": format, "clock_restarts": restarts, "rules": rules})
         );
         return;
     }
@@ -943,6 +1126,12 @@ fn report(
         plural(requests, "request"),
         plural(lines, "line")
     );
+    if restarts > 0 {
+        say!(
+            "(the log's clock went back more than a minute {}: the counters started over from each such line)",
+            plural(restarts, "time")
+        );
+    }
     for (r, c) in config.rules.iter().zip(counts) {
         let shadow = if c.shadow_rejected > 0 {
             format!(", would reject {} (shadow)", c.shadow_rejected)
@@ -953,7 +1142,7 @@ fn report(
             if c.unlimited > 0 { format!(" ({} on an unlimited plan)", c.unlimited) } else { String::new() };
         say!("- {}: allowed {}{unlimited}, rejected {}{shadow}, unkeyed {}", r.name, c.allowed, c.rejected, c.unkeyed);
         if c.pruned {
-            say!("    (more than {MAX_KEYS} keys rejected: the least rejected were not tracked)");
+            say!("    (more keys rejected than are tracked: the least rejected were not)");
         }
         for (k, n) in top_of(c, o.top) {
             say!("    {n:>8}  {k}");

@@ -425,9 +425,9 @@ fn a_gigabyte_log_streams_in_bounded_memory() {
 }
 
 /// Envoy logs a request's start time when it completes: a slow request comes after later ones.
-/// Replayed at the time already reached, it is counted against the same counter, which keeps
-/// what it counted; a stretch of log further back (files joined out of order) is replayed on
-/// its own clock.
+/// It is counted when it started, before them, as the proxy counted it; a stretch of log
+/// further back (files joined out of order) is replayed on its own clock, and the report says
+/// the clock started over.
 #[test]
 fn a_line_logged_out_of_order_does_not_make_a_counter_forget() {
     for algorithm in ["sliding_window", "token_bucket", "fixed_window", "sliding_log"] {
@@ -445,32 +445,74 @@ fn a_line_logged_out_of_order_does_not_make_a_counter_forget() {
                 ms % 1000
             )
         };
-        // Three at 10:00:30.1, one that started 1.6 s earlier, then one at 10:00:30.2: the limit
-        // of 3 a second admits none of the last two.
+        // Three at 10:00:30.1, one that started 1.6 s earlier (written after them), then one at
+        // 10:00:30.2: in the order they started, the limit of 3 a second admits the early one
+        // and the three, not the last (counted as written, the early one was refused too).
         let log: String = [30_100, 30_100, 30_100, 28_500, 30_200].into_iter().map(line).collect();
         // Envoy's default format, with the user's header where X-Forwarded-For is.
         let format = r#"[%START_TIME%] "%REQ(:METHOD)% %REQ(:PATH)% %PROTOCOL%" %RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION% %RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)% "%REQ(X-USER-ID)%" "%REQ(USER-AGENT)%" "%REQ(X-REQUEST-ID)%" "%REQ(:AUTHORITY)%" "%UPSTREAM_HOST%""#;
         let got = replay_json(&["--log-format", format, &rules, &temp(&format!("reorder-{algorithm}.envoy"), &log)]);
         assert_eq!(
-            (got["rules"][0]["allowed"].clone(), got["rules"][0]["rejected"].clone()),
-            (json!(3), json!(2)),
+            (got["rules"][0]["allowed"].clone(), got["rules"][0]["rejected"].clone(), got["clock_restarts"].clone()),
+            (json!(4), json!(1), json!(0)),
             "{algorithm}: {got}"
         );
-        // The same second an hour earlier, after it: its own clock, its own three.
+        // The same second an hour earlier, after a line two minutes on (the earlier stretch
+        // comes further back than replay waits for): its own clock, its own three.
         let later: String = [30_100, 30_100, 30_100, 30_100].into_iter().map(line).collect();
+        let on = line(30_100).replace("T10:00", "T10:02");
         let earlier = later.replace("T10:", "T09:");
         let got = replay_json(&[
             "--log-format",
             format,
             &rules,
-            &temp(&format!("joined-{algorithm}.envoy"), &(later + &earlier)),
+            &temp(&format!("joined-{algorithm}.envoy"), &(later.clone() + &on + &earlier)),
         ]);
         assert_eq!(
-            (got["rules"][0]["allowed"].clone(), got["rules"][0]["rejected"].clone()),
-            (json!(6), json!(2)),
+            (got["rules"][0]["allowed"].clone(), got["rules"][0]["rejected"].clone(), got["clock_restarts"].clone()),
+            (json!(7), json!(2), json!(1)),
+            "{algorithm}: {got}"
+        );
+        // Within that wait, the two stretches are put back in order: no start over.
+        let got = replay_json(&[
+            "--log-format",
+            format,
+            &rules,
+            &temp(&format!("swapped-{algorithm}.envoy"), &(later + &earlier)),
+        ]);
+        assert_eq!(
+            (got["rules"][0]["allowed"].clone(), got["rules"][0]["rejected"].clone(), got["clock_restarts"].clone()),
+            (json!(6), json!(2), json!(0)),
             "{algorithm}: {got}"
         );
     }
+}
+
+/// NGINX writes a line when its request completes: a long export that started first is
+/// written last. With `$request_time` in the format, replay counts it when it started, so it
+/// holds the one slot of a `concurrent: 1` limit and the short requests meanwhile are refused,
+/// as the proxy refused them.
+#[test]
+fn a_request_written_when_it_completed_holds_its_slot_from_its_start() {
+    let rules = temp(
+        "slot.json",
+        &json!({"identity": {"ip": {"trusted_hops": 0}},
+                "rules": [{"name": "c", "key": ["ip"], "limit": {"concurrent": 1}}]})
+        .to_string(),
+    );
+    // 0.1 s requests ending at 1, 2 and 3 s; then the export, 10 s from 0 s, ending at 10 s.
+    let line = |end: u32, path: &str, took: &str| {
+        format!("203.0.113.7 [2026-12-01T10:00:{end:02}+00:00] \"GET {path} HTTP/1.1\" 200 {took}\n")
+    };
+    let log = [line(1, "/a", "0.100"), line(2, "/b", "0.100"), line(3, "/c", "0.100"), line(10, "/export", "10.000")]
+        .concat();
+    let format = r#"$remote_addr [$time_iso8601] "$request" $status $request_time"#;
+    let got = replay_json(&["--log-format", format, &rules, &temp("slot.log", &log)]);
+    assert_eq!(
+        (got["rules"][0]["allowed"].clone(), got["rules"][0]["rejected"].clone()),
+        (json!(1), json!(3)),
+        "{got}"
+    );
 }
 
 /// Per rule by name: (allowed, rejected).
