@@ -247,11 +247,23 @@ fn three_failures_open_the_breaker_and_a_success_closes_it() {
 }
 
 #[test]
+fn a_store_that_refuses_the_signature_is_said_to_differ_in_its_secret() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(100, 1));
+    assert_eq!(statuses(&e, &h, "GET", "/u/x", &[("x-user-id", "ann")], 1), [200]);
+    e.on_tick(&h);
+    for c in h.take_calls() {
+        e.on_sync_response(&h, c.token, 401, None, b"missing or invalid x-ratewall-signature");
+    }
+    assert!(h.logged("sync.secret is not the store's RATEWALL_SYNC_SECRET"));
+}
+
+#[test]
 fn the_breaker_backs_off_longer_while_failures_go_on() {
     let h = FakeHost::new();
     let e = engine(&h, &rules(100, 1));
     let mut sent_at = Vec::new();
-    for _ in 0..200 {
+    for _ in 0..600 {
         e.on_tick(&h);
         if fail(&e, &h) > 0 {
             sent_at.push(h.now());
@@ -262,6 +274,8 @@ fn the_breaker_backs_off_longer_while_failures_go_on() {
     assert_eq!(&gaps[..3], [100, 100, 500], "{gaps:?}");
     assert!(gaps.windows(2).all(|w| w[1] >= w[0]), "{gaps:?}");
     assert!(gaps.iter().any(|g| *g >= 4_000), "{gaps:?}");
+    // At most 8 s: a store back after a long outage is tried within them.
+    assert!(gaps.iter().all(|g| *g <= 8_100) && gaps.iter().rev().take(3).all(|g| *g >= 8_000), "{gaps:?}");
 }
 
 /// A clock that stepped back (put right after running a minute ahead) while the breaker was
@@ -1353,6 +1367,22 @@ fn an_ask_waits_at_most_max_wait() {
     let _asking = burst_until_ask(&e, &h).expect("the node asked");
     let calls = h.take_calls();
     assert_eq!(calls[0].timeout, 7 * MS, "the ask's deadline is max_wait (batches keep the 50 ms timeout)");
+}
+
+#[test]
+fn asks_that_failed_resume_once_a_batch_is_answered_within_max_wait() {
+    let h = FakeHost::new();
+    let (e, mut s) = spent_grant(&h);
+    let asking = burst_until_ask(&e, &h).expect("the node asked");
+    let _ = h.take_calls();
+    // The store was out of reach: the ask timed out, and asks back off.
+    let _ = e.on_ask_response(&h, asking, 0, None, &[]);
+    // It is back: a batch is answered at once. The next request that needs an ask asks,
+    // within the backoff (after an outage, closed rules had answered 503 while it lasted).
+    h.advance(100 * MS);
+    e.on_tick(&h);
+    serve(&mut s, &e, &h);
+    assert!(burst_until_ask(&e, &h).is_some(), "asked again once the store answered");
 }
 
 #[test]
