@@ -106,6 +106,12 @@ fn serve() -> Result<(), String> {
              closed rules answer 503 (give --store HOST:PORT, or drop the section)",
             args.rules
         )),
+        // A store given to rules that do not sync: each gateway limits on its own.
+        Ok(c) if c.sync.is_none() && !args.stores.is_empty() => log(&format!(
+            "{}: --store was given but the rules have no sync section: nothing is synced, and each \
+             gateway holds the limits on its own (add a sync section: docs/sync-protocol.md)",
+            args.rules
+        )),
         Ok(_) => {}
     }
     let plugin = filter(args.wasm.as_deref())?;

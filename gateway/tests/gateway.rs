@@ -24,11 +24,21 @@ fn start(rules: &std::path::Path) -> (Gateway, String) {
 
 /// [`start`], with the gateway's log lines (stderr) sent to the receiver when `logged`.
 fn start_logged(rules: &std::path::Path, logged: bool) -> (Gateway, String, std::sync::mpsc::Receiver<String>) {
+    start_with(rules, logged, &[])
+}
+
+/// [`start_logged`], with more arguments.
+fn start_with(
+    rules: &std::path::Path,
+    logged: bool,
+    more: &[&str],
+) -> (Gateway, String, std::sync::mpsc::Receiver<String>) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall-gateway"))
         .current_dir(&root)
         .args(["--port", "0", "--rules"])
         .arg(rules)
+        .args(more)
         .stdout(Stdio::piped())
         .stderr(if logged { Stdio::piped() } else { Stdio::null() })
         .spawn()
@@ -295,6 +305,22 @@ fn rules_that_sync_with_no_store_given_are_said_at_start() {
     let (_gateway, _addr, log) = start_logged(&rules, true);
     let said = std::iter::from_fn(|| log.recv_timeout(Duration::from_secs(10)).ok())
         .find(|l| l.contains("no --store was given"));
+    assert!(said.is_some(), "not said");
+    let _ = std::fs::remove_dir_all(rules.parent().unwrap());
+}
+
+/// A `--store` for rules without a sync section: each gateway would hold the limits alone,
+/// and it says so at start.
+#[test]
+fn a_store_given_to_rules_that_do_not_sync_is_said_at_start() {
+    let rules = rules_file(
+        "no-sync",
+        r#"{"identity": {"user": {"header": "x-user-id"}},
+            "rules": [{"name": "r", "key": ["user"], "limit": {"requests": 5, "per": "1m"}}]}"#,
+    );
+    let (_gateway, _addr, log) = start_with(&rules, true, &["--store", "127.0.0.1:9"]);
+    let said = std::iter::from_fn(|| log.recv_timeout(Duration::from_secs(10)).ok())
+        .find(|l| l.contains("--store was given but the rules have no sync section"));
     assert!(said.is_some(), "not said");
     let _ = std::fs::remove_dir_all(rules.parent().unwrap());
 }
