@@ -48,8 +48,10 @@ pub struct Options<'a> {
 const MAX_LINE: usize = 1 << 20;
 /// How many unreadable lines are shown (all are counted).
 const SHOWN_BAD: usize = 20;
-/// Lines read, in order, before `auto` decides the format.
+/// Lines some format reads, in order, before `auto` decides the format.
 const SNIFF_LINES: usize = 16;
+/// Most lines read before `auto` decides, however few of them a format reads.
+const SNIFF_MAX: usize = 1024;
 /// Rejected keys tracked per rule; past it the least rejected half is dropped (the report
 /// says so). Keeps a flood of distinct rejected clients from growing the replay.
 const MAX_KEYS: usize = 1 << 16;
@@ -573,13 +575,17 @@ impl Chunk {
 }
 
 /// Reads the first lines (for `auto`).
-fn sniff(reader: &mut impl BufRead, name: &str) -> Result<Chunk, Failure> {
+fn sniff(reader: &mut impl BufRead, name: &str, readable: impl Fn(&[u8]) -> bool) -> Result<Chunk, Failure> {
     let (mut first, mut buf) = (Chunk::default(), Vec::new());
-    let mut lines = 0;
-    while lines < SNIFF_LINES {
+    let (mut lines, mut read) = (0, 0);
+    // Lines no format reads (a banner, a log's junk before its requests) do not count towards
+    // the sample, up to [`SNIFF_MAX`] lines: 16 of them first had every format read nothing,
+    // and the log was read as `combined`, every request unreadable.
+    while lines < SNIFF_LINES && read < SNIFF_MAX {
         match next_line(reader, &mut buf) {
             Ok(Some(whole)) => {
-                lines += usize::from(!buf.trim_ascii().is_empty());
+                read += 1;
+                lines += usize::from(!buf.trim_ascii().is_empty() && readable(unmarked(&buf)));
                 first.push(&buf, whole);
             }
             Ok(None) => break,
@@ -652,6 +658,14 @@ fn pick(candidates: Vec<LogFormat>, wanted: &Wanted, first: &[&[u8]]) -> Option<
     }
     let reads = |f: &LogFormat| first.iter().filter(|l| f.read(wanted, l).is_ok()).count();
     let best = candidates.iter().map(reads).max().unwrap_or(0);
+    // `combined` reads a `main` line too (what follows its fields is left), and `main` no line
+    // of `combined`: a log most of whose lines `main` reads is `main`, its other lines
+    // unreadable (one line without the field had every request keyed on the load balancer).
+    if let Some(main) = candidates.iter().position(|f| f.name() == "nginx main") {
+        if best > 0 && candidates.get(main).map_or(0, reads) * 2 > best {
+            return candidates.into_iter().nth(main);
+        }
+    }
     if best > 0 {
         return candidates.into_iter().find(|f| reads(f) == best);
     }
@@ -707,7 +721,8 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
     };
     let name = o.log.display().to_string();
     let mut input = decompressed(input, &name)?;
-    let first = sniff(&mut input, &name)?;
+    let first =
+        sniff(&mut input, &name, |l| candidates.len() == 1 || candidates.iter().any(|f| f.read(&wanted, l).is_ok()))?;
     let sample: Vec<&[u8]> = first
         .lines
         .iter()

@@ -726,4 +726,33 @@ fn nginx_main_logs_are_keyed_on_the_forwarded_for_they_end_with() {
     assert_eq!(v["format"], "nginx combined", "{v}");
     let r = &v["rules"][0];
     assert_eq!((r["allowed"].as_u64(), r["rejected"].as_u64()), (Some(2), Some(4)), "the balancer alone: {v}");
+    // One line of a `main` log without its last field is unreadable, not a reason to read
+    // the whole log as `combined`.
+    let text = std::fs::read_to_string(&main).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    let short = r#"10.0.0.9 - - [06/Dec/2026:10:00:06 +0000] "GET /a HTTP/1.1" 200 5 "-" "curl/8""#;
+    lines.insert(2, short);
+    let v = replay_json(&[&rules, &temp("main-short.log", &(lines.join("\n") + "\n"))]);
+    assert_eq!((v["format"].as_str(), v["invalid_lines"].as_u64()), (Some("nginx main"), Some(1)), "{v}");
+    assert_eq!((v["rules"][0]["allowed"].as_u64(), v["rules"][0]["rejected"].as_u64()), (Some(6), Some(0)), "{v}");
+}
+
+/// Lines no format reads before a log's requests (a banner, junk) do not decide its format:
+/// twenty of them first had it read as `combined`, every request unreadable.
+#[test]
+fn auto_looks_past_lines_no_format_reads() {
+    let rules = two_a_minute_per_ip("junk-rules.json", 0);
+    let mut log = String::new();
+    for i in 0..20 {
+        writeln!(log, "-- rotated {i} --").unwrap();
+    }
+    for s in 0..5 {
+        writeln!(log, r#"{{"ts": "2026-12-06T10:00:0{s}Z", "path": "/a", "ip": "203.0.113.7"}}"#).unwrap();
+    }
+    let v = replay_json(&[&rules, &temp("junk.jsonl", &log)]);
+    assert_eq!(
+        (v["format"].as_str(), v["requests"].as_u64(), v["invalid_lines"].as_u64()),
+        (Some("jsonl"), Some(5), Some(20))
+    );
+    assert_eq!((v["rules"][0]["allowed"].as_u64(), v["rules"][0]["rejected"].as_u64()), (Some(2), Some(3)), "{v}");
 }
