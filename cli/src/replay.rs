@@ -14,6 +14,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write as _};
 use std::path::Path;
 use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::Arc;
 
 /// A hash map with foldhash's hasher: the counters are looked up once or twice per log line,
 /// where SipHash was ~5 % of a replay (perf). Keys come from a log the operator chose to
@@ -684,12 +685,17 @@ fn pick(candidates: Vec<LogFormat>, wanted: &Wanted, first: &[&[u8]]) -> Option<
 /// tool to pipe it through for other compressions, whose bytes would otherwise each be an
 /// unreadable line. Plain text is read through the one buffer its first bytes were looked at
 /// in.
-fn decompressed(input: Box<dyn Read + Send>, name: &str) -> Result<Box<dyn BufRead + Send>, Failure> {
+fn decompressed(
+    input: Box<dyn Read + Send>,
+    name: &str,
+    trailing: &Trailing,
+) -> Result<Box<dyn BufRead + Send>, Failure> {
     const BUFFER: usize = 1 << 20;
     let mut raw = BufReader::with_capacity(BUFFER, input);
     let head = raw.fill_buf().map_err(|e| Failure::Usage(format!("cannot read {name}: {e}")))?;
     if head.starts_with(&[0x1f, 0x8b]) {
-        return Ok(Box::new(BufReader::with_capacity(BUFFER, flate2::bufread::MultiGzDecoder::new(raw))));
+        let members = Members { member: Some(flate2::bufread::GzDecoder::new(raw)), trailing: Arc::clone(trailing) };
+        return Ok(Box::new(BufReader::with_capacity(BUFFER, members)));
     }
     let other =
         [(&b"\x28\xb5\x2f\xfd"[..], "zstd", "zstdcat"), (b"BZh", "bzip2", "bzcat"), (b"\xfd7zXZ\0", "xz", "xzcat")];
@@ -702,6 +708,42 @@ fn decompressed(input: Box<dyn Read + Send>, name: &str) -> Result<Box<dyn BufRe
         return Err(Failure::Usage(format!("{name} is {what}-compressed: read it through {tool} ({how})")));
     }
     Ok(Box::new(raw))
+}
+
+/// Whether a gzip file went on past its last member with bytes that begin no other.
+type Trailing = Arc<std::sync::atomic::AtomicBool>;
+
+/// A gzip file's members one after another (`cat a.gz b.gz`), then its end. Bytes after a
+/// member that begin no other (zeros a copy left, text appended) end it, as gzip takes them
+/// (it warns, and so does replay), where a decoder of members read them as a broken one and
+/// the whole replay failed. A member cut short is still an error.
+struct Members<R: BufRead> {
+    member: Option<flate2::bufread::GzDecoder<R>>,
+    trailing: Trailing,
+}
+
+impl<R: BufRead> Read for Members<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let Some(member) = self.member.as_mut() else { return Ok(0) };
+            let n = member.read(buf)?;
+            if n > 0 || buf.is_empty() {
+                return Ok(n);
+            }
+            // The member ended: another begins, or the file ends here.
+            let Some(member) = self.member.take() else { return Ok(0) };
+            let mut rest = member.into_inner();
+            let head = rest.fill_buf()?;
+            if head.is_empty() {
+                return Ok(0);
+            }
+            if head.first() != Some(&0x1f) || head.get(1).is_some_and(|b| *b != 0x8b) {
+                self.trailing.store(true, std::sync::atomic::Ordering::Relaxed);
+                return Ok(0);
+            }
+            self.member = Some(flate2::bufread::GzDecoder::new(rest));
+        }
+    }
 }
 
 /// `ratewall replay`.
@@ -720,7 +762,8 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
         )
     };
     let name = o.log.display().to_string();
-    let mut input = decompressed(input, &name)?;
+    let trailing = Trailing::default();
+    let mut input = decompressed(input, &name, &trailing)?;
     let first =
         sniff(&mut input, &name, |l| candidates.len() == 1 || candidates.iter().any(|f| f.read(&wanted, l).is_ok()))?;
     let sample: Vec<&[u8]> = first
@@ -806,6 +849,9 @@ pub fn replay(o: &Options<'_>) -> Result<(), Failure> {
     counting.finish();
     let Counting { counts, requests, rejected, restarts, .. } = counting;
     report(o, &config, &counts, (lines, requests, rejected, invalid), (format.name(), restarts), &bad);
+    if trailing.load(std::sync::atomic::Ordering::Relaxed) {
+        tell!("{name}: what follows its last gzip member is not gzip: ignored (gzip ignores it too)");
+    }
     // Unreadable lines are a finding of the replay, reported, not a failure of it.
     if invalid > 0 {
         shown.push(format!("{} could not be read", plural(invalid, "log line")));

@@ -693,6 +693,18 @@ fn a_gzip_compressed_log_replays_as_its_text() {
         (Some(2), Some(8)),
         "{joined}"
     );
+    // Zeros after the last member (a copy that left them), or text appended: ignored, said,
+    // as gzip does; a member cut short is an error still.
+    let padded = dir.join("padded.gz");
+    std::fs::write(&padded, [gzip(&text), vec![0; 8]].concat()).unwrap();
+    let o = ratewall(&["replay", "--json", &rules, padded.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    assert_eq!(rules_of(&serde_json::from_slice(&o.stdout).unwrap()), rules_of(&plain));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not gzip: ignored"), "{o:?}");
+    let cut = dir.join("cut.gz");
+    let whole = gzip(&text);
+    std::fs::write(&cut, &whole[..whole.len() - 12]).unwrap();
+    assert_eq!(ratewall(&["replay", &rules, cut.to_str().unwrap()]).status.code(), Some(2));
     let zstd = dir.join("access.log.zst");
     std::fs::write(&zstd, b"\x28\xb5\x2f\xfd rest of a zstd frame").unwrap();
     let o = ratewall(&["replay", &rules, zstd.to_str().unwrap()]);
