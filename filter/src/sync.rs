@@ -701,6 +701,11 @@ pub struct Syncer {
     /// Asks that failed in a row (timed out past `max_wait`, or refused by the host), and
     /// until when this VM does not ask.
     ask_backoff: Cell<(u32, Nanos)>,
+    /// Whether the last ask counted as failed did so while batches were failing too (none
+    /// answered for two intervals): the store was out of reach, and a batch answered since
+    /// ends the backoff. Asks that time out while batches are answered (a store slow on
+    /// asks alone) back off as they fail.
+    ask_outage: Cell<bool>,
     /// Whether this VM has logged that the store refuses its requests for their time (once,
     /// until a batch succeeds again).
     refusal_logged: Cell<bool>,
@@ -843,6 +848,7 @@ impl Syncer {
             metrics,
             asks: Cell::new((0, 0)),
             ask_backoff: Cell::new((0, 0)),
+            ask_outage: Cell::new(false),
             refusal_logged: Cell::new(false),
             ask_failure_said: Cell::new(None),
             unapplied_logged: Cell::new(0),
@@ -873,6 +879,7 @@ impl Syncer {
             metrics: previous.metrics,
             asks: Cell::new(previous.asks.get()),
             ask_backoff: Cell::new(previous.ask_backoff.get()),
+            ask_outage: Cell::new(previous.ask_outage.get()),
             refusal_logged: Cell::new(previous.refusal_logged.get()),
             ask_failure_said: Cell::new(previous.ask_failure_said.get()),
             unapplied_logged: Cell::new(previous.unapplied_logged.get()),
@@ -1245,12 +1252,13 @@ impl Syncer {
     pub fn ask(&self, host: &dyn Host, wants: &[Delta]) -> Result<u32, AskRefused> {
         let (inflight, seq) = self.asks.get();
         let max_wait = self.opts.max_wait.min(self.opts.timeout);
-        // A batch answered within `max_wait` since the asks began failing: the store is in
-        // reach again, and the asks with it (after an outage, the asks' backoff, up to 32 s,
-        // had outlasted it).
+        // Asks that failed while the store was out of reach, and a batch answered within
+        // `max_wait` since: the store is in reach again, and the asks with it (after an
+        // outage, the asks' backoff, up to 32 s, had outlasted it).
         let (failures, until) = self.ask_backoff.get();
         let view = self.view.get();
-        if failures > 0 && view.ok_at > until.saturating_sub(ask_backoff_len(failures)) && view.rtt <= max_wait {
+        let back = view.ok_at > until.saturating_sub(ask_backoff_len(failures)) && view.rtt <= max_wait;
+        if failures > 0 && self.ask_outage.get() && back {
             self.ask_backoff.set((0, 0));
         }
         if host.now() < self.syncing.try_borrow().map_or(0, |s| s.open_until)
@@ -1319,6 +1327,8 @@ impl Syncer {
             if failures == 0 || asked_at >= began {
                 let failures = failures.saturating_add(1);
                 self.ask_backoff.set((failures, host.now().saturating_add(ask_backoff_len(failures))));
+                let silent = host.now().saturating_sub(self.view.get().ok_at);
+                self.ask_outage.set(silent > self.opts.interval.saturating_mul(2));
             }
         } else {
             self.ask_backoff.set((0, 0));

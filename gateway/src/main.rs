@@ -355,6 +355,9 @@ fn watch(path: String, rules: Arc<Rules>) {
                 log(&format!("{path} can be read again; its rules are the ones in force"));
             }
             if doc == last {
+                // Back to the rules in force: a bad content seen on the way is forgotten (else
+                // the same passing state, met again later, was said rejected at once).
+                bad = None;
                 continue;
             }
             // Taken once it reads the same twice, not while an editor is still writing it.

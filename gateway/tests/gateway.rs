@@ -132,6 +132,16 @@ fn the_dev_gateway_reloads_changed_rules_and_keeps_them_when_broken() {
         .collect();
     assert!(!said.iter().any(|l| l.contains("rejected")), "{said:?}");
     assert_eq!(get("c"), 200);
+    // Twice more, each time back to the rules in force (a job that writes the same rules
+    // again): nothing to say, neither rejected nor reloaded.
+    for _ in 0..2 {
+        std::fs::write(&rules, "").unwrap();
+        std::thread::sleep(Duration::from_millis(600));
+        std::fs::write(&rules, doc(4)).unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    let said: Vec<String> = log.try_iter().collect();
+    assert!(said.iter().all(|l| !l.contains("rejected") && !l.contains("reloaded")), "{said:?}");
     std::fs::write(&rules, "{ broken").unwrap();
     let said = std::iter::from_fn(|| log.recv_timeout(Duration::from_secs(15)).ok()).find(|l| l.contains("rejected"));
     assert!(said.is_some_and(|l| l.contains("keeping the previous rules")), "a bad document is said");

@@ -1370,12 +1370,19 @@ fn an_ask_waits_at_most_max_wait() {
 }
 
 #[test]
-fn asks_that_failed_resume_once_a_batch_is_answered_within_max_wait() {
+fn asks_that_failed_in_an_outage_resume_once_a_batch_is_answered_within_max_wait() {
     let h = FakeHost::new();
     let (e, mut s) = spent_grant(&h);
+    // The store goes out of reach: no batch is answered for 300 ms (two fail; the breaker is
+    // not open yet), then an ask times out, and asks back off.
+    for _ in 0..2 {
+        h.advance(100 * MS);
+        e.on_tick(&h);
+        fail(&e, &h);
+    }
+    h.advance(100 * MS);
     let asking = burst_until_ask(&e, &h).expect("the node asked");
     let _ = h.take_calls();
-    // The store was out of reach: the ask timed out, and asks back off.
     let _ = e.on_ask_response(&h, asking, 0, None, &[]);
     // It is back: a batch is answered at once. The next request that needs an ask asks,
     // within the backoff (after an outage, closed rules had answered 503 while it lasted).
@@ -1383,6 +1390,20 @@ fn asks_that_failed_resume_once_a_batch_is_answered_within_max_wait() {
     e.on_tick(&h);
     serve(&mut s, &e, &h);
     assert!(burst_until_ask(&e, &h).is_some(), "asked again once the store answered");
+}
+
+#[test]
+fn asks_that_time_out_while_batches_are_answered_keep_backing_off() {
+    let h = FakeHost::new();
+    let (e, mut s) = spent_grant(&h);
+    let asking = burst_until_ask(&e, &h).expect("the node asked");
+    let _ = h.take_calls();
+    // The store answers batches but not this ask in time: asks back off, batches or not.
+    let _ = e.on_ask_response(&h, asking, 0, None, &[]);
+    h.advance(100 * MS);
+    e.on_tick(&h);
+    serve(&mut s, &e, &h);
+    assert!(burst_until_ask(&e, &h).is_none(), "no ask within its backoff");
 }
 
 #[test]
