@@ -56,7 +56,7 @@ const SNIFF_MAX: usize = 1024;
 /// Rejected keys tracked per rule; past it the least rejected half is dropped (the report
 /// says so). Keeps a flood of distinct rejected clients from growing the replay.
 const MAX_KEYS: usize = 1 << 16;
-/// Rejected keys tracked over all the rules: each rule keeps at most its part of these (and
+/// Rejected keys tracked over all the rules: each rule keeps at most its part of these (but
 /// at least [`MIN_KEYS`]), so a document of many rules does not multiply [`MAX_KEYS`] (50
 /// per-IP rules over 400,000 clients took 698 MB).
 const MAX_KEYS_IN_ALL: usize = 1 << 18;
@@ -905,6 +905,15 @@ struct Waiting {
     values: Vec<Option<Vec<u8>>>,
 }
 
+impl Waiting {
+    /// About how many bytes it holds.
+    fn bytes(&self) -> usize {
+        let checks: usize = self.checks.iter().map(|c| std::mem::size_of::<Check>() + c.key.len()).sum();
+        let values: usize = self.values.iter().map(|v| 24 + v.as_ref().map_or(0, Vec::len)).sum();
+        std::mem::size_of::<Self>() + checks + values + self.skipped.len() * 16
+    }
+}
+
 /// The earliest to start (then the first in the log) the greatest: a [`BinaryHeap`] of them
 /// gives the next to count.
 impl Ord for Waiting {
@@ -927,10 +936,12 @@ impl PartialEq for Waiting {
 
 impl Eq for Waiting {}
 
-/// Most requests held back for those that started before them; past it the earliest are
-/// counted (a later line that started before them is counted at the clock, as one that
-/// started further back than [`REORDER_SLACK`] is). A few hundred bytes each.
+/// Most requests held back for those that started before them, and most bytes they hold
+/// (their checks' keys and identity values: a request of a document of many rules holds a
+/// check per rule); past either, the earliest are counted (a later line that started before
+/// them is then counted late, as [`clock`] says).
 const MAX_WAITING: usize = 1 << 18;
+const MAX_WAITING_BYTES: usize = 64 << 20;
 
 /// The counting stage: requests through the counters on the log's own clock, in the order
 /// they started. A proxy writes a request's line when it completes (NGINX its end, with
@@ -956,6 +967,8 @@ struct Counting<'a> {
     /// Times the clock started over (a request further back than [`REORDER_SLACK`]).
     restarts: u64,
     waiting: BinaryHeap<Waiting>,
+    /// About how many bytes the requests waiting hold.
+    waiting_bytes: usize,
     seq: u64,
     /// The latest end read, and whether any line said how long its request took.
     latest_end: Nanos,
@@ -974,6 +987,7 @@ impl<'a> Counting<'a> {
             rejected: 0,
             restarts: 0,
             waiting: BinaryHeap::new(),
+            waiting_bytes: 0,
             seq: 0,
             latest_end: 0,
             durations: false,
@@ -993,7 +1007,17 @@ impl<'a> Counting<'a> {
     /// have been read.
     fn arrive(&mut self, a: Arrival<'_>) {
         let duration = a.duration.unwrap_or(0);
-        self.latest_end = self.latest_end.max(a.ts.saturating_add(duration));
+        let end = a.ts.saturating_add(duration);
+        // A request that ended further back than the lines still waiting can wait for: a
+        // stretch of log from earlier (`zcat -f access.log*` reads the newest first). The
+        // stretch before it is counted whole first, in its order, then this one is waited
+        // for on its own clock (else the one before's last minute, still waiting, was
+        // counted after it, against its counters).
+        if end.saturating_add(REORDER_SLACK) < self.latest_end {
+            self.finish();
+            self.latest_end = end;
+        }
+        self.latest_end = self.latest_end.max(end);
         self.durations |= a.duration.is_some();
         let ready = |c: &Self, ts: Nanos| ts.saturating_add(c.lag()) <= c.latest_end;
         if self.waiting.is_empty() && ready(self, a.ts) {
@@ -1001,15 +1025,18 @@ impl<'a> Counting<'a> {
             return;
         }
         self.seq += 1;
-        self.waiting.push(Waiting {
+        let w = Waiting {
             ts: a.ts,
             seq: self.seq,
             duration,
             checks: a.checks.to_vec(),
             skipped: a.skipped.to_vec(),
             values: a.values.owned(),
-        });
-        while self.waiting.peek().is_some_and(|w| ready(self, w.ts) || self.waiting.len() > MAX_WAITING) {
+        };
+        self.waiting_bytes += w.bytes();
+        self.waiting.push(w);
+        let full = |c: &Self| c.waiting.len() > MAX_WAITING || c.waiting_bytes > MAX_WAITING_BYTES;
+        while self.waiting.peek().is_some_and(|w| ready(self, w.ts) || full(self)) {
             self.count_next();
         }
     }
@@ -1017,6 +1044,7 @@ impl<'a> Counting<'a> {
     /// Counts the earliest request waiting.
     fn count_next(&mut self) {
         if let Some(w) = self.waiting.pop() {
+            self.waiting_bytes = self.waiting_bytes.saturating_sub(w.bytes());
             self.count(w.ts, w.duration, &w.checks, &w.skipped, &Values::Owned(&w.values));
         }
     }
