@@ -1056,9 +1056,12 @@ impl<'a> Counting<'a> {
         }
     }
 
-    /// Forgets the counters idle since a while before the clock.
+    /// Forgets the counters that are as a fresh one would be by the clock: the clock never
+    /// goes back but to start over, with fresh counters, so what they held counts for
+    /// nothing any more. (Kept a minute longer, 50 per-IP rules of a second held 6 million
+    /// counters, 730 MB, at 2,000 lines a second.)
     fn sweep(&mut self) {
-        self.counters.sweep(self.now.saturating_sub(REORDER_SLACK));
+        self.counters.sweep(self.now);
     }
 
     /// Runs a request that started at `ts` through the counters.
