@@ -62,8 +62,9 @@ const MAX_KEYS: usize = 1 << 16;
 const MAX_KEYS_IN_ALL: usize = 1 << 18;
 /// Rejected keys any rule may track.
 const MIN_KEYS: usize = 1 << 10;
-/// Counters idle (equivalent to fresh) this long before the replay's clock are forgotten; a
-/// line at most this much older than the clock is replayed at the clock (see [`clock`]).
+/// How long a request waits for those that started before it, where the log gives
+/// durations ([`Counting`]); a line at most this much older than the clock is replayed at the
+/// clock (see [`clock`]).
 const REORDER_SLACK: Nanos = 60 * ratewall_core::algo::SECOND;
 
 /// The time a request that started at `ts` and ended at `end` is replayed at, and the
