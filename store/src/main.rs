@@ -182,7 +182,8 @@ impl LazyKv {
             }
         };
         if wait {
-            let _ = tokio::time::timeout(Self::WAIT, ended).await;
+            // A little past the attempt's own limit, so the waiter hears how it ended.
+            let _ = tokio::time::timeout(Self::WAIT + Duration::from_millis(100), ended).await;
         }
         if let Some(c) = self.conn.get() {
             return Ok(c);
@@ -196,22 +197,31 @@ impl LazyKv {
         let (urls, cluster, conn) = (Arc::clone(&self.urls), self.cluster, Arc::clone(&self.conn));
         let (attempt, ended, unreachable) =
             (Arc::clone(&self.attempt), Arc::clone(&self.ended), Arc::clone(&self.unreachable));
+        /// Ends the attempt however its task ends (a panic in the connection included: the
+        /// next call starts another, rather than wait for one that never ends).
+        struct Ending(Arc<std::sync::Mutex<Attempt>>, Arc<tokio::sync::Notify>, Option<String>);
+        impl Drop for Ending {
+            fn drop(&mut self) {
+                if let Ok(mut a) = self.0.lock() {
+                    let why = self.2.take().or_else(|| Some("Redis unreachable: the attempt to connect failed".into()));
+                    *a = Attempt { running: false, ended: Some(std::time::Instant::now()), why };
+                }
+                self.1.notify_waiters();
+            }
+        }
         tokio::spawn(async move {
-            let why = match tokio::time::timeout(Self::WAIT, RedisKv::connect(&urls, cluster)).await {
+            let mut ending = Ending(attempt, ended, None);
+            let reason = match tokio::time::timeout(Self::WAIT, RedisKv::connect(&urls, cluster)).await {
                 Ok(Ok(kv)) => {
                     let _ = conn.set(kv);
-                    None
+                    ending.2 = Some("Redis connected".to_owned());
+                    return;
                 }
-                Ok(Err(e)) => {
-                    unreachable.log(&format!("cannot reach Redis yet: {e}"), "failed attempt(s)");
-                    Some(format!("Redis unreachable: {e}"))
-                }
-                Err(_) => Some(format!("Redis unreachable: no connection within {} ms", Self::WAIT.as_millis())),
+                Ok(Err(e)) => e,
+                Err(_) => format!("no connection within {} ms", Self::WAIT.as_millis()),
             };
-            if let Ok(mut a) = attempt.lock() {
-                *a = Attempt { running: false, ended: Some(std::time::Instant::now()), why };
-            }
-            ended.notify_waiters();
+            unreachable.log(&format!("cannot reach Redis yet: {reason}"), "failed attempt(s)");
+            ending.2 = Some(format!("Redis unreachable: {reason}"));
         });
     }
 
