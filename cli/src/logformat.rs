@@ -133,6 +133,13 @@ impl Syntax {
     }
 }
 
+/// Whether `format` holds both Envoy command operators and NGINX variables (`$name`).
+pub fn mixes_syntaxes(format: &str) -> bool {
+    let b = format.as_bytes();
+    let nginx = b.windows(2).any(|w| w[0] == b'$' && (w[1].is_ascii_lowercase() || w[1] == b'{'));
+    nginx && Syntax::guess(format) == Syntax::Envoy
+}
+
 /// What one variable of a format carries.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Field {

@@ -288,6 +288,13 @@ fn candidates(choice: FormatChoice, log_format: Option<&str>, wanted: &Wanted) -
                         if syntax == Syntax::Nginx { "nginx" } else { "envoy" },
                         named(syntax)
                     )),
+                    // Both syntaxes in one string: the one read finds what it needs written in
+                    // the other's ("no time" beside a `$time_local`).
+                    None if log_format.is_some_and(logformat::mixes_syntaxes) => Failure::Usage(format!(
+                        "--log-format: {e}; it mixes NGINX $variables and Envoy %OPERATORS%, and was read as {}: \
+                         a format is written in one of them",
+                        named(syntax)
+                    )),
                     None => Failure::Usage(format!("--log-format: {e}")),
                 }
             })

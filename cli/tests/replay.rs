@@ -279,6 +279,17 @@ fn a_line_that_does_not_match_the_log_format_given_is_unreadable_not_replayed() 
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains(says) && err.contains(&format!("--format {given} reads")), "{err}");
     }
+    // Both syntaxes in one string: told so, not only that the time is missing.
+    let o = ratewall(&[
+        "replay",
+        "--log-format",
+        r#"$remote_addr [$time_local] "$request" %REQ(X-API-KEY)%"#,
+        &rules,
+        &log,
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("mixes NGINX $variables and Envoy %OPERATORS%"), "{err}");
 }
 
 /// A header's value with a space runs, in a format string's line, into the fields after it:
