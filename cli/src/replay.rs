@@ -128,6 +128,8 @@ struct Counts {
     rejected: u64,
     shadow_rejected: u64,
     unkeyed: u64,
+    /// Of `allowed`, the requests a leaky bucket admitted to wait their turn.
+    delayed: u64,
     /// Rejections (or shadow "would reject"s) per counter key, with the key as the report
     /// shows it (rendered once per key, not per line).
     by_key: FastMap<Vec<u8>, (u64, String)>,
@@ -1092,6 +1094,15 @@ impl<'a> Counting<'a> {
         let outcome = evaluate(config, checks, &mut self.counters, now);
         if !outcome.rejected {
             hold(&mut self.held, &mut self.counters, checks, &outcome, now, end);
+            // A leaky bucket's admitted request that waits its turn, as the filter counts it.
+            for (c, o) in checks.iter().zip(&outcome.checks) {
+                let CheckResult::Decided(d) = o.result else { continue };
+                if c.limit.algorithm() == Algorithm::LeakyBucket && d.allowed && c.limit.wait(&d, c.cost) > 0 {
+                    if let Some(n) = self.counts.get_mut(c.rule) {
+                        n.delayed += 1;
+                    }
+                }
+            }
         }
         self.requests += 1;
         self.rejected += u64::from(outcome.rejected);
@@ -1208,7 +1219,7 @@ fn report(
                 let keys: Vec<Value> =
                     top_of(c, o.top).into_iter().map(|(k, n)| json!({"key": k, "rejected": n})).collect();
                 // Every field always, so a script reads one shape.
-                json!({"name": r.name, "allowed": c.allowed, "unlimited": c.unlimited, "rejected": c.rejected,
+                json!({"name": r.name, "allowed": c.allowed, "unlimited": c.unlimited, "delayed": c.delayed, "rejected": c.rejected,
                        "shadow_rejected": c.shadow_rejected, "unkeyed": c.unkeyed, "top_rejected_keys": keys,
                        "top_rejected_keys_approximate": c.pruned})
             })
@@ -1240,6 +1251,7 @@ fn report(
         };
         let unlimited =
             if c.unlimited > 0 { format!(" ({} on an unlimited plan)", c.unlimited) } else { String::new() };
+        let unlimited = if c.delayed > 0 { format!("{unlimited} ({} delayed)", c.delayed) } else { unlimited };
         say!("- {}: allowed {}{unlimited}, rejected {}{shadow}, unkeyed {}", r.name, c.allowed, c.rejected, c.unkeyed);
         if c.pruned {
             say!("    (more keys rejected than are tracked: the least rejected were not)");

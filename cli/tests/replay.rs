@@ -500,6 +500,29 @@ fn a_line_logged_out_of_order_does_not_make_a_counter_forget() {
     }
 }
 
+/// A leaky bucket's requests that wait their turn are counted as delayed, as the filter's
+/// `…_delayed` metric counts them: 1 a second, burst 3, ten at once: the first goes at once,
+/// three wait, six are refused.
+#[test]
+fn a_leaky_buckets_waiting_requests_are_reported_delayed() {
+    let rules = temp(
+        "leaky.json",
+        &json!({"identity": {"ip": {"trusted_hops": 0}},
+                "rules": [{"name": "l", "key": ["ip"],
+                           "limit": {"requests": 1, "per": "1s", "burst": 3, "algorithm": "leaky_bucket"}}]})
+        .to_string(),
+    );
+    let log: String =
+        (0..10).map(|_| "{\"ts\": \"2026-12-01T10:00:00Z\", \"path\": \"/a\", \"ip\": \"203.0.113.7\"}\n").collect();
+    let got = replay_json(&[&rules, &temp("leaky.jsonl", &log)]);
+    let r = &got["rules"][0];
+    assert_eq!(
+        (r["allowed"].clone(), r["delayed"].clone(), r["rejected"].clone()),
+        (json!(4), json!(3), json!(6)),
+        "{got}"
+    );
+}
+
 /// Rotated logs read newest first (`zcat -f access.log*`), with durations: the newer stretch is
 /// counted whole, its last minute included, before the older one starts the clock over (that
 /// last minute, still waiting for earlier starts, had been counted after the older stretch,
