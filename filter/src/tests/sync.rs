@@ -1369,41 +1369,36 @@ fn an_ask_waits_at_most_max_wait() {
     assert_eq!(calls[0].timeout, 7 * MS, "the ask's deadline is max_wait (batches keep the 50 ms timeout)");
 }
 
-#[test]
-fn asks_that_failed_in_an_outage_resume_once_a_batch_is_answered_within_max_wait() {
+/// An ask times out after `silent` intervals with no batch answered (a batch failing in each,
+/// below the breaker's three), then a batch is answered at once: whether the next request
+/// that needs an ask asks.
+fn asks_after_a_failed_ask_and_an_answered_batch(silent: u64) -> bool {
     let h = FakeHost::new();
     let (e, mut s) = spent_grant(&h);
-    // The store goes out of reach: no batch is answered for 300 ms (two fail; the breaker is
-    // not open yet), then an ask times out, and asks back off.
-    for _ in 0..2 {
+    for i in 0..silent {
         h.advance(100 * MS);
-        e.on_tick(&h);
-        fail(&e, &h);
+        if i < 2 {
+            e.on_tick(&h);
+            fail(&e, &h);
+        }
     }
-    h.advance(100 * MS);
     let asking = burst_until_ask(&e, &h).expect("the node asked");
     let _ = h.take_calls();
     let _ = e.on_ask_response(&h, asking, 0, None, &[]);
-    // It is back: a batch is answered at once. The next request that needs an ask asks,
-    // within the backoff (after an outage, closed rules had answered 503 while it lasted).
     h.advance(100 * MS);
     e.on_tick(&h);
     serve(&mut s, &e, &h);
-    assert!(burst_until_ask(&e, &h).is_some(), "asked again once the store answered");
+    burst_until_ask(&e, &h).is_some()
 }
 
+/// Asks that failed while the store was out of reach (no batch answered for 300 ms) resume
+/// with the first batch answered in time: after an outage, closed rules had answered 503 for
+/// as long as the asks' backoff lasted. Asks that time out while batches are answered (a
+/// store slow on asks alone) keep backing off.
 #[test]
-fn asks_that_time_out_while_batches_are_answered_keep_backing_off() {
-    let h = FakeHost::new();
-    let (e, mut s) = spent_grant(&h);
-    let asking = burst_until_ask(&e, &h).expect("the node asked");
-    let _ = h.take_calls();
-    // The store answers batches but not this ask in time: asks back off, batches or not.
-    let _ = e.on_ask_response(&h, asking, 0, None, &[]);
-    h.advance(100 * MS);
-    e.on_tick(&h);
-    serve(&mut s, &e, &h);
-    assert!(burst_until_ask(&e, &h).is_none(), "no ask within its backoff");
+fn asks_that_failed_in_an_outage_resume_once_a_batch_is_answered_and_others_back_off() {
+    assert!(asks_after_a_failed_ask_and_an_answered_batch(3), "asked again once the store answered");
+    assert!(!asks_after_a_failed_ask_and_an_answered_batch(0), "no ask within its backoff");
 }
 
 #[test]
