@@ -357,6 +357,17 @@ impl Reader<'_> {
             Err(_) if matches!(format, LogFormat::Jsonl) => json_value_entry(self.config, text)?,
             Err(why) => return Err(why),
         };
+        // A target that is no path (`PRI * HTTP/2.0`, a scanner's bytes NGINX answered 400
+        // itself) is no request a proxy hands its filter: counted, it stood for traffic the
+        // rules never see. `OPTIONS *` is one.
+        let target = crate::logformat::origin_form(&entry.path);
+        let options = entry.method.as_deref().is_some_and(|m| m.eq_ignore_ascii_case("OPTIONS"));
+        if !target.starts_with(b"/") && !(options && target == b"*") {
+            return Err(format!(
+                "the request's target is not a path ({}): not a request a proxy passes on",
+                crate::logformat::bytes(target.len())
+            ));
+        }
         self.request(&entry, batch);
         Ok(())
     }

@@ -702,6 +702,19 @@ fn two_a_minute_per_ip(name: &str, trusted_hops: u8) -> String {
     )
 }
 
+/// A line whose request target is no path (`PRI * HTTP/2.0`, which NGINX answers 400 itself)
+/// is no request the filter sees: unreadable, not counted. `OPTIONS *` is one.
+#[test]
+fn a_target_that_is_no_path_is_not_a_request() {
+    let rules = two_a_minute_per_ip("target-rules.json", 0);
+    let line =
+        |request: &str| format!("203.0.113.7 - - [06/Dec/2026:10:00:01 +0000] \"{request}\" 400 0 \"-\" \"-\"\n");
+    let log = [line("PRI * HTTP/2.0"), line("OPTIONS * HTTP/1.1"), line("GET /a HTTP/1.1")].concat();
+    let got = replay_json(&[&rules, &temp("target.log", &log)]);
+    assert_eq!((got["requests"].as_u64(), got["invalid_lines"].as_u64()), (Some(2), Some(1)), "{got}");
+    assert!(got["invalid"][0]["reason"].as_str().unwrap().contains("not a path"), "{got}");
+}
+
 /// A rotated log as logrotate leaves it, gzip-compressed (and two of them joined by `cat`),
 /// replays as the text does; another compression is named, with the tool to read it through
 /// (its bytes were each an unreadable line, the replay of nothing ending well).
