@@ -362,7 +362,8 @@ impl Reader<'_> {
         // rules never see. `OPTIONS *` is one.
         let target = crate::logformat::origin_form(&entry.path);
         let options = entry.method.as_deref().is_some_and(|m| m.eq_ignore_ascii_case("OPTIONS"));
-        if !target.starts_with(b"/") && !(options && target == b"*") {
+        let a_path = target.starts_with(b"/") || (options && target == b"*");
+        if !a_path {
             return Err(format!(
                 "the request's target is not a path ({}): not a request a proxy passes on",
                 crate::logformat::bytes(target.len())
