@@ -1314,8 +1314,10 @@ impl Syncer {
         // (at most 32 s): requests are decided at once rather than wait for nothing, and the
         // store is not left holding units for answers nobody reads.
         let (failures, until) = self.ask_backoff.get();
-        if status == REFUSED_FOR_TIME {
-            self.refused_for_time(host, body);
+        // Counted; said by the VM that syncs, whose batches the store refuses alike (each VM
+        // that asked said it too: a line per VM for one clock).
+        if let Some(m) = self.metrics.refused_stale.filter(|_| status == REFUSED_FOR_TIME) {
+            host.increment(m, 1);
         }
         // An ask refused for its time would be refused again: it backs off as one that failed.
         if status == 0 || status == REFUSED_FOR_TIME {

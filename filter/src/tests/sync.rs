@@ -482,6 +482,7 @@ fn an_ask_refused_for_its_time_is_counted_and_the_vm_stops_asking_for_a_while() 
     let r = e.on_ask_response(&h, asking, status, tag.as_deref(), &body).into_reply();
     assert_eq!(r.status, 200, "decided as while the store is out of reach: an open rule's local share");
     assert_eq!(h.metric("ratewall_sync_refused_stale"), 1);
+    assert!(!h.logged("refuses this node's sync requests"), "said by the syncing VM's batches, once per node");
     assert!(!asks_once(&e, &h), "no ask while backing off");
 }
 
