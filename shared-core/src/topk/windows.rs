@@ -175,13 +175,13 @@ impl Windows {
             rule.heard = rule.heard.max(at);
             for (buckets, (len, count)) in [(&mut rule.minute, MINUTE), (&mut rule.hour, HOUR)] {
                 // `at <= t`. A bucket older than those kept would take a newer one's place.
-                let (at, now) = (at / len, t / len);
-                if now - at >= count as u64 {
+                let (bucket, latest) = (at / len, t / len);
+                if latest - bucket >= count as u64 {
                     continue;
                 }
-                let Some(b) = buckets.get_mut((at % count as u64) as usize) else { continue };
-                if b.at != at {
-                    *b = Bucket { at, ..Bucket::default() };
+                let Some(b) = buckets.get_mut((bucket % count as u64) as usize) else { continue };
+                if b.at != bucket {
+                    *b = Bucket { at: bucket, ..Bucket::default() };
                 }
                 b.allowed = b.allowed.saturating_add(r.allowed);
                 b.denied = b.denied.saturating_add(r.denied);
