@@ -397,10 +397,10 @@ pub struct Metrics {
     pub status_400: AtomicU64,
     /// Unsigned or forged.
     pub status_401: AtomicU64,
-    /// An older seq.
-    pub status_409: AtomicU64,
     /// The body did not arrive in time.
     pub status_408: AtomicU64,
+    /// An older seq.
+    pub status_409: AtomicU64,
     /// Too large.
     pub status_413: AtomicU64,
     /// Of a protocol version this store does not speak.
@@ -611,20 +611,25 @@ impl<K: Kv> Store<K> {
 
     /// `answer`, counted in the sync metrics by its status.
     fn counted(&self, answer: Answer) -> Answer {
+        self.count(answer.status);
+        answer
+    }
+
+    /// Counts a sync call answered `status` in the sync metrics.
+    fn count(&self, status: u16) {
         let m = &self.metrics;
-        let c = match answer.status {
+        let c = match status {
             400 => &m.status_400,
             401 => &m.status_401,
+            408 => &m.status_408,
             409 => &m.status_409,
             413 => &m.status_413,
-            408 => &m.status_408,
             415 => &m.status_415,
             422 => &m.status_422,
             503 => &m.status_503,
             _ => &m.sync_ok,
         };
         c.fetch_add(1, Ordering::Relaxed);
-        answer
     }
 
     /// Shares what this process heard with its peers on the same Redis
@@ -711,7 +716,7 @@ impl<K: Kv> Store<K> {
     /// did not arrive in time; 400: it could not be read; 503: too many bodies held): counted
     /// by its status, as every other refusal.
     pub fn sync_refused(&self, status: u16) {
-        self.counted(Answer::error(status, String::new()));
+        self.count(status);
     }
 
     /// `POST /v1/sync` with a body over [`MAX_BODY`] bytes, cut off before it was read whole
