@@ -995,6 +995,8 @@ struct Counting<'a> {
     /// The latest end read, and whether any line said how long its request took.
     latest_end: Nanos,
     durations: bool,
+    /// Rejected keys each rule tracks: its part of [`MAX_KEYS_IN_ALL`].
+    keys_kept: usize,
 }
 
 impl<'a> Counting<'a> {
@@ -1013,6 +1015,7 @@ impl<'a> Counting<'a> {
             seq: 0,
             latest_end: 0,
             durations: false,
+            keys_kept: (MAX_KEYS_IN_ALL / config.rules.len().max(1)).clamp(MIN_KEYS, MAX_KEYS),
         }
     }
 
@@ -1118,7 +1121,6 @@ impl<'a> Counting<'a> {
         }
         self.requests += 1;
         self.rejected += u64::from(outcome.rejected);
-        let keys_kept = (MAX_KEYS_IN_ALL / config.rules.len().max(1)).clamp(MIN_KEYS, MAX_KEYS);
         for (rule, tally) in outcome.tally(skipped) {
             let (Some(c), Some(r)) = (self.counts.get_mut(rule), config.rules.get(rule)) else { continue };
             match tally {
@@ -1139,7 +1141,7 @@ impl<'a> Counting<'a> {
                     let ip = values.pop().flatten().map(|v| String::from_utf8_lossy(&v).into_owned());
                     let shown = render_key(config, r, values, ip);
                     c.by_key.insert(key.clone(), (1, shown));
-                    if c.by_key.len() > keys_kept {
+                    if c.by_key.len() > self.keys_kept {
                         prune(c);
                     }
                 }
