@@ -88,6 +88,20 @@ async fn a_denied_call_charges_no_descriptor() {
 }
 
 #[tokio::test]
+async fn a_call_denied_on_a_descriptor_it_names_twice_leaves_the_counter_free() {
+    // Two of Envoy's `rate_limits` actions can send the same entries: one hit past the limit
+    // in one call, refused on the last, the ones before given back.
+    for (rule, limit) in [("user", 3), ("plain", 10)] {
+        let r = rls();
+        let alice: &[(&str, &str)] = &[(rule, "alice")];
+        let over = r.should_rate_limit(&call(&vec![alice; limit + 1])).await.unwrap();
+        assert_eq!(over.overall_code, Code::OverLimit, "{rule}");
+        let once = r.should_rate_limit(&call(&[alice])).await.unwrap();
+        assert_eq!(once.overall_code, Code::Ok, "{rule}: {:?}", once.headers);
+    }
+}
+
+#[tokio::test]
 async fn hits_addend_per_call_and_per_descriptor() {
     let r = rls();
     let mut c = call(&[&[("ip", "a")]]);
