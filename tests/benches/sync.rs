@@ -124,10 +124,16 @@ fn main() {
     let only = std::env::var("RATEWALL_SIM_ONLY").ok();
     // Per-node caps without any store: the floor of degraded mode's false denials.
     if only.as_deref().is_none_or(|o| o.split(',').any(|n| n == "cap_model")) {
-        for (margin, measured, name) in
-            [(1.05, false, "exact_shares_105"), (1.10, false, "exact_shares_110"), (1.05, true, "measured_shares_105")]
-        {
-            let (denied, over, worst) = outage_model(Fallback::Caps { margin, measured }, 400, seed);
+        // The last two: the Worker simulation's quota (1,000 per window), where one grant per
+        // isolate and window is the floor of its object calls.
+        for (margin, measured, limit, name) in [
+            (1.05, false, 200, "exact_shares_105"),
+            (1.10, false, 200, "exact_shares_110"),
+            (1.05, true, 200, "measured_shares_105"),
+            (1.02, false, 1000, "exact_shares_102_of_1000"),
+            (1.05, false, 1000, "exact_shares_105_of_1000"),
+        ] {
+            let (denied, over, worst) = outage_model(Fallback::Caps { margin, measured }, limit, 400, seed);
             figure(&format!("cap_model_false_denial_pct_{name}"), denied, "%");
             figure(&format!("cap_model_overadmission_pct_{name}"), over, "%");
             figure(&format!("cap_model_overadmission_max_pct_{name}"), worst, "%");
@@ -145,7 +151,7 @@ fn main() {
             (blend(1.03, 1.0, 60.0), "caps_or_estimate_103"),
             (blend(1.05, 1.03, 20.0), "caps_or_estimate_105"),
         ] {
-            let (denied, over, worst) = outage_model(policy, 1000, seed);
+            let (denied, over, worst) = outage_model(policy, 200, 1000, seed);
             figure(&format!("outage_model_false_denial_pct_{name}"), denied, "%");
             figure(&format!("outage_model_overadmission_pct_{name}"), over, "%");
             figure(&format!("outage_model_overadmission_max_pct_{name}"), worst, "%");

@@ -795,11 +795,12 @@ pub enum Fallback {
 
 /// Decentralized fallbacks with no store at all, and the fleet's rate (and, but for measured
 /// caps, the shares) known exactly: a model of the fault scenarios' outage windows and of
-/// what any node-local rule can do in them (20 Zipf nodes, a fixed window of 200 offered
+/// what any node-local rule can do in them (20 Zipf nodes, a fixed window of `limit` offered
 /// 1.5 ×, Poisson arrivals, over `windows`). Returns (false denials ÷ requests, mean
 /// over-admission per window, worst window), in %.
-pub fn outage_model(policy: Fallback, windows: u32, seed: u64) -> (f64, f64, f64) {
-    let (limit, nodes, offered) = (200.0f64, 20usize, 300.0f64);
+pub fn outage_model(policy: Fallback, limit: u32, windows: u32, seed: u64) -> (f64, f64, f64) {
+    let (limit, nodes) = (f64::from(limit), 20usize);
+    let offered = 1.5 * limit;
     let shares = zipf_shares(nodes);
     let mut rng = Rng(seed | 1);
     let (mut requests, mut false_denials, mut over, mut worst) = (0u64, 0u64, 0u64, 0u64);
