@@ -266,9 +266,19 @@ fn is_rls_config(path: &Path) -> bool {
     }
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     if !ext.eq_ignore_ascii_case("yaml") && !ext.eq_ignore_ascii_case("yml") {
-        return false;
+        // Under another name (a ConfigMap's key, `ratelimit.conf`), the service reads it all
+        // the same: a file that is no JSON and has a top-level `domain:` is its YAML.
+        return read_document(path).is_ok_and(|bytes| looks_like_rls_yaml(&bytes));
     }
     !read_document(path).is_ok_and(|bytes| is_rules_document(&bytes))
+}
+
+/// Whether `bytes` are no JSON and have a line that starts with `domain:`, the top-level key
+/// of envoyproxy/ratelimit's YAML.
+fn looks_like_rls_yaml(bytes: &[u8]) -> bool {
+    let bytes = without_bom(bytes);
+    serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_err()
+        && bytes.split(|b| *b == b'\n').any(|line| line.starts_with(b"domain:"))
 }
 
 /// Whether `path` names standard input (`-`).

@@ -191,6 +191,18 @@ fn check_tells_a_rules_document_from_a_rate_limit_service_file_by_its_content() 
     let o = ratewall(&["check", &rls]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stdout(&o).contains("valid rate limit service configuration, 1 domain (d)"), "{}", stdout(&o));
+    // Under another name, as the service reads it too.
+    let conf = temp(
+        "ratelimit.conf",
+        "# the service's\ndomain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+    );
+    let o = ratewall(&["check", &conf]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("valid rate limit service configuration, 1 domain (d)"), "{}", stdout(&o));
+    let conf = temp("broken.conf", "domain: d\ndescriptors:\n  - kee: k\n");
+    let o = ratewall(&["check", &conf]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("broken.conf:3:"), "{}", stderr(&o));
     // In a directory, such a file is one the service would read: refused, and named for what it is.
     let yaml = temp("rules-in-dir/r.yaml", &rules);
     let o = ratewall(&["check", yaml.trim_end_matches("/r.yaml")]);
