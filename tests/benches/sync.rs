@@ -103,6 +103,21 @@ fn main() {
             ..base.clone()
         },
         Scenario { name: "zipf100_rtt20_bucket", nodes: 100, rtt: 20 * MS, algorithm: "token_bucket", ..base.clone() },
+        // Clients under their limit on the continuous algorithms: what their denials cost them.
+        Scenario {
+            name: "zipf20_rtt20_sliding_under",
+            rtt: 20 * MS,
+            algorithm: "sliding_window",
+            load: 0.8,
+            ..base.clone()
+        },
+        Scenario {
+            name: "zipf20_rtt20_bucket_under",
+            rtt: 20 * MS,
+            algorithm: "token_bucket",
+            load: 0.8,
+            ..base.clone()
+        },
         Scenario { name: "zipf20_rtt20_exact", rtt: 20 * MS, exact: true, ..base.clone() },
         // The continuous algorithms with waits allowed: what the no-wait mode gives up.
         Scenario {
