@@ -170,16 +170,21 @@ pub fn call_timeout(s: &Scenario) -> u64 {
     (50 * MS).max(3 * s.rtt)
 }
 
-/// The written bound on a scenario's over-admission per counter and window without faults, in
-/// % of the limit (docs/sync-protocol.md, "The error bound"): `n × c` for the nodes' overdrafts
+/// The written bound on a scenario's over-admission per counter and window, in % of the limit
+/// (docs/sync-protocol.md, "The error bound"): `n × c` for the nodes' overdrafts
 /// (`c = max(1, limit / 100 / n)`; none for exact rules) plus what the fleet admits while a
-/// batch is on its way, at most its offered rate × (round trip + one interval).
+/// batch is on its way, at most its offered rate × (round trip + one interval); where nodes
+/// lose the store (down, slow, failing, cut off), plus degraded mode's term, `limit × 0.05 +
+/// n / 2` (the caps' margin and their rounding).
 pub fn bound_pct(s: &Scenario) -> f64 {
     let n = s.nodes as f64;
     let c = if s.exact { 0.0 } else { (s.limit as f64 / 100.0 / n).floor().max(1.0) };
     let rate = s.load * s.limit as f64 / (s.window as f64 / SECOND as f64);
     let in_flight = rate * (s.rtt + 100 * MS) as f64 / SECOND as f64;
-    (n * c + in_flight) / s.limit as f64 * 100.0
+    let f = &s.faults;
+    let outage = f.down || f.slow || f.error_5xx || f.garbage || f.partitioned > 0;
+    let degraded = if outage { s.limit as f64 * 0.05 + n / 2.0 } else { 0.0 };
+    (n * c + in_flight + degraded) / s.limit as f64 * 100.0
 }
 
 /// The rules document of the simulated fleet.
