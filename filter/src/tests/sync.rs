@@ -112,6 +112,26 @@ fn the_vms_of_a_node_take_their_own_outboxes_and_one_of_them_syncs() {
 }
 
 #[test]
+fn documents_that_sync_to_one_store_with_other_timings_sync_apart() {
+    // Two `proxy_wasm` documents on one NGINX, the store 0.4 s away: one says a 2 s timeout,
+    // the other keeps the default. Each document's batches go by its own settings; through one
+    // lease, the holder's 50 ms failed every batch of both, and the first's `closed` rule
+    // answered 503 to every request.
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    // A third with the first's settings: it syncs through the first's lease.
+    let c = FakeHost::joining(a.shared.clone());
+    let slow = rules(100, 1).replace(r#""timeout": "50ms""#, r#""timeout": "2s""#);
+    let (ea, eb, ec) = (engine(&a, &rules(100, 1)), engine(&b, &slow), engine(&c, &rules(100, 1)));
+    for (e, h, user) in [(&ea, &a, "ann"), (&eb, &b, "bob"), (&ec, &c, "cy")] {
+        let _ = reply(e, h, "GET", "/u/x", &[("x-user-id", user)]);
+        e.on_tick(h);
+    }
+    let timeouts = |h: &FakeHost| h.take_calls().iter().map(|c| c.timeout).collect::<Vec<Nanos>>();
+    assert_eq!((timeouts(&a), timeouts(&b), timeouts(&c)), (vec![50 * MS], vec![2_000 * MS], vec![]));
+}
+
+#[test]
 fn a_batch_is_signed_addressed_and_counted_by_the_store() {
     let h = FakeHost::new();
     let e = engine(&h, &rules(100, 1));
