@@ -546,8 +546,9 @@ impl Context for Request {
             // ngx_wasm_module gives a local response sent in the answer to a call that failed
             // (timed out) a body buffer that the call's socket, closing, then empties: NGINX
             // sends nothing at all ("zero size buf in writer"). Without a body the status and
-            // fields reach the client.
+            // fields reach the client (and no `Content-Type` says a body comes).
             reply.body.clear();
+            reply.headers.retain(|(name, _)| !name.eq_ignore_ascii_case("content-type"));
         }
         if nginx_host() && went_on() {
             // ngx_wasm_module ran this request on while it waited (see `went_on`). It is neither
