@@ -517,8 +517,8 @@ impl Engine {
             Level::Error,
             "ratewall: the proxy has no shared data (on NGINX: add `shm_kv * 16m;` to the `wasm {}` block); \
              requests pass without limits, counted in ratewall_config_rejected; a minute after the last \
-             attempt trapped the filter tries again (after a reload that added the zone, limits are back \
-             within that minute)",
+             attempt trapped the filter tries again (after a reload that added the zone, this is said of the \
+             attempt before it until then, and limits are back within that minute)",
         );
     }
 
