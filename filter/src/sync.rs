@@ -64,9 +64,6 @@ pub const OUTBOXES: u32 = 8;
 pub const MAX_PENDING: usize = 20_000;
 /// Most counters in one batch (the Worker store accepts 500).
 pub const MAX_BATCH: usize = 500;
-/// How many of its drives a syncer whose options a push changed drains the outboxes of the
-/// options before (10 s at the default interval).
-const EARLIER_DRIVES: u32 = 100;
 /// Most asks one VM has in flight; a request past them is denied as before asks existed.
 pub const MAX_ASKS: u32 = 64;
 /// How long after a counter's last request the node keeps renewing its grant: a counter a
@@ -696,10 +693,6 @@ pub type Section<'a> = dyn Fn(u64, &[Delta], Option<&TopSection>, &[u64]) -> Opt
 pub struct Syncer {
     opts: SyncOptions,
     keys: Keys,
-    /// The keys of the options before a push that changed them, and how many more drives
-    /// drain their outboxes: VMs still on the old options publish there until the push
-    /// reaches them, and with the lease moved on nobody else might.
-    earlier: RefCell<Option<(Keys, u32)>>,
     vm: u32,
     token: u64,
     started: Nanos,
@@ -851,7 +844,6 @@ impl Syncer {
         Syncer {
             opts,
             keys,
-            earlier: RefCell::new(None),
             vm,
             token,
             started: now,
@@ -880,11 +872,8 @@ impl Syncer {
     pub fn continuing(previous: &Syncer, opts: SyncOptions) -> Syncer {
         let take_local = previous.local.try_borrow_mut().map(|mut l| std::mem::take(&mut *l));
         let take_syncing = previous.syncing.try_borrow_mut().map(|mut s| std::mem::take(&mut *s));
-        let keys = Keys::of(&opts);
-        let earlier = (keys.lease != previous.keys.lease).then(|| (previous.keys.clone(), EARLIER_DRIVES));
         Syncer {
-            keys,
-            earlier: RefCell::new(earlier),
+            keys: Keys::of(&opts),
             opts,
             vm: previous.vm,
             token: previous.token,
@@ -1111,24 +1100,9 @@ impl Syncer {
     fn drive(&self, host: &dyn Host, now: Nanos, section: &Section<'_>) {
         let mut s = self.syncing.borrow_mut();
         let store_now = self.store_now(now);
-        // Drain the outboxes (and those of VMs of an earlier version, and for a while those
-        // of the options before a push).
-        let earlier = {
-            let mut e = self.earlier.borrow_mut();
-            let keys = e.as_mut().filter(|(_, left)| *left > 0).map(|(keys, left)| {
-                *left -= 1;
-                keys.clone()
-            });
-            if keys.is_none() {
-                *e = None;
-            }
-            keys
-        };
-        let sets = [Some(&self.keys), earlier.as_ref()];
-        for (keys, i, plain) in
-            sets.into_iter().flatten().flat_map(|k| (0..OUTBOXES).flat_map(move |i| [(k, i, false), (k, i, true)]))
-        {
-            let key = if plain { keys.plain_outbox(i) } else { keys.outbox(i) };
+        // Drain the outboxes (and those of VMs of an earlier version).
+        for (i, plain) in (0..OUTBOXES).flat_map(|i| [(i, false), (i, true)]) {
+            let key = if plain { self.keys.plain_outbox(i) } else { self.keys.outbox(i) };
             let Ok((Some(value), cas)) = host.shared_get(&key) else { continue };
             if value.is_empty() {
                 continue;

@@ -817,29 +817,6 @@ fn a_pushed_config_keeps_the_node_id_and_the_sequence() {
 }
 
 #[test]
-fn a_push_that_changes_the_sync_timing_reports_what_other_vms_published_before_it() {
-    // A new timeout is a new lease and outboxes; a VM still on the old document has published
-    // there, and the pushed lease holder reports those units too.
-    let a = FakeHost::new();
-    let b = FakeHost::joining(a.shared.clone());
-    let mut s = store();
-    let (first, other) = (engine(&a, &rules(100, 1)), engine(&b, &rules(100, 1)));
-    first.on_tick(&a);
-    serve(&mut s, &first, &a);
-    assert_eq!(statuses(&other, &b, "GET", "/u/x", &[("x-user-id", "bob")], 3), [200; 3]);
-    other.on_tick(&b);
-    assert!(b.take_calls().is_empty(), "the first VM holds the lease");
-    let slow = rules(100, 1).replace(r#""timeout": "50ms""#, r#""timeout": "2s""#);
-    let pushed = Engine::configure(&a, slow.as_bytes(), Some(&first)).unwrap();
-    a.advance(200 * MS);
-    pushed.on_tick(&a);
-    let calls = a.take_calls();
-    assert_eq!(calls.iter().map(|c| c.timeout).collect::<Vec<_>>(), [2_000 * MS]);
-    let units: u64 = batch(&calls[0]).deltas.iter().map(|d| d.units).sum();
-    assert_eq!(units, 3, "bob's units, published under the old document");
-}
-
-#[test]
 fn every_proxy_and_every_start_has_its_own_node_id() {
     let a = FakeHost::new();
     let mut b = FakeHost::new();
