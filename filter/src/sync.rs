@@ -426,16 +426,16 @@ fn quoted(body: &[u8]) -> String {
 }
 
 /// The shared-data keys of one store's sync on this proxy: documents that sync to the same
-/// store (cluster, authority, path and secret) the same way (interval, timeout, stale_after)
-/// share one lease, view and outboxes, so one VM syncs for them all; documents syncing
-/// elsewhere or otherwise (NGINX's `proxy_wasm` directives, filters sharing a `vm_id`) keep
-/// theirs apart. The lease holder's settings are the ones its batches go by: shared by a
-/// document with a timeout of 2 s and one of the default 50 ms, the store 0.4 s away, the
-/// first's `closed` rule answered 503 to every request once the second held the lease.
+/// store (cluster, path and secret) share one lease, view and outboxes, so one VM syncs for
+/// them all; documents syncing elsewhere (NGINX's `proxy_wasm` directives, filters sharing a
+/// `vm_id`) keep theirs apart.
 #[derive(Clone, Debug)]
 struct Keys {
     lease: String,
     view: String,
+    /// The longest `timeout` of the documents sharing the sync, while one says it (see
+    /// [`Syncer::share_timeout`]).
+    timeout: String,
     /// Outboxes with each delta's window (see [`encode_outbox`]).
     out: String,
     /// Outboxes without, as VMs of earlier versions publish them (drained all the same).
@@ -446,18 +446,16 @@ impl Keys {
     fn of(opts: &SyncOptions) -> Keys {
         use std::hash::{BuildHasher, Hasher};
         let mut h = KeyHasher.build_hasher();
-        for part in [&opts.cluster, &opts.authority, &opts.path, &opts.secret] {
+        for part in [&opts.cluster, &opts.path, &opts.secret] {
             h.write(part.as_bytes());
             h.write_u8(0);
-        }
-        for setting in [opts.interval, opts.timeout, opts.stale_after] {
-            h.write_u64(setting);
         }
         // 32 bits of a keyed hash of the secret among the rest: the key names no secret.
         let ns = format!("rw1/sync/{:08x}", h.finish() as u32);
         Keys {
             lease: format!("{ns}/lease"),
             view: format!("{ns}/view"),
+            timeout: format!("{ns}/timeout"),
             out: format!("{ns}/outw/"),
             out_plain: format!("{ns}/out/"),
         }
@@ -693,6 +691,9 @@ pub type Section<'a> = dyn Fn(u64, &[Delta], Option<&TopSection>, &[u64]) -> Opt
 pub struct Syncer {
     opts: SyncOptions,
     keys: Keys,
+    /// The deadline batches go with: the longest `timeout` of the documents that share this
+    /// sync (as of this VM's last tick), never under this document's.
+    batch_timeout: Cell<Nanos>,
     vm: u32,
     token: u64,
     started: Nanos,
@@ -842,6 +843,7 @@ impl Syncer {
             h.finish()
         };
         Syncer {
+            batch_timeout: Cell::new(opts.timeout),
             opts,
             keys,
             vm,
@@ -874,6 +876,7 @@ impl Syncer {
         let take_syncing = previous.syncing.try_borrow_mut().map(|mut s| std::mem::take(&mut *s));
         Syncer {
             keys: Keys::of(&opts),
+            batch_timeout: Cell::new(opts.timeout),
             opts,
             vm: previous.vm,
             token: previous.token,
@@ -1010,6 +1013,7 @@ impl Syncer {
         let now = host.now();
         self.handed.set(false);
         self.publish(host);
+        self.share_timeout(host, now);
         self.read_view(host);
         let v = self.view.get();
         if let Some(m) = self.metrics.staleness_ms {
@@ -1019,6 +1023,31 @@ impl Syncer {
         if self.hold_lease(host, now) {
             self.drive(host, now, section);
         }
+    }
+
+    /// Says this document's `timeout` to the others that share its sync, when it is the
+    /// longest, and takes the longest said within the last 3 intervals as its batches'
+    /// deadline: whichever VM holds the lease, a document whose store is far gets the deadline
+    /// it set. (Two `proxy_wasm` documents on one store, one with a `timeout` of 2 s, the store
+    /// 0.4 s away, the other with the default 50 ms: while the second's VM held the lease, every
+    /// batch failed, and the first's `closed` rule answered 503 to every request.)
+    fn share_timeout(&self, host: &dyn Host, now: Nanos) {
+        let mine = self.opts.timeout;
+        let Ok((value, cas)) = host.shared_get(&self.keys.timeout) else { return };
+        let said = value.as_deref().and_then(|v| {
+            Some((u64::from_le_bytes(v.get(..8)?.try_into().ok()?), u64::from_le_bytes(v.get(8..16)?.try_into().ok()?)))
+        });
+        let longest = match said {
+            Some((timeout, until)) if until > now && timeout > mine => timeout,
+            _ => {
+                let mut v = Vec::with_capacity(16);
+                v.extend_from_slice(&mine.to_le_bytes());
+                v.extend_from_slice(&now.saturating_add(self.opts.interval.saturating_mul(3)).to_le_bytes());
+                let _ = host.shared_set(&self.keys.timeout, &v, cas);
+                mine
+            }
+        };
+        self.batch_timeout.set(longest);
     }
 
     /// Reads the view the syncing VM last wrote, and the counters named out with it.
@@ -1126,7 +1155,7 @@ impl Syncer {
         }
         if let Some((_, _, sent)) = &s.inflight {
             // The host answers every call by its timeout; this only guards against one lost.
-            if now.saturating_sub(*sent) <= self.opts.timeout.saturating_mul(4).max(self.opts.interval) {
+            if now.saturating_sub(*sent) <= self.batch_timeout.get().saturating_mul(4).max(self.opts.interval) {
                 return;
             }
             if let Some((_, batch, _)) = s.inflight.take() {
@@ -1224,7 +1253,7 @@ impl Syncer {
             }
         };
         let batch = Batch { first_sent: if batch.first_sent == 0 { now } else { batch.first_sent }, ..batch };
-        match self.send(host, &batch.body, self.opts.timeout) {
+        match self.send(host, &batch.body, self.batch_timeout.get()) {
             Some(token) => {
                 s.inflight = Some((token, batch, now));
                 s.sent_at = now;

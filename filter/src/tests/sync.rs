@@ -112,23 +112,42 @@ fn the_vms_of_a_node_take_their_own_outboxes_and_one_of_them_syncs() {
 }
 
 #[test]
-fn documents_that_sync_to_one_store_with_other_timings_sync_apart() {
+fn documents_sharing_a_store_sync_with_the_longest_timeout_any_of_them_sets() {
     // Two `proxy_wasm` documents on one NGINX, the store 0.4 s away: one says a 2 s timeout,
-    // the other keeps the default. Each document's batches go by its own settings; through one
-    // lease, the holder's 50 ms failed every batch of both, and the first's `closed` rule
-    // answered 503 to every request.
+    // the other keeps the default. They sync as one node, and its batches wait 2 s whichever
+    // VM holds the lease; through the default's 50 ms every batch failed, and the first's
+    // `closed` rule answered 503 to every request.
     let a = FakeHost::new();
     let b = FakeHost::joining(a.shared.clone());
-    // A third with the first's settings: it syncs through the first's lease.
-    let c = FakeHost::joining(a.shared.clone());
+    let mut s = store();
     let slow = rules(100, 1).replace(r#""timeout": "50ms""#, r#""timeout": "2s""#);
-    let (ea, eb, ec) = (engine(&a, &rules(100, 1)), engine(&b, &slow), engine(&c, &rules(100, 1)));
-    for (e, h, user) in [(&ea, &a, "ann"), (&eb, &b, "bob"), (&ec, &c, "cy")] {
-        let _ = reply(e, h, "GET", "/u/x", &[("x-user-id", user)]);
-        e.on_tick(h);
-    }
-    let timeouts = |h: &FakeHost| h.take_calls().iter().map(|c| c.timeout).collect::<Vec<Nanos>>();
-    assert_eq!((timeouts(&a), timeouts(&b), timeouts(&c)), (vec![50 * MS], vec![2_000 * MS], vec![]));
+    let (ea, eb) = (engine(&a, &rules(100, 1)), engine(&b, &slow));
+    // One interval: each VM ticks (the first holds the lease), the store answers what came.
+    let mut interval = |vms: &[(&Engine, &FakeHost)], user: &str| -> Vec<Nanos> {
+        let mut timeouts = Vec::new();
+        for &(e, h) in vms {
+            let _ = reply(e, h, "GET", "/u/x", &[("x-user-id", user)]);
+            e.on_tick(h);
+            for c in h.take_calls() {
+                timeouts.push(c.timeout);
+                let (status, tag, body) = answer(&mut s, h.now(), SECRET, &c);
+                e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
+            }
+        }
+        // Far from the limit, deltas go every other interval.
+        for (_, h) in vms {
+            h.advance(200 * MS);
+        }
+        timeouts
+    };
+    let both = [(&ea, &a), (&eb, &b)];
+    // The first batch went before the second document had said its timeout.
+    assert_eq!(interval(&both, "ann"), [50 * MS]);
+    assert_eq!(interval(&both, "bob"), [2_000 * MS], "one batch, with the longer deadline");
+    // Once the second document is gone (3 intervals unsaid), so is its deadline.
+    let first = [(&ea, &a)];
+    let timeouts: Vec<Nanos> = (0..5).flat_map(|_| interval(&first, "cy")).collect();
+    assert_eq!(timeouts.last(), Some(&(50 * MS)), "{timeouts:?}");
 }
 
 #[test]
