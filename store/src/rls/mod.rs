@@ -421,28 +421,14 @@ impl<K: Kv> Rls<K> {
             // Given back: a denied (or failed) call charges no descriptor.
             let gone =
                 futures_util::future::join_all(charged.iter().map(|(c, at, from)| self.give_back(c, *at, *from))).await;
-            // Per counter, what it has left once every hit is back: the least any of its
-            // descriptors was left with, and all their hits. (A counter the call named more
-            // than once was shown as each of its takes left it: 10, 9, ... 1 of 10 free.)
-            let mut back: std::collections::HashMap<&str, (Decision, u64)> = std::collections::HashMap::new();
-            for ((c, _, _), g) in charged.iter().zip(&gone) {
-                if let (Ok(()), Some(Some((_, d)))) = (g, decisions.get(c.index)) {
-                    let e = back.entry(c.rkey.as_str()).or_insert((*d, 0));
-                    if d.remaining < e.0.remaining {
-                        e.0 = *d;
+            for ((c, _, _), g) in charged.iter().zip(gone) {
+                if g.is_ok() {
+                    if let Some(Some((rule, d))) = decisions.get_mut(c.index) {
+                        d.remaining = d.remaining.saturating_add(c.hits).min(d.limit);
+                        if let Some(l) = rule.limit {
+                            d.reset_after = lease::reset_after_given_back(l, d.reset_after, c.hits);
+                        }
                     }
-                    e.1 = e.1.saturating_add(c.hits);
-                }
-            }
-            for (c, _, _) in &charged {
-                let (Some((least, hits)), Some(Some((rule, d)))) =
-                    (back.get(c.rkey.as_str()), decisions.get_mut(c.index))
-                else {
-                    continue;
-                };
-                d.remaining = least.remaining.saturating_add(*hits).min(d.limit);
-                if let Some(l) = rule.limit {
-                    d.reset_after = lease::reset_after_given_back(l, least.reset_after, *hits);
                 }
             }
         }

@@ -96,9 +96,6 @@ async fn a_call_denied_on_a_descriptor_it_names_twice_leaves_the_counter_free() 
         let alice: &[(&str, &str)] = &[(rule, "alice")];
         let over = r.should_rate_limit(&call(&vec![alice; limit + 1])).await.unwrap();
         assert_eq!(over.overall_code, Code::OverLimit, "{rule}");
-        // Each take given back: the counter is free, as every one of them says.
-        let left = remaining(&over);
-        assert!(left[..limit].iter().all(|r| *r as usize == limit), "{rule}: {left:?}");
         let once = r.should_rate_limit(&call(&[alice])).await.unwrap();
         assert_eq!(once.overall_code, Code::Ok, "{rule}: {:?}", once.headers);
     }
