@@ -301,14 +301,6 @@ impl Held {
         Some(())
     }
 
-    /// Forgets a refused ask: hits given back since may make room for it. (A call that named
-    /// one counter four times on a limit of three was refused on its fourth, its three given
-    /// back; answered from memory, the next call of one hit was refused with all three free.)
-    fn lift_refusal(&mut self) {
-        self.denied_until = 0;
-        self.retry_at = None;
-    }
-
     /// Notes a call at `now` (our clock).
     fn called(&mut self, now: Nanos) {
         let since = now.saturating_sub(self.used);
@@ -838,7 +830,6 @@ impl Leases {
         match held.get_mut(rkey) {
             Some(h) if h.spent >= hits => {
                 h.spent -= hits;
-                h.lift_refusal();
                 // To what lasts longer of what it may have come from.
                 if h.extra_until > h.until {
                     h.extra = h.extra.saturating_add(hits);
@@ -859,7 +850,6 @@ impl Leases {
             let (remaining, reset_after, at) = h.view;
             let reset_after = reset_after_given_back(h.limit, reset_after, hits);
             h.view = (remaining.saturating_add(hits).min(h.limit.quota()), reset_after, at);
-            h.lift_refusal();
         }
     }
 

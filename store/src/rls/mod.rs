@@ -122,7 +122,10 @@ pub const MAX_TEXT: usize = 4096;
 
 /// What one limited descriptor is decided against.
 struct Check {
-    index: usize,
+    /// The descriptors it decides: one, or every one of a call that names its counter (a call
+    /// may name one counter more than once, as two of Envoy's `rate_limits` actions that
+    /// produce the same entries do: their hits are taken as one, and refused as one).
+    indices: Vec<usize>,
     rule: Arc<Rule>,
     hits: u64,
     /// The counter's Redis key.
@@ -379,7 +382,16 @@ impl<K: Kv> Rls<K> {
             match rule.limit {
                 Some(limit) => {
                     let rkey = self.counter_key(&call.domain, &d.entries, matched.as_ref(), limit);
-                    checks.push(Check { index: i, rule, hits, rkey });
+                    // Taken one after the other, one descriptor's refusal was remembered for
+                    // its counter after the others' hits were taken, and once they were given
+                    // back, a call of one hit was refused for 50 ms with every unit free.
+                    match checks.iter_mut().find(|c: &&mut Check| c.rkey == rkey && c.rule.exact == rule.exact) {
+                        Some(same) => {
+                            same.hits = same.hits.saturating_add(hits);
+                            same.indices.push(i);
+                        }
+                        None => checks.push(Check { indices: vec![i], rule, hits, rkey }),
+                    }
                 }
                 None => {
                     // `requests_per_unit: 0`: every hit is over the limit.
@@ -406,11 +418,13 @@ impl<K: Kv> Rls<K> {
                     if d.allowed && c.hits > 0 {
                         charged.push((c, at, from));
                     }
-                    if let Some(slot) = decided_at.get_mut(c.index) {
-                        *slot = at;
-                    }
-                    if let Some(slot) = decisions.get_mut(c.index) {
-                        *slot = Some((Arc::clone(&c.rule), d));
+                    for &i in &c.indices {
+                        if let Some(slot) = decided_at.get_mut(i) {
+                            *slot = at;
+                        }
+                        if let Some(slot) = decisions.get_mut(i) {
+                            *slot = Some((Arc::clone(&c.rule), d));
+                        }
                     }
                 }
                 Err(e) => failed = Some(e),
@@ -422,8 +436,11 @@ impl<K: Kv> Rls<K> {
             let gone =
                 futures_util::future::join_all(charged.iter().map(|(c, at, from)| self.give_back(c, *at, *from))).await;
             for ((c, _, _), g) in charged.iter().zip(gone) {
-                if g.is_ok() {
-                    if let Some(Some((rule, d))) = decisions.get_mut(c.index) {
+                if g.is_err() {
+                    continue;
+                }
+                for &i in &c.indices {
+                    if let Some(Some((rule, d))) = decisions.get_mut(i) {
                         d.remaining = d.remaining.saturating_add(c.hits).min(d.limit);
                         if let Some(l) = rule.limit {
                             d.reset_after = lease::reset_after_given_back(l, d.reset_after, c.hits);

@@ -88,16 +88,21 @@ async fn a_denied_call_charges_no_descriptor() {
 }
 
 #[tokio::test]
-async fn a_call_denied_on_a_descriptor_it_names_twice_leaves_the_counter_free() {
+async fn a_call_that_names_a_counter_twice_takes_its_hits_as_one() {
     // Two of Envoy's `rate_limits` actions can send the same entries: one hit past the limit
-    // in one call, refused on the last, the ones before given back.
+    // in one call is refused as a whole, and the counter stays free for a call that fits.
     for (rule, limit) in [("user", 3), ("plain", 10)] {
         let r = rls();
         let alice: &[(&str, &str)] = &[(rule, "alice")];
         let over = r.should_rate_limit(&call(&vec![alice; limit + 1])).await.unwrap();
         assert_eq!(over.overall_code, Code::OverLimit, "{rule}");
+        assert!(over.statuses.iter().all(|s| s.code == Code::OverLimit), "{rule}: refused as one");
         let once = r.should_rate_limit(&call(&[alice])).await.unwrap();
         assert_eq!(once.overall_code, Code::Ok, "{rule}: {:?}", once.headers);
+        assert_eq!(remaining(&once), [limit as u32 - 1], "{rule}");
+        let fits = r.should_rate_limit(&call(&vec![alice; limit - 1])).await.unwrap();
+        assert_eq!(fits.overall_code, Code::Ok, "{rule}");
+        assert_eq!(remaining(&fits), vec![0; limit - 1], "{rule}: each says what the call left");
     }
 }
 
