@@ -267,8 +267,10 @@ fn is_rls_config(path: &Path) -> bool {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     if !ext.eq_ignore_ascii_case("yaml") && !ext.eq_ignore_ascii_case("yml") {
         // Under another name (a ConfigMap's key, `ratelimit.conf`), the service reads it all
-        // the same: a file that is no JSON and has a top-level `domain:` is its YAML.
-        return read_document(path).is_ok_and(|bytes| looks_like_rls_yaml(&bytes));
+        // the same: a file that is no JSON and has a top-level `domain:` is its YAML. Only a
+        // regular file is read for it: a pipe (`<(kubectl ...)`) read here is empty after.
+        return path.metadata().is_ok_and(|m| m.is_file())
+            && read_document(path).is_ok_and(|bytes| looks_like_rls_yaml(&bytes));
     }
     !read_document(path).is_ok_and(|bytes| is_rules_document(&bytes))
 }

@@ -560,6 +560,10 @@ fn check_and_explain_read_a_rules_document_on_standard_input() {
     let piped = ratewall_fed(&["check", "--json", "-"], &rules);
     assert_eq!(piped.status.code(), Some(0), "{}", stderr(&piped));
     assert_eq!(stdout(&piped), stdout(&from_file));
+    // A pipe by its path (`ratewall check <(kubectl ...)`) is read once.
+    let by_path = ratewall_fed(&["check", "--json", "/dev/stdin"], &rules);
+    assert_eq!(by_path.status.code(), Some(0), "{}", stderr(&by_path));
+    assert_eq!(stdout(&by_path), stdout(&from_file));
     let bad = ratewall_fed(&["check", "-"], br#"{"rules": [{"name": "x"}]}"#);
     assert_eq!(bad.status.code(), Some(1));
     assert!(stderr(&bad).contains("rules[0]"), "{}", stderr(&bad));
