@@ -385,7 +385,7 @@ impl<K: Kv> Rls<K> {
                     // Taken one after the other, one descriptor's refusal was remembered for
                     // its counter after the others' hits were taken, and once they were given
                     // back, a call of one hit was refused for 50 ms with every unit free.
-                    match checks.iter_mut().find(|c: &&mut Check| c.rkey == rkey && c.rule.exact == rule.exact) {
+                    match checks.iter_mut().find(|c: &&mut Check| c.rkey == rkey && *c.rule == *rule) {
                         Some(same) => {
                             same.hits = same.hits.saturating_add(hits);
                             same.indices.push(i);
