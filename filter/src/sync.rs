@@ -537,22 +537,28 @@ fn ask_backoff_len(failures: u32) -> Nanos {
     (1_000 * MS).saturating_mul(1 << failures.saturating_sub(1).min(5))
 }
 
+/// Two numbers as 16 bytes (little-endian), as the lease, the shared timeout and each counter
+/// named out are kept in shared data.
+fn pair_bytes((a, b): (u64, u64)) -> [u8; 16] {
+    let mut out = [0; 16];
+    out[..8].copy_from_slice(&a.to_le_bytes());
+    out[8..].copy_from_slice(&b.to_le_bytes());
+    out
+}
+
+/// The two numbers of [`pair_bytes`] at the start of `b`.
+fn pair(b: &[u8]) -> Option<(u64, u64)> {
+    Some((u64::from_le_bytes(b.get(..8)?.try_into().ok()?), u64::from_le_bytes(b.get(8..16)?.try_into().ok()?)))
+}
+
 fn encode_named(named: &[(u64, u64)], out: &mut Vec<u8>) {
-    for (hash, until_ms) in named {
-        out.extend_from_slice(&hash.to_le_bytes());
-        out.extend_from_slice(&until_ms.to_le_bytes());
+    for entry in named {
+        out.extend_from_slice(&pair_bytes(*entry));
     }
 }
 
 fn decode_named(b: &[u8]) -> Named {
-    b.chunks_exact(16)
-        .filter_map(|c| {
-            let hash = u64::from_le_bytes(c.get(..8)?.try_into().ok()?);
-            let until = u64::from_le_bytes(c.get(8..16)?.try_into().ok()?);
-            Some((hash, until))
-        })
-        .take(ratewall_core::sync::MAX_OUT)
-        .collect()
+    b.chunks_exact(16).filter_map(pair).take(ratewall_core::sync::MAX_OUT).collect()
 }
 
 /// A batch sent and not yet answered, or failed and waiting to be retried with the same seq.
@@ -1034,16 +1040,10 @@ impl Syncer {
     fn share_timeout(&self, host: &dyn Host, now: Nanos) {
         let mine = self.opts.timeout;
         let Ok((value, cas)) = host.shared_get(&self.keys.timeout) else { return };
-        let said = value.as_deref().and_then(|v| {
-            Some((u64::from_le_bytes(v.get(..8)?.try_into().ok()?), u64::from_le_bytes(v.get(8..16)?.try_into().ok()?)))
-        });
-        let longest = match said {
+        let longest = match value.as_deref().and_then(pair) {
             Some((timeout, until)) if until > now && timeout > mine => timeout,
             _ => {
-                let mut v = Vec::with_capacity(16);
-                v.extend_from_slice(&mine.to_le_bytes());
-                v.extend_from_slice(&now.saturating_add(self.opts.interval.saturating_mul(3)).to_le_bytes());
-                let _ = host.shared_set(&self.keys.timeout, &v, cas);
+                let _ = host.shared_set(&self.keys.timeout, &pair_bytes((mine, self.held_until(now))), cas);
                 mine
             }
         };
@@ -1104,15 +1104,13 @@ impl Syncer {
     /// The lease's holder and expiry, and its CAS value.
     fn lease(&self, host: &dyn Host) -> Option<((u64, Nanos), Option<u32>)> {
         let (value, cas) = host.shared_get(&self.keys.lease).ok()?;
-        let holder = value
-            .and_then(|v| {
-                Some((
-                    u64::from_le_bytes(v.get(..8)?.try_into().ok()?),
-                    u64::from_le_bytes(v.get(8..16)?.try_into().ok()?),
-                ))
-            })
-            .unwrap_or((0, 0));
-        Some((holder, cas))
+        Some((value.as_deref().and_then(pair).unwrap_or((0, 0)), cas))
+    }
+
+    /// Until when what this VM says in shared data now holds (its lease, its timeout): 3
+    /// intervals, so that two of its ticks can be late.
+    fn held_until(&self, now: Nanos) -> Nanos {
+        now.saturating_add(self.opts.interval.saturating_mul(3))
     }
 
     fn hold_lease(&self, host: &dyn Host, now: Nanos) -> bool {
@@ -1120,10 +1118,7 @@ impl Syncer {
         if holder != self.token && expires > now {
             return false;
         }
-        let mut lease = Vec::with_capacity(16);
-        lease.extend_from_slice(&self.token.to_le_bytes());
-        lease.extend_from_slice(&now.saturating_add(self.opts.interval.saturating_mul(3)).to_le_bytes());
-        host.shared_set(&self.keys.lease, &lease, cas).is_ok()
+        host.shared_set(&self.keys.lease, &pair_bytes((self.token, self.held_until(now))), cas).is_ok()
     }
 
     fn drive(&self, host: &dyn Host, now: Nanos, section: &Section<'_>) {
