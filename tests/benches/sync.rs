@@ -62,6 +62,8 @@ fn main() {
             ..base.clone()
         },
         Scenario { name: "store_down_zipf20", faults: Faults { down: true, ..f }, ..base.clone() },
+        // Clients under their limit (0.8×) while the store is down: what an outage costs them.
+        Scenario { name: "store_down_zipf20_under", load: 0.8, faults: Faults { down: true, ..f }, ..base.clone() },
         Scenario { name: "slow_store_zipf20", faults: Faults { slow: true, ..f }, ..base.clone() },
         Scenario { name: "store_5xx_zipf20", faults: Faults { error_5xx: true, ..f }, ..base.clone() },
         Scenario { name: "garbage_zipf20", faults: Faults { garbage: true, ..f }, ..base.clone() },
