@@ -1042,6 +1042,9 @@ pub struct RateLimitCounter {
     unreadable_said: Cell<Option<u64>>,
 }
 
+/// Where the node registry keeps its ask mark (not under `c`, the counters' prefix).
+const ASK_MARK_KEY: &str = "registry:ask_mark";
+
 /// How often the admin object wakes while its windows show anything: it keeps them in memory
 /// only, and an object nothing calls for a few seconds is evicted (10 s in local workerd).
 const ADMIN_KEEP_ALIVE: Duration = Duration::from_secs(5);
@@ -1119,6 +1122,37 @@ impl RateLimitCounter {
                 }
             }
         }
+    }
+
+    /// A call to the node registry (the object named [`REGISTRY_OBJECT`]). Its memory goes
+    /// with the object (a restart, an eviction); what a replay would need survives in its
+    /// storage: the mark every ask it answered was made by, read before its first call and
+    /// moved on before an ask past it is answered ([`Object::load_registry`]). A captured ask
+    /// sent again after a restart took its units again.
+    async fn registry_call(&self, call: Call) -> Result<Response> {
+        if !self.registry.borrow().registry_loaded() {
+            let stored = match self.state.storage().get::<String>(ASK_MARK_KEY).await {
+                Ok(stored) => stored,
+                Err(e) => {
+                    console_error!("ratewall: the node registry's ask mark could not be read ({e})");
+                    return Response::error("the node registry could not be read", 503);
+                }
+            };
+            if let Err(e) = self.registry.borrow_mut().load_registry(stored.as_deref(), now()) {
+                console_error!("ratewall: {e}");
+            }
+        }
+        let Some(handled) = self.registry.borrow_mut().handle(call, now()) else {
+            return Response::error("not a registry call", 400);
+        };
+        if let Some(mark) = handled.write_now {
+            if let Err(e) = self.state.storage().put(ASK_MARK_KEY, &mark).await {
+                console_error!("ratewall: the node registry's ask mark could not be written ({e})");
+                return Response::error("the node registry could not be written", 503);
+            }
+            self.registry.borrow_mut().ask_mark_written(&mark);
+        }
+        Response::ok(handled.reply)
     }
 
     /// Whether an unreadable stored counter is to be said now (at most once a minute).
@@ -1233,10 +1267,7 @@ impl DurableObject for RateLimitCounter {
             };
         }
         if let Some(call @ (Call::Heard { .. } | Call::Close { .. })) = call {
-            return match self.registry.borrow_mut().handle(call, now()) {
-                Some(handled) => Response::ok(handled.reply),
-                None => Response::error("not a registry call", 400),
-            };
+            return self.registry_call(call).await;
         }
         if let Some(call) = TopCall::decode(&body) {
             let answer = self.top.borrow_mut().handle(call, now() / SECOND);

@@ -4,10 +4,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use ratewall_core::sync::{Delta, SyncRequest};
+use ratewall_core::sync::{Delta, SyncRequest, SyncResponse};
 use ratewall_core::{Algorithm, Limit, SECOND};
 use ratewall_tests::conformance::{
-    comparable, key, replay_after_the_seq_memory, sequences, Http, Reference, Seen, SyncStore, SECRET,
+    batch, clear_of_the_windows_end, comparable, key, limit, replay_after_the_seq_memory, sequences, Http, Reference,
+    Seen, SyncStore, SECRET,
 };
 use ratewall_tests::workerd::Workerd;
 
@@ -72,6 +73,47 @@ fn the_worker_refuses_a_batch_replayed_after_its_seq_is_forgotten() {
     assert_replay_refused(&seen, &format!("the Worker\n{}", w.log()));
     let metrics = ratewall_tests::http::request(&w.addr, "GET", "/_ratewall/metrics", &[], &[]).unwrap().text();
     assert!(metrics.contains("ratewall_sync_refused_stale 1\n"), "{metrics}");
+}
+
+/// The Worker's node registry is a Durable Object, whose memory goes with a restart (or an
+/// eviction): the asks it answered before are still refused after it, by the mark it keeps in
+/// storage. Two captured asks sent again after a restart take nothing; a new ask is answered.
+#[test]
+fn the_worker_refuses_asks_replayed_after_it_restarts() {
+    let mut w = Workerd::start(&[("RATEWALL_SYNC_SECRET", SECRET)]).unwrap();
+    let k = key(&format!("a{}", std::process::id()), "asked");
+    let mut http = Http(&w.addr);
+    clear_of_the_windows_end(&mut http, 120 * SECOND);
+    let ask = |store: &dyn SyncStore, number: u64| {
+        let d = Delta { key: k.clone(), limit: limit(), units: 4 };
+        SyncRequest { node: 701, seq: (1 << 40) | number, sent: store.now(), deltas: vec![d], ask: true }.encode()
+    };
+    let remaining = |status: u16, body: &[u8]| {
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(body));
+        SyncResponse::decode(body).unwrap().grants[0].remaining
+    };
+    let captured = [ask(&http, 1), ask(&http, 2)];
+    let (s1, b1) = http.send(&captured[0]);
+    let (s2, b2) = http.send(&captured[1]);
+    assert_eq!((remaining(s1, &b1), remaining(s2, &b2)), (96, 92));
+    let started = std::time::Instant::now();
+    w.restart().unwrap();
+    let mut http = Http(&w.addr);
+    for body in &captured {
+        let (status, reason) = http.send(body);
+        assert_eq!(
+            status,
+            409,
+            "a captured ask sent again {:?} after the restart: {}\n{}",
+            started.elapsed(),
+            String::from_utf8_lossy(&reason),
+            w.log()
+        );
+    }
+    let (status, body) = http.send(&SyncRequest { sent: http.now(), ..batch(702, 1, &[(&k, 0)]) }.encode());
+    assert_eq!(remaining(status, &body), 92, "the replays took nothing");
+    let (status, body) = http.send(&ask(&http, 3));
+    assert_eq!(remaining(status, &body), 88, "a new ask is answered\n{}", w.log());
 }
 
 #[test]

@@ -5,7 +5,7 @@
 use super::grants::Spent;
 use super::{encode_applied, encode_heard, parse_stored, stored_value, Call, Taken};
 use ratewall_core::algo::{Limit, Nanos};
-use ratewall_core::sync::{Counter, Registry};
+use ratewall_core::sync::{Counter, Registry, MAX_REQUEST_SKEW};
 use ratewall_core::SECOND;
 use std::collections::HashMap;
 
@@ -47,9 +47,18 @@ pub struct Object {
     /// The alarm set, if any.
     alarm_at: Option<Nanos>,
     /// The node registry (soft state: after a restart it is rebuilt within one heartbeat
-    /// period, as every node's next batch or heartbeat is heard).
+    /// period, as every node's next batch or heartbeat is heard), but for the asks it answered,
+    /// which a restart must not forget: see [`Object::load_registry`].
     registry: Registry,
+    /// The registry's stored ask mark, once read: every ask it answered was made no later.
+    ask_mark: Option<Nanos>,
 }
+
+/// How far past an ask's time the registry's stored ask mark is set when the ask is later than
+/// the mark: at most one storage write per this much of the nodes' clocks, and after a restart
+/// asks made up to this long after the last one answered are refused (their requests decided
+/// as with the store out of reach).
+pub const ASK_MARK_AHEAD: Nanos = 250 * super::MS;
 
 impl Object {
     /// Whether the stored counter has been read.
@@ -80,7 +89,11 @@ impl Object {
             return match call {
                 Call::Heard { node, seq, ask, sent } => {
                     let heard = self.registry.heard(t, node, (seq, ask, sent), NODE_TTL);
-                    Some(Handled { reply: encode_heard(heard), write_now: None, alarm_at: None })
+                    // An ask made after the stored mark: the mark moves past it before the ask
+                    // is answered (the glue writes `write_now`, then [`Object::ask_mark_written`]).
+                    let past_mark = ask && sent > 0 && heard.is_ok() && self.ask_mark.is_some_and(|m| sent > m);
+                    let write_now = past_mark.then(|| sent.saturating_add(ASK_MARK_AHEAD).to_string());
+                    Some(Handled { reply: encode_heard(heard), write_now, alarm_at: None })
                 }
                 Call::Close { node, seq } => {
                     self.registry.close(node, seq);
@@ -183,6 +196,41 @@ impl Object {
         }
         let write = if self.dirty { self.counter.as_ref().map(stored_value) } else { None };
         AlarmPlan::Keep { write, alarm_at: self.schedule(idle_at) }
+    }
+
+    /// Whether the registry's stored ask mark has been read ([`Object::load_registry`]).
+    pub fn registry_loaded(&self) -> bool {
+        self.ask_mark.is_some()
+    }
+
+    /// Takes the registry's stored ask mark (`None`: none stored), read before its first call
+    /// since the object started: the asks it answered before are not in its memory, and each
+    /// was made no later than the mark, so asks made by then are refused as replays. A mark
+    /// that cannot be read refuses every ask that could still be a replay (made up to
+    /// [`MAX_REQUEST_SKEW`] after `t`), and is written over by the next.
+    pub fn load_registry(&mut self, stored: Option<&str>, t: Nanos) -> Result<(), String> {
+        if self.ask_mark.is_some() {
+            return Ok(());
+        }
+        let (mark, read) = match stored.map(str::parse::<Nanos>) {
+            None => (0, Ok(())),
+            Some(Ok(mark)) => (mark, Ok(())),
+            Some(Err(_)) => (
+                t.saturating_add(MAX_REQUEST_SKEW),
+                Err("the node registry's stored ask mark is unreadable: asks that could be replays are refused"
+                    .to_owned()),
+            ),
+        };
+        self.registry.refuse_asks_through(mark);
+        self.ask_mark = Some(mark);
+        read
+    }
+
+    /// The ask mark a call's `write_now` carried reached storage.
+    pub fn ask_mark_written(&mut self, written: &str) {
+        if let (Ok(mark), Some(old)) = (written.parse::<Nanos>(), self.ask_mark) {
+            self.ask_mark = Some(old.max(mark));
+        }
     }
 
     /// A write this object asked for (an alarm's, or a call's `write_now`) reached storage.
@@ -722,6 +770,40 @@ mod tests {
         assert_eq!(shard.handle(b"bad", take, T), None);
         assert!(shard.handle(b"good", take, T).is_some());
         assert!(!shard.loaded(b"bad"), "read again at its next call, never written over");
+    }
+
+    #[test]
+    fn the_registry_keeps_asks_refused_across_a_restart_by_its_stored_mark() {
+        let ask = |number: u64, sent: Nanos| Call::Heard { node: 1, seq: (1 << 40) | number, ask: true, sent };
+        let mut o = Object::default();
+        o.load_registry(None, T).unwrap();
+        // An ask past the mark (none yet) moves it, before the ask is answered.
+        let h = o.handle(ask(1, T), T).unwrap();
+        assert_eq!(h.write_now.as_deref(), Some((T + ASK_MARK_AHEAD).to_string().as_str()));
+        o.ask_mark_written(h.write_now.as_deref().unwrap());
+        // One within it writes nothing; one past it moves it again.
+        assert_eq!(o.handle(ask(2, T + ASK_MARK_AHEAD / 2), T).unwrap().write_now, None);
+        let h = o.handle(ask(3, T + ASK_MARK_AHEAD + 1), T).unwrap();
+        let stored = h.write_now.unwrap();
+        // A refused ask (a replay) moves nothing.
+        assert_eq!(o.handle(ask(1, T + SECOND), T + SECOND).unwrap().write_now, None);
+        // Restarted: the stored mark refuses the asks answered before; a later one is answered.
+        let mut restarted = Object::default();
+        restarted.load_registry(Some(&stored), T + 2 * SECOND).unwrap();
+        for (n, sent) in [(1, T), (2, T + ASK_MARK_AHEAD / 2), (3, T + ASK_MARK_AHEAD + 1)] {
+            let h = restarted.handle(ask(n, sent), T + 2 * SECOND).unwrap();
+            assert_eq!(decode_heard(&h.reply), Some(Err(SyncError::Repeated { ask: (1 << 40) | n })));
+        }
+        let h = restarted.handle(ask(4, T + 2 * SECOND), T + 2 * SECOND).unwrap();
+        assert_eq!(decode_heard(&h.reply), Some(Ok(1)));
+        // A mark that cannot be read refuses whatever could still be a replay.
+        let mut unreadable = Object::default();
+        assert!(unreadable.load_registry(Some("garbage"), T).is_err());
+        let h = unreadable.handle(ask(5, T + MAX_REQUEST_SKEW), T).unwrap();
+        assert_eq!(decode_heard(&h.reply), Some(Err(SyncError::Repeated { ask: (1 << 40) | 5 })));
+        let h = unreadable.handle(ask(6, T + MAX_REQUEST_SKEW + 1), T).unwrap();
+        assert_eq!(decode_heard(&h.reply), Some(Ok(1)));
+        assert!(h.write_now.is_some(), "and is written over");
     }
 
     #[test]

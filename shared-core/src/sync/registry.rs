@@ -105,6 +105,13 @@ impl Registry {
         Ok(())
     }
 
+    /// Refuses every ask made at or before `t` ([`SyncError::Repeated`]): for a store that lost
+    /// its memory of the asks it answered (a Durable Object restarted or evicted) and knows
+    /// they were all made no later than `t`.
+    pub fn refuse_asks_through(&mut self, t: Nanos) {
+        self.ask_floor = self.ask_floor.max(t);
+    }
+
     /// Closes batch `seq` of `node`, answered with counters it could not apply: the node sends
     /// their units again under a later `seq`, so a repeat of this one (a copy on its way, or a
     /// replay) is refused as an older batch — applied again once the counter could be read, it
