@@ -77,6 +77,15 @@ pub const NODE_TTL: Nanos = 2 * SECOND;
 /// retries with the same `seq`, counted once) and `ratewall_store_cas_exhausted` counts it.
 pub const CAS_ATTEMPTS: u32 = 16;
 
+/// Time kept, before a call's deadline, for its answer's way back: a compare-and-set a call
+/// carries is not written later than this before the call is answered 503.
+pub(crate) const ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// The answer to an ask whose deadline passed before its counter's turn came.
+const ASK_PAST_DEADLINE: &str =
+    "no answer from Redis within the store's deadline (--deadline-ms): the counter busy, Redis slow, or the store \
+     process loaded; the ask takes nothing";
+
 /// The scripts' read of a key: its value, or for a key of another type (not a counter ever
 /// written here) a value no counter has, so it is named unreadable and kept like any damaged
 /// counter rather than failing the call and every other counter in it.
@@ -565,6 +574,12 @@ struct Job {
     lately: std::sync::Arc<[u64]>,
     /// What the call read of the counter (an ask's, before any counter took a unit).
     read: Option<Read>,
+    /// An ask's: when its call is answered 503 if not before. Its units are not written later
+    /// (nodes do not retry asks, and its request was decided as with the store out of reach):
+    /// past it, less [`ANSWER_MARGIN`], it is answered 503 unapplied, and a compare-and-set that
+    /// carries it is not written on Redis's clock. Twelve nodes asking at once on one counter
+    /// of a loaded store had nine asks answered 503, two of which took their units after.
+    deadline: Option<std::time::Instant>,
     done: tokio::sync::oneshot::Sender<Result<Update, Answer>>,
 }
 
@@ -750,7 +765,7 @@ impl<K: Kv> Store<K> {
         // The optional top section (verified with the rest of the body above).
         let section = SyncRequest::decode_with_top(body).ok().and_then(|(_, s)| s);
         let started = std::time::Instant::now();
-        let answer = match tokio::time::timeout(self.deadline, self.apply(&req)).await {
+        let answer = match tokio::time::timeout(self.deadline, self.apply(&req, started + self.deadline)).await {
             Ok(Ok(resp)) => {
                 let out = resp.encode();
                 Answer { status: 200, signature: Some(hex(&sign(key, &out))), body: out }
@@ -766,11 +781,13 @@ impl<K: Kv> Store<K> {
                     ),
                     "call(s) past the deadline",
                 );
+                // An ask's counters are not written past its deadline ([`Job::deadline`]).
+                let then = if req.ask { "the ask takes nothing" } else { "retry the batch with the same seq" };
                 Answer::error(
                     503,
                     format!(
                         "no answer from Redis within the store's deadline ({ms} ms): Redis slow or paused, or the store \
-                         process loaded; retry the batch with the same seq"
+                         process loaded; {then}"
                     ),
                 )
             }
@@ -784,7 +801,8 @@ impl<K: Kv> Store<K> {
         answer
     }
 
-    async fn apply(&self, req: &SyncRequest) -> Result<SyncResponse, Answer> {
+    /// Applies `req`, answered 503 at `deadline` (an ask's counters are not written past it).
+    async fn apply(&self, req: &SyncRequest, deadline: std::time::Instant) -> Result<SyncResponse, Answer> {
         // The registry first: a request made too far from Redis's clock, and an older batch,
         // are refused before any counter sees them.
         let (nodes, lately) = match self.kv.heard(req.node, req.seq, !req.ask, req.sent).await {
@@ -820,7 +838,12 @@ impl<K: Kv> Store<K> {
             vec![None; req.deltas.len()]
         };
         let lately: std::sync::Arc<[u64]> = lately.into();
-        let updates = req.deltas.iter().zip(read).map(|(d, r)| self.update(req, &d.key, d.limit, d.units, &lately, r));
+        let deadline = req.ask.then_some(deadline);
+        let updates = req
+            .deltas
+            .iter()
+            .zip(read)
+            .map(|(d, r)| self.update(req, &d.key, d.limit, d.units, &lately, (r, deadline)));
         let results = join_all(updates).await;
         let mut grants = Vec::with_capacity(results.len());
         let mut failed = Vec::new();
@@ -891,7 +914,7 @@ impl<K: Kv> Store<K> {
         limit: Limit,
         units: u64,
         lately: &std::sync::Arc<[u64]>,
-        read: Option<Read>,
+        (read, deadline): (Option<Read>, Option<std::time::Instant>),
     ) -> Result<Update, Answer> {
         let rkey = redis_key(key);
         let (done, mut answer) = tokio::sync::oneshot::channel();
@@ -903,6 +926,7 @@ impl<K: Kv> Store<K> {
             limit,
             lately: std::sync::Arc::clone(lately),
             read,
+            deadline,
             done,
         };
         if let Ok(mut waiting) = self.waiting.lock() {
@@ -944,7 +968,7 @@ impl<K: Kv> Store<K> {
     /// The compare-and-swap loop of the updates `jobs` of one counter, each answered in turn:
     /// read (or take the value this process last wrote), run the core's transition of each
     /// update in order, write if still unchanged.
-    async fn update_locked(&self, rkey: &str, jobs: Vec<Job>) {
+    async fn update_locked(&self, rkey: &str, mut jobs: Vec<Job>) {
         let answer = |jobs: Vec<Job>, each: &mut dyn FnMut(&Job) -> Result<Update, Answer>| {
             for job in jobs {
                 let r = each(&job);
@@ -971,6 +995,15 @@ impl<K: Kv> Store<K> {
             })
             .or_else(|| jobs.iter().find_map(|j| j.read.clone()));
         for attempt in 0..CAS_ATTEMPTS {
+            // Asks whose calls were answered 503 meanwhile (or are about to be) take nothing.
+            let soon = std::time::Instant::now() + ANSWER_MARGIN;
+            let (late, on_time): (Vec<Job>, Vec<Job>) =
+                std::mem::take(&mut jobs).into_iter().partition(|j| j.deadline.is_some_and(|d| d <= soon));
+            jobs = on_time;
+            answer(late, &mut |_| Err(Answer::error(503, ASK_PAST_DEADLINE)));
+            if jobs.is_empty() {
+                return;
+            }
             let cached = current.is_some() && attempt == 0;
             let (stored, now) = match current.take() {
                 Some(c) => c,
@@ -1037,9 +1070,15 @@ impl<K: Kv> Store<K> {
             let idle = counter.idle_at().saturating_sub(counter.last_seen).max(SEQ_MEMORY);
             let ttl_ms = (idle.saturating_add(RETRY_HORIZON) / 1_000_000).max(1);
             let new = counter.encode();
-            // No deadline: a batch written late is one its node retries under the same seq,
-            // which counts it once.
-            match self.kv.cas(rkey, stored.as_deref(), &new, ttl_ms, 0).await {
+            // No deadline for batches: one written late is one its node retries under the same
+            // seq, which counts it once. Asks carried are not written past the earliest of
+            // their deadlines, on the key's clock (`now` was read before: the time left is
+            // measured from later, so the deadline there comes no later than ours).
+            let deadline_ms = jobs.iter().filter_map(|j| j.deadline).min().map_or(0, |d| {
+                let left = d.saturating_duration_since(std::time::Instant::now()).saturating_sub(ANSWER_MARGIN);
+                now.saturating_add(u64::try_from(left.as_nanos()).unwrap_or(u64::MAX)) / 1_000_000
+            });
+            match self.kv.cas(rkey, stored.as_deref(), &new, ttl_ms, deadline_ms).await {
                 Ok(Cas::Written(at)) => {
                     if let Ok(mut known) = self.known.lock() {
                         if known.len() >= KNOWN && !known.contains_key(rkey) {
@@ -1063,6 +1102,13 @@ impl<K: Kv> Store<K> {
                     // Unknown whether it was written: forget the value, read it next time.
                     if let Ok(mut known) = self.known.lock() {
                         known.remove(rkey);
+                    }
+                    // Refused at an ask's deadline (or failed then): the updates it carried go
+                    // on without the asks now late, on what Redis holds (a batch applied
+                    // already is a repeat there, counted once).
+                    let soon = std::time::Instant::now() + ANSWER_MARGIN;
+                    if deadline_ms > 0 && jobs.iter().any(|j| j.deadline.is_some_and(|d| d <= soon)) {
+                        continue;
                     }
                     return answer(jobs, &mut |_| Err(unavailable(&self.metrics)));
                 }
@@ -1154,6 +1200,26 @@ mod tests {
         let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
         let body = SyncRequest { node: 1, seq: 1, sent, deltas: deltas(&[(b"k", 1)]), ask: false }.encode();
         assert_eq!(store.sync(&body, Some(hex(&sign(OLD, &body)).as_bytes())).await.status, 401);
+    }
+
+    /// An ask answered 503 at its deadline, still waiting for its counter's turn then, takes
+    /// nothing when the turn comes (the call that holds it applies everything waiting).
+    #[tokio::test]
+    async fn an_ask_answered_at_its_deadline_takes_nothing_after() {
+        let store = Store::new(FakeKv::default(), SECRET, Duration::from_millis(30));
+        assert_eq!(remaining(&call(&store, 1, 1, &[(b"k", 10)]).await), [90]);
+        // The counter's turn held (a call of this process on it), the ask waits for it.
+        let turn = std::sync::Arc::clone(store.busy.lock().unwrap().entry(redis_key(b"k")).or_default());
+        let held = turn.lock().await;
+        let sent = store.kv.now.load(Ordering::Relaxed);
+        let ask = SyncRequest { node: 2, seq: (1 << 40) | 1, sent, deltas: deltas(&[(b"k", 4)]), ask: true };
+        let answered = call_at(&store, ask).await;
+        assert_eq!(answered.status, 503);
+        assert!(String::from_utf8_lossy(&answered.body).contains("the ask takes nothing"));
+        drop(held);
+        // The next call on the counter takes the turn, with the ask's update still waiting.
+        assert_eq!(store.waiting.lock().unwrap().get(&redis_key(b"k")).map(Vec::len), Some(1));
+        assert_eq!(remaining(&call(&store, 1, 2, &[(b"k", 0)]).await), [90], "the ask took nothing");
     }
 
     #[tokio::test]

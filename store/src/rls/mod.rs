@@ -19,7 +19,7 @@ pub mod json;
 pub mod lease;
 pub mod metrics;
 
-use crate::{redis_key, Cas, Kv, Store, CAS_ATTEMPTS, KNOWN};
+use crate::{redis_key, Cas, Kv, Store, ANSWER_MARGIN, CAS_ATTEMPTS, KNOWN};
 use config::{Matched, RlsConfig, Rule, Unit};
 use ratewall_core::response::{ceil_secs, policy_item, push_decimal, push_state_item};
 use ratewall_core::sync::{hex, sign, Counter, RETRY_HORIZON, SEQ_MEMORY};
@@ -815,9 +815,6 @@ tokio::task_local! {
     /// When the call being decided began ([`Rls::should_rate_limit`]).
     static CALL_STARTED: std::time::Instant;
 }
-
-/// Kept off a compare-and-set's deadline at Redis for its answer's way back ([`Rls::update`]).
-const ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// This process's (`node`'s) ask number `ask` for `hits` on `counter` at `now`, holding `mine`
 /// of its grants and `unreported` units: the answer, with the counter's own reset where it is
