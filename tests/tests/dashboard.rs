@@ -50,7 +50,7 @@ fn worker_routes(top_answers: usize) -> (String, Seen) {
             }
             let path = request_line.split_whitespace().nth(1).unwrap_or("").to_owned();
             log.lock().unwrap().push((path.clone(), auth.clone()));
-            let top = serde_json::json!({"window_s": 60, "rules": [
+            let top = serde_json::json!({"window_s": 60, "full": true, "rules": [
                 {"rule": "api-key", "allowed": 1200, "denied": 37, "shadow_denied": 0,
                  "top": [{"key": "api_key=#3f9a1c2e", "denied": 30, "allowed": 5, "nodes": 3},
                          {"key": "api_key=#77aa01b3"}]},
@@ -98,6 +98,7 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
                     rules: [...document.querySelectorAll('section.rule')].map(e => e.dataset.rule),
                     charts: [...document.querySelectorAll('section.rule .chart-box')].map(e => e.textContent),
                     fleetShown: document.getElementById('fleet-area').offsetHeight > 0,
+                    full: document.getElementById('full').offsetHeight > 0,
                     href: location.href })",
         screenshots: &[],
     })
@@ -107,6 +108,7 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
     assert_eq!(r["rules"], serde_json::json!(["api-key", "login-per-ip"]), "a rule without a name is skipped: {v:?}");
     assert_eq!(r["charts"], serde_json::json!(["no data", "no data"]), "no series: no chart, no exception: {v:?}");
     assert_eq!(r["fleetShown"], false, "the Worker has no fleet: {v:?}");
+    assert_eq!(r["full"], true, "an answer that says it is full is said to be: {v:?}");
     assert_eq!(r["href"], format!("{origin}/_ratewall/"), "the token is out of the address bar: {v:?}");
     assert!(v.outside(&origin).is_empty(), "requests outside the server: {:?}", v.outside(&origin));
     // The only console errors are the browser's own notes of the routes the Worker lacks.
