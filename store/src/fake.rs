@@ -27,6 +27,9 @@ pub(crate) struct FakeKv {
     pub present: Mutex<HashMap<u64, Nanos>>,
     /// The counters too low for an initial share, and their version.
     pub low: Mutex<(u64, HashMap<String, Nanos>)>,
+    /// How long a compare-and-set's reply takes after its write (ms): Redis wrote in time,
+    /// its answer came late.
+    pub cas_reply_delay_ms: AtomicU64,
 }
 
 impl FakeKv {
@@ -59,11 +62,17 @@ impl Kv for FakeKv {
         if self.fail_next_write_of.lock().unwrap().take_if(|k| k == key).is_some() {
             return Err("connection reset".into());
         }
-        let mut values = self.values.lock().unwrap();
-        if values.get(key).map(Vec::as_slice) != old {
-            return Ok(Cas::Changed(values.get(key).cloned(), now));
+        {
+            let mut values = self.values.lock().unwrap();
+            if values.get(key).map(Vec::as_slice) != old {
+                return Ok(Cas::Changed(values.get(key).cloned(), now));
+            }
+            values.insert(key.to_owned(), new.to_vec());
         }
-        values.insert(key.to_owned(), new.to_vec());
+        let delay = self.cas_reply_delay_ms.load(Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+        }
         Ok(Cas::Written(now))
     }
     async fn heard(&self, node: u64, seq: u64, batch: bool, sent: Nanos) -> Result<(u32, Vec<u64>), Unheard> {

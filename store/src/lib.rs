@@ -81,6 +81,21 @@ pub const CAS_ATTEMPTS: u32 = 16;
 /// carries is not written later than this before the call is answered 503.
 pub(crate) const ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(2);
 
+/// A counter's TTL in Redis: kept while anything in it matters (the state, leases, remembered
+/// seqs), and a retry horizon on top.
+fn ttl_ms(counter: &Counter) -> u64 {
+    let idle = counter.idle_at().saturating_sub(counter.last_seen).max(SEQ_MEMORY);
+    (idle.saturating_add(RETRY_HORIZON) / 1_000_000).max(1)
+}
+
+/// How long an ask's task may run ([`Store::ask`]): well past its answer, for the give-back.
+const ASK_TASK_FOR: Duration = Duration::from_secs(10);
+
+/// The answer to an ask whose compare-and-set Redis refused at its deadline, or failed.
+const ASK_FAILED: &str =
+    "Redis failed, or did not write the ask by its deadline (--deadline-ms); nodes do not send an ask \
+     again";
+
 /// The answer to an ask whose deadline passed before its counter's turn came.
 const ASK_PAST_DEADLINE: &str =
     "no answer from Redis within the store's deadline (--deadline-ms): the counter busy, Redis slow, or the store \
@@ -314,7 +329,7 @@ impl Quiet {
 }
 
 /// What the store needs of Redis (a fake in the unit tests).
-pub trait Kv: Send + Sync {
+pub trait Kv: Send + Sync + 'static {
     /// The value of `key` (None: absent) and the clock of its primary, ns.
     fn read(&self, key: &str) -> impl Future<Output = Result<(Option<Vec<u8>>, Nanos), String>> + Send;
     /// Sets `key` to `new` for `ttl_ms` if it still holds `old` (None: absent).
@@ -716,7 +731,7 @@ impl<K: Kv> Store<K> {
     }
 
     /// `POST /v1/sync`: checks, applies within the deadline, answers.
-    pub async fn sync(&self, body: &[u8], signature: Option<&[u8]>) -> Answer {
+    pub async fn sync(self: &std::sync::Arc<Self>, body: &[u8], signature: Option<&[u8]>) -> Answer {
         self.counted(self.sync_checked(body, signature).await)
     }
 
@@ -740,7 +755,7 @@ impl<K: Kv> Store<K> {
         self.counted(too_large())
     }
 
-    async fn sync_checked(&self, body: &[u8], signature: Option<&[u8]>) -> Answer {
+    async fn sync_checked(self: &std::sync::Arc<Self>, body: &[u8], signature: Option<&[u8]>) -> Answer {
         if body.len() > MAX_BODY {
             return too_large();
         }
@@ -765,13 +780,18 @@ impl<K: Kv> Store<K> {
         // The optional top section (verified with the rest of the body above).
         let section = SyncRequest::decode_with_top(body).ok().and_then(|(_, s)| s);
         let started = std::time::Instant::now();
-        let answer = match tokio::time::timeout(self.deadline, self.apply(&req, started + self.deadline)).await {
-            Ok(Ok(resp)) => {
+        let applied = if req.ask {
+            self.ask(&req, started + self.deadline).await
+        } else {
+            tokio::time::timeout(self.deadline, self.apply(&req, started + self.deadline)).await.ok()
+        };
+        let answer = match applied {
+            Some(Ok(resp)) => {
                 let out = resp.encode();
                 Answer { status: 200, signature: Some(hex(&sign(key, &out))), body: out }
             }
-            Ok(Err(a)) => a,
-            Err(_) => {
+            Some(Err(a)) => a,
+            None => {
                 self.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
                 let ms = self.deadline.as_millis();
                 self.late.log(
@@ -781,7 +801,7 @@ impl<K: Kv> Store<K> {
                     ),
                     "call(s) past the deadline",
                 );
-                // An ask's counters are not written past its deadline ([`Job::deadline`]).
+                // An ask answered so gives back what it took ([`Store::ask`]).
                 let then = if req.ask { "the ask takes nothing" } else { "retry the batch with the same seq" };
                 Answer::error(
                     503,
@@ -801,8 +821,77 @@ impl<K: Kv> Store<K> {
         answer
     }
 
+    /// An ask, answered by `deadline` (`None`: not in time). It runs on in a task of its own
+    /// past it: a call dropped at its deadline while it carries the compare-and-set of other
+    /// calls' asks, or whose write Redis made just in time but answered late, left units
+    /// taken for asks answered 503 (twelve nodes asking at once on one counter of a loaded
+    /// store: nine answered 503, two of which had taken their units). What an ask answered
+    /// 503 took is given back when its task learns it ([`Store::give_back`]); the task ends
+    /// within [`ASK_TASK_FOR`] (a write it leaves on its way is not made past the ask's
+    /// deadline, [`Job::deadline`]).
+    async fn ask(
+        self: &std::sync::Arc<Self>,
+        req: &SyncRequest,
+        deadline: std::time::Instant,
+    ) -> Option<Result<SyncResponse, Answer>> {
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (store, ask) = (std::sync::Arc::clone(self), req.clone());
+        tokio::spawn(async move {
+            let Ok(applied) = tokio::time::timeout(ASK_TASK_FOR, store.apply(&ask, deadline)).await else { return };
+            if let Err(Ok(resp)) = tx.send(applied) {
+                store.give_back(&ask, &resp).await;
+            }
+        });
+        let answered = tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), &mut rx).await;
+        match answered {
+            Ok(applied) => applied.ok(),
+            // Closed first: an answer that comes after is given back, not lost between the two.
+            Err(_) => {
+                rx.close();
+                rx.try_recv().ok()
+            }
+        }
+    }
+
+    /// Gives back the units an ask answered 503 took on each of its counters (its answer
+    /// `resp` says which granted them), as of when they were taken. Said in the log when it
+    /// cannot: the units then stay counted.
+    async fn give_back(&self, req: &SyncRequest, resp: &SyncResponse) {
+        for (d, g) in req.deltas.iter().zip(&resp.grants) {
+            if g.key == d.key && g.grant >= d.units {
+                self.refund(&d.key, d.limit, d.units, resp.now).await;
+            }
+        }
+    }
+
+    /// Gives `units` taken at `taken_at` back to the counter at `key` (compare-and-swap).
+    async fn refund(&self, key: &[u8], limit: Limit, units: u64, taken_at: Nanos) {
+        let rkey = redis_key(key);
+        for _ in 0..CAS_ATTEMPTS {
+            let Ok((Some(stored), now)) = self.kv.read(&rkey).await else { break };
+            let Ok(mut counter) = Counter::decode(limit, &stored) else { break };
+            counter.refund(limit, now, taken_at, units);
+            match self.kv.cas(&rkey, Some(&stored), &counter.encode(), ttl_ms(&counter), 0).await {
+                Ok(Cas::Written(_)) => {
+                    self.metrics.counter_writes.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                Ok(Cas::Changed(..)) => continue,
+                Err(_) => break,
+            }
+        }
+        self.late.log(
+            "an ask answered 503 had taken units, which could not be given back: they stay counted",
+            "ask(s) not given back",
+        );
+    }
+
     /// Applies `req`, answered 503 at `deadline` (an ask's counters are not written past it).
-    async fn apply(&self, req: &SyncRequest, deadline: std::time::Instant) -> Result<SyncResponse, Answer> {
+    async fn apply(
+        self: &std::sync::Arc<Self>,
+        req: &SyncRequest,
+        deadline: std::time::Instant,
+    ) -> Result<SyncResponse, Answer> {
         // The registry first: a request made too far from Redis's clock, and an older batch,
         // are refused before any counter sees them.
         let (nodes, lately) = match self.kv.heard(req.node, req.seq, !req.ask, req.sent).await {
@@ -838,13 +927,25 @@ impl<K: Kv> Store<K> {
             vec![None; req.deltas.len()]
         };
         let lately: std::sync::Arc<[u64]> = lately.into();
-        let deadline = req.ask.then_some(deadline);
         let updates = req
             .deltas
             .iter()
             .zip(read)
             .map(|(d, r)| self.update(req, &d.key, d.limit, d.units, &lately, (r, deadline)));
         let results = join_all(updates).await;
+        // An ask that fails on one counter fails whole: what its other counters took for it
+        // is given back (its request is decided as with the store out of reach).
+        if let Some(i) = results.iter().position(Result::is_err).filter(|_| req.ask) {
+            for (d, r) in req.deltas.iter().zip(&results) {
+                if let Ok(Update::Applied(a, at, _)) = r {
+                    if a.counted && a.grant >= d.units {
+                        self.refund(&d.key, d.limit, d.units, *at).await;
+                    }
+                }
+            }
+            let failure = results.into_iter().nth(i).and_then(Result::err);
+            return Err(failure.unwrap_or_else(|| Answer::error(503, ASK_FAILED)));
+        }
         let mut grants = Vec::with_capacity(results.len());
         let mut failed = Vec::new();
         let mut now = 0;
@@ -908,13 +1009,13 @@ impl<K: Kv> Store<K> {
     /// first applied it meanwhile ([`Store::waiting`]). An error when Redis failed (whether the
     /// update was applied is unknown).
     async fn update(
-        &self,
+        self: &std::sync::Arc<Self>,
         req: &SyncRequest,
         key: &[u8],
         limit: Limit,
         units: u64,
         lately: &std::sync::Arc<[u64]>,
-        (read, deadline): (Option<Read>, Option<std::time::Instant>),
+        (read, deadline): (Option<Read>, std::time::Instant),
     ) -> Result<Update, Answer> {
         let rkey = redis_key(key);
         let (done, mut answer) = tokio::sync::oneshot::channel();
@@ -926,7 +1027,7 @@ impl<K: Kv> Store<K> {
             limit,
             lately: std::sync::Arc::clone(lately),
             read,
-            deadline,
+            deadline: req.ask.then_some(deadline),
             done,
         };
         if let Ok(mut waiting) = self.waiting.lock() {
@@ -937,32 +1038,49 @@ impl<K: Kv> Store<K> {
         let turn: Option<Turn> =
             self.busy.lock().ok().map(|mut b| std::sync::Arc::clone(b.entry(rkey.clone()).or_default()));
         let guard = match &turn {
-            Some(t) => Some(t.lock().await),
+            Some(t) => Some(std::sync::Arc::clone(t).lock_owned().await),
             None => None,
         };
-        let result = match answer.try_recv() {
-            Ok(result) => result,
-            // Taken by a call whose turn came first, which went away (its own deadline passed)
-            // before it answered: whether it was written is unknown, as when Redis fails.
+        drop(turn);
+        match answer.try_recv() {
+            Ok(result) => {
+                self.turn_done(&rkey, guard);
+                result
+            }
+            // Taken by a turn whose task ended before it answered (it cannot: each is
+            // answered): whether it was written is unknown, as when Redis fails.
             Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
+                self.turn_done(&rkey, guard);
                 Err(Answer::error(503, "Redis failed; retry the batch with the same seq"))
             }
             Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
                 let jobs = self.waiting.lock().ok().and_then(|mut w| w.remove(&rkey)).unwrap_or_default();
-                self.update_locked(&rkey, jobs).await;
+                // In a task of its own, with the turn: a call dropped at its deadline does not
+                // drop the updates of other calls it carries (they are answered as Redis
+                // answers: an ask written in time but answered late, whose call was answered
+                // 503, is given back, [`Store::ask`]).
+                let store = std::sync::Arc::clone(self);
+                let run = tokio::spawn(async move {
+                    store.update_locked(&rkey, jobs).await;
+                    store.turn_done(&rkey, guard);
+                });
+                let _ = run.await;
                 answer
                     .try_recv()
                     .unwrap_or_else(|_| Err(Answer::error(503, "Redis failed; retry the batch with the same seq")))
             }
-        };
+        }
+    }
+
+    /// A counter's turn is over: the next waiting call takes it, and the counter is forgotten
+    /// from [`Store::busy`] once no call waits for it (the map holds only counters in use).
+    fn turn_done(&self, rkey: &str, guard: Option<tokio::sync::OwnedMutexGuard<()>>) {
         drop(guard);
         if let Ok(mut busy) = self.busy.lock() {
-            // Forgotten once no other call waits for it (the map holds only counters in use).
-            if busy.get(&rkey).is_some_and(|t| std::sync::Arc::strong_count(t) <= 2) {
-                busy.remove(&rkey);
+            if busy.get(rkey).is_some_and(|t| std::sync::Arc::strong_count(t) <= 1) {
+                busy.remove(rkey);
             }
         }
-        result
     }
 
     /// The compare-and-swap loop of the updates `jobs` of one counter, each answered in turn:
@@ -1065,10 +1183,7 @@ impl<K: Kv> Store<K> {
             if !write {
                 return results(jobs, applied);
             }
-            // Kept while anything in it matters (the state, leases, remembered seqs), and a
-            // retry horizon on top.
-            let idle = counter.idle_at().saturating_sub(counter.last_seen).max(SEQ_MEMORY);
-            let ttl_ms = (idle.saturating_add(RETRY_HORIZON) / 1_000_000).max(1);
+            let ttl_ms = ttl_ms(&counter);
             let new = counter.encode();
             // No deadline for batches: one written late is one its node retries under the same
             // seq, which counts it once. Asks carried are not written past the earliest of
@@ -1103,12 +1218,19 @@ impl<K: Kv> Store<K> {
                     if let Ok(mut known) = self.known.lock() {
                         known.remove(rkey);
                     }
-                    // Refused at an ask's deadline (or failed then): the updates it carried go
-                    // on without the asks now late, on what Redis holds (a batch applied
-                    // already is a repeat there, counted once).
-                    let soon = std::time::Instant::now() + ANSWER_MARGIN;
-                    if deadline_ms > 0 && jobs.iter().any(|j| j.deadline.is_some_and(|d| d <= soon)) {
-                        continue;
+                    // Refused at its asks' deadline (Redis's clock, read early, may say so a
+                    // little before ours), or failed: the asks are answered 503 (nodes do not
+                    // send an ask again), and the batches carried go on without them, on what
+                    // Redis holds (one applied already is a repeat there, counted once).
+                    if deadline_ms > 0 {
+                        let (asks, batches): (Vec<Job>, Vec<Job>) =
+                            std::mem::take(&mut jobs).into_iter().partition(|j| j.deadline.is_some());
+                        answer(asks, &mut |_| Err(Answer::error(503, ASK_FAILED)));
+                        jobs = batches;
+                        if !jobs.is_empty() {
+                            continue;
+                        }
+                        return;
                     }
                     return answer(jobs, &mut |_| Err(unavailable(&self.metrics)));
                 }
@@ -1148,7 +1270,7 @@ mod tests {
         Limit::new(Algorithm::FixedWindow, 100, 3600 * SECOND, None).unwrap()
     }
 
-    async fn call(store: &Store<FakeKv>, node: u64, seq: u64, units: &[(&[u8], u64)]) -> Answer {
+    async fn call(store: &std::sync::Arc<Store<FakeKv>>, node: u64, seq: u64, units: &[(&[u8], u64)]) -> Answer {
         let sent = store.kv.now.load(Ordering::Relaxed);
         call_at(store, SyncRequest { node, seq, sent, deltas: deltas(units), ask: false }).await
     }
@@ -1157,7 +1279,7 @@ mod tests {
         units.iter().map(|(k, u)| Delta { key: k.to_vec(), limit: limit(), units: *u }).collect()
     }
 
-    async fn call_at(store: &Store<FakeKv>, req: SyncRequest) -> Answer {
+    async fn call_at(store: &std::sync::Arc<Store<FakeKv>>, req: SyncRequest) -> Answer {
         let body = req.encode();
         store.sync(&body, Some(hex(&sign(SECRET, &body)).as_bytes())).await
     }
@@ -1185,7 +1307,9 @@ mod tests {
     #[tokio::test]
     async fn a_batch_signed_with_the_secret_being_rotated_out_is_answered_with_it() {
         const OLD: &[u8] = b"the secret going out, 16+";
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)).with_previous_secret(OLD);
+        let store = std::sync::Arc::new(
+            Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)).with_previous_secret(OLD),
+        );
         let sent = store.kv.now.load(Ordering::Relaxed);
         for (seq, key, status) in [(1, SECRET, 200), (2, OLD, 200), (3, b"neither of the two secrets", 401)] {
             let body = SyncRequest { node: 1, seq, sent, deltas: deltas(&[(b"k", 1)]), ask: false }.encode();
@@ -1197,7 +1321,7 @@ mod tests {
         }
         assert_eq!(remaining(&call(&store, 2, 1, &[(b"k", 0)]).await), [98]);
         // Without it, the old secret is refused.
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)));
         let body = SyncRequest { node: 1, seq: 1, sent, deltas: deltas(&[(b"k", 1)]), ask: false }.encode();
         assert_eq!(store.sync(&body, Some(hex(&sign(OLD, &body)).as_bytes())).await.status, 401);
     }
@@ -1206,7 +1330,7 @@ mod tests {
     /// nothing when the turn comes (the call that holds it applies everything waiting).
     #[tokio::test]
     async fn an_ask_answered_at_its_deadline_takes_nothing_after() {
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_millis(30));
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_millis(30)));
         assert_eq!(remaining(&call(&store, 1, 1, &[(b"k", 10)]).await), [90]);
         // The counter's turn held (a call of this process on it), the ask waits for it.
         let turn = std::sync::Arc::clone(store.busy.lock().unwrap().entry(redis_key(b"k")).or_default());
@@ -1222,9 +1346,55 @@ mod tests {
         assert_eq!(remaining(&call(&store, 1, 2, &[(b"k", 0)]).await), [90], "the ask took nothing");
     }
 
+    /// An ask whose write Redis made in time but answered late (here carried by a batch's
+    /// call, which the ask's answer does not wait for) is answered 503 and gives its units back.
+    #[tokio::test]
+    async fn an_ask_written_in_time_but_answered_late_gives_its_units_back() {
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_millis(30)));
+        assert_eq!(remaining(&call(&store, 1, 1, &[(b"k", 10)]).await), [90]);
+        let turn = std::sync::Arc::clone(store.busy.lock().unwrap().entry(redis_key(b"k")).or_default());
+        let held = turn.lock().await;
+        let batch = tokio::spawn({
+            let store = std::sync::Arc::clone(&store);
+            async move { call(&store, 1, 2, &[(b"k", 1)]).await }
+        });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let sent = store.kv.now.load(Ordering::Relaxed);
+        let ask = tokio::spawn({
+            let store = std::sync::Arc::clone(&store);
+            let ask = SyncRequest { node: 2, seq: (1 << 40) | 1, sent, deltas: deltas(&[(b"k", 4)]), ask: true };
+            async move { call_at(&store, ask).await }
+        });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        store.kv.cas_reply_delay_ms.store(40, Ordering::Relaxed);
+        drop(held);
+        let (batch, ask) = (batch.await.unwrap(), ask.await.unwrap());
+        store.kv.cas_reply_delay_ms.store(0, Ordering::Relaxed);
+        assert_eq!((batch.status, ask.status), (503, 503));
+        // The batch is sent again (counted once); the ask is not, and took nothing.
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(remaining(&call(&store, 1, 2, &[(b"k", 1)]).await), [89]);
+    }
+
+    /// An ask on two counters, one of which it waits for past its deadline: answered 503, it
+    /// takes nothing on either.
+    #[tokio::test]
+    async fn an_ask_that_fails_on_one_counter_takes_nothing_on_the_others() {
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_millis(30)));
+        assert_eq!(remaining(&call(&store, 1, 1, &[(b"a", 10), (b"b", 10)]).await), [90, 90]);
+        let turn = std::sync::Arc::clone(store.busy.lock().unwrap().entry(redis_key(b"b")).or_default());
+        let held = turn.lock().await;
+        let sent = store.kv.now.load(Ordering::Relaxed);
+        let ask = SyncRequest { node: 2, seq: (1 << 40) | 1, sent, deltas: deltas(&[(b"a", 4), (b"b", 4)]), ask: true };
+        assert_eq!(call_at(&store, ask).await.status, 503);
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(remaining(&call(&store, 1, 2, &[(b"a", 0), (b"b", 0)]).await), [90, 90]);
+    }
+
     #[tokio::test]
     async fn answers_given_while_a_proxy_is_taken_as_cut_off_are_counted_and_leave_its_part_out() {
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)));
         let at = |ms: u64| store.kv.now.store(1_700_000_000 * SECOND + ms * 1_000_000, Ordering::Relaxed);
         // Node 1 carries half the traffic, nodes 2 and 3 a quarter each: 40 units.
         for seq in 1..=10u64 {
@@ -1251,7 +1421,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_batch_answer_names_the_counters_this_process_found_out_of_quota() {
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)));
         let a = call(&store, 1, 1, &[(b"spent", 100), (b"other", 1)]).await;
         assert_eq!(remaining(&a), [0, 99], "a batch's own counters have their grants");
         // Another node's heartbeat hears that `spent` is out.
@@ -1264,7 +1434,7 @@ mod tests {
 
     #[tokio::test]
     async fn peers_shares_are_merged_once_from_where_the_reader_joined_and_its_own_never() {
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)));
         let stream = top::SHARED_STREAM;
         // Before this process reads: not merged (it starts from the stream's end).
         store.kv.append(stream, &peer_share(7, 5).encode(), 100, 1).await.unwrap();
@@ -1287,7 +1457,7 @@ mod tests {
     #[tokio::test]
     async fn a_share_redis_did_not_take_goes_with_the_next() {
         use ratewall_core::sync::TopSection;
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)));
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
         store.kv.now.store(now, Ordering::Relaxed);
         let mut body = SyncRequest { node: 1, seq: 1, sent: now, deltas: deltas(&[(b"a", 1)]), ask: false }.encode();
@@ -1307,7 +1477,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_retry_after_a_partial_failure_counts_each_counter_once() {
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)));
         store.kv.now.store(1_800_000_000 * SECOND, Ordering::Relaxed);
         // The batch's second counter fails to write: the answer is a 503, the first counter
         // has counted its units.
@@ -1335,7 +1505,7 @@ mod tests {
 
     #[tokio::test]
     async fn units_counted_takes_a_delta_at_most_as_2_to_the_32_and_keeps_counting() {
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)));
         assert_eq!(call(&store, 1, 1, &[(b"a", u64::MAX)]).await.status, 200);
         assert_eq!(call(&store, 1, 2, &[(b"b", 5)]).await.status, 200);
         assert_eq!(store.metrics.units_counted.load(Ordering::Relaxed), u64::from(u32::MAX) + 5);
@@ -1343,7 +1513,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_request_made_too_far_from_the_registrys_clock_is_refused_before_any_counter() {
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)));
         let now = 1_800_000_000 * SECOND;
         store.kv.now.store(now, Ordering::Relaxed);
         for (sent, status) in [(now - 26 * SECOND, 422), (now + 26 * SECOND, 422), (now - 25 * SECOND, 200)] {
@@ -1364,7 +1534,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_unreadable_counter_is_kept_and_named_failed_while_the_rest_of_the_batch_counts() {
-        let store = Store::new(FakeKv::default(), SECRET, Duration::from_secs(1));
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_secs(1)));
         store.kv.values.lock().unwrap().insert(redis_key(b"a"), b"\x09garbage".to_vec());
         let answer = call(&store, 1, 1, &[(b"b", 2), (b"a", 5), (b"c", 3)]).await;
         assert_eq!(answer.status, 200);
