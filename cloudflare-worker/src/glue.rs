@@ -3,7 +3,7 @@
 
 use crate::edge::admin::{self, Access};
 use crate::edge::grants::{Answer, Grants, Local, Schedule, REPORT_EVERY};
-use crate::edge::object::{earliest, Object, Shard, STORAGE_KEYS};
+use crate::edge::object::{earliest, Object, Shard, ASK_MARK_PREFIX, STORAGE_KEYS};
 use crate::edge::top::{self, Aggregate, IsolateTop, Report, TopCall, Window, ADMIN_OBJECT};
 use crate::edge::{
     cached_denials, checks_for, decided_locally, decisions, decode_batch, decode_replies, encode_batch, encode_replies,
@@ -1042,9 +1042,6 @@ pub struct RateLimitCounter {
     unreadable_said: Cell<Option<u64>>,
 }
 
-/// Where the node registry keeps its ask mark (not under `c`, the counters' prefix).
-const ASK_MARK_KEY: &str = "registry:ask_mark";
-
 /// How often the admin object wakes while its windows show anything: it keeps them in memory
 /// only, and an object nothing calls for a few seconds is evicted (10 s in local workerd).
 const ADMIN_KEEP_ALIVE: Duration = Duration::from_secs(5);
@@ -1126,33 +1123,55 @@ impl RateLimitCounter {
 
     /// A call to the node registry (the object named [`REGISTRY_OBJECT`]). Its memory goes
     /// with the object (a restart, an eviction); what a replay would need survives in its
-    /// storage: the mark every ask it answered was made by, read before its first call and
-    /// moved on before an ask past it is answered ([`Object::load_registry`]). A captured ask
-    /// sent again after a restart took its units again.
+    /// storage: per node, the mark every ask of it answered was made by, read before its first
+    /// call and moved on before an ask past it is answered ([`Object::load_registry`]). A
+    /// captured ask sent again after a restart took its units again.
     async fn registry_call(&self, call: Call) -> Result<Response> {
         if !self.registry.borrow().registry_loaded() {
-            let stored = match self.state.storage().get::<String>(ASK_MARK_KEY).await {
-                Ok(stored) => stored,
+            let options = worker::ListOptions::new().prefix(ASK_MARK_PREFIX);
+            let listed = match self.state.storage().list_with_options(options).await {
+                Ok(listed) => listed,
                 Err(e) => {
-                    console_error!("ratewall: the node registry's ask mark could not be read ({e})");
+                    console_error!("ratewall: the node registry's ask marks could not be read ({e})");
                     return Response::error("the node registry could not be read", 503);
                 }
             };
-            if let Err(e) = self.registry.borrow_mut().load_registry(stored.as_deref(), now()) {
-                console_error!("ratewall: {e}");
+            let mut stored = Vec::new();
+            listed.for_each(&mut |value, key| {
+                if let Some(k) = key.as_string() {
+                    stored.push((k, value.as_string()));
+                }
+            });
+            let (stale, unreadable) = self.registry.borrow_mut().load_registry(&stored, now());
+            if unreadable {
+                console_error!(
+                    "ratewall: a stored ask mark of the node registry is unreadable: its node's asks that could be \
+                     replays are refused"
+                );
             }
+            self.delete_marks(stale).await;
         }
         let Some(handled) = self.registry.borrow_mut().handle(call, now()) else {
             return Response::error("not a registry call", 400);
         };
-        if let Some(mark) = handled.write_now {
-            if let Err(e) = self.state.storage().put(ASK_MARK_KEY, &mark).await {
+        let due = self.registry.borrow_mut().mark_due(now());
+        if let Some(w) = due {
+            if let Err(e) = self.state.storage().put(&w.key, &w.value).await {
                 console_error!("ratewall: the node registry's ask mark could not be written ({e})");
                 return Response::error("the node registry could not be written", 503);
             }
-            self.registry.borrow_mut().ask_mark_written(&mark);
+            self.registry.borrow_mut().mark_written(w.node, w.mark);
+            self.delete_marks(w.delete).await;
         }
         Response::ok(handled.reply)
+    }
+
+    /// Deletes the node registry's stale ask marks (a failure is said: they are deleted at a
+    /// later restart).
+    async fn delete_marks(&self, keys: Vec<String>) {
+        if let Err(e) = self.delete_all(keys).await {
+            console_error!("ratewall: stale ask marks of the node registry could not be deleted ({e})");
+        }
     }
 
     /// Whether an unreadable stored counter is to be said now (at most once a minute).

@@ -7,7 +7,7 @@ use super::{encode_applied, encode_heard, parse_stored, stored_value, Call, Take
 use ratewall_core::algo::{Limit, Nanos};
 use ratewall_core::sync::{Counter, Registry, MAX_REQUEST_SKEW};
 use ratewall_core::SECOND;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// A node that has not synced a counter for this long no longer takes a share of it.
 pub const NODE_TTL: Nanos = 2 * SECOND;
@@ -50,15 +50,52 @@ pub struct Object {
     /// period, as every node's next batch or heartbeat is heard), but for the asks it answered,
     /// which a restart must not forget: see [`Object::load_registry`].
     registry: Registry,
-    /// The registry's stored ask mark, once read: every ask it answered was made no later.
-    ask_mark: Option<Nanos>,
+    /// The registry's stored ask marks, by node, once read: every ask of the node it answered
+    /// was made (on the node's clock) no later than its mark.
+    ask_marks: Option<BTreeMap<u64, Nanos>>,
+    /// The mark to store before the ask just heard is answered ([`Object::mark_due`]).
+    mark_due: Option<(u64, Nanos)>,
 }
 
-/// How far past an ask's time the registry's stored ask mark is set when the ask is later than
-/// the mark: at most one storage write per this much of the nodes' clocks, and after a restart
-/// asks made up to this long after the last one answered are refused (their requests decided
-/// as with the store out of reach).
+/// How far past an ask's time its node's stored ask mark is set when the ask is later than the
+/// mark: at most one storage write per node per this much of its clock, and after a restart a
+/// node's asks made up to this long after its latest one answered are refused (409: their
+/// requests are decided on what the node holds).
 pub const ASK_MARK_AHEAD: Nanos = 250 * super::MS;
+
+/// The storage keys of the registry's ask marks: this and the node's id in hex.
+pub const ASK_MARK_PREFIX: &str = "registry:ask:";
+
+/// Most stale ask marks deleted along with one written.
+const STALE_MARKS_DELETED: usize = 32;
+
+/// A node's ask mark to store before its ask is answered, and stale ones to delete.
+#[derive(Debug, PartialEq, Eq)]
+pub struct MarkWrite {
+    /// The node.
+    pub node: u64,
+    /// Its mark.
+    pub mark: Nanos,
+    /// Its storage key.
+    pub key: String,
+    /// The value stored.
+    pub value: String,
+    /// Stale marks' keys.
+    pub delete: Vec<String>,
+}
+
+/// The storage key of `node`'s ask mark.
+fn mark_key(node: u64) -> String {
+    let mut key = String::from(ASK_MARK_PREFIX);
+    key.push_str(&ratewall_core::sync::hex(&node.to_be_bytes()));
+    key
+}
+
+/// The node an ask mark's storage key names.
+fn mark_node(key: &str) -> Option<u64> {
+    let bytes = ratewall_core::sync::unhex(key.strip_prefix(ASK_MARK_PREFIX)?.as_bytes())?;
+    Some(u64::from_be_bytes(bytes.try_into().ok()?))
+}
 
 impl Object {
     /// Whether the stored counter has been read.
@@ -89,11 +126,13 @@ impl Object {
             return match call {
                 Call::Heard { node, seq, ask, sent } => {
                     let heard = self.registry.heard(t, node, (seq, ask, sent), NODE_TTL);
-                    // An ask made after the stored mark: the mark moves past it before the ask
-                    // is answered (the glue writes `write_now`, then [`Object::ask_mark_written`]).
-                    let past_mark = ask && sent > 0 && heard.is_ok() && self.ask_mark.is_some_and(|m| sent > m);
-                    let write_now = past_mark.then(|| sent.saturating_add(ASK_MARK_AHEAD).to_string());
-                    Some(Handled { reply: encode_heard(heard), write_now, alarm_at: None })
+                    // An ask made after its node's stored mark: the mark moves past it before
+                    // the ask is answered ([`Object::mark_due`]).
+                    let mark = self.ask_marks.as_ref().map(|m| m.get(&node).copied().unwrap_or(0));
+                    if ask && sent > 0 && heard.is_ok() && mark.is_some_and(|m| sent > m) {
+                        self.mark_due = Some((node, sent.saturating_add(ASK_MARK_AHEAD)));
+                    }
+                    Some(Handled { reply: encode_heard(heard), write_now: None, alarm_at: None })
                 }
                 Call::Close { node, seq } => {
                     self.registry.close(node, seq);
@@ -198,38 +237,72 @@ impl Object {
         AlarmPlan::Keep { write, alarm_at: self.schedule(idle_at) }
     }
 
-    /// Whether the registry's stored ask mark has been read ([`Object::load_registry`]).
+    /// Whether the registry's stored ask marks have been read ([`Object::load_registry`]).
     pub fn registry_loaded(&self) -> bool {
-        self.ask_mark.is_some()
+        self.ask_marks.is_some()
     }
 
-    /// Takes the registry's stored ask mark (`None`: none stored), read before its first call
-    /// since the object started: the asks it answered before are not in its memory, and each
-    /// was made no later than the mark, so asks made by then are refused as replays. A mark
-    /// that cannot be read refuses every ask that could still be a replay (made up to
-    /// [`MAX_REQUEST_SKEW`] after `t`), and is written over by the next.
-    pub fn load_registry(&mut self, stored: Option<&str>, t: Nanos) -> Result<(), String> {
-        if self.ask_mark.is_some() {
-            return Ok(());
+    /// Takes the registry's stored ask marks ((storage key, value) pairs under
+    /// [`ASK_MARK_PREFIX`]), read before its first call since the object started: the asks it
+    /// answered before are not in its memory, and each node's were made no later than its
+    /// mark, so its asks made by then are refused as replays. Per node, on its own clock: a
+    /// node whose clock runs ahead holds back no other. A mark that cannot be read refuses
+    /// every ask of its node that could still be a replay (made up to [`MAX_REQUEST_SKEW`]
+    /// after `t`), and is written over by its next. Returns the keys to delete — marks too old
+    /// to matter (a copy of an ask made by then is refused for its time) and keys that name no
+    /// node — and whether any mark was unreadable.
+    pub fn load_registry(&mut self, stored: &[(String, Option<String>)], t: Nanos) -> (Vec<String>, bool) {
+        if self.ask_marks.is_some() {
+            return (Vec::new(), false);
         }
-        let (mark, read) = match stored.map(str::parse::<Nanos>) {
-            None => (0, Ok(())),
-            Some(Ok(mark)) => (mark, Ok(())),
-            Some(Err(_)) => (
-                t.saturating_add(MAX_REQUEST_SKEW),
-                Err("the node registry's stored ask mark is unreadable: asks that could be replays are refused"
-                    .to_owned()),
-            ),
-        };
-        self.registry.refuse_asks_through(mark);
-        self.ask_mark = Some(mark);
-        read
+        let mut marks = BTreeMap::new();
+        let (mut delete, mut unreadable) = (Vec::new(), false);
+        for (key, value) in stored {
+            let Some(node) = mark_node(key) else {
+                delete.push(key.clone());
+                continue;
+            };
+            let mark = match value.as_deref().map(str::parse::<Nanos>) {
+                Some(Ok(mark)) => mark,
+                _ => {
+                    unreadable = true;
+                    t.saturating_add(MAX_REQUEST_SKEW)
+                }
+            };
+            if mark.saturating_add(MAX_REQUEST_SKEW) < t {
+                delete.push(key.clone());
+                continue;
+            }
+            self.registry.refuse_asks_through(node, mark);
+            marks.insert(node, mark);
+        }
+        self.ask_marks = Some(marks);
+        (delete, unreadable)
     }
 
-    /// The ask mark a call's `write_now` carried reached storage.
-    pub fn ask_mark_written(&mut self, written: &str) {
-        if let (Ok(mark), Some(old)) = (written.parse::<Nanos>(), self.ask_mark) {
-            self.ask_mark = Some(old.max(mark));
+    /// The ask mark to store before the ask just handled is answered (none: its node's mark
+    /// covers it, or it was refused), with stale marks to delete beside it.
+    pub fn mark_due(&mut self, t: Nanos) -> Option<MarkWrite> {
+        let (node, mark) = self.mark_due.take()?;
+        let marks = self.ask_marks.as_mut()?;
+        let stale: Vec<u64> = marks
+            .iter()
+            .filter(|(n, m)| **n != node && m.saturating_add(MAX_REQUEST_SKEW) < t)
+            .map(|(n, _)| *n)
+            .take(STALE_MARKS_DELETED)
+            .collect();
+        for n in &stale {
+            marks.remove(n);
+        }
+        let delete = stale.iter().map(|n| mark_key(*n)).collect();
+        Some(MarkWrite { node, mark, key: mark_key(node), value: mark.to_string(), delete })
+    }
+
+    /// `node`'s ask mark reached storage.
+    pub fn mark_written(&mut self, node: u64, mark: Nanos) {
+        if let Some(marks) = self.ask_marks.as_mut() {
+            let m = marks.entry(node).or_insert(0);
+            *m = (*m).max(mark);
         }
     }
 
@@ -773,37 +846,62 @@ mod tests {
     }
 
     #[test]
-    fn the_registry_keeps_asks_refused_across_a_restart_by_its_stored_mark() {
-        let ask = |number: u64, sent: Nanos| Call::Heard { node: 1, seq: (1 << 40) | number, ask: true, sent };
+    fn the_registry_keeps_asks_refused_across_a_restart_by_its_stored_marks() {
+        let ask = |node: u64, number: u64, sent: Nanos| Call::Heard { node, seq: (1 << 40) | number, ask: true, sent };
+        let refused = |o: &mut Object, call: Call, t: Nanos| {
+            let Some(Call::Heard { seq, .. }) = Some(call) else { unreachable!() };
+            decode_heard(&o.handle(call, t).unwrap().reply) == Some(Err(SyncError::Repeated { ask: seq }))
+        };
         let mut o = Object::default();
-        o.load_registry(None, T).unwrap();
-        // An ask past the mark (none yet) moves it, before the ask is answered.
-        let h = o.handle(ask(1, T), T).unwrap();
-        assert_eq!(h.write_now.as_deref(), Some((T + ASK_MARK_AHEAD).to_string().as_str()));
-        o.ask_mark_written(h.write_now.as_deref().unwrap());
-        // One within it writes nothing; one past it moves it again.
-        assert_eq!(o.handle(ask(2, T + ASK_MARK_AHEAD / 2), T).unwrap().write_now, None);
-        let h = o.handle(ask(3, T + ASK_MARK_AHEAD + 1), T).unwrap();
-        let stored = h.write_now.unwrap();
-        // A refused ask (a replay) moves nothing.
-        assert_eq!(o.handle(ask(1, T + SECOND), T + SECOND).unwrap().write_now, None);
-        // Restarted: the stored mark refuses the asks answered before; a later one is answered.
+        assert_eq!(o.load_registry(&[], T), (vec![], false));
+        // An ask past its node's mark (none yet) moves it, before the ask is answered.
+        o.handle(ask(1, 1, T), T).unwrap();
+        let w = o.mark_due(T).unwrap();
+        assert_eq!((w.node, w.mark, w.key.as_str()), (1, T + ASK_MARK_AHEAD, "registry:ask:0000000000000001"));
+        o.mark_written(w.node, w.mark);
+        // One within it writes nothing; one past it moves it again; a refused one (a replay)
+        // moves nothing.
+        o.handle(ask(1, 2, T + ASK_MARK_AHEAD / 2), T).unwrap();
+        assert_eq!(o.mark_due(T), None);
+        o.handle(ask(1, 3, T + ASK_MARK_AHEAD + 1), T).unwrap();
+        let w = o.mark_due(T).unwrap();
+        o.mark_written(w.node, w.mark);
+        assert!(refused(&mut o, ask(1, 1, T + SECOND), T + SECOND));
+        assert_eq!(o.mark_due(T + SECOND), None);
+        // Node 2's clock runs 20 s ahead.
+        o.handle(ask(2, 1, T + 20 * SECOND), T).unwrap();
+        let w2 = o.mark_due(T).unwrap();
+        o.mark_written(w2.node, w2.mark);
+        // Restarted: each node's stored mark refuses its asks answered before; a later one of
+        // node 1 is answered, whatever node 2's clock says.
+        let stored = vec![(w.key.clone(), Some(w.value.clone())), (w2.key.clone(), Some(w2.value.clone()))];
         let mut restarted = Object::default();
-        restarted.load_registry(Some(&stored), T + 2 * SECOND).unwrap();
+        assert_eq!(restarted.load_registry(&stored, T + 2 * SECOND), (vec![], false));
         for (n, sent) in [(1, T), (2, T + ASK_MARK_AHEAD / 2), (3, T + ASK_MARK_AHEAD + 1)] {
-            let h = restarted.handle(ask(n, sent), T + 2 * SECOND).unwrap();
-            assert_eq!(decode_heard(&h.reply), Some(Err(SyncError::Repeated { ask: (1 << 40) | n })));
+            assert!(refused(&mut restarted, ask(1, n, sent), T + 2 * SECOND), "ask {n}");
         }
-        let h = restarted.handle(ask(4, T + 2 * SECOND), T + 2 * SECOND).unwrap();
-        assert_eq!(decode_heard(&h.reply), Some(Ok(1)));
-        // A mark that cannot be read refuses whatever could still be a replay.
-        let mut unreadable = Object::default();
-        assert!(unreadable.load_registry(Some("garbage"), T).is_err());
-        let h = unreadable.handle(ask(5, T + MAX_REQUEST_SKEW), T).unwrap();
-        assert_eq!(decode_heard(&h.reply), Some(Err(SyncError::Repeated { ask: (1 << 40) | 5 })));
-        let h = unreadable.handle(ask(6, T + MAX_REQUEST_SKEW + 1), T).unwrap();
-        assert_eq!(decode_heard(&h.reply), Some(Ok(1)));
-        assert!(h.write_now.is_some(), "and is written over");
+        assert!(refused(&mut restarted, ask(2, 1, T + 20 * SECOND), T + 2 * SECOND));
+        assert!(!refused(&mut restarted, ask(1, 4, T + 2 * SECOND), T + 2 * SECOND));
+        assert!(!refused(&mut restarted, ask(2, 2, T + 22 * SECOND), T + 2 * SECOND));
+        // Marks too old to matter, and keys naming no node, are deleted when read; an
+        // unreadable mark refuses whatever of its node could still be a replay.
+        let stored = vec![
+            (w.key.clone(), Some(w.value.clone())),
+            ("registry:ask:zz".to_owned(), Some("1".to_owned())),
+            (mark_key(3), None),
+        ];
+        let mut later = Object::default();
+        let at = T + MAX_REQUEST_SKEW + SECOND;
+        let (stale, unreadable) = later.load_registry(&stored, at);
+        assert_eq!((stale, unreadable), (vec![w.key.clone(), "registry:ask:zz".to_owned()], true));
+        assert!(refused(&mut later, ask(3, 1, at + MAX_REQUEST_SKEW), at));
+        assert!(!refused(&mut later, ask(3, 2, at + MAX_REQUEST_SKEW + 1), at));
+        assert!(later.mark_due(at).is_some(), "and is written over");
+        // A mark gone stale is deleted beside the next one written.
+        let mut o = Object::default();
+        o.load_registry(&stored[..1], T);
+        o.handle(ask(5, 1, at), at).unwrap();
+        assert_eq!(o.mark_due(at).unwrap().delete, vec![w.key.clone()]);
     }
 
     #[test]

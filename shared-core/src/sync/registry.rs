@@ -25,6 +25,9 @@ pub struct Registry {
     /// Asks made at or before this time are refused: past [`MAX_ASKS_REMEMBERED`] the
     /// earliest are forgotten, and this rises to their time.
     ask_floor: Nanos,
+    /// The same per node, for a store that lost its memory of the asks it answered
+    /// ([`Registry::refuse_asks_through`]); each kept until asks made by then are too old.
+    node_floors: BTreeMap<u64, Nanos>,
 }
 
 /// Most asks a [`Registry`] remembers (some 40 bytes each); past it the earliest go, and asks
@@ -92,7 +95,11 @@ impl Registry {
             self.ask_order.pop_front();
             self.asks.remove(&(n, a));
         }
-        if sent <= self.ask_floor || !self.asks.insert((node, number)) {
+        if !self.node_floors.is_empty() {
+            self.node_floors.retain(|_, floor| floor.saturating_add(MAX_REQUEST_SKEW) >= now);
+        }
+        let floor = self.node_floors.get(&node).copied().unwrap_or(0).max(self.ask_floor);
+        if sent <= floor || !self.asks.insert((node, number)) {
             return Err(SyncError::Repeated { ask: number });
         }
         self.ask_order.push_back((sent, node, number));
@@ -105,11 +112,12 @@ impl Registry {
         Ok(())
     }
 
-    /// Refuses every ask made at or before `t` ([`SyncError::Repeated`]): for a store that lost
-    /// its memory of the asks it answered (a Durable Object restarted or evicted) and knows
-    /// they were all made no later than `t`.
-    pub fn refuse_asks_through(&mut self, t: Nanos) {
-        self.ask_floor = self.ask_floor.max(t);
+    /// Refuses every ask of `node` made at or before `t` (its clock; [`SyncError::Repeated`]):
+    /// for a store that lost its memory of the asks it answered (a Durable Object restarted or
+    /// evicted) and knows the node's were all made no later than `t`.
+    pub fn refuse_asks_through(&mut self, node: u64, t: Nanos) {
+        let floor = self.node_floors.entry(node).or_insert(0);
+        *floor = (*floor).max(t);
     }
 
     /// Closes batch `seq` of `node`, answered with counters it could not apply: the node sends
