@@ -1055,16 +1055,23 @@ impl<K: Kv> Store<K> {
             }
             Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
                 let jobs = self.waiting.lock().ok().and_then(|mut w| w.remove(&rkey)).unwrap_or_default();
-                // In a task of its own, with the turn: a call dropped at its deadline does not
-                // drop the updates of other calls it carries (they are answered as Redis
-                // answers: an ask written in time but answered late, whose call was answered
-                // 503, is given back, [`Store::ask`]).
-                let store = std::sync::Arc::clone(self);
-                let run = tokio::spawn(async move {
-                    store.update_locked(&rkey, jobs).await;
-                    store.turn_done(&rkey, guard);
-                });
-                let _ = run.await;
+                if jobs.iter().any(|j| j.ask) {
+                    // In a task of its own, with the turn: a call dropped at its deadline does
+                    // not drop the asks of other calls it carries (they are answered as Redis
+                    // answers: one written in time but answered late, whose call was answered
+                    // 503, is given back, [`Store::ask`]). Batches alone need no task (one
+                    // dropped so is sent again under its seq) and spawn none, at tens of
+                    // thousands of counter turns a second.
+                    let store = std::sync::Arc::clone(self);
+                    let run = tokio::spawn(async move {
+                        store.update_locked(&rkey, jobs).await;
+                        store.turn_done(&rkey, guard);
+                    });
+                    let _ = run.await;
+                } else {
+                    self.update_locked(&rkey, jobs).await;
+                    self.turn_done(&rkey, guard);
+                }
                 answer
                     .try_recv()
                     .unwrap_or_else(|_| Err(Answer::error(503, "Redis failed; retry the batch with the same seq")))
