@@ -88,8 +88,8 @@ fn ttl_ms(counter: &Counter) -> u64 {
     (idle.saturating_add(RETRY_HORIZON) / 1_000_000).max(1)
 }
 
-/// How long an ask's task may run ([`Store::ask`]): well past its answer, for the give-back.
-const ASK_TASK_FOR: Duration = Duration::from_secs(10);
+/// How long an ask's task may run past its deadline ([`Store::ask`]), for the give-back.
+const ASK_TASK_PAST: Duration = Duration::from_secs(10);
 
 /// The answer to an ask whose compare-and-set Redis refused at its deadline, or failed.
 const ASK_FAILED: &str =
@@ -574,6 +574,8 @@ pub struct Store<K> {
     unreadable: Quiet,
     /// Sync calls past the deadline, as often.
     late: Quiet,
+    /// Asks answered 503 whose units could not be given back, as often.
+    unreturned: Quiet,
 }
 
 /// A counter's turn within the process.
@@ -636,6 +638,7 @@ impl<K: Kv> Store<K> {
             out: Default::default(),
             unreadable: Quiet::default(),
             late: Quiet::default(),
+            unreturned: Quiet::default(),
         }
     }
 
@@ -827,8 +830,8 @@ impl<K: Kv> Store<K> {
     /// taken for asks answered 503 (twelve nodes asking at once on one counter of a loaded
     /// store: nine answered 503, two of which had taken their units). What an ask answered
     /// 503 took is given back when its task learns it ([`Store::give_back`]); the task ends
-    /// within [`ASK_TASK_FOR`] (a write it leaves on its way is not made past the ask's
-    /// deadline, [`Job::deadline`]).
+    /// within [`ASK_TASK_PAST`] of the deadline (a write it leaves on its way is not made past
+    /// the ask's deadline, [`Job::deadline`]).
     async fn ask(
         self: &std::sync::Arc<Self>,
         req: &SyncRequest,
@@ -836,30 +839,39 @@ impl<K: Kv> Store<K> {
     ) -> Option<Result<SyncResponse, Answer>> {
         let (tx, mut rx) = tokio::sync::oneshot::channel();
         let (store, ask) = (std::sync::Arc::clone(self), req.clone());
+        let task_for = store.deadline.saturating_add(ASK_TASK_PAST);
         tokio::spawn(async move {
-            let Ok(applied) = tokio::time::timeout(ASK_TASK_FOR, store.apply(&ask, deadline)).await else { return };
-            if let Err(Ok(resp)) = tx.send(applied) {
-                store.give_back(&ask, &resp).await;
+            let Ok(applied) = tokio::time::timeout(task_for, store.apply_timed(&ask, deadline)).await else {
+                store.unreturned.log(
+                    "an ask had no answer from Redis long past its deadline: what it took, if anything, stays counted",
+                    "ask(s) not given back",
+                );
+                return;
+            };
+            if let Err(Ok((resp, taken_at))) = tx.send(applied) {
+                store.give_back(&ask, &resp, &taken_at).await;
             }
         });
         let answered = tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), &mut rx).await;
-        match answered {
+        let applied = match answered {
             Ok(applied) => applied.ok(),
             // Closed first: an answer that comes after is given back, not lost between the two.
             Err(_) => {
                 rx.close();
                 rx.try_recv().ok()
             }
-        }
+        };
+        applied.map(|a| a.map(|(resp, _)| resp))
     }
 
     /// Gives back the units an ask answered 503 took on each of its counters (its answer
-    /// `resp` says which granted them), as of when they were taken. Said in the log when it
-    /// cannot: the units then stay counted.
-    async fn give_back(&self, req: &SyncRequest, resp: &SyncResponse) {
-        for (d, g) in req.deltas.iter().zip(&resp.grants) {
+    /// `resp` says which granted them), as of when each took them (`taken_at`, the counters'
+    /// clocks). Said in the log when it cannot: the units then stay counted. (The units its
+    /// answer granted beside them stay held for the node for the ask's lease, 1 s.)
+    async fn give_back(&self, req: &SyncRequest, resp: &SyncResponse, taken_at: &[Nanos]) {
+        for ((d, g), at) in req.deltas.iter().zip(&resp.grants).zip(taken_at) {
             if g.key == d.key && g.grant >= d.units {
-                self.refund(&d.key, d.limit, d.units, resp.now).await;
+                self.refund(&d.key, d.limit, d.units, *at).await;
             }
         }
     }
@@ -880,7 +892,7 @@ impl<K: Kv> Store<K> {
                 Err(_) => break,
             }
         }
-        self.late.log(
+        self.unreturned.log(
             "an ask answered 503 had taken units, which could not be given back: they stay counted",
             "ask(s) not given back",
         );
@@ -892,6 +904,15 @@ impl<K: Kv> Store<K> {
         req: &SyncRequest,
         deadline: std::time::Instant,
     ) -> Result<SyncResponse, Answer> {
+        self.apply_timed(req, deadline).await.map(|(resp, _)| resp)
+    }
+
+    /// [`Store::apply`], with when each counter applied its delta (its key's clock).
+    async fn apply_timed(
+        self: &std::sync::Arc<Self>,
+        req: &SyncRequest,
+        deadline: std::time::Instant,
+    ) -> Result<(SyncResponse, Vec<Nanos>), Answer> {
         // The registry first: a request made too far from Redis's clock, and an older batch,
         // are refused before any counter sees them.
         let (nodes, lately) = match self.kv.heard(req.node, req.seq, !req.ask, req.sent).await {
@@ -933,9 +954,11 @@ impl<K: Kv> Store<K> {
             .zip(read)
             .map(|(d, r)| self.update(req, &d.key, d.limit, d.units, &lately, (r, deadline)));
         let results = join_all(updates).await;
-        // An ask that fails on one counter fails whole: what its other counters took for it
-        // is given back (its request is decided as with the store out of reach).
-        if let Some(i) = results.iter().position(Result::is_err).filter(|_| req.ask) {
+        // An ask that fails on one counter (or finds it unreadable) fails whole: what its
+        // other counters took for it is given back (its request is decided as with the store
+        // out of reach).
+        let fails = |r: &Result<Update, Answer>| r.is_err() || matches!(r, Ok(Update::Unreadable));
+        if let Some(i) = results.iter().position(fails).filter(|_| req.ask) {
             for (d, r) in req.deltas.iter().zip(&results) {
                 if let Ok(Update::Applied(a, at, _)) = r {
                     if a.counted && a.grant >= d.units {
@@ -944,16 +967,18 @@ impl<K: Kv> Store<K> {
                 }
             }
             let failure = results.into_iter().nth(i).and_then(Result::err);
-            return Err(failure.unwrap_or_else(|| Answer::error(503, ASK_FAILED)));
+            return Err(failure.unwrap_or_else(|| Answer::error(503, reason::UNREADABLE_ASK)));
         }
         let mut grants = Vec::with_capacity(results.len());
         let mut failed = Vec::new();
         let mut now = 0;
         let mut noted = Vec::with_capacity(results.len());
+        let mut taken_at = Vec::with_capacity(results.len());
         for (i, (d, r)) in req.deltas.iter().zip(results).enumerate() {
             match r? {
                 Update::Applied(a, at, out_for) => {
                     now = now.max(at);
+                    taken_at.push(at);
                     noted.push((d.key.as_slice(), out_for, at));
                     grants.push(Grant::from_applied(&d.key, &a));
                 }
@@ -961,6 +986,7 @@ impl<K: Kv> Store<K> {
                 // a later batch (nothing of them was counted), while one counter this store
                 // cannot read would otherwise hold back every counter of the node's batches.
                 Update::Unreadable if !req.ask => {
+                    taken_at.push(0);
                     failed.push(u32::try_from(i).unwrap_or(u32::MAX));
                     grants.push(Grant::unapplied(&d.key));
                 }
@@ -993,7 +1019,7 @@ impl<K: Kv> Store<K> {
             }
             out.name(now, req, &mut resp);
         }
-        Ok(resp)
+        Ok((resp, taken_at))
     }
 
     /// What every counter `req` names holds, and its key's clock. An error when Redis failed.
