@@ -3,7 +3,7 @@
 use super::counter::SEQ_MEMORY;
 use super::wire::{SyncError, MAX_REQUEST_SKEW};
 use crate::algo::Nanos;
-use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
+use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
 
 /// The nodes a store has heard from: the `nodes` it answers, and each node's latest batch
@@ -20,14 +20,18 @@ pub struct Registry {
     /// The asks answered that could still be replayed (made within [`MAX_REQUEST_SKEW`]):
     /// (node, ask number).
     asks: BTreeSet<(u64, u64)>,
-    /// The same, with each one's time, in the order they came.
-    ask_order: VecDeque<(Nanos, u64, u64)>,
-    /// Asks made at or before this time are refused: past [`MAX_ASKS_REMEMBERED`] the
-    /// earliest are forgotten, and this rises to their time.
-    ask_floor: Nanos,
-    /// The same per node, for a store that lost its memory of the asks it answered
-    /// ([`Registry::refuse_asks_through`]); each kept until asks made by then are too old.
+    /// The same, by the time each was made (its node's clock): the earliest go first, when
+    /// too old to be replayed or for room.
+    ask_order: BTreeSet<(Nanos, u64, u64)>,
+    /// Per node, asks made at or before this time are refused: past [`MAX_ASKS_REMEMBERED`]
+    /// the earliest asks are forgotten, and their nodes' floors rise to their times; and a
+    /// store that lost its memory of the asks it answered sets them
+    /// ([`Registry::refuse_asks_through`]). Per node, as the times are on each node's clock:
+    /// one floor for the fleet, raised by a node whose clock ran 20 s ahead, refused every
+    /// other node's asks for 20 s. Each kept until asks made by then are too old.
     node_floors: BTreeMap<u64, Nanos>,
+    /// When `node_floors` were last pruned.
+    floors_pruned: Nanos,
 }
 
 /// Most asks a [`Registry`] remembers (some 40 bytes each); past it the earliest go, and asks
@@ -88,25 +92,27 @@ impl Registry {
     /// answered already (or made no later than asks forgotten for room).
     fn ask_once(&mut self, now: Nanos, node: u64, number: u64, sent: Nanos) -> Result<(), SyncError> {
         // Asks that could no longer be replayed (made more than the skew before now).
-        while let Some(&(at, n, a)) = self.ask_order.front() {
+        while let Some(&(at, n, a)) = self.ask_order.first() {
             if at.saturating_add(MAX_REQUEST_SKEW) >= now {
                 break;
             }
-            self.ask_order.pop_front();
+            self.ask_order.pop_first();
             self.asks.remove(&(n, a));
         }
-        if !self.node_floors.is_empty() {
+        // Pruned at most once a second (every ask would walk them all).
+        if !self.node_floors.is_empty() && now.saturating_sub(self.floors_pruned) >= crate::algo::SECOND {
             self.node_floors.retain(|_, floor| floor.saturating_add(MAX_REQUEST_SKEW) >= now);
+            self.floors_pruned = now;
         }
-        let floor = self.node_floors.get(&node).copied().unwrap_or(0).max(self.ask_floor);
+        let floor = self.node_floors.get(&node).copied().unwrap_or(0);
         if sent <= floor || !self.asks.insert((node, number)) {
             return Err(SyncError::Repeated { ask: number });
         }
-        self.ask_order.push_back((sent, node, number));
+        self.ask_order.insert((sent, node, number));
         while self.ask_order.len() > MAX_ASKS_REMEMBERED {
-            if let Some((at, n, a)) = self.ask_order.pop_front() {
+            if let Some((at, n, a)) = self.ask_order.pop_first() {
                 self.asks.remove(&(n, a));
-                self.ask_floor = self.ask_floor.max(at);
+                self.refuse_asks_through(n, at);
             }
         }
         Ok(())

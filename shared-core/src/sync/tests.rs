@@ -1081,3 +1081,23 @@ fn a_closed_batch_is_refused_again_and_the_next_one_taken() {
     assert!(r.heard(NOW, 7, (5, false, NOW), SECOND).is_ok());
     assert!(r.heard(NOW, 7, (5, false, NOW), SECOND).is_ok(), "the next is open");
 }
+
+/// Past the asks it may remember, a registry forgets the earliest by the time each was made
+/// and refuses their nodes' asks made by then: a node whose clock runs 20 s ahead does not
+/// take every other node's asks with it.
+#[test]
+fn asks_forgotten_for_room_raise_their_own_nodes_floor_only() {
+    let mut r = Registry::default();
+    let ask = |r: &mut Registry, node: u64, number: u64, sent: Nanos| r.heard(NOW, node, (number, true, sent), SECOND);
+    assert!(ask(&mut r, 1, 1, NOW + 20 * SECOND).is_ok(), "a clock 20 s ahead");
+    for i in 0..crate::sync::MAX_ASKS_REMEMBERED as u64 {
+        assert!(ask(&mut r, 2, i, NOW + i).is_ok());
+    }
+    // Node 2's earliest ask was forgotten, and is refused; so are its asks made no later.
+    assert_eq!(ask(&mut r, 2, 0, NOW), Err(SyncError::Repeated { ask: 0 }));
+    assert_eq!(ask(&mut r, 2, 1_000_000, NOW), Err(SyncError::Repeated { ask: 1_000_000 }));
+    // The others are not held back by it, nor by node 1's clock.
+    assert!(ask(&mut r, 3, 1, NOW + SECOND).is_ok());
+    assert!(ask(&mut r, 2, 1_000_001, NOW + SECOND).is_ok());
+    assert_eq!(ask(&mut r, 1, 1, NOW + 20 * SECOND), Err(SyncError::Repeated { ask: 1 }), "remembered");
+}
