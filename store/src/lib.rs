@@ -1359,14 +1359,22 @@ mod tests {
         assert_eq!(store.sync(&body, Some(hex(&sign(OLD, &body)).as_bytes())).await.status, 401);
     }
 
+    /// A store with a 30 ms deadline whose counters `keys` have taken 10 units each, and the
+    /// turn of counter `held` (as a call of this process on it would hold it) for the test to
+    /// take.
+    async fn with_turn(keys: &[&[u8]], held: &[u8]) -> (std::sync::Arc<Store<FakeKv>>, Turn) {
+        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_millis(30)));
+        let units: Vec<(&[u8], u64)> = keys.iter().map(|k| (*k, 10)).collect();
+        assert_eq!(remaining(&call(&store, 1, 1, &units).await), vec![90; keys.len()]);
+        let turn = std::sync::Arc::clone(store.busy.lock().unwrap().entry(redis_key(held)).or_default());
+        (store, turn)
+    }
+
     /// An ask answered 503 at its deadline, still waiting for its counter's turn then, takes
     /// nothing when the turn comes (the call that holds it applies everything waiting).
     #[tokio::test]
     async fn an_ask_answered_at_its_deadline_takes_nothing_after() {
-        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_millis(30)));
-        assert_eq!(remaining(&call(&store, 1, 1, &[(b"k", 10)]).await), [90]);
-        // The counter's turn held (a call of this process on it), the ask waits for it.
-        let turn = std::sync::Arc::clone(store.busy.lock().unwrap().entry(redis_key(b"k")).or_default());
+        let (store, turn) = with_turn(&[b"k"], b"k").await;
         let held = turn.lock().await;
         let sent = store.kv.now.load(Ordering::Relaxed);
         let ask = SyncRequest { node: 2, seq: (1 << 40) | 1, sent, deltas: deltas(&[(b"k", 4)]), ask: true };
@@ -1383,9 +1391,7 @@ mod tests {
     /// call, which the ask's answer does not wait for) is answered 503 and gives its units back.
     #[tokio::test]
     async fn an_ask_written_in_time_but_answered_late_gives_its_units_back() {
-        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_millis(30)));
-        assert_eq!(remaining(&call(&store, 1, 1, &[(b"k", 10)]).await), [90]);
-        let turn = std::sync::Arc::clone(store.busy.lock().unwrap().entry(redis_key(b"k")).or_default());
+        let (store, turn) = with_turn(&[b"k"], b"k").await;
         let held = turn.lock().await;
         let batch = tokio::spawn({
             let store = std::sync::Arc::clone(&store);
@@ -1413,9 +1419,7 @@ mod tests {
     /// takes nothing on either.
     #[tokio::test]
     async fn an_ask_that_fails_on_one_counter_takes_nothing_on_the_others() {
-        let store = std::sync::Arc::new(Store::new(FakeKv::default(), SECRET, Duration::from_millis(30)));
-        assert_eq!(remaining(&call(&store, 1, 1, &[(b"a", 10), (b"b", 10)]).await), [90, 90]);
-        let turn = std::sync::Arc::clone(store.busy.lock().unwrap().entry(redis_key(b"b")).or_default());
+        let (store, turn) = with_turn(&[b"a", b"b"], b"b").await;
         let held = turn.lock().await;
         let sent = store.kv.now.load(Ordering::Relaxed);
         let ask = SyncRequest { node: 2, seq: (1 << 40) | 1, sent, deltas: deltas(&[(b"a", 4), (b"b", 4)]), ask: true };
