@@ -809,8 +809,8 @@ impl<K: Kv> Store<K> {
                 Answer::error(
                     503,
                     format!(
-                        "no answer from Redis within the store's deadline ({ms} ms): Redis slow or paused, or the store \
-                         process loaded; {then}"
+                        "no answer from Redis within the store's deadline ({ms} ms): Redis slow or paused (on a \
+                         Cluster, also a slot migrating or a primary failing over), or the store process loaded; {then}"
                     ),
                 )
             }

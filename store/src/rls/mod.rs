@@ -246,7 +246,11 @@ impl<K: Kv> Rls<K> {
             Ok(r) => r,
             Err(_) => {
                 self.store.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
-                Err(Refusal::Unavailable("Redis did not answer within the deadline".into()))
+                Err(Refusal::Unavailable(
+                    "Redis did not answer within the deadline (slow or paused; on a Cluster, also a slot migrating \
+                     or a primary failing over)"
+                        .into(),
+                ))
             }
         };
         let known = self.config().has_domain(&call.domain);
