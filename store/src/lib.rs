@@ -88,6 +88,15 @@ fn ttl_ms(counter: &Counter) -> u64 {
     (idle.saturating_add(RETRY_HORIZON) / 1_000_000).max(1)
 }
 
+/// When an ask took `d`'s units at its counter, as `r` says (its key's clock); `None` for a
+/// batch's delta, or an ask that took nothing there.
+fn taken_at(req: &SyncRequest, d: &Delta, r: &Result<Update, Answer>) -> Option<Nanos> {
+    match r {
+        Ok(Update::Applied(a, at, _)) if req.ask && a.counted && a.grant >= d.units => Some(*at),
+        _ => None,
+    }
+}
+
 /// How long an ask's task may run past its deadline ([`Store::ask`]), for the give-back.
 const ASK_TASK_PAST: Duration = Duration::from_secs(10);
 
@@ -848,8 +857,8 @@ impl<K: Kv> Store<K> {
                 );
                 return;
             };
-            if let Err(Ok((resp, taken_at))) = tx.send(applied) {
-                store.give_back(&ask, &resp, &taken_at).await;
+            if let Err(Ok((_, taken))) = tx.send(applied) {
+                store.give_back(&ask, &taken).await;
             }
         });
         let answered = tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), &mut rx).await;
@@ -864,13 +873,13 @@ impl<K: Kv> Store<K> {
         applied.map(|a| a.map(|(resp, _)| resp))
     }
 
-    /// Gives back the units an ask answered 503 took on each of its counters (its answer
-    /// `resp` says which granted them), as of when each took them (`taken_at`, the counters'
-    /// clocks). Said in the log when it cannot: the units then stay counted. (The units its
-    /// answer granted beside them stay held for the node for the ask's lease, 1 s.)
-    async fn give_back(&self, req: &SyncRequest, resp: &SyncResponse, taken_at: &[Nanos]) {
-        for ((d, g), at) in req.deltas.iter().zip(&resp.grants).zip(taken_at) {
-            if g.key == d.key && g.grant >= d.units {
+    /// Gives back the units an ask answered 503 took on each of its counters, as of when each
+    /// took them (`taken`, per delta: [`taken_at`]). Said in the log when it cannot: the units
+    /// then stay counted. (The units its answer granted beside them stay held for the node for
+    /// the ask's lease, 1 s.)
+    async fn give_back(&self, req: &SyncRequest, taken: &[Option<Nanos>]) {
+        for (d, at) in req.deltas.iter().zip(taken) {
+            if let Some(at) = at {
                 self.refund(&d.key, d.limit, d.units, *at).await;
             }
         }
@@ -907,12 +916,12 @@ impl<K: Kv> Store<K> {
         self.apply_timed(req, deadline).await.map(|(resp, _)| resp)
     }
 
-    /// [`Store::apply`], with when each counter applied its delta (its key's clock).
+    /// [`Store::apply`], with what an ask took of each counter ([`taken_at`]).
     async fn apply_timed(
         self: &std::sync::Arc<Self>,
         req: &SyncRequest,
         deadline: std::time::Instant,
-    ) -> Result<(SyncResponse, Vec<Nanos>), Answer> {
+    ) -> Result<(SyncResponse, Vec<Option<Nanos>>), Answer> {
         // The registry first: a request made too far from Redis's clock, and an older batch,
         // are refused before any counter sees them.
         let (nodes, lately) = match self.kv.heard(req.node, req.seq, !req.ask, req.sent).await {
@@ -957,15 +966,10 @@ impl<K: Kv> Store<K> {
         // An ask that fails on one counter (or finds it unreadable) fails whole: what its
         // other counters took for it is given back (its request is decided as with the store
         // out of reach).
+        let taken: Vec<Option<Nanos>> = req.deltas.iter().zip(&results).map(|(d, r)| taken_at(req, d, r)).collect();
         let fails = |r: &Result<Update, Answer>| r.is_err() || matches!(r, Ok(Update::Unreadable));
         if let Some(i) = results.iter().position(fails).filter(|_| req.ask) {
-            for (d, r) in req.deltas.iter().zip(&results) {
-                if let Ok(Update::Applied(a, at, _)) = r {
-                    if a.counted && a.grant >= d.units {
-                        self.refund(&d.key, d.limit, d.units, *at).await;
-                    }
-                }
-            }
+            self.give_back(req, &taken).await;
             let failure = results.into_iter().nth(i).and_then(Result::err);
             return Err(failure.unwrap_or_else(|| Answer::error(503, reason::UNREADABLE_ASK)));
         }
@@ -973,12 +977,10 @@ impl<K: Kv> Store<K> {
         let mut failed = Vec::new();
         let mut now = 0;
         let mut noted = Vec::with_capacity(results.len());
-        let mut taken_at = Vec::with_capacity(results.len());
         for (i, (d, r)) in req.deltas.iter().zip(results).enumerate() {
             match r? {
                 Update::Applied(a, at, out_for) => {
                     now = now.max(at);
-                    taken_at.push(at);
                     noted.push((d.key.as_slice(), out_for, at));
                     grants.push(Grant::from_applied(&d.key, &a));
                 }
@@ -986,7 +988,6 @@ impl<K: Kv> Store<K> {
                 // a later batch (nothing of them was counted), while one counter this store
                 // cannot read would otherwise hold back every counter of the node's batches.
                 Update::Unreadable if !req.ask => {
-                    taken_at.push(0);
                     failed.push(u32::try_from(i).unwrap_or(u32::MAX));
                     grants.push(Grant::unapplied(&d.key));
                 }
@@ -1019,7 +1020,7 @@ impl<K: Kv> Store<K> {
             }
             out.name(now, req, &mut resp);
         }
-        Ok((resp, taken_at))
+        Ok((resp, taken))
     }
 
     /// What every counter `req` names holds, and its key's clock. An error when Redis failed.
