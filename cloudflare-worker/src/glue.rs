@@ -1156,7 +1156,7 @@ impl RateLimitCounter {
         };
         let due = self.registry.borrow_mut().mark_due(now());
         if let Some(w) = due {
-            if let Err(e) = self.state.storage().put(&w.key, &w.value).await {
+            if let Err(e) = self.state.storage().put(&w.key, w.mark.to_string()).await {
                 console_error!("ratewall: the node registry's ask mark could not be written ({e})");
                 return Response::error("the node registry could not be written", 503);
             }

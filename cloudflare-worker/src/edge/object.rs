@@ -78,8 +78,6 @@ pub struct MarkWrite {
     pub mark: Nanos,
     /// Its storage key.
     pub key: String,
-    /// The value stored.
-    pub value: String,
     /// Stale marks' keys.
     pub delete: Vec<String>,
 }
@@ -295,7 +293,7 @@ impl Object {
             marks.remove(n);
         }
         let delete = stale.iter().map(|n| mark_key(*n)).collect();
-        Some(MarkWrite { node, mark, key: mark_key(node), value: mark.to_string(), delete })
+        Some(MarkWrite { node, mark, key: mark_key(node), delete })
     }
 
     /// `node`'s ask mark reached storage.
@@ -848,9 +846,9 @@ mod tests {
     #[test]
     fn the_registry_keeps_asks_refused_across_a_restart_by_its_stored_marks() {
         let ask = |node: u64, number: u64, sent: Nanos| Call::Heard { node, seq: (1 << 40) | number, ask: true, sent };
-        let refused = |o: &mut Object, call: Call, t: Nanos| {
-            let Some(Call::Heard { seq, .. }) = Some(call) else { unreachable!() };
-            decode_heard(&o.handle(call, t).unwrap().reply) == Some(Err(SyncError::Repeated { ask: seq }))
+        let refused = |o: &mut Object, (node, number, sent): (u64, u64, Nanos), t: Nanos| {
+            let reply = o.handle(ask(node, number, sent), t).unwrap().reply;
+            decode_heard(&reply) == Some(Err(SyncError::Repeated { ask: (1 << 40) | number }))
         };
         let mut o = Object::default();
         assert_eq!(o.load_registry(&[], T), (vec![], false));
@@ -866,7 +864,7 @@ mod tests {
         o.handle(ask(1, 3, T + ASK_MARK_AHEAD + 1), T).unwrap();
         let w = o.mark_due(T).unwrap();
         o.mark_written(w.node, w.mark);
-        assert!(refused(&mut o, ask(1, 1, T + SECOND), T + SECOND));
+        assert!(refused(&mut o, (1, 1, T + SECOND), T + SECOND));
         assert_eq!(o.mark_due(T + SECOND), None);
         // Node 2's clock runs 20 s ahead.
         o.handle(ask(2, 1, T + 20 * SECOND), T).unwrap();
@@ -874,19 +872,19 @@ mod tests {
         o.mark_written(w2.node, w2.mark);
         // Restarted: each node's stored mark refuses its asks answered before; a later one of
         // node 1 is answered, whatever node 2's clock says.
-        let stored = vec![(w.key.clone(), Some(w.value.clone())), (w2.key.clone(), Some(w2.value.clone()))];
+        let stored = vec![(w.key.clone(), Some(w.mark.to_string())), (w2.key.clone(), Some(w2.mark.to_string()))];
         let mut restarted = Object::default();
         assert_eq!(restarted.load_registry(&stored, T + 2 * SECOND), (vec![], false));
         for (n, sent) in [(1, T), (2, T + ASK_MARK_AHEAD / 2), (3, T + ASK_MARK_AHEAD + 1)] {
-            assert!(refused(&mut restarted, ask(1, n, sent), T + 2 * SECOND), "ask {n}");
+            assert!(refused(&mut restarted, (1, n, sent), T + 2 * SECOND), "ask {n}");
         }
-        assert!(refused(&mut restarted, ask(2, 1, T + 20 * SECOND), T + 2 * SECOND));
-        assert!(!refused(&mut restarted, ask(1, 4, T + 2 * SECOND), T + 2 * SECOND));
-        assert!(!refused(&mut restarted, ask(2, 2, T + 22 * SECOND), T + 2 * SECOND));
+        assert!(refused(&mut restarted, (2, 1, T + 20 * SECOND), T + 2 * SECOND));
+        assert!(!refused(&mut restarted, (1, 4, T + 2 * SECOND), T + 2 * SECOND));
+        assert!(!refused(&mut restarted, (2, 2, T + 22 * SECOND), T + 2 * SECOND));
         // Marks too old to matter, and keys naming no node, are deleted when read; an
         // unreadable mark refuses whatever of its node could still be a replay.
         let stored = vec![
-            (w.key.clone(), Some(w.value.clone())),
+            (w.key.clone(), Some(w.mark.to_string())),
             ("registry:ask:zz".to_owned(), Some("1".to_owned())),
             (mark_key(3), None),
         ];
@@ -894,8 +892,8 @@ mod tests {
         let at = T + MAX_REQUEST_SKEW + SECOND;
         let (stale, unreadable) = later.load_registry(&stored, at);
         assert_eq!((stale, unreadable), (vec![w.key.clone(), "registry:ask:zz".to_owned()], true));
-        assert!(refused(&mut later, ask(3, 1, at + MAX_REQUEST_SKEW), at));
-        assert!(!refused(&mut later, ask(3, 2, at + MAX_REQUEST_SKEW + 1), at));
+        assert!(refused(&mut later, (3, 1, at + MAX_REQUEST_SKEW), at));
+        assert!(!refused(&mut later, (3, 2, at + MAX_REQUEST_SKEW + 1), at));
         assert!(later.mark_due(at).is_some(), "and is written over");
         // A mark gone stale is deleted beside the next one written.
         let mut o = Object::default();
