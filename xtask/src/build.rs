@@ -188,6 +188,11 @@ pub(crate) fn build_worker(tc: &Toolchain) -> Result<()> {
         .arg("--release")
         .env("WASM_BINDGEN_BIN", bindgen)
         .env("ESBUILD_BIN", root().join("node_modules/@esbuild/linux-x64/bin/esbuild"))
+        // worker-build builds with the release profile; the Worker takes the wasm profile's
+        // whole-program LTO in one codegen unit, as the filter does. Measured after wasm-opt:
+        // 1,017,789 → 898,432 bytes, 397,014 → 360,664 gzipped.
+        .env("CARGO_PROFILE_RELEASE_LTO", "fat")
+        .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "1")
         .env("CARGO_TARGET_DIR", root().join("target/wasm")))?;
     let dist = root().join("dist/worker");
     std::fs::create_dir_all(&dist).map_err(|e| format!("{}: {e}", dist.display()))?;
