@@ -361,6 +361,8 @@ pub enum Source {
     Grant,
     /// At Redis (given back there).
     Redis,
+    /// This many from this process's grant ([`Leases::take_part`]), the rest at Redis.
+    Split(u64),
 }
 
 /// The grants this process holds.
@@ -647,6 +649,27 @@ impl Leases {
         Some(Decision { allowed: true, limit: quota, retry_after: None, ..decision })
     }
 
+    /// Spends on a call of `hits` that its grant of counter `rkey` cannot pay whole what the
+    /// grant holds at `now` (our clock): the units taken, for the call to ask Redis for only
+    /// the rest (0: none taken). Its own grant is held against a process's ask, so a call of
+    /// more hits than it holds asked for all of them was refused with them free: on a
+    /// token bucket of 10 an hour, a call of 1 then one of 9 on a process holding 4 of the 9
+    /// left. What is taken goes back ([`Leases::give_back`]) when the ask is refused.
+    pub fn take_part(&self, rkey: &str, limit: Limit, hits: u64, now: Nanos) -> u64 {
+        if hits == 0 || !self.redis_ok.load(Ordering::Relaxed) {
+            return 0;
+        }
+        let Ok(mut held) = self.held.lock() else { return 0 };
+        let Some(h) = held.get_mut(rkey).filter(|h| h.limit == limit) else { return 0 };
+        let (carried, grant, extra) = h.spendable(now);
+        let part = carried.saturating_add(grant).saturating_add(extra).min(hits);
+        if part == 0 || h.spend(part, now).is_none() {
+            return 0;
+        }
+        h.admit(part, now);
+        part
+    }
+
     /// A new ask number (never 0).
     pub fn next_ask(&self) -> u64 {
         self.asks.fetch_add(1, Ordering::Relaxed) + 1
@@ -695,14 +718,16 @@ impl Leases {
         Some(Decision { allowed: true, limit: limit.quota(), remaining, reset_after, retry_after: None })
     }
 
-    /// Records an ask's answer at `now` (our clock) for a call of `hits`: the units beside
-    /// them become this process's grant. Returns the call's decision, and where its hits were
-    /// taken (a refused ask's call is admitted on a grant that came while it waited its turn).
+    /// Records an ask's answer at `now` (our clock) for a call whose `hits` were asked for,
+    /// `part` more having been taken from the grant first ([`Leases::take_part`]): the units
+    /// beside them become this process's grant. Returns the call's decision, and where its
+    /// asked hits were taken (a refused ask's call is admitted on a grant that came while it
+    /// waited its turn).
     pub fn answered(
         &self,
         rkey: &str,
         limit: Limit,
-        hits: u64,
+        (hits, part): (u64, u64),
         a: &Applied,
         retry: Option<Nanos>,
         now: Nanos,
@@ -771,7 +796,7 @@ impl Leases {
                     h.denied_until = 0;
                 } else if hits > 0 {
                     h.denied_until = now.saturating_add(retry.unwrap_or(DENY_CACHE).min(DENY_CACHE));
-                    h.denied_hits = hits;
+                    h.denied_hits = hits.saturating_add(part);
                     h.retry_at = retry.map(|r| now.saturating_add(r));
                 }
             }
@@ -1174,7 +1199,7 @@ mod tests {
         assert!(l.cold("k", limit(), 1, 10).is_none(), "Redis has not answered yet: it asks");
         l.present(Some(1), 0);
         l.reached(true);
-        assert!(l.answered("k", limit(), 1, &applied(4, 99), None, 10).0.allowed);
+        assert!(l.answered("k", limit(), (1, 0), &applied(4, 99), None, 10).0.allowed);
         assert!(l.take("k", limit(), 1, 20).is_some());
         l.reached(false);
         assert!(l.take("k", limit(), 1, 20).is_none(), "a grant held waits for Redis too");
@@ -1198,7 +1223,7 @@ mod tests {
     fn a_grant_pays_for_calls_until_spent_or_over() {
         let l = answered();
         assert!(l.take("k", limit(), 1, 10).is_none(), "nothing held yet");
-        let d = l.answered("k", limit(), 1, &applied(4, 99), None, 10).0;
+        let d = l.answered("k", limit(), (1, 0), &applied(4, 99), None, 10).0;
         assert!(d.allowed);
         for _ in 0..3 {
             assert!(l.take("k", limit(), 1, 20).unwrap().allowed);
@@ -1213,7 +1238,7 @@ mod tests {
     #[test]
     fn an_unacknowledged_batch_is_sent_again_with_its_seq() {
         let l = answered();
-        l.answered("k", limit(), 1, &applied(5, 99), None, 0);
+        l.answered("k", limit(), (1, 0), &applied(5, 99), None, 0);
         l.take("k", limit(), 2, 1).unwrap();
         let first = l.due(2);
         l.take("k", limit(), 1, 3).unwrap();
@@ -1226,7 +1251,7 @@ mod tests {
     #[test]
     fn a_batch_past_the_retry_horizon_is_dropped_not_resent() {
         let l = answered();
-        l.answered("k", limit(), 1, &applied(5, 99), None, 0);
+        l.answered("k", limit(), (1, 0), &applied(5, 99), None, 0);
         l.take("k", limit(), 2, 1).unwrap();
         assert_eq!(l.due(2).len(), 1);
         assert!(l.due(3 + RETRY_HORIZON).iter().all(|b| b.units == 0));
@@ -1236,7 +1261,7 @@ mod tests {
     #[test]
     fn a_refused_ask_answers_from_memory_briefly() {
         let l = answered();
-        let d = l.answered("k", limit(), 1, &applied(0, 0), Some(10 * ratewall_core::SECOND), 0).0;
+        let d = l.answered("k", limit(), (1, 0), &applied(0, 0), Some(10 * ratewall_core::SECOND), 0).0;
         assert!(!d.allowed);
         let cached = l.take("k", limit(), 1, DENY_CACHE - 1).unwrap();
         assert!(!cached.allowed);
@@ -1246,7 +1271,7 @@ mod tests {
             "the call's own retry time"
         );
         assert!(l.take("k", limit(), 1, DENY_CACHE).is_none());
-        l.answered("k", limit(), 3, &applied(0, 2), Some(ratewall_core::SECOND), 0);
+        l.answered("k", limit(), (3, 0), &applied(0, 2), Some(ratewall_core::SECOND), 0);
         assert!(l.take("k", limit(), 2, 1).is_none(), "a smaller call may fit: it asks");
         assert!(!l.take("k", limit(), 3, 1).unwrap().allowed);
     }
@@ -1291,7 +1316,7 @@ mod tests {
         // A window's: what Redis answered, less what was spent since the batch was cut.
         let l = answered();
         let ms = s / 1000;
-        l.answered("w", limit(), 1, &applied(10, 90), None, s);
+        l.answered("w", limit(), (1, 0), &applied(10, 90), None, s);
         assert!(l.take("w", limit(), 1, s).is_some());
         assert_eq!(cut(l.due(s + 100 * ms)), vec![("w".to_owned(), limit(), 1, 1)]);
         assert!(l.take("w", limit(), 1, s + 200 * ms).is_some());
@@ -1369,9 +1394,9 @@ mod tests {
     fn a_process_that_stops_reports_every_unit_not_acknowledged() {
         let s = ratewall_core::SECOND;
         let l = answered();
-        l.answered("a", limit(), 1, &applied(10, 99), None, 0);
-        l.answered("b", limit(), 1, &applied(10, 99), None, 0);
-        l.answered("idle", limit(), 1, &applied(10, 99), None, 0);
+        l.answered("a", limit(), (1, 0), &applied(10, 99), None, 0);
+        l.answered("b", limit(), (1, 0), &applied(10, 99), None, 0);
+        l.answered("idle", limit(), (1, 0), &applied(10, 99), None, 0);
         l.take("a", limit(), 2, 1).unwrap();
         l.take("b", limit(), 1, 1).unwrap();
         // A batch of `a` on its way, and a unit spent after it was cut.
@@ -1398,14 +1423,14 @@ mod tests {
     #[test]
     fn a_call_whose_ask_waited_while_a_grant_came_is_admitted_on_it() {
         let l = answered();
-        assert!(l.answered("k", limit(), 1, &applied(1, 99), None, 0).0.allowed);
+        assert!(l.answered("k", limit(), (1, 0), &applied(1, 99), None, 0).0.allowed);
         // Refused at Redis, which held the grant a batch's answer brought meanwhile.
         l.synced("k", 1, &applied(5, 90), 1);
-        let (d, from) = l.answered("k", limit(), 1, &applied(0, 0), Some(ratewall_core::SECOND), 2);
+        let (d, from) = l.answered("k", limit(), (1, 0), &applied(0, 0), Some(ratewall_core::SECOND), 2);
         assert!(d.allowed && from == Source::Grant, "{d:?}");
         assert_eq!(l.unreported("k", 3), 1);
         // A refusal is answered from memory only until a grant comes.
-        assert!(!l.answered("j", limit(), 1, &applied(0, 0), Some(ratewall_core::SECOND), 2).0.allowed);
+        assert!(!l.answered("j", limit(), (1, 0), &applied(0, 0), Some(ratewall_core::SECOND), 2).0.allowed);
         assert!(!l.take("j", limit(), 1, 3).unwrap().allowed);
         l.synced("j", 1, &applied(5, 90), 4);
         assert!(l.take("j", limit(), 1, 5).unwrap().allowed);
@@ -1414,7 +1439,7 @@ mod tests {
     #[test]
     fn given_back_hits_return_to_the_grant() {
         let l = answered();
-        l.answered("k", limit(), 1, &applied(2, 99), None, 0);
+        l.answered("k", limit(), (1, 0), &applied(2, 99), None, 0);
         l.take("k", limit(), 1, 1).unwrap();
         assert!(l.give_back("k", 1));
         assert!(l.take("k", limit(), 1, 2).is_some());
@@ -1482,7 +1507,7 @@ mod tests {
                 ((a, retry, low_until(c, now)), a.counted)
             });
             self.l.note_low("k", low);
-            self.l.answered("k", limit, hits, &a, retry, t).0
+            self.l.answered("k", limit, (hits, 0), &a, retry, t).0
         }
 
         /// The flushes every [`FLUSH`] before `t`.
@@ -1510,7 +1535,7 @@ mod tests {
             counted: true,
         };
         // A burst of calls 3 ms apart, the grant renewed by the batch after it.
-        assert!(l.answered("k", fifty, 1, &grant(30, 49), None, T).0.allowed);
+        assert!(l.answered("k", fifty, (1, 0), &grant(30, 49), None, T).0.allowed);
         assert!((1..30).all(|i| l.take("k", fifty, 1, T + i * 3 * MS).is_some_and(|d| d.allowed)));
         let b = l.due(T + 100 * MS);
         assert_eq!((b.len(), b[0].units, b[0].release), (1, 29, false));
@@ -1594,7 +1619,7 @@ mod tests {
     fn a_batch_redis_keeps_refusing_is_sent_less_and_less_often_until_another_is_taken() {
         let l = answered();
         for k in ["k", "j"] {
-            assert!(l.answered(k, limit(), 1, &applied(4, 99), None, T).0.allowed);
+            assert!(l.answered(k, limit(), (1, 0), &applied(4, 99), None, T).0.allowed);
             l.take(k, limit(), 1, T + MS).unwrap();
         }
         let keys = |b: Vec<Batch>| b.into_iter().map(|b| b.rkey).collect::<Vec<_>>();
@@ -1713,7 +1738,7 @@ mod tests {
         let l = answered();
         // The counter's clock 5 s behind ours.
         l.observed("k", T - 5 * s, T, T - 5 * s);
-        l.answered("k", bucket, 1, &applied(5, 9), None, T);
+        l.answered("k", bucket, (1, 0), &applied(5, 9), None, T);
         l.take("k", bucket, 1, T + 10 * MS).unwrap();
         l.take("k", bucket, 2, T + 20 * MS).unwrap();
         let b = l.due(T + 50 * MS);
@@ -1742,7 +1767,7 @@ mod tests {
         // An ask late in the window: 1 taken at Redis, 2 more granted until the window's end.
         let l = answered();
         let a = Applied { remaining: 2, grant: 3, reset_after: 100 * MS, lease: s, nodes: 1, counted: true };
-        assert!(l.answered("k", three, 1, &a, None, end - 100 * MS).0.allowed);
+        assert!(l.answered("k", three, (1, 0), &a, None, end - 100 * MS).0.allowed);
         l.take("k", three, 1, end - 90 * MS).unwrap();
         l.take("k", three, 1, end - 80 * MS).unwrap();
         assert_eq!(l.unreported("k", end - 50 * MS), 2);
@@ -1756,7 +1781,7 @@ mod tests {
         }
         // A batch cut before the end that reaches Redis after it counts in neither window.
         let l = answered();
-        l.answered("k", three, 1, &a, None, end - 100 * MS);
+        l.answered("k", three, (1, 0), &a, None, end - 100 * MS);
         l.take("k", three, 2, end - 90 * MS).unwrap();
         let b = l.due(end - 10 * MS);
         assert_eq!((b[0].units, b[0].since), (2, end - 90 * MS));

@@ -618,26 +618,42 @@ impl<K: Kv> Rls<K> {
                 return Ok((d, now, lease::Source::Grant));
             }
         }
+        // What the grant holds is spent on the call, and only the rest asked for: the grant is
+        // held against this process's ask.
+        let part = self.leases.take_part(&c.rkey, limit, hits, now);
+        let rest = hits - part;
         let ask = self.leases.next_ask();
         let unreported = self.leases.unreported(&c.rkey, now);
         // The ask's leases count from when it was sent, so that they end here before Redis's.
         let asked = |(a, at, retry, low)| {
             self.leases.note_low(&c.rkey, low);
-            (self.leases.answered(&c.rkey, limit, hits, &a, retry, now), at)
+            (self.leases.answered(&c.rkey, limit, (rest, part), &a, retry, now), at)
         };
-        let ((d, from), at) = self
+        let answer = self
             .update_then(
                 &c.rkey,
                 limit,
                 move |counter, at| {
                     // Read in turn (what changes it is noted in turn), as of the call's start.
                     let mine = self.leases.holding(&c.rkey, now);
-                    let (a, retry) = ask_at(counter, at, (node, ask, mine), hits, unreported);
+                    let (a, retry) = ask_at(counter, at, (node, ask, mine), rest, unreported);
                     ((a, at, retry, lease::low_until(counter, at)), a.counted)
                 },
                 asked,
             )
-            .await?;
+            .await;
+        let ((d, from), at) = match answer {
+            Ok(((d, from), at)) if d.allowed || part == 0 => ((d, from), at),
+            // Refused, or no answer: the part taken from the grant goes back.
+            answer => {
+                let _ = self.give_back_units(c, (part, 0), now, true).await;
+                answer?
+            }
+        };
+        let from = match from {
+            lease::Source::Redis if part > 0 => lease::Source::Split(part),
+            from => from,
+        };
         // Taken from a grant: at our clock, as every call taken there.
         let at = if from == lease::Source::Grant { now } else { at };
         Ok((d, at, from))
@@ -645,13 +661,34 @@ impl<K: Kv> Rls<K> {
 
     /// Gives back hits taken at `at` where they were taken.
     async fn give_back(&self, c: &Check, at: Nanos, from: lease::Source) -> Result<(), Refusal> {
+        let (mine, theirs) = match from {
+            lease::Source::Grant => (c.hits, 0),
+            lease::Source::Redis => (0, c.hits),
+            lease::Source::Split(part) => (part, c.hits.saturating_sub(part)),
+        };
+        self.give_back_units(c, (mine, theirs), at, from == lease::Source::Grant).await
+    }
+
+    /// Gives back `mine` units of check `c` taken from this process's grant (to it, or at
+    /// Redis when they were reported already) and `theirs` taken at Redis, as of `at` (`ours`:
+    /// on this process's clock).
+    async fn give_back_units(
+        &self,
+        c: &Check,
+        (mine, theirs): (u64, u64),
+        at: Nanos,
+        ours: bool,
+    ) -> Result<(), Refusal> {
         let Some(limit) = c.rule.limit else { return Ok(()) };
-        if from == lease::Source::Grant && self.leases.give_back(&c.rkey, c.hits) {
+        let mut hits = theirs;
+        if mine > 0 && !self.leases.give_back(&c.rkey, mine) {
+            hits = hits.saturating_add(mine);
+        }
+        if hits == 0 {
             return Ok(());
         }
         // Reported already: given back at Redis, as of when they were taken on its clock.
-        let at = if from == lease::Source::Grant { self.leases.on_counter(&c.rkey, at) } else { at };
-        let hits = c.hits;
+        let at = if ours { self.leases.on_counter(&c.rkey, at) } else { at };
         self.update(&c.rkey, limit, move |counter, now| {
             counter.refund(limit, now, at, hits);
             ((), true)

@@ -586,3 +586,74 @@ fn a_refused_calls_wait_counts_the_other_processes_grants_as_spent() {
     // The process holding the grant waits as before: its own are counted as what it spent.
     assert!(super::retry_after(&c, start, 1, (1, 10)).unwrap() >= 19 * s);
 }
+
+/// A call of more hits than this process's grant holds spends what the grant holds and asks
+/// Redis for the rest only: its own grant is held against its ask, so asked for whole, a call
+/// of 9 on a token bucket of 10 after a call of 1, on one of two processes, was refused with
+/// the 9 free. Refused, the part it took goes back to the grant.
+#[tokio::test]
+async fn a_call_its_grant_cannot_pay_whole_asks_only_for_the_rest() {
+    let config = "domain: t
+descriptors:
+  - key: tok
+    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: token_bucket}
+";
+    let store = rls().store;
+    let process =
+        || Rls::new(Arc::clone(&store), RlsConfig::parse("t.yaml", config).unwrap(), None, b"unit-test-secret-0123");
+    let (r, other) = (process(), process());
+    // Both noted present: an initial share is half the bucket.
+    lease::flush(&r).await;
+    lease::flush(&other).await;
+    lease::flush(&r).await;
+    let take = |hits: u64| {
+        let mut c = call(&[&[("tok", "v")]]);
+        c.domain = "t".into();
+        c.descriptors[0].hits_addend = Some(hits);
+        c
+    };
+    let first = r.should_rate_limit(&take(1)).await.unwrap();
+    assert_eq!((first.overall_code, remaining(&first)), (Code::Ok, vec![9]));
+    let nine = r.should_rate_limit(&take(9)).await.unwrap();
+    assert_eq!((nine.overall_code, remaining(&nine)), (Code::Ok, vec![0]), "{:?}", nine.headers);
+    let over = r.should_rate_limit(&take(1)).await.unwrap();
+    assert_eq!(over.overall_code, Code::OverLimit);
+    // At the other process too, once this one's units are counted and its note of the
+    // counter as spent read there.
+    lease::flush(&r).await;
+    lease::flush(&other).await;
+    assert_eq!(other.should_rate_limit(&take(1)).await.unwrap().overall_code, Code::OverLimit);
+}
+
+/// A call refused by its ask gives back what it took from the grant: the grant pays the calls
+/// after it.
+#[tokio::test]
+async fn a_refused_ask_gives_its_grants_part_back() {
+    let config = "domain: t
+descriptors:
+  - key: tok
+    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: token_bucket}
+";
+    let store = rls().store;
+    let process =
+        || Rls::new(Arc::clone(&store), RlsConfig::parse("t.yaml", config).unwrap(), None, b"unit-test-secret-0123");
+    let (r, other) = (process(), process());
+    lease::flush(&r).await;
+    lease::flush(&other).await;
+    lease::flush(&r).await;
+    let take = |hits: u64| {
+        let mut c = call(&[&[("tok", "v")]]);
+        c.domain = "t".into();
+        c.descriptors[0].hits_addend = Some(hits);
+        c
+    };
+    assert_eq!(r.should_rate_limit(&take(1)).await.unwrap().overall_code, Code::Ok);
+    // More than the bucket holds: refused, nothing taken.
+    assert_eq!(r.should_rate_limit(&take(10)).await.unwrap().overall_code, Code::OverLimit);
+    lease::flush(&r).await;
+    let mut look = take(0);
+    look.descriptors[0].hits_addend = Some(0);
+    assert_eq!(remaining(&other.should_rate_limit(&look).await.unwrap()), [9], "only the first call's unit is counted");
+    let nine = r.should_rate_limit(&take(9)).await.unwrap();
+    assert_eq!((nine.overall_code, remaining(&nine)), (Code::Ok, vec![0]));
+}
