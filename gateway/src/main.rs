@@ -1,22 +1,23 @@
 //! `ratewall-gateway`: ratewall running locally. An HTTP/1.1 server on 127.0.0.1 whose every
 //! request goes through the built filter (`dist/ratewall_filter.wasm`) in the wasmtime
 //! proxy-wasm host — several worker VMs sharing one node's counters, as in Envoy — and, when
-//! admitted, to a small built-in demo origin (a request a leaky bucket queues is forwarded
+//! admitted, to a small built-in demo origin or to `--upstream`, an HTTP/1.1 origin of the
+//! user's (a request a leaky bucket queues is forwarded
 //! when the filter resumes it in its turn, while its worker serves others). Each connection's
 //! request is read on a thread of its own, and the worker VMs take only complete requests, so
 //! a slow or idle client holds up no worker. The rules file is watched and pushed to the VMs
 //! when it changes, as an xDS config push would be; a bad file is rejected and the last good
 //! rules stay.
 //!
-//! `ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE]`
-//! (default port 8080, or a free one when 8080 is taken; `--port 0` always picks a free one;
+//! `ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE]
+//! [--upstream HOST:PORT]` (default port 8080, or a free one when 8080 is taken; `--port 0` always picks a free one;
 //! the filter from `--wasm`, else `dist/ratewall_filter.wasm` under the working directory, else
 //! the build tree's). With
 //! `--store` (a ratewall-store, or the Worker's sync endpoint) and a `sync` section in the
 //! rules, the gateway is one node of a fleet: its VMs tick, and their sync calls go over HTTP
 //! to the stores (the next one when one fails), as Envoy sends them to the sync cluster.
 
-use ratewall_host::{FilterResult, HttpRequest, Node, Plugin, Started, Vm};
+use ratewall_host::{FilterResult, Forward, HttpRequest, Node, Plugin, Started, Vm};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -25,14 +26,17 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const USAGE: &str =
-    "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE]
+    "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE] [--upstream HOST:PORT]
   --rules FILE       the rules document, watched and pushed on change (default examples/rules.json)
   --wasm FILE        the built filter (default dist/ratewall_filter.wasm here, else the build tree's)
   --port N           the port on 127.0.0.1 (not given: 8080, or a free one when 8080 is taken; 0: a
                      free one; a port given that is taken is an error)
   --workers N        worker VMs sharing the node's counters, 1 to 64 (default 2)
   --store HOST:PORT  a ratewall-store, or the Worker's sync endpoint, this node syncs to (with a
-                     `sync` section in the rules); several: the next when one fails";
+                     `sync` section in the rules); several: the next when one fails
+  --upstream HOST:PORT  the HTTP/1.1 origin admitted requests go to (default: a built-in demo
+                     origin that answers at once); a request is in flight until its response
+                     is sent, as a concurrency limit counts it";
 
 struct Args {
     rules: String,
@@ -40,13 +44,21 @@ struct Args {
     workers: usize,
     stores: Vec<String>,
     wasm: Option<String>,
+    upstream: Option<String>,
 }
 
 /// Most worker VMs (each a wasm instance and a thread).
 const MAX_WORKERS: usize = 64;
 
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args { rules: "examples/rules.json".into(), port: None, workers: 2, stores: Vec::new(), wasm: None };
+    let mut a = Args {
+        rules: "examples/rules.json".into(),
+        port: None,
+        workers: 2,
+        stores: Vec::new(),
+        wasm: None,
+        upstream: None,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -62,6 +74,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--store" => a.stores.push(value()?),
             "--wasm" => a.wasm = Some(value()?),
+            "--upstream" => a.upstream = Some(value()?),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
@@ -134,23 +147,28 @@ fn serve() -> Result<(), String> {
         let doc = rules.document.lock().map_err(|e| e.to_string())?.clone();
         let mut vm = Vm::start(&plugin, &node, &doc).map_err(|e| format!("worker {w}: {e}"))?;
         let (queue, rules, node, stores) = (Arc::clone(&queue), Arc::clone(&rules), node.clone(), args.stores.clone());
+        let upstream = args.upstream.clone();
         std::thread::Builder::new()
             .name(format!("worker-{w}"))
-            .spawn(move || work(w, &mut vm, &queue, &rules, &node, &stores))
+            .spawn(move || {
+                let origin = Origin { upstream: upstream.as_deref(), inbox: Arc::default(), queue: Arc::clone(&queue) };
+                work(w, &mut vm, &queue, &rules, &node, &stores, &origin)
+            })
             .map_err(|e| format!("worker {w}: {e}"))?;
     }
     watch(args.rules.clone(), Arc::clone(&rules));
 
     // Written with errors ignored: a closed stdout must not take the gateway down.
     let banner = format!(
-        "ratewall is running at http://{addr}  (rules: {}, {} worker VM{})\n\
+        "ratewall is running at http://{addr}  (rules: {}, {} worker VM{}, origin: {})\n\
          \x20 the RateLimit fields:  curl -si http://{addr}/v1/things -H 'x-api-key: demo'\n\
          \x20 a 429 after 10 logins: for i in $(seq 11); do curl -s -o /dev/null -w '%{{http_code}} ' -X POST http://{addr}/v1/auth/login; done; echo\n\
          \x20 metrics:               curl -s http://{addr}/_ratewall/metrics\n\
          Ctrl-C stops it.\n",
         args.rules,
         args.workers,
-        if args.workers == 1 { "" } else { "s" }
+        if args.workers == 1 { "" } else { "s" },
+        args.upstream.as_deref().map_or_else(|| "the built-in demo".to_owned(), |u| format!("http://{u}"))
     );
     let mut out = std::io::stdout();
     let _ = out.write_all(banner.as_bytes()).and_then(|_| out.flush());
@@ -163,12 +181,14 @@ fn serve() -> Result<(), String> {
 
 /// One worker VM's loop: runs the requests it takes from the queue through the filter, ticks
 /// at the filter's period, gives back the turns of waiting requests whose client went away,
-/// and answers the waiting requests the filter resumed.
-fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores: &[String]) {
+/// answers the waiting requests the filter resumed, and the upstream's answers.
+fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores: &[String], origin: &Origin) {
     let mut seen = 0;
     // Requests paused until their turn (a leaky bucket's queue): answered when the filter
     // resumes them from its tick, as Envoy forwards them then.
     let mut waiting: Vec<Waiting> = Vec::new();
+    // Requests sent to the upstream, until its answer is sent on or their client goes away.
+    let mut flying: Vec<Flying> = Vec::new();
     let mut last_tick = Instant::now();
     // The rules pushed since this VM was last configured, if any (as an xDS push reaches a
     // proxy's VMs before the next request they handle).
@@ -188,16 +208,17 @@ fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores
         // looked at again.
         let period = Duration::from_millis(u64::from(vm.tick_period_ms()));
         let mut wait = (!period.is_zero()).then(|| period.saturating_sub(last_tick.elapsed()));
-        if !waiting.is_empty() {
+        if !waiting.is_empty() || !flying.is_empty() {
             wait = Some(wait.map_or(RECHECK, |d| d.min(RECHECK)));
         }
-        if let Some(request) = queue.pop(wait) {
+        if let Some(request) = queue.pop(wait, &|| origin.inbox.has_answers()) {
             // A push made while this worker waited applies to the request that woke it.
             configure(vm);
             node.set_time(wall_clock());
-            match handle(vm, request, stores) {
-                Ok(Some(paused)) => waiting.push(paused),
-                Ok(None) => {}
+            match handle(vm, request, stores, origin) {
+                Ok(Next::Waiting(paused)) => waiting.push(paused),
+                Ok(Next::Flying(f)) => flying.push(f),
+                Ok(Next::Answered) => {}
                 Err(e) => log(&format!("worker {w}: {e}")),
             }
         }
@@ -209,7 +230,8 @@ fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores
             }
         }
         waiting = leave(vm, waiting, w);
-        waiting = resume(vm, waiting, w);
+        waiting = resume(vm, waiting, w, origin, &mut flying);
+        flying = landed(vm, flying, &origin.inbox, w);
         // What the filter logs, as a proxy writes its log: the VMs share the node's.
         for (level, line) in node.take_logs() {
             log(&format!("filter ({}): {line}", level_name(level)));
@@ -242,13 +264,24 @@ impl Queue {
         self.ready.notify_one();
     }
 
-    /// The next request, waiting for one at most `wait` (`None`: as long as it takes).
-    fn pop(&self, wait: Option<Duration>) -> Option<Request> {
+    /// Wakes the workers waiting for a request, for them to look at their upstream answers.
+    fn wake(&self) {
+        let _held = self.requests.lock().unwrap_or_else(PoisonError::into_inner);
+        self.ready.notify_all();
+    }
+
+    /// The next request, waiting for one at most `wait` (`None`: as long as it takes), or
+    /// none as soon as `woken` holds (looked at under the queue's lock, which [`Queue::wake`]
+    /// takes: no wake is missed).
+    fn pop(&self, wait: Option<Duration>, woken: &dyn Fn() -> bool) -> Option<Request> {
         let deadline = wait.and_then(|w| Instant::now().checked_add(w));
         let mut requests = self.requests.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
             if let Some(request) = requests.pop_front() {
                 return Some(request);
+            }
+            if woken() {
+                return None;
             }
             requests = match (wait, deadline) {
                 (None, _) => self.ready.wait(requests).unwrap_or_else(PoisonError::into_inner),
@@ -460,6 +493,8 @@ struct Waiting {
     stream: TcpStream,
     method: String,
     path: String,
+    /// What is sent to the upstream once the filter resumes it (none for the demo origin).
+    out: Option<Outbound>,
 }
 
 /// Whether the client of a waiting request went away: its connection was closed or reset.
@@ -484,11 +519,33 @@ fn leave(vm: &mut Vm, waiting: Vec<Waiting>, worker: usize) -> Vec<Waiting> {
     still
 }
 
-/// Answers the waiting requests the filter resumed (forwarded) or replied to; returns the
-/// others, still waiting.
-fn resume(vm: &mut Vm, waiting: Vec<Waiting>, worker: usize) -> Vec<Waiting> {
+/// Answers the waiting requests the filter resumed (forwarded: to `flying` when they go to an
+/// upstream) or replied to; returns the others, still waiting.
+fn resume(
+    vm: &mut Vm,
+    waiting: Vec<Waiting>,
+    worker: usize,
+    origin: &Origin,
+    flying: &mut Vec<Flying>,
+) -> Vec<Waiting> {
     let mut still = Vec::new();
     for mut w in waiting {
+        if let Some(out) = w.out.take() {
+            let next = match vm.resumed(w.ctx) {
+                Ok(Some(f)) => forward(vm, f, (w.stream, &w.method, &w.path), out, origin),
+                Ok(None) => {
+                    still.push(Waiting { out: Some(out), ..w });
+                    continue;
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            match next {
+                Ok(Next::Flying(f)) => flying.push(f),
+                Ok(_) => {}
+                Err(e) => log(&format!("worker {worker}: {e}")),
+            }
+            continue;
+        }
         match vm.finish(w.ctx) {
             Ok(Some(result)) => {
                 let answered = w
@@ -514,7 +571,13 @@ struct Request {
     /// The target in origin form (`/path?query`): the filter's `:path`.
     path: String,
     req: HttpRequest,
+    /// The body, when it was whole within [`MAX_BODY`] and sent with a length (`None`: over
+    /// it, or chunked; the demo origin reads none, an upstream is not sent it).
+    body: Option<Vec<u8>>,
 }
+
+/// The largest request body the gateway sends an upstream.
+const MAX_BODY: usize = 1 << 20;
 
 /// What reading a connection gave.
 enum Head {
@@ -640,7 +703,9 @@ fn read_request(stream: TcpStream) -> Head {
     if let Some(authority) = &authority {
         req.headers.push((":authority".into(), authority.as_bytes().to_vec()));
     }
-    let mut content_length = 0usize;
+    // The body's length (None: a value that is not a number; the body is not whole).
+    let mut content_length = Some(0usize);
+    let mut chunked = false;
     loop {
         let mut h = Vec::new();
         match read_line(&mut reader, &mut h, &mut budget) {
@@ -659,7 +724,10 @@ fn read_request(stream: TcpStream) -> Head {
             let name = String::from_utf8_lossy(name).trim().to_ascii_lowercase();
             let value = value.get(1..).unwrap_or_default().trim_ascii().to_vec();
             if name == "content-length" {
-                content_length = String::from_utf8_lossy(&value).parse().unwrap_or(0);
+                content_length = String::from_utf8_lossy(&value).parse().ok();
+            }
+            if name == "transfer-encoding" {
+                chunked = true;
             }
             if name == "host" {
                 if authority.is_none() {
@@ -670,9 +738,9 @@ fn read_request(stream: TcpStream) -> Head {
             req.headers.push((name, value));
         }
     }
-    let mut body = vec![0u8; content_length.min(1 << 20)];
-    let _ = reader.read_exact(&mut body);
-    Head::Request(Request { stream, method: method.to_owned(), path, req })
+    let mut body = vec![0u8; content_length.unwrap_or(0).min(MAX_BODY)];
+    let whole = reader.read_exact(&mut body).is_ok() && content_length.is_some_and(|n| n <= MAX_BODY) && !chunked;
+    Head::Request(Request { stream, method: method.to_owned(), path, req, body: whole.then_some(body) })
 }
 
 /// Closes a connection answered before its request was read to the end, as NGINX's lingering
@@ -688,8 +756,26 @@ fn linger(stream: TcpStream) {
 
 /// Runs a request through the filter: answered now, or (`Some`) paused until its turn,
 /// answered by [`resume`].
-fn handle(vm: &mut Vm, request: Request, stores: &[String]) -> Result<Option<Waiting>, String> {
-    let Request { mut stream, method, path, req } = request;
+fn handle(vm: &mut Vm, request: Request, stores: &[String], origin: &Origin) -> Result<Next, String> {
+    let Request { mut stream, method, path, req, body } = request;
+    if origin.upstream.is_some() {
+        let Some(body) = body else {
+            let text: &[u8] = b"the gateway sends an upstream a body of at most 1 MiB, with a content-length\n";
+            return respond(&mut stream, 413, &[], text).map(|()| Next::Answered);
+        };
+        let out = Outbound::of(&req, body);
+        let next = match vm.begin_forwarded(&req).map_err(|e| e.to_string())? {
+            Forward::Paused(ctx) => {
+                exchange(vm, stores).map_err(|e| e.to_string())?;
+                match vm.resumed(ctx).map_err(|e| e.to_string())? {
+                    Some(next) => next,
+                    None => return park(vm, ctx, stream, (method, path), Some(out)),
+                }
+            }
+            next => next,
+        };
+        return forward(vm, next, (stream, &method, &path), out, origin);
+    }
     // A request the filter pauses waits for its ask to the store, as in Envoy, or for its
     // turn in a leaky bucket's queue (the filter resumes it from a later tick).
     let result = match vm.begin(&req).map_err(|e| e.to_string())? {
@@ -698,18 +784,188 @@ fn handle(vm: &mut Vm, request: Request, stores: &[String]) -> Result<Option<Wai
             exchange(vm, stores).map_err(|e| e.to_string())?;
             match vm.finish(ctx).map_err(|e| e.to_string())? {
                 Some(r) => r,
-                None => {
-                    if let Err(e) = stream.set_nonblocking(true) {
-                        // Not able to watch the connection: the request gives its turn back.
-                        vm.abort(ctx).map_err(|e| e.to_string())?;
-                        return Err(e.to_string());
-                    }
-                    return Ok(Some(Waiting { ctx, stream, method, path }));
-                }
+                None => return park(vm, ctx, stream, (method, path), None),
             }
         }
     };
-    answer(&mut stream, &result, &method, &path).map(|()| None)
+    answer(&mut stream, &result, &method, &path).map(|()| Next::Answered)
+}
+
+/// What a worker holds of a request once it has run through the filter.
+enum Next {
+    /// Answered, and done with.
+    Answered,
+    /// Paused until its turn.
+    Waiting(Waiting),
+    /// Sent to the upstream.
+    Flying(Flying),
+}
+
+/// A paused request, waiting with its connection watched.
+fn park(
+    vm: &mut Vm,
+    ctx: u32,
+    stream: TcpStream,
+    (method, path): (String, String),
+    out: Option<Outbound>,
+) -> Result<Next, String> {
+    if let Err(e) = stream.set_nonblocking(true) {
+        // Not able to watch the connection: the request gives its turn back.
+        vm.abort(ctx).map_err(|e| e.to_string())?;
+        return Err(e.to_string());
+    }
+    Ok(Next::Waiting(Waiting { ctx, stream, method, path, out }))
+}
+
+/// Where a worker's admitted requests go: the upstream (none: the demo origin), and where
+/// the upstream's answers come back to it.
+struct Origin<'a> {
+    upstream: Option<&'a str>,
+    inbox: Arc<Inbox>,
+    queue: Arc<Queue>,
+}
+
+/// The upstream's answers to a worker's requests, by context, as they come.
+#[derive(Default)]
+struct Inbox(Mutex<Vec<(u32, Result<Upstreamed, String>)>>);
+
+impl Inbox {
+    fn has_answers(&self) -> bool {
+        !self.0.lock().unwrap_or_else(PoisonError::into_inner).is_empty()
+    }
+
+    fn take(&self) -> Vec<(u32, Result<Upstreamed, String>)> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// The upstream's response, as it is sent on.
+type Upstreamed = ratewall_host::http::Response;
+
+/// How long the upstream has to answer a request.
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Headers that belong to one connection (RFC 9110 7.6.1), not passed across the gateway,
+/// and the body's framing, which the gateway sets itself.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+];
+
+/// A request as the upstream is sent it: its header fields (the authority as `host`) and body.
+struct Outbound {
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Outbound {
+    fn of(req: &HttpRequest, body: Vec<u8>) -> Outbound {
+        let headers = req
+            .headers
+            .iter()
+            .filter_map(|(k, v)| match k.as_str() {
+                ":authority" => Some(("host".to_owned(), v)),
+                k if k.starts_with(':') || HOP_BY_HOP.contains(&k) => None,
+                k => Some((k.to_owned(), v)),
+            })
+            .map(|(k, v)| (k, String::from_utf8_lossy(v).into_owned()))
+            .collect();
+        Outbound { headers, body }
+    }
+}
+
+/// A request sent to the upstream: in flight until its answer is sent on, or its client goes.
+struct Flying {
+    ctx: u32,
+    stream: TcpStream,
+    method: String,
+}
+
+/// What a worker does with a request the filter answered or passed: the answer sent, or the
+/// request sent to the upstream on a thread of its own, whose answer comes to the worker's
+/// inbox.
+fn forward(
+    vm: &mut Vm,
+    next: Forward,
+    (mut stream, method, path): (TcpStream, &str, &str),
+    out: Outbound,
+    origin: &Origin,
+) -> Result<Next, String> {
+    let ctx = match next {
+        Forward::Answered(r) => return answer(&mut stream, &r, method, path).map(|()| Next::Answered),
+        Forward::Paused(ctx) => return park(vm, ctx, stream, (method.to_owned(), path.to_owned()), Some(out)),
+        Forward::Upstream(ctx) => ctx,
+    };
+    let upstream = origin.upstream.unwrap_or_default().to_owned();
+    let (inbox, queue, sent) =
+        (Arc::clone(&origin.inbox), Arc::clone(&origin.queue), (method.to_owned(), path.to_owned()));
+    let spawned = std::thread::Builder::new().name("upstream".into()).spawn(move || {
+        let headers: Vec<(&str, &str)> = out.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let answer =
+            ratewall_host::http::request_within(&upstream, (&sent.0, &sent.1), &headers, &out.body, UPSTREAM_TIMEOUT)
+                .map_err(|e| format!("http://{upstream}: {e}"));
+        inbox.0.lock().unwrap_or_else(PoisonError::into_inner).push((ctx, answer));
+        queue.wake();
+    });
+    let mut flying = Flying { ctx, stream, method: method.to_owned() };
+    if let Err(e) =
+        spawned.map_err(|e| e.to_string()).and_then(|_| flying.stream.set_nonblocking(true).map_err(|e| e.to_string()))
+    {
+        deliver(vm, &mut flying, Err(format!("the gateway could not send it: {e}")))?;
+        return Ok(Next::Answered);
+    }
+    Ok(Next::Flying(flying))
+}
+
+/// Sends on the upstream's answers that came, and ends the streams of requests in flight whose
+/// client went away (a concurrency slot goes back then, as Envoy resets the stream); returns
+/// the requests still in flight.
+fn landed(vm: &mut Vm, flying: Vec<Flying>, inbox: &Inbox, worker: usize) -> Vec<Flying> {
+    let mut answers = inbox.take();
+    let mut still = Vec::new();
+    for mut f in flying {
+        let done = if let Some(i) = answers.iter().position(|(ctx, _)| *ctx == f.ctx) {
+            let (_, answer) = answers.swap_remove(i);
+            deliver(vm, &mut f, answer)
+        } else if gone(&f.stream) {
+            vm.abort(f.ctx).map_err(|e| e.to_string())
+        } else {
+            still.push(f);
+            continue;
+        };
+        if let Err(e) = done {
+            log(&format!("worker {worker}: {e}"));
+        }
+    }
+    still
+}
+
+/// Sends the client its request's upstream answer (a 502 when there was none), its headers
+/// through the filter's `on_response_headers`, then ends the request's stream.
+fn deliver(vm: &mut Vm, f: &mut Flying, answer: Result<Upstreamed, String>) -> Result<(), String> {
+    let (status, headers, body) = match answer {
+        Ok(r) => {
+            let headers = r.headers.into_iter().filter(|(k, _)| !HOP_BY_HOP.contains(&k.as_str())).collect();
+            (r.status, headers, r.body)
+        }
+        Err(e) => {
+            let text = format!("the upstream did not answer: {e}\n");
+            (502, vec![("content-type".to_owned(), "text/plain; charset=utf-8".to_owned())], text.into_bytes())
+        }
+    };
+    let send = if f.method.eq_ignore_ascii_case("HEAD") { Body::LengthOnly } else { Body::Sent };
+    let sent = vm.upstream_response(f.ctx, status, &headers).map_err(|e| e.to_string()).and_then(|headers| {
+        f.stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+        respond_with(&mut f.stream, status, &headers, &body, send)
+    });
+    let ended = vm.done(f.ctx).map_err(|e| e.to_string());
+    sent.and(ended)
 }
 
 /// What the filter decided for a request: its local reply, or the demo origin's answer.
@@ -751,7 +1007,9 @@ fn respond_with(
         408 => "Request Timeout",
         414 => "URI Too Long",
         431 => "Request Header Fields Too Large",
+        413 => "Content Too Large",
         429 => "Too Many Requests",
+        502 => "Bad Gateway",
         503 => "Service Unavailable",
         _ => "",
     };

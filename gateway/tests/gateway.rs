@@ -397,3 +397,132 @@ fn the_filters_own_log_lines_are_written_to_stderr() {
     let _ = std::fs::remove_file(&err);
     assert!(text.contains("filter (info): ratewall: loaded"), "{text}");
 }
+
+/// An upstream for the gateway to forward to: each request it reads (method, path, header
+/// section and body, as text) goes to `seen`; it answers one only when `release` sends, but
+/// for `GET /now` at once.
+fn held_upstream() -> (String, std::sync::mpsc::Receiver<String>, std::sync::mpsc::Sender<()>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (seen_tx, seen) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = std::sync::Arc::new(std::sync::Mutex::new(released));
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let (seen_tx, released) = (seen_tx.clone(), std::sync::Arc::clone(&released));
+            std::thread::spawn(move || {
+                let mut stream = stream;
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                let head_end = loop {
+                    if let Some(p) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break p + 4;
+                    }
+                    let n = stream.read(&mut buf).unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                };
+                let head = String::from_utf8_lossy(&got[..head_end]).to_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                while got.len() < head_end + length {
+                    let n = stream.read(&mut buf).unwrap_or(0);
+                    if n == 0 {
+                        break;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                }
+                let _ = seen_tx.send(String::from_utf8_lossy(&got).into_owned());
+                if !head.starts_with("get /now ") {
+                    let _ = released.lock().unwrap().recv();
+                }
+                let body = "from the origin";
+                let answer = format!(
+                    "HTTP/1.1 201 Created\r\ncontent-type: text/plain\r\nx-origin: yes\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(answer.as_bytes());
+            });
+        }
+    });
+    (addr, seen, release)
+}
+
+/// With `--upstream`, an admitted request goes to the user's origin and is in flight until its
+/// answer is sent on: a concurrency limit holds while the origin works, and its slot comes
+/// back when the answer is sent or the client goes away.
+#[test]
+fn with_an_upstream_a_concurrency_limit_holds_while_the_origin_answers() {
+    let rules = rules_file(
+        "upstream",
+        r#"{"identity": {"user": {"header": "x-user-id"}},
+            "rules": [{"name": "flight", "key": ["user"], "limit": {"concurrent": 2}}]}"#,
+    );
+    let (upstream, seen, release) = held_upstream();
+    let (_gateway, addr, _) = start_with(&rules, false, &["--upstream", &upstream]);
+    let wait = Duration::from_secs(10);
+    let send = |body: &'static str| {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            ratewall_host::http::request(&addr, "POST", "/orders?x=1", &[("x-user-id", "ann")], body.as_bytes())
+                .unwrap()
+        })
+    };
+    let first = send("one");
+    let got = seen.recv_timeout(wait).unwrap();
+    assert!(got.starts_with("POST /orders?x=1 HTTP/1.1\r\n"), "{got}");
+    assert!(got.contains("x-user-id: ann\r\n") && got.ends_with("\r\n\r\none"), "{got}");
+    assert!(got.to_lowercase().contains(&format!("host: {addr}\r\n")), "the client's Host: {got}");
+    let second = send("two");
+    seen.recv_timeout(wait).unwrap();
+    // Two in flight at the origin: a third is refused at once.
+    let (status, headers, _) = http(&addr, "GET", "/orders", &[("x-user-id", "ann")]);
+    assert_eq!((status, header(&headers, "retry-after")), (429, Some("1")), "{headers:?}");
+    assert_eq!(header(&headers, "ratelimit-policy"), Some("\"flight\";q=2;qu=\"concurrent-requests\""));
+    assert!(seen.try_recv().is_err(), "the refused request did not reach the origin");
+    // One answered: its client gets the origin's answer, and its slot is free again.
+    release.send(()).unwrap();
+    let answered = first.join().unwrap();
+    assert_eq!((answered.status, answered.text().as_str()), (201, "from the origin"));
+    assert_eq!(answered.header("x-origin"), Some("yes"));
+    let third = send("three");
+    seen.recv_timeout(wait).unwrap();
+    let (status, _, _) = http(&addr, "GET", "/orders", &[("x-user-id", "ann")]);
+    assert_eq!(status, 429, "second and third in flight");
+    // A client that goes away while its request is at the origin gives its slot back.
+    release.send(()).unwrap();
+    assert_eq!(second.join().unwrap().status, 201);
+    let mut leaving = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(&mut leaving, b"GET /slow HTTP/1.1\r\nhost: x\r\nx-user-id: ann\r\n\r\n").unwrap();
+    seen.recv_timeout(wait).unwrap();
+    drop(leaving);
+    let deadline = std::time::Instant::now() + wait;
+    let freed = loop {
+        let (status, _, _) = http(&addr, "GET", "/now", &[("x-user-id", "ann")]);
+        if status != 429 || std::time::Instant::now() > deadline {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_ne!(freed, 429, "the slot of the client that left came back");
+    for _ in 0..3 {
+        let _ = release.send(());
+    }
+    assert_eq!(third.join().unwrap().status, 201);
+}
+
+/// An upstream that cannot be reached: the admitted request gets a 502 saying so.
+#[test]
+fn an_upstream_that_cannot_be_reached_is_a_502() {
+    let rules = rules_file("upstream-down", r#"{"rules": []}"#);
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let (_gateway, addr, _) = start_with(&rules, false, &["--upstream", &closed]);
+    let (status, _, body) = http(&addr, "GET", "/x", &[]);
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("the upstream did not answer"), "{body}");
+}

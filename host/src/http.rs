@@ -89,7 +89,11 @@ pub fn request_within(
     };
     let mut s = connect_within(addr, left()?)?;
     s.set_write_timeout(Some(left()?))?;
-    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n");
+    // The request's own Host when it names one (a proxy forwarding it), else the address.
+    let mut req = format!("{method} {path} HTTP/1.1\r\nconnection: close\r\n");
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req.push_str(&format!("host: {addr}\r\n"));
+    }
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }

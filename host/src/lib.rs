@@ -23,7 +23,7 @@ mod wasi;
 pub mod http;
 
 pub use node::{filter_wasm_path, Callout, Metric, Node, NodeState, Plugin, Profile};
-pub use vm::{FilterResult, HeaderMap, HttpRequest, Started, Vm};
+pub use vm::{FilterResult, Forward, HeaderMap, HttpRequest, Started, Vm};
 
 /// The error type of host calls (wasmtime's).
 pub use wasmtime::Result;

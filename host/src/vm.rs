@@ -48,6 +48,18 @@ pub enum Started {
     Paused(u32),
 }
 
+/// What became of a request a host forwards to a real upstream ([`Vm::begin_forwarded`]).
+#[derive(Debug)]
+pub enum Forward {
+    /// Answered by the filter (its local reply); the stream has ended.
+    Answered(FilterResult),
+    /// Passed: to be sent upstream now, its context id for [`Vm::upstream_response`] and
+    /// [`Vm::done`] (or [`Vm::abort`] when its client goes away).
+    Upstream(u32),
+    /// Paused (an ask, a leaky bucket's turn): its context id, for [`Vm::resumed`].
+    Paused(u32),
+}
+
 /// What the filter did with a request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FilterResult {
@@ -399,7 +411,72 @@ impl Vm {
         self.complete(ctx, None)
     }
 
+    /// Starts a request a host sends to a real upstream once the filter passes it, as a
+    /// proxy does: its headers go through the filter, which answers it, passes it, or
+    /// pauses it.
+    pub fn begin_forwarded(&mut self, req: &HttpRequest) -> Result<Forward> {
+        let (ctx, action, reply) = self.request_headers(req)?;
+        Ok(match reply {
+            Some(reply) => Forward::Answered(self.complete(ctx, Some(reply))?),
+            None if action == 1 => Forward::Paused(ctx),
+            None => Forward::Upstream(ctx),
+        })
+    }
+
+    /// A request [`Vm::begin_forwarded`] paused, once the callouts it waits for were
+    /// delivered or its turn came: answered, resumed (to be sent upstream), or still paused
+    /// (`None`).
+    pub fn resumed(&mut self, ctx: u32) -> Result<Option<Forward>> {
+        let s = self.store.data_mut();
+        if let Some(reply) = s.local_replies.remove(&ctx) {
+            return self.complete(ctx, Some(reply)).map(|r| Some(Forward::Answered(r)));
+        }
+        Ok(s.resumed.remove(&ctx).then_some(Forward::Upstream(ctx)))
+    }
+
+    /// The upstream's response to a forwarded request: its status and headers go through the
+    /// filter's `on_response_headers`; the headers to send the client are returned (the
+    /// upstream's, with what the filter added, without those it removed). The stream goes
+    /// on until [`Vm::done`].
+    pub fn upstream_response(
+        &mut self,
+        ctx: u32,
+        status: u16,
+        headers: &[(String, String)],
+    ) -> Result<Vec<(String, String)>> {
+        let c = ctx as i32;
+        self.enter(ctx);
+        let mut sent = vec![(":status".to_owned(), status.to_string().into_bytes())];
+        sent.extend(headers.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.clone().into_bytes())));
+        let n = sent.len() as i32;
+        self.store.data_mut().response_headers = sent;
+        self.guard(|s, e| e.response_headers.call(s, (c, n, 1)))?;
+        Ok(std::mem::take(&mut self.store.data_mut().response_headers)
+            .into_iter()
+            .filter(|(k, _)| !k.starts_with(':'))
+            .map(|(k, v)| {
+                (k, String::from_utf8(v).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
+            })
+            .collect())
+    }
+
+    /// The end of a forwarded request's stream once its response was sent: its done, log and
+    /// delete callbacks (a concurrency slot goes back here).
+    pub fn done(&mut self, ctx: u32) -> Result<()> {
+        self.end(ctx)
+    }
+
     fn start_request(&mut self, req: &HttpRequest, in_flight: bool) -> Result<Started> {
+        let (ctx, action, reply) = self.request_headers(req)?;
+        if (action == 1 || in_flight) && reply.is_none() {
+            return Ok(Started::Paused(ctx));
+        }
+        self.complete(ctx, reply).map(Started::Done)
+    }
+
+    /// A new request's context and its request headers through the filter: the context, the
+    /// filter's action (1: pause) and its local reply, if it made one.
+    fn request_headers(&mut self, req: &HttpRequest) -> Result<(u32, i32, Option<LocalReply>)> {
         let ctx = self.next_context;
         self.next_context += 1;
         {
@@ -425,10 +502,7 @@ impl Vm {
             times.push(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
         }
         let reply = self.store.data_mut().local_replies.remove(&ctx);
-        if (action == 1 || in_flight) && reply.is_none() {
-            return Ok(Started::Paused(ctx));
-        }
-        self.complete(ctx, reply).map(Started::Done)
+        Ok((ctx, action, reply))
     }
 
     /// Runs a request through the filter: request headers, then (when it passes) an upstream
