@@ -113,6 +113,12 @@ pub fn parse_headers(args: &[String]) -> Result<Vec<(String, String)>, Failure> 
         .map(|(i, h)| match h.split_once(':') {
             // A name is a token, as a request's header names are (`x user` is none: no
             // request could carry it).
+            // A value is what a field may hold: no control character but a tab (a line break
+            // would end it). Not echoed either: it may be a key.
+            Some((_, v)) if v.bytes().any(|b| (b < 0x20 && b != b'\t') || b == 0x7f) => Err(Failure::Usage(format!(
+                "-H (header argument {}): the value holds a control character, which no request could carry",
+                i + 1
+            ))),
             Some((n, v)) if ratewall_core::rules::is_token(n.trim().as_bytes()) => {
                 Ok((n.trim().to_ascii_lowercase(), v.trim().to_owned()))
             }
@@ -156,6 +162,13 @@ pub fn explain(
         return Err(Failure::Usage(format!("--method {method:?}: not an HTTP method")));
     }
     let method = method.to_ascii_uppercase();
+    // As replay takes a log's targets: a path, an absolute URI (whose path is matched), or
+    // OPTIONS's `*`.
+    if !crate::logformat::origin_form(path.as_bytes()).starts_with(b"/") && path != "*" {
+        return Err(Failure::Usage(format!(
+            "--path {path:?}: not a path (one starts with `/`; an absolute URI or `*` are taken too): no proxy passes such a target on"
+        )));
+    }
     let parts = Parts::new(&config, path, &headers, peer);
     let matching = config.matching(&method, &parts.path);
     let values = parts.header_values();

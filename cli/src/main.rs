@@ -269,14 +269,17 @@ fn is_rls_config(path: &Path) -> bool {
         // Under another name (a ConfigMap's key, `ratelimit.conf`), the service reads it all
         // the same: a file that is no JSON and has a top-level `domain:` is its YAML. Only a
         // regular file is read for it: a pipe (`<(kubectl ...)`) read here is empty after.
+        // Its first MiB tells, whatever its size (the service reads up to 16 MiB of YAML).
         return path.metadata().is_ok_and(|m| m.is_file())
-            && read_document(path).is_ok_and(|bytes| looks_like_rls_yaml(&bytes));
+            && std::fs::File::open(path)
+                .and_then(|f| read_at_most(f, MAX_DOCUMENT))
+                .is_ok_and(|bytes| looks_like_rls_yaml(&bytes));
     }
     !read_document(path).is_ok_and(|bytes| is_rules_document(&bytes))
 }
 
-/// Whether `bytes` are no JSON and have a line that starts with `domain:`, the top-level key
-/// of envoyproxy/ratelimit's YAML.
+/// Whether `bytes` (a file's, or its beginning) are no JSON and have a line that starts with
+/// `domain:`, the top-level key of envoyproxy/ratelimit's YAML.
 fn looks_like_rls_yaml(bytes: &[u8]) -> bool {
     let bytes = without_bom(bytes);
     serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_err()
@@ -305,6 +308,14 @@ fn without_bom(bytes: &[u8]) -> &[u8] {
 fn check_rls(path: &Path, as_json: bool) -> Result<(), Failure> {
     if !path.exists() {
         return Err(Failure::Usage(format!("cannot read {}: no such file or directory", path.display())));
+    }
+    // A file that cannot be read is the operator's to fix (exit 2), not an invalid document.
+    if let Ok(files) = ratewall_store::rls::config::files(path) {
+        for file in files {
+            if let Err(e) = std::fs::File::open(&file) {
+                return Err(Failure::Usage(format!("cannot read {}: {e}", file.display())));
+            }
+        }
     }
     let secret = deployment_secret();
     let shown_by = ratewall_core::key::HashKey::derive(secret.as_bytes());

@@ -199,6 +199,15 @@ fn check_tells_a_rules_document_from_a_rate_limit_service_file_by_its_content() 
     let o = ratewall(&["check", &conf]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stdout(&o).contains("valid rate limit service configuration, 1 domain (d)"), "{}", stdout(&o));
+    // However large (the service reads up to 16 MiB of it; a rules document is read to 1 MiB).
+    let mut big = String::from("domain: big\ndescriptors:\n");
+    for i in 0..30_000 {
+        big.push_str(&format!("  - key: k{i}\n    rate_limit: {{unit: second, requests_per_unit: 1}}\n"));
+    }
+    assert!(big.len() > 1 << 20);
+    let o = ratewall(&["check", &temp("big-ratelimit.conf", &big)]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("valid rate limit service configuration, 1 domain (big)"), "{}", stdout(&o));
     let conf = temp("broken.conf", "domain: d\ndescriptors:\n  - kee: k\n");
     let o = ratewall(&["check", &conf]);
     assert_eq!(o.status.code(), Some(1));
@@ -954,9 +963,22 @@ fn explain_refuses_an_ip_that_is_no_address_and_a_method_that_is_none() {
             assert!(stderr(&o).contains(why), "{flag} {value:?}: {}", stderr(&o));
         }
     }
-    // A header no request could carry (a space in its name).
-    let o = ratewall(&["explain", &rules, "--path", "/v1/auth/login", "-H", "x user: v"]);
+    // A header no request could carry (a space in its name, a line break or another control
+    // character in its value; the value not echoed).
+    for header in ["x user: v", "x-api-key: SECRET\nZZ", "x-api-key: SECRET\u{1}", "x-api-key: SECRET\r"] {
+        let o = ratewall(&["explain", &rules, "--path", "/v1/auth/login", "-H", header]);
+        assert_eq!(o.status.code(), Some(2), "{header:?}: {}", stdout(&o));
+        assert!(!stderr(&o).contains("SECRET"), "{}", stderr(&o));
+    }
+    let o = ratewall(&["explain", &rules, "--path", "/v1/auth/login", "-H", "x-api-key: a\tb"]);
+    assert_eq!(o.status.code(), Some(0), "a tab is a value's: {}", stderr(&o));
+    // A target that is not a path, as replay refuses it in a log; an absolute URI's path is matched.
+    let o = ratewall(&["explain", &rules, "--path", "v1/auth/login"]);
     assert_eq!(o.status.code(), Some(2), "{}", stdout(&o));
+    assert!(stderr(&o).contains("not a path"), "{}", stderr(&o));
+    let o = ratewall(&["explain", &rules, "--path", "https://api.example.com/v1/auth/login"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("GET /v1/auth/login "), "{}", stdout(&o));
     let o = ratewall(&["explain", &rules, "--path", "/v1/auth/login", "--ip", "2001:db8::1"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stdout(&o).contains("key ip=2001:db8::/64"), "{}", stdout(&o));

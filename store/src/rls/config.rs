@@ -915,8 +915,11 @@ const MAX_DEPTH: usize = 8;
 
 /// The YAML files `path` names: the file, or those in the directory and the directories below
 /// it (to [`MAX_DEPTH`]), in path order, names starting with `.` left out (a Kubernetes
-/// ConfigMap's `..data` and its timestamped twin hold the same files again).
-fn files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+/// ConfigMap's `..data` and its timestamped twin hold the same files again). A symbolic link
+/// to a directory below it is not followed, as envoyproxy/ratelimit's walk does not: one that
+/// led back up read the same files again (a duplicate domain), and one out of the directory
+/// had the tree above it walked.
+pub fn files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     let name = path.display().to_string();
     let io = |e: std::io::Error| ConfigError { file: name.clone(), line: None, column: None, reason: e.to_string() };
     let meta = std::fs::metadata(path).map_err(io)?;
@@ -927,9 +930,14 @@ fn files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     let mut dirs = vec![(path.to_path_buf(), 0)];
     while let Some((dir, depth)) = dirs.pop() {
         for entry in std::fs::read_dir(&dir).map_err(io)? {
-            let p = entry.map_err(io)?.path();
+            let entry = entry.map_err(io)?;
+            let p = entry.path();
             let file = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
             if file.starts_with('.') {
+                continue;
+            }
+            let linked = entry.file_type().map_err(io)?.is_symlink();
+            if p.is_dir() && linked {
                 continue;
             }
             if p.is_dir() {
@@ -1987,6 +1995,24 @@ mod tests {
         std::fs::rename(d.join("..data_tmp"), d.join("..data")).unwrap();
         assert_ne!(before, stamp(&d));
         assert_eq!(rpu(&RlsConfig::load(&d).unwrap(), "d", &[("user", "u")]), Some(4));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A link to a directory below the configuration's is not followed: one back up read the
+    /// same file again (a duplicate domain), one out of it walked the tree above.
+    #[cfg(unix)]
+    #[test]
+    fn links_to_directories_below_it_are_not_followed() {
+        let d = std::env::temp_dir().join(format!("ratewall-rls-links-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(d.join("conf/a")).unwrap();
+        std::fs::write(d.join("conf/a/x.yaml"), "domain: lp\n").unwrap();
+        std::fs::write(d.join("outside.yaml"), "domain: outside\n").unwrap();
+        std::os::unix::fs::symlink("..", d.join("conf/a/loop")).unwrap();
+        std::os::unix::fs::symlink("../..", d.join("conf/a/up")).unwrap();
+        // A link to a file is read as the file (a ConfigMap's).
+        std::os::unix::fs::symlink("a/x.yaml", d.join("conf/linked.yml")).unwrap();
+        assert_eq!(files(&d.join("conf")).unwrap(), [d.join("conf/a/x.yaml"), d.join("conf/linked.yml")]);
         let _ = std::fs::remove_dir_all(&d);
     }
 
