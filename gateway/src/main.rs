@@ -17,7 +17,7 @@
 //! rules, the gateway is one node of a fleet: its VMs tick, and their sync calls go over HTTP
 //! to the stores (the next one when one fails), as Envoy sends them to the sync cluster.
 
-use ratewall_host::{FilterResult, Forward, HttpRequest, Node, Plugin, Started, Vm};
+use ratewall_host::{FilterResult, Forward, HttpRequest, Node, Plugin, Profile, Started, Vm};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -26,7 +26,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const USAGE: &str =
-    "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE] [--upstream HOST:PORT]
+    "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE] [--upstream HOST:PORT] [--host envoy|nginx]
   --rules FILE       the rules document, watched and pushed on change (default examples/rules.json)
   --wasm FILE        the built filter (default dist/ratewall_filter.wasm here, else the build tree's)
   --port N           the port on 127.0.0.1 (not given: 8080, or a free one when 8080 is taken; 0: a
@@ -36,7 +36,10 @@ const USAGE: &str =
                      `sync` section in the rules); several: the next when one fails
   --upstream HOST:PORT  the HTTP/1.1 origin admitted requests go to (default: a built-in demo
                      origin that answers at once); a request is in flight until its response
-                     is sent, as a concurrency limit counts it";
+                     is sent, as a concurrency limit counts it
+  --host envoy|nginx  the proxy whose proxy-wasm rules the host follows (default envoy): nginx is
+                     ngx_wasm_module's (shared data, ticks, http calls as it runs them), and a
+                     rules change is a reload: fresh VMs and counters, as `nginx -s reload`";
 
 struct Args {
     rules: String,
@@ -45,6 +48,7 @@ struct Args {
     stores: Vec<String>,
     wasm: Option<String>,
     upstream: Option<String>,
+    profile: Profile,
 }
 
 /// Most worker VMs (each a wasm instance and a thread).
@@ -58,6 +62,7 @@ fn parse_args() -> Result<Args, String> {
         stores: Vec::new(),
         wasm: None,
         upstream: None,
+        profile: Profile::Envoy,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -75,6 +80,13 @@ fn parse_args() -> Result<Args, String> {
             "--store" => a.stores.push(value()?),
             "--wasm" => a.wasm = Some(value()?),
             "--upstream" => a.upstream = Some(value()?),
+            "--host" => {
+                a.profile = match value()?.as_str() {
+                    "envoy" => Profile::Envoy,
+                    "nginx" => Profile::NGINX,
+                    other => return Err(format!("--host: {other:?} is neither envoy nor nginx")),
+                }
+            }
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
@@ -128,7 +140,7 @@ fn serve() -> Result<(), String> {
         Ok(_) => {}
     }
     let plugin = filter(args.wasm.as_deref())?;
-    let node = Node::new(wall_clock());
+    let node = Node::with_profile(wall_clock(), args.profile);
     let rules = Arc::new(Rules { document: Mutex::new(document), generation: AtomicU64::new(0) });
     // The default port is 8080; when it is taken, any free port (the address is printed).
     let listener = match args.port {
@@ -145,18 +157,15 @@ fn serve() -> Result<(), String> {
     let queue = Arc::new(Queue::default());
     for w in 0..args.workers {
         let doc = rules.document.lock().map_err(|e| e.to_string())?.clone();
-        let mut vm = Vm::start(&plugin, &node, &doc).map_err(|e| format!("worker {w}: {e}"))?;
+        let vm = Vm::start(&plugin, &node, &doc).map_err(|e| format!("worker {w}: {e}"))?;
         let (queue, rules, node, stores) = (Arc::clone(&queue), Arc::clone(&rules), node.clone(), args.stores.clone());
-        let upstream = args.upstream.clone();
+        let (upstream, plugin) = (args.upstream.clone(), plugin.clone());
         std::thread::Builder::new()
             .name(format!("worker-{w}"))
-            .spawn(move || {
-                let origin = Origin { upstream: upstream.as_deref(), inbox: Arc::default(), queue: Arc::clone(&queue) };
-                work(w, &mut vm, &queue, &rules, &node, &stores, &origin)
-            })
+            .spawn(move || work(w, vm, (&queue, &rules, &node), &stores, (&plugin, upstream.as_deref())))
             .map_err(|e| format!("worker {w}: {e}"))?;
     }
-    watch(args.rules.clone(), Arc::clone(&rules));
+    watch(args.rules.clone(), Arc::clone(&rules), node.clone());
 
     // Written with errors ignored: a closed stdout must not take the gateway down.
     let banner = format!(
@@ -181,61 +190,114 @@ fn serve() -> Result<(), String> {
 
 /// One worker VM's loop: runs the requests it takes from the queue through the filter, ticks
 /// at the filter's period, gives back the turns of waiting requests whose client went away,
-/// answers the waiting requests the filter resumed, and the upstream's answers.
-fn work(w: usize, vm: &mut Vm, queue: &Queue, rules: &Rules, node: &Node, stores: &[String], origin: &Origin) {
+/// answers the waiting requests the filter resumed, and the upstream's answers. Under NGINX a
+/// rules change is a reload: a fresh VM takes the new requests, and the one before serves the
+/// requests it holds to their end, as an old NGINX worker does.
+fn work<'a>(
+    w: usize,
+    vm: Vm,
+    (queue, rules, node): (&Arc<Queue>, &Rules, &Node),
+    stores: &[String],
+    (plugin, upstream): (&Plugin, Option<&'a str>),
+) {
+    let origin = || -> Origin<'a> { Origin { upstream, inbox: Arc::default(), queue: Arc::clone(queue) } };
+    let mut current =
+        Served { vm, origin: origin(), waiting: Vec::new(), flying: Vec::new(), last_tick: Instant::now() };
+    let mut draining: Vec<Served> = Vec::new();
     let mut seen = 0;
-    // Requests paused until their turn (a leaky bucket's queue): answered when the filter
-    // resumes them from its tick, as Envoy forwards them then.
-    let mut waiting: Vec<Waiting> = Vec::new();
-    // Requests sent to the upstream, until its answer is sent on or their client goes away.
-    let mut flying: Vec<Flying> = Vec::new();
-    let mut last_tick = Instant::now();
     // The rules pushed since this VM was last configured, if any (as an xDS push reaches a
-    // proxy's VMs before the next request they handle).
-    let mut configure = |vm: &mut Vm| {
+    // proxy's VMs before the next request they handle; a reload, NGINX's new workers).
+    let mut configure = |current: &mut Served<'a>, draining: &mut Vec<Served<'a>>| {
         let generation = rules.generation.load(Ordering::SeqCst);
-        if generation != seen {
-            seen = generation;
-            if let Ok(doc) = rules.document.lock().map(|d| d.clone()) {
-                let _ = vm.configure(&doc);
+        if generation == seen {
+            return;
+        }
+        seen = generation;
+        let Ok(doc) = rules.document.lock().map(|d| d.clone()) else { return };
+        if !node.profile().is_nginx() {
+            let _ = current.vm.configure(&doc);
+            return;
+        }
+        match Vm::start(plugin, node, &doc) {
+            Ok(vm) => {
+                let fresh =
+                    Served { vm, origin: origin(), waiting: Vec::new(), flying: Vec::new(), last_tick: Instant::now() };
+                let old = std::mem::replace(current, fresh);
+                if old.holds_requests() {
+                    draining.push(old);
+                }
             }
+            Err(e) => log(&format!("worker {w}: the reload's VM did not start, the previous one serves on: {e}")),
         }
     };
     loop {
-        configure(vm);
+        configure(&mut current, &mut draining);
         // With a tick period (sync on, or rules that shape), wait for a request at most until
-        // the next tick is due; with requests waiting, at most until their connections are
+        // the next tick is due; with requests held, at most until their connections are
         // looked at again.
-        let period = Duration::from_millis(u64::from(vm.tick_period_ms()));
-        let mut wait = (!period.is_zero()).then(|| period.saturating_sub(last_tick.elapsed()));
-        if !waiting.is_empty() || !flying.is_empty() {
+        let period = current.period();
+        let mut wait = (!period.is_zero()).then(|| period.saturating_sub(current.last_tick.elapsed()));
+        if current.holds_requests() || !draining.is_empty() {
             wait = Some(wait.map_or(RECHECK, |d| d.min(RECHECK)));
         }
-        if let Some(request) = queue.pop(wait, &|| origin.inbox.has_answers()) {
+        let answered = || current.origin.inbox.has_answers() || draining.iter().any(|d| d.origin.inbox.has_answers());
+        if let Some(request) = queue.pop(wait, &answered) {
             // A push made while this worker waited applies to the request that woke it.
-            configure(vm);
+            configure(&mut current, &mut draining);
             node.set_time(wall_clock());
-            match handle(vm, request, stores, origin) {
-                Ok(Next::Waiting(paused)) => waiting.push(paused),
-                Ok(Next::Flying(f)) => flying.push(f),
+            match handle(&mut current.vm, request, stores, &current.origin) {
+                Ok(Next::Waiting(paused)) => current.waiting.push(paused),
+                Ok(Next::Flying(f)) => current.flying.push(f),
                 Ok(Next::Answered) => {}
                 Err(e) => log(&format!("worker {w}: {e}")),
             }
         }
-        if !period.is_zero() && last_tick.elapsed() >= period {
-            last_tick = Instant::now();
-            node.set_time(wall_clock());
-            if let Err(e) = vm.tick().and_then(|_| exchange(vm, stores)) {
-                log(&format!("worker {w}: tick: {e}"));
-            }
+        current.step(w, node, stores);
+        for old in &mut draining {
+            old.step(w, node, stores);
         }
-        waiting = leave(vm, waiting, w);
-        waiting = resume(vm, waiting, w, origin, &mut flying);
-        flying = landed(vm, flying, &origin.inbox, w);
+        draining.retain(Served::holds_requests);
         // What the filter logs, as a proxy writes its log: the VMs share the node's.
         for (level, line) in node.take_logs() {
             log(&format!("filter ({}): {line}", level_name(level)));
         }
+    }
+}
+
+/// A worker VM and the requests it holds: paused until their turn (a leaky bucket's queue),
+/// answered when the filter resumes them from its tick, as Envoy forwards them then; and sent
+/// to the upstream, until its answer is sent on or their client goes away.
+struct Served<'a> {
+    vm: Vm,
+    origin: Origin<'a>,
+    waiting: Vec<Waiting>,
+    flying: Vec<Flying>,
+    last_tick: Instant,
+}
+
+impl Served<'_> {
+    fn holds_requests(&self) -> bool {
+        !self.waiting.is_empty() || !self.flying.is_empty()
+    }
+
+    /// The filter's tick period (zero: none).
+    fn period(&self) -> Duration {
+        Duration::from_millis(u64::from(self.vm.tick_period_ms()))
+    }
+
+    /// Ticks when due, and moves the requests it holds on.
+    fn step(&mut self, w: usize, node: &Node, stores: &[String]) {
+        let period = self.period();
+        if !period.is_zero() && self.last_tick.elapsed() >= period {
+            self.last_tick = Instant::now();
+            node.set_time(wall_clock());
+            if let Err(e) = self.vm.tick().and_then(|_| exchange(&mut self.vm, stores)) {
+                log(&format!("worker {w}: tick: {e}"));
+            }
+        }
+        let waiting = leave(&mut self.vm, std::mem::take(&mut self.waiting), w);
+        self.waiting = resume(&mut self.vm, waiting, w, &self.origin, &mut self.flying);
+        self.flying = landed(&mut self.vm, std::mem::take(&mut self.flying), &self.origin.inbox, w);
     }
 }
 
@@ -365,7 +427,7 @@ const WATCH_EVERY: Duration = Duration::from_millis(250);
 const SETTLE: Duration = Duration::from_secs(1);
 
 /// Polls the rules file and publishes a new generation when it changes and parses.
-fn watch(path: String, rules: Arc<Rules>) {
+fn watch(path: String, rules: Arc<Rules>, node: Node) {
     std::thread::spawn(move || {
         let mut last = std::fs::read(&path).unwrap_or_default();
         // A content that did not parse, and since when the file has held it.
@@ -404,6 +466,8 @@ fn watch(path: String, rules: Arc<Rules>) {
                     if let Ok(mut d) = rules.document.lock() {
                         *d = doc;
                     }
+                    // Under NGINX, a reload: the shared data starts empty ([`Node::reload`]).
+                    node.reload();
                     rules.generation.fetch_add(1, Ordering::SeqCst);
                     log(&format!("{path} changed; rules reloaded"));
                 }

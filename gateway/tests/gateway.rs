@@ -400,7 +400,7 @@ fn the_filters_own_log_lines_are_written_to_stderr() {
 
 /// An upstream for the gateway to forward to: each request it reads (method, path, header
 /// section and body, as text) goes to `seen`; it answers one only when `release` sends, but
-/// for `GET /now` at once.
+/// for `GET /now…` at once.
 fn held_upstream() -> (String, std::sync::mpsc::Receiver<String>, std::sync::mpsc::Sender<()>) {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -438,7 +438,7 @@ fn held_upstream() -> (String, std::sync::mpsc::Receiver<String>, std::sync::mps
                     got.extend_from_slice(&buf[..n]);
                 }
                 let _ = seen_tx.send(String::from_utf8_lossy(&got).into_owned());
-                if !head.starts_with("get /now ") {
+                if !head.starts_with("get /now") {
                     let _ = released.lock().unwrap().recv();
                 }
                 let body = "from the origin";
@@ -525,4 +525,60 @@ fn an_upstream_that_cannot_be_reached_is_a_502() {
     let (status, _, body) = http(&addr, "GET", "/x", &[]);
     assert_eq!(status, 502, "{body}");
     assert!(body.contains("the upstream did not answer"), "{body}");
+}
+
+/// `--host nginx`: the host follows ngx_wasm_module's rules, and a rules change is a reload —
+/// fresh VMs and counters — while the VMs before it serve the requests they hold to their end.
+#[test]
+fn under_nginx_a_rules_change_is_a_reload_and_held_requests_are_served() {
+    let doc = |extra: &str| {
+        format!(
+            r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
+                "rules": [{{"name": "daily", "key": ["user"], "match": {{"path": "/now/d"}},
+                           "limit": {{"requests": 2, "per": "1d"}}}}{extra}]}}"#
+        )
+    };
+    let rules = rules_file("nginx-reload", &doc(""));
+    let (upstream, seen, release) = held_upstream();
+    let (_gateway, addr, _) = start_with(&rules, false, &["--host", "nginx", "--upstream", &upstream]);
+    for expected in [201, 201, 429] {
+        assert_eq!(http(&addr, "GET", "/now/d", &[("x-user-id", "ann")]).0, expected);
+    }
+    for _ in 0..2 {
+        seen.recv_timeout(Duration::from_secs(10)).unwrap();
+    }
+    assert!(seen.try_recv().is_err(), "the refused request did not reach the origin");
+    // Two requests at the origin when the rules change.
+    let held: Vec<_> = (0..2)
+        .map(|_| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                ratewall_host::http::request(&addr, "GET", "/slow", &[("x-user-id", "bob")], &[])
+                    .map_or(0, |r| r.status)
+            })
+        })
+        .collect();
+    for _ in 0..2 {
+        seen.recv_timeout(Duration::from_secs(10)).unwrap();
+    }
+    let more =
+        r#", {"name": "more", "key": ["user"], "match": {"path": "/now/m"}, "limit": {"requests": 1, "per": "1m"}}"#;
+    std::fs::write(&rules, doc(more)).unwrap();
+    // After the reload the counters start over, as NGINX's do (under Envoy they are kept).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let again = loop {
+        let status = http(&addr, "GET", "/now/d", &[("x-user-id", "ann")]).0;
+        if status == 201 || std::time::Instant::now() > deadline {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(again, 201);
+    assert_eq!(http(&addr, "GET", "/now/m", &[("x-user-id", "ann")]).0, 201, "the new rules are in force");
+    assert_eq!(http(&addr, "GET", "/now/m", &[("x-user-id", "ann")]).0, 429);
+    // The VMs before the reload send on the answers to the requests they held.
+    release.send(()).unwrap();
+    release.send(()).unwrap();
+    let statuses: Vec<u16> = held.into_iter().map(|c| c.join().unwrap()).collect();
+    assert_eq!(statuses, [201, 201]);
 }
