@@ -84,6 +84,10 @@ struct Held {
     /// When the first of `spent` was admitted (the counter's clock): a fixed window's are
     /// all of that one window (see [`Held::drop_ended`]).
     spent_since: Nanos,
+    /// Units a call took from the grant and could not give back (it went, unanswered, after a
+    /// batch had reported them), and when it took them (the counter's clock): taken off the
+    /// next units reported ([`Held::cut`]).
+    owed: (u64, Nanos),
     /// A batch sent and not yet acknowledged.
     pending: Option<InFlight>,
     /// The counter's clock as this process knows it.
@@ -345,7 +349,20 @@ impl Held {
     fn cut(&mut self, seq: u64, now: Nanos) -> InFlight {
         self.drop_ended(now);
         let since = if self.spent > 0 { self.spent_since } else { 0 };
-        let units = std::mem::take(&mut self.spent);
+        let mut units = std::mem::take(&mut self.spent);
+        // Units reported for a call that took nothing in the end come off these: of a fixed
+        // window, only in the window they were counted in (they count in no other).
+        let (owed, owed_at) = self.owed;
+        if owed > 0 && units > 0 {
+            let per = self.limit.per().max(1);
+            if self.limit.algorithm() == Algorithm::FixedWindow && owed_at / per != since / per {
+                self.owed = (0, 0);
+            } else {
+                let off = units.min(owed);
+                units -= off;
+                self.owed.0 = owed - off;
+            }
+        }
         // Past this cut Redis may have counted the batch, and stopped holding what it carried.
         self.carried = 0;
         let batch = InFlight { seq, units, sent: now, since, failures: (0, 0), next: 0, release: false };
@@ -634,6 +651,7 @@ impl Leases {
                 extra_until: 0,
                 spent: hits,
                 spent_since: clock.at(now),
+                owed: (0, 0),
                 pending: None,
                 clock,
                 view: (before.remaining, before.reset_after, now),
@@ -756,6 +774,7 @@ impl Leases {
                     extra_until: 0,
                     spent: 0,
                     spent_since: 0,
+                    owed: (0, 0),
                     pending: None,
                     clock,
                     view: (0, 0, now),
@@ -864,6 +883,19 @@ impl Leases {
                 true
             }
             _ => false,
+        }
+    }
+
+    /// Gives back `hits` a call took from the grant at `at` (the counter's clock) and did not
+    /// use (it went unanswered): to the grant, or, reported already, off the next units
+    /// reported ([`Held::cut`]).
+    pub fn give_back_or_owe(&self, rkey: &str, hits: u64, at: Nanos) {
+        if self.give_back(rkey, hits) {
+            return;
+        }
+        let Ok(mut held) = self.held.lock() else { return };
+        if let Some(h) = held.get_mut(rkey) {
+            h.owed = (h.owed.0.saturating_add(hits), at);
         }
     }
 
@@ -1246,6 +1278,34 @@ mod tests {
         l.synced("k", first[0].seq, &applied(5, 90), 5);
         let next = l.due(6);
         assert_eq!((next[0].seq, next[0].units), (first[0].seq + 1, 1));
+    }
+
+    /// A call's part taken from the grant comes back to it; reported already, it comes off the
+    /// next units reported — of a fixed window, only in the window it was counted in.
+    #[test]
+    fn a_part_reported_for_a_call_that_took_nothing_comes_off_the_next_batch() {
+        let l = answered();
+        // An ask of 1 given 4 more beside it.
+        l.answered("k", limit(), (1, 0), &applied(5, 99), None, 0);
+        assert_eq!(l.take_part("k", limit(), 9, 1), 4, "all the grant holds");
+        l.give_back_or_owe("k", 4, 1);
+        assert_eq!(l.take_part("k", limit(), 9, 2), 4, "back in the grant");
+        let first = l.due(3);
+        assert_eq!(first[0].units, 4);
+        l.synced("k", first[0].seq, &applied(5, 90), 4);
+        // Reported, then the call took nothing.
+        l.give_back_or_owe("k", 4, 2);
+        for t in 5..8 {
+            l.take("k", limit(), 1, t).unwrap();
+        }
+        let next = l.due(8);
+        assert_eq!(next[0].units, 0, "3 admitted, 4 owed");
+        // In the next window, what is still owed counts in none.
+        let minute = 60 * ratewall_core::SECOND;
+        l.synced("k", next[0].seq, &applied(5, 90), 9);
+        l.answered("k", limit(), (1, 0), &applied(5, 99), None, minute + 1);
+        l.take("k", limit(), 2, minute + 2).unwrap();
+        assert_eq!(l.due(minute + 3).iter().map(|b| b.units).sum::<u64>(), 2);
     }
 
     #[test]

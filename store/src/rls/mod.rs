@@ -622,6 +622,9 @@ impl<K: Kv> Rls<K> {
         // held against this process's ask.
         let part = self.leases.take_part(&c.rkey, limit, hits, now);
         let rest = hits - part;
+        // Given back unless the ask takes the rest, however the call ends: a call dropped at
+        // its deadline (answered UNAVAILABLE) or whose client went away took nothing.
+        let mut lent = Lent { leases: &self.leases, rkey: &c.rkey, part, at: self.leases.on_counter(&c.rkey, now) };
         let ask = self.leases.next_ask();
         let unreported = self.leases.unreported(&c.rkey, now);
         // The ask's leases count from when it was sent, so that they end here before Redis's.
@@ -642,14 +645,10 @@ impl<K: Kv> Rls<K> {
                 asked,
             )
             .await;
-        let ((d, from), at) = match answer {
-            Ok(((d, from), at)) if d.allowed || part == 0 => ((d, from), at),
-            // Refused, or no answer: the part taken from the grant goes back.
-            answer => {
-                let _ = self.give_back_units(c, (part, 0), now, true).await;
-                answer?
-            }
-        };
+        let ((d, from), at) = answer?;
+        if d.allowed {
+            lent.part = 0;
+        }
         let from = match from {
             lease::Source::Redis if part > 0 => lease::Source::Split(part),
             from => from,
@@ -855,6 +854,25 @@ impl<K: Kv> Rls<K> {
 tokio::task_local! {
     /// When the call being decided began ([`Rls::should_rate_limit`]).
     static CALL_STARTED: std::time::Instant;
+}
+
+/// Units a call took from its grant before it asked Redis for the rest ([`lease::Leases::take_part`]):
+/// given back when it is dropped still holding them (`part`), as a call refused, failed, or
+/// dropped unanswered is.
+struct Lent<'a> {
+    leases: &'a lease::Leases,
+    rkey: &'a str,
+    part: u64,
+    /// When they were taken (the counter's clock).
+    at: Nanos,
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        if self.part > 0 {
+            self.leases.give_back_or_owe(self.rkey, self.part, self.at);
+        }
+    }
 }
 
 /// This process's (`node`'s) ask number `ask` for `hits` on `counter` at `now`, holding `mine`

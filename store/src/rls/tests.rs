@@ -657,3 +657,41 @@ descriptors:
     let nine = r.should_rate_limit(&take(9)).await.unwrap();
     assert_eq!((nine.overall_code, remaining(&nine)), (Code::Ok, vec![0]));
 }
+
+/// A call dropped at its deadline while it asks (answered UNAVAILABLE) gives back what it took
+/// from its grant: before, that part was reported with the next batch, as if admitted.
+#[tokio::test]
+async fn a_call_answered_unavailable_gives_its_grants_part_back() {
+    let config = "domain: t
+descriptors:
+  - key: tok
+    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: token_bucket}
+";
+    let kv = FakeKv::default();
+    kv.now.store(1_000 * 3600 * ratewall_core::SECOND, Ordering::Relaxed);
+    let store = Arc::new(Store::new(kv, b"unit-test-secret-0123", Duration::from_millis(50)));
+    let process =
+        || Rls::new(Arc::clone(&store), RlsConfig::parse("t.yaml", config).unwrap(), None, b"unit-test-secret-0123");
+    let (r, other) = (process(), process());
+    lease::flush(&r).await;
+    lease::flush(&other).await;
+    lease::flush(&r).await;
+    let take = |hits: u64| {
+        let mut c = call(&[&[("tok", "v")]]);
+        c.domain = "t".into();
+        c.descriptors[0].hits_addend = Some(hits);
+        c
+    };
+    assert_eq!(r.should_rate_limit(&take(1)).await.unwrap().overall_code, Code::Ok);
+    lease::flush(&r).await;
+    // The ask's reply comes after the call's deadline.
+    store.kv.cas_reply_delay_ms.store(200, Ordering::Relaxed);
+    assert!(matches!(r.should_rate_limit(&take(9)).await, Err(Refusal::Unavailable(_))));
+    store.kv.cas_reply_delay_ms.store(0, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    lease::flush(&r).await;
+    let left = remaining(&other.should_rate_limit(&take(0)).await.unwrap());
+    // The first call's unit is counted, and (written, answered late) the ask's rest; not the
+    // part the call took from its grant.
+    assert!(left[0] >= 4, "{left:?}");
+}
