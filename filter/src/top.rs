@@ -551,7 +551,6 @@ impl Top {
             let (pending, denied, shadow, paid, paid_keys) = taken.unwrap_or_default();
             let rule_allowed = allowed.get(i).copied().unwrap_or(0).saturating_add(paid);
             let busy = busy_top || rule_allowed > 0;
-            active |= busy;
             if !busy && config.rules.len() > IDLE_LISTED_UP_TO {
                 continue;
             }
@@ -600,6 +599,10 @@ impl Top {
                     send_alone(&k, u);
                 }
             }
+            // Units taken for keys now listable left `waiting` for good: they go in this
+            // section, so it goes though it has nothing else (a batch of renewals only, its
+            // answers having found the key's counter at its limit, another node denying it).
+            active |= busy || !alone.is_empty();
             for (k, u) in admitted {
                 top.set_allowed(&k, u);
             }

@@ -320,3 +320,52 @@ fn the_top_counts_of_a_batch_given_up_go_with_the_next_batch() {
     }
     assert_eq!(heard, denied as u64);
 }
+
+/// A key's units kept at one node until its first denial there go to the store when the
+/// store's answers find its counter at its limit, though the batch then carries nothing else:
+/// another node spent the quota, and the store's entry for the key counts both nodes' units.
+/// (That batch's section was dropped when it had no other counts, and the units with it.)
+#[test]
+fn units_kept_for_a_key_go_with_a_batch_that_carries_nothing_else() {
+    let sync = r#", "sync": {"cluster": "store", "secret": "0123456789abcdef", "interval": "100ms"}"#;
+    let (a, b) = (FakeHost::new(), FakeHost::new());
+    let (ea, eb) = (engine(&a, &rules(sync)), engine(&b, &rules(sync)));
+    let mut store = Store::new(10_000, 2_000 * MS);
+    let mut sections = Vec::new();
+    let mut round = |store: &mut Store, h: &FakeHost, e: &Engine| {
+        h.advance(200 * MS);
+        e.on_tick(h);
+        for c in h.take_calls() {
+            sections.extend(SyncRequest::decode_with_top(&c.body).unwrap().1);
+            let (status, tag, body) = answer(store, h.now(), "0123456789abcdef", &c);
+            e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
+        }
+    };
+    for _ in 0..2 {
+        round(&mut store, &a, &ea);
+        round(&mut store, &b, &eb);
+    }
+    // One unit at each node: the second spends the quota of 2.
+    assert_eq!(statuses(&ea, &a, "GET", "/", &[("x-api-key", KEY)], 1), [200]);
+    round(&mut store, &a, &ea);
+    assert_eq!(statuses(&eb, &b, "GET", "/", &[("x-api-key", KEY)], 1), [200]);
+    for _ in 0..4 {
+        round(&mut store, &b, &eb);
+        round(&mut store, &a, &ea);
+    }
+    // Each node denies the key (past an overdraft unit, if it has one).
+    let mut admitted = 2;
+    for (e, h) in [(&ea, &a), (&eb, &b)] {
+        let answered = statuses(e, h, "GET", "/", &[("x-api-key", KEY)], 2);
+        assert_eq!(answered.last(), Some(&429), "{answered:?}");
+        admitted += answered.iter().filter(|s| **s == 200).count() as u64;
+    }
+    for _ in 0..2 {
+        round(&mut store, &a, &ea);
+        round(&mut store, &b, &eb);
+    }
+    let entries = sections.iter().flat_map(|s| &s.rules).filter(|r| r.rule == "api-key").flat_map(|r| r.top.entries());
+    let (denied, allowed) =
+        entries.filter(|e| e.key == shown(&ea, KEY).as_bytes()).fold((0, 0), |(d, a), e| (d + e.denied, a + e.allowed));
+    assert_eq!((denied, allowed), (4 - (admitted - 2), admitted), "{sections:?}");
+}
