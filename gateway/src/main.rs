@@ -297,7 +297,7 @@ impl Served<'_> {
         }
         let waiting = leave(&mut self.vm, std::mem::take(&mut self.waiting), w);
         self.waiting = resume(&mut self.vm, waiting, w, &self.origin, &mut self.flying);
-        self.flying = landed(&mut self.vm, std::mem::take(&mut self.flying), &self.origin.inbox, w);
+        self.flying = landed(&mut self.vm, std::mem::take(&mut self.flying), &self.origin, w);
     }
 }
 
@@ -770,6 +770,7 @@ fn read_request(stream: TcpStream) -> Head {
     // The body's length (None: a value that is not a number; the body is not whole).
     let mut content_length = Some(0usize);
     let mut chunked = false;
+    let mut expects = false;
     loop {
         let mut h = Vec::new();
         match read_line(&mut reader, &mut h, &mut budget) {
@@ -793,6 +794,9 @@ fn read_request(stream: TcpStream) -> Head {
             if name == "transfer-encoding" {
                 chunked = true;
             }
+            if name == "expect" && value.eq_ignore_ascii_case(b"100-continue") {
+                expects = true;
+            }
             if name == "host" {
                 if authority.is_none() {
                     req.headers.push((":authority".into(), value));
@@ -802,8 +806,16 @@ fn read_request(stream: TcpStream) -> Head {
             req.headers.push((name, value));
         }
     }
-    let mut body = vec![0u8; content_length.unwrap_or(0).min(MAX_BODY)];
-    let whole = reader.read_exact(&mut body).is_ok() && content_length.is_some_and(|n| n <= MAX_BODY) && !chunked;
+    let Some(length) = content_length else {
+        return Head::Refused(stream, 400, "bad request: its content-length is not a number\n");
+    };
+    // A client that waits to be told to send its body (curl does, past 1 KiB) is told at once.
+    if expects && length > 0 && length <= MAX_BODY && !chunked {
+        let mut told = &stream;
+        let _ = told.write_all(b"HTTP/1.1 100 Continue\r\n\r\n");
+    }
+    let mut body = vec![0u8; length.min(MAX_BODY)];
+    let whole = reader.read_exact(&mut body).is_ok() && length <= MAX_BODY && !chunked;
     Head::Request(Request { stream, method: method.to_owned(), path, req, body: whole.then_some(body) })
 }
 
@@ -889,17 +901,30 @@ struct Origin<'a> {
     queue: Arc<Queue>,
 }
 
-/// The upstream's answers to a worker's requests, by context, as they come.
+/// What comes back to a worker for its requests at the upstream, by context, as it comes.
 #[derive(Default)]
-struct Inbox(Mutex<Vec<(u32, Result<Upstreamed, String>)>>);
+struct Inbox(Mutex<Vec<(u32, Landed)>>);
+
+/// What came back for a request at the upstream.
+enum Landed {
+    /// The upstream's answer, or why there is none.
+    Answer(Result<Upstreamed, String>),
+    /// The answer was sent on to the client, or the client went away meanwhile.
+    Sent,
+}
 
 impl Inbox {
     fn has_answers(&self) -> bool {
         !self.0.lock().unwrap_or_else(PoisonError::into_inner).is_empty()
     }
 
-    fn take(&self) -> Vec<(u32, Result<Upstreamed, String>)> {
+    fn take(&self) -> Vec<(u32, Landed)> {
         std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    fn put(&self, ctx: u32, landed: Landed, queue: &Queue) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).push((ctx, landed));
+        queue.wake();
     }
 }
 
@@ -909,8 +934,16 @@ type Upstreamed = ratewall_host::http::Response;
 /// How long the upstream has to answer a request.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Most requests at the upstream at once, over the gateway (each a thread while it waits):
+/// past them a request the filter admitted gets a 503.
+const MAX_AT_UPSTREAM: usize = 1024;
+
+/// Requests at the upstream now.
+static AT_UPSTREAM: AtomicUsize = AtomicUsize::new(0);
+
 /// Headers that belong to one connection (RFC 9110 7.6.1), not passed across the gateway,
-/// and the body's framing, which the gateway sets itself.
+/// with the body's framing, which the gateway sets itself, and `expect` (the gateway has read
+/// the body already).
 const HOP_BY_HOP: &[&str] = &[
     "connection",
     "keep-alive",
@@ -920,7 +953,19 @@ const HOP_BY_HOP: &[&str] = &[
     "transfer-encoding",
     "upgrade",
     "content-length",
+    "expect",
 ];
+
+/// Whether header `name` is passed across the gateway: not hop by hop, nor named in a
+/// `Connection` field (`named`, lower-cased).
+fn passed(name: &str, named: &[String]) -> bool {
+    !HOP_BY_HOP.contains(&name) && !named.iter().any(|n| n == name)
+}
+
+/// The field names a message's `Connection` fields name (lower-cased).
+fn connection_named<'a>(values: impl Iterator<Item = &'a str>) -> Vec<String> {
+    values.flat_map(|v| v.split(',')).map(|n| n.trim().to_ascii_lowercase()).filter(|n| !n.is_empty()).collect()
+}
 
 /// A request as the upstream is sent it: its header fields (the authority as `host`) and body.
 struct Outbound {
@@ -930,15 +975,24 @@ struct Outbound {
 
 impl Outbound {
     fn of(req: &HttpRequest, body: Vec<u8>) -> Outbound {
+        let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
+        let named = connection_named(
+            req.headers
+                .iter()
+                .filter(|(k, _)| k == "connection")
+                .map(|(_, v)| text(v))
+                .collect::<Vec<_>>()
+                .iter()
+                .map(String::as_str),
+        );
         let headers = req
             .headers
             .iter()
             .filter_map(|(k, v)| match k.as_str() {
-                ":authority" => Some(("host".to_owned(), v)),
-                k if k.starts_with(':') || HOP_BY_HOP.contains(&k) => None,
-                k => Some((k.to_owned(), v)),
+                ":authority" => Some(("host".to_owned(), text(v))),
+                k if k.starts_with(':') || !passed(k, &named) => None,
+                k => Some((k.to_owned(), text(v))),
             })
-            .map(|(k, v)| (k, String::from_utf8_lossy(v).into_owned()))
             .collect();
         Outbound { headers, body }
     }
@@ -947,7 +1001,8 @@ impl Outbound {
 /// A request sent to the upstream: in flight until its answer is sent on, or its client goes.
 struct Flying {
     ctx: u32,
-    stream: TcpStream,
+    /// None once its answer is being sent, on a thread of its own.
+    stream: Option<TcpStream>,
     method: String,
 }
 
@@ -966,6 +1021,12 @@ fn forward(
         Forward::Paused(ctx) => return park(vm, ctx, stream, (method.to_owned(), path.to_owned()), Some(out)),
         Forward::Upstream(ctx) => ctx,
     };
+    let flying = Flying { ctx, stream: Some(stream), method: method.to_owned() };
+    if AT_UPSTREAM.fetch_add(1, Ordering::SeqCst) >= MAX_AT_UPSTREAM {
+        AT_UPSTREAM.fetch_sub(1, Ordering::SeqCst);
+        let busy = Err(format!("{MAX_AT_UPSTREAM} requests are at the upstream already"));
+        return deliver(vm, flying, busy, origin).map(Next::Flying);
+    }
     let upstream = origin.upstream.unwrap_or_default().to_owned();
     let (inbox, queue, sent) =
         (Arc::clone(&origin.inbox), Arc::clone(&origin.queue), (method.to_owned(), path.to_owned()));
@@ -973,35 +1034,46 @@ fn forward(
         let headers: Vec<(&str, &str)> = out.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         let answer =
             ratewall_host::http::request_within(&upstream, (&sent.0, &sent.1), &headers, &out.body, UPSTREAM_TIMEOUT)
-                .map_err(|e| format!("http://{upstream}: {e}"));
-        inbox.0.lock().unwrap_or_else(PoisonError::into_inner).push((ctx, answer));
-        queue.wake();
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+                        format!("no answer within {} s", UPSTREAM_TIMEOUT.as_secs())
+                    }
+                    _ => e.to_string(),
+                });
+        AT_UPSTREAM.fetch_sub(1, Ordering::SeqCst);
+        inbox.put(ctx, Landed::Answer(answer), &queue);
     });
-    let mut flying = Flying { ctx, stream, method: method.to_owned() };
-    if let Err(e) =
-        spawned.map_err(|e| e.to_string()).and_then(|_| flying.stream.set_nonblocking(true).map_err(|e| e.to_string()))
-    {
-        deliver(vm, &mut flying, Err(format!("the gateway could not send it: {e}")))?;
-        return Ok(Next::Answered);
+    if let Err(e) = spawned {
+        AT_UPSTREAM.fetch_sub(1, Ordering::SeqCst);
+        return deliver(vm, flying, Err(format!("the gateway could not send it: {e}")), origin).map(Next::Flying);
+    }
+    if let Some(Err(e)) = flying.stream.as_ref().map(|s| s.set_nonblocking(true)) {
+        log(&format!("a request at the upstream: its client's connection cannot be watched ({e})"));
     }
     Ok(Next::Flying(flying))
 }
 
-/// Sends on the upstream's answers that came, and ends the streams of requests in flight whose
-/// client went away (a concurrency slot goes back then, as Envoy resets the stream); returns
-/// the requests still in flight.
-fn landed(vm: &mut Vm, flying: Vec<Flying>, inbox: &Inbox, worker: usize) -> Vec<Flying> {
-    let mut answers = inbox.take();
+/// Sends on the upstream's answers that came, ends the streams of requests whose answer was
+/// sent, and of those whose client went away while at the upstream (a concurrency slot goes
+/// back then, as Envoy resets the stream); returns the requests still in flight.
+fn landed(vm: &mut Vm, flying: Vec<Flying>, origin: &Origin, worker: usize) -> Vec<Flying> {
+    let mut came = origin.inbox.take();
     let mut still = Vec::new();
-    for mut f in flying {
-        let done = if let Some(i) = answers.iter().position(|(ctx, _)| *ctx == f.ctx) {
-            let (_, answer) = answers.swap_remove(i);
-            deliver(vm, &mut f, answer)
-        } else if gone(&f.stream) {
-            vm.abort(f.ctx).map_err(|e| e.to_string())
-        } else {
-            still.push(f);
-            continue;
+    for f in flying {
+        let done = match came.iter().position(|(ctx, _)| *ctx == f.ctx).map(|i| came.swap_remove(i).1) {
+            Some(Landed::Answer(answer)) => match deliver(vm, f, answer, origin) {
+                Ok(sending) => {
+                    still.push(sending);
+                    continue;
+                }
+                Err(e) => Err(e),
+            },
+            Some(Landed::Sent) => vm.done(f.ctx).map_err(|e| e.to_string()),
+            None if f.stream.as_ref().is_some_and(gone) => vm.abort(f.ctx).map_err(|e| e.to_string()),
+            None => {
+                still.push(f);
+                continue;
+            }
         };
         if let Err(e) = done {
             log(&format!("worker {worker}: {e}"));
@@ -1010,12 +1082,19 @@ fn landed(vm: &mut Vm, flying: Vec<Flying>, inbox: &Inbox, worker: usize) -> Vec
     still
 }
 
-/// Sends the client its request's upstream answer (a 502 when there was none), its headers
-/// through the filter's `on_response_headers`, then ends the request's stream.
-fn deliver(vm: &mut Vm, f: &mut Flying, answer: Result<Upstreamed, String>) -> Result<(), String> {
+/// Runs the upstream's answer to a request (a 502 when there was none) through the filter's
+/// `on_response_headers`, and sends it to the client on a thread of its own (a client slow to
+/// read holds up no worker); the request is in flight until that thread says it is sent.
+fn deliver(vm: &mut Vm, mut f: Flying, answer: Result<Upstreamed, String>, origin: &Origin) -> Result<Flying, String> {
     let (status, headers, body) = match answer {
         Ok(r) => {
-            let headers = r.headers.into_iter().filter(|(k, _)| !HOP_BY_HOP.contains(&k.as_str())).collect();
+            let named = connection_named(r.headers.iter().filter(|(k, _)| k == "connection").map(|(_, v)| v.as_str()));
+            let length = r.header("content-length").map(str::to_owned);
+            let mut headers: Vec<(String, String)> = r.headers.into_iter().filter(|(k, _)| passed(k, &named)).collect();
+            // A HEAD's or a 304's answer says the length of a body it has not (RFC 9110 8.6).
+            if let (Some(l), true) = (length, f.method.eq_ignore_ascii_case("HEAD") || r.status == 304) {
+                headers.push(("content-length".to_owned(), l));
+            }
             (r.status, headers, r.body)
         }
         Err(e) => {
@@ -1023,13 +1102,82 @@ fn deliver(vm: &mut Vm, f: &mut Flying, answer: Result<Upstreamed, String>) -> R
             (502, vec![("content-type".to_owned(), "text/plain; charset=utf-8".to_owned())], text.into_bytes())
         }
     };
-    let send = if f.method.eq_ignore_ascii_case("HEAD") { Body::LengthOnly } else { Body::Sent };
-    let sent = vm.upstream_response(f.ctx, status, &headers).map_err(|e| e.to_string()).and_then(|headers| {
-        f.stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-        respond_with(&mut f.stream, status, &headers, &body, send)
+    let headers = vm.upstream_response(f.ctx, status, &headers).map_err(|e| e.to_string())?;
+    let Some(mut stream) = f.stream.take() else { return Ok(f) };
+    let (ctx, head_only, inbox, queue) =
+        (f.ctx, f.method.eq_ignore_ascii_case("HEAD"), Arc::clone(&origin.inbox), Arc::clone(&origin.queue));
+    let spawned = std::thread::Builder::new().name("sender".into()).spawn(move || {
+        let _ = stream.set_nonblocking(false).and_then(|()| stream.set_write_timeout(Some(UPSTREAM_TIMEOUT)));
+        let _ = send_upstream_answer(&mut stream, status, &headers, &body, head_only);
+        inbox.put(ctx, Landed::Sent, &queue);
     });
-    let ended = vm.done(f.ctx).map_err(|e| e.to_string());
-    sent.and(ended)
+    if let Err(e) = spawned {
+        vm.done(ctx).map_err(|e| e.to_string())?;
+        return Err(format!("sending an answer: {e}"));
+    }
+    Ok(f)
+}
+
+/// Writes an upstream's answer: its status, headers as given (with the filter's), the body's
+/// length (none for 204; the given one for a HEAD's or a 304's, which carry no body) and body.
+fn send_upstream_answer(
+    stream: &mut TcpStream,
+    status: u16,
+    headers: &[(String, String)],
+    body: &[u8],
+    head_only: bool,
+) -> std::io::Result<()> {
+    let bodiless = head_only || status == 204 || status == 304;
+    let mut out = format!("HTTP/1.1 {status} {}\r\n", reason(status));
+    for (k, v) in headers {
+        if k.starts_with(':') || (k.eq_ignore_ascii_case("content-length") && !bodiless) {
+            continue;
+        }
+        out.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !bodiless {
+        out.push_str(&format!("content-length: {}\r\n", body.len()));
+    }
+    out.push_str("connection: close\r\n\r\n");
+    stream.write_all(out.as_bytes())?;
+    if !bodiless {
+        stream.write_all(body)?;
+    }
+    stream.flush()
+}
+
+/// A status's reason phrase (RFC 9110 15), empty for one not listed (the phrase is optional).
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        201 => "Created",
+        202 => "Accepted",
+        204 => "No Content",
+        206 => "Partial Content",
+        301 => "Moved Permanently",
+        302 => "Found",
+        303 => "See Other",
+        304 => "Not Modified",
+        307 => "Temporary Redirect",
+        308 => "Permanent Redirect",
+        400 => "Bad Request",
+        401 => "Unauthorized",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        409 => "Conflict",
+        413 => "Content Too Large",
+        414 => "URI Too Long",
+        422 => "Unprocessable Content",
+        429 => "Too Many Requests",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "",
+    }
 }
 
 /// What the filter decided for a request: its local reply, or the demo origin's answer.
@@ -1065,18 +1213,7 @@ fn respond_with(
     body: &[u8],
     send: Body,
 ) -> Result<(), String> {
-    let reason = match status {
-        200 => "OK",
-        400 => "Bad Request",
-        408 => "Request Timeout",
-        414 => "URI Too Long",
-        431 => "Request Header Fields Too Large",
-        413 => "Content Too Large",
-        429 => "Too Many Requests",
-        502 => "Bad Gateway",
-        503 => "Service Unavailable",
-        _ => "",
-    };
+    let reason = reason(status);
     let mut out = format!("HTTP/1.1 {status} {reason}\r\n");
     for (k, v) in headers {
         if k.eq_ignore_ascii_case("content-length") || k.starts_with(':') {

@@ -582,3 +582,72 @@ fn under_nginx_a_rules_change_is_a_reload_and_held_requests_are_served() {
     let statuses: Vec<u16> = held.into_iter().map(|c| c.join().unwrap()).collect();
     assert_eq!(statuses, [201, 201]);
 }
+
+/// An upstream answering by path, as written: an interim 100 before its answer, a HEAD's
+/// length, a 204, fields named in `Connection`, an 8 MiB body.
+fn scripted_upstream() -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let n = stream.read(&mut buf).unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                }
+                let head = String::from_utf8_lossy(&got).to_string();
+                let answer: Vec<u8> = if head.starts_with("GET /interim ") {
+                    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec()
+                } else if head.starts_with("HEAD /head ") {
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 12345\r\n\r\n".to_vec()
+                } else if head.starts_with("GET /nothing ") {
+                    b"HTTP/1.1 204 No Content\r\n\r\n".to_vec()
+                } else if head.starts_with("GET /hop ") {
+                    let saw = if head.to_lowercase().contains("x-drop-me") { "dropped: no" } else { "dropped: yes" };
+                    let length = saw.len();
+                    format!("HTTP/1.1 200 OK\r\nconnection: close, x-hop\r\nx-hop: 1\r\nx-end: 2\r\ncontent-length: {length}\r\n\r\n{saw}")
+                        .into_bytes()
+                } else {
+                    let mut big = b"HTTP/1.1 200 OK\r\ncontent-length: 8388608\r\n\r\n".to_vec();
+                    big.resize(big.len() + (8 << 20), b'x');
+                    big
+                };
+                let _ = stream.write_all(&answer);
+            });
+        }
+    });
+    addr
+}
+
+/// What an upstream answers reaches the client as a proxy passes it on: the final answer past
+/// an interim one, a HEAD's and a 204's lengths as RFC 9110 has them, fields named in
+/// `Connection` dropped both ways; and a client that does not read its answer holds up no
+/// other request.
+#[test]
+fn an_upstreams_answers_are_passed_on_as_a_proxy_passes_them() {
+    let rules = rules_file("upstream-answers", r#"{"rules": []}"#);
+    let upstream = scripted_upstream();
+    let (_gateway, addr, _) = start_with(&rules, false, &["--upstream", &upstream, "--workers", "1"]);
+    let interim = raw(&addr, b"GET /interim HTTP/1.1\r\nhost: x\r\n\r\n");
+    assert!(interim.starts_with("HTTP/1.1 200 OK\r\n") && interim.ends_with("\r\n\r\nok"), "{interim}");
+    let head = raw(&addr, b"HEAD /head HTTP/1.1\r\nhost: x\r\n\r\n");
+    assert!(head.contains("content-length: 12345\r\n") && head.ends_with("\r\n\r\n"), "{head}");
+    let nothing = raw(&addr, b"GET /nothing HTTP/1.1\r\nhost: x\r\n\r\n");
+    assert!(nothing.starts_with("HTTP/1.1 204 No Content\r\n"), "{nothing}");
+    assert!(!nothing.to_lowercase().contains("content-length"), "{nothing}");
+    let hop = raw(&addr, b"GET /hop HTTP/1.1\r\nhost: x\r\nconnection: x-drop-me\r\nx-drop-me: 1\r\n\r\n");
+    assert!(hop.ends_with("dropped: yes") && hop.contains("x-end: 2\r\n") && !hop.contains("x-hop"), "{hop}");
+    // A client that asks for 8 MiB and reads none of it: the one worker VM serves on.
+    let mut stuck = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(&mut stuck, b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let after = raw(&addr, b"GET /interim HTTP/1.1\r\nhost: x\r\n\r\n");
+    assert!(after.ends_with("\r\n\r\nok"), "{after}");
+    drop(stuck);
+}

@@ -108,37 +108,51 @@ pub fn request_within(
     // connection open for seconds despite `connection: close`.
     let mut raw = Vec::new();
     let mut buf = [0u8; 16 * 1024];
-    let split = loop {
-        if let Some(p) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
-            break p;
+    let (split, status, head) = loop {
+        let Some(p) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+            s.set_read_timeout(Some(left()?))?;
+            let n = s.read(&mut buf)?;
+            if n == 0 {
+                return Err(bad("connection closed before the end of the headers"));
+            }
+            raw.extend_from_slice(buf.get(..n).unwrap_or_default());
+            continue;
+        };
+        let head = String::from_utf8_lossy(raw.get(..p).unwrap_or_default()).into_owned();
+        let status: u16 = head
+            .lines()
+            .next()
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| bad("no status line"))?;
+        // An interim answer (100 Continue, 103 Early Hints) comes before the response.
+        if (100..200).contains(&status) && status != 101 {
+            raw.drain(..p + 4);
+            continue;
         }
-        s.set_read_timeout(Some(left()?))?;
-        let n = s.read(&mut buf)?;
-        if n == 0 {
-            return Err(bad("connection closed before the end of the headers"));
-        }
-        raw.extend_from_slice(buf.get(..n).unwrap_or_default());
+        break (p, status, head);
     };
-    let head = String::from_utf8_lossy(raw.get(..split).unwrap_or_default()).into_owned();
     let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| bad("no status line"))?;
+    lines.next();
     let headers: Vec<(String, String)> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
         .collect();
     let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
-    let length = headers.iter().find(|(k, _)| k == "content-length").and_then(|(_, v)| v.parse::<usize>().ok());
+    let mut lengths = headers.iter().filter(|(k, _)| k == "content-length").map(|(_, v)| v.parse::<usize>().ok());
+    let length = lengths.next().flatten();
+    if lengths.any(|l| l != length) {
+        return Err(bad("conflicting content-length fields"));
+    }
     let no_body = method == "HEAD" || status == 204 || status == 304;
     let mut rest = raw.get(split + 4..).unwrap_or_default().to_vec();
+    // A chunked body is parsed only once it could be whole (it ends with its last chunk's
+    // blank line): parsed after every read, a large one took quadratic time.
     let complete = |b: &[u8]| {
         if no_body {
             true
         } else if chunked {
-            dechunk(b).is_some()
+            b.ends_with(b"\r\n\r\n") && dechunk(b).is_some()
         } else {
             length.is_some_and(|l| b.len() >= l)
         }
@@ -150,6 +164,9 @@ pub fn request_within(
             break;
         }
         rest.extend_from_slice(buf.get(..n).unwrap_or_default());
+    }
+    if !no_body && !chunked && length.is_some_and(|l| rest.len() < l) {
+        return Err(bad("connection closed before the end of the body"));
     }
     let body = if no_body {
         Vec::new()
