@@ -442,16 +442,21 @@ struct Keys {
     out_plain: String,
 }
 
+/// The prefix of the shared keys of one store's sync on this proxy ([`Keys`]).
+pub(crate) fn namespace(opts: &SyncOptions) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = KeyHasher.build_hasher();
+    for part in [&opts.cluster, &opts.path, &opts.secret] {
+        h.write(part.as_bytes());
+        h.write_u8(0);
+    }
+    // 32 bits of a keyed hash of the secret among the rest: the key names no secret.
+    format!("rw1/sync/{:08x}", h.finish() as u32)
+}
+
 impl Keys {
     fn of(opts: &SyncOptions) -> Keys {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = KeyHasher.build_hasher();
-        for part in [&opts.cluster, &opts.path, &opts.secret] {
-            h.write(part.as_bytes());
-            h.write_u8(0);
-        }
-        // 32 bits of a keyed hash of the secret among the rest: the key names no secret.
-        let ns = format!("rw1/sync/{:08x}", h.finish() as u32);
+        let ns = namespace(opts);
         Keys {
             lease: format!("{ns}/lease"),
             view: format!("{ns}/view"),

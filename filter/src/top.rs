@@ -161,6 +161,10 @@ struct Shared {
     /// With sync, the listed count of each key of `minute` (by [`hash`]) when the last batch
     /// took them, sorted: a batch carries what each key gained since.
     reported: Vec<(u64, u64)>,
+    /// With sync, how the rule's document shows the keys of `minute` and `pending_paid_keys`
+    /// (by [`hash`]): a VM of another document that syncs through the same lease lists them
+    /// so in its batches ([`Top::section`]).
+    shown: Vec<(u64, Vec<u8>)>,
 }
 
 impl Shared {
@@ -189,7 +193,34 @@ impl Shared {
             out.extend_from_slice(k);
             put_varint(&mut out, *n);
         }
+        put_varint(&mut out, self.shown.len() as u64);
+        for (h, k) in &self.shown {
+            out.extend_from_slice(&h.to_le_bytes());
+            put_varint(&mut out, k.len() as u64);
+            out.extend_from_slice(k);
+        }
         out
+    }
+
+    /// Keeps [`Shared::shown`] to the keys listed, each shown by `config` (the rule's own).
+    fn show_keys(&mut self, config: &Config) {
+        let listed: Vec<&[u8]> = self
+            .minute
+            .entries()
+            .iter()
+            .map(|e| e.key.as_slice())
+            .chain(self.pending_paid_keys.iter().map(|(k, _)| k.as_slice()))
+            .collect();
+        self.shown.retain(|(h, _)| listed.iter().any(|k| hash(k) == *h));
+        for k in listed {
+            let h = hash(k);
+            if self.shown.iter().any(|(s, _)| *s == h) {
+                continue;
+            }
+            if let Some((_, shown)) = render(config, k) {
+                self.shown.push((h, bounded_key(shown, &config.identity.hash_key).into_bytes()));
+            }
+        }
     }
 
     /// What each listed key gained since the last batch took them: its listed count less the
@@ -241,6 +272,15 @@ impl Shared {
                 pending_paid_keys.push((k, r.varint().ok()?));
             }
         }
+        let mut shown = Vec::new();
+        if r.pos < bytes.len() {
+            let n = usize::try_from(r.varint().ok()?).ok().filter(|n| *n <= minute.capacity() + PAID_KEYS)?;
+            for _ in 0..n {
+                let h = u64::from_le_bytes(r.take(8).ok()?.try_into().ok()?);
+                let len = usize::try_from(r.varint().ok()?).ok().filter(|l| *l <= ratewall_core::topk::MAX_KEY)?;
+                shown.push((h, r.take(len).ok()?.to_vec()));
+            }
+        }
         (r.pos == bytes.len()).then_some(Shared {
             name,
             minute_start,
@@ -252,6 +292,7 @@ impl Shared {
             pending_paid,
             pending_paid_keys,
             reported,
+            shown,
         })
     }
 }
@@ -275,6 +316,61 @@ pub struct Top {
     /// Per rule, units the syncing VM's batches reported for keys not listed yet: a key's
     /// first denial brings them, so that its entry counts what the client was admitted before.
     admitted: RefCell<Vec<ratewall_core::topk::Admitted>>,
+    /// The same, per rule of the other documents that sync through the same lease.
+    foreign: RefCell<std::collections::HashMap<String, ratewall_core::topk::Admitted>>,
+    /// When this VM last said its rules' names in [`NAMES_KEY`].
+    named_at: std::cell::Cell<Nanos>,
+    /// Its sync's namespace (empty without sync).
+    ns: String,
+}
+
+/// The shared key (under the sync's [`crate::sync::namespace`]) naming the rules of every
+/// document on the proxy that syncs to one store, each with when a VM of its document last
+/// said it (seconds): the VM holding that sync's lease lists in its batches the rules of the
+/// documents that share the lease as well as its own.
+const NAMES_KEY: &str = "/top-names";
+/// Most rule names [`NAMES_KEY`] keeps (the longest unsaid go first).
+const MAX_NAMES: usize = 256;
+/// How often a VM says its rules' names, and how long a name unsaid is kept.
+const NAMES_EVERY: Nanos = 10 * ratewall_core::SECOND;
+const NAMES_KEPT: Nanos = 6 * NAMES_EVERY;
+
+/// The names [`NAMES_KEY`] holds, with when each was last said (seconds).
+fn decode_names(bytes: &[u8]) -> Vec<(String, u64)> {
+    let mut r = Reader { bytes, pos: 0 };
+    let mut out = Vec::new();
+    while r.pos < bytes.len() && out.len() < MAX_NAMES {
+        let Some(name) = r
+            .varint()
+            .ok()
+            .and_then(|n| usize::try_from(n).ok())
+            .and_then(|n| r.take(n).ok())
+            .and_then(|b| String::from_utf8(b.to_vec()).ok())
+        else {
+            break;
+        };
+        let Ok(at) = r.varint() else { break };
+        out.push((name, at));
+    }
+    out
+}
+
+fn encode_names(names: &[(String, u64)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, at) in names {
+        put_varint(&mut out, name.len() as u64);
+        out.extend_from_slice(name.as_bytes());
+        put_varint(&mut out, *at);
+    }
+    out
+}
+
+/// The rule names of the documents that sync through one lease ([`NAMES_KEY`] under `ns`).
+fn names(host: &dyn Host, ns: &str) -> Vec<String> {
+    match host.shared_get(&format!("{ns}{NAMES_KEY}")) {
+        Ok((Some(v), _)) => decode_names(&v).into_iter().map(|(n, _)| n).collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// FNV-1a, 64-bit, with a final mix (its low bits pick the slot, its top bits the distinct
@@ -298,6 +394,39 @@ impl Top {
             synced: config.sync.is_some(),
             idle_until: Default::default(),
             admitted,
+            foreign: RefCell::default(),
+            named_at: std::cell::Cell::new(0),
+            ns: config.sync.as_ref().map(crate::sync::namespace).unwrap_or_default(),
+        }
+    }
+
+    /// Says `config`'s rule names in [`NAMES_KEY`] (at most every [`NAMES_EVERY`]), dropping
+    /// names no VM said for [`NAMES_KEPT`].
+    fn say_names(&self, host: &dyn Host, config: &Config, now: Nanos) {
+        if !self.synced || now.saturating_sub(self.named_at.get()) < NAMES_EVERY && self.named_at.get() <= now {
+            return;
+        }
+        self.named_at.set(now);
+        let now_s = now / ratewall_core::SECOND;
+        let key = format!("{}{NAMES_KEY}", self.ns);
+        for _ in 0..16 {
+            let Ok((value, cas)) = host.shared_get(&key) else { return };
+            let mut said = value.as_deref().map(decode_names).unwrap_or_default();
+            said.retain(|(_, at)| now_s.saturating_sub(*at) < NAMES_KEPT / ratewall_core::SECOND && *at <= now_s + 60);
+            for rule in &config.rules {
+                match said.iter_mut().find(|(n, _)| *n == rule.name) {
+                    Some(entry) => entry.1 = now_s,
+                    None => said.push((rule.name.clone(), now_s)),
+                }
+            }
+            if said.len() > MAX_NAMES {
+                said.sort_by_key(|(_, at)| std::cmp::Reverse(*at));
+                said.truncate(MAX_NAMES);
+            }
+            match host.shared_set(&key, &encode_names(&said), cas) {
+                Err(SetError::CasMismatch) => continue,
+                _ => return,
+            }
         }
     }
 
@@ -403,6 +532,7 @@ impl Top {
 
     /// Merges `mine` (None: nothing) into each rule's shared state, rolling its minute over.
     fn roll(&self, host: &dyn Host, config: &Config, now: Nanos, mine: Option<&[LocalRule]>) {
+        self.say_names(host, config, now);
         for (i, rule) in config.rules.iter().enumerate() {
             let add = mine.and_then(|m| m.get(i)).filter(|r| r.denied + r.shadow + r.paid > 0);
             for _ in 0..16 {
@@ -458,6 +588,9 @@ impl Top {
                     self.gauge(host, i, &s, now);
                     break;
                 }
+                if self.synced {
+                    s.show_keys(config);
+                }
                 match host.shared_set(&key, &s.encode(), cas) {
                     Ok(()) => {
                         if let (Some(m), true) = (self.metrics.evictions, s.minute.evictions() > before) {
@@ -487,7 +620,9 @@ impl Top {
 
     /// The section a new batch ends with: per rule, in the document's order, its counts and
     /// top denied keys since the last batch (taken from shared data, so each goes in one
-    /// batch), admitted units from the batch's `deltas`. A key this node denied in its running
+    /// batch), admitted units from the batch's `deltas`; then those of the rules of other
+    /// documents on the proxy that sync through the same lease ([`NAMES_KEY`]), their keys
+    /// shown as their own document showed them. A key this node denied in its running
     /// minute, or whose counter is in `limited` (`fnv1a` of counter keys the store's answers
     /// found at their limit, sorted), has its admitted units sent though the node denied it
     /// nothing since: another node may have, and the store's entry for the key counts them.
@@ -499,127 +634,179 @@ impl Top {
         deltas: &[Delta],
         limited: &[u64],
     ) -> Option<TopSection> {
-        let (mut rules, mut active) = (Vec::new(), false);
-        let mut allowed = vec![0u64; config.rules.len()];
         let mut by_key: std::collections::HashMap<&[u8], u64> = std::collections::HashMap::new();
-        // Per rule, its keys' admitted units in this batch.
-        let mut units_of: Vec<Vec<(&[u8], u64)>> = vec![Vec::new(); config.rules.len()];
-        let now_s = host.now() / ratewall_core::SECOND;
+        // Per rule name, its admitted units in this batch, and per key.
+        let mut units_of: std::collections::HashMap<&[u8], Units<'_>> = std::collections::HashMap::new();
         for d in deltas.iter().filter(|d| d.units > 0) {
             let name = d.key.get(2..2 + usize::from(*d.key.get(1)?)).unwrap_or_default();
-            if let Some(i) = config.rules.iter().position(|r| r.name.as_bytes() == name) {
-                if let Some(a) = allowed.get_mut(i) {
-                    *a = a.saturating_add(d.units);
-                }
-                if let Some(u) = units_of.get_mut(i) {
-                    u.push((&d.key, d.units));
-                }
-                by_key.insert(&d.key, d.units);
+            let (sum, keys) = units_of.entry(name).or_default();
+            *sum = sum.saturating_add(d.units);
+            keys.push((&d.key, d.units));
+            by_key.insert(&d.key, d.units);
+        }
+        let batch = Batch { by_key: &by_key, limited, bit: node_bit(node), now_s: host.now() / ratewall_core::SECOND };
+        let (mut rules, mut active) = (Vec::new(), false);
+        let idle_listed = config.rules.len() <= IDLE_LISTED_UP_TO;
+        for (i, rule) in config.rules.iter().enumerate() {
+            let mut waiting = self.admitted.borrow_mut();
+            let units = units_of.get(rule.name.as_bytes());
+            let own = Shown::Own(config);
+            if let Some((top, busy)) =
+                self.rule_top(host, &rule.name, (units, own, idle_listed), waiting.get_mut(i), &batch)
+            {
+                active |= busy;
+                rules.push(top);
             }
         }
-        for (i, rule) in config.rules.iter().enumerate() {
-            let mut taken = None;
-            // The keys this node denied in its running minute.
-            let mut denied_here = Summary::default();
-            for _ in 0..16 {
-                let Some((key, mut s, cas)) = find(host, &rule.name) else { break };
-                denied_here = s.minute.clone();
-                let gained = s.gained();
-                if gained.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 && s.pending_paid == 0 {
-                    break;
+        // The rules of the other documents syncing through this lease, listed when they have
+        // something to report.
+        if self.synced {
+            let mut foreign = self.foreign.borrow_mut();
+            for name in names(host, &self.ns).into_iter().filter(|n| !config.rules.iter().any(|r| r.name == *n)) {
+                if !foreign.contains_key(&name) && foreign.len() >= MAX_NAMES {
+                    continue;
                 }
-                let t = (
-                    gained,
-                    s.pending_denied,
-                    s.pending_shadow,
-                    s.pending_paid,
-                    std::mem::take(&mut s.pending_paid_keys),
-                );
-                (s.pending_denied, s.pending_shadow, s.pending_paid) = (0, 0, 0);
-                s.reported = s.minute.entries().iter().map(|e| (hash(&e.key), e.denied)).collect();
-                s.reported.sort_unstable();
-                match host.shared_set(&key, &s.encode(), cas) {
-                    Ok(()) => {
-                        taken = Some(t);
-                        break;
-                    }
-                    Err(SetError::CasMismatch) => continue,
-                    Err(SetError::Other) => break,
+                let units = units_of.get(name.as_bytes());
+                let waiting = foreign.entry(name.clone()).or_default();
+                let stored = (units, Shown::Stored, true);
+                if let Some((top, true)) = self.rule_top(host, &name, stored, Some(waiting), &batch) {
+                    active = true;
+                    rules.push(top);
                 }
             }
-            let busy_top = taken.is_some();
-            let (pending, denied, shadow, paid, paid_keys) = taken.unwrap_or_default();
-            let rule_allowed = allowed.get(i).copied().unwrap_or(0).saturating_add(paid);
-            let busy = busy_top || rule_allowed > 0;
-            if !busy && config.rules.len() > IDLE_LISTED_UP_TO {
-                continue;
-            }
-            let bit = node_bit(node);
-            // A counter key's shown form, as the store lists it.
-            let shown =
-                |k: &[u8]| render(config, k).map(|(_, s)| bounded_key(s, &config.identity.hash_key).into_bytes());
-            let top = pending.map_keys(shown);
-            // Admitted units per shown key, for the listed keys: this batch's, and those of
-            // earlier ones kept for a key until its first denial.
-            let mut top = top;
-            let mut admitted: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
-            let mut waiting = self.admitted.borrow_mut();
-            let mut waiting = waiting.get_mut(i);
-            for e in pending.entries() {
-                let asked = paid_keys.iter().find(|(k, _)| *k == e.key).map_or(0, |(_, n)| *n);
-                let before = waiting.as_mut().map_or(0, |w| w.take(&e.key, now_s));
-                let u = by_key.get(e.key.as_slice()).copied().unwrap_or(0).saturating_add(asked).saturating_add(before);
-                if let (true, Some(k)) = (u > 0, shown(&e.key)) {
-                    *admitted.entry(k).or_default() += u;
-                }
-            }
-            // Admitted units of keys not denied in this batch: sent now for a key the fleet
-            // may list (their entries carry no denial), else kept for the key's first denial.
-            let mut alone: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
-            let listable =
-                |k: &[u8]| denied_here.count(k) > 0 || limited.binary_search(&ratewall_core::key::fnv1a(k)).is_ok();
-            let mut send_alone = |k: &[u8], u: u64| {
-                if let Some(k) = shown(k) {
-                    *alone.entry(k).or_default() += u;
-                }
-            };
-            if let Some(w) = waiting {
-                let batch = units_of.get(i).into_iter().flatten().copied();
-                for (k, u) in batch.chain(paid_keys.iter().map(|(k, u)| (k.as_slice(), *u))) {
-                    if pending.count(k) > 0 {
-                        continue;
-                    }
-                    if listable(k) {
-                        send_alone(k, u.saturating_add(w.take(k, now_s)));
-                    } else {
-                        w.note(k, u, now_s);
-                    }
-                }
-                for (k, u) in w.take_where(now_s, |k| listable(k)) {
-                    send_alone(&k, u);
-                }
-            }
-            // Units taken for keys now listable left `waiting` for good: they go in this
-            // section, so it goes though it has nothing else (a batch of renewals only, its
-            // answers having found the key's counter at its limit, another node denying it).
-            active |= busy || !alone.is_empty();
-            for (k, u) in admitted {
-                top.set_allowed(&k, u);
-            }
-            for (k, u) in alone {
-                top.add_admitted(&k, u, 0);
-            }
-            let keys: Vec<Vec<u8>> = top.entries().iter().map(|e| e.key.clone()).collect();
-            for k in keys {
-                top.add(&k, 0, 0, bit);
-            }
-            rules.push(RuleTop { rule: rule.name.clone(), allowed: rule_allowed, denied, shadow_denied: shadow, top });
         }
         // Every rule, in the document's order (an idle one with no counts, in a document of up
         // to `IDLE_LISTED_UP_TO` rules), so that the store lists them in that order; none when
         // no rule has anything to report.
         active.then_some(TopSection { rules })
     }
+
+    /// Rule `name`'s part of a batch's section: its counts and top keys since the last batch,
+    /// taken from its shared state; its `units` admitted in the batch (sum, per counter key),
+    /// keys shown as `shown` says; listed though idle when `idle_listed`. With whether it has
+    /// anything to report; None for an idle rule not listed.
+    fn rule_top(
+        &self,
+        host: &dyn Host,
+        name: &str,
+        (units, shown, idle_listed): (Option<&Units<'_>>, Shown<'_>, bool),
+        mut waiting: Option<&mut ratewall_core::topk::Admitted>,
+        batch: &Batch<'_>,
+    ) -> Option<(RuleTop, bool)> {
+        let mut taken = None;
+        // The keys this node denied in its running minute, and how its document shows keys.
+        let mut denied_here = Summary::default();
+        let mut stored: Vec<(u64, Vec<u8>)> = Vec::new();
+        for _ in 0..16 {
+            let Some((key, mut s, cas)) = find(host, name) else { break };
+            denied_here = s.minute.clone();
+            stored.clone_from(&s.shown);
+            let gained = s.gained();
+            if gained.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 && s.pending_paid == 0 {
+                break;
+            }
+            let t =
+                (gained, s.pending_denied, s.pending_shadow, s.pending_paid, std::mem::take(&mut s.pending_paid_keys));
+            (s.pending_denied, s.pending_shadow, s.pending_paid) = (0, 0, 0);
+            s.reported = s.minute.entries().iter().map(|e| (hash(&e.key), e.denied)).collect();
+            s.reported.sort_unstable();
+            match host.shared_set(&key, &s.encode(), cas) {
+                Ok(()) => {
+                    taken = Some(t);
+                    break;
+                }
+                Err(SetError::CasMismatch) => continue,
+                Err(SetError::Other) => break,
+            }
+        }
+        let busy_top = taken.is_some();
+        let (pending, denied, shadow, paid, paid_keys) = taken.unwrap_or_default();
+        let rule_allowed = units.map_or(0, |u| u.0).saturating_add(paid);
+        let busy = busy_top || rule_allowed > 0;
+        if !busy && !idle_listed {
+            return None;
+        }
+        // A counter key's shown form, as the store lists it.
+        let shown = |k: &[u8]| match shown {
+            Shown::Own(config) => {
+                render(config, k).map(|(_, s)| bounded_key(s, &config.identity.hash_key).into_bytes())
+            }
+            Shown::Stored => stored.iter().find(|(h, _)| *h == hash(k)).map(|(_, s)| s.clone()),
+        };
+        let mut top = pending.map_keys(shown);
+        // Admitted units per shown key, for the listed keys: this batch's, and those of
+        // earlier ones kept for a key until its first denial.
+        let mut admitted: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
+        for e in pending.entries() {
+            let asked = paid_keys.iter().find(|(k, _)| *k == e.key).map_or(0, |(_, n)| *n);
+            let before = waiting.as_mut().map_or(0, |w| w.take(&e.key, batch.now_s));
+            let u =
+                batch.by_key.get(e.key.as_slice()).copied().unwrap_or(0).saturating_add(asked).saturating_add(before);
+            if let (true, Some(k)) = (u > 0, shown(&e.key)) {
+                *admitted.entry(k).or_default() += u;
+            }
+        }
+        // Admitted units of keys not denied in this batch: sent now for a key the fleet
+        // may list (their entries carry no denial), else kept for the key's first denial.
+        let mut alone: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
+        let listable =
+            |k: &[u8]| denied_here.count(k) > 0 || batch.limited.binary_search(&ratewall_core::key::fnv1a(k)).is_ok();
+        let mut send_alone = |k: &[u8], u: u64| {
+            if let Some(k) = shown(k) {
+                *alone.entry(k).or_default() += u;
+            }
+        };
+        if let Some(w) = waiting {
+            let in_batch = units.into_iter().flat_map(|u| u.1.iter().copied());
+            for (k, u) in in_batch.chain(paid_keys.iter().map(|(k, u)| (k.as_slice(), *u))) {
+                if pending.count(k) > 0 {
+                    continue;
+                }
+                if listable(k) {
+                    send_alone(k, u.saturating_add(w.take(k, batch.now_s)));
+                } else {
+                    w.note(k, u, batch.now_s);
+                }
+            }
+            for (k, u) in w.take_where(batch.now_s, |k| listable(k)) {
+                send_alone(&k, u);
+            }
+        }
+        // Units taken for keys now listable left `waiting` for good: they go in this section,
+        // so it goes though it has nothing else (a batch of renewals only, its answers having
+        // found the key's counter at its limit, another node denying it).
+        let busy = busy || !alone.is_empty();
+        for (k, u) in admitted {
+            top.set_allowed(&k, u);
+        }
+        for (k, u) in alone {
+            top.add_admitted(&k, u, 0);
+        }
+        let keys: Vec<Vec<u8>> = top.entries().iter().map(|e| e.key.clone()).collect();
+        for k in keys {
+            top.add(&k, 0, 0, batch.bit);
+        }
+        Some((RuleTop { rule: name.to_owned(), allowed: rule_allowed, denied, shadow_denied: shadow, top }, busy))
+    }
+}
+
+/// A rule's units admitted in a batch: in all, and per counter key.
+type Units<'a> = (u64, Vec<(&'a [u8], u64)>);
+
+/// What a batch's section is built from, for every rule.
+struct Batch<'a> {
+    by_key: &'a std::collections::HashMap<&'a [u8], u64>,
+    limited: &'a [u64],
+    bit: u64,
+    now_s: u64,
+}
+
+/// How a rule's counter keys are shown: by the rules of this VM's document, or as the rule's
+/// own document stored them in its shared state ([`Shared::shown`]).
+#[derive(Clone, Copy)]
+enum Shown<'a> {
+    Own(&'a Config),
+    Stored,
 }
 
 /// `ratewall: top denied [api-key] api_key=#3f9a1c2e 1204, ip=203.0.113.7 88`.

@@ -369,3 +369,61 @@ fn units_kept_for_a_key_go_with_a_batch_that_carries_nothing_else() {
         entries.filter(|e| e.key == shown(&ea, KEY).as_bytes()).fold((0, 0), |(d, a), e| (d + e.denied, a + e.allowed));
     assert_eq!((denied, allowed), (4 - (admitted - 2), admitted), "{sections:?}");
 }
+
+/// Two documents on one proxy syncing to one store (NGINX `proxy_wasm` directives at two
+/// locations): the VM that holds their lease carries both documents' rules in its batches'
+/// sections, each key shown as its own document shows it. (Only the lease holder's document's
+/// rules went: /v1/top listed the other's neither with its counts nor its keys.)
+#[test]
+fn the_lease_holders_batches_carry_every_documents_rules_that_share_its_lease() {
+    let sync = r#", "sync": {"cluster": "store", "secret": "0123456789abcdef", "interval": "100ms"}"#;
+    let a = FakeHost::new();
+    let b = FakeHost::joining(a.shared.clone());
+    let other = rules(sync)
+        .replace("\"idle\"", "\"idle-b\"")
+        .replace("\"api-key\"", "\"per-key\"")
+        .replace("\"watch\"", "\"look\"")
+        .replace("\"api_key\": {\"header\": \"x-api-key\"}", "\"api_key\": {\"header\": \"x-other-key\"}");
+    let (ea, eb) = (engine(&a, &rules(sync)), engine(&b, &other));
+    let mut store = Store::new(10_000, 2_000 * MS);
+    let mut sections = Vec::new();
+    let mut round = |store: &mut Store| {
+        for (h, e) in [(&a, &ea), (&b, &eb)] {
+            h.advance(100 * MS);
+            e.on_tick(h);
+            for c in h.take_calls() {
+                sections.extend(SyncRequest::decode_with_top(&c.body).unwrap().1);
+                let (status, tag, body) = answer(store, h.now(), "0123456789abcdef", &c);
+                e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
+            }
+        }
+    };
+    for _ in 0..3 {
+        round(&mut store);
+    }
+    let a_said = statuses(&ea, &a, "GET", "/", &[("x-api-key", KEY)], 6);
+    let b_said = statuses(&eb, &b, "GET", "/", &[("x-other-key", "other-client")], 6);
+    for _ in 0..5 {
+        round(&mut store);
+    }
+    let total = |rule: &str, key: &str| {
+        let entries = sections.iter().flat_map(|s| &s.rules).filter(|r| r.rule == rule);
+        let (allowed, denied) = entries.clone().fold((0, 0), |(a, d), r| (a + r.allowed, d + r.denied));
+        let listed: u64 =
+            entries.flat_map(|r| r.top.entries()).filter(|e| e.key == key.as_bytes()).map(|e| e.denied).sum();
+        (allowed, denied, listed)
+    };
+    let count = |said: &[u16], status| said.iter().filter(|s| **s == status).count() as u64;
+    let (a_denied, b_denied) = (count(&a_said, 429), count(&b_said, 429));
+    assert!(a_denied > 0 && b_denied > 0, "{a_said:?} {b_said:?}");
+    assert_eq!(total("api-key", &shown(&ea, KEY)), (count(&a_said, 200), a_denied, a_denied), "{sections:?}");
+    assert_eq!(
+        total("per-key", &shown(&eb, "other-client")),
+        (count(&b_said, 200), b_denied, b_denied),
+        "{sections:?}"
+    );
+    for s in &sections {
+        let body = format!("{s:?}");
+        assert!(!body.contains("TOPSECRET") && !body.contains("other-client"), "no secret value: {body}");
+    }
+}
