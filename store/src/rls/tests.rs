@@ -587,74 +587,69 @@ fn a_refused_calls_wait_counts_the_other_processes_grants_as_spent() {
     assert!(super::retry_after(&c, start, 1, (1, 10)).unwrap() >= 19 * s);
 }
 
+/// Two service processes on one store, both noted present (an initial share is half the
+/// bucket), serving a token bucket of 10 an hour on `tok`.
+async fn two_processes_on_a_bucket(deadline: Duration) -> (Arc<Store<FakeKv>>, Rls<FakeKv>, Rls<FakeKv>) {
+    const BUCKET: &str = "domain: t
+descriptors:
+  - key: tok
+    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: token_bucket}
+";
+    let kv = FakeKv::default();
+    kv.now.store(1_000 * 3600 * ratewall_core::SECOND, Ordering::Relaxed);
+    let store = Arc::new(Store::new(kv, b"unit-test-secret-0123", deadline));
+    let process =
+        || Rls::new(Arc::clone(&store), RlsConfig::parse("t.yaml", BUCKET).unwrap(), None, b"unit-test-secret-0123");
+    let (r, other) = (process(), process());
+    lease::flush(&r).await;
+    lease::flush(&other).await;
+    lease::flush(&r).await;
+    (store, r, other)
+}
+
+/// A call of `hits` on the bucket of [`two_processes_on_a_bucket`] (0: a look).
+fn tok(hits: u64) -> Call {
+    let mut c = call(&[&[("tok", "v")]]);
+    c.domain = "t".into();
+    c.descriptors[0].hits_addend = Some(hits);
+    c
+}
+
 /// A call of more hits than this process's grant holds spends what the grant holds and asks
 /// Redis for the rest only: its own grant is held against its ask, so asked for whole, a call
 /// of 9 on a token bucket of 10 after a call of 1, on one of two processes, was refused with
 /// the 9 free. Refused, the part it took goes back to the grant.
 #[tokio::test]
 async fn a_call_its_grant_cannot_pay_whole_asks_only_for_the_rest() {
-    let config = "domain: t
-descriptors:
-  - key: tok
-    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: token_bucket}
-";
-    let store = rls().store;
-    let process =
-        || Rls::new(Arc::clone(&store), RlsConfig::parse("t.yaml", config).unwrap(), None, b"unit-test-secret-0123");
-    let (r, other) = (process(), process());
-    // Both noted present: an initial share is half the bucket.
-    lease::flush(&r).await;
-    lease::flush(&other).await;
-    lease::flush(&r).await;
-    let take = |hits: u64| {
-        let mut c = call(&[&[("tok", "v")]]);
-        c.domain = "t".into();
-        c.descriptors[0].hits_addend = Some(hits);
-        c
-    };
-    let first = r.should_rate_limit(&take(1)).await.unwrap();
+    let (_store, r, other) = two_processes_on_a_bucket(Duration::from_secs(1)).await;
+    let first = r.should_rate_limit(&tok(1)).await.unwrap();
     assert_eq!((first.overall_code, remaining(&first)), (Code::Ok, vec![9]));
-    let nine = r.should_rate_limit(&take(9)).await.unwrap();
+    let nine = r.should_rate_limit(&tok(9)).await.unwrap();
     assert_eq!((nine.overall_code, remaining(&nine)), (Code::Ok, vec![0]), "{:?}", nine.headers);
-    let over = r.should_rate_limit(&take(1)).await.unwrap();
+    let over = r.should_rate_limit(&tok(1)).await.unwrap();
     assert_eq!(over.overall_code, Code::OverLimit);
     // At the other process too, once this one's units are counted and its note of the
     // counter as spent read there.
     lease::flush(&r).await;
     lease::flush(&other).await;
-    assert_eq!(other.should_rate_limit(&take(1)).await.unwrap().overall_code, Code::OverLimit);
+    assert_eq!(other.should_rate_limit(&tok(1)).await.unwrap().overall_code, Code::OverLimit);
 }
 
 /// A call refused by its ask gives back what it took from the grant: the grant pays the calls
 /// after it.
 #[tokio::test]
 async fn a_refused_ask_gives_its_grants_part_back() {
-    let config = "domain: t
-descriptors:
-  - key: tok
-    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: token_bucket}
-";
-    let store = rls().store;
-    let process =
-        || Rls::new(Arc::clone(&store), RlsConfig::parse("t.yaml", config).unwrap(), None, b"unit-test-secret-0123");
-    let (r, other) = (process(), process());
-    lease::flush(&r).await;
-    lease::flush(&other).await;
-    lease::flush(&r).await;
-    let take = |hits: u64| {
-        let mut c = call(&[&[("tok", "v")]]);
-        c.domain = "t".into();
-        c.descriptors[0].hits_addend = Some(hits);
-        c
-    };
-    assert_eq!(r.should_rate_limit(&take(1)).await.unwrap().overall_code, Code::Ok);
+    let (_store, r, other) = two_processes_on_a_bucket(Duration::from_secs(1)).await;
+    assert_eq!(r.should_rate_limit(&tok(1)).await.unwrap().overall_code, Code::Ok);
     // More than the bucket holds: refused, nothing taken.
-    assert_eq!(r.should_rate_limit(&take(10)).await.unwrap().overall_code, Code::OverLimit);
+    assert_eq!(r.should_rate_limit(&tok(10)).await.unwrap().overall_code, Code::OverLimit);
     lease::flush(&r).await;
-    let mut look = take(0);
-    look.descriptors[0].hits_addend = Some(0);
-    assert_eq!(remaining(&other.should_rate_limit(&look).await.unwrap()), [9], "only the first call's unit is counted");
-    let nine = r.should_rate_limit(&take(9)).await.unwrap();
+    assert_eq!(
+        remaining(&other.should_rate_limit(&tok(0)).await.unwrap()),
+        [9],
+        "only the first call's unit is counted"
+    );
+    let nine = r.should_rate_limit(&tok(9)).await.unwrap();
     assert_eq!((nine.overall_code, remaining(&nine)), (Code::Ok, vec![0]));
 }
 
@@ -662,35 +657,16 @@ descriptors:
 /// from its grant: before, that part was reported with the next batch, as if admitted.
 #[tokio::test]
 async fn a_call_answered_unavailable_gives_its_grants_part_back() {
-    let config = "domain: t
-descriptors:
-  - key: tok
-    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: token_bucket}
-";
-    let kv = FakeKv::default();
-    kv.now.store(1_000 * 3600 * ratewall_core::SECOND, Ordering::Relaxed);
-    let store = Arc::new(Store::new(kv, b"unit-test-secret-0123", Duration::from_millis(50)));
-    let process =
-        || Rls::new(Arc::clone(&store), RlsConfig::parse("t.yaml", config).unwrap(), None, b"unit-test-secret-0123");
-    let (r, other) = (process(), process());
-    lease::flush(&r).await;
-    lease::flush(&other).await;
-    lease::flush(&r).await;
-    let take = |hits: u64| {
-        let mut c = call(&[&[("tok", "v")]]);
-        c.domain = "t".into();
-        c.descriptors[0].hits_addend = Some(hits);
-        c
-    };
-    assert_eq!(r.should_rate_limit(&take(1)).await.unwrap().overall_code, Code::Ok);
+    let (store, r, other) = two_processes_on_a_bucket(Duration::from_millis(50)).await;
+    assert_eq!(r.should_rate_limit(&tok(1)).await.unwrap().overall_code, Code::Ok);
     lease::flush(&r).await;
     // The ask's reply comes after the call's deadline.
     store.kv.cas_reply_delay_ms.store(200, Ordering::Relaxed);
-    assert!(matches!(r.should_rate_limit(&take(9)).await, Err(Refusal::Unavailable(_))));
+    assert!(matches!(r.should_rate_limit(&tok(9)).await, Err(Refusal::Unavailable(_))));
     store.kv.cas_reply_delay_ms.store(0, Ordering::Relaxed);
     tokio::time::sleep(Duration::from_millis(250)).await;
     lease::flush(&r).await;
-    let left = remaining(&other.should_rate_limit(&take(0)).await.unwrap());
+    let left = remaining(&other.should_rate_limit(&tok(0)).await.unwrap());
     // The first call's unit is counted, and (written, answered late) the ask's rest; not the
     // part the call took from its grant.
     assert!(left[0] >= 4, "{left:?}");
