@@ -161,10 +161,6 @@ struct Shared {
     /// With sync, the listed count of each key of `minute` (by [`hash`]) when the last batch
     /// took them, sorted: a batch carries what each key gained since.
     reported: Vec<(u64, u64)>,
-    /// With sync, how the rule's document shows the keys of `minute` and `pending_paid_keys`
-    /// (by [`hash`]): a VM of another document that syncs through the same lease lists them
-    /// so in its batches ([`Top::section`]).
-    shown: Vec<(u64, Vec<u8>)>,
 }
 
 impl Shared {
@@ -193,34 +189,7 @@ impl Shared {
             out.extend_from_slice(k);
             put_varint(&mut out, *n);
         }
-        put_varint(&mut out, self.shown.len() as u64);
-        for (h, k) in &self.shown {
-            out.extend_from_slice(&h.to_le_bytes());
-            put_varint(&mut out, k.len() as u64);
-            out.extend_from_slice(k);
-        }
         out
-    }
-
-    /// Keeps [`Shared::shown`] to the keys listed, each shown by `config` (the rule's own).
-    fn show_keys(&mut self, config: &Config) {
-        let listed: Vec<&[u8]> = self
-            .minute
-            .entries()
-            .iter()
-            .map(|e| e.key.as_slice())
-            .chain(self.pending_paid_keys.iter().map(|(k, _)| k.as_slice()))
-            .collect();
-        self.shown.retain(|(h, _)| listed.iter().any(|k| hash(k) == *h));
-        for k in listed {
-            let h = hash(k);
-            if self.shown.iter().any(|(s, _)| *s == h) {
-                continue;
-            }
-            if let Some((_, shown)) = render(config, k) {
-                self.shown.push((h, bounded_key(shown, &config.identity.hash_key).into_bytes()));
-            }
-        }
     }
 
     /// What each listed key gained since the last batch took them: its listed count less the
@@ -272,15 +241,6 @@ impl Shared {
                 pending_paid_keys.push((k, r.varint().ok()?));
             }
         }
-        let mut shown = Vec::new();
-        if r.pos < bytes.len() {
-            let n = usize::try_from(r.varint().ok()?).ok().filter(|n| *n <= minute.capacity() + PAID_KEYS)?;
-            for _ in 0..n {
-                let h = u64::from_le_bytes(r.take(8).ok()?.try_into().ok()?);
-                let len = usize::try_from(r.varint().ok()?).ok().filter(|l| *l <= ratewall_core::topk::MAX_KEY)?;
-                shown.push((h, r.take(len).ok()?.to_vec()));
-            }
-        }
         (r.pos == bytes.len()).then_some(Shared {
             name,
             minute_start,
@@ -292,8 +252,99 @@ impl Shared {
             pending_paid,
             pending_paid_keys,
             reported,
-            shown,
         })
+    }
+}
+
+/// How a rule's document shows the counter keys its shared state lists (by [`hash`]), in a
+/// shared key of its own ([`shown_key`]; the state's encoding is unchanged, so VMs of an
+/// earlier version sharing the data keep reading it): a VM of another document that syncs
+/// through the same lease lists the rule's keys so in its batches ([`Top::section`]).
+#[derive(Debug, Default, PartialEq)]
+struct ShownKeys {
+    name: String,
+    keys: Vec<(u64, Vec<u8>)>,
+}
+
+/// Where rule `name`'s [`ShownKeys`] are (two names on one key take turns).
+fn shown_key(name: &str) -> String {
+    format!("rw1/top/shown/{}", ratewall_core::key::fnv1a(name.as_bytes()) % SHARED_KEYS)
+}
+
+impl ShownKeys {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_varint(&mut out, self.name.len() as u64);
+        out.extend_from_slice(self.name.as_bytes());
+        put_varint(&mut out, self.keys.len() as u64);
+        for (h, k) in &self.keys {
+            out.extend_from_slice(&h.to_le_bytes());
+            put_varint(&mut out, k.len() as u64);
+            out.extend_from_slice(k);
+        }
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Option<ShownKeys> {
+        let mut r = Reader { bytes, pos: 0 };
+        let n = usize::try_from(r.varint().ok()?).ok()?;
+        let name = String::from_utf8(r.take(n).ok()?.to_vec()).ok()?;
+        let n = usize::try_from(r.varint().ok()?).ok().filter(|n| *n <= SHOWN_KEYS)?;
+        let mut keys = Vec::with_capacity(n);
+        for _ in 0..n {
+            let h = u64::from_le_bytes(r.take(8).ok()?.try_into().ok()?);
+            let len = usize::try_from(r.varint().ok()?).ok().filter(|l| *l <= ratewall_core::topk::MAX_KEY)?;
+            keys.push((h, r.take(len).ok()?.to_vec()));
+        }
+        (r.pos == bytes.len()).then_some(ShownKeys { name, keys })
+    }
+
+    /// Rule `name`'s, as stored (none: none stored, or another rule's on its key).
+    fn of(host: &dyn Host, name: &str) -> Vec<(u64, Vec<u8>)> {
+        match host.shared_get(&shown_key(name)) {
+            Ok((Some(v), _)) => ShownKeys::decode(&v).filter(|s| s.name == name).map(|s| s.keys).unwrap_or_default(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// Most keys a [`ShownKeys`] holds: a summary's, and the keys of asks kept beside it.
+const SHOWN_KEYS: usize = 64 + PAID_KEYS;
+
+/// Keeps rule `name`'s [`ShownKeys`] to the keys `s` lists, each shown by `config` (the rule's
+/// own document): written only when a key listed has no shown form yet.
+fn show_keys(host: &dyn Host, config: &Config, name: &str, s: &Shared) {
+    let listed: Vec<(u64, &[u8])> = s
+        .minute
+        .entries()
+        .iter()
+        .map(|e| e.key.as_slice())
+        .chain(s.pending_paid_keys.iter().map(|(k, _)| k.as_slice()))
+        .map(|k| (hash(k), k))
+        .take(SHOWN_KEYS)
+        .collect();
+    let key = shown_key(name);
+    for _ in 0..4 {
+        let Ok((value, cas)) = host.shared_get(&key) else { return };
+        let mut keys =
+            value.as_deref().and_then(ShownKeys::decode).filter(|s| s.name == name).map(|s| s.keys).unwrap_or_default();
+        if listed.iter().all(|(h, _)| keys.iter().any(|(k, _)| k == h)) {
+            return;
+        }
+        keys.retain(|(h, _)| listed.iter().any(|(k, _)| k == h));
+        for (h, k) in &listed {
+            if keys.iter().any(|(s, _)| s == h) {
+                continue;
+            }
+            if let Some((_, shown)) = render(config, k) {
+                keys.push((*h, bounded_key(shown, &config.identity.hash_key).into_bytes()));
+            }
+        }
+        let shown = ShownKeys { name: name.to_owned(), keys };
+        match host.shared_set(&key, &shown.encode(), cas) {
+            Err(SetError::CasMismatch) => continue,
+            _ => return,
+        }
     }
 }
 
@@ -588,11 +639,11 @@ impl Top {
                     self.gauge(host, i, &s, now);
                     break;
                 }
-                if self.synced {
-                    s.show_keys(config);
-                }
                 match host.shared_set(&key, &s.encode(), cas) {
                     Ok(()) => {
+                        if self.synced && add.is_some() {
+                            show_keys(host, config, &rule.name, &s);
+                        }
                         if let (Some(m), true) = (self.metrics.evictions, s.minute.evictions() > before) {
                             host.increment(m, s.minute.evictions() - before);
                         }
@@ -662,7 +713,10 @@ impl Top {
         // something to report.
         if self.synced {
             let mut foreign = self.foreign.borrow_mut();
-            for name in names(host, &self.ns).into_iter().filter(|n| !config.rules.iter().any(|r| r.name == *n)) {
+            let named = names(host, &self.ns);
+            // What was kept for rules no document names any more goes with them.
+            foreign.retain(|n, _| named.contains(n));
+            for name in named.into_iter().filter(|n| !config.rules.iter().any(|r| r.name == *n)) {
                 if !foreign.contains_key(&name) && foreign.len() >= MAX_NAMES {
                     continue;
                 }
@@ -696,11 +750,13 @@ impl Top {
         let mut taken = None;
         // The keys this node denied in its running minute, and how its document shows keys.
         let mut denied_here = Summary::default();
-        let mut stored: Vec<(u64, Vec<u8>)> = Vec::new();
+        let stored = match shown {
+            Shown::Own(_) => Vec::new(),
+            Shown::Stored => ShownKeys::of(host, name),
+        };
         for _ in 0..16 {
             let Some((key, mut s, cas)) = find(host, name) else { break };
             denied_here = s.minute.clone();
-            stored.clone_from(&s.shown);
             let gained = s.gained();
             if gained.is_empty() && s.pending_denied == 0 && s.pending_shadow == 0 && s.pending_paid == 0 {
                 break;
@@ -749,8 +805,12 @@ impl Top {
         // Admitted units of keys not denied in this batch: sent now for a key the fleet
         // may list (their entries carry no denial), else kept for the key's first denial.
         let mut alone: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
-        let listable =
-            |k: &[u8]| denied_here.count(k) > 0 || batch.limited.binary_search(&ratewall_core::key::fnv1a(k)).is_ok();
+        // (Another document's key its document has shown no form of yet stays kept: its units
+        // go once it has one, with the key's first denial there.)
+        let listable = |k: &[u8]| {
+            (denied_here.count(k) > 0 || batch.limited.binary_search(&ratewall_core::key::fnv1a(k)).is_ok())
+                && shown(k).is_some()
+        };
         let mut send_alone = |k: &[u8], u: u64| {
             if let Some(k) = shown(k) {
                 *alone.entry(k).or_default() += u;
@@ -802,7 +862,7 @@ struct Batch<'a> {
 }
 
 /// How a rule's counter keys are shown: by the rules of this VM's document, or as the rule's
-/// own document stored them in its shared state ([`Shared::shown`]).
+/// own document stored them ([`ShownKeys`]).
 #[derive(Clone, Copy)]
 enum Shown<'a> {
     Own(&'a Config),

@@ -427,3 +427,60 @@ fn the_lease_holders_batches_carry_every_documents_rules_that_share_its_lease() 
         assert!(!body.contains("TOPSECRET") && !body.contains("other-client"), "no secret value: {body}");
     }
 }
+
+/// As above, with the key's rule in a document that does not hold its proxy's lease: the units
+/// that proxy kept for the key go once its own document has shown the key (its first denial
+/// there), not lost when the store's answers find the counter at its limit before that.
+#[test]
+fn units_kept_for_another_documents_key_go_once_it_is_shown() {
+    let sync = r#", "sync": {"cluster": "store", "secret": "0123456789abcdef", "interval": "100ms"}"#;
+    let holder_rules = rules(sync)
+        .replace("\"idle\"", "\"idle-h\"")
+        .replace("\"api-key\"", "\"per-key-h\"")
+        .replace("\"watch\"", "\"look-h\"");
+    let h = FakeHost::new();
+    let a = FakeHost::joining(h.shared.clone());
+    let mut b = FakeHost::new();
+    b.node_id = b"node-2".to_vec();
+    let (eh, ea, eb) = (engine(&h, &holder_rules), engine(&a, &rules(sync)), engine(&b, &rules(sync)));
+    let mut store = Store::new(10_000, 2_000 * MS);
+    let mut sections = Vec::new();
+    let mut round = |store: &mut Store| {
+        for (host, e) in [(&h, &eh), (&a, &ea), (&b, &eb)] {
+            host.advance(100 * MS);
+            e.on_tick(host);
+            for c in host.take_calls() {
+                sections.extend(SyncRequest::decode_with_top(&c.body).unwrap().1);
+                let (status, tag, body) = answer(store, host.now(), "0123456789abcdef", &c);
+                e.on_sync_response(host, c.token, status, tag.as_deref(), &body);
+            }
+        }
+    };
+    for _ in 0..3 {
+        round(&mut store);
+    }
+    let mut admitted = 0;
+    let mut said = |e: &Engine, host: &FakeHost, n| {
+        let answered = statuses(e, host, "GET", "/", &[("x-api-key", KEY)], n);
+        admitted += answered.iter().filter(|s| **s == 200).count() as u64;
+        answered
+    };
+    said(&ea, &a, 1);
+    round(&mut store);
+    said(&eb, &b, 1);
+    for _ in 0..4 {
+        round(&mut store);
+    }
+    // Both proxies deny the key (past an overdraft unit, if they have one).
+    assert_eq!(said(&eb, &b, 2).last(), Some(&429));
+    for _ in 0..2 {
+        round(&mut store);
+    }
+    assert_eq!(said(&ea, &a, 2).last(), Some(&429));
+    for _ in 0..3 {
+        round(&mut store);
+    }
+    let entries = sections.iter().flat_map(|s| &s.rules).filter(|r| r.rule == "api-key").flat_map(|r| r.top.entries());
+    let allowed: u64 = entries.filter(|e| e.key == shown(&ea, KEY).as_bytes()).map(|e| e.allowed).sum();
+    assert_eq!(allowed, admitted, "{sections:?}");
+}
