@@ -102,10 +102,20 @@ fn wall_clock() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// The current rules document and its generation, shared by the workers.
+/// The current rules document and its generation, shared by the workers, and the node the
+/// VMs of that generation run on (under NGINX a reload brings a node of its own: its VMs'
+/// shared data starts empty, while the VMs before it keep theirs to the end of the requests
+/// they hold, as NGINX's old workers keep the old zone).
 struct Rules {
     document: Mutex<Vec<u8>>,
     generation: AtomicU64,
+    node: Mutex<Node>,
+}
+
+impl Rules {
+    fn node(&self) -> Node {
+        self.node.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
 }
 
 fn main() {
@@ -141,7 +151,11 @@ fn serve() -> Result<(), String> {
     }
     let plugin = filter(args.wasm.as_deref())?;
     let node = Node::with_profile(wall_clock(), args.profile);
-    let rules = Arc::new(Rules { document: Mutex::new(document), generation: AtomicU64::new(0) });
+    let rules = Arc::new(Rules {
+        document: Mutex::new(document),
+        generation: AtomicU64::new(0),
+        node: Mutex::new(node.clone()),
+    });
     // The default port is 8080; when it is taken, any free port (the address is printed).
     let listener = match args.port {
         Some(port) => TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("127.0.0.1:{port}: {e}"))?,
@@ -158,14 +172,14 @@ fn serve() -> Result<(), String> {
     for w in 0..args.workers {
         let doc = rules.document.lock().map_err(|e| e.to_string())?.clone();
         let vm = Vm::start(&plugin, &node, &doc).map_err(|e| format!("worker {w}: {e}"))?;
-        let (queue, rules, node, stores) = (Arc::clone(&queue), Arc::clone(&rules), node.clone(), args.stores.clone());
+        let (queue, rules, stores) = (Arc::clone(&queue), Arc::clone(&rules), args.stores.clone());
         let (upstream, plugin) = (args.upstream.clone(), plugin.clone());
         std::thread::Builder::new()
             .name(format!("worker-{w}"))
-            .spawn(move || work(w, vm, (&queue, &rules, &node), &stores, (&plugin, upstream.as_deref())))
+            .spawn(move || work(w, vm, (&queue, &rules), &stores, (&plugin, upstream.as_deref())))
             .map_err(|e| format!("worker {w}: {e}"))?;
     }
-    watch(args.rules.clone(), Arc::clone(&rules), node.clone());
+    watch(args.rules.clone(), Arc::clone(&rules));
 
     // Written with errors ignored: a closed stdout must not take the gateway down.
     let banner = format!(
@@ -183,7 +197,7 @@ fn serve() -> Result<(), String> {
     let _ = out.write_all(banner.as_bytes()).and_then(|_| out.flush());
     let reading = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming().flatten() {
-        accept(stream, &queue, &node, &reading);
+        accept(stream, &queue, &rules.node(), &reading);
     }
     Ok(())
 }
@@ -196,13 +210,19 @@ fn serve() -> Result<(), String> {
 fn work<'a>(
     w: usize,
     vm: Vm,
-    (queue, rules, node): (&Arc<Queue>, &Rules, &Node),
+    (queue, rules): (&Arc<Queue>, &Rules),
     stores: &[String],
     (plugin, upstream): (&Plugin, Option<&'a str>),
 ) {
     let origin = || -> Origin<'a> { Origin { upstream, inbox: Arc::default(), queue: Arc::clone(queue) } };
-    let mut current =
-        Served { vm, origin: origin(), waiting: Vec::new(), flying: Vec::new(), last_tick: Instant::now() };
+    let mut current = Served {
+        vm,
+        node: rules.node(),
+        origin: origin(),
+        waiting: Vec::new(),
+        flying: Vec::new(),
+        last_tick: Instant::now(),
+    };
     let mut draining: Vec<Served> = Vec::new();
     let mut seen = 0;
     // The rules pushed since this VM was last configured, if any (as an xDS push reaches a
@@ -214,14 +234,21 @@ fn work<'a>(
         }
         seen = generation;
         let Ok(doc) = rules.document.lock().map(|d| d.clone()) else { return };
-        if !node.profile().is_nginx() {
+        if !current.node.profile().is_nginx() {
             let _ = current.vm.configure(&doc);
             return;
         }
-        match Vm::start(plugin, node, &doc) {
+        let node = rules.node();
+        match Vm::start(plugin, &node, &doc) {
             Ok(vm) => {
-                let fresh =
-                    Served { vm, origin: origin(), waiting: Vec::new(), flying: Vec::new(), last_tick: Instant::now() };
+                let fresh = Served {
+                    vm,
+                    node,
+                    origin: origin(),
+                    waiting: Vec::new(),
+                    flying: Vec::new(),
+                    last_tick: Instant::now(),
+                };
                 let old = std::mem::replace(current, fresh);
                 if old.holds_requests() {
                     draining.push(old);
@@ -244,7 +271,7 @@ fn work<'a>(
         if let Some(request) = queue.pop(wait, &answered) {
             // A push made while this worker waited applies to the request that woke it.
             configure(&mut current, &mut draining);
-            node.set_time(wall_clock());
+            current.node.set_time(wall_clock());
             match handle(&mut current.vm, request, stores, &current.origin) {
                 Ok(Next::Waiting(paused)) => current.waiting.push(paused),
                 Ok(Next::Flying(f)) => current.flying.push(f),
@@ -252,14 +279,16 @@ fn work<'a>(
                 Err(e) => log(&format!("worker {w}: {e}")),
             }
         }
-        current.step(w, node, stores);
+        current.step(w, stores);
         for old in &mut draining {
-            old.step(w, node, stores);
+            old.step(w, stores);
         }
         draining.retain(Served::holds_requests);
-        // What the filter logs, as a proxy writes its log: the VMs share the node's.
-        for (level, line) in node.take_logs() {
-            log(&format!("filter ({}): {line}", level_name(level)));
+        // What the filter logs, as a proxy writes its log: the VMs share their node's.
+        for node in std::iter::once(&current.node).chain(draining.iter().map(|d| &d.node)) {
+            for (level, line) in node.take_logs() {
+                log(&format!("filter ({}): {line}", level_name(level)));
+            }
         }
     }
 }
@@ -269,6 +298,7 @@ fn work<'a>(
 /// to the upstream, until its answer is sent on or their client goes away.
 struct Served<'a> {
     vm: Vm,
+    node: Node,
     origin: Origin<'a>,
     waiting: Vec<Waiting>,
     flying: Vec<Flying>,
@@ -286,11 +316,11 @@ impl Served<'_> {
     }
 
     /// Ticks when due, and moves the requests it holds on.
-    fn step(&mut self, w: usize, node: &Node, stores: &[String]) {
+    fn step(&mut self, w: usize, stores: &[String]) {
         let period = self.period();
         if !period.is_zero() && self.last_tick.elapsed() >= period {
             self.last_tick = Instant::now();
-            node.set_time(wall_clock());
+            self.node.set_time(wall_clock());
             if let Err(e) = self.vm.tick().and_then(|_| exchange(&mut self.vm, stores)) {
                 log(&format!("worker {w}: tick: {e}"));
             }
@@ -427,7 +457,7 @@ const WATCH_EVERY: Duration = Duration::from_millis(250);
 const SETTLE: Duration = Duration::from_secs(1);
 
 /// Polls the rules file and publishes a new generation when it changes and parses.
-fn watch(path: String, rules: Arc<Rules>, node: Node) {
+fn watch(path: String, rules: Arc<Rules>) {
     std::thread::spawn(move || {
         let mut last = std::fs::read(&path).unwrap_or_default();
         // A content that did not parse, and since when the file has held it.
@@ -466,8 +496,12 @@ fn watch(path: String, rules: Arc<Rules>, node: Node) {
                     if let Ok(mut d) = rules.document.lock() {
                         *d = doc;
                     }
-                    // Under NGINX, a reload: the shared data starts empty ([`Node::reload`]).
-                    node.reload();
+                    // Under NGINX, a reload: the new VMs' node, its shared data empty.
+                    let current = rules.node();
+                    if current.profile().is_nginx() {
+                        let fresh = Node::with_profile(wall_clock(), current.profile());
+                        *rules.node.lock().unwrap_or_else(PoisonError::into_inner) = fresh;
+                    }
                     rules.generation.fetch_add(1, Ordering::SeqCst);
                     log(&format!("{path} changed; rules reloaded"));
                 }
@@ -934,12 +968,13 @@ type Upstreamed = ratewall_host::http::Response;
 /// How long the upstream has to answer a request.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Most requests at the upstream at once, over the gateway (each a thread while it waits):
-/// past them a request the filter admitted gets a 503.
+/// Most requests at the upstream, or whose answers are being sent, at once over the gateway
+/// (each a thread meanwhile): past them a request the filter admitted gets a 503.
 const MAX_AT_UPSTREAM: usize = 1024;
 
-/// Requests at the upstream now.
+/// Requests at the upstream now, and answers being sent.
 static AT_UPSTREAM: AtomicUsize = AtomicUsize::new(0);
+static SENDING: AtomicUsize = AtomicUsize::new(0);
 
 /// Headers that belong to one connection (RFC 9110 7.6.1), not passed across the gateway,
 /// with the body's framing, which the gateway sets itself, and `expect` (the gateway has read
@@ -1022,10 +1057,15 @@ fn forward(
         Forward::Upstream(ctx) => ctx,
     };
     let flying = Flying { ctx, stream: Some(stream), method: method.to_owned() };
-    if AT_UPSTREAM.fetch_add(1, Ordering::SeqCst) >= MAX_AT_UPSTREAM {
+    if AT_UPSTREAM.fetch_add(1, Ordering::SeqCst) + SENDING.load(Ordering::SeqCst) >= MAX_AT_UPSTREAM {
         AT_UPSTREAM.fetch_sub(1, Ordering::SeqCst);
-        let busy = Err(format!("{MAX_AT_UPSTREAM} requests are at the upstream already"));
-        return deliver(vm, flying, busy, origin).map(Next::Flying);
+        let text = format!("{MAX_AT_UPSTREAM} requests are at the upstream or being answered already\n");
+        let busy = ratewall_host::http::Response {
+            status: 503,
+            headers: vec![("content-type".to_owned(), "text/plain; charset=utf-8".to_owned())],
+            body: text.into_bytes(),
+        };
+        return deliver(vm, flying, Ok(busy), origin).map(Next::Flying);
     }
     let upstream = origin.upstream.unwrap_or_default().to_owned();
     let (inbox, queue, sent) =
@@ -1106,12 +1146,15 @@ fn deliver(vm: &mut Vm, mut f: Flying, answer: Result<Upstreamed, String>, origi
     let Some(mut stream) = f.stream.take() else { return Ok(f) };
     let (ctx, head_only, inbox, queue) =
         (f.ctx, f.method.eq_ignore_ascii_case("HEAD"), Arc::clone(&origin.inbox), Arc::clone(&origin.queue));
+    SENDING.fetch_add(1, Ordering::SeqCst);
     let spawned = std::thread::Builder::new().name("sender".into()).spawn(move || {
         let _ = stream.set_nonblocking(false).and_then(|()| stream.set_write_timeout(Some(UPSTREAM_TIMEOUT)));
         let _ = send_upstream_answer(&mut stream, status, &headers, &body, head_only);
+        SENDING.fetch_sub(1, Ordering::SeqCst);
         inbox.put(ctx, Landed::Sent, &queue);
     });
     if let Err(e) = spawned {
+        SENDING.fetch_sub(1, Ordering::SeqCst);
         vm.done(ctx).map_err(|e| e.to_string())?;
         return Err(format!("sending an answer: {e}"));
     }

@@ -651,3 +651,49 @@ fn an_upstreams_answers_are_passed_on_as_a_proxy_passes_them() {
     assert!(after.ends_with("\r\n\r\nok"), "{after}");
     drop(stuck);
 }
+
+/// Under NGINX, the VMs before a reload keep their own shared data to the end of the requests
+/// they hold: their concurrency slots go back there, not into the new VMs' counts. (They went
+/// into the new ones: two new requests at the origin, and a third was admitted once the old
+/// ones' clients left.)
+#[test]
+fn under_nginx_requests_held_across_a_reload_give_their_slots_back_to_their_own_generation() {
+    let doc = |extra: &str| {
+        format!(
+            r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
+                "rules": [{{"name": "flight", "key": ["user"], "limit": {{"concurrent": 2}}}}{extra}]}}"#
+        )
+    };
+    let rules = rules_file("nginx-generations", &doc(""));
+    let (upstream, seen, _release) = held_upstream();
+    let (_gateway, addr, _) =
+        start_with(&rules, false, &["--host", "nginx", "--workers", "1", "--upstream", &upstream]);
+    let wait = Duration::from_secs(10);
+    let open = || {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        std::io::Write::write_all(&mut s, b"GET /slow HTTP/1.1\r\nhost: x\r\nx-user-id: ann\r\n\r\n").unwrap();
+        seen.recv_timeout(wait).unwrap();
+        s
+    };
+    let old = [open(), open()];
+    assert_eq!(http(&addr, "GET", "/now", &[("x-user-id", "ann")]).0, 429);
+    let more =
+        r#", {"name": "more", "key": ["user"], "match": {"path": "/now/m"}, "limit": {"requests": 100, "per": "1m"}}"#;
+    std::fs::write(&rules, doc(more)).unwrap();
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        let (status, headers, _) = http(&addr, "GET", "/now/m", &[("x-user-id", "ann")]);
+        let reloaded = header(&headers, "ratelimit-policy").is_some_and(|p| p.contains("more"));
+        if status == 201 && reloaded || std::time::Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let new = [open(), open()];
+    assert_eq!(http(&addr, "GET", "/now", &[("x-user-id", "ann")]).0, 429, "two in flight since the reload");
+    drop(old);
+    std::thread::sleep(Duration::from_millis(500));
+    let status = http(&addr, "GET", "/now", &[("x-user-id", "ann")]).0;
+    drop(new);
+    assert_eq!(status, 429, "two new requests still at the origin: a third is refused");
+}
