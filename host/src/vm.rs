@@ -436,8 +436,8 @@ impl Vm {
 
     /// The upstream's response to a forwarded request: its status and headers go through the
     /// filter's `on_response_headers`; the headers to send the client are returned (the
-    /// upstream's, with what the filter added, without those it removed). The stream goes
-    /// on until [`Vm::done`].
+    /// upstream's, with what the filter added, without those it removed; `:status` left
+    /// out). The stream goes on until [`Vm::done`].
     pub fn upstream_response(
         &mut self,
         ctx: u32,
@@ -453,7 +453,7 @@ impl Vm {
         self.guard(|s, e| e.response_headers.call(s, (c, n, 1)))?;
         Ok(std::mem::take(&mut self.store.data_mut().response_headers)
             .into_iter()
-            .filter(|(k, _)| !k.starts_with(':'))
+            .filter(|(k, _)| k != ":status")
             .map(|(k, v)| {
                 (k, String::from_utf8(v).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
             })
@@ -557,20 +557,11 @@ impl Vm {
     /// The rest of a request's life once its headers are decided: the upstream `200`
     /// response's headers when it passed, then the end of the stream.
     fn complete(&mut self, ctx: u32, reply: Option<LocalReply>) -> Result<FilterResult> {
-        let c = ctx as i32;
         self.enter(ctx);
         let result = if let Some(reply) = reply {
             FilterResult { status: reply.status, headers: reply.headers, body: reply.body, passed: false }
         } else {
-            self.store.data_mut().response_headers = vec![(":status".into(), b"200".to_vec())];
-            self.guard(|s, e| e.response_headers.call(s, (c, 1, 1)))?;
-            let headers = std::mem::take(&mut self.store.data_mut().response_headers)
-                .into_iter()
-                .filter(|(k, _)| k != ":status")
-                .map(|(k, v)| {
-                    (k, String::from_utf8(v).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()))
-                })
-                .collect();
+            let headers = self.upstream_response(ctx, 200, &[])?;
             FilterResult { status: 200, headers, body: Vec::new(), passed: true }
         };
         self.end(ctx)?;
