@@ -215,14 +215,7 @@ fn work<'a>(
     (plugin, upstream): (&Plugin, Option<&'a str>),
 ) {
     let origin = || -> Origin<'a> { Origin { upstream, inbox: Arc::default(), queue: Arc::clone(queue) } };
-    let mut current = Served {
-        vm,
-        node: rules.node(),
-        origin: origin(),
-        waiting: Vec::new(),
-        flying: Vec::new(),
-        last_tick: Instant::now(),
-    };
+    let mut current = Served::new(vm, rules.node(), origin());
     let mut draining: Vec<Served> = Vec::new();
     let mut seen = 0;
     // The rules pushed since this VM was last configured, if any (as an xDS push reaches a
@@ -241,15 +234,7 @@ fn work<'a>(
         let node = rules.node();
         match Vm::start(plugin, &node, &doc) {
             Ok(vm) => {
-                let fresh = Served {
-                    vm,
-                    node,
-                    origin: origin(),
-                    waiting: Vec::new(),
-                    flying: Vec::new(),
-                    last_tick: Instant::now(),
-                };
-                let old = std::mem::replace(current, fresh);
+                let old = std::mem::replace(current, Served::new(vm, node, origin()));
                 if old.holds_requests() {
                     draining.push(old);
                 }
@@ -305,7 +290,12 @@ struct Served<'a> {
     last_tick: Instant,
 }
 
-impl Served<'_> {
+impl<'a> Served<'a> {
+    /// A VM on `node` that holds no request yet.
+    fn new(vm: Vm, node: Node, origin: Origin<'a>) -> Served<'a> {
+        Served { vm, node, origin, waiting: Vec::new(), flying: Vec::new(), last_tick: Instant::now() }
+    }
+
     fn holds_requests(&self) -> bool {
         !self.waiting.is_empty() || !self.flying.is_empty()
     }
@@ -997,9 +987,13 @@ fn passed(name: &str, named: &[String]) -> bool {
     !HOP_BY_HOP.contains(&name) && !named.iter().any(|n| n == name)
 }
 
-/// The field names a message's `Connection` fields name (lower-cased).
-fn connection_named<'a>(values: impl Iterator<Item = &'a str>) -> Vec<String> {
-    values.flat_map(|v| v.split(',')).map(|n| n.trim().to_ascii_lowercase()).filter(|n| !n.is_empty()).collect()
+/// The field names a message's `Connection` fields (`values`) name (lower-cased).
+fn connection_named(values: impl Iterator<Item = impl AsRef<str>>) -> Vec<String> {
+    let mut named = Vec::new();
+    for v in values {
+        named.extend(v.as_ref().split(',').map(|n| n.trim().to_ascii_lowercase()).filter(|n| !n.is_empty()));
+    }
+    named
 }
 
 /// A request as the upstream is sent it: its header fields (the authority as `host`) and body.
@@ -1011,15 +1005,7 @@ struct Outbound {
 impl Outbound {
     fn of(req: &HttpRequest, body: Vec<u8>) -> Outbound {
         let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
-        let named = connection_named(
-            req.headers
-                .iter()
-                .filter(|(k, _)| k == "connection")
-                .map(|(_, v)| text(v))
-                .collect::<Vec<_>>()
-                .iter()
-                .map(String::as_str),
-        );
+        let named = connection_named(req.headers.iter().filter(|(k, _)| k == "connection").map(|(_, v)| text(v)));
         let headers = req
             .headers
             .iter()
