@@ -321,6 +321,25 @@ fn the_top_counts_of_a_batch_given_up_go_with_the_next_batch() {
     assert_eq!(heard, denied as u64);
 }
 
+/// For each VM in turn: its clock `by` on, its tick, and its batches answered by `store`, their
+/// top sections kept in `sections`.
+fn sync_round(
+    store: &mut Store,
+    vms: &[(&FakeHost, &Engine)],
+    by: ratewall_core::Nanos,
+    sections: &mut Vec<ratewall_core::sync::TopSection>,
+) {
+    for &(h, e) in vms {
+        h.advance(by);
+        e.on_tick(h);
+        for c in h.take_calls() {
+            sections.extend(SyncRequest::decode_with_top(&c.body).unwrap().1);
+            let (status, tag, body) = answer(store, h.now(), "0123456789abcdef", &c);
+            e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
+        }
+    }
+}
+
 /// A key's units kept at one node until its first denial there go to the store when the
 /// store's answers find its counter at its limit, though the batch then carries nothing else:
 /// another node spent the quota, and the store's entry for the key counts both nodes' units.
@@ -332,15 +351,7 @@ fn units_kept_for_a_key_go_with_a_batch_that_carries_nothing_else() {
     let (ea, eb) = (engine(&a, &rules(sync)), engine(&b, &rules(sync)));
     let mut store = Store::new(10_000, 2_000 * MS);
     let mut sections = Vec::new();
-    let mut round = |store: &mut Store, h: &FakeHost, e: &Engine| {
-        h.advance(200 * MS);
-        e.on_tick(h);
-        for c in h.take_calls() {
-            sections.extend(SyncRequest::decode_with_top(&c.body).unwrap().1);
-            let (status, tag, body) = answer(store, h.now(), "0123456789abcdef", &c);
-            e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
-        }
-    };
+    let mut round = |store: &mut Store, h: &FakeHost, e: &Engine| sync_round(store, &[(h, e)], 200 * MS, &mut sections);
     for _ in 0..2 {
         round(&mut store, &a, &ea);
         round(&mut store, &b, &eb);
@@ -387,17 +398,7 @@ fn the_lease_holders_batches_carry_every_documents_rules_that_share_its_lease() 
     let (ea, eb) = (engine(&a, &rules(sync)), engine(&b, &other));
     let mut store = Store::new(10_000, 2_000 * MS);
     let mut sections = Vec::new();
-    let mut round = |store: &mut Store| {
-        for (h, e) in [(&a, &ea), (&b, &eb)] {
-            h.advance(100 * MS);
-            e.on_tick(h);
-            for c in h.take_calls() {
-                sections.extend(SyncRequest::decode_with_top(&c.body).unwrap().1);
-                let (status, tag, body) = answer(store, h.now(), "0123456789abcdef", &c);
-                e.on_sync_response(h, c.token, status, tag.as_deref(), &body);
-            }
-        }
-    };
+    let mut round = |store: &mut Store| sync_round(store, &[(&a, &ea), (&b, &eb)], 100 * MS, &mut sections);
     for _ in 0..3 {
         round(&mut store);
     }
@@ -445,17 +446,7 @@ fn units_kept_for_another_documents_key_go_once_it_is_shown() {
     let (eh, ea, eb) = (engine(&h, &holder_rules), engine(&a, &rules(sync)), engine(&b, &rules(sync)));
     let mut store = Store::new(10_000, 2_000 * MS);
     let mut sections = Vec::new();
-    let mut round = |store: &mut Store| {
-        for (host, e) in [(&h, &eh), (&a, &ea), (&b, &eb)] {
-            host.advance(100 * MS);
-            e.on_tick(host);
-            for c in host.take_calls() {
-                sections.extend(SyncRequest::decode_with_top(&c.body).unwrap().1);
-                let (status, tag, body) = answer(store, host.now(), "0123456789abcdef", &c);
-                e.on_sync_response(host, c.token, status, tag.as_deref(), &body);
-            }
-        }
-    };
+    let mut round = |store: &mut Store| sync_round(store, &[(&h, &eh), (&a, &ea), (&b, &eb)], 100 * MS, &mut sections);
     for _ in 0..3 {
         round(&mut store);
     }
