@@ -490,6 +490,12 @@ fn with_an_upstream_a_concurrency_limit_holds_while_the_origin_answers() {
     let answered = first.join().unwrap();
     assert_eq!((answered.status, answered.text().as_str()), (201, "from the origin"));
     assert_eq!(answered.header("x-origin"), Some("yes"));
+    // The slot comes back once the answer is sent, which the client may see first.
+    let deadline = std::time::Instant::now() + wait;
+    while http(&addr, "GET", "/now", &[("x-user-id", "ann")]).0 == 429 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    seen.recv_timeout(wait).unwrap();
     let third = send("three");
     seen.recv_timeout(wait).unwrap();
     let (status, _, _) = http(&addr, "GET", "/orders", &[("x-user-id", "ann")]);
