@@ -24,6 +24,9 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use upstream::{Outbound, Upstreamed, UPSTREAM_TIMEOUT};
+
+mod upstream;
 
 const USAGE: &str =
     "usage: ratewall-gateway [--rules FILE] [--port N] [--workers N] [--store HOST:PORT]... [--wasm FILE] [--upstream HOST:PORT] [--host envoy|nginx]
@@ -337,13 +340,31 @@ fn level_name(level: i32) -> &'static str {
 #[derive(Default)]
 struct Queue {
     requests: Mutex<VecDeque<Request>>,
+    /// The bytes of the queued requests' bodies (changed under the lock of `requests`).
+    bytes: AtomicUsize,
     ready: Condvar,
 }
 
+/// Most requests waiting for a worker VM, and most bytes of their bodies: past either, a
+/// request read whole gets a 503 (the workers are behind), so memory stays bounded however
+/// fast requests come.
+const MAX_QUEUED: usize = 4096;
+const MAX_QUEUED_BYTES: usize = 64 << 20;
+
 impl Queue {
-    fn push(&self, request: Request) {
-        self.requests.lock().unwrap_or_else(PoisonError::into_inner).push_back(request);
+    /// Queues `request` for a worker; given back when the queue is full.
+    fn push(&self, request: Request) -> Option<Request> {
+        let mut requests = self.requests.lock().unwrap_or_else(PoisonError::into_inner);
+        let size = request.body.as_ref().map_or(0, Vec::len);
+        let bytes = self.bytes.load(Ordering::SeqCst);
+        if requests.len() >= MAX_QUEUED || bytes.saturating_add(size) > MAX_QUEUED_BYTES {
+            return Some(request);
+        }
+        self.bytes.store(bytes + size, Ordering::SeqCst);
+        requests.push_back(request);
+        drop(requests);
         self.ready.notify_one();
+        None
     }
 
     /// Wakes the workers waiting for a request, for them to look at their upstream answers.
@@ -360,6 +381,8 @@ impl Queue {
         let mut requests = self.requests.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
             if let Some(request) = requests.pop_front() {
+                let size = request.body.as_ref().map_or(0, Vec::len);
+                self.bytes.store(self.bytes.load(Ordering::SeqCst).saturating_sub(size), Ordering::SeqCst);
                 return Some(request);
             }
             if woken() {
@@ -410,7 +433,12 @@ fn accept(mut stream: TcpStream, queue: &Arc<Queue>, node: &Node, reading: &Arc<
                 let content_type = "text/plain; version=0.0.4; charset=utf-8";
                 let _ = respond(&mut r.stream, 200, &[("content-type".into(), content_type.into())], text.as_bytes());
             }
-            Head::Request(r) => queue.push(r),
+            Head::Request(r) => {
+                if let Some(mut r) = queue.push(r) {
+                    let text = b"the gateway's workers are behind: too many requests wait for one\n";
+                    let _ = respond(&mut r.stream, 503, &[("retry-after".into(), "1".into())], text);
+                }
+            }
             Head::Refused(mut stream, status, body) => {
                 if respond(&mut stream, status, &[], body.as_bytes()).is_ok() {
                     linger(stream);
@@ -952,12 +980,6 @@ impl Inbox {
     }
 }
 
-/// The upstream's response, as it is sent on.
-type Upstreamed = ratewall_host::http::Response;
-
-/// How long the upstream has to answer a request.
-const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
-
 /// Most requests at the upstream, or whose answers are being sent, at once over the gateway
 /// (each a thread meanwhile): past them a request the filter admitted gets a 503.
 const MAX_AT_UPSTREAM: usize = 1024;
@@ -965,59 +987,6 @@ const MAX_AT_UPSTREAM: usize = 1024;
 /// Requests at the upstream now, and answers being sent.
 static AT_UPSTREAM: AtomicUsize = AtomicUsize::new(0);
 static SENDING: AtomicUsize = AtomicUsize::new(0);
-
-/// Headers that belong to one connection (RFC 9110 7.6.1), not passed across the gateway,
-/// with the body's framing, which the gateway sets itself, and `expect` (the gateway has read
-/// the body already).
-const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "content-length",
-    "expect",
-];
-
-/// Whether header `name` is passed across the gateway: not hop by hop, nor named in a
-/// `Connection` field (`named`, lower-cased).
-fn passed(name: &str, named: &[String]) -> bool {
-    !HOP_BY_HOP.contains(&name) && !named.iter().any(|n| n == name)
-}
-
-/// The field names a message's `Connection` fields (`values`) name (lower-cased).
-fn connection_named(values: impl Iterator<Item = impl AsRef<str>>) -> Vec<String> {
-    let mut named = Vec::new();
-    for v in values {
-        named.extend(v.as_ref().split(',').map(|n| n.trim().to_ascii_lowercase()).filter(|n| !n.is_empty()));
-    }
-    named
-}
-
-/// A request as the upstream is sent it: its header fields (the authority as `host`) and body.
-struct Outbound {
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Outbound {
-    fn of(req: &HttpRequest, body: Vec<u8>) -> Outbound {
-        let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
-        let named = connection_named(req.headers.iter().filter(|(k, _)| k == "connection").map(|(_, v)| text(v)));
-        let headers = req
-            .headers
-            .iter()
-            .filter_map(|(k, v)| match k.as_str() {
-                ":authority" => Some(("host".to_owned(), text(v))),
-                k if k.starts_with(':') || !passed(k, &named) => None,
-                k => Some((k.to_owned(), text(v))),
-            })
-            .collect();
-        Outbound { headers, body }
-    }
-}
 
 /// A request sent to the upstream: in flight until its answer is sent on, or its client goes.
 struct Flying {
@@ -1046,26 +1015,18 @@ fn forward(
     if AT_UPSTREAM.fetch_add(1, Ordering::SeqCst) + SENDING.load(Ordering::SeqCst) >= MAX_AT_UPSTREAM {
         AT_UPSTREAM.fetch_sub(1, Ordering::SeqCst);
         let text = format!("{MAX_AT_UPSTREAM} requests are at the upstream or being answered already\n");
-        let busy = ratewall_host::http::Response {
-            status: 503,
-            headers: vec![("content-type".to_owned(), "text/plain; charset=utf-8".to_owned())],
-            body: text.into_bytes(),
-        };
-        return deliver(vm, flying, Ok(busy), origin).map(Next::Flying);
+        return deliver(vm, flying, Ok(Upstreamed::own(503, text)), origin).map(Next::Flying);
     }
     let upstream = origin.upstream.unwrap_or_default().to_owned();
     let (inbox, queue, sent) =
         (Arc::clone(&origin.inbox), Arc::clone(&origin.queue), (method.to_owned(), path.to_owned()));
     let spawned = std::thread::Builder::new().name("upstream".into()).spawn(move || {
-        let headers: Vec<(&str, &str)> = out.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        let answer =
-            ratewall_host::http::request_within(&upstream, (&sent.0, &sent.1), &headers, &out.body, UPSTREAM_TIMEOUT)
-                .map_err(|e| match e.kind() {
-                    std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
-                        format!("no answer within {} s", UPSTREAM_TIMEOUT.as_secs())
-                    }
-                    _ => e.to_string(),
-                });
+        let answer = upstream::fetch(&upstream, (&sent.0, &sent.1), &out).map_err(|e| match e.kind() {
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+                format!("no answer within {} s", UPSTREAM_TIMEOUT.as_secs())
+            }
+            _ => e.to_string(),
+        });
         AT_UPSTREAM.fetch_sub(1, Ordering::SeqCst);
         inbox.put(ctx, Landed::Answer(answer), &queue);
     });
@@ -1112,30 +1073,15 @@ fn landed(vm: &mut Vm, flying: Vec<Flying>, origin: &Origin, worker: usize) -> V
 /// `on_response_headers`, and sends it to the client on a thread of its own (a client slow to
 /// read holds up no worker); the request is in flight until that thread says it is sent.
 fn deliver(vm: &mut Vm, mut f: Flying, answer: Result<Upstreamed, String>, origin: &Origin) -> Result<Flying, String> {
-    let (status, headers, body) = match answer {
-        Ok(r) => {
-            let named = connection_named(r.headers.iter().filter(|(k, _)| k == "connection").map(|(_, v)| v.as_str()));
-            let length = r.header("content-length").map(str::to_owned);
-            let mut headers: Vec<(String, String)> = r.headers.into_iter().filter(|(k, _)| passed(k, &named)).collect();
-            // A HEAD's or a 304's answer says the length of a body it has not (RFC 9110 8.6).
-            if let (Some(l), true) = (length, f.method.eq_ignore_ascii_case("HEAD") || r.status == 304) {
-                headers.push(("content-length".to_owned(), l));
-            }
-            (r.status, headers, r.body)
-        }
-        Err(e) => {
-            let text = format!("the upstream did not answer: {e}\n");
-            (502, vec![("content-type".to_owned(), "text/plain; charset=utf-8".to_owned())], text.into_bytes())
-        }
-    };
-    let headers = vm.upstream_response(f.ctx, status, &headers).map_err(|e| e.to_string())?;
+    let answer = answer.unwrap_or_else(|e| Upstreamed::own(502, format!("the upstream did not answer: {e}\n")));
+    let headers = vm.upstream_response(f.ctx, answer.status, &answer.headers).map_err(|e| e.to_string())?;
     let Some(mut stream) = f.stream.take() else { return Ok(f) };
     let (ctx, head_only, inbox, queue) =
         (f.ctx, f.method.eq_ignore_ascii_case("HEAD"), Arc::clone(&origin.inbox), Arc::clone(&origin.queue));
     SENDING.fetch_add(1, Ordering::SeqCst);
     let spawned = std::thread::Builder::new().name("sender".into()).spawn(move || {
         let _ = stream.set_nonblocking(false).and_then(|()| stream.set_write_timeout(Some(UPSTREAM_TIMEOUT)));
-        let _ = send_upstream_answer(&mut stream, status, &headers, &body, head_only);
+        let _ = upstream::send_on(&mut stream, answer, &headers, head_only);
         SENDING.fetch_sub(1, Ordering::SeqCst);
         inbox.put(ctx, Landed::Sent, &queue);
     });
@@ -1145,34 +1091,6 @@ fn deliver(vm: &mut Vm, mut f: Flying, answer: Result<Upstreamed, String>, origi
         return Err(format!("sending an answer: {e}"));
     }
     Ok(f)
-}
-
-/// Writes an upstream's answer: its status, headers as given (with the filter's), the body's
-/// length (none for 204; the given one for a HEAD's or a 304's, which carry no body) and body.
-fn send_upstream_answer(
-    stream: &mut TcpStream,
-    status: u16,
-    headers: &[(String, String)],
-    body: &[u8],
-    head_only: bool,
-) -> std::io::Result<()> {
-    let bodiless = head_only || status == 204 || status == 304;
-    let mut out = format!("HTTP/1.1 {status} {}\r\n", reason(status));
-    for (k, v) in headers {
-        if k.starts_with(':') || (k.eq_ignore_ascii_case("content-length") && !bodiless) {
-            continue;
-        }
-        out.push_str(&format!("{k}: {v}\r\n"));
-    }
-    if !bodiless {
-        out.push_str(&format!("content-length: {}\r\n", body.len()));
-    }
-    out.push_str("connection: close\r\n\r\n");
-    stream.write_all(out.as_bytes())?;
-    if !bodiless {
-        stream.write_all(body)?;
-    }
-    stream.flush()
 }
 
 /// A status's reason phrase (RFC 9110 15), empty for one not listed (the phrase is optional).
@@ -1257,7 +1175,30 @@ fn respond_with(
 
 #[cfg(test)]
 mod tests {
-    use super::answer_from;
+    use super::{answer_from, Queue, Request, MAX_BODY, MAX_QUEUED_BYTES};
+    use ratewall_host::HttpRequest;
+
+    /// Requests wait for a worker only up to the queue's bytes: past them a request is given
+    /// back (to be answered 503), and taking one makes room again.
+    #[test]
+    fn the_queue_of_requests_is_bounded_by_their_bytes() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let request = || Request {
+            stream: stream.try_clone().unwrap(),
+            method: "POST".into(),
+            path: "/".into(),
+            req: HttpRequest::new("POST", "/"),
+            body: Some(vec![0; MAX_BODY]),
+        };
+        let queue = Queue::default();
+        for _ in 0..MAX_QUEUED_BYTES / MAX_BODY {
+            assert!(queue.push(request()).is_none());
+        }
+        assert!(queue.push(request()).is_some(), "over the queue's bytes");
+        assert!(queue.pop(Some(std::time::Duration::ZERO), &|| false).is_some());
+        assert!(queue.push(request()).is_none(), "room again once one was taken");
+    }
     use ratewall_host::http::Response;
 
     fn answered(status: u16, body: &str) -> Option<Response> {

@@ -658,6 +658,76 @@ fn an_upstreams_answers_are_passed_on_as_a_proxy_passes_them() {
     drop(stuck);
 }
 
+/// An upstream that answers `/stream` with a chunked body whose last chunk it sends only once
+/// told to (`go`), `/short` with a body shorter than its length, and `/close` with a body that
+/// runs to the connection's close under a reason phrase of its own.
+fn streaming_upstream() -> (String, std::sync::mpsc::Sender<()>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (go, went) = std::sync::mpsc::channel::<()>();
+    let went = std::sync::Arc::new(std::sync::Mutex::new(went));
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            let went = std::sync::Arc::clone(&went);
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let n = stream.read(&mut buf).unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                }
+                if got.starts_with(b"GET /stream ") {
+                    let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n");
+                    let _ = went.lock().unwrap().recv_timeout(Duration::from_secs(20));
+                    let _ = stream.write_all(b"4\r\nlast\r\n0\r\nx-trailer: t\r\n\r\n");
+                } else if got.starts_with(b"GET /short ") {
+                    let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc");
+                } else {
+                    let _ = stream.write_all(b"HTTP/1.1 200 Fine Thanks\r\n\r\nuntil the close");
+                }
+            });
+        }
+    });
+    (addr, go)
+}
+
+/// An upstream's body is passed on as it comes, not held whole first (a body of any size, or
+/// one that never ends, takes a buffer's worth of the gateway's memory): the client reads the
+/// first chunk while the origin has not sent the last. A body cut short at the origin reaches
+/// the client cut short, never as a whole answer; a body that runs to the close, and the
+/// origin's reason phrase, pass as they are.
+#[test]
+fn an_upstreams_body_is_passed_on_as_it_comes() {
+    use std::io::{Read, Write};
+    let rules = rules_file("upstream-stream", r#"{"rules": []}"#);
+    let (upstream, go) = streaming_upstream();
+    let (_gateway, addr, _) = start_with(&rules, false, &["--upstream", &upstream, "--workers", "1"]);
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.windows(5).any(|w| w == b"first") {
+        let n = s.read(&mut buf).expect("the first chunk before the origin sent the last");
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    go.send(()).unwrap();
+    s.read_to_end(&mut got).unwrap();
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 200 OK\r\n") && got.contains("transfer-encoding: chunked\r\n"), "{got}");
+    assert!(got.ends_with("\r\n\r\n5\r\nfirst\r\n4\r\nlast\r\n0\r\nx-trailer: t\r\n\r\n"), "{got}");
+    let short = raw(&addr, b"GET /short HTTP/1.1\r\nhost: x\r\n\r\n");
+    assert!(short.contains("content-length: 10\r\n") && short.ends_with("\r\n\r\nabc"), "{short}");
+    let close = raw(&addr, b"GET /close HTTP/1.1\r\nhost: x\r\n\r\n");
+    assert!(close.starts_with("HTTP/1.1 200 Fine Thanks\r\n") && close.ends_with("\r\n\r\nuntil the close"), "{close}");
+    assert!(!close.to_lowercase().contains("content-length"), "{close}");
+}
+
 /// Under NGINX, the VMs before a reload keep their own shared data to the end of the requests
 /// they hold: their concurrency slots go back there, not into the new VMs' counts. (They went
 /// into the new ones: two new requests at the origin, and a third was admitted once the old

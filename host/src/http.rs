@@ -44,7 +44,7 @@ fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// A connection to `addr` (`host:port`, each of its addresses in turn) within `within`.
-fn connect_within(addr: &str, within: Duration) -> std::io::Result<TcpStream> {
+pub fn connect_within(addr: &str, within: Duration) -> std::io::Result<TcpStream> {
     use std::net::ToSocketAddrs as _;
     let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, format!("{addr}: no address"));
     for a in addr.to_socket_addrs()? {

@@ -1,0 +1,304 @@
+//! The gateway's side of an upstream exchange: a request sent to the origin, and its answer
+//! passed on to the client as it comes — the status line and header fields read whole (at most
+//! [`MAX_HEAD`] bytes), the body read and written a buffer at a time in the framing the origin
+//! gave it, so an answer of any size takes a buffer's worth of the gateway's memory.
+
+use crate::{reason, MAX_HEAD};
+use ratewall_host::HttpRequest;
+use std::io::{BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+/// How long the upstream has to connect, and then each read from it or write to the client
+/// may wait.
+pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Headers that belong to one connection (RFC 9110 7.6.1), not passed across the gateway,
+/// with the body's framing, which the gateway sets itself, and `expect` (the gateway has read
+/// the body already).
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "expect",
+];
+
+/// Whether header `name` is passed across the gateway: not hop by hop, nor named in a
+/// `Connection` field (`named`, lower-cased).
+fn passed(name: &str, named: &[String]) -> bool {
+    !HOP_BY_HOP.contains(&name) && !named.iter().any(|n| n == name)
+}
+
+/// The field names a message's `Connection` fields (`values`) name (lower-cased).
+fn connection_named(values: impl Iterator<Item = impl AsRef<str>>) -> Vec<String> {
+    let mut named = Vec::new();
+    for v in values {
+        named.extend(v.as_ref().split(',').map(|n| n.trim().to_ascii_lowercase()).filter(|n| !n.is_empty()));
+    }
+    named
+}
+
+/// A request as the upstream is sent it: its header fields (the authority as `host`) and body.
+pub struct Outbound {
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Outbound {
+    pub fn of(req: &HttpRequest, body: Vec<u8>) -> Outbound {
+        let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
+        let named = connection_named(req.headers.iter().filter(|(k, _)| k == "connection").map(|(_, v)| text(v)));
+        let headers = req
+            .headers
+            .iter()
+            .filter_map(|(k, v)| match k.as_str() {
+                ":authority" => Some(("host".to_owned(), text(v))),
+                k if k.starts_with(':') || !passed(k, &named) => None,
+                k => Some((k.to_owned(), text(v))),
+            })
+            .collect();
+        Outbound { headers, body }
+    }
+}
+
+/// An answer as it is passed on to a client.
+pub struct Upstreamed {
+    pub status: u16,
+    /// The origin's reason phrase (the gateway's own for its answers, and for a phrase that is
+    /// not plain text).
+    reason: Option<String>,
+    /// Header fields, names lower-cased, those of the origin's connection left out.
+    pub headers: Vec<(String, String)>,
+    body: Payload,
+}
+
+/// An answer's body.
+enum Payload {
+    /// Held whole: the gateway's own answers.
+    Whole(Vec<u8>),
+    /// Still coming on the origin's connection, framed as it says.
+    Coming(BufReader<TcpStream>, Framing),
+}
+
+/// How the end of a body on the origin's connection is told (RFC 9112 6.3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Framing {
+    /// No body (an answer to HEAD, a 204, a 304).
+    None,
+    /// So many bytes.
+    Length(u64),
+    /// Chunks, up to the last one and its trailer section.
+    Chunked,
+    /// Up to the connection's close.
+    Close,
+}
+
+impl Upstreamed {
+    /// An answer of the gateway's own, with its body whole.
+    pub fn own(status: u16, text: String) -> Upstreamed {
+        let headers = vec![("content-type".to_owned(), "text/plain; charset=utf-8".to_owned())];
+        Upstreamed { status, reason: None, headers, body: Payload::Whole(text.into_bytes()) }
+    }
+}
+
+/// An answer's status line and header section.
+struct Head {
+    status: u16,
+    reason: Option<String>,
+    headers: Vec<(String, String)>,
+}
+
+/// The status line and header section of an answer, read off `reader`.
+fn read_head(reader: &mut BufReader<TcpStream>) -> std::io::Result<Head> {
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
+    let mut budget = MAX_HEAD;
+    let mut line = Vec::new();
+    if !crate::read_line(reader, &mut line, &mut budget)? {
+        return Err(bad("the connection closed, or the status line is too long, before the status line's end"));
+    }
+    let text = String::from_utf8_lossy(&line);
+    let mut parts = text.trim_end().splitn(3, ' ');
+    let version = parts.next().unwrap_or_default();
+    let status: u16 = parts.next().and_then(|s| s.parse().ok()).ok_or_else(|| bad("no status line"))?;
+    if !version.starts_with("HTTP/1.") || !(100..1000).contains(&status) {
+        return Err(bad("no HTTP/1.x status line"));
+    }
+    let phrase = parts.next().unwrap_or_default();
+    let reason = (!phrase.is_empty() && phrase.bytes().all(|b| b == b' ' || b == b'\t' || b.is_ascii_graphic()))
+        .then(|| phrase.to_owned());
+    let mut headers = Vec::new();
+    loop {
+        let mut h = Vec::new();
+        if !crate::read_line(reader, &mut h, &mut budget)? {
+            return Err(bad("the header section is cut short, or over 64 KiB"));
+        }
+        let h = h.strip_suffix(b"\r\n").or_else(|| h.strip_suffix(b"\n")).unwrap_or(&h);
+        if h.is_empty() {
+            return Ok(Head { status, reason, headers });
+        }
+        if let Some((name, value)) = h.iter().position(|&b| b == b':').map(|i| h.split_at(i)) {
+            let name = String::from_utf8_lossy(name).trim().to_ascii_lowercase();
+            let value = String::from_utf8_lossy(value.get(1..).unwrap_or_default().trim_ascii()).into_owned();
+            headers.push((name, value));
+        }
+    }
+}
+
+/// Sends `out` to `upstream` as `method` `path` and reads its answer's head (past any interim
+/// 1xx answer); the body is left on the connection, to be passed on as it comes.
+pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> std::io::Result<Upstreamed> {
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
+    let mut stream = ratewall_host::http::connect_within(upstream, UPSTREAM_TIMEOUT)?;
+    stream.set_write_timeout(Some(UPSTREAM_TIMEOUT))?;
+    stream.set_read_timeout(Some(UPSTREAM_TIMEOUT))?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nconnection: close\r\n");
+    if !out.headers.iter().any(|(k, _)| k == "host") {
+        head.push_str(&format!("host: {upstream}\r\n"));
+    }
+    for (k, v) in &out.headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !out.body.is_empty() || method == "POST" || method == "PUT" {
+        head.push_str(&format!("content-length: {}\r\n", out.body.len()));
+    }
+    head.push_str("\r\n");
+    let mut bytes = head.into_bytes();
+    bytes.extend_from_slice(&out.body);
+    stream.write_all(&bytes)?;
+    let mut reader = BufReader::new(stream);
+    let Head { status, reason, headers } = loop {
+        let head = read_head(&mut reader)?;
+        if head.status == 101 {
+            return Err(bad("the upstream switched protocols, which the gateway does not pass on"));
+        }
+        if head.status >= 200 {
+            break head;
+        }
+    };
+    let values = |name: &'static str| headers.iter().filter(move |(k, _)| k == name).map(|(_, v)| v.as_str());
+    let framing = if method.eq_ignore_ascii_case("HEAD") || status == 204 || status == 304 {
+        Framing::None
+    } else if let Some(codings) = values("transfer-encoding").next_back() {
+        // The body is chunked when chunked is its last coding; else it runs to the close.
+        let last = codings.rsplit(',').next().unwrap_or_default().trim();
+        if last.eq_ignore_ascii_case("chunked") {
+            Framing::Chunked
+        } else {
+            Framing::Close
+        }
+    } else {
+        let mut lengths = values("content-length").flat_map(|v| v.split(',')).map(|v| v.trim().parse::<u64>().ok());
+        match lengths.next() {
+            None => Framing::Close,
+            Some(None) => return Err(bad("a content-length that is not a number")),
+            Some(Some(first)) if lengths.all(|l| l == Some(first)) => Framing::Length(first),
+            Some(Some(_)) => return Err(bad("conflicting content-length fields")),
+        }
+    };
+    let chunked_coding = values("transfer-encoding").next().is_some();
+    let named = connection_named(values("connection"));
+    let length = values("content-length").next().map(str::to_owned);
+    let mut passed_on: Vec<(String, String)> = headers.iter().filter(|(k, _)| passed(k, &named)).cloned().collect();
+    // A HEAD's or a 304's answer says the length of a body it has not (RFC 9110 8.6).
+    if let (Some(l), Framing::None, false) = (length, framing, chunked_coding) {
+        if status != 204 {
+            passed_on.push(("content-length".to_owned(), l));
+        }
+    }
+    Ok(Upstreamed { status, reason, headers: passed_on, body: Payload::Coming(reader, framing) })
+}
+
+/// Writes `answer` to the client — its status, `headers` (the filter's included), the body's
+/// framing and its body, copied from the origin as it comes. A body the origin cuts short
+/// ends the client's connection short of its end too, as a proxy that has sent the head
+/// already does.
+pub fn send_on(
+    stream: &mut TcpStream,
+    answer: Upstreamed,
+    headers: &[(String, String)],
+    head_only: bool,
+) -> std::io::Result<()> {
+    let status = answer.status;
+    let bodiless = head_only || status == 204 || status == 304;
+    let phrase = answer.reason.as_deref().unwrap_or_else(|| reason(status));
+    let mut out = format!("HTTP/1.1 {status} {phrase}\r\n");
+    for (k, v) in headers {
+        if k.starts_with(':') || (k.eq_ignore_ascii_case("content-length") && !bodiless) {
+            continue;
+        }
+        out.push_str(&format!("{k}: {v}\r\n"));
+    }
+    let mut body = answer.body;
+    if !bodiless {
+        match &body {
+            Payload::Whole(b) => out.push_str(&format!("content-length: {}\r\n", b.len())),
+            Payload::Coming(_, Framing::Length(n)) => out.push_str(&format!("content-length: {n}\r\n")),
+            Payload::Coming(_, Framing::Chunked) => out.push_str("transfer-encoding: chunked\r\n"),
+            Payload::Coming(_, Framing::Close | Framing::None) => {}
+        }
+    }
+    out.push_str("connection: close\r\n\r\n");
+    stream.write_all(out.as_bytes())?;
+    if !bodiless {
+        match &mut body {
+            Payload::Whole(b) => stream.write_all(b)?,
+            Payload::Coming(from, Framing::Length(n)) => {
+                let copied = std::io::copy(&mut from.take(*n), stream)?;
+                if copied < *n {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+            }
+            Payload::Coming(from, Framing::Chunked) => copy_chunked(from, stream)?,
+            Payload::Coming(from, Framing::Close) => {
+                std::io::copy(from, stream)?;
+            }
+            Payload::Coming(_, Framing::None) => {}
+        }
+    }
+    stream.flush()
+}
+
+/// Copies a chunked body as it comes, chunk by chunk, through its last chunk and trailer
+/// section; an error when it is malformed or cut short.
+fn copy_chunked(from: &mut BufReader<TcpStream>, to: &mut TcpStream) -> std::io::Result<()> {
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
+    let mut line = Vec::new();
+    let next_line = |from: &mut BufReader<TcpStream>, line: &mut Vec<u8>| {
+        line.clear();
+        let mut budget = 4096;
+        match crate::read_line(from, line, &mut budget)? {
+            true => Ok(()),
+            false => Err(bad("a chunk's line is cut short, or too long")),
+        }
+    };
+    loop {
+        next_line(from, &mut line)?;
+        let text = std::str::from_utf8(&line).map_err(|_| bad("a chunk size that is not text"))?;
+        let size_text = text.split(';').next().unwrap_or_default().trim();
+        let size = u64::from_str_radix(size_text, 16).map_err(|_| bad("a chunk size that is not a number"))?;
+        to.write_all(&line)?;
+        if size == 0 {
+            // The trailer section, up to its blank line.
+            loop {
+                next_line(from, &mut line)?;
+                to.write_all(&line)?;
+                if line == b"\r\n" || line == b"\n" {
+                    return Ok(());
+                }
+            }
+        }
+        if std::io::copy(&mut from.take(size), to)? < size {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        next_line(from, &mut line)?;
+        if line != b"\r\n" && line != b"\n" {
+            return Err(bad("a chunk longer than its size"));
+        }
+        to.write_all(b"\r\n")?;
+    }
+}
