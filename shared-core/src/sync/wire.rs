@@ -391,24 +391,39 @@ impl TopSection {
     }
 
     /// Appends `TOP_SECTION | count | per rule: name | allowed | denied | shadow_denied |
-    /// summary`, at most [`MAX_TOP_SECTION`] bytes: a rule whose entries do not fit goes with
-    /// its counts only, and rules past the bytes left are left out.
+    /// summary`, at most [`MAX_TOP_SECTION`] bytes. Every rule's counts are given room first:
+    /// a rule's entries go only where they leave room for the counts of the rules after it,
+    /// else it goes with its counts only; rules whose counts alone are past the bytes (over a
+    /// thousand rules) are left out.
     pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let counts_only = |r: &RuleTop, body: &mut Vec<u8>| {
+            put_bytes(body, r.rule.as_bytes().get(..r.rule.len().min(MAX_RULE_NAME)).unwrap_or_default());
+            put_varint(body, r.allowed);
+            put_varint(body, r.denied);
+            put_varint(body, r.shadow_denied);
+        };
+        // The bytes the counts of the rules from each one on take (an empty summary each).
+        let mut after = alloc::vec![0usize; self.rules.len() + 1];
+        for (i, r) in self.rules.iter().enumerate().rev() {
+            let mut b = Vec::new();
+            counts_only(r, &mut b);
+            crate::topk::Summary::new(r.top.capacity()).encode(&mut b);
+            after[i] = after[i + 1] + b.len();
+        }
+        let room = MAX_TOP_SECTION - 16;
         let mut body = Vec::new();
         let mut n = 0u64;
-        for r in &self.rules {
+        for (i, r) in self.rules.iter().enumerate() {
             let at = body.len();
-            put_bytes(&mut body, r.rule.as_bytes().get(..r.rule.len().min(MAX_RULE_NAME)).unwrap_or_default());
-            put_varint(&mut body, r.allowed);
-            put_varint(&mut body, r.denied);
-            put_varint(&mut body, r.shadow_denied);
+            let rest = after.get(i + 1).copied().unwrap_or(0);
+            counts_only(r, &mut body);
             let counts = body.len();
             r.top.encode(&mut body);
-            if body.len() > MAX_TOP_SECTION - 16 {
+            if body.len() + rest > room {
                 body.truncate(counts);
                 crate::topk::Summary::new(r.top.capacity()).encode(&mut body);
             }
-            if body.len() > MAX_TOP_SECTION - 16 {
+            if body.len() > room {
                 body.truncate(at);
                 break;
             }

@@ -263,21 +263,47 @@ fn batches_are_read_with_and_without_a_top_section() {
 #[test]
 fn a_top_section_stays_within_its_byte_bound() {
     use crate::sync::{RuleTop, TopSection, MAX_TOP_SECTION};
-    let mut rules = Vec::new();
-    for r in 0..40 {
+    let rule =
+        |r: usize, top: Summary| RuleTop { rule: format!("rule-{r}"), allowed: 1, denied: 2, shadow_denied: 0, top };
+    let size = |top: &Summary| {
+        let mut out = Vec::new();
+        TopSection { rules: vec![rule(0, top.clone())] }.encode_into(&mut out);
+        out.len()
+    };
+    // The first rule's entries fill the section to within a few bytes; the others' would
+    // each fit alone.
+    let mut first = Summary::new(crate::topk::MAX_CAPACITY);
+    let mut i = 0u64;
+    while size(&first) < MAX_TOP_SECTION - 400 {
+        first.add(format!("user={}{i}", "x".repeat(140)).as_bytes(), i + 1, 0, 1);
+        i += 1;
+    }
+    while size(&first) < MAX_TOP_SECTION - 40 {
+        first.add(format!("u{i}").as_bytes(), i + 1, 0, 1);
+        i += 1;
+    }
+    let mut rules = vec![rule(0, first)];
+    for r in 1..40 {
         let mut top = Summary::default();
-        for i in 0..200u32 {
-            top.add(format!("user={}{i}", "x".repeat(140)).as_bytes(), u64::from(i) + 1, 0, 1);
+        for i in 0..8u64 {
+            top.add(format!("user={}{i}", "x".repeat(140)).as_bytes(), i + 1, 0, 1);
         }
-        rules.push(RuleTop { rule: format!("rule-{r}"), allowed: 1, denied: 2, shadow_denied: 0, top });
+        rules.push(rule(r, top));
     }
     let section = TopSection { rules };
     let mut out = Vec::new();
     section.encode_into(&mut out);
     assert!(out.len() <= MAX_TOP_SECTION, "{}", out.len());
     let back = TopSection::decode(&out).unwrap();
-    assert!(back.rules.len() >= 3, "{}", back.rules.len());
-    assert_eq!(back.rules[0], section.rules[0]);
+    // Every rule's counts are there (room is kept for them first); a rule's entries go whole
+    // or not at all; the first rule's do not leave room for the others' counts.
+    assert_eq!(back.rules.len(), 40);
+    for (b, r) in back.rules.iter().zip(&section.rules) {
+        assert_eq!((&b.rule, b.allowed, b.denied), (&r.rule, 1, 2));
+        assert!(b.top.is_empty() || *b == *r);
+    }
+    assert!(back.rules[0].top.is_empty());
+    assert_eq!(back.rules[1], section.rules[1]);
 }
 
 #[test]
