@@ -74,6 +74,8 @@ pub struct Upstreamed {
     reason: Option<String>,
     /// Header fields, names lower-cased, those of the origin's connection left out.
     pub headers: Vec<(String, String)>,
+    /// The transfer codings of a body still coming from the origin.
+    codings: Option<String>,
     body: Payload,
 }
 
@@ -102,7 +104,7 @@ impl Upstreamed {
     /// An answer of the gateway's own, with its body whole.
     pub fn own(status: u16, text: String) -> Upstreamed {
         let headers = vec![("content-type".to_owned(), "text/plain; charset=utf-8".to_owned())];
-        Upstreamed { status, reason: None, headers, body: Payload::Whole(text.into_bytes()) }
+        Upstreamed { status, reason: None, headers, codings: None, body: Payload::Whole(text.into_bytes()) }
     }
 }
 
@@ -181,9 +183,11 @@ pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> st
         }
     };
     let values = |name: &'static str| headers.iter().filter(move |(k, _)| k == name).map(|(_, v)| v.as_str());
+    // The transfer codings of the body, passed on as they are (the gateway frames it as it came).
+    let codings = Some(values("transfer-encoding").collect::<Vec<_>>().join(", ")).filter(|c| !c.is_empty());
     let framing = if method.eq_ignore_ascii_case("HEAD") || status == 204 || status == 304 {
         Framing::None
-    } else if let Some(codings) = values("transfer-encoding").next_back() {
+    } else if let Some(codings) = &codings {
         // The body is chunked when chunked is its last coding; else it runs to the close.
         let last = codings.rsplit(',').next().unwrap_or_default().trim();
         if last.eq_ignore_ascii_case("chunked") {
@@ -200,17 +204,16 @@ pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> st
             Some(Some(_)) => return Err(bad("conflicting content-length fields")),
         }
     };
-    let chunked_coding = values("transfer-encoding").next().is_some();
     let named = connection_named(values("connection"));
     let length = values("content-length").next().map(str::to_owned);
     let mut passed_on: Vec<(String, String)> = headers.iter().filter(|(k, _)| passed(k, &named)).cloned().collect();
     // A HEAD's or a 304's answer says the length of a body it has not (RFC 9110 8.6).
-    if let (Some(l), Framing::None, false) = (length, framing, chunked_coding) {
+    if let (Some(l), Framing::None, false) = (length, framing, codings.is_some()) {
         if status != 204 {
             passed_on.push(("content-length".to_owned(), l));
         }
     }
-    Ok(Upstreamed { status, reason, headers: passed_on, body: Payload::Coming(reader, framing) })
+    Ok(Upstreamed { status, reason, headers: passed_on, codings, body: Payload::Coming(reader, framing) })
 }
 
 /// Writes `answer` to the client — its status, `headers` (the filter's included), the body's
@@ -238,8 +241,10 @@ pub fn send_on(
         match &body {
             Payload::Whole(b) => out.push_str(&format!("content-length: {}\r\n", b.len())),
             Payload::Coming(_, Framing::Length(n)) => out.push_str(&format!("content-length: {n}\r\n")),
-            Payload::Coming(_, Framing::Chunked) => out.push_str("transfer-encoding: chunked\r\n"),
-            Payload::Coming(_, Framing::Close | Framing::None) => {}
+            Payload::Coming(..) => {}
+        }
+        if let Some(codings) = &answer.codings {
+            out.push_str(&format!("transfer-encoding: {codings}\r\n"));
         }
     }
     out.push_str("connection: close\r\n\r\n");
