@@ -402,20 +402,25 @@ impl TopSection {
             put_varint(body, r.denied);
             put_varint(body, r.shadow_denied);
         };
-        // The bytes the counts of the rules from each one on take (an empty summary each).
-        let mut after = alloc::vec![0usize; self.rules.len() + 1];
-        for (i, r) in self.rules.iter().enumerate().rev() {
-            let mut b = Vec::new();
-            counts_only(r, &mut b);
-            crate::topk::Summary::new(r.top.capacity()).encode(&mut b);
-            after[i] = after[i + 1] + b.len();
-        }
+        // The bytes each rule's counts take (with an empty summary), and those of the rules
+        // after the one being encoded.
+        let sizes: Vec<usize> = self
+            .rules
+            .iter()
+            .map(|r| {
+                let mut b = Vec::new();
+                counts_only(r, &mut b);
+                crate::topk::Summary::new(r.top.capacity()).encode(&mut b);
+                b.len()
+            })
+            .collect();
+        let mut rest: usize = sizes.iter().sum();
         let room = MAX_TOP_SECTION - 16;
         let mut body = Vec::new();
         let mut n = 0u64;
-        for (i, r) in self.rules.iter().enumerate() {
+        for (r, size) in self.rules.iter().zip(&sizes) {
             let at = body.len();
-            let rest = after.get(i + 1).copied().unwrap_or(0);
+            rest -= size;
             counts_only(r, &mut body);
             let counts = body.len();
             r.top.encode(&mut body);
