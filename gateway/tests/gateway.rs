@@ -589,14 +589,16 @@ fn under_nginx_a_rules_change_is_a_reload_and_held_requests_are_served() {
     assert_eq!(statuses, [201, 201]);
 }
 
-/// An upstream answering by path, as written: an interim 100 before its answer, a HEAD's
-/// length, a 204, fields named in `Connection`, an 8 MiB body.
-fn scripted_upstream() -> String {
-    use std::io::{Read, Write};
+/// An upstream on a port of its own that answers each request, once its head is read, as
+/// `answer` does with the head and the connection.
+fn upstream_answering(answer: impl Fn(&[u8], &mut std::net::TcpStream) + Send + Sync + 'static) -> String {
+    use std::io::Read;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
+    let answer = std::sync::Arc::new(answer);
     std::thread::spawn(move || {
         for mut stream in listener.incoming().flatten() {
+            let answer = std::sync::Arc::clone(&answer);
             std::thread::spawn(move || {
                 let mut got = Vec::new();
                 let mut buf = [0u8; 4096];
@@ -607,28 +609,36 @@ fn scripted_upstream() -> String {
                     }
                     got.extend_from_slice(&buf[..n]);
                 }
-                let head = String::from_utf8_lossy(&got).to_string();
-                let answer: Vec<u8> = if head.starts_with("GET /interim ") {
-                    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec()
-                } else if head.starts_with("HEAD /head ") {
-                    b"HTTP/1.1 200 OK\r\ncontent-length: 12345\r\n\r\n".to_vec()
-                } else if head.starts_with("GET /nothing ") {
-                    b"HTTP/1.1 204 No Content\r\n\r\n".to_vec()
-                } else if head.starts_with("GET /hop ") {
-                    let saw = if head.to_lowercase().contains("x-drop-me") { "dropped: no" } else { "dropped: yes" };
-                    let length = saw.len();
-                    format!("HTTP/1.1 200 OK\r\nconnection: close, x-hop\r\nx-hop: 1\r\nx-end: 2\r\ncontent-length: {length}\r\n\r\n{saw}")
-                        .into_bytes()
-                } else {
-                    let mut big = b"HTTP/1.1 200 OK\r\ncontent-length: 8388608\r\n\r\n".to_vec();
-                    big.resize(big.len() + (8 << 20), b'x');
-                    big
-                };
-                let _ = stream.write_all(&answer);
+                answer(&got, &mut stream);
             });
         }
     });
     addr
+}
+
+/// An upstream answering by path, as written: an interim 100 before its answer, a HEAD's
+/// length, a 204, fields named in `Connection`, an 8 MiB body.
+fn scripted_upstream() -> String {
+    upstream_answering(|got, stream| {
+        let head = String::from_utf8_lossy(got).to_string();
+        let answer: Vec<u8> = if head.starts_with("GET /interim ") {
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec()
+        } else if head.starts_with("HEAD /head ") {
+            b"HTTP/1.1 200 OK\r\ncontent-length: 12345\r\n\r\n".to_vec()
+        } else if head.starts_with("GET /nothing ") {
+            b"HTTP/1.1 204 No Content\r\n\r\n".to_vec()
+        } else if head.starts_with("GET /hop ") {
+            let saw = if head.to_lowercase().contains("x-drop-me") { "dropped: no" } else { "dropped: yes" };
+            let length = saw.len();
+            format!("HTTP/1.1 200 OK\r\nconnection: close, x-hop\r\nx-hop: 1\r\nx-end: 2\r\ncontent-length: {length}\r\n\r\n{saw}")
+                .into_bytes()
+        } else {
+            let mut big = b"HTTP/1.1 200 OK\r\ncontent-length: 8388608\r\n\r\n".to_vec();
+            big.resize(big.len() + (8 << 20), b'x');
+            big
+        };
+        let _ = std::io::Write::write_all(stream, &answer);
+    })
 }
 
 /// What an upstream answers reaches the client as a proxy passes it on: the final answer past
@@ -662,34 +672,18 @@ fn an_upstreams_answers_are_passed_on_as_a_proxy_passes_them() {
 /// told to (`go`), `/short` with a body shorter than its length, and `/close` with a body that
 /// runs to the connection's close under a reason phrase of its own.
 fn streaming_upstream() -> (String, std::sync::mpsc::Sender<()>) {
-    use std::io::{Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
+    use std::io::Write;
     let (go, went) = std::sync::mpsc::channel::<()>();
-    let went = std::sync::Arc::new(std::sync::Mutex::new(went));
-    std::thread::spawn(move || {
-        for mut stream in listener.incoming().flatten() {
-            let went = std::sync::Arc::clone(&went);
-            std::thread::spawn(move || {
-                let mut got = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let n = stream.read(&mut buf).unwrap_or(0);
-                    if n == 0 {
-                        return;
-                    }
-                    got.extend_from_slice(&buf[..n]);
-                }
-                if got.starts_with(b"GET /stream ") {
-                    let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n");
-                    let _ = went.lock().unwrap().recv_timeout(Duration::from_secs(20));
-                    let _ = stream.write_all(b"4\r\nlast\r\n0\r\nx-trailer: t\r\n\r\n");
-                } else if got.starts_with(b"GET /short ") {
-                    let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc");
-                } else {
-                    let _ = stream.write_all(b"HTTP/1.1 200 Fine Thanks\r\n\r\nuntil the close");
-                }
-            });
+    let went = std::sync::Mutex::new(went);
+    let addr = upstream_answering(move |got, stream| {
+        if got.starts_with(b"GET /stream ") {
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n");
+            let _ = went.lock().unwrap().recv_timeout(Duration::from_secs(20));
+            let _ = stream.write_all(b"4\r\nlast\r\n0\r\nx-trailer: t\r\n\r\n");
+        } else if got.starts_with(b"GET /short ") {
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc");
+        } else {
+            let _ = stream.write_all(b"HTTP/1.1 200 Fine Thanks\r\n\r\nuntil the close");
         }
     });
     (addr, go)
