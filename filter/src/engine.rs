@@ -385,6 +385,23 @@ impl Engine {
         engine
     }
 
+    /// Sets to 0 the gauges of this engine's rules that `next` takes out (a rule's
+    /// `limited_keys`), or no longer counts in flight (its `in_flight`): nothing sets them
+    /// again, and a gauge left as it was would show its last value for as long as the
+    /// proxy runs.
+    pub fn zero_gauges_left_by(&self, host: &dyn Host, next: &Config) {
+        let form = |name: &str| ratewall_core::rules::metric_form(name);
+        for (i, r) in self.config.rules.iter().enumerate() {
+            let same = next.rules.iter().find(|n| form(&n.name) == form(&r.name));
+            if same.is_none() {
+                self.top.zero_gauge(host, i);
+            }
+            if let (Some(id), false) = (self.rules.get(i).and_then(|m| m.in_flight), same.is_some_and(concurrent)) {
+                host.set_gauge(id, 0);
+            }
+        }
+    }
+
     /// Links a retired engine (one whose sync state `successor` took over when configured
     /// with it as `previous`) to its successor: requests it still decides then record their
     /// units into, and ask through, the syncer in force, instead of one no tick drives any

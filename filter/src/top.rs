@@ -660,6 +660,13 @@ impl Top {
         }
     }
 
+    /// Sets rule `rule`'s `limited_keys` gauge to 0.
+    pub fn zero_gauge(&self, host: &dyn Host, rule: usize) {
+        if let Some(Some(id)) = self.metrics.limited_keys.get(rule) {
+            host.set_gauge(*id, 0);
+        }
+    }
+
     /// Distinct keys denied over the last minute: the running minute's plus the share of the
     /// last one still inside the minute (the sliding-window estimate).
     fn gauge(&self, host: &dyn Host, rule: usize, s: &Shared, now: Nanos) {

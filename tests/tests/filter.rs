@@ -209,6 +209,35 @@ fn a_pushed_config_takes_effect_without_a_restart() {
     assert_eq!(admitted(&mut vms[0], &user("a"), 10), 4);
 }
 
+/// A push that takes a rule out sets its gauges to 0: nothing would set them again, and an
+/// alert on one (`limited_keys`, `in_flight`) would fire for as long as the proxy runs.
+#[test]
+fn a_push_that_takes_a_rule_out_sets_its_gauges_to_zero() {
+    let doc = |rules_list: Value| rules(rules_list).to_string();
+    let u = json!({"name": "u", "match": {"path": "/u/*"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}});
+    let c = json!({"name": "c", "match": {"path": "/c/*"}, "key": ["user"], "limit": {"concurrent": 5}});
+    let kept =
+        json!({"name": "kept", "match": {"path": "/k/*"}, "key": ["user"], "limit": {"requests": 1, "per": "60s"}});
+    let (node, mut vms) = node(Profile::Envoy, &rules(json!([u, c, kept])), 1);
+    let vm = &mut vms[0];
+    for path in ["/u/x", "/k/x"] {
+        let req = HttpRequest::new("GET", path).header("x-user-id", "a");
+        assert_eq!(admitted(vm, &req, 3), 1);
+    }
+    let held = HttpRequest::new("GET", "/c/x").header("x-user-id", "a");
+    for _ in 0..2 {
+        assert!(matches!(vm.begin_forwarded(&held).unwrap(), ratewall_host::Forward::Upstream(_)));
+    }
+    vm.tick().unwrap();
+    let gauges = |node: &Node| {
+        ["u_limited_keys", "c_in_flight", "kept_limited_keys"].map(|g| node.metric(&format!("ratewall_rule_{g}")))
+    };
+    assert_eq!(gauges(&node), [1, 2, 1]);
+    assert!(vm.configure(doc(json!([kept])).as_bytes()).unwrap());
+    vm.tick().unwrap();
+    assert_eq!(gauges(&node), [0, 0, 1], "the rules taken out at 0, the one kept as it was");
+}
+
 fn forwarded_for_entries_cannot_dodge_the_per_ip_limit(p: Profile) {
     let (_, mut vms) = node(p, &serde_json::from_str(EXAMPLE).unwrap(), 1);
     let mut passed = 0;
