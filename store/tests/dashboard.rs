@@ -160,6 +160,7 @@ fn the_dashboard_shows_the_fleets_traffic_and_names_the_heaviest_client() {
                 max: +document.querySelector('{rule} svg.chart').dataset.max,
                 nodes: document.querySelectorAll('table.fleet tbody tr').length,
                 redis: document.getElementById('redis').textContent,
+                updated: document.getElementById('updated').textContent,
                 full: document.getElementById('full').offsetHeight > 0 }})"
         ),
         screenshots: &[(&laptop, 1280, 900), (&phone, 390, 844)],
@@ -173,6 +174,7 @@ fn the_dashboard_shows_the_fleets_traffic_and_names_the_heaviest_client() {
     assert!(r["points"].as_u64().unwrap() > 0 && r["max"].as_f64().unwrap() > 0.0, "the chart has points: {v:?}");
     assert_eq!(r["nodes"], 2, "both nodes are in the fleet: {v:?}");
     assert_eq!(r["redis"], "ok", "{v:?}");
+    assert!(r["updated"].as_str().unwrap().starts_with("updated "), "the store's answers are full ones: {v:?}");
     assert_eq!(r["full"], false, "the store tracks every rule: {v:?}");
     // On a phone nothing scrolls sideways: the fleet's nodes are a line each.
     assert_eq!(v.scrolling, [(1280, vec![]), (390, vec![])], "boxes scrolled sideways, by viewport width");

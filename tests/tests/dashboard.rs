@@ -19,7 +19,7 @@ type Seen = Arc<Mutex<Vec<(String, String)>>>;
 const TOKEN: &str = "t0ken-for-the-dashboard-test";
 
 /// The Worker's admin routes on loopback: the page, `top` behind the token (a 500 once it has
-/// answered `top_answers` times), 404 otherwise. Returns the origin and the (method, path,
+/// answered `top_answers` times) and `series` (without its denials), 404 otherwise. Returns the origin and the (method, path,
 /// authorization) of every request it got.
 fn worker_routes(top_answers: usize) -> (String, Seen) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -71,6 +71,11 @@ fn worker_routes(top_answers: usize) -> (String, Seen) {
                     ("200 OK", "application/json", top)
                 }
                 "/_ratewall/top" => ("401 Unauthorized", "text/plain", "unauthorized".to_owned()),
+                // A series without its denials: not drawn as zeros.
+                "/_ratewall/series" if auth == format!("Bearer {TOKEN}") => {
+                    let series = serde_json::json!({"step_s": 1, "rules": [{"rule": "api-key", "allowed": [1, 2, 3]}]});
+                    ("200 OK", "application/json", series.to_string())
+                }
                 _ => ("404 Not Found", "text/plain", "not found".to_owned()),
             };
             let _ = write!(
@@ -97,6 +102,9 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
         collect: "({ keys: [...document.querySelectorAll('section.rule[data-rule=\"api-key\"] table.top td.key')].map(e => e.textContent),
                     rules: [...document.querySelectorAll('section.rule')].map(e => e.dataset.rule),
                     charts: [...document.querySelectorAll('section.rule .chart-box')].map(e => e.textContent),
+                    lines: document.querySelectorAll('section.rule[data-rule=\"api-key\"] svg polyline').length,
+                    loginTop: document.querySelector('section.rule[data-rule=\"login-per-ip\"] .top-box').textContent,
+                    updated: document.getElementById('updated').textContent,
                     fleetShown: document.getElementById('fleet-area').offsetHeight > 0,
                     full: document.getElementById('full').offsetHeight > 0,
                     href: location.href })",
@@ -106,7 +114,13 @@ fn under_the_worker_the_page_sends_its_token_and_copes_with_what_is_missing() {
     let r = &v.result;
     assert_eq!(r["keys"], serde_json::json!(["api_key=#3f9a1c2e", "api_key=#77aa01b3"]), "{v:?}");
     assert_eq!(r["rules"], serde_json::json!(["api-key", "login-per-ip"]), "a rule without a name is skipped: {v:?}");
-    assert_eq!(r["charts"], serde_json::json!(["no data", "no data"]), "no series: no chart, no exception: {v:?}");
+    // What an answer leaves out shows as no data, never as zeros or "nobody denied"; an answer
+    // without a field is not a full one.
+    let charts = r["charts"].as_array().unwrap();
+    assert!(charts[0].as_str().unwrap().contains("no data: denied, shadow denied"), "{v:?}");
+    assert_eq!((r["lines"].as_u64(), &charts[1]), (Some(1), &serde_json::json!("no data")), "{v:?}");
+    assert_eq!(r["loginTop"], "no data", "a rule without its top: {v:?}");
+    assert!(r["updated"].as_str().unwrap().starts_with("no answer at"), "{v:?}");
     assert_eq!(r["fleetShown"], false, "the Worker has no fleet: {v:?}");
     assert_eq!(r["full"], true, "an answer that says it is full is said to be: {v:?}");
     assert_eq!(r["href"], format!("{origin}/_ratewall/"), "the token is out of the address bar: {v:?}");
@@ -150,6 +164,7 @@ fn the_worker_serves_the_page_for_its_token_and_the_page_names_the_heaviest_clie
         collect: "({ keys: [...document.querySelectorAll('section.rule[data-rule=\"per-key\"] table.top td.key')].map(e => e.textContent),
                     denied: [...document.querySelectorAll('section.rule[data-rule=\"per-key\"] table.top td.denied')].map(e => e.textContent),
                     points: Number(document.querySelector('section.rule[data-rule=\"per-key\"] svg.chart').dataset.points),
+                    updated: document.getElementById('updated').textContent,
                     text: document.body.innerText, href: location.href })",
         screenshots: &[(&shot, 1280, 800)],
     })
@@ -158,6 +173,7 @@ fn the_worker_serves_the_page_for_its_token_and_the_page_names_the_heaviest_clie
     assert!(r["keys"][0].as_str().unwrap().starts_with("api_key=#"), "{v:?}");
     assert_eq!(r["denied"][0], "10", "the heaviest client first: {v:?}");
     assert!(r["points"].as_u64().unwrap() > 0, "the chart has points: {v:?}");
+    assert!(r["updated"].as_str().unwrap().starts_with("updated "), "the Worker's answers are full ones: {v:?}");
     assert!(!r["text"].as_str().unwrap().contains(TOKEN) && !r["text"].as_str().unwrap().contains("sk_live"), "{v:?}");
     assert_eq!(r["href"], format!("{origin}/_ratewall/"), "{v:?}");
     assert!(v.outside(&origin).is_empty(), "requests outside the Worker: {:?}", v.outside(&origin));
