@@ -158,49 +158,94 @@ pub fn load(path: &Path) -> Result<(serde_json::Value, Config), Failure> {
 
 /// A bad document's `path: reason` lines: the parser's first, then those of each other rule
 /// that is bad on its own (each checked in a copy of the document holding it alone), so that
-/// one run names every bad rule, not only the first.
+/// one run names every bad rule, not only the first. A copy is the document with what it
+/// leaves out made blank, so what is left keeps its line and column: a fault found in a copy
+/// is said where it is in the file.
 fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<String> {
     let line = |e: &ratewall_core::rules::ConfigError| {
         let at = if e.path.is_empty() { "(document)".to_owned() } else { e.path.clone() };
         format!("{at}: {}", e.reason)
     };
     let mut lines = vec![line(&first)];
-    // Each rule's own text, as written (through a `Value`, a number past 64 bits would be
-    // shown as a float), in the document without the other rules.
+    let text = without_bom(bytes);
     use serde_json::value::RawValue;
     type Doc<'a> = std::collections::BTreeMap<String, &'a RawValue>;
-    let Ok(doc) = serde_json::from_slice::<Doc<'_>>(without_bom(bytes)) else { return lines };
+    let Ok(doc) = serde_json::from_slice::<Doc<'_>>(text) else { return lines };
     let Some(Ok(rules)) = doc.get("rules").map(|r| serde_json::from_str::<Vec<&RawValue>>(r.get())) else {
         return lines;
+    };
+    let Some(rules) = rules.iter().map(|r| span(text, r)).collect::<Option<Vec<_>>>() else { return lines };
+    // The rules array's elements, from the first one's start to the last one's end, but for
+    // those of `keep`.
+    let all_rules = |keep: Option<usize>| -> Vec<std::ops::Range<usize>> {
+        let (Some(first), Some(last)) = (rules.first(), rules.last()) else { return Vec::new() };
+        match keep.and_then(|k| rules.get(k)) {
+            Some(kept) => vec![first.start..kept.start, kept.end..last.end],
+            None => std::iter::once(first.start..last.end).collect(),
+        }
+    };
+    // The document's members in order, and the commas between them.
+    let Some(mut members) =
+        doc.iter().map(|(k, v)| Some((member_span(text, v)?, k.as_str()))).collect::<Option<Vec<_>>>()
+    else {
+        return lines;
+    };
+    members.sort_by_key(|(m, _)| m.start);
+    // What leaves the members named out: them, and commas so that one parts each two left.
+    let without = |out: &[&str]| -> Vec<std::ops::Range<usize>> {
+        let mut gone = Vec::new();
+        let mut last_kept: Option<usize> = None;
+        for (j, (m, name)) in members.iter().enumerate() {
+            if out.contains(name) {
+                gone.push(m.clone());
+                continue;
+            }
+            // Between the last member kept and this one, the comma after the former stays;
+            // before the first one kept, none.
+            match last_kept {
+                Some(p) => gone.push(members.get(p + 1).map_or(m.start, |(n, _)| n.start)..m.start),
+                None => gone.push(members.first().map_or(m.start, |(n, _)| n.start)..m.start),
+            }
+            last_kept = Some(j);
+        }
+        // Past the last member kept: no comma.
+        if let (Some(p), Some((last, _))) = (last_kept, members.last()) {
+            if let Some((after, _)) = members.get(p) {
+                gone.push(after.end..last.end);
+            }
+        }
+        gone
     };
     // The document's other members without its rules: a fault of one of them (an unknown
     // member, a bad `response` or `sync`) is said, and the member left out, so that the rules
     // are each judged alone all the same. Not `identity`: a rule is judged by the dimensions
     // it names, so with a bad identity none can be.
-    let mut base: std::collections::BTreeMap<&str, &RawValue> = doc.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-    let Ok(none) = RawValue::from_string("[]".to_owned()) else { return lines };
+    let mut left_out: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut out: Vec<String> = Vec::new();
     for _ in 0..doc.len() {
-        let mut bare = base.clone();
-        bare.insert("rules", &none);
-        let Ok(text) = serde_json::to_vec(&bare) else { return lines };
-        let Err(e) = Config::parse(&text) else { break };
+        let mut gone = all_rules(None);
+        gone.extend(left_out.iter().cloned());
+        let Err(e) = Config::parse(&blanked(text, &gone)) else { break };
         let member = e.path.split(['.', '[']).next().unwrap_or_default().to_owned();
         let found = line(&e);
         if !lines.contains(&found) {
             lines.push(found);
         }
-        if member.is_empty() || member == "identity" || member == "rules" || base.remove(member.as_str()).is_none() {
+        if member.is_empty() || member == "identity" || member == "rules" {
             return lines;
         }
+        if out.contains(&member) || !doc.contains_key(&member) {
+            return lines;
+        }
+        out.push(member);
+        left_out = without(&out.iter().map(String::as_str).collect::<Vec<_>>());
     }
     // The first fault's rule is said already.
     let said = first.path.strip_prefix("rules[").and_then(|r| r.split(']').next()).and_then(|i| i.parse().ok());
-    for (i, rule) in rules.iter().enumerate().filter(|(i, _)| Some(*i) != said) {
-        let Ok(one) = RawValue::from_string(format!("[{}]", rule.get())) else { continue };
-        let mut alone = base.clone();
-        alone.insert("rules", &one);
-        let Ok(text) = serde_json::to_vec(&alone) else { continue };
-        let Err(e) = Config::parse(&text) else { continue };
+    for i in (0..rules.len()).filter(|i| Some(*i) != said) {
+        let mut gone = all_rules(Some(i));
+        gone.extend(left_out.iter().cloned());
+        let Err(e) = Config::parse(&blanked(text, &gone)) else { continue };
         // Only what is this rule's own (the rest of the document is as in the first line).
         let Some(rest) = e.path.strip_prefix("rules[0]") else { continue };
         let found = line(&ratewall_core::rules::ConfigError { path: format!("rules[{i}]{rest}"), ..e });
@@ -209,6 +254,55 @@ fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<Strin
         }
     }
     lines
+}
+
+/// Where `raw`, read from `text`, is in it.
+fn span(text: &[u8], raw: &serde_json::value::RawValue) -> Option<std::ops::Range<usize>> {
+    let start = (raw.get().as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
+    let end = start.checked_add(raw.get().len())?;
+    (end <= text.len()).then_some(start..end)
+}
+
+/// Where a member whose value is `value` is in `text`: from its key's opening quote to its
+/// value's end.
+fn member_span(text: &[u8], value: &serde_json::value::RawValue) -> Option<std::ops::Range<usize>> {
+    let at = |i: usize| text.get(i).copied();
+    let value = span(text, value)?;
+    let skip_back = |mut i: usize| {
+        while i > 0 && at(i - 1).is_some_and(|b| b.is_ascii_whitespace()) {
+            i -= 1;
+        }
+        i
+    };
+    // Back over `: ` to the key's closing quote, then to its opening one (a quote after an
+    // even run of backslashes).
+    let colon = skip_back(value.start).checked_sub(1)?;
+    let close = skip_back(colon).checked_sub(1)?;
+    if at(colon) != Some(b':') || at(close) != Some(b'"') {
+        return None;
+    }
+    let mut open = close;
+    loop {
+        open = open.checked_sub(1)?;
+        let slashes = text.get(..open)?.iter().rev().take_while(|b| **b == b'\\').count();
+        if at(open) == Some(b'"') && slashes % 2 == 0 {
+            break;
+        }
+    }
+    Some(open..value.end)
+}
+
+/// `text` with the bytes of `gone` made spaces, its line breaks kept.
+fn blanked(text: &[u8], gone: &[std::ops::Range<usize>]) -> Vec<u8> {
+    let mut out = text.to_vec();
+    for r in gone {
+        for b in out.get_mut(r.clone()).into_iter().flatten() {
+            if *b != b'\n' && *b != b'\r' {
+                *b = b' ';
+            }
+        }
+    }
+    out
 }
 
 /// Reads a rules document: at most the parser's limit ([`MAX_DOCUMENT`] bytes), never more

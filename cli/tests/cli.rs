@@ -99,6 +99,21 @@ fn check_names_the_field_of_a_bad_document_and_exits_1() {
     let text = stderr(&ratewall(&["check", &beside]));
     let paths: Vec<&str> = text.lines().map(|l| l.split(':').next().unwrap_or("")).collect();
     assert_eq!(paths, ["foo", "response.legacy_headers", "rules[0].limit.requests", "rules[1].limit.per"], "{text}");
+    // A fault with a place is said once, at its place in the file, whichever copy of the
+    // document finds it (members left out before and after the one at fault).
+    let placed = temp(
+        "placed.json",
+        "{\"foo\": 1,\n \"bar\": 2,\n \"rules\": [\n  {\"name\": \"a\", \"key\": [\"ip\"], \"limit\": {\"requests\": 0, \"per\": \"1s\"}},\n  {\"name\": \"b\", \"key\": [\"ip\"], \"limit\": {\"requests\": 1, \"per\": \"1s\", \"per\": \"2s\"}}],\n \"sync\": {\"secret\": \"s1-0123456789abcdef\", \"secret\": \"s2-0123456789abcdef\"},\n \"baz\": 3}",
+    );
+    let text = stderr(&ratewall(&["check", &placed]));
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 6, "{text}");
+    assert!(
+        lines.iter().any(|l| l.starts_with("rules[1].limit.per: duplicate key \"per\" at line 5 column ")),
+        "{text}"
+    );
+    assert!(lines.iter().any(|l| l.starts_with("sync.secret: duplicate key \"secret\" at line 6 column ")), "{text}");
+    assert!(!text.contains("at line 1 ") && !text.contains("0123456789abcdef"), "{text}");
     let o = ratewall(&["check", "/no/such/file.json"]);
     assert_eq!(o.status.code(), Some(2), "an unreadable file is a usage error");
     assert_eq!(ratewall(&["frobnicate"]).status.code(), Some(2));
