@@ -20,7 +20,7 @@
 //! Memory is bounded whatever the traffic: at most [`MAX_RULES`] rules, each with a fixed
 //! number of buckets holding a summary of at most [`KEPT`] keys
 //! ([`ratewall_core::topk::windows`]), at most [`MAX_NODES`] nodes (and as many peers' views
-//! of nodes), at most [`OUTBOX_SECONDS`] seconds of sections waiting to be shared, and one
+//! of nodes; the fleet is listed as at most [`MAX_NODES`], the ones heard of most lately), at most [`OUTBOX_SECONDS`] seconds of sections waiting to be shared, and one
 //! second of the process's own decisions (at most [`MAX_RULES`] rules of [`KEPT`] keys).
 
 use ratewall_core::encoding::{put_varint, Reader};
@@ -547,16 +547,17 @@ impl Top {
             inner.windows.add_past(*sec, section);
         }
         for &(id, seen_ms, rate, rtt, degraded) in &share.nodes {
-            let key = (share.process, id);
-            if inner.remote.len() >= MAX_NODES && !inner.remote.contains_key(&key) {
-                inner.remote.retain(|_, r| now.saturating_duration_since(r.last_seen) < NODE_TTL);
-                if inner.remote.len() >= MAX_NODES {
-                    continue;
-                }
-            }
             let ago = Duration::from_millis(unix.saturating_mul(1000).saturating_sub(seen_ms));
             let last_seen = now.checked_sub(ago).unwrap_or(now);
-            inner.remote.insert(key, Seen { last_seen, rate, rtt, degraded });
+            inner.remote.insert((share.process, id), Seen { last_seen, rate, rtt, degraded });
+        }
+        // Past the bound, the views heard of least lately go (at once, not one by one).
+        if inner.remote.len() > MAX_NODES {
+            inner.remote.retain(|_, r| now.saturating_duration_since(r.last_seen) < NODE_TTL);
+            let by_age = inner.remote.iter().map(|(k, r)| (r.last_seen, *k));
+            for key in least_lately(by_age, inner.remote.len().saturating_sub(MAX_NODES)) {
+                inner.remote.remove(&key);
+            }
         }
     }
 
@@ -586,7 +587,8 @@ impl Top {
     }
 
     /// `GET /v1/fleet`'s nodes: id, seconds since last heard, batches per second, the last
-    /// batch's time in this store, and whether its last batch failed here.
+    /// batch's time in this store, and whether its last batch failed here; at most
+    /// [`MAX_NODES`], those heard of most lately.
     /// Nodes heard by several processes are listed once: the batches each process heard
     /// added up, the rest from the one that heard the node last.
     pub fn fleet(&self) -> Vec<Value> {
@@ -612,6 +614,11 @@ impl Top {
                 (e.last_seen, e.rtt, e.degraded) = (r.last_seen, r.rtt, r.degraded);
             }
         }
+        // At most as many as one process keeps of its own: those heard of most lately.
+        let by_age = nodes.iter().map(|(id, n)| (n.last_seen, *id));
+        for id in least_lately(by_age, nodes.len().saturating_sub(MAX_NODES)) {
+            nodes.remove(&id);
+        }
         nodes
             .into_iter()
             .map(|(id, n)| {
@@ -622,6 +629,19 @@ impl Top {
             })
             .collect()
     }
+}
+
+/// The `n` keys of `by_age` (when each was last heard of, and its key) heard of least lately.
+fn least_lately<K: Ord + Copy>(by_age: impl Iterator<Item = (Instant, K)>, n: usize) -> Vec<K> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut all: Vec<(Instant, K)> = by_age.collect();
+    if n < all.len() {
+        all.select_nth_unstable(n);
+        all.truncate(n);
+    }
+    all.into_iter().map(|(_, k)| k).collect()
 }
 
 #[cfg(test)]
@@ -829,6 +849,35 @@ mod tests {
         };
         b.merge_share_at(&again, t, now);
         assert_eq!(b.fleet().len(), 2);
+    }
+
+    /// Nodes heard by this process and by its peers are listed as at most [`MAX_NODES`], those
+    /// heard of most lately: a flood of node ids through one process does not list twice the
+    /// bound, nor hide the nodes heard since.
+    #[test]
+    fn the_fleet_lists_at_most_its_bound_of_nodes_those_heard_of_most_lately() {
+        let now = Instant::now();
+        let t = 1_800_000_000;
+        let top = Top::default();
+        for id in 0..MAX_NODES as u64 {
+            top.heard_at(t, now, id, 1, true, Duration::ZERO, None);
+        }
+        // A peer's view of as many other nodes, heard of a second later; then of more again.
+        let later = |from: u64, n: u64, ms: u64, seq: u64| Share {
+            process: 7,
+            seq,
+            seconds: Vec::new(),
+            nodes: (from..from + n).map(|id| (id, t * 1000 + ms, 1.0, Duration::ZERO, false)).collect(),
+        };
+        top.merge_share_at(&later(1_000_000, MAX_NODES as u64, 1000, 1), t + 1, now + Duration::from_secs(1));
+        let listed = top.fleet();
+        assert_eq!(listed.len(), MAX_NODES);
+        assert!(listed.iter().all(|n| n["id"].as_str().unwrap() >= "00000000000f4240"), "the later ones");
+        top.merge_share_at(&later(2_000_000, 10, 2000, 2), t + 2, now + Duration::from_secs(2));
+        assert!(top.inner.lock().unwrap().remote.len() <= MAX_NODES);
+        let listed = top.fleet();
+        assert_eq!(listed.len(), MAX_NODES);
+        assert!(listed.iter().any(|n| n["id"] == "00000000001e8480"), "the node heard of last is listed");
     }
 
     #[test]
