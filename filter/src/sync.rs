@@ -1667,7 +1667,12 @@ impl Syncer {
         }
         self.view.set(view);
         *self.named.borrow_mut() = named;
-        self.refusal_logged.set(false);
+        // A refusal is said again once the clocks agree: not when a refused batch's retry,
+        // which repeats its time, is taken as that time comes within the store's bound (a
+        // clock ahead by more than the bound would have it said every few seconds).
+        if offset.unsigned_abs() <= MAX_REQUEST_SKEW {
+            self.refusal_logged.set(false);
+        }
         {
             let mut s = self.syncing.borrow_mut();
             s.failures = 0;

@@ -480,6 +480,25 @@ fn a_node_whose_clock_ahead_is_put_back_syncs_again_within_two_seconds() {
     assert!(took <= 2_000 * MS, "served {} ms after the clock was put back", took / MS);
 }
 
+/// A node 30 s ahead of the store's clock: a batch's retries repeat its time, so each is taken
+/// once that time is within the store's 25 s (some 5 s after it was made), and the next one
+/// is refused again. The refusal is said once, not again after each batch so taken.
+#[test]
+fn a_node_ahead_of_the_bound_says_the_refusal_once_though_aged_retries_are_taken() {
+    let h = FakeHost::new();
+    let e = engine(&h, &rules(10, 2));
+    let mut s = store();
+    let mut got = Vec::new();
+    for _ in 0..400 {
+        let _ = reply(&e, &h, "GET", "/u/x", &[("x-user-id", "bob")]);
+        e.on_tick(&h);
+        got.extend(serve_skewed(&mut s, &e, &h, -30_000 * MS as i64));
+        h.advance(100 * MS);
+    }
+    assert!(got.contains(&200) && got.iter().filter(|st| **st == 422).count() >= 3, "{got:?}");
+    assert_eq!(h.logs.borrow().iter().filter(|(_, m)| m.contains("refuses this node's sync requests")).count(), 1);
+}
+
 /// `ticks` rounds 100 ms apart of a request and a tick, every batch refused for its time by
 /// `s` (its clock `skew` from the node's); how many were refused.
 fn refused_for_time(s: &mut Store, e: &Engine, h: &FakeHost, skew: i64, ticks: usize) -> u64 {
