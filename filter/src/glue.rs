@@ -395,11 +395,10 @@ impl RootContext for Root {
             Ok(config) => {
                 // A push continues the VM's previous rules: the node's sync identity, lease and
                 // unsent units carry over, and a table of another size replaces the old one.
-                let before = self.engine.clone().or_else(last_good);
-                if let Some(b) = &before {
-                    b.zero_gauges_left_by(&ProxyHost, &config);
+                let previous = self.engine.clone().or_else(last_good).filter(|_| replaces_previous(&config));
+                if let Some(p) = &previous {
+                    p.zero_gauges_left_by(&ProxyHost, &config);
                 }
-                let previous = before.filter(|_| replaces_previous(&config));
                 let engine = Rc::new(Engine::new(&ProxyHost, config, previous.as_deref()));
                 if let Some(p) = &previous {
                     p.hand_over(&engine);

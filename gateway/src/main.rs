@@ -690,6 +690,8 @@ struct Request {
     /// The body, when it was whole within [`MAX_BODY`] and sent with a length (`None`: over
     /// it, or chunked; the demo origin reads none, an upstream is not sent it).
     body: Option<Vec<u8>>,
+    /// Whether the client speaks HTTP/1.0 (an upstream's chunked answer is sent it decoded).
+    http10: bool,
 }
 
 /// The largest request body the gateway sends an upstream.
@@ -809,6 +811,7 @@ fn read_request(stream: TcpStream) -> Head {
     let (Some(method), Some(target)) = (parts.next(), parts.next()) else {
         return Head::Refused(stream, 400, "bad request\n");
     };
+    let http10 = parts.next() == Some("HTTP/1.0");
     let Some((path, authority)) = origin_form(target) else {
         return Head::Refused(stream, 400, "bad request: the target is neither a path nor an absolute URI\n");
     };
@@ -868,7 +871,7 @@ fn read_request(stream: TcpStream) -> Head {
     }
     let mut body = vec![0u8; length.min(MAX_BODY)];
     let whole = reader.read_exact(&mut body).is_ok() && length <= MAX_BODY && !chunked;
-    Head::Request(Request { stream, method: method.to_owned(), path, req, body: whole.then_some(body) })
+    Head::Request(Request { stream, method: method.to_owned(), path, req, body: whole.then_some(body), http10 })
 }
 
 /// Closes a connection answered before its request was read to the end, as NGINX's lingering
@@ -885,13 +888,13 @@ fn linger(stream: TcpStream) {
 /// Runs a request through the filter: answered now, or (`Some`) paused until its turn,
 /// answered by [`resume`].
 fn handle(vm: &mut Vm, request: Request, stores: &[String], origin: &Origin) -> Result<Next, String> {
-    let Request { mut stream, method, path, req, body } = request;
+    let Request { mut stream, method, path, req, body, http10 } = request;
     if origin.upstream.is_some() {
         let Some(body) = body else {
             let text: &[u8] = b"the gateway sends an upstream a body of at most 1 MiB, with a content-length\n";
             return respond(&mut stream, 413, &[], text).map(|()| Next::Answered);
         };
-        let out = Outbound::of(&req, body);
+        let out = Outbound::of(&req, body, http10);
         let next = match vm.begin_forwarded(&req).map_err(|e| e.to_string())? {
             Forward::Paused(ctx) => {
                 exchange(vm, stores).map_err(|e| e.to_string())?;
@@ -991,6 +994,8 @@ static SENDING: AtomicUsize = AtomicUsize::new(0);
 /// A request sent to the upstream: in flight until its answer is sent on, or its client goes.
 struct Flying {
     ctx: u32,
+    /// Whether its client speaks HTTP/1.0.
+    http10: bool,
     /// None once its answer is being sent, on a thread of its own.
     stream: Option<TcpStream>,
     method: String,
@@ -1011,7 +1016,7 @@ fn forward(
         Forward::Paused(ctx) => return park(vm, ctx, stream, (method.to_owned(), path.to_owned()), Some(out)),
         Forward::Upstream(ctx) => ctx,
     };
-    let flying = Flying { ctx, stream: Some(stream), method: method.to_owned() };
+    let flying = Flying { ctx, http10: out.http10, stream: Some(stream), method: method.to_owned() };
     if AT_UPSTREAM.fetch_add(1, Ordering::SeqCst) + SENDING.load(Ordering::SeqCst) >= MAX_AT_UPSTREAM {
         AT_UPSTREAM.fetch_sub(1, Ordering::SeqCst);
         let text = format!("{MAX_AT_UPSTREAM} requests are at the upstream or being answered already\n");
@@ -1076,12 +1081,12 @@ fn deliver(vm: &mut Vm, mut f: Flying, answer: Result<Upstreamed, String>, origi
     let answer = answer.unwrap_or_else(|e| Upstreamed::own(502, format!("the upstream did not answer: {e}\n")));
     let headers = vm.upstream_response(f.ctx, answer.status, &answer.headers).map_err(|e| e.to_string())?;
     let Some(mut stream) = f.stream.take() else { return Ok(f) };
-    let (ctx, head_only, inbox, queue) =
-        (f.ctx, f.method.eq_ignore_ascii_case("HEAD"), Arc::clone(&origin.inbox), Arc::clone(&origin.queue));
+    let (ctx, head_only, http10) = (f.ctx, f.method.eq_ignore_ascii_case("HEAD"), f.http10);
+    let (inbox, queue) = (Arc::clone(&origin.inbox), Arc::clone(&origin.queue));
     SENDING.fetch_add(1, Ordering::SeqCst);
     let spawned = std::thread::Builder::new().name("sender".into()).spawn(move || {
         let _ = stream.set_nonblocking(false).and_then(|()| stream.set_write_timeout(Some(UPSTREAM_TIMEOUT)));
-        let _ = upstream::send_on(&mut stream, answer, &headers, head_only);
+        let _ = upstream::send_on(&mut stream, answer, &headers, (head_only, http10));
         SENDING.fetch_sub(1, Ordering::SeqCst);
         inbox.put(ctx, Landed::Sent, &queue);
     });
@@ -1190,6 +1195,7 @@ mod tests {
             path: "/".into(),
             req: HttpRequest::new("POST", "/"),
             body: Some(vec![0; MAX_BODY]),
+            http10: false,
         };
         let queue = Queue::default();
         for _ in 0..MAX_QUEUED_BYTES / MAX_BODY {

@@ -7,7 +7,7 @@ use crate::{reason, MAX_HEAD};
 use ratewall_host::HttpRequest;
 use std::io::{BufReader, Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long the upstream has to connect, and then each read from it or write to the client
 /// may wait.
@@ -47,10 +47,12 @@ fn connection_named(values: impl Iterator<Item = impl AsRef<str>>) -> Vec<String
 pub struct Outbound {
     headers: Vec<(String, String)>,
     body: Vec<u8>,
+    /// Whether the client speaks HTTP/1.0.
+    pub http10: bool,
 }
 
 impl Outbound {
-    pub fn of(req: &HttpRequest, body: Vec<u8>) -> Outbound {
+    pub fn of(req: &HttpRequest, body: Vec<u8>, http10: bool) -> Outbound {
         let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
         let named = connection_named(req.headers.iter().filter(|(k, _)| k == "connection").map(|(_, v)| text(v)));
         let headers = req
@@ -62,7 +64,7 @@ impl Outbound {
                 k => Some((k.to_owned(), text(v))),
             })
             .collect();
-        Outbound { headers, body }
+        Outbound { headers, body, http10 }
     }
 }
 
@@ -84,7 +86,29 @@ enum Payload {
     /// Held whole: the gateway's own answers.
     Whole(Vec<u8>),
     /// Still coming on the origin's connection, framed as it says.
-    Coming(BufReader<TcpStream>, Framing),
+    Coming(BufReader<Timed>, Framing),
+}
+
+/// The origin's connection, read until a deadline (its answer's head, interim answers
+/// included, has [`UPSTREAM_TIMEOUT`] in all), then with each read waiting at most that long
+/// (a body may take as long as it takes while it keeps coming).
+pub struct Timed {
+    stream: TcpStream,
+    until: Option<Instant>,
+}
+
+impl Read for Timed {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let wait = match self.until {
+            Some(until) => until.saturating_duration_since(Instant::now()),
+            None => UPSTREAM_TIMEOUT,
+        };
+        if wait.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(wait))?;
+        self.stream.read(buf)
+    }
 }
 
 /// How the end of a body on the origin's connection is told (RFC 9112 6.3).
@@ -116,7 +140,7 @@ struct Head {
 }
 
 /// The status line and header section of an answer, read off `reader`.
-fn read_head(reader: &mut BufReader<TcpStream>) -> std::io::Result<Head> {
+fn read_head(reader: &mut BufReader<Timed>) -> std::io::Result<Head> {
     let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
     let mut budget = MAX_HEAD;
     let mut line = Vec::new();
@@ -126,7 +150,8 @@ fn read_head(reader: &mut BufReader<TcpStream>) -> std::io::Result<Head> {
     let text = String::from_utf8_lossy(&line);
     let mut parts = text.trim_end().splitn(3, ' ');
     let version = parts.next().unwrap_or_default();
-    let status: u16 = parts.next().and_then(|s| s.parse().ok()).ok_or_else(|| bad("no status line"))?;
+    let code = parts.next().filter(|c| c.len() == 3 && c.bytes().all(|b| b.is_ascii_digit()));
+    let status: u16 = code.and_then(|c| c.parse().ok()).ok_or_else(|| bad("no status line"))?;
     if !version.starts_with("HTTP/1.") || !(100..1000).contains(&status) {
         return Err(bad("no HTTP/1.x status line"));
     }
@@ -144,8 +169,10 @@ fn read_head(reader: &mut BufReader<TcpStream>) -> std::io::Result<Head> {
             return Ok(Head { status, reason, headers });
         }
         if let Some((name, value)) = h.iter().position(|&b| b == b':').map(|i| h.split_at(i)) {
-            let name = String::from_utf8_lossy(name).trim().to_ascii_lowercase();
-            let value = String::from_utf8_lossy(value.get(1..).unwrap_or_default().trim_ascii()).into_owned();
+            // A bare CR ends a line for some clients: never passed on as part of a field.
+            let text = |b: &[u8]| String::from_utf8_lossy(b).replace('\r', " ");
+            let name = text(name).trim().to_ascii_lowercase();
+            let value = text(value.get(1..).unwrap_or_default().trim_ascii());
             headers.push((name, value));
         }
     }
@@ -155,9 +182,9 @@ fn read_head(reader: &mut BufReader<TcpStream>) -> std::io::Result<Head> {
 /// 1xx answer); the body is left on the connection, to be passed on as it comes.
 pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> std::io::Result<Upstreamed> {
     let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
+    let until = Instant::now().checked_add(UPSTREAM_TIMEOUT);
     let mut stream = ratewall_host::http::connect_within(upstream, UPSTREAM_TIMEOUT)?;
     stream.set_write_timeout(Some(UPSTREAM_TIMEOUT))?;
-    stream.set_read_timeout(Some(UPSTREAM_TIMEOUT))?;
     let mut head = format!("{method} {path} HTTP/1.1\r\nconnection: close\r\n");
     if !out.headers.iter().any(|(k, _)| k == "host") {
         head.push_str(&format!("host: {upstream}\r\n"));
@@ -172,7 +199,7 @@ pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> st
     let mut bytes = head.into_bytes();
     bytes.extend_from_slice(&out.body);
     stream.write_all(&bytes)?;
-    let mut reader = BufReader::new(stream);
+    let mut reader = BufReader::new(Timed { stream, until });
     let Head { status, reason, headers } = loop {
         let head = read_head(&mut reader)?;
         if head.status == 101 {
@@ -205,14 +232,17 @@ pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> st
         }
     };
     let named = connection_named(values("connection"));
-    let length = values("content-length").next().map(str::to_owned);
+    let length =
+        values("content-length").next().and_then(|v| v.split(',').next()).and_then(|v| v.trim().parse::<u64>().ok());
     let mut passed_on: Vec<(String, String)> = headers.iter().filter(|(k, _)| passed(k, &named)).cloned().collect();
     // A HEAD's or a 304's answer says the length of a body it has not (RFC 9110 8.6).
     if let (Some(l), Framing::None, false) = (length, framing, codings.is_some()) {
         if status != 204 {
-            passed_on.push(("content-length".to_owned(), l));
+            passed_on.push(("content-length".to_owned(), l.to_string()));
         }
     }
+    // The head came: the body's reads each wait as long as the head had in all.
+    reader.get_mut().until = None;
     Ok(Upstreamed { status, reason, headers: passed_on, codings, body: Payload::Coming(reader, framing) })
 }
 
@@ -224,7 +254,7 @@ pub fn send_on(
     stream: &mut TcpStream,
     answer: Upstreamed,
     headers: &[(String, String)],
-    head_only: bool,
+    (head_only, http10): (bool, bool),
 ) -> std::io::Result<()> {
     let status = answer.status;
     let bodiless = head_only || status == 204 || status == 304;
@@ -243,7 +273,9 @@ pub fn send_on(
             Payload::Coming(_, Framing::Length(n)) => out.push_str(&format!("content-length: {n}\r\n")),
             Payload::Coming(..) => {}
         }
-        if let Some(codings) = &answer.codings {
+        // An HTTP/1.0 client knows no transfer codings (RFC 9112 6.1): a chunked body is sent
+        // it decoded, up to the close.
+        if let (Some(codings), false) = (&answer.codings, http10) {
             out.push_str(&format!("transfer-encoding: {codings}\r\n"));
         }
     }
@@ -258,7 +290,7 @@ pub fn send_on(
                     return Err(std::io::ErrorKind::UnexpectedEof.into());
                 }
             }
-            Payload::Coming(from, Framing::Chunked) => copy_chunked(from, stream)?,
+            Payload::Coming(from, Framing::Chunked) => copy_chunked(from, stream, !http10)?,
             Payload::Coming(from, Framing::Close) => {
                 std::io::copy(from, stream)?;
             }
@@ -269,41 +301,76 @@ pub fn send_on(
 }
 
 /// Copies a chunked body as it comes, chunk by chunk, through its last chunk and trailer
-/// section; an error when it is malformed or cut short.
-fn copy_chunked(from: &mut BufReader<TcpStream>, to: &mut TcpStream) -> std::io::Result<()> {
+/// section, framed anew (sizes in hex, CRLF, no extensions; trailer fields that parse and may
+/// be trailers) — or, not `chunked`, its data alone; an error when it is malformed or cut
+/// short.
+fn copy_chunked(from: &mut BufReader<Timed>, to: &mut TcpStream, chunked: bool) -> std::io::Result<()> {
     let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
     let mut line = Vec::new();
-    let next_line = |from: &mut BufReader<TcpStream>, line: &mut Vec<u8>| {
+    let next_line = |from: &mut BufReader<Timed>, line: &mut Vec<u8>| {
         line.clear();
         let mut budget = 4096;
-        match crate::read_line(from, line, &mut budget)? {
-            true => Ok(()),
-            false => Err(bad("a chunk's line is cut short, or too long")),
+        if !crate::read_line(from, line, &mut budget)? {
+            return Err(bad("a chunk's line is cut short, or too long"));
         }
+        let end = line.strip_suffix(b"\r\n").or_else(|| line.strip_suffix(b"\n")).map_or(0, <[u8]>::len);
+        line.truncate(end);
+        Ok(())
     };
     loop {
         next_line(from, &mut line)?;
-        let text = std::str::from_utf8(&line).map_err(|_| bad("a chunk size that is not text"))?;
-        let size_text = text.split(';').next().unwrap_or_default().trim();
-        let size = u64::from_str_radix(size_text, 16).map_err(|_| bad("a chunk size that is not a number"))?;
-        to.write_all(&line)?;
+        let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+        let rest = line.get(digits..).unwrap_or_default();
+        if digits == 0
+            || !(rest.is_empty() || rest.starts_with(b";") || rest.starts_with(b" ") || rest.starts_with(b"\t"))
+        {
+            return Err(bad("a chunk size that is not a number"));
+        }
+        let hex = std::str::from_utf8(line.get(..digits).unwrap_or_default()).unwrap_or_default();
+        let size = u64::from_str_radix(hex, 16).map_err(|_| bad("a chunk size that is not a number"))?;
         if size == 0 {
-            // The trailer section, up to its blank line.
-            loop {
-                next_line(from, &mut line)?;
-                to.write_all(&line)?;
-                if line == b"\r\n" || line == b"\n" {
-                    return Ok(());
-                }
-            }
+            break;
+        }
+        if chunked {
+            to.write_all(format!("{size:x}\r\n").as_bytes())?;
         }
         if std::io::copy(&mut from.take(size), to)? < size {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
         next_line(from, &mut line)?;
-        if line != b"\r\n" && line != b"\n" {
+        if !line.is_empty() {
             return Err(bad("a chunk longer than its size"));
         }
-        to.write_all(b"\r\n")?;
+        if chunked {
+            to.write_all(b"\r\n")?;
+        }
     }
+    // The trailer section, up to its blank line: fields that parse, and are not of the
+    // message's framing or connection (RFC 9110 6.5.1), passed on.
+    let mut trailers = String::from("0\r\n");
+    loop {
+        next_line(from, &mut line)?;
+        if line.is_empty() {
+            break;
+        }
+        let Some((name, value)) = line.iter().position(|&b| b == b':').map(|i| line.split_at(i)) else { continue };
+        let name = String::from_utf8_lossy(name).to_ascii_lowercase();
+        let value = String::from_utf8_lossy(value.get(1..).unwrap_or_default().trim_ascii()).replace('\r', " ");
+        let token =
+            !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+        if token
+            && passed(&name, &[])
+            && !matches!(
+                name.as_str(),
+                "host" | "authorization" | "content-encoding" | "content-type" | "content-range"
+            )
+        {
+            trailers.push_str(&format!("{name}: {value}\r\n"));
+        }
+    }
+    if chunked {
+        trailers.push_str("\r\n");
+        to.write_all(trailers.as_bytes())?;
+    }
+    Ok(())
 }

@@ -680,6 +680,12 @@ fn streaming_upstream() -> (String, std::sync::mpsc::Sender<()>) {
             let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n");
             let _ = went.lock().unwrap().recv_timeout(Duration::from_secs(20));
             let _ = stream.write_all(b"4\r\nlast\r\n0\r\nx-trailer: t\r\n\r\n");
+        } else if got.starts_with(b"GET /bare ") {
+            let _ = stream.write_all(
+                b"HTTP/1.1 200 OK\ntransfer-encoding: chunked\n\n5;x=1\nhello\n0\ncontent-length: 99\nbad trailer\nx-t: 1\n\n",
+            );
+        } else if got.starts_with(b"GET /plus ") {
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n+5\r\nhello\r\n0\r\n\r\n");
         } else if got.starts_with(b"GET /short ") {
             let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc");
         } else {
@@ -720,6 +726,14 @@ fn an_upstreams_body_is_passed_on_as_it_comes() {
     let close = raw(&addr, b"GET /close HTTP/1.1\r\nhost: x\r\n\r\n");
     assert!(close.starts_with("HTTP/1.1 200 Fine Thanks\r\n") && close.ends_with("\r\n\r\nuntil the close"), "{close}");
     assert!(!close.to_lowercase().contains("content-length"), "{close}");
+    // Chunks are framed anew: CRLF, sizes in hex alone, trailers that may be trailers; to an
+    // HTTP/1.0 client, the data alone up to the close.
+    let bare = raw(&addr, b"GET /bare HTTP/1.1\r\nhost: x\r\n\r\n");
+    assert!(bare.ends_with("\r\n\r\n5\r\nhello\r\n0\r\nx-t: 1\r\n\r\n"), "{bare}");
+    let old = raw(&addr, b"GET /bare HTTP/1.0\r\nhost: x\r\n\r\n");
+    assert!(old.ends_with("\r\n\r\nhello") && !old.contains("transfer-encoding"), "{old}");
+    let plus = raw(&addr, b"GET /plus HTTP/1.1\r\nhost: x\r\n\r\n");
+    assert!(plus.ends_with("\r\n\r\n"), "a size that is not hex ends the answer there: {plus}");
 }
 
 /// Under NGINX, the VMs before a reload keep their own shared data to the end of the requests
