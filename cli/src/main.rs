@@ -169,9 +169,9 @@ fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<Strin
     let mut lines = vec![line(&first)];
     let text = without_bom(bytes);
     use serde_json::value::RawValue;
-    type Doc<'a> = std::collections::BTreeMap<String, &'a RawValue>;
-    let Ok(doc) = serde_json::from_slice::<Doc<'_>>(text) else { return lines };
-    let Some(Ok(rules)) = doc.get("rules").map(|r| serde_json::from_str::<Vec<&RawValue>>(r.get())) else {
+    let Ok(Members(doc)) = serde_json::from_slice::<Members<'_>>(text) else { return lines };
+    let named = |name: &str| doc.iter().rev().find(|(k, _)| k == name).map(|(_, v)| *v);
+    let Some(Ok(rules)) = named("rules").map(|r| serde_json::from_str::<Vec<&RawValue>>(r.get())) else {
         return lines;
     };
     let Some(rules) = rules.iter().map(|r| span(text, r)).collect::<Option<Vec<_>>>() else { return lines };
@@ -234,7 +234,7 @@ fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<Strin
         if member.is_empty() || member == "identity" || member == "rules" {
             return lines;
         }
-        if out.contains(&member) || !doc.contains_key(&member) {
+        if out.contains(&member) || named(&member).is_none() {
             return lines;
         }
         out.push(member);
@@ -254,6 +254,29 @@ fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<Strin
         }
     }
     lines
+}
+
+/// A JSON object's members in order, each of a name given twice kept (a map keeps one).
+struct Members<'a>(Vec<(String, &'a serde_json::value::RawValue)>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct InOrder<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for InOrder<'a> {
+            type Value = Members<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<M: serde::de::MapAccess<'de>>(self, mut map: M) -> Result<Members<'a>, M::Error> {
+                let mut members = Vec::new();
+                while let Some(member) = map.next_entry()? {
+                    members.push(member);
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(InOrder(std::marker::PhantomData))
+    }
 }
 
 /// Where `raw`, read from `text`, is in it.

@@ -114,6 +114,15 @@ fn check_names_the_field_of_a_bad_document_and_exits_1() {
     );
     assert!(lines.iter().any(|l| l.starts_with("sync.secret: duplicate key \"secret\" at line 6 column ")), "{text}");
     assert!(!text.contains("at line 1 ") && !text.contains("0123456789abcdef"), "{text}");
+    // A member named twice is left out whole, both times: the rules are judged all the same.
+    let twice = temp(
+        "twice.json",
+        r#"{"foo": 1, "foo": 2, "rules": [{"name": "a", "key": ["ip"], "limit": {"requests": 0, "per": "1s"}},
+                                          {"name": "b", "key": ["ip"], "limit": {"requests": 1, "per": "1x"}}]}"#,
+    );
+    let text = stderr(&ratewall(&["check", &twice]));
+    let paths: Vec<&str> = text.lines().map(|l| l.split(':').next().unwrap_or("")).collect();
+    assert_eq!(paths, ["foo", "rules[0].limit.requests", "rules[1].limit.per"], "{text}");
     let o = ratewall(&["check", "/no/such/file.json"]);
     assert_eq!(o.status.code(), Some(2), "an unreadable file is a usage error");
     assert_eq!(ratewall(&["frobnicate"]).status.code(), Some(2));
