@@ -403,8 +403,14 @@ impl Queue {
     }
 }
 
-/// At most this many connections are read at once; beyond, a connection gets a 503.
-const MAX_READING: usize = 1024;
+/// At most this many connections are read at once; beyond, a connection gets a 503. Each is
+/// a thread meanwhile (with a small stack, [`SMALL_STACK`]): a client that opens many and
+/// sends nothing holds them until the head's 10 s are over.
+const MAX_READING: usize = 4096;
+
+/// The stack of a thread that only reads, parses and writes HTTP (the OS default is 8 MiB of
+/// address space each).
+const SMALL_STACK: usize = 256 * 1024;
 
 /// Starts reading a new connection's request on a thread of its own, which hands it to the
 /// queue once complete (or answers it itself: a malformed request, the metrics).
@@ -415,7 +421,7 @@ fn accept(mut stream: TcpStream, queue: &Arc<Queue>, node: &Node, reading: &Arc<
         return;
     }
     let (queue, node, count) = (Arc::clone(queue), node.clone(), Arc::clone(reading));
-    let spawned = std::thread::Builder::new().name("reader".into()).spawn(move || {
+    let spawned = std::thread::Builder::new().name("reader".into()).stack_size(SMALL_STACK).spawn(move || {
         let head = read_request(stream);
         count.fetch_sub(1, Ordering::SeqCst);
         match head {
@@ -692,6 +698,8 @@ struct Request {
     body: Option<Vec<u8>>,
     /// Whether the client speaks HTTP/1.0 (an upstream's chunked answer is sent it decoded).
     http10: bool,
+    /// Whether its body was sent chunked (an upstream is sent only a body with a length).
+    chunked: bool,
 }
 
 /// The largest request body the gateway sends an upstream.
@@ -712,6 +720,8 @@ const MAX_HEAD: usize = 64 * 1024;
 
 /// How long a client has to send its request's head and body.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a request's body has to come, once its head has.
+const BODY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A connection read until a deadline: each read waits at most for what is left of it.
 struct Deadline {
@@ -824,6 +834,7 @@ fn read_request(stream: TcpStream) -> Head {
     }
     // The body's length (None: a value that is not a number; the body is not whole).
     let mut content_length = Some(0usize);
+    let (mut lengths, mut hosts) = (None::<Vec<u8>>, 0);
     let mut chunked = false;
     let mut expects = false;
     loop {
@@ -840,11 +851,28 @@ fn read_request(stream: TcpStream) -> Head {
             break;
         }
         let h = h.strip_suffix(b"\r\n").or_else(|| h.strip_suffix(b"\n")).unwrap_or(&h);
+        // What RFC 9112 has a server refuse: a line folded onto the one before (5.2), and
+        // whitespace between a field's name and its colon (5.1).
+        if h.first().is_some_and(u8::is_ascii_whitespace) {
+            return Head::Refused(stream, 400, "bad request: a header line folded onto the one before\n");
+        }
         if let Some((name, value)) = h.iter().position(|&b| b == b':').map(|i| h.split_at(i)) {
+            if name.last().is_some_and(u8::is_ascii_whitespace) {
+                return Head::Refused(stream, 400, "bad request: whitespace before a header field's colon\n");
+            }
             let name = String::from_utf8_lossy(name).trim().to_ascii_lowercase();
             let value = value.get(1..).unwrap_or_default().trim_ascii().to_vec();
             if name == "content-length" {
+                // Two lengths that differ leave the body's end in doubt (RFC 9112 6.3).
+                if lengths.as_ref().is_some_and(|l| *l != value) {
+                    return Head::Refused(stream, 400, "bad request: content-length fields that differ\n");
+                }
                 content_length = String::from_utf8_lossy(&value).parse().ok();
+                lengths = Some(value.clone());
+            }
+            hosts += usize::from(name == "host");
+            if hosts > 1 {
+                return Head::Refused(stream, 400, "bad request: more than one host field\n");
             }
             if name == "transfer-encoding" {
                 chunked = true;
@@ -864,14 +892,34 @@ fn read_request(stream: TcpStream) -> Head {
     let Some(length) = content_length else {
         return Head::Refused(stream, 400, "bad request: its content-length is not a number\n");
     };
+    if hosts == 0 && authority.is_none() && !http10 {
+        return Head::Refused(stream, 400, "bad request: an HTTP/1.1 request without a host field\n");
+    }
     // A client that waits to be told to send its body (curl does, past 1 KiB) is told at once.
     if expects && length > 0 && length <= MAX_BODY && !chunked {
         let mut told = &stream;
         let _ = told.write_all(b"HTTP/1.1 100 Continue\r\n\r\n");
     }
+    // The body has a minute of its own (1 MiB at 18 KB/s), as NGINX's `client_body_timeout`.
+    reader.get_mut().until = Instant::now().checked_add(BODY_TIMEOUT).unwrap_or_else(Instant::now);
     let mut body = vec![0u8; length.min(MAX_BODY)];
-    let whole = reader.read_exact(&mut body).is_ok() && length <= MAX_BODY && !chunked;
-    Head::Request(Request { stream, method: method.to_owned(), path, req, body: whole.then_some(body), http10 })
+    match reader.read_exact(&mut body) {
+        Ok(()) => {}
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock) => {
+            return Head::Refused(stream, 408, "request timeout: the body did not come within a minute\n");
+        }
+        Err(_) => return Head::Gone,
+    }
+    let whole = length <= MAX_BODY && !chunked;
+    Head::Request(Request {
+        stream,
+        method: method.to_owned(),
+        path,
+        req,
+        body: whole.then_some(body),
+        http10,
+        chunked,
+    })
 }
 
 /// Closes a connection answered before its request was read to the end, as NGINX's lingering
@@ -888,11 +936,11 @@ fn linger(stream: TcpStream) {
 /// Runs a request through the filter: answered now, or (`Some`) paused until its turn,
 /// answered by [`resume`].
 fn handle(vm: &mut Vm, request: Request, stores: &[String], origin: &Origin) -> Result<Next, String> {
-    let Request { mut stream, method, path, req, body, http10 } = request;
+    let Request { mut stream, method, path, req, body, http10, chunked } = request;
     if origin.upstream.is_some() {
         let Some(body) = body else {
             let text: &[u8] = b"the gateway sends an upstream a body of at most 1 MiB, with a content-length\n";
-            return respond(&mut stream, 413, &[], text).map(|()| Next::Answered);
+            return respond(&mut stream, if chunked { 411 } else { 413 }, &[], text).map(|()| Next::Answered);
         };
         let out = Outbound::of(&req, body, http10);
         let next = match vm.begin_forwarded(&req).map_err(|e| e.to_string())? {
@@ -985,7 +1033,7 @@ impl Inbox {
 
 /// Most requests at the upstream, or whose answers are being sent, at once over the gateway
 /// (each a thread meanwhile): past them a request the filter admitted gets a 503.
-const MAX_AT_UPSTREAM: usize = 1024;
+const MAX_AT_UPSTREAM: usize = 4096;
 
 /// Requests at the upstream now, and answers being sent.
 static AT_UPSTREAM: AtomicUsize = AtomicUsize::new(0);
@@ -1025,7 +1073,7 @@ fn forward(
     let upstream = origin.upstream.unwrap_or_default().to_owned();
     let (inbox, queue, sent) =
         (Arc::clone(&origin.inbox), Arc::clone(&origin.queue), (method.to_owned(), path.to_owned()));
-    let spawned = std::thread::Builder::new().name("upstream".into()).spawn(move || {
+    let spawned = std::thread::Builder::new().name("upstream".into()).stack_size(SMALL_STACK).spawn(move || {
         let answer = upstream::fetch(&upstream, (&sent.0, &sent.1), &out).map_err(|e| match e.kind() {
             std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
                 format!("no answer within {} s", UPSTREAM_TIMEOUT.as_secs())
@@ -1084,7 +1132,7 @@ fn deliver(vm: &mut Vm, mut f: Flying, answer: Result<Upstreamed, String>, origi
     let (ctx, head_only, http10) = (f.ctx, f.method.eq_ignore_ascii_case("HEAD"), f.http10);
     let (inbox, queue) = (Arc::clone(&origin.inbox), Arc::clone(&origin.queue));
     SENDING.fetch_add(1, Ordering::SeqCst);
-    let spawned = std::thread::Builder::new().name("sender".into()).spawn(move || {
+    let spawned = std::thread::Builder::new().name("sender".into()).stack_size(SMALL_STACK).spawn(move || {
         let _ = stream.set_nonblocking(false).and_then(|()| stream.set_write_timeout(Some(UPSTREAM_TIMEOUT)));
         let _ = upstream::send_on(&mut stream, answer, &headers, (head_only, http10));
         SENDING.fetch_sub(1, Ordering::SeqCst);
@@ -1119,6 +1167,7 @@ fn reason(status: u16) -> &'static str {
         405 => "Method Not Allowed",
         408 => "Request Timeout",
         409 => "Conflict",
+        411 => "Length Required",
         413 => "Content Too Large",
         414 => "URI Too Long",
         422 => "Unprocessable Content",
@@ -1196,6 +1245,7 @@ mod tests {
             req: HttpRequest::new("POST", "/"),
             body: Some(vec![0; MAX_BODY]),
             http10: false,
+            chunked: false,
         };
         let queue = Queue::default();
         for _ in 0..MAX_QUEUED_BYTES / MAX_BODY {

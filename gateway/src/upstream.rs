@@ -76,8 +76,6 @@ pub struct Upstreamed {
     reason: Option<String>,
     /// Header fields, names lower-cased, those of the origin's connection left out.
     pub headers: Vec<(String, String)>,
-    /// The transfer codings of a body still coming from the origin.
-    codings: Option<String>,
     body: Payload,
 }
 
@@ -92,22 +90,60 @@ enum Payload {
 /// The origin's connection, read until a deadline (its answer's head, interim answers
 /// included, has [`UPSTREAM_TIMEOUT`] in all), then with each read waiting at most that long
 /// (a body may take as long as it takes while it keeps coming).
+/// While a body's next bytes are awaited, the client is looked at this often: one that went
+/// away ends the exchange (its `concurrent` slot comes back then, not when a write to it
+/// fails after the origin's next bytes).
+const WATCH_EVERY: Duration = Duration::from_secs(1);
+
 pub struct Timed {
     stream: TcpStream,
     until: Option<Instant>,
+    /// The client the body goes to.
+    watch: Option<TcpStream>,
 }
 
 impl Read for Timed {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let wait = match self.until {
-            Some(until) => until.saturating_duration_since(Instant::now()),
-            None => UPSTREAM_TIMEOUT,
-        };
-        if wait.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
+        if let Some(until) = self.until {
+            let wait = until.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            self.stream.set_read_timeout(Some(wait))?;
+            return self.stream.read(buf);
         }
-        self.stream.set_read_timeout(Some(wait))?;
-        self.stream.read(buf)
+        let mut idle = Duration::ZERO;
+        loop {
+            self.stream.set_read_timeout(Some(WATCH_EVERY))?;
+            match self.stream.read(buf) {
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    idle = idle.saturating_add(WATCH_EVERY);
+                    if idle >= UPSTREAM_TIMEOUT {
+                        return Err(std::io::ErrorKind::TimedOut.into());
+                    }
+                    if self.watch.as_ref().is_some_and(left) {
+                        return Err(std::io::ErrorKind::ConnectionAborted.into());
+                    }
+                }
+                done => return done,
+            }
+        }
+    }
+}
+
+/// Whether a client (its connection in blocking mode, being written to) has closed it: a
+/// peek that waits a millisecond finds its end.
+fn left(client: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    if client.set_read_timeout(Some(Duration::from_millis(1))).is_err() {
+        return false;
+    }
+    match client.peek(&mut byte) {
+        Ok(n) => n == 0,
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted
+        ),
     }
 }
 
@@ -128,7 +164,7 @@ impl Upstreamed {
     /// An answer of the gateway's own, with its body whole.
     pub fn own(status: u16, text: String) -> Upstreamed {
         let headers = vec![("content-type".to_owned(), "text/plain; charset=utf-8".to_owned())];
-        Upstreamed { status, reason: None, headers, codings: None, body: Payload::Whole(text.into_bytes()) }
+        Upstreamed { status, reason: None, headers, body: Payload::Whole(text.into_bytes()) }
     }
 }
 
@@ -168,9 +204,17 @@ fn read_head(reader: &mut BufReader<Timed>) -> std::io::Result<Head> {
         if h.is_empty() {
             return Ok(Head { status, reason, headers });
         }
+        // A bare CR ends a line for some clients: never passed on as part of a field.
+        let text = |b: &[u8]| String::from_utf8_lossy(b).replace('\r', " ");
+        // A line folded onto the one before (obsolete, RFC 9112 5.2) joins it with a space.
+        if h.first().is_some_and(|b| *b == b' ' || *b == b'\t') {
+            if let Some((_, value)) = headers.last_mut() {
+                value.push(' ');
+                value.push_str(&text(h.trim_ascii()));
+            }
+            continue;
+        }
         if let Some((name, value)) = h.iter().position(|&b| b == b':').map(|i| h.split_at(i)) {
-            // A bare CR ends a line for some clients: never passed on as part of a field.
-            let text = |b: &[u8]| String::from_utf8_lossy(b).replace('\r', " ");
             let name = text(name).trim().to_ascii_lowercase();
             let value = text(value.get(1..).unwrap_or_default().trim_ascii());
             headers.push((name, value));
@@ -199,7 +243,7 @@ pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> st
     let mut bytes = head.into_bytes();
     bytes.extend_from_slice(&out.body);
     stream.write_all(&bytes)?;
-    let mut reader = BufReader::new(Timed { stream, until });
+    let mut reader = BufReader::new(Timed { stream, until, watch: None });
     let Head { status, reason, headers } = loop {
         let head = read_head(&mut reader)?;
         if head.status == 101 {
@@ -210,18 +254,17 @@ pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> st
         }
     };
     let values = |name: &'static str| headers.iter().filter(move |(k, _)| k == name).map(|(_, v)| v.as_str());
-    // The transfer codings of the body, passed on as they are (the gateway frames it as it came).
-    let codings = Some(values("transfer-encoding").collect::<Vec<_>>().join(", ")).filter(|c| !c.is_empty());
+    // The body's transfer coding: chunked, as HTTP/1.1 has it, or none; another is refused
+    // (a 502), as NGINX refuses it, since the client did not say it takes it.
+    let codings: Vec<&str> = values("transfer-encoding").flat_map(|v| v.split(',')).map(str::trim).collect();
+    let chunked = !codings.is_empty();
+    if chunked && !(codings.len() == 1 && codings.iter().all(|c| c.eq_ignore_ascii_case("chunked"))) {
+        return Err(bad("the upstream sent a transfer coding other than chunked"));
+    }
     let framing = if method.eq_ignore_ascii_case("HEAD") || status == 204 || status == 304 {
         Framing::None
-    } else if let Some(codings) = &codings {
-        // The body is chunked when chunked is its last coding; else it runs to the close.
-        let last = codings.rsplit(',').next().unwrap_or_default().trim();
-        if last.eq_ignore_ascii_case("chunked") {
-            Framing::Chunked
-        } else {
-            Framing::Close
-        }
+    } else if chunked {
+        Framing::Chunked
     } else {
         let mut lengths = values("content-length").flat_map(|v| v.split(',')).map(|v| v.trim().parse::<u64>().ok());
         match lengths.next() {
@@ -236,14 +279,14 @@ pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> st
         values("content-length").next().and_then(|v| v.split(',').next()).and_then(|v| v.trim().parse::<u64>().ok());
     let mut passed_on: Vec<(String, String)> = headers.iter().filter(|(k, _)| passed(k, &named)).cloned().collect();
     // A HEAD's or a 304's answer says the length of a body it has not (RFC 9110 8.6).
-    if let (Some(l), Framing::None, false) = (length, framing, codings.is_some()) {
+    if let (Some(l), Framing::None, false) = (length, framing, chunked) {
         if status != 204 {
             passed_on.push(("content-length".to_owned(), l.to_string()));
         }
     }
     // The head came: the body's reads each wait as long as the head had in all.
     reader.get_mut().until = None;
-    Ok(Upstreamed { status, reason, headers: passed_on, codings, body: Payload::Coming(reader, framing) })
+    Ok(Upstreamed { status, reason, headers: passed_on, body: Payload::Coming(reader, framing) })
 }
 
 /// Writes `answer` to the client — its status, `headers` (the filter's included), the body's
@@ -275,12 +318,15 @@ pub fn send_on(
         }
         // An HTTP/1.0 client knows no transfer codings (RFC 9112 6.1): a chunked body is sent
         // it decoded, up to the close.
-        if let (Some(codings), false) = (&answer.codings, http10) {
-            out.push_str(&format!("transfer-encoding: {codings}\r\n"));
+        if let (Payload::Coming(_, Framing::Chunked), false) = (&body, http10) {
+            out.push_str("transfer-encoding: chunked\r\n");
         }
     }
     out.push_str("connection: close\r\n\r\n");
     stream.write_all(out.as_bytes())?;
+    if let Payload::Coming(from, _) = &mut body {
+        from.get_mut().watch = stream.try_clone().ok();
+    }
     if !bodiless {
         match &mut body {
             Payload::Whole(b) => stream.write_all(b)?,

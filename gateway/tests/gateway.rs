@@ -736,6 +736,72 @@ fn an_upstreams_body_is_passed_on_as_it_comes() {
     assert!(plus.ends_with("\r\n\r\n"), "a size that is not hex ends the answer there: {plus}");
 }
 
+/// Requests whose framing or routing is in doubt are refused as RFC 9112 has a server refuse
+/// them (a proxy that passed them on would let its origin read them otherwise).
+#[test]
+fn requests_in_doubt_are_refused() {
+    let rules = rules_file("doubt", r#"{"rules": []}"#);
+    let (upstream, _go) = streaming_upstream();
+    let (_gateway, addr, _) = start_with(&rules, false, &["--upstream", &upstream]);
+    let status = |bytes: &[u8]| raw(&addr, bytes).split(' ').nth(1).unwrap_or_default().to_owned();
+    let cases: [(&[u8], &str); 6] = [
+        (b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab", "400"),
+        (b"GET /x HTTP/1.1\r\nhost: x\r\nhost: y\r\n\r\n", "400"),
+        (b"GET /x HTTP/1.1\r\nx-a: 1\r\n\r\n", "400"),
+        (b"GET /x HTTP/1.1\r\nhost: x\r\nx-a: 1\r\n  folded\r\n\r\n", "400"),
+        (b"GET /x HTTP/1.1\r\nhost: x\r\nx-a : 1\r\n\r\n", "400"),
+        (b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n0\r\n\r\n", "411"),
+    ];
+    for (request, expected) in cases {
+        assert_eq!(status(request), expected, "{}", String::from_utf8_lossy(request));
+    }
+    // Two equal lengths, an HTTP/1.0 request without a host, and an absolute-form target
+    // naming its authority are fine.
+    assert_eq!(status(b"POST /close HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\ncontent-length: 1\r\n\r\na"), "200");
+    assert_eq!(status(b"GET /close HTTP/1.0\r\n\r\n"), "200");
+    assert_eq!(status(b"GET http://x/close HTTP/1.1\r\n\r\n"), "200");
+}
+
+/// A client that goes away while the origin pauses in the middle of its body gives its
+/// `concurrent` slot back within a few seconds, not once a write to it fails after the
+/// origin's next bytes (20 s here).
+#[test]
+fn a_client_leaving_in_the_middle_of_a_paused_body_gives_its_slot_back() {
+    use std::io::{Read, Write};
+    let rules = rules_file(
+        "upstream-leaving",
+        r#"{"identity": {"user": {"header": "x-user-id"}},
+            "rules": [{"name": "flight", "key": ["user"], "limit": {"concurrent": 1}}]}"#,
+    );
+    let upstream = upstream_answering(|got, stream| {
+        if got.starts_with(b"GET /drip ") {
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\na");
+            std::thread::sleep(Duration::from_secs(20));
+            let _ = stream.write_all(b"bc");
+        } else {
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+        }
+    });
+    let (_gateway, addr, _) = start_with(&rules, false, &["--upstream", &upstream]);
+    let mut first = std::net::TcpStream::connect(&addr).unwrap();
+    first.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    first.write_all(b"GET /drip HTTP/1.1\r\nhost: x\r\nx-user-id: ann\r\n\r\n").unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !got.ends_with(b"\r\n\r\na") {
+        let n = first.read(&mut buf).unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(http(&addr, "GET", "/now", &[("x-user-id", "ann")]).0, 429, "its slot is held while it reads");
+    drop(first);
+    let left = std::time::Instant::now();
+    while http(&addr, "GET", "/now", &[("x-user-id", "ann")]).0 != 200 {
+        assert!(left.elapsed() < Duration::from_secs(8), "the slot came back within seconds of the client leaving");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// Under NGINX, the VMs before a reload keep their own shared data to the end of the requests
 /// they hold: their concurrency slots go back there, not into the new VMs' counts. (They went
 /// into the new ones: two new requests at the origin, and a third was admitted once the old
