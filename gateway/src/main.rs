@@ -740,6 +740,11 @@ impl Read for Deadline {
     }
 }
 
+/// Whether `b` may be in a token (RFC 9110 5.6.2): a method, a field name.
+fn is_token(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
 /// Reads up to and including the next `\n` into `line`, taking at most `budget` bytes (less
 /// what it takes): false when the budget ran out, or the stream ended, first.
 fn read_line(reader: &mut impl BufRead, line: &mut Vec<u8>, budget: &mut usize) -> std::io::Result<bool> {
@@ -817,11 +822,23 @@ fn read_request(stream: TcpStream) -> Head {
     let Ok(line) = std::str::from_utf8(&line) else {
         return Head::Refused(stream, 400, "bad request: the request line is not UTF-8\n");
     };
-    let mut parts = line.split_whitespace();
-    let (Some(method), Some(target)) = (parts.next(), parts.next()) else {
-        return Head::Refused(stream, 400, "bad request\n");
+    // `method SP target SP HTTP/1.x` (RFC 9112 3), the method a token.
+    let mut parts = line.trim_end_matches(['\r', '\n']).split(' ');
+    let (Some(method), Some(target), Some(version), None) = (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Head::Refused(stream, 400, "bad request: not a request line (method, target, version)\n");
     };
-    let http10 = parts.next() == Some("HTTP/1.0");
+    if method.is_empty() || !method.bytes().all(is_token) {
+        return Head::Refused(stream, 400, "bad request: a method that is not a token\n");
+    }
+    let http10 = match version {
+        "HTTP/1.1" => false,
+        "HTTP/1.0" => true,
+        v if v.starts_with("HTTP/") && !v.starts_with("HTTP/1.") => {
+            return Head::Refused(stream, 505, "HTTP version not supported: the gateway speaks HTTP/1.1\n");
+        }
+        _ => return Head::Refused(stream, 400, "bad request: the version is neither HTTP/1.1 nor HTTP/1.0\n"),
+    };
     let Some((path, authority)) = origin_form(target) else {
         return Head::Refused(stream, 400, "bad request: the target is neither a path nor an absolute URI\n");
     };
@@ -856,9 +873,20 @@ fn read_request(stream: TcpStream) -> Head {
         if h.first().is_some_and(u8::is_ascii_whitespace) {
             return Head::Refused(stream, 400, "bad request: a header line folded onto the one before\n");
         }
-        if let Some((name, value)) = h.iter().position(|&b| b == b':').map(|i| h.split_at(i)) {
+        let Some((name, value)) = h.iter().position(|&b| b == b':').map(|i| h.split_at(i)) else {
+            return Head::Refused(stream, 400, "bad request: a header line without a colon\n");
+        };
+        {
             if name.last().is_some_and(u8::is_ascii_whitespace) {
                 return Head::Refused(stream, 400, "bad request: whitespace before a header field's colon\n");
+            }
+            // A name is a token; a value holds no CR, LF or NUL (RFC 9110 5.1, 5.5), which an
+            // origin could read as the end of a line.
+            if name.is_empty() || !name.iter().copied().all(is_token) {
+                return Head::Refused(stream, 400, "bad request: a header field name that is not a token\n");
+            }
+            if value.iter().any(|b| matches!(b, b'\r' | b'\n' | 0)) {
+                return Head::Refused(stream, 400, "bad request: a CR, LF or NUL in a header field's value\n");
             }
             let name = String::from_utf8_lossy(name).trim().to_ascii_lowercase();
             let value = value.get(1..).unwrap_or_default().trim_ascii().to_vec();
@@ -867,7 +895,10 @@ fn read_request(stream: TcpStream) -> Head {
                 if lengths.as_ref().is_some_and(|l| *l != value) {
                     return Head::Refused(stream, 400, "bad request: content-length fields that differ\n");
                 }
-                content_length = String::from_utf8_lossy(&value).parse().ok();
+                // Digits only (a `+` or a list is not a length).
+                content_length = Some(&value)
+                    .filter(|v| !v.is_empty() && v.iter().all(u8::is_ascii_digit))
+                    .and_then(|v| String::from_utf8_lossy(v).parse().ok());
                 lengths = Some(value.clone());
             }
             hosts += usize::from(name == "host");
@@ -1177,6 +1208,7 @@ fn reason(status: u16) -> &'static str {
         502 => "Bad Gateway",
         503 => "Service Unavailable",
         504 => "Gateway Timeout",
+        505 => "HTTP Version Not Supported",
         _ => "",
     }
 }

@@ -204,8 +204,8 @@ fn read_head(reader: &mut BufReader<Timed>) -> std::io::Result<Head> {
         if h.is_empty() {
             return Ok(Head { status, reason, headers });
         }
-        // A bare CR ends a line for some clients: never passed on as part of a field.
-        let text = |b: &[u8]| String::from_utf8_lossy(b).replace('\r', " ");
+        // A bare CR ends a line for some clients, a NUL a string: never passed on in a field.
+        let text = |b: &[u8]| String::from_utf8_lossy(b).replace(['\r', '\0'], " ");
         // A line folded onto the one before (obsolete, RFC 9112 5.2) joins it with a space.
         if h.first().is_some_and(|b| *b == b' ' || *b == b'\t') {
             if let Some((_, value)) = headers.last_mut() {
@@ -394,16 +394,18 @@ fn copy_chunked(from: &mut BufReader<Timed>, to: &mut TcpStream, chunked: bool) 
     // The trailer section, up to its blank line: fields that parse, and are not of the
     // message's framing or connection (RFC 9110 6.5.1), passed on.
     let mut trailers = String::from("0\r\n");
+    let mut budget = MAX_HEAD;
     loop {
         next_line(from, &mut line)?;
         if line.is_empty() {
             break;
         }
+        // Trailers are a header section too: as much of them as of the head.
+        budget = budget.checked_sub(line.len()).ok_or_else(|| bad("a trailer section over 64 KiB"))?;
         let Some((name, value)) = line.iter().position(|&b| b == b':').map(|i| line.split_at(i)) else { continue };
         let name = String::from_utf8_lossy(name).to_ascii_lowercase();
-        let value = String::from_utf8_lossy(value.get(1..).unwrap_or_default().trim_ascii()).replace('\r', " ");
-        let token =
-            !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+        let value = String::from_utf8_lossy(value.get(1..).unwrap_or_default().trim_ascii()).replace(['\r', '\0'], " ");
+        let token = !name.is_empty() && name.bytes().all(crate::is_token);
         if token
             && passed(&name, &[])
             && !matches!(

@@ -744,7 +744,15 @@ fn requests_in_doubt_are_refused() {
     let (upstream, _go) = streaming_upstream();
     let (_gateway, addr, _) = start_with(&rules, false, &["--upstream", &upstream]);
     let status = |bytes: &[u8]| raw(&addr, bytes).split(' ').nth(1).unwrap_or_default().to_owned();
-    let cases: [(&[u8], &str); 6] = [
+    let cases: [(&[u8], &str); 14] = [
+        (b"GET /x HTTP/1.1\r\nhost: x\r\nx-a: a\rx-evil: 1\r\n\r\n", "400"),
+        (b"GET /x HTTP/1.1\r\nhost: x\r\nx-a: a\x00b\r\n\r\n", "400"),
+        (b"GET /x HTTP/1.1\r\nhost: x\r\nx a: b\r\n\r\n", "400"),
+        (b"GET /x HTTP/1.1\r\nhost: x\r\nno colon\r\n\r\n", "400"),
+        (b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: +1\r\n\r\na", "400"),
+        (b"GET /x y HTTP/1.1\r\nhost: x\r\n\r\n", "400"),
+        (b"GET /x http/1.1\r\nhost: x\r\n\r\n", "400"),
+        (b"GET /x HTTP/2.0\r\nhost: x\r\n\r\n", "505"),
         (b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab", "400"),
         (b"GET /x HTTP/1.1\r\nhost: x\r\nhost: y\r\n\r\n", "400"),
         (b"GET /x HTTP/1.1\r\nx-a: 1\r\n\r\n", "400"),
