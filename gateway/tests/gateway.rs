@@ -453,16 +453,21 @@ fn held_upstream() -> (String, std::sync::mpsc::Receiver<String>, std::sync::mps
     (addr, seen, release)
 }
 
+/// A rules file named `name` of one rule, `flight`: `concurrent` requests in flight per user.
+fn in_flight_per_user(name: &str, concurrent: u32) -> std::path::PathBuf {
+    let doc = format!(
+        r#"{{"identity": {{"user": {{"header": "x-user-id"}}}},
+            "rules": [{{"name": "flight", "key": ["user"], "limit": {{"concurrent": {concurrent}}}}}]}}"#
+    );
+    rules_file(name, &doc)
+}
+
 /// With `--upstream`, an admitted request goes to the user's origin and is in flight until its
 /// answer is sent on: a concurrency limit holds while the origin works, and its slot comes
 /// back when the answer is sent or the client goes away.
 #[test]
 fn with_an_upstream_a_concurrency_limit_holds_while_the_origin_answers() {
-    let rules = rules_file(
-        "upstream",
-        r#"{"identity": {"user": {"header": "x-user-id"}},
-            "rules": [{"name": "flight", "key": ["user"], "limit": {"concurrent": 2}}]}"#,
-    );
+    let rules = in_flight_per_user("upstream", 2);
     let (upstream, seen, release) = held_upstream();
     let (_gateway, addr, _) = start_with(&rules, false, &["--upstream", &upstream]);
     let wait = Duration::from_secs(10);
@@ -776,11 +781,7 @@ fn requests_in_doubt_are_refused() {
 #[test]
 fn a_client_leaving_in_the_middle_of_a_paused_body_gives_its_slot_back() {
     use std::io::{Read, Write};
-    let rules = rules_file(
-        "upstream-leaving",
-        r#"{"identity": {"user": {"header": "x-user-id"}},
-            "rules": [{"name": "flight", "key": ["user"], "limit": {"concurrent": 1}}]}"#,
-    );
+    let rules = in_flight_per_user("upstream-leaving", 1);
     let upstream = upstream_answering(|got, stream| {
         if got.starts_with(b"GET /drip ") {
             let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\na");
