@@ -247,8 +247,8 @@ impl<K: Kv> Rls<K> {
             Err(_) => {
                 self.store.metrics.redis_errors.fetch_add(1, Ordering::Relaxed);
                 Err(Refusal::Unavailable(
-                    "Redis did not answer within the deadline (slow or paused; on a Cluster, also a slot migrating \
-                     or a primary failing over)"
+                    "Redis could not be reached or did not answer within the deadline (down, slow or paused; on a \
+                     Cluster, also a slot migrating or a primary failing over)"
                         .into(),
                 ))
             }
