@@ -173,11 +173,8 @@ enum Round<'a> {
 pub struct Engine {
     config: Config,
     table: Table,
-    /// Defined at the first request or tick that counts, never at configure: a host that
-    /// cannot define one traps, and on ngx_wasm_module a trap in `on_configure` (its metrics
-    /// zone full: it is kept across reloads, with every name ever defined) stops the worker
-    /// and NGINX with it.
-    defined: OnceCell<(Vec<RuleMetrics>, NodeMetrics)>,
+    rules: Vec<RuleMetrics>,
+    node: NodeMetrics,
     /// The sync state, made with the table ([`Engine::ready`]) unless carried over.
     sync: OnceCell<Syncer>,
     /// Who the rules deny (top offenders).
@@ -311,6 +308,29 @@ impl Engine {
     pub fn new(host: &dyn Host, config: Config, previous: Option<&Engine>) -> Engine {
         let f = config.filter;
         let table = Table::new(f.slots, f.hash_seed, f.cas_retries);
+        let rules = config
+            .rules
+            .iter()
+            .map(|r| RuleMetrics {
+                allowed: host.define_counter(&metric_name(&r.name, "allowed")),
+                rejected: host.define_counter(&metric_name(&r.name, "rejected")),
+                shadow_rejected: host.define_counter(&metric_name(&r.name, "shadow_rejected")),
+                unkeyed: host.define_counter(&metric_name(&r.name, "unkeyed")),
+                cas_exhausted: host.define_counter(&metric_name(&r.name, "cas_exhausted")),
+                store_failed: host.define_counter(&metric_name(&r.name, "store_failed")),
+                delayed: leaky(r).then(|| host.define_counter(&metric_name(&r.name, "delayed"))).flatten(),
+                queue_full: leaky(r).then(|| host.define_counter(&metric_name(&r.name, "queue_full"))).flatten(),
+                in_flight: concurrent(r).then(|| host.define_gauge(&metric_name(&r.name, "in_flight"))).flatten(),
+            })
+            .collect();
+        let node = NodeMetrics {
+            evictions: host.define_counter("ratewall_table_evictions"),
+            corrupt: host.define_counter("ratewall_table_corrupt"),
+            lost: host.define_counter("ratewall_table_lost"),
+            cas_conflicts: host.define_counter("ratewall_table_cas_conflicts"),
+            fallback: host.define_counter(FALLBACK_METRIC),
+            waits_refused: host.define_counter("ratewall_waits_refused"),
+        };
         // Shared data is first touched by a request or a tick, never here: on ngx_wasm_module
         // a trap in `on_configure` is fatal to the worker, and without a `shm_kv` zone the
         // first shared-data call traps. A VM that has used it already goes on at once.
@@ -332,12 +352,13 @@ impl Engine {
                 .collect(),
         )
         .reporting_repeats_of(XFF);
-        let top = crate::top::Top::new(&config, metric_name);
+        let top = crate::top::Top::new(host, &config, metric_name);
         let exact = config.rules.iter().map(|r| r.exact && r.mode == ratewall_core::rules::Mode::Enforce).collect();
         let engine = Engine {
             config,
             table,
-            defined: OnceCell::new(),
+            rules,
+            node,
             sync,
             top,
             sync_opts,
@@ -364,38 +385,6 @@ impl Engine {
         engine
     }
 
-    /// The rules' metrics and the node's, defined on first use.
-    fn metrics(&self, host: &dyn Host) -> (&[RuleMetrics], &NodeMetrics) {
-        let (rules, node) = self.defined.get_or_init(|| {
-            let rules = self
-                .config
-                .rules
-                .iter()
-                .map(|r| RuleMetrics {
-                    allowed: host.define_counter(&metric_name(&r.name, "allowed")),
-                    rejected: host.define_counter(&metric_name(&r.name, "rejected")),
-                    shadow_rejected: host.define_counter(&metric_name(&r.name, "shadow_rejected")),
-                    unkeyed: host.define_counter(&metric_name(&r.name, "unkeyed")),
-                    cas_exhausted: host.define_counter(&metric_name(&r.name, "cas_exhausted")),
-                    store_failed: host.define_counter(&metric_name(&r.name, "store_failed")),
-                    delayed: leaky(r).then(|| host.define_counter(&metric_name(&r.name, "delayed"))).flatten(),
-                    queue_full: leaky(r).then(|| host.define_counter(&metric_name(&r.name, "queue_full"))).flatten(),
-                    in_flight: concurrent(r).then(|| host.define_gauge(&metric_name(&r.name, "in_flight"))).flatten(),
-                })
-                .collect();
-            let node = NodeMetrics {
-                evictions: host.define_counter("ratewall_table_evictions"),
-                corrupt: host.define_counter("ratewall_table_corrupt"),
-                lost: host.define_counter("ratewall_table_lost"),
-                cas_conflicts: host.define_counter("ratewall_table_cas_conflicts"),
-                fallback: host.define_counter(FALLBACK_METRIC),
-                waits_refused: host.define_counter("ratewall_waits_refused"),
-            };
-            (rules, node)
-        });
-        (rules, node)
-    }
-
     /// Sets to 0 the gauges of this engine's rules that `next` takes out (a rule's
     /// `limited_keys`), or no longer counts in flight (its `in_flight`): nothing sets them
     /// again, and a gauge left as it was would show its last value for as long as the
@@ -407,8 +396,7 @@ impl Engine {
             if same.is_none() {
                 self.top.zero_gauge(host, i);
             }
-            let defined = self.defined.get().and_then(|(rules, _)| rules.get(i));
-            if let (Some(id), false) = (defined.and_then(|m| m.in_flight), same.is_some_and(concurrent)) {
+            if let (Some(id), false) = (self.rules.get(i).and_then(|m| m.in_flight), same.is_some_and(concurrent)) {
                 host.set_gauge(id, 0);
             }
         }
@@ -650,7 +638,7 @@ impl Engine {
     /// request waits for (paused), answered through [`Engine::on_ask_response`].
     pub fn on_request(&self, host: &dyn Host) -> Verdict {
         if !self.ready(host, false) {
-            if let Some(id) = self.metrics(host).1.fallback {
+            if let Some(id) = self.node.fallback {
                 host.increment(id, 1);
             }
             return Verdict::Reply(Reply { status: 200, headers: Vec::new(), body: String::new() });
@@ -830,7 +818,7 @@ impl Engine {
 
     /// Sets a concurrency rule's in-flight gauge from the slots `remaining`.
     fn in_flight(&self, host: &dyn Host, c: &Check, remaining: Option<u64>) {
-        if let (Some(id), Some(r)) = (self.metrics(host).0.get(c.rule).and_then(|m| m.in_flight), remaining) {
+        if let (Some(id), Some(r)) = (self.rules.get(c.rule).and_then(|m| m.in_flight), remaining) {
             host.set_gauge(id, c.limit.requests().saturating_sub(r));
         }
     }
@@ -951,7 +939,7 @@ impl Engine {
         }
         let mut outcome = evaluate(&self.config, &checks, &mut counters, now);
         if self.refuse_wait(host, &checks, &mut outcome, &mut counters, now) {
-            if let Some(id) = self.metrics(host).1.waits_refused {
+            if let Some(id) = self.node.waits_refused {
                 host.increment(id, 1);
             }
         }
@@ -961,12 +949,11 @@ impl Engine {
                 host.increment(id, by);
             }
         };
-        let (rule_metrics, node) = self.metrics(host);
-        bump(node.evictions, stats.evictions);
-        bump(node.corrupt, stats.corrupt);
-        bump(node.cas_conflicts, stats.cas_conflicts);
+        bump(self.node.evictions, stats.evictions);
+        bump(self.node.corrupt, stats.corrupt);
+        bump(self.node.cas_conflicts, stats.cas_conflicts);
         if stats.lost > 0 {
-            bump(node.lost, stats.lost);
+            bump(self.node.lost, stats.lost);
             self.say_lost(host, now);
         }
         if let (true, true, Some(s)) = (may_ask, outcome.rejected, self.sync()) {
@@ -1108,7 +1095,7 @@ impl Engine {
         }
         let slots = Slots { checks: slots, at: now };
         for (rule, tally) in outcome.tally(&skipped) {
-            let Some(m) = rule_metrics.get(rule) else { continue };
+            let Some(m) = self.rules.get(rule) else { continue };
             match tally {
                 Tally::Allowed => bump(m.allowed, 1),
                 Tally::Rejected => {
@@ -1139,7 +1126,7 @@ impl Engine {
             return Verdict::Hold(reply, slots);
         }
         for rule in delayed {
-            if let Some(m) = rule_metrics.get(rule) {
+            if let Some(m) = self.rules.get(rule) {
                 bump(m.delayed, 1);
             }
         }

@@ -351,20 +351,8 @@ fn show_keys(host: &dyn Host, config: &Config, name: &str, s: &Shared) {
 /// Metric ids.
 #[derive(Debug, Default)]
 struct Metrics {
-    /// The rules' `limited_keys` gauges' names.
-    names: Vec<String>,
-    /// The gauges, and `ratewall_top_evictions`: defined on first use, never at configure
-    /// (see [`crate::engine::Engine`]'s metrics).
-    defined: std::cell::OnceCell<(Vec<Option<u32>>, Option<u32>)>,
-}
-
-impl Metrics {
-    fn get(&self, host: &dyn Host) -> &(Vec<Option<u32>>, Option<u32>) {
-        self.defined.get_or_init(|| {
-            let gauges = self.names.iter().map(|n| host.define_gauge(n)).collect();
-            (gauges, host.define_counter("ratewall_top_evictions"))
-        })
-    }
+    limited_keys: Vec<Option<u32>>,
+    evictions: Option<u32>,
 }
 
 /// A VM's part in its proxy's top offenders.
@@ -444,13 +432,11 @@ fn hash(key: &[u8]) -> u64 {
 }
 
 impl Top {
-    /// `config`'s rules' part (their metrics are defined on first use, their shared keys made
-    /// on the first tick that has something to merge: neither at configure).
-    pub fn new(config: &Config, metric: impl Fn(&str, &str) -> String) -> Top {
-        let metrics = Metrics {
-            names: config.rules.iter().map(|r| metric(&r.name, "limited_keys")).collect(),
-            defined: std::cell::OnceCell::new(),
-        };
+    /// Defines the metrics of `config`'s rules (their shared keys are made on the first tick
+    /// that has something to merge: no shared data at configure).
+    pub fn new(host: &dyn Host, config: &Config, metric: impl Fn(&str, &str) -> String) -> Top {
+        let limited_keys = config.rules.iter().map(|r| host.define_gauge(&metric(&r.name, "limited_keys"))).collect();
+        let metrics = Metrics { limited_keys, evictions: host.define_counter("ratewall_top_evictions") };
         let local = Local { slots: Vec::new(), rules: vec![LocalRule::default(); config.rules.len()], any: false };
         let admitted = RefCell::new(vec![ratewall_core::topk::Admitted::default(); config.rules.len()]);
         Top {
@@ -658,7 +644,7 @@ impl Top {
                         if self.synced && add.is_some() {
                             show_keys(host, config, &rule.name, &s);
                         }
-                        if let (Some(m), true) = (self.metrics.get(host).1, s.minute.evictions() > before) {
+                        if let (Some(m), true) = (self.metrics.evictions, s.minute.evictions() > before) {
                             host.increment(m, s.minute.evictions() - before);
                         }
                         if let Some(line) = line {
@@ -676,8 +662,7 @@ impl Top {
 
     /// Sets rule `rule`'s `limited_keys` gauge to 0.
     pub fn zero_gauge(&self, host: &dyn Host, rule: usize) {
-        // Not defined yet: nothing to set.
-        if let Some(Some(id)) = self.metrics.defined.get().and_then(|(gauges, _)| gauges.get(rule)) {
+        if let Some(Some(id)) = self.metrics.limited_keys.get(rule) {
             host.set_gauge(*id, 0);
         }
     }
@@ -685,7 +670,7 @@ impl Top {
     /// Distinct keys denied over the last minute: the running minute's plus the share of the
     /// last one still inside the minute (the sliding-window estimate).
     fn gauge(&self, host: &dyn Host, rule: usize, s: &Shared, now: Nanos) {
-        let Some(Some(id)) = self.metrics.get(host).0.get(rule) else { return };
+        let Some(Some(id)) = self.metrics.limited_keys.get(rule) else { return };
         let into = now.saturating_sub(s.minute_start).min(LOG_EVERY);
         let prev = s.previous.estimate() as u128 * u128::from(LOG_EVERY - into) / u128::from(LOG_EVERY);
         host.set_gauge(*id, s.current.estimate().saturating_add(prev as u64));

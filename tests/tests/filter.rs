@@ -209,23 +209,6 @@ fn a_pushed_config_takes_effect_without_a_restart() {
     assert_eq!(admitted(&mut vms[0], &user("a"), 10), 4);
 }
 
-/// A VM's configure defines none of the rules' metrics: ngx_wasm_module traps a definition its
-/// metrics zone has no room for (the zone outlives reloads, with every name ever defined), and
-/// a trap in `on_configure` stops the worker and NGINX with it. They are defined by the first
-/// request (a trap there fails that request only).
-#[test]
-fn the_rules_metrics_are_defined_by_the_first_request_not_at_configure() {
-    let (node, mut vms) = node(
-        Profile::Nginx { shm_kv: true },
-        &rules(json!([{"name": "u", "key": ["user"], "limit": {"requests": 2, "per": "60s"}}])),
-        1,
-    );
-    let names = |node: &Node| node.metrics().into_iter().map(|m| m.name).collect::<Vec<_>>();
-    assert!(!names(&node).iter().any(|n| n.starts_with("ratewall_rule_")), "{:?}", names(&node));
-    assert_eq!(admitted(&mut vms[0], &user("a"), 3), 2);
-    assert_eq!(node.metric("ratewall_rule_u_rejected"), 1);
-}
-
 /// A push that takes a rule out sets its gauges to 0: nothing would set them again, and an
 /// alert on one (`limited_keys`, `in_flight`) would fire for as long as the proxy runs.
 #[test]
