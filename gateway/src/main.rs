@@ -625,7 +625,10 @@ fn gone(stream: &TcpStream) -> bool {
     let mut byte = [0u8; 1];
     match stream.peek(&mut byte) {
         Ok(n) => n == 0,
-        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted),
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted
+        ),
     }
 }
 
@@ -849,8 +852,7 @@ fn read_request(stream: TcpStream) -> Head {
     if let Some(authority) = &authority {
         req.headers.push((":authority".into(), authority.as_bytes().to_vec()));
     }
-    // The body's length (None: a value that is not a number; the body is not whole).
-    let mut content_length = Some(0usize);
+    // The content-length given, and how many host fields.
     let (mut lengths, mut hosts) = (None::<Vec<u8>>, 0);
     let mut chunked = false;
     let mut expects = false;
@@ -876,50 +878,51 @@ fn read_request(stream: TcpStream) -> Head {
         let Some((name, value)) = h.iter().position(|&b| b == b':').map(|i| h.split_at(i)) else {
             return Head::Refused(stream, 400, "bad request: a header line without a colon\n");
         };
-        {
-            if name.last().is_some_and(u8::is_ascii_whitespace) {
-                return Head::Refused(stream, 400, "bad request: whitespace before a header field's colon\n");
-            }
-            // A name is a token; a value holds no CR, LF or NUL (RFC 9110 5.1, 5.5), which an
-            // origin could read as the end of a line.
-            if name.is_empty() || !name.iter().copied().all(is_token) {
-                return Head::Refused(stream, 400, "bad request: a header field name that is not a token\n");
-            }
-            if value.iter().any(|b| matches!(b, b'\r' | b'\n' | 0)) {
-                return Head::Refused(stream, 400, "bad request: a CR, LF or NUL in a header field's value\n");
-            }
-            let name = String::from_utf8_lossy(name).trim().to_ascii_lowercase();
-            let value = value.get(1..).unwrap_or_default().trim_ascii().to_vec();
-            if name == "content-length" {
-                // Two lengths that differ leave the body's end in doubt (RFC 9112 6.3).
-                if lengths.as_ref().is_some_and(|l| *l != value) {
-                    return Head::Refused(stream, 400, "bad request: content-length fields that differ\n");
-                }
-                // Digits only (a `+` or a list is not a length).
-                content_length = Some(&value)
-                    .filter(|v| !v.is_empty() && v.iter().all(u8::is_ascii_digit))
-                    .and_then(|v| String::from_utf8_lossy(v).parse().ok());
-                lengths = Some(value.clone());
-            }
-            hosts += usize::from(name == "host");
-            if hosts > 1 {
-                return Head::Refused(stream, 400, "bad request: more than one host field\n");
-            }
-            if name == "transfer-encoding" {
-                chunked = true;
-            }
-            if name == "expect" && value.eq_ignore_ascii_case(b"100-continue") {
-                expects = true;
-            }
-            if name == "host" {
-                if authority.is_none() {
-                    req.headers.push((":authority".into(), value));
-                }
-                continue;
-            }
-            req.headers.push((name, value));
+        if name.last().is_some_and(u8::is_ascii_whitespace) {
+            return Head::Refused(stream, 400, "bad request: whitespace before a header field's colon\n");
         }
+        // A name is a token; a value holds no CR, LF or NUL (RFC 9110 5.1, 5.5), which an
+        // origin could read as the end of a line.
+        if name.is_empty() || !name.iter().copied().all(is_token) {
+            return Head::Refused(stream, 400, "bad request: a header field name that is not a token\n");
+        }
+        if value.iter().any(|b| matches!(b, b'\r' | b'\n' | 0)) {
+            return Head::Refused(stream, 400, "bad request: a CR, LF or NUL in a header field's value\n");
+        }
+        let name = String::from_utf8_lossy(name).trim().to_ascii_lowercase();
+        let value = value.get(1..).unwrap_or_default().trim_ascii().to_vec();
+        if name == "content-length" {
+            // Two lengths that differ leave the body's end in doubt (RFC 9112 6.3).
+            if lengths.as_ref().is_some_and(|l| *l != value) {
+                return Head::Refused(stream, 400, "bad request: content-length fields that differ\n");
+            }
+            lengths = Some(value.clone());
+        }
+        hosts += usize::from(name == "host");
+        if hosts > 1 {
+            return Head::Refused(stream, 400, "bad request: more than one host field\n");
+        }
+        if name == "transfer-encoding" {
+            chunked = true;
+        }
+        if name == "expect" && value.eq_ignore_ascii_case(b"100-continue") {
+            expects = true;
+        }
+        if name == "host" {
+            if authority.is_none() {
+                req.headers.push((":authority".into(), value));
+            }
+            continue;
+        }
+        req.headers.push((name, value));
     }
+    // The body's length: digits only (a `+` or a list is not a length); none, no body.
+    let content_length = match &lengths {
+        None => Some(0),
+        Some(v) => Some(v)
+            .filter(|v| !v.is_empty() && v.iter().all(u8::is_ascii_digit))
+            .and_then(|v| String::from_utf8_lossy(v).parse().ok()),
+    };
     let Some(length) = content_length else {
         return Head::Refused(stream, 400, "bad request: its content-length is not a number\n");
     };

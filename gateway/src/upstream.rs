@@ -134,17 +134,7 @@ impl Read for Timed {
 /// Whether a client (its connection in blocking mode, being written to) has closed it: a
 /// peek that waits a millisecond finds its end.
 fn left(client: &TcpStream) -> bool {
-    let mut byte = [0u8; 1];
-    if client.set_read_timeout(Some(Duration::from_millis(1))).is_err() {
-        return false;
-    }
-    match client.peek(&mut byte) {
-        Ok(n) => n == 0,
-        Err(e) => !matches!(
-            e.kind(),
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted
-        ),
-    }
+    client.set_read_timeout(Some(Duration::from_millis(1))).is_ok() && crate::gone(client)
 }
 
 /// How the end of a body on the origin's connection is told (RFC 9112 6.3).
@@ -168,6 +158,11 @@ impl Upstreamed {
     }
 }
 
+/// An answer the gateway cannot pass on, and why.
+fn invalid(what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned())
+}
+
 /// An answer's status line and header section.
 struct Head {
     status: u16,
@@ -177,19 +172,18 @@ struct Head {
 
 /// The status line and header section of an answer, read off `reader`.
 fn read_head(reader: &mut BufReader<Timed>) -> std::io::Result<Head> {
-    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
     let mut budget = MAX_HEAD;
     let mut line = Vec::new();
     if !crate::read_line(reader, &mut line, &mut budget)? {
-        return Err(bad("the connection closed, or the status line is too long, before the status line's end"));
+        return Err(invalid("the connection closed, or the status line is too long, before the status line's end"));
     }
     let text = String::from_utf8_lossy(&line);
     let mut parts = text.trim_end().splitn(3, ' ');
     let version = parts.next().unwrap_or_default();
     let code = parts.next().filter(|c| c.len() == 3 && c.bytes().all(|b| b.is_ascii_digit()));
-    let status: u16 = code.and_then(|c| c.parse().ok()).ok_or_else(|| bad("no status line"))?;
+    let status: u16 = code.and_then(|c| c.parse().ok()).ok_or_else(|| invalid("no status line"))?;
     if !version.starts_with("HTTP/1.") || !(100..1000).contains(&status) {
-        return Err(bad("no HTTP/1.x status line"));
+        return Err(invalid("no HTTP/1.x status line"));
     }
     let phrase = parts.next().unwrap_or_default();
     let reason = (!phrase.is_empty() && phrase.bytes().all(|b| b == b' ' || b == b'\t' || b.is_ascii_graphic()))
@@ -198,7 +192,7 @@ fn read_head(reader: &mut BufReader<Timed>) -> std::io::Result<Head> {
     loop {
         let mut h = Vec::new();
         if !crate::read_line(reader, &mut h, &mut budget)? {
-            return Err(bad("the header section is cut short, or over 64 KiB"));
+            return Err(invalid("the header section is cut short, or over 64 KiB"));
         }
         let h = h.strip_suffix(b"\r\n").or_else(|| h.strip_suffix(b"\n")).unwrap_or(&h);
         if h.is_empty() {
@@ -225,7 +219,6 @@ fn read_head(reader: &mut BufReader<Timed>) -> std::io::Result<Head> {
 /// Sends `out` to `upstream` as `method` `path` and reads its answer's head (past any interim
 /// 1xx answer); the body is left on the connection, to be passed on as it comes.
 pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> std::io::Result<Upstreamed> {
-    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
     let until = Instant::now().checked_add(UPSTREAM_TIMEOUT);
     let mut stream = ratewall_host::http::connect_within(upstream, UPSTREAM_TIMEOUT)?;
     stream.set_write_timeout(Some(UPSTREAM_TIMEOUT))?;
@@ -247,7 +240,7 @@ pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> st
     let Head { status, reason, headers } = loop {
         let head = read_head(&mut reader)?;
         if head.status == 101 {
-            return Err(bad("the upstream switched protocols, which the gateway does not pass on"));
+            return Err(invalid("the upstream switched protocols, which the gateway does not pass on"));
         }
         if head.status >= 200 {
             break head;
@@ -259,24 +252,24 @@ pub fn fetch(upstream: &str, (method, path): (&str, &str), out: &Outbound) -> st
     let codings: Vec<&str> = values("transfer-encoding").flat_map(|v| v.split(',')).map(str::trim).collect();
     let chunked = !codings.is_empty();
     if chunked && !(codings.len() == 1 && codings.iter().all(|c| c.eq_ignore_ascii_case("chunked"))) {
-        return Err(bad("the upstream sent a transfer coding other than chunked"));
+        return Err(invalid("the upstream sent a transfer coding other than chunked"));
     }
+    let lengths: Vec<Option<u64>> =
+        values("content-length").flat_map(|v| v.split(',')).map(|v| v.trim().parse::<u64>().ok()).collect();
     let framing = if method.eq_ignore_ascii_case("HEAD") || status == 204 || status == 304 {
         Framing::None
     } else if chunked {
         Framing::Chunked
     } else {
-        let mut lengths = values("content-length").flat_map(|v| v.split(',')).map(|v| v.trim().parse::<u64>().ok());
-        match lengths.next() {
+        match lengths.split_first() {
             None => Framing::Close,
-            Some(None) => return Err(bad("a content-length that is not a number")),
-            Some(Some(first)) if lengths.all(|l| l == Some(first)) => Framing::Length(first),
-            Some(Some(_)) => return Err(bad("conflicting content-length fields")),
+            Some((None, _)) => return Err(invalid("a content-length that is not a number")),
+            Some((Some(first), rest)) if rest.iter().all(|l| *l == Some(*first)) => Framing::Length(*first),
+            Some(_) => return Err(invalid("conflicting content-length fields")),
         }
     };
     let named = connection_named(values("connection"));
-    let length =
-        values("content-length").next().and_then(|v| v.split(',').next()).and_then(|v| v.trim().parse::<u64>().ok());
+    let length = lengths.first().copied().flatten();
     let mut passed_on: Vec<(String, String)> = headers.iter().filter(|(k, _)| passed(k, &named)).cloned().collect();
     // A HEAD's or a 304's answer says the length of a body it has not (RFC 9110 8.6).
     if let (Some(l), Framing::None, false) = (length, framing, chunked) {
@@ -351,13 +344,12 @@ pub fn send_on(
 /// be trailers) — or, not `chunked`, its data alone; an error when it is malformed or cut
 /// short.
 fn copy_chunked(from: &mut BufReader<Timed>, to: &mut TcpStream, chunked: bool) -> std::io::Result<()> {
-    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
     let mut line = Vec::new();
     let next_line = |from: &mut BufReader<Timed>, line: &mut Vec<u8>| {
         line.clear();
         let mut budget = 4096;
         if !crate::read_line(from, line, &mut budget)? {
-            return Err(bad("a chunk's line is cut short, or too long"));
+            return Err(invalid("a chunk's line is cut short, or too long"));
         }
         let end = line.strip_suffix(b"\r\n").or_else(|| line.strip_suffix(b"\n")).map_or(0, <[u8]>::len);
         line.truncate(end);
@@ -370,10 +362,10 @@ fn copy_chunked(from: &mut BufReader<Timed>, to: &mut TcpStream, chunked: bool) 
         if digits == 0
             || !(rest.is_empty() || rest.starts_with(b";") || rest.starts_with(b" ") || rest.starts_with(b"\t"))
         {
-            return Err(bad("a chunk size that is not a number"));
+            return Err(invalid("a chunk size that is not a number"));
         }
         let hex = std::str::from_utf8(line.get(..digits).unwrap_or_default()).unwrap_or_default();
-        let size = u64::from_str_radix(hex, 16).map_err(|_| bad("a chunk size that is not a number"))?;
+        let size = u64::from_str_radix(hex, 16).map_err(|_| invalid("a chunk size that is not a number"))?;
         if size == 0 {
             break;
         }
@@ -385,7 +377,7 @@ fn copy_chunked(from: &mut BufReader<Timed>, to: &mut TcpStream, chunked: bool) 
         }
         next_line(from, &mut line)?;
         if !line.is_empty() {
-            return Err(bad("a chunk longer than its size"));
+            return Err(invalid("a chunk longer than its size"));
         }
         if chunked {
             to.write_all(b"\r\n")?;
@@ -401,7 +393,7 @@ fn copy_chunked(from: &mut BufReader<Timed>, to: &mut TcpStream, chunked: bool) 
             break;
         }
         // Trailers are a header section too: as much of them as of the head.
-        budget = budget.checked_sub(line.len()).ok_or_else(|| bad("a trailer section over 64 KiB"))?;
+        budget = budget.checked_sub(line.len()).ok_or_else(|| invalid("a trailer section over 64 KiB"))?;
         let Some((name, value)) = line.iter().position(|&b| b == b':').map(|i| line.split_at(i)) else { continue };
         let name = String::from_utf8_lossy(name).to_ascii_lowercase();
         let value = String::from_utf8_lossy(value.get(1..).unwrap_or_default().trim_ascii()).replace(['\r', '\0'], " ");
