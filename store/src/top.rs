@@ -20,7 +20,8 @@
 //! Memory is bounded whatever the traffic: at most [`MAX_RULES`] rules, each with a fixed
 //! number of buckets holding a summary of at most [`KEPT`] keys
 //! ([`ratewall_core::topk::windows`]), at most [`MAX_NODES`] nodes (and as many peers' views
-//! of nodes; the fleet is listed as at most [`MAX_NODES`], the ones heard of most lately), at most [`OUTBOX_SECONDS`] seconds of sections waiting to be shared, and one
+//! of nodes; the fleet is listed as at most [`MAX_NODES`], the ones heard of most lately), at
+//! most [`OUTBOX_SECONDS`] seconds of sections waiting to be shared, and one
 //! second of the process's own decisions (at most [`MAX_RULES`] rules of [`KEPT`] keys).
 
 use ratewall_core::encoding::{put_varint, Reader};
@@ -346,10 +347,9 @@ impl Top {
         inner.own_until(t, false);
         if inner.nodes.len() >= MAX_NODES && !inner.nodes.contains_key(&node) {
             inner.nodes.retain(|_, n| now.saturating_duration_since(n.seen.last_seen) < NODE_TTL);
-            if inner.nodes.len() >= MAX_NODES {
-                if let Some(oldest) = inner.nodes.iter().min_by_key(|(_, n)| n.seen.last_seen).map(|(k, _)| *k) {
-                    inner.nodes.remove(&oldest);
-                }
+            let by_age = inner.nodes.iter().map(|(id, n)| (n.seen.last_seen, *id));
+            for id in least_lately(by_age, (inner.nodes.len() + 1).saturating_sub(MAX_NODES)) {
+                inner.nodes.remove(&id);
             }
         }
         let n = inner.nodes.entry(node).or_insert(Node {
