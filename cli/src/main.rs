@@ -192,11 +192,11 @@ fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<Strin
     };
     members.sort_by_key(|(m, _)| m.start);
     // What leaves the members named out: them, and commas so that one parts each two left.
-    let without = |out: &[&str]| -> Vec<std::ops::Range<usize>> {
+    let without = |out: &[String]| -> Vec<std::ops::Range<usize>> {
         let mut gone = Vec::new();
         let mut last_kept: Option<usize> = None;
         for (j, (m, name)) in members.iter().enumerate() {
-            if out.contains(name) {
+            if out.iter().any(|o| o == name) {
                 gone.push(m.clone());
                 continue;
             }
@@ -238,7 +238,7 @@ fn problems(bytes: &[u8], first: ratewall_core::rules::ConfigError) -> Vec<Strin
             return lines;
         }
         out.push(member);
-        left_out = without(&out.iter().map(String::as_str).collect::<Vec<_>>());
+        left_out = without(&out);
     }
     // The first fault's rule is said already.
     let said = first.path.strip_prefix("rules[").and_then(|r| r.split(']').next()).and_then(|i| i.parse().ok());
