@@ -748,6 +748,18 @@ fn is_token(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
+/// A line [`read_line`] read, without its line ending (CRLF, or a bare LF).
+fn without_eol(line: &[u8]) -> &[u8] {
+    line.strip_suffix(b"\r\n").or_else(|| line.strip_suffix(b"\n")).unwrap_or(line)
+}
+
+/// A header line's name, as written, and its value, without the colon and the whitespace
+/// around it.
+fn field(line: &[u8]) -> Option<(&[u8], &[u8])> {
+    let colon = line.iter().position(|&b| b == b':')?;
+    Some((line.get(..colon)?, line.get(colon + 1..)?.trim_ascii()))
+}
+
 /// Reads up to and including the next `\n` into `line`, taking at most `budget` bytes (less
 /// what it takes): false when the budget ran out, or the stream ended, first.
 fn read_line(reader: &mut impl BufRead, line: &mut Vec<u8>, budget: &mut usize) -> std::io::Result<bool> {
@@ -869,13 +881,13 @@ fn read_request(stream: TcpStream) -> Head {
         if h == b"\r\n" || h == b"\n" {
             break;
         }
-        let h = h.strip_suffix(b"\r\n").or_else(|| h.strip_suffix(b"\n")).unwrap_or(&h);
+        let h = without_eol(&h);
         // What RFC 9112 has a server refuse: a line folded onto the one before (5.2), and
         // whitespace between a field's name and its colon (5.1).
         if h.first().is_some_and(u8::is_ascii_whitespace) {
             return Head::Refused(stream, 400, "bad request: a header line folded onto the one before\n");
         }
-        let Some((name, value)) = h.iter().position(|&b| b == b':').map(|i| h.split_at(i)) else {
+        let Some((name, value)) = field(h) else {
             return Head::Refused(stream, 400, "bad request: a header line without a colon\n");
         };
         if name.last().is_some_and(u8::is_ascii_whitespace) {
@@ -886,11 +898,11 @@ fn read_request(stream: TcpStream) -> Head {
         if name.is_empty() || !name.iter().copied().all(is_token) {
             return Head::Refused(stream, 400, "bad request: a header field name that is not a token\n");
         }
-        if value.iter().any(|b| matches!(b, b'\r' | b'\n' | 0)) {
+        if h.iter().any(|b| matches!(b, b'\r' | b'\n' | 0)) {
             return Head::Refused(stream, 400, "bad request: a CR, LF or NUL in a header field's value\n");
         }
         let name = String::from_utf8_lossy(name).trim().to_ascii_lowercase();
-        let value = value.get(1..).unwrap_or_default().trim_ascii().to_vec();
+        let value = value.to_vec();
         if name == "content-length" {
             // Two lengths that differ leave the body's end in doubt (RFC 9112 6.3).
             if lengths.as_ref().is_some_and(|l| *l != value) {

@@ -194,7 +194,7 @@ fn read_head(reader: &mut BufReader<Timed>) -> std::io::Result<Head> {
         if !crate::read_line(reader, &mut h, &mut budget)? {
             return Err(invalid("the header section is cut short, or over 64 KiB"));
         }
-        let h = h.strip_suffix(b"\r\n").or_else(|| h.strip_suffix(b"\n")).unwrap_or(&h);
+        let h = crate::without_eol(&h);
         if h.is_empty() {
             return Ok(Head { status, reason, headers });
         }
@@ -208,9 +208,9 @@ fn read_head(reader: &mut BufReader<Timed>) -> std::io::Result<Head> {
             }
             continue;
         }
-        if let Some((name, value)) = h.iter().position(|&b| b == b':').map(|i| h.split_at(i)) {
+        if let Some((name, value)) = crate::field(h) {
             let name = text(name).trim().to_ascii_lowercase();
-            let value = text(value.get(1..).unwrap_or_default().trim_ascii());
+            let value = text(value);
             headers.push((name, value));
         }
     }
@@ -351,7 +351,7 @@ fn copy_chunked(from: &mut BufReader<Timed>, to: &mut TcpStream, chunked: bool) 
         if !crate::read_line(from, line, &mut budget)? {
             return Err(invalid("a chunk's line is cut short, or too long"));
         }
-        let end = line.strip_suffix(b"\r\n").or_else(|| line.strip_suffix(b"\n")).map_or(0, <[u8]>::len);
+        let end = crate::without_eol(line).len();
         line.truncate(end);
         Ok(())
     };
@@ -394,9 +394,9 @@ fn copy_chunked(from: &mut BufReader<Timed>, to: &mut TcpStream, chunked: bool) 
         }
         // Trailers are a header section too: as much of them as of the head.
         budget = budget.checked_sub(line.len()).ok_or_else(|| invalid("a trailer section over 64 KiB"))?;
-        let Some((name, value)) = line.iter().position(|&b| b == b':').map(|i| line.split_at(i)) else { continue };
+        let Some((name, value)) = crate::field(&line) else { continue };
         let name = String::from_utf8_lossy(name).to_ascii_lowercase();
-        let value = String::from_utf8_lossy(value.get(1..).unwrap_or_default().trim_ascii()).replace(['\r', '\0'], " ");
+        let value = String::from_utf8_lossy(value).replace(['\r', '\0'], " ");
         let token = !name.is_empty() && name.bytes().all(crate::is_token);
         if token
             && passed(&name, &[])
